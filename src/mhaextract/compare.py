@@ -1,0 +1,80 @@
+"""Comparing two attention models up to the symmetries of the canonical form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mpmath
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from .highprec import mpf_array
+from .model import MultiHeadAttention
+
+
+@dataclass
+class Comparison:
+    """Errors of ``a`` against the reference ``b`` after canonicalising and aligning heads.
+
+    Attributes
+    ----------
+    heads_agree : bool, both canonical forms have the same number of heads.
+    heads_a, heads_b : canonical head counts.
+    permutation : (min(H_a, H_b),) head ``k`` of ``b`` is aligned with head ``permutation[k]`` of ``a``.
+    W_abs, v_abs : max absolute entry error over the aligned heads.
+    W_rel, v_rel : ``W_abs / max|W_b|`` and ``v_abs / max|v_b|`` (normwise relative errors).
+    max_rel : ``max(W_rel, v_rel)``; infinite when the head counts disagree.
+
+    Errors are ``mpmath.mpf`` when either model is high-precision, floats otherwise.
+    """
+
+    heads_agree: bool
+    heads_a: int
+    heads_b: int
+    permutation: np.ndarray
+    W_abs: float
+    v_abs: float
+    W_rel: float
+    v_rel: float
+
+    @property
+    def max_rel(self):
+        return max(self.W_rel, self.v_rel) if self.heads_agree else float("inf")
+
+
+def _magnitude(array: np.ndarray):
+    if array.dtype == object:
+        return np.vectorize(abs, otypes=[object])(array)
+    return np.abs(array)
+
+
+def _float(array: np.ndarray) -> np.ndarray:
+    return np.vectorize(float, otypes=[np.float64])(array) if array.dtype == object else array
+
+
+def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> Comparison:
+    """Canonicalise ``a`` and ``b`` (``rtol`` as in :meth:`MultiHeadAttention.canonical`), align their
+    heads with :func:`scipy.optimize.linear_sum_assignment` on the distance of (W_h, v_h), and report
+    max absolute and relative errors of ``a`` against the reference ``b``."""
+    if a.d != b.d:
+        raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")
+    a, b = a.canonical(rtol), b.canonical(rtol)
+    high = a.is_high_precision or b.is_high_precision
+    Wa, va, Wb, vb = a.W, a.v, b.W, b.v
+    if high:
+        Wa, va, Wb, vb = (mpf_array(x) for x in (Wa, va, Wb, vb))
+    fa = np.concatenate([_float(Wa).reshape(a.heads, -1), _float(va)], axis=1)
+    fb = np.concatenate([_float(Wb).reshape(b.heads, -1), _float(vb)], axis=1)
+    cost = np.linalg.norm(fb[:, None, :] - fa[None, :, :], axis=2) if a.heads and b.heads else np.zeros((b.heads, a.heads))
+    rows, cols = linear_sum_assignment(cost)
+    zero = mpmath.mpf(0) if high else 0.0
+    if len(rows):
+        W_abs = _magnitude(Wa[cols] - Wb[rows]).max()
+        v_abs = _magnitude(va[cols] - vb[rows]).max()
+    else:
+        W_abs = v_abs = zero
+    W_scale = _magnitude(Wb).max() if b.heads else zero
+    v_scale = _magnitude(vb).max() if b.heads else zero
+    W_rel = W_abs / W_scale if W_scale else W_abs
+    v_rel = v_abs / v_scale if v_scale else v_abs
+    return Comparison(a.heads == b.heads, a.heads, b.heads, cols, W_abs, v_abs, W_rel, v_rel)

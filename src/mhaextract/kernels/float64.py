@@ -1,0 +1,131 @@
+"""float64 kernels, batched over instances (numpy).
+
+Rational fit of ``F(k)`` sampled at ``k = 0..K-1`` (see :mod:`.rational` for the barycentric
+form): Loewner null vector by SVD, poles from the barycentric denominator as an eigenvalue
+problem, ``(c, rho)`` by least squares on the Cauchy matrix ``[1, 1/(k + tau_h)]``. No monomial
+Vandermonde matrix appears anywhere.
+
+Poles as eigenvalues. With support points ``s`` (r + 1 of them), weights ``w`` and ``e`` the
+all-ones vector, ``D(k) = sum_a w_a / (k - s_a) = 0`` exactly when ``u = (k - S)^{-1} w`` has
+``e^T u = 0``. With the oblique projector ``P = I - w e^T / (e^T w)`` this is ``P S u = k u``:
+the poles are the eigenvalues of ``P S`` restricted to ``e^perp`` (the one left over is the
+spurious 0 of ``e^T P = 0``). With ``Q`` an orthonormal basis of ``e^perp``, they are the r
+eigenvalues of ``Q^T (S - w s^T / e^T w) Q``, the same spectrum as the arrowhead pencil of AAA,
+computed as one batched standard eigenproblem.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.linalg import null_space
+
+from .rational import InstanceFits, sensitivities, support_split
+
+#: Relative singular value below which a Loewner direction counts as numerically zero.
+RANK_TOLERANCE = 1e-11
+
+
+def loewner(samples: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.ndarray) -> np.ndarray:
+    """Loewner matrices (n, |test|, |support|): ``(F(t_b) - F(s_a)) / (t_b - s_a)``."""
+    F_test = samples[:, test][:, :, None]
+    F_support = samples[:, support][:, None, :]
+    gaps = (ks[test][:, None] - ks[support][None, :]).astype(np.float64)
+    return (F_test - F_support) / gaps
+
+
+def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pole count of each instance from the singular values of its even/odd Loewner matrix.
+
+    Returns (ranks (n,), singular values relative to the largest (n, H0)).
+    """
+    n = samples.shape[0]
+    if max_poles == 0:
+        return np.zeros(n, dtype=int), np.zeros((n, 0))
+    support, test = support_split(samples.shape[1], max_poles)
+    sv = np.linalg.svd(loewner(samples, ks, support, test), compute_uv=False)
+    # Samples scale: a constant F (rank 0) has a zero Loewner matrix.
+    scale = np.abs(samples).max(axis=1)
+    reference = np.maximum(sv[:, :1], scale[:, None] * 1e-300)
+    relative = sv / reference
+    # A rank-0 instance: the whole Loewner matrix is at rounding level of the samples.
+    flat = sv[:, 0] <= RANK_TOLERANCE * scale
+    relative[flat] = 0.0
+    return (relative > RANK_TOLERANCE).sum(axis=1), relative
+
+
+def poles_from_weights(weights: np.ndarray, support_points: np.ndarray) -> np.ndarray:
+    """Zeros of ``D(k) = sum_a w_a / (k - s_a)`` for each row of ``weights`` (n, r + 1) -> (n, r)."""
+    n, size = weights.shape
+    if size == 1:
+        return np.zeros((n, 0), dtype=complex)
+    Q = null_space(np.ones((1, size)))  # (r + 1, r), orthonormal basis of e-perp
+    s = support_points.astype(np.float64)
+    QSQ = Q.T @ (s[:, None] * Q)
+    Qw = weights @ Q  # (n, r)
+    sQ = s @ Q  # (r,)
+    total = weights.sum(axis=1)
+    A = QSQ[None] - Qw[:, :, None] * sQ[None, None, :] / total[:, None, None]
+    return np.linalg.eigvals(A)
+
+
+def fit(samples: np.ndarray, ks: np.ndarray, poles: int) -> InstanceFits:
+    """Fit ``F(k) = c + sum_h rho_h / (k + tau_h)`` with ``poles`` terms to every row of ``samples``.
+
+    ``samples`` (n, K) holds F at ``ks`` (K,). Returns :class:`InstanceFits` with float64 arrays.
+    """
+    samples = np.asarray(samples, dtype=np.float64)
+    n, K = samples.shape
+    scale = np.maximum(np.abs(samples).max(axis=1), np.finfo(float).tiny)
+    if poles == 0:
+        c = samples.mean(axis=1)
+        residual = np.abs(samples - c[:, None]).max(axis=1) / scale
+        empty = np.zeros((n, 0))
+        return InstanceFits(c, empty, empty, np.full(n, np.inf), np.zeros(n), np.zeros(n, bool), residual,
+                            np.full(n, 1.0 / np.sqrt(K)), empty, empty, np.zeros(n, bool))
+    support, test = support_split(K, poles)
+    L = loewner(samples, ks, support, test)
+    # Normalise rows so that samples of very different size weigh alike in the SVD.
+    _, _, Vt = np.linalg.svd(L / scale[:, None, None])
+    weights = Vt[:, -1, :]  # null vector (n, r + 1)
+    p = poles_from_weights(weights, ks[support])
+    imaginary = (np.abs(p.imag) / np.maximum(np.abs(p), 1e-300)).max(axis=1)
+    tau = -p.real
+    nonpositive = (tau <= 0).any(axis=1)
+    tau = np.where(tau > 0, tau, np.nan)
+    # (c, rho) by least squares on the Cauchy matrix over all samples.
+    C = np.concatenate([np.ones((n, K, 1)), 1.0 / (ks[None, :, None] + tau[:, None, :])], axis=2)
+    bad = ~np.isfinite(C).all(axis=(1, 2))
+    C[bad] = np.nan_to_num(C[bad], nan=0.0, posinf=0.0, neginf=0.0)
+    U, s, Vt = np.linalg.svd(C, full_matrices=False)
+    coefficients = np.einsum("nji,nj,nj->ni", Vt, 1.0 / np.maximum(s, 1e-300), np.einsum("nkj,nk->nj", U, samples))
+    c, rho = coefficients[:, 0], coefficients[:, 1:]
+    residual = np.abs(np.einsum("nkj,nj->nk", C, coefficients) - samples).max(axis=1) / scale
+    residual[bad] = np.inf
+    m = np.log(tau)
+    labels = rho / tau
+    order = np.argsort(np.nan_to_num(m, nan=np.inf), axis=1)
+    m = np.take_along_axis(m, order, axis=1)
+    labels = np.take_along_axis(labels, order, axis=1)
+    gaps = np.diff(m, axis=1)
+    pole_gap = np.min(np.nan_to_num(gaps, nan=np.inf), axis=1) if poles > 1 else np.full(n, np.inf)
+    condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale)
+    return InstanceFits(c, m, labels, pole_gap, imaginary, nonpositive, residual, condition, sigma_m, sigma_l,
+                        np.zeros(n, bool))
+
+
+def solve_transposed(Z: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``Z^{-T} rhs`` for rhs (d,) or (d, m)."""
+    return np.linalg.solve(Z.T, rhs)
+
+
+def assemble(Z: np.ndarray, X: np.ndarray, M: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``W_h = Z^{-T} M_h X^{-1}`` and ``v_h = Z^{-T} l_h`` for M (H, d, d) and labels (H, d)."""
+    left = np.linalg.solve(Z.T[None], M)  # Z^{-T} M_h
+    W = np.linalg.solve(X.T[None], left.transpose(0, 2, 1)).transpose(0, 2, 1)  # (. ) X^{-1}
+    v = np.linalg.solve(Z.T, labels.T).T
+    return W, v
+
+
+def dot(vector: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """``vector^T p`` for each column p of ``points`` (d, m)."""
+    return vector @ points

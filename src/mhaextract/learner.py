@@ -1,0 +1,583 @@
+"""The learner: schedule, oracle boundary, kernels, matching and assembly tied together.
+
+``extract`` runs the exact-count schedule of ALGORITHM.md section 4 and returns an
+:class:`Extraction`: the canonical heads, the measured query counts, per-instance diagnostics
+and the checks the result passed or failed.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .highprec import GUARD_BITS, magnitude_float, mid_float, mpf_array, radius_float, working_precision
+from .kernels import arb as arb_kernel
+from .kernels import float64 as float64_kernel
+from .matching import Side, match_links
+from .model import MultiHeadAttention
+from .oracle import OracleBoundary
+from .schedule import PaperSchedule
+
+#: The float64 kernel with 2H + 1 samples loses about three digits per head (ALGORITHM.md 7).
+FLOAT64_MAX_RELIABLE_HEADS = 4
+
+
+class ExtractionError(RuntimeError):
+    """The extraction failed its own checks. ``.extraction`` holds the result and diagnostics."""
+
+    def __init__(self, message: str, extraction: "Extraction"):
+        super().__init__(message)
+        self.extraction = extraction
+
+
+class UnreliableExtractionWarning(UserWarning):
+    """An extraction returned with ``on_failure="warn"`` failed some of its checks."""
+
+
+@dataclass
+class Check:
+    """One self-check of a run: ``value`` compared against ``threshold`` (smaller is better)."""
+
+    name: str
+    passed: bool
+    value: float
+    threshold: float
+    message: str
+
+    def __str__(self) -> str:
+        status = "ok" if self.passed else "FAILED"
+        return f"{self.name}: {status} ({self.value:.3g} vs {self.threshold:.3g}) {self.message}"
+
+
+@dataclass
+class InstanceDiagnostics:
+    """Per-instance diagnostics, arrays indexed like ``schedule.instances``.
+
+    role, i, j : which instance; rank : pole count detected; singular_values : Loewner singular
+    values relative to the largest (n, H0); pole_gap, imaginary, nonpositive, residual, condition :
+    certified : see :class:`mhaextract.kernels.rational.InstanceFits`; ambiguity : matching margin of links
+    (NaN for grid instances); label_residual : link label mismatch relative to the largest label
+    (NaN for grid instances); label_deviation : distance of an instance's labels from the consensus
+    of its column in units of its first-order error (NaN for row links).
+    """
+
+    role: np.ndarray
+    i: np.ndarray
+    j: np.ndarray
+    rank: np.ndarray
+    singular_values: np.ndarray
+    pole_gap: np.ndarray
+    imaginary: np.ndarray
+    nonpositive: np.ndarray
+    residual: np.ndarray
+    condition: np.ndarray
+    certified: np.ndarray
+    ambiguity: np.ndarray
+    label_residual: np.ndarray
+    label_deviation: np.ndarray
+
+
+@dataclass
+class Extraction:
+    """Result of :func:`extract`.
+
+    Attributes
+    ----------
+    model : MultiHeadAttention or None
+        The canonical heads in float64 (order: ascending pole of the first instance); None only
+        when the kernels produced non-finite parameters (a failed check says so).
+    heads : int
+        Canonical head count H* found.
+    queries, max_query_length : int
+        Measured at the oracle boundary.
+    promised_queries, promised_max_length : int
+        The schedule's formula (``4 H0 d^2 - 2 H0 + 1``, ``2 H0 + 1``), for comparison.
+    precision : int or None
+        Bits of the high-precision path, None for float64.
+    W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
+    error_estimate : float
+        Max relative parameter error from the rounding of the answers: in high precision the
+        largest relative ball radius (a proven bound when ``certified``), in float64 a first-order
+        estimate.
+    certified : bool
+        High precision only: every instance's balls were proven (Krawczyk) to enclose its exact
+        parameters, given answers within one ulp; the assembled balls then enclose the truth.
+        Very ill-conditioned instances (nearly equal poles) may not certify at the oracle's
+        precision; their radii are then first-order estimates.
+    answers_residual : float
+        Max relative misfit of the extracted model on the queries asked.
+    instances : InstanceDiagnostics
+    checks : list of Check
+    seconds : float
+    """
+
+    model: MultiHeadAttention | None
+    heads: int
+    queries: int
+    max_query_length: int
+    promised_queries: int
+    promised_max_length: int
+    d: int
+    max_heads: int
+    precision: int | None
+    seed: object
+    schedule: str
+    error_estimate: float
+    answers_residual: float
+    instances: InstanceDiagnostics
+    checks: list[Check] = field(default_factory=list)
+    W_balls: np.ndarray | None = None
+    v_balls: np.ndarray | None = None
+    seconds: float = 0.0
+
+    @property
+    def certified(self) -> bool:
+        return self.precision is not None and bool(self.instances.certified.all())
+
+    @property
+    def ok(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [check for check in self.checks if not check.passed]
+
+    @property
+    def model_hp(self) -> MultiHeadAttention | None:
+        """The canonical heads as exact mpf midpoints of the balls (high precision only)."""
+        if self.W_balls is None:
+            return None
+        return MultiHeadAttention(mpf_array(self.W_balls), mpf_array(self.v_balls))
+
+    @property
+    def radius(self) -> tuple[float, float] | None:
+        """Largest ball radius of W and of v (high precision only)."""
+        if self.W_balls is None or self.heads == 0:
+            return None
+        return float(radius_float(self.W_balls).max()), float(radius_float(self.v_balls).max())
+
+    def summary(self) -> dict:
+        return {
+            "d": self.d, "max_heads": self.max_heads, "heads": self.heads, "queries": self.queries,
+            "promised_queries": self.promised_queries, "max_query_length": self.max_query_length,
+            "promised_max_length": self.promised_max_length, "precision": self.precision,
+            "schedule": self.schedule, "seed": self.seed, "error_estimate": self.error_estimate,
+            "answers_residual": self.answers_residual, "certified": self.certified, "ok": self.ok,
+            "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
+        }
+
+
+def _validate(d, heads, max_heads, precision, on_failure):
+    def positive_int(name, value, minimum=1):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        return int(value)
+
+    d = positive_int("d", d)
+    if (heads is None) == (max_heads is None):
+        raise ValueError("give exactly one of heads (H known) or max_heads (a bound H0 >= H*)")
+    H0 = positive_int("heads" if heads is not None else "max_heads", heads if heads is not None else max_heads)
+    if precision is not None:
+        precision = positive_int("precision", precision, minimum=64)
+    if on_failure not in ("raise", "warn"):
+        raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
+    return d, H0, precision
+
+
+def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, token_scale=None,
+            batch_size=1024, progress=None, on_failure="raise") -> Extraction:
+    """Learn the canonical heads of multi-head attention from value queries.
+
+    Parameters
+    ----------
+    oracle : callable ``oracle(batch) -> outputs`` (see :mod:`mhaextract.oracle`).
+    d : token dimension.
+    heads : the number of heads H, if known. Exactly one of ``heads`` and ``max_heads``.
+    max_heads : a bound H0 >= H*; the canonical count is detected on every instance.
+    precision : None for float64; bits for the high-precision (python-flint) path.
+    seed : seeds the random query vectors (same seed, same queries).
+    token_scale : norm of the query vectors (default ``d ** 0.25``, suited to W with entries of
+        size ``1/sqrt(d)``; choose it so that ``|z^T W_h x|`` is of order one).
+    batch_size : sequences per oracle call.
+    progress : show a progress bar (default: when stderr is a terminal).
+    on_failure : ``"raise"`` an :class:`ExtractionError` when a check fails (the result is on
+        the error), or ``"warn"`` and return it.
+
+    Uses exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, measured.
+    """
+    d, H0, precision = _validate(d, heads, max_heads, precision, on_failure)
+    heads_given = H0 if heads is not None else None
+    started = time.perf_counter()
+    schedule = PaperSchedule(d, H0, seed=seed, token_scale=token_scale)
+    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress)
+    sequences, owners, copies = schedule.queries()
+    answers = boundary.ask(sequences, description=f"querying (d={d}, H0={H0})")
+    if precision is None:
+        result = _learn(schedule, answers, owners, copies, float64_kernel, None)
+    else:
+        with working_precision(precision + GUARD_BITS):
+            result = _learn(schedule, answers, owners, copies, arb_kernel, precision)
+    model, W_balls, v_balls, diagnostics, bijective, error_estimate = result
+    if model is None:  # the kernels produced non-finite parameters
+        answers_residual = np.inf
+        heads = int(np.bincount(diagnostics.rank).argmax())
+    else:
+        hp_model = None if precision is None else MultiHeadAttention(mpf_array(W_balls), mpf_array(v_balls))
+        answers_residual = _answers_residual(hp_model or model, sequences, answers, precision)
+        heads = model.heads
+    checks = _checks(diagnostics, heads, precision, bijective, error_estimate, answers_residual,
+                     known_heads=heads_given)
+    if model is None:
+        checks.append(Check("finite", False, np.inf, 0.0, "the assembled parameters are not finite; no model"))
+    extraction = Extraction(
+        model=model, heads=heads, queries=boundary.queries, max_query_length=boundary.max_query_length,
+        promised_queries=schedule.promised_queries, promised_max_length=schedule.promised_max_length,
+        d=d, max_heads=H0, precision=precision, seed=seed, schedule=schedule.name,
+        error_estimate=error_estimate, answers_residual=answers_residual, instances=diagnostics,
+        checks=checks, W_balls=W_balls, v_balls=v_balls, seconds=time.perf_counter() - started,
+    )
+    if not extraction.ok:
+        message = "extraction failed its checks:\n  " + "\n  ".join(str(c) for c in extraction.failed_checks)
+        if H0 is not None and any(c.name in ("matching", "poles_real_positive", "labels_consistent", "answers_residual")
+                                  for c in extraction.failed_checks):
+            message += (f"\nIf the oracle is multi-head attention, heads/max_heads = {H0} may be smaller than its "
+                        "canonical head count, or the precision too low for it.")
+        if on_failure == "raise":
+            raise ExtractionError(message, extraction)
+        warnings.warn(message, UnreliableExtractionWarning, stacklevel=2)
+    return extraction
+
+
+def _learn(schedule: PaperSchedule, answers, owners, copies, kernel, precision):
+    d, H0 = schedule.d, schedule.max_poles
+    ks = schedule.ks
+    n = len(schedule.instances)
+    is_hp = precision is not None
+    samples = np.empty((n, len(ks)), dtype=object if is_hp else np.float64)
+    samples[owners, copies] = answers
+    grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
+    # --- anchors (section 3): F(0) of row 0 is the one-token answer vbar^T x_0.
+    anchor = samples[grid[0, 0], 0]
+    row0 = grid[0]
+    samples[row0[1:], 0] = anchor
+    ranks = np.zeros(n, dtype=int)
+    singular_values = np.zeros((n, H0))
+    ranks[row0], singular_values[row0] = kernel.detect_ranks(samples[row0], ks, H0)
+    counts = np.bincount(ranks[row0], minlength=H0 + 1)
+    H_star = int(counts.argmax())
+    fits_row0 = kernel.fit(samples[row0], ks, H_star)
+    # vbar^T z_j = vbar^T x_0 - c_j, then vbar = Z^{-T} (vbar^T z_j).
+    vbar = kernel.solve_transposed(schedule.Z, anchor - fits_row0.c)
+    vbar_x = kernel.dot(vbar, schedule.X)  # vbar^T x_i
+    rest = np.setdiff1d(np.arange(n), row0)
+    for j in range(1, d):
+        samples[row_links[j], 0] = anchor
+    for i in range(1, d):
+        samples[grid[i], 0] = vbar_x[i]
+        samples[column_links[i], 0] = anchor + vbar_x[i]
+    ranks[rest], singular_values[rest] = kernel.detect_ranks(samples[rest], ks, H0)
+    fits_rest = kernel.fit(samples[rest], ks, H_star)
+    fits = _concatenate(fits_row0, fits_rest, row0, rest, n, H_star, is_hp)
+
+    # --- matching (section 4): order[inst, h] = which fitted pole of inst is head h, with the
+    # heads in the order of instance (0, 0).
+    order = np.tile(np.arange(H_star), (n, 1))
+    ambiguity = np.full(n, np.nan)
+    label_residual = np.full(n, np.nan)
+    label_scale = max(float(magnitude_float(fits.labels).max()) if fits.labels.size else 0.0, 1e-300)
+    bijective = True
+
+    def ordered(values, index):
+        return np.take_along_axis(values[index], order[index], axis=1)
+
+    def side(index, reorder=True):
+        take = (lambda values: ordered(values, index)) if reorder else (lambda values: values[index])
+        return Side(take(fits.log_poles), take(fits.labels), take(fits.sigma_m), take(fits.sigma_l))
+
+    def link(a_index, b_index, link_index, labels_add):
+        nonlocal bijective
+        matches = match_links(side(a_index), side(b_index, False), side(link_index, False), labels_add)
+        order[b_index] = matches.permutation
+        order[link_index] = matches.link_heads
+        l_a, l_b, l_link = (ordered(fits.labels, index) for index in (a_index, b_index, link_index))
+        mismatch = magnitude_float(l_link - (l_a + l_b if labels_add else l_b))
+        if not labels_add:  # column links: the labels of a and b agree too
+            mismatch = np.maximum(mismatch, magnitude_float(l_a - l_b))
+        ambiguity[link_index] = matches.ambiguity
+        label_residual[link_index] = mismatch.max(axis=1, initial=0.0) / label_scale
+        bijective = bijective and bool(matches.bijective.all())
+
+    if d > 1:
+        link(np.full(d - 1, grid[0, 0]), grid[0, 1:], row_links[1:], labels_add=True)
+        link(np.repeat(grid[0][None, :], d - 1, axis=0).ravel(), grid[1:].ravel(), column_links[1:].ravel(),
+             labels_add=False)
+
+    # --- assembly (section 5): M_h[j, i] = m of grid (i, j), l_h[j] from column j.
+    m_ordered, l_ordered = ordered(fits.log_poles, np.arange(n)), ordered(fits.labels, np.arange(n))
+    labels_grid = l_ordered[grid].transpose(2, 0, 1)  # (H, i, j)
+    if is_hp:
+        # Balls: every redundant measurement is itself an enclosure; keep the tightest.
+        M, mean_labels = _tightest_balls(schedule, m_ordered, l_ordered)
+    else:
+        # float64: every redundant measurement (links too), weighted by its first-order variance.
+        sigma_m, sigma_l = ordered(fits.sigma_m, np.arange(n)), ordered(fits.sigma_l, np.arange(n))
+        M, M_std = _combine_poles(schedule, m_ordered, sigma_m)
+        mean_labels, label_std = _combine_labels(schedule, l_ordered, sigma_l)
+    W, v = kernel.assemble(schedule.Z, schedule.X, M, mean_labels)
+    # Each grid and column-link instance against the consensus labels of its column, in units of
+    # its own error: ball radii in high precision, eps times the label sensitivity in float64.
+    label_deviation = np.full(n, np.nan)
+    eps = 2.0 ** -(precision if is_hp else 52)
+    for index, instance in enumerate(schedule.instances):
+        if instance.role == "row_link":
+            continue
+        if not H_star:
+            label_deviation[index] = 0.0
+            continue
+        miss = magnitude_float(l_ordered[index] - mean_labels[:, instance.j])
+        if is_hp:
+            expected = radius_float(l_ordered[index]) + radius_float(mean_labels[:, instance.j])
+        else:
+            expected = eps * ordered(fits.sigma_l, np.array([index]))[0]
+        label_deviation[index] = float(np.nanmax(miss / (expected + eps * label_scale), initial=0.0))
+
+    diagnostics = InstanceDiagnostics(
+        role=np.array([inst.role for inst in schedule.instances]),
+        i=np.array([inst.i for inst in schedule.instances]), j=np.array([inst.j for inst in schedule.instances]),
+        rank=ranks, singular_values=singular_values, pole_gap=fits.pole_gap, imaginary=fits.imaginary,
+        nonpositive=fits.nonpositive, residual=fits.residual, condition=fits.condition,
+        certified=fits.certified, ambiguity=ambiguity, label_residual=label_residual,
+        label_deviation=label_deviation,
+    )
+    # --- error estimate. High precision: the balls' radii, a certified bound given answers within
+    # one ulp. float64: first order, the worst instance's amplification through the assembly.
+    W_mid, v_mid = mid_float(W), mid_float(v)
+    W_scale = max(np.abs(W_mid).max(), 1e-300) if H_star else 1.0
+    v_scale = max(np.abs(v_mid).max(), 1e-300) if H_star else 1.0
+    if is_hp:
+        error_estimate = max(radius_float(W).max() / W_scale, radius_float(v).max() / v_scale) if H_star else 0.0
+    else:
+        # delta W_h = Z^{-T} delta M_h X^{-1}: bounded by the spectral norms times ||delta M_h||_F.
+        Z_inv = np.linalg.norm(np.linalg.inv(schedule.Z), 2)
+        X_inv = np.linalg.norm(np.linalg.inv(schedule.X), 2)
+        eps = np.finfo(np.float64).eps
+        W_error = eps * Z_inv * X_inv * np.linalg.norm(M_std.reshape(H_star, -1), axis=1).max(initial=0.0)
+        v_error = eps * Z_inv * np.linalg.norm(label_std, axis=1).max(initial=0.0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            error_estimate = float(np.nan_to_num(max(W_error / W_scale, v_error / v_scale), nan=np.inf))
+
+    if not (np.isfinite(W_mid).all() and np.isfinite(v_mid).all()):
+        return None, None, None, diagnostics, bijective, np.inf
+    if is_hp:
+        model = MultiHeadAttention(W_mid, v_mid)
+        return model, W, v, diagnostics, bijective, error_estimate
+    return MultiHeadAttention(W, v), None, None, diagnostics, bijective, error_estimate
+
+
+def _tightest_balls(schedule: PaperSchedule, m: np.ndarray, labels: np.ndarray):
+    """High precision: for each ``M_h[j, i]`` and ``l_h[j]`` the tightest of its enclosures.
+
+    ``M[j, 0]`` (j >= 1) is grid (0, j) or row link j minus ``M[0, 0]``; ``M[j, i]`` (i >= 1) is
+    grid (i, j) or column link (i, j) minus ``M[j, 0]``; ``l[j]`` is any grid or column link
+    instance of column j. Each candidate encloses the truth when its instance is certified, so
+    the choice keeps the certificate and discards ill-conditioned instances.
+    """
+    d = schedule.d
+    H = m.shape[1]
+    grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
+
+    def tightest(*candidates):
+        return min(candidates, key=lambda ball: float(ball.rad()))
+
+    M = np.empty((H, d, d), dtype=object)
+    l = np.empty((H, d), dtype=object)
+    for h in range(H):
+        M[h, 0, 0] = m[grid[0, 0], h]
+        for j in range(1, d):
+            M[h, j, 0] = tightest(m[grid[0, j], h], m[row_links[j], h] - M[h, 0, 0])
+        for j in range(d):
+            for i in range(1, d):
+                M[h, j, i] = tightest(m[grid[i, j], h], m[column_links[i, j], h] - M[h, j, 0])
+            l[h, j] = tightest(*labels[grid[:, j], h], *labels[column_links[1:, j], h])
+    return M, l
+
+
+def _weights(sigma: np.ndarray) -> np.ndarray:
+    """Inverse variances; a non-finite sensitivity (failed fit) gets weight 0."""
+    sigma = np.where(np.isfinite(sigma), sigma, np.inf)
+    floor = np.nanmin(sigma[np.isfinite(sigma)], initial=1.0) * 1e-6 + 1e-300
+    return 1.0 / np.maximum(sigma, floor) ** 2
+
+
+def _combine_poles(schedule: PaperSchedule, m: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    """Weighted least squares for every ``M_h[j, i]`` from all instances (float64).
+
+    Grid ``(i, j)`` measures ``M[j, i]``; row link j measures ``M[0, 0] + M[j, 0]``; column link
+    ``(i, j)`` measures ``M[j, 0] + M[j, i]``. The links make every entry but ``M[0, 0]`` measured
+    twice, so a badly conditioned instance (a close pair of poles) is outvoted by its twin.
+    The normal equations are sparse (the links form a tree) and solved per head. Returns
+    M (H, d, d) and its first-order standard deviations per unit relative sample error.
+    """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.linalg import MatrixRankWarning, spsolve
+
+    d = schedule.d
+    n, H = m.shape
+    rows, cols = [], []
+    for index, instance in enumerate(schedule.instances):
+        i, j = instance.i, instance.j
+        if instance.role == "grid":
+            unknowns = [j * d + i]
+        elif instance.role == "row_link":
+            unknowns = [0, j * d]
+        else:
+            unknowns = [j * d, j * d + i]
+        rows += [index] * len(unknowns)
+        cols += unknowns
+    A = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(n, d * d))
+    weights = _weights(sigma)
+    M = np.empty((H, d, d))
+    for h in range(H):
+        values = np.where(weights[:, h] > 0, m[:, h], 0.0)
+        Aw = A.multiply(weights[:, h][:, None]).tocsr()
+        normal = (A.T @ Aw).tocsc()
+        M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, d)
+    # Posterior standard deviations, to first order along the tree: M[0,0] from its grid
+    # instance; M[j,0] and M[j,i] each from a direct and a linked measurement.
+    variance = 1.0 / np.maximum(weights, 1e-300)
+    grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
+
+    def combine(direct, linked):
+        return 1.0 / (1.0 / direct + 1.0 / linked)
+
+    std = np.empty((H, d, d))
+    v00 = variance[grid[0, 0]]
+    std[:, 0, 0] = v00
+    for j in range(1, d):
+        std[:, j, 0] = combine(variance[grid[0, j]], variance[row_links[j]] + v00)
+    for i in range(1, d):
+        for j in range(d):
+            std[:, j, i] = combine(variance[grid[i, j]], variance[column_links[i, j]] + std[:, j, 0])
+    return M, np.sqrt(std)
+
+
+def _combine_labels(schedule: PaperSchedule, labels: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    """Weighted mean of ``l_h[j] = v_h^T z_j`` over grid column j and its column links (float64),
+    and its standard deviation per unit relative sample error."""
+    d = schedule.d
+    H = labels.shape[1]
+    total = np.zeros((H, d))
+    weight = np.zeros((H, d))
+    weights = _weights(sigma)
+    for index, instance in enumerate(schedule.instances):
+        if instance.role in ("grid", "column_link"):
+            total[:, instance.j] += weights[index] * np.where(weights[index] > 0, labels[index], 0.0)
+            weight[:, instance.j] += weights[index]
+    weight = np.maximum(weight, 1e-300)
+    return total / weight, 1.0 / np.sqrt(weight)
+
+
+def _concatenate(first, second, first_index, second_index, n, r, is_hp):
+    """Merge two InstanceFits computed on disjoint index sets into one indexed 0..n-1."""
+    from .kernels.rational import InstanceFits
+
+    out = {}
+    for name in InstanceFits.__dataclass_fields__:
+        a, b = getattr(first, name), getattr(second, name)
+        merged = np.empty((n,) + a.shape[1:], dtype=a.dtype if a.dtype == b.dtype else object)
+        merged[first_index] = a
+        merged[second_index] = b
+        out[name] = merged
+    return InstanceFits(**out)
+
+
+@dataclass(frozen=True)
+class CheckPolicy:
+    """Thresholds of the self-checks.
+
+    High precision: every instance must pass; quantities must sit below ``2^(-precision/4)``,
+    far above the rounding of a correct run and far below any O(1) failure.
+    float64: an instance with two nearly equal poles is ill-conditioned by nature and the
+    redundant measurements outvote it, so a small fraction of outlying instances is allowed;
+    the global checks (error estimate, misfit of all answers) carry the verdict.
+    """
+
+    per_instance: float  # tolerance of relative per-instance quantities (imaginary parts)
+    outlier_fraction: float  # fraction of instances allowed to fail a per-instance check
+    ambiguity: float  # a link with a larger ambiguity counts as unmatched
+    label_slack: float  # label deviation allowed, in units of its error (ball radius or first order)
+    error_estimate: float
+    answers_residual: float
+
+    @classmethod
+    def for_precision(cls, precision: int | None) -> "CheckPolicy":
+        if precision is None:
+            return cls(1e-6, 0.05, 0.5, 1e3, 1e-4, 1e-6)
+        tolerance = 2.0 ** (-precision / 4)
+        # Labels: balls of one column must overlap (slack 1), up to a little outward rounding.
+        return cls(tolerance, 0.0, 0.1, 4.0, tolerance, tolerance)
+
+
+def _checks(diag: InstanceDiagnostics, H_star, precision, bijective, error_estimate, answers_residual,
+            known_heads=None):
+    policy = CheckPolicy.for_precision(precision)
+    n = len(diag.rank)
+    checks = []
+
+    def fraction_check(name, flags, message):
+        count = int(np.sum(flags))
+        fraction = count / max(len(flags), 1)
+        checks.append(Check(name, fraction <= policy.outlier_fraction, fraction, policy.outlier_fraction,
+                            f"{count} of {len(flags)} {message}"))
+
+    fraction_check("pole_count", diag.rank != H_star, f"instances detected a pole count other than H* = {H_star}")
+    if (diag.rank > H_star).any():
+        checks[-1].passed = False
+        checks[-1].message += "; some detected more, so H* is not the canonical count"
+    fraction_check("poles_real_positive", diag.nonpositive | (diag.imaginary > policy.per_instance),
+                   "instances have a complex or non-positive tau")
+    links = ~np.isnan(diag.ambiguity)
+    fraction_check("matching", diag.ambiguity[links] > policy.ambiguity,
+                   f"links matched their heads ambiguously (ambiguity > {policy.ambiguity})")
+    if not bijective:
+        checks[-1].passed = False
+        checks[-1].message += "; a link pole was matched to two heads"
+    labelled = ~np.isnan(diag.label_deviation)
+    fraction_check("labels_consistent", diag.label_deviation[labelled] > policy.label_slack,
+                   f"instances have residue labels off the consensus by more than {policy.label_slack:.3g} "
+                   "times their first-order error")
+    checks.append(Check(
+        "error_estimate", error_estimate <= policy.error_estimate, error_estimate, policy.error_estimate,
+        "max relative parameter error expected from the rounding of the answers",
+    ))
+    checks.append(Check(
+        "answers_residual", answers_residual <= policy.answers_residual, answers_residual, policy.answers_residual,
+        "max misfit of the extracted model on the queries asked, relative to the largest answer",
+    ))
+    if precision is None:
+        # With H given, the conditioning is that of H heads even if fewer were detected.
+        heads = max(H_star, known_heads or 0)
+        checks.append(Check(
+            "float64_head_limit", heads <= FLOAT64_MAX_RELIABLE_HEADS, heads, FLOAT64_MAX_RELIABLE_HEADS,
+            "float64 rational interpolation with 2H+1 samples loses ~3 digits per head; for H >= 5 use "
+            "precision=BITS (or a saturating schedule)",
+        ))
+    return checks
+
+
+def _answers_residual(model: MultiHeadAttention, sequences, answers, precision) -> float:
+    """Max |model - answer| / max |answer| on the queries asked (at most 256 of them in high precision)."""
+    if precision is None:
+        predicted = model(sequences)
+        scale = max(np.abs(answers).max(), 1e-300)
+        return float(np.abs(predicted - answers).max() / scale)
+    picks = np.unique(np.linspace(0, len(sequences) - 1, min(256, len(sequences))).astype(int))
+    predicted = model([sequences[p] for p in picks], precision=precision + 16)
+    chosen = mid_float(np.array([answers[p] for p in picks], dtype=object))
+    from .highprec import to_arb
+    difference = np.array([to_arb(pred) - answers[p] for pred, p in zip(predicted, picks)], dtype=object)
+    scale = max(np.abs(chosen).max(), 1e-300)
+    return float(magnitude_float(difference).max() / scale)

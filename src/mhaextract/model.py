@@ -1,0 +1,223 @@
+"""The target: multi-head softmax attention read out at the final token (ALGORITHM.md section 1).
+
+For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, v_h)``::
+
+    s_{h,i} = x_i^T W_h x_N                        score of token i (key on the left)
+    a_{h,i} = exp(s_{h,i}) / sum_j exp(s_{h,j})    softmax over all N tokens, x_N included
+    f(X)    = sum_h sum_i a_{h,i} v_h^T x_i        the one scalar an oracle returns
+
+Canonical form: heads with equal ``W_h`` act as one head with the sum of their ``v_h``; a merged
+head whose summed value vector is zero contributes nothing. Only canonical heads are identifiable,
+and only up to permutation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mpmath
+import numpy as np
+from flint import arb, arb_mat
+
+from .highprec import arb_to_mpf, mpf_array, to_arb, working_precision
+
+
+def as_batch(batch, d: int | None = None) -> list[np.ndarray]:
+    """Validate a batch of sequences: a list of 2-D arrays (N_i, d) or one 3-D array (B, N, d)."""
+    if isinstance(batch, np.ndarray) and batch.ndim == 3:
+        sequences = list(batch)
+    elif isinstance(batch, np.ndarray) and batch.ndim == 2 and batch.dtype != object:
+        raise ValueError(
+            "a batch is a list of sequences of shape (N, d) (or one array (B, N, d)); "
+            f"got one 2-D array of shape {batch.shape}: wrap a single sequence in a list"
+        )
+    else:
+        sequences = list(batch)
+    out = []
+    for index, sequence in enumerate(sequences):
+        array = np.asarray(sequence)
+        if array.ndim != 2 or array.shape[0] < 1:
+            raise ValueError(f"sequence {index} must have shape (N, d) with N >= 1, got {array.shape}")
+        if d is not None and array.shape[1] != d:
+            raise ValueError(f"sequence {index} has tokens of dimension {array.shape[1]}, expected d = {d}")
+        out.append(array)
+    return out
+
+
+class MultiHeadAttention:
+    """Multi-head softmax attention with a scalar read-out at the final token.
+
+    Parameters
+    ----------
+    W : array of shape (H, d, d)
+        Bilinear score matrices; ``s_{h,i} = x_i^T W_h x_N``.
+    v : array of shape (H, d)
+        Value read-out vectors.
+
+    Both are float64 arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
+
+    Attributes
+    ----------
+    W, v : the parameters, as given (float64 or object arrays).
+    d : int, the token dimension.
+    heads : int, the number of heads H (not necessarily canonical).
+    """
+
+    def __init__(self, W, v):
+        W = np.asarray(W)
+        v = np.asarray(v)
+        if W.ndim != 3 or W.shape[1] != W.shape[2]:
+            raise ValueError(f"W must have shape (H, d, d), got {W.shape}")
+        if v.shape != W.shape[:2]:
+            raise ValueError(f"v must have shape (H, d) = {W.shape[:2]}, got {v.shape}")
+        if W.dtype == object or v.dtype == object:
+            W, v = mpf_array(W), mpf_array(v)  # exact: mpf entries are kept, floats converted
+            finite = all(mpmath.isfinite(value) for value in list(W.ravel()) + list(v.ravel()))
+        else:
+            W = W.astype(np.float64)
+            v = v.astype(np.float64)
+            finite = bool(np.isfinite(W).all() and np.isfinite(v).all())
+        if not finite:
+            raise ValueError("W and v must be finite")
+        self.W = W
+        self.v = v
+
+    @property
+    def d(self) -> int:
+        return self.W.shape[1]
+
+    @property
+    def heads(self) -> int:
+        return self.W.shape[0]
+
+    @property
+    def is_high_precision(self) -> bool:
+        return self.W.dtype == object
+
+    def __repr__(self) -> str:
+        kind = "mpf" if self.is_high_precision else "float64"
+        return f"MultiHeadAttention(d={self.d}, heads={self.heads}, {kind})"
+
+    @classmethod
+    def random(cls, d: int, heads: int, seed=None) -> "MultiHeadAttention":
+        """A random target: ``W_h`` with i.i.d. N(0, 1/d) entries and ``v_h`` with N(0, 1) entries.
+
+        The 1/d variance keeps ``z^T W_h x`` of order one for tokens of norm ``d**0.25``, the
+        default token scale of :func:`mhaextract.extract`.
+        """
+        if int(d) < 1 or int(heads) < 1:
+            raise ValueError(f"d and heads must be positive, got d={d}, heads={heads}")
+        rng = np.random.default_rng(seed)
+        W = rng.standard_normal((heads, d, d)) / np.sqrt(d)
+        v = rng.standard_normal((heads, d))
+        return cls(W, v)
+
+    def to_float64(self) -> "MultiHeadAttention":
+        if not self.is_high_precision:
+            return self
+        to_float = np.vectorize(float, otypes=[np.float64])
+        return MultiHeadAttention(to_float(self.W), to_float(self.v))
+
+    # ------------------------------------------------------------------ evaluation
+    def __call__(self, batch, precision: int | None = None):
+        """Outputs f(X) for a batch of sequences.
+
+        In float64 (``precision=None``) returns a float64 array of shape (B,). With
+        ``precision=bits`` the sequences may hold ``mpmath.mpf`` (or floats) and the outputs are
+        a list of ``mpf`` computed with ball arithmetic at ``bits`` (+ guard) bits.
+        """
+        sequences = as_batch(batch, self.d)
+        if precision is None:
+            return self._evaluate_float64(sequences)
+        return self._evaluate_arb(sequences, int(precision))
+
+    def _evaluate_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
+        W = self.to_float64().W
+        v = self.to_float64().v
+        out = np.empty(len(sequences), dtype=np.float64)
+        lengths = np.array([len(s) for s in sequences])
+        for length in np.unique(lengths):
+            index = np.flatnonzero(lengths == length)
+            X = np.stack([np.asarray(sequences[i], dtype=np.float64) for i in index])  # (B, N, d)
+            queries = np.einsum("hde,be->bhd", W, X[:, -1, :])  # W_h x_N, (B, H, d)
+            scores = np.einsum("bnd,bhd->bhn", X, queries)  # (B, H, N)
+            scores -= scores.max(axis=2, keepdims=True)
+            weights = np.exp(scores)
+            weights /= weights.sum(axis=2, keepdims=True)
+            values = np.einsum("bnd,hd->bhn", X, v)  # v_h^T x_i, (B, H, N)
+            out[index] = np.einsum("bhn,bhn->b", weights, values)
+        return out
+
+    def _evaluate_arb(self, sequences: Sequence[np.ndarray], precision: int) -> list:
+        H, d = self.heads, self.d
+        with working_precision(precision + 32):
+            # [W_1 | ... | W_H] (d x Hd) so that X Wcat holds x_i^T W_h in block h.
+            W_cat = arb_mat(d, H * d)
+            V = arb_mat(d, H)
+            for h in range(H):
+                for a in range(d):
+                    V[a, h] = to_arb(self.v[h, a])
+                    for b in range(d):
+                        W_cat[a, h * d + b] = to_arb(self.W[h, a, b])
+            outputs = []
+            for sequence in sequences:
+                N = sequence.shape[0]
+                X = arb_mat(N, d)
+                for i in range(N):
+                    for a in range(d):
+                        X[i, a] = to_arb(sequence[i, a])
+                final = arb_mat(H * d, H)  # block-diagonal copies of x_N
+                for h in range(H):
+                    for b in range(d):
+                        final[h * d + b, h] = X[N - 1, b]
+                scores = (X * W_cat) * final  # (N, H)
+                values = X * V  # (N, H)
+                total = arb(0)
+                for h in range(H):
+                    top = max(float(scores[i, h].mid()) for i in range(N))
+                    numerator, denominator = arb(0), arb(0)
+                    for i in range(N):
+                        weight = (scores[i, h] - top).exp()
+                        numerator += weight * values[i, h]
+                        denominator += weight
+                    total += numerator / denominator
+                with mpmath.workprec(precision):
+                    outputs.append(+arb_to_mpf(total))  # unary + rounds to `precision` bits
+            return outputs
+
+    # ------------------------------------------------------------------ canonical form
+    def canonical(self, rtol: float = 0.0) -> "MultiHeadAttention":
+        """The canonical form: equal W's merged (v's summed), zero merged v's dropped.
+
+        ``rtol`` is the tolerance, relative to the largest entry of W (resp. v), under which two
+        W's count as equal (resp. a summed v as zero). The default 0 merges exact equality only.
+        """
+        W, v = self.W, self.v
+        W_mag = np.vectorize(lambda value: abs(float(value)), otypes=[np.float64])
+        W_abs = W_mag(W) if W.dtype == object else np.abs(W)
+        v_abs = W_mag(v) if v.dtype == object else np.abs(v)
+        W_scale = float(W_abs.max()) if W.size else 0.0
+        v_scale = float(v_abs.max()) if v.size else 0.0
+        groups: list[list[int]] = []
+        for h in range(self.heads):
+            for group in groups:
+                difference = W[h] - W[group[0]]
+                size = W_mag(difference).max() if W.dtype == object else np.abs(difference).max()
+                if size <= rtol * W_scale:
+                    group.append(h)
+                    break
+            else:
+                groups.append([h])
+        W_out, v_out = [], []
+        for group in groups:
+            # mpf sums are exact here (enough bits for any sum of a few doubles); float64 rounds.
+            with mpmath.workprec(2200):
+                summed = v[group].sum(axis=0)
+            size = W_mag(summed).max() if v.dtype == object else np.abs(summed).max()
+            if size > rtol * v_scale:
+                W_out.append(W[group[0]])
+                v_out.append(summed)
+        dtype = object if self.is_high_precision else np.float64
+        if not W_out:
+            return MultiHeadAttention(np.zeros((0, self.d, self.d), dtype=dtype), np.zeros((0, self.d), dtype=dtype))
+        return MultiHeadAttention(np.array(W_out, dtype=dtype), np.array(v_out, dtype=dtype))

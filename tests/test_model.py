@@ -1,0 +1,81 @@
+"""The target model, its canonical form and compare()."""
+
+import mpmath
+import numpy as np
+import pytest
+
+import mhaextract as mx
+
+
+def softmax_reference(W, v, X):
+    """f(X) written out term by term, as in ALGORITHM.md section 1."""
+    total = 0.0
+    for h in range(W.shape[0]):
+        scores = np.array([X[i] @ W[h] @ X[-1] for i in range(len(X))])
+        weights = np.exp(scores - scores.max())
+        weights /= weights.sum()
+        total += sum(weights[i] * (v[h] @ X[i]) for i in range(len(X)))
+    return total
+
+
+def test_float64_outputs_match_the_definition():
+    model = mx.MultiHeadAttention.random(5, 3, seed=0)
+    rng = np.random.default_rng(1)
+    batch = [rng.standard_normal((n, 5)) for n in (1, 2, 7, 7, 3)]
+    expected = [softmax_reference(model.W, model.v, X) for X in batch]
+    np.testing.assert_allclose(model(batch), expected, rtol=1e-13, atol=1e-13)
+
+
+def test_high_precision_outputs_agree_with_float64_and_are_mpf():
+    model = mx.MultiHeadAttention.random(4, 2, seed=3)
+    rng = np.random.default_rng(4)
+    batch = [rng.standard_normal((n, 4)) for n in (1, 5)]
+    outputs = model(batch, precision=200)
+    assert all(isinstance(value, mpmath.mpf) for value in outputs)
+    np.testing.assert_allclose([float(value) for value in outputs], model(batch), rtol=1e-13)
+    # The high-precision answer is accurate far beyond float64: compare 200 and 400 bits.
+    finer = model(batch, precision=400)
+    with mpmath.workprec(400):
+        assert max(abs(a - b) for a, b in zip(outputs, finer)) < mpmath.mpf(2) ** -190
+
+
+def test_shapes_are_validated():
+    with pytest.raises(ValueError, match="W must have shape"):
+        mx.MultiHeadAttention(np.zeros((2, 3, 4)), np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="v must have shape"):
+        mx.MultiHeadAttention(np.zeros((2, 3, 3)), np.zeros((3, 3)))
+    with pytest.raises(ValueError, match="finite"):
+        mx.MultiHeadAttention(np.full((1, 2, 2), np.nan), np.zeros((1, 2)))
+    model = mx.MultiHeadAttention.random(3, 1, seed=0)
+    with pytest.raises(ValueError, match="dimension"):
+        model([np.zeros((2, 4))])
+    with pytest.raises(ValueError, match="list of sequences"):
+        model(np.zeros((2, 3)))
+
+
+def test_canonical_merges_equal_w_and_drops_zero_sums():
+    rng = np.random.default_rng(0)
+    W1, W2 = rng.standard_normal((2, 3, 3))
+    v1, v2 = rng.standard_normal((2, 3))
+    model = mx.MultiHeadAttention(np.array([W1, W1, W2, W2, W1]), np.array([v1, v2, v2, -v2, np.zeros(3)]))
+    canonical = model.canonical()
+    assert canonical.heads == 1
+    np.testing.assert_array_equal(canonical.W[0], W1)
+    np.testing.assert_allclose(canonical.v[0], v1 + v2)
+    # The canonical form computes the same function.
+    batch = [rng.standard_normal((n, 3)) for n in (1, 4, 6)]
+    np.testing.assert_allclose(canonical(batch), model(batch), rtol=1e-12)
+
+
+def test_compare_aligns_permutations_and_reports_errors():
+    model = mx.MultiHeadAttention.random(4, 3, seed=2)
+    order = [2, 0, 1]
+    shuffled = mx.MultiHeadAttention(model.W[order] + 1e-9, model.v[order])
+    result = mx.compare(shuffled, model)
+    assert result.heads_agree
+    assert result.W_abs == pytest.approx(1e-9, rel=1e-3)
+    assert result.v_abs == 0
+    assert result.max_rel == pytest.approx(1e-9 / np.abs(model.W).max(), rel=1e-3)
+    fewer = mx.MultiHeadAttention(model.W[:2], model.v[:2])
+    assert not mx.compare(fewer, model).heads_agree
+    assert mx.compare(fewer, model).max_rel == np.inf

@@ -1,0 +1,115 @@
+"""The oracle boundary: counting, validation, user callables, clear errors."""
+
+import mpmath
+import numpy as np
+import pytest
+
+import mhaextract as mx
+
+
+def test_a_plain_function_is_an_oracle_in_float64():
+    target = mx.MultiHeadAttention.random(3, 2, seed=0)
+    seen = []
+
+    def oracle(batch):
+        seen.extend(batch)
+        assert all(isinstance(X, np.ndarray) and X.dtype == np.float64 for X in batch)
+        return [float(value) for value in target(batch)]
+
+    result = mx.extract(oracle, 3, heads=2, seed=1)
+    assert result.queries == len(seen) == 4 * 2 * 9 - 4 + 1
+    assert mx.compare(result.model, target).max_rel < 1e-8
+
+
+def test_a_plain_function_is_an_oracle_in_high_precision_with_decimal_strings():
+    target = mx.MultiHeadAttention.random(2, 2, seed=5)
+
+    def oracle(batch):
+        assert all(X.dtype == object and isinstance(X[0, 0], mpmath.mpf) for X in batch)
+        return [mpmath.nstr(value, 90) for value in target(batch, precision=300)]
+
+    result = mx.extract(oracle, 2, heads=2, precision=256, seed=1)
+    assert float(mx.compare(result.model_hp, target).max_rel) < 1e-40
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_answers_name_the_query(bad):
+    target = mx.MultiHeadAttention.random(2, 1, seed=0)
+    calls = {"n": 0}
+
+    def oracle(batch):
+        out = list(target(batch))
+        out[3] = bad
+        return out
+
+    with pytest.raises(mx.OracleError, match="query 3") as info:
+        mx.extract(oracle, 2, heads=1, seed=0)
+    assert info.value.query == 3
+    assert info.value.sequence is not None
+
+
+def test_missing_answers_are_refused():
+    def oracle(batch):
+        return [0.0] * (len(batch) - 1)
+
+    with pytest.raises(mx.OracleError, match="missing"):
+        mx.extract(oracle, 2, heads=1)
+
+
+def test_float_answers_are_refused_in_high_precision():
+    target = mx.MultiHeadAttention.random(2, 1, seed=0)
+
+    def oracle(batch):
+        return [float(value) for value in target(batch, precision=128)]
+
+    with pytest.raises(mx.OracleError, match="53 bits"):
+        mx.extract(oracle, 2, heads=1, precision=128)
+
+
+def test_an_exception_inside_the_oracle_propagates_with_the_query():
+    class Broken(RuntimeError):
+        pass
+
+    def oracle(batch):
+        raise Broken("remote oracle down")
+
+    with pytest.raises(Broken, match="remote oracle down") as info:
+        mx.extract(oracle, 2, heads=1, batch_size=1)
+    assert any("query 0" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(d=0, heads=1), "d must be"),
+        (dict(d=2.5, heads=1), "d must be"),
+        (dict(d=True, heads=1), "d must be"),
+        (dict(d=2), "exactly one"),
+        (dict(d=2, heads=1, max_heads=2), "exactly one"),
+        (dict(d=2, heads=0), "heads must be"),
+        (dict(d=2, max_heads=-1), "max_heads must be"),
+        (dict(d=2, heads=1, precision=16), "precision must be"),
+        (dict(d=2, heads=1, on_failure="ignore"), "on_failure"),
+        (dict(d=2, heads=1, token_scale=-1.0), "token_scale"),
+    ],
+)
+def test_invalid_parameters_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mx.extract(lambda batch: [0.0] * len(batch), **kwargs)
+
+
+def test_the_oracle_sees_exactly_the_counted_queries_and_the_same_seed_gives_the_same_queries():
+    target = mx.MultiHeadAttention.random(3, 2, seed=0)
+    transcripts = []
+    for _ in range(2):
+        asked = []
+
+        def oracle(batch):
+            asked.extend(np.array(X) for X in batch)
+            return target(batch)
+
+        result = mx.extract(oracle, 3, heads=2, seed=7, batch_size=13)
+        transcripts.append(asked)
+        assert result.queries == len(asked)
+        assert result.max_query_length == max(len(X) for X in asked)
+    assert all(np.array_equal(a, b) for a, b in zip(*transcripts))
