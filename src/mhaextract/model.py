@@ -119,26 +119,31 @@ class MultiHeadAttention:
         return MultiHeadAttention(to_float(self.W), to_float(self.v))
 
     # ------------------------------------------------------------------ evaluation
-    def __call__(self, batch, precision: int | None = None):
+    def __call__(self, batch, precision: int | None = None, dtype=np.float64):
         """Outputs f(X) for a batch of sequences.
 
         In float64 (``precision=None``) returns a float64 array of shape (B,). With
         ``precision=bits`` the sequences may hold ``mpmath.mpf`` (or floats) and the outputs are
         a list of ``mpf`` computed with ball arithmetic at ``bits`` (+ guard) bits.
+        ``dtype=np.float32`` evaluates in float32 throughout (tokens, parameters and arithmetic
+        rounded to float32; a lower-precision target, see :class:`mhaextract.noise.Float32Oracle`).
         """
         sequences = as_batch(batch, self.d)
         if precision is None:
-            return self._evaluate_float64(sequences)
+            dtype = np.dtype(dtype)
+            if dtype not in (np.float64, np.float32):
+                raise ValueError(f"dtype must be float64 or float32, got {dtype}")
+            return self._evaluate_float(sequences, dtype)
         return self._evaluate_arb(sequences, int(precision))
 
-    def _evaluate_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
-        W = self.to_float64().W
-        v = self.to_float64().v
-        out = np.empty(len(sequences), dtype=np.float64)
+    def _evaluate_float(self, sequences: Sequence[np.ndarray], dtype=np.float64) -> np.ndarray:
+        W = self.to_float64().W.astype(dtype)
+        v = self.to_float64().v.astype(dtype)
+        out = np.empty(len(sequences), dtype=dtype)
         lengths = np.array([len(s) for s in sequences])
         for length in np.unique(lengths):
             index = np.flatnonzero(lengths == length)
-            X = np.stack([np.asarray(sequences[i], dtype=np.float64) for i in index])  # (B, N, d)
+            X = np.stack([np.asarray(sequences[i], dtype=dtype) for i in index])  # (B, N, d)
             queries = np.einsum("hde,be->bhd", W, X[:, -1, :])  # W_h x_N, (B, H, d)
             scores = np.einsum("bnd,bhd->bhn", X, queries)  # (B, H, N)
             scores -= scores.max(axis=2, keepdims=True)
