@@ -7,10 +7,13 @@ mathematics and the query schedule are in docs/algorithm.md.
 from .compare import Comparison, compare
 from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention
+from .noise import AdditiveNoise, Float32Oracle, GaussianNoise, RoundedAnswers
 from .oracle import BudgetExceeded, OracleError, SimulatedOracle
+from .verify import Verification, verify
 
 __all__ = [
-    "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "MultiHeadAttention",
-    "OracleError", "SimulatedOracle", "UnreliableExtractionWarning", "compare", "extract",
+    "AdditiveNoise", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "Float32Oracle",
+    "GaussianNoise", "MultiHeadAttention", "OracleError", "RoundedAnswers", "SimulatedOracle",
+    "UnreliableExtractionWarning", "Verification", "compare", "extract", "verify",
 ]
 __version__ = "0.1.0"

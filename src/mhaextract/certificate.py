@@ -144,10 +144,17 @@ class Certificate:
         eps = _validate_eps(eps)
         if not eps < self.valid_below:
             return float("inf")
-        return (1.0 + SECOND_ORDER_SLACK) * self.amplification * (eps + self.rounding_floor)
+        return self.first_order(eps)
+
+    def first_order(self, eps: float) -> float:
+        """``2 C (eps + rounding_floor)`` whether or not eps is below ``valid_below``: an estimate
+        (the learner's ``error_estimate`` when the noise is estimated), not a certified bound."""
+        return (1.0 + SECOND_ORDER_SLACK) * self.amplification * (_validate_eps(eps) + self.rounding_floor)
 
 
 def _validate_eps(eps) -> float:
+    if isinstance(eps, (str, bytes)):
+        raise TypeError(f"eps must be a number (a bound on the answers' absolute error), got {eps!r}")
     try:
         value = float(eps)
     except (TypeError, ValueError):

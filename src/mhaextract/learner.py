@@ -25,6 +25,10 @@ from .schedule import PaperSchedule
 
 #: The float64 kernel with 2H + 1 samples loses about three digits per head (ALGORITHM.md 7).
 FLOAT64_MAX_RELIABLE_HEADS = 4
+#: Estimated answer noise below this fraction of the largest answer (1e3 units of float64 rounding)
+#: is float64 rounding: the existing checks judge it, the validity check is only added above it
+#: (or when the caller declares answer_error).
+ROUNDING_REGIME = 1e3 * 2.0**-53
 
 
 class ExtractionError(RuntimeError):
@@ -281,7 +285,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     refine : polish all parameters by nonlinear least squares against every answer (float64,
         :mod:`mhaextract.refine`); keeps the algebraic result if that misfits less.
     refine_queries : fresh random queries (lengths 2..K) asked for the refinement, on top of the
-        schedule; default ``max(32, H0 (d^2 + d) // 2)``. They condition W far better than the
+        schedule; default ``max(32, H0 (d^2 + d))``, one per parameter. They condition W far better than the
         schedule's two-token queries and are counted like every other query.
     answer_error : a bound on every answer's absolute error, if known (float64). It sets the
         rank threshold, the error estimate (``error_bound(answer_error)``) and the validity check.
@@ -311,7 +315,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if pipeline is not None:
             certificate = pipeline_certificate(pipeline)
         if refine:
-            count = max(32, H0 * (d * d + d) // 2) if refine_queries is None else int(refine_queries)
+            count = max(32, H0 * (d * d + d)) if refine_queries is None else int(refine_queries)
             extra = random_queries(_refine_rng(seed), count, d, schedule.token_scale, (2, schedule.samples_per_instance))
             if extra:
                 answers = np.concatenate([answers, boundary.ask(extra, description="querying for refinement")])
@@ -335,12 +339,16 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             diagnostics.label_deviation = diagnostics.label_deviation * (unit / relative_noise)
     if certificate is not None and (refine or answer_error is not None):
         # The error estimate becomes the certificate's bound at the declared (or estimated) noise.
-        noise = answer_error if answer_error is not None else 3.0 * certificate.noise_estimate
-        error_estimate = certificate.error_bound(noise)
+        if answer_error is not None:  # declared: the certified bound (inf above valid_below)
+            noise = answer_error
+            error_estimate = certificate.error_bound(noise)
+        else:  # estimated from the data: a first-order estimate, like the core's
+            noise = 3.0 * certificate.noise_estimate
+            error_estimate = certificate.first_order(noise)
     scale = float(np.abs(mid_float(answers)).max(initial=0.0)) or 1.0
     checks = _checks(diagnostics, heads, precision, bijective, error_estimate, answers_residual,
                      known_heads=heads_given, residual_floor=0.0 if noise is None else max(10 * noise / scale, error_estimate))
-    if certificate is not None:
+    if certificate is not None and (answer_error is not None or 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale):
         checks.append(_validity_check(certificate, answer_error))
     if model is None:
         checks.append(Check("finite", False, np.inf, 0.0, "the assembled parameters are not finite; no model"))

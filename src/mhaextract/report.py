@@ -24,10 +24,16 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     mode = "float64" if e.precision is None else f"{e.precision} bits"
     table.add_row("d", str(e.d), "")
     table.add_row("H (bound H0)", str(e.max_heads), f"schedule '{e.schedule}', {mode}")
-    table.add_row("queries (measured)", str(e.queries),
-                  f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
-                  + ("" if e.queries == e.promised_queries else "  MISMATCH"))
-    table.add_row("longest query", str(e.max_query_length), f"formula 2*H0 + 1 = {e.promised_max_length}")
+    exact = e.samples_per_instance in (None, 2 * e.max_heads + 1)
+    refined = e.refinement is not None
+    formula = (f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}" if exact
+               else f"oversampled K = {e.samples_per_instance}: K + (K-1)(2d^2-2) = {e.promised_queries}")
+    if refined:
+        formula += f" + {e.queries - e.promised_queries} refinement queries"
+    mismatch = e.queries != e.promised_queries and not refined
+    table.add_row("queries (measured)", str(e.queries), formula + ("  MISMATCH" if mismatch else ""))
+    table.add_row("longest query", str(e.max_query_length),
+                  f"formula {'2*H0 + 1' if exact else 'K'} = {e.promised_max_length}")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"
@@ -36,6 +42,20 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     kind = "certified ball radius" if e.certified else ("ball radius (first order)" if e.precision else "first order")
     table.add_row("error estimate", _fmt(e.error_estimate), kind)
     table.add_row("answers residual", _fmt(e.answers_residual), "misfit on the queries asked")
+    if e.certificate is not None:
+        table.add_row("amplification C", _fmt(e.amplification), f"first order, {e.certificate.kind} result")
+        table.add_row("valid below", _fmt(e.valid_below), "answer error under which the certificate holds")
+        table.add_row("noise estimate", _fmt(e.certificate.noise_estimate), "std. dev. of the answers' errors, from the data")
+        if e.answer_error is not None:
+            table.add_row("error bound", _fmt(e.error_bound(e.answer_error)), f"at answer_error = {e.answer_error:.3g}")
+    if e.refinement is not None:
+        table.add_row("refinement", e.refinement.kept, f"rms misfit {e.refinement.residual_before:.2e} -> "
+                      f"{e.refinement.residual_after:.2e}")
+    if e.verification is not None:
+        v = e.verification
+        table.add_row("verification", "passed" if v.passed else "FAILED",
+                      f"{v.queries} fresh queries: max rel. output error {v.max_relative_error:.2e}, mean "
+                      f"{v.mean_relative_error:.2e}")
     failed = e.failed_checks
     table.add_row("checks", "ok" if not failed else "FAILED",
                   ", ".join(check.name for check in failed) if failed else f"{len(e.checks)} passed")
