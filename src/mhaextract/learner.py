@@ -20,6 +20,7 @@ from .matching import Side, match_links
 from .model import MultiHeadAttention
 from .oracle import OracleBoundary
 from .schedule import PaperSchedule
+from .transcript import Transcript, run_fingerprint
 
 #: The float64 kernel with 2H + 1 samples loses about three digits per head (ALGORITHM.md 7).
 FLOAT64_MAX_RELIABLE_HEADS = 4
@@ -91,8 +92,15 @@ class Extraction:
         when the kernels produced non-finite parameters (a failed check says so).
     heads : int
         Canonical head count H* found.
-    queries, max_query_length : int
-        Measured at the oracle boundary.
+    queries : int
+        Answers the extraction used, each answered by the oracle exactly once: the queries asked
+        in this run (``queries_asked``, measured at the oracle boundary) plus those read back from
+        the transcript (``queries_replayed``), which an earlier run's boundary recorded as the
+        oracle answered them. Equals ``promised_queries`` for a complete run.
+    queries_asked, queries_replayed : int
+        Asked of the oracle in this run; read back from the transcript (0 without one).
+    max_query_length : int
+        Longest query whose answer was used (measured at the boundary, or read back).
     promised_queries, promised_max_length : int
         The schedule's formula (``4 H0 d^2 - 2 H0 + 1``, ``2 H0 + 1``), for comparison.
     precision : int or None
@@ -132,6 +140,9 @@ class Extraction:
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
     seconds: float = 0.0
+    queries_asked: int = 0
+    queries_replayed: int = 0
+    transcript: str | None = None
 
     @property
     def certified(self) -> bool:
@@ -162,6 +173,8 @@ class Extraction:
     def summary(self) -> dict:
         return {
             "d": self.d, "max_heads": self.max_heads, "heads": self.heads, "queries": self.queries,
+            "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
+            "transcript": self.transcript,
             "promised_queries": self.promised_queries, "max_query_length": self.max_query_length,
             "promised_max_length": self.promised_max_length, "precision": self.precision,
             "schedule": self.schedule, "seed": self.seed, "error_estimate": self.error_estimate,
@@ -170,7 +183,7 @@ class Extraction:
         }
 
 
-def _validate(d, heads, max_heads, precision, on_failure):
+def _validate(d, heads, max_heads, precision, on_failure, transcript=None, seed=None, max_queries=None):
     def positive_int(name, value, minimum=1):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -184,11 +197,16 @@ def _validate(d, heads, max_heads, precision, on_failure):
         precision = positive_int("precision", precision, minimum=64)
     if on_failure not in ("raise", "warn"):
         raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
+    if max_queries is not None:
+        positive_int("max_queries", max_queries, minimum=0)
+    if transcript is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"transcript= needs an integer seed >= 0 (the resumed run must ask the same queries), "
+                         f"got seed={seed!r}")
     return d, H0, precision
 
 
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, token_scale=None,
-            batch_size=1024, progress=None, on_failure="raise") -> Extraction:
+            batch_size=1024, progress=None, on_failure="raise", transcript=None, max_queries=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -205,16 +223,30 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     progress : show a progress bar (default: when stderr is a terminal).
     on_failure : ``"raise"`` an :class:`ExtractionError` when a check fails (the result is on
         the error), or ``"warn"`` and return it.
+    transcript : path of a SQLite transcript (:mod:`mhaextract.transcript`), or None. Every batch
+        of answers is committed to it as it arrives; re-running with the same transcript and
+        seed reads them back and asks only the missing queries. Needs an integer ``seed``.
+        A transcript of another run (or a corrupt file) raises ``TranscriptError``, untouched.
+    max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
+        raises :class:`~mhaextract.oracle.BudgetExceeded` saying how many (after spending the
+        budget and saving the answers, when there is a transcript).
 
     Uses exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, measured.
     """
-    d, H0, precision = _validate(d, heads, max_heads, precision, on_failure)
+    d, H0, precision = _validate(d, heads, max_heads, precision, on_failure, transcript, seed, max_queries)
     heads_given = H0 if heads is not None else None
     started = time.perf_counter()
     schedule = PaperSchedule(d, H0, seed=seed, token_scale=token_scale)
-    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress)
     sequences, owners, copies = schedule.queries()
-    answers = boundary.ask(sequences, description=f"querying (d={d}, H0={H0})")
+    record = None if transcript is None else Transcript(
+        transcript, run_fingerprint(schedule, int(seed), precision, sequences))
+    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
+                              max_queries=max_queries, transcript=record)
+    try:
+        answers = boundary.ask(sequences, description=f"querying (d={d}, H0={H0})")
+    finally:
+        if record is not None:
+            record.close()
     if precision is None:
         result = _learn(schedule, answers, owners, copies, float64_kernel, None)
     else:
@@ -233,7 +265,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if model is None:
         checks.append(Check("finite", False, np.inf, 0.0, "the assembled parameters are not finite; no model"))
     extraction = Extraction(
-        model=model, heads=heads, queries=boundary.queries, max_query_length=boundary.max_query_length,
+        model=model, heads=heads, queries=boundary.queries + boundary.replayed,
+        queries_asked=boundary.queries, queries_replayed=boundary.replayed,
+        transcript=None if record is None else record.path, max_query_length=boundary.max_query_length,
         promised_queries=schedule.promised_queries, promised_max_length=schedule.promised_max_length,
         d=d, max_heads=H0, precision=precision, seed=seed, schedule=schedule.name,
         error_estimate=error_estimate, answers_residual=answers_residual, instances=diagnostics,
