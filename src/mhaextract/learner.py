@@ -278,7 +278,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if H0 is not None and any(c.name in ("matching", "poles_real_positive", "labels_consistent", "answers_residual")
                                   for c in extraction.failed_checks):
             message += (f"\nIf the oracle is multi-head attention, heads/max_heads = {H0} may be smaller than its "
-                        "canonical head count, or the precision too low for it.")
+                        "canonical head count, the precision too low for it, or token_scale unsuited to its W "
+                        "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale).")
         if on_failure == "raise":
             raise ExtractionError(message, extraction)
         warnings.warn(message, UnreliableExtractionWarning, stacklevel=2)
