@@ -27,6 +27,9 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     table.add_row("queries (measured)", str(e.queries),
                   f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
                   + ("" if e.queries == e.promised_queries else "  MISMATCH"))
+    if e.transcript is not None:
+        table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
+                      f"this run / read back from {e.transcript}")
     table.add_row("longest query", str(e.max_query_length), f"formula 2*H0 + 1 = {e.promised_max_length}")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
