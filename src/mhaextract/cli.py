@@ -27,6 +27,7 @@ def demo(
     heads: int = typer.Option(3, "--heads", help="number of heads of the random target"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
+    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1) or 'lean'"),
 ) -> None:
     """Extract a random target through a simulated oracle and print what it took."""
     console = Console()
@@ -36,7 +37,8 @@ def demo(
     oracle = SimulatedOracle(target, precision=precision)
     with warnings.catch_warnings():  # failed checks are printed below, in full
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, progress=True, on_failure="warn")
+        result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, schedule=schedule,
+                         progress=True, on_failure="warn")
     reference = result.model_hp if result.model_hp is not None else result.model
     comparison = compare(reference, target) if reference is not None else None
     console.print(extraction_table(result, comparison, title=f"mhaextract demo (seed {seed})"))
