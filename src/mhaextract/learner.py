@@ -388,7 +388,6 @@ def _learn(schedule: PaperSchedule, answers, owners, copies, kernel, precision, 
 
     # --- assembly (section 5): M_h[j, i] = m of grid (i, j), l_h[j] from column j.
     m_ordered, l_ordered = ordered(fits.log_poles, np.arange(n)), ordered(fits.labels, np.arange(n))
-    labels_grid = l_ordered[grid].transpose(2, 0, 1)  # (H, i, j)
     if is_hp:
         # Balls: every redundant measurement is itself an enclosure; keep the tightest.
         M, mean_labels = _tightest_balls(schedule, m_ordered, l_ordered)
@@ -518,7 +517,9 @@ def _combine_poles(schedule: PaperSchedule, m: np.ndarray, sigma: np.ndarray) ->
         values = np.where(weights[:, h] > 0, m[:, h], 0.0)
         Aw = A.multiply(weights[:, h][:, None]).tocsr()
         normal = (A.T @ Aw).tocsc()
-        M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, d)
+        with warnings.catch_warnings():  # an unknown with no usable measurement -> NaN, reported
+            warnings.simplefilter("ignore", MatrixRankWarning)
+            M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, d)
     # Posterior standard deviations, to first order along the tree: M[0,0] from its grid
     # instance; M[j,0] and M[j,i] each from a direct and a linked measurement.
     variance = 1.0 / np.maximum(weights, 1e-300)
@@ -609,7 +610,6 @@ class CheckPolicy:
 def _checks(diag: InstanceDiagnostics, H_star, precision, bijective, error_estimate, answers_residual,
             known_heads=None):
     policy = CheckPolicy.for_precision(precision)
-    n = len(diag.rank)
     checks = []
 
     def fraction_check(name, flags, message):
