@@ -84,6 +84,15 @@ def test_extract_from_a_file_path_with_a_transcript_resumes(user_module):
     assert mx.compare(load_model(folder / "result.json"), truth).max_rel < 1e-8
 
 
+def test_extract_with_the_lean_schedule(user_module):
+    name, truth, folder = user_module
+    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+                                 "--schedule", "lean", "--out", "lean.json"])
+    assert result.exit_code == 0, result.output
+    assert "lean formula" in result.output
+    assert mx.compare(load_model(folder / "lean.json"), truth).max_rel < 1e-8
+
+
 def test_a_foreign_transcript_is_refused_on_the_command_line(user_module):
     name, truth, folder = user_module
     base = ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2", "--transcript", "run.sqlite"]

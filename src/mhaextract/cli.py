@@ -33,6 +33,7 @@ def demo(
     heads: int = typer.Option(3, "--heads", help="number of heads of the random target"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
+    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1) or 'lean'"),
 ) -> None:
     """Extract a random target through a simulated oracle and print what it took."""
     console = Console()
@@ -42,7 +43,8 @@ def demo(
     oracle = SimulatedOracle(target, precision=precision)
     with warnings.catch_warnings():  # failed checks are printed below, in full
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, progress=True, on_failure="warn")
+        result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, schedule=schedule,
+                         progress=True, on_failure="warn")
     reference = result.model_hp if result.model_hp is not None else result.model
     comparison = compare(reference, target) if reference is not None else None
     console.print(extraction_table(result, comparison, title=f"mhaextract demo (seed {seed})"))
@@ -87,6 +89,7 @@ def extract_command(
     max_heads: int = typer.Option(None, "--max-heads", help="a bound H0 >= H* (instead of --heads)"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the queries (a resumed run needs the same)"),
+    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1) or 'lean'"),
     token_scale: float = typer.Option(None, "--token-scale", help="norm of the query tokens (default d**0.25)"),
     transcript: Path = typer.Option(None, "--transcript", help="SQLite transcript: saves every answer, resumes"),
     max_queries: int = typer.Option(None, "--max-queries", help="cap on the queries asked in this run"),
@@ -102,7 +105,7 @@ def extract_command(
         with warnings.catch_warnings():  # failed checks are printed below, in full
             warnings.simplefilter("ignore", UnreliableExtractionWarning)
             result = extract(function, d, heads=heads, max_heads=max_heads, precision=precision, seed=seed,
-                             token_scale=token_scale, batch_size=batch_size, progress=True, on_failure="warn",
+                             schedule=schedule, token_scale=token_scale, batch_size=batch_size, progress=True, on_failure="warn",
                              transcript=transcript, max_queries=max_queries)
     except (ValueError, OracleError, TranscriptError) as error:  # bad input, budget, oracle, transcript
         console.print(f"[bold red]{type(error).__name__}:[/] {error}", highlight=False)
