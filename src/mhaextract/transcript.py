@@ -13,8 +13,11 @@ What makes that safe:
   the schedule's name, ``token_scale`` (exact hex) and the SHA-256 of every query's tokens. A
   run that differs in any of them is refused with a :class:`TranscriptError` listing the
   differences; the file is not touched.
-* **Per query.** Row ``id`` holds the query's length, the SHA-256 of its tokens (checked against
-  the query being asked before an answer is replayed) and a checksum of the row.
+* **Per query.** Row ``id`` (the run's query number, in the order the learner asks) holds the
+  query's length, the SHA-256 of its tokens (checked against the query being asked before an
+  answer is replayed) and a checksum of the row. Adaptive queries (the lean schedule's fallback
+  links, which depend on earlier answers) are not in the fingerprint's hash; this per-row check
+  covers them.
 * **Exact answers.** float64 answers are stored as ``float.hex`` and high-precision answers as
   ``mpf`` mantissa/exponent (:func:`mhaextract.highprec.mpf_to_hex`): both read back bit for bit.
 * **Never overwritten.** An existing file is validated through a read-only connection first.
