@@ -126,6 +126,23 @@ def test_an_adaptive_lean_run_with_fallback_links_resumes_bit_for_bit(tmp_path, 
     assert np.array_equal(resumed.model.W, plain.model.W) and np.array_equal(resumed.model.v, plain.model.v)
 
 
+def test_ctrl_c_keeps_every_committed_batch(tmp_path):
+    target = mx.MultiHeadAttention.random(2, 1, seed=0)
+    path = tmp_path / "run.sqlite"
+    calls = []
+
+    def oracle(batch):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return target(batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        mx.extract(oracle, 2, heads=1, seed=1, batch_size=4, transcript=path)
+    resumed = mx.extract(FlakyOracle(target), 2, heads=1, seed=1, batch_size=4, transcript=path)
+    assert (resumed.queries_replayed, resumed.queries_asked) == (8, paper_count(2, 1) - 8)
+
+
 def test_high_precision_answers_given_as_decimal_strings_round_trip_exactly(tmp_path):
     target = mx.MultiHeadAttention.random(2, 1, seed=4)
     path = tmp_path / "run.sqlite"

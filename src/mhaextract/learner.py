@@ -259,11 +259,12 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     sequences, owners, copies = schedule.queries()
     # The fingerprint hashes the schedule's fixed queries; adaptive ones (lean fallback links) are
     # checked one by one against the hashes recorded with their answers.
-    record = None if transcript is None else Transcript(
-        transcript, run_fingerprint(schedule, int(seed), precision, sequences))
-    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
-                              max_queries=max_queries, transcript=record)
+    record = None
     try:
+        if transcript is not None:
+            record = Transcript(transcript, run_fingerprint(schedule, int(seed), precision, sequences))
+        boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
+                                  max_queries=max_queries, transcript=record)
         answers = boundary.ask(sequences, description=f"querying (d={d}, H0={H0})")
         asked = [(sequences, answers)]
 
