@@ -9,11 +9,13 @@ from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWar
 from .model import MultiHeadAttention
 from .noise import AdditiveNoise, Float32Oracle, GaussianNoise, RoundedAnswers
 from .oracle import BudgetExceeded, OracleError, SimulatedOracle
+from .results import load_model, save_extraction
+from .transcript import TranscriptError
 from .verify import Verification, verify
 
 __all__ = [
     "AdditiveNoise", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "Float32Oracle",
-    "GaussianNoise", "MultiHeadAttention", "OracleError", "RoundedAnswers", "SimulatedOracle",
-    "UnreliableExtractionWarning", "Verification", "compare", "extract", "verify",
+    "GaussianNoise", "MultiHeadAttention", "OracleError", "RoundedAnswers", "SimulatedOracle", "TranscriptError",
+    "UnreliableExtractionWarning", "Verification", "compare", "extract", "load_model", "save_extraction", "verify",
 ]
 __version__ = "0.1.0"

@@ -96,6 +96,7 @@ class Refinement:
     residual_before, residual_after : root-mean-square misfit on all answers of the algebraic
         and of the refined model.
     iterations : Jacobian evaluations of the solver; ``status``, ``message`` : its verdict.
+    queries : fresh queries asked for the refinement (on top of the schedule's).
     """
 
     kept: str
@@ -104,16 +105,18 @@ class Refinement:
     iterations: int
     status: int
     message: str
+    queries: int = 0
 
     def __str__(self) -> str:
         return (f"refinement kept the {self.kept} model (rms misfit {self.residual_before:.3g} -> "
-                f"{self.residual_after:.3g}, {self.iterations} Jacobians: {self.message})")
+                f"{self.residual_after:.3g}, {self.iterations} Jacobians, {self.queries} added queries: {self.message})")
 
 
 def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarray,
-                         max_evaluations: int = 100) -> tuple[MultiHeadAttention, Refinement]:
+                         max_evaluations: int = 100, added: int = 0) -> tuple[MultiHeadAttention, Refinement]:
     """Polish ``model`` against ``answers`` to ``sequences`` (float64); returns the better of the
-    two models (smaller misfit) and a :class:`Refinement` record saying which and why."""
+    two models (smaller misfit) and a :class:`Refinement` record saying which and why
+    (``added``: how many of the sequences were asked for the refinement, recorded)."""
     heads, d = model.heads, model.d
     sequences = as_batch(sequences, d)
     answers = np.asarray(answers, dtype=np.float64)
@@ -129,7 +132,7 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     start = pack(model)
     before = float(np.sqrt(np.mean(misfit(start) ** 2)))
     if heads == 0:
-        return model, Refinement("algebraic", before, before, 0, 0, "no heads to refine")
+        return model, Refinement("algebraic", before, before, 0, 0, "no heads to refine", added)
     # W and v differ in size and sensitivity: scale each parameter by its Jacobian column norm.
     solution = least_squares(misfit, start, jac=jacobian, method="lm", x_scale="jac",
                              ftol=1e-15, xtol=1e-15, gtol=1e-15, max_nfev=max_evaluations)
@@ -137,5 +140,5 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     iterations = int(solution.njev or 0)
     if np.isfinite(after) and after <= before:
         return unpack(solution.x, heads, d), Refinement("refined", before, after, iterations,
-                                                        int(solution.status), solution.message)
-    return model, Refinement("algebraic", before, after, iterations, int(solution.status), solution.message)
+                                                        int(solution.status), solution.message, added)
+    return model, Refinement("algebraic", before, after, iterations, int(solution.status), solution.message, added)

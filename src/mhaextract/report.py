@@ -24,16 +24,26 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     mode = "float64" if e.precision is None else f"{e.precision} bits"
     table.add_row("d", str(e.d), "")
     table.add_row("H (bound H0)", str(e.max_heads), f"schedule '{e.schedule}', {mode}")
-    exact = e.samples_per_instance in (None, 2 * e.max_heads + 1)
+    oversampled = e.samples_per_instance not in (None, 2 * e.max_heads + 1)
     refined = e.refinement is not None
-    formula = (f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}" if exact
-               else f"oversampled K = {e.samples_per_instance}: K + (K-1)(2d^2-2) = {e.promised_queries}")
+    if e.schedule == "paper" and not oversampled:
+        formula = f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
+    elif e.schedule == "paper":
+        formula = f"oversampled K = {e.samples_per_instance}: K + (K-1)(2d^2-2) = {e.promised_queries}"
+    else:
+        formula = (f"lean formula {e.promised_queries} + {e.fallback_links} fallback links; "
+                   f"paper {4 * e.max_heads * e.d**2 - 2 * e.max_heads + 1}; "
+                   f"lower bound H*(d^2+d) = {e.heads * (e.d**2 + e.d)}")
     if refined:
-        formula += f" + {e.queries - e.promised_queries} refinement queries"
-    mismatch = e.queries != e.promised_queries and not refined
-    table.add_row("queries (measured)", str(e.queries), formula + ("  MISMATCH" if mismatch else ""))
+        formula += f" + {e.refinement.queries} refinement queries"
+    if e.schedule == "paper" and e.queries != e.promised_queries + (e.refinement.queries if refined else 0):
+        formula += "  MISMATCH"
+    table.add_row("queries (measured)", str(e.queries), formula)
+    if e.transcript is not None:
+        table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
+                      f"this run / read back from {e.transcript}")
     table.add_row("longest query", str(e.max_query_length),
-                  f"formula {'2*H0 + 1' if exact else 'K'} = {e.promised_max_length}")
+                  f"formula {'K' if oversampled else '2*H0 + 1'} = {e.promised_max_length}")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"
