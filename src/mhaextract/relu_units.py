@@ -60,6 +60,10 @@ from .oracle import OracleBoundary
 S_RANGE = (0.02, 0.98)
 #: Extra equations per region fit beyond the D unknowns: they check the region was not left.
 SPARE_EQUATIONS = 4
+#: Crowded gaps (several kinks within a grid cell or two) are rescanned this many levels deep,
+#: each on a grid of ZOOM_GRID intervals.
+MAX_ZOOM = 2
+ZOOM_GRID = 16
 #: Unit counts beyond the rank of the unit vectors whose orientations are enumerated.
 MAX_ENUMERATED = 20
 
@@ -188,8 +192,9 @@ class UnitLearner:
         return out
 
     def _random_token(self) -> np.ndarray:
+        # Random direction and a norm in [0.5, 1.5] x token_scale (directions alone are only +-1 for d = 1).
         v = self.rng.standard_normal(self.d)
-        return self.token_scale * v / np.linalg.norm(v)
+        return self.token_scale * self.rng.uniform(0.5, 1.5) * v / np.linalg.norm(v)
 
     def _ask(self, sequences, what: str):
         before = self.boundary.queries
@@ -209,56 +214,21 @@ class UnitLearner:
         """Sample one segment, confirm its single kinks, fit the regions beside kinks no known unit
         explains, and add the new units. Returns how many were new."""
         self.search.segments += 1
-        ss = np.linspace(*S_RANGE, self.grid + 1)
-        h = self._h(segment, ss, "segment grid")
-        pieces = _linear_pieces(ss, h, self.kink_tolerance * max(np.abs(h).max(), 1e-300))
-        candidates = []
-        for A, B in zip(pieces[:-1], pieces[1:]):
-            # One grid cell between the pieces (a grid point inside the gap means two kinks).
-            if B.first != A.last + 1 or A.slope == B.slope:
-                continue
-            s_star = (B.intercept - A.intercept) / (A.slope - B.slope)
-            if not (ss[A.last] < s_star < ss[B.first]):
-                continue
-            candidates.append((A, B, s_star, 0.3 * min(s_star - ss[A.last], ss[B.first] - s_star)))
-        if not candidates:
-            return 0
-        # A single kink at s*: h is on line A left of s* and on line B right of it. Two probes a
-        # side, at eta and eta / 1000: two kinks (whose outer lines meet at s*) would both have to
-        # lie within eta / 1000 of s* to pass.
-        offsets = np.array([-1.0, -1e-3, 1e-3, 1.0])
-        probes = np.array([s + offsets * eta for _, _, s, eta in candidates]).ravel()
-        values = self._h(segment, probes, "kink confirmation").reshape(-1, 4)
-        scale = max(np.abs(h).max(), 1e-300)
-        needed = []
-        for (A, B, s_star, eta), value in zip(candidates, values):
-            expected = [A(s_star - eta), A(s_star - 1e-3 * eta), B(s_star + 1e-3 * eta), B(s_star + eta)]
-            if np.abs(value - expected).max() > 1e-9 * scale:
-                self.search.kinks_rejected += 1
-                continue
-            self.search.kinks_confirmed += 1
-            if self._explained(segment, s_star):
-                continue
-            needed.append((A, B, s_star))
+        needed = [kink for kink in self._scan(segment, *S_RANGE, depth=0) if not self._explained(segment, kink[0])]
         if not needed:
             return 0
-        # Regions beside the kink: centres halfway between the kink and the next grid point
-        # inside each piece (closer than a piece's middle, so a faint kink elsewhere in the piece
-        # that the grid missed cannot fall between the two centres).
         centres = []
-        for A, B, s_star in needed:
-            left = 0.5 * (s_star + ss[A.last - 1])
-            right = 0.5 * (s_star + ss[B.first + 1])
+        for s_star, left, right, _ in needed:
             centres += [(left, s_star - left), (right, right - s_star)]
         gradients = self._region_gradients(segment, centres)
         new = 0
-        for k, (A, B, s_star) in enumerate(needed):
+        for k, (s_star, _, _, jump) in enumerate(needed):
             LA, LB = gradients[2 * k], gradients[2 * k + 1]
             if LA is None or LB is None:
                 continue
             c_float = LB[0] - LA[0]
-            jump = B.slope - A.slope
-            # Checks: the hyperplane passes through the kink; the slope jump is c^T (kappa E - b).
+            # The fits against the grid's lines: the hyperplane passes through the kink and the
+            # slope jump of h is c^T (kappa E - b).
             at_kink = abs(c_float @ segment.point(s_star)) / (np.linalg.norm(c_float) * np.linalg.norm(segment.point(s_star)))
             along = c_float @ (segment.kappa * segment.E - segment.b)
             if at_kink > 1e-6 or abs(along - jump) > 1e-6 * abs(jump):
@@ -270,6 +240,48 @@ class UnitLearner:
             self.search.units.append(Unit(c_float, c_exact, 1 if jump > 0 else -1, max(LA[2], LB[2]), segment, s_star))
             new += 1
         return new
+
+    def _scan(self, segment: Segment, lo: float, hi: float, depth: int) -> list:
+        """Confirmed single kinks of h on [lo, hi]: ``(s*, left centre, right centre, slope jump)``.
+
+        A grid of ``self.grid`` intervals; consecutive linear pieces one cell apart meet at a
+        candidate s*, confirmed by probes (below). Gaps wider than a cell, or candidates that fail,
+        hold several kinks: they are rescanned on a finer grid (up to ``MAX_ZOOM`` times)."""
+        ss = np.linspace(lo, hi, (self.grid if depth == 0 else ZOOM_GRID) + 1)
+        h = self._h(segment, ss, "segment grid")
+        scale = max(np.abs(h).max(), 1e-300)
+        pieces = _linear_pieces(ss, h, self.kink_tolerance * scale)
+        candidates, crowded = [], []
+        for A, B in zip(pieces[:-1], pieces[1:]):
+            s_star = (B.intercept - A.intercept) / (A.slope - B.slope) if A.slope != B.slope else np.nan
+            # One grid cell between the pieces (a grid point inside the gap means two kinks).
+            if B.first == A.last + 1 and ss[A.last] < s_star < ss[B.first]:
+                candidates.append((A, B, s_star, 0.3 * min(s_star - ss[A.last], ss[B.first] - s_star)))
+            else:
+                crowded.append((A, B))
+        # A single kink at s*: h is on line A left of s* and on line B right of it. Two probes a
+        # side, at eta and eta / 1000: two kinks (whose outer lines meet at s*) would both have to
+        # lie within eta / 1000 of s* to pass.
+        offsets = np.array([-1.0, -1e-3, 1e-3, 1.0])
+        kinks = []
+        if candidates:
+            probes = np.array([c[2] + offsets * c[3] for c in candidates]).ravel()
+            values = self._h(segment, probes, "kink confirmation").reshape(-1, 4)
+            for (A, B, s_star, eta), value in zip(candidates, values):
+                expected = [A(s_star - eta), A(s_star - 1e-3 * eta), B(s_star + 1e-3 * eta), B(s_star + eta)]
+                if np.abs(value - expected).max() > 1e-9 * scale:
+                    self.search.kinks_rejected += 1
+                    crowded.append((A, B))
+                    continue
+                self.search.kinks_confirmed += 1
+                # Region centres halfway between the kink and the next grid point inside each piece
+                # (close to the kink, so a faint kink the grid missed is unlikely to lie between).
+                left, right = 0.5 * (s_star + ss[A.last - 1]), 0.5 * (s_star + ss[B.first + 1])
+                kinks.append((s_star, left, right, B.slope - A.slope))
+        if depth < MAX_ZOOM:
+            for A, B in crowded:
+                kinks += self._scan(segment, ss[A.last - 1], ss[B.first + 1], depth + 1)
+        return kinks
 
     def _h(self, segment: Segment, ss: np.ndarray, what: str) -> np.ndarray:
         sequences = [segment.sequence(s) for s in ss]

@@ -43,6 +43,9 @@ from .learner import Check, Extraction, UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention, as_batch, group_equal_heads
 from .oracle import OracleBoundary
 
+#: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
+#: so that its certificate covers cancellation up to that much (checked: odd_part_precision).
+ODD_PART_MARGIN_BITS = 32
 #: mpmath bits for exact products and sums of the parameters (doubles and few-hundred-bit mpf).
 _EXACT_BITS = 2200
 
@@ -504,7 +507,7 @@ def _positive_int(name, value, minimum=1):
 
 
 def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, precision=None, seed=None, *,
-                        residual=False, token_scale=None, max_segments=64, quiet_segments=8,
+                        residual=False, token_scale=None, max_segments=32, quiet_segments=8,
                         verification_queries=None, batch_size=1024, progress=None,
                         on_failure="raise") -> TransformerExtraction:
     """Learn a one-layer Transformer (attention, then a bias-free ReLU FFN) from value queries.
@@ -550,7 +553,8 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     odd = OddPartOracle(boundary)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        step1 = extract(odd, d, heads=heads, max_heads=max_heads, precision=precision, seed=seed,
+        step1 = extract(odd, d, heads=heads, max_heads=max_heads,
+                        precision=None if precision is None else precision - ODD_PART_MARGIN_BITS, seed=seed,
                         token_scale=token_scale, batch_size=batch_size, progress=progress, on_failure="warn")
     queries_odd = boundary.queries
     checks = [Check(f"odd part: {c.name}", c.passed, c.value, c.threshold, c.message) for c in step1.checks]
@@ -599,7 +603,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     if hidden is not None:
         checks.append(Check("units_found", len(units) <= hidden, len(units), hidden,
                             f"{len(units)} units found, hidden={hidden} given (more found means hidden is too small)"))
-    orientation = orient(np.array([u.c for u in units]).reshape(len(units), -1), V,
+    orientation = orient(np.array([u.c for u in units]).reshape(len(units), V.size), V,
                          tolerance=1e-6 if precision is None else 1e-12,
                          rank_tolerance=1e-6 if precision is None else 1e-12)
     message = (f"sum_j sigma_j c_j = V has {orientation.solutions} sign solutions over {len(units)} units "
@@ -653,6 +657,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     checks.append(Check("verification", misfit <= tolerance, misfit, tolerance,
                         f"max misfit on {count} fresh random queries, relative to the largest answer"))
     if precision is not None:
-        checks.append(Check("odd_part_precision", odd.cancellation_bits <= precision / 4, odd.cancellation_bits,
-                            precision / 4, "bits lost to cancellation in g(X) = f(X) - f(-X)"))
+        checks.append(Check("odd_part_precision", odd.cancellation_bits < ODD_PART_MARGIN_BITS, odd.cancellation_bits,
+                            ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
+                            "was told g is good to precision minus the threshold)"))
     return finish(model, model_hp, search, len(units), misfit, queries_units)
