@@ -8,9 +8,15 @@ from .compare import Comparison, compare
 from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention
 from .oracle import BudgetExceeded, OracleError, SimulatedOracle
+from .transformer import (
+    Transformer1L, TransformerComparison, TransformerExtraction, TransformerExtractionError, compare_transformers,
+    extract_transformer,
+)
 
 __all__ = [
     "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "MultiHeadAttention",
-    "OracleError", "SimulatedOracle", "UnreliableExtractionWarning", "compare", "extract",
+    "OracleError", "SimulatedOracle", "Transformer1L", "TransformerComparison", "TransformerExtraction",
+    "TransformerExtractionError", "UnreliableExtractionWarning", "compare", "compare_transformers", "extract",
+    "extract_transformer",
 ]
 __version__ = "0.1.0"

@@ -27,11 +27,16 @@ def demo(
     heads: int = typer.Option(3, "--heads", help="number of heads of the random target"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
+    transformer: bool = typer.Option(False, "--transformer", help="target: attention + bias-free ReLU FFN"),
+    hidden: int = typer.Option(8, "--hidden", help="hidden units of the --transformer target"),
 ) -> None:
     """Extract a random target through a simulated oracle and print what it took."""
     console = Console()
     if d < 1 or heads < 1:
         raise typer.BadParameter("--d and --heads must be positive")
+    if transformer:
+        from .transformer import transformer_demo
+        raise typer.Exit(code=transformer_demo(console, d, heads, hidden, precision, seed))
     target = MultiHeadAttention.random(d, heads, seed=seed)
     oracle = SimulatedOracle(target, precision=precision)
     with warnings.catch_warnings():  # failed checks are printed below, in full

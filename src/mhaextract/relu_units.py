@@ -62,7 +62,7 @@ S_RANGE = (0.02, 0.98)
 SPARE_EQUATIONS = 4
 #: Crowded gaps (several kinks within a grid cell or two) are rescanned this many levels deep,
 #: each on a grid of ZOOM_GRID intervals.
-MAX_ZOOM = 2
+MAX_ZOOM = 4
 ZOOM_GRID = 16
 #: Unit counts beyond the rank of the unit vectors whose orientations are enumerated.
 MAX_ENUMERATED = 20

@@ -661,3 +661,27 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
                             ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
                             "was told g is good to precision minus the threshold)"))
     return finish(model, model_hp, search, len(units), misfit, queries_units)
+
+
+def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
+    """``mhaextract demo --transformer``: a random target through a simulated oracle; returns the
+    exit code (1 when the extraction failed its checks)."""
+    from .oracle import SimulatedOracle
+    from .report import transformer_table
+
+    if hidden < 1:
+        raise ValueError("--hidden must be positive")
+    target = Transformer1L.random(d, heads, hidden, seed=seed)
+    with warnings.catch_warnings():  # failed checks are printed below, in full
+        warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        result = extract_transformer(SimulatedOracle(target, precision=precision), d, heads=heads, hidden=hidden,
+                                     precision=precision, seed=seed + 1, progress=True, on_failure="warn")
+    found = result.model_hp if result.model_hp is not None else result.model
+    comparison = compare_transformers(found, target) if found is not None else None
+    console.print(transformer_table(result, comparison, title=f"mhaextract demo --transformer (seed {seed})"))
+    if not result.ok:
+        console.print("[bold red]The extraction failed its own checks; no Transformer is returned as reliable.[/]")
+        for check in result.failed_checks:
+            console.print(f"  {check}")
+        return 1
+    return 0
