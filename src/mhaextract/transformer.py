@@ -609,6 +609,9 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     message = (f"sum_j sigma_j c_j = V has {orientation.solutions} sign solutions over {len(units)} units "
                f"(rank {orientation.rank}); exactly one is needed (conditions 2-4: units with parallel "
                "hyperplanes, a unit never seen, or a sign-ambiguous set of units)")
+    if search.regions_failed:
+        message += (f"; {search.regions_failed} of {search.regions_fitted} region fits failed (if most did, f depends "
+                    "on a head the odd part does not show: condition 1)")
     checks.append(Check("orientation", orientation.sigma is not None, orientation.misfit,
                         1e-6 if precision is None else 1e-12, message))
     if orientation.sigma is None:
@@ -639,7 +642,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     count = verification_queries if verification_queries is not None else 4 * H * d + 32
     sequences = []
     for _ in range(count):
-        length = int(rng.integers(1, 2 * H + 3))
+        length = int(rng.integers(1, 2 * H + 2))  # no longer than the core schedule's 2H + 1
         norms = scale * 10 ** rng.uniform(-0.5, 0.5, size=(length, 1))
         tokens = rng.standard_normal((length, d))
         sequences.append(norms * tokens / np.linalg.norm(tokens, axis=1, keepdims=True))
