@@ -8,6 +8,8 @@ from .compare import Comparison, compare
 from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention
 from .oracle import BudgetExceeded, OracleError, SimulatedOracle
+from .results import load_model, save_extraction
+from .transcript import TranscriptError
 from .transformer import (
     Transformer1L, TransformerComparison, TransformerExtraction, TransformerExtractionError, compare_transformers,
     extract_transformer,
@@ -15,8 +17,8 @@ from .transformer import (
 
 __all__ = [
     "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "MultiHeadAttention",
-    "OracleError", "SimulatedOracle", "Transformer1L", "TransformerComparison", "TransformerExtraction",
-    "TransformerExtractionError", "UnreliableExtractionWarning", "compare", "compare_transformers", "extract",
-    "extract_transformer",
+    "OracleError", "SimulatedOracle", "TranscriptError", "Transformer1L", "TransformerComparison",
+    "TransformerExtraction", "TransformerExtractionError", "UnreliableExtractionWarning", "compare",
+    "compare_transformers", "extract", "extract_transformer", "load_model", "save_extraction",
 ]
 __version__ = "0.1.0"
