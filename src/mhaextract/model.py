@@ -178,11 +178,22 @@ class MultiHeadAttention:
         return self._means_arb(sequences, int(precision))
 
     def _evaluate_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
-        return np.einsum("bhd,hd->b", self._means_float64(sequences), self.to_float64().v)
+        v = self.to_float64().v
+        out = np.empty(len(sequences), dtype=np.float64)
+        for index, X, weights in self._weights_float64(sequences):
+            values = np.einsum("bnd,hd->bhn", X, v)  # v_h^T x_i, (B, H, N)
+            out[index] = np.einsum("bhn,bhn->b", weights, values)
+        return out
 
     def _means_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
-        W = self.to_float64().W
         out = np.empty((len(sequences), self.heads, self.d), dtype=np.float64)
+        for index, X, weights in self._weights_float64(sequences):
+            out[index] = np.einsum("bhn,bnd->bhd", weights, X)
+        return out
+
+    def _weights_float64(self, sequences: Sequence[np.ndarray]):
+        """Per group of equal lengths: (indices, tokens (B, N, d), softmax weights a_{h,i} (B, H, N))."""
+        W = self.to_float64().W
         lengths = np.array([len(s) for s in sequences])
         for length in np.unique(lengths):
             index = np.flatnonzero(lengths == length)
@@ -192,8 +203,7 @@ class MultiHeadAttention:
             scores -= scores.max(axis=2, keepdims=True)
             weights = np.exp(scores)
             weights /= weights.sum(axis=2, keepdims=True)
-            out[index] = np.einsum("bhn,bnd->bhd", weights, X)
-        return out
+            yield index, X, weights
 
     def _evaluate_arb(self, sequences: Sequence[np.ndarray], precision: int) -> list:
         means = self._means_arb(sequences, precision)
@@ -201,10 +211,10 @@ class MultiHeadAttention:
             v = np.vectorize(to_arb, otypes=[object])(self.v)
             outputs = []
             for row in means:
+                # Head by head: heads that cancel (equal W, opposite v) then cancel exactly.
                 total = arb(0)
                 for h in range(self.heads):
-                    for a in range(self.d):
-                        total += row[h, a] * v[h, a]
+                    total += sum((row[h, a] * v[h, a] for a in range(self.d)), arb(0))
                 with mpmath.workprec(precision):
                     outputs.append(+arb_to_mpf(total))  # unary + rounds to `precision` bits
             return outputs
