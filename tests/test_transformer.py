@@ -1,6 +1,5 @@
 """One-layer Transformer (ALGORITHM.md section 9): the model, its canonical form, the extraction."""
 
-import warnings
 
 import mpmath
 import numpy as np

@@ -240,13 +240,17 @@ class MultiHeadAttention:
                     for b in range(d):
                         final[h * d + b, h] = X[N - 1, b]
                 scores = (X * W_cat) * final  # (N, H)
+                attention = arb_mat(H, N)  # a_{h,i}
                 for h in range(H):
                     top = max(float(scores[i, h].mid()) for i in range(N))
                     weights = [(scores[i, h] - top).exp() for i in range(N)]
                     denominator = sum(weights, arb(0))
+                    for i in range(N):
+                        attention[h, i] = weights[i] / denominator
+                means = attention * X  # (H, d): one matrix product in C, not H*N*d Python steps
+                for h in range(H):
                     for a in range(d):
-                        numerator = sum((weights[i] * X[i, a] for i in range(N)), arb(0))
-                        out[index, h, a] = numerator / denominator
+                        out[index, h, a] = means[h, a]
         return out
 
     # ------------------------------------------------------------------ canonical form

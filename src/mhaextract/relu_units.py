@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flint import arb, arb_mat
 
-from .highprec import GUARD_BITS, magnitude_float, mid_float, to_arb, working_precision
+from .highprec import GUARD_BITS, magnitude_float, mid_float, working_precision
 from .model import MultiHeadAttention
 from .oracle import OracleBoundary
 
