@@ -41,6 +41,8 @@ def demo(
     noise: float = typer.Option(None, "--noise", help="float64: add uniform noise |e| <= NOISE to every answer"),
     samples: int = typer.Option(None, "--samples", help="float64: samples per instance (> 2H+1 oversamples)"),
     refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
+    transformer: bool = typer.Option(False, "--transformer", help="target: attention + bias-free ReLU FFN"),
+    hidden: int = typer.Option(8, "--hidden", help="hidden units of the --transformer target"),
 ) -> None:
     """Extract a random target through a simulated oracle, verify it on fresh queries, print what it took."""
     console = Console()
@@ -50,6 +52,11 @@ def demo(
         raise typer.BadParameter("--noise, --samples and --refine are float64 options (omit --precision)")
     if noise is not None and not noise >= 0:
         raise typer.BadParameter("--noise must be >= 0")
+    if transformer and (noise is not None or samples is not None or refine):
+        raise typer.BadParameter("--noise, --samples and --refine apply to the attention demo, not --transformer")
+    if transformer:
+        from .transformer import transformer_demo
+        raise typer.Exit(code=transformer_demo(console, d, heads, hidden, precision, seed))
     target = MultiHeadAttention.random(d, heads, seed=seed)
     oracle = SimulatedOracle(target, precision=precision)
     if noise is not None:

@@ -71,3 +71,45 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
                   ", ".join(check.name for check in failed) if failed else f"{len(e.checks)} passed")
     table.add_row("seconds", f"{e.seconds:.2f}", "oracle + learner")
     return table
+
+
+def transformer_table(extraction, comparison=None, title: str = "mhaextract transformer") -> Table:
+    """The same kind of table for :func:`mhaextract.extract_transformer`: sizes, measured queries by
+    step against the step-1 formula, longest query, errors against the truth, checks, seconds."""
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_column("note")
+    e, a = extraction, extraction.attention
+    mode = "float64" if e.precision is None else f"{e.precision} bits"
+    table.add_row("d", str(e.d), "")
+    table.add_row("H (bound H0)", str(a.max_heads), mode)
+    table.add_row("queries of f (measured)", str(e.queries), "odd part + units + verification")
+    table.add_row("  odd part g", str(e.queries_odd_part),
+                  f"2 x (4*H0*d^2 - 2*H0 + 1) = {2 * a.promised_queries}"
+                  + ("" if e.queries_odd_part == 2 * a.promised_queries else "  MISMATCH"))
+    search = e.search
+    if search is not None:
+        table.add_row("  units", str(e.queries_units),
+                      f"{search.segments} segments: grid {search.queries_grid}, kink probes {search.queries_confirm}, "
+                      f"region fits {search.queries_regions}")
+    table.add_row("  verification", str(e.queries_verification), "fresh random queries")
+    table.add_row("longest query", str(e.max_query_length), "")
+    table.add_row("canonical heads H*", str(e.heads), "")
+    table.add_row("hidden units found", str(e.hidden), "")
+    if comparison is not None:
+        agree = []
+        if not comparison.heads_agree:
+            agree.append(f"truth has {comparison.heads_b} heads")
+        if not comparison.units_agree:
+            agree.append(f"truth has {comparison.units_b} units")
+        if not comparison.signs_agree:
+            agree.append("unit signs differ")
+        table.add_row("max rel. error W", _fmt(comparison.W_rel), "normwise, against the truth")
+        table.add_row("max rel. error units", _fmt(comparison.units_rel), "|w_j| A_j O_h, aligned; " + ", ".join(agree))
+    table.add_row("verification misfit", _fmt(e.verification_misfit), "max |model - f| / max |f|, fresh queries")
+    failed = e.failed_checks
+    table.add_row("checks", "ok" if not failed else "FAILED",
+                  ", ".join(check.name for check in failed) if failed else f"{len(e.checks)} passed")
+    table.add_row("seconds", f"{e.seconds:.2f}", "oracle + learner")
+    return table
