@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
-from scipy.sparse import csr_matrix, diags, vstack
+from scipy.sparse import csr_matrix, diags
 from scipy.sparse.linalg import splu
 
 from .kernels.rational import instance_jacobian

@@ -11,8 +11,6 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from pathlib import Path
-
 from .compare import compare
 from .learner import UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention
