@@ -5,6 +5,7 @@
 * :func:`distill`: gradient distillation of a student attention layer in PyTorch.
 """
 
+from .distillation import distill
 from .single_head import extract_single_head
 
-__all__ = ["extract_single_head"]
+__all__ = ["distill", "extract_single_head"]
