@@ -107,7 +107,7 @@ def _positive_float(name, value):
 
 def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfgs_steps=500, polish=4,
             learning_rate=0.05, init_scale=0.5, max_length=None, token_scale=None, converged_tol=1e-6,
-            seed=None, batch_size=1024, progress=None) -> Distillation:
+            seed=None, threads=1, batch_size=1024, progress=None) -> Distillation:
     """Fit a student attention layer to ``budget`` random queries of ``oracle`` (see the module docstring).
 
     Parameters
@@ -126,6 +126,9 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
     token_scale : token norm (default ``d ** 0.25``, as :func:`mhaextract.extract`).
     converged_tol : a restart converged when its relative RMS training misfit is below this.
     seed : seeds the queries and the initialisations.
+    threads : torch intra-op threads while training (restored afterwards; None keeps torch's).
+        Default 1: the tensors are small, and on a shared 2-core machine two threads made a step
+        3 to 15 times slower (synchronisation), see docs/benchmarks.md.
     batch_size, progress : as in :func:`mhaextract.extract`.
     """
     try:
@@ -144,6 +147,19 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
     max_length = 2 * heads + 1 if max_length is None else _positive_int("max_length", max_length)
     token_scale = d ** 0.25 if token_scale is None else _positive_float("token_scale", token_scale)
     converged_tol = _positive_float("converged_tol", converged_tol)
+    threads = None if threads is None else _positive_int("threads", threads)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _distill(torch, oracle, d, heads, budget, restarts, adam_steps, lbfgs_steps, polish, learning_rate,
+                        init_scale, max_length, token_scale, converged_tol, seed, batch_size, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _distill(torch, oracle, d, heads, budget, restarts, adam_steps, lbfgs_steps, polish, learning_rate, init_scale,
+             max_length, token_scale, converged_tol, seed, batch_size, progress) -> Distillation:
 
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
