@@ -10,7 +10,7 @@ from mhaextract.cli import app
 
 pytest.importorskip("torch")
 
-TINY = dict(ds=(3,), heads=(1, 2), restarts=2, adam_steps=30, lbfgs_steps=10, polish=1)
+TINY = dict(ds=(3,), heads=(1, 2), restarts=2, adam_steps=30, lbfgs_steps=10)
 
 
 def test_run_bench_measures_every_method_and_marks_baseline_wins(tmp_path):

@@ -56,7 +56,7 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="seeds the targets, the queries and the students"),
     restarts: int = typer.Option(None, "--restarts", help="distillation restarts (default 12, quick 6)"),
     adam_steps: int = typer.Option(None, "--adam-steps", help="distillation Adam steps (default 1500, quick 600)"),
-    lbfgs_steps: int = typer.Option(None, "--lbfgs-steps", help="L-BFGS iterations (default 500, quick 200)"),
+    lbfgs_steps: int = typer.Option(None, "--lbfgs-steps", help="L-BFGS iterations per restart (default 300, quick 200)"),
 ) -> None:
     """mhaextract beside the single-head algorithm and gradient distillation, same targets, same run."""
     from .bench import BenchSettings, run_bench

@@ -10,8 +10,8 @@ by minimising the relative squared misfit
 in float64 PyTorch: Adam with a cosine learning-rate schedule for ``restarts`` random
 initialisations trained at once as one batched tensor ``(R, H, d, d)`` (the loss is a sum over
 restarts, and Adam is elementwise, so each restart follows exactly the path it would alone),
-then L-BFGS (strong Wolfe line search) polishing the ``polish`` best restarts one by one (L-BFGS
-on the summed loss would couple the restarts through its curvature pairs). The restart with the
+then L-BFGS polishing the ``polish`` best restarts (default: all) one by one (L-BFGS on the
+summed loss would couple the restarts through its curvature pairs). The restart with the
 lowest training loss is returned.
 
 A restart *converged* when its final relative RMS training misfit ``sqrt(loss)`` is below
@@ -105,7 +105,7 @@ def _positive_float(name, value):
     return float(value)
 
 
-def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfgs_steps=500, polish=4,
+def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfgs_steps=500, polish=None,
             learning_rate=0.05, init_scale=0.5, max_length=None, token_scale=None, converged_tol=1e-6,
             seed=None, threads=1, batch_size=1024, progress=None) -> Distillation:
     """Fit a student attention layer to ``budget`` random queries of ``oracle`` (see the module docstring).
@@ -118,7 +118,8 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
     restarts : random initialisations trained together.
     adam_steps : full-batch Adam steps; the learning rate decays from ``learning_rate`` to
         ``learning_rate / 1000`` on a cosine (0.05 was the best of 0.005..0.1 in tuning).
-    lbfgs_steps, polish : L-BFGS iterations for each of the ``polish`` best restarts (0: none).
+    lbfgs_steps, polish : L-BFGS iterations for each of the ``polish`` best restarts (default all,
+        so that the converged fraction is not capped by the number polished; 0: none).
     init_scale : students start with ``W ~ N(0, init_scale^2 / d)``, ``v ~ N(0, init_scale^2)``
         (1 is the distribution of :meth:`MultiHeadAttention.random`; 0.5, half of it, converged
         more often in the tuning runs of docs/benchmarks.md).
@@ -141,7 +142,7 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
     restarts = _positive_int("restarts", restarts)
     adam_steps = _positive_int("adam_steps", adam_steps, minimum=0)
     lbfgs_steps = _positive_int("lbfgs_steps", lbfgs_steps, minimum=0)
-    polish = min(_positive_int("polish", polish, minimum=0), restarts)
+    polish = restarts if polish is None else min(_positive_int("polish", polish, minimum=0), restarts)
     learning_rate = _positive_float("learning_rate", learning_rate)
     init_scale = _positive_float("init_scale", init_scale)
     max_length = 2 * heads + 1 if max_length is None else _positive_int("max_length", max_length)
