@@ -309,7 +309,8 @@ def _plot(path: Path, rows: list[BenchRow]) -> None:
                 label = f"d={row.d}\nH={row.H}" + ("\northo" if row.table == "orthogonal" else "")
                 value = getattr(row, attribute)
                 xs.append(labels.index(label) + (k - 1) * 0.27)
-                heights.append(min(value, ceiling) if math.isfinite(value) else ceiling)
+                # inf errors (wrong head count) are drawn at the ceiling; seconds are never clipped
+                heights.append(value if attribute == "seconds" else min(value, ceiling) if math.isfinite(value) else ceiling)
             ax.bar(xs, [max(h, 1e-17) for h in heights], width=0.27, color=colors[method], label=method)
         ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
