@@ -2,6 +2,7 @@
 
     python benchmarks/bench_core.py            # full table (README numbers)
     python benchmarks/bench_core.py --quick    # a smaller grid
+    python benchmarks/bench_core.py --schedules-only   # only the paper/lean table
 
 For every (d, H): measured queries against 4Hd^2 - 2H + 1, the longest query, the max relative
 parameter error over seeds (median and worst), wall seconds, and two in-run baselines:
@@ -64,31 +65,53 @@ def kernel_ratio(H: int, trials: int, rng) -> float:
     return float(np.median(ratios))
 
 
-def run(d, H, precision, seeds):
-    errors, seconds, ratios, queries, longest, ok = [], [], [], set(), set(), 0
+def run(d, H, precision, seeds, schedule="paper"):
+    errors, seconds, ratios, queries, longest, ok = [], [], [], [], set(), 0
     for seed in range(seeds):
         target = mx.MultiHeadAttention.random(d, H, seed=seed)
         oracle = TimedOracle(target, precision)
         started = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
-            result = mx.extract(oracle, d, heads=H, precision=precision, seed=1000 + seed, on_failure="warn")
+            result = mx.extract(oracle, d, heads=H, precision=precision, seed=1000 + seed, schedule=schedule,
+                                on_failure="warn")
         total = time.perf_counter() - started
         got = result.model_hp if precision else result.model
         errors.append(float(mx.compare(got, target).max_rel) if got is not None else np.inf)
         seconds.append(total)
         ratios.append((total - oracle.seconds) / max(oracle.seconds, 1e-9))
-        queries.add(result.queries)
+        queries.append(result.queries)
         longest.add(result.max_query_length)
         ok += result.ok
     return errors, seconds, ratios, queries, longest, ok
+
+
+def schedules_table(ds, seeds):
+    """Paper and lean schedules side by side in float64 (and the counts against the lower bound)."""
+    print()
+    print("| d | H | paper queries | lean queries (median, measured) | lower bound H(d^2+d) | lean/paper | "
+          "lean/bound | float64 median err paper | float64 median err lean | lean checks ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for d in ds:
+        for H in (1, 2, 3):
+            paper_errors, _, _, paper_queries, _, _ = run(d, H, None, seeds, "paper")
+            lean_errors, _, _, lean_queries, _, lean_ok = run(d, H, None, seeds, "lean")
+            bound = H * (d * d + d)
+            lean = int(np.median(lean_queries))
+            print(f"| {d} | {H} | {paper_queries[0]} | {lean} | {bound} | {lean / paper_queries[0]:.3f} | "
+                  f"{lean / bound:.2f} | {np.median(paper_errors):.1e} | {np.median(lean_errors):.1e} | "
+                  f"{lean_ok}/{seeds} |", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--schedules-only", action="store_true", help="only the paper/lean table")
     args = parser.parse_args()
+    if args.schedules_only:
+        schedules_table([4, 8, 16] if args.quick else [4, 8, 16, 32], args.seeds)
+        return
     rng = np.random.default_rng(0)
     float_ds = [4, 8, 16] if args.quick else [4, 8, 16, 32, 64]
     hp_grid = [(2, 2), (4, 4), (8, 8)] if args.quick else [(2, 1), (2, 4), (4, 2), (4, 6), (8, 4), (6, 8), (8, 8)]
@@ -98,15 +121,16 @@ def main():
         for H in (1, 2, 3, 4):
             seeds = args.seeds if d <= 32 else 2
             errors, seconds, ratios, queries, longest, ok = run(d, H, None, seeds)
-            print(f"| float64 | {d} | {H} | {'/'.join(map(str, sorted(queries)))} | {4*H*d*d - 2*H + 1} | "
+            print(f"| float64 | {d} | {H} | {'/'.join(map(str, sorted(set(queries))))} | {4*H*d*d - 2*H + 1} | "
                   f"{'/'.join(map(str, sorted(longest)))} | {np.median(errors):.1e} | {max(errors):.1e} | {ok}/{seeds} | "
                   f"{np.median(seconds):.2f} | {np.median(ratios):.2f} | {kernel_ratio(H, 200, rng):.1e} |", flush=True)
     for d, H in hp_grid:
         seeds = 2
         errors, seconds, ratios, queries, longest, ok = run(d, H, 256, seeds)
-        print(f"| 256 bits | {d} | {H} | {'/'.join(map(str, sorted(queries)))} | {4*H*d*d - 2*H + 1} | "
+        print(f"| 256 bits | {d} | {H} | {'/'.join(map(str, sorted(set(queries))))} | {4*H*d*d - 2*H + 1} | "
               f"{'/'.join(map(str, sorted(longest)))} | {np.median(errors):.1e} | {max(errors):.1e} | {ok}/{seeds} | "
               f"{np.median(seconds):.2f} | {np.median(ratios):.2f} | - |", flush=True)
+    schedules_table([4, 8, 16] if args.quick else [4, 8, 16, 32], args.seeds)
 
 
 if __name__ == "__main__":

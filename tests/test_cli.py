@@ -31,3 +31,9 @@ def test_demo_reports_an_unreliable_float64_run_and_exits_nonzero():
 def test_demo_rejects_bad_sizes():
     result = runner.invoke(app, ["demo", "--d", "0"])
     assert result.exit_code != 0
+
+
+def test_demo_lean_schedule_reports_its_formula_and_bound():
+    result = runner.invoke(app, ["demo", "--d", "3", "--heads", "2", "--schedule", "lean", "--precision", "128"])
+    assert result.exit_code == 0, result.output
+    assert "lean formula" in result.output and "lower bound" in result.output

@@ -8,9 +8,12 @@ from .compare import Comparison, compare
 from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention
 from .oracle import BudgetExceeded, OracleError, SimulatedOracle
+from .results import load_model, save_extraction
+from .transcript import TranscriptError
 
 __all__ = [
     "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "MultiHeadAttention",
-    "OracleError", "SimulatedOracle", "UnreliableExtractionWarning", "compare", "extract",
+    "OracleError", "SimulatedOracle", "TranscriptError", "UnreliableExtractionWarning", "compare", "extract",
+    "load_model", "save_extraction",
 ]
 __version__ = "0.1.0"

@@ -16,10 +16,12 @@ import numpy as np
 from .highprec import GUARD_BITS, magnitude_float, mid_float, mpf_array, radius_float, working_precision
 from .kernels import arb as arb_kernel
 from .kernels import float64 as float64_kernel
-from .matching import Side, match_links
+from .kernels.rational import InstanceFits
+from .matching import Side, match_labels, match_links
 from .model import MultiHeadAttention
 from .oracle import OracleBoundary
-from .schedule import PaperSchedule
+from .schedule import LeanSchedule, PaperSchedule
+from .transcript import Transcript, run_fingerprint
 
 #: The float64 kernel with 2H + 1 samples loses about three digits per head (ALGORITHM.md 7).
 FLOAT64_MAX_RELIABLE_HEADS = 4
@@ -91,10 +93,23 @@ class Extraction:
         when the kernels produced non-finite parameters (a failed check says so).
     heads : int
         Canonical head count H* found.
-    queries, max_query_length : int
-        Measured at the oracle boundary.
+    queries : int
+        Answers the extraction used, each answered by the oracle exactly once: the queries asked
+        in this run (``queries_asked``, measured at the oracle boundary) plus those read back from
+        the transcript (``queries_replayed``), which an earlier run's boundary recorded as the
+        oracle answered them. Equals ``promised_queries`` for a complete run.
+    queries_asked, queries_replayed : int
+        Asked of the oracle in this run; read back from the transcript (0 without one).
+    max_query_length : int
+        Longest query whose answer was used (measured at the boundary, or read back).
     promised_queries, promised_max_length : int
-        The schedule's formula (``4 H0 d^2 - 2 H0 + 1``, ``2 H0 + 1``), for comparison.
+        The schedule's formula (paper: ``4 H0 d^2 - 2 H0 + 1``, ``2 H0 + 1``; lean: its count
+        without fallback links), for comparison.
+    schedule : str
+        ``"paper"`` or ``"lean"``.
+    fallback_links : int
+        Lean schedule: column links added where residue labels were too close to match
+        (``2 H0 - 1`` queries each, included in ``queries``).
     precision : int or None
         Bits of the high-precision path, None for float64.
     W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
@@ -125,6 +140,7 @@ class Extraction:
     precision: int | None
     seed: object
     schedule: str
+    fallback_links: int
     error_estimate: float
     answers_residual: float
     instances: InstanceDiagnostics
@@ -132,6 +148,9 @@ class Extraction:
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
     seconds: float = 0.0
+    queries_asked: int = 0
+    queries_replayed: int = 0
+    transcript: str | None = None
 
     @property
     def certified(self) -> bool:
@@ -162,15 +181,17 @@ class Extraction:
     def summary(self) -> dict:
         return {
             "d": self.d, "max_heads": self.max_heads, "heads": self.heads, "queries": self.queries,
+            "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
+            "transcript": self.transcript,
             "promised_queries": self.promised_queries, "max_query_length": self.max_query_length,
             "promised_max_length": self.promised_max_length, "precision": self.precision,
-            "schedule": self.schedule, "seed": self.seed, "error_estimate": self.error_estimate,
+            "schedule": self.schedule, "fallback_links": self.fallback_links, "seed": self.seed, "error_estimate": self.error_estimate,
             "answers_residual": self.answers_residual, "certified": self.certified, "ok": self.ok,
             "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
         }
 
 
-def _validate(d, heads, max_heads, precision, on_failure):
+def _validate(d, heads, max_heads, precision, on_failure, transcript=None, seed=None, max_queries=None):
     def positive_int(name, value, minimum=1):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -184,11 +205,20 @@ def _validate(d, heads, max_heads, precision, on_failure):
         precision = positive_int("precision", precision, minimum=64)
     if on_failure not in ("raise", "warn"):
         raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
+    if max_queries is not None:
+        positive_int("max_queries", max_queries, minimum=0)
+    if transcript is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"transcript= needs an integer seed >= 0 (the resumed run must ask the same queries), "
+                         f"got seed={seed!r}")
     return d, H0, precision
 
 
-def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, token_scale=None,
-            batch_size=1024, progress=None, on_failure="raise") -> Extraction:
+SCHEDULES = {"paper": PaperSchedule, "lean": LeanSchedule}
+
+
+def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="paper",
+            token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
+            max_queries=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -199,27 +229,60 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     max_heads : a bound H0 >= H*; the canonical count is detected on every instance.
     precision : None for float64; bits for the high-precision (python-flint) path.
     seed : seeds the random query vectors (same seed, same queries).
+    schedule : ``"paper"`` (default; exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at most
+        ``2 H0 + 1``) or ``"lean"`` (ALGORITHM.md section 6: about ``(2 H0 - 1) d^2`` queries,
+        heads matched by residue labels, column links added only where labels are ambiguous;
+        see :class:`mhaextract.schedule.LeanSchedule` for the count).
     token_scale : norm of the query vectors (default ``d ** 0.25``, suited to W with entries of
         size ``1/sqrt(d)``; choose it so that ``|z^T W_h x|`` is of order one).
     batch_size : sequences per oracle call.
     progress : show a progress bar (default: when stderr is a terminal).
     on_failure : ``"raise"`` an :class:`ExtractionError` when a check fails (the result is on
         the error), or ``"warn"`` and return it.
+    transcript : path of a SQLite transcript (:mod:`mhaextract.transcript`), or None. Every batch
+        of answers is committed to it as it arrives; re-running with the same transcript and
+        seed reads them back and asks only the missing queries. Needs an integer ``seed``.
+        A transcript of another run (or a corrupt file) raises ``TranscriptError``, untouched.
+    max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
+        raises :class:`~mhaextract.oracle.BudgetExceeded` saying how many (after spending the
+        budget and saving the answers, when there is a transcript).
 
-    Uses exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, measured.
+    The paper schedule uses exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at most
+    ``2 H0 + 1``; every count reported is measured at the oracle boundary.
     """
-    d, H0, precision = _validate(d, heads, max_heads, precision, on_failure)
+    d, H0, precision = _validate(d, heads, max_heads, precision, on_failure, transcript, seed, max_queries)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     heads_given = H0 if heads is not None else None
     started = time.perf_counter()
-    schedule = PaperSchedule(d, H0, seed=seed, token_scale=token_scale)
-    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress)
+    schedule = SCHEDULES[schedule](d, H0, seed=seed, token_scale=token_scale)
     sequences, owners, copies = schedule.queries()
-    answers = boundary.ask(sequences, description=f"querying (d={d}, H0={H0})")
-    if precision is None:
-        result = _learn(schedule, answers, owners, copies, float64_kernel, None)
-    else:
-        with working_precision(precision + GUARD_BITS):
-            result = _learn(schedule, answers, owners, copies, arb_kernel, precision)
+    # The fingerprint hashes the schedule's fixed queries; adaptive ones (lean fallback links) are
+    # checked one by one against the hashes recorded with their answers.
+    record = None
+    try:
+        if transcript is not None:
+            record = Transcript(transcript, run_fingerprint(schedule, int(seed), precision, sequences))
+        boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
+                                  max_queries=max_queries, transcript=record)
+        answers = boundary.ask(sequences, description=f"querying (d={d}, H0={H0})")
+        asked = [(sequences, answers)]
+
+        def ask(instances):
+            """Fallback instances (lean schedule): their queries, asked and recorded."""
+            more, more_owners, more_copies = schedule.instance_queries(instances)
+            more_answers = boundary.ask(more, description=f"fallback links ({len(instances)})")
+            asked.append((more, more_answers))
+            return more_answers, more_owners, more_copies
+
+        kernel = float64_kernel if precision is None else arb_kernel
+        with working_precision((precision or 53) + GUARD_BITS):
+            result = _learn(schedule, answers, owners, copies, kernel, precision, ask)
+    finally:
+        if record is not None:
+            record.close()
+    sequences = [sequence for batch, _ in asked for sequence in batch]
+    answers = np.concatenate([batch_answers for _, batch_answers in asked])
     model, W_balls, v_balls, diagnostics, bijective, error_estimate = result
     if model is None:  # the kernels produced non-finite parameters
         answers_residual = np.inf
@@ -233,9 +296,12 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if model is None:
         checks.append(Check("finite", False, np.inf, 0.0, "the assembled parameters are not finite; no model"))
     extraction = Extraction(
-        model=model, heads=heads, queries=boundary.queries, max_query_length=boundary.max_query_length,
+        model=model, heads=heads, queries=boundary.queries + boundary.replayed,
+        queries_asked=boundary.queries, queries_replayed=boundary.replayed,
+        transcript=None if record is None else record.path, max_query_length=boundary.max_query_length,
         promised_queries=schedule.promised_queries, promised_max_length=schedule.promised_max_length,
         d=d, max_heads=H0, precision=precision, seed=seed, schedule=schedule.name,
+        fallback_links=int((schedule.column_link_index >= 0).sum()) if schedule.name == "lean" else 0,
         error_estimate=error_estimate, answers_residual=answers_residual, instances=diagnostics,
         checks=checks, W_balls=W_balls, v_balls=v_balls, seconds=time.perf_counter() - started,
     )
@@ -244,21 +310,23 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if H0 is not None and any(c.name in ("matching", "poles_real_positive", "labels_consistent", "answers_residual")
                                   for c in extraction.failed_checks):
             message += (f"\nIf the oracle is multi-head attention, heads/max_heads = {H0} may be smaller than its "
-                        "canonical head count, or the precision too low for it.")
+                        "canonical head count, the precision too low for it, or token_scale unsuited to its W "
+                        "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale).")
         if on_failure == "raise":
             raise ExtractionError(message, extraction)
         warnings.warn(message, UnreliableExtractionWarning, stacklevel=2)
     return extraction
 
 
-def _learn(schedule: PaperSchedule, answers, owners, copies, kernel, precision):
+def _learn(schedule: PaperSchedule, answers, owners, copies, kernel, precision, ask):
+    """Fit, match and assemble. ``ask(instance indices)`` queries fallback instances (lean)."""
     d, H0 = schedule.d, schedule.max_poles
     ks = schedule.ks
     n = len(schedule.instances)
     is_hp = precision is not None
     samples = np.empty((n, len(ks)), dtype=object if is_hp else np.float64)
     samples[owners, copies] = answers
-    grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
+    grid, row_links = schedule.grid_index, schedule.row_link_index
     # --- anchors (section 3): F(0) of row 0 is the one-token answer vbar^T x_0.
     anchor = samples[grid[0, 0], 0]
     row0 = grid[0]
@@ -269,18 +337,54 @@ def _learn(schedule: PaperSchedule, answers, owners, copies, kernel, precision):
     counts = np.bincount(ranks[row0], minlength=H0 + 1)
     H_star = int(counts.argmax())
     fits_row0 = kernel.fit(samples[row0], ks, H_star)
-    # vbar^T z_j = vbar^T x_0 - c_j, then vbar = Z^{-T} (vbar^T z_j).
-    vbar = kernel.solve_transposed(schedule.Z, anchor - fits_row0.c)
-    vbar_x = kernel.dot(vbar, schedule.X)  # vbar^T x_i
+    # vbar^T z_j = vbar^T x_0 - c_j, then vbar = Z^{-T} (vbar^T z_j); vbar^T x_i follows.
+    vbar_z = anchor - fits_row0.c
+    vbar = kernel.solve_transposed(schedule.Z, vbar_z)
+    vbar_x = kernel.dot(vbar, schedule.X)
+    vbar_x[0] = anchor  # measured, not recomputed
+
+    def fit_later(indices):
+        """Anchor, rank and fit instances after row 0 (both anchors in the lean schedule)."""
+        constant = None
+        width = len(ks) - 1 if schedule.both_anchors else len(ks)
+        for index in indices:
+            instance = schedule.instances[index]
+            final = vbar_x[0] + vbar_x[instance.i] if instance.role == "column_link" else vbar_x[instance.i]
+            difference = vbar_z[0] + vbar_z[instance.j] if instance.role == "row_link" else vbar_z[instance.j]
+            samples[index, 0] = final  # F(0) = vbar^T x
+            if schedule.both_anchors:
+                samples[index, width] = final - difference  # c = vbar^T (x - z), kept in the spare column
+        block = samples[indices]
+        if schedule.both_anchors:
+            constant, block = block[:, width], block[:, :width]
+        instance_ranks, values = kernel.detect_ranks(block, ks[:width], H0, constant=constant)
+        return instance_ranks, values, kernel.fit(block, ks[:width], H_star, constant=constant)
+
     rest = np.setdiff1d(np.arange(n), row0)
-    for j in range(1, d):
-        samples[row_links[j], 0] = anchor
-    for i in range(1, d):
-        samples[grid[i], 0] = vbar_x[i]
-        samples[column_links[i], 0] = anchor + vbar_x[i]
-    ranks[rest], singular_values[rest] = kernel.detect_ranks(samples[rest], ks, H0)
-    fits_rest = kernel.fit(samples[rest], ks, H_star)
-    fits = _concatenate(fits_row0, fits_rest, row0, rest, n, H_star, is_hp)
+    ranks[rest], singular_values[rest], fits_rest = fit_later(rest)
+    fits = _concatenate([fits_row0, fits_rest], [row0, rest], n)
+
+    # --- lean: heads inside a column match by residue labels; too close -> a column link.
+    label_order = None
+    if schedule.name == "lean" and d > 1 and H_star > 1:
+        reference = np.repeat(grid[0][None, :], d - 1, axis=0).ravel()
+        later = grid[1:].ravel()
+        matches = match_labels(_side(fits, reference), _side(fits, later))
+        label_order = (later, matches)
+        ambiguous = later[matches.ambiguity > CheckPolicy.for_precision(precision).label_ambiguity]
+        if len(ambiguous):
+            links = [schedule.add_column_link(schedule.instances[b].i, schedule.instances[b].j) for b in ambiguous]
+            extra_answers, extra_owners, extra_copies = ask(links)
+            grown = np.empty((len(schedule.instances), len(ks)), dtype=samples.dtype)
+            grown[:n] = samples
+            samples = grown
+            samples[extra_owners, extra_copies] = extra_answers
+            extra_ranks, extra_values, extra_fits = fit_later(np.array(links))
+            ranks = np.concatenate([ranks, extra_ranks])
+            singular_values = np.concatenate([singular_values, extra_values])
+            fits = _concatenate([fits, extra_fits], [np.arange(n), np.array(links)], len(schedule.instances))
+            n = len(schedule.instances)
+    column_links = schedule.column_link_index
 
     # --- matching (section 4): order[inst, h] = which fitted pole of inst is head h, with the
     # heads in the order of instance (0, 0).
@@ -293,13 +397,9 @@ def _learn(schedule: PaperSchedule, answers, owners, copies, kernel, precision):
     def ordered(values, index):
         return np.take_along_axis(values[index], order[index], axis=1)
 
-    def side(index, reorder=True):
-        take = (lambda values: ordered(values, index)) if reorder else (lambda values: values[index])
-        return Side(take(fits.log_poles), take(fits.labels), take(fits.sigma_m), take(fits.sigma_l))
-
     def link(a_index, b_index, link_index, labels_add):
         nonlocal bijective
-        matches = match_links(side(a_index), side(b_index, False), side(link_index, False), labels_add)
+        matches = match_links(_side(fits, a_index, order), _side(fits, b_index), _side(fits, link_index), labels_add)
         order[b_index] = matches.permutation
         order[link_index] = matches.link_heads
         l_a, l_b, l_link = (ordered(fits.labels, index) for index in (a_index, b_index, link_index))
@@ -310,14 +410,23 @@ def _learn(schedule: PaperSchedule, answers, owners, copies, kernel, precision):
         label_residual[link_index] = mismatch.max(axis=1, initial=0.0) / label_scale
         bijective = bijective and bool(matches.bijective.all())
 
-    if d > 1:
+    if d > 1 and (row_links[1:] >= 0).all():
         link(np.full(d - 1, grid[0, 0]), grid[0, 1:], row_links[1:], labels_add=True)
-        link(np.repeat(grid[0][None, :], d - 1, axis=0).ravel(), grid[1:].ravel(), column_links[1:].ravel(),
-             labels_add=False)
+    if label_order is not None:  # lean: a label match is relative to the column's row-0 instance
+        later, matches = label_order
+        reference_order = order[grid[0]][np.array([schedule.instances[b].j for b in later])]
+        order[later] = np.take_along_axis(matches.permutation, reference_order, axis=1)
+        ambiguity[later] = matches.ambiguity
+        bijective = bijective and bool(matches.bijective.all())
+    linked = np.argwhere(column_links >= 0)
+    if d > 1 and len(linked):
+        i, j = linked[:, 0], linked[:, 1]
+        link(grid[0, j], grid[i, j], column_links[i, j], labels_add=False)
+        if label_order is not None:  # the link decided these; its own ambiguity is on the link
+            ambiguity[grid[i, j]] = np.nan
 
     # --- assembly (section 5): M_h[j, i] = m of grid (i, j), l_h[j] from column j.
     m_ordered, l_ordered = ordered(fits.log_poles, np.arange(n)), ordered(fits.labels, np.arange(n))
-    labels_grid = l_ordered[grid].transpose(2, 0, 1)  # (H, i, j)
     if is_hp:
         # Balls: every redundant measurement is itself an enclosure; keep the tightest.
         M, mean_labels = _tightest_balls(schedule, m_ordered, l_ordered)
@@ -382,7 +491,7 @@ def _tightest_balls(schedule: PaperSchedule, m: np.ndarray, labels: np.ndarray):
 
     ``M[j, 0]`` (j >= 1) is grid (0, j) or row link j minus ``M[0, 0]``; ``M[j, i]`` (i >= 1) is
     grid (i, j) or column link (i, j) minus ``M[j, 0]``; ``l[j]`` is any grid or column link
-    instance of column j. Each candidate encloses the truth when its instance is certified, so
+    instance of column j (links the schedule did not ask are skipped). Each candidate encloses the truth when its instance is certified, so
     the choice keeps the certificate and discards ill-conditioned instances.
     """
     d = schedule.d
@@ -397,11 +506,14 @@ def _tightest_balls(schedule: PaperSchedule, m: np.ndarray, labels: np.ndarray):
     for h in range(H):
         M[h, 0, 0] = m[grid[0, 0], h]
         for j in range(1, d):
-            M[h, j, 0] = tightest(m[grid[0, j], h], m[row_links[j], h] - M[h, 0, 0])
+            link = [m[row_links[j], h] - M[h, 0, 0]] if row_links[j] >= 0 else []
+            M[h, j, 0] = tightest(m[grid[0, j], h], *link)
         for j in range(d):
             for i in range(1, d):
-                M[h, j, i] = tightest(m[grid[i, j], h], m[column_links[i, j], h] - M[h, j, 0])
-            l[h, j] = tightest(*labels[grid[:, j], h], *labels[column_links[1:, j], h])
+                link = [m[column_links[i, j], h] - M[h, j, 0]] if column_links[i, j] >= 0 else []
+                M[h, j, i] = tightest(m[grid[i, j], h], *link)
+            links = column_links[1:, j][column_links[1:, j] >= 0]
+            l[h, j] = tightest(*labels[grid[:, j], h], *labels[links, h])
     return M, l
 
 
@@ -444,7 +556,9 @@ def _combine_poles(schedule: PaperSchedule, m: np.ndarray, sigma: np.ndarray) ->
         values = np.where(weights[:, h] > 0, m[:, h], 0.0)
         Aw = A.multiply(weights[:, h][:, None]).tocsr()
         normal = (A.T @ Aw).tocsc()
-        M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, d)
+        with warnings.catch_warnings():  # an unknown with no usable measurement -> NaN, reported
+            warnings.simplefilter("ignore", MatrixRankWarning)
+            M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, d)
     # Posterior standard deviations, to first order along the tree: M[0,0] from its grid
     # instance; M[j,0] and M[j,i] each from a direct and a linked measurement.
     variance = 1.0 / np.maximum(weights, 1e-300)
@@ -453,14 +567,17 @@ def _combine_poles(schedule: PaperSchedule, m: np.ndarray, sigma: np.ndarray) ->
     def combine(direct, linked):
         return 1.0 / (1.0 / direct + 1.0 / linked)
 
+    def linked(link_index, base):
+        return variance[link_index] + base if link_index >= 0 else np.full(H, np.inf)
+
     std = np.empty((H, d, d))
     v00 = variance[grid[0, 0]]
     std[:, 0, 0] = v00
     for j in range(1, d):
-        std[:, j, 0] = combine(variance[grid[0, j]], variance[row_links[j]] + v00)
+        std[:, j, 0] = combine(variance[grid[0, j]], linked(row_links[j], v00))
     for i in range(1, d):
         for j in range(d):
-            std[:, j, i] = combine(variance[grid[i, j]], variance[column_links[i, j]] + std[:, j, 0])
+            std[:, j, i] = combine(variance[grid[i, j]], linked(column_links[i, j], std[:, j, 0]))
     return M, np.sqrt(std)
 
 
@@ -480,18 +597,25 @@ def _combine_labels(schedule: PaperSchedule, labels: np.ndarray, sigma: np.ndarr
     return total / weight, 1.0 / np.sqrt(weight)
 
 
-def _concatenate(first, second, first_index, second_index, n, r, is_hp):
-    """Merge two InstanceFits computed on disjoint index sets into one indexed 0..n-1."""
-    from .kernels.rational import InstanceFits
-
+def _concatenate(parts, indices, n):
+    """Merge InstanceFits computed on disjoint index sets into one indexed 0..n-1."""
     out = {}
     for name in InstanceFits.__dataclass_fields__:
-        a, b = getattr(first, name), getattr(second, name)
-        merged = np.empty((n,) + a.shape[1:], dtype=a.dtype if a.dtype == b.dtype else object)
-        merged[first_index] = a
-        merged[second_index] = b
+        values = [getattr(part, name) for part in parts]
+        same = all(value.dtype == values[0].dtype for value in values)
+        merged = np.empty((n,) + values[0].shape[1:], dtype=values[0].dtype if same else object)
+        for value, index in zip(values, indices):
+            merged[index] = value
         out[name] = merged
     return InstanceFits(**out)
+
+
+def _side(fits: InstanceFits, index, order=None) -> Side:
+    """Poles, labels and their sensitivities of some instances, in head order if ``order`` is given."""
+    def take(values):
+        values = values[index]
+        return values if order is None else np.take_along_axis(values, order[index], axis=1)
+    return Side(take(fits.log_poles), take(fits.labels), take(fits.sigma_m), take(fits.sigma_l))
 
 
 @dataclass(frozen=True)
@@ -511,6 +635,7 @@ class CheckPolicy:
     label_slack: float  # label deviation allowed, in units of its error (ball radius or first order)
     error_estimate: float
     answers_residual: float
+    label_ambiguity: float = 0.01  # lean: a label match less certain than this gets a column link
 
     @classmethod
     def for_precision(cls, precision: int | None) -> "CheckPolicy":
@@ -524,7 +649,6 @@ class CheckPolicy:
 def _checks(diag: InstanceDiagnostics, H_star, precision, bijective, error_estimate, answers_residual,
             known_heads=None):
     policy = CheckPolicy.for_precision(precision)
-    n = len(diag.rank)
     checks = []
 
     def fraction_check(name, flags, message):

@@ -108,3 +108,28 @@ def match_links(a: Side, b: Side, link: Side, labels_add: bool) -> LinkMatches:
             ambiguity[row] = np.nan_to_num(np.sqrt(worst / competitor), nan=np.inf) if competitor > 0 else np.inf
         bijective[row] = len(set(link_heads[row])) == r
     return LinkMatches(permutation, link_heads, pole_residual, ambiguity, bijective)
+
+
+def match_labels(a: Side, b: Side) -> LinkMatches:
+    """Match heads of instances sharing a difference ``z`` by their residue labels alone.
+
+    Residue labels ``l_h = v_h^T z`` do not depend on the final token (ALGORITHM.md section 6):
+    instances of one grid column carry the same labels. Cost ``(l^a_h - l^b_g)^2 / (s_a^2 + s_b^2)``;
+    ``ambiguity`` as for links: equal labels (equal ``v``'s) give 1 and call for a link.
+    """
+    n, r = np.shape(a.m)
+    permutation = np.zeros((n, r), dtype=int)
+    ambiguity = np.zeros(n)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        miss = _squared(a.l[:, :, None] - b.l[:, None, :])
+        variance = np.maximum(a.s_l[:, :, None] ** 2 + b.s_l[:, None, :] ** 2, 1e-300)
+        cost = np.nan_to_num(miss / variance, nan=np.inf)
+    for row in range(n):
+        rows, cols = linear_sum_assignment(np.minimum(cost[row], 1e300))
+        permutation[row] = cols
+        if r > 1:
+            competitor = min(np.delete(cost[row, h], cols[h]).min() for h in range(r))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                value = np.sqrt(cost[row, rows, cols].max() / competitor) if competitor > 0 else np.inf
+            ambiguity[row] = np.nan_to_num(value, nan=np.inf)
+    return LinkMatches(permutation, np.zeros((n, r), dtype=int), np.zeros(n), ambiguity, np.ones(n, dtype=bool))

@@ -112,6 +112,20 @@ class MultiHeadAttention:
         v = rng.standard_normal((heads, d))
         return cls(W, v)
 
+    def suggested_token_scale(self) -> float:
+        """The token norm ``s`` at which the schedule's log-poles ``z^T W_h x`` are of order one.
+
+        For ``x``, ``z`` of norm ``s`` in independent uniformly random directions,
+        ``E[(z^T W x)^2] = s^4 ||W||_F^2 / d^2``; the RMS is one at ``s = sqrt(d / ||W||_F)``,
+        taken for the largest ``||W_h||_F``. For W with N(0, 1/d) entries (``||W||_F ~ sqrt(d)``)
+        this is ``d ** 0.25``, the default of :func:`mhaextract.extract`.
+        """
+        norms = [float(np.linalg.norm(np.asarray(W_h, dtype=np.float64))) for W_h in self.to_float64().W]
+        largest = max(norms, default=0.0)
+        if largest == 0.0:
+            raise ValueError("every W_h is zero: the scores do not depend on the tokens, any token_scale will do")
+        return float(np.sqrt(self.d / largest))
+
     def to_float64(self) -> "MultiHeadAttention":
         if not self.is_high_precision:
             return self

@@ -24,9 +24,17 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     mode = "float64" if e.precision is None else f"{e.precision} bits"
     table.add_row("d", str(e.d), "")
     table.add_row("H (bound H0)", str(e.max_heads), f"schedule '{e.schedule}', {mode}")
-    table.add_row("queries (measured)", str(e.queries),
-                  f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
-                  + ("" if e.queries == e.promised_queries else "  MISMATCH"))
+    if e.schedule == "paper":
+        formula = f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
+        formula += "" if e.queries == e.promised_queries else "  MISMATCH"
+    else:
+        formula = (f"lean formula {e.promised_queries} + {e.fallback_links} fallback links; "
+                   f"paper {4 * e.max_heads * e.d**2 - 2 * e.max_heads + 1}; "
+                   f"lower bound H*(d^2+d) = {e.heads * (e.d**2 + e.d)}")
+    table.add_row("queries (measured)", str(e.queries), formula)
+    if e.transcript is not None:
+        table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
+                      f"this run / read back from {e.transcript}")
     table.add_row("longest query", str(e.max_query_length), f"formula 2*H0 + 1 = {e.promised_max_length}")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:

@@ -105,9 +105,12 @@ class PaperSchedule:
         self.column_link_index = np.full((self.d, self.d), -1)
         self._build()
 
-    def _add(self, role: str, i: int, j: int, final, difference, first_k: int) -> int:
-        ks = tuple(range(first_k, 2 * self.max_poles + 1))
-        self.instances.append(Instance(role, i, j, final, difference, ks))
+    #: Instances after row 0 know F(0) only (paper) or both anchors F(0) and c (lean).
+    both_anchors = False
+
+    def _add(self, role: str, i: int, j: int, final, difference, first_k: int, last_k: int | None = None) -> int:
+        last = 2 * self.max_poles if last_k is None else last_k
+        self.instances.append(Instance(role, i, j, final, difference, tuple(range(first_k, last + 1))))
         return len(self.instances) - 1
 
     def _build(self) -> None:
@@ -138,10 +141,68 @@ class PaperSchedule:
 
     def queries(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """All queries in order: (sequences, instance index of each, copy count k of each)."""
+        return self.instance_queries(range(len(self.instances)))
+
+    def instance_queries(self, indices) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Queries of the given instances: (sequences, instance index of each, copy count k)."""
         sequences, owners, copies = [], [], []
-        for index, instance in enumerate(self.instances):
-            for k in instance.ks:
-                sequences.append(instance.sequence(k))
+        for index in indices:
+            for k in self.instances[index].ks:
+                sequences.append(self.instances[index].sequence(k))
                 owners.append(index)
                 copies.append(k)
-        return sequences, np.array(owners), np.array(copies)
+        return sequences, np.array(owners, dtype=int), np.array(copies, dtype=int)
+
+
+class LeanSchedule(PaperSchedule):
+    """The lean schedule of ALGORITHM.md section 6 (``extract(..., schedule="lean")``).
+
+    Row 0 is asked as in the paper (``vbar`` becomes known on R^d). Every later instance then
+    knows both anchors, ``F(0) = vbar^T x`` and ``c = vbar^T y``, so ``k = 1..2 H0 - 1`` suffice
+    (``2 H0 - 1`` queries). Heads are matched inside each column by their residue labels
+    ``l_h = v_h^T z_j``, which do not depend on the final token: only the ``d - 1`` row links
+    remain (none for ``H0 = 1``, where nothing needs matching). Where two labels of a column are
+    too close to match, the learner adds that instance's column link (:meth:`add_column_link`).
+
+    Queries without fallback links::
+
+        H0 = 1:   3 + 2 (d - 1) + d (d - 1)                                  = d^2 + d + 1
+        H0 >= 2:  (2 H0 + 1) + 2 H0 (d - 1) + (2 H0 - 1)(d - 1) + (2 H0 - 1) d (d - 1)
+                = (2 H0 + 1) + 2 H0 (d - 1) + (2 H0 - 1)(d^2 - 1)
+
+    plus ``2 H0 - 1`` per fallback column link. The information lower bound is the number of
+    parameters, ``H (d^2 + d)``.
+    """
+
+    name = "lean"
+    both_anchors = True
+
+    def _build(self) -> None:
+        x, z = self.X.T, self.Z.T
+        H0, last = self.max_poles, 2 * self.max_poles - 1
+        self.grid_index[0, 0] = self._add("grid", 0, 0, x[0], z[0], 0)
+        for j in range(1, self.d):
+            self.grid_index[0, j] = self._add("grid", 0, j, x[0], z[j], 1)
+        if H0 >= 2:
+            for j in range(1, self.d):
+                self.row_link_index[j] = self._add("row_link", 0, j, x[0], z[0] + z[j], 1, last)
+        for i in range(1, self.d):
+            for j in range(self.d):
+                self.grid_index[i, j] = self._add("grid", i, j, x[i], z[j], 1, last)
+
+    def add_column_link(self, i: int, j: int) -> int:
+        """Add the fallback column link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``)."""
+        if self.column_link_index[i, j] >= 0:
+            raise ValueError(f"column link ({i}, {j}) is already scheduled")
+        x, z = self.X.T, self.Z.T
+        index = self._add("column_link", i, j, x[0] + x[i], z[j], 1, 2 * self.max_poles - 1)
+        self.column_link_index[i, j] = index
+        return index
+
+    @property
+    def promised_queries(self) -> int:
+        """The lean count without fallback links (for comparison; runs report measured counts)."""
+        d, H0 = self.d, self.max_poles
+        if H0 == 1:
+            return d * d + d + 1
+        return (2 * H0 + 1) + 2 * H0 * (d - 1) + (2 * H0 - 1) * (d * d - 1)

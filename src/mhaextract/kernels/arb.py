@@ -26,7 +26,7 @@ import numpy as np
 from flint import acb_poly, arb, arb_mat, arb_poly, ctx
 
 from ..highprec import arb_to_mpf, magnitude_float, mid_float
-from .rational import InstanceFits, sensitivities, support_split
+from .rational import InstanceFits, rank_split, sensitivities, support_split
 
 
 def rank_tolerance() -> float:
@@ -43,12 +43,16 @@ def loewner(samples: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.n
     return L
 
 
-def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pole count of each instance (rows of ``samples``, balls) and relative Loewner singular values."""
+def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int, constant=None) -> tuple[np.ndarray, np.ndarray]:
+    """Pole count of each instance (rows of ``samples``, balls) and relative Loewner singular values.
+
+    ``constant`` (n,) balls: the known c of each instance (lean schedule), or None."""
     n = samples.shape[0]
     if max_poles == 0:
         return np.zeros(n, dtype=int), np.zeros((n, 0))
-    support, test = support_split(samples.shape[1], max_poles)
+    if constant is not None:
+        samples = samples - np.asarray(constant, dtype=object)[:, None]
+    support, test = rank_split(samples.shape[1], max_poles, constant is not None)
     tolerance = rank_tolerance()
     ranks = np.zeros(n, dtype=int)
     relative = np.zeros((n, max_poles))
@@ -81,17 +85,23 @@ def _isolated_roots(polynomial: acb_poly) -> list:
     return polynomial.roots(maxprec=4 * ctx.prec)  # isolation only; raises ValueError when even that fails
 
 
-def _approximate_fit(F: np.ndarray, ks: np.ndarray, poles: int):
-    """Midpoint solution (c, tau, rho) from the barycentric form, and the largest |Im| / |p| of the poles."""
+def _approximate_fit(F: np.ndarray, ks: np.ndarray, poles: int, constant=None):
+    """Midpoint solution ((c,) tau, rho) from the barycentric form, and the largest |Im| / |p| of the poles.
+
+    With ``constant`` (c known) the fit is of ``G = F - c`` with the condition at infinity
+    ``sum_a w_a G(s_a) = 0`` as the last row, and the solution omits c."""
+    if constant is not None:
+        F = np.array([value - constant for value in F], dtype=object)
     support, test = support_split(len(F), poles)
-    L = loewner(F, ks, support, test[:poles])  # a square system; further test points checked later
+    rows = poles - 1 if constant is not None else poles
+    L = loewner(F, ks, support, test[:rows])  # a square system; further test points checked later
     # Null vector with the last weight fixed to 1: L[:, :r] w' = -L[:, r].
     A = arb_mat(poles, poles)
     b = arb_mat(poles, 1)
     for row in range(poles):
         for col in range(poles):
-            A[row, col] = _mid(L[row, col])
-        b[row, 0] = -_mid(L[row, poles])
+            A[row, col] = _mid(L[row, col]) if row < rows else _mid(F[support[col]])
+        b[row, 0] = -_mid(L[row, poles]) if row < rows else -_mid(F[support[poles]])
     solution = A.solve(b)
     weights = [_mid(solution[a, 0]) for a in range(poles)] + [arb(1)]
     s = [int(ks[a]) for a in support]
@@ -113,27 +123,32 @@ def _approximate_fit(F: np.ndarray, ks: np.ndarray, poles: int):
         numerator = sum((w * fa / (pole - sa) for w, fa, sa in zip(weights, f, s)), arb(0))
         derivative = -sum((w / (pole - sa) ** 2 for w, sa in zip(weights, s)), arb(0))
         rho.append(_mid(numerator / derivative))
-    return [_mid(c)] + [-pole for pole in p] + rho, imaginary
+    head = [] if constant is not None else [_mid(c)]
+    return head + [-pole for pole in p] + rho, imaginary
 
 
-def _system(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray):
-    """Residuals ``c + sum rho/(k + tau) - F(k)`` at ``ks[rows]`` and their Jacobian in (c, tau, rho)."""
-    r = (len(u) - 1) // 2
-    c, tau, rho = u[0], u[1:r + 1], u[r + 1:]
+def _system(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray, constant=None):
+    """Residuals ``c + sum rho/(k + tau) - F(k)`` at ``ks[rows]`` and their Jacobian in the unknowns
+    ``u = (c, tau, rho)``, or ``u = (tau, rho)`` with ``constant`` (a known c, a ball) given."""
+    first = 0 if constant is not None else 1
+    r = (len(u) - first) // 2
+    c = constant if constant is not None else u[0]
+    tau, rho = u[first:first + r], u[first + r:]
     residual = arb_mat(len(rows), 1)
     J = arb_mat(len(rows), len(u))
     for row, index in enumerate(rows):
         k = int(ks[index])
         inverse = [1 / (k + t) for t in tau]
         residual[row, 0] = c + sum((p * q for p, q in zip(rho, inverse)), arb(0)) - F[index]
-        J[row, 0] = arb(1)
+        if first:
+            J[row, 0] = arb(1)
         for h in range(r):
-            J[row, 1 + h] = -rho[h] * inverse[h] ** 2
-            J[row, 1 + r + h] = inverse[h]
+            J[row, first + h] = -rho[h] * inverse[h] ** 2
+            J[row, first + r + h] = inverse[h]
     return residual, J
 
 
-def _certify(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray):
+def _certify(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray, constant=None):
     """Newton-polish ``u`` on the square system at ``rows``, then enclose the exact solution.
 
     Krawczyk: with ``Y ~ J(u)^{-1}`` and a box ``X`` around ``u``, if
@@ -142,12 +157,12 @@ def _certify(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray):
     """
     size = len(u)
     for _ in range(12):  # quadratic convergence from the barycentric start
-        f, J = _system(u, ks, F, rows)
+        f, J = _system(u, ks, F, rows, constant)
         step = J.solve(f)
         u = [_mid(u[a] - step[a, 0]) for a in range(size)]
         if all(abs(step[a, 0].mid()) <= abs(u[a].mid()) * arb(2) ** -(ctx.prec - 8) for a in range(size)):
             break
-    f, J = _system(u, ks, F, rows)
+    f, J = _system(u, ks, F, rows, constant)
     Y = arb_mat(size, size)
     inverse = J.inv()
     for a in range(size):
@@ -160,7 +175,7 @@ def _certify(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray):
     radius = [abs(correction[a, 0]).upper() * 2 + abs(u[a]).upper() * arb(2) ** -(ctx.prec - 16) for a in range(size)]
     for _ in range(4):  # epsilon-inflation: grow each radius to what K(X) needed, plus margin
         X = [arb(u[a].mid(), radius[a]) for a in range(size)]
-        _, J_box = _system(X, ks, F, rows)
+        _, J_box = _system(X, ks, F, rows, constant)
         offset = arb_mat(size, 1)
         for a in range(size):
             offset[a, 0] = X[a] - u[a]
@@ -176,11 +191,14 @@ def _certify(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray):
     return [arb(u[a].mid(), first_order[a]) for a in range(size)], False
 
 
-def _fit_one(F: np.ndarray, ks: np.ndarray, poles: int):
+def _fit_one(F: np.ndarray, ks: np.ndarray, poles: int, constant=None):
     """One instance: (c, log-poles, labels, imaginary, nonpositive, residual ball, certified) or raises."""
-    u, imaginary = _approximate_fit(F, ks, poles)
-    rows = np.arange(2 * poles + 1)  # the first 2r + 1 samples determine the fit; the rest check it
-    balls, certified = _certify(u, ks, F, rows)
+    u, imaginary = _approximate_fit(F, ks, poles, constant)
+    # The first 2r + 1 samples (2r with c known) determine the fit; the rest check it.
+    rows = np.arange(2 * poles + (0 if constant is not None else 1))
+    balls, certified = _certify(u, ks, F, rows, constant)
+    if constant is not None:
+        balls = [constant] + list(balls)
     c, tau, rho = balls[0], balls[1:poles + 1], balls[poles + 1:]
     residual = arb(0)
     for k, value in zip(ks, F):
@@ -192,8 +210,9 @@ def _fit_one(F: np.ndarray, ks: np.ndarray, poles: int):
     return c, m, labels, (0.0 if certified else imaginary), nonpositive, residual, certified
 
 
-def fit(samples: np.ndarray, ks: np.ndarray, poles: int) -> InstanceFits:
-    """Fit every row of ``samples`` (object array of balls, (n, K)) with ``poles`` poles."""
+def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None) -> InstanceFits:
+    """Fit every row of ``samples`` (object array of balls, (n, K)) with ``poles`` poles;
+    ``constant`` (n,) balls: the known c of each instance, or None to fit c too."""
     n, K = samples.shape
     c = np.empty(n, dtype=object)
     m = np.empty((n, poles), dtype=object)
@@ -205,13 +224,13 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int) -> InstanceFits:
     scale = np.maximum(magnitude_float(samples).max(axis=1), 1e-300)
     for row in range(n):
         if poles == 0:
-            c[row] = sum(samples[row], arb(0)) / K
+            c[row] = constant[row] if constant is not None else sum(samples[row], arb(0)) / K
             residual[row] = max(float(abs(value - c[row]).upper()) for value in samples[row]) / scale[row]
             certified[row] = True
             continue
         try:
             c[row], m[row], labels[row], imaginary[row], nonpositive[row], res, certified[row] = _fit_one(
-                samples[row], ks, poles)
+                samples[row], ks, poles, None if constant is None else constant[row])
             residual[row] = float(res.upper()) / scale[row]
         except (ValueError, ZeroDivisionError):  # singular solve or roots not isolated
             c[row] = arb("nan")
@@ -222,7 +241,8 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int) -> InstanceFits:
     with np.errstate(invalid="ignore"):
         gaps = np.diff(m_mid, axis=1)
     pole_gap = np.min(np.abs(np.nan_to_num(gaps, nan=np.inf)), axis=1) if poles > 1 else np.full(n, np.inf)
-    condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m_mid), mid_float(labels), scale)
+    condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m_mid), mid_float(labels), scale,
+                                                constant_known=constant is not None)
     if poles == 0:
         condition = np.full(n, 1.0 / np.sqrt(K))
     return InstanceFits(c, m, labels, pole_gap, imaginary, nonpositive, residual, condition, sigma_m, sigma_l,

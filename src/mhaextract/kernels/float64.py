@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.linalg import null_space
 
-from .rational import InstanceFits, sensitivities, support_split
+from .rational import InstanceFits, rank_split, sensitivities, support_split
 
 #: Relative singular value below which a Loewner direction counts as numerically zero.
 RANK_TOLERANCE = 1e-11
@@ -33,15 +33,18 @@ def loewner(samples: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.n
     return (F_test - F_support) / gaps
 
 
-def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int) -> tuple[np.ndarray, np.ndarray]:
+def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int, constant=None) -> tuple[np.ndarray, np.ndarray]:
     """Pole count of each instance from the singular values of its even/odd Loewner matrix.
 
+    ``constant`` (n,): the known c of each instance (lean schedule), or None.
     Returns (ranks (n,), singular values relative to the largest (n, H0)).
     """
     n = samples.shape[0]
     if max_poles == 0:
         return np.zeros(n, dtype=int), np.zeros((n, 0))
-    support, test = support_split(samples.shape[1], max_poles)
+    if constant is not None:
+        samples = samples - np.asarray(constant, dtype=np.float64)[:, None]
+    support, test = rank_split(samples.shape[1], max_poles, constant is not None)
     sv = np.linalg.svd(loewner(samples, ks, support, test), compute_uv=False)
     # Samples scale: a constant F (rank 0) has a zero Loewner matrix.
     scale = np.abs(samples).max(axis=1)
@@ -68,22 +71,30 @@ def poles_from_weights(weights: np.ndarray, support_points: np.ndarray) -> np.nd
     return np.linalg.eigvals(A)
 
 
-def fit(samples: np.ndarray, ks: np.ndarray, poles: int) -> InstanceFits:
+def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None) -> InstanceFits:
     """Fit ``F(k) = c + sum_h rho_h / (k + tau_h)`` with ``poles`` terms to every row of ``samples``.
 
-    ``samples`` (n, K) holds F at ``ks`` (K,). Returns :class:`InstanceFits` with float64 arrays.
+    ``samples`` (n, K) holds F at ``ks`` (K,); ``constant`` (n,) the known c of each instance
+    (both anchors known: then ``2 poles`` samples suffice), or None to fit c too.
+    Returns :class:`InstanceFits` with float64 arrays.
     """
     samples = np.asarray(samples, dtype=np.float64)
     n, K = samples.shape
     scale = np.maximum(np.abs(samples).max(axis=1), np.finfo(float).tiny)
+    known = constant is not None
+    if known:
+        constant = np.asarray(constant, dtype=np.float64)
     if poles == 0:
-        c = samples.mean(axis=1)
+        c = constant if known else samples.mean(axis=1)
         residual = np.abs(samples - c[:, None]).max(axis=1) / scale
         empty = np.zeros((n, 0))
         return InstanceFits(c, empty, empty, np.full(n, np.inf), np.zeros(n), np.zeros(n, bool), residual,
                             np.full(n, 1.0 / np.sqrt(K)), empty, empty, np.zeros(n, bool))
+    target = samples - constant[:, None] if known else samples
     support, test = support_split(K, poles)
-    L = loewner(samples, ks, support, test)
+    L = loewner(target, ks, support, test)
+    if known:  # G = F - c vanishes at infinity: sum_a w_a G(s_a) = 0
+        L = np.concatenate([L, target[:, None, support]], axis=1)
     # Normalise rows so that samples of very different size weigh alike in the SVD.
     _, _, Vt = np.linalg.svd(L / scale[:, None, None])
     weights = Vt[:, -1, :]  # null vector (n, r + 1)
@@ -92,14 +103,16 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int) -> InstanceFits:
     tau = -p.real
     nonpositive = (tau <= 0).any(axis=1)
     tau = np.where(tau > 0, tau, np.nan)
-    # (c, rho) by least squares on the Cauchy matrix over all samples.
-    C = np.concatenate([np.ones((n, K, 1)), 1.0 / (ks[None, :, None] + tau[:, None, :])], axis=2)
+    # (c, rho) (or rho alone) by least squares on the Cauchy matrix over all samples.
+    C = 1.0 / (ks[None, :, None] + tau[:, None, :])
+    if not known:
+        C = np.concatenate([np.ones((n, K, 1)), C], axis=2)
     bad = ~np.isfinite(C).all(axis=(1, 2))
     C[bad] = np.nan_to_num(C[bad], nan=0.0, posinf=0.0, neginf=0.0)
     U, s, Vt = np.linalg.svd(C, full_matrices=False)
-    coefficients = np.einsum("nji,nj,nj->ni", Vt, 1.0 / np.maximum(s, 1e-300), np.einsum("nkj,nk->nj", U, samples))
-    c, rho = coefficients[:, 0], coefficients[:, 1:]
-    residual = np.abs(np.einsum("nkj,nj->nk", C, coefficients) - samples).max(axis=1) / scale
+    coefficients = np.einsum("nji,nj,nj->ni", Vt, 1.0 / np.maximum(s, 1e-300), np.einsum("nkj,nk->nj", U, target))
+    c, rho = (constant, coefficients) if known else (coefficients[:, 0], coefficients[:, 1:])
+    residual = np.abs(np.einsum("nkj,nj->nk", C, coefficients) - target).max(axis=1) / scale
     residual[bad] = np.inf
     m = np.log(tau)
     labels = rho / tau
@@ -108,7 +121,7 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int) -> InstanceFits:
     labels = np.take_along_axis(labels, order, axis=1)
     gaps = np.diff(m, axis=1)
     pole_gap = np.min(np.nan_to_num(gaps, nan=np.inf), axis=1) if poles > 1 else np.full(n, np.inf)
-    condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale)
+    condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale, constant_known=known)
     return InstanceFits(c, m, labels, pole_gap, imaginary, nonpositive, residual, condition, sigma_m, sigma_l,
                         np.zeros(n, bool))
 

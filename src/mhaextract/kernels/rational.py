@@ -13,6 +13,11 @@ the weights ``w`` span the null space of the Loewner matrix of the remaining (te
 whose rank is r whenever there are at least r test points and r + 1 support points: the rank of
 the Loewner matrix of the full even/odd split detects H* from a bound H0. The poles are the
 zeros of D, the residues ``rho_h = N(p_h) / D'(p_h)`` and ``c = sum_a w_a F(s_a) / sum_a w_a``.
+
+When both anchors are known (ALGORITHM.md section 3, the lean schedule) c is given: the fit is
+of ``G = F - c``, which vanishes at infinity. That is one more linear condition on the weights,
+``sum_a w_a G(s_a) = 0`` (the barycentric value at infinity), appended to the Loewner rows, so
+``2r`` samples suffice.
 """
 
 from __future__ import annotations
@@ -55,6 +60,15 @@ class InstanceFits:
     certified: np.ndarray
 
 
+def rank_split(n_samples: int, max_poles: int, constant_known: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Support and test points of the Loewner matrix whose rank is the pole count (<= max_poles).
+
+    ``2 H0 + 1`` samples: H0 + 1 support, H0 test points. With c known (``F - c`` vanishes at
+    infinity, one sample fewer, ``2 H0``): H0 support and H0 test points.
+    """
+    return support_split(n_samples, max_poles - 1 if constant_known else max_poles)
+
+
 def support_split(n_samples: int, poles: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices of ``poles + 1`` support points spread over the samples, and the test points.
 
@@ -71,7 +85,7 @@ def rank_from_singular_values(relative_sv: np.ndarray, tolerance: float) -> np.n
     return (relative_sv > tolerance).sum(axis=-1)
 
 
-def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np.ndarray):
+def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np.ndarray, constant_known: bool = False):
     """First-order amplification from sample errors to parameter errors, per instance.
 
     ``J[k] = dF(k)/d(c, m_1..m_r, l_1..l_r)`` with ``F = c + sum tau l / (k + tau)``,
@@ -86,7 +100,8 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
     * ``sigma_m``, ``sigma_l`` (n, r): ``scale * sqrt(diag((J^T J)^{-1}))`` for the m's and l's,
       the per-parameter change for i.i.d. unit relative sample errors (used as weights).
 
-    Shapes: ks (K,), tau and labels (n, r). Rows with non-finite parameters get inf.
+    Shapes: ks (K,), tau and labels (n, r). Rows with non-finite parameters get inf. With
+    ``constant_known`` (both anchors of ALGORITHM.md section 3 known) the column of c is dropped.
     """
     n, r = tau.shape
     finite = np.isfinite(tau).all(axis=1) & np.isfinite(labels).all(axis=1)
@@ -101,6 +116,8 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
         [np.ones((int(finite.sum()), len(ks), 1)), t * labels[finite][:, None, :] * k / (k + t) ** 2, t / (k + t)],
         axis=2,
     )
+    if constant_known:
+        J = J[:, :, 1:]
     _, s, Vt = np.linalg.svd(J, full_matrices=False)
     # A column m_h with l_h = 0 is zero: such a pole is not identifiable (and not canonical).
     with np.errstate(divide="ignore"):
@@ -108,6 +125,7 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
         variances = np.einsum("nij,ni->nj", Vt**2, inverse**2)
     scale = scale[finite]
     condition[finite] = scale * inverse[:, -1]
-    sigma_m[finite] = scale[:, None] * np.sqrt(variances[:, 1:r + 1])
-    sigma_l[finite] = scale[:, None] * np.sqrt(variances[:, r + 1:])
+    first = 0 if constant_known else 1
+    sigma_m[finite] = scale[:, None] * np.sqrt(variances[:, first:first + r])
+    sigma_l[finite] = scale[:, None] * np.sqrt(variances[:, first + r:])
     return condition, sigma_m, sigma_l
