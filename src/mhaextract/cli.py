@@ -138,7 +138,8 @@ def bench(
     from .bench import BenchSettings, run_bench
 
     overrides = {name: value for name, value in [("ds", d), ("heads", heads), ("seed", seed), ("restarts", restarts),
-                                                 ("adam_steps", adam_steps), ("lbfgs_steps", lbfgs_steps)] if value}
+                                                 ("adam_steps", adam_steps), ("lbfgs_steps", lbfgs_steps)]
+                 if value is not None and value != []}
     try:
         settings = BenchSettings.quick(**overrides) if quick else BenchSettings(**overrides)
     except ValueError as error:
