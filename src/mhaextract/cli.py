@@ -185,5 +185,31 @@ def report_noise(
                   f"valid_below, the certificate held in {held} of them")
 
 
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="d in {4, 8}, H in {1, 2}, fewer restarts and steps"),
+    out: str = typer.Option("benchmarks/out", "--out", help="folder for bench.md and bench.png"),
+    d: list[int] = typer.Option(None, "--d", help="token dimensions (repeat the option; default 4 8 16)"),
+    heads: list[int] = typer.Option(None, "--heads", help="head counts (repeat the option; default 1 2 3)"),
+    seed: int = typer.Option(0, "--seed", help="seeds the targets, the queries and the students"),
+    restarts: int = typer.Option(None, "--restarts", help="distillation restarts (default 12, quick 6)"),
+    adam_steps: int = typer.Option(None, "--adam-steps", help="distillation Adam steps (default 1500, quick 600)"),
+    lbfgs_steps: int = typer.Option(None, "--lbfgs-steps", help="L-BFGS iterations per restart (default 300, quick 200)"),
+) -> None:
+    """mhaextract beside the single-head algorithm and gradient distillation, same targets, same run."""
+    from .bench import BenchSettings, run_bench
+
+    overrides = {name: value for name, value in [("ds", d), ("heads", heads), ("seed", seed), ("restarts", restarts),
+                                                 ("adam_steps", adam_steps), ("lbfgs_steps", lbfgs_steps)]
+                 if value is not None and value != []}
+    try:
+        settings = BenchSettings.quick(**overrides) if quick else BenchSettings(**overrides)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    console = Console(width=400)
+    run_bench(settings, out_dir=out, console=console)
+    console.print(f"wrote {out}/bench.md and {out}/bench.png")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()
