@@ -16,14 +16,18 @@ TINY = dict(ds=(3,), heads=(1, 2), restarts=2, adam_steps=30, lbfgs_steps=10)
 def test_run_bench_measures_every_method_and_marks_baseline_wins(tmp_path):
     rows = run_bench(BenchSettings(**TINY), out_dir=tmp_path)
     general = [row for row in rows if row.table == "general"]
-    assert [(r.H, r.method) for r in general] == [(1, "mhaextract"), (1, "single-head"), (1, "distillation"),
-                                                 (2, "mhaextract"), (2, "single-head"), (2, "distillation")]
+    methods = ["mhaextract", "mhaextract+refine", "single-head", "distillation"]
+    assert [(r.H, r.method) for r in general] == [(H, method) for H in (1, 2) for method in methods]
     by = {(r.H, r.method): r for r in general}
     # Queries are the boundary's measurements: the paper's count for ours and the student, d^2 + d for single-head.
     assert by[1, "mhaextract"].queries == by[1, "distillation"].queries == 4 * 9 - 2 + 1
     assert by[2, "mhaextract"].queries == by[2, "distillation"].queries == 8 * 9 - 4 + 1
     assert by[1, "single-head"].queries == by[2, "single-head"].queries == 12
     assert by[1, "mhaextract"].error < 1e-10 and by[2, "mhaextract"].error < 1e-8
+    # Refinement spends no query and does not lose accuracy.
+    for H in (1, 2):
+        assert by[H, "mhaextract+refine"].queries == by[H, "mhaextract"].queries
+        assert by[H, "mhaextract+refine"].error <= max(by[H, "mhaextract"].error, 1e-13)
     # H = 1: the prior algorithm finds the head with fewer queries; the table must say so.
     assert by[1, "single-head"].error < 1e-12 and "queries" in by[1, "single-head"].wins
     # H = 2: it finds one head; fewer queries is no win then.
@@ -31,13 +35,13 @@ def test_run_bench_measures_every_method_and_marks_baseline_wins(tmp_path):
     assert "queries" not in by[2, "single-head"].wins
     for row in general:
         ours = by[row.H, "mhaextract"]
-        if row.method != "mhaextract":
+        if not row.method.startswith("mhaextract"):
             assert row.time_ratio == pytest.approx(row.seconds / ours.seconds)
     orthogonal = [row for row in rows if row.table == "orthogonal"]
     assert [r.method for r in orthogonal] == ["mhaextract", "single-head"]
     assert orthogonal[1].queries == (4 + 2) + (1 + 1) and orthogonal[1].error < 1e-12
     table = (tmp_path / "bench.md").read_text()
-    assert table.count("| 3 | 1 |") == 3 and table.count("| 3 | 2 |") == 5 and "**queries**" in table
+    assert table.count("| 3 | 1 |") == 4 and table.count("| 3 | 2 |") == 6 and "**queries**" in table
     png = tmp_path / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
