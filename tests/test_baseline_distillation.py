@@ -7,19 +7,11 @@ import mhaextract as mx
 from mhaextract.baselines import distill
 from mhaextract.baselines.distillation import _forward, _padded, paper_budget, random_queries
 
+from conftest import CountingOracle
+
 torch = pytest.importorskip("torch")
 
 
-class CountingOracle:
-    def __init__(self, target):
-        self.inner = mx.SimulatedOracle(target)
-        self.count = 0
-        self.longest = 0
-
-    def __call__(self, batch):
-        self.count += len(batch)
-        self.longest = max([self.longest] + [len(X) for X in batch])
-        return self.inner(batch)
 
 
 def test_random_queries_have_the_stated_lengths_and_scales():

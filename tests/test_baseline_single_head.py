@@ -11,19 +11,9 @@ import mhaextract as mx
 from mhaextract.baselines import extract_single_head
 from mhaextract.highprec import to_arb
 
+from conftest import CountingOracle
 
-class CountingOracle:
-    """An independent count on the user's side of the boundary."""
 
-    def __init__(self, target, precision=None):
-        self.inner = mx.SimulatedOracle(target, precision)
-        self.count = 0
-        self.longest = 0
-
-    def __call__(self, batch):
-        self.count += len(batch)
-        self.longest = max([self.longest] + [len(X) for X in batch])
-        return self.inner(batch)
 
 
 def encloses(balls, truth):

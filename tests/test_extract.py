@@ -10,25 +10,13 @@ from hypothesis import strategies as st
 import mhaextract as mx
 from mhaextract.highprec import to_arb
 
-from conftest import hp_error
+from conftest import CountingOracle, hp_error
 
 
 def paper_count(d, H):
     return 4 * H * d * d - 2 * H + 1
 
 
-class CountingOracle:
-    """An independent count at the user's side of the boundary."""
-
-    def __init__(self, target, precision=None):
-        self.inner = mx.SimulatedOracle(target, precision)
-        self.count = 0
-        self.longest = 0
-
-    def __call__(self, batch):
-        self.count += len(batch)
-        self.longest = max([self.longest] + [len(X) for X in batch])
-        return self.inner(batch)
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 5])

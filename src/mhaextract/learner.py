@@ -60,6 +60,31 @@ class Check:
         return f"{self.name}: {status} ({self.value:.3g} vs {self.threshold:.3g}) {self.message}"
 
 
+class CheckedResult:
+    """What every result with ``checks`` answers: did it pass, and what failed."""
+
+    checks: list
+
+    @property
+    def ok(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [check for check in self.checks if not check.passed]
+
+
+def report_failure(result: CheckedResult, what: str, on_failure: str, error_type=None, hints=(), stacklevel=3):
+    """Raise ``error_type(message, result)`` (default :class:`ExtractionError`) or warn, when a check failed."""
+    if result.ok:
+        return
+    message = f"{what} failed its checks:\n  " + "\n  ".join(str(check) for check in result.failed_checks)
+    message += "".join("\n" + hint for hint in hints)
+    if on_failure == "raise":
+        raise (error_type or ExtractionError)(message, result)
+    warnings.warn(message, UnreliableExtractionWarning, stacklevel=stacklevel)
+
+
 @dataclass
 class InstanceDiagnostics:
     """Per-instance diagnostics, arrays indexed like ``schedule.instances``.
@@ -89,7 +114,7 @@ class InstanceDiagnostics:
 
 
 @dataclass
-class Extraction:
+class Extraction(CheckedResult):
     """Result of :func:`extract`.
 
     Attributes
@@ -204,14 +229,6 @@ class Extraction:
     @property
     def certified(self) -> bool:
         return self.precision is not None and bool(self.instances.certified.all())
-
-    @property
-    def ok(self) -> bool:
-        return all(check.passed for check in self.checks)
-
-    @property
-    def failed_checks(self) -> list[Check]:
-        return [check for check in self.checks if not check.passed]
 
     @property
     def model_hp(self) -> MultiHeadAttention | None:
@@ -428,19 +445,16 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         certificate=certificate, refinement=refinement, answer_error=answer_error,
         samples_per_instance=schedule.samples_per_instance,
     )
-    if not extraction.ok:
-        message = "extraction failed its checks:\n  " + "\n  ".join(str(c) for c in extraction.failed_checks)
-        if any(c.name == "noise_within_validity" for c in extraction.failed_checks):
-            message += ("\nThe answers are noisier than this run can certify (valid_below): oversample "
-                        "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
-        if H0 is not None and any(c.name in ("matching", "poles_real_positive", "labels_consistent", "answers_residual")
-                                  for c in extraction.failed_checks):
-            message += (f"\nIf the oracle is multi-head attention, heads/max_heads = {H0} may be smaller than its "
-                        "canonical head count, the precision too low for it, or token_scale unsuited to its W "
-                        "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale).")
-        if on_failure == "raise":
-            raise ExtractionError(message, extraction)
-        warnings.warn(message, UnreliableExtractionWarning, stacklevel=2)
+    failed = {check.name for check in extraction.failed_checks}
+    hints = []
+    if "noise_within_validity" in failed:
+        hints.append("The answers are noisier than this run can certify (valid_below): oversample "
+                     "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
+    if failed & {"matching", "poles_real_positive", "labels_consistent", "answers_residual"}:
+        hints.append(f"If the oracle is multi-head attention, heads/max_heads = {H0} may be smaller than its "
+                     "canonical head count, the precision too low for it, or token_scale unsuited to its W "
+                     "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale).")
+    report_failure(extraction, "extraction", on_failure, hints=hints)
     return extraction
 
 

@@ -39,7 +39,7 @@ from flint import arb
 from scipy.optimize import linear_sum_assignment
 
 from .highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
-from .learner import Check, Extraction, UnreliableExtractionWarning, extract
+from .learner import Check, CheckedResult, Extraction, UnreliableExtractionWarning, extract, report_failure
 from .model import MultiHeadAttention, as_batch, group_equal_heads
 from .oracle import OracleBoundary
 
@@ -440,7 +440,7 @@ class OddPartOracle:
 
 
 @dataclass
-class TransformerExtraction:
+class TransformerExtraction(CheckedResult):
     """Result of :func:`extract_transformer`.
 
     Attributes
@@ -480,14 +480,6 @@ class TransformerExtraction:
     checks: list[Check] = field(default_factory=list)
     search: object = None
     seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return all(check.passed for check in self.checks)
-
-    @property
-    def failed_checks(self) -> list[Check]:
-        return [check for check in self.checks if not check.passed]
 
     def summary(self) -> dict:
         return {
@@ -569,11 +561,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
             verification_misfit=misfit, precision=precision, d=d, seed=seed, checks=checks, search=search,
             seconds=time.perf_counter() - started,
         )
-        if not result.ok:
-            message = "Transformer extraction failed its checks:\n  " + "\n  ".join(str(c) for c in result.failed_checks)
-            if on_failure == "raise":
-                raise TransformerExtractionError(message, result)
-            warnings.warn(message, UnreliableExtractionWarning, stacklevel=3)
+        report_failure(result, "Transformer extraction", on_failure, TransformerExtractionError, stacklevel=4)
         return result
 
     if not step1.ok or step1.heads == 0:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..learner import Check
+from ..learner import CheckedResult, Check
 from ..model import MultiHeadAttention
 from ..oracle import OracleBoundary, _progress
 
@@ -49,7 +49,7 @@ def random_queries(rng: np.random.Generator, count: int, d: int, max_length: int
 
 
 @dataclass
-class Distillation:
+class Distillation(CheckedResult):
     """Result of :func:`distill`.
 
     Attributes
@@ -86,10 +86,6 @@ class Distillation:
     converged_tol: float
     checks: list = field(default_factory=list)
     seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return all(check.passed for check in self.checks)
 
 
 def _positive_int(name, value, minimum=1):

@@ -51,7 +51,6 @@ checks.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import mpmath
@@ -61,14 +60,14 @@ from flint import arb
 from ..highprec import GUARD_BITS, arb_array, magnitude_float, mid_float, mpf_array, radius_float, working_precision
 from ..kernels import arb as arb_kernel
 from ..kernels import float64 as float64_kernel
-from ..learner import Check, CheckPolicy, ExtractionError, UnreliableExtractionWarning
+from ..learner import Check, CheckedResult, CheckPolicy, report_failure
 from ..model import MultiHeadAttention
 from ..oracle import OracleBoundary
 from ..schedule import quantize, random_basis
 
 
 @dataclass
-class SingleHeadExtraction:
+class SingleHeadExtraction(CheckedResult):
     """Result of :func:`extract_single_head`.
 
     Attributes
@@ -114,14 +113,6 @@ class SingleHeadExtraction:
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
     seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return all(check.passed for check in self.checks)
-
-    @property
-    def failed_checks(self) -> list:
-        return [check for check in self.checks if not check.passed]
 
     @property
     def certified(self) -> bool:
@@ -290,11 +281,7 @@ def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None,
         W_balls=W if precision is not None and finite else None, v_balls=v if precision is not None and finite else None,
         seconds=time.perf_counter() - started,
     )
-    if not result.ok:
-        message = "single-head extraction failed its checks:\n  " + "\n  ".join(str(c) for c in result.failed_checks)
-        if on_failure == "raise":
-            raise ExtractionError(message, result)
-        warnings.warn(message, UnreliableExtractionWarning, stacklevel=2)
+    report_failure(result, "single-head extraction", on_failure)
     return result
 
 
