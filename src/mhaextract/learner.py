@@ -213,7 +213,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     schedule : ``"paper"`` (default; exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at most
         ``2 H0 + 1``) or ``"lean"`` (ALGORITHM.md section 6: about ``(2 H0 - 1) d^2`` queries,
         heads matched by residue labels, column links added only where labels are ambiguous;
-        see :class:`mhaextract.schedule.LeanSchedule` for the count).
+        see :class:`mhaextract.schedule.LeanSchedule` for the count), or ``"targeted"`` (float64,
+        H <= d: one head in the window per instance, the others saturated; machine precision for
+        many heads, about ``4 H d^2`` queries; see :mod:`mhaextract.targeted`).
     token_scale : norm of the query vectors (default ``d ** 0.25``, suited to W with entries of
         size ``1/sqrt(d)``; choose it so that ``|z^T W_h x|`` is of order one).
     batch_size : sequences per oracle call.
@@ -225,9 +227,15 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     ``2 H0 + 1``; every count reported is measured at the oracle boundary.
     """
     d, H0, precision = _validate(d, heads, max_heads, precision, on_failure)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule not in SCHEDULES and schedule != "targeted":
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES) + ['targeted']}, got {schedule!r}")
     heads_given = H0 if heads is not None else None
+    if schedule == "targeted":  # adaptive, float64 only: its own driver (mhaextract.targeted)
+        if precision is not None:
+            raise ValueError("schedule='targeted' is a float64 schedule (precision=None); for high precision "
+                             "use schedule='paper' or 'lean' with precision=BITS")
+        from .targeted import extract_targeted
+        return extract_targeted(oracle, d, H0, heads_given, seed, token_scale, batch_size, progress, on_failure)
     started = time.perf_counter()
     schedule = SCHEDULES[schedule](d, H0, seed=seed, token_scale=token_scale)
     boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress)

@@ -1,0 +1,408 @@
+"""The targeted schedule: one head at a time, in float64 (ALGORITHM.md section 7).
+
+``extract(oracle, d, heads=H, schedule="targeted")``. Every measurement is a copies-instance
+designed so that only one head is in the window of the copy counts; the others are saturated
+towards ``x`` and contribute the constant ``v_g^T x``. Such an instance is single-pole,
+
+    G(k) = vbar^T x - F(k) = k l_h / (k + tau_h),   tau_h = exp(a_h^T x),  a_h = W_h^T z,  l_h = v_h^T z,
+
+and stays well conditioned whatever H is (the full ``2H + 1``-sample interpolation of the other
+schedules loses about three digits per head). The head is known by construction: no matching.
+
+**Design.** For a difference z the log-poles ``m_g = a_g^T x`` are H linear functionals of the
+final token. With estimates of the ``a_g`` (H <= d) the instance ``n`` of head h solves
+
+    a_h^T x = t_n in [-2.5, 2.5],   a_g^T x = s_{g,n} in [45, 60] (g != h),   null-space part free,
+
+(``e^{-45}`` puts a saturated head's contribution ``k l_g / (k + tau_g)`` 1e-20 below its
+label). The ``d`` instances of ``(h, z)`` take ``(t, s, null part)`` from the columns of a random
+orthogonal pattern, so their final tokens span R^d; after each round the estimate of ``a_h`` is
+corrected to fit the log-poles measured so far (so a 1% estimate does not push ``t`` out of the
+window). Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine ``(l_h, tau_h)``,
+the third tests that the instance really is single-pole (:mod:`.kernels.single_pole`).
+
+**Assembly.** The d measurements ``a_h^T x_n = m_n`` give ``a_h(j) = W_h^T z_j``, the d groups give
+``W_h = Z^{-T} [a_h(1) .. a_h(d)]^T`` (Z orthogonal times ``64 * token_scale``: perfectly
+conditioned), and the labels ``v_h = Z^{-T} l_h``.
+
+**Where the estimates come from** (all measured, in this order):
+
+1. ``vbar`` from d one-token queries (``f((b)) = vbar^T b``), so ``F(0)`` is known everywhere.
+2. Group ``z_1``: heads located along lines (:mod:`.linesearch`): labels name the heads, rough
+   ``a_h(1)`` from readings around each head's switch.
+3. Group ``z_1`` measured with targeted instances: precise ``a_h(1)``.
+4. Bridges ``z_1 + eps z_j`` (eps a power of two): targeted with the precise ``a_g(1)``, the head
+   is again known by construction and in the window, since ``eps a_h(j)^T x`` is small. The first
+   instance of each head asks ``k = 1, 2`` (label and pole), the others ``k = 1`` with the label
+   known (``d + 1`` queries per head). ``(a_h(z_1 + eps z_j) - a_h(1)) / eps`` estimates ``a_h(j)``
+   for every head with the same identity as in group ``z_1``: the bridge links the groups.
+5. Groups ``z_j``, j >= 2, measured with targeted instances.
+
+Queries: ``d`` + phase 1 (about ``H (d + 15)`` + line grids) + ``3 H d`` (group 1) +
+``(d + 1) H (d - 1)`` (bridges) + ``3 H d (d - 1)``: about ``4 H d^2``, the paper's count.
+Every count reported is measured at the oracle boundary.
+
+H > d is refused: the H conditions on x need H <= d (saturating some heads towards ``y``
+instead would lift that, at one more unknown per instance; not implemented).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernels import float64 as float64_kernel
+from .kernels import single_pole
+from .linesearch import LineSearchReport, locate_heads
+from .model import MultiHeadAttention
+from .oracle import OracleBoundary
+from .schedule import Instance, quantize, random_basis
+
+EPS = np.finfo(np.float64).eps
+#: |z| of every group, in units of the token scale. Large |z| makes the pole term (~|z|) dominate
+#: the saturated constant vbar^T x (~1/|z|, since |x| ~ s / |a_h| and |a_h| ~ |z|).
+GROUP_SCALE = 64.0
+#: Designed log-poles: the target head in [-TARGET, TARGET], the others in [MID - SPREAD, MID + SPREAD].
+TARGET = 2.5
+SATURATION_MID, SATURATION_SPREAD = 52.5, 7.5
+#: A head counts as saturated when its log-pole (from the final model) is at least this.
+SATURATION_MARGIN = 36.0
+#: A final instance whose third sample misfits the single-pole form by more than this many
+#: rounding units did not hold its saturation assumption.
+RESIDUAL_LIMIT = 50.0
+FINAL_COPIES = (1, 2, 3)
+
+
+@dataclass
+class TargetedInstances:
+    """Per-instance diagnostics of a targeted run (arrays indexed by instance, query order).
+
+    Attributes
+    ----------
+    stage : ``"final"`` (groups ``z_j``, three samples) or ``"bridge"`` (groups ``z_1 + eps z_j``).
+    group : index j of the group's difference ``z_j``.
+    head : the head the instance was designed for (index into the extracted model).
+    log_pole, label : measured ``m_h`` and ``l_h`` (label NaN for one-sample bridge readings).
+    designed : the log-pole the design aimed at (``t``).
+    residual : misfit of the third sample to the single-pole form, in rounding units (final
+        instances; NaN for bridges).
+    margin : smallest log-pole of the other heads at this instance, from the extracted model.
+    saturated : the instance held its assumption: margin >= ``SATURATION_MARGIN`` and (final
+        instances) residual <= ``RESIDUAL_LIMIT``; for bridges also the measured log-pole agrees
+        with the extracted model to 1e-6.
+    """
+
+    stage: np.ndarray
+    group: np.ndarray
+    head: np.ndarray
+    log_pole: np.ndarray
+    label: np.ndarray
+    designed: np.ndarray
+    residual: np.ndarray
+    margin: np.ndarray
+    saturated: np.ndarray
+
+    @property
+    def unsaturated(self) -> np.ndarray:
+        """Indices of the instances whose saturation assumption did not hold."""
+        return np.flatnonzero(~self.saturated)
+
+
+class _Prober:
+    """Asks copies-instances through the boundary and keeps every query and answer."""
+
+    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float):
+        self.boundary = boundary
+        self.d = d
+        self.token_scale = token_scale
+        # One exact grid for every token of the run: sums and differences of tokens stay exact.
+        self.grid_scale = 4 * GROUP_SCALE * token_scale
+        self.sequences: list[np.ndarray] = []
+        self.answers: list[np.ndarray] = []
+        self.vbar: np.ndarray | None = None
+
+    def quantize(self, values: np.ndarray) -> np.ndarray:
+        return quantize(values, self.grid_scale)
+
+    def ask(self, sequences, description):
+        answers = self.boundary.ask(sequences, description=description)
+        self.sequences.extend(sequences)
+        self.answers.append(np.asarray(answers, dtype=np.float64))
+        return answers
+
+    def learn_vbar(self, rng) -> None:
+        """``vbar`` from the one-token answers ``f((b_i)) = vbar^T b_i`` on an orthogonal basis."""
+        basis = random_basis(rng, self.d, self.token_scale)
+        answers = self.ask([b[None, :] for b in basis.T], "one-token queries (vbar)")
+        self.vbar = float64_kernel.solve_transposed(basis, answers)
+
+    def gaps(self, finals: np.ndarray, differences: np.ndarray, copies, description="targeted instances"):
+        """``G(k) = vbar^T x - F(k)`` for each row (x, z) and each k in ``copies``; and the
+        rounding scale of each sample (the magnitudes the subtraction cancels)."""
+        sequences = [Instance("targeted", 0, 0, x, z, tuple(copies)).sequence(k)
+                     for x, z in zip(finals, differences) for k in copies]
+        answers = np.asarray(self.ask(sequences, description), dtype=np.float64).reshape(len(finals), len(copies))
+        anchor = finals @ self.vbar
+        labels_scale = np.abs(differences) @ np.abs(self.vbar)
+        rounding = 4 * EPS * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
+        return anchor[:, None] - answers, rounding
+
+
+def _design(estimates: np.ndarray, head: int, pattern: np.ndarray) -> np.ndarray:
+    """The final token for one column ``pattern`` (d,) of the design: log-poles (by the estimates)
+    ``TARGET * p_h`` for ``head``, ``MID + SPREAD * p_g`` for the others, ``SPREAD * p`` along the
+    null space of the estimates (scaled like their rows)."""
+    H, d = estimates.shape
+    _, singular, vt = np.linalg.svd(estimates)
+    null = vt[H:] * singular.mean()
+    design = np.vstack([estimates, null])
+    values = np.concatenate([SATURATION_MID + SATURATION_SPREAD * pattern[:H], SATURATION_SPREAD * pattern[H:]])
+    values[head] = TARGET * pattern[head]
+    return np.linalg.solve(design, values)
+
+
+def _patterns(rng, d: int) -> np.ndarray:
+    """A random orthogonal matrix rescaled into [-1, 1]: well-spread, linearly independent columns."""
+    q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    return np.clip(q * np.sqrt(d) / 1.5, -1.0, 1.0)
+
+
+@dataclass
+class _GroupMeasurements:
+    """All instances of some groups: arrays (groups, H, d rounds)."""
+
+    finals: np.ndarray  # (G, H, d, d)
+    log_pole: np.ndarray
+    label: np.ndarray
+    designed: np.ndarray
+    residual: np.ndarray
+    sigma_m: np.ndarray
+    sigma_l: np.ndarray
+
+    def solve(self) -> np.ndarray:
+        """``a_h`` of every group and head from ``a_h^T x_n = m_n`` (G, H, d)."""
+        G, H, d, _ = self.finals.shape
+        out = np.full((G, H, d), np.nan)
+        for g in range(G):
+            for h in range(H):
+                m = self.log_pole[g, h]
+                if np.isfinite(m).all():
+                    out[g, h] = np.linalg.solve(self.finals[g, h], m)
+        return out
+
+
+def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool) -> _GroupMeasurements:
+    """Targeted instances for every group (difference ``differences[g]``) and head, d rounds.
+
+    ``estimates`` (G, H, d): the a_g used for the design; each head's own row is corrected after
+    every round to fit its measured log-poles. Final groups ask ``k = 1, 2, 3``; bridges ``k = 1, 2``
+    in round 0 and ``k = 1`` later (the label is then known).
+    """
+    G, H, d = estimates.shape
+    current = estimates.copy()
+    patterns = np.array([[_patterns(rng, d) for _ in range(H)] for _ in range(G)])  # (G, H, d, d)
+    shape = (G, H, d)
+    out = _GroupMeasurements(np.zeros(shape + (d,)), np.full(shape, np.nan), np.full(shape, np.nan),
+                             np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.inf),
+                             np.full(shape, np.inf))
+    stage = "bridge" if bridge else "final"
+    for n in range(d):
+        finals = np.array([[prober.quantize(_design(current[g], h, patterns[g, h, :, n])) for h in range(H)]
+                           for g in range(G)])
+        out.finals[:, :, n] = finals
+        out.designed[:, :, n] = np.einsum("ghd,ghd->gh", current, finals)
+        flat_x = finals.reshape(G * H, d)
+        flat_z = np.repeat(differences, H, axis=0)
+        copies = (1,) if bridge and n else ((1, 2) if bridge else FINAL_COPIES)
+        gaps, rounding = prober.gaps(flat_x, flat_z, copies, f"{stage} instances, round {n + 1}/{d}")
+        if copies == (1,):
+            m = single_pole.reading(gaps[:, 0], 0.0, out.label[:, :, 0].ravel())
+            out.log_pole[:, :, n] = m.reshape(G, H)
+            # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
+            tau = np.exp(m)
+            out.sigma_m[:, :, n] = (rounding[:, 0] * (1 + tau) ** 2 / np.abs(out.label[:, :, 0].ravel() * tau)).reshape(G, H)
+        else:
+            fits = single_pole.fit(gaps, copies, rounding)
+            out.log_pole[:, :, n] = fits.log_pole.reshape(G, H)
+            out.label[:, :, n] = fits.label.reshape(G, H)
+            out.residual[:, :, n] = fits.residual.reshape(G, H) if len(copies) > 2 else np.nan
+            out.sigma_m[:, :, n] = fits.sigma_m.reshape(G, H)
+            out.sigma_l[:, :, n] = fits.sigma_l.reshape(G, H)
+        # Correct each head's estimate to fit what was measured (minimal change from the prior).
+        for g in range(G):
+            for h in range(H):
+                X, m = out.finals[g, h, :n + 1], out.log_pole[g, h, :n + 1]
+                ok = np.isfinite(m)
+                if ok.any():
+                    miss = m[ok] - X[ok] @ estimates[g, h]
+                    current[g, h] = estimates[g, h] + np.linalg.lstsq(X[ok], miss, rcond=1e-12)[0]
+    return out
+
+
+def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, seed, token_scale, batch_size,
+                     progress, on_failure):
+    """The targeted schedule (see the module docstring). Returns an :class:`~mhaextract.Extraction`."""
+    from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWarning, _answers_residual
+
+    if max_heads > d:
+        raise ValueError(
+            f"schedule='targeted' needs H <= d (got H0 = {max_heads} > d = {d}): each targeted instance "
+            "puts one head in the window and the other H - 1 beyond log-pole 45 through H linear "
+            "conditions on the final token. Use schedule='paper' with precision=BITS for H > d."
+        )
+    started = time.perf_counter()
+    token_scale = float(token_scale) if token_scale is not None else d ** 0.25
+    if not np.isfinite(token_scale) or token_scale <= 0:
+        raise ValueError(f"token_scale must be a positive number, got {token_scale}")
+    rng = np.random.default_rng(seed)
+    boundary = OracleBoundary(oracle, d, precision=None, batch_size=batch_size, progress=progress)
+    prober = _Prober(boundary, d, token_scale)
+    prober.learn_vbar(rng)
+    Z = random_basis(rng, d, GROUP_SCALE * token_scale)
+    Z = prober.quantize(Z)
+
+    # --- phase 1: heads and rough a_h(1) along lines in group z_1.
+    z1 = Z[:, 0]
+    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks,
+                                                         "phase 1: lines")[0],
+                          z1, max_heads, rng, token_scale, prober.quantize)
+    found = search.heads
+    H = len(found)
+    if H == 0:
+        raise ExtractionError("phase 1 found no head along its lines (is the oracle constant?)", None)
+    rough = np.array([head.direction for head in found])
+
+    # --- group z_1, targeted: precise a_h(1).
+    group1 = _measure(prober, Z[:, :1].T, rough[None], rng, bridge=False)
+    a1 = group1.solve()[0]
+
+    # --- bridges z_1 + eps z_j: rough a_h(j), heads named as in group z_1.
+    x_size = np.linalg.norm(group1.finals, axis=-1).max()
+    a_size = np.linalg.norm(a1, axis=1).max() if np.isfinite(a1).all() else np.inf
+    measurements = [group1]
+    bridges = None
+    if d > 1 and np.isfinite(a_size):
+        eps_bridge = 2.0 ** np.floor(np.log2(2.0 / (a_size * x_size)))
+        bridge_z = prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T)  # (d - 1, d)
+        bridges = _measure(prober, bridge_z, np.repeat(a1[None], d - 1, axis=0), rng, bridge=True)
+        a_bridge = bridges.solve()
+        rough_j = (a_bridge - a1[None]) / eps_bridge
+        finals_j = _measure(prober, Z[:, 1:].T, rough_j, rng, bridge=False)
+        measurements.append(finals_j)
+    # --- assembly.
+    a_all = np.concatenate([m.solve() for m in measurements], axis=0)  # (d, H, d): a_h(j)
+    label_all = np.concatenate([m.label for m in measurements], axis=0)  # (d, H, rounds)
+    sigma_l_all = np.concatenate([m.sigma_l for m in measurements], axis=0)
+    weights = 1.0 / np.maximum(sigma_l_all, 1e-300) ** 2
+    weights = np.where(np.isfinite(label_all), weights, 0.0)
+    labels = (np.nan_to_num(label_all) * weights).sum(axis=2) / np.maximum(weights.sum(axis=2), 1e-300)  # (d, H)
+    M = a_all.transpose(1, 0, 2)  # M[h, j, :] = a_h(j) = W_h^T z_j, i.e. z_j^T W_h e_i
+    model = None
+    finite = np.isfinite(M).all() and np.isfinite(labels).all()
+    if finite:
+        W, v = float64_kernel.assemble(Z, np.eye(d), M, labels.T)
+        model = MultiHeadAttention(W, v)
+
+    # --- diagnostics and checks.
+    instances = _diagnostics(measurements, bridges, Z, eps_bridge if bridges is not None else None, model, H)
+    error_estimate = _error_estimate(measurements, Z, a_all, model) if model is not None else np.inf
+    answers = np.concatenate(prober.answers)
+    answers_residual = _answers_residual(model, prober.sequences, answers, None) if model is not None else np.inf
+    checks = _checks(instances, search, H, heads_given, measurements, error_estimate, answers_residual, finite)
+    extraction = Extraction(
+        model=model, heads=H, queries=boundary.queries, max_query_length=boundary.max_query_length,
+        promised_queries=4 * max_heads * d * d - 2 * max_heads + 1, promised_max_length=max(FINAL_COPIES) + 1,
+        d=d, max_heads=max_heads, precision=None, seed=seed, schedule="targeted", fallback_links=0,
+        error_estimate=error_estimate, answers_residual=answers_residual, instances=instances, checks=checks,
+        seconds=time.perf_counter() - started,
+    )
+    extraction.line_search = search
+    if not extraction.ok:
+        message = "extraction failed its checks:\n  " + "\n  ".join(str(c) for c in extraction.failed_checks)
+        if on_failure == "raise":
+            raise ExtractionError(message, extraction)
+        warnings.warn(message, UnreliableExtractionWarning, stacklevel=3)
+    return extraction
+
+
+def _diagnostics(measurements, bridges, Z, eps_bridge, model, H) -> TargetedInstances:
+    rows = []
+    groups = [(m, "final", list(range(m.finals.shape[0])) if k == 0 else list(range(1, Z.shape[1])))
+              for k, m in enumerate(measurements)]
+    if bridges is not None:
+        groups.insert(1, (bridges, "bridge", list(range(1, Z.shape[1]))))
+    for data, stage, group_index in groups:
+        G, H_, rounds, d = data.finals.shape
+        for g in range(G):
+            j = group_index[g]
+            z = Z[:, 0] + eps_bridge * Z[:, j] if stage == "bridge" else Z[:, j]
+            for h in range(H_):
+                for n in range(rounds):
+                    x = data.finals[g, h, n]
+                    if model is not None:
+                        poles = np.einsum("d,hde,e->h", z, model.W, x)
+                        margin = float(np.delete(poles, h).min()) if H_ > 1 else np.inf
+                        agrees = abs(poles[h] - data.log_pole[g, h, n]) <= 1e-6
+                    else:
+                        margin, agrees = np.nan, False
+                    residual = data.residual[g, h, n]
+                    ok = margin >= SATURATION_MARGIN and np.isfinite(data.log_pole[g, h, n])
+                    ok = ok and (residual <= RESIDUAL_LIMIT if stage == "final" else agrees)
+                    rows.append((stage, j, h, data.log_pole[g, h, n], data.label[g, h, n], data.designed[g, h, n],
+                                 residual, margin, ok))
+    columns = list(zip(*rows))
+    return TargetedInstances(*(np.array(column) for column in columns))
+
+
+def _error_estimate(measurements, Z, a_all, model) -> float:
+    """First order: each log-pole's error (sample rounding, and the oracle's rounding of the
+    scores ``y^T W x``, about eps |z| |W x|) through ``a_h(j) = X^{-1} m`` and ``W_h = Z^{-T} A_h^T``."""
+    errors = []
+    for data in measurements:
+        G, H, rounds, d = data.finals.shape
+        for g in range(G):
+            for h in range(H):
+                X = data.finals[g, h]
+                score = 8 * EPS * np.linalg.norm(X, axis=1) * np.linalg.norm(a_all, axis=2).max()
+                sigma = np.hypot(data.sigma_m[g, h], score)
+                errors.append(np.linalg.norm(np.linalg.solve(X, sigma)))
+    d = Z.shape[0]
+    per_group = np.array(errors)
+    W_error = np.linalg.norm(np.linalg.inv(Z), 2) * per_group.max() * np.sqrt(d)
+    W_scale = max(np.abs(model.W).max(), 1e-300)
+    return float(W_error / W_scale)
+
+
+def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements, error_estimate,
+            answers_residual, finite):
+    from .learner import Check
+
+    checks = []
+    if heads_given is not None:
+        checks.append(Check("heads_found", H == heads_given, abs(H - heads_given), 0,
+                            f"phase 1 found {H} of {heads_given} heads on {search.lines} lines"))
+    bad = instances.unsaturated
+    where = ", ".join(f"{instances.stage[i]} z_{instances.group[i]} head {instances.head[i]}" for i in bad[:5])
+    checks.append(Check(
+        "saturation", len(bad) == 0, len(bad), 0,
+        f"{len(bad)} of {len(instances.saturated)} targeted instances did not hold their saturation assumption"
+        + (f" ({where}{', ...' if len(bad) > 5 else ''})" if len(bad) else ""),
+    ))
+    deviation = 0.0
+    for data in measurements:
+        labels, sigma = data.label, data.sigma_l
+        mean = np.nanmean(labels, axis=2, keepdims=True)
+        scale = np.nanmax(np.abs(labels))
+        deviation = max(deviation, float(np.nanmax(np.abs(labels - mean) / (sigma + EPS * scale))))
+    checks.append(Check("labels_consistent", deviation <= 1e3, deviation, 1e3,
+                        "largest deviation of an instance's label from its (head, group) mean, in first-order errors"))
+    checks.append(Check("error_estimate", error_estimate <= 1e-8, error_estimate, 1e-8,
+                        "max relative parameter error expected from the rounding of the answers and scores"))
+    checks.append(Check("answers_residual", answers_residual <= 1e-9, answers_residual, 1e-9,
+                        "max misfit of the extracted model on the queries asked, relative to the largest answer"))
+    if not finite:
+        checks.append(Check("finite", False, np.inf, 0.0, "the assembled parameters are not finite; no model"))
+    return checks
