@@ -65,8 +65,9 @@ EPS = np.finfo(np.float64).eps
 #: |z| of every group, in units of the token scale. Large |z| makes the pole term (~|z|) dominate
 #: the saturated constant vbar^T x (~1/|z|, since |x| ~ s / |a_h| and |a_h| ~ |z|).
 GROUP_SCALE = 64.0
-#: Designed log-poles: the target head in [-TARGET, TARGET], the others in [MID - SPREAD, MID + SPREAD].
-TARGET = 2.5
+#: Designed log-poles: the target head in TARGET_CENTER +- TARGET (tau near the copy counts
+#: 1..3, where the three-sample fit is best conditioned), the others in MID +- SPREAD.
+TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
 SATURATION_MID, SATURATION_SPREAD = 52.5, 7.5
 #: A head counts as saturated when its log-pole (from the final model) is at least this.
 SATURATION_MARGIN = 36.0
@@ -160,14 +161,27 @@ def _design(estimates: np.ndarray, head: int, pattern: np.ndarray) -> np.ndarray
     null = vt[H:] * singular.mean()
     design = np.vstack([estimates, null])
     values = np.concatenate([SATURATION_MID + SATURATION_SPREAD * pattern[:H], SATURATION_SPREAD * pattern[H:]])
-    values[head] = TARGET * pattern[head]
+    values[head] = TARGET_CENTER + TARGET * pattern[head]
     return np.linalg.solve(design, values)
 
 
-def _patterns(rng, d: int) -> np.ndarray:
-    """A random orthogonal matrix rescaled into [-1, 1]: well-spread, linearly independent columns."""
-    q = np.linalg.qr(rng.standard_normal((d, d)))[0]
-    return np.clip(q * np.sqrt(d) / 1.5, -1.0, 1.0)
+def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
+    """Design patterns (d x d, entries in [-1, 1]): row ``constant_row`` all ones, the other rows
+    random, mutually orthogonal and orthogonal to the ones (zero sums).
+
+    The log-poles of the design are ``offset + halfwidth * pattern`` row by row, with a large offset
+    (``SATURATION_MID``) on the saturated rows. With zero-sum rows the offsets of all rows are
+    carried by the one constant row, so the design matrix is a triangular (well-conditioned)
+    transform of orthogonal rows; random rows would let the offset nearly cancel a combination
+    of the variations for some draws and make the d final tokens nearly dependent.
+    """
+    gaussian = rng.standard_normal((d, d))
+    order = [constant_row] + [row for row in range(d) if row != constant_row]
+    gaussian[:, 0] = 1.0  # Gram-Schmidt (QR) with the ones first: the others come out orthogonal to it
+    q, _ = np.linalg.qr(gaussian)
+    rows = np.empty((d, d))
+    rows[order] = q.T
+    return rows / np.abs(rows).max(axis=1, keepdims=True)
 
 
 @dataclass
@@ -181,6 +195,24 @@ class _GroupMeasurements:
     residual: np.ndarray
     sigma_m: np.ndarray
     sigma_l: np.ndarray
+    gaps: np.ndarray  # (G, H, d, K) the samples G(k) (NaN where not asked)
+    rounding: np.ndarray  # (G, H, d, K) their rounding scales
+
+    def consensus_labels(self) -> tuple[np.ndarray, np.ndarray]:
+        """Inverse-variance mean of the labels of each (group, head) over its instances, and its error."""
+        weights = np.where(np.isfinite(self.label), 1.0 / np.maximum(self.sigma_l, 1e-300) ** 2, 0.0)
+        total = np.maximum(weights.sum(axis=2), 1e-300)
+        return (np.nan_to_num(self.label) * weights).sum(axis=2) / total, 1.0 / np.sqrt(total)
+
+    def refit_with_consensus_labels(self) -> None:
+        """Final groups: each instance's ``m`` again, now with its label fixed at the consensus."""
+        labels, _ = self.consensus_labels()
+        G, H, rounds, K = self.gaps.shape
+        m, sigma = single_pole.log_pole_given_label(
+            self.gaps.reshape(-1, K), FINAL_COPIES, self.rounding.reshape(-1, K),
+            np.repeat(labels.ravel(), rounds))
+        self.log_pole = m.reshape(G, H, rounds)
+        self.sigma_m = sigma.reshape(G, H, rounds)
 
     def solve(self) -> np.ndarray:
         """``a_h`` of every group and head from ``a_h^T x_n = m_n`` (G, H, d)."""
@@ -203,11 +235,13 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     """
     G, H, d = estimates.shape
     current = estimates.copy()
-    patterns = np.array([[_patterns(rng, d) for _ in range(H)] for _ in range(G)])  # (G, H, d, d)
+    # The constant row: a saturated head (or a null-space direction), never the target itself.
+    patterns = np.array([[_patterns(rng, d, (h + 1) % d) for h in range(H)] for _ in range(G)])  # (G, H, d, d)
     shape = (G, H, d)
+    K = 2 if bridge else len(FINAL_COPIES)
     out = _GroupMeasurements(np.zeros(shape + (d,)), np.full(shape, np.nan), np.full(shape, np.nan),
                              np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.inf),
-                             np.full(shape, np.inf))
+                             np.full(shape, np.inf), np.full(shape + (K,), np.nan), np.full(shape + (K,), np.nan))
     stage = "bridge" if bridge else "final"
     for n in range(d):
         finals = np.array([[prober.quantize(_design(current[g], h, patterns[g, h, :, n])) for h in range(H)]
@@ -218,6 +252,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
         flat_z = np.repeat(differences, H, axis=0)
         copies = (1,) if bridge and n else ((1, 2) if bridge else FINAL_COPIES)
         gaps, rounding = prober.gaps(flat_x, flat_z, copies, f"{stage} instances, round {n + 1}/{d}")
+        out.gaps[:, :, n, :len(copies)] = gaps.reshape(G, H, len(copies))
+        out.rounding[:, :, n, :len(copies)] = rounding.reshape(G, H, len(copies))
         if copies == (1,):
             m = single_pole.reading(gaps[:, 0], 0.0, out.label[:, :, 0].ravel())
             out.log_pole[:, :, n] = m.reshape(G, H)
@@ -239,6 +275,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
                 if ok.any():
                     miss = m[ok] - X[ok] @ estimates[g, h]
                     current[g, h] = estimates[g, h] + np.linalg.lstsq(X[ok], miss, rcond=1e-12)[0]
+    if not bridge:
+        out.refit_with_consensus_labels()
     return out
 
 

@@ -115,3 +115,26 @@ def reading(gap_one: np.ndarray, constant, label) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         tau = np.asarray(label) / (np.asarray(gap_one) - np.asarray(constant)) - 1.0
         return np.where(tau > 0, np.log(np.where(tau > 0, tau, 1.0)), np.nan)
+
+
+def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``m`` of ``G(k) = k l / (k + tau)`` when the label ``l`` is known (n,): each sample gives
+    ``tau = k (l / G(k) - 1)``; the estimates are combined with inverse-variance weights.
+
+    A label known more precisely than one instance can fit it (the consensus of the instances
+    that share it) removes the strong correlation of ``l`` and ``tau`` in the two-parameter fit.
+    Returns ``(m, sigma_m)``.
+    """
+    gaps = np.asarray(gaps, dtype=np.float64)
+    ks = np.asarray(ks, dtype=np.float64)[None, :]
+    label = np.asarray(label, dtype=np.float64)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tau = ks * (label / gaps - 1.0)
+        valid = tau > 0
+        m = np.log(np.where(valid, tau, 1.0))
+        # dm = dtau / tau = -k l dG / (G^2 tau)
+        sigma = np.abs(ks * label / (gaps**2 * tau)) * rounding
+        weight = np.where(valid & np.isfinite(sigma) & (sigma > 0), 1.0 / sigma**2, 0.0)
+        total = weight.sum(axis=1)
+        combined = np.where(total > 0, (weight * m).sum(axis=1) / total, np.nan)
+        return combined, np.where(total > 0, 1.0 / np.sqrt(total), np.inf)
