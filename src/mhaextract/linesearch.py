@@ -34,7 +34,10 @@ from .kernels import single_pole
 
 #: A step has moved this fraction (and at most 1 - it) of its height inside its head's window.
 WINDOW_FRACTION = 0.02
-#: Largest |m| accepted at a centre or a reading (one sample resolves m to ~1e-10 up to here).
+#: Largest |m| accepted at a centre: further out the head's own term is nearly linear in k and
+#: cannot be told from a barely saturated neighbour by the fourth sample.
+MAX_CENTER_LOG_POLE = 4.0
+#: Largest |m| accepted at a reading (one sample resolves m to ~1e-10 up to here).
 MAX_READING_LOG_POLE = 8.0
 
 
@@ -95,8 +98,11 @@ def locate_heads(gap: Callable, z: np.ndarray, max_heads: int, rng: np.random.Ge
     step = token_scale**2 / np.linalg.norm(z)  # |a_h| ~ |z| / token_scale^2: steps move m_h by O(1)
     while len(report.heads) < max_heads and idle < patience and report.lines < max_lines:
         report.lines += 1
-        basis = np.linalg.qr(rng.standard_normal((d, 2)))[0] * line_scale * token_scale
-        x0, u = basis[:, 0], basis[:, 1]
+        if d == 1:  # one line only, through 0 (H <= d = 1: one head, nothing to separate)
+            x0, u = np.zeros(1), np.array([line_scale * token_scale])
+        else:
+            basis = np.linalg.qr(rng.standard_normal((d, 2)))[0] * line_scale * token_scale
+            x0, u = basis[:, 0], basis[:, 1]
         found_before = len(report.heads)
         _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, step, rng)
         idle = 0 if len(report.heads) > found_before else idle + 1
@@ -125,7 +131,11 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
                 samples = np.array([[G_m, more[0], more[1]]])
                 P, label, m = (float(value[0]) for value in single_pole.fit_with_constant(samples))
                 predicted = P + 4 * label / (4 + np.exp(m)) if np.isfinite(m) else np.nan
-                if np.isfinite(m) and abs(m) <= MAX_READING_LOG_POLE and abs(predicted - more[2]) <= 1e-7 * scale:
+                # The label must be the height of the step being bisected (a blend of two barely
+                # saturated neighbours can mimic a small single pole, but not the step).
+                step_height = abs(G_b - G_a)
+                if (np.isfinite(m) and abs(m) <= MAX_CENTER_LOG_POLE and abs(predicted - more[2]) <= 1e-7 * scale
+                        and abs(abs(label) - step_height) <= 0.1 * step_height):
                     report.centers += 1
                     _accept(gap, x_m, P, label, m, quantize, report, step, rng)
                 else:
@@ -144,9 +154,9 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
 def _accept(gap, center, P, label, m, quantize, report, step, rng):
     """A centre: a known head (same label, and its estimate predicts this log-pole) or a new one."""
     for head in report.heads:
-        # A known head predicts its own log-pole here; the label agrees to the contamination of a
-        # centre by heads that are saturated only to ~e^-15.
-        same_label = abs(head.label - label) <= 1e-3 * max(abs(head.label), abs(label))
+        # A known head predicts its own log-pole here; the label agrees up to the contamination of
+        # a centre by neighbours that are saturated only to ~e^-10.
+        same_label = abs(head.label - label) <= 1e-2 * max(abs(head.label), abs(label))
         if same_label and abs(head.direction @ center - m) <= 1.0:
             report.duplicates += 1
             return
@@ -168,7 +178,14 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng):
                 readings[i] = (m_read[n] - m) / actual[n, i]
             else:
                 deltas[i] /= 4
-    if not np.isfinite(readings).all():
+    direction = directions @ readings
+    # One more reading along a random direction must agree with the estimate: a centre that was
+    # not single-pole gives readings that are not affine in x.
+    probe = rng.standard_normal(d)
+    probe *= 0.5 * step / np.linalg.norm(probe)
+    point = quantize(center + probe)
+    check = single_pole.reading(gap(point[None], (1,))[:, 0], P, label)[0]
+    if not np.isfinite(readings).all() or not abs(check - (m + direction @ (point - center))) <= 0.05:
         report.rejected += 1
         return
-    report.heads.append(LocatedHead(label, center, P, m, directions @ readings))
+    report.heads.append(LocatedHead(label, center, P, m, direction))

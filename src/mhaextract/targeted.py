@@ -68,7 +68,7 @@ GROUP_SCALE = 64.0
 #: Designed log-poles: the target head in TARGET_CENTER +- TARGET (tau near the copy counts
 #: 1..3, where the three-sample fit is best conditioned), the others in MID +- SPREAD.
 TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
-SATURATION_MID, SATURATION_SPREAD = 52.5, 7.5
+SATURATION_MID, SATURATION_SPREAD = 70.0, 30.0
 #: A head counts as saturated when its log-pole (from the final model) is at least this.
 SATURATION_MARGIN = 36.0
 #: A final instance whose third sample misfits the single-pole form by more than this many
