@@ -80,8 +80,8 @@ def locate_heads(gap: Callable, z: np.ndarray, max_heads: int, rng: np.random.Ge
 
     Parameters
     ----------
-    gap : ``gap(points (n, d), ks) -> (n, len(ks))`` the gaps ``S_k`` at those final tokens
-        (asked at the oracle boundary).
+    gap : ``gap(points (n, d), ks) -> (S, rounding)``, both (n, len(ks)): the gaps ``S_k`` at those
+        final tokens (asked at the oracle boundary) and their expected rounding errors.
     z : the difference of the group.
     max_heads : stop when this many distinct heads are found.
     token_scale : norm at which ``z^T W x`` is of order one (sets the reading step).
@@ -98,8 +98,9 @@ def locate_heads(gap: Callable, z: np.ndarray, max_heads: int, rng: np.random.Ge
     step = token_scale**2 / np.linalg.norm(z)  # |a_h| ~ |z| / token_scale^2: steps move m_h by O(1)
     while len(report.heads) < max_heads and idle < patience and report.lines < max_lines:
         report.lines += 1
-        if d == 1:  # one line only, through 0 (H <= d = 1: one head, nothing to separate)
-            x0, u = np.zeros(1), np.array([line_scale * token_scale])
+        if d == 1:  # the line is R itself (H <= d = 1: one head, switching at x = 0)
+            u = np.array([line_scale * token_scale])
+            x0 = rng.uniform(-0.5, 0.5) * u
         else:
             basis = np.linalg.qr(rng.standard_normal((d, 2)))[0] * line_scale * token_scale
             x0, u = basis[:, 0], basis[:, 1]
@@ -112,21 +113,26 @@ def locate_heads(gap: Callable, z: np.ndarray, max_heads: int, rng: np.random.Ge
 def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, step, rng):
     ts = np.linspace(-half_length, half_length, grid + 1)
     points = np.array([quantize(x0 + t * u) for t in ts])
-    values = gap(points, (1,))[:, 0]
+    values, rounding = gap(points, (1,))
+    values = values[:, 0]
     scale = max(float(np.abs(values).max()), np.finfo(float).tiny)
-    tolerance = 1e-9 * scale
+    # Differences below the rounding of the answers are noise, not steps (a line on which every
+    # head stays saturated towards x has S_1 = 0 up to rounding).
+    tolerance = max(1e-9 * scale, 1e3 * float(rounding.max()))
+    budget = 64 * (grid + 1) * max_heads  # a safety net: no line may take more queries than this
     stack = [(ts[n], values[n], ts[n + 1], values[n + 1], 0)
              for n in range(grid) if abs(values[n + 1] - values[n]) > tolerance]
-    while stack and len(report.heads) < max_heads:
+    while stack and len(report.heads) < max_heads and budget > 0:
+        budget -= 1
         t_a, G_a, t_b, G_b, depth = stack.pop()
         if depth > 40:
             continue
         t_m = 0.5 * (t_a + t_b)
         x_m = quantize(x0 + t_m * u)
-        G_m = float(gap(x_m[None], (1,))[0, 0])
+        G_m = float(gap(x_m[None], (1,))[0][0, 0])
         fraction = (G_m - G_a) / (G_b - G_a)
         if WINDOW_FRACTION < fraction < 1 - WINDOW_FRACTION:
-            more = gap(x_m[None], (2, 3, 4))[0]
+            more = gap(x_m[None], (2, 3, 4))[0][0]
             if abs(more[0] - G_m) > tolerance:  # some head is in its window here
                 samples = np.array([[G_m, more[0], more[1]]])
                 P, label, m = (float(value[0]) for value in single_pole.fit_with_constant(samples))
@@ -170,7 +176,7 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng):
             break
         points = np.array([quantize(center + deltas[i] * directions[:, i]) for i in todo])
         actual = (points - center[None]) @ directions  # the quantized offsets, in the q basis
-        values = gap(points, (1,))[:, 0]
+        values = gap(points, (1,))[0][:, 0]
         m_read = single_pole.reading(values, P, label)
         ok = np.isfinite(m_read) & (np.abs(m_read) <= MAX_READING_LOG_POLE)
         for n, i in enumerate(todo):
@@ -184,7 +190,7 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng):
     probe = rng.standard_normal(d)
     probe *= 0.5 * step / np.linalg.norm(probe)
     point = quantize(center + probe)
-    check = single_pole.reading(gap(point[None], (1,))[:, 0], P, label)[0]
+    check = single_pole.reading(gap(point[None], (1,))[0][:, 0], P, label)[0]
     if not np.isfinite(readings).all() or not abs(check - (m + direction @ (point - center))) <= 0.05:
         report.rejected += 1
         return

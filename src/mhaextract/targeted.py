@@ -304,8 +304,7 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
 
     # --- phase 1: heads and rough a_h(1) along lines in group z_1.
     z1 = Z[:, 0]
-    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks,
-                                                         "phase 1: lines")[0],
+    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
                           z1, max_heads, rng, token_scale, prober.quantize)
     found = search.heads
     H = len(found)
