@@ -27,7 +27,7 @@ def demo(
     heads: int = typer.Option(3, "--heads", help="number of heads of the random target"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
-    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1) or 'lean'"),
+    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1), 'lean' or 'targeted' (float64, H <= d)"),
 ) -> None:
     """Extract a random target through a simulated oracle and print what it took."""
     console = Console()

@@ -32,6 +32,9 @@ import numpy as np
 
 from .kernels import single_pole
 
+#: Copy counts asked at a candidate centre (k = 1 is the bisection's own sample): the longest
+#: query of the targeted schedule has max(CENTER_COPIES) + 1 tokens.
+CENTER_COPIES = (1, 2, 3, 4)
 #: A step has moved this fraction (and at most 1 - it) of its height inside its head's window.
 WINDOW_FRACTION = 0.02
 #: Largest |m| accepted at a centre: further out the head's own term is nearly linear in k and
@@ -132,7 +135,7 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
         G_m = float(gap(x_m[None], (1,))[0][0, 0])
         fraction = (G_m - G_a) / (G_b - G_a)
         if WINDOW_FRACTION < fraction < 1 - WINDOW_FRACTION:
-            more = gap(x_m[None], (2, 3, 4))[0][0]
+            more = gap(x_m[None], CENTER_COPIES[1:])[0][0]
             if abs(more[0] - G_m) > tolerance:  # some head is in its window here
                 samples = np.array([[G_m, more[0], more[1]]])
                 P, label, m = (float(value[0]) for value in single_pole.fit_with_constant(samples))

@@ -27,12 +27,15 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     if e.schedule == "paper":
         formula = f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
         formula += "" if e.queries == e.promised_queries else "  MISMATCH"
+    elif e.schedule == "targeted":
+        formula = f"adaptive; paper 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries} (ratio {e.queries / e.promised_queries:.2f})"
     else:
         formula = (f"lean formula {e.promised_queries} + {e.fallback_links} fallback links; "
                    f"paper {4 * e.max_heads * e.d**2 - 2 * e.max_heads + 1}; "
                    f"lower bound H*(d^2+d) = {e.heads * (e.d**2 + e.d)}")
     table.add_row("queries (measured)", str(e.queries), formula)
-    table.add_row("longest query", str(e.max_query_length), f"formula 2*H0 + 1 = {e.promised_max_length}")
+    bound = "at most" if e.schedule == "targeted" else "formula 2*H0 + 1 ="
+    table.add_row("longest query", str(e.max_query_length), f"{bound} {e.promised_max_length}")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"

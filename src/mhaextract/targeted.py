@@ -56,7 +56,7 @@ import numpy as np
 
 from .kernels import float64 as float64_kernel
 from .kernels import single_pole
-from .linesearch import LineSearchReport, locate_heads
+from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 from .model import MultiHeadAttention
 from .oracle import OracleBoundary
 from .schedule import Instance, quantize, random_basis
@@ -94,6 +94,8 @@ class TargetedInstances:
     saturated : the instance held its assumption: margin >= ``SATURATION_MARGIN`` and (final
         instances) residual <= ``RESIDUAL_LIMIT``; for bridges also the measured log-pole agrees
         with the extracted model to 1e-6.
+    phase1 : :class:`~mhaextract.linesearch.LineSearchReport` of the line search in group ``z_1``
+        (lines drawn, centres accepted and rejected, the heads found with their rough estimates).
     """
 
     stage: np.ndarray
@@ -105,6 +107,7 @@ class TargetedInstances:
     residual: np.ndarray
     margin: np.ndarray
     saturated: np.ndarray
+    phase1: LineSearchReport | None = None
 
     @property
     def unsaturated(self) -> np.ndarray:
@@ -345,18 +348,18 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
 
     # --- diagnostics and checks.
     instances = _diagnostics(measurements, bridges, Z, eps_bridge if bridges is not None else None, model, H)
+    instances.phase1 = search
     error_estimate = _error_estimate(measurements, Z, a_all, model) if model is not None else np.inf
     answers = np.concatenate(prober.answers)
     answers_residual = _answers_residual(model, prober.sequences, answers, None) if model is not None else np.inf
     checks = _checks(instances, search, H, heads_given, measurements, error_estimate, answers_residual, finite)
     extraction = Extraction(
         model=model, heads=H, queries=boundary.queries, max_query_length=boundary.max_query_length,
-        promised_queries=4 * max_heads * d * d - 2 * max_heads + 1, promised_max_length=max(FINAL_COPIES) + 1,
+        promised_queries=4 * max_heads * d * d - 2 * max_heads + 1, promised_max_length=max(CENTER_COPIES) + 1,
         d=d, max_heads=max_heads, precision=None, seed=seed, schedule="targeted", fallback_links=0,
         error_estimate=error_estimate, answers_residual=answers_residual, instances=instances, checks=checks,
         seconds=time.perf_counter() - started,
     )
-    extraction.line_search = search
     if not extraction.ok:
         message = "extraction failed its checks:\n  " + "\n  ".join(str(c) for c in extraction.failed_checks)
         if on_failure == "raise":
@@ -420,7 +423,9 @@ def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_giv
     checks = []
     if heads_given is not None:
         checks.append(Check("heads_found", H == heads_given, abs(H - heads_given), 0,
-                            f"phase 1 found {H} of {heads_given} heads on {search.lines} lines"))
+                            f"phase 1 found {H} of {heads_given} heads on {search.lines} lines"
+                            + ("" if H == heads_given else " (heads with equal W merge in the canonical form; "
+                               "pass max_heads to accept fewer)")))
     bad = instances.unsaturated
     where = ", ".join(f"{instances.stage[i]} z_{instances.group[i]} head {instances.head[i]}" for i in bad[:5])
     checks.append(Check(
