@@ -83,8 +83,10 @@ class TargetedInstances:
 
     Attributes
     ----------
-    stage : ``"final"`` (groups ``z_j``, three samples) or ``"bridge"`` (groups ``z_1 + eps z_j``).
-    group : index j of the group's difference ``z_j``.
+    stage : ``"first"`` (group ``z_1``, three samples), ``"bridge"`` (groups ``z_1 + eps z_j``, one
+        or two samples) or ``"final"`` (each head's own basis, three samples; these alone make the model).
+    group : which difference: j of ``z_1 + eps z_j`` for bridges (1-based j >= 1 as ``group + 1``),
+        the column of the head's basis for final instances, 0 for the first group.
     head : the head the instance was designed for (index into the extracted model).
     log_pole, label : measured ``m_h`` and ``l_h`` (label NaN for one-sample bridge readings).
     designed : the log-pole the design aimed at (``t``).
@@ -189,8 +191,10 @@ def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
 
 @dataclass
 class _GroupMeasurements:
-    """All instances of some groups: arrays (groups, H, d rounds)."""
+    """All instances of some units (g, h): head h with difference ``differences[g, h]``, d rounds each.
+    Arrays (G, H, d rounds) unless noted."""
 
+    differences: np.ndarray  # (G, H, d)
     finals: np.ndarray  # (G, H, d, d)
     log_pole: np.ndarray
     label: np.ndarray
@@ -230,31 +234,32 @@ class _GroupMeasurements:
 
 
 def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool) -> _GroupMeasurements:
-    """Targeted instances for every group (difference ``differences[g]``) and head, d rounds.
+    """Targeted instances, d rounds, for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
-    ``estimates`` (G, H, d): the a_g used for the design; each head's own row is corrected after
-    every round to fit its measured log-poles. Final groups ask ``k = 1, 2, 3``; bridges ``k = 1, 2``
-    in round 0 and ``k = 1`` later (the label is then known).
+    ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
+    heads f at its difference, used for the design. The target's own row is corrected after every
+    round to fit its measured log-poles. Final units ask ``k = 1, 2, 3``; bridges ``k = 1, 2`` in
+    round 0 and ``k = 1`` later (the label is then known).
     """
-    G, H, d = estimates.shape
+    G, H, _, d = estimates.shape
     current = estimates.copy()
     # The constant row: a saturated head (or a null-space direction), never the target itself.
     patterns = np.array([[_patterns(rng, d, (h + 1) % d) for h in range(H)] for _ in range(G)])  # (G, H, d, d)
     shape = (G, H, d)
     K = 2 if bridge else len(FINAL_COPIES)
-    out = _GroupMeasurements(np.zeros(shape + (d,)), np.full(shape, np.nan), np.full(shape, np.nan),
+    out = _GroupMeasurements(differences, np.zeros(shape + (d,)), np.full(shape, np.nan), np.full(shape, np.nan),
                              np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.inf),
                              np.full(shape, np.inf), np.full(shape + (K,), np.nan), np.full(shape + (K,), np.nan))
     stage = "bridge" if bridge else "final"
+    heads = np.arange(H)
     for n in range(d):
-        finals = np.array([[prober.quantize(_design(current[g], h, patterns[g, h, :, n])) for h in range(H)]
+        finals = np.array([[prober.quantize(_design(current[g, h], h, patterns[g, h, :, n])) for h in range(H)]
                            for g in range(G)])
         out.finals[:, :, n] = finals
-        out.designed[:, :, n] = np.einsum("ghd,ghd->gh", current, finals)
-        flat_x = finals.reshape(G * H, d)
-        flat_z = np.repeat(differences, H, axis=0)
+        out.designed[:, :, n] = np.einsum("ghd,ghd->gh", current[:, heads, heads], finals)
         copies = (1,) if bridge and n else ((1, 2) if bridge else FINAL_COPIES)
-        gaps, rounding = prober.gaps(flat_x, flat_z, copies, f"{stage} instances, round {n + 1}/{d}")
+        gaps, rounding = prober.gaps(finals.reshape(G * H, d), differences.reshape(G * H, d), copies,
+                                     f"{stage} instances, round {n + 1}/{d}")
         out.gaps[:, :, n, :len(copies)] = gaps.reshape(G, H, len(copies))
         out.rounding[:, :, n, :len(copies)] = rounding.reshape(G, H, len(copies))
         if copies == (1,):
@@ -270,17 +275,45 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
             out.residual[:, :, n] = fits.residual.reshape(G, H) if len(copies) > 2 else np.nan
             out.sigma_m[:, :, n] = fits.sigma_m.reshape(G, H)
             out.sigma_l[:, :, n] = fits.sigma_l.reshape(G, H)
-        # Correct each head's estimate to fit what was measured (minimal change from the prior).
+        # Correct the target's estimate to fit what was measured (minimal change from the prior).
         for g in range(G):
             for h in range(H):
                 X, m = out.finals[g, h, :n + 1], out.log_pole[g, h, :n + 1]
                 ok = np.isfinite(m)
                 if ok.any():
-                    miss = m[ok] - X[ok] @ estimates[g, h]
-                    current[g, h] = estimates[g, h] + np.linalg.lstsq(X[ok], miss, rcond=1e-12)[0]
+                    miss = m[ok] - X[ok] @ estimates[g, h, h]
+                    current[g, h, h] = estimates[g, h, h] + np.linalg.lstsq(X[ok], miss, rcond=1e-12)[0]
     if not bridge:
         out.refit_with_consensus_labels()
     return out
+
+
+def _shared(differences: np.ndarray, estimates: np.ndarray):
+    """Units of groups shared by all heads: differences (G, d) and a's (G, H, d) broadcast per unit."""
+    G, H, d = estimates.shape
+    return (np.repeat(differences[:, None], H, axis=1),
+            np.repeat(estimates[:, None], H, axis=1))
+
+
+def _balanced_basis(label_direction: np.ndarray, rng, scale: float) -> np.ndarray:
+    """An orthogonal basis (columns) times ``scale`` in which ``label_direction`` (a rough ``v_h``)
+    has equal components ``+-|v_h| / sqrt(d)``: the Householder reflection that exchanges
+    ``v_h / |v_h|`` and ``(1, .., 1) / sqrt(d)``, with random column signs.
+
+    A difference z nearly orthogonal to ``v_h`` makes the label ``l_h = v_h^T z`` small next to the
+    oracle's rounding of ``v_h^T y`` (``~ eps |v_h| |z|``), and that head's poles imprecise; in this
+    basis every ``|l_h| = |v_h| |z| / sqrt(d)``.
+    """
+    d = len(label_direction)
+    unit = label_direction / np.linalg.norm(label_direction)
+    ones = np.full(d, 1.0 / np.sqrt(d))
+    normal = unit - ones
+    if np.linalg.norm(normal) < 1e-12:
+        reflection = np.eye(d)
+    else:
+        normal /= np.linalg.norm(normal)
+        reflection = np.eye(d) - 2.0 * np.outer(normal, normal)
+    return reflection * rng.choice([-1.0, 1.0], size=d)[None, :] * scale
 
 
 def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, seed, token_scale, batch_size,
@@ -315,41 +348,50 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
         raise ExtractionError("phase 1 found no head along its lines (is the oracle constant?)", None)
     rough = np.array([head.direction for head in found])
 
-    # --- group z_1, targeted: precise a_h(1).
-    group1 = _measure(prober, Z[:, :1].T, rough[None], rng, bridge=False)
-    a1 = group1.solve()[0]
+    # --- group z_1, targeted: precise a_h(1) and l_h(1).
+    first = _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False)
+    a1 = first.solve()[0]
+    labels1 = first.consensus_labels()[0][0]
+    stages = [("first", first)]
 
-    # --- bridges z_1 + eps z_j: rough a_h(j), heads named as in group z_1.
-    x_size = np.linalg.norm(group1.finals, axis=-1).max()
-    a_size = np.linalg.norm(a1, axis=1).max() if np.isfinite(a1).all() else np.inf
-    measurements = [group1]
-    bridges = None
-    if d > 1 and np.isfinite(a_size):
-        eps_bridge = 2.0 ** np.floor(np.log2(2.0 / (a_size * x_size)))
+    # --- bridges z_1 + eps z_j: rough a_h(j) and l_h(j), heads named as in group z_1; rough W, v.
+    rough_a, rough_l = a1[None], labels1[None]  # (groups, H, d), (groups, H)
+    if d > 1 and np.isfinite(a1).all():
+        x_size = np.linalg.norm(first.finals, axis=-1).max()
+        eps_bridge = 2.0 ** np.floor(np.log2(2.0 / (np.linalg.norm(a1, axis=1).max() * x_size)))
         bridge_z = prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T)  # (d - 1, d)
-        bridges = _measure(prober, bridge_z, np.repeat(a1[None], d - 1, axis=0), rng, bridge=True)
-        a_bridge = bridges.solve()
-        rough_j = (a_bridge - a1[None]) / eps_bridge
-        finals_j = _measure(prober, Z[:, 1:].T, rough_j, rng, bridge=False)
-        measurements.append(finals_j)
-    # --- assembly.
-    a_all = np.concatenate([m.solve() for m in measurements], axis=0)  # (d, H, d): a_h(j)
-    label_all = np.concatenate([m.label for m in measurements], axis=0)  # (d, H, rounds)
-    sigma_l_all = np.concatenate([m.sigma_l for m in measurements], axis=0)
-    weights = 1.0 / np.maximum(sigma_l_all, 1e-300) ** 2
-    weights = np.where(np.isfinite(label_all), weights, 0.0)
-    labels = (np.nan_to_num(label_all) * weights).sum(axis=2) / np.maximum(weights.sum(axis=2), 1e-300)  # (d, H)
-    M = a_all.transpose(1, 0, 2)  # M[h, j, :] = a_h(j) = W_h^T z_j, i.e. z_j^T W_h e_i
-    model = None
-    finite = np.isfinite(M).all() and np.isfinite(labels).all()
+        bridges = _measure(prober, *_shared(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True)
+        stages.append(("bridge", bridges))
+        # a_h(z_1 + eps z_j) - a_h(z_1) = eps a_h(z_j) (+ the rounding of the bridge difference, 2^-40 relative)
+        rough_a = np.concatenate([rough_a, (bridges.solve() - a1[None]) / eps_bridge])
+        rough_l = np.concatenate([rough_l, (bridges.label[:, :, 0] - labels1[None]) / eps_bridge])
+    model, finite = None, bool(np.isfinite(rough_a).all() and np.isfinite(rough_l).all())
     if finite:
-        W, v = float64_kernel.assemble(Z, np.eye(d), M, labels.T)
-        model = MultiHeadAttention(W, v)
+        W_rough, v_rough = float64_kernel.assemble(Z, np.eye(d), rough_a.transpose(1, 0, 2), rough_l.T)
+
+        # --- final: each head in its own basis, balanced for its label (every |v_h^T z| alike).
+        scale = GROUP_SCALE * token_scale
+        bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])  # (H, d, d)
+        differences = bases.transpose(2, 0, 1)  # (d groups, H, d): differences[g, h] = column g of head h's basis
+        estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a_f(z) = W_f^T z for every unit
+        final = _measure(prober, differences, estimates, rng, bridge=False)
+        stages.append(("final", final))
+        a_final = final.solve()  # (d, H, d)
+        labels_final = final.consensus_labels()[0]  # (d, H)
+        finite = bool(np.isfinite(a_final).all() and np.isfinite(labels_final).all())
+        if finite:
+            W = np.empty((H, d, d))
+            v = np.empty((H, d))
+            for h in range(H):  # W_h^T z = a_h(z) over head h's basis: W_h = Z_h^{-T} A_h^T
+                W[h], v[h] = (part[0] for part in float64_kernel.assemble(
+                    bases[h], np.eye(d), a_final[:, h][None], labels_final[:, h][None]))
+            model = MultiHeadAttention(W, v)
 
     # --- diagnostics and checks.
-    instances = _diagnostics(measurements, bridges, Z, eps_bridge if bridges is not None else None, model, H)
+    instances = _diagnostics(stages, model)
     instances.phase1 = search
-    error_estimate = _error_estimate(measurements, Z, a_all, model) if model is not None else np.inf
+    measurements = [data for _, data in stages]
+    error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
     answers = np.concatenate(prober.answers)
     answers_residual = _answers_residual(model, prober.sequences, answers, None) if model is not None else np.inf
     checks = _checks(instances, search, H, heads_given, measurements, error_estimate, answers_residual, finite)
@@ -368,52 +410,47 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
     return extraction
 
 
-def _diagnostics(measurements, bridges, Z, eps_bridge, model, H) -> TargetedInstances:
+def _diagnostics(stages, model) -> TargetedInstances:
     rows = []
-    groups = [(m, "final", list(range(m.finals.shape[0])) if k == 0 else list(range(1, Z.shape[1])))
-              for k, m in enumerate(measurements)]
-    if bridges is not None:
-        groups.insert(1, (bridges, "bridge", list(range(1, Z.shape[1]))))
-    for data, stage, group_index in groups:
-        G, H_, rounds, d = data.finals.shape
+    for stage, data in stages:
+        G, H, rounds, d = data.finals.shape
         for g in range(G):
-            j = group_index[g]
-            z = Z[:, 0] + eps_bridge * Z[:, j] if stage == "bridge" else Z[:, j]
-            for h in range(H_):
+            for h in range(H):
+                z = data.differences[g, h]
+                poles_all = np.einsum("d,hde,ne->nh", z, model.W, data.finals[g, h]) if model is not None else None
                 for n in range(rounds):
-                    x = data.finals[g, h, n]
-                    if model is not None:
-                        poles = np.einsum("d,hde,e->h", z, model.W, x)
-                        margin = float(np.delete(poles, h).min()) if H_ > 1 else np.inf
-                        agrees = abs(poles[h] - data.log_pole[g, h, n]) <= 1e-6
+                    measured = data.log_pole[g, h, n]
+                    if poles_all is not None:
+                        poles = poles_all[n]
+                        margin = float(np.delete(poles, h).min()) if H > 1 else np.inf
+                        agrees = abs(poles[h] - measured) <= 1e-6
                     else:
                         margin, agrees = np.nan, False
                     residual = data.residual[g, h, n]
-                    ok = margin >= SATURATION_MARGIN and np.isfinite(data.log_pole[g, h, n])
-                    ok = ok and (residual <= RESIDUAL_LIMIT if stage == "final" else agrees)
-                    rows.append((stage, j, h, data.log_pole[g, h, n], data.label[g, h, n], data.designed[g, h, n],
-                                 residual, margin, ok))
+                    ok = margin >= SATURATION_MARGIN and np.isfinite(measured)
+                    ok = ok and (agrees if stage == "bridge" else residual <= RESIDUAL_LIMIT)
+                    rows.append((stage, g, h, measured, data.label[g, h, n], data.designed[g, h, n], residual,
+                                 margin, ok))
     columns = list(zip(*rows))
     return TargetedInstances(*(np.array(column) for column in columns))
 
 
-def _error_estimate(measurements, Z, a_all, model) -> float:
+def _error_estimate(final: _GroupMeasurements, model) -> float:
     """First order: each log-pole's error (sample rounding, and the oracle's rounding of the
-    scores ``y^T W x``, about eps |z| |W x|) through ``a_h(j) = X^{-1} m`` and ``W_h = Z^{-T} A_h^T``."""
-    errors = []
-    for data in measurements:
-        G, H, rounds, d = data.finals.shape
+    scores ``y^T W_h x``, about eps |z| |W_h x|) through ``a_h(z) = X^{-1} m`` and
+    ``W_h = Z_h^{-T} A_h^T`` (``Z_h`` orthogonal times ``|z|``)."""
+    G, H, rounds, d = final.finals.shape
+    W_error = 0.0
+    for h in range(H):
+        squared = 0.0
         for g in range(G):
-            for h in range(H):
-                X = data.finals[g, h]
-                score = 8 * EPS * np.linalg.norm(X, axis=1) * np.linalg.norm(a_all, axis=2).max()
-                sigma = np.hypot(data.sigma_m[g, h], score)
-                errors.append(np.linalg.norm(np.linalg.solve(X, sigma)))
-    d = Z.shape[0]
-    per_group = np.array(errors)
-    W_error = np.linalg.norm(np.linalg.inv(Z), 2) * per_group.max() * np.sqrt(d)
-    W_scale = max(np.abs(model.W).max(), 1e-300)
-    return float(W_error / W_scale)
+            X = final.finals[g, h]
+            z = final.differences[g, h]
+            score = 8 * EPS * np.linalg.norm(z) * np.linalg.norm(X @ model.W[h].T, axis=1)
+            sigma = np.hypot(final.sigma_m[g, h], score)
+            squared += np.linalg.norm(np.linalg.solve(X, sigma)) ** 2
+        W_error = max(W_error, np.sqrt(squared) / np.linalg.norm(final.differences[0, h]))
+    return float(4 * W_error / max(np.abs(model.W).max(), 1e-300))
 
 
 def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements, error_estimate,
@@ -427,7 +464,7 @@ def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_giv
                             + ("" if H == heads_given else " (heads with equal W merge in the canonical form; "
                                "pass max_heads to accept fewer)")))
     bad = instances.unsaturated
-    where = ", ".join(f"{instances.stage[i]} z_{instances.group[i]} head {instances.head[i]}" for i in bad[:5])
+    where = ", ".join(f"{instances.stage[i]} group {instances.group[i]} head {instances.head[i]}" for i in bad[:5])
     checks.append(Check(
         "saturation", len(bad) == 0, len(bad), 0,
         f"{len(bad)} of {len(instances.saturated)} targeted instances did not hold their saturation assumption"
