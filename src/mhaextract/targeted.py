@@ -12,35 +12,41 @@ schedules loses about three digits per head). The head is known by construction:
 **Design.** For a difference z the log-poles ``m_g = a_g^T x`` are H linear functionals of the
 final token. With estimates of the ``a_g`` (H <= d) the instance ``n`` of head h solves
 
-    a_h^T x = t_n in [-2.5, 2.5],   a_g^T x = s_{g,n} in [45, 60] (g != h),   null-space part free,
+    a_h^T x = t_n in log 2 +- 2.5,   a_g^T x = s_{g,n} in [40, 100] (g != h),   null-space part free,
 
-(``e^{-45}`` puts a saturated head's contribution ``k l_g / (k + tau_g)`` 1e-20 below its
-label). The ``d`` instances of ``(h, z)`` take ``(t, s, null part)`` from the columns of a random
-orthogonal pattern, so their final tokens span R^d; after each round the estimate of ``a_h`` is
-corrected to fit the log-poles measured so far (so a 1% estimate does not push ``t`` out of the
-window). Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine ``(l_h, tau_h)``,
-the third tests that the instance really is single-pole (:mod:`.kernels.single_pole`).
+(``e^{-40}`` puts a saturated head's term ``k l_g / (k + tau_g)`` 1e-17 below its label). The
+``(t, s, null part)`` of the d instances of ``(h, z)`` are the columns of a pattern with one
+constant row and zero-sum orthogonal rows (:func:`_patterns`), so their final tokens span R^d
+with a well-conditioned design. After each round the estimate of ``a_h`` is corrected to fit the
+log-poles measured so far. Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine
+``(l_h, tau_h)``, the third tests that the instance really is single-pole
+(:mod:`.kernels.single_pole`). Finally the label of ``(h, z)`` is fixed at the consensus of its d
+instances and every ``m`` refitted with it.
 
-**Assembly.** The d measurements ``a_h^T x_n = m_n`` give ``a_h(j) = W_h^T z_j``, the d groups give
-``W_h = Z^{-T} [a_h(1) .. a_h(d)]^T`` (Z orthogonal times ``64 * token_scale``: perfectly
-conditioned), and the labels ``v_h = Z^{-T} l_h``.
+**Assembly.** The d measurements ``a_h^T x_n = m_n`` give ``a_h(z) = W_h^T z``; d differences
+``z`` (the columns of an orthogonal ``Z_h`` times ``64 * token_scale``) give
+``W_h = Z_h^{-T} [a_h(z_1) .. a_h(z_d)]^T`` and ``v_h = Z_h^{-T} l_h``.
 
 **Where the estimates come from** (all measured, in this order):
 
 1. ``vbar`` from d one-token queries (``f((b)) = vbar^T b``), so ``F(0)`` is known everywhere.
 2. Group ``z_1``: heads located along lines (:mod:`.linesearch`): labels name the heads, rough
-   ``a_h(1)`` from readings around each head's switch.
-3. Group ``z_1`` measured with targeted instances: precise ``a_h(1)``.
-4. Bridges ``z_1 + eps z_j`` (eps a power of two): targeted with the precise ``a_g(1)``, the head
-   is again known by construction and in the window, since ``eps a_h(j)^T x`` is small. The first
-   instance of each head asks ``k = 1, 2`` (label and pole), the others ``k = 1`` with the label
-   known (``d + 1`` queries per head). ``(a_h(z_1 + eps z_j) - a_h(1)) / eps`` estimates ``a_h(j)``
-   for every head with the same identity as in group ``z_1``: the bridge links the groups.
-5. Groups ``z_j``, j >= 2, measured with targeted instances.
+   ``a_h(z_1)`` from readings around each head's switch.
+3. Group ``z_1`` measured with targeted instances (stage ``"first"``): precise ``a_h(z_1)``.
+4. Bridges ``z_1 + eps z_j`` (eps a power of two, ``j = 2..d``): targeted with the precise
+   ``a_g(z_1)``; the head is again known by construction and in the window, since
+   ``eps a_h(z_j)^T x`` is small. The first instance of each head asks ``k = 1, 2`` (label and
+   pole), the others ``k = 1`` with the label known (``d + 1`` queries per head).
+   ``(a_h(z_1 + eps z_j) - a_h(z_1)) / eps`` estimates ``a_h(z_j)`` with the same head identity as
+   in group ``z_1``: the bridges link the groups, and give rough ``W_h``, ``v_h`` (~1e-11).
+5. Final (stage ``"final"``): each head in its own basis ``Z_h``, the Householder reflection that
+   gives the rough ``v_h`` equal components in every column (:func:`_balanced_basis`): a z nearly
+   orthogonal to ``v_h`` would make ``l_h`` small next to the oracle's rounding of ``v_h^T y``.
+   The other heads' ``a_g(z) = W_g^T z`` come from the rough model.
 
-Queries: ``d`` + phase 1 (about ``H (d + 15)`` + line grids) + ``3 H d`` (group 1) +
-``(d + 1) H (d - 1)`` (bridges) + ``3 H d (d - 1)``: about ``4 H d^2``, the paper's count.
-Every count reported is measured at the oracle boundary.
+Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``3 H d`` (first) +
+``(d + 1) H (d - 1)`` (bridges) + ``3 H d^2`` (final): about ``4 H d^2 + 4 H d``, 1.1 to 1.3 times
+the paper's ``4 H d^2 - 2 H + 1``. Every count reported is measured at the oracle boundary.
 
 H > d is refused: the H conditions on x need H <= d (saturating some heads towards ``y``
 instead would lift that, at one more unknown per instance; not implemented).
