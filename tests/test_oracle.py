@@ -35,7 +35,6 @@ def test_a_plain_function_is_an_oracle_in_high_precision_with_decimal_strings():
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_answers_name_the_query(bad):
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
-    calls = {"n": 0}
 
     def oracle(batch):
         out = list(target(batch))

@@ -174,3 +174,22 @@ def test_same_seed_same_queries():
         asked.append(batches)
     assert len(asked[0]) == len(asked[1])
     assert all(np.array_equal(a, b) for a, b in zip(*asked))
+
+
+def test_a_transcript_replays_the_adaptive_run(tmp_path):
+    """Interrupted runs lose nothing: the run is adaptive but deterministic given its seed and
+    answers, so a second run with the same transcript reads every answer back."""
+    target = mx.MultiHeadAttention.random(4, 3, seed=8)
+    path = tmp_path / "targeted.sqlite"
+    first = mx.extract(CountingOracle(target), 4, heads=3, seed=5, schedule="targeted", transcript=path)
+    oracle = CountingOracle(target)
+    second = mx.extract(oracle, 4, heads=3, seed=5, schedule="targeted", transcript=path)
+    assert oracle.count == 0 and second.queries_asked == 0
+    assert second.queries_replayed == second.queries == first.queries
+    assert np.array_equal(second.model.W, first.model.W)
+
+
+def test_a_query_budget_stops_the_run():
+    target = mx.MultiHeadAttention.random(4, 3, seed=8)
+    with pytest.raises(mx.BudgetExceeded):
+        mx.extract(mx.SimulatedOracle(target), 4, heads=3, seed=5, schedule="targeted", max_queries=50)

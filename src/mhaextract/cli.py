@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 import warnings
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -10,8 +14,12 @@ from rich.console import Console
 from .compare import compare
 from .learner import UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention
-from .oracle import SimulatedOracle
+from .noise import AdditiveNoise
+from .oracle import OracleError, SimulatedOracle
 from .report import extraction_table
+from .results import save_extraction
+from .transcript import TranscriptError
+from .verify import verify
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
 
@@ -28,25 +36,179 @@ def demo(
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
     schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1), 'lean' or 'targeted' (float64, H <= d)"),
+    noise: float = typer.Option(None, "--noise", help="float64: add uniform noise |e| <= NOISE to every answer"),
+    samples: int = typer.Option(None, "--samples", help="float64: samples per instance (> 2H+1 oversamples)"),
+    refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
+    transformer: bool = typer.Option(False, "--transformer", help="target: attention + bias-free ReLU FFN"),
+    hidden: int = typer.Option(8, "--hidden", help="hidden units of the --transformer target"),
 ) -> None:
-    """Extract a random target through a simulated oracle and print what it took."""
+    """Extract a random target through a simulated oracle, verify it on fresh queries, print what it took."""
     console = Console()
     if d < 1 or heads < 1:
         raise typer.BadParameter("--d and --heads must be positive")
+    if precision is not None and (noise is not None or samples is not None or refine):
+        raise typer.BadParameter("--noise, --samples and --refine are float64 options (omit --precision)")
+    if noise is not None and not noise >= 0:
+        raise typer.BadParameter("--noise must be >= 0")
+    if transformer and (noise is not None or samples is not None or refine):
+        raise typer.BadParameter("--noise, --samples and --refine apply to the attention demo, not --transformer")
+    if transformer:
+        from .transformer import transformer_demo
+        raise typer.Exit(code=transformer_demo(console, d, heads, hidden, precision, seed))
     target = MultiHeadAttention.random(d, heads, seed=seed)
     oracle = SimulatedOracle(target, precision=precision)
+    if noise is not None:
+        oracle = AdditiveNoise(oracle, noise, seed=seed + 2)
+    robust = {} if precision is not None else {"samples_per_instance": samples, "refine": refine, "answer_error": noise}
     with warnings.catch_warnings():  # failed checks are printed below, in full
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
         result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, schedule=schedule,
-                         progress=True, on_failure="warn")
+                         progress=True, on_failure="warn", **robust)
     reference = result.model_hp if result.model_hp is not None else result.model
     comparison = compare(reference, target) if reference is not None else None
+    if precision is None and result.model is not None:
+        verify(result, oracle, n=256, seed=seed + 3)
     console.print(extraction_table(result, comparison, title=f"mhaextract demo (seed {seed})"))
     if not result.ok:
         console.print("[bold red]The extraction failed its own checks; the heads above are not reliable.[/]")
         for check in result.failed_checks:
             console.print(f"  {check}")
         raise typer.Exit(code=1)
+
+
+def load_oracle(spec: str):
+    """The callable named by ``package.module:name`` (importable from the current directory, as
+    with ``python -m``) or ``path/to/file.py:name``."""
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise typer.BadParameter(f"expected package.module:callable or file.py:callable, got {spec!r}", param_hint="--oracle")
+    try:
+        if target.endswith(".py"):
+            location = Path(target)
+            if not location.is_file():
+                raise FileNotFoundError(f"no file {target!r}")
+            module_spec = importlib.util.spec_from_file_location(location.stem, location)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(target)
+        oracle = getattr(module, name)
+    except (ImportError, FileNotFoundError, AttributeError) as error:
+        raise typer.BadParameter(f"cannot load {spec!r}: {error}", param_hint="--oracle") from None
+    if not callable(oracle):
+        raise typer.BadParameter(f"{spec!r} is a {type(oracle).__name__}, not a callable oracle", param_hint="--oracle")
+    return oracle
+
+
+@app.command("extract")
+def extract_command(
+    oracle: str = typer.Option(..., "--oracle", help="the oracle: package.module:callable or file.py:callable"),
+    d: int = typer.Option(..., "--d", help="token dimension"),
+    heads: int = typer.Option(None, "--heads", help="number of heads H, if known"),
+    max_heads: int = typer.Option(None, "--max-heads", help="a bound H0 >= H* (instead of --heads)"),
+    precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
+    seed: int = typer.Option(0, "--seed", help="seeds the queries (a resumed run needs the same)"),
+    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1) or 'lean'"),
+    token_scale: float = typer.Option(None, "--token-scale", help="norm of the query tokens (default d**0.25)"),
+    transcript: Path = typer.Option(None, "--transcript", help="SQLite transcript: saves every answer, resumes"),
+    max_queries: int = typer.Option(None, "--max-queries", help="cap on the queries asked in this run"),
+    batch_size: int = typer.Option(1024, "--batch-size", help="sequences per oracle call"),
+    out: Path = typer.Option(None, "--out", help="write the result as JSON (and .npz arrays beside it)"),
+) -> None:
+    """Extract the heads of a user's oracle and print (and save) what it took."""
+    console = Console()
+    function = load_oracle(oracle)
+    if out is not None and out.suffix != ".json":
+        raise typer.BadParameter(f"must end in .json, got {str(out)!r}", param_hint="--out")
+    try:
+        with warnings.catch_warnings():  # failed checks are printed below, in full
+            warnings.simplefilter("ignore", UnreliableExtractionWarning)
+            result = extract(function, d, heads=heads, max_heads=max_heads, precision=precision, seed=seed,
+                             schedule=schedule, token_scale=token_scale, batch_size=batch_size, progress=True, on_failure="warn",
+                             transcript=transcript, max_queries=max_queries)
+    except (ValueError, OracleError, TranscriptError) as error:  # bad input, budget, oracle, transcript
+        console.print(f"[bold red]{type(error).__name__}:[/] {error}", highlight=False)
+        for note in getattr(error, "__notes__", []):
+            console.print(note, markup=False, highlight=False)
+        raise typer.Exit(code=2)
+    console.print(extraction_table(result, title=f"mhaextract extract {oracle}"))
+    if out is not None:
+        json_path, npz_path = save_extraction(result, out)
+        console.print(f"wrote {json_path} and {npz_path}")
+    if not result.ok:
+        console.print("[bold red]The extraction failed its own checks; the heads are not reliable.[/]")
+        for check in result.failed_checks:
+            console.print(f"  {check}")
+        raise typer.Exit(code=1)
+
+
+report_app = typer.Typer(add_completion=False, help="Reports that run sweeps and write figures.")
+app.add_typer(report_app, name="report")
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not values or not all(v > 0 for v in values):
+        raise typer.BadParameter(f"{name} must be positive numbers, got {text!r}")
+    return values
+
+
+@report_app.command("noise")
+def report_noise(
+    output: Path = typer.Option(Path("noise.png"), "--output", "-o", help="where to write the PNG"),
+    d: int = typer.Option(4, "--d", help="token dimension"),
+    heads: str = typer.Option("1,2,3", "--heads", help="comma-separated head counts, one line each"),
+    eps: str = typer.Option("1e-14,1e-13,1e-12,1e-11,1e-10,1e-9,1e-8", "--eps", help="comma-separated noise bounds"),
+    seeds: int = typer.Option(5, "--seeds", help="random targets per (H, eps)"),
+    refine: bool = typer.Option(False, "--refine", help="refine every run"),
+) -> None:
+    """Sweep additive answer noise, write parameter error against eps (log-log) with the certificate."""
+    from .noise_sweep import noise_sweep, plot_noise_sweep
+
+    console = Console()
+    head_values = tuple(int(h) for h in _floats(heads, "--heads"))
+    eps_values = _floats(eps, "--eps")
+    if d < 1 or seeds < 1:
+        raise typer.BadParameter("--d and --seeds must be positive")
+    if not output.parent.exists():
+        raise typer.BadParameter(f"the folder of --output does not exist: {output.parent}")
+    points = noise_sweep(d, head_values, eps_values, seeds, refine=refine, progress=True)
+    plot_noise_sweep(points, output, d)
+    covered = [p for p in points if p.eps < p.valid_below]
+    held = sum(p.error <= p.bound for p in covered)
+    console.print(f"wrote {output}: {len(points)} runs (d = {d}, H in {head_values}); {len(covered)} with eps below "
+                  f"valid_below, the certificate held in {held} of them")
+
+
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="d in {4, 8}, H in {1, 2}, fewer restarts and steps"),
+    out: str = typer.Option("benchmarks/out", "--out", help="folder for bench.md and bench.png"),
+    d: list[int] = typer.Option(None, "--d", help="token dimensions (repeat the option; default 4 8 16)"),
+    heads: list[int] = typer.Option(None, "--heads", help="head counts (repeat the option; default 1 2 3)"),
+    seed: int = typer.Option(0, "--seed", help="seeds the targets, the queries and the students"),
+    restarts: int = typer.Option(None, "--restarts", help="distillation restarts (default 12, quick 6)"),
+    adam_steps: int = typer.Option(None, "--adam-steps", help="distillation Adam steps (default 1500, quick 600)"),
+    lbfgs_steps: int = typer.Option(None, "--lbfgs-steps", help="L-BFGS iterations per restart (default 300, quick 200)"),
+) -> None:
+    """mhaextract beside the single-head algorithm and gradient distillation, same targets, same run."""
+    from .bench import BenchSettings, run_bench
+
+    overrides = {name: value for name, value in [("ds", d), ("heads", heads), ("seed", seed), ("restarts", restarts),
+                                                 ("adam_steps", adam_steps), ("lbfgs_steps", lbfgs_steps)]
+                 if value is not None and value != []}
+    try:
+        settings = BenchSettings.quick(**overrides) if quick else BenchSettings(**overrides)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    console = Console(width=400)
+    run_bench(settings, out_dir=out, console=console)
+    console.print(f"wrote {out}/bench.md and {out}/bench.png")
 
 
 if __name__ == "__main__":  # pragma: no cover

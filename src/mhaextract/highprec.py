@@ -9,6 +9,7 @@ back to ``mpf`` through its (dyadic) midpoint.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Iterator
 
 import mpmath
@@ -112,3 +113,28 @@ def magnitude_float(values) -> np.ndarray:
     for index, value in np.ndenumerate(values):
         out[index] = float(abs(value).upper()) if isinstance(value, arb) else abs(float(value))
     return out
+
+
+def mpf_to_hex(value: mpmath.mpf) -> str:
+    """The exact text of an ``mpf``: ``[-]0x<mantissa in hex>p<binary exponent>`` (C99 hex-float style).
+
+    ``man * 2**exp`` with integer ``man`` and ``exp``: nothing is rounded whatever the precision,
+    unlike a decimal string, so an answer stored this way reads back bit for bit.
+    """
+    if not mpmath.isfinite(value):
+        raise ValueError(f"{value} is not a finite number")
+    sign, man, exp, _ = value._mpf_
+    return f"{'-' if sign else ''}0x{int(man):x}p{int(exp)}"
+
+
+_HEX_MPF = re.compile(r"(-?)0x([0-9a-f]+)p([+-]?[0-9]+)")
+
+
+def mpf_from_hex(text: str) -> mpmath.mpf:
+    """Inverse of :func:`mpf_to_hex`: the exact ``mpf`` (no rounding at mpmath's precision)."""
+    match = _HEX_MPF.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"not an exact hex number of the form [-]0x<hex>p<exp>: {text!r}")
+    man = int(match.group(2), 16)
+    # The sign goes into the mantissa: negating an mpf afterwards would round to mpmath's precision.
+    return mpmath.mp.make_mpf(from_man_exp(-man if match.group(1) else man, int(match.group(3))))

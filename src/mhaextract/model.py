@@ -44,6 +44,25 @@ def as_batch(batch, d: int | None = None) -> list[np.ndarray]:
     return out
 
 
+def group_equal_heads(W: np.ndarray, rtol: float = 0.0) -> list[list[int]]:
+    """Indices of heads with equal score matrices (max entry difference <= ``rtol * max|W|``),
+    in order of first appearance: the heads that merge in a canonical form."""
+    magnitude = np.vectorize(lambda value: abs(float(value)), otypes=[np.float64])
+    W_abs = magnitude(W) if W.dtype == object else np.abs(W)
+    W_scale = float(W_abs.max()) if W.size else 0.0
+    groups: list[list[int]] = []
+    for h in range(W.shape[0]):
+        for group in groups:
+            difference = W[h] - W[group[0]]
+            size = magnitude(difference).max() if W.dtype == object else np.abs(difference).max()
+            if size <= rtol * W_scale:
+                group.append(h)
+                break
+        else:
+            groups.append([h])
+    return groups
+
+
 class MultiHeadAttention:
     """Multi-head softmax attention with a scalar read-out at the final token.
 
@@ -112,6 +131,20 @@ class MultiHeadAttention:
         v = rng.standard_normal((heads, d))
         return cls(W, v)
 
+    def suggested_token_scale(self) -> float:
+        """The token norm ``s`` at which the schedule's log-poles ``z^T W_h x`` are of order one.
+
+        For ``x``, ``z`` of norm ``s`` in independent uniformly random directions,
+        ``E[(z^T W x)^2] = s^4 ||W||_F^2 / d^2``; the RMS is one at ``s = sqrt(d / ||W||_F)``,
+        taken for the largest ``||W_h||_F``. For W with N(0, 1/d) entries (``||W||_F ~ sqrt(d)``)
+        this is ``d ** 0.25``, the default of :func:`mhaextract.extract`.
+        """
+        norms = [float(np.linalg.norm(np.asarray(W_h, dtype=np.float64))) for W_h in self.to_float64().W]
+        largest = max(norms, default=0.0)
+        if largest == 0.0:
+            raise ValueError("every W_h is zero: the scores do not depend on the tokens, any token_scale will do")
+        return float(np.sqrt(self.d / largest))
+
     def to_float64(self) -> "MultiHeadAttention":
         if not self.is_high_precision:
             return self
@@ -119,48 +152,90 @@ class MultiHeadAttention:
         return MultiHeadAttention(to_float(self.W), to_float(self.v))
 
     # ------------------------------------------------------------------ evaluation
-    def __call__(self, batch, precision: int | None = None):
+    def __call__(self, batch, precision: int | None = None, dtype=np.float64):
         """Outputs f(X) for a batch of sequences.
 
         In float64 (``precision=None``) returns a float64 array of shape (B,). With
         ``precision=bits`` the sequences may hold ``mpmath.mpf`` (or floats) and the outputs are
         a list of ``mpf`` computed with ball arithmetic at ``bits`` (+ guard) bits.
+        ``dtype=np.float32`` evaluates in float32 throughout (tokens, parameters and arithmetic
+        rounded to float32; a lower-precision target, see :class:`mhaextract.noise.Float32Oracle`).
         """
         sequences = as_batch(batch, self.d)
         if precision is None:
-            return self._evaluate_float64(sequences)
+            dtype = np.dtype(dtype)
+            if dtype not in (np.float64, np.float32):
+                raise ValueError(f"dtype must be float64 or float32, got {dtype}")
+            return self._evaluate_float(sequences, dtype)
         return self._evaluate_arb(sequences, int(precision))
 
-    def _evaluate_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
-        W = self.to_float64().W
-        v = self.to_float64().v
-        out = np.empty(len(sequences), dtype=np.float64)
+    def head_means(self, batch, precision: int | None = None) -> np.ndarray:
+        """The attention-weighted mean token of every head, ``m_h(X) = sum_i a_{h,i} x_i``.
+
+        The output is ``f(X) = sum_h v_h^T m_h(X)``; a one-layer Transformer reads the same means
+        through its value-output maps (ALGORITHM.md section 9). Returns float64 (B, H, d), or with
+        ``precision=bits`` an object array (B, H, d) of flint ``arb`` balls computed at
+        ``bits + 32`` bits (the caller sets nothing; the balls carry their own precision).
+        """
+        sequences = as_batch(batch, self.d)
+        if precision is None:
+            return self._means_float64(sequences)
+        return self._means_arb(sequences, int(precision))
+
+    def _evaluate_float(self, sequences: Sequence[np.ndarray], dtype=np.float64) -> np.ndarray:
+        v = self.to_float64().v.astype(dtype)
+        out = np.empty(len(sequences), dtype=dtype)
+        for index, X, weights in self._weights_float(sequences, dtype):
+            values = np.einsum("bnd,hd->bhn", X, v)  # v_h^T x_i, (B, H, N)
+            out[index] = np.einsum("bhn,bhn->b", weights, values)
+        return out
+
+    def _means_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
+        out = np.empty((len(sequences), self.heads, self.d), dtype=np.float64)
+        for index, X, weights in self._weights_float(sequences):
+            out[index] = np.einsum("bhn,bnd->bhd", weights, X)
+        return out
+
+    def _weights_float(self, sequences: Sequence[np.ndarray], dtype=np.float64):
+        """Per group of equal lengths: (indices, tokens (B, N, d), softmax weights a_{h,i} (B, H, N)),
+        computed in ``dtype`` (float64, or float32 for a lower-precision target)."""
+        W = self.to_float64().W.astype(dtype)
         lengths = np.array([len(s) for s in sequences])
         for length in np.unique(lengths):
             index = np.flatnonzero(lengths == length)
-            X = np.stack([np.asarray(sequences[i], dtype=np.float64) for i in index])  # (B, N, d)
+            X = np.stack([np.asarray(sequences[i], dtype=dtype) for i in index])  # (B, N, d)
             queries = np.einsum("hde,be->bhd", W, X[:, -1, :])  # W_h x_N, (B, H, d)
             scores = np.einsum("bnd,bhd->bhn", X, queries)  # (B, H, N)
             scores -= scores.max(axis=2, keepdims=True)
             weights = np.exp(scores)
             weights /= weights.sum(axis=2, keepdims=True)
-            values = np.einsum("bnd,hd->bhn", X, v)  # v_h^T x_i, (B, H, N)
-            out[index] = np.einsum("bhn,bhn->b", weights, values)
-        return out
+            yield index, X, weights
 
     def _evaluate_arb(self, sequences: Sequence[np.ndarray], precision: int) -> list:
+        means = self._means_arb(sequences, precision)
+        with working_precision(precision + 32):
+            v = np.vectorize(to_arb, otypes=[object])(self.v)
+            outputs = []
+            for row in means:
+                # Head by head: heads that cancel (equal W, opposite v) then cancel exactly.
+                total = arb(0)
+                for h in range(self.heads):
+                    total += sum((row[h, a] * v[h, a] for a in range(self.d)), arb(0))
+                with mpmath.workprec(precision):
+                    outputs.append(+arb_to_mpf(total))  # unary + rounds to `precision` bits
+            return outputs
+
+    def _means_arb(self, sequences: Sequence[np.ndarray], precision: int) -> np.ndarray:
         H, d = self.heads, self.d
+        out = np.empty((len(sequences), H, d), dtype=object)
         with working_precision(precision + 32):
             # [W_1 | ... | W_H] (d x Hd) so that X Wcat holds x_i^T W_h in block h.
             W_cat = arb_mat(d, H * d)
-            V = arb_mat(d, H)
             for h in range(H):
                 for a in range(d):
-                    V[a, h] = to_arb(self.v[h, a])
                     for b in range(d):
                         W_cat[a, h * d + b] = to_arb(self.W[h, a, b])
-            outputs = []
-            for sequence in sequences:
+            for index, sequence in enumerate(sequences):
                 N = sequence.shape[0]
                 X = arb_mat(N, d)
                 for i in range(N):
@@ -171,19 +246,18 @@ class MultiHeadAttention:
                     for b in range(d):
                         final[h * d + b, h] = X[N - 1, b]
                 scores = (X * W_cat) * final  # (N, H)
-                values = X * V  # (N, H)
-                total = arb(0)
+                attention = arb_mat(H, N)  # a_{h,i}
                 for h in range(H):
                     top = max(float(scores[i, h].mid()) for i in range(N))
-                    numerator, denominator = arb(0), arb(0)
+                    weights = [(scores[i, h] - top).exp() for i in range(N)]
+                    denominator = sum(weights, arb(0))
                     for i in range(N):
-                        weight = (scores[i, h] - top).exp()
-                        numerator += weight * values[i, h]
-                        denominator += weight
-                    total += numerator / denominator
-                with mpmath.workprec(precision):
-                    outputs.append(+arb_to_mpf(total))  # unary + rounds to `precision` bits
-            return outputs
+                        attention[h, i] = weights[i] / denominator
+                means = attention * X  # (H, d): one matrix product in C, not H*N*d Python steps
+                for h in range(H):
+                    for a in range(d):
+                        out[index, h, a] = means[h, a]
+        return out
 
     # ------------------------------------------------------------------ canonical form
     def canonical(self, rtol: float = 0.0) -> "MultiHeadAttention":
@@ -194,20 +268,9 @@ class MultiHeadAttention:
         """
         W, v = self.W, self.v
         W_mag = np.vectorize(lambda value: abs(float(value)), otypes=[np.float64])
-        W_abs = W_mag(W) if W.dtype == object else np.abs(W)
         v_abs = W_mag(v) if v.dtype == object else np.abs(v)
-        W_scale = float(W_abs.max()) if W.size else 0.0
         v_scale = float(v_abs.max()) if v.size else 0.0
-        groups: list[list[int]] = []
-        for h in range(self.heads):
-            for group in groups:
-                difference = W[h] - W[group[0]]
-                size = W_mag(difference).max() if W.dtype == object else np.abs(difference).max()
-                if size <= rtol * W_scale:
-                    group.append(h)
-                    break
-            else:
-                groups.append([h])
+        groups = group_equal_heads(W, rtol)
         W_out, v_out = [], []
         for group in groups:
             # mpf sums are exact here (enough bits for any sum of a few doubles); float64 rounds.

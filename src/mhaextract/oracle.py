@@ -42,7 +42,21 @@ class OracleError(RuntimeError):
 
 
 class BudgetExceeded(OracleError):
-    """The run needs more queries than ``max_queries`` allows."""
+    """The run needs more queries than ``max_queries`` allows.
+
+    Attributes
+    ----------
+    needed : int
+        Queries the run still needs (not answered by the oracle nor found in the transcript).
+    answered : int
+        Answers the run holds (asked now or read back from the transcript); with a transcript they
+        are saved there and a re-run with the same transcript and seed resumes from them.
+    """
+
+    def __init__(self, message: str, needed: int, answered: int):
+        super().__init__(message)
+        self.needed = needed
+        self.answered = answered
 
 
 class SimulatedOracle:
@@ -71,7 +85,11 @@ class SimulatedOracle:
 class OracleBoundary:
     """Wraps a user's oracle: converts tokens, validates answers, counts and batches queries.
 
-    ``queries`` and ``max_query_length`` are measured here, at the call into the user's oracle.
+    ``queries`` (asked of the oracle by this boundary) and ``max_query_length`` are measured here,
+    at the call into the user's oracle. With a ``transcript``, ``replayed`` counts the answers read
+    back from it instead of asked; ``max_query_length`` covers every query whose answer was used.
+    ``position`` is the run's query index of the next sequence handed to :meth:`ask` (queries
+    are numbered in the order the learner asks for them, across calls).
     """
 
     oracle: Callable
@@ -80,8 +98,11 @@ class OracleBoundary:
     batch_size: int = 1024
     max_queries: int | None = None
     progress: bool | None = None
+    transcript: object = None  # a mhaextract.transcript.Transcript, or None
     queries: int = 0
+    replayed: int = 0
     max_query_length: int = 0
+    position: int = 0
 
     def __post_init__(self):
         if not callable(self.oracle):
@@ -95,29 +116,70 @@ class OracleBoundary:
         Returns a float64 array in float64 mode, an object array of ``arb`` balls in
         high-precision mode: the answer as midpoint and one ulp at ``precision`` bits as radius
         (the precision contract of the oracle, which the extraction's certificate rests on).
+
+        With a ``transcript``, answers an earlier run recorded are read back and only the missing
+        queries are asked, in batches of ``batch_size``, each batch committed to the transcript as
+        it arrives. ``max_queries`` caps the queries asked of the oracle by this boundary: with a
+        transcript the budget is spent (and saved) before :class:`BudgetExceeded` is raised;
+        without one nothing could be kept, so it is raised before anything is asked.
         """
         total = len(sequences)
-        if self.max_queries is not None and self.queries + total > self.max_queries:
-            raise BudgetExceeded(
-                f"query budget exceeded: the run needs {self.queries + total} queries, "
-                f"max_queries={self.max_queries} ({self.queries + total - self.max_queries} more needed)"
-            )
-        answers = np.empty(total, dtype=object if self.precision else np.float64)
+        first = self.position
+        self.position += total
+        exact = np.empty(total, dtype=object if self.precision else np.float64)
+        replayed = self.transcript.replay(first, sequences) if self.transcript is not None else {}
+        for position, value in replayed.items():
+            exact[position] = value
+        if replayed:
+            self.replayed += len(replayed)
+            self.max_query_length = max(self.max_query_length, max(len(sequences[p]) for p in replayed))
+        missing = [position for position in range(total) if position not in replayed]
+        allowed = len(missing)
+        if self.max_queries is not None:
+            allowed = max(0, min(allowed, self.max_queries - self.queries))
+        if allowed < len(missing) and self.transcript is None:
+            raise self._over_budget(len(missing), total - len(missing))
         show = self.progress if self.progress is not None else sys.stderr.isatty()
-        with _progress(show, description, total) as advance:
-            for start in range(0, total, self.batch_size):
-                chunk = sequences[start:start + self.batch_size]
-                answers[start:start + len(chunk)] = self._ask_batch(chunk)
+        with _progress(show, description, total, completed=len(replayed)) as advance:
+            for start in range(0, allowed, self.batch_size):
+                positions = missing[start:min(start + self.batch_size, allowed)]
+                chunk = [sequences[p] for p in positions]
+                values = self._ask_batch(chunk, [first + p for p in positions])
+                if self.transcript is not None:
+                    # What the learner uses is what reads back from the file: a resumed run sees
+                    # exactly the values an uninterrupted one saw.
+                    values = self.transcript.record(first, positions, chunk, values)
+                for position, value in zip(positions, values):
+                    exact[position] = value
                 advance(len(chunk))
-        return answers
+        if allowed < len(missing):
+            raise self._over_budget(len(missing) - allowed, total - len(missing) + allowed)
+        if not self.precision:
+            return exact
+        balls = np.empty(total, dtype=object)
+        for position, value in enumerate(exact):
+            balls[position] = self._ball(value)
+        return balls
 
-    def _ask_batch(self, chunk: Sequence[np.ndarray]):
-        first = self.queries
+    def _over_budget(self, needed: int, answered: int) -> BudgetExceeded:
+        if self.transcript is not None:
+            kept = (f"the {answered} answers so far are saved in the transcript {self.transcript.path!r}; "
+                    "re-run with the same transcript and seed to resume")
+        else:
+            kept = ("nothing was asked: without a transcript the answers would be lost when the run stops "
+                    "(pass transcript=PATH to spend the budget and resume later)")
+        return BudgetExceeded(
+            f"query budget exceeded: max_queries={self.max_queries} and {self.queries} asked in this run; "
+            f"the run still needs {needed} more queries ({kept})", needed, answered,
+        )
+
+    def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int]):
+        """Ask the oracle for one batch; ``indices`` are the run's query numbers (for messages)."""
         batch = [self._to_oracle_tokens(sequence) for sequence in chunk]
+        where = f"query {indices[0]}" if len(chunk) == 1 else f"queries {indices[0]}..{indices[-1]}"
         try:
             raw = self.oracle(batch)
         except Exception as error:  # propagate unchanged, but say which queries were being asked
-            where = f"query {first}" if len(chunk) == 1 else f"queries {first}..{first + len(chunk) - 1}"
             error.add_note(
                 f"mhaextract: raised by the oracle while answering {where} "
                 f"(lengths {sorted({len(s) for s in chunk})}); the first sequence was\n{chunk[0]!r}"
@@ -126,7 +188,7 @@ class OracleBoundary:
         # Every sequence handed over counts, whatever comes back.
         self.queries += len(chunk)
         self.max_query_length = max(self.max_query_length, max(len(s) for s in chunk))
-        return self._validate(raw, chunk, first)
+        return self._validate(raw, chunk, indices, where)
 
     def _to_oracle_tokens(self, sequence: np.ndarray):
         if self.precision is None:
@@ -134,22 +196,22 @@ class OracleBoundary:
         # float64 -> mpf is exact; the schedule's tokens are chosen to be exactly representable.
         return np.vectorize(mpmath.mpf, otypes=[object])(sequence)
 
-    def _validate(self, raw, chunk, first: int):
+    def _validate(self, raw, chunk, indices, where: str):
         try:
             count = len(raw)
         except TypeError:
             raise OracleError(
                 f"the oracle must return one answer per sequence; got {type(raw).__name__} for a "
-                f"batch of {len(chunk)} (queries {first}..{first + len(chunk) - 1})", first, chunk[0]
+                f"batch of {len(chunk)} ({where})", indices[0], chunk[0]
             ) from None
         if count != len(chunk):
             raise OracleError(
                 f"the oracle returned {count} answers for a batch of {len(chunk)} sequences "
-                f"(queries {first}..{first + len(chunk) - 1}); missing answers", first, chunk[0]
+                f"({where}); missing answers", indices[0], chunk[0]
             )
         if self.precision is None:
-            return [self._float_answer(value, first + n, chunk[n]) for n, value in enumerate(raw)]
-        return [self._ball_answer(value, first + n, chunk[n]) for n, value in enumerate(raw)]
+            return [self._float_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
+        return [self._mpf_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
 
     @staticmethod
     def _float_answer(value, query: int, sequence) -> float:
@@ -164,7 +226,7 @@ class OracleBoundary:
             raise OracleError(f"answer to query {query} (length {len(sequence)}) is {number}", query, sequence)
         return number
 
-    def _ball_answer(self, value, query: int, sequence) -> arb:
+    def _mpf_answer(self, value, query: int, sequence) -> mpmath.mpf:
         if isinstance(value, str):
             with mpmath.workprec(self.precision + 64):
                 try:
@@ -185,6 +247,9 @@ class OracleBoundary:
             )
         if not mpmath.isfinite(value):
             raise OracleError(f"answer to query {query} (length {len(sequence)}) is {value}", query, sequence)
+        return value
+
+    def _ball(self, value: mpmath.mpf) -> arb:
         # The contract: an answer is within one unit in the last place at `precision` bits.
         # The ball says so, and everything computed from it inherits a certified radius.
         ball = mpf_to_arb(value)
@@ -194,8 +259,8 @@ class OracleBoundary:
 class _progress:
     """A rich progress bar (or nothing) as a context manager yielding ``advance(n)``."""
 
-    def __init__(self, show: bool, description: str, total: int):
-        self.show, self.description, self.total = show, description, total
+    def __init__(self, show: bool, description: str, total: int, completed: int = 0):
+        self.show, self.description, self.total, self.completed = show, description, total, completed
 
     def __enter__(self):
         if not self.show:
@@ -207,7 +272,7 @@ class _progress:
             transient=True,
         )
         self._bar.__enter__()
-        task = self._bar.add_task(self.description, total=self.total)
+        task = self._bar.add_task(self.description, total=self.total, completed=self.completed)
         return lambda n: self._bar.advance(task, n)
 
     def __exit__(self, *exc):

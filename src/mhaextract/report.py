@@ -24,18 +24,31 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     mode = "float64" if e.precision is None else f"{e.precision} bits"
     table.add_row("d", str(e.d), "")
     table.add_row("H (bound H0)", str(e.max_heads), f"schedule '{e.schedule}', {mode}")
-    if e.schedule == "paper":
+    oversampled = e.samples_per_instance not in (None, 2 * e.max_heads + 1)
+    refined = e.refinement is not None
+    if e.schedule == "paper" and not oversampled:
         formula = f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
-        formula += "" if e.queries == e.promised_queries else "  MISMATCH"
+    elif e.schedule == "paper":
+        formula = f"oversampled K = {e.samples_per_instance}: K + (K-1)(2d^2-2) = {e.promised_queries}"
     elif e.schedule == "targeted":
         formula = f"adaptive; paper 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries} (ratio {e.queries / e.promised_queries:.2f})"
     else:
         formula = (f"lean formula {e.promised_queries} + {e.fallback_links} fallback links; "
                    f"paper {4 * e.max_heads * e.d**2 - 2 * e.max_heads + 1}; "
                    f"lower bound H*(d^2+d) = {e.heads * (e.d**2 + e.d)}")
+    if refined:
+        formula += f" + {e.refinement.queries} refinement queries"
+    if e.schedule == "paper" and e.queries != e.promised_queries + (e.refinement.queries if refined else 0):
+        formula += "  MISMATCH"
     table.add_row("queries (measured)", str(e.queries), formula)
-    bound = "at most" if e.schedule == "targeted" else "formula 2*H0 + 1 ="
-    table.add_row("longest query", str(e.max_query_length), f"{bound} {e.promised_max_length}")
+    if e.transcript is not None:
+        table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
+                      f"this run / read back from {e.transcript}")
+    if e.schedule == "targeted":
+        table.add_row("longest query", str(e.max_query_length), f"at most {e.promised_max_length}")
+    else:
+        table.add_row("longest query", str(e.max_query_length),
+                      f"formula {'K' if oversampled else '2*H0 + 1'} = {e.promised_max_length}")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"
@@ -44,6 +57,62 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     kind = "certified ball radius" if e.certified else ("ball radius (first order)" if e.precision else "first order")
     table.add_row("error estimate", _fmt(e.error_estimate), kind)
     table.add_row("answers residual", _fmt(e.answers_residual), "misfit on the queries asked")
+    if e.certificate is not None:
+        table.add_row("amplification C", _fmt(e.amplification), f"first order, {e.certificate.kind} result")
+        table.add_row("valid below", _fmt(e.valid_below), "answer error under which the certificate holds")
+        table.add_row("noise estimate", _fmt(e.certificate.noise_estimate), "std. dev. of the answers' errors, from the data")
+        if e.answer_error is not None:
+            table.add_row("error bound", _fmt(e.error_bound(e.answer_error)), f"at answer_error = {e.answer_error:.3g}")
+    if e.refinement is not None:
+        table.add_row("refinement", e.refinement.kept, f"rms misfit {e.refinement.residual_before:.2e} -> "
+                      f"{e.refinement.residual_after:.2e}")
+    if e.verification is not None:
+        v = e.verification
+        table.add_row("verification", "passed" if v.passed else "FAILED",
+                      f"{v.queries} fresh queries: max rel. output error {v.max_relative_error:.2e}, mean "
+                      f"{v.mean_relative_error:.2e}")
+    failed = e.failed_checks
+    table.add_row("checks", "ok" if not failed else "FAILED",
+                  ", ".join(check.name for check in failed) if failed else f"{len(e.checks)} passed")
+    table.add_row("seconds", f"{e.seconds:.2f}", "oracle + learner")
+    return table
+
+
+def transformer_table(extraction, comparison=None, title: str = "mhaextract transformer") -> Table:
+    """The same kind of table for :func:`mhaextract.extract_transformer`: sizes, measured queries by
+    step against the step-1 formula, longest query, errors against the truth, checks, seconds."""
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_column("note")
+    e, a = extraction, extraction.attention
+    mode = "float64" if e.precision is None else f"{e.precision} bits"
+    table.add_row("d", str(e.d), "")
+    table.add_row("H (bound H0)", str(a.max_heads), mode)
+    table.add_row("queries of f (measured)", str(e.queries), "odd part + units + verification")
+    table.add_row("  odd part g", str(e.queries_odd_part),
+                  f"2 x (4*H0*d^2 - 2*H0 + 1) = {2 * a.promised_queries}"
+                  + ("" if e.queries_odd_part == 2 * a.promised_queries else "  MISMATCH"))
+    search = e.search
+    if search is not None:
+        table.add_row("  units", str(e.queries_units),
+                      f"{search.segments} segments: grid {search.queries_grid}, kink probes {search.queries_confirm}, "
+                      f"region fits {search.queries_regions}")
+    table.add_row("  verification", str(e.queries_verification), "fresh random queries")
+    table.add_row("longest query", str(e.max_query_length), "")
+    table.add_row("canonical heads H*", str(e.heads), "")
+    table.add_row("hidden units found", str(e.hidden), "")
+    if comparison is not None:
+        agree = []
+        if not comparison.heads_agree:
+            agree.append(f"truth has {comparison.heads_b} heads")
+        if not comparison.units_agree:
+            agree.append(f"truth has {comparison.units_b} units")
+        if not comparison.signs_agree:
+            agree.append("unit signs differ")
+        table.add_row("max rel. error W", _fmt(comparison.W_rel), "normwise, against the truth")
+        table.add_row("max rel. error units", _fmt(comparison.units_rel), "|w_j| A_j O_h, aligned; " + ", ".join(agree))
+    table.add_row("verification misfit", _fmt(e.verification_misfit), "max |model - f| / max |f|, fresh queries")
     failed = e.failed_checks
     table.add_row("checks", "ok" if not failed else "FAILED",
                   ", ".join(check.name for check in failed) if failed else f"{len(e.checks)} passed")

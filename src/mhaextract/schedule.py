@@ -76,6 +76,10 @@ class PaperSchedule:
     seed : seeds the random bases (same seed, same queries).
     token_scale : norm of every ``x_i`` and ``z_j``; default ``d ** 0.25``, which puts the pole
         logs ``z^T W x`` at order one for W with N(0, 1/d) entries.
+    samples_per_instance : K, the copy counts ``k = 0..K-1`` each instance is sampled at (the
+        first instance asks all K, every other one ``k = 1..K-1``). Default ``2 H0 + 1``, the
+        paper's exact count; a larger K oversamples (the kernels then fit by least squares) and
+        costs ``K + (K - 1)(2 d^2 - 2)`` queries of length at most K.
 
     Attributes
     ----------
@@ -84,21 +88,28 @@ class PaperSchedule:
     grid_index : (d, d) int array, instance index of grid ``(i, j)``.
     row_link_index : (d,) int array, instance index of row link ``j`` (-1 for ``j = 0``).
     column_link_index : (d, d) int array, instance index of column link ``(i, j)`` (-1 for ``i = 0``).
-    ks : (2 H0 + 1,) the copy counts ``0..2 H0`` every instance's samples are indexed by.
+    ks : (K,) the copy counts ``0..K-1`` every instance's samples are indexed by (K = 2 H0 + 1
+        unless oversampled).
     """
 
     name = "paper"
 
-    def __init__(self, d: int, max_poles: int, seed=None, token_scale: float | None = None):
+    def __init__(self, d: int, max_poles: int, seed=None, token_scale: float | None = None,
+                 samples_per_instance: int | None = None):
         self.d = int(d)
         self.max_poles = int(max_poles)
+        exact = 2 * self.max_poles + 1
+        K = exact if samples_per_instance is None else samples_per_instance
+        if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < exact:
+            raise ValueError(f"samples_per_instance must be an integer >= 2 H0 + 1 = {exact}, got {samples_per_instance!r}")
+        self.samples_per_instance = int(K)
         self.token_scale = float(token_scale) if token_scale is not None else self.d ** 0.25
         if not np.isfinite(self.token_scale) or self.token_scale <= 0:
             raise ValueError(f"token_scale must be a positive number, got {token_scale}")
         rng = np.random.default_rng(seed)
         self.X = random_basis(rng, self.d, self.token_scale)
         self.Z = random_basis(rng, self.d, self.token_scale)
-        self.ks = np.arange(2 * self.max_poles + 1)
+        self.ks = np.arange(self.samples_per_instance)
         self.instances: list[Instance] = []
         self.grid_index = np.full((self.d, self.d), -1)
         self.row_link_index = np.full(self.d, -1)
@@ -109,7 +120,7 @@ class PaperSchedule:
     both_anchors = False
 
     def _add(self, role: str, i: int, j: int, final, difference, first_k: int, last_k: int | None = None) -> int:
-        last = 2 * self.max_poles if last_k is None else last_k
+        last = self.samples_per_instance - 1 if last_k is None else last_k
         self.instances.append(Instance(role, i, j, final, difference, tuple(range(first_k, last + 1))))
         return len(self.instances) - 1
 
@@ -131,13 +142,19 @@ class PaperSchedule:
                 self.column_link_index[i, j] = self._add("column_link", i, j, x[0] + x[i], z[j], 1)
 
     @property
+    def oversampled(self) -> bool:
+        return self.samples_per_instance > 2 * self.max_poles + 1
+
+    @property
     def promised_queries(self) -> int:
-        """The paper's count ``4 H0 d^2 - 2 H0 + 1`` (for comparison; runs report measured counts)."""
-        return 4 * self.max_poles * self.d**2 - 2 * self.max_poles + 1
+        """The paper's count ``4 H0 d^2 - 2 H0 + 1``, or ``K + (K - 1)(2 d^2 - 2)`` when oversampled
+        (for comparison; runs report measured counts)."""
+        K = self.samples_per_instance
+        return K + (K - 1) * (2 * self.d**2 - 2)
 
     @property
     def promised_max_length(self) -> int:
-        return 2 * self.max_poles + 1
+        return self.samples_per_instance
 
     def queries(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """All queries in order: (sequences, instance index of each, copy count k of each)."""
@@ -176,6 +193,13 @@ class LeanSchedule(PaperSchedule):
 
     name = "lean"
     both_anchors = True
+
+    def __init__(self, d: int, max_poles: int, seed=None, token_scale: float | None = None,
+                 samples_per_instance: int | None = None):
+        if samples_per_instance is not None and samples_per_instance != 2 * int(max_poles) + 1:
+            raise ValueError("samples_per_instance (oversampling) is a feature of the paper schedule; "
+                             "the lean schedule asks the fewest samples per instance by design")
+        super().__init__(d, max_poles, seed=seed, token_scale=token_scale)
 
     def _build(self) -> None:
         x, z = self.X.T, self.Z.T

@@ -57,6 +57,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -66,6 +67,7 @@ from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 from .model import MultiHeadAttention
 from .oracle import OracleBoundary
 from .schedule import Instance, quantize, random_basis
+from .transcript import Transcript, run_fingerprint
 
 EPS = np.finfo(np.float64).eps
 #: |z| of every group, in units of the token scale. Large |z| makes the pole term (~|z|) dominate
@@ -145,10 +147,9 @@ class _Prober:
         self.answers.append(np.asarray(answers, dtype=np.float64))
         return answers
 
-    def learn_vbar(self, rng) -> None:
-        """``vbar`` from the one-token answers ``f((b_i)) = vbar^T b_i`` on an orthogonal basis."""
-        basis = random_basis(rng, self.d, self.token_scale)
-        answers = self.ask([b[None, :] for b in basis.T], "one-token queries (vbar)")
+    def learn_vbar(self, basis: np.ndarray) -> None:
+        """``vbar`` from the one-token answers ``f((b_i)) = vbar^T b_i`` on a basis (columns)."""
+        answers = self.ask(_one_token_queries(basis), "one-token queries (vbar)")
         self.vbar = float64_kernel.solve_transposed(basis, answers)
 
     def gaps(self, finals: np.ndarray, differences: np.ndarray, copies, description="targeted instances"):
@@ -161,6 +162,10 @@ class _Prober:
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
         rounding = 4 * EPS * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
         return anchor[:, None] - answers, rounding
+
+
+def _one_token_queries(basis: np.ndarray) -> list[np.ndarray]:
+    return [b[None, :] for b in basis.T]
 
 
 def _design(estimates: np.ndarray, head: int, pattern: np.ndarray) -> np.ndarray:
@@ -323,14 +328,29 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float) -> np.ndarra
 
 
 def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, seed, token_scale, batch_size,
-                     progress, on_failure):
-    """The targeted schedule (see the module docstring). Returns an :class:`~mhaextract.Extraction`."""
-    from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWarning, _answers_residual
+                     progress, on_failure, precision=None, transcript=None, max_queries=None,
+                     samples_per_instance=None, refine=False, refine_queries=None, answer_error=None):
+    """The targeted schedule (see the module docstring). Returns an :class:`~mhaextract.Extraction`.
 
+    Called by :func:`mhaextract.extract` with ``schedule="targeted"`` (arguments validated there).
+    ``transcript`` and ``max_queries`` work as for the other schedules (the run is adaptive but
+    deterministic given its seed and answers, so a transcript replays it query by query).
+    """
+    from .learner import Extraction, ExtractionError, UnreliableExtractionWarning, _answers_residual
+
+    unsupported = {"precision": precision, "samples_per_instance": samples_per_instance, "refine": refine or None,
+                   "refine_queries": refine_queries, "answer_error": answer_error}
+    given = [name for name, value in unsupported.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"schedule='targeted' does not take {', '.join(given)}: it is a float64 schedule whose instances "
+            "are single-pole fits (precision=None, no oversampling, refinement or answer-error model); use "
+            "schedule='paper' for those"
+        )
     if max_heads > d:
         raise ValueError(
             f"schedule='targeted' needs H <= d (got H0 = {max_heads} > d = {d}): each targeted instance "
-            "puts one head in the window and the other H - 1 beyond log-pole 45 through H linear "
+            "puts one head in the window and the other H - 1 beyond log-pole 40 through H linear "
             "conditions on the final token. Use schedule='paper' with precision=BITS for H > d."
         )
     started = time.perf_counter()
@@ -338,12 +358,51 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
     if not np.isfinite(token_scale) or token_scale <= 0:
         raise ValueError(f"token_scale must be a positive number, got {token_scale}")
     rng = np.random.default_rng(seed)
-    boundary = OracleBoundary(oracle, d, precision=None, batch_size=batch_size, progress=progress)
-    prober = _Prober(boundary, d, token_scale)
-    prober.learn_vbar(rng)
-    Z = random_basis(rng, d, GROUP_SCALE * token_scale)
-    Z = prober.quantize(Z)
+    vbar_basis = random_basis(rng, d, token_scale)
+    record = None
+    if transcript is not None:  # the fixed queries of the run are the one-token ones; the rest replays one by one
+        identity = SimpleNamespace(d=d, max_poles=max_heads, name="targeted", token_scale=token_scale)
+        record = Transcript(transcript, run_fingerprint(identity, int(seed), None, _one_token_queries(vbar_basis)))
+    try:
+        boundary = OracleBoundary(oracle, d, precision=None, batch_size=batch_size, progress=progress,
+                                  max_queries=max_queries, transcript=record)
+        prober = _Prober(boundary, d, token_scale)
+        prober.learn_vbar(vbar_basis)
+        result = _run(prober, d, max_heads, rng, token_scale)
+    finally:
+        if record is not None:
+            record.close()
+    search, stages, model, finite = result
+    H = len(search.heads)
+    # --- diagnostics and checks.
+    instances = _diagnostics(stages, model)
+    instances.phase1 = search
+    measurements = [data for _, data in stages]
+    error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
+    answers = np.concatenate(prober.answers) if prober.answers else np.zeros(0)
+    answers_residual = _answers_residual(model, prober.sequences, answers, None) if model is not None else np.inf
+    checks = _checks(instances, search, H, heads_given, measurements, error_estimate, answers_residual, finite)
+    extraction = Extraction(
+        model=model, heads=H, queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
+        queries_replayed=boundary.replayed, transcript=None if record is None else record.path,
+        max_query_length=boundary.max_query_length,
+        promised_queries=4 * max_heads * d * d - 2 * max_heads + 1, promised_max_length=max(CENTER_COPIES) + 1,
+        d=d, max_heads=max_heads, precision=None, seed=seed, schedule="targeted", fallback_links=0,
+        error_estimate=error_estimate, answers_residual=answers_residual, instances=instances, checks=checks,
+        seconds=time.perf_counter() - started,
+    )
+    if not extraction.ok:
+        message = "extraction failed its checks:\n  " + "\n  ".join(str(c) for c in extraction.failed_checks)
+        if on_failure == "raise":
+            raise ExtractionError(message, extraction)
+        warnings.warn(message, UnreliableExtractionWarning, stacklevel=3)
+    return extraction
 
+
+def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
+    """Phase 1, the first group, the bridges and the final instances (see the module docstring).
+    Returns ``(line search report, [(stage, measurements)], model or None, finite)``."""
+    Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
     # --- phase 1: heads and rough a_h(1) along lines in group z_1.
     z1 = Z[:, 0]
     search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
@@ -351,7 +410,7 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
     found = search.heads
     H = len(found)
     if H == 0:
-        raise ExtractionError("phase 1 found no head along its lines (is the oracle constant?)", None)
+        return search, [], None, False
     rough = np.array([head.direction for head in found])
 
     # --- group z_1, targeted: precise a_h(1) and l_h(1).
@@ -393,27 +452,7 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
                     bases[h], np.eye(d), a_final[:, h][None], labels_final[:, h][None]))
             model = MultiHeadAttention(W, v)
 
-    # --- diagnostics and checks.
-    instances = _diagnostics(stages, model)
-    instances.phase1 = search
-    measurements = [data for _, data in stages]
-    error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
-    answers = np.concatenate(prober.answers)
-    answers_residual = _answers_residual(model, prober.sequences, answers, None) if model is not None else np.inf
-    checks = _checks(instances, search, H, heads_given, measurements, error_estimate, answers_residual, finite)
-    extraction = Extraction(
-        model=model, heads=H, queries=boundary.queries, max_query_length=boundary.max_query_length,
-        promised_queries=4 * max_heads * d * d - 2 * max_heads + 1, promised_max_length=max(CENTER_COPIES) + 1,
-        d=d, max_heads=max_heads, precision=None, seed=seed, schedule="targeted", fallback_links=0,
-        error_estimate=error_estimate, answers_residual=answers_residual, instances=instances, checks=checks,
-        seconds=time.perf_counter() - started,
-    )
-    if not extraction.ok:
-        message = "extraction failed its checks:\n  " + "\n  ".join(str(c) for c in extraction.failed_checks)
-        if on_failure == "raise":
-            raise ExtractionError(message, extraction)
-        warnings.warn(message, UnreliableExtractionWarning, stacklevel=3)
-    return extraction
+    return search, stages, model, finite
 
 
 def _diagnostics(stages, model) -> TargetedInstances:
@@ -437,6 +476,8 @@ def _diagnostics(stages, model) -> TargetedInstances:
                     ok = ok and (agrees if stage == "bridge" else residual <= RESIDUAL_LIMIT)
                     rows.append((stage, g, h, measured, data.label[g, h, n], data.designed[g, h, n], residual,
                                  margin, ok))
+    if not rows:
+        return TargetedInstances(*(np.array([]) for _ in range(9)))
     columns = list(zip(*rows))
     return TargetedInstances(*(np.array(column) for column in columns))
 
@@ -464,7 +505,9 @@ def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_giv
     from .learner import Check
 
     checks = []
-    if heads_given is not None:
+    if heads_given is None:
+        checks.append(Check("heads_found", H > 0, float(H == 0), 0, f"phase 1 found {H} heads on {search.lines} lines"))
+    else:
         checks.append(Check("heads_found", H == heads_given, abs(H - heads_given), 0,
                             f"phase 1 found {H} of {heads_given} heads on {search.lines} lines"
                             + ("" if H == heads_given else " (heads with equal W merge in the canonical form; "

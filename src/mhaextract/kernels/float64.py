@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.linalg import null_space
 
-from .rational import InstanceFits, rank_split, sensitivities, support_split
+from .rational import InstanceFits, instance_jacobian, rank_split, sensitivities, support_split
 
 #: Relative singular value below which a Loewner direction counts as numerically zero.
 RANK_TOLERANCE = 1e-11
@@ -33,11 +33,19 @@ def loewner(samples: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.n
     return (F_test - F_support) / gaps
 
 
-def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int, constant=None) -> tuple[np.ndarray, np.ndarray]:
+def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int, constant=None,
+                 answer_error: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Pole count of each instance from the singular values of its even/odd Loewner matrix.
 
     ``constant`` (n,): the known c of each instance (lean schedule), or None.
-    Returns (ranks (n,), singular values relative to the largest (n, H0)).
+    ``answer_error`` (a bound on each sample's absolute error) raises the threshold to what the
+    noise can produce: a Loewner entry ``(F(t) - F(s)) / (t - s)`` moves by at most
+    ``2 eps / |t - s|``, so the noise matrix has norm at most its Frobenius bound; singular
+    values under 10 times that are not evidence of a pole.
+
+    Returns (ranks (n,), singular values relative to the largest (n, H0)). An oversampled
+    instance has H0 + 1 singular values; the rank counts all of them (more than H0 means the
+    bound or the noise assumption is wrong).
     """
     n = samples.shape[0]
     if max_poles == 0:
@@ -50,10 +58,14 @@ def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int, constant=N
     scale = np.abs(samples).max(axis=1)
     reference = np.maximum(sv[:, :1], scale[:, None] * 1e-300)
     relative = sv / reference
-    # A rank-0 instance: the whole Loewner matrix is at rounding level of the samples.
-    flat = sv[:, 0] <= RANK_TOLERANCE * scale
+    gaps = (ks[test][:, None] - ks[support][None, :]).astype(np.float64)
+    noise_norm = 2.0 * float(answer_error) * np.sqrt((1.0 / gaps**2).sum())
+    tolerance = np.maximum(RANK_TOLERANCE, 10.0 * noise_norm / reference[:, 0])
+    # A rank-0 instance: the whole Loewner matrix is at rounding level of the samples (or noise).
+    flat = sv[:, 0] <= np.maximum(RANK_TOLERANCE * scale, 10.0 * noise_norm)
     relative[flat] = 0.0
-    return (relative > RANK_TOLERANCE).sum(axis=1), relative
+    ranks = (relative > tolerance[:, None]).sum(axis=1)
+    return ranks, relative[:, :max_poles]
 
 
 def poles_from_weights(weights: np.ndarray, support_points: np.ndarray) -> np.ndarray:
@@ -112,10 +124,16 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None) -> Insta
     U, s, Vt = np.linalg.svd(C, full_matrices=False)
     coefficients = np.einsum("nji,nj,nj->ni", Vt, 1.0 / np.maximum(s, 1e-300), np.einsum("nkj,nk->nj", U, target))
     c, rho = (constant, coefficients) if known else (coefficients[:, 0], coefficients[:, 1:])
-    residual = np.abs(np.einsum("nkj,nj->nk", C, coefficients) - target).max(axis=1) / scale
-    residual[bad] = np.inf
     m = np.log(tau)
     labels = rho / tau
+    if K > 2 * poles + 1 and not known:
+        # Oversampled: the Loewner/Cauchy steps are only consistent estimators; polish to the
+        # nonlinear least-squares fit, whose first-order error is J^+ e (what the certificate uses).
+        c, m, labels = least_squares_polish(samples, ks, c, m, labels, ~bad)
+    tau = np.exp(m)
+    model = c[:, None] + (tau[:, None, :] * labels[:, None, :] / (ks[None, :, None] + tau[:, None, :])).sum(axis=2)
+    residual = np.abs(model - samples).max(axis=1) / scale
+    residual[bad] = np.inf
     order = np.argsort(np.nan_to_num(m, nan=np.inf), axis=1)
     m = np.take_along_axis(m, order, axis=1)
     labels = np.take_along_axis(labels, order, axis=1)
@@ -124,6 +142,52 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None) -> Insta
     condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale, constant_known=known)
     return InstanceFits(c, m, labels, pole_gap, imaginary, nonpositive, residual, condition, sigma_m, sigma_l,
                         np.zeros(n, bool))
+
+
+def least_squares_polish(samples, ks, c, m, labels, active, iterations: int = 30):
+    """Gauss-Newton on ``sum_k (c + sum_h tau_h l_h / (k + tau_h) - F(k))^2`` over (c, m, l),
+    batched over instances, with a backtracking line search. Steps go through the SVD of the
+    column-scaled Jacobian (never the normal equations, which would square its condition). A step
+    is kept only where it lowers the residual, so the polish never makes a fit worse; an instance
+    stops when no step along the Gauss-Newton direction lowers it."""
+    c, m, labels = c.copy(), m.copy(), labels.copy()
+    active = active & np.isfinite(m).all(axis=1) & np.isfinite(labels).all(axis=1) & np.isfinite(c)
+    r = m.shape[1]
+
+    def residuals(c, m, labels, rows=slice(None)):
+        tau = np.exp(m)
+        fitted = c[:, None] + (tau[:, None, :] * labels[:, None, :] / (ks[None, :, None] + tau[:, None, :])).sum(axis=2)
+        return fitted - samples[rows]
+
+    with np.errstate(all="ignore"):
+        current = residuals(c, m, labels)
+        cost = np.where(active, (current**2).sum(axis=1), np.inf)
+        for _ in range(iterations):
+            index = np.flatnonzero(active)
+            if not len(index):
+                break
+            J = instance_jacobian(ks, np.exp(m[index]), labels[index])
+            columns = np.maximum(np.linalg.norm(J, axis=1), 1e-300)
+            U, sv, Vt = np.linalg.svd(J / columns[:, None, :], full_matrices=False)
+            inverse = np.where(sv > sv[:, :1] * 1e-15, 1.0 / np.maximum(sv, 1e-300), 0.0)
+            delta = np.einsum("nji,nj,nj->ni", Vt, inverse, np.einsum("nkj,nk->nj", U, current[index])) / columns
+            best_cost, best = cost[index].copy(), np.zeros(len(index))
+            for alpha in 0.5 ** np.arange(10):  # the largest step fraction that lowers the residual
+                trial = residuals(c[index] - alpha * delta[:, 0], m[index] - alpha * delta[:, 1:r + 1],
+                                  labels[index] - alpha * delta[:, r + 1:], index)
+                new_cost = (trial**2).sum(axis=1)
+                improves = (best == 0) & np.isfinite(new_cost) & (new_cost < best_cost)
+                best[improves], best_cost[improves] = alpha, new_cost[improves]
+            moved = best > 0
+            accepted = index[moved]
+            step = best[moved, None] * delta[moved]
+            c[accepted] -= step[:, 0]
+            m[accepted] -= step[:, 1:r + 1]
+            labels[accepted] -= step[:, r + 1:]
+            cost[accepted] = best_cost[moved]
+            current[accepted] = residuals(c[accepted], m[accepted], labels[accepted], accepted)
+            active[index[~moved]] = False
+    return c, m, labels
 
 
 def solve_transposed(Z: np.ndarray, rhs: np.ndarray) -> np.ndarray:

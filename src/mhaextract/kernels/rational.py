@@ -85,6 +85,15 @@ def rank_from_singular_values(relative_sv: np.ndarray, tolerance: float) -> np.n
     return (relative_sv > tolerance).sum(axis=-1)
 
 
+def instance_jacobian(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """``J[n, k] = dF(k)/d(c, m_1..m_r, l_1..l_r)`` for ``F = c + sum_h tau_h l_h / (k + tau_h)``,
+    ``tau = exp(m)``; shape (n, K, 2r + 1) for ks (K,), tau and labels (n, r)."""
+    k = np.asarray(ks, dtype=np.float64)[None, :, None]
+    t = tau[:, None, :]
+    return np.concatenate(
+        [np.ones((tau.shape[0], k.shape[1], 1)), t * labels[:, None, :] * k / (k + t) ** 2, t / (k + t)], axis=2)
+
+
 def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np.ndarray, constant_known: bool = False):
     """First-order amplification from sample errors to parameter errors, per instance.
 
@@ -110,12 +119,7 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
     sigma_l = np.full((n, r), np.inf)
     if not finite.any():
         return condition, sigma_m, sigma_l
-    k = ks[None, :, None].astype(np.float64)
-    t = tau[finite][:, None, :]
-    J = np.concatenate(
-        [np.ones((int(finite.sum()), len(ks), 1)), t * labels[finite][:, None, :] * k / (k + t) ** 2, t / (k + t)],
-        axis=2,
-    )
+    J = instance_jacobian(ks, tau[finite], labels[finite])
     if constant_known:
         J = J[:, :, 1:]
     _, s, Vt = np.linalg.svd(J, full_matrices=False)

@@ -1,0 +1,418 @@
+"""The error certificate of a float64 run: how far answer errors can move the parameters.
+
+ALGORITHM.md section 8: if every answer carries an error ``|e_q| <= eps``, the parameters move
+by ``delta theta = G e + O(eps^2)`` with ``G`` the derivative of the whole run with respect to its
+answers. Worst case over the box ``|e_q| <= eps`` the change of parameter p is exactly
+``eps * ||G_p||_1`` (row p of G, l1 norm), so
+
+    C = max_p ||G_p||_1 / scale(p)        (scale: max |W| for W entries, max |v| for v entries)
+
+is the amplification from answer errors (absolute) to the relative parameter error that
+:func:`mhaextract.compare` reports (``max_rel``). G is the product of the run's steps:
+
+1. **samples**: instance t's samples ``F_t(k)`` are answers, except the injected ``F_t(0)``
+   (section 3): ``vbar^T x_0`` (an answer) or ``vbar^T x_i`` with ``vbar = Z^{-T}(F(0) - c_row0)``,
+   which carries the errors of all of row 0's constants ``c_j`` (the anchors' propagation);
+2. **instances**: ``(c, m, l)_t = J_t^+ F_t`` to first order, ``J_t[k] = dF(k)/d(c, m, l)`` at
+   the fit (:func:`mhaextract.kernels.rational.instance_jacobian`; the exact-count fit
+   interpolates, ``J_t^+ = J_t^{-1}``; the oversampled one is polished to the least-squares fit);
+3. **matching**: discrete, so no derivative; it is certified separately (below);
+4. **combination**: every ``M_h[j, i]`` by weighted least squares over the instances that measure
+   it, ``l_h[j]`` by a weighted mean over column j (the learner's weights, held fixed);
+5. **assembly**: ``W_h = Z^{-T} M_h X^{-1}``, ``v_h = Z^{-T} l_h``.
+
+After ``refine=True`` the result is the least-squares fit of all answers and ``G = J_f^+``
+(:func:`mhaextract.refine.output_jacobian`).
+
+**Validity.** The first order is trusted, and the matching provably unchanged, for
+``eps < valid_below``:
+
+* matching: a triple (head h of a, head g of b, pole p of the link) other than the chosen ones
+  is excluded when one of its misfits (``m^a_h + m^b_g - m^link_p`` and the label misfits) exceeds
+  twice its worst-case first-order movement ``eps * Delta`` (the l1 norm of its row of G). If
+  every non-chosen triple is excluded, the true triples, whose misfits are at most
+  ``eps * Delta``, can only be the chosen ones;
+* linearisation: no log-pole of an instance moves by more than 0.05 or an eighth of its
+  instance's smallest pole gap;
+* pole count: at most 5% of the instances detected a pole count other than the run's (a head
+  lost in the noise would otherwise be certified as absent): else ``valid_below = 0``.
+
+**Safety.** ``error_bound(eps) = 2 C (eps + rounding_floor)``: a factor 2 for the second-order
+terms and the Jacobians evaluated at the estimate rather than the truth, and a floor of
+``8 u max|answer|`` (u = 2^-53) for the rounding of the answers and of the float64
+arithmetic of the run. ``error_bound`` is infinite for ``eps >= valid_below``.
+
+**Noise estimate.** The redundant measurements (every link against its two instances) also
+say how noisy the answers were: ``noise_estimate`` is the root mean square of the chosen
+triples' misfits in units of their l2 sensitivities (an estimate of the per-answer standard
+deviation; after refinement the corrected root-mean-square residual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+from scipy.sparse import csr_matrix, diags
+from scipy.sparse.linalg import splu
+
+from .kernels.rational import instance_jacobian
+from .model import MultiHeadAttention
+
+#: error_bound = (1 + SECOND_ORDER_SLACK) * C * (eps + rounding floor).
+SECOND_ORDER_SLACK = 1.0
+#: The float64 floor on the answer error: this many units of 2^-53 of the largest answer.
+ROUNDING_ULPS = 8.0
+#: First order is trusted while no log-pole moves by more than this (nor a pole-gap fraction).
+LINEARIZATION_STEP = 0.05
+POLE_GAP_FRACTION = 0.125
+#: Columns (answers) of G per chunk when accumulating row norms.
+CHUNK = 512
+
+
+@dataclass
+class PipelineRun:
+    """What the certificate of an algebraic float64 run needs, as the learner computed it.
+
+    schedule : the PaperSchedule; owners, copies : (Q,) instance and copy count of each answer;
+    c : (n,) constants; m, l : (n, r) log-poles and labels with heads in reference order;
+    pole_weights, label_weights : (n, r) the combination weights used; design : sparse (n, d^2)
+    which ``M`` entries each instance measures (row/column links measure sums);
+    model : the assembled heads; answers : (Q,) the answers.
+    """
+
+    schedule: object
+    owners: np.ndarray
+    copies: np.ndarray
+    c: np.ndarray
+    m: np.ndarray
+    l: np.ndarray
+    pole_weights: np.ndarray
+    label_weights: np.ndarray
+    design: csr_matrix
+    model: MultiHeadAttention
+    answers: np.ndarray
+    ranks: np.ndarray  # (n,) pole count detected on each instance
+
+
+#: More instances than this fraction detecting a pole count other than r: the count is uncertain.
+RANK_DISAGREEMENT = 0.05
+
+
+@dataclass
+class Certificate:
+    """First-order error certificate of one float64 run (see the module docstring).
+
+    Attributes
+    ----------
+    kind : ``"algebraic"`` (the schedule's pipeline) or ``"least squares"`` (after refinement).
+    amplification : C, relative parameter error per unit absolute answer error (worst case).
+    amplification_W, amplification_v : the same for the W's and for the v's alone.
+    valid_below : answer-error bound below which the matching is certified and first order holds.
+    rounding_floor : the float64 floor added to eps (absolute).
+    noise_estimate : estimated standard deviation of the answers' errors, from the data.
+    noise_lower_bound : the smallest eps consistent with the links' misfits (first order).
+    """
+
+    kind: str
+    valid_below: float
+    rounding_floor: float
+    noise_estimate: float
+    noise_lower_bound: float
+    _norms: object = field(repr=False, default=None)  # () -> (amplification_W, amplification_v)
+
+    @cached_property
+    def _amplifications(self) -> tuple[float, float]:
+        return self._norms()
+
+    @property
+    def amplification_W(self) -> float:
+        return self._amplifications[0]
+
+    @property
+    def amplification_v(self) -> float:
+        return self._amplifications[1]
+
+    @property
+    def amplification(self) -> float:
+        return max(self._amplifications)
+
+    def error_bound(self, eps: float) -> float:
+        """Bound on the max relative parameter error (``compare(...).max_rel``) when every answer
+        is within ``eps`` of the truth: ``2 C (eps + rounding_floor)``, inf for eps >= valid_below."""
+        eps = _validate_eps(eps)
+        if not eps < self.valid_below:
+            return float("inf")
+        return self.first_order(eps)
+
+    def first_order(self, eps: float) -> float:
+        """``2 C (eps + rounding_floor)`` whether or not eps is below ``valid_below``: an estimate
+        (the learner's ``error_estimate`` when the noise is estimated), not a certified bound."""
+        return (1.0 + SECOND_ORDER_SLACK) * self.amplification * (_validate_eps(eps) + self.rounding_floor)
+
+
+def _validate_eps(eps) -> float:
+    if isinstance(eps, (str, bytes)):
+        raise TypeError(f"eps must be a number (a bound on the answers' absolute error), got {eps!r}")
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"eps must be a number (a bound on the answers' absolute error), got {eps!r}") from None
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"eps must be a finite number >= 0 (a bound on the answers' absolute error), got {eps!r}")
+    return value
+
+
+def _rounding_floor(answers: np.ndarray) -> float:
+    return ROUNDING_ULPS * 2.0**-53 * float(np.abs(answers).max(initial=0.0))
+
+
+def _relative_scales(model: MultiHeadAttention) -> tuple[float, float]:
+    W_scale = float(np.abs(model.W).max(initial=0.0)) or 1.0
+    v_scale = float(np.abs(model.v).max(initial=0.0)) or 1.0
+    return W_scale, v_scale
+
+
+# ---------------------------------------------------------------- the algebraic pipeline
+class _PipelineOperator:
+    """The run's derivative as sparse per-instance blocks plus the dense combination/assembly."""
+
+    def __init__(self, run: PipelineRun):
+        self.run = run
+        schedule = run.schedule
+        self.d = schedule.d
+        self.ks = np.asarray(schedule.ks)
+        self.K = len(self.ks)
+        self.n, self.r = run.m.shape
+        self.Q = len(run.owners)
+        with np.errstate(all="ignore"):
+            self.finite = np.isfinite(run.m).all(axis=1) & np.isfinite(run.l).all(axis=1) & np.isfinite(run.c)
+        self.G_u = self._instance_operator()  # (n (2r + 1), Q): d(c, m, l)_t / d answers
+
+    def _pseudo_inverses(self, index: np.ndarray) -> np.ndarray:
+        """``J_t^+`` (len(index), 2r + 1, K); zero for failed fits (weight 0 in the combination)."""
+        out = np.zeros((len(index), 2 * self.r + 1, self.K))
+        good = index[self.finite[index]]
+        if len(good):
+            J = instance_jacobian(self.ks, np.exp(self.run.m[good]), self.run.l[good])
+            out[self.finite[index]] = np.linalg.pinv(J)
+        return out
+
+    def _block(self, index: np.ndarray, pinv: np.ndarray) -> csr_matrix:
+        """Block-diagonal ``J_t^+`` for instances ``index``: (len * (2r + 1), n * K) over sample rows."""
+        size = 2 * self.r + 1
+        rows = (np.arange(len(index))[:, None, None] * size + np.arange(size)[None, :, None]) + 0 * np.arange(self.K)
+        cols = index[:, None, None] * self.K + np.arange(self.K)[None, None, :] + 0 * rows
+        return csr_matrix((pinv.ravel(), (rows.ravel(), cols.ravel())), shape=(len(index) * size, self.n * self.K))
+
+    def _instance_operator(self) -> csr_matrix:
+        run, schedule, K, Q = self.run, self.run.schedule, self.K, self.Q
+        grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
+        d = self.d
+        # Samples that are answers: row t*K + k holds answer q.
+        position = np.searchsorted(self.ks, run.copies)
+        rows, cols, values = [run.owners * K + position], [np.arange(Q)], [np.ones(Q)]
+        q00 = int(np.flatnonzero((run.owners == grid[0, 0]) & (run.copies == self.ks[0]))[0])
+        row0 = grid[0]
+        # Row 0 (j >= 1) and the row links: F(0) = vbar^T x_0, the one-token answer q00.
+        anchored = np.concatenate([row0[1:], row_links[1:]])
+        rows.append(anchored * K)
+        cols.append(np.full(len(anchored), q00))
+        values.append(np.ones(len(anchored)))
+        S0 = csr_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))), shape=(self.n * K, Q))
+        # Row 0's constants c_j, then vbar = Z^{-T} (F(0) - c) and vbar^T x_i: these depend on
+        # row 0's answers only, so they are dense on few columns.
+        dc = (self._block(row0, self._pseudo_inverses(row0)) @ S0)[::2 * self.r + 1]
+        support = np.union1d(dc.indices, [q00])
+        anchor = (support == q00).astype(float)
+        dvbar = np.linalg.solve(schedule.Z.T, anchor[None, :] - dc[:, support].toarray())  # (d, |support|)
+        dvx = schedule.X.T @ dvbar  # row i: d(vbar^T x_i) on the support columns
+        for i in range(1, d):
+            for t, extra in [(grid[i], 0.0), (column_links[i], 1.0)]:
+                t = np.asarray(t)
+                rows.append(np.repeat(t * K, len(support)))
+                cols.append(np.tile(support, len(t)))
+                values.append(np.tile(dvx[i] + extra * anchor, len(t)))
+        S = csr_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))), shape=(self.n * K, Q))
+        everything = np.arange(self.n)
+        return (self._block(everything, self._pseudo_inverses(everything)) @ S).tocsr()
+
+    def rows(self, what: str, h: int) -> csr_matrix:
+        """(n, Q): derivative of every instance's m_h (``what="m"``) or l_h (``"l"``)."""
+        offset = 1 + h if what == "m" else 1 + self.r + h
+        return self.G_u[offset::2 * self.r + 1]
+
+    def row_norms(self, what: str, order: int) -> np.ndarray:
+        """(n, r) l1 (order=1) or l2 (order=2) norms of the rows of m_h or l_h."""
+        out = np.empty((self.n, self.r))
+        for h in range(self.r):
+            block = abs(self.rows(what, h))
+            out[:, h] = np.asarray(block.sum(axis=1)).ravel() if order == 1 else np.sqrt(
+                np.asarray(block.multiply(block).sum(axis=1)).ravel())
+        return np.where(self.finite[:, None], out, np.inf)
+
+    def columns(self, chunk: int = CHUNK):
+        """Yield (columns, dW (H, d, d, c), dv (H, d, c)): G restricted to a chunk of answers."""
+        run, schedule, d = self.run, self.run.schedule, self.d
+        Z_inv_T = np.linalg.inv(schedule.Z.T)
+        X_inv = np.linalg.inv(schedule.X)
+        A = run.design
+        columns_of = _label_columns(schedule)
+        factors, pole_rhs, label_ops = [], [], []
+        for h in range(self.r):
+            w = np.where(self.finite, run.pole_weights[:, h], 0.0)
+            Aw = diags(w) @ A
+            factors.append(splu((A.T @ Aw).tocsc()))
+            pole_rhs.append((Aw.T @ self.rows("m", h)).tocsc())  # A^T W dm_h
+            lw = np.where(self.finite, run.label_weights[:, h], 0.0) * columns_of.mask
+            L = csr_matrix((lw, (columns_of.column, np.arange(self.n))), shape=(d, self.n))
+            total = np.maximum(np.asarray(L.sum(axis=1)).ravel(), 1e-300)
+            label_ops.append((diags(1.0 / total) @ L @ self.rows("l", h)).tocsc())
+        for start in range(0, self.Q, chunk):
+            cols = np.arange(start, min(start + chunk, self.Q))
+            dW = np.empty((self.r, d, d, len(cols)))
+            dv = np.empty((self.r, d, len(cols)))
+            for h in range(self.r):
+                dM = factors[h].solve(pole_rhs[h][:, cols].toarray()).reshape(d, d, len(cols))  # [j, i, q]
+                dW[h] = np.einsum("aj,jiq,ib->abq", Z_inv_T, dM, X_inv)
+                dv[h] = Z_inv_T @ label_ops[h][:, cols].toarray()
+            yield cols, dW, dv
+
+
+@dataclass
+class _LabelColumns:
+    column: np.ndarray  # (n,) grid column j of each instance
+    mask: np.ndarray  # (n,) 1 for instances whose labels enter the column mean (grid, column links)
+
+
+def _label_columns(schedule) -> _LabelColumns:
+    column = np.array([instance.j for instance in schedule.instances])
+    mask = np.array([instance.role in ("grid", "column_link") for instance in schedule.instances], dtype=float)
+    return _LabelColumns(column, mask)
+
+
+def _links(schedule):
+    """(a, b, link, labels_add) index arrays of every link (row links, then column links)."""
+    d = schedule.d
+    grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
+    a = [grid[0, 0]] * (d - 1) + [grid[0, j] for i in range(1, d) for j in range(d)]
+    b = [grid[0, j] for j in range(1, d)] + [grid[i, j] for i in range(1, d) for j in range(d)]
+    link = [row_links[j] for j in range(1, d)] + [column_links[i, j] for i in range(1, d) for j in range(d)]
+    adds = [True] * (d - 1) + [False] * (d * (d - 1))
+    return np.array(a, dtype=int), np.array(b, dtype=int), np.array(link, dtype=int), np.array(adds, dtype=bool)
+
+
+def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
+    """Per link: the smallest exclusion ratio of a non-chosen triple (misfit over its first-order
+    l1 movement), the largest such ratio of a chosen triple, and the chosen triples' misfits in
+    units of their l2 sensitivities (for the noise estimate)."""
+    a, b, link, adds = _links(run.schedule)
+    r = run.m.shape[1]
+    if not len(a):
+        return np.inf, 0.0, np.zeros(0)
+    m, l = run.m, run.l
+    with np.errstate(all="ignore"):
+        pole = m[a][:, :, None, None] + m[b][:, None, :, None] - m[link][:, None, None, :]
+        pole_1 = D1m[a][:, :, None, None] + D1m[b][:, None, :, None] + D1m[link][:, None, None, :]
+        pole_2 = np.sqrt(D2m[a][:, :, None, None] ** 2 + D2m[b][:, None, :, None] ** 2 + D2m[link][:, None, None, :] ** 2)
+        ratios_1 = [np.abs(pole) / pole_1]
+        ratios_2 = [np.abs(pole) / pole_2]
+        # Row links: labels add. Column links: a's and b's labels agree, and b's equal the link's.
+        added = l[a][:, :, None, None] + l[b][:, None, :, None] - l[link][:, None, None, :]
+        added_1 = D1l[a][:, :, None, None] + D1l[b][:, None, :, None] + D1l[link][:, None, None, :]
+        added_2 = np.sqrt(D2l[a][:, :, None, None] ** 2 + D2l[b][:, None, :, None] ** 2 + D2l[link][:, None, None, :] ** 2)
+        pair = np.broadcast_to(l[a][:, :, None, None] - l[b][:, None, :, None], pole.shape)
+        pair_1 = np.broadcast_to(D1l[a][:, :, None, None] + D1l[b][:, None, :, None], pole.shape)
+        pair_2 = np.broadcast_to(np.sqrt(D2l[a][:, :, None, None] ** 2 + D2l[b][:, None, :, None] ** 2), pole.shape)
+        same = l[b][:, None, :, None] - l[link][:, None, None, :] + 0 * pole
+        same_1 = D1l[b][:, None, :, None] + D1l[link][:, None, None, :] + 0 * pole
+        same_2 = np.sqrt(D2l[b][:, None, :, None] ** 2 + D2l[link][:, None, None, :] ** 2) + 0 * pole
+        row = adds[:, None, None, None]
+        ratios_1 += [np.where(row, np.abs(added) / added_1, np.abs(pair) / pair_1),
+                     np.where(row, 0.0, np.abs(same) / same_1)]
+        ratios_2 += [np.where(row, np.abs(added) / added_2, np.abs(pair) / pair_2),
+                     np.where(row, 0.0, np.abs(same) / same_2)]
+        exclusion = np.nan_to_num(np.maximum.reduce(ratios_1), nan=0.0, posinf=np.inf)
+    chosen = np.zeros((r, r, r), dtype=bool)
+    chosen[np.arange(r), np.arange(r), np.arange(r)] = True
+    # A non-finite misfit (a failed fit) cannot exclude anything: ratio 0.
+    non_chosen = exclusion[:, ~chosen]
+    smallest_exclusion = float(non_chosen.min(initial=np.inf))
+    chosen_ratio = exclusion[:, chosen]
+    largest_chosen = float(np.nanmax(np.where(np.isfinite(chosen_ratio), chosen_ratio, np.inf), initial=0.0))
+    noise_units = np.concatenate([ratio[:, chosen].ravel() for ratio in ratios_2])
+    noise_units = noise_units[np.isfinite(noise_units)]
+    return smallest_exclusion, largest_chosen, noise_units
+
+
+def pipeline_certificate(run: PipelineRun) -> Certificate:
+    """The certificate of an algebraic float64 run (cheap parts now, the amplification on demand)."""
+    operator = _PipelineOperator(run)
+    D1m, D1l = operator.row_norms("m", 1), operator.row_norms("l", 1)
+    D2m, D2l = operator.row_norms("m", 2), operator.row_norms("l", 2)
+    if run.m.shape[1] == 0:
+        return Certificate("algebraic", np.inf, _rounding_floor(run.answers), 0.0, 0.0, _norms=lambda: (0.0, 0.0))
+    smallest_exclusion, largest_chosen, noise_units = _matching_margins(run, D1m, D1l, D2m, D2l)
+    valid_matching = smallest_exclusion / 2.0
+    # Linearisation: log-poles move by at most min(0.05, gap / 8) (instances that enter the run).
+    with np.errstate(all="ignore"):
+        gaps = np.diff(np.sort(run.m, axis=1), axis=1).min(axis=1, initial=np.inf)
+        allowed = np.minimum(LINEARIZATION_STEP, POLE_GAP_FRACTION * gaps)
+        valid_linear = float(np.nan_to_num(allowed / D1m.max(axis=1), nan=0.0).min(initial=np.inf))
+    if not operator.finite.all():
+        valid_linear = 0.0  # a failed fit: its links were matched on nothing
+    if np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT:
+        valid_linear = 0.0  # the pole count itself is uncertain
+    valid_below = max(0.0, min(valid_matching, valid_linear))
+    noise_estimate = float(np.sqrt(np.mean(noise_units**2))) if len(noise_units) else 0.0
+    W_scale, v_scale = _relative_scales(run.model)
+
+    def norms():
+        W_rows = np.zeros((run.m.shape[1], run.schedule.d, run.schedule.d))
+        v_rows = np.zeros((run.m.shape[1], run.schedule.d))
+        for _, dW, dv in operator.columns():
+            W_rows += np.abs(dW).sum(axis=3)
+            v_rows += np.abs(dv).sum(axis=2)
+        return float(W_rows.max()) / W_scale, float(v_rows.max()) / v_scale
+
+    certificate = Certificate("algebraic", valid_below, _rounding_floor(run.answers), noise_estimate,
+                              largest_chosen, _norms=norms)
+    certificate._operator = operator  # for sensitivity_matrix
+    return certificate
+
+
+def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
+    """The dense G (H (d^2 + d), Q) of a certificate, in :func:`mhaextract.refine.pack` order
+    (for small runs and tests; the amplification itself is accumulated in chunks)."""
+    if certificate.kind == "least squares":
+        return certificate._pseudo_inverse
+    blocks_W, blocks_v = [], []
+    for _, dW, dv in certificate._operator.columns():
+        blocks_W.append(dW.reshape(-1, dW.shape[-1]))
+        blocks_v.append(dv.reshape(-1, dv.shape[-1]))
+    return np.vstack([np.hstack(blocks_W), np.hstack(blocks_v)])
+
+
+# ---------------------------------------------------------------- after refinement
+def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, residuals: np.ndarray,
+                              answers: np.ndarray, valid_below: float) -> Certificate:
+    """Certificate of the least-squares fit: ``G = J^+`` (J: (Q, P) output Jacobian at the fit).
+
+    ``valid_below`` is the algebraic start's (refinement converges to the fit in whose basin the
+    start lies); the noise estimate is the residual's root mean square, corrected for the P
+    parameters fitted (``sqrt(sum r^2 / (Q - P))``).
+    """
+    Q, P = jacobian.shape
+    U, s, Vt = np.linalg.svd(jacobian, full_matrices=False)
+    rank_ok = s.size and s[-1] > s[0] * 1e-14
+    pseudo_inverse = (Vt.T / s) @ U.T if rank_ok else np.full((P, Q), np.inf)
+    W_scale, v_scale = _relative_scales(model)
+    nW = model.heads * model.d**2
+    rows = np.abs(pseudo_inverse).sum(axis=1)
+    amplifications = (float(rows[:nW].max(initial=0.0)) / W_scale, float(rows[nW:].max(initial=0.0)) / v_scale)
+    noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
+    certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
+                              _norms=lambda: amplifications)
+    certificate._pseudo_inverse = pseudo_inverse
+    return certificate

@@ -1,0 +1,134 @@
+"""Approximate oracles: wrappers that make an exact float64 oracle answer like a real one.
+
+Each wrapper is itself an oracle (``oracle(batch) -> outputs``, float64) and is seeded: the
+same seed and the same questions give the same answers.
+
+* :class:`AdditiveNoise`: ``f(X) + e`` with ``e`` uniform in ``[-eps, eps]`` (bounded: the setting
+  of the certificate, ALGORITHM.md section 8);
+* :class:`GaussianNoise`: ``f(X) + e``, ``e ~ N(0, sigma^2)`` (unbounded);
+* :class:`RoundedAnswers`: ``f(X)`` rounded to ``bits`` significant bits (an API that rounds);
+* :class:`Float32Oracle`: the target itself evaluated in float32 (a float32 layer).
+
+``answer_error`` is each wrapper's bound on ``|answer - f(X)|`` where one exists (to pass to
+``extract(..., answer_error=...)``): eps for the additive one; None where there is no absolute
+bound known in advance (Gaussian, relative rounding, float32).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .model import MultiHeadAttention
+
+
+def _nonnegative(name: str, value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    if not np.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def _callable(oracle) -> Callable:
+    if not callable(oracle):
+        raise TypeError(f"oracle must be callable, got {type(oracle).__name__}")
+    return oracle
+
+
+def _exact(oracle, batch) -> np.ndarray:
+    answers = np.asarray(oracle(batch), dtype=np.float64)
+    if answers.shape != (len(batch),):
+        raise ValueError(f"the wrapped oracle returned shape {answers.shape} for a batch of {len(batch)}")
+    return answers
+
+
+class AdditiveNoise:
+    """``f(X) + e`` with ``e`` i.i.d. uniform in ``[-eps, eps]``: ``|error| <= eps`` always.
+
+    Parameters
+    ----------
+    oracle : a float64 oracle (e.g. :class:`mhaextract.SimulatedOracle`).
+    eps : the bound (absolute). seed : seeds the noise.
+    """
+
+    def __init__(self, oracle, eps: float, seed=None):
+        self.oracle = _callable(oracle)
+        self.eps = _nonnegative("eps", eps)
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def answer_error(self) -> float:
+        return self.eps
+
+    def __call__(self, batch):
+        answers = _exact(self.oracle, batch)
+        return answers + self.rng.uniform(-self.eps, self.eps, size=answers.shape)
+
+    def __repr__(self) -> str:
+        return f"AdditiveNoise({self.oracle!r}, eps={self.eps:g})"
+
+
+class GaussianNoise:
+    """``f(X) + e`` with ``e ~ N(0, sigma^2)`` i.i.d. (no bound: ``answer_error`` is None)."""
+
+    def __init__(self, oracle, sigma: float, seed=None):
+        self.oracle = _callable(oracle)
+        self.sigma = _nonnegative("sigma", sigma)
+        self.rng = np.random.default_rng(seed)
+
+    answer_error = None
+
+    def __call__(self, batch):
+        answers = _exact(self.oracle, batch)
+        return answers + self.rng.normal(0.0, self.sigma, size=answers.shape)
+
+    def __repr__(self) -> str:
+        return f"GaussianNoise({self.oracle!r}, sigma={self.sigma:g})"
+
+
+class RoundedAnswers:
+    """``f(X)`` rounded to ``bits`` significant bits (round to nearest): relative error at most
+    ``2^-bits``. Deterministic; ``answer_error`` is None (the bound is relative)."""
+
+    def __init__(self, oracle, bits: int):
+        self.oracle = _callable(oracle)
+        if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 53:
+            raise ValueError(f"bits must be an integer in 1..53 (float64 has 53), got {bits!r}")
+        self.bits = int(bits)
+
+    answer_error = None
+
+    @property
+    def relative_error(self) -> float:
+        return 2.0 ** -self.bits
+
+    def __call__(self, batch):
+        answers = _exact(self.oracle, batch)
+        mantissa, exponent = np.frexp(answers)  # answers = mantissa 2^exponent, 0.5 <= |mantissa| < 1
+        return np.ldexp(np.round(np.ldexp(mantissa, self.bits)), exponent - self.bits)
+
+    def __repr__(self) -> str:
+        return f"RoundedAnswers({self.oracle!r}, bits={self.bits})"
+
+
+class Float32Oracle:
+    """The target evaluated in float32: tokens, parameters and arithmetic rounded to float32
+    (unit roundoff ``2^-24``), answers returned as float64. Deterministic."""
+
+    unit_roundoff = 2.0 ** -24
+    answer_error = None
+
+    def __init__(self, model: MultiHeadAttention):
+        if not isinstance(model, MultiHeadAttention):
+            raise TypeError(f"Float32Oracle needs a MultiHeadAttention, got {type(model).__name__}")
+        self.model = model
+
+    def __call__(self, batch):
+        return self.model(batch, dtype=np.float32).astype(np.float64)
+
+    def __repr__(self) -> str:
+        return f"Float32Oracle({self.model!r})"

@@ -1,0 +1,485 @@
+"""Step 2 of the Transformer extraction: the hidden ReLU units, read through known attention.
+
+With the canonical heads ``W_h`` known (step 1), every query ``X`` has known head means
+``m_h(X) = sum_i a_{h,i} x_i``. Stack them, ``M(X) = (m_1(X), ..., m_H(X))`` in R^D, D = H d.
+Then (ALGORITHM.md section 9)
+
+    f(X) = phi(M(X)),     phi(M) = sum_j w_j ReLU(P_j^T M),     P_j = (p_{1,j}, ..., p_{H,j}),
+
+a bias-free ReLU layer on R^D: positively homogeneous, piecewise linear, with one hyperplane
+``P_j^T M = 0`` per unit. In a linear region S of phi, ``f(X) = L_S^T M(X)`` exactly, with
+``L_S = sum_{j active} w_j P_j``.
+
+**Segments (exact lines in M-space).** Fix x in R^d, offsets e_1..e_m (m = H) and scale lam:
+the sequence ``X = (lam x + e_1 / lam, ..., lam x + e_m / lam, lam x)`` has scores relative to the
+final token ``e_i^T W_h x``, independent of lam, so its attention weights do not move, and
+``M(X) = lam (b + E / lam^2)`` with ``b = (x, ..., x)`` and ``E_h = sum_i a_{h,i} e_i``. By
+homogeneity ``f(X) / lam = phi(b + rho E)``, ``rho = lam^-2``. Reparametrised by
+``s = rho kappa^-1 / (1 + rho kappa^-1)`` (kappa = |b| / |E|),
+
+    h(s) = (1 - s) f(X) / lam = phi((1 - s) b + s kappa E),   s in (0, 1),
+
+is phi along the segment from b to kappa E: exactly piecewise linear, with a kink where the
+segment crosses a unit's hyperplane. Kinks are found on a grid of s and confirmed where two
+linear pieces meet (two extra queries beside the intersection).
+
+**Region gradients.** Around a point inside a piece, D + 4 perturbed sequences stay in the same
+region; ``f = L^T M`` there is a linear system for ``L`` (exact, no differencing), checked on the
+spare equations. Across a confirmed single kink, ``L_B - L_A = +- w_j P_j``: one unit, up to
+its orientation, with ``sign(w_j)`` the sign of the slope jump of h.
+
+**Orientation.** ``ReLU(u) - ReLU(-u) = u``: flipping a unit's orientation changes f by a
+linear function, so the orientations are fixed by the odd part, ``sum_j w_j P_j = V`` with V
+the step-1 value vectors: a sign vector sigma with ``sum_j sigma_j c_j = V``. Solved by
+enumerating the signs of the units outside a basis of span{c_j} (2^(n - rank) candidates).
+
+**Conditions** (each violation is detected and reported):
+
+1. every canonical head has ``v_h = sum_j w_j p_{h,j} != 0`` (else step 1 cannot see it; the
+   region fits then fail, f is not a function of the visible M);
+2. no two units have parallel hyperplanes (``P_j`` and ``P_k`` not proportional: positively
+   proportional units merge in the canonical form, opposite ones make f locally ``|u|``, which the
+   orientation step cannot explain);
+3. orientation is unique: no nonempty set of units has ``sum_j +- c_j = 0`` (general position);
+4. every unit's hyperplane crosses the reachable segments (else the unit is never seen: the
+   orientation step or the final verification fails), and ``n - rank{c_j} <= 20``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from flint import arb, arb_mat
+
+from .highprec import GUARD_BITS, magnitude_float, mid_float, working_precision
+from .model import MultiHeadAttention
+from .oracle import OracleBoundary
+
+#: Ends of the segment parameter s (the scale lam ranges over sqrt((1 - s) / s) / kappa).
+S_RANGE = (0.02, 0.98)
+#: Extra equations per region fit beyond the D unknowns: they check the region was not left.
+SPARE_EQUATIONS = 4
+#: Crowded gaps (several kinks within a grid cell or two) are rescanned this many levels deep,
+#: each on a grid of ZOOM_GRID intervals.
+MAX_ZOOM = 4
+ZOOM_GRID = 16
+#: Unit counts beyond the rank of the unit vectors whose orientations are enumerated.
+MAX_ENUMERATED = 20
+
+
+class HeadMeans:
+    """``M(X)`` in R^{H d} for the heads found in step 1 (float64, or arb balls at ``precision``)."""
+
+    def __init__(self, W: np.ndarray, precision: int | None):
+        self.heads_model = MultiHeadAttention(W, np.zeros(W.shape[:2], dtype=W.dtype))
+        self.precision = precision
+        self.D = W.shape[0] * W.shape[1]
+
+    def __call__(self, sequences) -> np.ndarray:
+        means = self.heads_model.head_means(sequences, self.precision)
+        return means.reshape(len(sequences), self.D)
+
+    def float64(self, sequences) -> np.ndarray:
+        return self.heads_model.head_means(sequences).reshape(len(sequences), self.D)
+
+
+@dataclass
+class Segment:
+    """phi along ``(1 - s) b + s kappa E``; see the module docstring."""
+
+    x: np.ndarray
+    offsets: np.ndarray  # (m, d): the e_i
+    b: np.ndarray
+    E: np.ndarray
+    kappa: float
+
+    def scale(self, s: float) -> float:
+        rho = s * self.kappa / (1 - s)
+        return rho ** -0.5
+
+    def sequence(self, s: float) -> np.ndarray:
+        lam = self.scale(s)
+        return np.vstack([lam * self.x + self.offsets / lam, lam * self.x[None, :]])
+
+    def point(self, s: float) -> np.ndarray:
+        return (1 - s) * self.b + s * self.kappa * self.E
+
+    def crossing(self, c: np.ndarray) -> float:
+        """s where the hyperplane ``c^T M = 0`` crosses the segment (nan if it does not)."""
+        cb, cE = c @ self.b, self.kappa * (c @ self.E)
+        if cb == cE:
+            return np.nan
+        s = cb / (cb - cE)
+        return s if 0 < s < 1 else np.nan
+
+
+@dataclass
+class Unit:
+    """One unit, up to orientation: ``c = +- w_j P_j`` (float64 and exact), ``sign = sign(w_j)``."""
+
+    c: np.ndarray
+    c_exact: np.ndarray
+    sign: int
+    fit_residual: float
+    segment: "Segment"
+    s: float
+
+
+@dataclass
+class UnitSearch:
+    """What step 2 found and what it cost (counts measured at the f oracle boundary)."""
+
+    units: list[Unit] = field(default_factory=list)
+    segments: int = 0
+    queries_grid: int = 0
+    queries_confirm: int = 0
+    queries_regions: int = 0
+    regions_fitted: int = 0
+    regions_failed: int = 0
+    kinks_confirmed: int = 0
+    kinks_rejected: int = 0
+
+
+def _value(answers, precision):
+    return answers if precision is None else mid_float(answers)
+
+
+class UnitLearner:
+    """Finds the units of phi from segments and region gradients (module docstring).
+
+    Parameters
+    ----------
+    boundary : the f oracle boundary (counts every query).
+    W : canonical heads from step 1 (float64, or mpf for high precision).
+    precision : None or bits.
+    rng : numpy Generator for segment tokens and perturbations.
+    token_scale : norm of x and of the offsets e_i.
+    grid : number of grid intervals per segment.
+    """
+
+    def __init__(self, boundary: OracleBoundary, W: np.ndarray, precision, rng, token_scale: float, grid: int = 48):
+        self.boundary = boundary
+        self.means = HeadMeans(W, precision)
+        self.H, self.d = W.shape[0], W.shape[1]
+        self.D = self.means.D
+        self.precision = precision
+        self.rng = rng
+        self.token_scale = token_scale
+        self.grid = int(grid)
+        self.search = UnitSearch()
+        self.asked: list[np.ndarray] = []  # every sequence asked and its (float64) answer, for refine()
+        self.answered: list[np.ndarray] = []
+        self.fit_tolerance = 1e-9 if precision is None else 2.0 ** (-precision / 3)
+        self.kink_tolerance = 1e-9  # linearity of h on the grid, relative (float64 midpoints)
+
+    # ------------------------------------------------------------------ segments
+    def segment_pair(self) -> list[Segment]:
+        """Two segments from one final direction x: offsets e and -e (together they cross most
+        hyperplanes: with equal weights, ``E(-e) = -E(e)``, and every hyperplane separates b from
+        exactly one of E, -E)."""
+        x = self._random_token()
+        offsets = np.stack([self._random_token() for _ in range(self.H)])
+        out = []
+        for sign in (1.0, -1.0):
+            e = sign * offsets
+            unit_scale = np.vstack([x + e, x[None, :]])  # lam = 1
+            M = self.means.float64([unit_scale])[0]
+            b = np.tile(x, self.H)
+            E = M - b
+            kappa = float(np.linalg.norm(b) / max(np.linalg.norm(E), 1e-300))
+            out.append(Segment(x, e, b, E, kappa))
+        return out
+
+    def _random_token(self) -> np.ndarray:
+        # Random direction and a norm in [0.5, 1.5] x token_scale (directions alone are only +-1 for d = 1).
+        v = self.rng.standard_normal(self.d)
+        return self.token_scale * self.rng.uniform(0.5, 1.5) * v / np.linalg.norm(v)
+
+    def _ask(self, sequences, what: str):
+        before = self.boundary.queries
+        answers = self.boundary.ask(sequences, description=f"FFN units: {what}")
+        self.asked += list(sequences)
+        self.answered.append(_value(answers, self.precision))
+        spent = self.boundary.queries - before
+        if what == "segment grid":
+            self.search.queries_grid += spent
+        elif what == "kink confirmation":
+            self.search.queries_confirm += spent
+        else:
+            self.search.queries_regions += spent
+        return answers
+
+    def explore(self, segment: Segment) -> int:
+        """Sample one segment, confirm its single kinks, fit the regions beside kinks no known unit
+        explains, and add the new units. Returns how many were new."""
+        self.search.segments += 1
+        needed = [kink for kink in self._scan(segment, *S_RANGE, depth=0) if not self._explained(segment, kink[0])]
+        if not needed:
+            return 0
+        centres = []
+        for s_star, left, right, _ in needed:
+            centres += [(left, s_star - left), (right, right - s_star)]
+        gradients = self._region_gradients(segment, centres)
+        new = 0
+        for k, (s_star, _, _, jump) in enumerate(needed):
+            LA, LB = gradients[2 * k], gradients[2 * k + 1]
+            if LA is None or LB is None:
+                continue
+            c_float = LB[0] - LA[0]
+            # The fits against the grid's lines: the hyperplane passes through the kink and the
+            # slope jump of h is c^T (kappa E - b).
+            at_kink = abs(c_float @ segment.point(s_star)) / (np.linalg.norm(c_float) * np.linalg.norm(segment.point(s_star)))
+            along = c_float @ (segment.kappa * segment.E - segment.b)
+            if at_kink > 1e-6 or abs(along - jump) > 1e-6 * abs(jump):
+                self.search.regions_failed += 1
+                continue
+            if self._known(c_float) is not None:
+                continue
+            c_exact = self._difference(LB[1], LA[1])
+            self.search.units.append(Unit(c_float, c_exact, 1 if jump > 0 else -1, max(LA[2], LB[2]), segment, s_star))
+            new += 1
+        return new
+
+    def _scan(self, segment: Segment, lo: float, hi: float, depth: int) -> list:
+        """Confirmed single kinks of h on [lo, hi]: ``(s*, left centre, right centre, slope jump)``.
+
+        A grid of ``self.grid`` intervals; consecutive linear pieces one cell apart meet at a
+        candidate s*, confirmed by probes (below). Gaps wider than a cell, or candidates that fail,
+        hold several kinks: they are rescanned on a finer grid (up to ``MAX_ZOOM`` times)."""
+        ss = np.linspace(lo, hi, (self.grid if depth == 0 else ZOOM_GRID) + 1)
+        h = self._h(segment, ss, "segment grid")
+        scale = max(np.abs(h).max(), 1e-300)
+        pieces = _linear_pieces(ss, h, self.kink_tolerance * scale)
+        candidates, crowded = [], []
+        for A, B in zip(pieces[:-1], pieces[1:]):
+            s_star = (B.intercept - A.intercept) / (A.slope - B.slope) if A.slope != B.slope else np.nan
+            # One grid cell between the pieces (a grid point inside the gap means two kinks).
+            if B.first == A.last + 1 and ss[A.last] < s_star < ss[B.first]:
+                candidates.append((A, B, s_star, 0.3 * min(s_star - ss[A.last], ss[B.first] - s_star)))
+            else:
+                crowded.append((A, B))
+        # A single kink at s*: h is on line A left of s* and on line B right of it. Two probes a
+        # side, at eta and eta / 1000: two kinks (whose outer lines meet at s*) would both have to
+        # lie within eta / 1000 of s* to pass.
+        offsets = np.array([-1.0, -1e-3, 1e-3, 1.0])
+        kinks = []
+        if candidates:
+            probes = np.array([c[2] + offsets * c[3] for c in candidates]).ravel()
+            values = self._h(segment, probes, "kink confirmation").reshape(-1, 4)
+            for (A, B, s_star, eta), value in zip(candidates, values):
+                expected = [A(s_star - eta), A(s_star - 1e-3 * eta), B(s_star + 1e-3 * eta), B(s_star + eta)]
+                if np.abs(value - expected).max() > 1e-9 * scale:
+                    self.search.kinks_rejected += 1
+                    crowded.append((A, B))
+                    continue
+                self.search.kinks_confirmed += 1
+                # Region centres halfway between the kink and the next grid point inside each piece
+                # (close to the kink, so a faint kink the grid missed is unlikely to lie between).
+                left, right = 0.5 * (s_star + ss[A.last - 1]), 0.5 * (s_star + ss[B.first + 1])
+                kinks.append((s_star, left, right, B.slope - A.slope))
+        if depth < MAX_ZOOM:
+            for A, B in crowded:
+                kinks += self._scan(segment, ss[A.last - 1], ss[B.first + 1], depth + 1)
+        return kinks
+
+    def _h(self, segment: Segment, ss: np.ndarray, what: str) -> np.ndarray:
+        sequences = [segment.sequence(s) for s in ss]
+        f = _value(self._ask(sequences, what), self.precision)
+        scales = np.array([segment.scale(s) for s in ss])
+        return (1 - ss) * f / scales
+
+    def _explained(self, segment: Segment, s_star: float) -> bool:
+        for unit in self.search.units:
+            s_known = segment.crossing(unit.c)
+            if np.isfinite(s_known) and abs(s_known - s_star) <= 1e-6:
+                return True
+        return False
+
+    def _known(self, c: np.ndarray):
+        for index, unit in enumerate(self.search.units):
+            if min(np.linalg.norm(c - unit.c), np.linalg.norm(c + unit.c)) <= 1e-5 * np.linalg.norm(unit.c):
+                return index
+        return None
+
+    # ------------------------------------------------------------------ region gradients
+    def _region_gradients(self, segment: Segment, centres) -> list:
+        """``L`` of the region around each ``(s, room)`` of the segment: solve ``f(X_r) = L^T M(X_r)``
+        for D + spare sequences perturbed around the segment's sequence at s (relative size a
+        tenth of ``room``, the distance to the kink); shrink tenfold when the spares disagree."""
+        out = [None] * len(centres)
+        pending = list(range(len(centres)))
+        size = 0.1
+        for attempt in range(3):
+            if not pending:
+                break
+            rows = self.D + SPARE_EQUATIONS
+            flat = []
+            for k in pending:
+                s, room = centres[k]
+                centre = segment.sequence(s)
+                rms = np.sqrt(np.mean(centre**2))
+                flat += [centre + size * room * rms * self.rng.standard_normal(centre.shape) for _ in range(rows)]
+            answers = self._ask(flat, "region gradients")
+            M = self.means(flat)
+            retry = []
+            for position, k in enumerate(pending):
+                block = slice(position * rows, (position + 1) * rows)
+                fit = self._solve(M[block], answers[block])
+                self.search.regions_fitted += 1
+                if fit is None or fit[2] > self.fit_tolerance:
+                    self.search.regions_failed += 1
+                    retry.append(k)
+                else:
+                    out[k] = fit
+            pending = retry
+            size *= 0.1
+        return out
+
+    def _solve(self, M, f):
+        """(L float64, L exact, relative misfit of the spare equations) or None if singular."""
+        D = self.D
+        if self.precision is None:
+            try:
+                L = np.linalg.solve(M[:D], f[:D])
+            except np.linalg.LinAlgError:
+                return None
+            spare = np.abs(M[D:] @ L - f[D:]).max() / max(np.abs(f).max(), 1e-300)
+            return L, L, float(spare)
+        with working_precision(self.precision + GUARD_BITS):
+            system = arb_mat([[M[r, c] for c in range(D)] for r in range(D)])
+            rhs = arb_mat([[f[r]] for r in range(D)])
+            try:
+                solution = system.solve(rhs)
+            except ZeroDivisionError:
+                return None
+            L = np.array([solution[c, 0] for c in range(D)], dtype=object)
+            misfit = [sum((M[r, c] * L[c] for c in range(D)), arb(0)) - f[r] for r in range(D, M.shape[0])]
+            scale = max(float(magnitude_float(np.array(list(f), dtype=object)).max()), 1e-300)
+            spare = float(magnitude_float(np.array(misfit, dtype=object)).max()) / scale
+        return mid_float(L), L, spare
+
+    def _difference(self, a, b):
+        if self.precision is None:
+            return a - b
+        with working_precision(self.precision + GUARD_BITS):
+            return np.array([x - y for x, y in zip(a, b)], dtype=object)
+
+    def answers(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """Every sequence step 2 asked, with its answer (float64 midpoints)."""
+        return self.asked, np.concatenate(self.answered) if self.answered else np.zeros(0)
+
+
+
+
+@dataclass
+class _Piece:
+    first: int
+    last: int
+    slope: float
+    intercept: float
+
+    def __call__(self, s):
+        return self.intercept + self.slope * s
+
+
+def _linear_pieces(ss: np.ndarray, h: np.ndarray, tolerance: float) -> list[_Piece]:
+    """Maximal runs of >= 3 grid points on one line (second differences below ``tolerance``)."""
+    second = np.abs(h[:-2] - 2 * h[1:-1] + h[2:])
+    flat = second <= tolerance  # flat[i]: points i, i+1, i+2 collinear
+    pieces = []
+    i = 0
+    while i < len(flat):
+        if not flat[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(flat) and flat[j + 1]:
+            j += 1
+        first, last = i, j + 2
+        slope, intercept = np.polyfit(ss[first:last + 1], h[first:last + 1], 1)
+        pieces.append(_Piece(first, last, float(slope), float(intercept)))
+        i = j + 1
+    return pieces
+
+
+def refine(C: np.ndarray, signs: np.ndarray, M: np.ndarray, f: np.ndarray, margin: float = 1e-6,
+           rounds: int = 4) -> tuple[np.ndarray, float]:
+    """Least-squares polish of the oriented units ``c_j`` (rows of C, w_j = signs_j) on every answer.
+
+    With the activation pattern fixed, ``f(X_r) = sum_j signs_j [c_j^T M_r > 0] c_j^T M_r`` is linear
+    in the c_j: one linear least-squares problem over all answers (each row weighted by 1/|M_r|),
+    re-solved until the pattern stops changing. Rows within ``margin`` (relative) of a hyperplane
+    are left out, their pattern being uncertain. The region fits each use D + 4 nearby sequences;
+    this uses all of them at once, spread over many segments, so it is far better conditioned.
+    Returns the polished C and the relative misfit of the rows used.
+    """
+    n, D = C.shape
+    norms = np.maximum(np.linalg.norm(M, axis=1), 1e-300)
+    misfit = np.inf
+    for _ in range(rounds):
+        u = M @ C.T  # (R, n)
+        clear = (np.abs(u) > margin * norms[:, None] * np.linalg.norm(C, axis=1)[None, :]).all(axis=1)
+        active = (u > 0)[clear]
+        rows = M[clear] / norms[clear, None]
+        design = (active[:, :, None] * signs[None, :, None] * rows[:, None, :]).reshape(len(rows), n * D)
+        target = f[clear] / norms[clear]
+        solution, *_ = np.linalg.lstsq(design, target, rcond=None)
+        new = solution.reshape(n, D)
+        misfit = float(np.abs(design @ solution - target).max() / max(np.abs(target).max(), 1e-300))
+        changed = np.abs(new - C).max()
+        C = new
+        if changed <= 1e-15 * np.abs(C).max():
+            break
+    return C, misfit
+
+
+# ---------------------------------------------------------------------- orientation
+@dataclass
+class Orientation:
+    """Result of the sign solve ``sum_j sigma_j c_j = V``.
+
+    sigma : (n,) signs of the (unique) solution, or None; solutions : how many sign vectors fit;
+    misfit : relative residual of the best candidate; rank : rank of the c_j.
+    """
+
+    sigma: np.ndarray | None
+    solutions: int
+    misfit: float
+    rank: int
+
+
+def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance: float = 1e-6) -> Orientation:
+    """Signs sigma in {-1, +1}^n with ``C^T sigma = V`` (C: (n, D) float64), by enumerating the
+    units outside a pivoted-QR basis of span{c_j} and solving for the basis signs.
+
+    ``rank_tolerance`` (relative to the largest pivot) must sit above the errors of the c_j:
+    a direction the errors create would otherwise enter the basis and amplify them."""
+    from scipy.linalg import qr
+
+    n = C.shape[0]
+    scale = max(np.abs(V).max(), np.abs(C).max() if n else 0.0, 1e-300)
+    if n == 0:
+        misfit = float(np.abs(V).max() / scale)
+        return Orientation(np.zeros(0) if misfit <= tolerance else None, int(misfit <= tolerance), misfit, 0)
+    _, R, pivots = qr(C.T, pivoting=True, mode="economic")
+    diagonal = np.abs(np.diag(R))
+    rank = int(np.sum(diagonal > rank_tolerance * diagonal[0])) if diagonal.size else 0
+    basis, free = pivots[:rank], pivots[rank:]
+    if len(free) > MAX_ENUMERATED:
+        return Orientation(None, 0, np.inf, rank)
+    choices = np.array(np.meshgrid(*[[-1.0, 1.0]] * len(free), indexing="ij")).reshape(len(free), -1).T \
+        if len(free) else np.zeros((1, 0))
+    targets = V[None, :] - choices @ C[free]  # (2^f, D)
+    solution, *_ = np.linalg.lstsq(C[basis].T, targets.T, rcond=None)  # (rank, 2^f)
+    rounded = np.sign(solution)
+    rounded[rounded == 0] = 1
+    residual = np.abs(rounded.T @ C[basis] + choices @ C[free] - V[None, :]).max(axis=1) / scale
+    good = np.flatnonzero(residual <= tolerance)
+    best = int(np.argmin(residual))
+    if len(good) != 1:
+        return Orientation(None, len(good), float(residual[best]), rank)
+    sigma = np.empty(n)
+    sigma[basis] = rounded[:, good[0]]
+    sigma[free] = choices[good[0]]
+    return Orientation(sigma, 1, float(residual[good[0]]), rank)

@@ -1,0 +1,690 @@
+"""One-layer Transformer: multi-head attention, then a bias-free ReLU feed-forward network.
+
+ALGORITHM.md section 9. For a sequence ``X = (x_1, ..., x_N)`` with the heads' attention
+weights ``a_{h,i}`` (section 1) and value-output maps ``O_h`` (p x d)::
+
+    o(X) = sum_h sum_i a_{h,i} O_h x_i                      (in R^p)
+    f(X) = w^T ReLU(A o(X))          (A: n x p, w: n)      (+ A x_N inside the ReLU if residual)
+
+Write ``m_h(X) = sum_i a_{h,i} x_i`` (the head means) and ``p_{h,j} = O_h^T A_j^T`` (unit j seen
+through head h). Unit j's pre-activation is ``u_j(X) = sum_h p_{h,j}^T m_h(X)``.
+
+**What is identifiable, and the canonical form.** Only the products ``p_{h,j}`` and ``w_j`` reach
+the output (any invertible ``O_h -> G O_h``, ``A -> A G^{-1}`` leaves f unchanged). Heads with
+equal ``W_h`` merge (their ``p_{h,j}`` add); hidden units are defined up to permutation and positive
+scaling (``w_j -> w_j / c``, ``A_j -> c A_j``). :meth:`Transformer1L.canonical` returns
+
+* heads: equal ``W_h`` merged, heads that no unit reads dropped;
+* units: ``|w_j|`` absorbed into the unit, so ``w_j = +-1`` and the unit's vectors are
+  ``c_{h,j} = |w_j| p_{h,j}``; units with positively parallel ``c_j`` merged
+  (``w ReLU(u) + w' ReLU(kappa u) = (w + kappa w') ReLU(u)``), units with ``c_j = 0`` or a zero
+  merged weight dropped;
+* as a model: ``p = H* d`` (+ d with the residual), ``O_h`` the embedding of R^d into block h,
+  ``A_j = (c_{1,j}, ..., c_{H*,j})`` and ``w_j = +-1``.
+
+:func:`compare_transformers` aligns heads and units of two canonical forms with
+:func:`scipy.optimize.linear_sum_assignment` and reports the max errors of ``W_h`` and of the
+``c_{h,j}`` (with their signs); :func:`extract_transformer` learns f from value queries.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import mpmath
+import numpy as np
+from flint import arb
+from scipy.optimize import linear_sum_assignment
+
+from .highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
+from .learner import Check, Extraction, UnreliableExtractionWarning, extract
+from .model import MultiHeadAttention, as_batch, group_equal_heads
+from .oracle import OracleBoundary
+
+#: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
+#: so that its certificate covers cancellation up to that much (checked: odd_part_precision).
+ODD_PART_MARGIN_BITS = 32
+#: mpmath bits for exact products and sums of the parameters (doubles and few-hundred-bit mpf).
+_EXACT_BITS = 2200
+
+
+def _as_parameter(array, name: str, ndim: int) -> np.ndarray:
+    array = np.asarray(array)
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {array.shape}")
+    if array.dtype == object:
+        array = mpf_array(array)
+        finite = all(mpmath.isfinite(value) for value in array.ravel())
+    else:
+        array = array.astype(np.float64)
+        finite = bool(np.isfinite(array).all())
+    if not finite:
+        raise ValueError(f"{name} must be finite")
+    return array
+
+
+class Transformer1L:
+    """Multi-head attention followed by a bias-free ReLU feed-forward network, read at x_N.
+
+    Parameters
+    ----------
+    W : array (H, d, d)
+        Score matrices of the heads, ``s_{h,i} = x_i^T W_h x_N``.
+    O : array (H, p, d)
+        Value-output maps of the heads (R^d -> R^p).
+    A : array (n, p)
+        First FFN layer (no bias); row j is hidden unit j.
+    w : array (n,)
+        Second FFN layer (no bias), to the scalar output.
+    residual : bool
+        Add the final token inside the ReLU, ``ReLU(A (o(X) + x_N))``; needs ``p == d``.
+
+    Float64 arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
+
+    Attributes
+    ----------
+    W, O, A, w, residual : the parameters. d, p, heads (H), hidden (n) : sizes.
+    """
+
+    def __init__(self, W, O, A, w, residual: bool = False):
+        W = _as_parameter(W, "W", 3)
+        O = _as_parameter(O, "O", 3)
+        A = _as_parameter(A, "A", 2)
+        w = _as_parameter(w, "w", 1)
+        H, d = W.shape[0], W.shape[1]
+        if W.shape[2] != d:
+            raise ValueError(f"W must have shape (H, d, d), got {W.shape}")
+        if O.shape[0] != H or O.shape[2] != d:
+            raise ValueError(f"O must have shape (H, p, d) = ({H}, p, {d}), got {O.shape}")
+        if A.shape[1] != O.shape[1]:
+            raise ValueError(f"A must have shape (n, p) with p = {O.shape[1]}, got {A.shape}")
+        if w.shape != (A.shape[0],):
+            raise ValueError(f"w must have shape (n,) = ({A.shape[0]},), got {w.shape}")
+        if residual and O.shape[1] != d:
+            raise ValueError(f"residual=True adds x_N to o(X) in R^p: needs p == d, got p={O.shape[1]}, d={d}")
+        high = object in (W.dtype, O.dtype, A.dtype, w.dtype)
+        if high:
+            W, O, A, w = (mpf_array(x) for x in (W, O, A, w))
+        self.W, self.O, self.A, self.w = W, O, A, w
+        self.residual = bool(residual)
+
+    d = property(lambda self: self.W.shape[1])
+    p = property(lambda self: self.O.shape[1])
+    heads = property(lambda self: self.W.shape[0])
+    hidden = property(lambda self: self.A.shape[0])
+    is_high_precision = property(lambda self: self.W.dtype == object)
+
+    def __repr__(self) -> str:
+        kind = "mpf" if self.is_high_precision else "float64"
+        extra = ", residual" if self.residual else ""
+        return f"Transformer1L(d={self.d}, heads={self.heads}, hidden={self.hidden}, p={self.p}{extra}, {kind})"
+
+    @classmethod
+    def random(cls, d: int, heads: int, hidden: int, p: int | None = None, seed=None,
+               residual: bool = False) -> "Transformer1L":
+        """A random target: ``W_h`` with N(0, 1/d) entries (as :meth:`MultiHeadAttention.random`,
+        suited to the core's default token scale), ``O_h`` N(0, 1/d), ``A`` N(0, 1/p), ``w`` N(0, 1);
+        ``p = d`` by default."""
+        for name, value in (("d", d), ("heads", heads), ("hidden", hidden)):
+            if isinstance(value, bool) or int(value) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        p = int(d) if p is None else int(p)
+        if p < 1:
+            raise ValueError(f"p must be a positive integer, got {p}")
+        rng = np.random.default_rng(seed)
+        W = rng.standard_normal((heads, d, d)) / np.sqrt(d)
+        O = rng.standard_normal((heads, p, d)) / np.sqrt(d)
+        A = rng.standard_normal((hidden, p)) / np.sqrt(p)
+        w = rng.standard_normal(hidden)
+        return cls(W, O, A, w, residual=residual)
+
+    def to_high_precision(self) -> "Transformer1L":
+        """The same model with exact mpf parameters (products then stay exact)."""
+        if self.is_high_precision:
+            return self
+        return Transformer1L(*(x.astype(object) for x in (self.W, self.O, self.A, self.w)), residual=self.residual)
+
+    # ------------------------------------------------------------------ the products that matter
+    def unit_vectors(self, exact: bool = False) -> np.ndarray:
+        """``p_{h,j} = O_h^T A_j^T`` as an array (n, H, d): float64, or exact mpf for a
+        high-precision model or with ``exact=True``."""
+        if not (self.is_high_precision or exact):
+            return np.einsum("hpd,np->nhd", self.O, self.A)
+        with mpmath.workprec(_EXACT_BITS):
+            return np.einsum("hpd,np->nhd", mpf_array(self.O), mpf_array(self.A))
+
+    def residual_vectors(self) -> np.ndarray:
+        """``A_j`` read by x_N through the residual, (n, d); zeros without the residual."""
+        if self.residual:
+            return self.A.copy()
+        return np.zeros((self.hidden, self.d), dtype=self.A.dtype)
+
+    def odd_part(self) -> MultiHeadAttention:
+        """The attention model ``g(X) = f(X) - f(-X)``: ``v_h = sum_j w_j p_{h,j}`` (section 9).
+
+        Without the residual only; with it, g also has the term ``(sum_j w_j A_j)^T x_N``.
+        """
+        if self.residual:
+            raise ValueError("with residual=True the odd part is attention plus a linear term in x_N")
+        C = self.unit_vectors()
+        if not self.is_high_precision:
+            return MultiHeadAttention(self.W, np.einsum("nhd,n->hd", C, self.w))
+        with mpmath.workprec(_EXACT_BITS):
+            v = np.einsum("nhd,n->hd", C, self.w)
+        return MultiHeadAttention(self.W, v)
+
+    # ------------------------------------------------------------------ evaluation
+    def __call__(self, batch, precision: int | None = None):
+        """Outputs f(X): float64 array (B,), or with ``precision=bits`` a list of mpf (ball
+        arithmetic at bits + 32, rounded to ``bits``), like :class:`MultiHeadAttention`."""
+        sequences = as_batch(batch, self.d)
+        attention = MultiHeadAttention(self.W, np.zeros((self.heads, self.d), dtype=self.W.dtype))
+        if precision is None:
+            means = attention.head_means(sequences)  # (B, H, d)
+            C = self.unit_vectors()
+            R = self.residual_vectors()
+            if self.is_high_precision:
+                C, R = mid_float(C), mid_float(R)
+            finals = np.stack([np.asarray(s[-1], dtype=np.float64) for s in sequences]) if sequences else np.zeros((0, self.d))
+            u = np.einsum("bhd,nhd->bn", means, C) + finals @ R.T
+            return np.maximum(u, 0.0) @ mid_float(self.w)
+        precision = int(precision)
+        means = attention.head_means(sequences, precision)
+        C = self.unit_vectors(exact=True)  # the function of these parameters, not of rounded products
+        R = self.residual_vectors()
+        outputs = []
+        with working_precision(precision + 32):
+            C_arb = np.vectorize(to_arb, otypes=[object])(C)
+            R_arb = np.vectorize(to_arb, otypes=[object])(R)
+            w_arb = [to_arb(value) for value in self.w]
+            for sequence, row in zip(sequences, means):
+                final = [to_arb(value) for value in sequence[-1]]
+                total = arb(0)
+                for j in range(self.hidden):
+                    u = sum((C_arb[j, h, a] * row[h, a] for h in range(self.heads) for a in range(self.d)), arb(0))
+                    if self.residual:
+                        u += sum((R_arb[j, a] * final[a] for a in range(self.d)), arb(0))
+                    # ReLU of a ball: a ball straddling 0 is within its radius of 0 (far below an ulp).
+                    if u.mid() > 0:
+                        total += w_arb[j] * u
+                with mpmath.workprec(precision):
+                    outputs.append(+arb_to_mpf(total))
+        return outputs
+
+    # ------------------------------------------------------------------ canonical form
+    def canonical(self, rtol: float = 0.0) -> "Transformer1L":
+        """The canonical form described in the module docstring.
+
+        ``rtol``: W's within ``rtol * max|W|`` count as equal; a unit vector within
+        ``rtol * max|c|`` of a positive multiple of another counts as parallel; smaller vectors
+        and merged weights count as zero.
+        """
+        high = self.is_high_precision
+        context = mpmath.workprec(_EXACT_BITS) if high else _nullcontext()
+        with context:
+            C = self.unit_vectors()  # (n, H, d)
+            groups = group_equal_heads(self.W, rtol)
+            merged = np.stack([C[:, group].sum(axis=1) for group in groups], axis=1) if groups else C[:, :0]
+            W = self.W[[group[0] for group in groups]] if groups else self.W[:0]
+            # |w_j| into the unit; residual block appended as one more "head" block of the vector.
+            blocks = np.concatenate([merged.reshape(self.hidden, -1), self.residual_vectors()], axis=1) \
+                if self.residual else merged.reshape(self.hidden, -1)
+            weights = np.array([abs(value) for value in self.w], dtype=object if high else np.float64)
+            blocks = blocks * weights[:, None]
+            signs = [1 if value > 0 else -1 for value in self.w]
+            units = _merge_parallel_units(blocks, signs, rtol, high)
+            d, Hs = self.d, len(groups)
+            # Heads no unit reads are dropped.
+            if units:
+                vectors = np.array([vector for vector, _ in units], dtype=blocks.dtype)
+                keep = [h for h in range(Hs) if _max_abs(vectors[:, h * d:(h + 1) * d]) > 0]
+            else:
+                vectors = np.zeros((0, blocks.shape[1]), dtype=blocks.dtype)
+                keep = []
+            columns = [c for h in keep for c in range(h * d, (h + 1) * d)]
+            if self.residual:
+                columns += list(range(Hs * d, Hs * d + d))
+            A = vectors[:, columns]
+            w = np.array([sign for _, sign in units], dtype=A.dtype)
+            W = W[keep]
+            O = block_embedding(len(keep), d, self.residual, dtype=A.dtype)
+        return Transformer1L(W, O, A, w, residual=self.residual)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _max_abs(array) -> float:
+    if array.size == 0:
+        return 0.0
+    if array.dtype == object:
+        return float(max(abs(value) for value in array.ravel()))
+    return float(np.abs(array).max())
+
+
+def _merge_parallel_units(blocks, signs, rtol, high):
+    """Merge units whose vectors are positive multiples of each other; drop zero ones."""
+    scale = _max_abs(blocks)
+    units: list[list] = []  # [vector, coefficient], the unit being coefficient * ReLU(vector^T M)
+    for vector, sign in zip(blocks, signs):
+        if _max_abs(vector) <= rtol * scale or _max_abs(vector) == 0:
+            continue
+        for unit in units:
+            reference = unit[0]
+            kappa = (vector @ reference) / (reference @ reference)
+            if kappa > 0 and _max_abs(vector - kappa * reference) <= rtol * scale:
+                unit[1] = unit[1] + sign * kappa
+                break
+        else:
+            units.append([vector, sign if not high else mpmath.mpf(sign)])
+    out = []
+    for vector, coefficient in units:
+        if abs(coefficient) > rtol:
+            out.append((vector * abs(coefficient), 1 if coefficient > 0 else -1))
+    return out
+
+
+def block_embedding(heads: int, d: int, residual: bool = False, dtype=np.float64) -> np.ndarray:
+    """``O_h`` (H, p, d) embedding R^d into block h of R^p, ``p = H d`` (+ d for the residual block)."""
+    p = heads * d + (d if residual else 0)
+    O = np.zeros((heads, p, d))
+    for h in range(heads):
+        O[h, h * d:(h + 1) * d] = np.eye(d)
+    return O.astype(dtype) if dtype == object else O
+
+
+# ---------------------------------------------------------------------- comparison
+@dataclass
+class TransformerComparison:
+    """Errors of ``a`` against the reference ``b``, both canonical, heads and units aligned.
+
+    Attributes
+    ----------
+    heads_agree, units_agree : equal canonical head / unit counts.
+    heads_a, heads_b, units_a, units_b : the counts.
+    head_permutation : head ``k`` of ``b`` is aligned with head ``head_permutation[k]`` of ``a``.
+    unit_permutation : unit ``k`` of ``b`` is aligned with unit ``unit_permutation[k]`` of ``a``.
+    signs_agree : every aligned unit has the same sign ``w_j = +-1``.
+    W_abs, W_rel : max entry error of the aligned ``W_h`` (relative: over ``max|W_b|``).
+    units_abs, units_rel : max entry error of the aligned unit vectors ``c_{h,j}`` (relative: over
+        ``max|c_b|``), the products that reach the output.
+    max_rel : ``max(W_rel, units_rel)``; infinite when counts or signs disagree.
+    """
+
+    heads_agree: bool
+    units_agree: bool
+    signs_agree: bool
+    heads_a: int
+    heads_b: int
+    units_a: int
+    units_b: int
+    head_permutation: np.ndarray
+    unit_permutation: np.ndarray
+    W_abs: float
+    W_rel: float
+    units_abs: float
+    units_rel: float
+
+    @property
+    def max_rel(self):
+        if not (self.heads_agree and self.units_agree and self.signs_agree):
+            return float("inf")
+        return max(self.W_rel, self.units_rel)
+
+
+def _abs_max(array):
+    if array.size == 0:
+        return 0.0
+    if array.dtype == object:
+        return max(abs(value) for value in array.ravel())
+    return np.abs(array).max()
+
+
+def compare_transformers(a: Transformer1L, b: Transformer1L, rtol: float = 0.0) -> TransformerComparison:
+    """Canonicalise ``a`` and ``b`` (``rtol`` as in :meth:`Transformer1L.canonical`), align heads on
+    ``W_h`` and then units on their vectors (in the aligned head order) with
+    :func:`scipy.optimize.linear_sum_assignment`, and report errors of ``a`` against ``b``."""
+    if a.d != b.d:
+        raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")
+    if a.residual != b.residual:
+        raise ValueError("one model has the residual connection and the other does not")
+    high = a.is_high_precision or b.is_high_precision
+    if high:  # canonical products of a float64 model in exact arithmetic, not rounded to float64
+        a, b = a.to_high_precision(), b.to_high_precision()
+    a, b = a.canonical(rtol), b.canonical(rtol)
+    d = a.d
+    Wa, Wb, Ca, Cb = a.W, b.W, a.A, b.A
+    if high:
+        Wa, Wb, Ca, Cb = (mpf_array(x) for x in (Wa, Wb, Ca, Cb))
+    fa, fb = mid_float(Wa).reshape(a.heads, -1), mid_float(Wb).reshape(b.heads, -1)
+    cost = np.linalg.norm(fb[:, None] - fa[None], axis=2) if a.heads and b.heads else np.zeros((b.heads, a.heads))
+    head_rows, head_cols = linear_sum_assignment(cost)
+    zero = mpmath.mpf(0) if high else 0.0
+    W_abs = _abs_max(Wa[head_cols] - Wb[head_rows]) if len(head_rows) else zero
+    heads_agree = a.heads == b.heads
+    units_agree = a.hidden == b.hidden
+    signs_agree = False
+    unit_rows = unit_cols = np.zeros(0, dtype=int)
+    units_abs = zero
+    if heads_agree:
+        # a's unit vectors with its head blocks put in b's head order (residual block last).
+        order = np.empty(a.heads, dtype=int)
+        order[head_rows] = head_cols
+        columns = [c for h in order for c in range(h * d, (h + 1) * d)] + list(range(a.heads * d, a.A.shape[1]))
+        Ca = Ca[:, columns]
+        ua, ub = mid_float(Ca), mid_float(Cb)
+        sa, sb = mid_float(a.w), mid_float(b.w)
+        scale = max(float(np.abs(ub).max()) if ub.size else 0.0, 1e-300)
+        cost = np.linalg.norm(ub[:, None] - ua[None], axis=2) + 10 * scale * (sb[:, None] != sa[None])
+        unit_rows, unit_cols = linear_sum_assignment(cost) if a.hidden and b.hidden else (unit_rows, unit_cols)
+        signs_agree = bool(np.all(sa[unit_cols] == sb[unit_rows]))
+        if len(unit_rows):
+            units_abs = _abs_max(Ca[unit_cols] - Cb[unit_rows])
+    W_scale = _abs_max(Wb) if b.heads else zero
+    C_scale = _abs_max(Cb) if b.hidden else zero
+    W_rel = W_abs / W_scale if W_scale else W_abs
+    units_rel = units_abs / C_scale if C_scale else units_abs
+    return TransformerComparison(
+        heads_agree, units_agree, signs_agree, a.heads, b.heads, a.hidden, b.hidden, head_cols, unit_cols,
+        W_abs, W_rel, units_abs, units_rel,
+    )
+
+
+# ---------------------------------------------------------------------- extraction
+class TransformerExtractionError(RuntimeError):
+    """The Transformer extraction failed its checks. ``.extraction`` holds the result."""
+
+    def __init__(self, message: str, extraction: "TransformerExtraction"):
+        super().__init__(message)
+        self.extraction = extraction
+
+
+class OddPartOracle:
+    """The user-protocol oracle for ``g(X) = f(X) - f(-X)`` (ALGORITHM.md section 9): each query of
+    g asks the f boundary for X and -X, so both are counted there.
+
+    In high precision the answers of f carry one ulp at ``precision`` bits relative to |f|; their
+    difference is within ``2^(1 - precision) (|f(X)| + |f(-X)|)`` of g. ``cancellation_bits``
+    records the worst ``log2((|f(X)| + |f(-X)|) / |g(X)|)``: g is good to ``precision`` minus that.
+    """
+
+    def __init__(self, boundary: OracleBoundary):
+        self.boundary = boundary
+        self.cancellation_bits = 0.0
+
+    def __call__(self, batch):
+        # Tokens arrive as float64 or exact mpf from float64 values: float64 is exact either way.
+        sequences = [np.vectorize(float, otypes=[np.float64])(X) if X.dtype == object else X for X in batch]
+        answers = self.boundary.ask(sequences + [-X for X in sequences], description="odd part g(X) = f(X) - f(-X)")
+        plus, minus = answers[:len(sequences)], answers[len(sequences):]
+        if self.boundary.precision is None:
+            return plus - minus
+        out = []
+        with working_precision(self.boundary.precision + 64):
+            for a, b in zip(plus, minus):
+                g = a - b
+                size = abs(float(g.mid()))
+                total = abs(float(a.mid())) + abs(float(b.mid()))
+                if total > 0:
+                    ratio = np.inf if size == 0 else total / size
+                    self.cancellation_bits = max(self.cancellation_bits, float(np.log2(ratio)))
+                out.append(arb_to_mpf(g))
+        return out
+
+
+@dataclass
+class TransformerExtraction:
+    """Result of :func:`extract_transformer`.
+
+    Attributes
+    ----------
+    model : Transformer1L or None
+        The canonical form found (float64 midpoints); None when a check failed before assembly.
+    model_hp : Transformer1L or None
+        High precision: the same with exact mpf midpoints.
+    attention : Extraction
+        Step 1: the core extraction run on the odd part g (its ``queries`` count g-queries).
+    heads, hidden : canonical head and unit counts found.
+    queries : int
+        Total queries of f, measured at the oracle boundary: ``queries_odd_part`` (two per query
+        of g) + ``queries_units`` (segments, kink confirmations, region fits) +
+        ``queries_verification`` (fresh random queries the result is checked on).
+    max_query_length : int, measured.
+    segments : segments explored in step 2.
+    verification_misfit : max |model - f| / max |f| on the verification queries.
+    checks : list of Check; ok : all passed.
+    """
+
+    model: Transformer1L | None
+    model_hp: Transformer1L | None
+    attention: Extraction
+    heads: int
+    hidden: int
+    queries: int
+    queries_odd_part: int
+    queries_units: int
+    queries_verification: int
+    max_query_length: int
+    segments: int
+    verification_misfit: float
+    precision: int | None
+    d: int
+    seed: object
+    checks: list[Check] = field(default_factory=list)
+    search: object = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [check for check in self.checks if not check.passed]
+
+    def summary(self) -> dict:
+        return {
+            "d": self.d, "heads": self.heads, "hidden": self.hidden, "queries": self.queries,
+            "queries_odd_part": self.queries_odd_part, "queries_units": self.queries_units,
+            "queries_verification": self.queries_verification, "max_query_length": self.max_query_length,
+            "segments": self.segments, "verification_misfit": self.verification_misfit,
+            "precision": self.precision, "seed": self.seed, "ok": self.ok,
+            "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
+        }
+
+
+def _positive_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, precision=None, seed=None, *,
+                        residual=False, token_scale=None, max_segments=32, quiet_segments=8,
+                        verification_queries=None, batch_size=1024, progress=None,
+                        on_failure="raise") -> TransformerExtraction:
+    """Learn a one-layer Transformer (attention, then a bias-free ReLU FFN) from value queries.
+
+    Step 1 runs :func:`mhaextract.extract` on the odd part ``g(X) = f(X) - f(-X)``, an attention
+    model with ``v_h = sum_j w_j p_{h,j}``: the canonical ``W_h`` (two f-queries per g-query).
+    Step 2 finds the hidden units through the known attention (:mod:`mhaextract.relu_units`):
+    segments on which f is exactly piecewise linear, one unit per confirmed kink from the region
+    gradients on either side, orientations from the odd part. The result is then checked on
+    fresh random queries.
+
+    Parameters
+    ----------
+    oracle, d, heads, max_heads, precision, seed, token_scale, batch_size, progress : as in
+        :func:`mhaextract.extract` (``seed`` also seeds step 2's segments and perturbations).
+    hidden : the number of hidden units, if known: step 2 stops when it has found this many.
+        Without it, step 2 stops after ``quiet_segments`` segment pairs in a row found nothing new.
+    residual : must be False (see the error raised otherwise).
+    max_segments : at most this many segment pairs in step 2.
+    verification_queries : fresh random queries to check the result on (default ``4 H d + 32``).
+    on_failure : "raise" a :class:`TransformerExtractionError` or "warn" and return.
+
+    The conditions step 2 needs are listed in :mod:`mhaextract.relu_units`; a target that violates
+    one fails a check (it is not returned as a wrong Transformer).
+    """
+    d = _positive_int("d", d)
+    if hidden is not None:
+        hidden = _positive_int("hidden", hidden)
+    max_segments = _positive_int("max_segments", max_segments)
+    quiet_segments = _positive_int("quiet_segments", quiet_segments)
+    if on_failure not in ("raise", "warn"):
+        raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
+    if residual:
+        raise ValueError(
+            "residual=True is not supported: the residual adds r^T x_N (r = sum_j w_j A_j) to the odd "
+            "part, so g's one-token answers are (vbar + r)^T x, not vbar^T x, and the anchors of "
+            "ALGORITHM.md section 3 that the core schedule relies on (F(0) = vbar^T x_i for rows i >= 1) "
+            "would be wrong. Supporting it needs the core to ask F(0) of rows i >= 1 (d - 1 more "
+            "one-token queries of g) instead of inferring it; step 2 only needs x_N as one more block of M."
+        )
+    started = time.perf_counter()
+    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress)
+    odd = OddPartOracle(boundary)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        step1 = extract(odd, d, heads=heads, max_heads=max_heads,
+                        precision=None if precision is None else precision - ODD_PART_MARGIN_BITS, seed=seed,
+                        token_scale=token_scale, batch_size=batch_size, progress=progress, on_failure="warn")
+    queries_odd = boundary.queries
+    checks = [Check(f"odd part: {c.name}", c.passed, c.value, c.threshold, c.message) for c in step1.checks]
+    scale = step1.schedule and (token_scale if token_scale is not None else d ** 0.25)
+
+    def finish(model, model_hp, search, hidden_found, misfit, queries_units):
+        result = TransformerExtraction(
+            model=model, model_hp=model_hp, attention=step1, heads=step1.heads, hidden=hidden_found,
+            queries=boundary.queries, queries_odd_part=queries_odd, queries_units=queries_units,
+            queries_verification=boundary.queries - queries_odd - queries_units,
+            max_query_length=boundary.max_query_length, segments=search.segments if search else 0,
+            verification_misfit=misfit, precision=precision, d=d, seed=seed, checks=checks, search=search,
+            seconds=time.perf_counter() - started,
+        )
+        if not result.ok:
+            message = "Transformer extraction failed its checks:\n  " + "\n  ".join(str(c) for c in result.failed_checks)
+            if on_failure == "raise":
+                raise TransformerExtractionError(message, result)
+            warnings.warn(message, UnreliableExtractionWarning, stacklevel=3)
+        return result
+
+    if not step1.ok or step1.heads == 0:
+        if step1.heads == 0:
+            checks.append(Check("heads_visible", False, 0, 1, "the odd part shows no attention head: the FFN "
+                                "cannot be read through the attention (condition 1)"))
+        return finish(None, None, None, 0, np.inf, 0)
+
+    # ---- step 2: the units, through the heads of step 1.
+    from .relu_units import UnitLearner, orient, refine
+
+    W = step1.model_hp.W if precision is not None else step1.model.W
+    V = step1.model.v.reshape(-1)
+    rng = np.random.default_rng(None if seed is None else [int(np.asarray(seed).ravel()[0]) if np.ndim(seed) else int(seed), 3])
+    learner = UnitLearner(boundary, W, precision, rng, float(scale))
+    quiet = 0
+    for _ in range(max_segments):
+        if hidden is not None and len(learner.search.units) >= hidden:
+            break
+        if hidden is None and quiet >= quiet_segments:
+            break
+        new = sum(learner.explore(segment) for segment in learner.segment_pair())
+        quiet = 0 if new else quiet + 1
+    search = learner.search
+    queries_units = boundary.queries - queries_odd
+    units = search.units
+    if hidden is not None:
+        checks.append(Check("units_found", len(units) <= hidden, len(units), hidden,
+                            f"{len(units)} units found, hidden={hidden} given (more found means hidden is too small)"))
+    orientation = orient(np.array([u.c for u in units]).reshape(len(units), V.size), V,
+                         tolerance=1e-6 if precision is None else 1e-12,
+                         rank_tolerance=1e-6 if precision is None else 1e-12)
+    message = (f"sum_j sigma_j c_j = V has {orientation.solutions} sign solutions over {len(units)} units "
+               f"(rank {orientation.rank}); exactly one is needed (conditions 2-4: units with parallel "
+               "hyperplanes, a unit never seen, or a sign-ambiguous set of units)")
+    if search.regions_failed:
+        message += (f"; {search.regions_failed} of {search.regions_fitted} region fits failed (if most did, f depends "
+                    "on a head the odd part does not show: condition 1)")
+    checks.append(Check("orientation", orientation.sigma is not None, orientation.misfit,
+                        1e-6 if precision is None else 1e-12, message))
+    if orientation.sigma is None:
+        return finish(None, None, search, len(units), np.inf, queries_units)
+
+    # ---- assembly: w_j = sign, A_j = sign * sigma_j * c_j in the block coordinates of M.
+    H = step1.heads
+    O = block_embedding(H, d)
+    signs = np.array([u.sign for u in units], dtype=np.float64)
+    factors = signs * orientation.sigma
+    A = np.array([f * u.c for f, u in zip(factors, units)]).reshape(len(units), H * d)
+    if precision is None and len(units):
+        # float64: the region fits carry the step-1 errors amplified by their small clouds; a joint
+        # least-squares polish on every answer of step 2 removes most of that (relu_units.refine).
+        sequences, values = learner.answers()
+        A, _ = refine(A, signs, learner.means.float64(sequences), values)
+    model = Transformer1L(step1.model.W, O, A, signs)
+    model_hp = None
+    if precision is not None:
+        # The balls' midpoints, negated where the orientation says so (at _EXACT_BITS: mpmath and
+        # flint would otherwise round to their 53-bit defaults).
+        with mpmath.workprec(_EXACT_BITS):
+            A_hp = np.array([[arb_to_mpf(value) * int(f) for value in u.c_exact] for f, u in zip(factors, units)],
+                            dtype=object).reshape(len(units), H * d)
+        model_hp = Transformer1L(W, O.astype(object), A_hp, signs.astype(object))
+
+    # ---- verification on fresh random queries (counted).
+    count = verification_queries if verification_queries is not None else 4 * H * d + 32
+    sequences = []
+    for _ in range(count):
+        length = int(rng.integers(1, 2 * H + 2))  # no longer than the core schedule's 2H + 1
+        norms = scale * 10 ** rng.uniform(-0.5, 0.5, size=(length, 1))
+        tokens = rng.standard_normal((length, d))
+        sequences.append(norms * tokens / np.linalg.norm(tokens, axis=1, keepdims=True))
+    answers = boundary.ask(sequences, description="verification queries")
+    if precision is None:
+        misfit = float(np.abs(model(sequences) - answers).max() / max(np.abs(answers).max(), 1e-300))
+        tolerance = 1e-6
+    else:
+        predicted = model_hp(sequences, precision=precision + 16)
+        with working_precision(precision + 64):
+            differences = np.array([to_arb(p) - a for p, a in zip(predicted, answers)], dtype=object)
+        from .highprec import magnitude_float
+        misfit = float(magnitude_float(differences).max() / max(np.abs(mid_float(answers)).max(), 1e-300))
+        tolerance = 2.0 ** (-precision / 4)
+    checks.append(Check("verification", misfit <= tolerance, misfit, tolerance,
+                        f"max misfit on {count} fresh random queries, relative to the largest answer"))
+    if precision is not None:
+        checks.append(Check("odd_part_precision", odd.cancellation_bits < ODD_PART_MARGIN_BITS, odd.cancellation_bits,
+                            ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
+                            "was told g is good to precision minus the threshold)"))
+    return finish(model, model_hp, search, len(units), misfit, queries_units)
+
+
+def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
+    """``mhaextract demo --transformer``: a random target through a simulated oracle; returns the
+    exit code (1 when the extraction failed its checks)."""
+    from .oracle import SimulatedOracle
+    from .report import transformer_table
+
+    if hidden < 1:
+        raise ValueError("--hidden must be positive")
+    target = Transformer1L.random(d, heads, hidden, seed=seed)
+    with warnings.catch_warnings():  # failed checks are printed below, in full
+        warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        result = extract_transformer(SimulatedOracle(target, precision=precision), d, heads=heads, hidden=hidden,
+                                     precision=precision, seed=seed + 1, progress=True, on_failure="warn")
+    found = result.model_hp if result.model_hp is not None else result.model
+    comparison = compare_transformers(found, target) if found is not None else None
+    console.print(transformer_table(result, comparison, title=f"mhaextract demo --transformer (seed {seed})"))
+    if not result.ok:
+        console.print("[bold red]The extraction failed its own checks; no Transformer is returned as reliable.[/]")
+        for check in result.failed_checks:
+            console.print(f"  {check}")
+        return 1
+    return 0

@@ -1,0 +1,85 @@
+"""The gradient-distillation baseline: measured budget, batched students, a fidelity on an easy case."""
+
+import numpy as np
+import pytest
+
+import mhaextract as mx
+from mhaextract.baselines import distill
+from mhaextract.baselines.distillation import _forward, _padded, paper_budget, random_queries
+
+torch = pytest.importorskip("torch")
+
+
+class CountingOracle:
+    def __init__(self, target):
+        self.inner = mx.SimulatedOracle(target)
+        self.count = 0
+        self.longest = 0
+
+    def __call__(self, batch):
+        self.count += len(batch)
+        self.longest = max([self.longest] + [len(X) for X in batch])
+        return self.inner(batch)
+
+
+def test_random_queries_have_the_stated_lengths_and_scales():
+    rng = np.random.default_rng(0)
+    sequences = random_queries(rng, 2000, 5, 7, 2.0)
+    lengths = np.array([len(s) for s in sequences])
+    assert len(sequences) == 2000 and lengths.min() == 1 and lengths.max() == 7
+    assert all(s.shape[1] == 5 for s in sequences)
+    norms = np.array([np.linalg.norm(s, axis=1).mean() for s in sequences])
+    assert 0.5 < norms.min() and norms.max() < 10.0  # 2 * 2**[-1, 1] times a chi factor
+    assert np.isclose(np.median(norms), 2.0, rtol=0.25)
+
+
+def test_batched_students_equal_the_model_one_by_one():
+    """Padding and masking: every restart of the batched forward is the model's own f(X)."""
+    rng = np.random.default_rng(1)
+    students = [mx.MultiHeadAttention.random(4, 3, seed=s) for s in range(5)]
+    sequences = random_queries(rng, 50, 4, 6, 1.5)
+    X, mask = _padded(torch, sequences, 4)
+    W = torch.from_numpy(np.stack([m.W for m in students]))
+    v = torch.from_numpy(np.stack([m.v for m in students]))
+    batched = _forward(torch, W, v, X, mask).numpy()
+    for r, model in enumerate(students):
+        np.testing.assert_allclose(batched[r], model(sequences), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(_forward(torch, W[r], v[r], X, mask).numpy(), batched[r], rtol=1e-13, atol=1e-13)
+
+
+def test_distillation_of_an_easy_target_reaches_1e_9_parameters_and_fidelity():
+    d, H = 3, 1
+    target = mx.MultiHeadAttention.random(d, H, seed=5)
+    oracle = CountingOracle(target)
+    result = distill(oracle, d, H, restarts=6, adam_steps=400, lbfgs_steps=200, polish=2, seed=0)
+    assert result.queries == oracle.count == paper_budget(d, H) == 35
+    assert result.max_query_length == oracle.longest <= 2 * H + 1
+    assert result.ok and result.best_misfit < 1e-10
+    assert 0 < result.converged <= 1 and result.training_misfit.shape == (6,)
+    assert float(mx.compare(result.model, target).max_rel) < 1e-9
+    fresh = random_queries(np.random.default_rng(99), 500, d, 8, d ** 0.25)
+    truth = target(fresh)
+    assert np.sqrt(np.mean((result.model(fresh) - truth) ** 2) / np.mean(truth**2)) < 1e-9
+
+
+def test_an_undertrained_student_fails_its_own_check():
+    """Five Adam steps cannot fit 200 answers: the result says so instead of passing it off."""
+    target = mx.MultiHeadAttention.random(4, 2, seed=0)
+    result = distill(mx.SimulatedOracle(target), 4, 2, budget=200, restarts=2, adam_steps=5, lbfgs_steps=0, seed=0)
+    assert result.queries == 200 and result.polished == 0
+    assert not result.ok and result.checks[0].name == "training_fit"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(d=0, heads=1), "d must be"),
+    (dict(d=3, heads=0), "heads must be"),
+    (dict(d=3, heads=1, budget=0), "budget"),
+    (dict(d=3, heads=1, restarts=0), "restarts"),
+    (dict(d=3, heads=1, learning_rate=-1.0), "learning_rate"),
+    (dict(d=3, heads=1, init_scale=float("nan")), "init_scale"),
+    (dict(d=3, heads=1, converged_tol=0.0), "converged_tol"),
+])
+def test_bad_input_is_named(kwargs, message):
+    target = mx.MultiHeadAttention.random(3, 1, seed=0)
+    with pytest.raises(ValueError, match=message):
+        distill(mx.SimulatedOracle(target), **kwargs)

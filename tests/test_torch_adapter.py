@@ -1,0 +1,219 @@
+"""Real layers as oracles: nn.MultiheadAttention and GPT-2 attention, their reduction, and back to torch."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config  # noqa: E402
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention  # noqa: E402
+
+import mhaextract as mx  # noqa: E402
+from mhaextract.adapters.torch import TorchOracle, UnsupportedLayerError, to_reduced, to_torch  # noqa: E402
+
+
+def paper_count(d, H):
+    return 4 * H * d * d - 2 * H + 1
+
+
+def multihead(d=8, heads=2, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return torch.nn.MultiheadAttention(d, heads, **kwargs)
+
+
+def gpt2(d=16, heads=2, seed=0, layer_idx=0, attn_implementation=None, **config):
+    torch.manual_seed(seed)
+    configuration = GPT2Config(n_embd=d, n_head=heads, **config)
+    if attn_implementation is not None:
+        configuration._attn_implementation = attn_implementation
+    return GPT2Attention(configuration, layer_idx=layer_idx)
+
+
+def readout(d, seed=1):
+    return np.random.default_rng(seed).standard_normal(d)
+
+
+def sequences(d, seed=2, lengths=(1, 2, 3, 5, 5, 9)):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, d)) for n in lengths]
+
+
+def relative(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
+
+
+# ---------------------------------------------------------------------- the reduction is the layer
+
+LAYERS = {
+    "mha": lambda: multihead(bias=False),
+    "mha batch_first": lambda: multihead(bias=False, batch_first=True),
+    "mha with zero biases": lambda: multihead(bias=True),
+    "mha 3 heads d=6": lambda: multihead(6, 3, bias=False),
+    "gpt2": lambda: gpt2(),
+    "gpt2 sdpa": lambda: gpt2(attn_implementation="sdpa"),
+    "gpt2 unscaled": lambda: gpt2(scale_attn_weights=False),
+    "gpt2 layer 2, scaled by 1/3": lambda: gpt2(layer_idx=2, scale_attn_by_inverse_layer_idx=True),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_the_reduction_computes_what_the_layer_computes(name):
+    layer = LAYERS[name]()
+    d = layer.embed_dim
+    u = readout(d)
+    oracle = TorchOracle(layer, u)
+    batch = sequences(d)
+    answers = oracle(batch)
+    assert answers.dtype == np.float64 and answers.shape == (len(batch),)
+    assert relative(to_reduced(layer, u)(batch), answers) < 1e-12
+    assert oracle.calls == len({len(X) for X in batch})  # one forward pass per length
+
+
+def test_a_key_bias_cancels():
+    layer = multihead(bias=True)
+    with torch.no_grad():
+        layer.in_proj_bias[8:16] = torch.randn(8)  # the key part
+    u = readout(8)
+    batch = sequences(8)
+    assert relative(to_reduced(layer, u)(batch), TorchOracle(layer, u)(batch)) < 1e-12
+
+
+def test_the_callers_module_is_left_as_it_was():
+    layer = gpt2()
+    layer.train()
+    oracle = TorchOracle(layer, readout(16))
+    assert layer.training and layer.c_attn.weight.dtype == torch.float32
+    assert not oracle.module.training and oracle.module.c_attn.weight.dtype == torch.float64
+
+
+# ---------------------------------------------------------------------- acceptance 1: real extractions
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_extracting_nn_multihead_attention(seed):
+    layer = multihead(8, 2, seed=seed, bias=False)
+    u = readout(8, seed)
+    oracle = TorchOracle(layer, u)
+    result = mx.extract(oracle, 8, heads=2, seed=seed, token_scale=oracle.suggested_token_scale)
+    assert result.ok and result.queries == oracle.sequences == paper_count(8, 2)
+    comparison = mx.compare(result.model, to_reduced(layer, u))
+    assert comparison.heads_agree and comparison.max_rel <= 1e-8
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_extracting_gpt2_attention(seed):
+    layer = gpt2(16, 2, seed=seed)
+    u = readout(16, seed)
+    oracle = TorchOracle(layer, u)
+    result = mx.extract(oracle, 16, heads=2, seed=seed, token_scale=oracle.suggested_token_scale)
+    assert result.ok and result.queries == oracle.sequences == paper_count(16, 2)
+    comparison = mx.compare(result.model, to_reduced(layer, u))
+    assert comparison.heads_agree and comparison.max_rel <= 1e-8
+
+
+def test_gpt2_at_the_default_token_scale_fails_its_checks_rather_than_returning_garbage():
+    layer = gpt2(16, 2, seed=0)
+    oracle = TorchOracle(layer, readout(16, 0))
+    assert oracle.suggested_token_scale > 20 * 16 ** 0.25  # GPT-2's W_h are tiny
+    with pytest.raises(mx.ExtractionError, match="token_scale"):
+        mx.extract(oracle, 16, heads=2, seed=0)
+
+
+# ---------------------------------------------------------------------- back to torch
+
+def test_to_torch_computes_the_model_and_the_extracted_layer():
+    layer = multihead(8, 2, seed=3, bias=False, batch_first=True)
+    u = readout(8, 3)
+    oracle = TorchOracle(layer, u)
+    result = mx.extract(oracle, 8, heads=2, seed=3, token_scale=oracle.suggested_token_scale)
+    module = to_torch(result.model)
+    assert isinstance(module, torch.nn.Module)
+    for length in (1, 4, 7):
+        X = np.random.default_rng(length).standard_normal((5, length, 8))
+        ours = module(torch.as_tensor(X)).detach().numpy()
+        assert relative(ours, result.model(X)) < 1e-13
+        assert relative(ours, oracle(list(X))) < 1e-8
+    single = np.random.default_rng(9).standard_normal((3, 8))
+    assert float(module(torch.as_tensor(single)).detach()) == pytest.approx(float(result.model([single])[0]), rel=1e-13)
+
+
+def test_to_torch_accepts_a_high_precision_model_and_refuses_other_things():
+    target = mx.MultiHeadAttention.random(2, 1, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target, 128), 2, heads=1, precision=128, seed=0)
+    X = np.random.default_rng(0).standard_normal((2, 3, 2))
+    assert relative(to_torch(result.model_hp)(torch.as_tensor(X)).detach().numpy(), target(X)) < 1e-14
+    with pytest.raises(TypeError, match="MultiHeadAttention"):
+        to_torch(target.W)
+    with pytest.raises(ValueError, match=r"\(B, N, 2\)"):
+        to_torch(target)(torch.zeros(2, 3, 5))
+
+
+# ---------------------------------------------------------------------- what is refused, by name
+
+def _set(tensor_slice, value=0.5):
+    with torch.no_grad():
+        tensor_slice.fill_(value)
+
+
+def mha_query_bias():
+    layer = multihead(bias=True)
+    _set(layer.in_proj_bias[:8])
+    return layer
+
+
+def mha_value_bias():
+    layer = multihead(bias=True)
+    _set(layer.in_proj_bias[16:])
+    return layer
+
+
+def mha_output_bias():
+    layer = multihead(bias=True)
+    _set(layer.out_proj.bias)
+    return layer
+
+
+def gpt2_query_bias():
+    layer = gpt2()
+    _set(layer.c_attn.bias[:16])
+    return layer
+
+
+def gpt2_output_bias():
+    layer = gpt2()
+    _set(layer.c_proj.bias)
+    return layer
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: multihead(bias=False, add_bias_kv=True), "add_bias_kv"),
+    (lambda: multihead(bias=False, add_zero_attn=True), "add_zero_attn"),
+    (lambda: multihead(bias=False, kdim=4, vdim=4), "kdim=4"),
+    (mha_query_bias, r"query bias in_proj_bias\[:embed_dim\]"),
+    (mha_value_bias, r"value bias in_proj_bias\[2\*embed_dim:\].*constant"),
+    (mha_output_bias, "out_proj.bias"),
+    (gpt2_query_bias, r"query bias c_attn.bias\[:n_embd\]"),
+    (gpt2_output_bias, "c_proj.bias"),
+    (lambda: gpt2(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
+    (lambda: GPT2Attention(GPT2Config(n_embd=16, n_head=2), is_cross_attention=True, layer_idx=0), "cross"),
+])
+def test_settings_that_change_the_model_are_refused_by_name(make, message):
+    layer = make()
+    d = layer.embed_dim
+    with pytest.raises(UnsupportedLayerError, match=message):
+        to_reduced(layer, readout(d))
+    with pytest.raises(UnsupportedLayerError, match=message):
+        TorchOracle(layer, readout(d))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="torch.nn.MultiheadAttention or"):
+        to_reduced(torch.nn.Linear(4, 4), readout(4))
+    with pytest.raises(ValueError, match="length d = 8"):
+        TorchOracle(multihead(bias=False), readout(5))
+    with pytest.raises(ValueError, match="finite"):
+        TorchOracle(multihead(bias=False), np.full(8, np.nan))
+    oracle = TorchOracle(multihead(bias=False), readout(8))
+    with pytest.raises(ValueError, match="dimension 3"):
+        oracle([np.zeros((2, 3))])
+    with pytest.raises(TypeError, match="precision=None"):
+        mx.extract(oracle, 8, heads=2, precision=128, seed=0)

@@ -1,0 +1,240 @@
+"""One-layer Transformer (ALGORITHM.md section 9): the model, its canonical form, the extraction."""
+
+
+import mpmath
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import mhaextract as mx
+from mhaextract.cli import app
+from mhaextract.relu_units import orient
+
+
+def reference(t, X):
+    """f(X) written out: softmax per head, o(X) = sum_h sum_i a_hi O_h x_i, w^T ReLU(A (o + x_N))."""
+    o = np.zeros(t.p)
+    for h in range(t.heads):
+        scores = np.array([X[i] @ t.W[h] @ X[-1] for i in range(len(X))])
+        a = np.exp(scores - scores.max())
+        a /= a.sum()
+        o += sum(a[i] * t.O[h] @ X[i] for i in range(len(X)))
+    if t.residual:
+        o = o + X[-1]
+    return t.w @ np.maximum(t.A @ o, 0.0)
+
+
+def batch_of(rng, d, count, longest=6):
+    return [rng.standard_normal((int(rng.integers(1, longest + 1)), d)) for _ in range(count)]
+
+
+class CountingOracle:
+    """An independent count at the user's side of the boundary."""
+
+    def __init__(self, target, precision=None):
+        self.target, self.precision, self.count, self.longest = target, precision, 0, 0
+
+    def __call__(self, batch):
+        self.count += len(batch)
+        self.longest = max([self.longest] + [len(X) for X in batch])
+        return self.target(batch, precision=self.precision)
+
+
+def paper_count(d, H):
+    return 4 * H * d * d - 2 * H + 1
+
+
+# ---------------------------------------------------------------------- the model
+@pytest.mark.parametrize("residual", [False, True])
+def test_outputs_match_the_definition_in_float64_and_high_precision(residual):
+    t = mx.Transformer1L.random(3, 2, 5, seed=0, residual=residual)
+    batch = batch_of(np.random.default_rng(1), 3, 6)
+    expected = [reference(t, X) for X in batch]
+    np.testing.assert_allclose(t(batch), expected, rtol=1e-12, atol=1e-14)
+    hp = t(batch, precision=200)
+    assert all(isinstance(value, mpmath.mpf) for value in hp)
+    np.testing.assert_allclose([float(v) for v in hp], expected, rtol=1e-12, atol=1e-14)
+    finer = t(batch, precision=400)  # high precision is the exact function of the parameters
+    with mpmath.workprec(400):
+        assert max(abs(a - b) for a, b in zip(hp, finer)) < mpmath.mpf(2) ** -190
+
+
+def test_the_odd_part_is_attention_with_v_sum_of_w_p():
+    t = mx.Transformer1L.random(4, 3, 6, seed=2)
+    batch = batch_of(np.random.default_rng(3), 4, 8)
+    g = t(batch) - t([-X for X in batch])
+    np.testing.assert_allclose(g, t.odd_part()(batch), rtol=1e-11, atol=1e-13)
+    with pytest.raises(ValueError, match="linear term"):
+        mx.Transformer1L.random(2, 1, 2, seed=0, residual=True).odd_part()
+
+
+def test_parameters_are_validated():
+    W, O, A, w = np.zeros((2, 3, 3)), np.zeros((2, 4, 3)), np.zeros((5, 4)), np.zeros(5)
+    with pytest.raises(ValueError, match="O must have shape"):
+        mx.Transformer1L(W, np.zeros((2, 4, 2)), A, w)
+    with pytest.raises(ValueError, match="A must have shape"):
+        mx.Transformer1L(W, O, np.zeros((5, 3)), w)
+    with pytest.raises(ValueError, match="w must have shape"):
+        mx.Transformer1L(W, O, A, np.zeros(4))
+    with pytest.raises(ValueError, match="p == d"):
+        mx.Transformer1L(W, O, A, w, residual=True)
+    with pytest.raises(ValueError, match="finite"):
+        mx.Transformer1L(W, O, A, np.full(5, np.nan))
+    with pytest.raises(ValueError, match="hidden"):
+        mx.Transformer1L.random(3, 1, 0)
+
+
+def test_canonical_form_merges_heads_and_units_and_keeps_the_function():
+    rng = np.random.default_rng(4)
+    d, p = 3, 3
+    W1, W2 = rng.standard_normal((2, d, d))
+    O = rng.standard_normal((3, p, d))
+    A = rng.standard_normal((4, p))
+    A[3] = 2 * A[0]  # unit 3 is parallel to unit 0: they merge
+    w = np.array([0.7, -1.3, 0.4, 0.25])
+    t = mx.Transformer1L(np.array([W1, W2, W1]), O, A, w)  # heads 0 and 2 share W: they merge
+    c = t.canonical(rtol=1e-12)
+    assert (c.heads, c.hidden) == (2, 3)
+    assert set(np.abs(c.w)) == {1.0}
+    batch = batch_of(rng, d, 10)
+    np.testing.assert_allclose(c(batch), t(batch), rtol=1e-11, atol=1e-13)
+    # Permuted units, rescaled units (w/c, c A) and reordered heads compare equal.
+    order = [2, 0, 3, 1]
+    scales = np.array([0.5, 3.0, 1.5, 2.0])
+    other = mx.Transformer1L(np.array([W1, W1, W2]), O[[2, 0, 1]], A[order] * scales[:, None], w[order] / scales)
+    comparison = mx.compare_transformers(other, t, rtol=1e-12)
+    assert comparison.heads_agree and comparison.units_agree and comparison.signs_agree
+    assert comparison.max_rel < 1e-14
+    flipped = mx.Transformer1L(t.W, t.O, t.A, -t.w)
+    assert not mx.compare_transformers(flipped, t).signs_agree
+    assert mx.compare_transformers(flipped, t).max_rel == np.inf
+
+
+# ---------------------------------------------------------------------- extraction
+def test_acceptance_high_precision_30_random_targets_to_1e_30():
+    """Issue 3, acceptance 1: 256 bits, d <= 4, H <= 3, hidden <= 6 (d >= 2: see the conditions)."""
+    rng = np.random.default_rng(2026)
+    worst = 0.0
+    for trial in range(30):
+        d, H, n = int(rng.integers(2, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 7))
+        target = mx.Transformer1L.random(d, H, n, seed=300 + trial)
+        oracle = CountingOracle(target, precision=256)
+        result = mx.extract_transformer(oracle, d, heads=H, hidden=n, precision=256, seed=trial)
+        assert result.ok and result.hidden == n and result.heads == H
+        # Counts are measured at the boundary and agree with the user's count.
+        assert result.queries == oracle.count
+        assert result.max_query_length == oracle.longest
+        assert result.queries_odd_part == 2 * result.attention.queries == 2 * paper_count(d, H)
+        assert result.queries == result.queries_odd_part + result.queries_units + result.queries_verification
+        comparison = mx.compare_transformers(result.model_hp, target)
+        assert comparison.heads_agree and comparison.units_agree and comparison.signs_agree
+        worst = max(worst, float(comparison.max_rel))
+    assert worst <= 1e-30
+
+
+def test_acceptance_float64_d8_h2_hidden16_on_10000_fresh_queries():
+    """Issue 3, acceptance 2: outputs to 1e-8 relative on 10,000 fresh queries of lengths 1..12 with
+    token norms over two decades; heads to 1e-7."""
+    target = mx.Transformer1L.random(8, 2, 16, seed=7)
+    result = mx.extract_transformer(mx.SimulatedOracle(target), 8, heads=2, hidden=16, seed=7)
+    assert result.ok and result.hidden == 16
+    assert mx.compare(result.attention.model, target.odd_part()).max_rel <= 1e-7
+    rng = np.random.default_rng(8)
+    batch = []
+    for _ in range(10_000):
+        length = int(rng.integers(1, 13))
+        tokens = rng.standard_normal((length, 8))
+        tokens /= np.linalg.norm(tokens, axis=1, keepdims=True)
+        batch.append(tokens * 2**0.25 * 10 ** rng.uniform(-1, 1, size=(length, 1)))
+    truth, got = target(batch), result.model(batch)
+    # Normwise over the batch, and per query against the size of its terms sum_j |w_j u_j(X)|
+    # (f itself can cancel to near zero, where no relative error is meaningful).
+    assert np.abs(got - truth).max() / np.abs(truth).max() <= 1e-8
+    means = target.odd_part().head_means(batch)
+    terms = np.abs(np.einsum("bhd,nhd->bn", means, target.unit_vectors()) * target.w).sum(axis=1)
+    assert (np.abs(got - truth) / terms).max() <= 1e-8
+    assert mx.compare_transformers(result.model, target).max_rel <= 1e-7
+
+
+def test_without_hidden_the_search_stops_when_segments_find_nothing_new():
+    target = mx.Transformer1L.random(3, 2, 4, seed=11)
+    result = mx.extract_transformer(mx.SimulatedOracle(target, 192), 3, heads=2, precision=192, seed=1)
+    assert result.ok and result.hidden == 4
+    assert float(mx.compare_transformers(result.model_hp, target).max_rel) < 1e-30
+
+
+def antiparallel_target():
+    """Units 0 and 1 read opposite directions with equal weights: w ReLU(u) + w ReLU(-u) = w |u|,
+    invisible to the odd part (condition 2)."""
+    t = mx.Transformer1L.random(3, 2, 4, seed=5)
+    A, w = t.A.copy(), t.w.copy()
+    A[1], w[1] = -A[0], w[0]
+    return mx.Transformer1L(t.W, t.O, A, w)
+
+
+def invisible_head_target():
+    """Head 1's value vector in the odd part is exactly zero, ``O_1^T A^T w = 0``, while every unit
+    reads head 1 (condition 1). Small integers keep the cancellation exact."""
+    rng = np.random.default_rng(6)
+    A = np.array([[1.0, 2, 0], [-1, 0, 1], [0, 1, 1], [2, 0, -1]])
+    w = np.array([1.0, 1, -1, 1])  # A^T w = (2, 1, -1)
+    O1 = np.array([[1.0, 0, 1], [-1, 1, 0], [1, 1, 2]])  # 2 row0 + row1 - row2 = 0
+    O = np.stack([rng.standard_normal((3, 3)) / np.sqrt(3), O1])
+    return mx.Transformer1L(rng.standard_normal((2, 3, 3)) / np.sqrt(3), O, A, w)
+
+
+@pytest.mark.parametrize("precision", [None, 256])
+@pytest.mark.parametrize("make", [antiparallel_target, invisible_head_target])
+def test_acceptance_a_target_violating_a_condition_is_reported_not_returned(make, precision):
+    target = make()
+    with pytest.raises(mx.TransformerExtractionError) as info:
+        mx.extract_transformer(mx.SimulatedOracle(target, precision), 3, heads=2, hidden=4, precision=precision, seed=0)
+    result = info.value.extraction
+    assert not result.ok
+    assert {"orientation", "verification", "odd part: answers_residual"} & {c.name for c in result.failed_checks}
+    assert result.queries > 0
+
+
+def test_a_hidden_count_below_the_truth_is_an_error():
+    target = mx.Transformer1L.random(3, 2, 5, seed=9)
+    with pytest.raises(mx.TransformerExtractionError):
+        mx.extract_transformer(mx.SimulatedOracle(target), 3, heads=2, hidden=3, seed=0)
+
+
+def test_warn_mode_returns_the_failed_result():
+    with pytest.warns(mx.UnreliableExtractionWarning):
+        result = mx.extract_transformer(mx.SimulatedOracle(antiparallel_target()), 3, heads=2, hidden=4, seed=0,
+                                        on_failure="warn")
+    assert not result.ok and result.model is None
+
+
+def test_bad_arguments_are_clear_errors():
+    oracle = mx.SimulatedOracle(mx.Transformer1L.random(2, 1, 2, seed=0))
+    with pytest.raises(ValueError, match="residual=True is not supported.*anchors"):
+        mx.extract_transformer(oracle, 2, heads=1, residual=True)
+    with pytest.raises(ValueError, match="hidden"):
+        mx.extract_transformer(oracle, 2, heads=1, hidden=0)
+    with pytest.raises(ValueError, match="exactly one of heads"):
+        mx.extract_transformer(oracle, 2)
+    with pytest.raises(ValueError, match="on_failure"):
+        mx.extract_transformer(oracle, 2, heads=1, on_failure="ignore")
+
+
+def test_orientation_is_unique_or_says_how_many():
+    rng = np.random.default_rng(0)
+    C = rng.standard_normal((7, 4))  # more units than dimensions: 2^3 candidates enumerated
+    sigma = rng.choice([-1.0, 1.0], size=7)
+    found = orient(C, C.T @ sigma)
+    assert found.solutions == 1 and np.array_equal(found.sigma, sigma)
+    twin = np.vstack([C, -C[:1]])  # c and -c: flipping both gives the same sum
+    ambiguous = orient(twin, twin.T @ np.append(sigma, sigma[0]))
+    assert ambiguous.sigma is None and ambiguous.solutions == 2
+    assert orient(C, C.T @ sigma + 0.1).sigma is None
+
+
+def test_cli_demo_transformer():
+    runner = CliRunner()
+    result = runner.invoke(app, ["demo", "--transformer", "--d", "3", "--heads", "2", "--hidden", "4"])
+    assert result.exit_code == 0, result.output
+    assert "queries of f (measured)" in result.output and "138" in result.output  # 2 x 69
+    assert "hidden units found" in result.output and "ok" in result.output
