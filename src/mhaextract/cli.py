@@ -35,7 +35,7 @@ def demo(
     heads: int = typer.Option(3, "--heads", help="number of heads of the random target"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
-    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1) or 'lean'"),
+    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1), 'lean' or 'targeted' (float64, H <= d)"),
     noise: float = typer.Option(None, "--noise", help="float64: add uniform noise |e| <= NOISE to every answer"),
     samples: int = typer.Option(None, "--samples", help="float64: samples per instance (> 2H+1 oversamples)"),
     refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),

@@ -324,7 +324,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     schedule : ``"paper"`` (default; exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at most
         ``2 H0 + 1``) or ``"lean"`` (ALGORITHM.md section 6: about ``(2 H0 - 1) d^2`` queries,
         heads matched by residue labels, column links added only where labels are ambiguous;
-        see :class:`mhaextract.schedule.LeanSchedule` for the count).
+        see :class:`mhaextract.schedule.LeanSchedule` for the count), or ``"targeted"`` (float64,
+        H <= d: one head in the window per instance, the others saturated; machine precision for
+        many heads, about ``4 H d^2`` queries; see :mod:`mhaextract.targeted`).
     token_scale : norm of the query vectors (default ``d ** 0.25``, suited to W with entries of
         size ``1/sqrt(d)``; choose it so that ``|z^T W_h x|`` is of order one).
     batch_size : sequences per oracle call.
@@ -354,8 +356,14 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     asked); every count reported is measured at the oracle boundary.
     """
     d, H0, precision = _validate(d, heads, max_heads, precision, on_failure, transcript, seed, max_queries)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule not in SCHEDULES and schedule != "targeted":
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES) + ['targeted']}, got {schedule!r}")
+    if schedule == "targeted":  # adaptive, float64 only: its own driver (mhaextract.targeted)
+        from .targeted import extract_targeted
+        return extract_targeted(oracle, d, H0, H0 if heads is not None else None, seed, token_scale, batch_size,
+                                progress, on_failure, precision=precision, transcript=transcript,
+                                max_queries=max_queries, samples_per_instance=samples_per_instance, refine=refine,
+                                refine_queries=refine_queries, answer_error=answer_error)
     answer_error = _validate_robust(precision, samples_per_instance, refine, refine_queries, answer_error)
     heads_given = H0 if heads is not None else None
     started = time.perf_counter()

@@ -30,6 +30,8 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
         formula = f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
     elif e.schedule == "paper":
         formula = f"oversampled K = {e.samples_per_instance}: K + (K-1)(2d^2-2) = {e.promised_queries}"
+    elif e.schedule == "targeted":
+        formula = f"adaptive; paper 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries} (ratio {e.queries / e.promised_queries:.2f})"
     else:
         formula = (f"lean formula {e.promised_queries} + {e.fallback_links} fallback links; "
                    f"paper {4 * e.max_heads * e.d**2 - 2 * e.max_heads + 1}; "
@@ -42,8 +44,11 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     if e.transcript is not None:
         table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
                       f"this run / read back from {e.transcript}")
-    table.add_row("longest query", str(e.max_query_length),
-                  f"formula {'K' if oversampled else '2*H0 + 1'} = {e.promised_max_length}")
+    if e.schedule == "targeted":
+        table.add_row("longest query", str(e.max_query_length), f"at most {e.promised_max_length}")
+    else:
+        table.add_row("longest query", str(e.max_query_length),
+                      f"formula {'K' if oversampled else '2*H0 + 1'} = {e.promised_max_length}")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"

@@ -1,0 +1,195 @@
+"""The targeted schedule (issue 6): one head in the window per instance, float64, H <= d."""
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mhaextract as mx
+import mhaextract.targeted as targeted
+from mhaextract.kernels import single_pole
+
+
+class CountingOracle:
+    """Counts at the user's side of the boundary."""
+
+    def __init__(self, target):
+        self.inner = mx.SimulatedOracle(target)
+        self.count = 0
+        self.longest = 0
+
+    def __call__(self, batch):
+        self.count += len(batch)
+        self.longest = max([self.longest] + [len(X) for X in batch])
+        return self.inner(batch)
+
+
+def paper_count(d, H):
+    return 4 * H * d * d - 2 * H + 1
+
+
+# ---------------------------------------------------------------- the single-pole kernel
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(st.floats(-3, 3), st.floats(1.0, 300.0), st.sampled_from([-1.0, 1.0]))
+def test_single_pole_fit_recovers_pole_and_label(m, magnitude, sign):
+    label = sign * magnitude
+    ks = np.array([1.0, 2.0, 3.0])
+    gaps = ks * label / (ks + np.exp(m))
+    rounding = 4 * np.finfo(float).eps * np.abs(gaps) + 1e-300
+    fit = single_pole.fit(gaps[None], ks, rounding[None])
+    assert abs(fit.log_pole[0] - m) <= 1e-12
+    assert abs(fit.label[0] - label) <= 1e-12 * magnitude
+    assert fit.residual[0] <= 5.0  # single-pole samples fit to rounding
+    m_fixed, _ = single_pole.log_pole_given_label(gaps[None], ks, rounding[None], np.array([label]))
+    assert abs(m_fixed[0] - m) <= 1e-12
+
+
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(st.floats(-2, 2), st.floats(8.0, 20.0), st.floats(5.0, 100.0))
+def test_a_second_head_within_reach_breaks_the_single_pole_form(m, m_other, label_other):
+    """An unsaturated second head (log-pole 8..20, where its term is not constant to rounding)
+    shows up in the third sample's residual: the instance's own saturation check."""
+    ks = np.array([1.0, 2.0, 3.0])
+    gaps = ks * 50.0 / (ks + np.exp(m)) + ks * label_other / (ks + np.exp(m_other))
+    rounding = 4 * np.finfo(float).eps * (np.abs(gaps) + 100.0)
+    fit = single_pole.fit(gaps[None], ks, rounding[None])
+    assert label_other * np.exp(-m_other) >= 1e-8  # the contamination, far above rounding
+    assert fit.residual[0] > targeted.RESIDUAL_LIMIT
+
+
+def test_fit_with_constant_and_one_sample_reading():
+    P, label, m = 3.25, -41.5, 0.7
+    ks = np.array([1.0, 2.0, 3.0])
+    gaps = P + ks * label / (ks + np.exp(m))
+    P_fit, label_fit, m_fit = single_pole.fit_with_constant(gaps[None])
+    assert abs(P_fit[0] - P) < 1e-12 and abs(label_fit[0] - label) < 1e-11 and abs(m_fit[0] - m) < 1e-12
+    assert abs(single_pole.reading(gaps[:1], P, label)[0] - m) < 1e-12
+
+
+# ---------------------------------------------------------------- acceptance
+def test_d8_h6_machine_precision_over_10_targets():
+    """Acceptance 1: max absolute parameter error <= 2^-45 over 10 seeded targets, queries counted
+    at both sides of the boundary, at most twice the paper's count."""
+    worst = 0.0
+    for seed in range(10):
+        target = mx.MultiHeadAttention.random(8, 6, seed=seed)
+        oracle = CountingOracle(target)
+        result = mx.extract(oracle, 8, heads=6, seed=100 + seed, schedule="targeted")
+        assert result.ok and result.schedule == "targeted" and result.heads == 6
+        assert result.queries == oracle.count <= 2 * paper_count(8, 6)
+        assert result.max_query_length == oracle.longest <= result.promised_max_length == 5
+        comparison = mx.compare(result.model, target)
+        assert comparison.heads_agree
+        worst = max(worst, comparison.W_abs, comparison.v_abs)
+        # every instance checked its saturation and held it
+        assert result.instances.saturated.all()
+        assert np.nanmax(result.instances.residual) <= targeted.RESIDUAL_LIMIT
+    assert worst <= 2.0**-45
+
+
+@pytest.mark.parametrize("d, H, seed", [(8, 8, 0), (8, 8, 1), (16, 12, 0)])
+def test_many_heads_to_1e_10(d, H, seed):
+    """Acceptance 2: d = 8, H = 8 and d = 16, H = 12 to relative error 1e-10."""
+    target = mx.MultiHeadAttention.random(d, H, seed=seed)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=seed + 7, schedule="targeted")
+    assert result.ok
+    assert mx.compare(result.model, target).max_rel <= 1e-10
+    assert result.queries <= 2 * paper_count(d, H)
+
+
+def test_random_small_targets():
+    rng = np.random.default_rng(6)
+    for trial in range(20):
+        d = int(rng.integers(1, 7))
+        H = int(rng.integers(1, d + 1))
+        target = mx.MultiHeadAttention.random(d, H, seed=600 + trial)
+        result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=trial, schedule="targeted")
+        assert result.ok, (d, H, trial, [str(c) for c in result.failed_checks])
+        assert mx.compare(result.model, target).max_rel <= 1e-11, (d, H, trial)
+
+
+def test_a_bound_on_the_heads_finds_the_canonical_count():
+    target = mx.MultiHeadAttention.random(6, 3, seed=11)
+    result = mx.extract(mx.SimulatedOracle(target), 6, max_heads=5, seed=4, schedule="targeted")
+    assert result.ok and result.heads == 3
+    assert mx.compare(result.model, target).max_rel <= 1e-11
+
+
+# ---------------------------------------------------------------- refusals and self-checks
+def test_more_heads_than_dimensions_is_refused_with_the_reason():
+    target = mx.MultiHeadAttention.random(4, 5, seed=0)
+    oracle = CountingOracle(target)
+    with pytest.raises(ValueError, match=r"H <= d .*H0 = 5 > d = 4"):
+        mx.extract(oracle, 4, heads=5, schedule="targeted")
+    assert oracle.count == 0  # refused before asking anything
+
+
+def test_high_precision_is_refused():
+    target = mx.MultiHeadAttention.random(3, 2, seed=0)
+    with pytest.raises(ValueError, match="float64 schedule"):
+        mx.extract(mx.SimulatedOracle(target, 128), 3, heads=2, precision=128, schedule="targeted")
+
+
+def test_instances_that_are_not_saturated_are_flagged_and_named(monkeypatch):
+    """Acceptance 5: with the other heads only ~e^-30 saturated, the third sample sees them;
+    the run fails its saturation check and names the instances."""
+    monkeypatch.setattr(targeted, "SATURATION_MID", 30.0)
+    monkeypatch.setattr(targeted, "SATURATION_SPREAD", 3.0)
+    target = mx.MultiHeadAttention.random(6, 4, seed=1)
+    with pytest.raises(mx.ExtractionError, match=r"saturation: FAILED .* did not hold their saturation assumption \(\w+ group"):
+        mx.extract(mx.SimulatedOracle(target), 6, heads=4, seed=2, schedule="targeted")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
+        result = mx.extract(mx.SimulatedOracle(target), 6, heads=4, seed=2, schedule="targeted", on_failure="warn")
+    instances = result.instances
+    final = instances.stage == "final"
+    assert (instances.residual[final] > targeted.RESIDUAL_LIMIT).any()
+    assert len(instances.unsaturated) > 0
+    assert not result.ok
+
+
+def test_a_wrong_head_count_says_so():
+    target = mx.MultiHeadAttention.random(6, 3, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
+        result = mx.extract(mx.SimulatedOracle(target), 6, heads=4, seed=1, schedule="targeted", on_failure="warn")
+    assert not result.ok
+    assert "heads_found" in [check.name for check in result.failed_checks]
+    assert result.heads == 3
+
+
+def test_same_seed_same_queries():
+    target = mx.MultiHeadAttention.random(5, 3, seed=3)
+    asked = []
+    for _ in range(2):
+        batches = []
+
+        def oracle(batch, batches=batches):
+            batches.extend(np.array(X) for X in batch)
+            return target(batch)
+
+        mx.extract(oracle, 5, heads=3, seed=9, schedule="targeted")
+        asked.append(batches)
+    assert len(asked[0]) == len(asked[1])
+    assert all(np.array_equal(a, b) for a, b in zip(*asked))
+
+
+def test_a_transcript_replays_the_adaptive_run(tmp_path):
+    """Interrupted runs lose nothing: the run is adaptive but deterministic given its seed and
+    answers, so a second run with the same transcript reads every answer back."""
+    target = mx.MultiHeadAttention.random(4, 3, seed=8)
+    path = tmp_path / "targeted.sqlite"
+    first = mx.extract(CountingOracle(target), 4, heads=3, seed=5, schedule="targeted", transcript=path)
+    oracle = CountingOracle(target)
+    second = mx.extract(oracle, 4, heads=3, seed=5, schedule="targeted", transcript=path)
+    assert oracle.count == 0 and second.queries_asked == 0
+    assert second.queries_replayed == second.queries == first.queries
+    assert np.array_equal(second.model.W, first.model.W)
+
+
+def test_a_query_budget_stops_the_run():
+    target = mx.MultiHeadAttention.random(4, 3, seed=8)
+    with pytest.raises(mx.BudgetExceeded):
+        mx.extract(mx.SimulatedOracle(target), 4, heads=3, seed=5, schedule="targeted", max_queries=50)
