@@ -55,7 +55,6 @@ instead would lift that, at one more unknown per instance; not implemented).
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -336,7 +335,7 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
     ``transcript`` and ``max_queries`` work as for the other schedules (the run is adaptive but
     deterministic given its seed and answers, so a transcript replays it query by query).
     """
-    from .learner import Extraction, ExtractionError, UnreliableExtractionWarning, _answers_residual
+    from .learner import Extraction, _answers_residual, report_failure
 
     unsupported = {"precision": precision, "samples_per_instance": samples_per_instance, "refine": refine or None,
                    "refine_queries": refine_queries, "answer_error": answer_error}
@@ -391,11 +390,7 @@ def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, se
         error_estimate=error_estimate, answers_residual=answers_residual, instances=instances, checks=checks,
         seconds=time.perf_counter() - started,
     )
-    if not extraction.ok:
-        message = "extraction failed its checks:\n  " + "\n  ".join(str(c) for c in extraction.failed_checks)
-        if on_failure == "raise":
-            raise ExtractionError(message, extraction)
-        warnings.warn(message, UnreliableExtractionWarning, stacklevel=3)
+    report_failure(extraction, "targeted extraction", on_failure, stacklevel=4)
     return extraction
 
 
