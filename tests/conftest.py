@@ -10,6 +10,11 @@ def random_target():
     return make
 
 
+def paper_count(d, H):
+    """The paper's query count ``4Hd^2 - 2H + 1`` (what the measured counts are compared with)."""
+    return 4 * H * d * d - 2 * H + 1
+
+
 def hp_error(extraction, target):
     """Max normwise relative error of the high-precision midpoints against the truth."""
     comparison = mx.compare(extraction.model_hp, target)

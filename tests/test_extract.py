@@ -10,11 +10,7 @@ from hypothesis import strategies as st
 import mhaextract as mx
 from mhaextract.highprec import to_arb
 
-from conftest import CountingOracle, hp_error
-
-
-def paper_count(d, H):
-    return 4 * H * d * d - 2 * H + 1
+from conftest import CountingOracle, hp_error, paper_count
 
 
 

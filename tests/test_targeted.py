@@ -11,23 +11,7 @@ import mhaextract as mx
 import mhaextract.targeted as targeted
 from mhaextract.kernels import single_pole
 
-
-class CountingOracle:
-    """Counts at the user's side of the boundary."""
-
-    def __init__(self, target):
-        self.inner = mx.SimulatedOracle(target)
-        self.count = 0
-        self.longest = 0
-
-    def __call__(self, batch):
-        self.count += len(batch)
-        self.longest = max([self.longest] + [len(X) for X in batch])
-        return self.inner(batch)
-
-
-def paper_count(d, H):
-    return 4 * H * d * d - 2 * H + 1
+from conftest import CountingOracle, paper_count
 
 
 # ---------------------------------------------------------------- the single-pole kernel

@@ -11,9 +11,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Attention  # noqa: E402
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, UnsupportedLayerError, to_reduced, to_torch  # noqa: E402
 
-
-def paper_count(d, H):
-    return 4 * H * d * d - 2 * H + 1
+from conftest import paper_count
 
 
 def multihead(d=8, heads=2, seed=0, **kwargs):

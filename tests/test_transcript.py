@@ -13,9 +13,7 @@ import mhaextract as mx
 from mhaextract.highprec import mpf_from_hex, mpf_to_hex
 from mhaextract.transcript import TranscriptError
 
-
-def paper_count(d, H):
-    return 4 * H * d * d - 2 * H + 1
+from conftest import paper_count
 
 
 class Interrupted(RuntimeError):

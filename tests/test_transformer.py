@@ -10,6 +10,8 @@ import mhaextract as mx
 from mhaextract.cli import app
 from mhaextract.relu_units import orient
 
+from conftest import CountingOracle, paper_count
+
 
 def reference(t, X):
     """f(X) written out: softmax per head, o(X) = sum_h sum_i a_hi O_h x_i, w^T ReLU(A (o + x_N))."""
@@ -26,22 +28,6 @@ def reference(t, X):
 
 def batch_of(rng, d, count, longest=6):
     return [rng.standard_normal((int(rng.integers(1, longest + 1)), d)) for _ in range(count)]
-
-
-class CountingOracle:
-    """An independent count at the user's side of the boundary."""
-
-    def __init__(self, target, precision=None):
-        self.target, self.precision, self.count, self.longest = target, precision, 0, 0
-
-    def __call__(self, batch):
-        self.count += len(batch)
-        self.longest = max([self.longest] + [len(X) for X in batch])
-        return self.target(batch, precision=self.precision)
-
-
-def paper_count(d, H):
-    return 4 * H * d * d - 2 * H + 1
 
 
 # ---------------------------------------------------------------------- the model
