@@ -43,9 +43,11 @@ terms and the Jacobians evaluated at the estimate rather than the truth, and a f
 arithmetic of the run. ``error_bound`` is infinite for ``eps >= valid_below``.
 
 **Noise estimate.** The redundant measurements (every link against its two instances) also
-say how noisy the answers were: ``noise_estimate`` is the root mean square of the chosen
-triples' misfits in units of their l2 sensitivities (an estimate of the per-answer standard
-deviation; after refinement the corrected root-mean-square residual).
+say how noisy the answers were: ``noise_estimate`` is a robust scale of the chosen triples'
+misfits in units of their l2 sensitivities, ``1.4826 x median |misfit|`` (the standard deviation
+for Gaussian errors; the median keeps a few ill-conditioned instances, whose errors are beyond
+first order, from passing for noise on an exact oracle). After refinement it is the corrected
+root-mean-square residual.
 """
 
 from __future__ import annotations
@@ -365,7 +367,7 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
     if np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT:
         valid_linear = 0.0  # the pole count itself is uncertain
     valid_below = max(0.0, min(valid_matching, valid_linear))
-    noise_estimate = float(np.sqrt(np.mean(noise_units**2))) if len(noise_units) else 0.0
+    noise_estimate = float(1.4826 * np.median(np.abs(noise_units))) if len(noise_units) else 0.0
     W_scale, v_scale = _relative_scales(run.model)
 
     def norms():
