@@ -61,6 +61,7 @@ from scipy.sparse.linalg import splu
 
 from .kernels.rational import instance_jacobian
 from .model import MultiHeadAttention
+from .noise import nonnegative_number
 
 #: error_bound = (1 + SECOND_ORDER_SLACK) * C * (eps + rounding floor).
 SECOND_ORDER_SLACK = 1.0
@@ -155,15 +156,7 @@ class Certificate:
 
 
 def _validate_eps(eps) -> float:
-    if isinstance(eps, (str, bytes)):
-        raise TypeError(f"eps must be a number (a bound on the answers' absolute error), got {eps!r}")
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise TypeError(f"eps must be a number (a bound on the answers' absolute error), got {eps!r}") from None
-    if not np.isfinite(value) or value < 0:
-        raise ValueError(f"eps must be a finite number >= 0 (a bound on the answers' absolute error), got {eps!r}")
-    return value
+    return nonnegative_number("eps", eps, "a bound on the answers' absolute error")
 
 
 def _rounding_floor(answers: np.ndarray) -> float:

@@ -20,6 +20,7 @@ from .kernels import float64 as float64_kernel
 from .kernels.rational import InstanceFits
 from .matching import Side, match_labels, match_links
 from .model import MultiHeadAttention
+from .noise import nonnegative_number
 from .oracle import OracleBoundary
 from .refine import Refinement, output_jacobian, random_queries, refine_least_squares
 from .schedule import LeanSchedule, PaperSchedule
@@ -272,13 +273,8 @@ def _validate_robust(precision, samples_per_instance, refine, refine_queries, an
     if refine_queries is not None and (isinstance(refine_queries, bool) or not isinstance(refine_queries, (int, np.integer))
                                        or refine_queries < 0):
         raise ValueError(f"refine_queries must be an integer >= 0, got {refine_queries!r}")
-    if answer_error is not None:
-        try:
-            answer_error = float(answer_error)
-        except (TypeError, ValueError):
-            raise ValueError(f"answer_error must be a number (a bound on |answer - truth|), got {answer_error!r}") from None
-        if not np.isfinite(answer_error) or answer_error < 0:
-            raise ValueError(f"answer_error must be a finite number >= 0, got {answer_error!r}")
+    if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
+        answer_error = nonnegative_number("answer_error", answer_error, "a bound on |answer - truth|", ValueError)
     return answer_error
 
 

@@ -23,13 +23,20 @@ import numpy as np
 from .model import MultiHeadAttention
 
 
-def _nonnegative(name: str, value) -> float:
+def nonnegative_number(name: str, value, meaning: str = "", wrong_type=TypeError) -> float:
+    """``value`` as a finite float >= 0 (an error bound, a noise level), or a clear error.
+
+    Not a number (strings included) raises ``wrong_type``; NaN, infinite or negative raises
+    ValueError. ``meaning`` says what the number bounds, for the message."""
+    about = f" ({meaning})" if meaning else ""
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         number = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
+        raise wrong_type(f"{name} must be a number{about}, got {value!r}") from None
     if not np.isfinite(number) or number < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number >= 0{about}, got {value!r}")
     return number
 
 
@@ -57,7 +64,7 @@ class AdditiveNoise:
 
     def __init__(self, oracle, eps: float, seed=None):
         self.oracle = _callable(oracle)
-        self.eps = _nonnegative("eps", eps)
+        self.eps = nonnegative_number("eps", eps)
         self.rng = np.random.default_rng(seed)
 
     @property
@@ -77,7 +84,7 @@ class GaussianNoise:
 
     def __init__(self, oracle, sigma: float, seed=None):
         self.oracle = _callable(oracle)
-        self.sigma = _nonnegative("sigma", sigma)
+        self.sigma = nonnegative_number("sigma", sigma)
         self.rng = np.random.default_rng(seed)
 
     answer_error = None
