@@ -87,23 +87,15 @@ def test_the_callers_module_is_left_as_it_was():
 # ---------------------------------------------------------------------- acceptance 1: real extractions
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_extracting_nn_multihead_attention(seed):
-    layer = multihead(8, 2, seed=seed, bias=False)
-    u = readout(8, seed)
+@pytest.mark.parametrize("make, d", [(lambda seed: multihead(8, 2, seed=seed, bias=False), 8),
+                                     (lambda seed: gpt2(16, 2, seed=seed), 16)],
+                         ids=["nn.MultiheadAttention", "GPT2Attention"])
+def test_extracting_a_real_layer(make, d, seed):
+    layer = make(seed)
+    u = readout(d, seed)
     oracle = TorchOracle(layer, u)
-    result = mx.extract(oracle, 8, heads=2, seed=seed, token_scale=oracle.suggested_token_scale)
-    assert result.ok and result.queries == oracle.sequences == paper_count(8, 2)
-    comparison = mx.compare(result.model, to_reduced(layer, u))
-    assert comparison.heads_agree and comparison.max_rel <= 1e-8
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_extracting_gpt2_attention(seed):
-    layer = gpt2(16, 2, seed=seed)
-    u = readout(16, seed)
-    oracle = TorchOracle(layer, u)
-    result = mx.extract(oracle, 16, heads=2, seed=seed, token_scale=oracle.suggested_token_scale)
-    assert result.ok and result.queries == oracle.sequences == paper_count(16, 2)
+    result = mx.extract(oracle, d, heads=2, seed=seed, token_scale=oracle.suggested_token_scale)
+    assert result.ok and result.queries == oracle.sequences == paper_count(d, 2)
     comparison = mx.compare(result.model, to_reduced(layer, u))
     assert comparison.heads_agree and comparison.max_rel <= 1e-8
 
