@@ -23,7 +23,7 @@ import warnings
 import numpy as np
 
 import mhaextract as mx
-from mhaextract.kernels import float64 as kernel
+from mhaextract.numerics import float64 as kernel
 
 
 class TimedOracle:

@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 import mhaextract as mx
-from mhaextract.refine import random_queries
+from mhaextract.oracle.queries import random_queries
 
 
 def run(target, oracle, d, H, seed, **options):

@@ -1,6 +1,8 @@
 import pytest
 
 import mhaextract as mx
+from mhaextract.schedules.base import RunSettings
+from mhaextract.validation import default_token_scale
 
 
 @pytest.fixture
@@ -34,3 +36,8 @@ class CountingOracle:
         self.count += len(batch)
         self.longest = max([self.longest] + [len(X) for X in batch])
         return self.inner(batch)
+
+
+def run_settings(d, H, seed=None, **options):
+    """Validated-looking settings for constructing a schedule directly (H known)."""
+    return RunSettings(d, H, H, options.pop("precision", None), seed, default_token_scale(d), **options)

@@ -5,7 +5,8 @@ import pytest
 
 import mhaextract as mx
 from mhaextract.baselines import distill
-from mhaextract.baselines.distillation import _forward, _padded, paper_budget, random_queries
+from mhaextract.baselines.distillation import _forward, paper_budget
+from mhaextract.oracle.queries import padded, random_queries
 
 from conftest import CountingOracle
 
@@ -16,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 def test_random_queries_have_the_stated_lengths_and_scales():
     rng = np.random.default_rng(0)
-    sequences = random_queries(rng, 2000, 5, 7, 2.0)
+    sequences = random_queries(rng, 2000, 5, 2.0, (1, 7), spread=1.0)
     lengths = np.array([len(s) for s in sequences])
     assert len(sequences) == 2000 and lengths.min() == 1 and lengths.max() == 7
     assert all(s.shape[1] == 5 for s in sequences)
@@ -29,8 +30,8 @@ def test_batched_students_equal_the_model_one_by_one():
     """Padding and masking: every restart of the batched forward is the model's own f(X)."""
     rng = np.random.default_rng(1)
     students = [mx.MultiHeadAttention.random(4, 3, seed=s) for s in range(5)]
-    sequences = random_queries(rng, 50, 4, 6, 1.5)
-    X, mask = _padded(torch, sequences, 4)
+    sequences = random_queries(rng, 50, 4, 1.5, (1, 6), spread=1.0)
+    X, mask = (torch.from_numpy(array) for array in padded(sequences))
     W = torch.from_numpy(np.stack([m.W for m in students]))
     v = torch.from_numpy(np.stack([m.v for m in students]))
     batched = _forward(torch, W, v, X, mask).numpy()
@@ -49,7 +50,7 @@ def test_distillation_of_an_easy_target_reaches_1e_9_parameters_and_fidelity():
     assert result.ok and result.best_misfit < 1e-10
     assert 0 < result.converged <= 1 and result.training_misfit.shape == (6,)
     assert float(mx.compare(result.model, target).max_rel) < 1e-9
-    fresh = random_queries(np.random.default_rng(99), 500, d, 8, d ** 0.25)
+    fresh = random_queries(np.random.default_rng(99), 500, d, d ** 0.25, (1, 8), spread=1.0)
     truth = target(fresh)
     assert np.sqrt(np.mean((result.model(fresh) - truth) ** 2) / np.mean(truth**2)) < 1e-9
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import mhaextract as mx
 from mhaextract.baselines import extract_single_head
-from mhaextract.highprec import to_arb
+from mhaextract.numerics.highprec import to_arb
 
 from conftest import CountingOracle
 

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.schedule import LeanSchedule, PaperSchedule
+from conftest import run_settings
+from mhaextract.schedules.lean import LeanSchedule
+from mhaextract.schedules.paper import PaperSchedule
 
 from conftest import hp_error
 
@@ -20,11 +22,11 @@ def lean_formula(d, H):
 @pytest.mark.parametrize("d", [1, 2, 4, 8, 16, 64])
 @pytest.mark.parametrize("H", [1, 2, 3, 4, 8])
 def test_the_schedule_asks_the_documented_count(d, H):
-    schedule = LeanSchedule(d, H, seed=0)
-    sequences, _, _ = schedule.queries()
+    schedule = LeanSchedule(run_settings(d, H, seed=0))
+    sequences = schedule.fixed_queries()
     assert len(sequences) == schedule.promised_queries == lean_formula(d, H)
     assert max(len(X) for X in sequences) == 2 * H + 1
-    paper = PaperSchedule(d, H).promised_queries
+    paper = PaperSchedule(run_settings(d, H)).promised_queries
     if d >= 8 and H >= 2:
         assert lean_formula(d, H) <= 0.55 * paper
     if H == 1:
@@ -48,8 +50,8 @@ def test_high_precision_lean_recovers_100_random_targets_to_1e_40():
         result = mx.extract(oracle, d, heads=H, precision=256, seed=trial, schedule="lean")
         assert result.ok and result.schedule == "lean"
         # Measured at the boundary: the formula plus 2H - 1 per fallback link, nothing else.
-        assert result.queries == len(asked) == lean_formula(d, H) + result.fallback_links * (2 * H - 1)
-        fallbacks += result.fallback_links
+        assert result.queries == len(asked) == lean_formula(d, H) + result.details.fallback_links * (2 * H - 1)
+        fallbacks += result.details.fallback_links
         assert hp_error(result, target) <= 1e-40
     assert fallbacks <= 5  # distinct random labels rarely need a link
 
@@ -65,8 +67,8 @@ def test_equal_value_vectors_fall_back_to_column_links(precision):
     result = mx.extract(mx.SimulatedOracle(target, precision), d, heads=H, precision=precision, seed=2,
                         schedule="lean")
     # Every column needs its links: one per instance of rows 1..d-1.
-    assert result.fallback_links == d * (d - 1)
-    assert result.queries == lean_formula(d, H) + result.fallback_links * (2 * H - 1)
+    assert result.details.fallback_links == d * (d - 1)
+    assert result.queries == lean_formula(d, H) + result.details.fallback_links * (2 * H - 1)
     got = result.model_hp if precision else result.model
     assert float(mx.compare(got, target).max_rel) < (1e-40 if precision else 1e-6)
 
@@ -88,7 +90,7 @@ def test_lean_with_a_bound_finds_the_canonical_count():
     target = mx.MultiHeadAttention.random(3, 2, seed=9)
     result = mx.extract(mx.SimulatedOracle(target, 256), 3, max_heads=4, precision=256, seed=1, schedule="lean")
     assert result.heads == 2
-    assert result.queries == lean_formula(3, 4) + result.fallback_links * 7
+    assert result.queries == lean_formula(3, 4) + result.details.fallback_links * 7
     assert hp_error(result, target) <= 1e-40
 
 

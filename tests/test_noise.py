@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhaextract as mx
-from mhaextract.certificate import sensitivity_matrix
-from mhaextract.refine import output_jacobian, pack, random_queries, refine_least_squares, unpack
+from mhaextract.checks.certificate import sensitivity_matrix
+from mhaextract.checks.refine import output_jacobian, pack, refine_least_squares, unpack
+from mhaextract.oracle.queries import random_queries
 
 
 def quiet_extract(oracle, d, H, seed, **options):
@@ -97,7 +98,7 @@ def test_exact_count_stays_the_default():
     oracle = Counting(mx.SimulatedOracle(target))
     result = mx.extract(oracle, 4, heads=3, seed=0)
     assert result.queries == oracle.count == 4 * 3 * 16 - 6 + 1
-    assert result.samples_per_instance == 7 and result.refinement is None
+    assert result.details.samples_per_instance == 7 and result.refinement is None
 
 
 @pytest.mark.parametrize("options, message", [
@@ -299,11 +300,13 @@ def test_verify_counts_records_and_tells_good_from_bad():
     oracle = Counting(mx.SimulatedOracle(target))
     verification = mx.verify(result, oracle, n=90, seed=1, max_length=12)
     assert verification.queries == oracle.count == 90 and oracle.longest <= 12
-    assert verification.passed and result.verified and result.verification is verification
+    checked = result.with_verification(verification)
+    assert verification.passed and checked.verified and checked.verification is verification
+    assert result.verification is None and not result.verified  # verify never modifies its argument
     assert verification.max_relative_error < 1e-9
     other = mx.MultiHeadAttention.random(4, 2, seed=10)
-    assert not mx.verify(result, mx.SimulatedOracle(other), n=30, seed=1).passed
-    assert not result.verified
+    failed = mx.verify(result, mx.SimulatedOracle(other), n=30, seed=1)
+    assert not failed.passed and not result.with_verification(failed).verified
 
 
 @pytest.mark.parametrize("options, message", [({"n": 0}, "n"), ({"max_length": 0}, "max_length"),

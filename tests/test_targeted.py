@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhaextract as mx
-import mhaextract.targeted as targeted
-from mhaextract.kernels import single_pole
+import mhaextract.schedules.targeted as targeted
+from mhaextract.numerics import single_pole
 
 from conftest import CountingOracle, paper_count
 
@@ -68,8 +68,8 @@ def test_d8_h6_machine_precision_over_10_targets():
         assert comparison.heads_agree
         worst = max(worst, comparison.W_abs, comparison.v_abs)
         # every instance checked its saturation and held it
-        assert result.instances.saturated.all()
-        assert np.nanmax(result.instances.residual) <= targeted.RESIDUAL_LIMIT
+        assert result.details.instances.saturated.all()
+        assert np.nanmax(result.details.instances.residual) <= targeted.RESIDUAL_LIMIT
     assert worst <= 2.0**-45
 
 
@@ -127,7 +127,7 @@ def test_instances_that_are_not_saturated_are_flagged_and_named(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
         result = mx.extract(mx.SimulatedOracle(target), 6, heads=4, seed=2, schedule="targeted", on_failure="warn")
-    instances = result.instances
+    instances = result.details.instances
     final = instances.stage == "final"
     assert (instances.residual[final] > targeted.RESIDUAL_LIMIT).any()
     assert len(instances.unsaturated) > 0

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhaextract as mx
-from mhaextract.highprec import mpf_from_hex, mpf_to_hex
-from mhaextract.transcript import TranscriptError
+from mhaextract.numerics.highprec import mpf_from_hex, mpf_to_hex
+from mhaextract.oracle.transcript import TranscriptError
 
 from conftest import paper_count
 
@@ -110,8 +110,8 @@ def test_an_adaptive_lean_run_with_fallback_links_resumes_bit_for_bit(tmp_path, 
     target = mx.MultiHeadAttention(W, v)
     run = dict(heads=3, seed=2, schedule="lean", batch_size=16, transcript=tmp_path / "lean.sqlite")
     plain = mx.extract(FlakyOracle(target), 4, heads=3, seed=2, schedule="lean")
-    fixed = plain.queries - plain.fallback_links * (2 * 3 - 1)
-    assert plain.fallback_links > 0 and fixed < 130 < plain.queries
+    fixed = plain.queries - plain.details.fallback_links * (2 * 3 - 1)
+    assert plain.details.fallback_links > 0 and fixed < 130 < plain.queries
 
     first = FlakyOracle(target, fail_after=fail_after)
     with pytest.raises(Interrupted):
@@ -120,7 +120,7 @@ def test_an_adaptive_lean_run_with_fallback_links_resumes_bit_for_bit(tmp_path, 
     resumed = mx.extract(second, 4, **run)
     both = [key(X) for X in first.answered + second.answered]
     assert len(both) == len(set(both)) == plain.queries == resumed.queries
-    assert resumed.fallback_links == plain.fallback_links
+    assert resumed.details.fallback_links == plain.details.fallback_links
     assert np.array_equal(resumed.model.W, plain.model.W) and np.array_equal(resumed.model.v, plain.model.v)
 
 

@@ -1,21 +1,23 @@
 """mhaextract: learn multi-head softmax attention from black-box value queries.
 
 Implements "Provably Learning Multi-Head Attention with Queries" (arXiv 2608.03294); the
-mathematics and the query schedule are in docs/algorithm.md.
+mathematics and the query schedules are in docs/algorithm.md.
 """
 
+from .api import extract
+from .checks.base import Check, ExtractionError, UnreliableExtractionWarning
+from .checks.verify import Verification, verify
 from .compare import Comparison, compare
-from .learner import Check, Extraction, ExtractionError, UnreliableExtractionWarning, extract
 from .model import MultiHeadAttention
-from .noise import AdditiveNoise, Float32Oracle, GaussianNoise, RoundedAnswers
-from .oracle import BudgetExceeded, OracleError, SimulatedOracle
-from .results import load_model, save_extraction
-from .transcript import TranscriptError
+from .oracle.boundary import BudgetExceeded, OracleError
+from .oracle.noise import AdditiveNoise, Float32Oracle, GaussianNoise, RoundedAnswers
+from .oracle.simulated import SimulatedOracle
+from .oracle.transcript import TranscriptError
+from .results import Extraction, load_model, save_extraction
 from .transformer import (
     Transformer1L, TransformerComparison, TransformerExtraction, TransformerExtractionError, compare_transformers,
     extract_transformer,
 )
-from .verify import Verification, verify
 
 __all__ = [
     "AdditiveNoise", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "Float32Oracle",

@@ -33,11 +33,14 @@ from pathlib import Path
 import numpy as np
 
 from .baselines import distill, extract_single_head
-from .baselines.distillation import paper_budget, random_queries
+from .baselines.distillation import paper_budget
+from .oracle.queries import random_queries
+from .validation import default_token_scale
 from .compare import compare
-from .learner import UnreliableExtractionWarning, extract
+from .api import extract
+from .checks.base import UnreliableExtractionWarning
 from .model import MultiHeadAttention
-from .oracle import SimulatedOracle
+from .oracle.simulated import SimulatedOracle
 
 #: Fresh queries for the output fidelity (lengths 1..FIDELITY_MAX_LENGTH).
 FIDELITY_QUERIES = 1000
@@ -204,7 +207,8 @@ def _general(d, H, settings, progress) -> list[BenchRow]:
     target_seed = 1000 * settings.seed + 10 * d + H
     target = MultiHeadAttention.random(d, H, seed=target_seed)
     oracle = SimulatedOracle(target)
-    fresh = random_queries(np.random.default_rng(target_seed + 7), FIDELITY_QUERIES, d, FIDELITY_MAX_LENGTH, d ** 0.25)
+    fresh = random_queries(np.random.default_rng(target_seed + 7), FIDELITY_QUERIES, d, default_token_scale(d),
+                           (1, FIDELITY_MAX_LENGTH), spread=1.0)
     ours, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, progress=progress,
                                            on_failure="warn"))
     rows = [_row("general", d, H, "mhaextract", ours, seconds, target, fresh, "float64")]
@@ -231,7 +235,8 @@ def _orthogonal(d, H, settings) -> list[BenchRow]:
     target_seed = 1000 * settings.seed + 500 + 10 * d + H
     target, bases = orthogonal_target(d, H, target_seed)
     oracle = SimulatedOracle(target)
-    fresh = random_queries(np.random.default_rng(target_seed + 7), FIDELITY_QUERIES, d, FIDELITY_MAX_LENGTH, d ** 0.25)
+    fresh = random_queries(np.random.default_rng(target_seed + 7), FIDELITY_QUERIES, d, default_token_scale(d),
+                           (1, FIDELITY_MAX_LENGTH), spread=1.0)
     ours, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, on_failure="warn"))
     rows = [_row("orthogonal", d, H, "mhaextract", ours, seconds, target, fresh, "float64; bases not used")]
     single, seconds = _timed(lambda: extract_single_head(oracle, d, subspaces=bases, seed=target_seed + 2,

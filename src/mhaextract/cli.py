@@ -12,14 +12,16 @@ import typer
 from rich.console import Console
 
 from .compare import compare
-from .learner import UnreliableExtractionWarning, extract
+from .api import extract
+from .checks.base import UnreliableExtractionWarning
 from .model import MultiHeadAttention
-from .noise import AdditiveNoise
-from .oracle import OracleError, SimulatedOracle
+from .oracle.noise import AdditiveNoise
+from .oracle.boundary import OracleError
+from .oracle.simulated import SimulatedOracle
 from .report import extraction_table
 from .results import save_extraction
-from .transcript import TranscriptError
-from .verify import verify
+from .oracle.transcript import TranscriptError
+from .checks.verify import verify
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
 
@@ -67,7 +69,7 @@ def demo(
     reference = result.model_hp if result.model_hp is not None else result.model
     comparison = compare(reference, target) if reference is not None else None
     if precision is None and result.model is not None:
-        verify(result, oracle, n=256, seed=seed + 3)
+        result = result.with_verification(verify(result, oracle, n=256, seed=seed + 3))
     console.print(extraction_table(result, comparison, title=f"mhaextract demo (seed {seed})"))
     if not result.ok:
         console.print("[bold red]The extraction failed its own checks; the heads above are not reliable.[/]")

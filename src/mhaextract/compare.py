@@ -8,7 +8,7 @@ import mpmath
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from .highprec import mpf_array
+from .numerics.highprec import mpf_array
 from .model import MultiHeadAttention
 
 

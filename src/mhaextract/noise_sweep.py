@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .compare import compare
-from .learner import UnreliableExtractionWarning, extract
+from .api import extract
+from .checks.base import UnreliableExtractionWarning
 from .model import MultiHeadAttention
-from .noise import AdditiveNoise
-from .oracle import SimulatedOracle
+from .oracle.noise import AdditiveNoise
+from .oracle.simulated import SimulatedOracle
 
 
 @dataclass
@@ -41,7 +42,7 @@ def noise_sweep(d: int, heads: tuple[int, ...], eps_values: tuple[float, ...], s
     the caller gets either all points or the KeyboardInterrupt."""
     points = []
     total = len(heads) * len(eps_values) * seeds
-    from .oracle import _progress
+    from .oracle.boundary import _progress
 
     with _progress(progress, "noise sweep", total) as advance:
         for H in heads:

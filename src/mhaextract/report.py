@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from .compare import Comparison
-from .learner import Extraction
+from .results import Extraction
 
 
 def _fmt(value) -> str:
@@ -24,31 +24,19 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     mode = "float64" if e.precision is None else f"{e.precision} bits"
     table.add_row("d", str(e.d), "")
     table.add_row("H (bound H0)", str(e.max_heads), f"schedule '{e.schedule}', {mode}")
-    oversampled = e.samples_per_instance not in (None, 2 * e.max_heads + 1)
-    refined = e.refinement is not None
-    if e.schedule == "paper" and not oversampled:
-        formula = f"formula 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries}"
-    elif e.schedule == "paper":
-        formula = f"oversampled K = {e.samples_per_instance}: K + (K-1)(2d^2-2) = {e.promised_queries}"
-    elif e.schedule == "targeted":
-        formula = f"adaptive; paper 4*H0*d^2 - 2*H0 + 1 = {e.promised_queries} (ratio {e.queries / e.promised_queries:.2f})"
-    else:
-        formula = (f"lean formula {e.promised_queries} + {e.fallback_links} fallback links; "
-                   f"paper {4 * e.max_heads * e.d**2 - 2 * e.max_heads + 1}; "
-                   f"lower bound H*(d^2+d) = {e.heads * (e.d**2 + e.d)}")
-    if refined:
+    formula = f"{e.promised_formula} = {e.promised_queries}"
+    asked_by_schedule = e.queries - (e.refinement.queries if e.refinement is not None else 0)
+    formula += f" (measured/formula {asked_by_schedule / max(e.promised_queries, 1):.3f})"
+    if e.refinement is not None:
         formula += f" + {e.refinement.queries} refinement queries"
-    if e.schedule == "paper" and e.queries != e.promised_queries + (e.refinement.queries if refined else 0):
-        formula += "  MISMATCH"
     table.add_row("queries (measured)", str(e.queries), formula)
     if e.transcript is not None:
         table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
                       f"this run / read back from {e.transcript}")
-    if e.schedule == "targeted":
-        table.add_row("longest query", str(e.max_query_length), f"at most {e.promised_max_length}")
-    else:
-        table.add_row("longest query", str(e.max_query_length),
-                      f"formula {'K' if oversampled else '2*H0 + 1'} = {e.promised_max_length}")
+    table.add_row("longest query", str(e.max_query_length), f"promised at most {e.promised_max_length}")
+    table.add_row("token scale", f"{e.token_scale:.4g}", "norm of the query tokens")
+    for name, value in e.details.summary().items():
+        table.add_row(name.replace("_", " "), str(value), f"schedule '{e.schedule}'")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"

@@ -1,29 +1,192 @@
-"""An extraction on disk: JSON for people and programs, ``.npz`` for arrays, and the model back.
+"""The result of an extraction, the same for every schedule, and its files on disk.
+
+:class:`Extraction` has common fields of one meaning whatever the schedule (the heads, the
+measured counts, the promised count of *that* schedule, the token scale, the checks, the error
+estimate) and a schedule-specific ``details`` object that documents and serialises itself.
 
 :func:`save_extraction` writes ``result.json`` and ``result.npz`` side by side:
 
-* JSON: ``format``; ``summary`` (:meth:`Extraction.summary`: d, H0, H*, measured queries asked and
-  replayed, error estimate, residual, certificate...); ``checks`` (every self-check with value
-  and threshold); ``model``: the canonical heads ``W`` (H*, d, d) and ``v`` (H*, d) as float64
-  numbers (JSON floats round-trip exactly); in high precision also ``model_exact``, the ball
-  midpoints as exact ``[-]0x<hex mantissa>p<exponent>`` strings, and the ball radii.
-* npz: ``W``, ``v`` (float64), the radii (high precision) and the per-instance diagnostics
-  (``instances_<name>``, see :class:`mhaextract.learner.InstanceDiagnostics`).
+* JSON: ``format``; ``summary`` (:meth:`Extraction.summary`: d, H0, H*, schedule, token scale,
+  measured queries asked and replayed, error estimate, residual, certificate, the details'
+  scalars); ``checks`` (every self-check with value and threshold); ``model``: the canonical heads
+  ``W`` (H*, d, d) and ``v`` (H*, d) as float64 numbers (JSON floats round-trip exactly); in high
+  precision also ``model_exact``, the ball midpoints as exact ``[-]0x<hex mantissa>p<exponent>``
+  strings, and the ball radii.
+* npz: ``W``, ``v`` (float64), the radii (high precision) and the details' per-instance arrays
+  (``instances_<name>``).
 
 :func:`load_model` reads the JSON back into a :class:`~mhaextract.MultiHeadAttention`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .highprec import mpf_from_hex, mpf_to_hex, radius_float
-from .learner import Extraction
+from .checks.base import Check, CheckedResult
+from .checks.certificate import Certificate
+from .checks.refine import Refinement
 from .model import MultiHeadAttention
+from .numerics.highprec import mpf_array, mpf_from_hex, mpf_to_hex, radius_float
+from .schedules.base import ScheduleDetails
+
+
+@dataclass
+class Extraction(CheckedResult):
+    """Result of :func:`mhaextract.extract`, whatever the schedule.
+
+    Attributes
+    ----------
+    model : MultiHeadAttention or None
+        The canonical heads in float64; None only when the parameters came out non-finite (a
+        failed check says so).
+    heads : int
+        Canonical head count H* found.
+    queries : int
+        Answers the extraction used, each answered by the oracle exactly once: ``queries_asked``
+        (measured at the oracle boundary in this run) plus ``queries_replayed`` (read back from the
+        transcript, recorded by an earlier run's boundary).
+    queries_asked, queries_replayed : int
+    max_query_length : int
+        Longest query whose answer was used (measured at the boundary, or read back).
+    promised_queries, promised_max_length : int
+        The schedule's own formula, for comparison (paper: ``4 H0 d^2 - 2 H0 + 1`` and
+        ``2 H0 + 1``; lean: its count without fallback links; targeted: its stages after the
+        adaptive phase 1). Measured counts are ``queries`` and ``max_query_length``.
+    promised_formula : the schedule's count formula in words.
+    d, max_heads : token dimension and H0 (the declared H or the bound).
+    precision : bits of the high-precision path, None for float64.
+    seed : the seed of the queries.
+    schedule : the schedule's registry name.
+    token_scale : the norm of the query tokens the run used (``verify`` draws at this scale).
+    error_estimate : float
+        Max relative parameter error expected: in high precision the largest relative ball radius
+        (a proven bound when ``certified``), in float64 a first-order estimate (or, with a
+        certificate and declared or refined noise, the certificate's bound).
+    answers_residual : float
+        Max relative misfit of the extracted model on the queries asked.
+    checks : list of Check
+    details : ScheduleDetails
+        Schedule-specific diagnostics (:class:`~mhaextract.schedules.grid.GridDetails` for paper
+        and lean, :class:`~mhaextract.schedules.targeted.TargetedDetails` for targeted).
+    W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
+    certificate : Certificate or None
+        The first-order error certificate (docs/algorithm.md §12) where the schedule has one
+        (float64 paper runs), behind ``amplification``, ``error_bound(eps)`` and ``valid_below``.
+    refinement : Refinement or None
+        With ``refine=True``: which model was kept, the misfits before and after, the queries added.
+    verification : Verification or None
+        Attached by :meth:`with_verification` (fresh queries, see :func:`mhaextract.verify`).
+    answer_error : float or None
+        The bound on the answers' absolute error the run was told (None: not told).
+    transcript : path of the run's transcript, or None.
+    seconds : float
+    """
+
+    model: MultiHeadAttention | None
+    heads: int
+    queries: int
+    max_query_length: int
+    promised_queries: int
+    promised_max_length: int
+    promised_formula: str
+    d: int
+    max_heads: int
+    precision: int | None
+    seed: object
+    schedule: str
+    token_scale: float
+    error_estimate: float
+    answers_residual: float
+    details: ScheduleDetails
+    checks: list[Check] = field(default_factory=list)
+    W_balls: np.ndarray | None = None
+    v_balls: np.ndarray | None = None
+    seconds: float = 0.0
+    queries_asked: int = 0
+    queries_replayed: int = 0
+    transcript: str | None = None
+    certificate: Certificate | None = None
+    refinement: Refinement | None = None
+    verification: object = None
+    answer_error: float | None = None
+
+    def _certificate(self) -> Certificate:
+        if self.certificate is None:
+            raise ValueError(f"no first-order certificate: schedule={self.schedule!r} at precision={self.precision} "
+                             "has none (float64 runs of the paper schedule carry one; high-precision runs carry "
+                             "certified balls, W_balls and v_balls, instead)")
+        return self.certificate
+
+    @property
+    def amplification(self) -> float:
+        """C: worst-case relative parameter error per unit absolute answer error, first order."""
+        return self._certificate().amplification
+
+    @property
+    def valid_below(self) -> float:
+        """The answer-error bound below which the matching is certified and first order holds."""
+        return self._certificate().valid_below
+
+    def error_bound(self, eps: float) -> float:
+        """Bound on ``compare(model, truth).max_rel`` if every answer is within ``eps`` of the
+        truth (inf when ``eps >= valid_below``); see :class:`mhaextract.checks.certificate.Certificate`."""
+        return self._certificate().error_bound(eps)
+
+    def with_verification(self, verification) -> "Extraction":
+        """A copy of this result carrying ``verification`` (from :func:`mhaextract.verify`)."""
+        return dataclasses.replace(self, verification=verification)
+
+    @property
+    def verified(self) -> bool:
+        """True when a verification is attached and it passed."""
+        return self.verification is not None and bool(self.verification.passed)
+
+    @property
+    def certified(self) -> bool:
+        """High precision: every instance's balls were proven (Krawczyk) to enclose its exact
+        parameters, given answers within one ulp; the assembled balls then enclose the truth."""
+        return self.precision is not None and self.details.certified
+
+    @property
+    def model_hp(self) -> MultiHeadAttention | None:
+        """The canonical heads as exact mpf midpoints of the balls (high precision only)."""
+        if self.W_balls is None:
+            return None
+        return MultiHeadAttention(mpf_array(self.W_balls), mpf_array(self.v_balls))
+
+    @property
+    def radius(self) -> tuple[float, float] | None:
+        """Largest ball radius of W and of v (high precision only)."""
+        if self.W_balls is None or self.heads == 0:
+            return None
+        return float(radius_float(self.W_balls).max()), float(radius_float(self.v_balls).max())
+
+    def summary(self) -> dict:
+        return {
+            "d": self.d, "max_heads": self.max_heads, "heads": self.heads, "queries": self.queries,
+            "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
+            "transcript": self.transcript,
+            "promised_queries": self.promised_queries, "promised_formula": self.promised_formula,
+            "max_query_length": self.max_query_length,
+            "promised_max_length": self.promised_max_length, "precision": self.precision,
+            "schedule": self.schedule, "token_scale": self.token_scale, "seed": self.seed,
+            "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
+            "certified": self.certified, "ok": self.ok,
+            "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
+            "answer_error": self.answer_error,
+            "valid_below": None if self.certificate is None else self.certificate.valid_below,
+            "noise_estimate": None if self.certificate is None else self.certificate.noise_estimate,
+            "refinement": None if self.refinement is None else str(self.refinement),
+            "verification": None if self.verification is None else str(self.verification),
+            **self.details.summary(),
+        }
+
 
 FORMAT = "mhaextract.extraction/1"
 
@@ -57,10 +220,7 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
     document = {
         "format": FORMAT,
         "summary": extraction.summary(),
-        "checks": [
-            {"name": c.name, "passed": c.passed, "value": c.value, "threshold": c.threshold, "message": c.message}
-            for c in extraction.checks
-        ],
+        "checks": [check.as_dict() for check in extraction.checks],
         "model": None,
         "arrays": npz_path.name,
     }
@@ -78,8 +238,7 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
             "W_radius": W_radius.tolist(), "v_radius": v_radius.tolist(),
         }
         arrays.update(W_radius=W_radius, v_radius=v_radius)
-    for name, values in vars(extraction.instances).items():
-        arrays[f"instances_{name}"] = np.asarray(values, dtype=str if name == "role" else None)
+    arrays.update(extraction.details.arrays())
     json_path.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False))
     np.savez_compressed(npz_path, **arrays)
     return json_path, npz_path

@@ -38,10 +38,13 @@ import numpy as np
 from flint import arb
 from scipy.optimize import linear_sum_assignment
 
-from .highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
-from .learner import Check, CheckedResult, Extraction, UnreliableExtractionWarning, extract, report_failure
+from .numerics.highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
+from .api import extract
+from .checks.base import Check, CheckedResult, UnreliableExtractionWarning, report_failure
+from .results import Extraction
 from .model import MultiHeadAttention, as_batch, group_equal_heads
-from .oracle import OracleBoundary
+from .oracle.boundary import OracleBoundary
+from .validation import positive_int, token_scale_for
 
 #: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
 #: so that its certificate covers cancellation up to that much (checked: odd_part_precision).
@@ -492,12 +495,6 @@ class TransformerExtraction(CheckedResult):
         }
 
 
-def _positive_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, precision=None, seed=None, *,
                         residual=False, token_scale=None, max_segments=32, quiet_segments=8,
                         verification_queries=None, batch_size=1024, progress=None,
@@ -525,11 +522,11 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     The conditions step 2 needs are listed in :mod:`mhaextract.relu_units`; a target that violates
     one fails a check (it is not returned as a wrong Transformer).
     """
-    d = _positive_int("d", d)
+    d = positive_int("d", d)
     if hidden is not None:
-        hidden = _positive_int("hidden", hidden)
-    max_segments = _positive_int("max_segments", max_segments)
-    quiet_segments = _positive_int("quiet_segments", quiet_segments)
+        hidden = positive_int("hidden", hidden)
+    max_segments = positive_int("max_segments", max_segments)
+    quiet_segments = positive_int("quiet_segments", quiet_segments)
     if on_failure not in ("raise", "warn"):
         raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
     if residual:
@@ -550,7 +547,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
                         token_scale=token_scale, batch_size=batch_size, progress=progress, on_failure="warn")
     queries_odd = boundary.queries
     checks = [Check(f"odd part: {c.name}", c.passed, c.value, c.threshold, c.message) for c in step1.checks]
-    scale = step1.schedule and (token_scale if token_scale is not None else d ** 0.25)
+    scale = step1.token_scale
 
     def finish(model, model_hp, search, hidden_found, misfit, queries_units):
         result = TransformerExtraction(
@@ -642,7 +639,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
         predicted = model_hp(sequences, precision=precision + 16)
         with working_precision(precision + 64):
             differences = np.array([to_arb(p) - a for p, a in zip(predicted, answers)], dtype=object)
-        from .highprec import magnitude_float
+        from .numerics.highprec import magnitude_float
         misfit = float(magnitude_float(differences).max() / max(np.abs(mid_float(answers)).max(), 1e-300))
         tolerance = 2.0 ** (-precision / 4)
     checks.append(Check("verification", misfit <= tolerance, misfit, tolerance,
@@ -657,7 +654,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
 def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
     """``mhaextract demo --transformer``: a random target through a simulated oracle; returns the
     exit code (1 when the extraction failed its checks)."""
-    from .oracle import SimulatedOracle
+    from .oracle.simulated import SimulatedOracle
     from .report import transformer_table
 
     if hidden < 1:

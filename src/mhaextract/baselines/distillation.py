@@ -29,23 +29,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..learner import CheckedResult, Check
+from ..checks.base import Check, CheckedResult
 from ..model import MultiHeadAttention
-from ..oracle import OracleBoundary, _progress
+from ..oracle.boundary import OracleBoundary, _progress
+from ..oracle.queries import padded, random_queries
+from ..validation import positive_int, positive_number, token_scale_for
 
 
 def paper_budget(d: int, heads: int) -> int:
     """The paper's query count ``4Hd^2 - 2H + 1``: the default budget, so methods compare at equal cost."""
     return 4 * heads * d * d - 2 * heads + 1
-
-
-def random_queries(rng: np.random.Generator, count: int, d: int, max_length: int, token_scale: float) -> list:
-    """``count`` random sequences: length uniform in ``1..max_length``; tokens ``N(0, I/d)`` times a
-    per-sequence scale ``token_scale * 2**u``, ``u`` uniform in [-1, 1] (token norms about
-    ``token_scale``, spread by a factor of 2 either way)."""
-    lengths = rng.integers(1, max_length + 1, size=count)
-    scales = token_scale * 2.0 ** rng.uniform(-1.0, 1.0, size=count)
-    return [rng.standard_normal((int(n), d)) * (s / math.sqrt(d)) for n, s in zip(lengths, scales)]
 
 
 @dataclass
@@ -88,19 +81,6 @@ class Distillation(CheckedResult):
     seconds: float = 0.0
 
 
-def _positive_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _positive_float(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-            or not np.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
-
 def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfgs_steps=500, polish=None,
             learning_rate=0.05, init_scale=0.5, max_length=None, token_scale=None, converged_tol=1e-6,
             seed=None, threads=1, batch_size=1024, progress=None) -> Distillation:
@@ -132,19 +112,19 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
         import torch
     except ImportError as error:  # pragma: no cover - the torch extra is installed in CI
         raise ImportError("distill needs PyTorch: pip install 'mhaextract[torch]'") from error
-    d = _positive_int("d", d)
-    heads = _positive_int("heads", heads)
-    budget = paper_budget(d, heads) if budget is None else _positive_int("budget", budget)
-    restarts = _positive_int("restarts", restarts)
-    adam_steps = _positive_int("adam_steps", adam_steps, minimum=0)
-    lbfgs_steps = _positive_int("lbfgs_steps", lbfgs_steps, minimum=0)
-    polish = restarts if polish is None else min(_positive_int("polish", polish, minimum=0), restarts)
-    learning_rate = _positive_float("learning_rate", learning_rate)
-    init_scale = _positive_float("init_scale", init_scale)
-    max_length = 2 * heads + 1 if max_length is None else _positive_int("max_length", max_length)
-    token_scale = d ** 0.25 if token_scale is None else _positive_float("token_scale", token_scale)
-    converged_tol = _positive_float("converged_tol", converged_tol)
-    threads = None if threads is None else _positive_int("threads", threads)
+    d = positive_int("d", d)
+    heads = positive_int("heads", heads)
+    budget = paper_budget(d, heads) if budget is None else positive_int("budget", budget)
+    restarts = positive_int("restarts", restarts)
+    adam_steps = positive_int("adam_steps", adam_steps, minimum=0)
+    lbfgs_steps = positive_int("lbfgs_steps", lbfgs_steps, minimum=0)
+    polish = restarts if polish is None else min(positive_int("polish", polish, minimum=0), restarts)
+    learning_rate = positive_number("learning_rate", learning_rate)
+    init_scale = positive_number("init_scale", init_scale)
+    max_length = 2 * heads + 1 if max_length is None else positive_int("max_length", max_length)
+    token_scale = token_scale_for(d, token_scale)
+    converged_tol = positive_number("converged_tol", converged_tol)
+    threads = None if threads is None else positive_int("threads", threads)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -161,9 +141,9 @@ def _distill(torch, oracle, d, heads, budget, restarts, adam_steps, lbfgs_steps,
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     boundary = OracleBoundary(oracle, d, batch_size=batch_size, progress=progress)
-    sequences = random_queries(rng, budget, d, max_length, token_scale)
+    sequences = random_queries(rng, budget, d, token_scale, (1, max_length), spread=1.0)
     answers = boundary.ask(sequences, description=f"distillation: {budget} random queries")
-    X, mask = _padded(torch, sequences, d)
+    X, mask = (torch.from_numpy(array) for array in padded(sequences))
     y = torch.from_numpy(np.asarray(answers, dtype=np.float64))
     norm = torch.clamp((y**2).sum(), min=1e-300)
 
@@ -212,17 +192,6 @@ def _distill(torch, oracle, d, heads, budget, restarts, adam_steps, lbfgs_steps,
         training_misfit=misfit, best_misfit=best_misfit, converged=float(np.mean(misfit < converged_tol)),
         converged_tol=converged_tol, checks=checks, seconds=time.perf_counter() - started,
     )
-
-
-def _padded(torch, sequences, d):
-    """Sequences right-aligned in one tensor (N, L, d): the final token at ``[:, -1]``; mask (N, L)."""
-    L = max(len(s) for s in sequences)
-    X = np.zeros((len(sequences), L, d))
-    mask = np.zeros((len(sequences), L), dtype=bool)
-    for n, s in enumerate(sequences):
-        X[n, L - len(s):] = s
-        mask[n, L - len(s):] = True
-    return torch.from_numpy(X), torch.from_numpy(mask)
 
 
 def _forward(torch, W, v, X, mask):

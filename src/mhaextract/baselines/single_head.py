@@ -57,13 +57,13 @@ import mpmath
 import numpy as np
 from flint import arb
 
-from ..highprec import GUARD_BITS, arb_array, magnitude_float, mid_float, mpf_array, radius_float, working_precision
-from ..kernels import arb as arb_kernel
-from ..kernels import float64 as float64_kernel
-from ..learner import Check, CheckedResult, CheckPolicy, report_failure
+from ..numerics.highprec import GUARD_BITS, arb_array, magnitude_float, mid_float, mpf_array, radius_float, working_precision
+from ..numerics import arb as arb_kernel
+from ..numerics import float64 as float64_kernel
+from ..checks.base import Check, CheckedResult, CheckPolicy, report_failure
 from ..model import MultiHeadAttention
-from ..oracle import OracleBoundary
-from ..schedule import quantize, random_basis
+from ..oracle.boundary import OracleBoundary
+from ..oracle.queries import quantize, random_basis
 
 
 @dataclass

@@ -59,9 +59,10 @@ import numpy as np
 from scipy.sparse import csr_matrix, diags
 from scipy.sparse.linalg import splu
 
-from .kernels.rational import instance_jacobian
-from .model import MultiHeadAttention
-from .noise import nonnegative_number
+from ..numerics.assembly import label_columns
+from ..numerics.rational import instance_jacobian
+from ..model import MultiHeadAttention
+from ..validation import nonnegative_number
 
 #: error_bound = (1 + SECOND_ORDER_SLACK) * C * (eps + rounding floor).
 SECOND_ORDER_SLACK = 1.0
@@ -253,15 +254,15 @@ class _PipelineOperator:
         Z_inv_T = np.linalg.inv(schedule.Z.T)
         X_inv = np.linalg.inv(schedule.X)
         A = run.design
-        columns_of = _label_columns(schedule)
+        columns, measures = label_columns(schedule)
         factors, pole_rhs, label_ops = [], [], []
         for h in range(self.r):
             w = np.where(self.finite, run.pole_weights[:, h], 0.0)
             Aw = diags(w) @ A
             factors.append(splu((A.T @ Aw).tocsc()))
             pole_rhs.append((Aw.T @ self.rows("m", h)).tocsc())  # A^T W dm_h
-            lw = np.where(self.finite, run.label_weights[:, h], 0.0) * columns_of.mask
-            L = csr_matrix((lw, (columns_of.column, np.arange(self.n))), shape=(d, self.n))
+            lw = np.where(self.finite, run.label_weights[:, h], 0.0) * measures
+            L = csr_matrix((lw, (columns, np.arange(self.n))), shape=(d, self.n))
             total = np.maximum(np.asarray(L.sum(axis=1)).ravel(), 1e-300)
             label_ops.append((diags(1.0 / total) @ L @ self.rows("l", h)).tocsc())
         for start in range(0, self.Q, chunk):
@@ -273,18 +274,6 @@ class _PipelineOperator:
                 dW[h] = np.einsum("aj,jiq,ib->abq", Z_inv_T, dM, X_inv)
                 dv[h] = Z_inv_T @ label_ops[h][:, cols].toarray()
             yield cols, dW, dv
-
-
-@dataclass
-class _LabelColumns:
-    column: np.ndarray  # (n,) grid column j of each instance
-    mask: np.ndarray  # (n,) 1 for instances whose labels enter the column mean (grid, column links)
-
-
-def _label_columns(schedule) -> _LabelColumns:
-    column = np.array([instance.j for instance in schedule.instances])
-    mask = np.array([instance.role in ("grid", "column_link") for instance in schedule.instances], dtype=float)
-    return _LabelColumns(column, mask)
 
 
 def _links(schedule):

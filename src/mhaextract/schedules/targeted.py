@@ -54,19 +54,19 @@ instead would lift that, at one more unknown per instance; not implemented).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 
-from .kernels import float64 as float64_kernel
-from .kernels import single_pole
+from ..checks.base import Check, heads_found_check
+from ..model import MultiHeadAttention
+from ..numerics import float64 as float64_kernel
+from ..numerics import single_pole
+from ..oracle.boundary import OracleBoundary
+from ..oracle.queries import one_token_queries, quantize, random_basis
+from .base import Outcome, Schedule, ScheduleDetails
+from .grid import Instance
 from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
-from .model import MultiHeadAttention
-from .oracle import OracleBoundary
-from .schedule import Instance, quantize, random_basis
-from .transcript import Transcript, run_fingerprint
 
 EPS = np.finfo(np.float64).eps
 #: |z| of every group, in units of the token scale. Large |z| makes the pole term (~|z|) dominate
@@ -82,6 +82,8 @@ SATURATION_MARGIN = 36.0
 #: rounding units did not hold its saturation assumption.
 RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
+#: The common checks' thresholds: relative parameter error expected, misfit of the answers.
+ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
 
 
 @dataclass
@@ -103,8 +105,6 @@ class TargetedInstances:
     saturated : the instance held its assumption: margin >= ``SATURATION_MARGIN`` and (final
         instances) residual <= ``RESIDUAL_LIMIT``; for bridges also the measured log-pole agrees
         with the extracted model to 1e-6.
-    phase1 : :class:`~mhaextract.linesearch.LineSearchReport` of the line search in group ``z_1``
-        (lines drawn, centres accepted and rejected, the heads found with their rough estimates).
     """
 
     stage: np.ndarray
@@ -116,12 +116,33 @@ class TargetedInstances:
     residual: np.ndarray
     margin: np.ndarray
     saturated: np.ndarray
-    phase1: LineSearchReport | None = None
 
     @property
     def unsaturated(self) -> np.ndarray:
         """Indices of the instances whose saturation assumption did not hold."""
         return np.flatnonzero(~self.saturated)
+
+
+@dataclass
+class TargetedDetails(ScheduleDetails):
+    """``Extraction.details`` of the targeted schedule.
+
+    Attributes
+    ----------
+    instances : TargetedInstances, one entry per targeted instance (first group, bridges, final).
+    phase1 : :class:`~mhaextract.schedules.linesearch.LineSearchReport` of the line search in group
+        ``z_1`` (lines drawn, centres accepted and rejected, the heads found with their rough estimates).
+    """
+
+    instances: TargetedInstances
+    phase1: LineSearchReport
+
+    def summary(self) -> dict:
+        return {"phase1_lines": self.phase1.lines, "unsaturated": int(len(self.instances.unsaturated))}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f"instances_{name}": np.asarray(values, dtype=str if name == "stage" else None)
+                for name, values in vars(self.instances).items()}
 
 
 class _Prober:
@@ -148,7 +169,7 @@ class _Prober:
 
     def learn_vbar(self, basis: np.ndarray) -> None:
         """``vbar`` from the one-token answers ``f((b_i)) = vbar^T b_i`` on a basis (columns)."""
-        answers = self.ask(_one_token_queries(basis), "one-token queries (vbar)")
+        answers = self.ask(one_token_queries(basis), "one-token queries (vbar)")
         self.vbar = float64_kernel.solve_transposed(basis, answers)
 
     def gaps(self, finals: np.ndarray, differences: np.ndarray, copies, description="targeted instances"):
@@ -161,10 +182,6 @@ class _Prober:
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
         rounding = 4 * EPS * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
         return anchor[:, None] - answers, rounding
-
-
-def _one_token_queries(basis: np.ndarray) -> list[np.ndarray]:
-    return [b[None, :] for b in basis.T]
 
 
 def _design(estimates: np.ndarray, head: int, pattern: np.ndarray) -> np.ndarray:
@@ -326,72 +343,59 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float) -> np.ndarra
     return reflection * rng.choice([-1.0, 1.0], size=d)[None, :] * scale
 
 
-def extract_targeted(oracle, d: int, max_heads: int, heads_given: int | None, seed, token_scale, batch_size,
-                     progress, on_failure, precision=None, transcript=None, max_queries=None,
-                     samples_per_instance=None, refine=False, refine_queries=None, answer_error=None):
-    """The targeted schedule (see the module docstring). Returns an :class:`~mhaextract.Extraction`.
+class TargetedSchedule(Schedule):
+    """``extract(..., schedule="targeted")``: float64, H <= d (see the module docstring)."""
 
-    Called by :func:`mhaextract.extract` with ``schedule="targeted"`` (arguments validated there).
-    ``transcript`` and ``max_queries`` work as for the other schedules (the run is adaptive but
-    deterministic given its seed and answers, so a transcript replays it query by query).
-    """
-    from .learner import Extraction, _answers_residual, report_failure
+    name = "targeted"
+    refusal = ("it is a float64 schedule whose instances are single-pole fits (precision=None, no oversampling, "
+               "refinement or answer-error model); use schedule='paper' for those")
 
-    unsupported = {"precision": precision, "samples_per_instance": samples_per_instance, "refine": refine or None,
-                   "refine_queries": refine_queries, "answer_error": answer_error}
-    given = [name for name, value in unsupported.items() if value is not None]
-    if given:
-        raise ValueError(
-            f"schedule='targeted' does not take {', '.join(given)}: it is a float64 schedule whose instances "
-            "are single-pole fits (precision=None, no oversampling, refinement or answer-error model); use "
-            "schedule='paper' for those"
-        )
-    if max_heads > d:
-        raise ValueError(
-            f"schedule='targeted' needs H <= d (got H0 = {max_heads} > d = {d}): each targeted instance "
-            "puts one head in the window and the other H - 1 beyond log-pole 40 through H linear "
-            "conditions on the final token. Use schedule='paper' with precision=BITS for H > d."
-        )
-    started = time.perf_counter()
-    token_scale = float(token_scale) if token_scale is not None else d ** 0.25
-    if not np.isfinite(token_scale) or token_scale <= 0:
-        raise ValueError(f"token_scale must be a positive number, got {token_scale}")
-    rng = np.random.default_rng(seed)
-    vbar_basis = random_basis(rng, d, token_scale)
-    record = None
-    if transcript is not None:  # the fixed queries of the run are the one-token ones; the rest replays one by one
-        identity = SimpleNamespace(d=d, max_poles=max_heads, name="targeted", token_scale=token_scale)
-        record = Transcript(transcript, run_fingerprint(identity, int(seed), None, _one_token_queries(vbar_basis)))
-    try:
-        boundary = OracleBoundary(oracle, d, precision=None, batch_size=batch_size, progress=progress,
-                                  max_queries=max_queries, transcript=record)
-        prober = _Prober(boundary, d, token_scale)
-        prober.learn_vbar(vbar_basis)
-        result = _run(prober, d, max_heads, rng, token_scale)
-    finally:
-        if record is not None:
-            record.close()
-    search, stages, model, finite = result
-    H = len(search.heads)
-    # --- diagnostics and checks.
-    instances = _diagnostics(stages, model)
-    instances.phase1 = search
-    measurements = [data for _, data in stages]
-    error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
-    answers = np.concatenate(prober.answers) if prober.answers else np.zeros(0)
-    answers_residual = _answers_residual(model, prober.sequences, answers, None) if model is not None else np.inf
-    checks = _checks(instances, search, H, heads_given, measurements, error_estimate, answers_residual, finite)
-    extraction = Extraction(
-        model=model, heads=H, queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
-        queries_replayed=boundary.replayed, transcript=None if record is None else record.path,
-        max_query_length=boundary.max_query_length,
-        promised_queries=4 * max_heads * d * d - 2 * max_heads + 1, promised_max_length=max(CENTER_COPIES) + 1,
-        d=d, max_heads=max_heads, precision=None, seed=seed, schedule="targeted", fallback_links=0,
-        error_estimate=error_estimate, answers_residual=answers_residual, instances=instances, checks=checks,
-        seconds=time.perf_counter() - started,
-    )
-    report_failure(extraction, "targeted extraction", on_failure, stacklevel=4)
-    return extraction
+    def __init__(self, settings):
+        super().__init__(settings)
+        if self.max_heads > self.d:
+            raise ValueError(
+                f"schedule='targeted' needs H <= d (got H0 = {self.max_heads} > d = {self.d}): each targeted "
+                "instance puts one head in the window and the other H - 1 beyond log-pole 40 through H linear "
+                "conditions on the final token. Use schedule='paper' with precision=BITS for H > d."
+            )
+        self.rng = np.random.default_rng(settings.seed)
+        self.vbar_basis = random_basis(self.rng, self.d, self.token_scale)
+
+    @property
+    def promised_queries(self) -> int:
+        """The stages after phase 1, with H0 heads found: ``d`` one-token queries + ``3 H d``
+        (first group) + ``(d + 1) H (d - 1)`` (bridges) + ``3 H d^2`` (final). Phase 1 (the line
+        search, about ``H (d + 15)`` plus line grids) is adaptive and comes on top."""
+        d, H = self.d, self.max_heads
+        return d + 3 * H * d + (d + 1) * H * (d - 1) + 3 * H * d * d
+
+    @property
+    def promised_max_length(self) -> int:
+        return max(CENTER_COPIES) + 1
+
+    @property
+    def count_formula(self) -> str:
+        return "targeted d + 3Hd + (d+1)H(d-1) + 3Hd^2 after the adaptive phase 1"
+
+    def fixed_queries(self) -> list[np.ndarray]:
+        # The one-token queries are fixed; the rest is adaptive and replays query by query.
+        return one_token_queries(self.vbar_basis)
+
+    def run(self, boundary, arithmetic) -> Outcome:
+        prober = _Prober(boundary, self.d, self.token_scale)
+        prober.learn_vbar(self.vbar_basis)
+        search, stages, model, finite = _run(prober, self.d, self.max_heads, self.rng, self.token_scale)
+        H = len(search.heads)
+        instances = _diagnostics(stages, model)
+        measurements = [data for _, data in stages]
+        error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
+        answers = np.concatenate(prober.answers) if prober.answers else np.zeros(0)
+        checks = _checks(instances, search, H, self.settings.heads, measurements)
+        return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
+                       checks)
+
+    def thresholds(self) -> tuple[float, float]:
+        return ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT
 
 
 def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
@@ -495,18 +499,8 @@ def _error_estimate(final: _GroupMeasurements, model) -> float:
     return float(4 * W_error / max(np.abs(model.W).max(), 1e-300))
 
 
-def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements, error_estimate,
-            answers_residual, finite):
-    from .learner import Check
-
-    checks = []
-    if heads_given is None:
-        checks.append(Check("heads_found", H > 0, float(H == 0), 0, f"phase 1 found {H} heads on {search.lines} lines"))
-    else:
-        checks.append(Check("heads_found", H == heads_given, abs(H - heads_given), 0,
-                            f"phase 1 found {H} of {heads_given} heads on {search.lines} lines"
-                            + ("" if H == heads_given else " (heads with equal W merge in the canonical form; "
-                               "pass max_heads to accept fewer)")))
+def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements):
+    checks = [heads_found_check(H, heads_given, f"by phase 1 on {search.lines} lines")]
     bad = instances.unsaturated
     where = ", ".join(f"{instances.stage[i]} group {instances.group[i]} head {instances.head[i]}" for i in bad[:5])
     checks.append(Check(
@@ -522,10 +516,4 @@ def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_giv
         deviation = max(deviation, float(np.nanmax(np.abs(labels - mean) / (sigma + EPS * scale))))
     checks.append(Check("labels_consistent", deviation <= 1e3, deviation, 1e3,
                         "largest deviation of an instance's label from its (head, group) mean, in first-order errors"))
-    checks.append(Check("error_estimate", error_estimate <= 1e-8, error_estimate, 1e-8,
-                        "max relative parameter error expected from the rounding of the answers and scores"))
-    checks.append(Check("answers_residual", answers_residual <= 1e-9, answers_residual, 1e-9,
-                        "max misfit of the extracted model on the queries asked, relative to the largest answer"))
-    if not finite:
-        checks.append(Check("finite", False, np.inf, 0.0, "the assembled parameters are not finite; no model"))
     return checks

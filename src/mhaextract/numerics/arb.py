@@ -25,7 +25,7 @@ import mpmath
 import numpy as np
 from flint import acb_poly, arb, arb_mat, arb_poly, ctx
 
-from ..highprec import arb_to_mpf, magnitude_float, mid_float
+from .highprec import arb_to_mpf, magnitude_float, mid_float
 from .rational import InstanceFits, rank_split, sensitivities, support_split
 
 

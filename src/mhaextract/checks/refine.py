@@ -29,18 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
-from .model import MultiHeadAttention, as_batch
-
-
-def random_queries(rng: np.random.Generator, count: int, d: int, token_scale: float,
-                   lengths: tuple[int, int]) -> list[np.ndarray]:
-    """``count`` sequences of lengths uniform in ``lengths`` (inclusive), i.i.d. Gaussian tokens
-    of expected norm about ``token_scale``."""
-    low, high = int(lengths[0]), int(lengths[1])
-    if low < 1 or high < low:
-        raise ValueError(f"lengths must satisfy 1 <= low <= high, got {lengths}")
-    return [rng.standard_normal((int(rng.integers(low, high + 1)), d)) * (token_scale / np.sqrt(d))
-            for _ in range(int(count))]
+from ..model import MultiHeadAttention, as_batch
+from ..oracle.queries import padded
 
 
 def pack(model: MultiHeadAttention) -> np.ndarray:
@@ -54,22 +44,10 @@ def unpack(theta: np.ndarray, heads: int, d: int) -> MultiHeadAttention:
     return MultiHeadAttention(W.copy(), v.copy())
 
 
-def _padded(sequences) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens (Q, N_max, d) zero-padded at the front, and the mask of real tokens (Q, N_max)."""
-    longest = max(len(sequence) for sequence in sequences)
-    d = sequences[0].shape[1]
-    tokens = np.zeros((len(sequences), longest, d))
-    mask = np.zeros((len(sequences), longest), dtype=bool)
-    for q, sequence in enumerate(sequences):
-        tokens[q, longest - len(sequence):] = sequence
-        mask[q, longest - len(sequence):] = True
-    return tokens, mask
-
-
 def output_jacobian(model: MultiHeadAttention, sequences) -> np.ndarray:
     """``d f(X_q) / d theta`` for every sequence, shape (Q, H (d^2 + d)), in the order of :func:`pack`."""
     sequences = as_batch(sequences, model.d)
-    tokens, mask = _padded(sequences)
+    tokens, mask = padded(sequences)
     W, v = model.W, model.v
     final = tokens[:, -1, :]  # padding is at the front: the last token is x_N
     queried = np.einsum("hab,qb->qha", W, final)  # W_h x_N

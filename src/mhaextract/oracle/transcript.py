@@ -37,7 +37,7 @@ from typing import Sequence
 import mpmath
 import numpy as np
 
-from .highprec import mpf_from_hex, mpf_to_hex
+from ..numerics.highprec import mpf_from_hex, mpf_to_hex
 
 #: Version of the file layout; a transcript of another version is refused.
 FORMAT = 1
@@ -76,7 +76,7 @@ def run_fingerprint(schedule, seed: int, precision: int | None, sequences: Seque
     return {
         "format": FORMAT,
         "d": schedule.d,
-        "max_heads": schedule.max_poles,
+        "max_heads": schedule.max_heads,
         "seed": seed,
         "precision": precision,
         "schedule": schedule.name,

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .kernels import single_pole
+from ..numerics import single_pole
 
 #: Copy counts asked at a candidate centre (k = 1 is the bisection's own sample): the longest
 #: query of the targeted schedule has max(CENTER_COPIES) + 1 tokens.

@@ -20,24 +20,8 @@ from typing import Callable
 
 import numpy as np
 
-from .model import MultiHeadAttention
-
-
-def nonnegative_number(name: str, value, meaning: str = "", wrong_type=TypeError) -> float:
-    """``value`` as a finite float >= 0 (an error bound, a noise level), or a clear error.
-
-    Not a number (strings included) raises ``wrong_type``; NaN, infinite or negative raises
-    ValueError. ``meaning`` says what the number bounds, for the message."""
-    about = f" ({meaning})" if meaning else ""
-    try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
-        number = float(value)
-    except (TypeError, ValueError):
-        raise wrong_type(f"{name} must be a number{about}, got {value!r}") from None
-    if not np.isfinite(number) or number < 0:
-        raise ValueError(f"{name} must be a finite number >= 0{about}, got {value!r}")
-    return number
+from ..model import MultiHeadAttention
+from ..validation import nonnegative_number
 
 
 def _callable(oracle) -> Callable:

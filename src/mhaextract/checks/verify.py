@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .oracle import OracleBoundary
-from .refine import random_queries
+from ..oracle.boundary import OracleBoundary
+from ..oracle.queries import random_queries
+from ..validation import positive_int, positive_number
 
 
 @dataclass
@@ -61,26 +62,26 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
     oracle : the oracle it was extracted from (or any float64 oracle for the same d).
     n : number of fresh queries (>= 1), split evenly over ``scales``.
     seed : seeds the queries. max_length : longest query (lengths uniform in 1..max_length).
-    scales : token scales, as multiples of the extraction's token scale (``d ** 0.25`` by default).
+    scales : token scales, as multiples of the extraction's own ``token_scale`` (the regime it was
+        extracted in; ``d ** 0.25`` unless the run chose another).
     tolerance : the max relative output error that counts as passing; default
         ``max(1e-6, 10 answer_error / output scale)`` (``extraction.answer_error``, 0 if not given).
 
-    Returns the :class:`Verification`, also stored on ``extraction.verification``.
+    Returns a new :class:`Verification`; ``extraction`` is not modified (attach the outcome with
+    ``extraction.with_verification(...)``).
     """
     if getattr(extraction, "model", None) is None:
         raise ValueError("the extraction has no model to verify (its parameters were not finite)")
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
-        raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
-    scales = tuple(float(s) for s in scales)
-    if not scales or not all(np.isfinite(s) and s > 0 for s in scales):
+    n = positive_int("n", n)
+    max_length = positive_int("max_length", max_length)
+    scales = tuple(positive_number("scales", s) for s in scales)
+    if not scales:
         raise ValueError(f"scales must be positive numbers, got {scales!r}")
-    if tolerance is not None and not float(tolerance) > 0:
-        raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
+    if tolerance is not None:
+        tolerance = positive_number("tolerance", tolerance)
     model = extraction.model
     d = model.d
-    base = d ** 0.25
+    base = extraction.token_scale
     rng = np.random.default_rng(seed)
     counts = np.diff(np.linspace(0, int(n), len(scales) + 1).astype(int))
     sequences = []
@@ -100,5 +101,4 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
         tolerance=tolerance, passed=bool(errors.max() <= tolerance), lengths=(min(lengths), max(lengths)),
         scales=tuple(s * base for s in scales), seed=seed,
     )
-    extraction.verification = result
     return result

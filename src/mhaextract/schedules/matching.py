@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from .highprec import magnitude_float
+from ..numerics.highprec import magnitude_float
 
 
 @dataclass

@@ -1,0 +1,219 @@
+"""``extract``: validate once, run the schedule from the registry, finish every schedule alike.
+
+The data flow of one extraction (docs/algorithm.md §5-§13)::
+
+    parameters -> RunSettings -> schedule (registry) -> boundary (+ transcript)
+        -> schedule.run: answers -> fits -> matching -> assembly -> Outcome
+        -> finish: certificate, refinement, error estimate, checks -> Extraction
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .checks.base import (
+    Check, answers_residual_check, error_estimate_check, finite_check, report_failure,
+)
+from .checks.certificate import Certificate, least_squares_certificate
+from .checks.refine import output_jacobian, refine_least_squares
+from .model import MultiHeadAttention
+from .numerics.arithmetic import arithmetic_for
+from .numerics.highprec import mpf_array
+from .oracle.boundary import OracleBoundary
+from .oracle.queries import random_queries
+from .oracle.transcript import Transcript, run_fingerprint
+from .results import Extraction
+from .schedules.base import Outcome, RunSettings, Schedule
+from .schedules.registry import schedule_class
+from .validation import (
+    head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for,
+)
+
+#: Estimated answer noise below this fraction of the largest answer (1e3 units of float64 rounding)
+#: is float64 rounding: the existing checks judge it, the validity check is only added above it
+#: (or when the caller declares answer_error).
+ROUNDING_REGIME = 1e3 * 2.0**-53
+
+
+def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="paper",
+            token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
+            max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
+            answer_error=None) -> Extraction:
+    """Learn the canonical heads of multi-head attention from value queries.
+
+    Parameters
+    ----------
+    oracle : callable ``oracle(batch) -> outputs`` (see :mod:`mhaextract.oracle.boundary`).
+    d : token dimension.
+    heads : the number of heads H, if known. Exactly one of ``heads`` and ``max_heads``.
+    max_heads : a bound H0 >= H*; the canonical count is detected on every instance.
+    precision : None for float64; bits (>= 64) for the high-precision (python-flint) path.
+    seed : seeds the random query vectors (same seed, same queries).
+    schedule : a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (default; exactly
+        ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, docs/algorithm.md §5),
+        ``"lean"`` (§10: about ``(2 H0 - 1) d^2`` queries, heads matched by residue labels) or
+        ``"targeted"`` (§13: float64, H <= d, one head in the window per instance; machine
+        precision for many heads, about ``4 H d^2 + 4 H d`` queries).
+    token_scale : norm of the query vectors (default ``d ** 0.25``, suited to W with entries of
+        size ``1/sqrt(d)``; choose it so that ``|z^T W_h x|`` is of order one, §11).
+    batch_size : sequences per oracle call.
+    progress : show a progress bar (default: when stderr is a terminal).
+    on_failure : ``"raise"`` an :class:`~mhaextract.checks.base.ExtractionError` when a check
+        fails (the result is on the error), or ``"warn"`` and return it.
+    transcript : path of a SQLite transcript (:mod:`mhaextract.oracle.transcript`), or None. Every
+        batch of answers is committed to it as it arrives; re-running with the same transcript
+        and seed reads them back and asks only the missing queries. Needs an integer ``seed``.
+    max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
+        raises :class:`~mhaextract.oracle.boundary.BudgetExceeded` saying how many.
+    samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
+    refine : polish all parameters by nonlinear least squares against every answer (float64, §12).
+    refine_queries : fresh random queries for the refinement (default ``max(32, H0 (d^2 + d))``).
+    answer_error : a bound on every answer's absolute error, if known (float64).
+
+    Every count reported is measured at the oracle boundary.
+    """
+    settings = _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine,
+                         refine_queries, answer_error)
+    on_failure = on_failure_mode(on_failure)
+    if max_queries is not None:
+        positive_int("max_queries", max_queries, minimum=0)
+    if transcript is not None:
+        resumable_seed(seed)
+    plan = schedule_class(schedule)(settings)
+    started = time.perf_counter()
+    arithmetic = arithmetic_for(settings.precision)
+    record = None
+    try:
+        if transcript is not None:
+            record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
+        boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
+                                  progress=progress, max_queries=max_queries, transcript=record)
+        with arithmetic.working():
+            outcome = plan.run(boundary, arithmetic)
+        extra = _refinement_queries(boundary, settings, plan, outcome)
+    finally:
+        if record is not None:
+            record.close()
+    extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started)
+    failed = {check.name for check in extraction.failed_checks}
+    hints = plan.hints(failed)
+    if "noise_within_validity" in failed:
+        hints.append("The answers are noisier than this run can certify (valid_below): oversample "
+                     "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
+    report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
+    return extraction
+
+
+def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,
+              answer_error) -> RunSettings:
+    """Every parameter checked once, with the option that fixes a bad one named."""
+    d = positive_int("d", d)
+    H0, declared = head_count(heads, max_heads)
+    if precision is not None:
+        precision = positive_int("precision", precision, minimum=64)
+        if samples_per_instance is not None or refine or answer_error is not None:
+            raise ValueError("samples_per_instance, refine and answer_error are float64 options; with precision=bits "
+                             "the answers are exact to one ulp and the balls certify the result")
+    if not isinstance(refine, (bool, np.bool_)):
+        raise ValueError(f"refine must be True or False, got {refine!r}")
+    if refine_queries is not None:
+        refine_queries = positive_int("refine_queries", refine_queries, minimum=0)
+    if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
+        answer_error = nonnegative_number("answer_error", answer_error, "a bound on |answer - truth|", ValueError)
+    return RunSettings(d, H0, declared, precision, seed, token_scale_for(d, token_scale), samples_per_instance,
+                       bool(refine), refine_queries, answer_error)
+
+
+def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):
+    """Fresh random queries for the refinement (§12), counted like every other; a stream of the
+    seed independent of the schedule's."""
+    if not settings.refine or outcome.model is None:
+        return [], np.zeros(0)
+    d, H0 = settings.d, settings.max_heads
+    count = max(32, H0 * (d * d + d)) if settings.refine_queries is None else settings.refine_queries
+    sequences = random_queries(spawn_rng(settings.seed, 1), count, d, settings.token_scale,
+                               (2, plan.promised_max_length))
+    if not sequences:
+        return [], np.zeros(0)
+    return sequences, boundary.ask(sequences, description="querying for refinement")
+
+
+def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started) -> Extraction:
+    """Certificate, refinement, error estimate and checks: the same for every schedule."""
+    settings = plan.settings
+    sequences = list(outcome.sequences) + list(extra[0])
+    answers = np.concatenate([np.asarray(outcome.answers), np.asarray(extra[1], dtype=outcome.answers.dtype)])
+    model, certificate, refinement = outcome.model, None, None
+    error_estimate, answers_residual = outcome.error_estimate, np.inf
+    if model is not None:
+        certificate = plan.certificate(outcome)
+        if settings.refine:
+            model, refinement = refine_least_squares(model, sequences, answers, added=len(extra[0]))
+            if refinement.kept == "refined" and certificate is not None:
+                certificate = least_squares_certificate(output_jacobian(model, sequences), model,
+                                                        model(sequences) - answers, answers, certificate.valid_below)
+        exact = None if outcome.W_balls is None else MultiHeadAttention(mpf_array(outcome.W_balls),
+                                                                         mpf_array(outcome.v_balls))
+        answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
+    scale = float(np.abs(arithmetic.midpoint(answers)).max(initial=0.0)) or 1.0
+    noise, label_noise = _noise(certificate, settings)
+    if noise is not None:
+        error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
+                          else certificate.first_order(noise))
+    checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
+        plan, outcome, error_estimate, answers_residual, noise, scale, certificate)
+    return Extraction(
+        model=model, heads=model.heads if model is not None else outcome.heads,
+        queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
+        queries_replayed=boundary.replayed, transcript=None if record is None else record.path,
+        max_query_length=boundary.max_query_length, promised_queries=plan.promised_queries,
+        promised_max_length=plan.promised_max_length, promised_formula=plan.count_formula, d=settings.d,
+        max_heads=settings.max_heads,
+        precision=settings.precision, seed=settings.seed, schedule=plan.name, token_scale=settings.token_scale,
+        error_estimate=error_estimate, answers_residual=answers_residual, details=outcome.details, checks=checks,
+        W_balls=outcome.W_balls, v_balls=outcome.v_balls, seconds=time.perf_counter() - started,
+        certificate=certificate, refinement=refinement, answer_error=settings.answer_error,
+    )
+
+
+def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[float | None, float]:
+    """``(noise for the error estimate or None, noise for the label checks)``, absolute.
+
+    With a certificate: the declared ``answer_error``, else 3 x the noise estimated from the
+    redundant measurements (§12). The estimate replaces the error estimate only when the noise
+    was declared or the model refined; the label checks always widen to it."""
+    if certificate is None:
+        return None, 0.0
+    label_noise = settings.answer_error if settings.answer_error is not None else 3.0 * certificate.noise_estimate
+    noise = label_noise if (settings.refine or settings.answer_error is not None) else None
+    return noise, label_noise
+
+
+def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_residual, noise, scale,
+                   certificate) -> list[Check]:
+    settings = plan.settings
+    error_limit, residual_limit = plan.thresholds()
+    if noise is not None:  # noisy answers cannot be fitted closer than the noise
+        residual_limit = max(residual_limit, 10 * noise / scale, error_estimate)
+    checks = [error_estimate_check(error_estimate, error_limit, "the rounding of the answers"),
+              answers_residual_check(answers_residual, residual_limit)]
+    if certificate is not None and (settings.answer_error is not None
+                                    or 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale):
+        checks.append(_validity_check(certificate, settings.answer_error))
+    if outcome.model is None:
+        checks.append(finite_check())
+    return checks
+
+
+def _validity_check(certificate: Certificate, answer_error) -> Check:
+    """The answers' error against ``valid_below``: declared, or 3 x the noise estimated from the
+    links' misfits (or the refined residual)."""
+    if answer_error is not None:
+        noise, source = answer_error, "declared answer_error"
+    else:
+        noise, source = 3.0 * certificate.noise_estimate, "3 x the noise estimated from redundant measurements"
+    return Check("noise_within_validity", noise < certificate.valid_below, noise, certificate.valid_below,
+                 f"answer error ({source}) against valid_below, the bound under which the matching is "
+                 "certified and the first-order certificate holds")

@@ -1,0 +1,123 @@
+"""Self-checks, their policies, and the errors a failed run raises.
+
+A result that fails a check is never returned silently: :func:`report_failure` raises (or, with
+``on_failure="warn"``, warns) with every failed check and the hints that name what to try.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+#: The float64 kernel with 2H + 1 samples loses about three digits per head (docs/algorithm.md §11).
+FLOAT64_MAX_RELIABLE_HEADS = 4
+
+
+class ExtractionError(RuntimeError):
+    """The extraction failed its own checks. ``.extraction`` holds the result and diagnostics."""
+
+    def __init__(self, message: str, extraction):
+        super().__init__(message)
+        self.extraction = extraction
+
+
+class UnreliableExtractionWarning(UserWarning):
+    """An extraction returned with ``on_failure="warn"`` failed some of its checks."""
+
+
+@dataclass
+class Check:
+    """One self-check of a run: ``value`` compared against ``threshold`` (smaller is better)."""
+
+    name: str
+    passed: bool
+    value: float
+    threshold: float
+    message: str
+
+    def __str__(self) -> str:
+        status = "ok" if self.passed else "FAILED"
+        return f"{self.name}: {status} ({self.value:.3g} vs {self.threshold:.3g}) {self.message}"
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "value": self.value, "threshold": self.threshold,
+                "message": self.message}
+
+
+class CheckedResult:
+    """What every result with ``checks`` answers: did it pass, and what failed."""
+
+    checks: list
+
+    @property
+    def ok(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [check for check in self.checks if not check.passed]
+
+
+def report_failure(result: CheckedResult, what: str, on_failure: str, error_type=None, hints=(), stacklevel=3):
+    """Raise ``error_type(message, result)`` (default :class:`ExtractionError`) or warn, when a check failed."""
+    if result.ok:
+        return
+    message = f"{what} failed its checks:\n  " + "\n  ".join(str(check) for check in result.failed_checks)
+    message += "".join("\n" + hint for hint in hints)
+    if on_failure == "raise":
+        raise (error_type or ExtractionError)(message, result)
+    warnings.warn(message, UnreliableExtractionWarning, stacklevel=stacklevel)
+
+
+@dataclass(frozen=True)
+class CheckPolicy:
+    """Thresholds of the self-checks of the grid schedules (docs/algorithm.md §11).
+
+    High precision: every instance must pass; quantities must sit below ``2^(-precision/4)``,
+    far above the rounding of a correct run and far below any O(1) failure.
+    float64: an instance with two nearly equal poles is ill-conditioned by nature and the
+    redundant measurements outvote it, so a small fraction of outlying instances is allowed;
+    the global checks (error estimate, misfit of all answers) carry the verdict.
+    """
+
+    per_instance: float  # tolerance of relative per-instance quantities (imaginary parts)
+    outlier_fraction: float  # fraction of instances allowed to fail a per-instance check
+    ambiguity: float  # a link with a larger ambiguity counts as unmatched
+    label_slack: float  # label deviation allowed, in units of its error (ball radius or first order)
+    error_estimate: float
+    answers_residual: float
+    label_ambiguity: float = 0.01  # lean: a label match less certain than this gets a column link
+
+    @classmethod
+    def for_precision(cls, precision: int | None) -> "CheckPolicy":
+        if precision is None:
+            return cls(1e-6, 0.05, 0.5, 1e3, 1e-4, 1e-6)
+        tolerance = 2.0 ** (-precision / 4)
+        # Labels: balls of one column must overlap (slack 1), up to a little outward rounding.
+        return cls(tolerance, 0.0, 0.1, 4.0, tolerance, tolerance)
+
+
+def error_estimate_check(error_estimate: float, threshold: float, what: str) -> Check:
+    return Check("error_estimate", error_estimate <= threshold, error_estimate, threshold,
+                 f"max relative parameter error expected from {what}")
+
+
+def answers_residual_check(answers_residual: float, threshold: float) -> Check:
+    return Check("answers_residual", answers_residual <= threshold, answers_residual, threshold,
+                 "max misfit of the extracted model on the queries asked, relative to the largest answer")
+
+
+def heads_found_check(found: int, declared: int | None, where: str) -> Check:
+    """Declared ``heads=H``: finding another canonical count is a failure that says so."""
+    if declared is None:
+        return Check("heads_found", found > 0, float(found == 0), 0, f"{found} canonical heads found {where}")
+    return Check("heads_found", found == declared, abs(found - declared), 0,
+                 f"{found} of {declared} declared heads found {where}"
+                 + ("" if found == declared else " (heads with equal W merge in the canonical form; "
+                    "pass max_heads to accept fewer)"))
+
+
+def finite_check() -> Check:
+    return Check("finite", False, np.inf, 0.0, "the assembled parameters are not finite; no model")

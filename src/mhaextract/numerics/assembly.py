@@ -1,0 +1,149 @@
+"""Assembly of the grid schedules' redundant measurements into ``M_h`` and ``l_h`` (docs/algorithm.md §9).
+
+The grid instance ``(i, j)`` measures ``M_h[j, i]``; row link ``j`` measures ``M_h[0, 0] + M_h[j, 0]``;
+column link ``(i, j)`` measures ``M_h[j, 0] + M_h[j, i]`` and repeats the labels ``l_h[j]`` of its
+column. Every entry but ``M_h[0, 0]`` is measured twice. Two ways to use that, one per arithmetic:
+
+* float64 (:func:`weighted_combination`): weighted least squares over every measurement, each
+  weighted by its first-order variance, so that an ill-conditioned instance is outvoted by its twin;
+* balls (:func:`tightest_enclosures`): every measurement is itself an enclosure of the truth (when
+  its instance is certified); keep the tightest, which keeps the certificate.
+
+``layout`` is any object with the grid schedules' index arrays: ``d``, ``grid_index`` (d, d),
+``row_link_index`` (d,), ``column_link_index`` (d, d) (-1 where not asked) and ``instances``
+(each with ``role`` and ``j``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.linalg import MatrixRankWarning, spsolve
+
+
+def inverse_variance_weights(sigma: np.ndarray) -> np.ndarray:
+    """Inverse variances; a non-finite sensitivity (failed fit) gets weight 0."""
+    sigma = np.where(np.isfinite(sigma), sigma, np.inf)
+    floor = np.nanmin(sigma[np.isfinite(sigma)], initial=1.0) * 1e-6 + 1e-300
+    return 1.0 / np.maximum(sigma, floor) ** 2
+
+
+def pole_design(layout) -> csr_matrix:
+    """Sparse (n, d^2): which entries ``M[j, i]`` (column ``j d + i``) each instance's pole measures
+    (grid: ``M[j, i]``; row link j: ``M[0, 0] + M[j, 0]``; column link (i, j): ``M[j, 0] + M[j, i]``)."""
+    d = layout.d
+    rows, cols = [], []
+    for index, instance in enumerate(layout.instances):
+        i, j = instance.i, instance.j
+        if instance.role == "grid":
+            unknowns = [j * d + i]
+        elif instance.role == "row_link":
+            unknowns = [0, j * d]
+        else:
+            unknowns = [j * d, j * d + i]
+        rows += [index] * len(unknowns)
+        cols += unknowns
+    return csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(layout.instances), d * d))
+
+
+def label_columns(layout) -> tuple[np.ndarray, np.ndarray]:
+    """``(column j of each instance, mask of the instances that measure the labels of their column)``:
+    grid instances and column links do, row links (which measure sums of labels) do not."""
+    columns = np.array([instance.j for instance in layout.instances])
+    measures = np.array([instance.role in ("grid", "column_link") for instance in layout.instances])
+    return columns, measures
+
+
+def weighted_combination(layout, m: np.ndarray, labels: np.ndarray, sigma_m: np.ndarray, sigma_l: np.ndarray):
+    """float64: every ``M_h[j, i]`` and ``l_h[j]`` by weighted least squares over all instances.
+
+    ``m``, ``labels``, ``sigma_*`` (n, H) in head order. The normal equations of the poles are
+    sparse (the links form a tree) and solved per head. Returns ``M`` (H, d, d), ``l`` (H, d) and
+    their first-order standard deviations per unit relative sample error.
+    """
+    M, M_std = _combine_poles(layout, m, sigma_m)
+    l, l_std = _combine_labels(layout, labels, sigma_l)
+    return M, l, M_std, l_std
+
+
+def _combine_poles(layout, m: np.ndarray, sigma: np.ndarray):
+    d = layout.d
+    n, H = m.shape
+    A = pole_design(layout)
+    weights = inverse_variance_weights(sigma)
+    M = np.empty((H, d, d))
+    for h in range(H):
+        values = np.where(weights[:, h] > 0, m[:, h], 0.0)
+        Aw = A.multiply(weights[:, h][:, None]).tocsr()
+        normal = (A.T @ Aw).tocsc()
+        with warnings.catch_warnings():  # an unknown with no usable measurement -> NaN, reported
+            warnings.simplefilter("ignore", MatrixRankWarning)
+            M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, d)
+    # Posterior standard deviations, to first order along the tree: M[0,0] from its grid
+    # instance; M[j,0] and M[j,i] each from a direct and a linked measurement.
+    variance = 1.0 / np.maximum(weights, 1e-300)
+    grid, row_links, column_links = layout.grid_index, layout.row_link_index, layout.column_link_index
+
+    def combine(direct, linked):
+        return 1.0 / (1.0 / direct + 1.0 / linked)
+
+    def linked(link_index, base):
+        return variance[link_index] + base if link_index >= 0 else np.full(H, np.inf)
+
+    std = np.empty((H, d, d))
+    v00 = variance[grid[0, 0]]
+    std[:, 0, 0] = v00
+    for j in range(1, d):
+        std[:, j, 0] = combine(variance[grid[0, j]], linked(row_links[j], v00))
+    for i in range(1, d):
+        for j in range(d):
+            std[:, j, i] = combine(variance[grid[i, j]], linked(column_links[i, j], std[:, j, 0]))
+    return M, np.sqrt(std)
+
+
+def _combine_labels(layout, labels: np.ndarray, sigma: np.ndarray):
+    """Weighted mean of ``l_h[j]`` over grid column j and its column links, and its standard deviation."""
+    H = labels.shape[1]
+    columns, measures = label_columns(layout)
+    weights = inverse_variance_weights(sigma) * measures[:, None]
+    total = np.zeros((H, layout.d))
+    weight = np.zeros((H, layout.d))
+    np.add.at(total.T, columns, weights * np.where(weights > 0, labels, 0.0))
+    np.add.at(weight.T, columns, weights)
+    weight = np.maximum(weight, 1e-300)
+    return total / weight, 1.0 / np.sqrt(weight)
+
+
+def tightest_enclosures(layout, m: np.ndarray, labels: np.ndarray):
+    """Balls: for each ``M_h[j, i]`` and ``l_h[j]`` the tightest of its enclosures.
+
+    ``M[j, 0]`` (j >= 1) is grid (0, j) or row link j minus ``M[0, 0]``; ``M[j, i]`` (i >= 1) is
+    grid (i, j) or column link (i, j) minus ``M[j, 0]``; ``l[j]`` is any grid or column link
+    instance of column j (links the schedule did not ask are skipped). Each candidate encloses the
+    truth when its instance is certified, so the choice keeps the certificate and discards
+    ill-conditioned instances. Returns ``M`` (H, d, d) and ``l`` (H, d) of balls, and no standard
+    deviations (the radii are the error).
+    """
+    d = layout.d
+    H = m.shape[1]
+    grid, row_links, column_links = layout.grid_index, layout.row_link_index, layout.column_link_index
+
+    def tightest(*candidates):
+        return min(candidates, key=lambda ball: float(ball.rad()))
+
+    M = np.empty((H, d, d), dtype=object)
+    l = np.empty((H, d), dtype=object)
+    for h in range(H):
+        M[h, 0, 0] = m[grid[0, 0], h]
+        for j in range(1, d):
+            link = [m[row_links[j], h] - M[h, 0, 0]] if row_links[j] >= 0 else []
+            M[h, j, 0] = tightest(m[grid[0, j], h], *link)
+        for j in range(d):
+            for i in range(1, d):
+                link = [m[column_links[i, j], h] - M[h, j, 0]] if column_links[i, j] >= 0 else []
+                M[h, j, i] = tightest(m[grid[i, j], h], *link)
+            links = column_links[1:, j][column_links[1:, j] >= 0]
+            l[h, j] = tightest(*labels[grid[:, j], h], *labels[links, h])
+    return M, l, None, None

@@ -1,0 +1,3 @@
+"""The oracle boundary (docs/algorithm.md §5): counting, validation, budgets and batches
+(:mod:`.boundary`), transcripts (:mod:`.transcript`), query generators (:mod:`.queries`), simulated
+oracles (:mod:`.simulated`) and noise wrappers (:mod:`.noise`)."""

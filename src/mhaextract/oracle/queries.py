@@ -1,0 +1,60 @@
+"""Query vectors and sequences: exact token grids, random bases, random sequences, padding.
+
+Everything that makes tokens for the oracle draws them here, so that every schedule, the
+refinement, the verification and the baselines share one definition of "a random query".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Query vectors are rounded to this many significant bits, so that every sum and difference a
+#: schedule forms (``x - z``, ``x_0 + x_i``, ``z_0 + z_j``) is exact in float64 and the learner
+#: knows exactly which tokens the oracle saw, in any precision (docs/algorithm.md §11).
+TOKEN_BITS = 40
+
+
+def quantize(values: np.ndarray, scale: float) -> np.ndarray:
+    """Round to multiples of ``2**(e + 2 - TOKEN_BITS)`` where ``2**e >= scale``: sums stay exact."""
+    step = 2.0 ** (np.ceil(np.log2(scale)) + 2 - TOKEN_BITS)
+    return np.round(values / step) * step
+
+
+def random_basis(rng: np.random.Generator, d: int, scale: float) -> np.ndarray:
+    """A random orthogonal matrix (Haar) times ``scale``, rounded to ``TOKEN_BITS`` bits."""
+    gaussian = rng.standard_normal((d, d))
+    q, r = np.linalg.qr(gaussian)
+    q = q * np.sign(np.diag(r))  # makes the distribution Haar
+    return quantize(scale * q, scale)
+
+
+def one_token_queries(basis: np.ndarray) -> list[np.ndarray]:
+    """The one-token sequences ``(b)`` for each column ``b`` of ``basis`` (they measure ``vbar^T b``)."""
+    return [b[None, :] for b in basis.T]
+
+
+def random_queries(rng: np.random.Generator, count: int, d: int, token_scale: float,
+                   lengths: tuple[int, int], spread: float = 0.0) -> list[np.ndarray]:
+    """``count`` sequences, lengths uniform in ``lengths`` (inclusive), i.i.d. Gaussian tokens
+    ``N(0, I/d)`` times a per-sequence scale ``token_scale * 2**u``, ``u`` uniform in
+    ``[-spread, spread]`` (token norms about ``token_scale``)."""
+    low, high = int(lengths[0]), int(lengths[1])
+    if low < 1 or high < low:
+        raise ValueError(f"lengths must satisfy 1 <= low <= high, got {lengths}")
+    count = int(count)
+    sizes = rng.integers(low, high + 1, size=count)
+    scales = token_scale * (2.0 ** rng.uniform(-spread, spread, size=count) if spread else np.ones(count))
+    return [rng.standard_normal((int(n), d)) * (s / np.sqrt(d)) for n, s in zip(sizes, scales)]
+
+
+def padded(sequences) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences right-aligned in one array (Q, N_max, d), zero-padded at the front, so the final
+    token of every query is at ``[:, -1]``; and the mask of real tokens (Q, N_max)."""
+    longest = max(len(sequence) for sequence in sequences)
+    d = np.asarray(sequences[0]).shape[1]
+    tokens = np.zeros((len(sequences), longest, d))
+    mask = np.zeros((len(sequences), longest), dtype=bool)
+    for q, sequence in enumerate(sequences):
+        tokens[q, longest - len(sequence):] = sequence
+        mask[q, longest - len(sequence):] = True
+    return tokens, mask

@@ -1,0 +1,144 @@
+"""The schedule interface: what every query schedule provides to :func:`mhaextract.extract`.
+
+A schedule decides which queries to ask and turns their answers into canonical heads. It is
+constructed from the validated :class:`RunSettings`, refuses the options it does not support
+(``accepts``), states its own promised count, and :meth:`Schedule.run` returns an
+:class:`Outcome`; :func:`mhaextract.extract` then finishes every schedule the same way (common
+checks, certificate, refinement, result). Adding a schedule is one module with one subclass and
+one line in :mod:`.registry`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from ..checks.base import Check
+from ..model import MultiHeadAttention
+
+#: Options of ``extract`` that not every schedule supports (the others every schedule takes).
+OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The parameters of one run, validated once by :func:`mhaextract.extract`.
+
+    ``max_heads`` is H0 (the known H or the bound); ``heads`` the declared H (None for a bound).
+    """
+
+    d: int
+    max_heads: int
+    heads: int | None
+    precision: int | None
+    seed: object
+    token_scale: float
+    samples_per_instance: int | None = None
+    refine: bool = False
+    refine_queries: int | None = None
+    answer_error: float | None = None
+
+    def given(self, option: str) -> bool:
+        value = getattr(self, option)
+        return value is not None and value is not False
+
+
+class ScheduleDetails:
+    """Schedule-specific diagnostics of a result (``Extraction.details``). Subclasses are
+    dataclasses that document their attributes and serialise themselves."""
+
+    #: Every instance was proven to enclose its exact parameters (ball-arithmetic schedules only).
+    certified = False
+
+    def summary(self) -> dict:
+        """Scalars for the JSON summary."""
+        return {}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Per-instance arrays for the ``.npz`` file."""
+        return {}
+
+
+@dataclass
+class Outcome:
+    """What :meth:`Schedule.run` hands back: the heads and what was measured to get them.
+
+    ``sequences`` and ``answers`` are every query the schedule asked and its answer (in the
+    arithmetic's numbers); ``linearisation`` is what a schedule's certificate needs (or None).
+    """
+
+    model: MultiHeadAttention | None
+    heads: int
+    error_estimate: float
+    details: ScheduleDetails
+    sequences: list
+    answers: np.ndarray
+    checks: list[Check] = field(default_factory=list)
+    W_balls: np.ndarray | None = None
+    v_balls: np.ndarray | None = None
+    linearisation: object = None
+
+
+class Schedule:
+    """Base class of the query schedules.
+
+    Class attributes
+    ----------------
+    name : the name ``extract(..., schedule=name)`` takes (unique in the registry).
+    accepts : which of ``OPTIONAL`` the schedule supports; the others are refused with ``refusal``.
+    """
+
+    name: ClassVar[str]
+    accepts: ClassVar[frozenset] = frozenset()
+    refusal: ClassVar[str] = ""
+
+    def __init__(self, settings: RunSettings):
+        refused = [option for option in OPTIONAL if option not in self.accepts and settings.given(option)]
+        if refused:
+            raise ValueError(f"schedule={self.name!r} does not take {', '.join(refused)}: {self.refusal}")
+        self.settings = settings
+        self.d = settings.d
+        self.max_heads = settings.max_heads
+        self.token_scale = settings.token_scale
+
+    @property
+    def promised_queries(self) -> int:
+        """This schedule's own count formula (for comparison; results report measured counts)."""
+        raise NotImplementedError
+
+    @property
+    def promised_max_length(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def count_formula(self) -> str:
+        """``promised_queries`` as a formula in words (for reports)."""
+        raise NotImplementedError
+
+    def fixed_queries(self) -> list[np.ndarray]:
+        """The queries known before any answer (hashed into a transcript's fingerprint)."""
+        raise NotImplementedError
+
+    def run(self, boundary, arithmetic) -> Outcome:
+        """Ask through ``boundary`` (an :class:`~mhaextract.oracle.boundary.OracleBoundary`) and
+        compute the heads in ``arithmetic``."""
+        raise NotImplementedError
+
+    def thresholds(self) -> tuple[float, float]:
+        """``(error_estimate, answers_residual)`` above which the common checks fail."""
+        raise NotImplementedError
+
+    def checks(self, outcome: Outcome, label_noise: float = 0.0) -> list[Check]:
+        """The schedule's own checks. ``label_noise``: the answers' noise as a fraction of the
+        largest answer, when known or estimated above rounding (0 otherwise)."""
+        return list(outcome.checks)
+
+    def certificate(self, outcome: Outcome):
+        """The first-order error certificate (docs/algorithm.md §12), where the schedule has one."""
+        return None
+
+    def hints(self, failed: set[str]) -> list[str]:
+        """What to try, for the names of the failed checks."""
+        return []

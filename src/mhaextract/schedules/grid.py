@@ -1,0 +1,439 @@
+"""The grid schedules (paper §5, lean §10): copies-instances on a d x d grid, joined by links.
+
+An *instance* fixes a final token ``x`` and a difference ``z`` and asks the sequences
+``X_k = (y, ..., y, x)`` with ``k`` copies of ``y = x - z`` (docs/algorithm.md §3). Its answers sample
+
+    F(k) = c + sum_h rho_h / (k + tau_h),   tau_h = exp(z^T W_h x),  rho_h = tau_h v_h^T z.
+
+Grid instance ``(i, j)`` has final token ``x_i`` and difference ``z_j`` (poles
+``M_h[j, i] = z_j^T W_h x_i``); row link ``j`` (final ``x_0``, difference ``z_0 + z_j``) and column
+link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``) join grid instances (§5; indices are
+0-based in the code). :class:`GridSchedule` holds the grid and the learner written once for
+every arithmetic (:mod:`mhaextract.numerics.arithmetic`): anchors and fits (§3, §4, §6, §7),
+matching (§8), assembly (§9). Subclasses lay out their instances (``_build``) and may match heads
+inside a column by their labels (:meth:`GridSchedule.match_within_columns`, the lean hook).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checks.base import FLOAT64_MAX_RELIABLE_HEADS, Check, CheckPolicy
+from ..checks.certificate import PipelineRun
+from ..model import MultiHeadAttention
+from ..numerics.assembly import inverse_variance_weights, pole_design
+from ..numerics.rational import InstanceFits
+from ..oracle.queries import random_basis
+from .base import Outcome, Schedule, ScheduleDetails
+from .matching import LinkMatches, Side, match_links
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One copies-instance: ``k`` copies of ``y = final - difference``, then ``final``.
+
+    ``role`` is ``"grid"``, ``"row_link"`` or ``"column_link"``; ``(i, j)`` are grid indices
+    (row link ``j`` has ``i = 0``). ``ks`` are the copy counts actually queried.
+    """
+
+    role: str
+    i: int
+    j: int
+    final: np.ndarray
+    difference: np.ndarray
+    ks: tuple[int, ...]
+
+    def sequence(self, k: int) -> np.ndarray:
+        """The query ``(y, ..., y, x)`` with ``k`` copies of ``y``: shape (k + 1, d)."""
+        repeated = self.final - self.difference
+        return np.vstack([np.tile(repeated, (k, 1)), self.final[None, :]])
+
+
+@dataclass
+class InstanceDiagnostics:
+    """Per-instance diagnostics of a grid run, arrays indexed like ``schedule.instances``.
+
+    role, i, j : which instance; rank : pole count detected; singular_values : Loewner singular
+    values relative to the largest (n, H0); pole_gap, imaginary, nonpositive, residual, condition,
+    certified : see :class:`mhaextract.numerics.rational.InstanceFits`; ambiguity : matching margin
+    of links (NaN for grid instances); label_residual : link label mismatch relative to the largest
+    label (NaN for grid instances); label_deviation : distance of an instance's labels from the
+    consensus of its column in units of its error at the answers' rounding (NaN for row links).
+    """
+
+    role: np.ndarray
+    i: np.ndarray
+    j: np.ndarray
+    rank: np.ndarray
+    singular_values: np.ndarray
+    pole_gap: np.ndarray
+    imaginary: np.ndarray
+    nonpositive: np.ndarray
+    residual: np.ndarray
+    condition: np.ndarray
+    certified: np.ndarray
+    ambiguity: np.ndarray
+    label_residual: np.ndarray
+    label_deviation: np.ndarray
+
+
+@dataclass
+class GridDetails(ScheduleDetails):
+    """``Extraction.details`` of the paper and lean schedules.
+
+    Attributes
+    ----------
+    instances : InstanceDiagnostics, one entry per instance asked.
+    samples_per_instance : K, copy counts 0..K-1 per instance (2 H0 + 1 unless oversampled).
+    fallback_links : lean: column links added where residue labels were too close to match
+        (``2 H0 - 1`` queries each, included in the measured count); 0 for paper.
+    links_bijective : every link matched its poles one to one.
+    """
+
+    instances: InstanceDiagnostics
+    samples_per_instance: int
+    fallback_links: int
+    links_bijective: bool
+
+    @property
+    def certified(self) -> bool:
+        """Every instance's balls were proven to enclose its exact parameters (balls only)."""
+        return bool(self.instances.certified.all())
+
+    def summary(self) -> dict:
+        return {"samples_per_instance": self.samples_per_instance, "fallback_links": self.fallback_links}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f"instances_{name}": np.asarray(values, dtype=str if name == "role" else None)
+                for name, values in vars(self.instances).items()}
+
+
+class GridSchedule(Schedule):
+    """Instances on the d x d grid of ``x_i`` and ``z_j`` (see the module docstring).
+
+    Attributes
+    ----------
+    X, Z : (d, d) arrays whose columns are the final tokens ``x_i`` and differences ``z_j``.
+    instances : list of :class:`Instance`, in query order.
+    grid_index : (d, d) int array, instance index of grid ``(i, j)``.
+    row_link_index : (d,) int array, instance index of row link ``j`` (-1 where not asked).
+    column_link_index : (d, d) int array, instance index of column link ``(i, j)`` (-1 where not asked).
+    ks : (K,) the copy counts ``0..K-1`` every instance's samples are indexed by.
+    """
+
+    accepts = frozenset({"precision", "refine", "answer_error"})
+    #: Instances after row 0 know F(0) only (paper) or both anchors F(0) and c (lean), §4.
+    both_anchors = False
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        exact = 2 * self.max_heads + 1
+        K = exact if settings.samples_per_instance is None else settings.samples_per_instance
+        if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < exact:
+            raise ValueError(f"samples_per_instance must be an integer >= 2 H0 + 1 = {exact}, "
+                             f"got {settings.samples_per_instance!r}")
+        self.samples_per_instance = int(K)
+        rng = np.random.default_rng(settings.seed)
+        self.X = random_basis(rng, self.d, self.token_scale)
+        self.Z = random_basis(rng, self.d, self.token_scale)
+        self.ks = np.arange(self.samples_per_instance)
+        self.instances: list[Instance] = []
+        self.grid_index = np.full((self.d, self.d), -1)
+        self.row_link_index = np.full(self.d, -1)
+        self.column_link_index = np.full((self.d, self.d), -1)
+        self._build()
+
+    def _build(self) -> None:
+        """Lay out the instances known before any answer, in query order."""
+        raise NotImplementedError
+
+    def _add(self, role: str, i: int, j: int, final, difference, first_k: int, last_k: int | None = None) -> int:
+        last = self.samples_per_instance - 1 if last_k is None else last_k
+        self.instances.append(Instance(role, i, j, final, difference, tuple(range(first_k, last + 1))))
+        return len(self.instances) - 1
+
+    @property
+    def promised_max_length(self) -> int:
+        return self.samples_per_instance
+
+    def instance_queries(self, indices) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Queries of the given instances: (sequences, instance index of each, copy count k)."""
+        sequences, owners, copies = [], [], []
+        for index in indices:
+            for k in self.instances[index].ks:
+                sequences.append(self.instances[index].sequence(k))
+                owners.append(index)
+                copies.append(k)
+        return sequences, np.array(owners, dtype=int), np.array(copies, dtype=int)
+
+    def fixed_queries(self) -> list[np.ndarray]:
+        return self.instance_queries(range(len(self.instances)))[0]
+
+    def run(self, boundary, arithmetic) -> Outcome:
+        learner = GridLearner(self, boundary, arithmetic)
+        learner.fit_instances()
+        column_matches = self.match_within_columns(learner)
+        learner.match_links(column_matches)
+        return learner.assemble()
+
+    def match_within_columns(self, learner: "GridLearner"):
+        """Hook: match heads inside each grid column by their labels, asking fallback links through
+        ``learner.add_instances`` where needed. Returns ``(instances, LinkMatches)`` relative to
+        their column's row-0 instance, or None (the paper schedule: links do all the matching)."""
+        return None
+
+    def thresholds(self) -> tuple[float, float]:
+        policy = CheckPolicy.for_precision(self.settings.precision)
+        return policy.error_estimate, policy.answers_residual
+
+    def checks(self, outcome: Outcome, label_noise: float = 0.0) -> list[Check]:
+        """Pole counts, real positive poles, matching, label consistency, float64 head limit (§11).
+
+        Label deviations are in units of the first-order error at the answers' rounding; noisier
+        answers (``label_noise`` above that unit) widen the unit to the noise."""
+        policy = CheckPolicy.for_precision(self.settings.precision)
+        diag, H_star = outcome.details.instances, outcome.heads
+        checks = []
+
+        def fraction_check(name, flags, message):
+            count = int(np.sum(flags))
+            fraction = count / max(len(flags), 1)
+            checks.append(Check(name, fraction <= policy.outlier_fraction, fraction, policy.outlier_fraction,
+                                f"{count} of {len(flags)} {message}"))
+
+        fraction_check("pole_count", diag.rank != H_star, f"instances detected a pole count other than H* = {H_star}")
+        if (diag.rank > H_star).any():
+            checks[-1].passed = False
+            checks[-1].message += "; some detected more, so H* is not the canonical count"
+        fraction_check("poles_real_positive", diag.nonpositive | (diag.imaginary > policy.per_instance),
+                       "instances have a complex or non-positive tau")
+        links = ~np.isnan(diag.ambiguity)
+        fraction_check("matching", diag.ambiguity[links] > policy.ambiguity,
+                       f"links matched their heads ambiguously (ambiguity > {policy.ambiguity})")
+        if not outcome.details.links_bijective:
+            checks[-1].passed = False
+            checks[-1].message += "; a link pole was matched to two heads"
+        labelled = ~np.isnan(diag.label_deviation)
+        deviation = diag.label_deviation[labelled]
+        unit = 2.0**-52
+        if self.settings.precision is None and label_noise > unit:
+            deviation = deviation * (unit / label_noise)
+        fraction_check("labels_consistent", deviation > policy.label_slack,
+                       f"instances have residue labels off the consensus by more than {policy.label_slack:.3g} "
+                       "times their first-order error")
+        if self.settings.precision is None:
+            # With H given, the conditioning is that of H heads even if fewer were detected.
+            heads = max(H_star, self.settings.heads or 0)
+            checks.append(Check(
+                "float64_head_limit", heads <= FLOAT64_MAX_RELIABLE_HEADS, heads, FLOAT64_MAX_RELIABLE_HEADS,
+                "float64 rational interpolation with 2H+1 samples loses ~3 digits per head; for H >= 5 use "
+                "precision=BITS (or schedule='targeted')",
+            ))
+        return checks + list(outcome.checks)
+
+    def hints(self, failed: set[str]) -> list[str]:
+        if failed & {"matching", "poles_real_positive", "labels_consistent", "answers_residual"}:
+            return [f"If the oracle is multi-head attention, heads/max_heads = {self.max_heads} may be smaller than "
+                    "its canonical head count, the precision too low for it, or token_scale unsuited to its W "
+                    "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale)."]
+        return []
+
+
+def _concatenate(parts, indices, n) -> InstanceFits:
+    """Merge InstanceFits computed on disjoint index sets into one indexed 0..n-1."""
+    out = {}
+    for name in InstanceFits.__dataclass_fields__:
+        values = [getattr(part, name) for part in parts]
+        same = all(value.dtype == values[0].dtype for value in values)
+        merged = np.empty((n,) + values[0].shape[1:], dtype=values[0].dtype if same else object)
+        for value, index in zip(values, indices):
+            merged[index] = value
+        out[name] = merged
+    return InstanceFits(**out)
+
+
+class GridLearner:
+    """One grid run in one arithmetic: anchors and fits (§4, §6-§7), matching (§8), assembly (§9).
+
+    State grows as instances are added (lean fallback links); ``order[n, h]`` is which fitted pole
+    of instance n is head h, heads in the order of instance (0, 0).
+    """
+
+    def __init__(self, schedule: GridSchedule, boundary, arithmetic):
+        self.schedule, self.boundary, self.arithmetic = schedule, boundary, arithmetic
+        self.answer_error = schedule.settings.answer_error or 0.0
+        sequences, self.owners, self.copies = schedule.instance_queries(range(len(schedule.instances)))
+        self.answers = boundary.ask(sequences, description=f"querying (d={schedule.d}, H0={schedule.max_heads})")
+        self.sequences = sequences
+        self.samples = arithmetic.empty_samples(len(schedule.instances), len(schedule.ks))
+        self.samples[self.owners, self.copies] = self.answers
+
+    @property
+    def n(self) -> int:
+        return len(self.schedule.instances)
+
+    # --- anchors and fits -----------------------------------------------------------------
+    def fit_instances(self) -> None:
+        """Row 0 first: its one-token anchor, its ranks (H* by majority), its fits; then ``vbar``
+        from ``vbar^T z_j = vbar^T x_0 - c_j`` (§4), and every later instance anchored and fitted."""
+        schedule, arithmetic = self.schedule, self.arithmetic
+        grid = schedule.grid_index
+        self.anchor = self.samples[grid[0, 0], 0]  # F(0) of row 0: the one-token answer vbar^T x_0
+        row0 = grid[0]
+        self.samples[row0[1:], 0] = self.anchor
+        self.ranks = np.zeros(self.n, dtype=int)
+        self.singular_values = np.zeros((self.n, schedule.max_heads))
+        self.ranks[row0], self.singular_values[row0] = arithmetic.detect_ranks(
+            self.samples[row0], schedule.ks, schedule.max_heads, answer_error=self.answer_error)
+        counts = np.bincount(self.ranks[row0], minlength=schedule.max_heads + 1)
+        self.H_star = min(int(counts.argmax()), schedule.max_heads)  # oversampled instances can show H0 + 1
+        fits_row0 = arithmetic.fit(self.samples[row0], schedule.ks, self.H_star)
+        self.vbar_z = self.anchor - fits_row0.c
+        vbar = arithmetic.solve_transposed(schedule.Z, self.vbar_z)
+        self.vbar_x = arithmetic.dot(vbar, schedule.X)
+        self.vbar_x[0] = self.anchor  # measured, not recomputed
+        rest = np.setdiff1d(np.arange(self.n), row0)
+        self.ranks[rest], self.singular_values[rest], fits_rest = self._fit_later(rest)
+        self.fits = _concatenate([fits_row0, fits_rest], [row0, rest], self.n)
+
+    def _fit_later(self, indices):
+        """Anchor, rank and fit instances after row 0 (both anchors in the lean schedule)."""
+        schedule = self.schedule
+        constant = None
+        width = len(schedule.ks) - 1 if schedule.both_anchors else len(schedule.ks)
+        for index in indices:
+            instance = schedule.instances[index]
+            final = self.vbar_x[0] + self.vbar_x[instance.i] if instance.role == "column_link" else self.vbar_x[instance.i]
+            difference = self.vbar_z[0] + self.vbar_z[instance.j] if instance.role == "row_link" else self.vbar_z[instance.j]
+            self.samples[index, 0] = final  # F(0) = vbar^T x
+            if schedule.both_anchors:
+                self.samples[index, width] = final - difference  # c = vbar^T (x - z), kept in the spare column
+        block = self.samples[indices]
+        if schedule.both_anchors:
+            constant, block = block[:, width], block[:, :width]
+        ks = schedule.ks[:width]
+        ranks, values = self.arithmetic.detect_ranks(block, ks, schedule.max_heads, constant=constant,
+                                                     answer_error=self.answer_error)
+        return ranks, values, self.arithmetic.fit(block, ks, self.H_star, constant=constant)
+
+    def add_instances(self, indices: list[int]) -> None:
+        """Ask, anchor and fit instances the schedule added after the first answers (fallback links)."""
+        old = self.n - len(indices)
+        sequences, owners, copies = self.schedule.instance_queries(indices)
+        answers = self.boundary.ask(sequences, description=f"fallback links ({len(indices)})")
+        self.sequences = self.sequences + sequences
+        self.answers = np.concatenate([self.answers, answers])
+        self.owners, self.copies = np.concatenate([self.owners, owners]), np.concatenate([self.copies, copies])
+        grown = self.arithmetic.empty_samples(self.n, len(self.schedule.ks))
+        grown[:old] = self.samples
+        self.samples = grown
+        self.samples[owners, copies] = answers
+        ranks, values, fits = self._fit_later(np.array(indices))
+        self.ranks = np.concatenate([self.ranks, ranks])
+        self.singular_values = np.concatenate([self.singular_values, values])
+        self.fits = _concatenate([self.fits, fits], [np.arange(old), np.array(indices)], self.n)
+
+    def side(self, index, ordered: bool = False) -> Side:
+        """Poles, labels and their sensitivities of some instances, in head order if ``ordered``."""
+        fits = self.fits
+
+        def take(values):
+            values = values[index]
+            return np.take_along_axis(values, self.order[index], axis=1) if ordered else values
+        return Side(take(fits.log_poles), take(fits.labels), take(fits.sigma_m), take(fits.sigma_l))
+
+    # --- matching -------------------------------------------------------------------------
+    def match_links(self, column_matches=None) -> None:
+        """Row links name the heads of row 0; labels (lean) or column links those of each column (§8)."""
+        schedule, d = self.schedule, self.schedule.d
+        grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
+        self.order = np.tile(np.arange(self.H_star), (self.n, 1))
+        self.ambiguity = np.full(self.n, np.nan)
+        self.label_residual = np.full(self.n, np.nan)
+        labels = self.arithmetic.magnitude(self.fits.labels)
+        self.label_scale = max(float(labels.max()) if labels.size else 0.0, 1e-300)
+        self.bijective = True
+        if d > 1 and (row_links[1:] >= 0).all():
+            self._link(np.full(d - 1, grid[0, 0]), grid[0, 1:], row_links[1:], labels_add=True)
+        if column_matches is not None:  # relative to each column's row-0 instance
+            later, matches = column_matches
+            reference_order = self.order[grid[0]][np.array([schedule.instances[b].j for b in later])]
+            self.order[later] = np.take_along_axis(matches.permutation, reference_order, axis=1)
+            self.ambiguity[later] = matches.ambiguity
+            self.bijective = self.bijective and bool(matches.bijective.all())
+        linked = np.argwhere(column_links >= 0)
+        if d > 1 and len(linked):
+            i, j = linked[:, 0], linked[:, 1]
+            self._link(grid[0, j], grid[i, j], column_links[i, j], labels_add=False)
+            if column_matches is not None:  # the link decided these; its own ambiguity is on the link
+                self.ambiguity[grid[i, j]] = np.nan
+
+    def _link(self, a_index, b_index, link_index, labels_add: bool) -> None:
+        matches: LinkMatches = match_links(self.side(a_index, ordered=True), self.side(b_index),
+                                           self.side(link_index), labels_add)
+        self.order[b_index] = matches.permutation
+        self.order[link_index] = matches.link_heads
+        l_a, l_b, l_link = (self._ordered(self.fits.labels, index) for index in (a_index, b_index, link_index))
+        mismatch = self.arithmetic.magnitude(l_link - (l_a + l_b if labels_add else l_b))
+        if not labels_add:  # column links: the labels of a and b agree too
+            mismatch = np.maximum(mismatch, self.arithmetic.magnitude(l_a - l_b))
+        self.ambiguity[link_index] = matches.ambiguity
+        self.label_residual[link_index] = mismatch.max(axis=1, initial=0.0) / self.label_scale
+        self.bijective = self.bijective and bool(matches.bijective.all())
+
+    def _ordered(self, values, index):
+        return np.take_along_axis(values[index], self.order[index], axis=1)
+
+    # --- assembly -------------------------------------------------------------------------
+    def assemble(self) -> Outcome:
+        """``M_h`` and ``l_h`` from every redundant measurement, then ``W_h``, ``v_h`` (§9)."""
+        schedule, arithmetic, everything = self.schedule, self.arithmetic, np.arange(self.n)
+        m, labels = self._ordered(self.fits.log_poles, everything), self._ordered(self.fits.labels, everything)
+        sigma_m, sigma_l = self._ordered(self.fits.sigma_m, everything), self._ordered(self.fits.sigma_l, everything)
+        M, consensus, M_std, label_std = arithmetic.combine(schedule, m, labels, sigma_m, sigma_l)
+        W, v = arithmetic.assemble(schedule.Z, schedule.X, M, consensus)
+        details = GridDetails(self._diagnostics(labels, consensus, sigma_l), schedule.samples_per_instance,
+                              int((schedule.column_link_index >= 0).sum()) if schedule.both_anchors else 0,
+                              self.bijective)
+        W_mid, v_mid = arithmetic.midpoint(W), arithmetic.midpoint(v)
+        outcome = Outcome(None, self.H_star, np.inf, details, self.sequences, self.answers)
+        if not (np.isfinite(W_mid).all() and np.isfinite(v_mid).all()):
+            outcome.heads = int(np.bincount(self.ranks).argmax())
+            return outcome
+        outcome.error_estimate = arithmetic.error_estimate(schedule.Z, schedule.X, W, v, M_std, label_std)
+        outcome.model = MultiHeadAttention(W_mid, v_mid)
+        if arithmetic.precision is not None:
+            outcome.W_balls, outcome.v_balls = W, v
+        else:  # what the certificate linearises: the fits in head order, the combination's weights
+            outcome.linearisation = PipelineRun(
+                schedule, self.owners, self.copies, self.fits.c, m, labels, inverse_variance_weights(sigma_m),
+                inverse_variance_weights(sigma_l), pole_design(schedule), outcome.model, self.answers, self.ranks)
+        return outcome
+
+    def _diagnostics(self, labels, consensus, sigma_l) -> InstanceDiagnostics:
+        """Each grid and column-link instance against the consensus labels of its column, in units
+        of its own error at the answers' rounding (ball radii, or eps times the label sensitivity)."""
+        schedule, arithmetic = self.schedule, self.arithmetic
+        label_deviation = np.full(self.n, np.nan)
+        for index, instance in enumerate(schedule.instances):
+            if instance.role == "row_link":
+                continue
+            if not self.H_star:
+                label_deviation[index] = 0.0
+                continue
+            miss = arithmetic.magnitude(labels[index] - consensus[:, instance.j])
+            expected = arithmetic.label_error(labels[index], consensus[:, instance.j], sigma_l[index])
+            label_deviation[index] = float(np.nanmax(miss / (expected + arithmetic.unit * self.label_scale),
+                                                     initial=0.0))
+        fits = self.fits
+        return InstanceDiagnostics(
+            role=np.array([inst.role for inst in schedule.instances]),
+            i=np.array([inst.i for inst in schedule.instances]), j=np.array([inst.j for inst in schedule.instances]),
+            rank=self.ranks, singular_values=self.singular_values, pole_gap=fits.pole_gap,
+            imaginary=fits.imaginary, nonpositive=fits.nonpositive, residual=fits.residual,
+            condition=fits.condition, certified=fits.certified, ambiguity=self.ambiguity,
+            label_residual=self.label_residual, label_deviation=label_deviation,
+        )
+

@@ -1,0 +1,56 @@
+"""The paper's schedule (docs/algorithm.md §5): exactly ``4 H0 d^2 - 2 H0 + 1`` queries.
+
+Instance ``(0, 0)`` asks ``k = 0..2 H0`` (``2 H0 + 1`` queries); every other instance gets
+``F(0)`` from the anchors (§4) and asks ``k = 1..2 H0``. With ``d^2`` grid instances and
+``d^2 - 1`` links::
+
+    (2 H0 + 1) + 2 H0 (2 d^2 - 2) = 4 H0 d^2 - 2 H0 + 1   queries, the longest of length 2 H0 + 1.
+
+``samples_per_instance=K > 2 H0 + 1`` oversamples every instance (least-squares fits, §12):
+``K + (K - 1)(2 d^2 - 2)`` queries of length at most K. The redundant measurements (every entry
+of ``M_h`` but one is measured twice) make the first-order certificate of §12 possible.
+"""
+
+from __future__ import annotations
+
+from ..checks.certificate import pipeline_certificate
+from .grid import GridSchedule
+
+
+class PaperSchedule(GridSchedule):
+    """The exact-count schedule of the paper (``extract(..., schedule="paper")``, the default)."""
+
+    name = "paper"
+    accepts = GridSchedule.accepts | {"samples_per_instance"}
+
+    def _build(self) -> None:
+        x, z = self.X.T, self.Z.T  # rows are the tokens
+        # 1. instance (0, 0): k = 0..2H0; its one-token query gives vbar^T x_0.
+        self.grid_index[0, 0] = self._add("grid", 0, 0, x[0], z[0], 0)
+        # 2. row 0: F(0) = vbar^T x_0 is known; each instance then gives vbar^T z_j.
+        for j in range(1, self.d):
+            self.grid_index[0, j] = self._add("grid", 0, j, x[0], z[j], 1)
+        # 3. everything else (vbar known on R^d): row links, grid rows 1.., column links.
+        for j in range(1, self.d):
+            self.row_link_index[j] = self._add("row_link", 0, j, x[0], z[0] + z[j], 1)
+        for i in range(1, self.d):
+            for j in range(self.d):
+                self.grid_index[i, j] = self._add("grid", i, j, x[i], z[j], 1)
+        for i in range(1, self.d):
+            for j in range(self.d):
+                self.column_link_index[i, j] = self._add("column_link", i, j, x[0] + x[i], z[j], 1)
+
+    @property
+    def promised_queries(self) -> int:
+        """``4 H0 d^2 - 2 H0 + 1``, or ``K + (K - 1)(2 d^2 - 2)`` when oversampled."""
+        K = self.samples_per_instance
+        return K + (K - 1) * (2 * self.d**2 - 2)
+
+    @property
+    def count_formula(self) -> str:
+        if self.samples_per_instance > 2 * self.max_heads + 1:
+            return f"oversampled K = {self.samples_per_instance}: K + (K-1)(2d^2-2)"
+        return "paper 4*H0*d^2 - 2*H0 + 1"
+
+    def certificate(self, outcome):
+        return None if outcome.linearisation is None else pipeline_certificate(outcome.linearisation)
