@@ -187,7 +187,11 @@ def test_acceptance_1_the_bound_holds_in_200_noisy_runs_and_is_not_vacuous():
         assert measured <= bound, (run - 1, d, H, eps, measured, bound)
         ratios.append(measured / bound)
     assert np.median(ratios) >= 1e-3
-    assert skipped < run  # and every skipped run said so (asserted above)
+    # Not vacuous: the bound applies to most runs, not only a lucky few (the old `skipped < run`
+    # held by construction, since the loop only ends after 200 bounded runs). Measured 149 skipped
+    # of 349 (all H = 1 runs bounded, most H = 3 runs over their valid_below). Every skipped run
+    # said so (asserted above).
+    assert skipped <= run // 2, (skipped, run)
 
 
 def test_noise_above_valid_below_says_so_declared_or_not():
