@@ -1,8 +1,8 @@
-"""Combining redundant per-instance measurements into M and the labels (learner helpers).
+"""Combining redundant per-instance measurements into M and the labels (docs/algorithm.md §9).
 
-``_combine_poles`` / ``_combine_labels`` are private and expected to move in a refactor; they
+``combine_poles`` / ``combine_labels`` (mhaextract.numerics.assembly, float64 assembly); they
 are tested here through their current names. Per-instance values are built in the test from a
-known model, following the schedule's index conventions (schedule.py, 0-based):
+known model, following the schedule's index conventions (mhaextract.schedules.paper, 0-based):
 
 * grid (i, j): pole M[j, i], label l[j];
 * row link j: pole M[0, 0] + M[j, 0] (labels l[0] + l[j], not combined);
@@ -12,15 +12,16 @@ known model, following the schedule's index conventions (schedule.py, 0-based):
 import numpy as np
 import pytest
 
-from mhaextract.learner import _combine_labels, _combine_poles
-from mhaextract.schedule import PaperSchedule
+from conftest import run_settings
+from mhaextract.numerics.assembly import combine_labels, combine_poles
+from mhaextract.schedules.paper import PaperSchedule
 
 D, H = 3, 2
 
 
 @pytest.fixture
 def setup():
-    schedule = PaperSchedule(D, H, seed=0)
+    schedule = PaperSchedule(run_settings(D, H, seed=0))
     rng = np.random.default_rng(1)
     M = rng.uniform(-1.5, 1.5, (H, D, D))
     labels = rng.uniform(-2.0, 2.0, (H, D))  # l_h[j] = v_h^T z_j
@@ -56,10 +57,10 @@ def test_instance_count_and_roles(setup):
 def test_equal_sigmas_reproduce_exact_data(setup):
     schedule, M, labels, m, l = setup
     sigma = np.ones_like(m)
-    M_found, M_std = _combine_poles(schedule, m, sigma)
+    M_found, M_std = combine_poles(schedule, m, sigma)
     # Exact data: a consistent linear system; measured errors 4.4e-16 (M), 1.1e-16 (labels).
     assert np.abs(M_found - M).max() <= 1e-13
-    l_found, l_std = _combine_labels(schedule, l, sigma)
+    l_found, l_std = combine_labels(schedule, l, sigma)
     assert np.abs(l_found - labels).max() <= 1e-13
     # Standard deviations with unit variances, along the tree (computed by hand):
     # M[0,0]: 1; M[j,0] (row link j on M[0,0]): direct 1 and linked 1 + 1 -> 1/(1 + 1/2) = 2/3;
@@ -81,12 +82,12 @@ def test_a_bad_instance_with_large_sigma_is_outvoted(setup, role, i, j):
     m[bad] += np.array([0.7, -0.4])  # a gross error in both heads
     sigma = np.ones_like(m)
     # Equal weights: the error leaks into M (this is what the sigma is for).
-    leaked, _ = _combine_poles(schedule, m, sigma)
+    leaked, _ = combine_poles(schedule, m, sigma)
     assert np.abs(leaked - M).max() > 1e-2
     # Large sigma (weight 1e-16 relative): the twin measurement decides. Leak ~0.7e-16 plus
     # rounding; measured <= 4.4e-16 (0.19 .. 0.41 with equal sigmas).
     sigma[bad] = 1e8
-    M_found, _ = _combine_poles(schedule, m, sigma)
+    M_found, _ = combine_poles(schedule, m, sigma)
     assert np.abs(M_found - M).max() <= 1e-12
 
 
@@ -98,7 +99,7 @@ def test_a_failed_instance_gets_no_weight(setup):
     sigma = np.ones_like(m)
     sigma[bad] = np.inf  # how a failed fit reports itself
     with np.errstate(divide="ignore"):
-        M_found, _ = _combine_poles(schedule, m, sigma)
+        M_found, _ = combine_poles(schedule, m, sigma)
     assert np.abs(M_found - M).max() <= 1e-12
 
 
@@ -108,11 +109,11 @@ def test_labels_are_combined_over_the_column_and_outvote_a_bad_instance(setup):
     l = l.copy()
     l[bad] += 0.9
     sigma = np.ones_like(l)
-    leaked, _ = _combine_labels(schedule, l, sigma)
+    leaked, _ = combine_labels(schedule, l, sigma)
     # Equal weights: column 2 mean moves by 0.9 / 5 = 0.18.
     assert np.abs(leaked[:, 2] - labels[:, 2]) == pytest.approx([0.18, 0.18], rel=1e-9)
     assert np.abs(np.delete(leaked, 2, axis=1) - np.delete(labels, 2, axis=1)).max() <= 1e-13
     sigma[bad] = 1e8
-    l_found, _ = _combine_labels(schedule, l, sigma)
+    l_found, _ = combine_labels(schedule, l, sigma)
     # Leak 0.9e-16 / 4 plus rounding; measured 1.1e-16.
     assert np.abs(l_found - labels).max() <= 1e-12

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flint import arb
 
-from mhaextract.highprec import mid_float, mpf_to_arb, radius_float, to_arb, working_precision
-from mhaextract.kernels import arb as ka
+from mhaextract.numerics.highprec import mid_float, mpf_to_arb, radius_float, to_arb, working_precision
+from mhaextract.numerics import arb as ka
 
 BITS = 256
 

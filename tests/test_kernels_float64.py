@@ -10,8 +10,8 @@ import mpmath
 import numpy as np
 import pytest
 
-from mhaextract.kernels import float64 as kf
-from mhaextract.kernels.rational import instance_jacobian, sensitivities
+from mhaextract.numerics import float64 as kf
+from mhaextract.numerics.rational import instance_jacobian, sensitivities
 
 
 def exact_samples(c, m, l, ks):

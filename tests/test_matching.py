@@ -15,8 +15,8 @@ from flint import arb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mhaextract.highprec import working_precision
-from mhaextract.matching import Side, match_labels, match_links
+from mhaextract.numerics.highprec import working_precision
+from mhaextract.schedules.matching import Side, match_labels, match_links
 
 FLOAT64_AMBIGUITY, HIGHPREC_AMBIGUITY, LABEL_AMBIGUITY = 0.5, 0.1, 0.01
 SIGMA = 1e-9  # first-order sensitivity given to every pole and label

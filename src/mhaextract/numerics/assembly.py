@@ -63,12 +63,12 @@ def weighted_combination(layout, m: np.ndarray, labels: np.ndarray, sigma_m: np.
     sparse (the links form a tree) and solved per head. Returns ``M`` (H, d, d), ``l`` (H, d) and
     their first-order standard deviations per unit relative sample error.
     """
-    M, M_std = _combine_poles(layout, m, sigma_m)
-    l, l_std = _combine_labels(layout, labels, sigma_l)
+    M, M_std = combine_poles(layout, m, sigma_m)
+    l, l_std = combine_labels(layout, labels, sigma_l)
     return M, l, M_std, l_std
 
 
-def _combine_poles(layout, m: np.ndarray, sigma: np.ndarray):
+def combine_poles(layout, m: np.ndarray, sigma: np.ndarray):
     d = layout.d
     n, H = m.shape
     A = pole_design(layout)
@@ -103,7 +103,7 @@ def _combine_poles(layout, m: np.ndarray, sigma: np.ndarray):
     return M, np.sqrt(std)
 
 
-def _combine_labels(layout, labels: np.ndarray, sigma: np.ndarray):
+def combine_labels(layout, labels: np.ndarray, sigma: np.ndarray):
     """Weighted mean of ``l_h[j]`` over grid column j and its column links, and its standard deviation."""
     H = labels.shape[1]
     columns, measures = label_columns(layout)
