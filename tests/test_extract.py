@@ -128,7 +128,7 @@ def test_d1_is_one_instance():
     assert hp_error(result, target) < 1e-40
 
 
-# float64: per-instance interpolation loses ~3 digits per head (ALGORITHM.md section 7). The
+# float64: per-instance interpolation loses ~3 digits per head (docs/algorithm.md §11). The
 # targets of the issue are H=1 <= 1e-12, H=2 <= 1e-10, H=3 <= 1e-7; the benchmark reports the
 # distribution (README). Here: every run is either accurate to its own error estimate or says it
 # failed, and the median over seeds meets a bound where the paper's count allows one (H = 3 at

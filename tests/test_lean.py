@@ -1,4 +1,4 @@
-"""The lean schedule (ALGORITHM.md section 6)."""
+"""The lean schedule (docs/algorithm.md §10)."""
 
 import warnings
 

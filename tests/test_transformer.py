@@ -1,4 +1,4 @@
-"""One-layer Transformer (ALGORITHM.md section 9): the model, its canonical form, the extraction."""
+"""One-layer Transformer (docs/algorithm.md §14): the model, its canonical form, the extraction."""
 
 
 import mpmath

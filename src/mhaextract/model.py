@@ -1,4 +1,4 @@
-"""The target: multi-head softmax attention read out at the final token (ALGORITHM.md section 1).
+"""The target: multi-head softmax attention read out at the final token (docs/algorithm.md §1).
 
 For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, v_h)``::
 
@@ -159,7 +159,7 @@ class MultiHeadAttention:
         ``precision=bits`` the sequences may hold ``mpmath.mpf`` (or floats) and the outputs are
         a list of ``mpf`` computed with ball arithmetic at ``bits`` (+ guard) bits.
         ``dtype=np.float32`` evaluates in float32 throughout (tokens, parameters and arithmetic
-        rounded to float32; a lower-precision target, see :class:`mhaextract.noise.Float32Oracle`).
+        rounded to float32; a lower-precision target, see :class:`mhaextract.oracle.noise.Float32Oracle`).
         """
         sequences = as_batch(batch, self.d)
         if precision is None:
@@ -173,7 +173,7 @@ class MultiHeadAttention:
         """The attention-weighted mean token of every head, ``m_h(X) = sum_i a_{h,i} x_i``.
 
         The output is ``f(X) = sum_h v_h^T m_h(X)``; a one-layer Transformer reads the same means
-        through its value-output maps (ALGORITHM.md section 9). Returns float64 (B, H, d), or with
+        through its value-output maps (docs/algorithm.md §14). Returns float64 (B, H, d), or with
         ``precision=bits`` an object array (B, H, d) of flint ``arb`` balls computed at
         ``bits + 32`` bits (the caller sets nothing; the balls carry their own precision).
         """

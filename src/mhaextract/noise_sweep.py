@@ -1,7 +1,7 @@
 """The noise sweep behind ``mhaextract report noise``: parameter error against answer error.
 
 For every H and every eps, seeded random targets are extracted through
-:class:`~mhaextract.noise.AdditiveNoise` (``|e| <= eps``, declared as ``answer_error``); each run
+:class:`~mhaextract.oracle.noise.AdditiveNoise` (``|e| <= eps``, declared as ``answer_error``); each run
 records the measured max relative parameter error (:func:`mhaextract.compare`), its certificate
 ``error_bound(eps)`` (infinite when eps is above the run's ``valid_below``) and whether its checks
 passed. :func:`plot_noise_sweep` draws error against eps, log-log, one line per H (median over

@@ -3,7 +3,7 @@
 A layer with ``H`` heads of width ``r = d / H`` has per head ``r x d`` query, key and value blocks
 ``Wq_h, Wk_h, Wv_h``, a ``d x r`` output block ``Wo_h`` and a score scale ``sigma`` (``1/sqrt(r)``
 by default). Read out at the last position through a vector ``u`` it is the model of
-ALGORITHM.md section 1 with
+docs/algorithm.md §1 with
 
     W_h = sigma * Wk_h^T Wq_h        v_h = Wv_h^T Wo_h^T u,
 

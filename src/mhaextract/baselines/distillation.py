@@ -2,7 +2,7 @@
 
 Ask the oracle ``budget`` random queries (by default the paper's count ``4Hd^2 - 2H + 1``; random
 lengths ``1..L`` and random token scales, :func:`random_queries`), then fit a student with the
-same ``H`` and ``d`` (the model of ALGORITHM.md section 1, ``f(X) = sum_h sum_i a_{h,i} v_h^T x_i``)
+same ``H`` and ``d`` (the model of docs/algorithm.md §1, ``f(X) = sum_h sum_i a_{h,i} v_h^T x_i``)
 by minimising the relative squared misfit
 
     loss(W, v) = sum_n (f_student(X_n) - f(X_n))^2 / sum_n f(X_n)^2
@@ -88,7 +88,7 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
 
     Parameters
     ----------
-    oracle : callable ``oracle(batch) -> outputs`` (float64; see :mod:`mhaextract.oracle`).
+    oracle : callable ``oracle(batch) -> outputs`` (float64; see :mod:`mhaextract.oracle.boundary`).
     d, heads : the student's token dimension and head count (the target's, assumed known).
     budget : queries to ask (default :func:`paper_budget`).
     restarts : random initialisations trained together.

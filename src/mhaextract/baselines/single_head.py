@@ -1,4 +1,4 @@
-"""The prior single-head algorithm (arXiv 2601.16873; ALGORITHM.md section 10) as a baseline.
+"""The prior single-head algorithm (arXiv 2601.16873; docs/algorithm.md §15) as a baseline.
 
 One head ``(W, v)`` on R^r (tokens ``x = B c`` for a basis ``B`` of the space, ``c`` in R^r):
 
@@ -9,10 +9,10 @@ One head ``(W, v)`` on R^r (tokens ``x = B c`` for a basis ``B`` of the space, `
    bilinear measurement::
 
        m = log((1 - a) / a) = log((v^T y - f) / (f - v^T x)) = z^T W x      (the k = 1 instance
-                                                                             of ALGORITHM.md 2)
+                                                                             of docs/algorithm.md §3)
 
    With ``z_j = B Z[:, j]`` and the ``x_i``: ``Z^T A X = M`` for ``A = B^T W B``, so
-   ``A = Z^{-T} M X^{-1}`` (the core's assembly, :func:`mhaextract.kernels.float64.assemble`).
+   ``A = Z^{-T} M X^{-1}`` (the core's assembly, :func:`mhaextract.numerics.float64.assemble`).
 
 ``r^2 + r`` queries in all: ``d^2 + d`` for one head on R^d, the information lower bound. The
 measurement needs ``v^T z_j != 0`` (the prior paper's "v_j != 0" condition): here ``Z`` is chosen
@@ -42,7 +42,7 @@ to check the model against the oracle.
 **Numerics.** Everything is an explicit formula; in high precision (``precision=bits``) it runs
 in python-flint ball arithmetic on the oracle's answer balls (one ulp), so the returned balls
 enclose the head given answers correct to one ulp: a certified extraction without a Krawczyk
-step. Tokens are rounded to 40 bits (:func:`mhaextract.schedule.quantize`) so ``y = x - z`` is
+step. Tokens are rounded to 40 bits (:func:`mhaextract.oracle.queries.quantize`) so ``y = x - z`` is
 exact; with a basis ``B`` the tokens ``B c`` must be exact in float64 too (bases with dyadic
 entries of few bits, e.g. signed coordinate vectors or Hadamard columns), which high precision
 checks.
@@ -210,7 +210,7 @@ def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None,
 
     Parameters
     ----------
-    oracle : callable ``oracle(batch) -> outputs`` (see :mod:`mhaextract.oracle`).
+    oracle : callable ``oracle(batch) -> outputs`` (see :mod:`mhaextract.oracle.boundary`).
     d : token dimension.
     subspaces : None for one head on R^d; or a list of bases ``B_h`` (arrays (d, r_h)) of pairwise
         orthogonal subspaces, one head in each (the prior paper's multi-head assumption).

@@ -1,6 +1,6 @@
 """The error certificate of a float64 run: how far answer errors can move the parameters.
 
-ALGORITHM.md section 8: if every answer carries an error ``|e_q| <= eps``, the parameters move
+docs/algorithm.md §12: if every answer carries an error ``|e_q| <= eps``, the parameters move
 by ``delta theta = G e + O(eps^2)`` with ``G`` the derivative of the whole run with respect to its
 answers. Worst case over the box ``|e_q| <= eps`` the change of parameter p is exactly
 ``eps * ||G_p||_1`` (row p of G, l1 norm), so
@@ -14,7 +14,7 @@ is the amplification from answer errors (absolute) to the relative parameter err
    (section 3): ``vbar^T x_0`` (an answer) or ``vbar^T x_i`` with ``vbar = Z^{-T}(F(0) - c_row0)``,
    which carries the errors of all of row 0's constants ``c_j`` (the anchors' propagation);
 2. **instances**: ``(c, m, l)_t = J_t^+ F_t`` to first order, ``J_t[k] = dF(k)/d(c, m, l)`` at
-   the fit (:func:`mhaextract.kernels.rational.instance_jacobian`; the exact-count fit
+   the fit (:func:`mhaextract.numerics.rational.instance_jacobian`; the exact-count fit
    interpolates, ``J_t^+ = J_t^{-1}``; the oversampled one is polished to the least-squares fit);
 3. **matching**: discrete, so no derivative; it is certified separately (below);
 4. **combination**: every ``M_h[j, i]`` by weighted least squares over the instances that measure
@@ -22,7 +22,7 @@ is the amplification from answer errors (absolute) to the relative parameter err
 5. **assembly**: ``W_h = Z^{-T} M_h X^{-1}``, ``v_h = Z^{-T} l_h``.
 
 After ``refine=True`` the result is the least-squares fit of all answers and ``G = J_f^+``
-(:func:`mhaextract.refine.output_jacobian`).
+(:func:`mhaextract.checks.refine.output_jacobian`).
 
 **Validity.** The first order is trusted, and the matching provably unchanged, for
 ``eps < valid_below``:
@@ -367,7 +367,7 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
 
 
 def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
-    """The dense G (H (d^2 + d), Q) of a certificate, in :func:`mhaextract.refine.pack` order
+    """The dense G (H (d^2 + d), Q) of a certificate, in :func:`mhaextract.checks.refine.pack` order
     (for small runs and tests; the amplification itself is accumulated in chunks)."""
     if certificate.kind == "least squares":
         return certificate._pseudo_inverse

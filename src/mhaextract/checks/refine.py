@@ -1,6 +1,6 @@
 """Refinement: nonlinear least squares of all parameters against every answer collected.
 
-For a query ``X = (x_1, .., x_N)`` with attention weights ``a_{h,i}`` (ALGORITHM.md section 1),
+For a query ``X = (x_1, .., x_N)`` with attention weights ``a_{h,i}`` (docs/algorithm.md §1),
 head outputs ``f_h = sum_i a_{h,i} v_h^T x_i`` and ``f = sum_h f_h``, the Jacobian with
 respect to ``theta = (W_1..W_H, v_1..v_H)`` is analytic and cheap:
 
@@ -18,7 +18,7 @@ conditioned as a least-squares design (the heads of one instance are separated o
 the few copy counts). A few fresh random queries of the schedule's lengths fix that:
 :func:`random_queries` draws them and the learner asks them through the same oracle boundary
 (they are counted). To first order the minimiser moves by ``J^+ e`` for answer errors ``e``
-(J full column rank for canonical heads): :mod:`mhaextract.certificate` bounds the refined
+(J full column rank for canonical heads): :mod:`mhaextract.checks.certificate` bounds the refined
 result with it.
 """
 

@@ -2,7 +2,7 @@
 
 :func:`verify` asks ``n`` fresh random queries (lengths 1..``max_length``, tokens Gaussian at
 several scales around the run's token scale, so that both flat and sharp attention occur)
-through an :class:`~mhaextract.oracle.OracleBoundary` (counted), and compares
+through an :class:`~mhaextract.oracle.boundary.OracleBoundary` (counted), and compares
 
     relative error(X) = |f_hat(X) - oracle(X)| / rms_q |oracle(X_q)|
 

@@ -14,7 +14,7 @@ whose rank is r whenever there are at least r test points and r + 1 support poin
 the Loewner matrix of the full even/odd split detects H* from a bound H0. The poles are the
 zeros of D, the residues ``rho_h = N(p_h) / D'(p_h)`` and ``c = sum_a w_a F(s_a) / sum_a w_a``.
 
-When both anchors are known (ALGORITHM.md section 3, the lean schedule) c is given: the fit is
+When both anchors are known (docs/algorithm.md §4, the lean schedule) c is given: the fit is
 of ``G = F - c``, which vanishes at infinity. That is one more linear condition on the weights,
 ``sum_a w_a G(s_a) = 0`` (the barycentric value at infinity), appended to the Loewner rows, so
 ``2r`` samples suffice.
@@ -110,7 +110,7 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
       the per-parameter change for i.i.d. unit relative sample errors (used as weights).
 
     Shapes: ks (K,), tau and labels (n, r). Rows with non-finite parameters get inf. With
-    ``constant_known`` (both anchors of ALGORITHM.md section 3 known) the column of c is dropped.
+    ``constant_known`` (both anchors of docs/algorithm.md §4 known) the column of c is dropped.
     """
     n, r = tau.shape
     finite = np.isfinite(tau).all(axis=1) & np.isfinite(labels).all(axis=1)

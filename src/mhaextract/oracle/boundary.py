@@ -75,7 +75,7 @@ class OracleBoundary:
     batch_size: int = 1024
     max_queries: int | None = None
     progress: bool | None = None
-    transcript: object = None  # a mhaextract.transcript.Transcript, or None
+    transcript: object = None  # a mhaextract.oracle.transcript.Transcript, or None
     queries: int = 0
     replayed: int = 0
     max_query_length: int = 0

@@ -1,7 +1,7 @@
 """A run's transcript: every query and its answer in SQLite, so that no answer is ever paid twice.
 
 An extraction asks ``4 H0 d^2 - 2 H0 + 1`` queries of an oracle that may be slow, remote or
-metered. With ``extract(..., transcript="run.sqlite")`` the :class:`~mhaextract.oracle.OracleBoundary`
+metered. With ``extract(..., transcript="run.sqlite")`` the :class:`~mhaextract.oracle.boundary.OracleBoundary`
 commits each batch of answers to the file as it arrives; a run that stops (an exception, Ctrl-C,
 a budget) loses at most the batch in flight. Re-running with the same transcript and seed reads
 the recorded answers back and asks the oracle only for the missing ones. The learner sees the
@@ -19,7 +19,7 @@ What makes that safe:
   links, which depend on earlier answers) are not in the fingerprint's hash; this per-row check
   covers them.
 * **Exact answers.** float64 answers are stored as ``float.hex`` and high-precision answers as
-  ``mpf`` mantissa/exponent (:func:`mhaextract.highprec.mpf_to_hex`): both read back bit for bit.
+  ``mpf`` mantissa/exponent (:func:`mhaextract.numerics.highprec.mpf_to_hex`): both read back bit for bit.
 * **Never overwritten.** An existing file is validated through a read-only connection first.
   Anything unexpected (not SQLite, damaged pages, missing tables, a bad checksum, an answer
   that does not parse) raises :class:`TranscriptError` and leaves the file as it was. Rows are

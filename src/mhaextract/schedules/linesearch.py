@@ -1,4 +1,4 @@
-"""Phase 1 of the targeted schedule: heads located along lines (ALGORITHM.md section 7).
+"""Phase 1 of the targeted schedule: heads located along lines (docs/algorithm.md §13).
 
 Fix a large difference ``z``. The gap of the k-copies instance at final token ``x``,
 
@@ -13,7 +13,7 @@ within ``|t - t_h| ~ 1 / |a_h^T u|``. With ``|z|`` and ``|u|`` large the switche
 Each step is bisected until a point ``x_c`` lies inside the window of its head (``|m_h| <~ 4``;
 the step has moved a fraction 0.02..0.98 of its height there). At ``x_c`` three samples
 ``k = 1, 2, 3`` give ``(P, l_h, m_h)`` of the single-pole form ``S_k = P + k l_h / (k + tau_h)``
-(:func:`mhaextract.kernels.single_pole.fit_with_constant`); the candidate counts only if a fourth
+(:func:`mhaextract.numerics.single_pole.fit_with_constant`); the candidate counts only if a fourth
 sample ``k = 4`` agrees with that form (two heads in the window at once do not). A point where
 ``S_2 = S_1`` lies on a plateau between two switches: both halves are searched. The label names the head within the z-group. A new head's direction ``a_h`` is
 then read from ``d`` one-sample readings at ``x_c + delta q_i`` (``q_i`` orthonormal):

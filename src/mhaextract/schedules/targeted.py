@@ -1,4 +1,4 @@
-"""The targeted schedule: one head at a time, in float64 (ALGORITHM.md section 7).
+"""The targeted schedule: one head at a time, in float64 (docs/algorithm.md §13).
 
 ``extract(oracle, d, heads=H, schedule="targeted")``. Every measurement is a copies-instance
 designed so that only one head is in the window of the copy counts; the others are saturated
