@@ -159,7 +159,8 @@ def test_verification_in_a_single_subspace():
     d = 4
     B = np.eye(d)[:, [2, 0]]
     rng = np.random.default_rng(3)
-    target = mx.MultiHeadAttention((B @ rng.standard_normal((2, 2)) @ B.T / 2)[None], (B @ rng.standard_normal(2))[None])
+    W, v = B @ rng.standard_normal((2, 2)) @ B.T / 2, B @ rng.standard_normal(2)
+    target = mx.MultiHeadAttention(W[None], v[None])
     result = extract_single_head(CountingOracle(target), d, subspaces=[B], seed=1, verification_queries=10)
     assert result.queries == 6 + 10 and result.verification_residual < 1e-12 and result.ok
 

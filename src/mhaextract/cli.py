@@ -155,7 +155,8 @@ def load_oracle(spec: str):
     except (ImportError, FileNotFoundError, AttributeError) as error:
         raise typer.BadParameter(f"cannot load {spec!r}: {error}", param_hint="--oracle") from None
     except Exception as error:  # the module itself failed (a syntax error, an exception at import)
-        raise typer.BadParameter(f"cannot load {spec!r}: {type(error).__name__}: {error}", param_hint="--oracle") from None
+        raise typer.BadParameter(f"cannot load {spec!r}: {type(error).__name__}: {error}",
+                                 param_hint="--oracle") from None
     if not callable(oracle):
         raise typer.BadParameter(f"{spec!r} is a {type(oracle).__name__}, not a callable oracle", param_hint="--oracle")
     return oracle

@@ -591,7 +591,9 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     Parameters
     ----------
     oracle, d, heads, max_heads, precision, seed, token_scale, batch_size, progress : as in
-        :func:`mhaextract.extract` (``seed`` also seeds step 2's segments and perturbations).
+        :func:`mhaextract.extract` (``seed`` also seeds step 2's segments and perturbations;
+        ``precision`` at least ``64 + ODD_PART_MARGIN_BITS``, since step 1 runs the core on g at
+        that many bits fewer).
     hidden : the number of hidden units, if known: step 2 stops when it has found this many.
         Without it, step 2 stops after ``quiet_segments`` segment pairs in a row found nothing new.
     residual : must be False (see the error raised otherwise).
@@ -776,8 +778,7 @@ def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: 
     from .oracle.simulated import SimulatedOracle
     from .report import transformer_table
 
-    if hidden < 1:
-        raise ValueError("--hidden must be positive")
+    hidden = positive_int("hidden", hidden)
     target = Transformer1L.random(d, heads, hidden, seed=seed)
     with warnings.catch_warnings():  # failed checks are printed below, in full
         warnings.simplefilter("ignore", UnreliableExtractionWarning)

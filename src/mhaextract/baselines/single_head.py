@@ -367,7 +367,8 @@ def _verify(boundary, model, bases, d, scale, rng, count, precision) -> float:
     B = None if bases[0] is None else np.hstack(bases)
     # The shared random queries (N(0, I/r) times the scale) in coordinates of the span (r its
     # dimension), on the token grid, lifted into the span (exactly, checked, in high precision).
-    coefficients = [quantize(c, scale) for c in random_queries(rng, count, d if B is None else B.shape[1], scale, (1, 4))]
+    r = d if B is None else B.shape[1]
+    coefficients = [quantize(c, scale) for c in random_queries(rng, count, r, scale, (1, 4))]
     if B is None:
         sequences = coefficients
     else:
