@@ -56,17 +56,37 @@ def test_distillation_of_an_easy_target_reaches_1e_9_parameters_and_fidelity():
 
 
 def test_an_undertrained_student_fails_its_own_check():
-    """Five Adam steps cannot fit 200 answers: the result says so instead of passing it off."""
+    """Five Adam steps cannot fit 200 answers: the result says so instead of passing it off
+    (an ExtractionError by default, a warning and the result with on_failure="warn")."""
     target = mx.MultiHeadAttention.random(4, 2, seed=0)
-    result = distill(mx.SimulatedOracle(target), 4, 2, budget=200, restarts=2, adam_steps=5, lbfgs_steps=0, seed=0)
+    run = dict(n_queries=200, restarts=2, adam_steps=5, lbfgs_steps=0, seed=0)
+    with pytest.raises(mx.ExtractionError, match="training_fit") as info:
+        distill(mx.SimulatedOracle(target), 4, 2, **run)
+    assert info.value.extraction.queries == 200
+    with pytest.warns(mx.UnreliableExtractionWarning, match="training_fit"):
+        result = distill(mx.SimulatedOracle(target), 4, 2, on_failure="warn", **run)
     assert result.queries == 200 and result.polished == 0
     assert not result.ok and result.checks[0].name == "training_fit"
+
+
+def test_max_queries_below_n_queries_raises_before_any_query():
+    target = mx.MultiHeadAttention.random(3, 1, seed=0)
+    oracle = CountingOracle(target)
+    with pytest.raises(mx.BudgetExceeded, match="max_queries=34") as info:
+        distill(oracle, 3, 1, max_queries=34, restarts=1, adam_steps=1, lbfgs_steps=0, seed=0)
+    assert oracle.count == 0 and info.value.needed == 35 and info.value.answered == 0
+    result = distill(oracle, 3, 1, n_queries=20, max_queries=20, restarts=1, adam_steps=1, lbfgs_steps=0, seed=0,
+                     converged_tol=1e3)
+    assert result.queries == oracle.count == 20
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(d=0, heads=1), "d must be"),
     (dict(d=3, heads=0), "heads must be"),
-    (dict(d=3, heads=1, budget=0), "budget"),
+    (dict(d=3, heads=1, n_queries=0), "n_queries"),
+    (dict(d=3, heads=1, on_failure="ignore"), "on_failure"),
+    (dict(d=3, heads=1, max_queries=-1), "max_queries"),
+    (dict(d=3, heads=1, max_queries=2.5), "max_queries"),
     (dict(d=3, heads=1, restarts=0), "restarts"),
     (dict(d=3, heads=1, learning_rate=-1.0), "learning_rate"),
     (dict(d=3, heads=1, init_scale=float("nan")), "init_scale"),

@@ -1,8 +1,10 @@
 """The command line."""
 
+import pytest
 from typer.testing import CliRunner
 
 from mhaextract.cli import app
+from mhaextract.schedules.registry import schedule_names
 
 runner = CliRunner()
 
@@ -37,3 +39,33 @@ def test_demo_lean_schedule_reports_its_formula_and_bound():
     result = runner.invoke(app, ["demo", "--d", "3", "--heads", "2", "--schedule", "lean", "--precision", "128"])
     assert result.exit_code == 0, result.output
     assert "lean formula" in result.output and "lower bound" in result.output
+
+
+@pytest.mark.parametrize("arguments, option", [
+    (["--precision", "0"], "--precision"),
+    (["--samples", "0"], "--samples"),
+    (["--schedule", "foo"], "--schedule"),
+    (["--seed", "-1"], "--seed"),
+    (["--noise", "inf"], "--noise"),
+    (["--noise", "-1e-9"], "--noise"),
+    (["--transformer", "--hidden", "0"], "--hidden"),
+    (["--heads", "0"], "--heads"),
+    (["--d", "0"], "--d"),
+    (["--precision", "128", "--samples", "9"], "float64 options"),
+    (["--samples", "3"], "samples_per_instance"),  # below 2H + 1 = 7: the schedule says so
+])
+def test_demo_refuses_invalid_options_as_usage_errors(arguments, option):
+    result = runner.invoke(app, ["demo", "--d", "3", "--heads", "3"] + arguments)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # a usage error, not a traceback
+    assert "Traceback" not in result.output
+    assert option in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize("command", ["demo", "extract"])
+def test_schedule_help_lists_the_registry(command):
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for name in schedule_names():
+        assert repr(name) in text

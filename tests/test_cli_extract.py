@@ -148,3 +148,97 @@ def test_load_model_refuses_other_files(tmp_path):
     save_extraction(mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0), tmp_path / "f.json")
     with pytest.raises(ValueError, match="no exact"):
         load_model(tmp_path / "f.json", exact=True)
+
+
+MARKING_MODULE = '''
+import pathlib
+import numpy as np
+
+_rng = np.random.default_rng(42)
+W = _rng.standard_normal((2, 3, 3)) / np.sqrt(3)
+v = _rng.standard_normal((2, 3))
+
+
+def oracle(batch):
+    pathlib.Path("oracle_was_called").touch()
+    answers = []
+    for X in batch:
+        out = 0.0
+        for W_h, v_h in zip(W, v):
+            scores = X @ W_h @ X[-1]
+            weights = np.exp(scores - scores.max())
+            out += weights @ (X @ v_h) / weights.sum()
+        answers.append(out + (1e-3 if len(X) > 5 else 0.0))  # off on queries longer than the run asks
+    return answers
+'''
+
+
+@pytest.fixture
+def marking_module(tmp_path, monkeypatch):
+    """An oracle file that leaves a mark when called (and answers wrongly on long queries)."""
+    (tmp_path / "marking.py").write_text(MARKING_MODULE)
+    (tmp_path / "broken.py").write_text("def oracle(batch):\n    return [0.0 for X in batch\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("arguments, option", [
+    (["--out", "missing/result.json"], "--out"),
+    (["--transcript", "missing/run.sqlite"], "--transcript"),
+    (["--precision", "0"], "--precision"),
+    (["--samples", "0"], "--samples"),
+    (["--schedule", "foo"], "--schedule"),
+    (["--seed", "-1"], "--seed"),
+    (["--answer-error", "inf"], "--answer-error"),
+    (["--answer-error", "-1"], "--answer-error"),
+    (["--verify", "-1"], "--verify"),
+    (["--max-queries", "-1"], "--max-queries"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--token-scale", "0"], "--token-scale"),
+    (["--precision", "128", "--verify", "10"], "float64 options"),
+    (["--max-heads", "2"], "--heads/--max-heads"),  # both given
+])
+def test_extract_refuses_invalid_options_before_the_run(marking_module, arguments, option):
+    result = runner.invoke(app, ["extract", "--oracle", "marking.py:oracle", "--d", "3", "--heads", "2"] + arguments)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    assert option in " ".join(result.output.split()), result.output
+    assert not (marking_module / "oracle_was_called").exists()  # refused before any query
+    assert not (marking_module / "missing").exists()
+
+
+def test_an_oracle_file_with_a_syntax_error_is_a_usage_error(marking_module):
+    result = runner.invoke(app, ["extract", "--oracle", "broken.py:oracle", "--d", "3", "--heads", "2"])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert "--oracle" in text and "SyntaxError" in text
+
+
+def test_extract_with_samples_refine_and_answer_error(user_module):
+    name, truth, folder = user_module
+    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+                                 "--samples", "7", "--refine", "--answer-error", "1e-12", "--out", "robust.json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((folder / "robust.json").read_text())["summary"]
+    assert summary["ok"] is True
+    assert mx.compare(load_model(folder / "robust.json"), truth).max_rel < 1e-8
+
+
+def test_extract_verify_attaches_and_prints_the_verification(user_module):
+    name, _, folder = user_module
+    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+                                 "--verify", "32", "--out", "verified.json"])
+    assert result.exit_code == 0, result.output
+    assert "verification passed: 32 fresh queries" in " ".join(result.output.split())
+    document = json.loads((folder / "verified.json").read_text())
+    assert document["summary"]["verification"].startswith("verification passed")
+
+
+def test_a_failed_verification_exits_1(marking_module):
+    """The oracle is off by 1e-3 only on queries longer than the run asks: the checks pass, the
+    verification (lengths up to 16) does not."""
+    result = runner.invoke(app, ["extract", "--oracle", "marking.py:oracle", "--d", "3", "--heads", "2",
+                                 "--verify", "64"])
+    assert result.exit_code == 1, result.output
+    assert "verification FAILED" in " ".join(result.output.split())

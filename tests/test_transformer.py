@@ -224,3 +224,109 @@ def test_cli_demo_transformer():
     assert result.exit_code == 0, result.output
     assert "queries of f (measured)" in result.output and "138" in result.output  # 2 x 69
     assert "hidden units found" in result.output and "ok" in result.output
+
+
+# ---------------------------------------------------------------------- transcripts and budgets
+class Interrupted(RuntimeError):
+    pass
+
+
+class FlakyOracle:
+    """Answers a simulated Transformer, logging every sequence; after ``fail_after`` answers it
+    raises instead of answering (a remote oracle going down)."""
+
+    def __init__(self, target, precision=None, fail_after=None):
+        self.inner = mx.SimulatedOracle(target, precision)
+        self.fail_after = fail_after
+        self.answered = []
+
+    def __call__(self, batch):
+        if self.fail_after is not None and len(self.answered) + len(batch) > self.fail_after:
+            raise Interrupted(f"oracle down after {len(self.answered)} answers")
+        self.answered.extend(np.array(X, dtype=np.float64) for X in batch)
+        return self.inner(batch)
+
+
+def sequence_key(sequence):
+    array = np.ascontiguousarray(sequence, dtype=np.float64)
+    return (array.shape, array.tobytes())
+
+
+def test_max_queries_too_small_raises_budget_exceeded():
+    target = mx.Transformer1L.random(3, 2, 4, seed=11)
+    oracle = CountingOracle(target)
+    with pytest.raises(mx.BudgetExceeded, match="max_queries=200") as info:
+        mx.extract_transformer(oracle, 3, heads=2, hidden=4, seed=1, max_queries=200)
+    assert oracle.count <= 200 and info.value.needed > 0
+    with pytest.raises(mx.BudgetExceeded):  # inside step 1 already: the odd part alone needs 2 * 69
+        mx.extract_transformer(CountingOracle(target), 3, heads=2, hidden=4, seed=1, max_queries=100)
+
+
+@pytest.mark.parametrize("precision, batch_size, fail_after", [
+    (None, 16, 100),  # in step 1 (the odd part: 138 queries of f)
+    (None, 7, 300),  # in step 2 (the units)
+    (None, 32, 600),  # in the verification
+    (128, 16, 250),
+])
+def test_an_interrupted_transformer_run_resumes_without_asking_twice(tmp_path, precision, batch_size, fail_after):
+    target = mx.Transformer1L.random(3, 2, 4, seed=11)
+    path = tmp_path / "transformer.sqlite"
+    run = dict(heads=2, hidden=4, precision=precision, seed=1, batch_size=batch_size, transcript=path)
+    first = FlakyOracle(target, precision, fail_after=fail_after)
+    with pytest.raises(Interrupted):
+        mx.extract_transformer(first, 3, **run)
+    committed = len(first.answered)
+    assert 0 < committed <= fail_after  # every batch answered is committed (queries_replayed below)
+
+    second = FlakyOracle(target, precision)
+    resumed = mx.extract_transformer(second, 3, **run)
+    uninterrupted = FlakyOracle(target, precision)
+    plain = mx.extract_transformer(uninterrupted, 3, heads=2, hidden=4, precision=precision, seed=1,
+                                   batch_size=batch_size)
+    # Over both runs, exactly the queries of an uninterrupted run, in its order: none asked twice.
+    both = [sequence_key(X) for X in first.answered + second.answered]
+    assert both == [sequence_key(X) for X in uninterrupted.answered]
+    assert len(both) == plain.queries == resumed.queries
+    assert (resumed.queries_asked, resumed.queries_replayed) == (plain.queries - committed, committed)
+    assert resumed.transcript == str(path) and plain.transcript is None
+    assert (resumed.queries_odd_part, resumed.queries_units, resumed.queries_verification) == (
+        plain.queries_odd_part, plain.queries_units, plain.queries_verification)
+    assert resumed.ok and plain.ok
+    for a, b in ((resumed.model, plain.model), (resumed.model_hp, plain.model_hp)):
+        if b is None:
+            assert a is None
+            continue
+        for name in ("W", "O", "A", "w"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert resumed.verification_misfit == plain.verification_misfit
+
+    offline = mx.extract_transformer(FlakyOracle(target, precision, fail_after=0), 3, **run)
+    assert (offline.queries_asked, offline.queries_replayed) == (0, plain.queries)
+
+
+def test_a_transformer_transcript_is_refused_by_another_run(tmp_path):
+    target = mx.Transformer1L.random(3, 2, 4, seed=11)
+    path = tmp_path / "transformer.sqlite"
+    mx.extract_transformer(mx.SimulatedOracle(target), 3, heads=2, hidden=4, seed=1, transcript=path)
+    before = path.read_bytes()
+    with pytest.raises(mx.TranscriptError, match="seed"):
+        mx.extract_transformer(mx.SimulatedOracle(target), 3, heads=2, hidden=4, seed=2, transcript=path)
+    with pytest.raises(mx.TranscriptError, match="schedule: transcript 'transformer', this run 'paper'"):
+        mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=1, transcript=path)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_queries=-1), "max_queries"),
+    (dict(transcript="t.sqlite"), "transcript= needs an integer seed"),
+    (dict(transcript="t.sqlite", seed=-1), "transcript= needs an integer seed"),
+    (dict(verification_queries=-1), "verification_queries"),
+    (dict(precision=80), "precision must be an integer >= 96"),
+    (dict(token_scale=0.0), "token_scale"),
+])
+def test_bad_transcript_budget_and_size_parameters_are_named(tmp_path, monkeypatch, kwargs, message):
+    monkeypatch.chdir(tmp_path)
+    oracle = mx.SimulatedOracle(mx.Transformer1L.random(2, 1, 2, seed=0))
+    with pytest.raises(ValueError, match=message):
+        mx.extract_transformer(oracle, 2, heads=1, **kwargs)
+    assert not (tmp_path / "t.sqlite").exists()

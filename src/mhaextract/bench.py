@@ -222,8 +222,8 @@ def _general(d, H, settings, progress) -> list[BenchRow]:
     rows.append(_row("general", d, H, "single-head", single, seconds, target, fresh,
                      "" if H == 1 else f"assumes 1 head, target has {H}"))
     student, seconds = _timed(lambda: distill(
-        oracle, d, H, budget=paper_budget(d, H), restarts=settings.restarts, adam_steps=settings.adam_steps,
-        lbfgs_steps=settings.lbfgs_steps, seed=target_seed + 3, progress=progress))
+        oracle, d, H, n_queries=paper_budget(d, H), restarts=settings.restarts, adam_steps=settings.adam_steps,
+        lbfgs_steps=settings.lbfgs_steps, seed=target_seed + 3, progress=progress, on_failure="warn"))
     converged = int(round(student.converged * student.restarts))
     rows.append(_row("general", d, H, "distillation", student, seconds, target, fresh,
                      f"{converged}/{student.restarts} restarts converged"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -11,19 +12,69 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .compare import compare
 from .api import extract
 from .checks.base import UnreliableExtractionWarning
+from .checks.verify import verify
+from .compare import compare
 from .model import MultiHeadAttention
-from .oracle.noise import AdditiveNoise
 from .oracle.boundary import OracleError
+from .oracle.noise import AdditiveNoise
 from .oracle.simulated import SimulatedOracle
+from .oracle.transcript import TranscriptError
 from .report import extraction_table
 from .results import save_extraction
-from .oracle.transcript import TranscriptError
-from .checks.verify import verify
+from .schedules.registry import schedule_class, schedule_names
+from .validation import head_count, nonnegative_number, positive_int, token_scale_for
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
+
+#: The --schedule help of every command: the registry's names, never a list kept here.
+SCHEDULE_HELP = ("query schedule, one of " + ", ".join(repr(name) for name in schedule_names())
+                 + " (see docs/algorithm.md)")
+FLOAT64_ONLY = "--noise, --samples, --refine, --answer-error and --verify are float64 options (omit --precision)"
+
+
+def _checked(hint: str, rule, *args):
+    """``rule(*args)`` (a :mod:`mhaextract.validation` rule or the schedule registry's lookup), its
+    ValueError turned into a usage error naming the option ``hint`` (exit code 2, no traceback)."""
+    try:
+        return rule(*args)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint=hint) from None
+
+
+def _common_options(d, precision, seed, schedule) -> None:
+    """The options ``demo`` and ``extract`` share, checked before anything runs."""
+    _checked("--d", positive_int, "d", d)
+    if precision is not None:
+        _checked("--precision", positive_int, "precision", precision, 64)
+    _checked("--seed", positive_int, "seed", seed, 0)
+    _checked("--schedule", schedule_class, schedule)
+
+
+def _robust_options(precision, samples, answer_error, refine, verify_queries=0) -> dict:
+    """The float64 options as keywords of :func:`mhaextract.extract` (empty in high precision)."""
+    if samples is not None:
+        _checked("--samples", positive_int, "samples", samples)
+    if answer_error is not None:
+        _checked("--answer-error", nonnegative_number, "answer error", answer_error, "a bound on |answer - truth|",
+                 ValueError)
+    if precision is not None:
+        if samples is not None or answer_error is not None or refine or verify_queries:
+            raise typer.BadParameter(FLOAT64_ONLY)
+        return {}
+    return {"samples_per_instance": samples, "refine": refine, "answer_error": answer_error}
+
+
+def _writable_folder(path: Path | None, hint: str) -> None:
+    """Refuse, before the run, a file whose folder does not exist or cannot be written."""
+    if path is None:
+        return
+    folder = path.parent
+    if not folder.is_dir():
+        raise typer.BadParameter(f"the folder {str(folder)!r} does not exist", param_hint=hint)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"the folder {str(folder)!r} is not writable", param_hint=hint)
 
 
 @app.callback()
@@ -37,7 +88,7 @@ def demo(
     heads: int = typer.Option(3, "--heads", help="number of heads of the random target"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
-    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1), 'lean' or 'targeted' (float64, H <= d)"),
+    schedule: str = typer.Option("paper", "--schedule", help=SCHEDULE_HELP),
     noise: float = typer.Option(None, "--noise", help="float64: add uniform noise |e| <= NOISE to every answer"),
     samples: int = typer.Option(None, "--samples", help="float64: samples per instance (> 2H+1 oversamples)"),
     refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
@@ -46,12 +97,14 @@ def demo(
 ) -> None:
     """Extract a random target through a simulated oracle, verify it on fresh queries, print what it took."""
     console = Console()
-    if d < 1 or heads < 1:
-        raise typer.BadParameter("--d and --heads must be positive")
-    if precision is not None and (noise is not None or samples is not None or refine):
-        raise typer.BadParameter("--noise, --samples and --refine are float64 options (omit --precision)")
-    if noise is not None and not noise >= 0:
-        raise typer.BadParameter("--noise must be >= 0")
+    _common_options(d, precision, seed, schedule)
+    _checked("--heads", positive_int, "heads", heads)
+    _checked("--hidden", positive_int, "hidden", hidden)
+    if noise is not None:
+        _checked("--noise", nonnegative_number, "noise", noise, "a bound on |answer error|", ValueError)
+    if precision is not None and noise is not None:
+        raise typer.BadParameter(FLOAT64_ONLY)
+    robust = _robust_options(precision, samples, noise, refine)
     if transformer and (noise is not None or samples is not None or refine):
         raise typer.BadParameter("--noise, --samples and --refine apply to the attention demo, not --transformer")
     if transformer:
@@ -61,11 +114,13 @@ def demo(
     oracle = SimulatedOracle(target, precision=precision)
     if noise is not None:
         oracle = AdditiveNoise(oracle, noise, seed=seed + 2)
-    robust = {} if precision is not None else {"samples_per_instance": samples, "refine": refine, "answer_error": noise}
-    with warnings.catch_warnings():  # failed checks are printed below, in full
-        warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, schedule=schedule,
-                         progress=True, on_failure="warn", **robust)
+    try:
+        with warnings.catch_warnings():  # failed checks are printed below, in full
+            warnings.simplefilter("ignore", UnreliableExtractionWarning)
+            result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, schedule=schedule,
+                             progress=True, on_failure="warn", **robust)
+    except ValueError as error:  # the simulated oracle is sound: a ValueError is about the options
+        raise typer.BadParameter(str(error)) from None
     reference = result.model_hp if result.model_hp is not None else result.model
     comparison = compare(reference, target) if reference is not None else None
     if precision is None and result.model is not None:
@@ -99,6 +154,9 @@ def load_oracle(spec: str):
         oracle = getattr(module, name)
     except (ImportError, FileNotFoundError, AttributeError) as error:
         raise typer.BadParameter(f"cannot load {spec!r}: {error}", param_hint="--oracle") from None
+    except Exception as error:  # the module itself failed (a syntax error, an exception at import)
+        raise typer.BadParameter(f"cannot load {spec!r}: {type(error).__name__}: {error}",
+                                 param_hint="--oracle") from None
     if not callable(oracle):
         raise typer.BadParameter(f"{spec!r} is a {type(oracle).__name__}, not a callable oracle", param_hint="--oracle")
     return oracle
@@ -112,8 +170,14 @@ def extract_command(
     max_heads: int = typer.Option(None, "--max-heads", help="a bound H0 >= H* (instead of --heads)"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the queries (a resumed run needs the same)"),
-    schedule: str = typer.Option("paper", "--schedule", help="'paper' (exact 4Hd^2-2H+1) or 'lean'"),
+    schedule: str = typer.Option("paper", "--schedule", help=SCHEDULE_HELP),
     token_scale: float = typer.Option(None, "--token-scale", help="norm of the query tokens (default d**0.25)"),
+    samples: int = typer.Option(None, "--samples", help="float64: samples per instance (> 2H+1 oversamples)"),
+    refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
+    answer_error: float = typer.Option(None, "--answer-error",
+                                       help="float64: a bound on every answer's absolute error, if known"),
+    verify_queries: int = typer.Option(0, "--verify", help="float64: fresh random queries to verify the result on "
+                                       "after the run (not capped by --max-queries, not in the transcript)"),
     transcript: Path = typer.Option(None, "--transcript", help="SQLite transcript: saves every answer, resumes"),
     max_queries: int = typer.Option(None, "--max-queries", help="cap on the queries asked in this run"),
     batch_size: int = typer.Option(1024, "--batch-size", help="sequences per oracle call"),
@@ -121,26 +185,44 @@ def extract_command(
 ) -> None:
     """Extract the heads of a user's oracle and print (and save) what it took."""
     console = Console()
-    function = load_oracle(oracle)
+    _common_options(d, precision, seed, schedule)
+    _checked("--heads/--max-heads", head_count, heads, max_heads)
+    _checked("--token-scale", token_scale_for, d, token_scale)
+    if max_queries is not None:
+        _checked("--max-queries", positive_int, "max_queries", max_queries, 0)
+    _checked("--batch-size", positive_int, "batch_size", batch_size)
+    _checked("--verify", positive_int, "verify", verify_queries, 0)
+    robust = _robust_options(precision, samples, answer_error, refine, verify_queries)
     if out is not None and out.suffix != ".json":
         raise typer.BadParameter(f"must end in .json, got {str(out)!r}", param_hint="--out")
+    _writable_folder(out, "--out")
+    _writable_folder(transcript, "--transcript")
+    function = load_oracle(oracle)
     try:
         with warnings.catch_warnings():  # failed checks are printed below, in full
             warnings.simplefilter("ignore", UnreliableExtractionWarning)
             result = extract(function, d, heads=heads, max_heads=max_heads, precision=precision, seed=seed,
-                             schedule=schedule, token_scale=token_scale, batch_size=batch_size, progress=True, on_failure="warn",
-                             transcript=transcript, max_queries=max_queries)
+                             schedule=schedule, token_scale=token_scale, batch_size=batch_size, progress=True,
+                             on_failure="warn", transcript=transcript, max_queries=max_queries, **robust)
+            if verify_queries and result.model is not None:
+                # Another stream than the run's (seed): fresh queries.
+                result = result.with_verification(verify(result, function, n=verify_queries, seed=seed + 1,
+                                                         batch_size=batch_size, progress=True))
     except (ValueError, OracleError, TranscriptError) as error:  # bad input, budget, oracle, transcript
         console.print(f"[bold red]{type(error).__name__}:[/] {error}", highlight=False)
         for note in getattr(error, "__notes__", []):
             console.print(note, markup=False, highlight=False)
         raise typer.Exit(code=2)
     console.print(extraction_table(result, title=f"mhaextract extract {oracle}"))
+    if result.verification is not None:
+        console.print(str(result.verification), highlight=False)
     if out is not None:
         json_path, npz_path = save_extraction(result, out)
         console.print(f"wrote {json_path} and {npz_path}")
-    if not result.ok:
-        console.print("[bold red]The extraction failed its own checks; the heads are not reliable.[/]")
+    verification_failed = result.verification is not None and not result.verification.passed
+    if not result.ok or verification_failed:
+        console.print("[bold red]The extraction failed its own checks or its verification; the heads are not "
+                      "reliable.[/]")
         for check in result.failed_checks:
             console.print(f"  {check}")
         raise typer.Exit(code=1)

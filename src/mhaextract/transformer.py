@@ -38,17 +38,22 @@ import numpy as np
 from flint import arb
 from scipy.optimize import linear_sum_assignment
 
-from .numerics.highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
 from .api import extract
 from .checks.base import Check, CheckedResult, UnreliableExtractionWarning, report_failure
-from .results import Extraction
 from .model import MultiHeadAttention, as_batch, group_equal_heads
+from .numerics.highprec import arb_to_mpf, magnitude_float, mid_float, mpf_array, to_arb, working_precision
 from .oracle.boundary import OracleBoundary
-from .validation import positive_int, token_scale_for
+from .oracle.transcript import Transcript, run_fingerprint
+from .results import Extraction
+from .schedules.base import RunSettings
+from .schedules.registry import schedule_class
+from .validation import head_count, on_failure_mode, positive_int, resumable_seed, token_scale_for
 
 #: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
 #: so that its certificate covers cancellation up to that much (checked: odd_part_precision).
 ODD_PART_MARGIN_BITS = 32
+#: The core schedule step 1 runs on the odd part (the registry's name for it).
+CORE_SCHEDULE = "paper"
 #: mpmath bits for exact products and sums of the parameters (doubles and few-hundred-bit mpf).
 _EXACT_BITS = 2200
 
@@ -425,8 +430,11 @@ class OddPartOracle:
     def __call__(self, batch):
         # Tokens arrive as float64 or exact mpf from float64 values: float64 is exact either way.
         sequences = [np.vectorize(float, otypes=[np.float64])(X) if X.dtype == object else X for X in batch]
-        answers = self.boundary.ask(sequences + [-X for X in sequences], description="odd part g(X) = f(X) - f(-X)")
-        plus, minus = answers[:len(sequences)], answers[len(sequences):]
+        # X and -X side by side: the queries of f follow those of g in order, whatever the batching
+        # (what a transcript's fingerprint hashes, TransformerRun.fixed_queries).
+        pairs = [sequence for X in sequences for sequence in (X, -X)]
+        answers = self.boundary.ask(pairs, description="odd part g(X) = f(X) - f(-X)")
+        plus, minus = answers[0::2], answers[1::2]
         if self.boundary.precision is None:
             return plus - minus
         out = []
@@ -456,9 +464,11 @@ class TransformerExtraction(CheckedResult):
         Step 1: the core extraction run on the odd part g (its ``queries`` count g-queries).
     heads, hidden : canonical head and unit counts found.
     queries : int
-        Total queries of f, measured at the oracle boundary: ``queries_odd_part`` (two per query
-        of g) + ``queries_units`` (segments, kink confirmations, region fits) +
-        ``queries_verification`` (fresh random queries the result is checked on).
+        Total queries of f whose answers the run used, measured at the oracle boundary:
+        ``queries_odd_part`` (two per query of g) + ``queries_units`` (segments, kink
+        confirmations, region fits) + ``queries_verification`` (fresh random queries the result
+        is checked on). With a transcript, ``queries_asked`` of them were asked in this run and
+        ``queries_replayed`` read back from the file (``transcript``); without one all were asked.
     max_query_length : int, measured.
     segments : segments explored in step 2.
     verification_misfit : max |model - f| / max |f| on the verification queries.
@@ -483,10 +493,15 @@ class TransformerExtraction(CheckedResult):
     checks: list[Check] = field(default_factory=list)
     search: object = None
     seconds: float = 0.0
+    queries_asked: int = 0
+    queries_replayed: int = 0
+    transcript: str | None = None
 
     def summary(self) -> dict:
         return {
             "d": self.d, "heads": self.heads, "hidden": self.hidden, "queries": self.queries,
+            "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
+            "transcript": self.transcript,
             "queries_odd_part": self.queries_odd_part, "queries_units": self.queries_units,
             "queries_verification": self.queries_verification, "max_query_length": self.max_query_length,
             "segments": self.segments, "verification_misfit": self.verification_misfit,
@@ -495,10 +510,75 @@ class TransformerExtraction(CheckedResult):
         }
 
 
+@dataclass(frozen=True)
+class TransformerRun:
+    """The validated parameters of one :func:`extract_transformer` run.
+
+    It also identifies the run in a transcript's fingerprint
+    (:func:`mhaextract.oracle.transcript.run_fingerprint` reads ``d``, ``max_heads``, ``name`` and
+    ``token_scale``, as of a core schedule; ``name`` keeps a Transformer transcript apart from a
+    core one).
+    """
+
+    d: int
+    heads: int | None  # the declared H (None for a bound)
+    max_heads: int  # H0: the known H or the bound
+    hidden: int | None
+    precision: int | None
+    seed: object
+    token_scale: float
+    max_segments: int
+    quiet_segments: int
+    verification_queries: int | None
+    on_failure: str
+    max_queries: int | None
+    name: str = field(default="transformer", init=False)
+
+    @property
+    def core_precision(self) -> int | None:
+        """What step 1 tells the core about g: ODD_PART_MARGIN_BITS fewer bits than f."""
+        return None if self.precision is None else self.precision - ODD_PART_MARGIN_BITS
+
+    def fixed_queries(self) -> list[np.ndarray]:
+        """The queries of f known before any answer: the core schedule's fixed queries of g, each
+        followed by its negation (the order :class:`OddPartOracle` asks them in)."""
+        core = schedule_class(CORE_SCHEDULE)(RunSettings(self.d, self.max_heads, self.heads, self.core_precision,
+                                                         self.seed, self.token_scale))
+        return [sequence for X in core.fixed_queries() for sequence in (X, -X)]
+
+
+def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, token_scale, max_segments,
+                     quiet_segments, verification_queries, on_failure, transcript, max_queries) -> TransformerRun:
+    """Every parameter of :func:`extract_transformer` checked once (validation.py's rules)."""
+    d = positive_int("d", d)
+    H0, declared = head_count(heads, max_heads)
+    if hidden is not None:
+        hidden = positive_int("hidden", hidden)
+    if precision is not None:
+        precision = positive_int("precision", precision, minimum=64 + ODD_PART_MARGIN_BITS)
+    if verification_queries is not None:
+        verification_queries = positive_int("verification_queries", verification_queries, minimum=0)
+    if max_queries is not None:
+        max_queries = positive_int("max_queries", max_queries, minimum=0)
+    if transcript is not None:
+        seed = resumable_seed(seed)
+    if residual:
+        raise ValueError(
+            "residual=True is not supported: the residual adds r^T x_N (r = sum_j w_j A_j) to the odd "
+            "part, so g's one-token answers are (vbar + r)^T x, not vbar^T x, and the anchors of "
+            "ALGORITHM.md section 3 that the core schedule relies on (F(0) = vbar^T x_i for rows i >= 1) "
+            "would be wrong. Supporting it needs the core to ask F(0) of rows i >= 1 (d - 1 more "
+            "one-token queries of g) instead of inferring it; step 2 only needs x_N as one more block of M."
+        )
+    return TransformerRun(d, declared, H0, hidden, precision, seed, token_scale_for(d, token_scale),
+                          positive_int("max_segments", max_segments), positive_int("quiet_segments", quiet_segments),
+                          verification_queries, on_failure_mode(on_failure), max_queries)
+
+
 def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, precision=None, seed=None, *,
                         residual=False, token_scale=None, max_segments=32, quiet_segments=8,
                         verification_queries=None, batch_size=1024, progress=None,
-                        on_failure="raise") -> TransformerExtraction:
+                        on_failure="raise", transcript=None, max_queries=None) -> TransformerExtraction:
     """Learn a one-layer Transformer (attention, then a bias-free ReLU FFN) from value queries.
 
     Step 1 runs :func:`mhaextract.extract` on the odd part ``g(X) = f(X) - f(-X)``, an attention
@@ -511,120 +591,150 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     Parameters
     ----------
     oracle, d, heads, max_heads, precision, seed, token_scale, batch_size, progress : as in
-        :func:`mhaextract.extract` (``seed`` also seeds step 2's segments and perturbations).
+        :func:`mhaextract.extract` (``seed`` also seeds step 2's segments and perturbations;
+        ``precision`` at least ``64 + ODD_PART_MARGIN_BITS``, since step 1 runs the core on g at
+        that many bits fewer).
     hidden : the number of hidden units, if known: step 2 stops when it has found this many.
         Without it, step 2 stops after ``quiet_segments`` segment pairs in a row found nothing new.
     residual : must be False (see the error raised otherwise).
     max_segments : at most this many segment pairs in step 2.
     verification_queries : fresh random queries to check the result on (default ``4 H d + 32``).
     on_failure : "raise" a :class:`TransformerExtractionError` or "warn" and return.
+    transcript, max_queries : as in :func:`mhaextract.extract`, for every query of f (steps 1, 2
+        and the verification): answers are committed to the SQLite transcript as they arrive and
+        a re-run with the same transcript and seed asks only the missing ones; a run needing more
+        than ``max_queries`` queries of f raises :class:`~mhaextract.BudgetExceeded`.
 
     The conditions step 2 needs are listed in :mod:`mhaextract.relu_units`; a target that violates
     one fails a check (it is not returned as a wrong Transformer).
     """
-    d = positive_int("d", d)
-    if hidden is not None:
-        hidden = positive_int("hidden", hidden)
-    max_segments = positive_int("max_segments", max_segments)
-    quiet_segments = positive_int("quiet_segments", quiet_segments)
-    if on_failure not in ("raise", "warn"):
-        raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
-    if residual:
-        raise ValueError(
-            "residual=True is not supported: the residual adds r^T x_N (r = sum_j w_j A_j) to the odd "
-            "part, so g's one-token answers are (vbar + r)^T x, not vbar^T x, and the anchors of "
-            "ALGORITHM.md section 3 that the core schedule relies on (F(0) = vbar^T x_i for rows i >= 1) "
-            "would be wrong. Supporting it needs the core to ask F(0) of rows i >= 1 (d - 1 more "
-            "one-token queries of g) instead of inferring it; step 2 only needs x_N as one more block of M."
-        )
+    run = _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, token_scale, max_segments,
+                           quiet_segments, verification_queries, on_failure, transcript, max_queries)
     started = time.perf_counter()
-    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress)
+    record = None
+    try:
+        if transcript is not None:
+            record = Transcript(transcript, run_fingerprint(run, run.seed, run.precision, run.fixed_queries()))
+        boundary = OracleBoundary(oracle, run.d, precision=run.precision, batch_size=batch_size, progress=progress,
+                                  max_queries=run.max_queries, transcript=record)
+        result = _extract_transformer(boundary, run, batch_size, progress, started)
+    finally:
+        if record is not None:
+            record.close()
+    report_failure(result, "Transformer extraction", run.on_failure, TransformerExtractionError)
+    return result
+
+
+def _extract_transformer(boundary: OracleBoundary, run: TransformerRun, batch_size, progress,
+                         started) -> TransformerExtraction:
+    """Step 1, step 2, assembly and verification; a failed step ends the run with what it has."""
     odd = OddPartOracle(boundary)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        step1 = extract(odd, d, heads=heads, max_heads=max_heads,
-                        precision=None if precision is None else precision - ODD_PART_MARGIN_BITS, seed=seed,
-                        token_scale=token_scale, batch_size=batch_size, progress=progress, on_failure="warn")
-    queries_odd = boundary.queries
+    step1 = _odd_part_heads(odd, run, batch_size, progress)
+    queries_odd = _used(boundary)
     checks = [Check(f"odd part: {c.name}", c.passed, c.value, c.threshold, c.message) for c in step1.checks]
-    scale = step1.token_scale
-
-    def finish(model, model_hp, search, hidden_found, misfit, queries_units):
-        result = TransformerExtraction(
-            model=model, model_hp=model_hp, attention=step1, heads=step1.heads, hidden=hidden_found,
-            queries=boundary.queries, queries_odd_part=queries_odd, queries_units=queries_units,
-            queries_verification=boundary.queries - queries_odd - queries_units,
-            max_query_length=boundary.max_query_length, segments=search.segments if search else 0,
-            verification_misfit=misfit, precision=precision, d=d, seed=seed, checks=checks, search=search,
-            seconds=time.perf_counter() - started,
-        )
-        report_failure(result, "Transformer extraction", on_failure, TransformerExtractionError, stacklevel=4)
-        return result
-
+    counts = (queries_odd, 0)
     if not step1.ok or step1.heads == 0:
         if step1.heads == 0:
             checks.append(Check("heads_visible", False, 0, 1, "the odd part shows no attention head: the FFN "
                                 "cannot be read through the attention (condition 1)"))
-        return finish(None, None, None, 0, np.inf, 0)
+        return _transformer_result(run, boundary, step1, checks, counts, started)
+    rng = np.random.default_rng(None if run.seed is None else [int(np.asarray(run.seed).ravel()[0])
+                                                               if np.ndim(run.seed) else int(run.seed), 3])
+    learner, orientation = _units(boundary, run, step1, rng, checks)
+    counts = (queries_odd, _used(boundary) - queries_odd)
+    units = learner.search.units
+    if orientation.sigma is None:
+        return _transformer_result(run, boundary, step1, checks, counts, started, search=learner.search,
+                                   hidden_found=len(units))
+    model, model_hp = _assemble(run, step1, learner, orientation)
+    misfit = _verify_transformer(boundary, run, step1.heads, model, model_hp, rng, checks)
+    if run.precision is not None:
+        checks.append(Check("odd_part_precision", odd.cancellation_bits < ODD_PART_MARGIN_BITS, odd.cancellation_bits,
+                            ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
+                            "was told g is good to precision minus the threshold)"))
+    return _transformer_result(run, boundary, step1, checks, counts, started, model=model, model_hp=model_hp,
+                               search=learner.search, hidden_found=len(units), misfit=misfit)
 
-    # ---- step 2: the units, through the heads of step 1.
-    from .relu_units import UnitLearner, orient, refine
 
-    W = step1.model_hp.W if precision is not None else step1.model.W
+def _used(boundary: OracleBoundary) -> int:
+    """Queries of f whose answers the run used: asked now or read back from the transcript."""
+    return boundary.queries + boundary.replayed
+
+
+def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progress) -> Extraction:
+    """Step 1: the core extraction on g (its failed checks become the Transformer's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        return extract(odd, run.d, heads=run.heads, max_heads=None if run.heads is not None else run.max_heads,
+                       precision=run.core_precision, seed=run.seed, schedule=CORE_SCHEDULE,
+                       token_scale=run.token_scale, batch_size=batch_size, progress=progress, on_failure="warn")
+
+
+def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, rng, checks: list):
+    """Step 2: hidden units through the heads of step 1, and their orientation (checks appended)."""
+    from .relu_units import UnitLearner, orient
+
+    W = step1.model_hp.W if run.precision is not None else step1.model.W
     V = step1.model.v.reshape(-1)
-    rng = np.random.default_rng(None if seed is None else [int(np.asarray(seed).ravel()[0]) if np.ndim(seed) else int(seed), 3])
-    learner = UnitLearner(boundary, W, precision, rng, float(scale))
+    learner = UnitLearner(boundary, W, run.precision, rng, float(step1.token_scale))
     quiet = 0
-    for _ in range(max_segments):
-        if hidden is not None and len(learner.search.units) >= hidden:
+    for _ in range(run.max_segments):
+        if run.hidden is not None and len(learner.search.units) >= run.hidden:
             break
-        if hidden is None and quiet >= quiet_segments:
+        if run.hidden is None and quiet >= run.quiet_segments:
             break
         new = sum(learner.explore(segment) for segment in learner.segment_pair())
         quiet = 0 if new else quiet + 1
     search = learner.search
-    queries_units = boundary.queries - queries_odd
     units = search.units
-    if hidden is not None:
-        checks.append(Check("units_found", len(units) <= hidden, len(units), hidden,
-                            f"{len(units)} units found, hidden={hidden} given (more found means hidden is too small)"))
+    if run.hidden is not None:
+        checks.append(Check("units_found", len(units) <= run.hidden, len(units), run.hidden,
+                            f"{len(units)} units found, hidden={run.hidden} given (more found means hidden is too "
+                            "small)"))
+    tolerance = 1e-6 if run.precision is None else 1e-12
     orientation = orient(np.array([u.c for u in units]).reshape(len(units), V.size), V,
-                         tolerance=1e-6 if precision is None else 1e-12,
-                         rank_tolerance=1e-6 if precision is None else 1e-12)
+                         tolerance=tolerance, rank_tolerance=tolerance)
     message = (f"sum_j sigma_j c_j = V has {orientation.solutions} sign solutions over {len(units)} units "
                f"(rank {orientation.rank}); exactly one is needed (conditions 2-4: units with parallel "
                "hyperplanes, a unit never seen, or a sign-ambiguous set of units)")
     if search.regions_failed:
         message += (f"; {search.regions_failed} of {search.regions_fitted} region fits failed (if most did, f depends "
                     "on a head the odd part does not show: condition 1)")
-    checks.append(Check("orientation", orientation.sigma is not None, orientation.misfit,
-                        1e-6 if precision is None else 1e-12, message))
-    if orientation.sigma is None:
-        return finish(None, None, search, len(units), np.inf, queries_units)
+    checks.append(Check("orientation", orientation.sigma is not None, orientation.misfit, tolerance, message))
+    return learner, orientation
 
-    # ---- assembly: w_j = sign, A_j = sign * sigma_j * c_j in the block coordinates of M.
-    H = step1.heads
+
+def _assemble(run: TransformerRun, step1: Extraction, learner, orientation):
+    """``w_j = sign``, ``A_j = sign * sigma_j * c_j`` in the block coordinates of M: (model, model_hp)."""
+    from .relu_units import refine
+
+    units = learner.search.units
+    H, d = step1.heads, run.d
     O = block_embedding(H, d)
     signs = np.array([u.sign for u in units], dtype=np.float64)
     factors = signs * orientation.sigma
     A = np.array([f * u.c for f, u in zip(factors, units)]).reshape(len(units), H * d)
-    if precision is None and len(units):
+    if run.precision is None and len(units):
         # float64: the region fits carry the step-1 errors amplified by their small clouds; a joint
         # least-squares polish on every answer of step 2 removes most of that (relu_units.refine).
         sequences, values = learner.answers()
         A, _ = refine(A, signs, learner.means.float64(sequences), values)
     model = Transformer1L(step1.model.W, O, A, signs)
-    model_hp = None
-    if precision is not None:
-        # The balls' midpoints, negated where the orientation says so (at _EXACT_BITS: mpmath and
-        # flint would otherwise round to their 53-bit defaults).
-        with mpmath.workprec(_EXACT_BITS):
-            A_hp = np.array([[arb_to_mpf(value) * int(f) for value in u.c_exact] for f, u in zip(factors, units)],
-                            dtype=object).reshape(len(units), H * d)
-        model_hp = Transformer1L(W, O.astype(object), A_hp, signs.astype(object))
+    if run.precision is None:
+        return model, None
+    # The balls' midpoints, negated where the orientation says so (at _EXACT_BITS: mpmath and
+    # flint would otherwise round to their 53-bit defaults).
+    with mpmath.workprec(_EXACT_BITS):
+        A_hp = np.array([[arb_to_mpf(value) * int(f) for value in u.c_exact] for f, u in zip(factors, units)],
+                        dtype=object).reshape(len(units), H * d)
+    return model, Transformer1L(step1.model_hp.W, O.astype(object), A_hp, signs.astype(object))
 
-    # ---- verification on fresh random queries (counted).
-    count = verification_queries if verification_queries is not None else 4 * H * d + 32
+
+def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, model, model_hp, rng,
+                        checks: list) -> float:
+    """The misfit on fresh random queries of f (counted); the ``verification`` check appended."""
+    d, scale, precision = run.d, run.token_scale, run.precision
+    count = run.verification_queries if run.verification_queries is not None else 4 * H * d + 32
     sequences = []
     for _ in range(count):
         length = int(rng.integers(1, 2 * H + 2))  # no longer than the core schedule's 2H + 1
@@ -639,16 +749,27 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
         predicted = model_hp(sequences, precision=precision + 16)
         with working_precision(precision + 64):
             differences = np.array([to_arb(p) - a for p, a in zip(predicted, answers)], dtype=object)
-        from .numerics.highprec import magnitude_float
         misfit = float(magnitude_float(differences).max() / max(np.abs(mid_float(answers)).max(), 1e-300))
         tolerance = 2.0 ** (-precision / 4)
     checks.append(Check("verification", misfit <= tolerance, misfit, tolerance,
                         f"max misfit on {count} fresh random queries, relative to the largest answer"))
-    if precision is not None:
-        checks.append(Check("odd_part_precision", odd.cancellation_bits < ODD_PART_MARGIN_BITS, odd.cancellation_bits,
-                            ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
-                            "was told g is good to precision minus the threshold)"))
-    return finish(model, model_hp, search, len(units), misfit, queries_units)
+    return misfit
+
+
+def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Extraction, checks: list, counts,
+                        started, model=None, model_hp=None, search=None, hidden_found=0,
+                        misfit=np.inf) -> TransformerExtraction:
+    queries_odd, queries_units = counts
+    used = _used(boundary)
+    return TransformerExtraction(
+        model=model, model_hp=model_hp, attention=step1, heads=step1.heads, hidden=hidden_found,
+        queries=used, queries_odd_part=queries_odd, queries_units=queries_units,
+        queries_verification=used - queries_odd - queries_units, max_query_length=boundary.max_query_length,
+        segments=search.segments if search else 0, verification_misfit=misfit, precision=run.precision, d=run.d,
+        seed=run.seed, checks=checks, search=search, seconds=time.perf_counter() - started,
+        queries_asked=boundary.queries, queries_replayed=boundary.replayed,
+        transcript=None if boundary.transcript is None else boundary.transcript.path,
+    )
 
 
 def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
@@ -657,8 +778,7 @@ def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: 
     from .oracle.simulated import SimulatedOracle
     from .report import transformer_table
 
-    if hidden < 1:
-        raise ValueError("--hidden must be positive")
+    hidden = positive_int("hidden", hidden)
     target = Transformer1L.random(d, heads, hidden, seed=seed)
     with warnings.catch_warnings():  # failed checks are printed below, in full
         warnings.simplefilter("ignore", UnreliableExtractionWarning)

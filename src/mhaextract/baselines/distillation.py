@@ -1,6 +1,6 @@
 """Gradient distillation: what a practitioner would try first (baseline of ``mhaextract bench``).
 
-Ask the oracle ``budget`` random queries (by default the paper's count ``4Hd^2 - 2H + 1``; random
+Ask the oracle ``n_queries`` random queries (by default the paper's count ``4Hd^2 - 2H + 1``; random
 lengths ``1..L`` and random token scales, :func:`random_queries`), then fit a student with the
 same ``H`` and ``d`` (the model of docs/algorithm.md §1, ``f(X) = sum_h sum_i a_{h,i} v_h^T x_i``)
 by minimising the relative squared misfit
@@ -15,8 +15,10 @@ summed loss would couple the restarts through its curvature pairs). The restart 
 lowest training loss is returned.
 
 A restart *converged* when its final relative RMS training misfit ``sqrt(loss)`` is below
-``converged_tol``: the practitioner's criterion (the truth is unknown to them). With a budget of
-about four answers per parameter, a fit to the training answers at that level means the heads
+``converged_tol``: the practitioner's criterion (the truth is unknown to them); the
+``training_fit`` check says whether the best one did, and a result failing it is reported like
+every other result (``on_failure``). With about four answers per parameter (the default
+``n_queries``), a fit to the training answers at that level means the heads
 are found, which the benchmark confirms against the truth with :func:`mhaextract.compare`.
 """
 
@@ -29,15 +31,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..checks.base import Check, CheckedResult
+from ..checks.base import Check, CheckedResult, report_failure
 from ..model import MultiHeadAttention
 from ..oracle.boundary import OracleBoundary, _progress
 from ..oracle.queries import padded, random_queries
-from ..validation import positive_int, positive_number, token_scale_for
+from ..validation import on_failure_mode, positive_int, positive_number, token_scale_for
 
 
 def paper_budget(d: int, heads: int) -> int:
-    """The paper's query count ``4Hd^2 - 2H + 1``: the default budget, so methods compare at equal cost."""
+    """The paper's query count ``4Hd^2 - 2H + 1``: the default ``n_queries``, so methods compare at equal cost."""
     return 4 * heads * d * d - 2 * heads + 1
 
 
@@ -81,16 +83,18 @@ class Distillation(CheckedResult):
     seconds: float = 0.0
 
 
-def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfgs_steps=500, polish=None,
+def distill(oracle, d, heads, *, n_queries=None, restarts=16, adam_steps=1500, lbfgs_steps=500, polish=None,
             learning_rate=0.05, init_scale=0.5, max_length=None, token_scale=None, converged_tol=1e-6,
-            seed=None, threads=1, batch_size=1024, progress=None) -> Distillation:
-    """Fit a student attention layer to ``budget`` random queries of ``oracle`` (see the module docstring).
+            seed=None, threads=1, batch_size=1024, progress=None, on_failure="raise",
+            max_queries=None) -> Distillation:
+    """Fit a student attention layer to ``n_queries`` random queries of ``oracle`` (see the module docstring).
 
     Parameters
     ----------
     oracle : callable ``oracle(batch) -> outputs`` (float64; see :mod:`mhaextract.oracle.boundary`).
     d, heads : the student's token dimension and head count (the target's, assumed known).
-    budget : queries to ask (default :func:`paper_budget`).
+    n_queries : how many random training queries to ask (default :func:`paper_budget`, the
+        paper's count). Not a cap: exactly this many are asked; ``max_queries`` is the cap.
     restarts : random initialisations trained together.
     adam_steps : full-batch Adam steps; the learning rate decays from ``learning_rate`` to
         ``learning_rate / 1000`` on a cosine (0.05 was the best of 0.005..0.1 in tuning).
@@ -106,7 +110,10 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
     threads : torch intra-op threads while training (restored afterwards; None keeps torch's).
         Default 1: the tensors are small, and on a shared 2-core machine two threads made a step
         3 to 15 times slower (synchronisation), see docs/benchmarks.md.
-    batch_size, progress : as in :func:`mhaextract.extract`.
+    batch_size, progress, on_failure, max_queries : as in :func:`mhaextract.extract`: a student
+        failing its ``training_fit`` check raises :class:`~mhaextract.ExtractionError` (or warns
+        with ``"warn"``); ``max_queries`` below ``n_queries`` raises
+        :class:`~mhaextract.BudgetExceeded` before any query is asked.
     """
     try:
         import torch
@@ -114,7 +121,10 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
         raise ImportError("distill needs PyTorch: pip install 'mhaextract[torch]'") from error
     d = positive_int("d", d)
     heads = positive_int("heads", heads)
-    budget = paper_budget(d, heads) if budget is None else positive_int("budget", budget)
+    n_queries = paper_budget(d, heads) if n_queries is None else positive_int("n_queries", n_queries)
+    on_failure = on_failure_mode(on_failure)
+    if max_queries is not None:
+        max_queries = positive_int("max_queries", max_queries, minimum=0)
     restarts = positive_int("restarts", restarts)
     adam_steps = positive_int("adam_steps", adam_steps, minimum=0)
     lbfgs_steps = positive_int("lbfgs_steps", lbfgs_steps, minimum=0)
@@ -129,20 +139,24 @@ def distill(oracle, d, heads, *, budget=None, restarts=16, adam_steps=1500, lbfg
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _distill(torch, oracle, d, heads, budget, restarts, adam_steps, lbfgs_steps, polish, learning_rate,
-                        init_scale, max_length, token_scale, converged_tol, seed, batch_size, progress)
+        result = _distill(torch, oracle, d, heads, n_queries, restarts, adam_steps, lbfgs_steps, polish,
+                          learning_rate, init_scale, max_length, token_scale, converged_tol, seed, batch_size,
+                          progress, max_queries)
     finally:
         torch.set_num_threads(previous_threads)
+    report_failure(result, "distillation", on_failure)
+    return result
 
 
-def _distill(torch, oracle, d, heads, budget, restarts, adam_steps, lbfgs_steps, polish, learning_rate, init_scale,
-             max_length, token_scale, converged_tol, seed, batch_size, progress) -> Distillation:
+def _distill(torch, oracle, d, heads, n_queries, restarts, adam_steps, lbfgs_steps, polish, learning_rate, init_scale,
+             max_length, token_scale, converged_tol, seed, batch_size, progress, max_queries) -> Distillation:
 
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
-    boundary = OracleBoundary(oracle, d, batch_size=batch_size, progress=progress)
-    sequences = random_queries(rng, budget, d, token_scale, (1, max_length), spread=1.0)
-    answers = boundary.ask(sequences, description=f"distillation: {budget} random queries")
+    boundary = OracleBoundary(oracle, d, batch_size=batch_size, progress=progress, max_queries=max_queries)
+    sequences = random_queries(rng, n_queries, d, token_scale, (1, max_length), spread=1.0)
+    # One ask for all of them: without a transcript the boundary refuses an over-budget ask whole.
+    answers = boundary.ask(sequences, description=f"distillation: {n_queries} random queries")
     X, mask = (torch.from_numpy(array) for array in padded(sequences))
     y = torch.from_numpy(np.asarray(answers, dtype=np.float64))
     norm = torch.clamp((y**2).sum(), min=1e-300)
@@ -185,7 +199,7 @@ def _distill(torch, oracle, d, heads, budget, restarts, adam_steps, lbfgs_steps,
         MultiHeadAttention(np.zeros((heads, d, d)), np.zeros((heads, d)))
     best_misfit = float(misfit[winner])
     checks = [Check("training_fit", best_misfit < converged_tol, best_misfit, converged_tol,
-                    f"relative RMS misfit of the best of {restarts} restarts on its {budget} training answers")]
+                    f"relative RMS misfit of the best of {restarts} restarts on its {n_queries} training answers")]
     return Distillation(
         model=model, queries=boundary.queries, max_query_length=boundary.max_query_length, restarts=restarts,
         adam_steps=adam_steps, lbfgs_steps=lbfgs_steps, polished=polish if lbfgs_steps else 0,

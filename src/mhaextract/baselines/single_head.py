@@ -36,7 +36,7 @@ assumption holds, something else (silently, the count leaves no redundancy) when
 
 **No redundancy.** ``r^2 + r`` answers determine ``r^2 + r`` parameters: a target outside the
 model class (more heads, heads outside the subspaces) shows only when an implied attention
-weight leaves (0, 1). ``verify=n`` spends ``n`` further random queries (counted, reported apart)
+weight leaves (0, 1). ``verification_queries=n`` spends ``n`` further random queries (counted, reported apart)
 to check the model against the oracle.
 
 **Numerics.** Everything is an explicit formula; in high precision (``precision=bits``) it runs
@@ -62,8 +62,9 @@ from ..numerics import arb as arb_kernel
 from ..numerics import float64 as float64_kernel
 from ..checks.base import Check, CheckedResult, CheckPolicy, report_failure
 from ..model import MultiHeadAttention
-from ..oracle.boundary import OracleBoundary
-from ..oracle.queries import quantize, random_basis
+from ..oracle.boundary import BudgetExceeded, OracleBoundary
+from ..oracle.queries import quantize, random_basis, random_queries
+from ..validation import on_failure_mode, positive_int, token_scale_for
 
 
 @dataclass
@@ -79,7 +80,7 @@ class SingleHeadExtraction(CheckedResult):
     queries : int
         Every query asked, measured at the oracle boundary (extraction plus verification).
     verification_queries : int
-        The part of ``queries`` spent by ``verify``.
+        The part of ``queries`` spent on verification (the ``verification_queries`` asked for).
     max_query_length : int
         Measured (2 whenever a head is measured).
     promised_queries : int
@@ -92,7 +93,7 @@ class SingleHeadExtraction(CheckedResult):
         Max relative parameter error from the rounding of the answers: the largest relative ball
         radius in high precision (proven), a first-order estimate in float64.
     verification_residual : float or None
-        Max relative misfit on the ``verify`` queries (None without verification).
+        Max relative misfit on the verification queries (None without verification).
     checks : list of :class:`mhaextract.Check`
     seconds : float
     """
@@ -204,8 +205,9 @@ def _exact_tokens(B: np.ndarray, coefficients: np.ndarray, what: str) -> np.ndar
     return tokens
 
 
-def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None, token_scale=None, verify=0,
-                        batch_size=1024, progress=None, on_failure="raise") -> SingleHeadExtraction:
+def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None, token_scale=None,
+                        verification_queries=0, batch_size=1024, progress=None, on_failure="raise",
+                        max_queries=None) -> SingleHeadExtraction:
     """The prior single-head algorithm: ``d^2 + d`` queries for one head (see the module docstring).
 
     Parameters
@@ -217,27 +219,33 @@ def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None,
     precision : None for float64; bits for ball arithmetic (certified).
     seed : seeds the random tokens.
     token_scale : norm of the coefficient tokens (default ``d ** 0.25``, as :func:`mhaextract.extract`).
-    verify : extra random queries (lengths 1..4, tokens in the subspaces' span) checking the
-        model against the oracle; 0 keeps the count at ``sum_h (r_h^2 + r_h)``.
+    verification_queries : extra random queries (lengths 1..4, tokens in the subspaces' span)
+        checking the model against the oracle; 0 keeps the count at ``sum_h (r_h^2 + r_h)``.
+        (Reported as the result's ``verification_queries``; :func:`mhaextract.verify` is the
+        library's verification of a core extraction.)
     batch_size, progress, on_failure : as in :func:`mhaextract.extract`.
+    max_queries : cap on the queries asked; the count is known up front
+        (``sum_h (r_h^2 + r_h) + verification_queries``), so a cap below it raises
+        :class:`~mhaextract.BudgetExceeded` before any query is asked.
     """
-    if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
-        raise ValueError(f"d must be an integer >= 1, got {d!r}")
-    d = int(d)
-    if precision is not None and (isinstance(precision, bool) or not isinstance(precision, (int, np.integer))
-                                  or precision < 64):
-        raise ValueError(f"precision must be None (float64) or an integer >= 64, got {precision!r}")
-    if isinstance(verify, bool) or not isinstance(verify, (int, np.integer)) or verify < 0:
-        raise ValueError(f"verify must be an integer >= 0, got {verify!r}")
-    if on_failure not in ("raise", "warn"):
-        raise ValueError(f"on_failure must be 'raise' or 'warn', got {on_failure!r}")
-    scale = float(token_scale) if token_scale is not None else d ** 0.25
-    if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"token_scale must be a positive number, got {token_scale}")
+    d = positive_int("d", d)
+    if precision is not None:
+        precision = positive_int("precision", precision, minimum=64)
+    verification_queries = positive_int("verification_queries", verification_queries, minimum=0)
+    on_failure = on_failure_mode(on_failure)
+    if max_queries is not None:
+        max_queries = positive_int("max_queries", max_queries, minimum=0)
+    scale = token_scale_for(d, token_scale)
     bases, dimensions = _validate_subspaces(subspaces, d, precision)
+    needed = sum(r * r + r for r in dimensions) + verification_queries
+    if max_queries is not None and needed > max_queries:
+        raise BudgetExceeded(f"query budget exceeded: max_queries={max_queries}, and the single-head algorithm "
+                             f"needs {needed} queries (sum_h r_h^2 + r_h, plus {verification_queries} for "
+                             "verification); nothing was asked", needed, 0)
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
-    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress)
+    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
+                              max_queries=max_queries)
     kernel = float64_kernel if precision is None else arb_kernel
     heads, out_of_range, estimates = [], 0, []
     with working_precision((precision or 53) + GUARD_BITS):
@@ -256,9 +264,9 @@ def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None,
             finite = bool(np.isfinite(radius_float(W)).all() and np.isfinite(radius_float(v)).all())
         model = MultiHeadAttention(np.nan_to_num(mid_float(W)), np.nan_to_num(mid_float(v)))
         residual = None
-        if verify:
+        if verification_queries:
             residual = _verify(boundary, model if precision is None else MultiHeadAttention(mpf_array(W), mpf_array(v)),
-                               bases, d, scale, rng, int(verify), precision) if finite else np.inf
+                               bases, d, scale, rng, verification_queries, precision) if finite else np.inf
     policy = CheckPolicy.for_precision(precision)
     error_estimate = float(max(estimates, default=0.0))
     checks = [
@@ -356,16 +364,16 @@ def _error_estimate(W, v, M, f, upper, lower, X, Z, is_hp) -> float:
 
 def _verify(boundary, model, bases, d, scale, rng, count, precision) -> float:
     """Max relative misfit of ``model`` on ``count`` random queries (lengths 1..4) in the subspaces' span."""
-    sequences = []
-    for _ in range(count):
-        length = int(rng.integers(1, 5))
-        if bases == [None]:
-            tokens = quantize(rng.standard_normal((d, length)) * scale / np.sqrt(d), scale)
-        else:
-            B = np.hstack(bases)
-            coefficients = quantize(rng.standard_normal((B.shape[1], length)) * scale / np.sqrt(B.shape[1]), scale)
-            tokens = _exact_tokens(B, coefficients, "verification") if precision else B @ coefficients
-        sequences.append(tokens.T.copy())
+    B = None if bases[0] is None else np.hstack(bases)
+    # The shared random queries (N(0, I/r) times the scale) in coordinates of the span (r its
+    # dimension), on the token grid, lifted into the span (exactly, checked, in high precision).
+    r = d if B is None else B.shape[1]
+    coefficients = [quantize(c, scale) for c in random_queries(rng, count, r, scale, (1, 4))]
+    if B is None:
+        sequences = coefficients
+    else:
+        sequences = [(_exact_tokens(B, c.T, "verification") if precision else B @ c.T).T.copy()
+                     for c in coefficients]
     answers = boundary.ask(sequences, description="verification queries")
     predicted = model(sequences, precision=precision)
     if precision is not None:  # the misfit at full precision: 1e-60 must not round to 1e-16
