@@ -40,6 +40,7 @@ def test_batched_students_equal_the_model_one_by_one():
         np.testing.assert_allclose(_forward(torch, W[r], v[r], X, mask).numpy(), batched[r], rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.slow
 def test_distillation_of_an_easy_target_reaches_1e_9_parameters_and_fidelity():
     d, H = 3, 1
     target = mx.MultiHeadAttention.random(d, H, seed=5)

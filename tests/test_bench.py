@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 TINY = dict(ds=(3,), heads=(1, 2), restarts=2, adam_steps=30, lbfgs_steps=10)
 
 
+@pytest.mark.slow
 def test_run_bench_measures_every_method_and_marks_baseline_wins(tmp_path):
     rows = run_bench(BenchSettings(**TINY), out_dir=tmp_path)
     general = [row for row in rows if row.table == "general"]
@@ -59,6 +60,7 @@ def test_orthogonal_targets_satisfy_the_assumption():
             assert not (bases[g].T @ B).any()
 
 
+@pytest.mark.slow
 def test_cli_bench_prints_and_writes(tmp_path):
     args = ["bench", "--d", "2", "--heads", "1", "--restarts", "1", "--adam-steps", "5", "--lbfgs-steps", "2",
             "--out", str(tmp_path)]

@@ -1,3 +1,4 @@
+import pytest
 """The command line for approximate oracles: demo with noise, refinement, verification; report noise."""
 
 from typer.testing import CliRunner
@@ -32,6 +33,7 @@ def test_demo_rejects_robust_options_in_high_precision():
     assert result.exit_code != 0
 
 
+@pytest.mark.slow
 def test_report_noise_writes_the_png(tmp_path):
     output = tmp_path / "noise.png"
     result = runner.invoke(app, ["report", "noise", "--output", str(output), "--d", "2", "--heads", "1,2",

@@ -39,6 +39,7 @@ def test_a_bound_above_the_truth_costs_the_formula_in_h0_and_finds_h(d, H, H0):
     assert hp_error(result, target) < 1e-40
 
 
+@pytest.mark.slow
 def test_high_precision_recovers_100_random_targets_to_1e_40():
     rng = np.random.default_rng(2026)
     worst = 0.0
@@ -53,6 +54,7 @@ def test_high_precision_recovers_100_random_targets_to_1e_40():
     assert worst <= 1e-40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(5))
 def test_high_precision_d6_h8(seed):
     target = mx.MultiHeadAttention.random(6, 8, seed=500 + seed)
@@ -77,6 +79,7 @@ def test_certified_balls_enclose_the_truth():
     assert 0 < result.radius[0] < 1e-60
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(d=st.integers(1, 4), H=st.integers(1, 4), seed=st.integers(0, 10**6))
 def test_property_high_precision_recovery(d, H, seed):
@@ -138,6 +141,7 @@ def test_d1_is_one_instance():
 FLOAT64_MEDIAN = {1: 1e-12, 2: 5e-10, 3: 1e-4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [4, 16, 32])
 @pytest.mark.parametrize("H", [1, 2, 3])
 def test_float64_accuracy(d, H):

@@ -19,6 +19,7 @@ def lean_formula(d, H):
     return (2 * H + 1) + 2 * H * (d - 1) + (2 * H - 1) * (d * d - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [1, 2, 4, 8, 16, 64])
 @pytest.mark.parametrize("H", [1, 2, 3, 4, 8])
 def test_the_schedule_asks_the_documented_count(d, H):
@@ -34,6 +35,7 @@ def test_the_schedule_asks_the_documented_count(d, H):
     assert lean_formula(d, H) >= H * (d * d + d) or d == 1  # never below the information bound
 
 
+@pytest.mark.slow
 def test_high_precision_lean_recovers_100_random_targets_to_1e_40():
     rng = np.random.default_rng(55)
     fallbacks = 0

@@ -241,6 +241,7 @@ def test_output_jacobian_matches_finite_differences():
         assert np.allclose(J[:, p], numeric, atol=1e-8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d, H", [(4, 1), (4, 2), (4, 3), (8, 3)])
 def test_acceptance_6_refinement_reaches_1e_13_on_exact_oracles(d, H):
     target = mx.MultiHeadAttention.random(d, H, seed=40 + d + H)
@@ -278,6 +279,7 @@ def test_refined_certificate_bounds_noisy_runs():
         assert mx.compare(result.model, target).max_rel <= result.error_bound(1e-11) < 1e-6
 
 
+@pytest.mark.slow
 def test_acceptance_3_float32_target():
     d, H = 8, 2
     target = mx.MultiHeadAttention.random(d, H, seed=0)

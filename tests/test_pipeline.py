@@ -200,6 +200,7 @@ def test_no_module_compares_schedule_names_outside_the_registry():
                 assert f"== {quote}{name}{quote}" not in text and f"!= {quote}{name}{quote}" not in text, path
 
 
+@pytest.mark.slow
 def test_plotting_is_imported_only_when_a_plot_is_asked_for():
     code = ("import sys, mhaextract as mx; t = mx.MultiHeadAttention.random(3, 1, seed=0); "
             "mx.extract(mx.SimulatedOracle(t), 3, heads=1); "

@@ -53,6 +53,7 @@ def test_fit_with_constant_and_one_sample_reading():
 
 
 # ---------------------------------------------------------------- acceptance
+@pytest.mark.slow
 def test_d8_h6_machine_precision_over_10_targets():
     """Acceptance 1: max absolute parameter error <= 2^-45 over 10 seeded targets, queries counted
     at both sides of the boundary, at most twice the paper's count."""
@@ -73,6 +74,7 @@ def test_d8_h6_machine_precision_over_10_targets():
     assert worst <= 2.0**-45
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d, H, seed", [(8, 8, 0), (8, 8, 1), (16, 12, 0)])
 def test_many_heads_to_1e_10(d, H, seed):
     """Acceptance 2: d = 8, H = 8 and d = 16, H = 12 to relative error 1e-10."""
@@ -83,6 +85,7 @@ def test_many_heads_to_1e_10(d, H, seed):
     assert result.queries <= 2 * paper_count(d, H)
 
 
+@pytest.mark.slow
 def test_random_small_targets():
     rng = np.random.default_rng(6)
     for trial in range(20):
@@ -160,6 +163,7 @@ def test_same_seed_same_queries():
     assert all(np.array_equal(a, b) for a, b in zip(*asked))
 
 
+@pytest.mark.slow
 def test_a_transcript_replays_the_adaptive_run(tmp_path):
     """Interrupted runs lose nothing: the run is adaptive but deterministic given its seed and
     answers, so a second run with the same transcript reads every answer back."""

@@ -97,6 +97,7 @@ def test_canonical_form_merges_heads_and_units_and_keeps_the_function():
 
 
 # ---------------------------------------------------------------------- extraction
+@pytest.mark.slow
 def test_acceptance_high_precision_30_random_targets_to_1e_30():
     """Issue 3, acceptance 1: 256 bits, d <= 4, H <= 3, hidden <= 6 (d >= 2: see the conditions)."""
     rng = np.random.default_rng(2026)
@@ -118,6 +119,7 @@ def test_acceptance_high_precision_30_random_targets_to_1e_30():
     assert worst <= 1e-30
 
 
+@pytest.mark.slow
 def test_acceptance_float64_d8_h2_hidden16_on_10000_fresh_queries():
     """Issue 3, acceptance 2: outputs to 1e-8 relative on 10,000 fresh queries of lengths 1..12 with
     token norms over two decades; heads to 1e-7."""
@@ -142,6 +144,7 @@ def test_acceptance_float64_d8_h2_hidden16_on_10000_fresh_queries():
     assert mx.compare_transformers(result.model, target).max_rel <= 1e-7
 
 
+@pytest.mark.slow
 def test_without_hidden_the_search_stops_when_segments_find_nothing_new():
     target = mx.Transformer1L.random(3, 2, 4, seed=11)
     result = mx.extract_transformer(mx.SimulatedOracle(target, 192), 3, heads=2, precision=192, seed=1)
@@ -169,6 +172,7 @@ def invisible_head_target():
     return mx.Transformer1L(rng.standard_normal((2, 3, 3)) / np.sqrt(3), O, A, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", [None, 256])
 @pytest.mark.parametrize("make", [antiparallel_target, invisible_head_target])
 def test_acceptance_a_target_violating_a_condition_is_reported_not_returned(make, precision):
@@ -268,6 +272,7 @@ def test_max_queries_too_small_raises_budget_exceeded():
     (None, 32, 600),  # in the verification
     (128, 16, 250),
 ])
+@pytest.mark.slow
 def test_an_interrupted_transformer_run_resumes_without_asking_twice(tmp_path, precision, batch_size, fail_after):
     target = mx.Transformer1L.random(3, 2, 4, seed=11)
     path = tmp_path / "transformer.sqlite"

@@ -1,6 +1,6 @@
 """One-layer Transformer: multi-head attention, then a bias-free ReLU feed-forward network.
 
-ALGORITHM.md section 9. For a sequence ``X = (x_1, ..., x_N)`` with the heads' attention
+docs/algorithm.md §14. For a sequence ``X = (x_1, ..., x_N)`` with the heads' attention
 weights ``a_{h,i}`` (section 1) and value-output maps ``O_h`` (p x d)::
 
     o(X) = sum_h sum_i a_{h,i} O_h x_i                      (in R^p)
@@ -415,7 +415,7 @@ class TransformerExtractionError(RuntimeError):
 
 
 class OddPartOracle:
-    """The user-protocol oracle for ``g(X) = f(X) - f(-X)`` (ALGORITHM.md section 9): each query of
+    """The user-protocol oracle for ``g(X) = f(X) - f(-X)`` (docs/algorithm.md §14): each query of
     g asks the f boundary for X and -X, so both are counted there.
 
     In high precision the answers of f carry one ulp at ``precision`` bits relative to |f|; their
@@ -566,7 +566,7 @@ def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, tok
         raise ValueError(
             "residual=True is not supported: the residual adds r^T x_N (r = sum_j w_j A_j) to the odd "
             "part, so g's one-token answers are (vbar + r)^T x, not vbar^T x, and the anchors of "
-            "ALGORITHM.md section 3 that the core schedule relies on (F(0) = vbar^T x_i for rows i >= 1) "
+            "docs/algorithm.md §4 that the core schedule relies on (F(0) = vbar^T x_i for rows i >= 1) "
             "would be wrong. Supporting it needs the core to ask F(0) of rows i >= 1 (d - 1 more "
             "one-token queries of g) instead of inferring it; step 2 only needs x_N as one more block of M."
         )
