@@ -26,6 +26,7 @@ from ..model import MultiHeadAttention
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits
 from ..oracle.queries import random_basis
+from ..validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
 from .matching import LinkMatches, Side, match_links
 
@@ -129,12 +130,9 @@ class GridSchedule(Schedule):
 
     def __init__(self, settings):
         super().__init__(settings)
-        exact = 2 * self.max_heads + 1
+        exact = 2 * self.max_heads + 1  # the paper's 2 H0 + 1 samples per instance
         K = exact if settings.samples_per_instance is None else settings.samples_per_instance
-        if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < exact:
-            raise ValueError(f"samples_per_instance must be an integer >= 2 H0 + 1 = {exact}, "
-                             f"got {settings.samples_per_instance!r}")
-        self.samples_per_instance = int(K)
+        self.samples_per_instance = positive_int("samples_per_instance (2 H0 + 1 or more)", K, minimum=exact)
         rng = np.random.default_rng(settings.seed)
         self.X = random_basis(rng, self.d, self.token_scale)
         self.Z = random_basis(rng, self.d, self.token_scale)
