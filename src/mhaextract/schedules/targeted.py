@@ -54,7 +54,7 @@ instead would lift that, at one more unknown per instance; not implemented).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -65,7 +65,6 @@ from ..numerics import single_pole
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import one_token_queries, quantize, random_basis
 from .base import Outcome, Schedule, ScheduleDetails
-from .grid import Instance
 from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 
 EPS = np.finfo(np.float64).eps
@@ -84,6 +83,14 @@ RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
 #: The common checks' thresholds: relative parameter error expected, misfit of the answers.
 ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
+#: Queries kept (evenly spaced, with their answers) for the ``answers_residual`` check; the others
+#: are dropped once answered (docs/algorithm.md §13, "Memory").
+RESIDUAL_SAMPLE = 4096
+#: Working memory of one chunk of units in :func:`_measure` (three (units, d, d) float64 arrays).
+CHUNK_BYTES = 2**28
+#: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
+#: are then computed exactly rather than bounded (:func:`_diagnostics`).
+KEEP_BYTES = 2**24
 
 
 @dataclass
@@ -146,25 +153,35 @@ class TargetedDetails(ScheduleDetails):
 
 
 class _Prober:
-    """Asks copies-instances through the boundary and keeps every query and answer."""
+    """Asks copies-instances through the boundary; keeps every answer and a bounded sample of the
+    queries (docs/algorithm.md §13, "Memory").
 
-    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float):
+    The queries are built per batch from ``(final, difference, k)`` and dropped once answered:
+    only every ``stride``-th one is kept (with its answer) for the ``answers_residual`` check, so
+    memory grows with the answers (one float each), not with all queries x length x d.
+    """
+
+    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float, expected_queries: int = 0):
         self.boundary = boundary
         self.d = d
         self.token_scale = token_scale
         # One exact grid for every token of the run: sums and differences of tokens stay exact.
         self.grid_scale = 4 * GROUP_SCALE * token_scale
+        self.stride = max(1, int(expected_queries) // RESIDUAL_SAMPLE)
+        self.asked = 0
         self.sequences: list[np.ndarray] = []
-        self.answers: list[np.ndarray] = []
+        self.answers: list[float] = []
         self.vbar: np.ndarray | None = None
 
     def quantize(self, values: np.ndarray) -> np.ndarray:
         return quantize(values, self.grid_scale)
 
     def ask(self, sequences, description):
-        answers = self.boundary.ask(sequences, description=description)
-        self.sequences.extend(sequences)
-        self.answers.append(np.asarray(answers, dtype=np.float64))
+        answers = np.asarray(self.boundary.ask(sequences, description=description), dtype=np.float64)
+        picks = np.arange((-self.asked) % self.stride, len(sequences), self.stride)
+        self.sequences.extend(np.array(sequences[p]) for p in picks)
+        self.answers.extend(answers[picks].tolist())
+        self.asked += len(sequences)
         return answers
 
     def learn_vbar(self, basis: np.ndarray) -> None:
@@ -175,26 +192,73 @@ class _Prober:
     def gaps(self, finals: np.ndarray, differences: np.ndarray, copies, description="targeted instances"):
         """``G(k) = vbar^T x - F(k)`` for each row (x, z) and each k in ``copies``; and the
         rounding scale of each sample (the magnitudes the subtraction cancels)."""
-        sequences = [Instance("targeted", 0, 0, x, z, tuple(copies)).sequence(k)
-                     for x, z in zip(finals, differences) for k in copies]
-        answers = np.asarray(self.ask(sequences, description), dtype=np.float64).reshape(len(finals), len(copies))
+        answers = np.empty((len(finals), len(copies)))
+        repeated = finals - differences
+        for column, k in enumerate(copies):  # one (n, k + 1, d) array per k: no per-query stacking
+            tokens = np.concatenate([np.repeat(repeated[:, None], k, axis=1), finals[:, None]], axis=1)
+            answers[:, column] = self.ask(list(tokens), description)
         anchor = finals @ self.vbar
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
         rounding = 4 * EPS * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
         return anchor[:, None] - answers, rounding
 
 
-def _design(estimates: np.ndarray, head: int, pattern: np.ndarray) -> np.ndarray:
-    """The final token for one column ``pattern`` (d,) of the design: log-poles (by the estimates)
-    ``TARGET * p_h`` for ``head``, ``MID + SPREAD * p_g`` for the others, ``SPREAD * p`` along the
-    null space of the estimates (scaled like their rows)."""
-    H, d = estimates.shape
-    _, singular, vt = np.linalg.svd(estimates)
-    null = vt[H:] * singular.mean()
-    design = np.vstack([estimates, null])
-    values = np.concatenate([SATURATION_MID + SATURATION_SPREAD * pattern[:H], SATURATION_SPREAD * pattern[H:]])
-    values[head] = TARGET_CENTER + TARGET * pattern[head]
-    return np.linalg.solve(design, values)
+def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
+    """(U, d, d): column n is ``SPREAD N0^T p[H:, n]`` for each unit, ``N0`` the null space of the
+    unit's initial estimates (U, H, d), one SVD per unit (not per instance)."""
+    H = estimates.shape[1]
+    _, _, vt = np.linalg.svd(estimates, full_matrices=True)
+    return SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H:, :])
+
+
+def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray) -> np.ndarray:
+    """The final tokens of one round for U units at once (U, d).
+
+    Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + TARGET p_h`` and the others at
+    ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
+    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``E^T = QR`` (one batched QR),
+    ``b`` the unit's ``null_part`` and ``c`` the mean singular value of E. While the estimates are
+    the initial ones this is the square design ``[E; c N0] x = values``; once the target row was
+    corrected the projection keeps the null part exactly off every head."""
+    U, H, d = current.shape
+    q, r = np.linalg.qr(current.transpose(0, 2, 1))  # (U, d, H), (U, H, H)
+    scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
+    values = SATURATION_MID + SATURATION_SPREAD * columns[:, :H]
+    units = np.arange(U)
+    values[units, heads] = TARGET_CENTER + TARGET * columns[units, heads]
+    coefficients = np.linalg.solve(r.transpose(0, 2, 1), values[:, :, None])  # R^T y = values
+    free = null_part / scale[:, None]
+    free -= np.matmul(q, np.matmul(q.transpose(0, 2, 1), free[:, :, None]))[:, :, 0]
+    return np.matmul(q, coefficients)[:, :, 0] + free
+
+
+class _MinimumNormCorrection:
+    """The minimum-norm change of each unit's target estimate that fits its log-poles so far,
+    ``delta = X^+ (m - X a_prior)`` (X: the finite rows), updated by one Gram-Schmidt step per
+    round instead of a least-squares solve from scratch (same solution to rounding)."""
+
+    def __init__(self, units: int, d: int):
+        self.basis = np.zeros((units, d, d))  # orthonormal columns: the rows of X asked so far
+        self.coefficients = np.zeros((units, d))
+        self.delta = np.zeros((units, d))
+
+    def add(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
+        """Add row ``n`` (U, d) with its misfit (U,) (NaN: not measured, skipped); returns delta."""
+        ok = np.isfinite(misses)
+        basis = self.basis[:, :, :n]
+        overlap = np.matmul(rows[:, None, :], basis)[:, 0]  # (U, n)
+        q = rows - np.matmul(basis, overlap[:, :, None])[:, :, 0]
+        second = np.matmul(q[:, None, :], basis)[:, 0]  # classical Gram-Schmidt, twice
+        q -= np.matmul(basis, second[:, :, None])[:, :, 0]
+        overlap += second
+        rho = np.linalg.norm(q, axis=1)
+        ok &= rho > 1e-12 * np.linalg.norm(rows, axis=1)
+        safe = np.where(ok, rho, 1.0)
+        self.basis[:, :, n] = np.where(ok[:, None], q / safe[:, None], 0.0)
+        value = (np.nan_to_num(misses) - np.einsum("un,un->u", overlap, self.coefficients[:, :n])) / safe
+        self.coefficients[:, n] = np.where(ok, value, 0.0)
+        self.delta += self.basis[:, :, n] * self.coefficients[:, n:n + 1]
+        return self.delta
 
 
 def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
@@ -219,10 +283,11 @@ def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
 @dataclass
 class _GroupMeasurements:
     """All instances of some units (g, h): head h with difference ``differences[g, h]``, d rounds each.
-    Arrays (G, H, d rounds) unless noted."""
+    Arrays (G, H, d rounds) unless noted. The final tokens themselves are not kept (memory): what
+    the checks need of them is reduced per chunk of units (``a``, ``misfit``, ``margin``, ``x_norm``)."""
 
     differences: np.ndarray  # (G, H, d)
-    finals: np.ndarray  # (G, H, d, d)
+    estimates: np.ndarray  # (G, H, H, d) the a_f of every head used for the design (the target's before correction)
     log_pole: np.ndarray
     label: np.ndarray
     designed: np.ndarray
@@ -231,6 +296,12 @@ class _GroupMeasurements:
     sigma_l: np.ndarray
     gaps: np.ndarray  # (G, H, d, K) the samples G(k) (NaN where not asked)
     rounding: np.ndarray  # (G, H, d, K) their rounding scales
+    a: np.ndarray  # (G, H, d) a_h(z) solved from the d log-poles (NaN unless all finite)
+    misfit: np.ndarray  # |m_n - a^T x_n|
+    margin: np.ndarray  # smallest other head's log-pole by the design estimates
+    x_norm: np.ndarray  # |x_n|
+    error_squared: np.ndarray  # (G, H) |X^{-1} sigma|^2 (final stage; NaN otherwise)
+    finals: np.ndarray | None = None  # (G, H, d, d) the final tokens, kept only when small (KEEP_BYTES)
 
     def consensus_labels(self) -> tuple[np.ndarray, np.ndarray]:
         """Inverse-variance mean of the labels of each (group, head) over its instances, and its error."""
@@ -243,76 +314,123 @@ class _GroupMeasurements:
         labels, _ = self.consensus_labels()
         G, H, rounds, K = self.gaps.shape
         m, sigma = single_pole.log_pole_given_label(
-            self.gaps.reshape(-1, K), FINAL_COPIES, self.rounding.reshape(-1, K),
+            self.gaps.reshape(-1, K), FINAL_COPIES[:K], self.rounding.reshape(-1, K),
             np.repeat(labels.ravel(), rounds))
         self.log_pole = m.reshape(G, H, rounds)
         self.sigma_m = sigma.reshape(G, H, rounds)
 
     def solve(self) -> np.ndarray:
         """``a_h`` of every group and head from ``a_h^T x_n = m_n`` (G, H, d)."""
-        G, H, d, _ = self.finals.shape
-        out = np.full((G, H, d), np.nan)
-        for g in range(G):
-            for h in range(H):
-                m = self.log_pole[g, h]
-                if np.isfinite(m).all():
-                    out[g, h] = np.linalg.solve(self.finals[g, h], m)
-        return out
+        return self.a
+
+    @classmethod
+    def concatenate(cls, parts: list["_GroupMeasurements"]) -> "_GroupMeasurements":
+        return cls(*(np.concatenate([getattr(part, f.name) for part in parts]) for f in fields(cls)
+                     if f.name != "finals"))
 
 
-def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool) -> _GroupMeasurements:
+def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
+             W_score: np.ndarray | None = None) -> _GroupMeasurements:
     """Targeted instances, d rounds, for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
     heads f at its difference, used for the design. The target's own row is corrected after every
     round to fit its measured log-poles. Final units ask ``k = 1, 2, 3``; bridges ``k = 1, 2`` in
-    round 0 and ``k = 1`` later (the label is then known).
+    round 0 and ``k = 1`` later (the label is then known). ``W_score`` (final stage): the model
+    used for the oracle's score rounding in the error estimate.
+
+    Units are independent: they are measured in chunks of groups whose working arrays (final
+    tokens, null parts, Gram-Schmidt bases: three (units, d, d) arrays) fit ``CHUNK_BYTES``, so
+    memory does not grow with all instances x d.
     """
     G, H, _, d = estimates.shape
-    current = estimates.copy()
-    # The constant row: a saturated head (or a null-space direction), never the target itself.
-    patterns = np.array([[_patterns(rng, d, (h + 1) % d) for h in range(H)] for _ in range(G)])  # (G, H, d, d)
-    shape = (G, H, d)
+    per_chunk = max(1, CHUNK_BYTES // (24 * d * d * H))
+    parts = []
+    for start in range(0, G, per_chunk):
+        stop = min(G, start + per_chunk)
+        patterns = np.array([[_patterns(rng, d, (h + 1) % d) for h in range(H)] for _ in range(start, stop)])
+        parts.append(_measure_chunk(prober, differences[start:stop], estimates[start:stop], patterns, bridge,
+                                    W_score, f"{'bridge' if bridge else 'final'} instances, groups "
+                                    f"{start + 1}..{stop} of {G}"))
+    out = _GroupMeasurements.concatenate(parts)
+    if G * H * d * d * 8 <= KEEP_BYTES:
+        out.finals = np.concatenate([part.finals for part in parts])
+    return out
+
+
+def _measure_chunk(prober, differences, estimates, patterns, bridge, W_score, description) -> _GroupMeasurements:
+    """:func:`_measure` on one chunk of groups, all its units batched as arrays in every round."""
+    G, H, _, d = estimates.shape
+    U, units = G * H, np.arange(G * H)
+    heads = np.tile(np.arange(H), G)
+    current = estimates.reshape(U, H, d).copy()
+    prior = current[units, heads].copy()
+    pattern = patterns.reshape(U, d, d)
+    null_part = _null_parts(current, pattern)
+    correction = _MinimumNormCorrection(U, d)
+    diffs = differences.reshape(U, d)
     K = 2 if bridge else len(FINAL_COPIES)
-    out = _GroupMeasurements(differences, np.zeros(shape + (d,)), np.full(shape, np.nan), np.full(shape, np.nan),
-                             np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.inf),
-                             np.full(shape, np.inf), np.full(shape + (K,), np.nan), np.full(shape + (K,), np.nan))
-    stage = "bridge" if bridge else "final"
-    heads = np.arange(H)
+    finals = np.empty((U, d, d))
+    log_pole, label, designed, residual = (np.full((U, d), np.nan) for _ in range(4))
+    sigma_m, sigma_l = np.full((U, d), np.inf), np.full((U, d), np.inf)
+    gaps_all, rounding_all = np.full((U, d, K), np.nan), np.full((U, d, K), np.nan)
     for n in range(d):
-        finals = np.array([[prober.quantize(_design(current[g, h], h, patterns[g, h, :, n])) for h in range(H)]
-                           for g in range(G)])
-        out.finals[:, :, n] = finals
-        out.designed[:, :, n] = np.einsum("ghd,ghd->gh", current[:, heads, heads], finals)
+        x = prober.quantize(_designs(current, heads, pattern[:, :, n], null_part[:, :, n]))
+        finals[:, n] = x
+        designed[:, n] = np.einsum("ud,ud->u", current[units, heads], x)
         copies = (1,) if bridge and n else ((1, 2) if bridge else FINAL_COPIES)
-        gaps, rounding = prober.gaps(finals.reshape(G * H, d), differences.reshape(G * H, d), copies,
-                                     f"{stage} instances, round {n + 1}/{d}")
-        out.gaps[:, :, n, :len(copies)] = gaps.reshape(G, H, len(copies))
-        out.rounding[:, :, n, :len(copies)] = rounding.reshape(G, H, len(copies))
+        gaps, rounding = prober.gaps(x, diffs, copies, f"{description}, round {n + 1}/{d}")
+        gaps_all[:, n, :len(copies)], rounding_all[:, n, :len(copies)] = gaps, rounding
         if copies == (1,):
-            m = single_pole.reading(gaps[:, 0], 0.0, out.label[:, :, 0].ravel())
-            out.log_pole[:, :, n] = m.reshape(G, H)
+            m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
+            log_pole[:, n] = m
             # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
             tau = np.exp(m)
-            out.sigma_m[:, :, n] = (rounding[:, 0] * (1 + tau) ** 2 / np.abs(out.label[:, :, 0].ravel() * tau)).reshape(G, H)
+            sigma_m[:, n] = rounding[:, 0] * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
         else:
             fits = single_pole.fit(gaps, copies, rounding)
-            out.log_pole[:, :, n] = fits.log_pole.reshape(G, H)
-            out.label[:, :, n] = fits.label.reshape(G, H)
-            out.residual[:, :, n] = fits.residual.reshape(G, H) if len(copies) > 2 else np.nan
-            out.sigma_m[:, :, n] = fits.sigma_m.reshape(G, H)
-            out.sigma_l[:, :, n] = fits.sigma_l.reshape(G, H)
+            log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
+                fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
+            residual[:, n] = fits.residual if len(copies) > 2 else np.nan
         # Correct the target's estimate to fit what was measured (minimal change from the prior).
-        for g in range(G):
-            for h in range(H):
-                X, m = out.finals[g, h, :n + 1], out.log_pole[g, h, :n + 1]
-                ok = np.isfinite(m)
-                if ok.any():
-                    miss = m[ok] - X[ok] @ estimates[g, h, h]
-                    current[g, h, h] = estimates[g, h, h] + np.linalg.lstsq(X[ok], miss, rcond=1e-12)[0]
+        current[units, heads] = prior + correction.add(n, x, log_pole[:, n] - np.einsum("ud,ud->u", x, prior))
+    shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
+    out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
+        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all)),
+        *(np.full((G, H, d), np.nan) for _ in range(4)), np.full((G, H), np.nan))
     if not bridge:
         out.refit_with_consensus_labels()
+    _reduce_chunk(out, finals, heads, W_score)
+    out.finals = finals.reshape(G, H, d, d)
     return out
+
+
+def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, heads: np.ndarray, W_score) -> None:
+    """What the rest of the run needs of a chunk's final tokens (U, d, d), before they are dropped:
+    the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms."""
+    G, H, d = out.log_pole.shape
+    U = G * H
+    m = out.log_pole.reshape(U, d)
+    sigma = np.full((U, d), np.nan)
+    if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
+        z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
+        for h in range(H):
+            score = 8 * EPS * z_norm[heads == h, None] * np.linalg.norm(finals[heads == h] @ W_score[h].T, axis=2)
+            sigma[heads == h] = np.hypot(out.sigma_m.reshape(U, d)[heads == h], score)
+    ok = np.isfinite(m).all(axis=1)
+    a = np.full((U, d), np.nan)
+    spread = np.full((U, d), np.nan)
+    if ok.any():
+        solved = np.linalg.solve(finals[ok], np.stack([m[ok], np.nan_to_num(sigma[ok])], axis=2))
+        a[ok], spread[ok] = solved[:, :, 0], solved[:, :, 1]
+    out.a = a.reshape(G, H, d)
+    out.misfit = np.abs(m - np.einsum("und,ud->un", finals, a)).reshape(G, H, d)
+    poles = np.einsum("ufd,und->unf", out.estimates.reshape(U, H, d), finals)
+    poles[np.arange(U), :, heads] = np.inf
+    out.margin = poles.min(axis=2).reshape(G, H, d) if H > 1 else np.full((G, H, d), np.inf)
+    out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, d)
+    if W_score is not None:
+        out.error_squared = np.where(ok, (spread**2).sum(axis=1), np.nan).reshape(G, H)
 
 
 def _shared(differences: np.ndarray, estimates: np.ndarray):
@@ -382,14 +500,14 @@ class TargetedSchedule(Schedule):
         return one_token_queries(self.vbar_basis)
 
     def run(self, boundary, arithmetic) -> Outcome:
-        prober = _Prober(boundary, self.d, self.token_scale)
+        prober = _Prober(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
         search, stages, model, finite = _run(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
         instances = _diagnostics(stages, model)
         measurements = [data for _, data in stages]
         error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
-        answers = np.concatenate(prober.answers) if prober.answers else np.zeros(0)
+        answers = np.asarray(prober.answers, dtype=np.float64)
         checks = _checks(instances, search, H, self.settings.heads, measurements)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
                        checks)
@@ -421,7 +539,7 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     # --- bridges z_1 + eps z_j: rough a_h(j) and l_h(j), heads named as in group z_1; rough W, v.
     rough_a, rough_l = a1[None], labels1[None]  # (groups, H, d), (groups, H)
     if d > 1 and np.isfinite(a1).all():
-        x_size = np.linalg.norm(first.finals, axis=-1).max()
+        x_size = first.x_norm.max()
         eps_bridge = 2.0 ** np.floor(np.log2(2.0 / (np.linalg.norm(a1, axis=1).max() * x_size)))
         bridge_z = prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T)  # (d - 1, d)
         bridges = _measure(prober, *_shared(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True)
@@ -438,7 +556,7 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
         bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])  # (H, d, d)
         differences = bases.transpose(2, 0, 1)  # (d groups, H, d): differences[g, h] = column g of head h's basis
         estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a_f(z) = W_f^T z for every unit
-        final = _measure(prober, differences, estimates, rng, bridge=False)
+        final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough)
         stages.append(("final", final))
         a_final = final.solve()  # (d, H, d)
         labels_final = final.consensus_labels()[0]  # (d, H)
@@ -455,48 +573,48 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
 
 
 def _diagnostics(stages, model) -> TargetedInstances:
+    """One row per targeted instance. The final tokens are gone (memory), so the margin and the
+    bridges' agreement with the model are bounded from what each chunk kept: the other heads'
+    log-poles by the design estimates, less ``|a_g(model) - a_g(design)| |x|``; a bridge's
+    disagreement by its misfit to its own ``a`` plus ``|a - a_h(model)| |x|``. Both bounds are
+    at least as strict as the exact quantities."""
     rows = []
     for stage, data in stages:
-        G, H, rounds, d = data.finals.shape
-        for g in range(G):
-            for h in range(H):
-                z = data.differences[g, h]
-                poles_all = np.einsum("d,hde,ne->nh", z, model.W, data.finals[g, h]) if model is not None else None
-                for n in range(rounds):
-                    measured = data.log_pole[g, h, n]
-                    if poles_all is not None:
-                        poles = poles_all[n]
-                        margin = float(np.delete(poles, h).min()) if H > 1 else np.inf
-                        agrees = abs(poles[h] - measured) <= 1e-6
-                    else:
-                        margin, agrees = np.nan, False
-                    residual = data.residual[g, h, n]
-                    ok = margin >= SATURATION_MARGIN and np.isfinite(measured)
-                    ok = ok and (agrees if stage == "bridge" else residual <= RESIDUAL_LIMIT)
-                    rows.append((stage, g, h, measured, data.label[g, h, n], data.designed[g, h, n], residual,
-                                 margin, ok))
+        G, H, rounds = data.log_pole.shape
+        margin, agrees = np.full((G, H, rounds), np.nan), np.zeros((G, H, rounds), dtype=bool)
+        if model is not None:
+            model_a = np.einsum("fab,gha->ghfb", model.W, data.differences)  # a_f(z) of the model, every unit
+            own_a = model_a[:, np.arange(H), np.arange(H)]  # (G, H, d)
+            if data.finals is not None:  # exact: the model's log-poles at every instance
+                poles = np.einsum("ghfd,ghnd->ghnf", model_a, data.finals)
+                own = poles[:, np.arange(H), :, np.arange(H)].transpose(1, 0, 2)  # (G, H, rounds)
+                poles[:, np.arange(H), :, np.arange(H)] = np.inf
+                margin = poles.min(axis=3) if H > 1 else np.full((G, H, rounds), np.inf)
+                agrees = np.abs(own - data.log_pole) <= 1e-6
+            else:
+                drift = np.linalg.norm(model_a - data.estimates, axis=3)  # (G, H, H)
+                drift[:, np.arange(H), np.arange(H)] = 0.0
+                margin = data.margin - drift.max(axis=2)[:, :, None] * data.x_norm
+                own = np.linalg.norm(data.a - own_a, axis=2)
+                agrees = data.misfit + own[:, :, None] * data.x_norm <= 1e-6
+        finite = np.isfinite(data.log_pole)
+        held = agrees if stage == "bridge" else data.residual <= RESIDUAL_LIMIT
+        ok = (margin >= SATURATION_MARGIN) & finite & held
+        g, h, _ = np.meshgrid(np.arange(G), np.arange(H), np.arange(rounds), indexing="ij")
+        rows.append((np.full(G * H * rounds, stage), g.ravel(), h.ravel(), data.log_pole.ravel(),
+                     data.label.ravel(), data.designed.ravel(), data.residual.ravel(), margin.ravel(), ok.ravel()))
     if not rows:
         return TargetedInstances(*(np.array([]) for _ in range(9)))
-    columns = list(zip(*rows))
-    return TargetedInstances(*(np.array(column) for column in columns))
+    return TargetedInstances(*(np.concatenate(column) for column in zip(*rows)))
 
 
 def _error_estimate(final: _GroupMeasurements, model) -> float:
     """First order: each log-pole's error (sample rounding, and the oracle's rounding of the
-    scores ``y^T W_h x``, about eps |z| |W_h x|) through ``a_h(z) = X^{-1} m`` and
-    ``W_h = Z_h^{-T} A_h^T`` (``Z_h`` orthogonal times ``|z|``)."""
-    G, H, rounds, d = final.finals.shape
-    W_error = 0.0
-    for h in range(H):
-        squared = 0.0
-        for g in range(G):
-            X = final.finals[g, h]
-            z = final.differences[g, h]
-            score = 8 * EPS * np.linalg.norm(z) * np.linalg.norm(X @ model.W[h].T, axis=1)
-            sigma = np.hypot(final.sigma_m[g, h], score)
-            squared += np.linalg.norm(np.linalg.solve(X, sigma)) ** 2
-        W_error = max(W_error, np.sqrt(squared) / np.linalg.norm(final.differences[0, h]))
-    return float(4 * W_error / max(np.abs(model.W).max(), 1e-300))
+    scores ``y^T W_h x``, about eps |z| |W_h x|, with the design model's W) through
+    ``a_h(z) = X^{-1} m`` and ``W_h = Z_h^{-T} A_h^T`` (``Z_h`` orthogonal times ``|z|``)."""
+    squared = final.error_squared.sum(axis=0)  # (H,)
+    W_error = np.sqrt(squared) / np.linalg.norm(final.differences[0], axis=1)
+    return float(4 * W_error.max(initial=0.0) / max(np.abs(model.W).max(), 1e-300))
 
 
 def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements):
