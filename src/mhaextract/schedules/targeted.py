@@ -329,106 +329,191 @@ class _GroupMeasurements:
                      if f.name != "finals"))
 
 
+class _FullDesign:
+    """Designs of units that measure ``a_h(z)`` in all of R^d: d instances per unit (§13)."""
+
+    def __init__(self, current: np.ndarray, heads: np.ndarray, patterns: np.ndarray):
+        U, H, d = current.shape
+        self.current, self.heads, self.units = current, heads, np.arange(U)
+        self.rounds, self.pattern = d, patterns
+        self.prior = current[self.units, heads].copy()
+        self.null_part = _null_parts(current, patterns)
+        self.correction = _MinimumNormCorrection(U, d)
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
+        return np.array([_patterns(rng, d, (h + 1) % d) for h in range(H)])
+
+    @property
+    def target(self) -> np.ndarray:
+        return self.current[self.units, self.heads]
+
+    def design(self, n: int) -> np.ndarray:
+        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n])
+
+    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
+        """Correct the target's estimate to fit what was measured (minimal change from the prior)."""
+        miss = m - np.einsum("ud,ud->u", x, self.prior)
+        self.current[self.units, self.heads] = self.prior + self.correction.add(n, x, miss)
+
+    def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs``."""
+        return np.linalg.solve(finals, rhs)
+
+
+class _SubspaceDesign(_FullDesign):
+    """Designs of units whose ``a_h(z) = W_h^T z`` lies in a known r-dimensional subspace (the
+    row space of a rank-r ``W_h``, orthonormal basis Q, docs/algorithm.md §17): r instances per
+    unit. Instance n has ``Q^T x_n = y_n`` with ``y_n`` = the target's direction scaled to the
+    log-pole ``TARGET_CENTER`` plus ``SPREAD p_n / |c|`` across it (p: zero-sum orthogonal pattern
+    rows), and the other heads saturated; ``Q^T X`` is then well conditioned and ``a = Q (Q^T X)^{-1} m``."""
+
+    def __init__(self, current: np.ndarray, heads: np.ndarray, patterns: np.ndarray, basis: np.ndarray):
+        U, H, d = current.shape
+        self.current, self.heads, self.units, self.basis = current, heads, np.arange(U), basis
+        self.rounds = basis.shape[2]
+        self.pattern = patterns
+        self.prior = np.einsum("udr,ud->ur", basis, current[self.units, heads])  # c = Q^T a
+        self.coordinates = self.prior.copy()
+        self.correction = _MinimumNormCorrection(U, self.rounds)
+        others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
+        self.others = others
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
+        return np.array([np.vstack([_patterns(rng, rounds, 0), rng.uniform(-1.0, 1.0, (H, rounds))])
+                         for _ in range(H)])
+
+    def design(self, n: int) -> np.ndarray:
+        U, r = self.coordinates.shape
+        c = self.coordinates
+        size = np.linalg.norm(c, axis=1)
+        # An orthonormal frame of R^r whose first column is c / |c|: the reflection exchanging e_0 and it.
+        normal = np.eye(r)[0] - c / size[:, None]
+        length = np.linalg.norm(normal, axis=1)
+        normal = np.where(length[:, None] > 1e-12, normal / np.where(length > 1e-12, length, 1.0)[:, None], 0.0)
+        frame = np.eye(r)[None] - 2.0 * normal[:, :, None] * normal[:, None, :]
+        along = np.concatenate([np.full((U, 1), TARGET_CENTER), SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1)
+        y = np.matmul(frame, (along / size[:, None])[:, :, None])[:, :, 0]
+        saturated = self.current[self.units[:, None], self.others]  # (U, H - 1, d)
+        values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
+        rows = np.concatenate([saturated, self.basis.transpose(0, 2, 1)], axis=1)  # (U, H - 1 + r, d)
+        q, upper = np.linalg.qr(rows.transpose(0, 2, 1))
+        rhs = np.concatenate([values, y], axis=1)
+        return np.matmul(q, np.linalg.solve(upper.transpose(0, 2, 1), rhs[:, :, None]))[:, :, 0]
+
+    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
+        rows = np.einsum("udr,ud->ur", self.basis, x)
+        miss = m - np.einsum("ur,ur->u", rows, self.prior)
+        self.coordinates = self.prior + self.correction.add(n, rows, miss)
+        self.current[self.units, self.heads] = np.einsum("udr,ur->ud", self.basis, self.coordinates)
+
+    def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        return np.matmul(self.basis, np.linalg.solve(np.matmul(finals, self.basis), rhs))
+
+
 def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
-             W_score: np.ndarray | None = None) -> _GroupMeasurements:
-    """Targeted instances, d rounds, for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
+             W_score: np.ndarray | None = None, copies=None, bases: np.ndarray | None = None) -> _GroupMeasurements:
+    """Targeted instances for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
     heads f at its difference, used for the design. The target's own row is corrected after every
-    round to fit its measured log-poles. Final units ask ``k = 1, 2, 3``; bridges ``k = 1, 2`` in
-    round 0 and ``k = 1`` later (the label is then known). ``W_score`` (final stage): the model
-    used for the oracle's score rounding in the error estimate.
+    round to fit its measured log-poles. ``copies``: the copy counts of round 0 and of the later
+    rounds; by default final units ask ``k = 1, 2, 3`` every round, bridges ``k = 1, 2`` in round 0
+    and ``k = 1`` later (the label is then known). ``W_score`` (final stage): the model used for the
+    oracle's score rounding in the error estimate. ``bases`` (G, H, d, r): measure each unit in
+    the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
 
     Units are independent: they are measured in chunks of groups whose working arrays (final
     tokens, null parts, Gram-Schmidt bases: three (units, d, d) arrays) fit ``CHUNK_BYTES``, so
     memory does not grow with all instances x d.
     """
     G, H, _, d = estimates.shape
+    if copies is None:
+        copies = ((1, 2), (1,)) if bridge else (FINAL_COPIES, FINAL_COPIES)
+    designer = _FullDesign if bases is None else _SubspaceDesign
+    rounds = d if bases is None else bases.shape[3]
     per_chunk = max(1, CHUNK_BYTES // (24 * d * d * H))
     parts = []
     for start in range(0, G, per_chunk):
         stop = min(G, start + per_chunk)
-        patterns = np.array([[_patterns(rng, d, (h + 1) % d) for h in range(H)] for _ in range(start, stop)])
-        parts.append(_measure_chunk(prober, differences[start:stop], estimates[start:stop], patterns, bridge,
-                                    W_score, f"{'bridge' if bridge else 'final'} instances, groups "
+        patterns = np.array([designer.patterns(rng, d, H, rounds) for _ in range(start, stop)])
+        current = estimates[start:stop].reshape(-1, H, d).copy()
+        heads = np.tile(np.arange(H), stop - start)
+        design = (designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:])) if bases is None else
+                  designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:]),
+                           bases[start:stop].reshape(-1, d, rounds)))
+        parts.append(_measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
+                                    not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
                                     f"{start + 1}..{stop} of {G}"))
     out = _GroupMeasurements.concatenate(parts)
-    if G * H * d * d * 8 <= KEEP_BYTES:
+    if G * H * rounds * d * 8 <= KEEP_BYTES:
         out.finals = np.concatenate([part.finals for part in parts])
     return out
 
 
-def _measure_chunk(prober, differences, estimates, patterns, bridge, W_score, description) -> _GroupMeasurements:
+def _measure_chunk(prober, differences, estimates, design, copies, refit, W_score, description) -> _GroupMeasurements:
     """:func:`_measure` on one chunk of groups, all its units batched as arrays in every round."""
     G, H, _, d = estimates.shape
-    U, units = G * H, np.arange(G * H)
-    heads = np.tile(np.arange(H), G)
-    current = estimates.reshape(U, H, d).copy()
-    prior = current[units, heads].copy()
-    pattern = patterns.reshape(U, d, d)
-    null_part = _null_parts(current, pattern)
-    correction = _MinimumNormCorrection(U, d)
+    U, rounds = G * H, design.rounds
     diffs = differences.reshape(U, d)
-    K = 2 if bridge else len(FINAL_COPIES)
-    finals = np.empty((U, d, d))
-    log_pole, label, designed, residual = (np.full((U, d), np.nan) for _ in range(4))
-    sigma_m, sigma_l = np.full((U, d), np.inf), np.full((U, d), np.inf)
-    gaps_all, rounding_all = np.full((U, d, K), np.nan), np.full((U, d, K), np.nan)
-    for n in range(d):
-        x = prober.quantize(_designs(current, heads, pattern[:, :, n], null_part[:, :, n]))
+    K = len(copies[0])
+    finals = np.empty((U, rounds, d))
+    log_pole, label, designed, residual = (np.full((U, rounds), np.nan) for _ in range(4))
+    sigma_m, sigma_l = np.full((U, rounds), np.inf), np.full((U, rounds), np.inf)
+    gaps_all, rounding_all = np.full((U, rounds, K), np.nan), np.full((U, rounds, K), np.nan)
+    for n in range(rounds):
+        x = prober.quantize(design.design(n))
         finals[:, n] = x
-        designed[:, n] = np.einsum("ud,ud->u", current[units, heads], x)
-        copies = (1,) if bridge and n else ((1, 2) if bridge else FINAL_COPIES)
-        gaps, rounding = prober.gaps(x, diffs, copies, f"{description}, round {n + 1}/{d}")
-        gaps_all[:, n, :len(copies)], rounding_all[:, n, :len(copies)] = gaps, rounding
-        if copies == (1,):
+        designed[:, n] = np.einsum("ud,ud->u", design.target, x)
+        ks = copies[1] if n else copies[0]
+        gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
+        gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)] = gaps, rounding
+        if ks == (1,):
             m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
             log_pole[:, n] = m
             # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
             tau = np.exp(m)
             sigma_m[:, n] = rounding[:, 0] * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
         else:
-            fits = single_pole.fit(gaps, copies, rounding)
+            fits = single_pole.fit(gaps, ks, rounding)
             log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
                 fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
-            residual[:, n] = fits.residual if len(copies) > 2 else np.nan
-        # Correct the target's estimate to fit what was measured (minimal change from the prior).
-        current[units, heads] = prior + correction.add(n, x, log_pole[:, n] - np.einsum("ud,ud->u", x, prior))
+            residual[:, n] = fits.residual if len(ks) > 2 else np.nan
+        design.update(n, x, log_pole[:, n])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
         log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all)),
-        *(np.full((G, H, d), np.nan) for _ in range(4)), np.full((G, H), np.nan))
-    if not bridge:
+        np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H), np.nan))
+    if refit:
         out.refit_with_consensus_labels()
-    _reduce_chunk(out, finals, heads, W_score)
-    out.finals = finals.reshape(G, H, d, d)
+    _reduce_chunk(out, finals, design, W_score)
+    out.finals = finals.reshape(G, H, rounds, d)
     return out
 
 
-def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, heads: np.ndarray, W_score) -> None:
-    """What the rest of the run needs of a chunk's final tokens (U, d, d), before they are dropped:
-    the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms."""
-    G, H, d = out.log_pole.shape
-    U = G * H
-    m = out.log_pole.reshape(U, d)
-    sigma = np.full((U, d), np.nan)
+def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score) -> None:
+    """What the rest of the run needs of a chunk's final tokens (U, rounds, d), before they are
+    dropped: the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms."""
+    G, H, rounds = out.log_pole.shape
+    U, d, heads = G * H, finals.shape[2], design.heads
+    m = out.log_pole.reshape(U, rounds)
+    sigma = np.full((U, rounds), np.nan)
     if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
         for h in range(H):
             score = 8 * EPS * z_norm[heads == h, None] * np.linalg.norm(finals[heads == h] @ W_score[h].T, axis=2)
-            sigma[heads == h] = np.hypot(out.sigma_m.reshape(U, d)[heads == h], score)
+            sigma[heads == h] = np.hypot(out.sigma_m.reshape(U, rounds)[heads == h], score)
     ok = np.isfinite(m).all(axis=1)
-    a = np.full((U, d), np.nan)
-    spread = np.full((U, d), np.nan)
-    if ok.any():
-        solved = np.linalg.solve(finals[ok], np.stack([m[ok], np.nan_to_num(sigma[ok])], axis=2))
-        a[ok], spread[ok] = solved[:, :, 0], solved[:, :, 1]
+    solved = design.solve(finals, np.stack([np.nan_to_num(m), np.nan_to_num(sigma)], axis=2))
+    a = np.where(ok[:, None], solved[:, :, 0], np.nan)
+    spread = np.where(ok[:, None], solved[:, :, 1], np.nan)
     out.a = a.reshape(G, H, d)
-    out.misfit = np.abs(m - np.einsum("und,ud->un", finals, a)).reshape(G, H, d)
+    out.misfit = np.abs(m - np.einsum("und,ud->un", finals, a)).reshape(G, H, rounds)
     poles = np.einsum("ufd,und->unf", out.estimates.reshape(U, H, d), finals)
     poles[np.arange(U), :, heads] = np.inf
-    out.margin = poles.min(axis=2).reshape(G, H, d) if H > 1 else np.full((G, H, d), np.inf)
-    out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, d)
+    out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
+    out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
     if W_score is not None:
         out.error_squared = np.where(ok, (spread**2).sum(axis=1), np.nan).reshape(G, H)
 
