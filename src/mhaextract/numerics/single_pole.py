@@ -118,13 +118,15 @@ def reading(gap_one: np.ndarray, constant, label) -> np.ndarray:
         return np.where(tau > 0, np.log(np.where(tau > 0, tau, 1.0)), np.nan)
 
 
-def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.ndarray, misfit: bool = False):
     """``m`` of ``G(k) = k l / (k + tau)`` when the label ``l`` is known (n,): each sample gives
     ``tau = k (l / G(k) - 1)``; the estimates are combined with inverse-variance weights.
 
     A label known more precisely than one instance can fit it (the consensus of the instances
     that share it) removes the strong correlation of ``l`` and ``tau`` in the two-parameter fit.
-    Returns ``(m, sigma_m)``.
+    Returns ``(m, sigma_m)``, and with ``misfit=True`` also the spread of the per-sample ``m``
+    around the combined one in units of their errors (``sqrt(sum w (m_k - m)^2)``): with the label
+    known, two samples already test the single-pole form.
     """
     gaps = np.asarray(gaps, dtype=np.float64)
     ks = np.asarray(ks, dtype=np.float64)[None, :]
@@ -138,4 +140,8 @@ def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.n
         weight = np.where(valid & np.isfinite(sigma) & (sigma > 0), 1.0 / sigma**2, 0.0)
         total = weight.sum(axis=1)
         combined = np.where(total > 0, (weight * m).sum(axis=1) / total, np.nan)
-        return combined, np.where(total > 0, 1.0 / np.sqrt(total), np.inf)
+        sigma_combined = np.where(total > 0, 1.0 / np.sqrt(total), np.inf)
+        if not misfit:
+            return combined, sigma_combined
+        spread = np.sqrt((weight * (m - combined[:, None]) ** 2).sum(axis=1))
+        return combined, sigma_combined, np.where(total > 0, spread, np.inf)

@@ -313,11 +313,13 @@ class _GroupMeasurements:
         """Final groups: each instance's ``m`` again, now with its label fixed at the consensus."""
         labels, _ = self.consensus_labels()
         G, H, rounds, K = self.gaps.shape
-        m, sigma = single_pole.log_pole_given_label(
+        m, sigma, spread = single_pole.log_pole_given_label(
             self.gaps.reshape(-1, K), FINAL_COPIES[:K], self.rounding.reshape(-1, K),
-            np.repeat(labels.ravel(), rounds))
+            np.repeat(labels.ravel(), rounds), misfit=True)
         self.log_pole = m.reshape(G, H, rounds)
         self.sigma_m = sigma.reshape(G, H, rounds)
+        if K == 2:  # no third sample: the two samples' disagreement given the label is the test
+            self.residual = spread.reshape(G, H, rounds)
 
     def solve(self) -> np.ndarray:
         """``a_h`` of every group and head from ``a_h^T x_n = m_n`` (G, H, d)."""
@@ -601,22 +603,34 @@ class TargetedSchedule(Schedule):
         return ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT
 
 
+def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
+    """Phase 1 (heads and rough ``a_h(z_1)`` along lines) and the first group, targeted.
+    Returns ``(Z, line search report, first-group measurements or None when no head was found)``."""
+    Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
+    z1 = Z[:, 0]
+    before = prober.boundary.position
+    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
+                          z1, max_heads, rng, token_scale, prober.quantize)
+    search.queries = prober.boundary.position - before
+    if not search.heads:
+        return Z, search, None
+    rough = np.array([head.direction for head in search.heads])
+    return Z, search, _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False)
+
+
+def _bridge_step(first: _GroupMeasurements) -> float:
+    """eps of the bridges ``z_1 + eps z_j``: a power of two with ``eps |a_h| |x| <= 2``."""
+    a1 = first.a[0]
+    return float(2.0 ** np.floor(np.log2(2.0 / (np.linalg.norm(a1, axis=1).max() * first.x_norm.max()))))
+
+
 def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1, the first group, the bridges and the final instances (see the module docstring).
     Returns ``(line search report, [(stage, measurements)], model or None, finite)``."""
-    Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
-    # --- phase 1: heads and rough a_h(1) along lines in group z_1.
-    z1 = Z[:, 0]
-    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
-                          z1, max_heads, rng, token_scale, prober.quantize)
-    found = search.heads
-    H = len(found)
-    if H == 0:
+    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    if first is None:
         return search, [], None, False
-    rough = np.array([head.direction for head in found])
-
-    # --- group z_1, targeted: precise a_h(1) and l_h(1).
-    first = _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False)
+    H = len(search.heads)
     a1 = first.solve()[0]
     labels1 = first.consensus_labels()[0][0]
     stages = [("first", first)]
@@ -624,8 +638,7 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     # --- bridges z_1 + eps z_j: rough a_h(j) and l_h(j), heads named as in group z_1; rough W, v.
     rough_a, rough_l = a1[None], labels1[None]  # (groups, H, d), (groups, H)
     if d > 1 and np.isfinite(a1).all():
-        x_size = first.x_norm.max()
-        eps_bridge = 2.0 ** np.floor(np.log2(2.0 / (np.linalg.norm(a1, axis=1).max() * x_size)))
+        eps_bridge = _bridge_step(first)
         bridge_z = prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T)  # (d - 1, d)
         bridges = _measure(prober, *_shared(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True)
         stages.append(("bridge", bridges))
