@@ -40,7 +40,7 @@ ROUNDING_REGIME = 1e3 * 2.0**-53
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="paper",
             token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
-            answer_error=None) -> Extraction:
+            answer_error=None, rank=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -71,11 +71,13 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     refine : polish all parameters by nonlinear least squares against every answer (float64, §12).
     refine_queries : fresh random queries for the refinement (default ``max(32, H0 (d^2 + d))``).
     answer_error : a bound on every answer's absolute error, if known (float64).
+    rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
+        ``3H (2dr - r^2)`` queries instead of ``4 H d^2``); other schedules refuse it.
 
     Every count reported is measured at the oracle boundary.
     """
     settings = _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine,
-                         refine_queries, answer_error)
+                         refine_queries, answer_error, rank)
     on_failure = on_failure_mode(on_failure)
     if max_queries is not None:
         positive_int("max_queries", max_queries, minimum=0)
@@ -107,7 +109,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
 
 
 def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,
-              answer_error) -> RunSettings:
+              answer_error, rank=None) -> RunSettings:
     """Every parameter checked once, with the option that fixes a bad one named."""
     d = positive_int("d", d)
     H0, declared = head_count(heads, max_heads)
@@ -122,8 +124,12 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         refine_queries = positive_int("refine_queries", refine_queries, minimum=0)
     if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
         answer_error = nonnegative_number("answer_error", answer_error, "a bound on |answer - truth|", ValueError)
+    if rank is not None:
+        rank = positive_int("rank", rank)
+        if rank > d:
+            raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
     return RunSettings(d, H0, declared, precision, seed, token_scale_for(d, token_scale), samples_per_instance,
-                       bool(refine), refine_queries, answer_error)
+                       bool(refine), refine_queries, answer_error, rank)
 
 
 def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):

@@ -63,21 +63,22 @@ def fit(gaps: np.ndarray, ks, rounding: np.ndarray) -> SinglePoleFits:
     reciprocal = np.where(np.isfinite(reciprocal), reciprocal, 0.0)
     design = np.stack([np.ones_like(gaps), np.broadcast_to(inverse_k, gaps.shape)], axis=2) * weight[:, :, None]
     target = reciprocal * weight
-    n = len(gaps)
+    n, K = gaps.shape
     alpha = np.full(n, np.nan)
     beta = np.full(n, np.nan)
     residual = np.full(n, np.inf)
     covariance = np.full((n, 2, 2), np.nan)
-    for row in range(n):  # (K x 2) systems: a loop is clearer than batched pseudo-inverses
-        A, b = design[row], target[row]
-        if not np.all(weight[row] > 0):
-            continue
-        solution, _, rank, _ = np.linalg.lstsq(A, b, rcond=None)
-        if rank < 2:
-            continue
-        alpha[row], beta[row] = solution
-        residual[row] = float(np.linalg.norm(A @ solution - b))
-        covariance[row] = np.linalg.inv(A.T @ A)
+    # (K x 2) systems, all rows at once through one batched SVD (what lstsq does row by row).
+    rows = np.flatnonzero(np.all(weight > 0, axis=1))
+    if len(rows):
+        u, singular, vt = np.linalg.svd(design[rows], full_matrices=False)
+        full = singular[:, 1] > singular[:, 0] * EPS * max(K, 2)  # lstsq's default rcond: rank 2
+        rows, u, singular, vt = rows[full], u[full], singular[full], vt[full]
+        v = vt.transpose(0, 2, 1)
+        solution = np.matmul(v, (np.matmul(u.transpose(0, 2, 1), target[rows][:, :, None])[:, :, 0] / singular)[:, :, None])[:, :, 0]
+        alpha[rows], beta[rows] = solution[:, 0], solution[:, 1]
+        residual[rows] = np.linalg.norm(np.matmul(design[rows], solution[:, :, None])[:, :, 0] - target[rows], axis=1)
+        covariance[rows] = np.matmul(v / singular[:, None, :] ** 2, vt)  # (A^T A)^-1 = V S^-2 V^T
     with np.errstate(divide="ignore", invalid="ignore"):
         label = 1.0 / alpha
         tau = beta / alpha
@@ -117,13 +118,15 @@ def reading(gap_one: np.ndarray, constant, label) -> np.ndarray:
         return np.where(tau > 0, np.log(np.where(tau > 0, tau, 1.0)), np.nan)
 
 
-def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.ndarray, misfit: bool = False):
     """``m`` of ``G(k) = k l / (k + tau)`` when the label ``l`` is known (n,): each sample gives
     ``tau = k (l / G(k) - 1)``; the estimates are combined with inverse-variance weights.
 
     A label known more precisely than one instance can fit it (the consensus of the instances
     that share it) removes the strong correlation of ``l`` and ``tau`` in the two-parameter fit.
-    Returns ``(m, sigma_m)``.
+    Returns ``(m, sigma_m)``, and with ``misfit=True`` also the spread of the per-sample ``m``
+    around the combined one in units of their errors (``sqrt(sum w (m_k - m)^2)``): with the label
+    known, two samples already test the single-pole form.
     """
     gaps = np.asarray(gaps, dtype=np.float64)
     ks = np.asarray(ks, dtype=np.float64)[None, :]
@@ -137,4 +140,8 @@ def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.n
         weight = np.where(valid & np.isfinite(sigma) & (sigma > 0), 1.0 / sigma**2, 0.0)
         total = weight.sum(axis=1)
         combined = np.where(total > 0, (weight * m).sum(axis=1) / total, np.nan)
-        return combined, np.where(total > 0, 1.0 / np.sqrt(total), np.inf)
+        sigma_combined = np.where(total > 0, 1.0 / np.sqrt(total), np.inf)
+        if not misfit:
+            return combined, sigma_combined
+        spread = np.sqrt((weight * (m - combined[:, None]) ** 2).sum(axis=1))
+        return combined, sigma_combined, np.where(total > 0, spread, np.inf)

@@ -187,6 +187,10 @@ class OracleBoundary:
                 f"({where}); missing answers", indices[0], chunk[0]
             )
         if self.precision is None:
+            if isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and raw.shape == (count,):
+                values = raw.astype(np.float64)
+                if np.isfinite(values).all():  # the common case, checked as one array
+                    return values
             return [self._float_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
         return [self._mpf_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
 

@@ -19,7 +19,7 @@ from ..checks.base import Check
 from ..model import MultiHeadAttention
 
 #: Options of ``extract`` that not every schedule supports (the others every schedule takes).
-OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error")
+OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error", "rank")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class RunSettings:
     refine: bool = False
     refine_queries: int | None = None
     answer_error: float | None = None
+    rank: int | None = None  # a bound on the rank of every W_h (docs/algorithm.md §17)
 
     def given(self, option: str) -> bool:
         value = getattr(self, option)

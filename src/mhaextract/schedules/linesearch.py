@@ -74,6 +74,7 @@ class LineSearchReport:
     rejected: int = 0
     duplicates: int = 0
     heads: list[LocatedHead] = field(default_factory=list)
+    queries: int = 0  # asked by the search (measured at the boundary by the caller)
 
 
 def locate_heads(gap: Callable, z: np.ndarray, max_heads: int, rng: np.random.Generator, token_scale: float,

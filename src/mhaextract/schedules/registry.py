@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .base import Schedule
 from .lean import LeanSchedule
+from .lowrank import LowRankSchedule
 from .paper import PaperSchedule
 from .targeted import TargetedSchedule
 
@@ -37,3 +38,4 @@ def schedule_class(name) -> type[Schedule]:
 register(PaperSchedule)
 register(LeanSchedule)
 register(TargetedSchedule)
+register(LowRankSchedule)

@@ -54,7 +54,7 @@ instead would lift that, at one more unknown per instance; not implemented).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -65,7 +65,6 @@ from ..numerics import single_pole
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import one_token_queries, quantize, random_basis
 from .base import Outcome, Schedule, ScheduleDetails
-from .grid import Instance
 from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 
 EPS = np.finfo(np.float64).eps
@@ -84,6 +83,14 @@ RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
 #: The common checks' thresholds: relative parameter error expected, misfit of the answers.
 ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
+#: Queries kept (evenly spaced, with their answers) for the ``answers_residual`` check; the others
+#: are dropped once answered (docs/algorithm.md §13, "Memory").
+RESIDUAL_SAMPLE = 4096
+#: Working memory of one chunk of units in :func:`_measure` (three (units, d, d) float64 arrays).
+CHUNK_BYTES = 2**28
+#: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
+#: are then computed exactly rather than bounded (:func:`_diagnostics`).
+KEEP_BYTES = 2**24
 
 
 @dataclass
@@ -146,25 +153,35 @@ class TargetedDetails(ScheduleDetails):
 
 
 class _Prober:
-    """Asks copies-instances through the boundary and keeps every query and answer."""
+    """Asks copies-instances through the boundary; keeps every answer and a bounded sample of the
+    queries (docs/algorithm.md §13, "Memory").
 
-    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float):
+    The queries are built per batch from ``(final, difference, k)`` and dropped once answered:
+    only every ``stride``-th one is kept (with its answer) for the ``answers_residual`` check, so
+    memory grows with the answers (one float each), not with all queries x length x d.
+    """
+
+    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float, expected_queries: int = 0):
         self.boundary = boundary
         self.d = d
         self.token_scale = token_scale
         # One exact grid for every token of the run: sums and differences of tokens stay exact.
         self.grid_scale = 4 * GROUP_SCALE * token_scale
+        self.stride = max(1, int(expected_queries) // RESIDUAL_SAMPLE)
+        self.asked = 0
         self.sequences: list[np.ndarray] = []
-        self.answers: list[np.ndarray] = []
+        self.answers: list[float] = []
         self.vbar: np.ndarray | None = None
 
     def quantize(self, values: np.ndarray) -> np.ndarray:
         return quantize(values, self.grid_scale)
 
     def ask(self, sequences, description):
-        answers = self.boundary.ask(sequences, description=description)
-        self.sequences.extend(sequences)
-        self.answers.append(np.asarray(answers, dtype=np.float64))
+        answers = np.asarray(self.boundary.ask(sequences, description=description), dtype=np.float64)
+        picks = np.arange((-self.asked) % self.stride, len(sequences), self.stride)
+        self.sequences.extend(np.array(sequences[p]) for p in picks)
+        self.answers.extend(answers[picks].tolist())
+        self.asked += len(sequences)
         return answers
 
     def learn_vbar(self, basis: np.ndarray) -> None:
@@ -175,26 +192,73 @@ class _Prober:
     def gaps(self, finals: np.ndarray, differences: np.ndarray, copies, description="targeted instances"):
         """``G(k) = vbar^T x - F(k)`` for each row (x, z) and each k in ``copies``; and the
         rounding scale of each sample (the magnitudes the subtraction cancels)."""
-        sequences = [Instance("targeted", 0, 0, x, z, tuple(copies)).sequence(k)
-                     for x, z in zip(finals, differences) for k in copies]
-        answers = np.asarray(self.ask(sequences, description), dtype=np.float64).reshape(len(finals), len(copies))
+        answers = np.empty((len(finals), len(copies)))
+        repeated = finals - differences
+        for column, k in enumerate(copies):  # one (n, k + 1, d) array per k: no per-query stacking
+            tokens = np.concatenate([np.repeat(repeated[:, None], k, axis=1), finals[:, None]], axis=1)
+            answers[:, column] = self.ask(list(tokens), description)
         anchor = finals @ self.vbar
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
         rounding = 4 * EPS * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
         return anchor[:, None] - answers, rounding
 
 
-def _design(estimates: np.ndarray, head: int, pattern: np.ndarray) -> np.ndarray:
-    """The final token for one column ``pattern`` (d,) of the design: log-poles (by the estimates)
-    ``TARGET * p_h`` for ``head``, ``MID + SPREAD * p_g`` for the others, ``SPREAD * p`` along the
-    null space of the estimates (scaled like their rows)."""
-    H, d = estimates.shape
-    _, singular, vt = np.linalg.svd(estimates)
-    null = vt[H:] * singular.mean()
-    design = np.vstack([estimates, null])
-    values = np.concatenate([SATURATION_MID + SATURATION_SPREAD * pattern[:H], SATURATION_SPREAD * pattern[H:]])
-    values[head] = TARGET_CENTER + TARGET * pattern[head]
-    return np.linalg.solve(design, values)
+def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
+    """(U, d, d): column n is ``SPREAD N0^T p[H:, n]`` for each unit, ``N0`` the null space of the
+    unit's initial estimates (U, H, d), one SVD per unit (not per instance)."""
+    H = estimates.shape[1]
+    _, _, vt = np.linalg.svd(estimates, full_matrices=True)
+    return SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H:, :])
+
+
+def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray) -> np.ndarray:
+    """The final tokens of one round for U units at once (U, d).
+
+    Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + TARGET p_h`` and the others at
+    ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
+    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``E^T = QR`` (one batched QR),
+    ``b`` the unit's ``null_part`` and ``c`` the mean singular value of E. While the estimates are
+    the initial ones this is the square design ``[E; c N0] x = values``; once the target row was
+    corrected the projection keeps the null part exactly off every head."""
+    U, H, d = current.shape
+    q, r = np.linalg.qr(current.transpose(0, 2, 1))  # (U, d, H), (U, H, H)
+    scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
+    values = SATURATION_MID + SATURATION_SPREAD * columns[:, :H]
+    units = np.arange(U)
+    values[units, heads] = TARGET_CENTER + TARGET * columns[units, heads]
+    coefficients = np.linalg.solve(r.transpose(0, 2, 1), values[:, :, None])  # R^T y = values
+    free = null_part / scale[:, None]
+    free -= np.matmul(q, np.matmul(q.transpose(0, 2, 1), free[:, :, None]))[:, :, 0]
+    return np.matmul(q, coefficients)[:, :, 0] + free
+
+
+class _MinimumNormCorrection:
+    """The minimum-norm change of each unit's target estimate that fits its log-poles so far,
+    ``delta = X^+ (m - X a_prior)`` (X: the finite rows), updated by one Gram-Schmidt step per
+    round instead of a least-squares solve from scratch (same solution to rounding)."""
+
+    def __init__(self, units: int, d: int):
+        self.basis = np.zeros((units, d, d))  # orthonormal columns: the rows of X asked so far
+        self.coefficients = np.zeros((units, d))
+        self.delta = np.zeros((units, d))
+
+    def add(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
+        """Add row ``n`` (U, d) with its misfit (U,) (NaN: not measured, skipped); returns delta."""
+        ok = np.isfinite(misses)
+        basis = self.basis[:, :, :n]
+        overlap = np.matmul(rows[:, None, :], basis)[:, 0]  # (U, n)
+        q = rows - np.matmul(basis, overlap[:, :, None])[:, :, 0]
+        second = np.matmul(q[:, None, :], basis)[:, 0]  # classical Gram-Schmidt, twice
+        q -= np.matmul(basis, second[:, :, None])[:, :, 0]
+        overlap += second
+        rho = np.linalg.norm(q, axis=1)
+        ok &= rho > 1e-12 * np.linalg.norm(rows, axis=1)
+        safe = np.where(ok, rho, 1.0)
+        self.basis[:, :, n] = np.where(ok[:, None], q / safe[:, None], 0.0)
+        value = (np.nan_to_num(misses) - np.einsum("un,un->u", overlap, self.coefficients[:, :n])) / safe
+        self.coefficients[:, n] = np.where(ok, value, 0.0)
+        self.delta += self.basis[:, :, n] * self.coefficients[:, n:n + 1]
+        return self.delta
 
 
 def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
@@ -219,10 +283,11 @@ def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
 @dataclass
 class _GroupMeasurements:
     """All instances of some units (g, h): head h with difference ``differences[g, h]``, d rounds each.
-    Arrays (G, H, d rounds) unless noted."""
+    Arrays (G, H, d rounds) unless noted. The final tokens themselves are not kept (memory): what
+    the checks need of them is reduced per chunk of units (``a``, ``misfit``, ``margin``, ``x_norm``)."""
 
     differences: np.ndarray  # (G, H, d)
-    finals: np.ndarray  # (G, H, d, d)
+    estimates: np.ndarray  # (G, H, H, d) the a_f of every head used for the design (the target's before correction)
     log_pole: np.ndarray
     label: np.ndarray
     designed: np.ndarray
@@ -231,6 +296,12 @@ class _GroupMeasurements:
     sigma_l: np.ndarray
     gaps: np.ndarray  # (G, H, d, K) the samples G(k) (NaN where not asked)
     rounding: np.ndarray  # (G, H, d, K) their rounding scales
+    a: np.ndarray  # (G, H, d) a_h(z) solved from the d log-poles (NaN unless all finite)
+    misfit: np.ndarray  # |m_n - a^T x_n|
+    margin: np.ndarray  # smallest other head's log-pole by the design estimates
+    x_norm: np.ndarray  # |x_n|
+    error_squared: np.ndarray  # (G, H) |X^{-1} sigma|^2 (final stage; NaN otherwise)
+    finals: np.ndarray | None = None  # (G, H, d, d) the final tokens, kept only when small (KEEP_BYTES)
 
     def consensus_labels(self) -> tuple[np.ndarray, np.ndarray]:
         """Inverse-variance mean of the labels of each (group, head) over its instances, and its error."""
@@ -242,77 +313,211 @@ class _GroupMeasurements:
         """Final groups: each instance's ``m`` again, now with its label fixed at the consensus."""
         labels, _ = self.consensus_labels()
         G, H, rounds, K = self.gaps.shape
-        m, sigma = single_pole.log_pole_given_label(
-            self.gaps.reshape(-1, K), FINAL_COPIES, self.rounding.reshape(-1, K),
-            np.repeat(labels.ravel(), rounds))
+        m, sigma, spread = single_pole.log_pole_given_label(
+            self.gaps.reshape(-1, K), FINAL_COPIES[:K], self.rounding.reshape(-1, K),
+            np.repeat(labels.ravel(), rounds), misfit=True)
         self.log_pole = m.reshape(G, H, rounds)
         self.sigma_m = sigma.reshape(G, H, rounds)
+        if K == 2:  # no third sample: the two samples' disagreement given the label is the test
+            self.residual = spread.reshape(G, H, rounds)
 
     def solve(self) -> np.ndarray:
         """``a_h`` of every group and head from ``a_h^T x_n = m_n`` (G, H, d)."""
-        G, H, d, _ = self.finals.shape
-        out = np.full((G, H, d), np.nan)
-        for g in range(G):
-            for h in range(H):
-                m = self.log_pole[g, h]
-                if np.isfinite(m).all():
-                    out[g, h] = np.linalg.solve(self.finals[g, h], m)
-        return out
+        return self.a
+
+    @classmethod
+    def concatenate(cls, parts: list["_GroupMeasurements"]) -> "_GroupMeasurements":
+        return cls(*(np.concatenate([getattr(part, f.name) for part in parts]) for f in fields(cls)
+                     if f.name != "finals"))
 
 
-def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool) -> _GroupMeasurements:
-    """Targeted instances, d rounds, for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
+class _FullDesign:
+    """Designs of units that measure ``a_h(z)`` in all of R^d: d instances per unit (§13)."""
+
+    def __init__(self, current: np.ndarray, heads: np.ndarray, patterns: np.ndarray):
+        U, H, d = current.shape
+        self.current, self.heads, self.units = current, heads, np.arange(U)
+        self.rounds, self.pattern = d, patterns
+        self.prior = current[self.units, heads].copy()
+        self.null_part = _null_parts(current, patterns)
+        self.correction = _MinimumNormCorrection(U, d)
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
+        return np.array([_patterns(rng, d, (h + 1) % d) for h in range(H)])
+
+    @property
+    def target(self) -> np.ndarray:
+        return self.current[self.units, self.heads]
+
+    def design(self, n: int) -> np.ndarray:
+        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n])
+
+    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
+        """Correct the target's estimate to fit what was measured (minimal change from the prior)."""
+        miss = m - np.einsum("ud,ud->u", x, self.prior)
+        self.current[self.units, self.heads] = self.prior + self.correction.add(n, x, miss)
+
+    def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs``."""
+        return np.linalg.solve(finals, rhs)
+
+
+class _SubspaceDesign(_FullDesign):
+    """Designs of units whose ``a_h(z) = W_h^T z`` lies in a known r-dimensional subspace (the
+    row space of a rank-r ``W_h``, orthonormal basis Q, docs/algorithm.md §17): r instances per
+    unit. Instance n has ``Q^T x_n = y_n`` with ``y_n`` = the target's direction scaled to the
+    log-pole ``TARGET_CENTER`` plus ``SPREAD p_n / |c|`` across it (p: zero-sum orthogonal pattern
+    rows), and the other heads saturated; ``Q^T X`` is then well conditioned and ``a = Q (Q^T X)^{-1} m``."""
+
+    def __init__(self, current: np.ndarray, heads: np.ndarray, patterns: np.ndarray, basis: np.ndarray):
+        U, H, d = current.shape
+        self.current, self.heads, self.units, self.basis = current, heads, np.arange(U), basis
+        self.rounds = basis.shape[2]
+        self.pattern = patterns
+        self.prior = np.einsum("udr,ud->ur", basis, current[self.units, heads])  # c = Q^T a
+        self.coordinates = self.prior.copy()
+        self.correction = _MinimumNormCorrection(U, self.rounds)
+        others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
+        self.others = others
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
+        return np.array([np.vstack([_patterns(rng, rounds, 0), rng.uniform(-1.0, 1.0, (H, rounds))])
+                         for _ in range(H)])
+
+    def design(self, n: int) -> np.ndarray:
+        U, r = self.coordinates.shape
+        c = self.coordinates
+        size = np.linalg.norm(c, axis=1)
+        # An orthonormal frame of R^r whose first column is c / |c|: the reflection exchanging e_0 and it.
+        normal = np.eye(r)[0] - c / size[:, None]
+        length = np.linalg.norm(normal, axis=1)
+        normal = np.where(length[:, None] > 1e-12, normal / np.where(length > 1e-12, length, 1.0)[:, None], 0.0)
+        frame = np.eye(r)[None] - 2.0 * normal[:, :, None] * normal[:, None, :]
+        along = np.concatenate([np.full((U, 1), TARGET_CENTER), SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1)
+        y = np.matmul(frame, (along / size[:, None])[:, :, None])[:, :, 0]
+        saturated = self.current[self.units[:, None], self.others]  # (U, H - 1, d)
+        values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
+        rows = np.concatenate([saturated, self.basis.transpose(0, 2, 1)], axis=1)  # (U, H - 1 + r, d)
+        q, upper = np.linalg.qr(rows.transpose(0, 2, 1))
+        rhs = np.concatenate([values, y], axis=1)
+        return np.matmul(q, np.linalg.solve(upper.transpose(0, 2, 1), rhs[:, :, None]))[:, :, 0]
+
+    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
+        rows = np.einsum("udr,ud->ur", self.basis, x)
+        miss = m - np.einsum("ur,ur->u", rows, self.prior)
+        self.coordinates = self.prior + self.correction.add(n, rows, miss)
+        self.current[self.units, self.heads] = np.einsum("udr,ur->ud", self.basis, self.coordinates)
+
+    def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        return np.matmul(self.basis, np.linalg.solve(np.matmul(finals, self.basis), rhs))
+
+
+def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
+             W_score: np.ndarray | None = None, copies=None, bases: np.ndarray | None = None) -> _GroupMeasurements:
+    """Targeted instances for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
     heads f at its difference, used for the design. The target's own row is corrected after every
-    round to fit its measured log-poles. Final units ask ``k = 1, 2, 3``; bridges ``k = 1, 2`` in
-    round 0 and ``k = 1`` later (the label is then known).
+    round to fit its measured log-poles. ``copies``: the copy counts of round 0 and of the later
+    rounds; by default final units ask ``k = 1, 2, 3`` every round, bridges ``k = 1, 2`` in round 0
+    and ``k = 1`` later (the label is then known). ``W_score`` (final stage): the model used for the
+    oracle's score rounding in the error estimate. ``bases`` (G, H, d, r): measure each unit in
+    the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
+
+    Units are independent: they are measured in chunks of groups whose working arrays (final
+    tokens, null parts, Gram-Schmidt bases: three (units, d, d) arrays) fit ``CHUNK_BYTES``, so
+    memory does not grow with all instances x d.
     """
     G, H, _, d = estimates.shape
-    current = estimates.copy()
-    # The constant row: a saturated head (or a null-space direction), never the target itself.
-    patterns = np.array([[_patterns(rng, d, (h + 1) % d) for h in range(H)] for _ in range(G)])  # (G, H, d, d)
-    shape = (G, H, d)
-    K = 2 if bridge else len(FINAL_COPIES)
-    out = _GroupMeasurements(differences, np.zeros(shape + (d,)), np.full(shape, np.nan), np.full(shape, np.nan),
-                             np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.inf),
-                             np.full(shape, np.inf), np.full(shape + (K,), np.nan), np.full(shape + (K,), np.nan))
-    stage = "bridge" if bridge else "final"
-    heads = np.arange(H)
-    for n in range(d):
-        finals = np.array([[prober.quantize(_design(current[g, h], h, patterns[g, h, :, n])) for h in range(H)]
-                           for g in range(G)])
-        out.finals[:, :, n] = finals
-        out.designed[:, :, n] = np.einsum("ghd,ghd->gh", current[:, heads, heads], finals)
-        copies = (1,) if bridge and n else ((1, 2) if bridge else FINAL_COPIES)
-        gaps, rounding = prober.gaps(finals.reshape(G * H, d), differences.reshape(G * H, d), copies,
-                                     f"{stage} instances, round {n + 1}/{d}")
-        out.gaps[:, :, n, :len(copies)] = gaps.reshape(G, H, len(copies))
-        out.rounding[:, :, n, :len(copies)] = rounding.reshape(G, H, len(copies))
-        if copies == (1,):
-            m = single_pole.reading(gaps[:, 0], 0.0, out.label[:, :, 0].ravel())
-            out.log_pole[:, :, n] = m.reshape(G, H)
+    if copies is None:
+        copies = ((1, 2), (1,)) if bridge else (FINAL_COPIES, FINAL_COPIES)
+    designer = _FullDesign if bases is None else _SubspaceDesign
+    rounds = d if bases is None else bases.shape[3]
+    per_chunk = max(1, CHUNK_BYTES // (24 * d * d * H))
+    parts = []
+    for start in range(0, G, per_chunk):
+        stop = min(G, start + per_chunk)
+        patterns = np.array([designer.patterns(rng, d, H, rounds) for _ in range(start, stop)])
+        current = estimates[start:stop].reshape(-1, H, d).copy()
+        heads = np.tile(np.arange(H), stop - start)
+        design = (designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:])) if bases is None else
+                  designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:]),
+                           bases[start:stop].reshape(-1, d, rounds)))
+        parts.append(_measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
+                                    not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
+                                    f"{start + 1}..{stop} of {G}"))
+    out = _GroupMeasurements.concatenate(parts)
+    if G * H * rounds * d * 8 <= KEEP_BYTES:
+        out.finals = np.concatenate([part.finals for part in parts])
+    return out
+
+
+def _measure_chunk(prober, differences, estimates, design, copies, refit, W_score, description) -> _GroupMeasurements:
+    """:func:`_measure` on one chunk of groups, all its units batched as arrays in every round."""
+    G, H, _, d = estimates.shape
+    U, rounds = G * H, design.rounds
+    diffs = differences.reshape(U, d)
+    K = len(copies[0])
+    finals = np.empty((U, rounds, d))
+    log_pole, label, designed, residual = (np.full((U, rounds), np.nan) for _ in range(4))
+    sigma_m, sigma_l = np.full((U, rounds), np.inf), np.full((U, rounds), np.inf)
+    gaps_all, rounding_all = np.full((U, rounds, K), np.nan), np.full((U, rounds, K), np.nan)
+    for n in range(rounds):
+        x = prober.quantize(design.design(n))
+        finals[:, n] = x
+        designed[:, n] = np.einsum("ud,ud->u", design.target, x)
+        ks = copies[1] if n else copies[0]
+        gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
+        gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)] = gaps, rounding
+        if ks == (1,):
+            m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
+            log_pole[:, n] = m
             # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
             tau = np.exp(m)
-            out.sigma_m[:, :, n] = (rounding[:, 0] * (1 + tau) ** 2 / np.abs(out.label[:, :, 0].ravel() * tau)).reshape(G, H)
+            sigma_m[:, n] = rounding[:, 0] * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
         else:
-            fits = single_pole.fit(gaps, copies, rounding)
-            out.log_pole[:, :, n] = fits.log_pole.reshape(G, H)
-            out.label[:, :, n] = fits.label.reshape(G, H)
-            out.residual[:, :, n] = fits.residual.reshape(G, H) if len(copies) > 2 else np.nan
-            out.sigma_m[:, :, n] = fits.sigma_m.reshape(G, H)
-            out.sigma_l[:, :, n] = fits.sigma_l.reshape(G, H)
-        # Correct the target's estimate to fit what was measured (minimal change from the prior).
-        for g in range(G):
-            for h in range(H):
-                X, m = out.finals[g, h, :n + 1], out.log_pole[g, h, :n + 1]
-                ok = np.isfinite(m)
-                if ok.any():
-                    miss = m[ok] - X[ok] @ estimates[g, h, h]
-                    current[g, h, h] = estimates[g, h, h] + np.linalg.lstsq(X[ok], miss, rcond=1e-12)[0]
-    if not bridge:
+            fits = single_pole.fit(gaps, ks, rounding)
+            log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
+                fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
+            residual[:, n] = fits.residual if len(ks) > 2 else np.nan
+        design.update(n, x, log_pole[:, n])
+    shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
+    out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
+        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all)),
+        np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H), np.nan))
+    if refit:
         out.refit_with_consensus_labels()
+    _reduce_chunk(out, finals, design, W_score)
+    out.finals = finals.reshape(G, H, rounds, d)
     return out
+
+
+def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score) -> None:
+    """What the rest of the run needs of a chunk's final tokens (U, rounds, d), before they are
+    dropped: the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms."""
+    G, H, rounds = out.log_pole.shape
+    U, d, heads = G * H, finals.shape[2], design.heads
+    m = out.log_pole.reshape(U, rounds)
+    sigma = np.full((U, rounds), np.nan)
+    if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
+        z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
+        for h in range(H):
+            score = 8 * EPS * z_norm[heads == h, None] * np.linalg.norm(finals[heads == h] @ W_score[h].T, axis=2)
+            sigma[heads == h] = np.hypot(out.sigma_m.reshape(U, rounds)[heads == h], score)
+    ok = np.isfinite(m).all(axis=1)
+    solved = design.solve(finals, np.stack([np.nan_to_num(m), np.nan_to_num(sigma)], axis=2))
+    a = np.where(ok[:, None], solved[:, :, 0], np.nan)
+    spread = np.where(ok[:, None], solved[:, :, 1], np.nan)
+    out.a = a.reshape(G, H, d)
+    out.misfit = np.abs(m - np.einsum("und,ud->un", finals, a)).reshape(G, H, rounds)
+    poles = np.einsum("ufd,und->unf", out.estimates.reshape(U, H, d), finals)
+    poles[np.arange(U), :, heads] = np.inf
+    out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
+    out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
+    if W_score is not None:
+        out.error_squared = np.where(ok, (spread**2).sum(axis=1), np.nan).reshape(G, H)
 
 
 def _shared(differences: np.ndarray, estimates: np.ndarray):
@@ -382,14 +587,14 @@ class TargetedSchedule(Schedule):
         return one_token_queries(self.vbar_basis)
 
     def run(self, boundary, arithmetic) -> Outcome:
-        prober = _Prober(boundary, self.d, self.token_scale)
+        prober = _Prober(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
         search, stages, model, finite = _run(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
         instances = _diagnostics(stages, model)
         measurements = [data for _, data in stages]
         error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
-        answers = np.concatenate(prober.answers) if prober.answers else np.zeros(0)
+        answers = np.asarray(prober.answers, dtype=np.float64)
         checks = _checks(instances, search, H, self.settings.heads, measurements)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
                        checks)
@@ -398,22 +603,34 @@ class TargetedSchedule(Schedule):
         return ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT
 
 
+def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
+    """Phase 1 (heads and rough ``a_h(z_1)`` along lines) and the first group, targeted.
+    Returns ``(Z, line search report, first-group measurements or None when no head was found)``."""
+    Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
+    z1 = Z[:, 0]
+    before = prober.boundary.position
+    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
+                          z1, max_heads, rng, token_scale, prober.quantize)
+    search.queries = prober.boundary.position - before
+    if not search.heads:
+        return Z, search, None
+    rough = np.array([head.direction for head in search.heads])
+    return Z, search, _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False)
+
+
+def _bridge_step(first: _GroupMeasurements) -> float:
+    """eps of the bridges ``z_1 + eps z_j``: a power of two with ``eps |a_h| |x| <= 2``."""
+    a1 = first.a[0]
+    return float(2.0 ** np.floor(np.log2(2.0 / (np.linalg.norm(a1, axis=1).max() * first.x_norm.max()))))
+
+
 def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1, the first group, the bridges and the final instances (see the module docstring).
     Returns ``(line search report, [(stage, measurements)], model or None, finite)``."""
-    Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
-    # --- phase 1: heads and rough a_h(1) along lines in group z_1.
-    z1 = Z[:, 0]
-    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
-                          z1, max_heads, rng, token_scale, prober.quantize)
-    found = search.heads
-    H = len(found)
-    if H == 0:
+    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    if first is None:
         return search, [], None, False
-    rough = np.array([head.direction for head in found])
-
-    # --- group z_1, targeted: precise a_h(1) and l_h(1).
-    first = _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False)
+    H = len(search.heads)
     a1 = first.solve()[0]
     labels1 = first.consensus_labels()[0][0]
     stages = [("first", first)]
@@ -421,8 +638,7 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     # --- bridges z_1 + eps z_j: rough a_h(j) and l_h(j), heads named as in group z_1; rough W, v.
     rough_a, rough_l = a1[None], labels1[None]  # (groups, H, d), (groups, H)
     if d > 1 and np.isfinite(a1).all():
-        x_size = np.linalg.norm(first.finals, axis=-1).max()
-        eps_bridge = 2.0 ** np.floor(np.log2(2.0 / (np.linalg.norm(a1, axis=1).max() * x_size)))
+        eps_bridge = _bridge_step(first)
         bridge_z = prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T)  # (d - 1, d)
         bridges = _measure(prober, *_shared(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True)
         stages.append(("bridge", bridges))
@@ -438,7 +654,7 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
         bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])  # (H, d, d)
         differences = bases.transpose(2, 0, 1)  # (d groups, H, d): differences[g, h] = column g of head h's basis
         estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a_f(z) = W_f^T z for every unit
-        final = _measure(prober, differences, estimates, rng, bridge=False)
+        final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough)
         stages.append(("final", final))
         a_final = final.solve()  # (d, H, d)
         labels_final = final.consensus_labels()[0]  # (d, H)
@@ -455,48 +671,48 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
 
 
 def _diagnostics(stages, model) -> TargetedInstances:
+    """One row per targeted instance. The final tokens are gone (memory), so the margin and the
+    bridges' agreement with the model are bounded from what each chunk kept: the other heads'
+    log-poles by the design estimates, less ``|a_g(model) - a_g(design)| |x|``; a bridge's
+    disagreement by its misfit to its own ``a`` plus ``|a - a_h(model)| |x|``. Both bounds are
+    at least as strict as the exact quantities."""
     rows = []
     for stage, data in stages:
-        G, H, rounds, d = data.finals.shape
-        for g in range(G):
-            for h in range(H):
-                z = data.differences[g, h]
-                poles_all = np.einsum("d,hde,ne->nh", z, model.W, data.finals[g, h]) if model is not None else None
-                for n in range(rounds):
-                    measured = data.log_pole[g, h, n]
-                    if poles_all is not None:
-                        poles = poles_all[n]
-                        margin = float(np.delete(poles, h).min()) if H > 1 else np.inf
-                        agrees = abs(poles[h] - measured) <= 1e-6
-                    else:
-                        margin, agrees = np.nan, False
-                    residual = data.residual[g, h, n]
-                    ok = margin >= SATURATION_MARGIN and np.isfinite(measured)
-                    ok = ok and (agrees if stage == "bridge" else residual <= RESIDUAL_LIMIT)
-                    rows.append((stage, g, h, measured, data.label[g, h, n], data.designed[g, h, n], residual,
-                                 margin, ok))
+        G, H, rounds = data.log_pole.shape
+        margin, agrees = np.full((G, H, rounds), np.nan), np.zeros((G, H, rounds), dtype=bool)
+        if model is not None:
+            model_a = np.einsum("fab,gha->ghfb", model.W, data.differences)  # a_f(z) of the model, every unit
+            own_a = model_a[:, np.arange(H), np.arange(H)]  # (G, H, d)
+            if data.finals is not None:  # exact: the model's log-poles at every instance
+                poles = np.einsum("ghfd,ghnd->ghnf", model_a, data.finals)
+                own = poles[:, np.arange(H), :, np.arange(H)].transpose(1, 0, 2)  # (G, H, rounds)
+                poles[:, np.arange(H), :, np.arange(H)] = np.inf
+                margin = poles.min(axis=3) if H > 1 else np.full((G, H, rounds), np.inf)
+                agrees = np.abs(own - data.log_pole) <= 1e-6
+            else:
+                drift = np.linalg.norm(model_a - data.estimates, axis=3)  # (G, H, H)
+                drift[:, np.arange(H), np.arange(H)] = 0.0
+                margin = data.margin - drift.max(axis=2)[:, :, None] * data.x_norm
+                own = np.linalg.norm(data.a - own_a, axis=2)
+                agrees = data.misfit + own[:, :, None] * data.x_norm <= 1e-6
+        finite = np.isfinite(data.log_pole)
+        held = agrees if stage == "bridge" else data.residual <= RESIDUAL_LIMIT
+        ok = (margin >= SATURATION_MARGIN) & finite & held
+        g, h, _ = np.meshgrid(np.arange(G), np.arange(H), np.arange(rounds), indexing="ij")
+        rows.append((np.full(G * H * rounds, stage), g.ravel(), h.ravel(), data.log_pole.ravel(),
+                     data.label.ravel(), data.designed.ravel(), data.residual.ravel(), margin.ravel(), ok.ravel()))
     if not rows:
         return TargetedInstances(*(np.array([]) for _ in range(9)))
-    columns = list(zip(*rows))
-    return TargetedInstances(*(np.array(column) for column in columns))
+    return TargetedInstances(*(np.concatenate(column) for column in zip(*rows)))
 
 
 def _error_estimate(final: _GroupMeasurements, model) -> float:
     """First order: each log-pole's error (sample rounding, and the oracle's rounding of the
-    scores ``y^T W_h x``, about eps |z| |W_h x|) through ``a_h(z) = X^{-1} m`` and
-    ``W_h = Z_h^{-T} A_h^T`` (``Z_h`` orthogonal times ``|z|``)."""
-    G, H, rounds, d = final.finals.shape
-    W_error = 0.0
-    for h in range(H):
-        squared = 0.0
-        for g in range(G):
-            X = final.finals[g, h]
-            z = final.differences[g, h]
-            score = 8 * EPS * np.linalg.norm(z) * np.linalg.norm(X @ model.W[h].T, axis=1)
-            sigma = np.hypot(final.sigma_m[g, h], score)
-            squared += np.linalg.norm(np.linalg.solve(X, sigma)) ** 2
-        W_error = max(W_error, np.sqrt(squared) / np.linalg.norm(final.differences[0, h]))
-    return float(4 * W_error / max(np.abs(model.W).max(), 1e-300))
+    scores ``y^T W_h x``, about eps |z| |W_h x|, with the design model's W) through
+    ``a_h(z) = X^{-1} m`` and ``W_h = Z_h^{-T} A_h^T`` (``Z_h`` orthogonal times ``|z|``)."""
+    squared = final.error_squared.sum(axis=0)  # (H,)
+    W_error = np.sqrt(squared) / np.linalg.norm(final.differences[0], axis=1)
+    return float(4 * W_error.max(initial=0.0) / max(np.abs(model.W).max(), 1e-300))
 
 
 def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements):

@@ -1,0 +1,140 @@
+"""Scaling benchmark (issue 14): queries, seconds, learner/oracle time, peak memory and error
+against d, for full-rank heads (schedule="targeted") and heads of rank r = d / H
+(schedule="lowrank", rank=r).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --d 64 128 --heads 2 4 8 [--rank-only] [--cells d:H:kind ...]
+
+Each cell runs in its own process (peak memory = that process's max resident set, ru_maxrss).
+The oracle is a plain vectorised numpy oracle (BLAS matmuls, grouped by length) timed inside the
+same run: ``learner s`` = wall seconds of ``extract`` minus the oracle's own seconds. The error is
+the normwise relative error of the canonical heads after alignment (``mx.compare(...).max_rel``).
+Prints a markdown table and fits the exponents of time and memory in d (least squares on logs,
+per (H, kind)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import mhaextract as mx
+
+
+class NumpyOracle:
+    """f(X) for a batch, one BLAS matmul per step, sequences grouped by length; times itself."""
+
+    def __init__(self, model: mx.MultiHeadAttention):
+        H, d, _ = model.W.shape
+        self.H, self.d = H, d
+        self.W_cat = np.ascontiguousarray(model.W.transpose(2, 0, 1).reshape(d, H * d))  # x_N -> (W_h x_N)_h
+        self.v = model.v
+        self.seconds = 0.0
+        self.count = 0
+
+    def __call__(self, batch):
+        started = time.perf_counter()
+        lengths = np.array([len(X) for X in batch])
+        out = np.empty(len(batch))
+        for length in np.unique(lengths):
+            index = np.flatnonzero(lengths == length)
+            X = np.stack([batch[i] for i in index])  # (B, N, d)
+            queries = (X[:, -1] @ self.W_cat).reshape(len(index), self.H, self.d)  # W_h x_N
+            scores = np.matmul(X, queries.transpose(0, 2, 1))  # (B, N, H)
+            scores -= scores.max(axis=1, keepdims=True)
+            weights = np.exp(scores)
+            weights /= weights.sum(axis=1, keepdims=True)
+            out[index] = (weights * (X @ self.v.T)).sum(axis=(1, 2))
+        self.seconds += time.perf_counter() - started
+        self.count += len(batch)
+        return out
+
+
+def target(d: int, H: int, rank: int | None, seed: int) -> mx.MultiHeadAttention:
+    if rank is None:
+        return mx.MultiHeadAttention.random(d, H, seed=seed)
+    rng = np.random.default_rng(seed)
+    A, B = rng.standard_normal((2, H, d, rank))
+    return mx.MultiHeadAttention(np.einsum("hdr,her->hde", A, B) / np.sqrt(d * rank), rng.standard_normal((H, d)))
+
+
+def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
+    rank = None if kind == "full" else d // H
+    model = target(d, H, rank, seed)
+    oracle = NumpyOracle(model)
+    check = mx.SimulatedOracle(model)([np.ones((3, d))])[0]
+    assert abs(oracle([np.ones((3, d))])[0] - check) <= 1e-12 * max(1.0, abs(check))
+    oracle.seconds, oracle.count = 0.0, 0
+    options = dict(schedule="targeted") if rank is None else dict(schedule="lowrank", rank=rank)
+    started = time.perf_counter()
+    result = mx.extract(oracle, d, heads=H, seed=seed + 1, on_failure="warn", progress=False, **options)
+    seconds = time.perf_counter() - started
+    return dict(d=d, H=H, kind=kind if rank is None else f"r={rank}", queries=result.queries, oracle_count=oracle.count,
+                paper=4 * H * d * d - 2 * H + 1, seconds=seconds, oracle_s=oracle.seconds,
+                learner_s=seconds - oracle.seconds, ratio=(seconds - oracle.seconds) / oracle.seconds,
+                peak_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                error=float(mx.compare(result.model, model).max_rel) if result.model is not None else float("inf"),
+                ok=result.ok)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| d | H | heads | queries (measured) | / paper | seconds | oracle s | learner / oracle | peak memory | "
+             "rel. error | checks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['d']} | {r['H']} | {r['kind']} | {r['queries']:,} | {r['queries'] / r['paper']:.3f} | "
+                     f"{r['seconds']:.1f} | {r['oracle_s']:.1f} | {r['ratio']:.2f} | {r['peak_gb']:.2f} GB | "
+                     f"{r['error']:.1e} | {'ok' if r['ok'] else 'FAILED'} |")
+    return "\n".join(lines)
+
+
+def exponents(rows: list[dict]) -> list[str]:
+    out = []
+    for key in sorted({(r["H"], r["kind"].split("=")[0]) for r in rows}):
+        group = [r for r in rows if (r["H"], r["kind"].split("=")[0]) == key]
+        if len({r["d"] for r in group}) < 2:
+            continue
+        logd = np.log([r["d"] for r in group])
+        fit = {name: np.polyfit(logd, np.log([r[name] for r in group]), 1)[0]
+               for name in ("seconds", "learner_s", "oracle_s", "peak_gb", "queries")}
+        out.append(f"H = {key[0]}, {'full rank' if key[1] == 'full' else 'rank d/H'}: " +
+                   ", ".join(f"{name} ~ d^{value:.2f}" for name, value in fit.items()))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d", type=int, nargs="*", default=[64, 128])
+    parser.add_argument("--heads", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--kinds", nargs="*", default=["full", "low"])
+    parser.add_argument("--cells", nargs="*", default=[], help="extra cells d:H:kind (kind full or low)")
+    parser.add_argument("--cell", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    if args.cell:
+        print(json.dumps(cell(int(args.cell[0]), int(args.cell[1]), args.cell[2])))
+        return
+    plan = [(d, H, kind) for d in args.d for H in args.heads for kind in args.kinds]
+    plan += [(int(d), int(H), kind) for d, H, kind in (c.split(":") for c in args.cells)]
+    rows = []
+    for d, H, kind in plan:
+        done = subprocess.run([sys.executable, __file__, "--cell", str(d), str(H), kind], capture_output=True, text=True)
+        if done.returncode:
+            print(f"d={d} H={H} {kind}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(table(rows))
+    print()
+    print("\n".join(exponents(rows)))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The low-rank schedule (docs/algorithm.md §17): heads of rank <= r in O(H r d) queries."""
+
+import numpy as np
+import pytest
+
+import mhaextract as mx
+from conftest import CountingOracle, paper_count
+
+
+def low_rank_target(d, H, r, seed):
+    """``W_h = A_h B_h^T / sqrt(d r)`` (rank r, entries of size ~1/sqrt(d) like ``random``)."""
+    rng = np.random.default_rng(seed)
+    A, B = rng.standard_normal((2, H, d, r))
+    return mx.MultiHeadAttention(np.einsum("hdr,her->hde", A, B) / np.sqrt(d * r), rng.standard_normal((H, d)))
+
+
+def formula(d, H, r):
+    R = min(d, r + 2)
+    return d + 3 * H * d + (d + 1) * H * (R - 1) + (r + 1) * H * (d - R) + 2 * H * R * d + 2 * H * r * (d - R)
+
+
+@pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (16, 4, 2, 1), (10, 2, 5, 2), (8, 3, 8, 3)])
+def test_count_at_the_oracle_equals_the_formula_and_heads_are_recovered(d, H, r, seed):
+    target = low_rank_target(d, H, r, seed)
+    oracle = CountingOracle(target)
+    result = mx.extract(oracle, d, heads=H, seed=seed, schedule="lowrank", rank=r)
+    assert result.ok, [str(check) for check in result.failed_checks]
+    assert result.promised_queries == formula(d, H, r)
+    # every query counted at the user's side: the formula after the (adaptive, measured) phase 1
+    assert oracle.count == result.queries == formula(d, H, r) + result.details.phase1.queries
+    assert mx.compare(result.model, target).max_rel <= 1e-11
+
+
+def test_fewer_queries_than_the_paper_for_low_rank():
+    d, H, r = 16, 4, 2
+    oracle = CountingOracle(low_rank_target(d, H, r, 5))
+    mx.extract(oracle, d, heads=H, seed=5, schedule="lowrank", rank=r)
+    assert oracle.count < paper_count(d, H) / 2
+
+
+def test_a_rank_below_the_bound_is_recovered():
+    target = low_rank_target(12, 2, 2, 7)
+    result = mx.extract(mx.SimulatedOracle(target), 12, heads=2, seed=7, schedule="lowrank", rank=4)
+    assert result.ok and mx.compare(result.model, target).max_rel <= 1e-11
+
+
+def test_a_rank_above_the_bound_fails_its_check():
+    target = low_rank_target(12, 2, 5, 8)
+    with pytest.warns(mx.UnreliableExtractionWarning, match="rank_bound: FAILED"):
+        result = mx.extract(mx.SimulatedOracle(target), 12, heads=2, seed=8, schedule="lowrank", rank=3,
+                            on_failure="warn")
+    assert not result.ok
+
+
+@pytest.mark.parametrize("rank, message", [(0, "rank must be an integer >= 1"), (2.5, "rank must be an integer"),
+                                           (13, "rank must be at most d = 12")])
+def test_bad_rank_is_a_value_error_naming_it(rank, message):
+    with pytest.raises(ValueError, match=message):
+        mx.extract(CountingOracle(low_rank_target(12, 2, 2, 0)), 12, heads=2, schedule="lowrank", rank=rank)
+
+
+def test_rank_is_required_by_lowrank_and_refused_by_the_others():
+    oracle = CountingOracle(low_rank_target(6, 2, 2, 0))
+    with pytest.raises(ValueError, match="schedule='lowrank' needs rank=r"):
+        mx.extract(oracle, 6, heads=2, schedule="lowrank")
+    for name in ("paper", "lean", "targeted"):
+        with pytest.raises(ValueError, match=f"schedule='{name}' does not take rank"):
+            mx.extract(oracle, 6, heads=2, schedule=name, rank=2)
+    assert oracle.count == 0
