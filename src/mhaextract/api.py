@@ -9,6 +9,7 @@ The data flow of one extraction (docs/algorithm.md §5-§13)::
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ from .checks.base import (
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.refine import output_jacobian, refine_least_squares
 from .model import MultiHeadAttention
-from .numerics.arithmetic import arithmetic_for
+from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.highprec import mpf_array
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
@@ -40,7 +41,7 @@ ROUNDING_REGIME = 1e3 * 2.0**-53
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="paper",
             token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
-            answer_error=None, rank=None) -> Extraction:
+            answer_error=None, rank=None, backend=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -73,11 +74,14 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     answer_error : a bound on every answer's absolute error, if known (float64).
     rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
         ``3H (2dr - r^2)`` queries instead of ``4 H d^2``); other schedules refuse it.
+    backend : float64 kernels of the grid schedules (paper, lean): None or ``"numpy"``, or
+        ``"torch"`` (CUDA when present, else CPU), ``"torch-cpu"``, ``"torch-cuda"``: the batched
+        factorisations in torch, the same results to float64 rounding (needs the ``[torch]`` extra).
 
     Every count reported is measured at the oracle boundary.
     """
     settings = _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine,
-                         refine_queries, answer_error, rank)
+                         refine_queries, answer_error, rank, backend)
     on_failure = on_failure_mode(on_failure)
     if max_queries is not None:
         positive_int("max_queries", max_queries, minimum=0)
@@ -85,7 +89,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         resumable_seed(seed)
     plan = schedule_class(schedule)(settings)
     started = time.perf_counter()
-    arithmetic = arithmetic_for(settings.precision)
+    arithmetic = arithmetic_for(settings.precision, settings.backend)
     record = None
     try:
         if transcript is not None:
@@ -109,7 +113,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
 
 
 def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,
-              answer_error, rank=None) -> RunSettings:
+              answer_error, rank=None, backend=None) -> RunSettings:
     """Every parameter checked once, with the option that fixes a bad one named."""
     d = positive_int("d", d)
     H0, declared = head_count(heads, max_heads)
@@ -129,7 +133,26 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         if rank > d:
             raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
     return RunSettings(d, H0, declared, precision, seed, token_scale_for(d, token_scale), samples_per_instance,
-                       bool(refine), refine_queries, answer_error, rank)
+                       bool(refine), refine_queries, answer_error, rank, _backend(backend, precision))
+
+
+def _backend(backend, precision) -> str | None:
+    """None for numpy; a torch backend only where torch can run it (the ``[torch]`` extra)."""
+    if backend is None or backend == "numpy":
+        return None
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if precision is not None:
+        raise ValueError(f"backend={backend!r} computes in float64; with precision=bits the ball arithmetic is used")
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(f"backend={backend!r} needs torch: pip install 'mhaextract[torch]' (or backend='numpy')")
+    if backend == "torch-cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("backend='torch-cuda' needs a CUDA GPU visible to torch; use backend='torch' (CUDA "
+                             "when present, else CPU) or 'torch-cpu'")
+    return backend
 
 
 def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):

@@ -9,9 +9,10 @@ stored and how the kernels of docs/algorithm.md §6-§9 compute with them:
   measurements keep the tightest enclosure and errors are ball radii, proven when every instance
   certified (§7, §9).
 
-A further backend (torch, for batched float64 on a GPU) is one more subclass: it overrides the
-kernel methods (``detect_ranks``, ``fit``, ``assemble``...) and inherits the rest.
-:func:`arithmetic_for` picks the backend from ``precision``.
+* :class:`TorchArithmetic`: float64 with the batched factorisations in torch (:mod:`.torch`), on
+  CUDA when present; the same numbers as :class:`Float64Arithmetic` to rounding.
+
+:func:`arithmetic_for` picks the backend from ``precision`` and ``backend``.
 """
 
 from __future__ import annotations
@@ -164,6 +165,23 @@ class BallArithmetic(Arithmetic):
         return float(magnitude_float(difference).max() / scale)
 
 
-def arithmetic_for(precision: int | None) -> Arithmetic:
-    """float64 for ``precision=None``, balls at ``precision`` bits otherwise."""
-    return Float64Arithmetic() if precision is None else BallArithmetic(precision)
+class TorchArithmetic(Float64Arithmetic):
+    """float64 whose batched kernels run in torch on ``device`` (default: CUDA when present)."""
+
+    def __init__(self, device: str | None = None):
+        from .torch import TorchKernels  # torch is optional: imported only when this backend is asked for
+
+        self.kernel = TorchKernels(device)
+
+
+#: ``backend=`` names: how float64 numbers are computed (None is numpy).
+BACKENDS = ("numpy", "torch", "torch-cpu", "torch-cuda")
+
+
+def arithmetic_for(precision: int | None, backend: str | None = None) -> Arithmetic:
+    """Balls at ``precision`` bits, or float64 with the ``backend``'s kernels (numpy by default)."""
+    if precision is not None:
+        return BallArithmetic(precision)
+    if backend in (None, "numpy"):
+        return Float64Arithmetic()
+    return TorchArithmetic(None if backend == "torch" else backend.removeprefix("torch-"))

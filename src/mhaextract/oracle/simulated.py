@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..model import MultiHeadAttention
 
 
@@ -25,3 +27,38 @@ class SimulatedOracle:
 
     def __repr__(self) -> str:
         return f"SimulatedOracle({self.model!r}, precision={self.precision})"
+
+
+class TorchSimulatedOracle:
+    """A float64 oracle for a known model, evaluated with torch on ``device`` (CUDA when present).
+
+    The same ``f(X)`` as :class:`SimulatedOracle` in float64 (docs/algorithm.md §1), batched per
+    query length on the device: for simulating large layers fast. torch is imported on construction.
+    """
+
+    def __init__(self, model: MultiHeadAttention, device: str | None = None):
+        import torch  # optional dependency
+
+        if model.is_high_precision:
+            raise ValueError("TorchSimulatedOracle answers in float64; use SimulatedOracle(model, precision=bits)")
+        self._torch = torch
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model
+        self._W = torch.as_tensor(model.W, device=self.device)
+        self._v = torch.as_tensor(model.v, device=self.device)
+
+    def __call__(self, batch) -> np.ndarray:
+        torch = self._torch
+        lengths = np.array([len(sequence) for sequence in batch])
+        out = np.empty(len(batch))
+        for length in np.unique(lengths):
+            index = np.flatnonzero(lengths == length)
+            X = torch.as_tensor(np.stack([batch[i] for i in index]), dtype=torch.float64, device=self.device)
+            queries = torch.einsum("hde,be->bhd", self._W, X[:, -1, :])  # W_h x_N
+            weights = torch.softmax(torch.einsum("bnd,bhd->bhn", X, queries), dim=-1)
+            values = torch.einsum("bnd,hd->bhn", X, self._v)
+            out[index] = (weights * values).sum(dim=(1, 2)).cpu().numpy()
+        return out
+
+    def __repr__(self) -> str:
+        return f"TorchSimulatedOracle({self.model!r}, device={str(self.device)!r})"

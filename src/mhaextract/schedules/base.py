@@ -19,7 +19,7 @@ from ..checks.base import Check
 from ..model import MultiHeadAttention
 
 #: Options of ``extract`` that not every schedule supports (the others every schedule takes).
-OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error", "rank")
+OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error", "rank", "backend")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class RunSettings:
     refine_queries: int | None = None
     answer_error: float | None = None
     rank: int | None = None  # a bound on the rank of every W_h (docs/algorithm.md §17)
+    backend: str | None = None  # float64 kernels: None (numpy) or a torch backend (numerics/arithmetic.py)
 
     def given(self, option: str) -> bool:
         value = getattr(self, option)

@@ -124,7 +124,7 @@ class GridSchedule(Schedule):
     ks : (K,) the copy counts ``0..K-1`` every instance's samples are indexed by.
     """
 
-    accepts = frozenset({"precision", "refine", "answer_error"})
+    accepts = frozenset({"precision", "refine", "answer_error", "backend"})
     #: Instances after row 0 know F(0) only (paper) or both anchors F(0) and c (lean), §4.
     both_anchors = False
 
