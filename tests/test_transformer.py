@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 import mhaextract as mx
 from mhaextract.cli import app
 from mhaextract.relu_units import orient
+from mhaextract.transformer import residual_queries
 
 from conftest import CountingOracle, paper_count
 
@@ -50,8 +51,26 @@ def test_the_odd_part_is_attention_with_v_sum_of_w_p():
     batch = batch_of(np.random.default_rng(3), 4, 8)
     g = t(batch) - t([-X for X in batch])
     np.testing.assert_allclose(g, t.odd_part()(batch), rtol=1e-11, atol=1e-13)
-    with pytest.raises(ValueError, match="linear term"):
-        mx.Transformer1L.random(2, 1, 2, seed=0, residual=True).odd_part()
+    # With the residual: the same attention plus q^T x_N, q = sum_j w_j A_j (truth from the weights).
+    r = mx.Transformer1L.random(4, 3, 6, seed=2, residual=True)
+    g = r(batch) - r([-X for X in batch])
+    q = r.A.T @ r.w
+    np.testing.assert_allclose(r.residual_term(), q, rtol=1e-14)
+    linear = np.array([X[-1] for X in batch]) @ q
+    np.testing.assert_allclose(g, r.odd_part()(batch) + linear, rtol=1e-11, atol=1e-13)
+    assert np.abs(linear).max() > 0.1 * np.abs(g).max()  # the term matters
+
+
+def test_the_residual_queries_separate_q_from_vbar():
+    """g((b)) = (vbar + q)^T b and g((b, 0)) = vbar^T b / 2 (final token 0: uniform attention, no
+    residual term), so the residual term is measured from 2 d queries of g."""
+    r = mx.Transformer1L.random(3, 2, 5, seed=4, residual=True)
+    basis = np.random.default_rng(5).standard_normal((3, 3))
+    queries = residual_queries(basis)
+    g = r(queries) - r([-X for X in queries])
+    vbar = r.odd_part().v.sum(axis=0)
+    np.testing.assert_allclose(g[:3], basis.T @ (vbar + r.residual_term()), rtol=1e-12)
+    np.testing.assert_allclose(g[3:], basis.T @ vbar / 2, rtol=1e-12)
 
 
 def test_parameters_are_validated():
@@ -200,8 +219,8 @@ def test_warn_mode_returns_the_failed_result():
 
 def test_bad_arguments_are_clear_errors():
     oracle = mx.SimulatedOracle(mx.Transformer1L.random(2, 1, 2, seed=0))
-    with pytest.raises(ValueError, match="residual=True is not supported.*anchors"):
-        mx.extract_transformer(oracle, 2, heads=1, residual=True)
+    with pytest.raises(ValueError, match="residual must be True or False"):
+        mx.extract_transformer(oracle, 2, heads=1, residual="yes")
     with pytest.raises(ValueError, match="hidden"):
         mx.extract_transformer(oracle, 2, heads=1, hidden=0)
     with pytest.raises(ValueError, match="exactly one of heads"):
@@ -226,7 +245,12 @@ def test_cli_demo_transformer():
     runner = CliRunner()
     result = runner.invoke(app, ["demo", "--transformer", "--d", "3", "--heads", "2", "--hidden", "4"])
     assert result.exit_code == 0, result.output
-    assert "queries of f (measured)" in result.output and "138" in result.output  # 2 x 69
+    # The demo's run (target seed 0, extraction seed 1), repeated through the API: same counts.
+    again = mx.extract_transformer(mx.SimulatedOracle(mx.Transformer1L.random(3, 2, 4, seed=0)), 3, heads=2, hidden=4,
+                                   seed=1)
+    assert "queries of f (measured)" in result.output and f" {again.queries} " in result.output
+    assert f"2 x {again.attention.queries} queries of g, targeted schedule" in result.output
+    assert again.queries_odd_part == 2 * again.attention.queries
     assert "hidden units found" in result.output and "ok" in result.output
 
 

@@ -69,19 +69,31 @@ MAX_ENUMERATED = 20
 
 
 class HeadMeans:
-    """``M(X)`` in R^{H d} for the heads found in step 1 (float64, or arb balls at ``precision``)."""
+    """``M(X)`` in R^D for the heads found in step 1 (float64, or arb balls at ``precision``):
+    ``D = H d``, or ``H d + d`` with the residual, whose final token x_N is one more block."""
 
-    def __init__(self, W: np.ndarray, precision: int | None):
+    def __init__(self, W: np.ndarray, precision: int | None, residual: bool = False):
         self.heads_model = MultiHeadAttention(W, np.zeros(W.shape[:2], dtype=W.dtype))
         self.precision = precision
-        self.D = W.shape[0] * W.shape[1]
+        self.residual = bool(residual)
+        self.D = (W.shape[0] + self.residual) * W.shape[1]
 
     def __call__(self, sequences) -> np.ndarray:
-        means = self.heads_model.head_means(sequences, self.precision)
-        return means.reshape(len(sequences), self.D)
+        means = self.heads_model.head_means(sequences, self.precision).reshape(len(sequences), -1)
+        if not self.residual:
+            return means
+        if self.precision is None:
+            return self.float64(sequences)
+        with working_precision(self.precision + GUARD_BITS):
+            finals = np.array([[arb(float(value)) for value in X[-1]] for X in sequences], dtype=object)
+        return np.concatenate([means, finals.reshape(len(sequences), -1)], axis=1)
 
     def float64(self, sequences) -> np.ndarray:
-        return self.heads_model.head_means(sequences).reshape(len(sequences), self.D)
+        means = self.heads_model.head_means(sequences).reshape(len(sequences), -1)
+        if not self.residual:
+            return means
+        finals = np.array([np.asarray(X[-1], dtype=np.float64) for X in sequences]).reshape(len(sequences), -1)
+        return np.concatenate([means, finals], axis=1)
 
 
 @dataclass
@@ -158,9 +170,10 @@ class UnitLearner:
     grid : number of grid intervals per segment.
     """
 
-    def __init__(self, boundary: OracleBoundary, W: np.ndarray, precision, rng, token_scale: float, grid: int = 48):
+    def __init__(self, boundary: OracleBoundary, W: np.ndarray, precision, rng, token_scale: float, grid: int = 48,
+                 residual: bool = False):
         self.boundary = boundary
-        self.means = HeadMeans(W, precision)
+        self.means = HeadMeans(W, precision, residual)
         self.H, self.d = W.shape[0], W.shape[1]
         self.D = self.means.D
         self.precision = precision
@@ -185,7 +198,7 @@ class UnitLearner:
             e = sign * offsets
             unit_scale = np.vstack([x + e, x[None, :]])  # lam = 1
             M = self.means.float64([unit_scale])[0]
-            b = np.tile(x, self.H)
+            b = np.tile(x, self.D // self.d)  # with the residual, x_N = lam x is one more block of b
             E = M - b
             kappa = float(np.linalg.norm(b) / max(np.linalg.norm(E), 1e-300))
             out.append(Segment(x, e, b, E, kappa))
