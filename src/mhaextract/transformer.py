@@ -574,6 +574,8 @@ class TransformerExtraction(CheckedResult):
     max_query_length : int, measured.
     segments : segments explored in step 2.
     verification_misfit : max |model - f| / max |f| on the verification queries.
+    seconds, seconds_units : wall time of the run, and of step 2 (its queries, search,
+        orientation, assembly and polish).
     checks : list of Check; ok : all passed.
     """
 
@@ -598,6 +600,7 @@ class TransformerExtraction(CheckedResult):
     checks: list[Check] = field(default_factory=list)
     search: object = None
     seconds: float = 0.0
+    seconds_units: float = 0.0
     queries_asked: int = 0
     queries_replayed: int = 0
     transcript: str | None = None
@@ -774,20 +777,23 @@ def _extract_transformer(boundary: OracleBoundary, run: TransformerRun, batch_si
         return _transformer_result(run, boundary, step1, checks, counts, started)
     rng = np.random.default_rng(None if run.seed is None else [int(np.asarray(run.seed).ravel()[0])
                                                                if np.ndim(run.seed) else int(run.seed), 3])
+    step2 = time.perf_counter()
     learner, orientation = _units(boundary, run, step1, odd.linear, rng, checks)
     counts = (queries_odd, _used(boundary) - queries_odd, queries_residual, odd.reused)
     units = learner.search.units
     if orientation.sigma is None:
         return _transformer_result(run, boundary, step1, checks, counts, started, search=learner.search,
-                                   hidden_found=len(units))
+                                   hidden_found=len(units), seconds_units=time.perf_counter() - step2)
     model, model_hp = _assemble(run, step1, learner, orientation)
+    seconds_units = time.perf_counter() - step2
     misfit = _verify_transformer(boundary, run, step1.heads, model, model_hp, rng, checks)
     if run.precision is not None:
         checks.append(Check("odd_part_precision", odd.cancellation_bits < ODD_PART_MARGIN_BITS, odd.cancellation_bits,
                             ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
                             "was told g is good to precision minus the threshold)"))
     return _transformer_result(run, boundary, step1, checks, counts, started, model=model, model_hp=model_hp,
-                               search=learner.search, hidden_found=len(units), misfit=misfit)
+                               search=learner.search, hidden_found=len(units), misfit=misfit,
+                               seconds_units=seconds_units)
 
 
 def _used(boundary: OracleBoundary) -> int:
@@ -899,7 +905,7 @@ def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, m
 
 def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Extraction, checks: list, counts,
                         started, model=None, model_hp=None, search=None, hidden_found=0,
-                        misfit=np.inf) -> TransformerExtraction:
+                        misfit=np.inf, seconds_units=0.0) -> TransformerExtraction:
     queries_odd, queries_units, queries_residual, reused = counts
     used = _used(boundary)
     return TransformerExtraction(
@@ -908,7 +914,7 @@ def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Ex
         queries_residual_term=queries_residual, odd_part_queries_reused=reused, residual=run.residual,
         queries_verification=used - queries_odd - queries_units, max_query_length=boundary.max_query_length,
         segments=search.segments if search else 0, verification_misfit=misfit, precision=run.precision, d=run.d,
-        seed=run.seed, checks=checks, search=search, seconds=time.perf_counter() - started,
+        seed=run.seed, checks=checks, search=search, seconds=time.perf_counter() - started, seconds_units=seconds_units,
         queries_asked=boundary.queries, queries_replayed=boundary.replayed,
         transcript=None if boundary.transcript is None else boundary.transcript.path,
     )
