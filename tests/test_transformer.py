@@ -359,3 +359,90 @@ def test_bad_transcript_budget_and_size_parameters_are_named(tmp_path, monkeypat
     with pytest.raises(ValueError, match=message):
         mx.extract_transformer(oracle, 2, heads=1, **kwargs)
     assert not (tmp_path / "t.sqlite").exists()
+
+
+# ---------------------------------------------------------------------- issue 16: many heads, residual
+def fresh_queries(rng, d, count=300):
+    """Lengths 1..12, token norms over two decades around the default scale d ** 0.25."""
+    batch = []
+    for _ in range(count):
+        length = int(rng.integers(1, 13))
+        tokens = rng.standard_normal((length, d))
+        tokens /= np.linalg.norm(tokens, axis=1, keepdims=True)
+        batch.append(tokens * d ** 0.25 * 10 ** rng.uniform(-1, 1, size=(length, 1)))
+    return batch
+
+
+def fresh_error(target, model, seed):
+    batch = fresh_queries(np.random.default_rng(seed), target.d)
+    truth = target(batch)
+    return float(np.abs(model(batch) - truth).max() / np.abs(truth).max())
+
+
+def extract_counted(target, heads, hidden, seed, **options):
+    oracle = CountingOracle(target)
+    result = mx.extract_transformer(oracle, target.d, heads=heads, hidden=hidden, seed=seed, residual=target.residual,
+                                    **options)
+    assert result.queries == oracle.count and result.max_query_length == oracle.longest
+    assert result.queries == result.queries_odd_part + result.queries_units + result.queries_verification
+    return result
+
+
+def test_residual_float64_small_is_recovered_and_counted_at_the_oracle():
+    target = mx.Transformer1L.random(3, 1, 3, seed=21, residual=True)
+    result = extract_counted(target, 1, 3, seed=2)
+    assert result.ok and result.model.residual and result.attention.schedule == "targeted"
+    d = 3
+    # 2d queries of g measure q (4d of f); the core's d one-token queries are answered from them.
+    assert result.queries_residual_term == 4 * d and result.odd_part_queries_reused == d
+    assert result.queries_odd_part == 4 * d + 2 * (result.attention.queries - d)
+    # The heads are those of the attention part of g; q is the truth's sum_j w_j A_j.
+    assert mx.compare(result.attention.model, target.odd_part()).max_rel <= 1e-9
+    assert mx.compare_transformers(result.model, target).max_rel <= 1e-8
+    assert fresh_error(target, result.model, 0) <= 1e-8
+
+
+@pytest.mark.slow
+def test_residual_high_precision_through_the_paper_schedule():
+    target = mx.Transformer1L.random(3, 2, 4, seed=22, residual=True)
+    oracle = CountingOracle(target, precision=160)
+    result = mx.extract_transformer(oracle, 3, heads=2, hidden=4, precision=160, seed=3, residual=True)
+    assert result.ok and result.attention.schedule == "paper" and result.queries == oracle.count
+    # 2d queries of g (4d of f) measure q; the core's one one-token query reuses one of them.
+    assert result.queries_residual_term == 12 and result.odd_part_queries_reused == 1
+    assert result.queries_odd_part == 12 + 2 * (paper_count(3, 2) - 1)
+    assert float(mx.compare_transformers(result.model_hp, target).max_rel) <= 1e-25
+
+
+@pytest.mark.slow
+def test_acceptance_float64_d8_h4_hidden16_ten_seeds():
+    """Issue 16, acceptance 1: float64, d = 8, H = 4, hidden 16, defaults: fresh-query error <= 1e-7."""
+    worst = 0.0
+    for seed in range(10):
+        target = mx.Transformer1L.random(8, 4, 16, seed=400 + seed)
+        result = extract_counted(target, 4, 16, seed=seed)
+        assert result.ok and result.heads == 4 and result.hidden == 16, seed
+        worst = max(worst, fresh_error(target, result.model, seed))
+    assert worst <= 1e-7
+
+
+@pytest.mark.slow
+def test_acceptance_residual_d6_h2_hidden8_ten_seeds():
+    """Issue 16, acceptance 2: the residual connection, d = 6, H = 2, hidden 8."""
+    worst = 0.0
+    for seed in range(10):
+        target = mx.Transformer1L.random(6, 2, 8, seed=500 + seed, residual=True)
+        result = extract_counted(target, 2, 8, seed=seed)
+        assert result.ok and result.hidden == 8 and result.queries_residual_term == 4 * 6, seed
+        worst = max(worst, fresh_error(target, result.model, seed))
+    assert worst <= 1e-7
+
+
+@pytest.mark.slow
+def test_acceptance_float64_d16_h2_hidden32_ten_seeds():
+    """Issue 16, acceptance 3: d = 16, H = 2, hidden 32 passes in 10 of 10 seeds."""
+    for seed in range(10):
+        target = mx.Transformer1L.random(16, 2, 32, seed=600 + seed)
+        result = extract_counted(target, 2, 32, seed=seed)
+        assert result.ok and result.hidden == 32, seed
+        assert fresh_error(target, result.model, seed) <= 1e-7, seed
