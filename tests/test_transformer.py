@@ -286,12 +286,12 @@ def test_max_queries_too_small_raises_budget_exceeded():
     with pytest.raises(mx.BudgetExceeded, match="max_queries=200") as info:
         mx.extract_transformer(oracle, 3, heads=2, hidden=4, seed=1, max_queries=200)
     assert oracle.count <= 200 and info.value.needed > 0
-    with pytest.raises(mx.BudgetExceeded):  # inside step 1 already: the odd part alone needs 2 * 69
+    with pytest.raises(mx.BudgetExceeded):  # inside step 1 already: the odd part alone needs more than 100
         mx.extract_transformer(CountingOracle(target), 3, heads=2, hidden=4, seed=1, max_queries=100)
 
 
 @pytest.mark.parametrize("precision, batch_size, fail_after", [
-    (None, 16, 100),  # in step 1 (the odd part: 138 queries of f)
+    (None, 16, 100),  # in step 1 (the odd part, targeted schedule: about 290 queries of f)
     (None, 7, 300),  # in step 2 (the units)
     (None, 32, 600),  # in the verification
     (128, 16, 250),
