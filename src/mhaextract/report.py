@@ -78,9 +78,10 @@ def transformer_table(extraction, comparison=None, title: str = "mhaextract tran
     table.add_row("d", str(e.d), "")
     table.add_row("H (bound H0)", str(a.max_heads), mode)
     table.add_row("queries of f (measured)", str(e.queries), "odd part + units + verification")
+    asked = a.queries - e.odd_part_queries_reused
     table.add_row("  odd part g", str(e.queries_odd_part),
-                  f"2 x (4*H0*d^2 - 2*H0 + 1) = {2 * a.promised_queries}"
-                  + ("" if e.queries_odd_part == 2 * a.promised_queries else "  MISMATCH"))
+                  f"2 x {asked} queries of g, {a.schedule} schedule ({a.promised_formula})"
+                  + (f", of them {e.queries_residual_term} measuring the residual term" if e.residual else ""))
     search = e.search
     if search is not None:
         table.add_row("  units", str(e.queries_units),

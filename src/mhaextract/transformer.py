@@ -4,7 +4,7 @@ docs/algorithm.md §14. For a sequence ``X = (x_1, ..., x_N)`` with the heads' a
 weights ``a_{h,i}`` (section 1) and value-output maps ``O_h`` (p x d)::
 
     o(X) = sum_h sum_i a_{h,i} O_h x_i                      (in R^p)
-    f(X) = w^T ReLU(A o(X))          (A: n x p, w: n)      (+ A x_N inside the ReLU if residual)
+    f(X) = w^T ReLU(A o(X))          (A: n x p, w: n)      (+ A R x_N inside the ReLU if residual)
 
 Write ``m_h(X) = sum_i a_{h,i} x_i`` (the head means) and ``p_{h,j} = O_h^T A_j^T`` (unit j seen
 through head h). Unit j's pre-activation is ``u_j(X) = sum_h p_{h,j}^T m_h(X)``.
@@ -46,14 +46,13 @@ from .oracle.boundary import OracleBoundary
 from .oracle.transcript import Transcript, run_fingerprint
 from .results import Extraction
 from .schedules.base import RunSettings
-from .schedules.registry import schedule_class
-from .validation import head_count, on_failure_mode, positive_int, resumable_seed, token_scale_for
+from .schedules.registry import schedule_for
+from .oracle.queries import random_basis
+from .validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for
 
 #: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
 #: so that its certificate covers cancellation up to that much (checked: odd_part_precision).
 ODD_PART_MARGIN_BITS = 32
-#: The core schedule step 1 runs on the odd part (the registry's name for it).
-CORE_SCHEDULE = "paper"
 #: mpmath bits for exact products and sums of the parameters (doubles and few-hundred-bit mpf).
 _EXACT_BITS = 2200
 
@@ -87,16 +86,19 @@ class Transformer1L:
     w : array (n,)
         Second FFN layer (no bias), to the scalar output.
     residual : bool
-        Add the final token inside the ReLU, ``ReLU(A (o(X) + x_N))``; needs ``p == d``.
+        Add the final token inside the ReLU, ``ReLU(A (o(X) + R x_N))``.
+    R : array (p, d), optional
+        The residual's embedding of x_N into R^p; default the identity (then ``p == d`` is
+        needed). The canonical form (p = H* d + d) puts x_N in the last block.
 
     Float64 arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
 
     Attributes
     ----------
-    W, O, A, w, residual : the parameters. d, p, heads (H), hidden (n) : sizes.
+    W, O, A, w, residual, R : the parameters (R None without the residual). d, p, heads (H), hidden (n) : sizes.
     """
 
-    def __init__(self, W, O, A, w, residual: bool = False):
+    def __init__(self, W, O, A, w, residual: bool = False, R=None):
         W = _as_parameter(W, "W", 3)
         O = _as_parameter(O, "O", 3)
         A = _as_parameter(A, "A", 2)
@@ -110,12 +112,22 @@ class Transformer1L:
             raise ValueError(f"A must have shape (n, p) with p = {O.shape[1]}, got {A.shape}")
         if w.shape != (A.shape[0],):
             raise ValueError(f"w must have shape (n,) = ({A.shape[0]},), got {w.shape}")
-        if residual and O.shape[1] != d:
-            raise ValueError(f"residual=True adds x_N to o(X) in R^p: needs p == d, got p={O.shape[1]}, d={d}")
-        high = object in (W.dtype, O.dtype, A.dtype, w.dtype)
+        if R is not None and not residual:
+            raise ValueError("R (the residual's embedding of x_N) needs residual=True")
+        if residual and R is None:
+            if O.shape[1] != d:
+                raise ValueError(f"residual=True adds x_N to o(X) in R^p: needs p == d or R (p x d), got p={O.shape[1]}, "
+                                 f"d={d}")
+            R = np.eye(d)
+        if R is not None:
+            R = _as_parameter(R, "R", 2)
+            if R.shape != (O.shape[1], d):
+                raise ValueError(f"R must have shape (p, d) = ({O.shape[1]}, {d}), got {R.shape}")
+        high = object in (W.dtype, O.dtype, A.dtype, w.dtype) or (R is not None and R.dtype == object)
         if high:
             W, O, A, w = (mpf_array(x) for x in (W, O, A, w))
-        self.W, self.O, self.A, self.w = W, O, A, w
+            R = None if R is None else mpf_array(R)
+        self.W, self.O, self.A, self.w, self.R = W, O, A, w, R
         self.residual = bool(residual)
 
     d = property(lambda self: self.W.shape[1])
@@ -152,7 +164,8 @@ class Transformer1L:
         """The same model with exact mpf parameters (products then stay exact)."""
         if self.is_high_precision:
             return self
-        return Transformer1L(*(x.astype(object) for x in (self.W, self.O, self.A, self.w)), residual=self.residual)
+        return Transformer1L(*(x.astype(object) for x in (self.W, self.O, self.A, self.w)), residual=self.residual,
+                             R=None if self.R is None else self.R.astype(object))
 
     # ------------------------------------------------------------------ the products that matter
     def unit_vectors(self, exact: bool = False) -> np.ndarray:
@@ -164,18 +177,28 @@ class Transformer1L:
             return np.einsum("hpd,np->nhd", mpf_array(self.O), mpf_array(self.A))
 
     def residual_vectors(self) -> np.ndarray:
-        """``A_j`` read by x_N through the residual, (n, d); zeros without the residual."""
-        if self.residual:
-            return self.A.copy()
-        return np.zeros((self.hidden, self.d), dtype=self.A.dtype)
+        """``A_j R``, unit j as read by x_N through the residual, (n, d) (exact mpf for a
+        high-precision model); zeros without the residual."""
+        if not self.residual:
+            return np.zeros((self.hidden, self.d), dtype=self.A.dtype)
+        if not self.is_high_precision:
+            return self.A @ self.R
+        with mpmath.workprec(_EXACT_BITS):
+            return self.A @ self.R
+
+    def residual_term(self) -> np.ndarray:
+        """``q = sum_j w_j R^T A_j^T``: with the residual, ``g(X) = f(X) - f(-X)`` is the attention
+        of :meth:`odd_part` plus ``q^T x_N`` (docs/algorithm.md §14); zeros without it."""
+        R = self.residual_vectors()
+        if not self.is_high_precision:
+            return R.T @ self.w
+        with mpmath.workprec(_EXACT_BITS):
+            return R.T @ self.w
 
     def odd_part(self) -> MultiHeadAttention:
-        """The attention model ``g(X) = f(X) - f(-X)``: ``v_h = sum_j w_j p_{h,j}`` (section 9).
-
-        Without the residual only; with it, g also has the term ``(sum_j w_j A_j)^T x_N``.
+        """The attention part of ``g(X) = f(X) - f(-X)``: ``v_h = sum_j w_j p_{h,j}`` (docs/algorithm.md
+        §14). With the residual, g is this plus ``q^T x_N`` (:meth:`residual_term`).
         """
-        if self.residual:
-            raise ValueError("with residual=True the odd part is attention plus a linear term in x_N")
         C = self.unit_vectors()
         if not self.is_high_precision:
             return MultiHeadAttention(self.W, np.einsum("nhd,n->hd", C, self.w))
@@ -258,7 +281,8 @@ class Transformer1L:
             w = np.array([sign for _, sign in units], dtype=A.dtype)
             W = W[keep]
             O = block_embedding(len(keep), d, self.residual, dtype=A.dtype)
-        return Transformer1L(W, O, A, w, residual=self.residual)
+            R = residual_embedding(len(keep), d, dtype=A.dtype) if self.residual else None
+        return Transformer1L(W, O, A, w, residual=self.residual, R=R)
 
 
 class _nullcontext:
@@ -306,6 +330,13 @@ def block_embedding(heads: int, d: int, residual: bool = False, dtype=np.float64
     for h in range(heads):
         O[h, h * d:(h + 1) * d] = np.eye(d)
     return O.astype(dtype) if dtype == object else O
+
+
+def residual_embedding(heads: int, d: int, dtype=np.float64) -> np.ndarray:
+    """``R`` (p, d) embedding R^d into the last block of ``p = H d + d`` (the canonical residual)."""
+    R = np.zeros((heads * d + d, d))
+    R[heads * d:] = np.eye(d)
+    return R.astype(dtype) if dtype == object else R
 
 
 # ---------------------------------------------------------------------- comparison
@@ -414,40 +445,109 @@ class TransformerExtractionError(RuntimeError):
         self.extraction = extraction
 
 
+def _key(sequence: np.ndarray):
+    array = np.ascontiguousarray(sequence, dtype=np.float64)
+    return array.shape, array.tobytes()
+
+
+def residual_queries(basis: np.ndarray) -> list[np.ndarray]:
+    """The queries of g that measure the residual term (docs/algorithm.md §14): the one-token
+    ``(b)`` and the two-token ``(b, 0)`` for each column b of ``basis``.
+
+    ``g((b)) = (vbar + q)^T b``; with the final token 0 every score is 0, the attention is uniform
+    and the residual term vanishes: ``g((b, 0)) = vbar^T b / 2``. So ``q^T b = g((b)) - 2 g((b, 0))``.
+    """
+    zero = np.zeros((1, basis.shape[0]))
+    return [b[None, :] for b in basis.T] + [np.vstack([b[None, :], zero]) for b in basis.T]
+
+
 class OddPartOracle:
     """The user-protocol oracle for ``g(X) = f(X) - f(-X)`` (docs/algorithm.md §14): each query of
     g asks the f boundary for X and -X, so both are counted there.
 
+    With the residual, g is attention plus ``q^T x_N``: :meth:`measure_residual` measures q and
+    every later answer has ``q^T x_N`` subtracted, so the core sees attention alone. The one-token
+    answers it measured are kept and served again when the core asks the same query (not counted
+    twice at the boundary).
+
     In high precision the answers of f carry one ulp at ``precision`` bits relative to |f|; their
     difference is within ``2^(1 - precision) (|f(X)| + |f(-X)|)`` of g. ``cancellation_bits``
-    records the worst ``log2((|f(X)| + |f(-X)|) / |g(X)|)``: g is good to ``precision`` minus that.
+    records the worst ``log2((|f(X)| + |f(-X)| + |q^T x_N|) / |answer|)``: the answer is good to
+    ``precision`` minus that.
     """
 
     def __init__(self, boundary: OracleBoundary):
         self.boundary = boundary
         self.cancellation_bits = 0.0
+        self.linear = None  # q (float64, or exact mpf at high precision) once measured
+        self.reused = 0  # queries of g answered from the residual measurement
+        self._kept: dict = {}
 
     def __call__(self, batch):
         # Tokens arrive as float64 or exact mpf from float64 values: float64 is exact either way.
         sequences = [np.vectorize(float, otypes=[np.float64])(X) if X.dtype == object else X for X in batch]
-        # X and -X side by side: the queries of f follow those of g in order, whatever the batching
-        # (what a transcript's fingerprint hashes, TransformerRun.fixed_queries).
+        keys = [_key(X) if len(X) == 1 else None for X in sequences]
+        asked = iter(zip(*self._raw([X for X, k in zip(sequences, keys) if k not in self._kept])))
+        answers = []
+        for k in keys:
+            if k in self._kept:
+                self.reused += 1
+                answers.append(self._kept[k])
+            else:
+                answers.append(next(asked))
+        return self._subtract(sequences, answers)
+
+    def _raw(self, sequences):
+        """``[g(X)]`` and ``[|f(X)| + |f(-X)|]`` for the sequences, asked as X, -X side by side (the
+        queries of f follow those of g in order, whatever the batching: what a transcript's
+        fingerprint hashes, TransformerRun.fixed_queries)."""
+        if not sequences:
+            return [], []
         pairs = [sequence for X in sequences for sequence in (X, -X)]
         answers = self.boundary.ask(pairs, description="odd part g(X) = f(X) - f(-X)")
         plus, minus = answers[0::2], answers[1::2]
         if self.boundary.precision is None:
-            return plus - minus
-        out = []
+            return list(plus - minus), list(np.abs(plus) + np.abs(minus))
         with working_precision(self.boundary.precision + 64):
-            for a, b in zip(plus, minus):
-                g = a - b
-                size = abs(float(g.mid()))
-                total = abs(float(a.mid())) + abs(float(b.mid()))
+            return ([arb_to_mpf(a - b) for a, b in zip(plus, minus)],
+                    [abs(float(a.mid())) + abs(float(b.mid())) for a, b in zip(plus, minus)])
+
+    def _subtract(self, sequences, answers):
+        """The answers less ``q^T x_N`` (when q is known), and the cancellation bookkeeping."""
+        finals = np.array([X[-1] for X in sequences]).reshape(len(sequences), -1)
+        if self.boundary.precision is None:
+            values = np.array([g for g, _ in answers], dtype=np.float64)
+            return values if self.linear is None else values - finals @ self.linear
+        out = []
+        with mpmath.workprec(self.boundary.precision + 64):
+            for x, (g, total) in zip(finals, answers):
+                term = mpmath.fsum(q * float(a) for q, a in zip(self.linear, x)) if self.linear is not None else 0
+                value = g - term
+                total = total + abs(float(term))
                 if total > 0:
-                    ratio = np.inf if size == 0 else total / size
-                    self.cancellation_bits = max(self.cancellation_bits, float(np.log2(ratio)))
-                out.append(arb_to_mpf(g))
+                    size = abs(float(value))
+                    self.cancellation_bits = max(self.cancellation_bits,
+                                                 np.inf if size == 0 else float(np.log2(total / size)))
+                out.append(value)
         return out
+
+    def measure_residual(self, basis: np.ndarray) -> np.ndarray:
+        """q from the :func:`residual_queries` of ``basis`` (d x d, columns), ``2 d`` queries of g
+        (fewer asked when the core asks the same one-token queries later: they are kept)."""
+        d = basis.shape[0]
+        sequences = residual_queries(basis)
+        answers = list(zip(*self._raw(sequences)))
+        for X, answer in zip(sequences[:d], answers[:d]):
+            self._kept[_key(X)] = answer
+        one, zero = [g for g, _ in answers[:d]], [g for g, _ in answers[d:]]
+        if self.boundary.precision is None:
+            self.linear = np.linalg.solve(basis.T, np.array(one) - 2 * np.array(zero))
+            return self.linear
+        with mpmath.workprec(self.boundary.precision + 64):
+            rhs = mpmath.matrix([a - 2 * b for a, b in zip(one, zero)])
+            q = mpmath.lu_solve(mpmath.matrix(basis.T.tolist()), rhs)
+            self.linear = np.array([q[i] for i in range(d)], dtype=object)
+        return self.linear
 
 
 @dataclass
@@ -465,13 +565,17 @@ class TransformerExtraction(CheckedResult):
     heads, hidden : canonical head and unit counts found.
     queries : int
         Total queries of f whose answers the run used, measured at the oracle boundary:
-        ``queries_odd_part`` (two per query of g) + ``queries_units`` (segments, kink
+        ``queries_odd_part`` (two per query of g asked of f; with the residual it includes the
+        ``queries_residual_term`` that measured q, and the core's one-token queries answered again
+        from them, ``odd_part_queries_reused`` queries of g, are not asked twice) + ``queries_units`` (segments, kink
         confirmations, region fits) + ``queries_verification`` (fresh random queries the result
         is checked on). With a transcript, ``queries_asked`` of them were asked in this run and
         ``queries_replayed`` read back from the file (``transcript``); without one all were asked.
     max_query_length : int, measured.
     segments : segments explored in step 2.
     verification_misfit : max |model - f| / max |f| on the verification queries.
+    seconds, seconds_units : wall time of the run, and of step 2 (its queries, search,
+        orientation, assembly and polish).
     checks : list of Check; ok : all passed.
     """
 
@@ -484,6 +588,9 @@ class TransformerExtraction(CheckedResult):
     queries_odd_part: int
     queries_units: int
     queries_verification: int
+    queries_residual_term: int
+    odd_part_queries_reused: int
+    residual: bool
     max_query_length: int
     segments: int
     verification_misfit: float
@@ -493,6 +600,7 @@ class TransformerExtraction(CheckedResult):
     checks: list[Check] = field(default_factory=list)
     search: object = None
     seconds: float = 0.0
+    seconds_units: float = 0.0
     queries_asked: int = 0
     queries_replayed: int = 0
     transcript: str | None = None
@@ -503,7 +611,9 @@ class TransformerExtraction(CheckedResult):
             "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
             "transcript": self.transcript,
             "queries_odd_part": self.queries_odd_part, "queries_units": self.queries_units,
-            "queries_verification": self.queries_verification, "max_query_length": self.max_query_length,
+            "queries_verification": self.queries_verification, "queries_residual_term": self.queries_residual_term,
+            "odd_part_queries_reused": self.odd_part_queries_reused, "residual": self.residual,
+            "max_query_length": self.max_query_length,
             "segments": self.segments, "verification_misfit": self.verification_misfit,
             "precision": self.precision, "seed": self.seed, "ok": self.ok,
             "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
@@ -532,19 +642,48 @@ class TransformerRun:
     verification_queries: int | None
     on_failure: str
     max_queries: int | None
+    residual: bool = False
     name: str = field(default="transformer", init=False)
+
+    @property
+    def core_schedule(self):
+        """The schedule class step 1 runs on g: the one the core would choose for float64 / ball
+        arithmetic and H0 heads (:func:`mhaextract.schedules.registry.schedule_for`): targeted in
+        float64 when H0 <= d (docs/algorithm.md §13), else the paper schedule (§5)."""
+        return schedule_for(self.d, self.max_heads, self.precision)
 
     @property
     def core_precision(self) -> int | None:
         """What step 1 tells the core about g: ODD_PART_MARGIN_BITS fewer bits than f."""
         return None if self.precision is None else self.precision - ODD_PART_MARGIN_BITS
 
+    def _core(self):
+        return self.core_schedule(RunSettings(self.d, self.max_heads, self.heads, self.core_precision, self.seed,
+                                              self.token_scale))
+
+    def residual_basis(self, core=None) -> np.ndarray:
+        """Columns b for :func:`residual_queries`: the core schedule's own one-token queries (so
+        their answers are reused, docs/algorithm.md §14), completed by random directions."""
+        core = self._core() if core is None else core
+        tokens = [X[0] for X in core.fixed_queries() if len(X) == 1][:self.d]
+        extra = random_basis(spawn_rng(self.seed, 4), self.d, self.token_scale)
+        return np.column_stack(tokens + list(extra.T[:self.d - len(tokens)]))
+
     def fixed_queries(self) -> list[np.ndarray]:
-        """The queries of f known before any answer: the core schedule's fixed queries of g, each
+        """The queries of f known before any answer: with the residual, the queries of g that
+        measure it; then the core schedule's fixed queries of g not already asked; each query of g
         followed by its negation (the order :class:`OddPartOracle` asks them in)."""
-        core = schedule_class(CORE_SCHEDULE)(RunSettings(self.d, self.max_heads, self.heads, self.core_precision,
-                                                         self.seed, self.token_scale))
-        return [sequence for X in core.fixed_queries() for sequence in (X, -X)]
+        core = self._core()
+        first = residual_queries(self.residual_basis(core)) if self.residual else []
+        kept = {_key(X) for X in first if len(X) == 1}
+        queries = first + [X for X in core.fixed_queries() if len(X) != 1 or _key(X) not in kept]
+        return [sequence for X in queries for sequence in (X, -X)]
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, token_scale, max_segments,
@@ -562,17 +701,10 @@ def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, tok
         max_queries = positive_int("max_queries", max_queries, minimum=0)
     if transcript is not None:
         seed = resumable_seed(seed)
-    if residual:
-        raise ValueError(
-            "residual=True is not supported: the residual adds r^T x_N (r = sum_j w_j A_j) to the odd "
-            "part, so g's one-token answers are (vbar + r)^T x, not vbar^T x, and the anchors of "
-            "docs/algorithm.md §4 that the core schedule relies on (F(0) = vbar^T x_i for rows i >= 1) "
-            "would be wrong. Supporting it needs the core to ask F(0) of rows i >= 1 (d - 1 more "
-            "one-token queries of g) instead of inferring it; step 2 only needs x_N as one more block of M."
-        )
     return TransformerRun(d, declared, H0, hidden, precision, seed, token_scale_for(d, token_scale),
                           positive_int("max_segments", max_segments), positive_int("quiet_segments", quiet_segments),
-                          verification_queries, on_failure_mode(on_failure), max_queries)
+                          verification_queries, on_failure_mode(on_failure), max_queries,
+                          _flag("residual", residual))
 
 
 def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, precision=None, seed=None, *,
@@ -596,7 +728,9 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
         that many bits fewer).
     hidden : the number of hidden units, if known: step 2 stops when it has found this many.
         Without it, step 2 stops after ``quiet_segments`` segment pairs in a row found nothing new.
-    residual : must be False (see the error raised otherwise).
+    residual : the FFN reads ``o(X) + x_N`` (``f(X) = w^T ReLU(A (o(X) + x_N))``): d more queries of g
+        (``2 d`` of f) measure the linear term ``q^T x_N`` it adds to g, the core then runs on g less
+        that term, and step 2 reads x_N as one more block of M (docs/algorithm.md §14).
     max_segments : at most this many segment pairs in step 2.
     verification_queries : fresh random queries to check the result on (default ``4 H d + 32``).
     on_failure : "raise" a :class:`TransformerExtractionError` or "warn" and return.
@@ -629,10 +763,13 @@ def _extract_transformer(boundary: OracleBoundary, run: TransformerRun, batch_si
                          started) -> TransformerExtraction:
     """Step 1, step 2, assembly and verification; a failed step ends the run with what it has."""
     odd = OddPartOracle(boundary)
+    if run.residual:
+        odd.measure_residual(run.residual_basis())
+    queries_residual = _used(boundary)
     step1 = _odd_part_heads(odd, run, batch_size, progress)
     queries_odd = _used(boundary)
     checks = [Check(f"odd part: {c.name}", c.passed, c.value, c.threshold, c.message) for c in step1.checks]
-    counts = (queries_odd, 0)
+    counts = (queries_odd, 0, queries_residual, odd.reused)
     if not step1.ok or step1.heads == 0:
         if step1.heads == 0:
             checks.append(Check("heads_visible", False, 0, 1, "the odd part shows no attention head: the FFN "
@@ -640,20 +777,23 @@ def _extract_transformer(boundary: OracleBoundary, run: TransformerRun, batch_si
         return _transformer_result(run, boundary, step1, checks, counts, started)
     rng = np.random.default_rng(None if run.seed is None else [int(np.asarray(run.seed).ravel()[0])
                                                                if np.ndim(run.seed) else int(run.seed), 3])
-    learner, orientation = _units(boundary, run, step1, rng, checks)
-    counts = (queries_odd, _used(boundary) - queries_odd)
+    step2 = time.perf_counter()
+    learner, orientation = _units(boundary, run, step1, odd.linear, rng, checks)
+    counts = (queries_odd, _used(boundary) - queries_odd, queries_residual, odd.reused)
     units = learner.search.units
     if orientation.sigma is None:
         return _transformer_result(run, boundary, step1, checks, counts, started, search=learner.search,
-                                   hidden_found=len(units))
+                                   hidden_found=len(units), seconds_units=time.perf_counter() - step2)
     model, model_hp = _assemble(run, step1, learner, orientation)
+    seconds_units = time.perf_counter() - step2
     misfit = _verify_transformer(boundary, run, step1.heads, model, model_hp, rng, checks)
     if run.precision is not None:
         checks.append(Check("odd_part_precision", odd.cancellation_bits < ODD_PART_MARGIN_BITS, odd.cancellation_bits,
                             ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
                             "was told g is good to precision minus the threshold)"))
     return _transformer_result(run, boundary, step1, checks, counts, started, model=model, model_hp=model_hp,
-                               search=learner.search, hidden_found=len(units), misfit=misfit)
+                               search=learner.search, hidden_found=len(units), misfit=misfit,
+                               seconds_units=seconds_units)
 
 
 def _used(boundary: OracleBoundary) -> int:
@@ -666,17 +806,21 @@ def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progres
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
         return extract(odd, run.d, heads=run.heads, max_heads=None if run.heads is not None else run.max_heads,
-                       precision=run.core_precision, seed=run.seed, schedule=CORE_SCHEDULE,
+                       precision=run.core_precision, seed=run.seed, schedule=run.core_schedule.name,
                        token_scale=run.token_scale, batch_size=batch_size, progress=progress, on_failure="warn")
 
 
-def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, rng, checks: list):
-    """Step 2: hidden units through the heads of step 1, and their orientation (checks appended)."""
+def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, linear, rng, checks: list):
+    """Step 2: hidden units through the heads of step 1, and their orientation (checks appended).
+    With the residual, M has x_N as one more block and V the residual term q (``linear``) as one
+    more block: ``sum_j w_j (P_j, R^T A_j^T) = (v_1, .., v_H, q)`` (docs/algorithm.md §14)."""
     from .relu_units import UnitLearner, orient
 
     W = step1.model_hp.W if run.precision is not None else step1.model.W
     V = step1.model.v.reshape(-1)
-    learner = UnitLearner(boundary, W, run.precision, rng, float(step1.token_scale))
+    if run.residual:
+        V = np.concatenate([V, mid_float(np.asarray(linear))])
+    learner = UnitLearner(boundary, W, run.precision, rng, float(step1.token_scale), residual=run.residual)
     quiet = 0
     for _ in range(run.max_segments):
         if run.hidden is not None and len(learner.search.units) >= run.hidden:
@@ -710,24 +854,27 @@ def _assemble(run: TransformerRun, step1: Extraction, learner, orientation):
 
     units = learner.search.units
     H, d = step1.heads, run.d
-    O = block_embedding(H, d)
+    O = block_embedding(H, d, run.residual)
+    R = residual_embedding(H, d) if run.residual else None
+    D = learner.D
     signs = np.array([u.sign for u in units], dtype=np.float64)
     factors = signs * orientation.sigma
-    A = np.array([f * u.c for f, u in zip(factors, units)]).reshape(len(units), H * d)
+    A = np.array([f * u.c for f, u in zip(factors, units)]).reshape(len(units), D)
     if run.precision is None and len(units):
         # float64: the region fits carry the step-1 errors amplified by their small clouds; a joint
         # least-squares polish on every answer of step 2 removes most of that (relu_units.refine).
         sequences, values = learner.answers()
         A, _ = refine(A, signs, learner.means.float64(sequences), values)
-    model = Transformer1L(step1.model.W, O, A, signs)
+    model = Transformer1L(step1.model.W, O, A, signs, residual=run.residual, R=R)
     if run.precision is None:
         return model, None
     # The balls' midpoints, negated where the orientation says so (at _EXACT_BITS: mpmath and
     # flint would otherwise round to their 53-bit defaults).
     with mpmath.workprec(_EXACT_BITS):
         A_hp = np.array([[arb_to_mpf(value) * int(f) for value in u.c_exact] for f, u in zip(factors, units)],
-                        dtype=object).reshape(len(units), H * d)
-    return model, Transformer1L(step1.model_hp.W, O.astype(object), A_hp, signs.astype(object))
+                        dtype=object).reshape(len(units), D)
+    return model, Transformer1L(step1.model_hp.W, O.astype(object), A_hp, signs.astype(object), residual=run.residual,
+                                R=None if R is None else R.astype(object))
 
 
 def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, model, model_hp, rng,
@@ -758,15 +905,16 @@ def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, m
 
 def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Extraction, checks: list, counts,
                         started, model=None, model_hp=None, search=None, hidden_found=0,
-                        misfit=np.inf) -> TransformerExtraction:
-    queries_odd, queries_units = counts
+                        misfit=np.inf, seconds_units=0.0) -> TransformerExtraction:
+    queries_odd, queries_units, queries_residual, reused = counts
     used = _used(boundary)
     return TransformerExtraction(
         model=model, model_hp=model_hp, attention=step1, heads=step1.heads, hidden=hidden_found,
         queries=used, queries_odd_part=queries_odd, queries_units=queries_units,
+        queries_residual_term=queries_residual, odd_part_queries_reused=reused, residual=run.residual,
         queries_verification=used - queries_odd - queries_units, max_query_length=boundary.max_query_length,
         segments=search.segments if search else 0, verification_misfit=misfit, precision=run.precision, d=run.d,
-        seed=run.seed, checks=checks, search=search, seconds=time.perf_counter() - started,
+        seed=run.seed, checks=checks, search=search, seconds=time.perf_counter() - started, seconds_units=seconds_units,
         queries_asked=boundary.queries, queries_replayed=boundary.replayed,
         transcript=None if boundary.transcript is None else boundary.transcript.path,
     )

@@ -28,6 +28,19 @@ def schedule_names() -> list[str]:
     return list(SCHEDULES)
 
 
+def schedule_for(d: int, max_heads: int, precision) -> type[Schedule]:
+    """The schedule the core would choose for a run of ``max_heads`` heads in dimension ``d``.
+
+    Ball arithmetic (``precision=bits``): the paper schedule (exact count, certified, any H;
+    docs/algorithm.md §5, §7). float64: the targeted schedule when ``max_heads <= d`` (single-pole
+    instances, machine precision whatever H is, §13), else the paper schedule (the only float64
+    schedule for H > d; its checks flag H >= 5).
+    """
+    if precision is None and max_heads <= d:
+        return SCHEDULES["targeted"]
+    return SCHEDULES["paper"]
+
+
 def schedule_class(name) -> type[Schedule]:
     """The schedule registered as ``name``, or a ValueError listing the names there are."""
     if not isinstance(name, str) or name not in SCHEDULES:
