@@ -476,7 +476,8 @@ def _diagnostics(stages, model) -> TargetedInstances:
                     rows.append((stage, g, h, measured, data.label[g, h, n], data.designed[g, h, n], residual,
                                  margin, ok))
     if not rows:
-        return TargetedInstances(*(np.array([]) for _ in range(9)))
+        return TargetedInstances(*(np.array([], dtype=bool if name == "saturated" else float)
+                                   for name in TargetedInstances.__dataclass_fields__))
     columns = list(zip(*rows))
     return TargetedInstances(*(np.array(column) for column in columns))
 
