@@ -16,6 +16,7 @@ import numpy as np
 from .checks.base import (
     Check, answers_residual_check, error_estimate_check, finite_check, report_failure,
 )
+from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.refine import output_jacobian, refine_least_squares
 from .model import MultiHeadAttention
@@ -23,6 +24,7 @@ from .numerics.arithmetic import arithmetic_for
 from .numerics.highprec import mpf_array
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
+from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, run_fingerprint
 from .results import Extraction
 from .schedules.base import Outcome, RunSettings, Schedule
@@ -40,7 +42,7 @@ ROUNDING_REGIME = 1e3 * 2.0**-53
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="paper",
             token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
-            answer_error=None) -> Extraction:
+            answer_error=None, resume_check=3) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -71,6 +73,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     refine : polish all parameters by nonlinear least squares against every answer (float64, §12).
     refine_queries : fresh random queries for the refinement (default ``max(32, H0 (d^2 + d))``).
     answer_error : a bound on every answer's absolute error, if known (float64).
+    resume_check : resuming a transcript, re-ask this many recorded queries (counted in
+        ``queries_asked``) and refuse the transcript when the oracle answers differently
+        (:mod:`mhaextract.oracle.resume_check`); 0 skips the check.
 
     Every count reported is measured at the oracle boundary.
     """
@@ -81,24 +86,30 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         positive_int("max_queries", max_queries, minimum=0)
     if transcript is not None:
         resumable_seed(seed)
+    resume_check = positive_int("resume_check", resume_check, minimum=0)
     plan = schedule_class(schedule)(settings)
     started = time.perf_counter()
     arithmetic = arithmetic_for(settings.precision)
     record = None
+    if transcript is not None:  # before any query: a transcript that cannot be written fails here
+        record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
+    boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
+                              progress=progress, max_queries=max_queries, transcript=record)
     try:
-        if transcript is not None:
-            record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
-        boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                                  progress=progress, max_queries=max_queries, transcript=record)
+        check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
         extra = _refinement_queries(boundary, settings, plan, outcome)
+        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started)
+    except KERNEL_ERRORS as error:
+        if getattr(error, "raised_by_oracle", False):
+            raise
+        raise kernel_failure(error, plan, boundary.stats) from error
     finally:
         if record is not None:
             record.close()
-    extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started)
     failed = {check.name for check in extraction.failed_checks}
-    hints = plan.hints(failed)
+    hints = plan.hints(failed) + failure_hints(failed, settings, boundary.stats, extraction.heads)
     if "noise_within_validity" in failed:
         hints.append("The answers are noisier than this run can certify (valid_below): oversample "
                      "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
@@ -163,7 +174,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
     checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
-        plan, outcome, error_estimate, answers_residual, noise, scale, certificate)
+        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats)
     return Extraction(
         model=model, heads=model.heads if model is not None else outcome.heads,
         queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
@@ -192,7 +203,7 @@ def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[floa
 
 
 def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_residual, noise, scale,
-                   certificate) -> list[Check]:
+                   certificate, stats) -> list[Check]:
     settings = plan.settings
     error_limit, residual_limit = plan.thresholds()
     if noise is not None:  # noisy answers cannot be fitted closer than the noise
@@ -204,7 +215,8 @@ def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_res
         checks.append(_validity_check(certificate, settings.answer_error))
     if outcome.model is None:
         checks.append(finite_check())
-    return checks
+    informative = answers_check(stats)
+    return checks + ([informative] if informative is not None else [])
 
 
 def _validity_check(certificate: Certificate, answer_error) -> Check:
