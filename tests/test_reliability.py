@@ -156,3 +156,18 @@ def test_the_resume_check_costs_three_counted_queries(tmp_path):
     assert (again.queries_asked, again.queries_replayed) == (3, first.queries_asked)
     assert mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, transcript=path,
                       resume_check=0).queries_asked == 0
+
+
+@pytest.mark.parametrize("count", [dict(heads=3), dict(max_heads=3)])
+def test_heads_merged_below_256_bits_resolution_are_not_certified(count):
+    # Before: 2 heads, ok=True, certified=True, balls containing neither W_0 nor W_1.
+    target = near_equal(4, 3, 1e-40, seed=1, precision=256)
+    result = mx.extract(mx.SimulatedOracle(target, 256), 4, precision=256, seed=0, on_failure="warn", **count)
+    assert not result.ok and not result.certified
+    assert "balls_reproduce_answers" in {check.name for check in result.failed_checks}
+
+
+def test_a_resolved_256_bit_run_still_certifies():
+    target = mx.MultiHeadAttention.random(3, 2, seed=4)
+    result = mx.extract(mx.SimulatedOracle(target, 256), 3, heads=2, precision=256, seed=0)
+    assert result.ok and result.certified

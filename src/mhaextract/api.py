@@ -21,6 +21,7 @@ from .checks.certificate import Certificate, least_squares_certificate
 from .checks.refine import output_jacobian, refine_least_squares
 from .model import MultiHeadAttention
 from .numerics.arithmetic import arithmetic_for
+from .numerics.enclosure import balls_reproduce_answers
 from .numerics.highprec import mpf_array
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
@@ -215,6 +216,8 @@ def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_res
         checks.append(_validity_check(certificate, settings.answer_error))
     if outcome.model is None:
         checks.append(finite_check())
+    if outcome.W_balls is not None and outcome.model is not None:
+        checks.append(_enclosure_check(outcome, settings.precision))
     informative = answers_check(stats)
     return checks + ([informative] if informative is not None else [])
 
@@ -229,3 +232,15 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
     return Check("noise_within_validity", noise < certificate.valid_below, noise, certificate.valid_below,
                  f"answer error ({source}) against valid_below, the bound under which the matching is "
                  "certified and the first-order certificate holds")
+
+
+def _enclosure_check(outcome: Outcome, precision: int) -> Check:
+    """High precision: the certified balls, evaluated in ball arithmetic, must overlap the answers
+    they came from (:mod:`mhaextract.numerics.enclosure`); a miss disproves the enclosure (heads
+    merged below the answers' resolution) and ``certified`` is then False."""
+    misses, tried = balls_reproduce_answers(outcome.W_balls, outcome.v_balls, outcome.sequences, outcome.answers,
+                                            precision)
+    return Check("balls_reproduce_answers", misses == 0, misses, 0,
+                 f"{misses} of {tried} answers lie outside the output balls of the certified parameters"
+                 + ("" if not misses else ": the balls enclose a merged model, not the oracle's heads (heads closer "
+                    "than this precision resolves; try more bits)"))
