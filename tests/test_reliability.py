@@ -171,3 +171,27 @@ def test_a_resolved_256_bit_run_still_certifies():
     target = mx.MultiHeadAttention.random(3, 2, seed=4)
     result = mx.extract(mx.SimulatedOracle(target, 256), 3, heads=2, precision=256, seed=0)
     assert result.ok and result.certified
+
+
+# --------------------------------------------------------------- undeclared noise
+@pytest.mark.parametrize("schedule, seed", [("paper", 0), ("paper", 1), ("lean", 0), ("lean", 1)])
+def test_undeclared_noise_raises_the_error_estimate(schedule, seed):
+    # Before: passed with an estimate 2e6..4e6 times below the true error (uniform 1e-9 noise).
+    d = 3 + seed
+    target = mx.MultiHeadAttention.random(d, 1, seed=100 + seed)
+    noisy = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-9, seed=seed)
+    result = mx.extract(noisy, d, heads=1, seed=seed, schedule=schedule, on_failure="warn")
+    error = float(mx.compare(result.model, target).max_rel)
+    assert error <= 30 * result.error_estimate or not result.ok
+    assert error <= 100 * result.error_estimate
+
+
+def test_the_noise_probe_costs_twelve_counted_queries_and_paper_none():
+    from mhaextract.checks.noise_probe import PROBE_QUERIES
+    target = mx.MultiHeadAttention.random(3, 2, seed=0)
+    lean = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, schedule="lean")
+    paper = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0)
+    assert PROBE_QUERIES == 12
+    assert lean.queries == lean.promised_queries + lean.details.fallback_links * 3 + PROBE_QUERIES
+    assert paper.queries == paper.promised_queries
+    assert "fresh queries" in str(lean.checks) and "redundancy alone" in str(paper.checks)

@@ -16,6 +16,7 @@ import numpy as np
 from .checks.base import (
     Check, answers_residual_check, error_estimate_check, finite_check, report_failure,
 )
+from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.refine import output_jacobian, refine_least_squares
@@ -101,7 +102,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
         extra = _refinement_queries(boundary, settings, plan, outcome)
-        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started)
+        probe = None
+        if settings.precision is None and plan.probes_noise and outcome.model is not None:
+            probe = probe_misfit(boundary, plan, outcome.model)
+        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, probe)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -152,7 +156,7 @@ def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: S
     return sequences, boundary.ask(sequences, description="querying for refinement")
 
 
-def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started) -> Extraction:
+def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, probe=None) -> Extraction:
     """Certificate, refinement, error estimate and checks: the same for every schedule."""
     settings = plan.settings
     sequences = list(outcome.sequences) + list(extra[0])
@@ -174,8 +178,9 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     if noise is not None:
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
+    error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe)
     checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
-        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats)
+        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source)
     return Extraction(
         model=model, heads=model.heads if model is not None else outcome.heads,
         queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
@@ -203,13 +208,31 @@ def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[floa
     return noise, label_noise
 
 
+def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe) -> tuple[float, str]:
+    """The error estimate raised to the answer noise measured (:mod:`.checks.noise_probe`), and
+    what it rests on (for the check's message)."""
+    if settings.precision is not None:
+        return error_estimate, "the answers' precision (ball radii)"
+    if settings.answer_error is not None:
+        return error_estimate, "the declared answer_error"
+    if probe is not None:
+        misfit, answers_scale, count = probe
+        return (scaled_estimate(error_estimate, misfit, answers_scale),
+                f"the answer noise measured on {count} fresh queries ({misfit / max(answers_scale, 1e-300):.2g} "
+                "relative)")
+    if certificate is not None:
+        return (redundancy_estimate(error_estimate, certificate),
+                "the answer noise its redundant measurements (links) show; no fresh query: it rests on redundancy alone")
+    return error_estimate, "the rounding of the answers (noise not measured)"
+
+
 def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_residual, noise, scale,
-                   certificate, stats) -> list[Check]:
+                   certificate, stats, source="the rounding of the answers") -> list[Check]:
     settings = plan.settings
     error_limit, residual_limit = plan.thresholds()
     if noise is not None:  # noisy answers cannot be fitted closer than the noise
         residual_limit = max(residual_limit, 10 * noise / scale, error_estimate)
-    checks = [error_estimate_check(error_estimate, error_limit, "the rounding of the answers"),
+    checks = [error_estimate_check(error_estimate, error_limit, source),
               answers_residual_check(answers_residual, residual_limit)]
     if certificate is not None and (settings.answer_error is not None
                                     or 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale):
