@@ -114,7 +114,10 @@ def test_degenerate_targets_come_back_canonical(name, precision):
         with pytest.raises(mx.ExtractionError):
             mx.extract(mx.SimulatedOracle(target), 3, heads=target.heads, seed=1)
         return
-    result = mx.extract(mx.SimulatedOracle(target, precision), 3, heads=target.heads, precision=precision, seed=1)
+    if truth.heads < target.heads:  # declared heads=H is enforced (issue 12); max_heads accepts fewer
+        with pytest.raises(mx.ExtractionError, match="heads_found"):
+            mx.extract(mx.SimulatedOracle(target, precision), 3, heads=target.heads, precision=precision, seed=1)
+    result = mx.extract(mx.SimulatedOracle(target, precision), 3, max_heads=target.heads, precision=precision, seed=1)
     assert result.heads == truth.heads
     assert result.queries == paper_count(3, target.heads)
     if truth.heads:

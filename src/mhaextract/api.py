@@ -17,13 +17,17 @@ import numpy as np
 from .checks.base import (
     Check, answers_residual_check, error_estimate_check, finite_check, report_failure,
 )
+from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
+from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.refine import output_jacobian, refine_least_squares
 from .model import MultiHeadAttention
 from .numerics.arithmetic import BACKENDS, arithmetic_for
+from .numerics.enclosure import balls_reproduce_answers
 from .numerics.highprec import mpf_array
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
+from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, run_fingerprint
 from .results import Extraction
 from .schedules.base import Outcome, RunSettings, Schedule
@@ -41,7 +45,7 @@ ROUNDING_REGIME = 1e3 * 2.0**-53
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="paper",
             token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
-            answer_error=None, rank=None, backend=None) -> Extraction:
+            answer_error=None, rank=None, backend=None, resume_check=3) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -77,6 +81,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     backend : float64 kernels of the grid schedules (paper, lean): None or ``"numpy"``, or
         ``"torch"`` (CUDA when present, else CPU), ``"torch-cpu"``, ``"torch-cuda"``: the batched
         factorisations in torch, the same results to float64 rounding (needs the ``[torch]`` extra).
+    resume_check : resuming a transcript, re-ask this many recorded queries (counted in
+        ``queries_asked``) and refuse the transcript when the oracle answers differently
+        (:mod:`mhaextract.oracle.resume_check`); 0 skips the check.
 
     Every count reported is measured at the oracle boundary.
     """
@@ -87,24 +94,33 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         positive_int("max_queries", max_queries, minimum=0)
     if transcript is not None:
         resumable_seed(seed)
+    resume_check = positive_int("resume_check", resume_check, minimum=0)
     plan = schedule_class(schedule)(settings)
     started = time.perf_counter()
     arithmetic = arithmetic_for(settings.precision, settings.backend)
     record = None
+    if transcript is not None:  # before any query: a transcript that cannot be written fails here
+        record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
+    boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
+                              progress=progress, max_queries=max_queries, transcript=record)
     try:
-        if transcript is not None:
-            record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
-        boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                                  progress=progress, max_queries=max_queries, transcript=record)
+        check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
         extra = _refinement_queries(boundary, settings, plan, outcome)
+        probe = None
+        if settings.precision is None and plan.probes_noise and outcome.model is not None:
+            probe = probe_misfit(boundary, plan, outcome.model)
+        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, probe)
+    except KERNEL_ERRORS as error:
+        if getattr(error, "raised_by_oracle", False):
+            raise
+        raise kernel_failure(error, plan, boundary.stats) from error
     finally:
         if record is not None:
             record.close()
-    extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started)
     failed = {check.name for check in extraction.failed_checks}
-    hints = plan.hints(failed)
+    hints = plan.hints(failed) + failure_hints(failed, settings, boundary.stats, extraction.heads)
     if "noise_within_validity" in failed:
         hints.append("The answers are noisier than this run can certify (valid_below): oversample "
                      "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
@@ -169,7 +185,7 @@ def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: S
     return sequences, boundary.ask(sequences, description="querying for refinement")
 
 
-def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started) -> Extraction:
+def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, probe=None) -> Extraction:
     """Certificate, refinement, error estimate and checks: the same for every schedule."""
     settings = plan.settings
     sequences = list(outcome.sequences) + list(extra[0])
@@ -191,8 +207,9 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     if noise is not None:
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
+    error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe)
     checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
-        plan, outcome, error_estimate, answers_residual, noise, scale, certificate)
+        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source)
     return Extraction(
         model=model, heads=model.heads if model is not None else outcome.heads,
         queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
@@ -220,20 +237,41 @@ def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[floa
     return noise, label_noise
 
 
+def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe) -> tuple[float, str]:
+    """The error estimate raised to the answer noise measured (:mod:`.checks.noise_probe`), and
+    what it rests on (for the check's message)."""
+    if settings.precision is not None:
+        return error_estimate, "the answers' precision (ball radii)"
+    if settings.answer_error is not None:
+        return error_estimate, "the declared answer_error"
+    if probe is not None:
+        misfit, answers_scale, count = probe
+        return (scaled_estimate(error_estimate, misfit, answers_scale),
+                f"the answer noise measured on {count} fresh queries ({misfit / max(answers_scale, 1e-300):.2g} "
+                "relative)")
+    if certificate is not None:
+        return (redundancy_estimate(error_estimate, certificate),
+                "the answer noise its redundant measurements (links) show; no fresh query: it rests on redundancy alone")
+    return error_estimate, "the rounding of the answers (noise not measured)"
+
+
 def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_residual, noise, scale,
-                   certificate) -> list[Check]:
+                   certificate, stats, source="the rounding of the answers") -> list[Check]:
     settings = plan.settings
     error_limit, residual_limit = plan.thresholds()
     if noise is not None:  # noisy answers cannot be fitted closer than the noise
         residual_limit = max(residual_limit, 10 * noise / scale, error_estimate)
-    checks = [error_estimate_check(error_estimate, error_limit, "the rounding of the answers"),
+    checks = [error_estimate_check(error_estimate, error_limit, source),
               answers_residual_check(answers_residual, residual_limit)]
     if certificate is not None and (settings.answer_error is not None
                                     or 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale):
         checks.append(_validity_check(certificate, settings.answer_error))
     if outcome.model is None:
         checks.append(finite_check())
-    return checks
+    if outcome.W_balls is not None and outcome.model is not None:
+        checks.append(_enclosure_check(outcome, settings.precision))
+    informative = answers_check(stats)
+    return checks + ([informative] if informative is not None else [])
 
 
 def _validity_check(certificate: Certificate, answer_error) -> Check:
@@ -246,3 +284,15 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
     return Check("noise_within_validity", noise < certificate.valid_below, noise, certificate.valid_below,
                  f"answer error ({source}) against valid_below, the bound under which the matching is "
                  "certified and the first-order certificate holds")
+
+
+def _enclosure_check(outcome: Outcome, precision: int) -> Check:
+    """High precision: the certified balls, evaluated in ball arithmetic, must overlap the answers
+    they came from (:mod:`mhaextract.numerics.enclosure`); a miss disproves the enclosure (heads
+    merged below the answers' resolution) and ``certified`` is then False."""
+    misses, tried = balls_reproduce_answers(outcome.W_balls, outcome.v_balls, outcome.sequences, outcome.answers,
+                                            precision)
+    return Check("balls_reproduce_answers", misses == 0, misses, 0,
+                 f"{misses} of {tried} answers lie outside the output balls of the certified parameters"
+                 + ("" if not misses else ": the balls enclose a merged model, not the oracle's heads (heads closer "
+                    "than this precision resolves; try more bits)"))

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from .api import extract
-from .checks.base import UnreliableExtractionWarning
+from .checks.base import ExtractionError, UnreliableExtractionWarning
 from .checks.verify import verify
 from .compare import compare
 from .model import MultiHeadAttention
@@ -213,6 +213,9 @@ def extract_command(
         for note in getattr(error, "__notes__", []):
             console.print(note, markup=False, highlight=False)
         raise typer.Exit(code=2)
+    except ExtractionError as error:  # the arithmetic broke down after the queries: not bad input
+        console.print(f"[bold red]ExtractionError:[/] {error}", highlight=False)
+        raise typer.Exit(code=1)
     console.print(extraction_table(result, title=f"mhaextract extract {oracle}"))
     if result.verification is not None:
         console.print(str(result.verification), highlight=False)

@@ -150,8 +150,11 @@ class Extraction(CheckedResult):
     @property
     def certified(self) -> bool:
         """High precision: every instance's balls were proven (Krawczyk) to enclose its exact
-        parameters, given answers within one ulp; the assembled balls then enclose the truth."""
-        return self.precision is not None and self.details.certified
+        parameters, given answers within one ulp; the assembled balls then enclose the truth.
+        Not claimed when the balls fail to reproduce the answers (``balls_reproduce_answers``:
+        heads merged below the answers' resolution)."""
+        disproved = any(check.name == "balls_reproduce_answers" and not check.passed for check in self.checks)
+        return self.precision is not None and self.details.certified and not disproved
 
     @property
     def model_hp(self) -> MultiHeadAttention | None:

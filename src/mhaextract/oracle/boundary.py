@@ -13,7 +13,7 @@ floats are refused there, since they would silently cap the precision at 53 bits
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import mpmath
@@ -21,6 +21,7 @@ import numpy as np
 from flint import arb
 
 from ..numerics.highprec import mpf_to_arb
+from .answer_stats import AnswerStats
 
 
 class OracleError(RuntimeError):
@@ -80,6 +81,7 @@ class OracleBoundary:
     replayed: int = 0
     max_query_length: int = 0
     position: int = 0
+    stats: AnswerStats = field(default_factory=AnswerStats)  # float64 answers used so far
 
     def __post_init__(self):
         if not callable(self.oracle):
@@ -132,11 +134,22 @@ class OracleBoundary:
         if allowed < len(missing):
             raise self._over_budget(len(missing) - allowed, total - len(missing) + allowed)
         if not self.precision:
+            self.stats.add(exact)
             return exact
         balls = np.empty(total, dtype=object)
         for position, value in enumerate(exact):
             balls[position] = self._ball(value)
         return balls
+
+    def probe(self, sequences: Sequence[np.ndarray], indices: Sequence[int], description: str = "probing"):
+        """Ask ``sequences`` outside the run's sequence (nothing recorded nor replayed); counted in
+        ``queries`` and within ``max_queries``. Returns raw validated answers (float or mpf)."""
+        if self.max_queries is not None and self.queries + len(sequences) > self.max_queries:
+            raise BudgetExceeded(
+                f"query budget exceeded: {description} needs {len(sequences)} queries and max_queries="
+                f"{self.max_queries} leaves {max(0, self.max_queries - self.queries)} (raise max_queries, or "
+                "pass resume_check=0 to replay a transcript without re-asking)", len(sequences), 0)
+        return self._ask_batch(list(sequences), list(indices)) if len(sequences) else []
 
     def _over_budget(self, needed: int, answered: int) -> BudgetExceeded:
         if self.transcript is not None:
@@ -161,6 +174,7 @@ class OracleBoundary:
                 f"mhaextract: raised by the oracle while answering {where} "
                 f"(lengths {sorted({len(s) for s in chunk})}); the first sequence was\n{chunk[0]!r}"
             )
+            error.raised_by_oracle = True  # extract re-raises it unchanged (not a kernel failure)
             raise
         # Every sequence handed over counts, whatever comes back.
         self.queries += len(chunk)
@@ -196,6 +210,10 @@ class OracleBoundary:
 
     @staticmethod
     def _float_answer(value, query: int, sequence) -> float:
+        if isinstance(value, (bool, np.bool_)):
+            raise OracleError(
+                f"answer to query {query} (length {len(sequence)}) is the boolean {value!r}: the oracle must "
+                "return the real-valued attention output (a float per sequence), not a decision", query, sequence)
         try:
             number = float(np.asarray(value).reshape(()))
         except (TypeError, ValueError):

@@ -44,16 +44,19 @@ FORMAT = 1
 
 
 class TranscriptError(RuntimeError):
-    """A transcript is corrupt or belongs to another run. The file was left untouched.
+    """A transcript is corrupt, belongs to another run or oracle, or cannot be written. An existing
+    file was left untouched.
 
     Attributes
     ----------
     path : str, the transcript file.
+    unsaved : dict {query index: answer} of answers received but not stored (storage errors).
     """
 
     def __init__(self, message: str, path):
         super().__init__(message)
         self.path = str(path)
+        self.unsaved: dict = {}
 
 
 def tokens_sha256(sequence: np.ndarray) -> str:
@@ -110,12 +113,31 @@ class Transcript:
         self.fingerprint = dict(fingerprint)
         self.high_precision = fingerprint["precision"] is not None
         self._answers: dict[int, tuple[int, str, object]] = {}
+        self._check_directory()
         self.created = not os.path.exists(self.path) or self._is_empty_database()
         if not self.created:
             self._load()  # read-only; raises TranscriptError and touches nothing on any problem
-        self._connection = sqlite3.connect(self.path, isolation_level=None)
-        if self.created:
-            self._create()
+        try:
+            self._connection = sqlite3.connect(self.path, isolation_level=None)
+            if self.created:
+                self._create()
+        except sqlite3.Error as error:
+            raise self._storage_error("cannot be created or opened for writing", error) from error
+
+    def _check_directory(self) -> None:
+        """Before any query: the transcript's directory must exist and be writable."""
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise TranscriptError(f"transcript {self.path!r}: the directory {directory!r} does not exist; create it "
+                                  "or pass another transcript path (nothing was asked)", self.path)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise TranscriptError(f"transcript {self.path!r}: the directory {directory!r} is not writable; pass "
+                                  "another transcript path (nothing was asked)", self.path)
+
+    def _storage_error(self, what: str, error: BaseException) -> TranscriptError:
+        return TranscriptError(f"transcript {self.path!r} {what} ({type(error).__name__}: {error}); check that "
+                               "its directory is writable and the disk not full, or pass another transcript path",
+                               self.path)
 
     # ------------------------------------------------------------------ reading
     def _refuse(self, problem: str) -> TranscriptError:
@@ -241,6 +263,19 @@ class Transcript:
             answer = self._encode(value)
             token_hash = tokens_sha256(sequence)
             rows.append((index, len(sequence), token_hash, answer, _row_checksum(index, len(sequence), token_hash, answer)))
+        try:
+            self._insert(rows)
+        except sqlite3.Error as error:
+            failure = self._storage_error(f"could not store the answers to queries {rows[0][0]}..{rows[-1][0]}", error)
+            failure.unsaved = {index: self._decode(answer) for index, _, _, answer, _ in rows}  # never lost
+            raise failure from error
+        stored = []
+        for index, length, token_hash, answer, _ in rows:
+            stored.append(self._decode(answer))
+            self._answers[index] = (length, token_hash, stored[-1])
+        return stored
+
+    def _insert(self, rows) -> None:
         connection = self._connection
         connection.execute("BEGIN IMMEDIATE")
         try:
@@ -249,11 +284,10 @@ class Transcript:
             connection.execute("ROLLBACK")
             raise
         connection.execute("COMMIT")
-        stored = []
-        for index, length, token_hash, answer, _ in rows:
-            stored.append(self._decode(answer))
-            self._answers[index] = (length, token_hash, stored[-1])
-        return stored
+
+    def recorded(self, index: int):
+        """``(length, tokens_sha256, answer)`` recorded for query ``index``, or None."""
+        return self._answers.get(index)
 
     def close(self) -> None:
         self._connection.close()

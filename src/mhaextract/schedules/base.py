@@ -93,6 +93,9 @@ class Schedule:
     """
 
     name: ClassVar[str]
+    #: float64: ask a few fresh queries to measure undeclared answer noise
+    #: (:mod:`mhaextract.checks.noise_probe`); False keeps the schedule's exact count.
+    probes_noise: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset()
     refusal: ClassVar[str] = ""
 

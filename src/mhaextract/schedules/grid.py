@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks.base import FLOAT64_MAX_RELIABLE_HEADS, Check, CheckPolicy
+from ..checks.base import FLOAT64_MAX_RELIABLE_HEADS, Check, CheckPolicy, heads_found_check
 from ..checks.certificate import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics.assembly import inverse_variance_weights, pole_design
@@ -193,7 +193,9 @@ class GridSchedule(Schedule):
         answers (``label_noise`` above that unit) widen the unit to the noise."""
         policy = CheckPolicy.for_precision(self.settings.precision)
         diag, H_star = outcome.details.instances, outcome.heads
-        checks = []
+        # Declared heads=H: fewer canonical heads is a failure (max_heads accepts fewer, down to none).
+        checks = [] if self.settings.heads is None else [
+            heads_found_check(H_star, self.settings.heads, "by the majority pole count of row 0")]
 
         def fraction_check(name, flags, message):
             count = int(np.sum(flags))

@@ -21,6 +21,8 @@ class PaperSchedule(GridSchedule):
     """The exact-count schedule of the paper (``extract(..., schedule="paper")``, the default)."""
 
     name = "paper"
+    #: The paper's exact count: no fresh noise probe; the error estimate rests on the links' redundancy.
+    probes_noise = False
     accepts = GridSchedule.accepts | {"samples_per_instance"}
 
     def _build(self) -> None:

@@ -702,7 +702,8 @@ def _diagnostics(stages, model) -> TargetedInstances:
         rows.append((np.full(G * H * rounds, stage), g.ravel(), h.ravel(), data.log_pole.ravel(),
                      data.label.ravel(), data.designed.ravel(), data.residual.ravel(), margin.ravel(), ok.ravel()))
     if not rows:
-        return TargetedInstances(*(np.array([]) for _ in range(9)))
+        return TargetedInstances(*(np.array([], dtype=bool if name == "saturated" else float)
+                                   for name in TargetedInstances.__dataclass_fields__))
     return TargetedInstances(*(np.concatenate(column) for column in zip(*rows)))
 
 

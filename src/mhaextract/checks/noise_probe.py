@@ -1,0 +1,72 @@
+"""Answer noise nobody declared: measured, so that the error estimate does not understate it.
+
+A schedule's own error estimate assumes answers exact to float64 rounding unless
+``answer_error`` is declared. Undeclared noise (an oracle that adds 1e-9, computes in float32
+inside, or rounds its output) moves the parameters by the noise times the run's amplification,
+orders of magnitude above that estimate (issue 12: 83 of 84 passing runs under 1e-9 noise were
+more than 30x off). Two sources measure the noise (docs/reliability.md):
+
+* **redundancy** (paper): the links' misfits give ``Certificate.noise_estimate``; the error
+  estimate is at least ``certificate.first_order(3 x noise_estimate)``. No query is added; the
+  estimate then rests on redundancy alone.
+* **fresh noise-probe queries** (every other float64 schedule): ``PROBE_TRIPLES`` triples of
+  fresh queries (``3 x PROBE_TRIPLES = 12`` queries, counted at the boundary like every other,
+  stream 2 of the seed) whose exact answers are linearly related whatever the heads: a sequence
+  of ``k`` equal tokens ``(b, .., b)`` answers ``vbar^T b`` (uniform attention), so
+  ``f(b1 x k1) + f(b2 x k2) - f((b1 + b2) x k3) = 0`` exactly (tokens on a grid where the sum is
+  exact). Its misfit is the answers' noise alone, not the model's error, through the softmax
+  path (lengths 1 to the schedule's longest query). Noise only on sequences of distinct tokens
+  escapes it. When the largest misfit ``r`` exceeds ``ROUNDING_ULPS`` units of rounding of its
+  three answers, the schedule's estimate, linear in the answer error it assumed
+  (``2^-52 x`` the largest answer), is scaled by ``r / (2^-52 x largest answer)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..oracle.queries import quantize
+from ..validation import spawn_rng
+
+#: The answer error a schedule's own estimate assumes, relative to the largest answer.
+ASSUMED_RELATIVE_ERROR = 2.0**-52
+#: Triples of probe queries (3 queries each): PROBE_QUERIES fresh queries per run.
+PROBE_TRIPLES = 4
+PROBE_QUERIES = 3 * PROBE_TRIPLES
+#: A triple's misfit under this many units of 2^-53 of its answers is float64 rounding.
+ROUNDING_ULPS = 16.0
+
+
+def _triples(plan) -> list[np.ndarray]:
+    settings = plan.settings
+    rng = spawn_rng(settings.seed, 2)
+    longest = max(1, plan.promised_max_length)
+    sequences = []
+    for _ in range(PROBE_TRIPLES):
+        b1, b2 = (quantize(rng.standard_normal(settings.d) * settings.token_scale / np.sqrt(settings.d),
+                           2 * settings.token_scale) for _ in range(2))
+        for token in (b1, b2, b1 + b2):
+            sequences.append(np.tile(token, (int(rng.integers(1, longest + 1)), 1)))
+    return sequences
+
+
+def probe_misfit(boundary, plan, model=None) -> tuple[float, float, int]:
+    """``(noise beyond rounding (absolute, 0 if none), largest |answer|, queries asked)``."""
+    sequences = _triples(plan)
+    answers = np.asarray(boundary.ask(sequences, description="noise probe (fresh queries)"), dtype=np.float64)
+    triples = answers.reshape(-1, 3)
+    misfit = np.abs(triples[:, 0] + triples[:, 1] - triples[:, 2])
+    rounding = ROUNDING_ULPS * 2.0**-53 * np.abs(triples).sum(axis=1)
+    noise = float(np.where(misfit > rounding, misfit, 0.0).max(initial=0.0))
+    return noise, float(np.abs(answers).max(initial=0.0)), len(sequences)
+
+
+def scaled_estimate(estimate: float, noise: float, answers_scale: float) -> float:
+    """The schedule's estimate scaled to the measured noise (never lowered)."""
+    assumed = ASSUMED_RELATIVE_ERROR * max(answers_scale, 1e-300)
+    return max(estimate, estimate * noise / assumed) if np.isfinite(noise) else np.inf
+
+
+def redundancy_estimate(estimate: float, certificate) -> float:
+    """The paper's estimate: at least the first order at 3 x the noise its links measured."""
+    return max(estimate, certificate.first_order(3.0 * certificate.noise_estimate))
