@@ -81,6 +81,7 @@ class Extraction(CheckedResult):
         Queries spent choosing the token scale (``token_scale="auto"``, docs/algorithm.md §18);
         included in ``queries``. 0 when the scale was given.
     calibration : the calibration's report (:class:`~mhaextract.calibration.Calibration`) or None.
+    bias : whether the run learned score biases and the output constant (docs/algorithm.md §16).
     schedule_reason : why this schedule ran (``schedule="auto"`` says what it chose and why).
     answer_dtype : the dtype the oracle answered in (``"float64"``, ``"float32"`` for a float32
         layer, ``"mpf"`` in high precision), from the oracle's ``answer_dtype`` when it has one.
@@ -122,6 +123,7 @@ class Extraction(CheckedResult):
     calibration: object = None
     schedule_reason: str = ""
     answer_dtype: str = "float64"
+    bias: bool = False
     seconds: float = 0.0
     queries_asked: int = 0
     queries_replayed: int = 0
@@ -193,7 +195,7 @@ class Extraction(CheckedResult):
             "max_query_length": self.max_query_length,
             "promised_max_length": self.promised_max_length, "precision": self.precision,
             "schedule": self.schedule, "schedule_reason": self.schedule_reason, "token_scale": self.token_scale,
-            "calibration_queries": self.calibration_queries, "answer_dtype": self.answer_dtype, "seed": self.seed,
+            "calibration_queries": self.calibration_queries, "bias": self.bias, "answer_dtype": self.answer_dtype, "seed": self.seed,
             "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
             "certified": self.certified, "ok": self.ok,
             "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
