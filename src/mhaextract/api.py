@@ -99,12 +99,12 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         raise ValueError("refine=True refines the bias-free model: pass bias=False with it")
     started = time.perf_counter()
     calibration = None
+    plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
     if scale_option == "auto" or (scale_option is None and choice.calibrate):
         calibration = _calibrate(oracle, settings, batch_size, progress, max_queries)
         max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
         settings = dataclasses.replace(settings, token_scale=calibration.token_scale)
-    settings = dataclasses.replace(settings, bias=choice.bias)
-    plan = choice.schedule(settings)
+        plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
     arithmetic = arithmetic_for(settings.precision)
     record = None
     try:
