@@ -115,9 +115,9 @@ def test_an_adaptive_lean_run_with_fallback_links_resumes_bit_for_bit(tmp_path, 
 
     first = FlakyOracle(target, fail_after=fail_after)
     with pytest.raises(Interrupted):
-        mx.extract(first, 4, **run, schedule="paper")
+        mx.extract(first, 4, **run)
     second = FlakyOracle(target)
-    resumed = mx.extract(second, 4, **run, schedule="paper")
+    resumed = mx.extract(second, 4, **run)
     both = [key(X) for X in first.answered + second.answered]
     assert len(both) == len(set(both)) == plain.queries == resumed.queries
     assert resumed.details.fallback_links == plain.details.fallback_links
