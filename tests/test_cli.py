@@ -10,7 +10,7 @@ runner = CliRunner()
 
 
 def test_demo_prints_the_table_with_measured_queries():
-    result = runner.invoke(app, ["demo", "--d", "3", "--heads", "2", "--seed", "1"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "3", "--heads", "2", "--seed", "1"])
     assert result.exit_code == 0, result.output
     assert "queries (measured)" in result.output
     assert "69" in result.output  # 4*2*9 - 4 + 1
@@ -18,20 +18,20 @@ def test_demo_prints_the_table_with_measured_queries():
 
 
 def test_demo_high_precision():
-    result = runner.invoke(app, ["demo", "--d", "2", "--heads", "3", "--precision", "256"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "2", "--heads", "3", "--precision", "256"])
     assert result.exit_code == 0, result.output
     assert "256 bits" in result.output
     assert "certified" in result.output
 
 
 def test_demo_reports_an_unreliable_float64_run_and_exits_nonzero():
-    result = runner.invoke(app, ["demo", "--d", "4", "--heads", "5"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "4", "--heads", "5"])
     assert result.exit_code == 1
     assert "FAILED" in result.output and "float64_head_limit" in result.output
 
 
 def test_demo_rejects_bad_sizes():
-    result = runner.invoke(app, ["demo", "--d", "0"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "0"])
     assert result.exit_code != 0
 
 
@@ -55,7 +55,7 @@ def test_demo_lean_schedule_reports_its_formula_and_bound():
     (["--samples", "3"], "samples_per_instance"),  # below 2H + 1 = 7: the schedule says so
 ])
 def test_demo_refuses_invalid_options_as_usage_errors(arguments, option):
-    result = runner.invoke(app, ["demo", "--d", "3", "--heads", "3"] + arguments)
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "3", "--heads", "3"] + arguments)
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)  # a usage error, not a traceback
     assert "Traceback" not in result.output

@@ -54,7 +54,7 @@ def user_module(tmp_path, monkeypatch, request):
 
 def test_extract_runs_a_plain_function_and_its_json_round_trips(user_module):
     name, truth, folder = user_module
-    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
                                  "--seed", "1", "--out", "result.json"])
     assert result.exit_code == 0, result.output
     assert "queries (measured)" in result.output and "69" in result.output  # 4*2*9 - 4 + 1
@@ -71,7 +71,7 @@ def test_extract_runs_a_plain_function_and_its_json_round_trips(user_module):
 
 def test_extract_from_a_file_path_with_a_transcript_resumes(user_module):
     name, truth, folder = user_module
-    arguments = ["extract", "--oracle", f"{folder / name}.py:oracle", "--d", "3", "--heads", "2",
+    arguments = ["extract", "--schedule", "paper", "--oracle", f"{folder / name}.py:oracle", "--d", "3", "--heads", "2",
                  "--transcript", "run.sqlite", "--batch-size", "10"]
     stopped = runner.invoke(app, arguments + ["--max-queries", "25"])
     assert stopped.exit_code == 2
@@ -86,7 +86,7 @@ def test_extract_from_a_file_path_with_a_transcript_resumes(user_module):
 
 def test_extract_with_the_lean_schedule(user_module):
     name, truth, folder = user_module
-    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
                                  "--schedule", "lean", "--out", "lean.json"])
     assert result.exit_code == 0, result.output
     assert "lean formula" in result.output
@@ -95,7 +95,7 @@ def test_extract_with_the_lean_schedule(user_module):
 
 def test_a_foreign_transcript_is_refused_on_the_command_line(user_module):
     name, truth, folder = user_module
-    base = ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2", "--transcript", "run.sqlite"]
+    base = ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2", "--transcript", "run.sqlite"]
     assert runner.invoke(app, base + ["--seed", "1"]).exit_code == 0
     before = (folder / "run.sqlite").read_bytes()
     refused = runner.invoke(app, base + ["--seed", "2"])
@@ -112,22 +112,22 @@ def test_a_foreign_transcript_is_refused_on_the_command_line(user_module):
 ])
 def test_bad_oracle_specs_are_named(user_module, spec, message):
     name, _, _ = user_module
-    result = runner.invoke(app, ["extract", "--oracle", spec.format(name=name), "--d", "3", "--heads", "2"])
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", spec.format(name=name), "--d", "3", "--heads", "2"])
     assert result.exit_code == 2
     assert message in result.output
 
 
 def test_bad_sizes_and_outputs_are_refused(user_module):
     name, _, _ = user_module
-    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3"])
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3"])
     assert result.exit_code == 2 and "exactly one" in result.output
-    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2", "--out", "x.txt"])
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2", "--out", "x.txt"])
     assert result.exit_code == 2 and ".json" in result.output
 
 
 def test_a_high_precision_result_round_trips_exactly(tmp_path):
     target = mx.MultiHeadAttention.random(2, 2, seed=1)
-    result = mx.extract(mx.SimulatedOracle(target, 200), 2, heads=2, precision=200, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target, 200), 2, heads=2, precision=200, seed=0, schedule="paper")
     save_extraction(result, tmp_path / "hp.json")
     exact = load_model(tmp_path / "hp.json", exact=True)
     assert exact.is_high_precision
@@ -145,7 +145,7 @@ def test_load_model_refuses_other_files(tmp_path):
     with pytest.raises(ValueError, match="not JSON"):
         load_model(tmp_path / "bad.json")
     target = mx.MultiHeadAttention.random(2, 1, seed=1)
-    save_extraction(mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0), tmp_path / "f.json")
+    save_extraction(mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, schedule="paper"), tmp_path / "f.json")
     with pytest.raises(ValueError, match="no exact"):
         load_model(tmp_path / "f.json", exact=True)
 
@@ -199,7 +199,7 @@ def marking_module(tmp_path, monkeypatch):
     (["--max-heads", "2"], "--heads/--max-heads"),  # both given
 ])
 def test_extract_refuses_invalid_options_before_the_run(marking_module, arguments, option):
-    result = runner.invoke(app, ["extract", "--oracle", "marking.py:oracle", "--d", "3", "--heads", "2"] + arguments)
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", "marking.py:oracle", "--d", "3", "--heads", "2"] + arguments)
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
     assert option in " ".join(result.output.split()), result.output
@@ -208,7 +208,7 @@ def test_extract_refuses_invalid_options_before_the_run(marking_module, argument
 
 
 def test_an_oracle_file_with_a_syntax_error_is_a_usage_error(marking_module):
-    result = runner.invoke(app, ["extract", "--oracle", "broken.py:oracle", "--d", "3", "--heads", "2"])
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", "broken.py:oracle", "--d", "3", "--heads", "2"])
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
     text = " ".join(result.output.split())
@@ -217,7 +217,7 @@ def test_an_oracle_file_with_a_syntax_error_is_a_usage_error(marking_module):
 
 def test_extract_with_samples_refine_and_answer_error(user_module):
     name, truth, folder = user_module
-    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
                                  "--samples", "7", "--refine", "--answer-error", "1e-12", "--out", "robust.json"])
     assert result.exit_code == 0, result.output
     summary = json.loads((folder / "robust.json").read_text())["summary"]
@@ -227,7 +227,7 @@ def test_extract_with_samples_refine_and_answer_error(user_module):
 
 def test_extract_verify_attaches_and_prints_the_verification(user_module):
     name, _, folder = user_module
-    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
                                  "--verify", "32", "--out", "verified.json"])
     assert result.exit_code == 0, result.output
     assert "verification passed: 32 fresh queries" in " ".join(result.output.split())
@@ -238,7 +238,7 @@ def test_extract_verify_attaches_and_prints_the_verification(user_module):
 def test_a_failed_verification_exits_1(marking_module):
     """The oracle is off by 1e-3 only on queries longer than the run asks: the checks pass, the
     verification (lengths up to 16) does not."""
-    result = runner.invoke(app, ["extract", "--oracle", "marking.py:oracle", "--d", "3", "--heads", "2",
+    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", "marking.py:oracle", "--d", "3", "--heads", "2",
                                  "--verify", "64"])
     assert result.exit_code == 1, result.output
     assert "verification FAILED" in " ".join(result.output.split())

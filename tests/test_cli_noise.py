@@ -9,27 +9,27 @@ runner = CliRunner()
 
 
 def test_demo_verifies_on_fresh_queries():
-    result = runner.invoke(app, ["demo", "--d", "3", "--heads", "2", "--seed", "1"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "3", "--heads", "2", "--seed", "1"])
     assert result.exit_code == 0, result.output
     assert "verification" in result.output and "passed" in result.output
     assert "amplification C" in result.output and "valid below" in result.output
 
 
 def test_demo_with_noise_beyond_valid_below_says_so_and_exits_nonzero():
-    result = runner.invoke(app, ["demo", "--d", "4", "--heads", "3", "--noise", "1e-7"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "4", "--heads", "3", "--noise", "1e-7"])
     assert result.exit_code == 1
     assert "noise_within_validity" in result.output and "not reliable" in result.output
 
 
 def test_demo_with_small_noise_and_refinement_is_certified():
-    result = runner.invoke(app, ["demo", "--d", "4", "--heads", "2", "--noise", "1e-11", "--refine"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "4", "--heads", "2", "--noise", "1e-11", "--refine"])
     assert result.exit_code == 0, result.output
     assert "error bound" in result.output and "refined" in result.output
     assert "least squares" in result.output
 
 
 def test_demo_rejects_robust_options_in_high_precision():
-    result = runner.invoke(app, ["demo", "--d", "2", "--heads", "1", "--precision", "128", "--refine"])
+    result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "2", "--heads", "1", "--precision", "128", "--refine"])
     assert result.exit_code != 0
 
 

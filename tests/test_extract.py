@@ -20,7 +20,7 @@ from conftest import CountingOracle, hp_error, paper_count
 def test_measured_queries_and_length_equal_the_formula(d, H):
     target = mx.MultiHeadAttention.random(d, H, seed=10 * d + H)
     oracle = CountingOracle(target, precision=128)
-    result = mx.extract(oracle, d, heads=H, precision=128, seed=d + H)
+    result = mx.extract(oracle, d, heads=H, precision=128, seed=d + H, schedule="paper")
     assert result.queries == oracle.count == paper_count(d, H)
     assert result.max_query_length == oracle.longest == 2 * H + 1
     assert result.heads == H
@@ -31,7 +31,7 @@ def test_measured_queries_and_length_equal_the_formula(d, H):
 def test_a_bound_above_the_truth_costs_the_formula_in_h0_and_finds_h(d, H, H0):
     target = mx.MultiHeadAttention.random(d, H, seed=H0)
     oracle = CountingOracle(target, precision=256)
-    result = mx.extract(oracle, d, max_heads=H0, precision=256, seed=3)
+    result = mx.extract(oracle, d, max_heads=H0, precision=256, seed=3, schedule="paper")
     assert result.queries == oracle.count == paper_count(d, H0)
     assert result.max_query_length == 2 * H0 + 1
     assert result.heads == H
@@ -47,7 +47,7 @@ def test_high_precision_recovers_100_random_targets_to_1e_40():
         d = int(rng.integers(1, 5))
         H = int(rng.integers(1, 7))
         target = mx.MultiHeadAttention.random(d, H, seed=1000 + trial)
-        result = mx.extract(mx.SimulatedOracle(target, 256), d, heads=H, precision=256, seed=trial)
+        result = mx.extract(mx.SimulatedOracle(target, 256), d, heads=H, precision=256, seed=trial, schedule="paper")
         assert result.ok
         assert result.queries == paper_count(d, H)
         worst = max(worst, hp_error(result, target))
@@ -58,7 +58,7 @@ def test_high_precision_recovers_100_random_targets_to_1e_40():
 @pytest.mark.parametrize("seed", range(5))
 def test_high_precision_d6_h8(seed):
     target = mx.MultiHeadAttention.random(6, 8, seed=500 + seed)
-    result = mx.extract(mx.SimulatedOracle(target, 256), 6, heads=8, precision=256, seed=seed)
+    result = mx.extract(mx.SimulatedOracle(target, 256), 6, heads=8, precision=256, seed=seed, schedule="paper")
     assert result.ok and result.queries == paper_count(6, 8)
     assert hp_error(result, target) <= 1e-40
     # The error estimate in high precision is the balls' radius: it must cover the truth.
@@ -67,7 +67,7 @@ def test_high_precision_d6_h8(seed):
 
 def test_certified_balls_enclose_the_truth():
     target = mx.MultiHeadAttention.random(3, 3, seed=8)
-    result = mx.extract(mx.SimulatedOracle(target, 256), 3, heads=3, precision=256, seed=8)
+    result = mx.extract(mx.SimulatedOracle(target, 256), 3, heads=3, precision=256, seed=8, schedule="paper")
     assert result.certified
     permutation = mx.compare(result.model_hp, target).permutation
     for k in range(3):
@@ -84,7 +84,7 @@ def test_certified_balls_enclose_the_truth():
 @given(d=st.integers(1, 4), H=st.integers(1, 4), seed=st.integers(0, 10**6))
 def test_property_high_precision_recovery(d, H, seed):
     target = mx.MultiHeadAttention.random(d, H, seed=seed)
-    result = mx.extract(mx.SimulatedOracle(target, 192), d, heads=H, precision=192, seed=seed + 1)
+    result = mx.extract(mx.SimulatedOracle(target, 192), d, heads=H, precision=192, seed=seed + 1, schedule="paper")
     assert result.queries == paper_count(d, H)
     assert hp_error(result, target) < 1e-30
 
@@ -112,12 +112,14 @@ def test_degenerate_targets_come_back_canonical(name, precision):
         # In float64 an exactly cancelling model answers pure rounding noise, which no extraction
         # can tell from a tiny genuine head: the run must say it failed, not invent heads.
         with pytest.raises(mx.ExtractionError):
-            mx.extract(mx.SimulatedOracle(target), 3, heads=target.heads, seed=1)
+            mx.extract(mx.SimulatedOracle(target), 3, heads=target.heads, seed=1, schedule="paper")
         return
     if truth.heads < target.heads:  # declared heads=H is enforced (issue 12); max_heads accepts fewer
         with pytest.raises(mx.ExtractionError, match="heads_found"):
-            mx.extract(mx.SimulatedOracle(target, precision), 3, heads=target.heads, precision=precision, seed=1)
-    result = mx.extract(mx.SimulatedOracle(target, precision), 3, max_heads=target.heads, precision=precision, seed=1)
+            mx.extract(mx.SimulatedOracle(target, precision), 3, heads=target.heads, precision=precision, seed=1,
+                       schedule="paper")
+    result = mx.extract(mx.SimulatedOracle(target, precision), 3, max_heads=target.heads, precision=precision, seed=1,
+                        schedule="paper")
     assert result.heads == truth.heads
     assert result.queries == paper_count(3, target.heads)
     if truth.heads:
@@ -129,7 +131,7 @@ def test_degenerate_targets_come_back_canonical(name, precision):
 
 def test_d1_is_one_instance():
     target = mx.MultiHeadAttention.random(1, 3, seed=0)
-    result = mx.extract(mx.SimulatedOracle(target, 256), 1, heads=3, precision=256, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target, 256), 1, heads=3, precision=256, seed=0, schedule="paper")
     assert result.queries == 7 and len(result.details.instances.rank) == 1
     assert hp_error(result, target) < 1e-40
 
@@ -153,7 +155,7 @@ def test_float64_accuracy(d, H):
         target = mx.MultiHeadAttention.random(d, H, seed=seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
-            result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=100 + seed, on_failure="warn")
+            result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=100 + seed, on_failure="warn", schedule="paper")
         assert result.queries == paper_count(d, H)
         error = mx.compare(result.model, target).max_rel if result.model is not None else np.inf
         errors.append(error)
@@ -168,7 +170,7 @@ def test_float64_accuracy(d, H):
 def test_float64_h5_is_reported_unreliable():
     target = mx.MultiHeadAttention.random(4, 5, seed=0)
     with pytest.raises(mx.ExtractionError) as info:
-        mx.extract(mx.SimulatedOracle(target), 4, heads=5, seed=0)
+        mx.extract(mx.SimulatedOracle(target), 4, heads=5, seed=0, schedule="paper")
     failed = {check.name for check in info.value.extraction.failed_checks}
     assert "float64_head_limit" in failed
     assert info.value.extraction.queries == paper_count(4, 5)
@@ -177,13 +179,13 @@ def test_float64_h5_is_reported_unreliable():
 def test_a_head_bound_below_the_truth_is_an_error():
     target = mx.MultiHeadAttention.random(3, 3, seed=4)
     with pytest.raises(mx.ExtractionError, match="smaller than its canonical head count"):
-        mx.extract(mx.SimulatedOracle(target, 256), 3, heads=2, precision=256, seed=0)
+        mx.extract(mx.SimulatedOracle(target, 256), 3, heads=2, precision=256, seed=0, schedule="paper")
     with pytest.raises(mx.ExtractionError):
-        mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0)
+        mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, schedule="paper")
 
 
 def test_warn_mode_returns_the_failed_result_with_a_warning():
     target = mx.MultiHeadAttention.random(3, 3, seed=4)
     with pytest.warns(mx.UnreliableExtractionWarning):
-        result = mx.extract(mx.SimulatedOracle(target, 128), 3, heads=2, precision=128, seed=0, on_failure="warn")
+        result = mx.extract(mx.SimulatedOracle(target, 128), 3, heads=2, precision=128, seed=0, on_failure="warn", schedule="paper")
     assert not result.ok and result.failed_checks

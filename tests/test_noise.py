@@ -16,7 +16,7 @@ from mhaextract.oracle.queries import random_queries
 def quiet_extract(oracle, d, H, seed, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
-        return mx.extract(oracle, d, heads=H, seed=seed, on_failure="warn", **options)
+        return mx.extract(oracle, d, heads=H, seed=seed, on_failure="warn", **options, schedule="paper")
 
 
 class Counting:
@@ -87,7 +87,7 @@ def test_wrappers_reject_bad_input(make, message):
 def test_oversampled_runs_report_their_measured_count_and_length(d, H, K):
     target = mx.MultiHeadAttention.random(d, H, seed=d)
     oracle = Counting(mx.SimulatedOracle(target))
-    result = mx.extract(oracle, d, heads=H, seed=1, samples_per_instance=K)
+    result = mx.extract(oracle, d, heads=H, seed=1, samples_per_instance=K, schedule="paper")
     assert result.queries == oracle.count == K + (K - 1) * (2 * d * d - 2) == result.promised_queries
     assert result.max_query_length == oracle.longest == K
     assert mx.compare(result.model, target).max_rel < 1e-8
@@ -96,7 +96,7 @@ def test_oversampled_runs_report_their_measured_count_and_length(d, H, K):
 def test_exact_count_stays_the_default():
     target = mx.MultiHeadAttention.random(4, 3, seed=2)
     oracle = Counting(mx.SimulatedOracle(target))
-    result = mx.extract(oracle, 4, heads=3, seed=0)
+    result = mx.extract(oracle, 4, heads=3, seed=0, schedule="paper")
     assert result.queries == oracle.count == 4 * 3 * 16 - 6 + 1
     assert result.details.samples_per_instance == 7 and result.refinement is None
 
@@ -114,12 +114,12 @@ def test_exact_count_stays_the_default():
 def test_bad_robust_options_are_named(options, message):
     target = mx.MultiHeadAttention.random(2, 2, seed=0)
     with pytest.raises(ValueError, match=message):
-        mx.extract(mx.SimulatedOracle(target), 2, heads=2, seed=0, **options)
+        mx.extract(mx.SimulatedOracle(target), 2, heads=2, seed=0, **options, schedule="paper")
 
 
 def test_high_precision_runs_have_no_first_order_certificate():
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
-    result = mx.extract(mx.SimulatedOracle(target, 128), 2, heads=1, precision=128, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target, 128), 2, heads=1, precision=128, seed=0, schedule="paper")
     with pytest.raises(ValueError, match="float64"):
         result.error_bound(1e-10)
 
@@ -198,7 +198,7 @@ def test_noise_above_valid_below_says_so_declared_or_not():
     target = mx.MultiHeadAttention.random(6, 3, seed=1)
     noisy = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-6, seed=0)
     with pytest.raises(mx.ExtractionError, match="noise_within_validity") as raised:
-        mx.extract(noisy, 6, heads=3, seed=0, answer_error=1e-6)
+        mx.extract(noisy, 6, heads=3, seed=0, answer_error=1e-6, schedule="paper")
     result = raised.value.extraction
     assert not 1e-6 < result.valid_below and result.error_bound(1e-6) == np.inf
     assert mx.compare(result.model, target).max_rel > 1e-3  # indeed unreliable
@@ -211,7 +211,7 @@ def test_noise_above_valid_below_says_so_declared_or_not():
 
 def test_exact_runs_estimate_rounding_level_noise_and_pass():
     target = mx.MultiHeadAttention.random(5, 2, seed=4)
-    result = mx.extract(mx.SimulatedOracle(target), 5, heads=2, seed=4)
+    result = mx.extract(mx.SimulatedOracle(target), 5, heads=2, seed=4, schedule="paper")
     assert result.ok
     assert result.certificate.noise_estimate < 1e-14 < result.valid_below
     # Rounding-level noise is judged by the core checks; the validity check joins above it.
@@ -220,7 +220,7 @@ def test_exact_runs_estimate_rounding_level_noise_and_pass():
 
 def test_error_bound_rejects_bad_eps():
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
-    result = mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, schedule="paper")
     for eps in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="eps"):
             result.error_bound(eps)
@@ -246,7 +246,7 @@ def test_output_jacobian_matches_finite_differences():
 def test_acceptance_6_refinement_reaches_1e_13_on_exact_oracles(d, H):
     target = mx.MultiHeadAttention.random(d, H, seed=40 + d + H)
     oracle = Counting(mx.SimulatedOracle(target))
-    result = mx.extract(oracle, d, heads=H, seed=1, refine=True)
+    result = mx.extract(oracle, d, heads=H, seed=1, refine=True, schedule="paper")
     assert result.refinement.kept == "refined"
     assert mx.compare(result.model, target).max_rel <= 1e-13
     assert result.queries == oracle.count == result.promised_queries + H * (d * d + d) if H * (d * d + d) >= 32 \
@@ -302,7 +302,7 @@ def test_acceptance_3_float32_target():
 # ------------------------------------------------------------------ verification
 def test_verify_counts_records_and_tells_good_from_bad():
     target = mx.MultiHeadAttention.random(4, 2, seed=9)
-    result = mx.extract(mx.SimulatedOracle(target), 4, heads=2, seed=9)
+    result = mx.extract(mx.SimulatedOracle(target), 4, heads=2, seed=9, schedule="paper")
     oracle = Counting(mx.SimulatedOracle(target))
     verification = mx.verify(result, oracle, n=90, seed=1, max_length=12)
     assert verification.queries == oracle.count == 90 and oracle.longest <= 12
@@ -319,6 +319,6 @@ def test_verify_counts_records_and_tells_good_from_bad():
                                               ({"scales": (1.0, -2.0)}, "scales"), ({"tolerance": 0}, "tolerance")])
 def test_verify_rejects_bad_input(options, message):
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
-    result = mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, schedule="paper")
     with pytest.raises(ValueError, match=message):
         mx.verify(result, mx.SimulatedOracle(target), **options)

@@ -16,7 +16,7 @@ def test_a_plain_function_is_an_oracle_in_float64():
         assert all(isinstance(X, np.ndarray) and X.dtype == np.float64 for X in batch)
         return [float(value) for value in target(batch)]
 
-    result = mx.extract(oracle, 3, heads=2, seed=1)
+    result = mx.extract(oracle, 3, heads=2, seed=1, schedule="paper")
     assert result.queries == len(seen) == 4 * 2 * 9 - 4 + 1
     assert mx.compare(result.model, target).max_rel < 1e-8
 
@@ -28,7 +28,7 @@ def test_a_plain_function_is_an_oracle_in_high_precision_with_decimal_strings():
         assert all(X.dtype == object and isinstance(X[0, 0], mpmath.mpf) for X in batch)
         return [mpmath.nstr(value, 90) for value in target(batch, precision=300)]
 
-    result = mx.extract(oracle, 2, heads=2, precision=256, seed=1)
+    result = mx.extract(oracle, 2, heads=2, precision=256, seed=1, schedule="paper")
     assert float(mx.compare(result.model_hp, target).max_rel) < 1e-40
 
 
@@ -42,7 +42,7 @@ def test_non_finite_answers_name_the_query(bad):
         return out
 
     with pytest.raises(mx.OracleError, match="query 3") as info:
-        mx.extract(oracle, 2, heads=1, seed=0)
+        mx.extract(oracle, 2, heads=1, seed=0, schedule="paper")
     assert info.value.query == 3
     assert info.value.sequence is not None
 
@@ -52,7 +52,7 @@ def test_missing_answers_are_refused():
         return [0.0] * (len(batch) - 1)
 
     with pytest.raises(mx.OracleError, match="missing"):
-        mx.extract(oracle, 2, heads=1)
+        mx.extract(oracle, 2, heads=1, schedule="paper")
 
 
 def test_float_answers_are_refused_in_high_precision():
@@ -62,7 +62,7 @@ def test_float_answers_are_refused_in_high_precision():
         return [float(value) for value in target(batch, precision=128)]
 
     with pytest.raises(mx.OracleError, match="53 bits"):
-        mx.extract(oracle, 2, heads=1, precision=128)
+        mx.extract(oracle, 2, heads=1, precision=128, schedule="paper")
 
 
 def test_an_exception_inside_the_oracle_propagates_with_the_query():
@@ -73,7 +73,7 @@ def test_an_exception_inside_the_oracle_propagates_with_the_query():
         raise Broken("remote oracle down")
 
     with pytest.raises(Broken, match="remote oracle down") as info:
-        mx.extract(oracle, 2, heads=1, batch_size=1)
+        mx.extract(oracle, 2, heads=1, batch_size=1, schedule="paper")
     assert any("query 0" in note for note in info.value.__notes__)
 
 
@@ -94,7 +94,7 @@ def test_an_exception_inside_the_oracle_propagates_with_the_query():
 )
 def test_invalid_parameters_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        mx.extract(lambda batch: [0.0] * len(batch), **kwargs)
+        mx.extract(lambda batch: [0.0] * len(batch), **kwargs, schedule="paper")
 
 
 def test_the_oracle_sees_exactly_the_counted_queries_and_the_same_seed_gives_the_same_queries():
@@ -107,7 +107,7 @@ def test_the_oracle_sees_exactly_the_counted_queries_and_the_same_seed_gives_the
             asked.extend(np.array(X) for X in batch)
             return target(batch)
 
-        result = mx.extract(oracle, 3, heads=2, seed=7, batch_size=13)
+        result = mx.extract(oracle, 3, heads=2, seed=7, batch_size=13, schedule="paper")
         transcripts.append(asked)
         assert result.queries == len(asked)
         assert result.max_query_length == max(len(X) for X in asked)

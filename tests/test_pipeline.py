@@ -136,7 +136,7 @@ def test_verify_draws_at_the_result_token_scale_and_leaves_the_result_alone():
     d, H = 4, 2
     target = MultiHeadAttention.random(d, H, seed=5)
     scale = 4.0 * default_token_scale(d)
-    result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=6, token_scale=scale / 4.0 * 1.25)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=6, token_scale=scale / 4.0 * 1.25, schedule="paper")
     norms = []
 
     def recording(batch):

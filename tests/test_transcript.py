@@ -71,12 +71,12 @@ def test_an_interrupted_run_resumes_without_asking_twice_and_equals_an_uninterru
 
     first = FlakyOracle(target, precision, fail_after=fail_after)
     with pytest.raises(Interrupted):
-        mx.extract(first, d, **run)
+        mx.extract(first, d, **run, schedule="paper")
     committed = (fail_after // batch_size) * batch_size  # whole batches answered before the failure
     assert len(first.answered) == committed
 
     second = FlakyOracle(target, precision)
-    resumed = mx.extract(second, d, **run)
+    resumed = mx.extract(second, d, **run, schedule="paper")
 
     # Exactly the paper's count of distinct queries over both runs, none answered twice.
     both = [key(X) for X in first.answered + second.answered]
@@ -87,7 +87,7 @@ def test_an_interrupted_run_resumes_without_asking_twice_and_equals_an_uninterru
     assert resumed.queries_replayed == committed
     assert resumed.max_query_length == 2 * H + 1
 
-    plain = mx.extract(FlakyOracle(target, precision), d, heads=H, precision=precision, seed=11)
+    plain = mx.extract(FlakyOracle(target, precision), d, heads=H, precision=precision, seed=11, schedule="paper")
     assert np.array_equal(resumed.model.W, plain.model.W) and np.array_equal(resumed.model.v, plain.model.v)
     assert resumed.error_estimate == plain.error_estimate
     assert resumed.answers_residual == plain.answers_residual
@@ -97,7 +97,7 @@ def test_an_interrupted_run_resumes_without_asking_twice_and_equals_an_uninterru
         assert resumed.certified
 
     # A third run over the complete transcript asks nothing and returns the same result again.
-    offline = mx.extract(FlakyOracle(target, precision, fail_after=0), d, **run)
+    offline = mx.extract(FlakyOracle(target, precision, fail_after=0), d, **run, schedule="paper")
     assert (offline.queries_asked, offline.queries_replayed) == (0, paper_count(d, H))
     assert np.array_equal(offline.model.W, plain.model.W)
 
@@ -137,8 +137,8 @@ def test_ctrl_c_keeps_every_committed_batch(tmp_path):
         return target(batch)
 
     with pytest.raises(KeyboardInterrupt):
-        mx.extract(oracle, 2, heads=1, seed=1, batch_size=4, transcript=path)
-    resumed = mx.extract(FlakyOracle(target), 2, heads=1, seed=1, batch_size=4, transcript=path)
+        mx.extract(oracle, 2, heads=1, seed=1, batch_size=4, transcript=path, schedule="paper")
+    resumed = mx.extract(FlakyOracle(target), 2, heads=1, seed=1, batch_size=4, transcript=path, schedule="paper")
     # + 3: the resume check re-asks three recorded queries (counted, not recorded)
     assert (resumed.queries_replayed, resumed.queries_asked) == (8, paper_count(2, 1) - 8 + 3)
 
@@ -156,9 +156,9 @@ def test_high_precision_answers_given_as_decimal_strings_round_trip_exactly(tmp_
         asked.append(len(batch))
         return oracle(batch)
 
-    first = mx.extract(counting, 2, heads=1, precision=200, seed=2, transcript=path)
+    first = mx.extract(counting, 2, heads=1, precision=200, seed=2, transcript=path, schedule="paper")
     again = mx.extract(lambda batch: pytest.fail("asked again"), 2, heads=1, precision=200, seed=2, transcript=path,
-                       resume_check=0)
+                       resume_check=0, schedule="paper")
     assert sum(asked) == first.queries == again.queries_replayed == paper_count(2, 1)
     assert_same_balls(first.W_balls, again.W_balls)
     assert_same_balls(first.v_balls, again.v_balls)
@@ -171,7 +171,7 @@ def test_a_budget_with_a_transcript_spends_it_saves_it_and_says_what_is_left(tmp
     path = tmp_path / "run.sqlite"
     oracle = FlakyOracle(target)
     with pytest.raises(mx.BudgetExceeded, match=r"still needs 39 more queries") as info:
-        mx.extract(oracle, 3, heads=2, seed=5, transcript=path, max_queries=30, batch_size=7)
+        mx.extract(oracle, 3, heads=2, seed=5, transcript=path, max_queries=30, batch_size=7, schedule="paper")
     assert (info.value.needed, info.value.answered) == (39, 30)
     assert str(path) in str(info.value)
     assert len(oracle.answered) == 30
@@ -180,7 +180,7 @@ def test_a_budget_with_a_transcript_spends_it_saves_it_and_says_what_is_left(tmp
 
     # The next session has a budget of 39: exactly enough.
     rest = FlakyOracle(target)
-    result = mx.extract(rest, 3, heads=2, seed=5, transcript=path, max_queries=39, resume_check=0)
+    result = mx.extract(rest, 3, heads=2, seed=5, transcript=path, max_queries=39, resume_check=0, schedule="paper")
     assert len(rest.answered) == 39 and result.queries == paper_count(3, 2)
     assert mx.compare(result.model, target).max_rel < 1e-8
 
@@ -189,16 +189,16 @@ def test_a_budget_without_a_transcript_asks_nothing():
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
     oracle = FlakyOracle(target)
     with pytest.raises(mx.BudgetExceeded, match=r"still needs 15 more queries.*nothing was asked") as info:
-        mx.extract(oracle, 2, heads=1, max_queries=10)
+        mx.extract(oracle, 2, heads=1, max_queries=10, schedule="paper")
     assert oracle.calls == 0 and info.value.needed == 15
 
 
 def test_max_queries_zero_replays_a_complete_transcript(tmp_path):
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
     path = tmp_path / "run.sqlite"
-    mx.extract(FlakyOracle(target), 2, heads=1, seed=1, transcript=path)
+    mx.extract(FlakyOracle(target), 2, heads=1, seed=1, transcript=path, schedule="paper")
     result = mx.extract(FlakyOracle(target, fail_after=0), 2, heads=1, seed=1, transcript=path, max_queries=0,
-                        resume_check=0)
+                        resume_check=0, schedule="paper")
     assert result.queries_asked == 0 and result.ok
 
 
@@ -210,7 +210,7 @@ def test_max_queries_zero_replays_a_complete_transcript(tmp_path):
 ])
 def test_bad_transcript_and_budget_parameters_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        mx.extract(lambda batch: [0.0] * len(batch), 2, heads=1, **kwargs)
+        mx.extract(lambda batch: [0.0] * len(batch), 2, heads=1, **kwargs, schedule="paper")
 
 
 # ---------------------------------------------------------------------- refusal
@@ -220,7 +220,7 @@ def recorded(tmp_path):
     """A complete float64 transcript of d=2, H=1, seed=1, and its digest."""
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
     path = tmp_path / "run.sqlite"
-    mx.extract(FlakyOracle(target), 2, heads=1, seed=1, transcript=path)
+    mx.extract(FlakyOracle(target), 2, heads=1, seed=1, transcript=path, schedule="paper")
     return target, path
 
 
@@ -242,10 +242,11 @@ def test_a_mismatched_transcript_is_refused_and_left_untouched(recorded, change,
     oracle = FlakyOracle(mx.MultiHeadAttention.random(d, 2, seed=0), run.get("precision"), fail_after=0)
     if named is None:
         # another oracle on purpose (it must not be asked): the fingerprint is under test, not the oracle
-        assert mx.extract(oracle, d, transcript=path, resume_check=0, **run).queries_replayed == paper_count(2, 1)
+        assert mx.extract(oracle, d, transcript=path, resume_check=0, **run, schedule="paper").queries_replayed == \
+            paper_count(2, 1)
     else:
         with pytest.raises(TranscriptError, match="recorded by a different run") as info:
-            mx.extract(oracle, d, transcript=path, **run)
+            mx.extract(oracle, d, transcript=path, **run, schedule="paper")
         assert named in str(info.value) and "not modified" in str(info.value)
         assert oracle.calls == 0
     assert file_digest(path) == before
@@ -304,7 +305,7 @@ def test_a_corrupt_transcript_is_refused_and_left_untouched(recorded, damage, me
     before = file_digest(path)
     oracle = FlakyOracle(target, fail_after=0)
     with pytest.raises(TranscriptError, match=message):
-        mx.extract(oracle, 2, heads=1, seed=1, transcript=path)
+        mx.extract(oracle, 2, heads=1, seed=1, transcript=path, schedule="paper")
     assert oracle.calls == 0
     assert file_digest(path) == before
 
@@ -313,7 +314,7 @@ def test_an_empty_file_is_a_new_transcript(tmp_path):
     path = tmp_path / "run.sqlite"
     path.touch()
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
-    result = mx.extract(FlakyOracle(target), 2, heads=1, seed=1, transcript=path)
+    result = mx.extract(FlakyOracle(target), 2, heads=1, seed=1, transcript=path, schedule="paper")
     assert result.queries_asked == paper_count(2, 1) and result.transcript == str(path)
 
 

@@ -344,7 +344,7 @@ def test_a_transformer_transcript_is_refused_by_another_run(tmp_path):
     with pytest.raises(mx.TranscriptError, match="seed"):
         mx.extract_transformer(mx.SimulatedOracle(target), 3, heads=2, hidden=4, seed=2, transcript=path)
     with pytest.raises(mx.TranscriptError, match="schedule: transcript 'transformer', this run 'paper'"):
-        mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=1, transcript=path)
+        mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=1, transcript=path, schedule="paper")
     assert path.read_bytes() == before
 
 

@@ -9,6 +9,7 @@ The data flow of one extraction (docs/algorithm.md §5-§13)::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 
@@ -31,9 +32,11 @@ from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, run_fingerprint
 from .results import Extraction
 from .schedules.base import Outcome, RunSettings, Schedule
-from .schedules.registry import schedule_class
+from .calibration import Calibration, calibrate
+from .schedules.registry import choose
 from .validation import (
-    head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for,
+    bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
+    token_scale_for, token_scale_option,
 )
 
 #: Estimated answer noise below this fraction of the largest answer (1e3 units of float64 rounding)
@@ -42,8 +45,8 @@ from .validation import (
 ROUNDING_REGIME = 1e3 * 2.0**-53
 
 
-def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="paper",
-            token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
+def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
+            bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
@@ -56,13 +59,20 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     max_heads : a bound H0 >= H*; the canonical count is detected on every instance.
     precision : None for float64; bits (>= 64) for the high-precision (python-flint) path.
     seed : seeds the random query vectors (same seed, same queries).
-    schedule : a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (default; exactly
-        ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, docs/algorithm.md §5),
-        ``"lean"`` (§10: about ``(2 H0 - 1) d^2`` queries, heads matched by residue labels) or
+    schedule : ``"auto"`` (default: the registry chooses from the arithmetic and H0, and
+        ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, paper
+        otherwise) or a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (exactly
+        ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, docs/algorithm.md §5; named
+        alone it reproduces the paper: bias-free model, token scale ``d ** 0.25``, no probes),
+        ``"lean"`` (§10: about ``(2 H0 - 1) d^2`` queries, heads matched by residue labels),
         ``"targeted"`` (§13: float64, H <= d, one head in the window per instance; machine
-        precision for many heads, about ``4 H d^2 + 4 H d`` queries).
-    token_scale : norm of the query vectors (default ``d ** 0.25``, suited to W with entries of
-        size ``1/sqrt(d)``; choose it so that ``|z^T W_h x|`` is of order one, §11).
+        precision for many heads, about ``4 H d^2 + 4 H d`` queries) or ``"lowrank"`` (§17).
+    bias : learn score biases ``u_h`` and the output constant ``c`` (§16; real layers have them).
+        None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model schedules.
+    token_scale : norm of the query vectors: ``"auto"`` (found by counted probe queries, §18;
+        ``result.calibration_queries``), a number (choose it so that ``|z^T W_h x|`` is of order
+        one, §11), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``, ``d ** 0.25``
+        for the paper-model schedules, suited to W with entries of size ``1/sqrt(d)``).
     batch_size : sequences per oracle call.
     progress : show a progress bar (default: when stderr is a terminal).
     on_failure : ``"raise"`` an :class:`~mhaextract.checks.base.ExtractionError` when a check
@@ -87,16 +97,26 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
 
     Every count reported is measured at the oracle boundary.
     """
-    settings = _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine,
-                         refine_queries, answer_error, rank, backend)
+    scale_option, bias = token_scale_option(token_scale), bias_option(bias)
+    settings = _settings(d, heads, max_heads, precision, seed, None if scale_option == "auto" else scale_option,
+                         samples_per_instance, refine, refine_queries, answer_error, rank, backend)
     on_failure = on_failure_mode(on_failure)
     if max_queries is not None:
         positive_int("max_queries", max_queries, minimum=0)
     if transcript is not None:
         resumable_seed(seed)
     resume_check = positive_int("resume_check", resume_check, minimum=0)
-    plan = schedule_class(schedule)(settings)
+    choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias)
+    if choice.bias and settings.refine:
+        raise ValueError("refine=True refines the bias-free model: pass bias=False with it")
     started = time.perf_counter()
+    calibration = None
+    plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
+    if scale_option == "auto" or (scale_option is None and choice.calibrate):
+        calibration = _calibrate(oracle, settings, batch_size, progress, max_queries)
+        max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
+        settings = dataclasses.replace(settings, token_scale=calibration.token_scale)
+        plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
     arithmetic = arithmetic_for(settings.precision, settings.backend)
     record = None
     if transcript is not None:  # before any query: a transcript that cannot be written fails here
@@ -119,6 +139,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     finally:
         if record is not None:
             record.close()
+    _describe(extraction, oracle, choice, calibration, outcome)
     failed = {check.name for check in extraction.failed_checks}
     hints = plan.hints(failed) + failure_hints(failed, settings, boundary.stats, extraction.heads)
     if "noise_within_validity" in failed:
@@ -126,6 +147,29 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
                      "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
     report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
     return extraction
+
+
+def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries) -> Calibration:
+    """The token scale from counted probe queries (§18), on a stream of the seed of its own. They
+    are asked through a boundary of their own (not the transcript: a resumed run asks them again)."""
+    probes = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
+                            progress=progress, max_queries=max_queries)
+    return calibrate(probes, settings.d, spawn_rng(settings.seed, 3))
+
+
+def _describe(extraction: Extraction, oracle, choice, calibration, outcome) -> None:
+    """What the run chose and spent beyond its schedule: calibration, schedule choice, biases, dtype."""
+    extraction.schedule_reason = choice.reason
+    extraction.bias = choice.bias
+    extraction.answer_dtype = str(getattr(oracle, "answer_dtype", "mpf" if extraction.precision else "float64"))
+    if calibration is not None:
+        extraction.calibration = calibration
+        extraction.calibration_queries = calibration.queries
+        extraction.queries += calibration.queries
+        extraction.queries_asked += calibration.queries
+        extraction.max_query_length = max(extraction.max_query_length, calibration.max_query_length)
+    if outcome.u_balls is not None:
+        extraction.u_balls, extraction.c_ball = outcome.u_balls, outcome.c_ball
 
 
 def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,

@@ -23,8 +23,8 @@ from .oracle.simulated import SimulatedOracle
 from .oracle.transcript import TranscriptError
 from .report import extraction_table
 from .results import save_extraction
-from .schedules.registry import schedule_class, schedule_names
-from .validation import head_count, nonnegative_number, positive_int, token_scale_for
+from .schedules.registry import known_schedule, schedule_names
+from .validation import head_count, nonnegative_number, positive_int, token_scale_option
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
 
@@ -43,13 +43,21 @@ def _checked(hint: str, rule, *args):
         raise typer.BadParameter(str(error), param_hint=hint) from None
 
 
+def _number_or_text(value):
+    """A command-line value that may be a number or a word ('auto')."""
+    try:
+        return None if value is None else float(value)
+    except ValueError:
+        return value
+
+
 def _common_options(d, precision, seed, schedule) -> None:
     """The options ``demo`` and ``extract`` share, checked before anything runs."""
     _checked("--d", positive_int, "d", d)
     if precision is not None:
         _checked("--precision", positive_int, "precision", precision, 64)
     _checked("--seed", positive_int, "seed", seed, 0)
-    _checked("--schedule", schedule_class, schedule)
+    _checked("--schedule", known_schedule, schedule)
 
 
 def _robust_options(precision, samples, answer_error, refine, verify_queries=0) -> dict:
@@ -88,7 +96,7 @@ def demo(
     heads: int = typer.Option(3, "--heads", help="number of heads of the random target"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the target and the queries"),
-    schedule: str = typer.Option("paper", "--schedule", help=SCHEDULE_HELP),
+    schedule: str = typer.Option("auto", "--schedule", help=SCHEDULE_HELP),
     noise: float = typer.Option(None, "--noise", help="float64: add uniform noise |e| <= NOISE to every answer"),
     samples: int = typer.Option(None, "--samples", help="float64: samples per instance (> 2H+1 oversamples)"),
     refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
@@ -170,8 +178,9 @@ def extract_command(
     max_heads: int = typer.Option(None, "--max-heads", help="a bound H0 >= H* (instead of --heads)"),
     precision: int = typer.Option(None, "--precision", help="bits for the high-precision path (default float64)"),
     seed: int = typer.Option(0, "--seed", help="seeds the queries (a resumed run needs the same)"),
-    schedule: str = typer.Option("paper", "--schedule", help=SCHEDULE_HELP),
-    token_scale: float = typer.Option(None, "--token-scale", help="norm of the query tokens (default d**0.25)"),
+    schedule: str = typer.Option("auto", "--schedule", help=SCHEDULE_HELP),
+    token_scale: str = typer.Option(None, "--token-scale", help="norm of the query tokens, or 'auto' (found by probe "
+                                    "queries; the default for --schedule auto/targeted, d**0.25 for the others)"),
     samples: int = typer.Option(None, "--samples", help="float64: samples per instance (> 2H+1 oversamples)"),
     refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
     answer_error: float = typer.Option(None, "--answer-error",
@@ -187,7 +196,7 @@ def extract_command(
     console = Console()
     _common_options(d, precision, seed, schedule)
     _checked("--heads/--max-heads", head_count, heads, max_heads)
-    _checked("--token-scale", token_scale_for, d, token_scale)
+    token_scale = _checked("--token-scale", token_scale_option, _number_or_text(token_scale))
     if max_queries is not None:
         _checked("--max-queries", positive_int, "max_queries", max_queries, 0)
     _checked("--batch-size", positive_int, "batch_size", batch_size)

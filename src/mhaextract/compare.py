@@ -23,7 +23,10 @@ class Comparison:
     permutation : (min(H_a, H_b),) head ``k`` of ``b`` is aligned with head ``permutation[k]`` of ``a``.
     W_abs, v_abs : max absolute entry error over the aligned heads.
     W_rel, v_rel : ``W_abs / max|W_b|`` and ``v_abs / max|v_b|`` (normwise relative errors).
-    max_rel : ``max(W_rel, v_rel)``; infinite when the head counts disagree.
+    u_abs, u_rel : the same for the score biases ``u_h`` (``u_rel = u_abs`` when ``b`` has none).
+    c_abs, c_rel : error of the output constant, absolute and relative to ``|c_b|`` (absolute
+        when ``c_b = 0``).
+    max_rel : ``max(W_rel, v_rel, u_rel, c_rel)``; infinite when the head counts disagree.
 
     Errors are ``mpmath.mpf`` when either model is high-precision, floats otherwise.
     """
@@ -36,10 +39,14 @@ class Comparison:
     v_abs: float
     W_rel: float
     v_rel: float
+    u_abs: float = 0.0
+    u_rel: float = 0.0
+    c_abs: float = 0.0
+    c_rel: float = 0.0
 
     @property
     def max_rel(self):
-        return max(self.W_rel, self.v_rel) if self.heads_agree else float("inf")
+        return max(self.W_rel, self.v_rel, self.u_rel, self.c_rel) if self.heads_agree else float("inf")
 
 
 def _magnitude(array: np.ndarray):
@@ -60,21 +67,28 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
         raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")
     a, b = a.canonical(rtol), b.canonical(rtol)
     high = a.is_high_precision or b.is_high_precision
-    Wa, va, Wb, vb = a.W, a.v, b.W, b.v
+    Wa, va, ua, Wb, vb, ub = a.W, a.v, a.u, b.W, b.v, b.u
     if high:
-        Wa, va, Wb, vb = (mpf_array(x) for x in (Wa, va, Wb, vb))
-    fa = np.concatenate([_float(Wa).reshape(a.heads, -1), _float(va)], axis=1)
-    fb = np.concatenate([_float(Wb).reshape(b.heads, -1), _float(vb)], axis=1)
+        Wa, va, ua, Wb, vb, ub = (mpf_array(x) for x in (Wa, va, ua, Wb, vb, ub))
+    fa = np.concatenate([_float(Wa).reshape(a.heads, -1), _float(va), _float(ua)], axis=1)
+    fb = np.concatenate([_float(Wb).reshape(b.heads, -1), _float(vb), _float(ub)], axis=1)
     cost = np.linalg.norm(fb[:, None, :] - fa[None, :, :], axis=2) if a.heads and b.heads else np.zeros((b.heads, a.heads))
     rows, cols = linear_sum_assignment(cost)
     zero = mpmath.mpf(0) if high else 0.0
     if len(rows):
         W_abs = _magnitude(Wa[cols] - Wb[rows]).max()
         v_abs = _magnitude(va[cols] - vb[rows]).max()
+        u_abs = _magnitude(ua[cols] - ub[rows]).max()
     else:
-        W_abs = v_abs = zero
+        W_abs = v_abs = u_abs = zero
     W_scale = _magnitude(Wb).max() if b.heads else zero
     v_scale = _magnitude(vb).max() if b.heads else zero
+    u_scale = _magnitude(ub).max() if b.heads else zero
     W_rel = W_abs / W_scale if W_scale else W_abs
     v_rel = v_abs / v_scale if v_scale else v_abs
-    return Comparison(a.heads == b.heads, a.heads, b.heads, cols, W_abs, v_abs, W_rel, v_rel)
+    u_rel = u_abs / u_scale if u_scale else u_abs
+    ca, cb = (mpmath.mpf(a.c), mpmath.mpf(b.c)) if high else (a.c, b.c)
+    c_abs = abs(ca - cb)
+    c_rel = c_abs / abs(cb) if cb else c_abs
+    return Comparison(a.heads == b.heads, a.heads, b.heads, cols, W_abs, v_abs, W_rel, v_rel, u_abs, u_rel,
+                      c_abs, c_rel)

@@ -1,14 +1,17 @@
-"""The target: multi-head softmax attention read out at the final token (docs/algorithm.md §1).
+"""The target: multi-head softmax attention read out at the final token (docs/algorithm.md §1, §16).
 
-For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, v_h)``::
+For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, v_h, u_h)``::
 
-    s_{h,i} = x_i^T W_h x_N                        score of token i (key on the left)
+    s_{h,i} = x_i^T (W_h x_N + u_h)                score of token i (key on the left)
     a_{h,i} = exp(s_{h,i}) / sum_j exp(s_{h,j})    softmax over all N tokens, x_N included
-    f(X)    = sum_h sum_i a_{h,i} v_h^T x_i        the one scalar an oracle returns
+    f(X)    = c + sum_h sum_i a_{h,i} v_h^T x_i    the one scalar an oracle returns
 
-Canonical form: heads with equal ``W_h`` act as one head with the sum of their ``v_h``; a merged
-head whose summed value vector is zero contributes nothing. Only canonical heads are identifiable,
-and only up to permutation.
+``u_h`` (the query bias seen through the keys) and the constant ``c`` (value and output biases)
+are zero in the paper's model (§1) and in a model built without them.
+
+Canonical form: heads with equal ``(W_h, u_h)`` act as one head with the sum of their ``v_h``; a
+merged head whose summed value vector is zero contributes nothing. Only canonical heads are
+identifiable, and only up to permutation.
 """
 
 from __future__ import annotations
@@ -44,18 +47,26 @@ def as_batch(batch, d: int | None = None) -> list[np.ndarray]:
     return out
 
 
-def group_equal_heads(W: np.ndarray, rtol: float = 0.0) -> list[list[int]]:
-    """Indices of heads with equal score matrices (max entry difference <= ``rtol * max|W|``),
-    in order of first appearance: the heads that merge in a canonical form."""
+def group_equal_heads(W: np.ndarray, rtol: float = 0.0, u: np.ndarray | None = None) -> list[list[int]]:
+    """Indices of heads with equal score matrices (max entry difference <= ``rtol * max|W|``) and,
+    when ``u`` is given, equal score biases (likewise against ``max|u|``), in order of first
+    appearance: the heads that merge in a canonical form."""
     magnitude = np.vectorize(lambda value: abs(float(value)), otypes=[np.float64])
-    W_abs = magnitude(W) if W.dtype == object else np.abs(W)
-    W_scale = float(W_abs.max()) if W.size else 0.0
+
+    def size(array):
+        if not array.size:
+            return 0.0
+        return float(magnitude(array).max()) if array.dtype == object else float(np.abs(array).max())
+
+    W_scale = size(W)
+    u_scale = size(u) if u is not None else 0.0
     groups: list[list[int]] = []
     for h in range(W.shape[0]):
         for group in groups:
-            difference = W[h] - W[group[0]]
-            size = magnitude(difference).max() if W.dtype == object else np.abs(difference).max()
-            if size <= rtol * W_scale:
+            same = size(W[h] - W[group[0]]) <= rtol * W_scale
+            if same and u is not None:
+                same = size(u[h] - u[group[0]]) <= rtol * u_scale
+            if same:
                 group.append(h)
                 break
         else:
@@ -72,34 +83,52 @@ class MultiHeadAttention:
         Bilinear score matrices; ``s_{h,i} = x_i^T W_h x_N``.
     v : array of shape (H, d)
         Value read-out vectors.
+    u : array of shape (H, d), optional
+        Score biases: ``s_{h,i} = x_i^T (W_h x_N + u_h)`` (docs/algorithm.md §16). Default zero.
+    c : scalar, optional
+        Output constant added to every answer. Default zero.
 
-    Both are float64 arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
+    All are float64, or ``mpmath.mpf`` (object arrays) for a high-precision model.
 
     Attributes
     ----------
-    W, v : the parameters, as given (float64 or object arrays).
+    W, v, u : the parameters (float64 or object arrays); ``u`` is zeros when not given.
+    c : the constant (float, or ``mpf`` for a high-precision model).
     d : int, the token dimension.
     heads : int, the number of heads H (not necessarily canonical).
+    has_bias : bool, some ``u_h`` or ``c`` is non-zero.
     """
 
-    def __init__(self, W, v):
+    def __init__(self, W, v, u=None, c=0.0):
         W = np.asarray(W)
         v = np.asarray(v)
         if W.ndim != 3 or W.shape[1] != W.shape[2]:
             raise ValueError(f"W must have shape (H, d, d), got {W.shape}")
         if v.shape != W.shape[:2]:
             raise ValueError(f"v must have shape (H, d) = {W.shape[:2]}, got {v.shape}")
-        if W.dtype == object or v.dtype == object:
-            W, v = mpf_array(W), mpf_array(v)  # exact: mpf entries are kept, floats converted
-            finite = all(mpmath.isfinite(value) for value in list(W.ravel()) + list(v.ravel()))
+        u = np.zeros(W.shape[:2], dtype=W.dtype if W.dtype == object else np.float64) if u is None else np.asarray(u)
+        if u.shape != W.shape[:2]:
+            raise ValueError(f"u must have shape (H, d) = {W.shape[:2]}, got {u.shape}")
+        if np.ndim(c) != 0:
+            raise ValueError(f"c must be a scalar, got shape {np.shape(c)}")
+        if W.dtype == object or v.dtype == object or u.dtype == object or isinstance(c, mpmath.mpf):
+            W, v, u = mpf_array(W), mpf_array(v), mpf_array(u)  # exact: mpf entries are kept, floats converted
+            c = mpf_array(np.array([c], dtype=object))[0]
+            finite = all(mpmath.isfinite(value) for value in list(W.ravel()) + list(v.ravel()) + list(u.ravel()) + [c])
         else:
-            W = W.astype(np.float64)
-            v = v.astype(np.float64)
-            finite = bool(np.isfinite(W).all() and np.isfinite(v).all())
+            W, v, u = W.astype(np.float64), v.astype(np.float64), u.astype(np.float64)
+            c = float(c)
+            finite = bool(np.isfinite(W).all() and np.isfinite(v).all() and np.isfinite(u).all() and np.isfinite(c))
         if not finite:
-            raise ValueError("W and v must be finite")
+            raise ValueError("W, v, u and c must be finite")
         self.W = W
         self.v = v
+        self.u = u
+        self.c = c
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(any(value != 0 for value in self.u.ravel()) or self.c != 0)
 
     @property
     def d(self) -> int:
@@ -115,21 +144,28 @@ class MultiHeadAttention:
 
     def __repr__(self) -> str:
         kind = "mpf" if self.is_high_precision else "float64"
-        return f"MultiHeadAttention(d={self.d}, heads={self.heads}, {kind})"
+        bias = ", biased" if self.has_bias else ""
+        return f"MultiHeadAttention(d={self.d}, heads={self.heads}, {kind}{bias})"
 
     @classmethod
-    def random(cls, d: int, heads: int, seed=None) -> "MultiHeadAttention":
-        """A random target: ``W_h`` with i.i.d. N(0, 1/d) entries and ``v_h`` with N(0, 1) entries.
+    def random(cls, d: int, heads: int, seed=None, bias: bool = False) -> "MultiHeadAttention":
+        """A random target: ``W_h`` with i.i.d. N(0, 1/d) entries and ``v_h`` with N(0, 1) entries;
+        with ``bias=True`` also ``u_h`` with N(0, 1/sqrt(d)) entries and ``c`` N(0, 1) (the same
+        draws of W and v as without).
 
         The 1/d variance keeps ``z^T W_h x`` of order one for tokens of norm ``d**0.25``, the
-        default token scale of :func:`mhaextract.extract`.
+        default token scale of :func:`mhaextract.extract`; ``u_h`` of norm ``d**0.25`` keeps
+        ``z^T u_h`` of order one there too.
         """
         if int(d) < 1 or int(heads) < 1:
             raise ValueError(f"d and heads must be positive, got d={d}, heads={heads}")
         rng = np.random.default_rng(seed)
         W = rng.standard_normal((heads, d, d)) / np.sqrt(d)
         v = rng.standard_normal((heads, d))
-        return cls(W, v)
+        if not bias:
+            return cls(W, v)
+        u = rng.standard_normal((heads, d)) / d**0.25
+        return cls(W, v, u, float(rng.standard_normal()))
 
     def suggested_token_scale(self) -> float:
         """The token norm ``s`` at which the schedule's log-poles ``z^T W_h x`` are of order one.
@@ -149,7 +185,7 @@ class MultiHeadAttention:
         if not self.is_high_precision:
             return self
         to_float = np.vectorize(float, otypes=[np.float64])
-        return MultiHeadAttention(to_float(self.W), to_float(self.v))
+        return MultiHeadAttention(to_float(self.W), to_float(self.v), to_float(self.u), float(self.c))
 
     # ------------------------------------------------------------------ evaluation
     def __call__(self, batch, precision: int | None = None, dtype=np.float64):
@@ -183,11 +219,12 @@ class MultiHeadAttention:
         return self._means_arb(sequences, int(precision))
 
     def _evaluate_float(self, sequences: Sequence[np.ndarray], dtype=np.float64) -> np.ndarray:
-        v = self.to_float64().v.astype(dtype)
+        model = self.to_float64()
+        v, c = model.v.astype(dtype), np.dtype(dtype).type(model.c)
         out = np.empty(len(sequences), dtype=dtype)
         for index, X, weights in self._weights_float(sequences, dtype):
             values = np.einsum("bnd,hd->bhn", X, v)  # v_h^T x_i, (B, H, N)
-            out[index] = np.einsum("bhn,bhn->b", weights, values)
+            out[index] = np.einsum("bhn,bhn->b", weights, values) + c
         return out
 
     def _means_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
@@ -199,12 +236,13 @@ class MultiHeadAttention:
     def _weights_float(self, sequences: Sequence[np.ndarray], dtype=np.float64):
         """Per group of equal lengths: (indices, tokens (B, N, d), softmax weights a_{h,i} (B, H, N)),
         computed in ``dtype`` (float64, or float32 for a lower-precision target)."""
-        W = self.to_float64().W.astype(dtype)
+        model = self.to_float64()
+        W, u = model.W.astype(dtype), model.u.astype(dtype)
         lengths = np.array([len(s) for s in sequences])
         for length in np.unique(lengths):
             index = np.flatnonzero(lengths == length)
             X = np.stack([np.asarray(sequences[i], dtype=dtype) for i in index])  # (B, N, d)
-            queries = np.einsum("hde,be->bhd", W, X[:, -1, :])  # W_h x_N, (B, H, d)
+            queries = np.einsum("hde,be->bhd", W, X[:, -1, :]) + u[None]  # W_h x_N + u_h, (B, H, d)
             scores = np.einsum("bnd,bhd->bhn", X, queries)  # (B, H, N)
             scores -= scores.max(axis=2, keepdims=True)
             weights = np.exp(scores)
@@ -216,9 +254,10 @@ class MultiHeadAttention:
         with working_precision(precision + 32):
             v = np.vectorize(to_arb, otypes=[object])(self.v)
             outputs = []
+            c = to_arb(self.c)
             for row in means:
                 # Head by head: heads that cancel (equal W, opposite v) then cancel exactly.
-                total = arb(0)
+                total = c
                 for h in range(self.heads):
                     total += sum((row[h, a] * v[h, a] for a in range(self.d)), arb(0))
                 with mpmath.workprec(precision):
@@ -231,8 +270,10 @@ class MultiHeadAttention:
         with working_precision(precision + 32):
             # [W_1 | ... | W_H] (d x Hd) so that X Wcat holds x_i^T W_h in block h.
             W_cat = arb_mat(d, H * d)
+            U = arb_mat(d, H)  # column h is u_h: X U holds the scores' bias terms x_i^T u_h
             for h in range(H):
                 for a in range(d):
+                    U[a, h] = to_arb(self.u[h, a])
                     for b in range(d):
                         W_cat[a, h * d + b] = to_arb(self.W[h, a, b])
             for index, sequence in enumerate(sequences):
@@ -245,7 +286,7 @@ class MultiHeadAttention:
                 for h in range(H):
                     for b in range(d):
                         final[h * d + b, h] = X[N - 1, b]
-                scores = (X * W_cat) * final  # (N, H)
+                scores = (X * W_cat) * final + X * U  # (N, H)
                 attention = arb_mat(H, N)  # a_{h,i}
                 for h in range(H):
                     top = max(float(scores[i, h].mid()) for i in range(N))
@@ -261,17 +302,17 @@ class MultiHeadAttention:
 
     # ------------------------------------------------------------------ canonical form
     def canonical(self, rtol: float = 0.0) -> "MultiHeadAttention":
-        """The canonical form: equal W's merged (v's summed), zero merged v's dropped.
+        """The canonical form: equal (W, u)'s merged (v's summed), zero merged v's dropped; c kept.
 
-        ``rtol`` is the tolerance, relative to the largest entry of W (resp. v), under which two
-        W's count as equal (resp. a summed v as zero). The default 0 merges exact equality only.
+        ``rtol`` is the tolerance, relative to the largest entry of W (resp. u, v), under which two
+        heads count as equal (resp. a summed v as zero). The default 0 merges exact equality only.
         """
-        W, v = self.W, self.v
+        W, v, u = self.W, self.v, self.u
         W_mag = np.vectorize(lambda value: abs(float(value)), otypes=[np.float64])
         v_abs = W_mag(v) if v.dtype == object else np.abs(v)
         v_scale = float(v_abs.max()) if v.size else 0.0
-        groups = group_equal_heads(W, rtol)
-        W_out, v_out = [], []
+        groups = group_equal_heads(W, rtol, u)
+        W_out, v_out, u_out = [], [], []
         for group in groups:
             # mpf sums are exact here (enough bits for any sum of a few doubles); float64 rounds.
             with mpmath.workprec(2200):
@@ -280,7 +321,10 @@ class MultiHeadAttention:
             if size > rtol * v_scale:
                 W_out.append(W[group[0]])
                 v_out.append(summed)
+                u_out.append(u[group[0]])
         dtype = object if self.is_high_precision else np.float64
         if not W_out:
-            return MultiHeadAttention(np.zeros((0, self.d, self.d), dtype=dtype), np.zeros((0, self.d), dtype=dtype))
-        return MultiHeadAttention(np.array(W_out, dtype=dtype), np.array(v_out, dtype=dtype))
+            return MultiHeadAttention(np.zeros((0, self.d, self.d), dtype=dtype), np.zeros((0, self.d), dtype=dtype),
+                                      np.zeros((0, self.d), dtype=dtype), self.c)
+        return MultiHeadAttention(np.array(W_out, dtype=dtype), np.array(v_out, dtype=dtype),
+                                  np.array(u_out, dtype=dtype), self.c)

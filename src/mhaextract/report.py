@@ -34,7 +34,10 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
         table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
                       f"this run / read back from {e.transcript}")
     table.add_row("longest query", str(e.max_query_length), f"promised at most {e.promised_max_length}")
-    table.add_row("token scale", f"{e.token_scale:.4g}", "norm of the query tokens")
+    table.add_row("token scale", f"{e.token_scale:.4g}", "norm of the query tokens" if e.calibration is None
+                  else f"{e.calibration} (calibration queries: {e.calibration_queries}, in the count)")
+    if e.schedule_reason:
+        table.add_row("schedule choice", e.schedule, e.schedule_reason)
     for name, value in e.details.summary().items():
         table.add_row(name.replace("_", " "), str(value), f"schedule '{e.schedule}'")
     table.add_row("canonical heads H*", str(e.heads), "")

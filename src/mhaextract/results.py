@@ -75,6 +75,16 @@ class Extraction(CheckedResult):
         Schedule-specific diagnostics (:class:`~mhaextract.schedules.grid.GridDetails` for paper
         and lean, :class:`~mhaextract.schedules.targeted.TargetedDetails` for targeted).
     W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
+    u_balls, c_ball : the score biases (H*, d) and the output constant as balls (high precision,
+        ``bias=True`` runs only; docs/algorithm.md §16).
+    calibration_queries : int
+        Queries spent choosing the token scale (``token_scale="auto"``, docs/algorithm.md §18);
+        included in ``queries``. 0 when the scale was given.
+    calibration : the calibration's report (:class:`~mhaextract.calibration.Calibration`) or None.
+    bias : whether the run learned score biases and the output constant (docs/algorithm.md §16).
+    schedule_reason : why this schedule ran (``schedule="auto"`` says what it chose and why).
+    answer_dtype : the dtype the oracle answered in (``"float64"``, ``"float32"`` for a float32
+        layer, ``"mpf"`` in high precision), from the oracle's ``answer_dtype`` when it has one.
     certificate : Certificate or None
         The first-order error certificate (docs/algorithm.md §12) where the schedule has one
         (float64 paper runs), behind ``amplification``, ``error_bound(eps)`` and ``valid_below``.
@@ -107,6 +117,13 @@ class Extraction(CheckedResult):
     checks: list[Check] = field(default_factory=list)
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
+    u_balls: np.ndarray | None = None
+    c_ball: object = None
+    calibration_queries: int = 0
+    calibration: object = None
+    schedule_reason: str = ""
+    answer_dtype: str = "float64"
+    bias: bool = False
     seconds: float = 0.0
     queries_asked: int = 0
     queries_replayed: int = 0
@@ -161,7 +178,9 @@ class Extraction(CheckedResult):
         """The canonical heads as exact mpf midpoints of the balls (high precision only)."""
         if self.W_balls is None:
             return None
-        return MultiHeadAttention(mpf_array(self.W_balls), mpf_array(self.v_balls))
+        u = None if self.u_balls is None else mpf_array(self.u_balls)
+        c = 0.0 if self.c_ball is None else mpf_array(np.array([self.c_ball], dtype=object))[0]
+        return MultiHeadAttention(mpf_array(self.W_balls), mpf_array(self.v_balls), u, c)
 
     @property
     def radius(self) -> tuple[float, float] | None:
@@ -178,7 +197,8 @@ class Extraction(CheckedResult):
             "promised_queries": self.promised_queries, "promised_formula": self.promised_formula,
             "max_query_length": self.max_query_length,
             "promised_max_length": self.promised_max_length, "precision": self.precision,
-            "schedule": self.schedule, "token_scale": self.token_scale, "seed": self.seed,
+            "schedule": self.schedule, "schedule_reason": self.schedule_reason, "token_scale": self.token_scale,
+            "calibration_queries": self.calibration_queries, "bias": self.bias, "answer_dtype": self.answer_dtype, "seed": self.seed,
             "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
             "certified": self.certified, "ok": self.ok,
             "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
@@ -230,14 +250,16 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
     arrays = {}
     if extraction.model is not None:
         model = extraction.model
-        document["model"] = {"d": model.d, "heads": model.heads, "W": model.W.tolist(), "v": model.v.tolist()}
-        arrays.update(W=model.W, v=model.v)
+        document["model"] = {"d": model.d, "heads": model.heads, "W": model.W.tolist(), "v": model.v.tolist(),
+                             "u": model.u.tolist(), "c": model.c}
+        arrays.update(W=model.W, v=model.v, u=model.u, c=np.array(model.c))
     if extraction.W_balls is not None:
         exact = extraction.model_hp
         to_hex = np.vectorize(mpf_to_hex, otypes=[object])
         W_radius, v_radius = radius_float(extraction.W_balls), radius_float(extraction.v_balls)
         document["model_exact"] = {
             "W": to_hex(exact.W).tolist(), "v": to_hex(exact.v).tolist(),
+            "u": to_hex(exact.u).tolist(), "c": mpf_to_hex(exact.c),
             "W_radius": W_radius.tolist(), "v_radius": v_radius.tolist(),
         }
         arrays.update(W_radius=W_radius, v_radius=v_radius)
@@ -272,5 +294,11 @@ def load_model(path, exact: bool = False) -> MultiHeadAttention:
             raise ValueError(f"{str(path)!r} holds no model: the extraction produced non-finite parameters")
         W, v = np.array(document["model"]["W"], dtype=np.float64), np.array(document["model"]["v"], dtype=np.float64)
     d = document["summary"]["d"]
-    # A run with no canonical head stores empty lists; give them their shapes.
-    return MultiHeadAttention(W.reshape(-1, d, d), v.reshape(-1, d))
+    # A run with no canonical head stores empty lists; give them their shapes. Files written before
+    # biases existed (docs/algorithm.md §16) have no "u" and "c": zero.
+    part = document["model_exact"] if exact else document["model"]
+    u, c = part.get("u"), part.get("c", 0.0)
+    if u is not None:
+        u = (from_hex(np.array(u, dtype=object)) if exact else np.array(u, dtype=np.float64)).reshape(-1, d)
+    c = mpf_from_hex(c) if exact and isinstance(c, str) else c
+    return MultiHeadAttention(W.reshape(-1, d, d), v.reshape(-1, d), u, c)

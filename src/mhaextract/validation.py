@@ -68,6 +68,25 @@ def token_scale_for(d: int, token_scale) -> float:
     return positive_number("token_scale", token_scale)
 
 
+def token_scale_option(token_scale):
+    """``extract``'s ``token_scale``: ``"auto"`` (found by probe queries, docs/algorithm.md §18),
+    None (the schedule's default) or a positive number."""
+    if isinstance(token_scale, str):
+        if token_scale != "auto":
+            raise ValueError(f"token_scale must be a positive number, 'auto' or None, got {token_scale!r}")
+        return token_scale
+    if token_scale is None:
+        return None
+    return positive_number("token_scale", token_scale)
+
+
+def bias_option(bias):
+    """``extract``'s ``bias``: True, False or None (the schedule's default)."""
+    if bias is not None and not isinstance(bias, (bool, np.bool_)):
+        raise ValueError(f"bias must be True, False or None (the schedule's default), got {bias!r}")
+    return None if bias is None else bool(bias)
+
+
 def head_count(heads, max_heads) -> tuple[int, int | None]:
     """``(H0, H or None)`` from exactly one of ``heads`` (H known) and ``max_heads`` (a bound)."""
     if (heads is None) == (max_heads is None):

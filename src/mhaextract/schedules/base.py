@@ -41,6 +41,7 @@ class RunSettings:
     answer_error: float | None = None
     rank: int | None = None  # a bound on the rank of every W_h (docs/algorithm.md §17)
     backend: str | None = None  # float64 kernels: None (numpy) or a torch backend (numerics/arithmetic.py)
+    bias: bool = False  # learn score biases u_h and the output constant c (docs/algorithm.md §16)
 
     def given(self, option: str) -> bool:
         value = getattr(self, option)
@@ -81,6 +82,8 @@ class Outcome:
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
     linearisation: object = None
+    u_balls: np.ndarray | None = None  # score biases and output constant as balls (§16, high precision)
+    c_ball: object = None
 
 
 class Schedule:

@@ -166,8 +166,10 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng):
     for head in report.heads:
         # A known head predicts its own log-pole here; the label agrees up to the contamination of
         # a centre by neighbours that are saturated only to ~e^-10.
+        # Predicted from the head's own centre: the log-pole is affine in x (a score bias, §16,
+        # adds a constant the direction does not carry).
         same_label = abs(head.label - label) <= 1e-2 * max(abs(head.label), abs(label))
-        if same_label and abs(head.direction @ center - m) <= 1.0:
+        if same_label and abs(head.log_pole + head.direction @ (center - head.center) - m) <= 1.0:
             report.duplicates += 1
             return
     d = len(center)

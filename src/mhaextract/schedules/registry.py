@@ -1,11 +1,17 @@
 """The one place where schedule names are known: ``extract(..., schedule=NAME)`` looks them up here.
 
 Adding a schedule: one module with a :class:`~.base.Schedule` subclass, and one line below.
+``schedule="auto"`` and the model with biases (docs/algorithm.md §16) are resolved here too
+(:func:`choose`): which class runs, whether it learns biases, whether the token scale is
+calibrated by queries (§18), and why.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .base import Schedule
+from .biased import BiasedTargetedSchedule
 from .lean import LeanSchedule
 from .lowrank import LowRankSchedule
 from .paper import PaperSchedule
@@ -24,21 +30,76 @@ def register(schedule: type[Schedule]) -> type[Schedule]:
     return schedule
 
 
+#: The name that lets the registry choose (:func:`choose`).
+AUTO = "auto"
+#: The class that learns the biased model (§16) in place of a registered schedule, where there is one.
+BIASED: dict[type[Schedule], type[Schedule]] = {}
+#: Schedules that, named explicitly, learn biases and calibrate the token scale by default (the
+#: others reproduce the paper's setting: bias-free model, token scale ``d ** 0.25``).
+REAL_LAYER_DEFAULTS: set[type[Schedule]] = set()
+
+
 def schedule_names() -> list[str]:
-    return list(SCHEDULES)
+    return list(SCHEDULES) + [AUTO]
+
+
+def known_schedule(name) -> str:
+    """``name`` if it is a schedule name or ``"auto"``, else a ValueError listing the names there are."""
+    if name != AUTO:
+        schedule_class(name)
+    return name
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` decided: the class that runs, whether it learns biases, whether the
+    token scale is calibrated by default, and the reason (reported as ``Extraction.schedule_reason``)."""
+
+    schedule: type[Schedule]
+    bias: bool
+    calibrate: bool
+    reason: str
+
+
+def choose(name, d: int, max_heads: int, precision, bias) -> Choice:
+    """Resolve ``schedule=name`` and ``bias`` (None: the schedule's default) for a run."""
+    known_schedule(name)
+    if name == AUTO:
+        learns = True if bias is None else bool(bias)
+        if precision is None and max_heads <= d:
+            cls, reason = SCHEDULES["targeted"], (
+                f"auto: float64 and H0 = {max_heads} <= d = {d}: targeted single-pole instances keep machine "
+                "precision for any H (docs/algorithm.md §13); the paper schedule loses ~3 digits per head")
+        elif precision is None:
+            cls, reason = SCHEDULES["paper"], (
+                f"auto: float64 with H0 = {max_heads} > d = {d} rules out the targeted schedule; the paper "
+                "schedule is reliable in float64 only for H <= 2: prefer precision=BITS")
+        else:
+            cls, reason = SCHEDULES["paper"], (
+                f"auto: precision={precision}: the paper schedule's interpolation is certified in ball arithmetic "
+                "(docs/algorithm.md §5, §7)")
+            if bias is None and cls not in BIASED:  # the biased grid of §16 is not implemented yet
+                learns = False
+                reason += "; biases are not learned in high precision yet (§16): an oracle with them fails its checks"
+        calibrate = True
+    else:
+        cls = schedule_class(name)
+        learns = (cls in REAL_LAYER_DEFAULTS) if bias is None else bool(bias)
+        calibrate = cls in REAL_LAYER_DEFAULTS
+        reason = f"schedule={name!r} given"
+    if learns and cls not in BIASED:
+        with_bias = sorted({klass.name for klass in BIASED})
+        raise ValueError(f"schedule={cls.name!r} learns the bias-free model only; pass bias=False, or "
+                         f"schedule='auto' or one of {with_bias} to learn score biases and the output constant")
+    if learns:
+        cls = BIASED[cls]
+    return Choice(cls, learns, calibrate, reason + ("; model with biases (u_h, c)" if learns else "; bias-free model"))
 
 
 def schedule_for(d: int, max_heads: int, precision) -> type[Schedule]:
-    """The schedule the core would choose for a run of ``max_heads`` heads in dimension ``d``.
-
-    Ball arithmetic (``precision=bits``): the paper schedule (exact count, certified, any H;
-    docs/algorithm.md §5, §7). float64: the targeted schedule when ``max_heads <= d`` (single-pole
-    instances, machine precision whatever H is, §13), else the paper schedule (the only float64
-    schedule for H > d; its checks flag H >= 5).
-    """
-    if precision is None and max_heads <= d:
-        return SCHEDULES["targeted"]
-    return SCHEDULES["paper"]
+    """The bias-free schedule ``schedule="auto"`` would run for ``max_heads`` heads in dimension ``d``
+    (see :func:`choose`): targeted in float64 for ``max_heads <= d``, else the paper schedule."""
+    return choose(AUTO, d, max_heads, precision, bias=False).schedule
 
 
 def schedule_class(name) -> type[Schedule]:
@@ -52,3 +113,5 @@ register(PaperSchedule)
 register(LeanSchedule)
 register(TargetedSchedule)
 register(LowRankSchedule)
+BIASED[TargetedSchedule] = BiasedTargetedSchedule
+REAL_LAYER_DEFAULTS.add(TargetedSchedule)

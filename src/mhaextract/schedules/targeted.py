@@ -415,7 +415,8 @@ class _SubspaceDesign(_FullDesign):
 
 
 def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
-             W_score: np.ndarray | None = None, copies=None, bases: np.ndarray | None = None) -> _GroupMeasurements:
+             W_score: np.ndarray | None = None, copies=None, bases: np.ndarray | None = None,
+             designer=None) -> _GroupMeasurements:
     """Targeted instances for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
@@ -425,6 +426,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     and ``k = 1`` later (the label is then known). ``W_score`` (final stage): the model used for the
     oracle's score rounding in the error estimate. ``bases`` (G, H, d, r): measure each unit in
     the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
+    ``designer``: another design class with the interface of :class:`_FullDesign` (the lifted
+    design of the biased model, :mod:`.biased`, whose units have ``d + 1`` rounds).
 
     Units are independent: they are measured in chunks of groups whose working arrays (final
     tokens, null parts, Gram-Schmidt bases: three (units, d, d) arrays) fit ``CHUNK_BYTES``, so
@@ -433,7 +436,7 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     G, H, _, d = estimates.shape
     if copies is None:
         copies = ((1, 2), (1,)) if bridge else (FINAL_COPIES, FINAL_COPIES)
-    designer = _FullDesign if bases is None else _SubspaceDesign
+    designer = designer or (_FullDesign if bases is None else _SubspaceDesign)
     rounds = d if bases is None else bases.shape[3]
     per_chunk = max(1, CHUNK_BYTES // (24 * d * d * H))
     parts = []

@@ -1,0 +1,143 @@
+"""The token scale from queries (docs/algorithm.md §18): ``extract(..., token_scale="auto")``.
+
+The schedules need log-poles ``m_h = z^T (W_h x + u_h)`` of order one, and nothing on the
+extraction path may read the weights. A two-token query ``(y, x)`` with ``y = x - z`` answers
+
+    f((y, x)) - (f((x)) + f((y))) / 2 = sum_h (l_h / 2) tanh(m_h / 2),    l_h = v_h^T z
+
+(the two one-token answers are affine in their token, so the constant c cancels). With ``x = s x^``
+and ``z = s z^`` for fixed unit directions, ``D(s) / s`` grows like ``s^2`` (like s where the
+score biases dominate) while the log-poles are small, and flattens once they saturate. The
+probes: ``P`` random direction pairs on a ladder of scales ``s = 2^j d^(1/4)``,
+``j = -6..8`` (weights 1e-4..1e4 times the random model's); each pair's knee is the first scale
+at which ``|D_p(s)| / s`` reaches half its largest value, interpolated geometrically, and the
+run's knee is the geometric median of the pairs' knees. The token scale is the knee times
+:data:`KNEE_TO_SCALE`, the factor that gives the library's random model
+(``MultiHeadAttention.random``, whose weights the default ``d ** 0.25`` suits) its default back:
+over d = 4..64, H = 1, 2, 4, 8, with and without biases, 2 seeds (80 targets), default / knee has
+median 0.80, 90% of targets within 0.54..1.26, all within 0.34..1.87.
+
+Queries: ``1 + 2P`` one-token queries (the zero vector and both tokens of each pair at the base
+scale; one-token answers at the other scales follow exactly, since the tokens scale by powers of
+two) and ``P`` two-token queries per rung: ``1 + 2P + 15P`` (137 for P = 8), asked through an
+:class:`~mhaextract.oracle.boundary.OracleBoundary`, counted and reported as
+``Extraction.calibration_queries``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .oracle.queries import quantize
+from .validation import default_token_scale
+
+#: Rungs of the ladder: token norms ``2^j d^(1/4)``.
+LADDER = np.arange(-6, 9)
+#: Direction pairs probed per rung.
+PAIRS = 8
+#: The knee: ``A(s)`` reaches this fraction of its largest value.
+KNEE = 0.5
+#: Token scale = knee times this (module docstring; the random model's default over its knee).
+KNEE_TO_SCALE = 0.80
+#: Below this many units of the answers' rounding, D is noise: no knee can be read.
+NOISE_UNITS = 1e4
+
+
+@dataclass
+class Calibration:
+    """What the probes found.
+
+    Attributes
+    ----------
+    token_scale : the scale chosen (the default ``d ** 0.25`` when no knee was seen).
+    queries, max_query_length : measured at the calibration's oracle boundary.
+    scales : (rungs,) the token norms probed.
+    response : (rungs, P) ``|D_p(s)| / s`` relative to each pair's largest value (NaN below the noise).
+    knee : the knee scale (geometric median of the pairs'), or None.
+    message : what was decided, in words.
+    """
+
+    token_scale: float
+    queries: int
+    max_query_length: int
+    scales: np.ndarray
+    response: np.ndarray
+    knee: float | None
+    message: str
+
+    def __str__(self) -> str:
+        return f"token_scale {self.token_scale:.4g} from {self.queries} probe queries: {self.message}"
+
+
+def _pairs(rng, d: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """P final tokens and differences of norm ``base``, rounded to the token grid."""
+    xs, zs = np.empty((PAIRS, d)), np.empty((PAIRS, d))
+    for p in range(PAIRS):
+        if d == 1:
+            xs[p], zs[p] = 1.0, -0.5
+        else:
+            q = np.linalg.qr(rng.standard_normal((d, 2)))[0]
+            xs[p], zs[p] = q[:, 0], q[:, 1]
+    return quantize(base * xs, 4 * base), quantize(base * zs, 4 * base)
+
+
+def _floats(answers) -> np.ndarray:
+    """Answers as floats (ball midpoints in high precision)."""
+    answers = np.asarray(answers)
+    if answers.dtype == object:
+        return np.array([float(value.mid()) if hasattr(value, "mid") else float(value) for value in answers])
+    return answers.astype(np.float64)
+
+
+def probe_responses(boundary, d: int, rng) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(scales, A(s), noise level of A)`` from the probe queries (asked through ``boundary``)."""
+    base = default_token_scale(d)
+    x0, z0 = _pairs(rng, d, base)
+    one_token = [np.zeros((1, d))] + [token[None] for token in x0] + [token[None] for token in x0 - z0]
+    first = _floats(boundary.ask(one_token, description="calibration: one-token probes"))
+    c0, fx, fy = first[0], first[1:PAIRS + 1], first[PAIRS + 1:]
+    factors = 2.0 ** LADDER
+    sequences = [np.vstack([f * (x - z), f * x]) for f in factors for x, z in zip(x0, z0)]
+    pairs = _floats(boundary.ask(sequences, description="calibration: two-token probes")).reshape(len(factors), PAIRS)
+    linear = c0 + factors[:, None] * ((fx - c0) + (fy - c0))[None] / 2  # (f((x)) + f((y))) / 2 at every rung
+    D = pairs - linear
+    scales = base * factors
+    magnitude = np.abs(pairs) + np.abs(linear)
+    noise = NOISE_UNITS * np.finfo(np.float64).eps * magnitude / scales[:, None]
+    return scales, np.abs(D) / scales[:, None], noise
+
+
+def _knee(scales: np.ndarray, relative: np.ndarray) -> float | None:
+    """First scale where ``relative`` (NaN: noise) reaches KNEE, interpolated geometrically."""
+    above = np.flatnonzero(np.nan_to_num(relative) >= KNEE)
+    if not len(above):
+        return None
+    k = int(above[0])
+    if k == 0 or not np.isfinite(relative[k - 1]) or relative[k - 1] <= 0:
+        return float(scales[k])
+    low, high = np.log(relative[k - 1]), np.log(relative[k])
+    step = (np.log(KNEE) - low) / (high - low) if high > low else 1.0
+    return float(scales[k - 1] * (scales[k] / scales[k - 1]) ** step)
+
+
+def calibrate(boundary, d: int, rng) -> Calibration:
+    """Probe the oracle through ``boundary`` and choose the token scale (module docstring)."""
+    base = default_token_scale(d)
+    before = boundary.position
+    scales, response, noise = probe_responses(boundary, d, rng)
+    queries = boundary.position - before
+    response = np.where(response > noise, response, np.nan)
+    peak = np.nanmax(np.where(np.isfinite(response), response, -np.inf), axis=0)
+    relative = response / np.where(peak > 0, peak, np.inf)[None]
+    knees = [knee for knee in (_knee(scales, relative[:, p]) for p in range(PAIRS)) if knee is not None]
+    if not knees:
+        return Calibration(base, queries, boundary.max_query_length, scales, relative, None,
+                           "no probe moved the answers beyond their rounding (scores independent of the tokens?): "
+                           f"kept the default d ** 0.25 = {base:.4g}")
+    knee = float(np.exp(np.median(np.log(knees))))
+    edge = (" (at the edge of the ladder: the weights may be outside 1e-4..1e4 times the random model's)"
+            if knee <= scales[0] or knee >= scales[-1] else "")
+    return Calibration(KNEE_TO_SCALE * knee, queries, boundary.max_query_length, scales, relative, knee,
+                       f"knee of the two-token response at {knee:.4g} ({len(knees)} of {PAIRS} probe pairs){edge}")

@@ -1,0 +1,210 @@
+"""The targeted schedule for the model with biases (docs/algorithm.md §16, §13).
+
+With score biases ``u_h`` and an output constant ``c`` (§16) a copies-instance with final token x
+and difference z keeps the form of §3: the one-token query ``(x)`` answers ``c + vbar^T x``, and
+
+    G(k) = c + vbar^T x - F(k) = sum_h k l_h / (k + tau_h),   log tau_h = m_h = a_h^T x + b_h,
+
+with ``a_h = W_h^T z``, ``b_h = u_h^T z`` and ``l_h = v_h^T z``: the log-pole is *affine* in the
+final token. Everything of §13 carries over in the lifted coordinates ``x~ = (x, 1)``,
+``a~_h = (a_h, b_h)``, ``m_h = a~_h^T x~``:
+
+* ``c`` and ``vbar`` from ``d + 1`` one-token queries (the zero vector gives c);
+* phase 1 (lines) is unchanged: along a line the log-pole is still affine, and readings around a
+  centre measure differences of log-poles, in which ``b_h`` cancels; the centre's own log-pole
+  gives the rough ``b_h = m_h - a_h^T x_c``;
+* each unit (head, z) asks ``d + 1`` instances (one more than §13): the designs aim
+  ``a_g^T x = s_g - b_g`` (the offsets measured like the slopes), their lifted final tokens are
+  the columns of a pattern whose constant row is the lifted coordinate, and ``a~_h`` solves the
+  square system ``X~ a~ = m``;
+* the final bases give ``W_h = Z_h^{-T} [a_h(z_j)]^T`` and ``u_h = Z_h^{-T} [b_h(z_j)]``.
+
+Queries after phase 1, with H heads found: ``(d + 1) + 3H(d + 1)`` (first group) ``+ (d + 2) H (d - 1)``
+(bridges) ``+ 3 H d (d + 1)`` (final); the longest query has 5 tokens (phase 1's ``k = 4``).
+The design, fit and check code is the targeted schedule's own (:mod:`.targeted`); only the lifted
+design (:class:`AffineDesign`), the prober that knows c, and the run's assembly live here.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..model import MultiHeadAttention
+from ..numerics import float64 as float64_kernel
+from ..oracle.queries import one_token_queries, random_basis
+from .base import Outcome
+from .linesearch import locate_heads
+from .targeted import (
+    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
+    _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection, _patterns,
+    _Prober, _shared,
+)
+
+
+class AffineProber(_Prober):
+    """A :class:`~.targeted._Prober` for the biased model: knows ``c`` as well as ``vbar``, and takes
+    final tokens and differences either in R^d or lifted to R^(d+1) (last coordinate 1 for final
+    tokens, 0 for differences; the oracle is asked the first d coordinates)."""
+
+    c0 = 0.0
+
+    def learn_vbar(self, basis: np.ndarray) -> None:
+        """``c`` from the one-token query of the zero vector, ``vbar`` from ``f((b_i)) = c + vbar^T b_i``."""
+        answers = self.ask([np.zeros((1, self.d))] + one_token_queries(basis), "one-token queries (c, vbar)")
+        self.c0 = float(answers[0])
+        self.vbar = float64_kernel.solve_transposed(basis, answers[1:] - self.c0)
+
+    def quantize(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape[-1] == self.d:
+            return super().quantize(values)
+        out = values.copy()
+        out[..., :self.d] = super().quantize(values[..., :self.d])
+        return out
+
+    def gaps(self, finals, differences, copies, description="targeted instances"):
+        if finals.shape[1] == self.d + 1:
+            if not (np.all(finals[:, self.d] == 1.0) and np.all(differences[:, self.d] == 0.0)):
+                raise AssertionError("lifted final tokens must end in 1 and differences in 0")
+            finals, differences = finals[:, :self.d], differences[:, :self.d]
+        gaps, rounding = super().gaps(finals, differences, copies, description)
+        return gaps + self.c0, rounding + 4 * EPS * abs(self.c0)
+
+
+class AffineDesign(_FullDesign):
+    """Designs of units measuring ``a~_h(z) = (W_h^T z, u_h^T z)`` in lifted coordinates: ``d + 1``
+    instances per unit (module docstring). ``current`` (U, H, d + 1) are the lifted estimates."""
+
+    def __init__(self, current: np.ndarray, heads: np.ndarray, patterns: np.ndarray):
+        U, H, D = current.shape
+        self.current, self.heads, self.units = current, heads, np.arange(U)
+        self.rounds, self.pattern = D, patterns
+        self.prior = current[self.units, heads].copy()
+        # Null part in R^d off the H slopes, from pattern rows H + 1.. (row H is the lifted coordinate).
+        _, _, vt = np.linalg.svd(current[:, :, :D - 1], full_matrices=True)
+        self.null_part = SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H + 1:, :])
+        self.correction = _MinimumNormCorrection(U, D)
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
+        """(H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted coordinate)."""
+        return np.array([_patterns(rng, d, H) for _ in range(H)])
+
+    def design(self, n: int) -> np.ndarray:
+        """``a_g^T x = value_g - b_g``: the §13 design in R^d with the offsets moved to the right-hand
+        side (expressed as a shift of the pattern column), then lifted with an exact 1."""
+        U, H, D = self.current.shape
+        slopes, offsets = self.current[:, :, :D - 1], self.current[:, :, D - 1]
+        columns = self.pattern[:, :H, n] - offsets / SATURATION_SPREAD
+        columns[self.units, self.heads] = (self.pattern[self.units, self.heads, n]
+                                           - offsets[self.units, self.heads] / TARGET)
+        x = _designs(slopes, self.heads, columns, self.null_part[:, :, n])
+        return np.concatenate([x, np.ones((U, 1))], axis=1)
+
+
+def lift(vectors: np.ndarray, last: float) -> np.ndarray:
+    """Rows of ``vectors`` (..., d) with one more coordinate ``last``."""
+    return np.concatenate([vectors, np.full(vectors.shape[:-1] + (1,), last)], axis=-1)
+
+
+def lifted_scores(W: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``W~_h = [[W_h, u_h], [0, 0]]`` (H, d + 1, d + 1): ``W~_h^T (z, 0) = (W_h^T z, u_h^T z)`` and
+    ``(y, 1)^T W~_h (x, 1) = y^T (W_h x + u_h)``."""
+    H, d, _ = W.shape
+    out = np.zeros((H, d + 1, d + 1))
+    out[:, :d, :d], out[:, :d, d] = W, u
+    return out
+
+
+def _assemble(Z: np.ndarray, a: np.ndarray, labels: np.ndarray):
+    """``W_h = Z^{-T} [a_h(z_j)]^T``, ``u_h = Z^{-T} [b_h(z_j)]``, ``v_h = Z^{-T} l_h`` for lifted
+    ``a`` (groups j, H, d + 1) and labels (groups j, H) over the columns z_j of Z."""
+    d = Z.shape[0]
+    W, v = float64_kernel.assemble(Z, np.eye(d), a[:, :, :d].transpose(1, 0, 2), labels.T)
+    u = float64_kernel.solve_transposed(Z, a[:, :, d]).T
+    return W, v, u
+
+
+def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
+    """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances."""
+    Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
+    z1 = Z[:, 0]
+    before = prober.boundary.position
+    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
+                          z1, max_heads, rng, token_scale, prober.quantize)
+    search.queries = prober.boundary.position - before
+    if not search.heads:
+        return Z, search, None
+    rough = np.array([np.append(head.direction, head.log_pole - head.direction @ head.center)
+                      for head in search.heads])
+    first = _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign)
+    return Z, search, first
+
+
+def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
+    """Phase 1, first group, bridges and final instances in lifted coordinates (module docstring).
+    Returns ``(line search report, [(stage, measurements)], model or None, lifted W~ or None)``."""
+    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    if first is None:
+        return search, [], None, None
+    H = len(search.heads)
+    a1, labels1 = first.solve()[0], first.consensus_labels()[0][0]
+    stages = [("first", first)]
+    rough_a, rough_l = a1[None], labels1[None]
+    if d > 1 and np.isfinite(a1).all():
+        eps_bridge = _bridge_step(first)
+        bridge_z = lift(prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T), 0.0)
+        bridges = _measure(prober, *_shared(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True,
+                           designer=AffineDesign)
+        stages.append(("bridge", bridges))
+        rough_a = np.concatenate([rough_a, (bridges.solve() - a1[None]) / eps_bridge])
+        rough_l = np.concatenate([rough_l, (bridges.label[:, :, 0] - labels1[None]) / eps_bridge])
+    if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
+        return search, stages, None, None
+    W_rough = lifted_scores(*_assemble(Z, rough_a, rough_l)[::2])
+    v_rough = _assemble(Z, rough_a, rough_l)[1]
+    scale = GROUP_SCALE * token_scale
+    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
+    differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
+    estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a~_f(z) for every unit
+    final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough, designer=AffineDesign)
+    stages.append(("final", final))
+    a_final, labels_final = final.solve(), final.consensus_labels()[0]  # (d, H, d + 1), (d, H)
+    if not (np.isfinite(a_final).all() and np.isfinite(labels_final).all()):
+        return search, stages, None, None
+    W, v, u = np.empty((H, d, d)), np.empty((H, d)), np.empty((H, d))
+    for h in range(H):
+        W_h, v_h, u_h = _assemble(bases[h], a_final[:, h:h + 1], labels_final[:, h:h + 1])
+        W[h], v[h], u[h] = W_h[0], v_h[0], u_h[0]
+    return search, stages, MultiHeadAttention(W, v, u, prober.c0), lifted_scores(W, u)
+
+
+class BiasedTargetedSchedule(TargetedSchedule):
+    """``extract(..., schedule="targeted")`` with ``bias=True``: the model of §16 in float64, H <= d."""
+
+    @property
+    def promised_queries(self) -> int:
+        """After phase 1, with H0 heads: ``(d + 1) + 3H(d + 1) + (d + 2)H(d - 1) + 3Hd(d + 1)``."""
+        d, H = self.d, self.max_heads
+        return (d + 1) + 3 * H * (d + 1) + (d + 2) * H * (d - 1) + 3 * H * d * (d + 1)
+
+    @property
+    def count_formula(self) -> str:
+        return "targeted with biases (d+1) + 3H(d+1) + (d+2)H(d-1) + 3Hd(d+1) after the adaptive phase 1"
+
+    def fixed_queries(self) -> list[np.ndarray]:
+        return [np.zeros((1, self.d))] + one_token_queries(self.vbar_basis)
+
+    def run(self, boundary, arithmetic) -> Outcome:
+        prober = AffineProber(boundary, self.d, self.token_scale, self.promised_queries)
+        prober.learn_vbar(self.vbar_basis)
+        search, stages, model, W_lift = run_affine(prober, self.d, self.max_heads, self.rng, self.token_scale)
+        H = len(search.heads)
+        instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift))
+        error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
+        answers = np.asarray(prober.answers, dtype=np.float64)
+        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages])
+        return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
+                       checks)

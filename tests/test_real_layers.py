@@ -1,0 +1,131 @@
+"""Issue 13: real layers with non-zero biases, the library's defaults only, ground truth from the weights."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers import BertConfig, GPT2Config, OPTConfig, ViTConfig  # noqa: E402
+from transformers.models.bert.modeling_bert import BertSelfAttention  # noqa: E402
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention  # noqa: E402
+from transformers.models.opt.modeling_opt import OPTAttention  # noqa: E402
+from transformers.models.vit.modeling_vit import ViTAttention  # noqa: E402
+
+import mhaextract as mx  # noqa: E402
+from mhaextract.adapters.torch import TorchOracle, UnsupportedLayerError, to_reduced, to_torch  # noqa: E402
+
+
+def with_biases(module, seed):
+    """Every bias drawn with the std of the layer's weights (trained layers carry such biases)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weights = [p for n, p in module.named_parameters() if not n.endswith("bias")]
+        std = float(torch.cat([p.flatten() for p in weights]).std())
+        for name, parameter in module.named_parameters():
+            if name.endswith("bias"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
+    return module.double()
+
+
+def build(kind, d, H, seed, implementation="eager"):
+    torch.manual_seed(seed)
+    if kind == "nn.MultiheadAttention":
+        layer = torch.nn.MultiheadAttention(d, H, batch_first=bool(seed % 2))
+    elif kind == "GPT2Attention":
+        layer = GPT2Attention(GPT2Config(n_embd=d, n_head=H, attn_implementation=implementation), layer_idx=0)
+    elif kind == "BertSelfAttention":
+        layer = BertSelfAttention(BertConfig(hidden_size=d, num_attention_heads=H, attn_implementation=implementation))
+    elif kind == "OPTAttention":  # OPT's eager path takes its softmax in float32: sdpa is the float64 layer
+        layer = OPTAttention(OPTConfig(hidden_size=d, num_attention_heads=H, attn_implementation="sdpa"), layer_idx=0)
+    else:
+        layer = ViTAttention(ViTConfig(hidden_size=d, num_attention_heads=H, attn_implementation=implementation))
+    return with_biases(layer, seed)
+
+
+CASES = [("nn.MultiheadAttention", 16, 2, "eager"), ("GPT2Attention", 16, 4, "sdpa"),
+         ("BertSelfAttention", 16, 2, "eager"), ("OPTAttention", 16, 2, "sdpa"), ("ViTAttention", 16, 2, "sdpa")]
+
+
+@pytest.mark.parametrize("kind, d, H, implementation", CASES, ids=[case[0] for case in CASES])
+def test_a_biased_layer_is_extracted_with_the_defaults(kind, d, H, implementation):
+    layer = build(kind, d, H, seed=0, implementation=implementation)
+    r = np.random.default_rng(0).standard_normal(d)
+    truth = to_reduced(layer, r)
+    assert np.abs(truth.u).max() > 0 and truth.c != 0  # the biases reach the model
+    oracle = TorchOracle(layer, r)
+    result = mx.extract(oracle, d, heads=H, seed=0)
+    assert result.ok and result.bias and result.calibration_queries > 0
+    assert result.queries == oracle.sequences  # calibration included, measured at the oracle
+    assert mx.compare(result.model, truth).max_rel <= 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nn.MultiheadAttention", "GPT2Attention", "BertSelfAttention", "OPTAttention",
+                                  "ViTAttention"])
+def test_larger_biased_layers(kind):
+    d, H = 32, 8
+    layer = build(kind, d, H, seed=1, implementation="sdpa")
+    r = np.random.default_rng(1).standard_normal(d)
+    result = mx.extract(TorchOracle(layer, r), d, heads=H, seed=1)
+    assert result.ok and mx.compare(result.model, to_reduced(layer, r)).max_rel <= 1e-9
+
+
+class OwnAttention(torch.nn.Module):
+    """A layer the library has never seen: heads of width 3 packed head-major in one (d, 3 H r)
+    projection, its own temperature, biases on query, value and output, a 2-dimensional output."""
+
+    def __init__(self, d=10, H=3, r=3, temperature=0.37, seed=0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.H, self.r, self.temperature = H, r, temperature
+        self.qkv = torch.nn.Parameter(torch.randn(d, H, 3, r, generator=generator, dtype=torch.float64) / d**0.5)
+        self.bias = torch.nn.Parameter(torch.randn(H, 3, r, generator=generator, dtype=torch.float64) * 0.3)
+        self.out = torch.nn.Parameter(torch.randn(H, r, 2, generator=generator, dtype=torch.float64) / r**0.5)
+        self.out_bias = torch.nn.Parameter(torch.randn(2, generator=generator, dtype=torch.float64))
+
+    def forward(self, X):
+        projected = torch.einsum("bnd,dhkr->bhknr", X, self.qkv) + self.bias[None, :, :, None]
+        q, k, v = projected[:, :, 0], projected[:, :, 1], projected[:, :, 2]
+        weights = torch.softmax(torch.einsum("bhnr,bhmr->bhnm", q, k) / self.temperature, dim=-1)
+        heads = torch.einsum("bhnm,bhmr->bhnr", weights, v)
+        return torch.einsum("bhnr,hro->bno", heads, self.out) + self.out_bias, weights
+
+    def truth(self, readout):
+        """The reduced model, from the weights (as a user's test would compute it)."""
+        qkv, bias, out = (t.detach().numpy() for t in (self.qkv, self.bias, self.out))
+        Wq, Wk, Wv = (qkv[:, :, n].transpose(1, 2, 0) for n in range(3))  # (H, r, d)
+        W = np.einsum("hrd,hre->hde", Wk, Wq) / self.temperature
+        u = np.einsum("hrd,hr->hd", Wk, bias[:, 0]) / self.temperature
+        v = np.einsum("hrd,hro,o->hd", Wv, out, readout)
+        c = float(readout @ (np.einsum("hr,hro->o", bias[:, 2], out) + self.out_bias.detach().numpy()))
+        return mx.MultiHeadAttention(W, v, u, c)
+
+
+def test_an_unseen_module_is_extracted_through_the_generic_path():
+    module = OwnAttention()
+    readout = np.array([0.8, -1.3])
+    oracle = TorchOracle(module, readout)
+    result = mx.extract(oracle, 10, heads=3, seed=0)
+    truth = module.truth(readout)
+    assert result.ok and mx.compare(result.model, truth).max_rel <= 1e-9
+    X = np.random.default_rng(0).standard_normal((4, 5, 10))
+    assert np.allclose(to_torch(result.model)(torch.as_tensor(X)).detach().numpy(), oracle(list(X)), rtol=1e-9)
+    with pytest.raises(TypeError, match="OwnAttention"):  # ground truth needs the class; the oracle does not
+        to_reduced(module, readout)
+
+
+def test_a_float32_layer_answers_in_float32_and_says_so():
+    layer = build("GPT2Attention", 16, 2, seed=0).float()
+    oracle = TorchOracle(layer, np.ones(16))
+    assert oracle.answer_dtype == "float32" and oracle([np.zeros((3, 16))]).dtype == np.float32
+    result = mx.extract(oracle, 16, heads=2, seed=0, on_failure="warn")
+    assert result.answer_dtype == "float32"
+
+
+def test_a_layer_outside_the_model_class_fails_its_checks_and_is_refused_by_to_reduced():
+    torch.manual_seed(0)
+    layer = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True, dtype=torch.float64)
+    with pytest.raises(UnsupportedLayerError, match="add_bias_kv"):
+        to_reduced(layer, np.ones(8))
+    with pytest.raises(mx.ExtractionError):
+        mx.extract(TorchOracle(layer, np.ones(8)), 8, heads=2, seed=0)
