@@ -77,7 +77,7 @@ def test_targeted_with_no_head_in_phase_1_names_token_scale_not_a_type_error():
     target = mx.MultiHeadAttention.random(3, 2, seed=0)
     small = mx.MultiHeadAttention(target.W * 0.01, target.v)  # was TypeError: ufunc 'invert'
     with pytest.raises(ExtractionError, match="No head was found.*token_scale"):
-        mx.extract(mx.SimulatedOracle(small), 3, heads=2, seed=0, schedule="targeted")
+        mx.extract(mx.SimulatedOracle(small), 3, heads=2, seed=0, schedule="targeted", token_scale=3 ** 0.25)
 
 
 def test_a_float64_kernel_failure_is_an_extraction_error_with_hints(monkeypatch):
@@ -88,7 +88,7 @@ def test_a_float64_kernel_failure_is_an_extraction_error_with_hints(monkeypatch)
     monkeypatch.setattr(float64, "detect_ranks", broken)
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
     with pytest.raises(ExtractionError, match="LinAlgError: SVD did not converge") as info:
-        mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0)
+        mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, schedule="paper")
     assert "precision=BITS" in str(info.value) and "schedule" in str(info.value)
     assert isinstance(info.value.__cause__, np.linalg.LinAlgError)
 
@@ -136,26 +136,27 @@ def test_a_storage_error_is_a_transcript_error_that_keeps_the_answers(tmp_path, 
     monkeypatch.setattr(Transcript, "_insert", full)
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
     with pytest.raises(TranscriptError, match="could not store.*disk is full") as info:
-        mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, transcript=tmp_path / "run.sqlite")
+        mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, transcript=tmp_path / "run.sqlite", schedule="paper")
     assert len(info.value.unsaved) == 15 and all(np.isfinite(list(info.value.unsaved.values())))
 
 
 def test_a_transcript_resumed_against_another_oracle_is_refused(tmp_path):
     path = tmp_path / "run.sqlite"
-    mx.extract(mx.SimulatedOracle(mx.MultiHeadAttention.random(3, 2, seed=0)), 3, heads=2, seed=0, transcript=path)
+    mx.extract(mx.SimulatedOracle(mx.MultiHeadAttention.random(3, 2, seed=0)), 3, heads=2, seed=0, transcript=path,
+               schedule="paper")
     other = mx.MultiHeadAttention.random(3, 2, seed=5)
     with pytest.raises(TranscriptError, match="different oracle"):  # returned the old oracle's heads
-        mx.extract(mx.SimulatedOracle(other), 3, heads=2, seed=0, transcript=path)
+        mx.extract(mx.SimulatedOracle(other), 3, heads=2, seed=0, transcript=path, schedule="paper")
 
 
 def test_the_resume_check_costs_three_counted_queries(tmp_path):
     path = tmp_path / "run.sqlite"
     target = mx.MultiHeadAttention.random(3, 2, seed=0)
-    first = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, transcript=path)
-    again = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, transcript=path)
+    first = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, transcript=path, schedule="paper")
+    again = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, transcript=path, schedule="paper")
     assert (again.queries_asked, again.queries_replayed) == (3, first.queries_asked)
     assert mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, transcript=path,
-                      resume_check=0).queries_asked == 0
+                      resume_check=0, schedule="paper").queries_asked == 0
 
 
 @pytest.mark.parametrize("count", [dict(heads=3), dict(max_heads=3)])
@@ -190,7 +191,7 @@ def test_the_noise_probe_costs_twelve_counted_queries_and_paper_none():
     from mhaextract.checks.noise_probe import PROBE_QUERIES
     target = mx.MultiHeadAttention.random(3, 2, seed=0)
     lean = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, schedule="lean")
-    paper = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0)
+    paper = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, schedule="paper")
     assert PROBE_QUERIES == 12
     assert lean.queries == lean.promised_queries + lean.details.fallback_links * 3 + PROBE_QUERIES
     assert paper.queries == paper.promised_queries

@@ -29,7 +29,7 @@ from .numerics.highprec import mpf_array
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
-from .oracle.transcript import Transcript, run_fingerprint
+from .oracle.transcript import Transcript, check_directory, run_fingerprint
 from .results import Extraction
 from .schedules.base import Outcome, RunSettings, Schedule
 from .calibration import Calibration, calibrate
@@ -105,6 +105,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         positive_int("max_queries", max_queries, minimum=0)
     if transcript is not None:
         resumable_seed(seed)
+        check_directory(transcript)  # before the calibration's probes: nothing is asked for a run that cannot record
     resume_check = positive_int("resume_check", resume_check, minimum=0)
     choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias)
     if choice.bias and settings.refine:

@@ -11,10 +11,10 @@ more than 30x off). Two sources measure the noise (docs/reliability.md):
   estimate then rests on redundancy alone.
 * **fresh noise-probe queries** (every other float64 schedule): ``PROBE_TRIPLES`` triples of
   fresh queries (``3 x PROBE_TRIPLES = 12`` queries, counted at the boundary like every other,
-  stream 2 of the seed) whose exact answers are linearly related whatever the heads: a sequence
-  of ``k`` equal tokens ``(b, .., b)`` answers ``vbar^T b`` (uniform attention), so
-  ``f(b1 x k1) + f(b2 x k2) - f((b1 + b2) x k3) = 0`` exactly (tokens on a grid where the sum is
-  exact). Its misfit is the answers' noise alone, not the model's error, through the softmax
+  stream 2 of the seed) whose exact answers are affinely related whatever the heads: a sequence
+  of ``k`` equal tokens ``(b, .., b)`` answers ``c + vbar^T b`` (uniform attention; ``c = 0``
+  without biases, §16), so ``f(b1 x k1) + f(b2 x k2) - 2 f(((b1 + b2) / 2) x k3) = 0`` exactly
+  (tokens on a grid where the half-sum is exact). Its misfit is the answers' noise alone, not the model's error, through the softmax
   path (lengths 1 to the schedule's longest query). Noise only on sequences of distinct tokens
   escapes it. When the largest misfit ``r`` exceeds ``ROUNDING_ULPS`` units of rounding of its
   three answers, the schedule's estimate, linear in the answer error it assumed
@@ -45,7 +45,7 @@ def _triples(plan) -> list[np.ndarray]:
     for _ in range(PROBE_TRIPLES):
         b1, b2 = (quantize(rng.standard_normal(settings.d) * settings.token_scale / np.sqrt(settings.d),
                            2 * settings.token_scale) for _ in range(2))
-        for token in (b1, b2, b1 + b2):
+        for token in (b1, b2, (b1 + b2) / 2):
             sequences.append(np.tile(token, (int(rng.integers(1, longest + 1)), 1)))
     return sequences
 
@@ -55,8 +55,8 @@ def probe_misfit(boundary, plan, model=None) -> tuple[float, float, int]:
     sequences = _triples(plan)
     answers = np.asarray(boundary.ask(sequences, description="noise probe (fresh queries)"), dtype=np.float64)
     triples = answers.reshape(-1, 3)
-    misfit = np.abs(triples[:, 0] + triples[:, 1] - triples[:, 2])
-    rounding = ROUNDING_ULPS * 2.0**-53 * np.abs(triples).sum(axis=1)
+    misfit = np.abs(triples[:, 0] + triples[:, 1] - 2.0 * triples[:, 2])
+    rounding = ROUNDING_ULPS * 2.0**-53 * (np.abs(triples) * [1.0, 1.0, 2.0]).sum(axis=1)
     noise = float(np.where(misfit > rounding, misfit, 0.0).max(initial=0.0))
     return noise, float(np.abs(answers).max(initial=0.0)), len(sequences)
 

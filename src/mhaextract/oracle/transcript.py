@@ -59,6 +59,18 @@ class TranscriptError(RuntimeError):
         self.unsaved: dict = {}
 
 
+def check_directory(path) -> None:
+    """Before any query: the transcript's directory must exist and be writable."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise TranscriptError(f"transcript {path!r}: the directory {directory!r} does not exist; create it "
+                              "or pass another transcript path (nothing was asked)", path)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise TranscriptError(f"transcript {path!r}: the directory {directory!r} is not writable; pass "
+                              "another transcript path (nothing was asked)", path)
+
+
 def tokens_sha256(sequence: np.ndarray) -> str:
     """SHA-256 of one query: its shape and its float64 tokens (little-endian, row-major)."""
     array = np.ascontiguousarray(np.asarray(sequence, dtype="<f8"))
@@ -113,7 +125,7 @@ class Transcript:
         self.fingerprint = dict(fingerprint)
         self.high_precision = fingerprint["precision"] is not None
         self._answers: dict[int, tuple[int, str, object]] = {}
-        self._check_directory()
+        check_directory(self.path)
         self.created = not os.path.exists(self.path) or self._is_empty_database()
         if not self.created:
             self._load()  # read-only; raises TranscriptError and touches nothing on any problem
@@ -123,16 +135,6 @@ class Transcript:
                 self._create()
         except sqlite3.Error as error:
             raise self._storage_error("cannot be created or opened for writing", error) from error
-
-    def _check_directory(self) -> None:
-        """Before any query: the transcript's directory must exist and be writable."""
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise TranscriptError(f"transcript {self.path!r}: the directory {directory!r} does not exist; create it "
-                                  "or pass another transcript path (nothing was asked)", self.path)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise TranscriptError(f"transcript {self.path!r}: the directory {directory!r} is not writable; pass "
-                                  "another transcript path (nothing was asked)", self.path)
 
     def _storage_error(self, what: str, error: BaseException) -> TranscriptError:
         return TranscriptError(f"transcript {self.path!r} {what} ({type(error).__name__}: {error}); check that "
