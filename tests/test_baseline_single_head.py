@@ -40,6 +40,7 @@ def test_one_head_is_recovered_exactly_in_high_precision_with_d2_plus_d_queries(
     assert result.error_estimate < 1e-60
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(d=st.integers(1, 12), seed=st.integers(0, 2**31), log_scale=st.floats(-1.0, 1.0))
 def test_float64_one_head_error_stays_under_its_estimate(d, seed, log_scale):

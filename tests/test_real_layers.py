@@ -114,6 +114,7 @@ def test_an_unseen_module_is_extracted_through_the_generic_path():
         to_reduced(module, readout)
 
 
+@pytest.mark.slow
 def test_a_float32_layer_answers_in_float32_and_says_so():
     layer = build("GPT2Attention", 16, 2, seed=0).float()
     oracle = TorchOracle(layer, np.ones(16))

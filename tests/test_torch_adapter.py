@@ -91,6 +91,7 @@ def test_the_callers_module_is_left_as_it_was_and_answers_in_its_own_dtype():
 @pytest.mark.parametrize("make, d", [(lambda seed: multihead(8, 2, seed=seed, bias=False), 8),
                                      (lambda seed: gpt2(16, 2, seed=seed), 16)],
                          ids=["nn.MultiheadAttention", "GPT2Attention"])
+@pytest.mark.slow
 def test_extracting_a_real_layer(make, d, seed):
     layer = make(seed)
     u = readout(d, seed)
