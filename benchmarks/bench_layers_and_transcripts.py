@@ -64,7 +64,7 @@ def real_layers_table(quick: bool) -> list[str]:
         u = np.random.default_rng(0).standard_normal(d)
         oracle = TorchOracle(layer, u)
         truth = to_reduced(layer, u)
-        run = dict(heads=oracle.heads, seed=0, token_scale=oracle.suggested_token_scale, on_failure="warn")
+        run = dict(heads=oracle.heads, seed=0, schedule="paper", token_scale=oracle.suggested_token_scale, on_failure="warn")
         real, real_seconds = timed(lambda _: mx.extract(oracle, d, **run))
         simulated, simulated_seconds = timed(lambda _: mx.extract(mx.SimulatedOracle(truth), d, **run))
         rows.append(
@@ -88,7 +88,7 @@ def transcripts_table(quick: bool) -> list[str]:
     for d, H, precision in cases:
         target = mx.MultiHeadAttention.random(d, H, seed=d + H)
         oracle = mx.SimulatedOracle(target, precision)
-        run = dict(heads=H, precision=precision, seed=1, batch_size=BATCH_SIZE)
+        run = dict(heads=H, precision=precision, seed=1, batch_size=BATCH_SIZE, schedule="paper")
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "run{}.sqlite"
             plain, plain_seconds = timed(lambda _: mx.extract(oracle, d, **run))

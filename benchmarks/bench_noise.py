@@ -33,7 +33,7 @@ def run(target, oracle, d, H, seed, **options):
     started = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
-        result = mx.extract(oracle, d, heads=H, seed=seed, on_failure="warn", **options)
+        result = mx.extract(oracle, d, heads=H, seed=seed, schedule="paper", on_failure="warn", **options)
     seconds = time.process_time() - started
     error = float(mx.compare(result.model, target).max_rel) if result.model is not None else np.inf
     return result, error, seconds

@@ -252,7 +252,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     if noise is not None:
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
-    error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe)
+    error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale)
     checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
         plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source)
     return Extraction(
@@ -282,9 +282,13 @@ def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[floa
     return noise, label_noise
 
 
-def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe) -> tuple[float, str]:
+def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe,
+                      scale: float) -> tuple[float, str]:
     """The error estimate raised to the answer noise measured (:mod:`.checks.noise_probe`), and
-    what it rests on (for the check's message)."""
+    what it rests on (for the check's message). The links' noise estimate raises it only above
+    float64 rounding (``ROUNDING_REGIME``): at rounding level the schedule's own estimate already
+    assumes it, and the certificate's amplification (an operator norm over every answer, the
+    slow part of the certificate) is then not needed."""
     if settings.precision is not None:
         return error_estimate, "the answers' precision (ball radii)"
     if settings.answer_error is not None:
@@ -294,9 +298,12 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
         return (scaled_estimate(error_estimate, misfit, answers_scale),
                 f"the answer noise measured on {count} fresh queries ({misfit / max(answers_scale, 1e-300):.2g} "
                 "relative)")
-    if certificate is not None:
+    if certificate is not None and 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale:
         return (redundancy_estimate(error_estimate, certificate),
                 "the answer noise its redundant measurements (links) show; no fresh query: it rests on redundancy alone")
+    if certificate is not None:
+        return error_estimate, ("the rounding of the answers: the noise its redundant measurements (links) show is "
+                                "at rounding level; no fresh query: it rests on redundancy alone")
     return error_estimate, "the rounding of the answers (noise not measured)"
 
 

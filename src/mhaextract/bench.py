@@ -209,12 +209,12 @@ def _general(d, H, settings, progress) -> list[BenchRow]:
     oracle = SimulatedOracle(target)
     fresh = random_queries(np.random.default_rng(target_seed + 7), FIDELITY_QUERIES, d, default_token_scale(d),
                            (1, FIDELITY_MAX_LENGTH), spread=1.0)
-    ours, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, progress=progress,
-                                           on_failure="warn"))
+    ours, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, schedule="paper",
+                                           progress=progress, on_failure="warn"))
     rows = [_row("general", d, H, "mhaextract", ours, seconds, target, fresh, "float64")]
     # Ours again, polished by least squares on the same answers (no extra query: the same budget).
-    refined, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, progress=progress,
-                                              refine=True, refine_queries=0, on_failure="warn"))
+    refined, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, schedule="paper",
+                                              progress=progress, refine=True, refine_queries=0, on_failure="warn"))
     rows.append(_row("general", d, H, "mhaextract+refine", refined, seconds, target, fresh,
                      "float64, refine=True, refine_queries=0"))
     single, seconds = _timed(lambda: extract_single_head(oracle, d, seed=target_seed + 2, progress=progress,
@@ -237,7 +237,7 @@ def _orthogonal(d, H, settings) -> list[BenchRow]:
     oracle = SimulatedOracle(target)
     fresh = random_queries(np.random.default_rng(target_seed + 7), FIDELITY_QUERIES, d, default_token_scale(d),
                            (1, FIDELITY_MAX_LENGTH), spread=1.0)
-    ours, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, on_failure="warn"))
+    ours, seconds = _timed(lambda: extract(oracle, d, heads=H, seed=target_seed + 1, schedule="paper", on_failure="warn"))
     rows = [_row("orthogonal", d, H, "mhaextract", ours, seconds, target, fresh, "float64; bases not used")]
     single, seconds = _timed(lambda: extract_single_head(oracle, d, subspaces=bases, seed=target_seed + 2,
                                                          on_failure="warn"))

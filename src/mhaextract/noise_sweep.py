@@ -52,7 +52,7 @@ def noise_sweep(d: int, heads: tuple[int, ...], eps_values: tuple[float, ...], s
                     oracle = AdditiveNoise(SimulatedOracle(target), eps, seed=seed)
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", UnreliableExtractionWarning)
-                        result = extract(oracle, d, heads=H, seed=seed, answer_error=eps, refine=refine,
+                        result = extract(oracle, d, heads=H, seed=seed, schedule="paper", answer_error=eps, refine=refine,
                                          on_failure="warn")
                     error = float(compare(result.model, target).max_rel) if result.model is not None else np.inf
                     bound = result.error_bound(eps) if result.certificate is not None else np.inf
