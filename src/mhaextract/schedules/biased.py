@@ -33,13 +33,12 @@ import numpy as np
 
 from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
-from ..oracle.queries import one_token_queries, random_basis
+from ..oracle.queries import one_token_queries
 from .base import Outcome
-from .linesearch import locate_heads
 from .targeted import (
     EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
     _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection, _patterns,
-    _Prober, _shared,
+    _Prober, _shared, line_search,
 )
 
 
@@ -129,12 +128,7 @@ def _assemble(Z: np.ndarray, a: np.ndarray, labels: np.ndarray):
 
 def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances."""
-    Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
-    z1 = Z[:, 0]
-    before = prober.boundary.position
-    search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
-                          z1, max_heads, rng, token_scale, prober.quantize)
-    search.queries = prober.boundary.position - before
+    Z, search = line_search(prober, d, max_heads, rng, token_scale)
     if not search.heads:
         return Z, search, None
     rough = np.array([np.append(head.direction, head.log_pole - head.direction @ head.center)

@@ -606,15 +606,22 @@ class TargetedSchedule(Schedule):
         return ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT
 
 
-def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
-    """Phase 1 (heads and rough ``a_h(z_1)`` along lines) and the first group, targeted.
-    Returns ``(Z, line search report, first-group measurements or None when no head was found)``."""
+def line_search(prober, d: int, max_heads: int, rng, token_scale: float):
+    """Phase 1: the groups' differences ``Z`` and the heads located along lines in group ``z_1``
+    (:func:`.linesearch.locate_heads`), with the queries it asked counted on the report."""
     Z = prober.quantize(random_basis(rng, d, GROUP_SCALE * token_scale))
     z1 = Z[:, 0]
     before = prober.boundary.position
     search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
                           z1, max_heads, rng, token_scale, prober.quantize)
     search.queries = prober.boundary.position - before
+    return Z, search
+
+
+def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
+    """Phase 1 (heads and rough ``a_h(z_1)`` along lines) and the first group, targeted.
+    Returns ``(Z, line search report, first-group measurements or None when no head was found)``."""
+    Z, search = line_search(prober, d, max_heads, rng, token_scale)
     if not search.heads:
         return Z, search, None
     rough = np.array([head.direction for head in search.heads])
