@@ -86,7 +86,7 @@ def test_extract_from_a_file_path_with_a_transcript_resumes(user_module):
 
 def test_extract_with_the_lean_schedule(user_module):
     name, truth, folder = user_module
-    result = runner.invoke(app, ["extract", "--schedule", "paper", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
                                  "--schedule", "lean", "--out", "lean.json"])
     assert result.exit_code == 0, result.output
     assert "lean formula" in result.output

@@ -12,15 +12,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from .calibration import Calibration, calibrate
 from .checks.base import (
     Check, answers_residual_check, error_estimate_check, finite_check, report_failure,
 )
-from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
-from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.certificate import Certificate, least_squares_certificate
+from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
+from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
 from .checks.refine import output_jacobian, refine_least_squares
 from .model import MultiHeadAttention
 from .numerics.arithmetic import BACKENDS, arithmetic_for
@@ -32,8 +34,7 @@ from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, check_directory, run_fingerprint
 from .results import Extraction
 from .schedules.base import Outcome, RunSettings, Schedule
-from .calibration import Calibration, calibrate
-from .schedules.registry import choose
+from .schedules.registry import Choice, choose
 from .validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
     token_scale_for, token_scale_option,
@@ -132,7 +133,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
             probe = probe_misfit(boundary, plan, outcome.model)
-        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, probe)
+        spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
+                                                      "mpf" if settings.precision else "float64")))
+        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -140,7 +143,6 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     finally:
         if record is not None:
             record.close()
-    _describe(extraction, oracle, choice, calibration, outcome)
     failed = {check.name for check in extraction.failed_checks}
     hints = plan.hints(failed) + failure_hints(failed, settings, boundary.stats, extraction.heads)
     if "noise_within_validity" in failed:
@@ -158,19 +160,22 @@ def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries)
     return calibrate(probes, settings.d, spawn_rng(settings.seed, 3))
 
 
-def _describe(extraction: Extraction, oracle, choice, calibration, outcome) -> None:
-    """What the run chose and spent beyond its schedule: calibration, schedule choice, biases, dtype."""
-    extraction.schedule_reason = choice.reason
-    extraction.bias = choice.bias
-    extraction.answer_dtype = str(getattr(oracle, "answer_dtype", "mpf" if extraction.precision else "float64"))
-    if calibration is not None:
-        extraction.calibration = calibration
-        extraction.calibration_queries = calibration.queries
-        extraction.queries += calibration.queries
-        extraction.queries_asked += calibration.queries
-        extraction.max_query_length = max(extraction.max_query_length, calibration.max_query_length)
-    if outcome.u_balls is not None:
-        extraction.u_balls, extraction.c_ball = outcome.u_balls, outcome.c_ball
+@dataclass(frozen=True)
+class _Spent:
+    """What the run chose and spent beyond its schedule: the schedule choice (and its reason), the
+    token-scale calibration (its probes count like every other query), the oracle's answer dtype."""
+
+    choice: Choice
+    calibration: Calibration | None
+    answer_dtype: str
+
+    @property
+    def queries(self) -> int:
+        return 0 if self.calibration is None else self.calibration.queries
+
+    @property
+    def longest(self) -> int:
+        return 0 if self.calibration is None else self.calibration.max_query_length
 
 
 def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,
@@ -230,7 +235,8 @@ def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: S
     return sequences, boundary.ask(sequences, description="querying for refinement")
 
 
-def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, probe=None) -> Extraction:
+def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, spent: _Spent,
+            probe=None) -> Extraction:
     """Certificate, refinement, error estimate and checks: the same for every schedule."""
     settings = plan.settings
     sequences = list(outcome.sequences) + list(extra[0])
@@ -257,15 +263,17 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source)
     return Extraction(
         model=model, heads=model.heads if model is not None else outcome.heads,
-        queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
+        queries=boundary.queries + boundary.replayed + spent.queries, queries_asked=boundary.queries + spent.queries,
         queries_replayed=boundary.replayed, transcript=None if record is None else record.path,
-        max_query_length=boundary.max_query_length, promised_queries=plan.promised_queries,
+        max_query_length=max(boundary.max_query_length, spent.longest), promised_queries=plan.promised_queries,
         promised_max_length=plan.promised_max_length, promised_formula=plan.count_formula, d=settings.d,
         max_heads=settings.max_heads,
         precision=settings.precision, seed=settings.seed, schedule=plan.name, token_scale=settings.token_scale,
         error_estimate=error_estimate, answers_residual=answers_residual, details=outcome.details, checks=checks,
         W_balls=outcome.W_balls, v_balls=outcome.v_balls, seconds=time.perf_counter() - started,
         certificate=certificate, refinement=refinement, answer_error=settings.answer_error,
+        calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
+        bias=spent.choice.bias, answer_dtype=spent.answer_dtype,
     )
 
 

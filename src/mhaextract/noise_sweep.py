@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .compare import compare
 from .api import extract
 from .checks.base import UnreliableExtractionWarning
+from .compare import compare
 from .model import MultiHeadAttention
+from .oracle.boundary import _progress
 from .oracle.noise import AdditiveNoise
 from .oracle.simulated import SimulatedOracle
 
@@ -42,8 +43,6 @@ def noise_sweep(d: int, heads: tuple[int, ...], eps_values: tuple[float, ...], s
     the caller gets either all points or the KeyboardInterrupt."""
     points = []
     total = len(heads) * len(eps_values) * seeds
-    from .oracle.boundary import _progress
-
     with _progress(progress, "noise sweep", total) as advance:
         for H in heads:
             for eps in eps_values:

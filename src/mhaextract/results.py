@@ -75,8 +75,6 @@ class Extraction(CheckedResult):
         Schedule-specific diagnostics (:class:`~mhaextract.schedules.grid.GridDetails` for paper
         and lean, :class:`~mhaextract.schedules.targeted.TargetedDetails` for targeted).
     W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
-    u_balls, c_ball : the score biases (H*, d) and the output constant as balls (high precision,
-        ``bias=True`` runs only; docs/algorithm.md §16).
     calibration_queries : int
         Queries spent choosing the token scale (``token_scale="auto"``, docs/algorithm.md §18);
         included in ``queries``. 0 when the scale was given.
@@ -117,8 +115,6 @@ class Extraction(CheckedResult):
     checks: list[Check] = field(default_factory=list)
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
-    u_balls: np.ndarray | None = None
-    c_ball: object = None
     calibration_queries: int = 0
     calibration: object = None
     schedule_reason: str = ""
@@ -178,9 +174,7 @@ class Extraction(CheckedResult):
         """The canonical heads as exact mpf midpoints of the balls (high precision only)."""
         if self.W_balls is None:
             return None
-        u = None if self.u_balls is None else mpf_array(self.u_balls)
-        c = 0.0 if self.c_ball is None else mpf_array(np.array([self.c_ball], dtype=object))[0]
-        return MultiHeadAttention(mpf_array(self.W_balls), mpf_array(self.v_balls), u, c)
+        return MultiHeadAttention(mpf_array(self.W_balls), mpf_array(self.v_balls))
 
     @property
     def radius(self) -> tuple[float, float] | None:

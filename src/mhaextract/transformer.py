@@ -43,11 +43,14 @@ from .checks.base import Check, CheckedResult, UnreliableExtractionWarning, repo
 from .model import MultiHeadAttention, as_batch, group_equal_heads
 from .numerics.highprec import arb_to_mpf, magnitude_float, mid_float, mpf_array, to_arb, working_precision
 from .oracle.boundary import OracleBoundary
+from .oracle.queries import random_basis
+from .oracle.simulated import SimulatedOracle
 from .oracle.transcript import Transcript, run_fingerprint
+from .relu_units import UnitLearner, orient, refine
+from .report import transformer_table
 from .results import Extraction
 from .schedules.base import RunSettings
 from .schedules.registry import schedule_for
-from .oracle.queries import random_basis
 from .validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for
 
 #: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
@@ -814,7 +817,6 @@ def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, lin
     """Step 2: hidden units through the heads of step 1, and their orientation (checks appended).
     With the residual, M has x_N as one more block and V the residual term q (``linear``) as one
     more block: ``sum_j w_j (P_j, R^T A_j^T) = (v_1, .., v_H, q)`` (docs/algorithm.md §14)."""
-    from .relu_units import UnitLearner, orient
 
     W = step1.model_hp.W if run.precision is not None else step1.model.W
     V = step1.model.v.reshape(-1)
@@ -850,7 +852,6 @@ def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, lin
 
 def _assemble(run: TransformerRun, step1: Extraction, learner, orientation):
     """``w_j = sign``, ``A_j = sign * sigma_j * c_j`` in the block coordinates of M: (model, model_hp)."""
-    from .relu_units import refine
 
     units = learner.search.units
     H, d = step1.heads, run.d
@@ -923,8 +924,6 @@ def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Ex
 def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
     """``mhaextract demo --transformer``: a random target through a simulated oracle; returns the
     exit code (1 when the extraction failed its checks)."""
-    from .oracle.simulated import SimulatedOracle
-    from .report import transformer_table
 
     hidden = positive_int("hidden", hidden)
     target = Transformer1L.random(d, heads, hidden, seed=seed)

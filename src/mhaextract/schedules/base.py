@@ -82,8 +82,6 @@ class Outcome:
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
     linearisation: object = None
-    u_balls: np.ndarray | None = None  # score biases and output constant as balls (§16, high precision)
-    c_ball: object = None
 
 
 class Schedule:
