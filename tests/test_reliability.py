@@ -196,3 +196,17 @@ def test_the_noise_probe_costs_twelve_counted_queries_and_paper_none():
     assert lean.queries == lean.promised_queries + lean.details.fallback_links * 3 + PROBE_QUERIES
     assert paper.queries == paper.promised_queries
     assert "fresh queries" in str(lean.checks) and "redundancy alone" in str(paper.checks)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_declared_answer_error_raises_the_estimate_of_a_schedule_without_certificate(seed):
+    # lean has no certificate: its estimate assumed float64 rounding and understated the truth
+    # ~1e7-fold under declared noise of 1e-8 (a silent failure in bench_reliability).
+    d = 2 + seed
+    target = mx.MultiHeadAttention.random(d, 1, seed=1000 + seed)
+    oracle = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-8, seed=seed)
+    result = mx.extract(oracle, d, heads=1, seed=seed, schedule="lean", answer_error=1e-8, on_failure="warn")
+    truth = float(mx.compare(result.model, target).max_rel)
+    assert truth > 1e-9  # the noise moved the parameters far above rounding
+    assert result.error_estimate >= truth / 30
+    assert "declared answer_error" in next(c.message for c in result.checks if c.name == "error_estimate")

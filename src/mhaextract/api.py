@@ -300,7 +300,13 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
     if settings.precision is not None:
         return error_estimate, "the answers' precision (ball radii)"
     if settings.answer_error is not None:
-        return error_estimate, "the declared answer_error"
+        if certificate is not None:
+            return error_estimate, "the declared answer_error"
+        # No certificate turned the declared bound into the estimate: scale the schedule's own,
+        # which assumed float64 rounding, to the bound (or to the noise the probe measured, if more).
+        noise = max(settings.answer_error, probe[0] if probe is not None else 0.0)
+        return (scaled_estimate(error_estimate, noise, scale),
+                "the declared answer_error (the schedule's rounding-level estimate scaled to it)")
     if probe is not None:
         misfit, answers_scale, count = probe
         return (scaled_estimate(error_estimate, misfit, answers_scale),
