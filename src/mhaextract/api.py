@@ -117,7 +117,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if scale_option == "auto" or (scale_option is None and choice.calibrate):
         calibration = _calibrate(oracle, settings, batch_size, progress, max_queries)
         max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
-        settings = dataclasses.replace(settings, token_scale=calibration.token_scale)
+        settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
+                                       answer_noise=calibration.answer_noise)
         plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
     arithmetic = arithmetic_for(settings.precision, settings.backend)
     record = None
