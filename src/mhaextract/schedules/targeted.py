@@ -83,6 +83,8 @@ RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
 #: The common checks' thresholds: relative parameter error expected, misfit of the answers.
 ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
+#: No answers' unit loosens the common limits beyond this (relative).
+LOOSEST_LIMIT = 1e-2
 #: Queries kept (evenly spaced, with their answers) for the ``answers_residual`` check; the others
 #: are dropped once answered (docs/algorithm.md §13, "Memory").
 RESIDUAL_SAMPLE = 4096
@@ -113,8 +115,11 @@ def agreement_tolerance(unit: float) -> float:
 
 
 def limits(unit: float) -> tuple[float, float]:
-    """``(error_estimate, answers_residual)`` limits: the float64 ones, or sized to the answers' unit."""
-    return max(ERROR_ESTIMATE_LIMIT, 1e4 * unit), max(ANSWERS_RESIDUAL_LIMIT, 1e3 * unit)
+    """``(error_estimate, answers_residual)`` limits: the float64 ones, or sized to the answers' unit
+    (the answers misfit even the true model by up to ~1e3 units: scores of order 1e3 rounded), and
+    never above ``LOOSEST_LIMIT`` (a model off by more is no extraction)."""
+    return (max(ERROR_ESTIMATE_LIMIT, min(1e4 * unit, LOOSEST_LIMIT)),
+            max(ANSWERS_RESIDUAL_LIMIT, min(1e4 * unit, LOOSEST_LIMIT)))
 
 
 @dataclass
