@@ -83,6 +83,9 @@ RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
 #: The common checks' thresholds: relative parameter error expected, misfit of the answers.
 ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
+#: Noisy answers: the score rounding taken as ``NOISY_SCORE_FACTOR unit |z| |W x|`` (float64: 8, a
+#: bound) and the samples' modelled rounding scaled to the fits' residuals, at least by this.
+NOISY_SCORE_FACTOR, NOISY_SAMPLE_FLOOR = 1.0, 1e-2
 #: No answers' unit loosens the common limits beyond this (relative).
 LOOSEST_LIMIT = 1e-2
 #: Queries kept (evenly spaced, with their answers) for the ``answers_residual`` check; the others
@@ -538,9 +541,18 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
     sigma = np.full((U, rounds), np.nan)
     if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
+        score_factor, sample_scale = 8.0, 1.0
+        if unit > EPS:  # noisy answers (docs/algorithm.md §19): typical errors rather than float64's bounds
+            score_factor = NOISY_SCORE_FACTOR
+            # The samples' rounding model (4 units per magnitude) against what the three-sample fits
+            # show: with one degree of freedom each, E[residual^2] = (actual / modelled error)^2.
+            residual = out.residual[np.isfinite(out.residual)]
+            if residual.size:
+                sample_scale = float(np.clip(3.0 * np.sqrt(np.mean(residual**2)), NOISY_SAMPLE_FLOOR, 1.0))
         for h in range(H):
-            score = 8 * unit * z_norm[heads == h, None] * np.linalg.norm(finals[heads == h] @ W_score[h].T, axis=2)
-            sigma[heads == h] = np.hypot(out.sigma_m.reshape(U, rounds)[heads == h], score)
+            score = score_factor * unit * z_norm[heads == h, None] * np.linalg.norm(
+                finals[heads == h] @ W_score[h].T, axis=2)
+            sigma[heads == h] = np.hypot(sample_scale * out.sigma_m.reshape(U, rounds)[heads == h], score)
     ok = np.isfinite(m).all(axis=1)
     solved = design.solve(finals, np.stack([np.nan_to_num(m), np.nan_to_num(sigma)], axis=2))
     a = np.where(ok[:, None], solved[:, :, 0], np.nan)
