@@ -13,7 +13,7 @@ import numpy as np
 
 
 #: Answers needed before their round-trip through float32 or bfloat16 counts as a detection.
-MIN_ANSWERS = 8
+MIN_ANSWERS = 4
 
 
 @dataclass

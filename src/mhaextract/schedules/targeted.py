@@ -650,6 +650,16 @@ class TargetedSchedule(Schedule):
     def thresholds(self) -> tuple[float, float]:
         return limits(getattr(self, "unit", EPS))
 
+    def hints(self, failed: set[str]) -> list[str]:
+        unit = getattr(self, "unit", EPS)
+        if not failed or unit <= EPS:
+            return []
+        bits = -np.log2(unit)
+        return [f"The answers carry noise of about {unit:.2g} relative ({bits:.0f} bits; bfloat16 has 8, float32 24) "
+                "measured before the run, and the targeted instances sized to it did not hold: below about 20 bits "
+                "the single-pole fits cannot see the heads (docs/algorithm.md §19). Use a higher-precision oracle "
+                "(float32 or better) for this layer."]
+
 
 def line_search(prober, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1: the groups' differences ``Z`` and the heads located along lines in group ``z_1``
