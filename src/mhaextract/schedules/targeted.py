@@ -745,6 +745,14 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
     for stage, data in stages:
         G, H, rounds = data.log_pole.shape
         margin, agrees = np.full((G, H, rounds), np.nan), np.zeros((G, H, rounds), dtype=bool)
+        tolerance = agreement_tolerance(unit)
+        if unit > EPS:  # noisy answers: a one-sample bridge reading is as precise as its sample and the
+            # label of its unit's first instance allow: dm = dG (1 + tau)^2 / (l tau) + (dl / l)(1 + e^-m)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                label_part = (np.abs(data.sigma_l[:, :, :1] / data.label[:, :, :1])
+                              * (1.0 + np.exp(-data.log_pole)))
+            reading = np.nan_to_num(data.sigma_m, nan=np.inf) + np.nan_to_num(label_part, nan=np.inf)
+            tolerance = np.maximum(tolerance, 10.0 * reading)
         if model is not None:
             model_a = np.einsum("fab,gha->ghfb", model.W, data.differences)  # a_f(z) of the model, every unit
             own_a = model_a[:, np.arange(H), np.arange(H)]  # (G, H, d)
@@ -753,13 +761,13 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
                 own = poles[:, np.arange(H), :, np.arange(H)].transpose(1, 0, 2)  # (G, H, rounds)
                 poles[:, np.arange(H), :, np.arange(H)] = np.inf
                 margin = poles.min(axis=3) if H > 1 else np.full((G, H, rounds), np.inf)
-                agrees = np.abs(own - data.log_pole) <= agreement_tolerance(unit)
+                agrees = np.abs(own - data.log_pole) <= tolerance
             else:
                 drift = np.linalg.norm(model_a - data.estimates, axis=3)  # (G, H, H)
                 drift[:, np.arange(H), np.arange(H)] = 0.0
                 margin = data.margin - drift.max(axis=2)[:, :, None] * data.x_norm
                 own = np.linalg.norm(data.a - own_a, axis=2)
-                agrees = data.misfit + own[:, :, None] * data.x_norm <= agreement_tolerance(unit)
+                agrees = data.misfit + own[:, :, None] * data.x_norm <= tolerance
         finite = np.isfinite(data.log_pole)
         held = agrees if stage == "bridge" else data.residual <= RESIDUAL_LIMIT
         ok = (margin >= SATURATION_MARGIN) & finite & held
