@@ -10,7 +10,9 @@ from .checks.verify import Verification, verify
 from .compare import Comparison, compare
 from .model import MultiHeadAttention
 from .oracle.boundary import BudgetExceeded, OracleError
-from .oracle.noise import AdditiveNoise, Float32Oracle, GaussianNoise, RoundedAnswers
+from .oracle.noise import (
+    AdditiveNoise, BFloat16Oracle, Float32Oracle, GaussianNoise, MixedPrecisionOracle, RoundedAnswers,
+)
 from .oracle.simulated import SimulatedOracle
 from .oracle.transcript import TranscriptError
 from .results import Extraction, load_model, save_extraction
@@ -20,8 +22,9 @@ from .transformer import (
 )
 
 __all__ = [
-    "AdditiveNoise", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError", "Float32Oracle",
-    "GaussianNoise", "MultiHeadAttention", "OracleError", "RoundedAnswers", "SimulatedOracle", "TranscriptError",
+    "AdditiveNoise", "BFloat16Oracle", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError",
+    "Float32Oracle", "GaussianNoise", "MixedPrecisionOracle", "MultiHeadAttention", "OracleError", "RoundedAnswers",
+    "SimulatedOracle", "TranscriptError",
     "Transformer1L", "TransformerComparison", "TransformerExtraction", "TransformerExtractionError",
     "UnreliableExtractionWarning", "Verification", "compare", "compare_transformers", "extract",
     "extract_transformer", "load_model", "save_extraction", "verify",

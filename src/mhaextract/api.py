@@ -117,7 +117,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if scale_option == "auto" or (scale_option is None and choice.calibrate):
         calibration = _calibrate(oracle, settings, batch_size, progress, max_queries)
         max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
-        settings = dataclasses.replace(settings, token_scale=calibration.token_scale)
+        settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
+                                       answer_noise=calibration.answer_noise)
         plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
     arithmetic = arithmetic_for(settings.precision, settings.backend)
     record = None
@@ -258,7 +259,8 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     if noise is not None:
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
-    error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale)
+    error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
+                                               getattr(plan, "unit", None))
     checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
         plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source)
     return Extraction(
@@ -291,7 +293,7 @@ def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[floa
 
 
 def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe,
-                      scale: float) -> tuple[float, str]:
+                      scale: float, assumed: float | None = None) -> tuple[float, str]:
     """The error estimate raised to the answer noise measured (:mod:`.checks.noise_probe`), and
     what it rests on (for the check's message). The links' noise estimate raises it only above
     float64 rounding (``ROUNDING_REGIME``): at rounding level the schedule's own estimate already
@@ -309,7 +311,7 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
                 "the declared answer_error (the schedule's rounding-level estimate scaled to it)")
     if probe is not None:
         misfit, answers_scale, count = probe
-        return (scaled_estimate(error_estimate, misfit, answers_scale),
+        return (scaled_estimate(error_estimate, misfit, answers_scale, assumed),
                 f"the answer noise measured on {count} fresh queries ({misfit / max(answers_scale, 1e-300):.2g} "
                 "relative)")
     if certificate is not None and 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale:

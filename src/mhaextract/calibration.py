@@ -17,9 +17,20 @@ run's knee is the geometric median of the pairs' knees. The token scale is the k
 over d = 4..64, H = 1, 2, 4, 8, with and without biases, 2 seeds (80 targets), default / knee has
 median 0.80, 90% of targets within 0.54..1.26, all within 0.34..1.87.
 
+**The answers' precision** (docs/algorithm.md §19), measured here too, before any schedule runs:
+the bits of the answers (every answer a float32 or a bfloat16 number:
+:attr:`~mhaextract.oracle.answer_stats.AnswerStats.unit_roundoff`) and ``PERMUTED`` pairs of
+five-token queries that differ only in the order of their first four tokens. Softmax attention is
+invariant under that permutation, so each pair's difference is the oracle's own rounding (the
+summation order changed): about ``2^-24`` relative for a float32 layer or a float32 softmax inside
+a float64 one, ``2^-53`` for float64. ``Calibration.answer_noise`` (relative to the largest
+answer) is the larger of the two readings, or None at float64 rounding; :func:`mhaextract.extract`
+passes it to the schedule as ``RunSettings.answer_noise``.
+
 Queries: ``1 + 2P`` one-token queries (the zero vector and both tokens of each pair at the base
 scale; one-token answers at the other scales follow exactly, since the tokens scale by powers of
-two) and ``P`` two-token queries per rung: ``1 + 2P + 15P`` (137 for P = 8), asked through an
+two), ``P`` two-token queries per rung and ``2 PERMUTED`` permutation probes:
+``1 + 2P + 15P + 2 PERMUTED`` (145 for P = 8), asked through an
 :class:`~mhaextract.oracle.boundary.OracleBoundary`, counted and reported as
 ``Extraction.calibration_queries``.
 """
@@ -43,6 +54,10 @@ KNEE = 0.5
 KNEE_TO_SCALE = 0.80
 #: Below this many units of the answers' rounding, D is noise: no knee can be read.
 NOISE_UNITS = 1e4
+#: Pairs of permuted five-token queries measuring the answers' own rounding.
+PERMUTED = 4
+#: A relative answer noise at most this many units of 2^-53 is float64 rounding (answer_noise None).
+FLOAT64_NOISE_UNITS = 64.0
 
 
 @dataclass
@@ -57,6 +72,10 @@ class Calibration:
     response : (rungs, P) ``|D_p(s)| / s`` relative to each pair's largest value (NaN below the noise).
     knee : the knee scale (geometric median of the pairs'), or None.
     message : what was decided, in words.
+    answer_noise : the answers' relative noise (fraction of the largest answer) when above float64
+        rounding, else None (module docstring).
+    answer_precision : ``"float64"``, ``"float32"``, ``"bfloat16"`` (the answers' bits), or
+        ``"float64 with noise"`` (float64 numbers whose permuted probes disagree beyond rounding).
     """
 
     token_scale: float
@@ -66,9 +85,12 @@ class Calibration:
     response: np.ndarray
     knee: float | None
     message: str
+    answer_noise: float | None = None
+    answer_precision: str = "float64"
 
     def __str__(self) -> str:
-        return f"token_scale {self.token_scale:.4g} from {self.queries} probe queries: {self.message}"
+        noise = "" if self.answer_noise is None else f"; answers {self.answer_precision}, noise {self.answer_noise:.2g}"
+        return f"token_scale {self.token_scale:.4g} from {self.queries} probe queries: {self.message}{noise}"
 
 
 def _pairs(rng, d: int, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -122,12 +144,41 @@ def _knee(scales: np.ndarray, relative: np.ndarray) -> float | None:
     return float(scales[k - 1] * (scales[k] / scales[k - 1]) ** step)
 
 
+def permutation_noise(boundary, d: int, rng) -> float:
+    """Largest ``|f(X) - f(pi X)|`` over ``PERMUTED`` pairs, relative to the largest of their answers:
+    pi reverses the first four of five tokens (random, at the default scale), which leaves exact
+    softmax attention unchanged."""
+    base = default_token_scale(d)
+    tokens = [quantize(rng.standard_normal((5, d)) * base / np.sqrt(d), 4 * base) for _ in range(PERMUTED)]
+    sequences = tokens + [np.vstack([X[3::-1], X[4:]]) for X in tokens]
+    answers = _floats(boundary.ask(sequences, description="calibration: permutation probes"))
+    difference = np.abs(answers[:PERMUTED] - answers[PERMUTED:]).max()
+    return float(difference / max(float(np.abs(answers).max()), 1e-300))
+
+
+def answer_noise(boundary, permuted: float) -> tuple[float | None, str]:
+    """``(relative noise or None at float64 rounding, precision name)`` from the answers' bits
+    (``boundary.stats``) and the permutation probes' disagreement ``permuted``."""
+    stats = boundary.stats
+    precision = stats.precision_name
+    noise = max(stats.unit_roundoff if precision != "float64" else 0.0, permuted)
+    if noise <= FLOAT64_NOISE_UNITS * 2.0**-53:
+        return None, precision
+    return float(noise), precision if precision != "float64" else "float64 with noise"
+
+
 def calibrate(boundary, d: int, rng) -> Calibration:
     """Probe the oracle through ``boundary`` and choose the token scale (module docstring)."""
     base = default_token_scale(d)
     before = boundary.position
     scales, response, noise = probe_responses(boundary, d, rng)
+    noisy = None
+    if boundary.precision is None:
+        noisy, precision = answer_noise(boundary, permutation_noise(boundary, d, rng))
+        if noisy is not None:  # D below the answers' own noise (not float64 rounding) is noise
+            noise = noise * max(1.0, noisy / np.finfo(np.float64).eps)
     queries = boundary.position - before
+    extra = {} if noisy is None else {"answer_noise": noisy, "answer_precision": precision}
     response = np.where(response > noise, response, np.nan)
     peak = np.nanmax(np.where(np.isfinite(response), response, -np.inf), axis=0)
     relative = response / np.where(peak > 0, peak, np.inf)[None]
@@ -135,9 +186,10 @@ def calibrate(boundary, d: int, rng) -> Calibration:
     if not knees:
         return Calibration(base, queries, boundary.max_query_length, scales, relative, None,
                            "no probe moved the answers beyond their rounding (scores independent of the tokens?): "
-                           f"kept the default d ** 0.25 = {base:.4g}")
+                           f"kept the default d ** 0.25 = {base:.4g}", **extra)
     knee = float(np.exp(np.median(np.log(knees))))
     edge = (" (at the edge of the ladder: the weights may be outside 1e-4..1e4 times the random model's)"
             if knee <= scales[0] or knee >= scales[-1] else "")
     return Calibration(KNEE_TO_SCALE * knee, queries, boundary.max_query_length, scales, relative, knee,
-                       f"knee of the two-token response at {knee:.4g} ({len(knees)} of {PAIRS} probe pairs){edge}")
+                       f"knee of the two-token response at {knee:.4g} ({len(knees)} of {PAIRS} probe pairs){edge}",
+                       **extra)

@@ -61,9 +61,13 @@ def probe_misfit(boundary, plan, model=None) -> tuple[float, float, int]:
     return noise, float(np.abs(answers).max(initial=0.0)), len(sequences)
 
 
-def scaled_estimate(estimate: float, noise: float, answers_scale: float) -> float:
-    """The schedule's estimate scaled to the measured noise (never lowered)."""
-    assumed = ASSUMED_RELATIVE_ERROR * max(answers_scale, 1e-300)
+def scaled_estimate(estimate: float, noise: float, answers_scale: float, assumed_relative: float | None = None) -> float:
+    """The schedule's estimate scaled to the measured noise (never lowered). ``assumed_relative``:
+    the relative answer error the schedule's estimate already assumes (a schedule that sized its
+    estimate to the answers' measured unit, e.g. float32, ``TargetedSchedule.unit``); float64
+    rounding (``ASSUMED_RELATIVE_ERROR``) by default."""
+    relative = max(ASSUMED_RELATIVE_ERROR, assumed_relative or 0.0)
+    assumed = relative * max(answers_scale, 1e-300)
     return max(estimate, estimate * noise / assumed) if np.isfinite(noise) else np.inf
 
 

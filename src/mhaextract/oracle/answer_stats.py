@@ -12,12 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 
 
+#: Answers needed before their round-trip through float32 or bfloat16 counts as a detection.
+MIN_ANSWERS = 4
+
+
 @dataclass
 class AnswerStats:
     """Running summary of the float64 answers a run used (asked or replayed).
 
     count : answers seen; first : the first one; all_equal : every answer equal to the first;
-    all_integer : every answer an integer; largest : max |answer|.
+    all_integer : every answer an integer; largest : max |answer|; float32_exact, bfloat16_exact :
+    every answer round-trips exactly through float32 (bfloat16): the oracle computes in that
+    precision (:attr:`unit_roundoff`).
     """
 
     count: int = 0
@@ -25,6 +31,8 @@ class AnswerStats:
     all_equal: bool = True
     all_integer: bool = True
     largest: float = 0.0
+    float32_exact: bool = True
+    bfloat16_exact: bool = True
 
     def add(self, values) -> None:
         values = np.asarray(values, dtype=np.float64).ravel()
@@ -36,6 +44,35 @@ class AnswerStats:
         self.all_equal = self.all_equal and bool((values == self.first).all())
         self.all_integer = self.all_integer and bool((values == np.round(values)).all())
         self.largest = max(self.largest, float(np.abs(values).max()))
+        if self.float32_exact:
+            with np.errstate(over="ignore"):
+                single = values.astype(np.float32)
+            self.float32_exact = bool((single.astype(np.float64) == values).all())
+            if self.bfloat16_exact:
+                bits = single.view(np.uint32)
+                self.bfloat16_exact = self.float32_exact and bool(((bits & np.uint32(0xFFFF)) == 0).all())
+        else:
+            self.bfloat16_exact = False
+
+    @property
+    def unit_roundoff(self) -> float:
+        """The answers' unit roundoff as their bits show it: ``2^-8`` when every answer is a
+        bfloat16 number, ``2^-24`` when every answer is a float32 number, else ``2^-53``.
+
+        Needs at least ``MIN_ANSWERS`` answers that are not all integers or all equal (those
+        round-trip through any format and say nothing). A float64 answer that is not the output of
+        a lower-precision computation is a float32 number with probability ``2^-29``.
+        """
+        if self.count < MIN_ANSWERS or self.all_equal or self.all_integer:
+            return 2.0**-53
+        if self.bfloat16_exact:
+            return 2.0**-8
+        return 2.0**-24 if self.float32_exact else 2.0**-53
+
+    @property
+    def precision_name(self) -> str:
+        """``"bfloat16"``, ``"float32"`` or ``"float64"``, as :attr:`unit_roundoff` reads the answers."""
+        return {2.0**-8: "bfloat16", 2.0**-24: "float32"}.get(self.unit_roundoff, "float64")
 
     def problem(self) -> str | None:
         """A sentence naming what is wrong with the answers, or None when nothing is visible."""

@@ -7,11 +7,14 @@ same seed and the same questions give the same answers.
   of the certificate, docs/algorithm.md §12);
 * :class:`GaussianNoise`: ``f(X) + e``, ``e ~ N(0, sigma^2)`` (unbounded);
 * :class:`RoundedAnswers`: ``f(X)`` rounded to ``bits`` significant bits (an API that rounds);
-* :class:`Float32Oracle`: the target itself evaluated in float32 (a float32 layer).
+* :class:`Float32Oracle`: the target itself evaluated in float32 (a float32 layer);
+* :class:`MixedPrecisionOracle`: a float64 layer whose softmax runs in float32 (float64 answers
+  carrying float32-level noise: nothing in the answers' bits says so);
+* :class:`BFloat16Oracle`: the target in bfloat16 (8 significant bits), float32 accumulation.
 
 ``answer_error`` is each wrapper's bound on ``|answer - f(X)|`` where one exists (to pass to
 ``extract(..., answer_error=...)``): eps for the additive one; None where there is no absolute
-bound known in advance (Gaussian, relative rounding, float32).
+bound known in advance (Gaussian, relative rounding, float32, mixed, bfloat16).
 """
 
 from __future__ import annotations
@@ -123,3 +126,83 @@ class Float32Oracle:
 
     def __repr__(self) -> str:
         return f"Float32Oracle({self.model!r})"
+
+
+def round_bfloat16(values) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), returned as float32."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def _evaluate(model: MultiHeadAttention, batch, stage) -> np.ndarray:
+    """The layer with ``stage(name, array)`` applied to every intermediate: tokens, parameters,
+    scores, softmax weights, values and the output (each stage rounds to its precision)."""
+    from ..model import as_batch
+
+    model = model.to_float64()
+    sequences = as_batch(batch, model.d)
+    W, u, v = (stage("parameters", p) for p in (model.W, model.u, model.v))
+    c = stage("parameters", np.array(model.c))
+    out = np.empty(len(sequences), dtype=np.float64)
+    lengths = np.array([len(s) for s in sequences])
+    for length in np.unique(lengths):
+        index = np.flatnonzero(lengths == length)
+        X = stage("tokens", np.stack([np.asarray(sequences[i], dtype=np.float64) for i in index]))
+        queries = stage("scores", np.einsum("hde,be->bhd", W, X[:, -1, :]) + u[None])
+        scores = stage("scores", np.einsum("bnd,bhd->bhn", X, queries))
+        weights = stage("softmax", scores)
+        weights = np.exp(weights - weights.max(axis=2, keepdims=True))
+        weights = stage("softmax", weights / weights.sum(axis=2, keepdims=True))
+        values = stage("values", np.einsum("bnd,hd->bhn", X, v))
+        out[index] = stage("output", np.einsum("bhn,bhn->b", weights, values) + c)
+    return out
+
+
+class MixedPrecisionOracle:
+    """A float64 layer whose softmax runs in float32: the scores are rounded to float32, the
+    softmax weights computed in float32, everything else in float64. The answers are float64
+    (they do not round-trip through float32) but carry float32-level noise. Deterministic."""
+
+    unit_roundoff = 2.0 ** -24
+    answer_error = None
+
+    def __init__(self, model: MultiHeadAttention):
+        if not isinstance(model, MultiHeadAttention):
+            raise TypeError(f"MixedPrecisionOracle needs a MultiHeadAttention, got {type(model).__name__}")
+        self.model = model
+
+    @staticmethod
+    def _stage(name, array):
+        array = np.asarray(array, dtype=np.float64)
+        return array.astype(np.float32) if name == "softmax" else array
+
+    def __call__(self, batch):
+        return _evaluate(self.model, batch, self._stage).astype(np.float64)
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionOracle({self.model!r})"
+
+
+class BFloat16Oracle:
+    """The target in bfloat16: tokens, parameters and every intermediate (scores, softmax
+    weights, values, output) rounded to bfloat16 (unit roundoff ``2^-8``), each product and sum
+    accumulated in float32 as accelerators do; answers returned as float64. Deterministic."""
+
+    unit_roundoff = 2.0 ** -8
+    answer_error = None
+
+    def __init__(self, model: MultiHeadAttention):
+        if not isinstance(model, MultiHeadAttention):
+            raise TypeError(f"BFloat16Oracle needs a MultiHeadAttention, got {type(model).__name__}")
+        self.model = model
+
+    @staticmethod
+    def _stage(name, array):
+        return round_bfloat16(np.asarray(array, dtype=np.float32))
+
+    def __call__(self, batch):
+        return _evaluate(self.model, batch, self._stage).astype(np.float64)
+
+    def __repr__(self) -> str:
+        return f"BFloat16Oracle({self.model!r})"

@@ -42,6 +42,10 @@ class RunSettings:
     rank: int | None = None  # a bound on the rank of every W_h (docs/algorithm.md §17)
     backend: str | None = None  # float64 kernels: None (numpy) or a torch backend (numerics/arithmetic.py)
     bias: bool = False  # learn score biases u_h and the output constant c (docs/algorithm.md §16)
+    #: The answers' relative noise (fraction of the largest answer) measured before the schedule
+    #: runs (the calibration's probes, docs/algorithm.md §19): 2^-24 for float32 answers; None at
+    #: float64 rounding or not measured. The one place a schedule reads the answers' precision from.
+    answer_noise: float | None = None
 
     def given(self, option: str) -> bool:
         value = getattr(self, option)

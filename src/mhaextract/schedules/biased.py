@@ -36,9 +36,9 @@ from ..numerics import float64 as float64_kernel
 from ..oracle.queries import one_token_queries
 from .base import Outcome
 from .targeted import (
-    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
+    GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
     _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection, _patterns,
-    _Prober, _shared, line_search,
+    _Prober, _shared, answer_unit, line_search,
 )
 
 
@@ -69,7 +69,7 @@ class AffineProber(_Prober):
                 raise AssertionError("lifted final tokens must end in 1 and differences in 0")
             finals, differences = finals[:, :self.d], differences[:, :self.d]
         gaps, rounding = super().gaps(finals, differences, copies, description)
-        return gaps + self.c0, rounding + 4 * EPS * abs(self.c0)
+        return gaps + self.c0, rounding + 4 * self.unit * abs(self.c0)
 
 
 class AffineDesign(_FullDesign):
@@ -194,11 +194,12 @@ class BiasedTargetedSchedule(TargetedSchedule):
     def run(self, boundary, arithmetic) -> Outcome:
         prober = AffineProber(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
+        self.unit = prober.unit = answer_unit(self.settings, boundary.stats)
         search, stages, model, W_lift = run_affine(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
-        instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift))
+        instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
         error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
         answers = np.asarray(prober.answers, dtype=np.float64)
-        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages])
+        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
                        checks)

@@ -83,6 +83,11 @@ RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
 #: The common checks' thresholds: relative parameter error expected, misfit of the answers.
 ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
+#: Noisy answers: the score rounding taken as ``NOISY_SCORE_FACTOR unit |z| |W x|`` (float64: 8, a
+#: bound) and the samples' modelled rounding scaled to the fits' residuals, at least by this.
+NOISY_SCORE_FACTOR, NOISY_SAMPLE_FLOOR = 1.0, 1e-2
+#: No answers' unit loosens the common limits beyond this (relative).
+LOOSEST_LIMIT = 1e-2
 #: Queries kept (evenly spaced, with their answers) for the ``answers_residual`` check; the others
 #: are dropped once answered (docs/algorithm.md §13, "Memory").
 RESIDUAL_SAMPLE = 4096
@@ -91,6 +96,33 @@ CHUNK_BYTES = 2**28
 #: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
 #: are then computed exactly rather than bounded (:func:`_diagnostics`).
 KEEP_BYTES = 2**24
+
+
+def answer_unit(settings, stats=None) -> float:
+    """The answers' relative rounding unit that sizes the run's tolerances (docs/algorithm.md §19):
+    ``EPS`` for float64 answers, else the larger of the noise the calibration measured
+    (``settings.answer_noise``) and the unit roundoff the answers' bits show (``stats``, an
+    :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without calibration
+    still recognises float32 answers)."""
+    unit = EPS
+    if getattr(settings, "answer_noise", None) is not None:
+        unit = max(unit, float(settings.answer_noise))
+    if stats is not None and stats.precision_name != "float64":
+        unit = max(unit, stats.unit_roundoff)
+    return unit
+
+
+def agreement_tolerance(unit: float) -> float:
+    """A bridge's log-pole must agree with the final model to this (1e-6 at float64 rounding)."""
+    return max(1e-6, 1e4 * unit)
+
+
+def limits(unit: float) -> tuple[float, float]:
+    """``(error_estimate, answers_residual)`` limits: the float64 ones, or sized to the answers' unit
+    (the answers misfit even the true model by up to ~1e3 units: scores of order 1e3 rounded), and
+    never above ``LOOSEST_LIMIT`` (a model off by more is no extraction)."""
+    return (max(ERROR_ESTIMATE_LIMIT, min(1e4 * unit, LOOSEST_LIMIT)),
+            max(ANSWERS_RESIDUAL_LIMIT, min(1e4 * unit, LOOSEST_LIMIT)))
 
 
 @dataclass
@@ -161,8 +193,11 @@ class _Prober:
     memory grows with the answers (one float each), not with all queries x length x d.
     """
 
-    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float, expected_queries: int = 0):
+    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float, expected_queries: int = 0,
+                 unit: float = EPS):
         self.boundary = boundary
+        #: The answers' relative rounding unit every tolerance is sized by (:func:`answer_unit`).
+        self.unit = float(unit)
         self.d = d
         self.token_scale = token_scale
         # One exact grid for every token of the run: sums and differences of tokens stay exact.
@@ -199,7 +234,7 @@ class _Prober:
             answers[:, column] = self.ask(list(tokens), description)
         anchor = finals @ self.vbar
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
-        rounding = 4 * EPS * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
+        rounding = 4 * self.unit * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
         return anchor[:, None] - answers, rounding
 
 
@@ -492,12 +527,12 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
         np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H), np.nan))
     if refit:
         out.refit_with_consensus_labels()
-    _reduce_chunk(out, finals, design, W_score)
+    _reduce_chunk(out, finals, design, W_score, prober.unit)
     out.finals = finals.reshape(G, H, rounds, d)
     return out
 
 
-def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score) -> None:
+def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, unit: float = EPS) -> None:
     """What the rest of the run needs of a chunk's final tokens (U, rounds, d), before they are
     dropped: the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms."""
     G, H, rounds = out.log_pole.shape
@@ -506,9 +541,18 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score) 
     sigma = np.full((U, rounds), np.nan)
     if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
+        score_factor, sample_scale = 8.0, 1.0
+        if unit > EPS:  # noisy answers (docs/algorithm.md §19): typical errors rather than float64's bounds
+            score_factor = NOISY_SCORE_FACTOR
+            # The samples' rounding model (4 units per magnitude) against what the three-sample fits
+            # show: with one degree of freedom each, E[residual^2] = (actual / modelled error)^2.
+            residual = out.residual[np.isfinite(out.residual)]
+            if residual.size:
+                sample_scale = float(np.clip(3.0 * np.sqrt(np.mean(residual**2)), NOISY_SAMPLE_FLOOR, 1.0))
         for h in range(H):
-            score = 8 * EPS * z_norm[heads == h, None] * np.linalg.norm(finals[heads == h] @ W_score[h].T, axis=2)
-            sigma[heads == h] = np.hypot(out.sigma_m.reshape(U, rounds)[heads == h], score)
+            score = score_factor * unit * z_norm[heads == h, None] * np.linalg.norm(
+                finals[heads == h] @ W_score[h].T, axis=2)
+            sigma[heads == h] = np.hypot(sample_scale * out.sigma_m.reshape(U, rounds)[heads == h], score)
     ok = np.isfinite(m).all(axis=1)
     solved = design.solve(finals, np.stack([np.nan_to_num(m), np.nan_to_num(sigma)], axis=2))
     a = np.where(ok[:, None], solved[:, :, 0], np.nan)
@@ -592,18 +636,29 @@ class TargetedSchedule(Schedule):
     def run(self, boundary, arithmetic) -> Outcome:
         prober = _Prober(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
+        self.unit = prober.unit = answer_unit(self.settings, boundary.stats)
         search, stages, model, finite = _run(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
-        instances = _diagnostics(stages, model)
+        instances = _diagnostics(stages, model, prober.unit)
         measurements = [data for _, data in stages]
         error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
         answers = np.asarray(prober.answers, dtype=np.float64)
-        checks = _checks(instances, search, H, self.settings.heads, measurements)
+        checks = _checks(instances, search, H, self.settings.heads, measurements, prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
                        checks)
 
     def thresholds(self) -> tuple[float, float]:
-        return ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT
+        return limits(getattr(self, "unit", EPS))
+
+    def hints(self, failed: set[str]) -> list[str]:
+        unit = getattr(self, "unit", EPS)
+        if not failed or unit <= EPS:
+            return []
+        bits = -np.log2(unit)
+        return [f"The answers carry noise of about {unit:.2g} relative ({bits:.0f} bits; bfloat16 has 8, float32 24) "
+                "measured before the run, and the targeted instances sized to it did not hold: below about 20 bits "
+                "the single-pole fits cannot see the heads (docs/algorithm.md §19). Use a higher-precision oracle "
+                "(float32 or better) for this layer."]
 
 
 def line_search(prober, d: int, max_heads: int, rng, token_scale: float):
@@ -613,7 +668,7 @@ def line_search(prober, d: int, max_heads: int, rng, token_scale: float):
     z1 = Z[:, 0]
     before = prober.boundary.position
     search = locate_heads(lambda points, ks: prober.gaps(points, np.tile(z1, (len(points), 1)), ks, "phase 1: lines"),
-                          z1, max_heads, rng, token_scale, prober.quantize)
+                          z1, max_heads, rng, token_scale, prober.quantize, unit=prober.unit)
     search.queries = prober.boundary.position - before
     return Z, search
 
@@ -680,7 +735,7 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     return search, stages, model, finite
 
 
-def _diagnostics(stages, model) -> TargetedInstances:
+def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
     """One row per targeted instance. The final tokens are gone (memory), so the margin and the
     bridges' agreement with the model are bounded from what each chunk kept: the other heads'
     log-poles by the design estimates, less ``|a_g(model) - a_g(design)| |x|``; a bridge's
@@ -690,6 +745,14 @@ def _diagnostics(stages, model) -> TargetedInstances:
     for stage, data in stages:
         G, H, rounds = data.log_pole.shape
         margin, agrees = np.full((G, H, rounds), np.nan), np.zeros((G, H, rounds), dtype=bool)
+        tolerance = agreement_tolerance(unit)
+        if unit > EPS:  # noisy answers: a one-sample bridge reading is as precise as its sample and the
+            # label of its unit's first instance allow: dm = dG (1 + tau)^2 / (l tau) + (dl / l)(1 + e^-m)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                label_part = (np.abs(data.sigma_l[:, :, :1] / data.label[:, :, :1])
+                              * (1.0 + np.exp(-data.log_pole)))
+            reading = np.nan_to_num(data.sigma_m, nan=np.inf) + np.nan_to_num(label_part, nan=np.inf)
+            tolerance = np.maximum(tolerance, 10.0 * reading)
         if model is not None:
             model_a = np.einsum("fab,gha->ghfb", model.W, data.differences)  # a_f(z) of the model, every unit
             own_a = model_a[:, np.arange(H), np.arange(H)]  # (G, H, d)
@@ -698,13 +761,13 @@ def _diagnostics(stages, model) -> TargetedInstances:
                 own = poles[:, np.arange(H), :, np.arange(H)].transpose(1, 0, 2)  # (G, H, rounds)
                 poles[:, np.arange(H), :, np.arange(H)] = np.inf
                 margin = poles.min(axis=3) if H > 1 else np.full((G, H, rounds), np.inf)
-                agrees = np.abs(own - data.log_pole) <= 1e-6
+                agrees = np.abs(own - data.log_pole) <= tolerance
             else:
                 drift = np.linalg.norm(model_a - data.estimates, axis=3)  # (G, H, H)
                 drift[:, np.arange(H), np.arange(H)] = 0.0
                 margin = data.margin - drift.max(axis=2)[:, :, None] * data.x_norm
                 own = np.linalg.norm(data.a - own_a, axis=2)
-                agrees = data.misfit + own[:, :, None] * data.x_norm <= 1e-6
+                agrees = data.misfit + own[:, :, None] * data.x_norm <= tolerance
         finite = np.isfinite(data.log_pole)
         held = agrees if stage == "bridge" else data.residual <= RESIDUAL_LIMIT
         ok = (margin >= SATURATION_MARGIN) & finite & held
@@ -726,7 +789,7 @@ def _error_estimate(final: _GroupMeasurements, model) -> float:
     return float(4 * W_error.max(initial=0.0) / max(np.abs(model.W).max(), 1e-300))
 
 
-def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements):
+def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements, unit: float = EPS):
     checks = [heads_found_check(H, heads_given, f"by phase 1 on {search.lines} lines")]
     bad = instances.unsaturated
     where = ", ".join(f"{instances.stage[i]} group {instances.group[i]} head {instances.head[i]}" for i in bad[:5])
@@ -740,7 +803,7 @@ def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_giv
         labels, sigma = data.label, data.sigma_l
         mean = np.nanmean(labels, axis=2, keepdims=True)
         scale = np.nanmax(np.abs(labels))
-        deviation = max(deviation, float(np.nanmax(np.abs(labels - mean) / (sigma + EPS * scale))))
+        deviation = max(deviation, float(np.nanmax(np.abs(labels - mean) / (sigma + unit * scale))))
     checks.append(Check("labels_consistent", deviation <= 1e3, deviation, 1e3,
                         "largest deviation of an instance's label from its (head, group) mean, in first-order errors"))
     return checks
