@@ -307,7 +307,7 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
         # No certificate turned the declared bound into the estimate: scale the schedule's own,
         # which assumed float64 rounding, to the bound (or to the noise the probe measured, if more).
         noise = max(settings.answer_error, probe[0] if probe is not None else 0.0)
-        return (scaled_estimate(error_estimate, noise, scale),
+        return (scaled_estimate(error_estimate, noise, scale, assumed),
                 "the declared answer_error (the schedule's rounding-level estimate scaled to it)")
     if probe is not None:
         misfit, answers_scale, count = probe
