@@ -210,3 +210,13 @@ def test_a_declared_answer_error_raises_the_estimate_of_a_schedule_without_certi
     assert truth > 1e-9  # the noise moved the parameters far above rounding
     assert result.error_estimate >= truth / 30
     assert "declared answer_error" in next(c.message for c in result.checks if c.name == "error_estimate")
+
+
+@pytest.mark.parametrize("schedule", ["auto", "targeted"])
+def test_the_default_and_targeted_schedules_take_a_declared_answer_error(schedule):
+    # Before: schedule="auto" (targeted) refused answer_error with a ValueError.
+    target = mx.MultiHeadAttention.random(4, 2, seed=5, bias=schedule == "auto")
+    oracle = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-8, seed=5)
+    result = mx.extract(oracle, 4, heads=2, seed=5, schedule=schedule, answer_error=1e-8)
+    truth = float(mx.compare(result.model, target).max_rel)
+    assert result.ok and 1e-12 < truth <= 30 * result.error_estimate

@@ -48,9 +48,9 @@ class LowRankSchedule(TargetedSchedule):
     """``extract(..., schedule="lowrank", rank=r)``: float64, heads of rank <= r, H <= d."""
 
     name = "lowrank"
-    accepts = frozenset({"rank"})
-    refusal = ("it is a float64 schedule of single-pole fits (precision=None, no oversampling, refinement or "
-               "answer-error model); use schedule='paper' for those")
+    accepts = frozenset({"rank", "answer_error"})
+    refusal = ("it is a float64 schedule of single-pole fits (precision=None, no oversampling or refinement); "
+               "use schedule='paper' for those")
 
     def __init__(self, settings):
         super().__init__(settings)

@@ -100,15 +100,18 @@ KEEP_BYTES = 2**24
 
 def answer_unit(settings, stats=None) -> float:
     """The answers' relative rounding unit that sizes the run's tolerances (docs/algorithm.md §19):
-    ``EPS`` for float64 answers, else the larger of the noise the calibration measured
-    (``settings.answer_noise``) and the unit roundoff the answers' bits show (``stats``, an
+    ``EPS`` for float64 answers, else the largest of the noise the calibration measured
+    (``settings.answer_noise``), the unit roundoff the answers' bits show (``stats``, an
     :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without calibration
-    still recognises float32 answers)."""
+    still recognises float32 answers) and a declared ``answer_error`` over the largest answer."""
     unit = EPS
     if getattr(settings, "answer_noise", None) is not None:
         unit = max(unit, float(settings.answer_noise))
     if stats is not None and stats.precision_name != "float64":
         unit = max(unit, stats.unit_roundoff)
+    if getattr(settings, "answer_error", None) is not None and stats is not None and stats.largest > 0:
+        # a declared absolute bound, relative to the largest answer seen so far
+        unit = max(unit, float(settings.answer_error) / stats.largest)
     return unit
 
 
@@ -599,8 +602,9 @@ class TargetedSchedule(Schedule):
     """``extract(..., schedule="targeted")``: float64, H <= d (see the module docstring)."""
 
     name = "targeted"
-    refusal = ("it is a float64 schedule whose instances are single-pole fits (precision=None, no oversampling, "
-               "refinement or answer-error model); use schedule='paper' for those")
+    accepts = frozenset({"answer_error"})
+    refusal = ("it is a float64 schedule whose instances are single-pole fits (precision=None, no oversampling "
+               "or refinement); use schedule='paper' for those")
 
     def __init__(self, settings):
         super().__init__(settings)
