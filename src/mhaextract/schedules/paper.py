@@ -35,12 +35,14 @@ class PaperSchedule(GridSchedule):
         # 3. everything else (vbar known on R^d): row links, grid rows 1.., column links.
         for j in range(1, self.d):
             self.row_link_index[j] = self._add("row_link", 0, j, x[0], z[0] + z[j], 1)
-        for i in range(1, self.d):
+        # (The biased grid of §16 has one more final token and column links at w (x_0 + x_i), w = 1/2.)
+        finals, weight = len(x), self.column_link_weight
+        for i in range(1, finals):
             for j in range(self.d):
                 self.grid_index[i, j] = self._add("grid", i, j, x[i], z[j], 1)
-        for i in range(1, self.d):
+        for i in range(1, finals):
             for j in range(self.d):
-                self.column_link_index[i, j] = self._add("column_link", i, j, x[0] + x[i], z[j], 1)
+                self.column_link_index[i, j] = self._add("column_link", i, j, weight * (x[0] + x[i]), z[j], 1)
 
     @property
     def promised_queries(self) -> int:
