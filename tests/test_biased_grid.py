@@ -126,8 +126,9 @@ def test_with_a_given_token_scale_the_count_and_length_are_the_formula():
     assert max(errors(result, *truth)[0].values()) <= 1e-40
 
 
-def test_a_bias_free_target_gives_zero_biases():
-    result, _, truth = run(2, 2, seed=3, bias=False, token_scale=1.2)
+@pytest.mark.parametrize("d, H", [(1, 2), (2, 2)])
+def test_a_bias_free_target_gives_zero_biases(d, H):
+    result, _, truth = run(d, H, seed=3, bias=False, token_scale=1.2)
     assert result.ok and result.certified
     found, order = errors(result, *truth)
     assert max(found.values()) <= 1e-40, found  # u and c absolute: |u|, |c| <= 1e-40
@@ -152,8 +153,9 @@ def test_auto_in_high_precision_chooses_the_biased_grid():
     assert choose("paper", 4, 3, BITS, True).schedule is BiasedGridSchedule
 
 
-def test_layout_affine_final_tokens_and_half_sum_links():
-    d, H = 3, 2
+@pytest.mark.parametrize("d", [1, 3])
+def test_layout_affine_final_tokens_and_half_sum_links(d):
+    H = 2
     schedule = BiasedGridSchedule(run_settings(d, H, seed=0, precision=BITS, bias=True))
     X = schedule.X
     assert X.shape == (d, d + 1) and (np.linalg.norm(X, axis=0) > 0).all()  # no zero final token (§16)
@@ -163,6 +165,7 @@ def test_layout_affine_final_tokens_and_half_sum_links():
     for instance in schedule.instances:
         if instance.role == "column_link":
             assert np.array_equal(instance.final, (X[:, 0] + X[:, instance.i]) / 2)
+            assert np.linalg.norm(instance.final) >= 0.25 * schedule.token_scale
     assert len(schedule.fixed_queries()) == schedule.promised_queries == biased_count(d, H)
 
 

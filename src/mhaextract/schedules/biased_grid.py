@@ -4,9 +4,9 @@ With score biases ``u_h`` and an output constant ``c0`` the log-pole of an insta
 token x and difference z is affine in x, ``m_h = z^T W_h x + z^T u_h``, and every answer carries
 ``c0``: one-token answers are ``c0 + vbar^T x``. The grid therefore takes ``d + 1`` final tokens
 ``x_0..x_d`` in general (affine) position: the vertices of a regular simplex centred at the
-origin, of norm the token scale, randomly rotated (:func:`affine_basis`). None of them is the zero
-vector: with final token 0 every pole is ``z^T u_h``, and heads with equal ``u_h`` (``u = 0``, a
-bias-free layer) would merge in that whole row.
+origin, of norm the token scale, randomly rotated (:func:`affine_basis`). Neither they nor the
+column links' final tokens are the zero vector: with final token 0 every pole is ``z^T u_h``, and
+heads with equal ``u_h`` (``u = 0``, a bias-free layer) would merge there.
 
 * Row 0 (final ``x_0``) and its row links are the paper's (§5). The anchor ``F(0)`` of instance
   (0, 0) is ``c0 + vbar^T x_0``; ``vbar^T z_j = F(0) - c_j`` (c0 cancels) gives vbar, and then
@@ -39,7 +39,12 @@ from .paper import PaperSchedule
 def affine_basis(rng: np.random.Generator, d: int, scale: float) -> np.ndarray:
     """(d, d + 1): the vertices of a regular simplex centred at 0, each of norm ``scale``, randomly
     rotated and rounded like every query token (§11). Their lifts ``(x_i, 1)`` are orthogonal
-    before rounding, with norms ``scale`` and ``sqrt(d + 1)`` along and across the lifted axis."""
+    before rounding, with norms ``scale`` and ``sqrt(d + 1)`` along and across the lifted axis.
+
+    d = 1: the simplex ``(s, -s)`` would put the column link's final token ``(x_0 + x_1) / 2`` at 0,
+    where heads with equal ``u_h`` merge; ``(s, -s/2)`` (random sign) is used instead."""
+    if d == 1:
+        return quantize(scale * rng.choice([-1.0, 1.0]) * np.array([[1.0, -0.5]]), scale)
     gaussian = rng.standard_normal((d + 1, d + 1))
     gaussian[:, 0] = 1.0
     q, _ = np.linalg.qr(gaussian)  # q[:, 1:] spans the complement of the all-ones vector
