@@ -59,15 +59,18 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     precision : None for float64; bits (>= 64) for the high-precision (python-flint) path.
     seed : seeds the random query vectors (same seed, same queries).
     schedule : ``"auto"`` (default: the registry chooses from the arithmetic and H0, and
-        ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, paper
-        otherwise) or a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (exactly
+        ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, else the
+        paper's grid, with biases the biased grid of §16: ``4 H0 d^2 + 4 H0 d - 2 H0 + 1`` queries
+        of length at most ``2 H0 + 1``) or a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (exactly
         ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, docs/algorithm.md §5; named
         alone it reproduces the paper: bias-free model, token scale ``d ** 0.25``, no probes),
         ``"lean"`` (§10: about ``(2 H0 - 1) d^2`` queries, heads matched by residue labels),
         ``"targeted"`` (§13: float64, H <= d, one head in the window per instance; machine
         precision for many heads, about ``4 H d^2 + 4 H d`` queries) or ``"lowrank"`` (§17).
     bias : learn score biases ``u_h`` and the output constant ``c`` (§16; real layers have them).
-        None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model schedules.
+        None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model schedules;
+        ``schedule="paper", bias=True`` runs the biased grid (high precision: ``result.u_balls``,
+        ``result.c_ball``).
     token_scale : norm of the query vectors: ``"auto"`` (found by counted probe queries, §18;
         ``result.calibration_queries``), a number (choose it so that ``|z^T W_h x|`` is of order
         one, §11), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``, ``d ** 0.25``

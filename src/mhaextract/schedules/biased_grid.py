@@ -68,17 +68,14 @@ class BiasedGridSchedule(PaperSchedule):
         """The lifted final tokens ``X~ = [X; 1]`` (d + 1, d + 1)."""
         return np.vstack([self.X, np.ones((1, self.X.shape[1]))])
 
-    @property
-    def promised_queries(self) -> int:
-        """``4 H0 d^2 + 4 H0 d - 2 H0 + 1``, or ``K + (K - 1)(2 d^2 + 2 d - 2)`` when oversampled."""
-        K = self.samples_per_instance
-        return K + (K - 1) * (2 * self.d**2 + 2 * self.d - 2)
+    exact_formula = "biased grid 4*H0*d^2 + 4*H0*d - 2*H0 + 1"
+    later_formula = "2d^2+2d-2"
 
-    @property
-    def count_formula(self) -> str:
-        if self.samples_per_instance > 2 * self.max_heads + 1:
-            return f"biased grid, oversampled K = {self.samples_per_instance}: K + (K-1)(2d^2+2d-2)"
-        return "biased grid 4*H0*d^2 + 4*H0*d - 2*H0 + 1"
+    def later_instances(self) -> int:
+        """``2 d^2 + 2 d - 2``: so ``promised_queries`` is ``4 H0 d^2 + 4 H0 d - 2 H0 + 1``, or
+        ``K + (K - 1)(2 d^2 + 2 d - 2)`` when oversampled (module docstring)."""
+        return 2 * self.d**2 + 2 * self.d - 2
 
     def certificate(self, outcome):
+        """None: the first-order certificate of §12 linearises the bias-free grid."""
         return None

@@ -44,17 +44,25 @@ class PaperSchedule(GridSchedule):
             for j in range(self.d):
                 self.column_link_index[i, j] = self._add("column_link", i, j, weight * (x[0] + x[i]), z[j], 1)
 
+    #: The count in words, and the number of instances after the first as a formula in d.
+    exact_formula = "paper 4*H0*d^2 - 2*H0 + 1"
+    later_formula = "2d^2-2"
+
+    def later_instances(self) -> int:
+        """The instances after the first, ``K - 1`` queries each: ``2 d^2 - 2`` (§5)."""
+        return 2 * self.d**2 - 2
+
     @property
     def promised_queries(self) -> int:
         """``4 H0 d^2 - 2 H0 + 1``, or ``K + (K - 1)(2 d^2 - 2)`` when oversampled."""
         K = self.samples_per_instance
-        return K + (K - 1) * (2 * self.d**2 - 2)
+        return K + (K - 1) * self.later_instances()
 
     @property
     def count_formula(self) -> str:
         if self.samples_per_instance > 2 * self.max_heads + 1:
-            return f"oversampled K = {self.samples_per_instance}: K + (K-1)(2d^2-2)"
-        return "paper 4*H0*d^2 - 2*H0 + 1"
+            return f"oversampled K = {self.samples_per_instance}: K + (K-1)({self.later_formula})"
+        return self.exact_formula
 
     def certificate(self, outcome):
         return None if outcome.linearisation is None else pipeline_certificate(outcome.linearisation)
