@@ -117,13 +117,17 @@ def test_defaults_recover_biases_and_count_exactly(d, H):
     assert float(mx.compare(result.model_hp, mx.MultiHeadAttention(*truth)).max_rel) <= 1e-40
 
 
-def test_with_a_given_token_scale_the_count_and_length_are_the_formula():
+def test_with_a_given_token_scale_the_count_and_length_are_the_formula(tmp_path):
     d, H = 2, 2
     result, oracle, truth = run(d, H, seed=5, token_scale=1.3)
     assert result.calibration_queries == 0
     assert result.queries == oracle.count == biased_count(d, H)
     assert result.max_query_length == oracle.longest == 2 * H + 1
     assert max(errors(result, *truth)[0].values()) <= 1e-40
+    # The exact model, u and c included, survives the result file.
+    mx.save_extraction(result, tmp_path / "result.json")
+    saved = mx.load_model(tmp_path / "result.json", exact=True)
+    assert float(mx.compare(saved, mx.MultiHeadAttention(*truth)).max_rel) <= 1e-40
 
 
 @pytest.mark.parametrize("d, H", [(1, 2), (2, 2)])

@@ -3,7 +3,8 @@
 The grid instance ``(i, j)`` measures ``M_h[j, i]``; row link ``j`` measures ``M_h[0, 0] + M_h[j, 0]``;
 column link ``(i, j)`` measures ``w (M_h[j, 0] + M_h[j, i])`` (``w = layout.column_link_weight``: 1 for
 the final token ``x_0 + x_i`` of §5, 1/2 for the affine ``(x_0 + x_i) / 2`` of the biased grid, §16)
-and repeats the labels ``l_h[j]`` of its column. Every entry but ``M_h[0, 0]`` is measured twice. Two ways to use that, one per arithmetic:
+and repeats the labels ``l_h[j]`` of its column. Every entry but ``M_h[0, 0]`` is measured twice.
+Two ways to use that, one per arithmetic:
 
 * float64 (:func:`weighted_combination`): weighted least squares over every measurement, each
   weighted by its first-order variance, so that an ill-conditioned instance is outvoted by its twin;

@@ -11,9 +11,10 @@ link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``) join grid instances (�
 0-based in the code). The biased grid (§16) adds one final token, a score bias ``u_h`` in every
 pole and a constant ``c0`` in every answer; it sets :attr:`GridSchedule.affine`, its column links
 use ``(x_0 + x_i) / 2`` (:attr:`GridSchedule.column_link_weight`). :class:`GridSchedule` holds the
-grid and the learner written once for every arithmetic (:mod:`mhaextract.numerics.arithmetic`): anchors and fits (§3, §4, §6, §7),
-matching (§8), assembly (§9). Subclasses lay out their instances (``_build``) and may match heads
-inside a column by their labels (:meth:`GridSchedule.match_within_columns`, the lean hook).
+grid and the learner written once for every arithmetic (:mod:`mhaextract.numerics.arithmetic`):
+anchors and fits (§3, §4, §6, §7), matching (§8), assembly (§9). Subclasses lay out their
+instances (``_build``) and may match heads inside a column by their labels
+(:meth:`GridSchedule.match_within_columns`, the lean hook).
 """
 
 from __future__ import annotations
