@@ -155,6 +155,9 @@ def test_auto_in_high_precision_chooses_the_biased_grid():
     assert choose("auto", 4, 3, BITS, False).schedule is PaperSchedule
     assert choose("paper", 4, 3, BITS, None).schedule is PaperSchedule
     assert choose("paper", 4, 3, BITS, True).schedule is BiasedGridSchedule
+    # float64 with H0 > d (no targeted schedule): the biased grid too, and the reason says so.
+    float64 = choose("auto", 2, 3, None, None)
+    assert float64.schedule is BiasedGridSchedule and "biased grid" in float64.reason
 
 
 @pytest.mark.parametrize("d", [1, 3])

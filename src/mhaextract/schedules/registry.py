@@ -73,8 +73,9 @@ def choose(name, d: int, max_heads: int, precision, bias) -> Choice:
                 "precision for any H (docs/algorithm.md §13); the paper schedule loses ~3 digits per head")
         elif precision is None:
             cls, reason = SCHEDULES["paper"], (
-                f"auto: float64 with H0 = {max_heads} > d = {d} rules out the targeted schedule; the paper "
-                "schedule is reliable in float64 only for H <= 2: prefer precision=BITS")
+                f"auto: float64 with H0 = {max_heads} > d = {d} rules out the targeted schedule; the paper's grid "
+                f"{'(with biases the biased grid, docs/algorithm.md §16) ' if learns else ''}is reliable in float64 "
+                "only for H <= 2: prefer precision=BITS")
         elif learns:
             cls, reason = SCHEDULES["paper"], (
                 f"auto: precision={precision}: the biased grid (the paper's grid on d + 1 affine final tokens, "
