@@ -24,10 +24,8 @@ from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
 from .checks.refine import output_jacobian, refine_least_squares
-from .model import MultiHeadAttention
 from .numerics.arithmetic import BACKENDS, arithmetic_for
-from .numerics.enclosure import balls_reproduce_answers
-from .numerics.highprec import mpf_array
+from .numerics.enclosure import balls_reproduce_answers, exact_model
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
@@ -61,15 +59,18 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     precision : None for float64; bits (>= 64) for the high-precision (python-flint) path.
     seed : seeds the random query vectors (same seed, same queries).
     schedule : ``"auto"`` (default: the registry chooses from the arithmetic and H0, and
-        ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, paper
-        otherwise) or a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (exactly
+        ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, else the
+        paper's grid, with biases the biased grid of §16: ``4 H0 d^2 + 4 H0 d - 2 H0 + 1`` queries
+        of length at most ``2 H0 + 1``) or a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (exactly
         ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, docs/algorithm.md §5; named
         alone it reproduces the paper: bias-free model, token scale ``d ** 0.25``, no probes),
         ``"lean"`` (§10: about ``(2 H0 - 1) d^2`` queries, heads matched by residue labels),
         ``"targeted"`` (§13: float64, H <= d, one head in the window per instance; machine
         precision for many heads, about ``4 H d^2 + 4 H d`` queries) or ``"lowrank"`` (§17).
     bias : learn score biases ``u_h`` and the output constant ``c`` (§16; real layers have them).
-        None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model schedules.
+        None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model schedules;
+        ``schedule="paper", bias=True`` runs the biased grid (high precision: ``result.u_balls``,
+        ``result.c_ball``).
     token_scale : norm of the query vectors: ``"auto"`` (found by counted probe queries, §18;
         ``result.calibration_queries``), a number (choose it so that ``|z^T W_h x|`` is of order
         one, §11), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``, ``d ** 0.25``
@@ -251,8 +252,8 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
             if refinement.kept == "refined" and certificate is not None:
                 certificate = least_squares_certificate(output_jacobian(model, sequences), model,
                                                         model(sequences) - answers, answers, certificate.valid_below)
-        exact = None if outcome.W_balls is None else MultiHeadAttention(mpf_array(outcome.W_balls),
-                                                                         mpf_array(outcome.v_balls))
+        exact = None if outcome.W_balls is None else exact_model(outcome.W_balls, outcome.v_balls,
+                                                                  outcome.u_balls, outcome.c_ball)
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
     scale = float(np.abs(arithmetic.midpoint(answers)).max(initial=0.0)) or 1.0
     noise, label_noise = _noise(certificate, settings)
@@ -272,7 +273,8 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         max_heads=settings.max_heads,
         precision=settings.precision, seed=settings.seed, schedule=plan.name, token_scale=settings.token_scale,
         error_estimate=error_estimate, answers_residual=answers_residual, details=outcome.details, checks=checks,
-        W_balls=outcome.W_balls, v_balls=outcome.v_balls, seconds=time.perf_counter() - started,
+        W_balls=outcome.W_balls, v_balls=outcome.v_balls, u_balls=outcome.u_balls, c_ball=outcome.c_ball,
+        seconds=time.perf_counter() - started,
         certificate=certificate, refinement=refinement, answer_error=settings.answer_error,
         calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
         bias=spent.choice.bias, answer_dtype=spent.answer_dtype,
@@ -359,7 +361,7 @@ def _enclosure_check(outcome: Outcome, precision: int) -> Check:
     they came from (:mod:`mhaextract.numerics.enclosure`); a miss disproves the enclosure (heads
     merged below the answers' resolution) and ``certified`` is then False."""
     misses, tried = balls_reproduce_answers(outcome.W_balls, outcome.v_balls, outcome.sequences, outcome.answers,
-                                            precision)
+                                            precision, u_balls=outcome.u_balls, c_ball=outcome.c_ball)
     return Check("balls_reproduce_answers", misses == 0, misses, 0,
                  f"{misses} of {tried} answers lie outside the output balls of the certified parameters"
                  + ("" if not misses else ": the balls enclose a merged model, not the oracle's heads (heads closer "

@@ -87,7 +87,8 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
     W_rel = W_abs / W_scale if W_scale else W_abs
     v_rel = v_abs / v_scale if v_scale else v_abs
     u_rel = u_abs / u_scale if u_scale else u_abs
-    ca, cb = (mpmath.mpf(a.c), mpmath.mpf(b.c)) if high else (a.c, b.c)
+    # mpf_array keeps an mpf c exact (mpmath.mpf(c) would round it to mpmath's 53-bit default).
+    ca, cb = mpf_array(np.array([a.c, b.c], dtype=object)) if high else (a.c, b.c)
     c_abs = abs(ca - cb)
     c_rel = c_abs / abs(cb) if cb else c_abs
     return Comparison(a.heads == b.heads, a.heads, b.heads, cols, W_abs, v_abs, W_rel, v_rel, u_abs, u_rel,

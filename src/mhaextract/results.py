@@ -32,7 +32,8 @@ from .checks.base import Check, CheckedResult
 from .checks.certificate import Certificate
 from .checks.refine import Refinement
 from .model import MultiHeadAttention
-from .numerics.highprec import mpf_array, mpf_from_hex, mpf_to_hex, radius_float
+from .numerics.enclosure import exact_model
+from .numerics.highprec import mpf_from_hex, mpf_to_hex, radius_float
 from .schedules.base import ScheduleDetails
 
 
@@ -75,6 +76,10 @@ class Extraction(CheckedResult):
         Schedule-specific diagnostics (:class:`~mhaextract.schedules.grid.GridDetails` for paper
         and lean, :class:`~mhaextract.schedules.targeted.TargetedDetails` for targeted).
     W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
+    u_balls, c_ball : the score biases (H*, d) and the output constant as balls (high-precision runs
+        that learned biases, ``bias=True``: the biased grid, docs/algorithm.md §16); None otherwise.
+        Certified like ``W_balls``: they come from the same certified instances through ball
+        arithmetic (``certified`` covers them, and ``balls_reproduce_answers`` evaluates them).
     calibration_queries : int
         Queries spent choosing the token scale (``token_scale="auto"``, docs/algorithm.md §18);
         included in ``queries``. 0 when the scale was given.
@@ -115,6 +120,8 @@ class Extraction(CheckedResult):
     checks: list[Check] = field(default_factory=list)
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
+    u_balls: np.ndarray | None = None
+    c_ball: object = None
     calibration_queries: int = 0
     calibration: object = None
     schedule_reason: str = ""
@@ -171,10 +178,11 @@ class Extraction(CheckedResult):
 
     @property
     def model_hp(self) -> MultiHeadAttention | None:
-        """The canonical heads as exact mpf midpoints of the balls (high precision only)."""
+        """The canonical heads (with ``u`` and ``c`` when learned) as exact mpf midpoints of the balls
+        (high precision only)."""
         if self.W_balls is None:
             return None
-        return MultiHeadAttention(mpf_array(self.W_balls), mpf_array(self.v_balls))
+        return exact_model(self.W_balls, self.v_balls, self.u_balls, self.c_ball)
 
     @property
     def radius(self) -> tuple[float, float] | None:
@@ -257,6 +265,10 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
             "W_radius": W_radius.tolist(), "v_radius": v_radius.tolist(),
         }
         arrays.update(W_radius=W_radius, v_radius=v_radius)
+        if extraction.u_balls is not None:
+            u_radius, c_radius = radius_float(extraction.u_balls), float(radius_float([extraction.c_ball])[0])
+            document["model_exact"].update(u_radius=u_radius.tolist(), c_radius=c_radius)
+            arrays.update(u_radius=u_radius, c_radius=np.array(c_radius))
     arrays.update(extraction.details.arrays())
     json_path.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False))
     np.savez_compressed(npz_path, **arrays)

@@ -81,6 +81,10 @@ class Arithmetic:
         """Max relative parameter error from the rounding of the answers (§11)."""
         raise NotImplementedError
 
+    def constant_error(self, c, scale: float) -> float:
+        """Relative error of the output constant c of the biased grid (§16) against ``scale``."""
+        raise NotImplementedError
+
     def answers_residual(self, model, sequences, answers) -> float:
         """Max ``|model - answer|`` over the queries asked, relative to the largest answer."""
         predicted = model(sequences)
@@ -103,6 +107,11 @@ class Float64Arithmetic(Arithmetic):
 
     def label_error(self, instance_labels, consensus_labels, sigma_l):
         return self.unit * sigma_l
+
+    def constant_error(self, c, scale: float) -> float:
+        """Not estimated in float64 (no first-order sensitivity of c is propagated): 0; the
+        ``answers_residual`` check judges the constant with every answer."""
+        return 0.0
 
     def error_estimate(self, Z, X, W, v, M_std, label_std) -> float:
         """First order: ``delta W_h = Z^{-T} delta M_h X^{-1}`` is bounded by the spectral norms of
@@ -146,6 +155,10 @@ class BallArithmetic(Arithmetic):
     def label_error(self, instance_labels, consensus_labels, sigma_l):
         # Balls of one column overlap when both enclose the truth.
         return radius_float(instance_labels) + radius_float(consensus_labels)
+
+    def constant_error(self, c, scale: float) -> float:
+        """The radius of c's ball relative to ``scale``."""
+        return float(radius_float(np.array([c], dtype=object))[0]) / max(scale, 1e-300)
 
     def error_estimate(self, Z, X, W, v, M_std, label_std) -> float:
         """The largest relative ball radius: a proven bound when every instance certified."""

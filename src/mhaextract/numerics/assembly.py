@@ -1,17 +1,20 @@
 """Assembly of the grid schedules' redundant measurements into ``M_h`` and ``l_h`` (docs/algorithm.md §9).
 
 The grid instance ``(i, j)`` measures ``M_h[j, i]``; row link ``j`` measures ``M_h[0, 0] + M_h[j, 0]``;
-column link ``(i, j)`` measures ``M_h[j, 0] + M_h[j, i]`` and repeats the labels ``l_h[j]`` of its
-column. Every entry but ``M_h[0, 0]`` is measured twice. Two ways to use that, one per arithmetic:
+column link ``(i, j)`` measures ``w (M_h[j, 0] + M_h[j, i])`` (``w = layout.column_link_weight``: 1 for
+the final token ``x_0 + x_i`` of §5, 1/2 for the affine ``(x_0 + x_i) / 2`` of the biased grid, §16)
+and repeats the labels ``l_h[j]`` of its column. Every entry but ``M_h[0, 0]`` is measured twice.
+Two ways to use that, one per arithmetic:
 
 * float64 (:func:`weighted_combination`): weighted least squares over every measurement, each
   weighted by its first-order variance, so that an ill-conditioned instance is outvoted by its twin;
 * balls (:func:`tightest_enclosures`): every measurement is itself an enclosure of the truth (when
   its instance is certified); keep the tightest, which keeps the certificate.
 
-``layout`` is any object with the grid schedules' index arrays: ``d``, ``grid_index`` (d, d),
-``row_link_index`` (d,), ``column_link_index`` (d, d) (-1 where not asked) and ``instances``
-(each with ``role`` and ``j``).
+``layout`` is any object with the grid schedules' index arrays: ``d``, ``grid_index`` (F, d) with
+F the number of final tokens (d, or d + 1 for the biased grid of §16), ``row_link_index`` (d,),
+``column_link_index`` (F, d) (-1 where not asked), ``column_link_weight`` and ``instances`` (each
+with ``role`` and ``j``). ``M_h`` is (d, F): row j a difference, column i a final token.
 """
 
 from __future__ import annotations
@@ -31,21 +34,24 @@ def inverse_variance_weights(sigma: np.ndarray) -> np.ndarray:
 
 
 def pole_design(layout) -> csr_matrix:
-    """Sparse (n, d^2): which entries ``M[j, i]`` (column ``j d + i``) each instance's pole measures
-    (grid: ``M[j, i]``; row link j: ``M[0, 0] + M[j, 0]``; column link (i, j): ``M[j, 0] + M[j, i]``)."""
-    d = layout.d
-    rows, cols = [], []
+    """Sparse (n, d F): which entries ``M[j, i]`` (column ``j F + i``) each instance's pole measures
+    (grid: ``M[j, i]``; row link j: ``M[0, 0] + M[j, 0]``; column link (i, j): ``w (M[j, 0] + M[j, i])``)."""
+    finals = layout.grid_index.shape[0]
+    rows, cols, values = [], [], []
     for index, instance in enumerate(layout.instances):
         i, j = instance.i, instance.j
+        weight = 1.0
         if instance.role == "grid":
-            unknowns = [j * d + i]
+            unknowns = [j * finals + i]
         elif instance.role == "row_link":
-            unknowns = [0, j * d]
+            unknowns = [0, j * finals]
         else:
-            unknowns = [j * d, j * d + i]
+            unknowns = [j * finals, j * finals + i]
+            weight = layout.column_link_weight
         rows += [index] * len(unknowns)
         cols += unknowns
-    return csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(layout.instances), d * d))
+        values += [weight] * len(unknowns)
+    return csr_matrix((values, (rows, cols)), shape=(len(layout.instances), layout.d * finals))
 
 
 def label_columns(layout) -> tuple[np.ndarray, np.ndarray]:
@@ -69,18 +75,18 @@ def weighted_combination(layout, m: np.ndarray, labels: np.ndarray, sigma_m: np.
 
 
 def combine_poles(layout, m: np.ndarray, sigma: np.ndarray):
-    d = layout.d
+    d, finals = layout.d, layout.grid_index.shape[0]
     n, H = m.shape
     A = pole_design(layout)
     weights = inverse_variance_weights(sigma)
-    M = np.empty((H, d, d))
+    M = np.empty((H, d, finals))
     for h in range(H):
         values = np.where(weights[:, h] > 0, m[:, h], 0.0)
         Aw = A.multiply(weights[:, h][:, None]).tocsr()
         normal = (A.T @ Aw).tocsc()
         with warnings.catch_warnings():  # an unknown with no usable measurement -> NaN, reported
             warnings.simplefilter("ignore", MatrixRankWarning)
-            M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, d)
+            M[h] = np.atleast_1d(spsolve(normal, Aw.T @ values)).reshape(d, finals)
     # Posterior standard deviations, to first order along the tree: M[0,0] from its grid
     # instance; M[j,0] and M[j,i] each from a direct and a linked measurement.
     variance = 1.0 / np.maximum(weights, 1e-300)
@@ -89,17 +95,18 @@ def combine_poles(layout, m: np.ndarray, sigma: np.ndarray):
     def combine(direct, linked):
         return 1.0 / (1.0 / direct + 1.0 / linked)
 
-    def linked(link_index, base):
-        return variance[link_index] + base if link_index >= 0 else np.full(H, np.inf)
+    def linked(link_index, base, weight=1.0):  # a column link measures w (M[j, 0] + M[j, i])
+        return variance[link_index] / weight**2 + base if link_index >= 0 else np.full(H, np.inf)
 
-    std = np.empty((H, d, d))
+    std = np.empty((H, d, finals))
     v00 = variance[grid[0, 0]]
     std[:, 0, 0] = v00
     for j in range(1, d):
         std[:, j, 0] = combine(variance[grid[0, j]], linked(row_links[j], v00))
-    for i in range(1, d):
+    for i in range(1, finals):
         for j in range(d):
-            std[:, j, i] = combine(variance[grid[i, j]], linked(column_links[i, j], std[:, j, 0]))
+            std[:, j, i] = combine(variance[grid[i, j]],
+                                   linked(column_links[i, j], std[:, j, 0], layout.column_link_weight))
     return M, np.sqrt(std)
 
 
@@ -120,20 +127,20 @@ def tightest_enclosures(layout, m: np.ndarray, labels: np.ndarray):
     """Balls: for each ``M_h[j, i]`` and ``l_h[j]`` the tightest of its enclosures.
 
     ``M[j, 0]`` (j >= 1) is grid (0, j) or row link j minus ``M[0, 0]``; ``M[j, i]`` (i >= 1) is
-    grid (i, j) or column link (i, j) minus ``M[j, 0]``; ``l[j]`` is any grid or column link
-    instance of column j (links the schedule did not ask are skipped). Each candidate encloses the
-    truth when its instance is certified, so the choice keeps the certificate and discards
-    ill-conditioned instances. Returns ``M`` (H, d, d) and ``l`` (H, d) of balls, and no standard
-    deviations (the radii are the error).
+    grid (i, j) or column link (i, j) divided by its weight w minus ``M[j, 0]``; ``l[j]`` is any
+    grid or column link instance of column j (links the schedule did not ask are skipped). Each
+    candidate encloses the truth when its instance is certified, so the choice keeps the
+    certificate and discards ill-conditioned instances. Returns ``M`` (H, d, F) and ``l`` (H, d) of
+    balls, and no standard deviations (the radii are the error).
     """
-    d = layout.d
+    d, finals, weight = layout.d, layout.grid_index.shape[0], layout.column_link_weight
     H = m.shape[1]
     grid, row_links, column_links = layout.grid_index, layout.row_link_index, layout.column_link_index
 
     def tightest(*candidates):
         return min(candidates, key=lambda ball: float(ball.rad()))
 
-    M = np.empty((H, d, d), dtype=object)
+    M = np.empty((H, d, finals), dtype=object)
     l = np.empty((H, d), dtype=object)
     for h in range(H):
         M[h, 0, 0] = m[grid[0, 0], h]
@@ -141,8 +148,9 @@ def tightest_enclosures(layout, m: np.ndarray, labels: np.ndarray):
             link = [m[row_links[j], h] - M[h, 0, 0]] if row_links[j] >= 0 else []
             M[h, j, 0] = tightest(m[grid[0, j], h], *link)
         for j in range(d):
-            for i in range(1, d):
-                link = [m[column_links[i, j], h] - M[h, j, 0]] if column_links[i, j] >= 0 else []
+            for i in range(1, finals):
+                link = [] if column_links[i, j] < 0 else [
+                    (m[column_links[i, j], h] if weight == 1 else m[column_links[i, j], h] / weight) - M[h, j, 0]]
                 M[h, j, i] = tightest(m[grid[i, j], h], *link)
             links = column_links[1:, j][column_links[1:, j] >= 0]
             l[h, j] = tightest(*labels[grid[:, j], h], *labels[links, h])

@@ -74,6 +74,8 @@ class Outcome:
 
     ``sequences`` and ``answers`` are every query the schedule asked and its answer (in the
     arithmetic's numbers); ``linearisation`` is what a schedule's certificate needs (or None).
+    ``W_balls``, ``v_balls`` (and ``u_balls``, ``c_ball`` when the run learned biases) are the
+    parameters as balls in high precision.
     """
 
     model: MultiHeadAttention | None
@@ -86,6 +88,9 @@ class Outcome:
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
     linearisation: object = None
+    #: Score biases (H*, d) and output constant as balls: high-precision runs of the biased grid (§16).
+    u_balls: np.ndarray | None = None
+    c_ball: object = None
 
 
 class Schedule:

@@ -8,10 +8,13 @@ An *instance* fixes a final token ``x`` and a difference ``z`` and asks the sequ
 Grid instance ``(i, j)`` has final token ``x_i`` and difference ``z_j`` (poles
 ``M_h[j, i] = z_j^T W_h x_i``); row link ``j`` (final ``x_0``, difference ``z_0 + z_j``) and column
 link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``) join grid instances (§5; indices are
-0-based in the code). :class:`GridSchedule` holds the grid and the learner written once for
-every arithmetic (:mod:`mhaextract.numerics.arithmetic`): anchors and fits (§3, §4, §6, §7),
-matching (§8), assembly (§9). Subclasses lay out their instances (``_build``) and may match heads
-inside a column by their labels (:meth:`GridSchedule.match_within_columns`, the lean hook).
+0-based in the code). The biased grid (§16) adds one final token, a score bias ``u_h`` in every
+pole and a constant ``c0`` in every answer; it sets :attr:`GridSchedule.affine`, its column links
+use ``(x_0 + x_i) / 2`` (:attr:`GridSchedule.column_link_weight`). :class:`GridSchedule` holds the
+grid and the learner written once for every arithmetic (:mod:`mhaextract.numerics.arithmetic`):
+anchors and fits (§3, §4, §6, §7), matching (§8), assembly (§9). Subclasses lay out their
+instances (``_build``) and may match heads inside a column by their labels
+(:meth:`GridSchedule.match_within_columns`, the lean hook).
 """
 
 from __future__ import annotations
@@ -116,17 +119,23 @@ class GridSchedule(Schedule):
 
     Attributes
     ----------
-    X, Z : (d, d) arrays whose columns are the final tokens ``x_i`` and differences ``z_j``.
+    X, Z : (d, F) and (d, d) arrays whose columns are the final tokens ``x_i`` and differences
+        ``z_j`` (F = d, or d + 1 for an affine basis, §16).
     instances : list of :class:`Instance`, in query order.
-    grid_index : (d, d) int array, instance index of grid ``(i, j)``.
+    grid_index : (F, d) int array, instance index of grid ``(i, j)``.
     row_link_index : (d,) int array, instance index of row link ``j`` (-1 where not asked).
-    column_link_index : (d, d) int array, instance index of column link ``(i, j)`` (-1 where not asked).
+    column_link_index : (F, d) int array, instance index of column link ``(i, j)`` (-1 where not asked).
     ks : (K,) the copy counts ``0..K-1`` every instance's samples are indexed by.
     """
 
     accepts = frozenset({"precision", "refine", "answer_error", "backend"})
     #: Instances after row 0 know F(0) only (paper) or both anchors F(0) and c (lean), §4.
     both_anchors = False
+    #: The model with biases (§16): one-token answers are ``c0 + vbar^T x``, poles affine in the final
+    #: token, assembled against the lifted final tokens :attr:`assembly_basis`.
+    affine = False
+    #: Column link (i, j) has final token ``w (x_0 + x_i)`` and measures ``w (M[j, 0] + M[j, i])``.
+    column_link_weight = 1.0
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -134,14 +143,24 @@ class GridSchedule(Schedule):
         K = exact if settings.samples_per_instance is None else settings.samples_per_instance
         self.samples_per_instance = positive_int("samples_per_instance (2 H0 + 1 or more)", K, minimum=exact)
         rng = np.random.default_rng(settings.seed)
-        self.X = random_basis(rng, self.d, self.token_scale)
+        self.X = self._final_tokens(rng)
         self.Z = random_basis(rng, self.d, self.token_scale)
         self.ks = np.arange(self.samples_per_instance)
         self.instances: list[Instance] = []
-        self.grid_index = np.full((self.d, self.d), -1)
+        finals = self.X.shape[1]
+        self.grid_index = np.full((finals, self.d), -1)
         self.row_link_index = np.full(self.d, -1)
-        self.column_link_index = np.full((self.d, self.d), -1)
+        self.column_link_index = np.full((finals, self.d), -1)
         self._build()
+
+    def _final_tokens(self, rng) -> np.ndarray:
+        """The final tokens as columns: a random orthogonal basis times the token scale (§5)."""
+        return random_basis(rng, self.d, self.token_scale)
+
+    @property
+    def assembly_basis(self) -> np.ndarray:
+        """X in ``M_h = Z^T W_h X`` (§9); the affine grid overrides it with the lifted tokens (§16)."""
+        return self.X
 
     def _build(self) -> None:
         """Lay out the instances known before any answer, in query order."""
@@ -277,7 +296,10 @@ class GridLearner:
     # --- anchors and fits -----------------------------------------------------------------
     def fit_instances(self) -> None:
         """Row 0 first: its one-token anchor, its ranks (H* by majority), its fits; then ``vbar``
-        from ``vbar^T z_j = vbar^T x_0 - c_j`` (§4), and every later instance anchored and fitted."""
+        from ``vbar^T z_j = vbar^T x_0 - c_j`` (§4), and every later instance anchored and fitted.
+
+        Affine (§16): the anchor is ``c0 + vbar^T x_0``, c0 cancels in ``vbar^T z_j``, and
+        ``c0 = anchor - vbar^T x_0`` makes every final token's one-token answer known."""
         schedule, arithmetic = self.schedule, self.arithmetic
         grid = schedule.grid_index
         self.anchor = self.samples[grid[0, 0], 0]  # F(0) of row 0: the one-token answer vbar^T x_0
@@ -293,6 +315,10 @@ class GridLearner:
         self.vbar_z = self.anchor - fits_row0.c
         vbar = arithmetic.solve_transposed(schedule.Z, self.vbar_z)
         self.vbar_x = arithmetic.dot(vbar, schedule.X)
+        self.c0 = None
+        if schedule.affine:  # vbar_x[i] is then the one-token answer c0 + vbar^T x_i
+            self.c0 = self.anchor - self.vbar_x[0]
+            self.vbar_x = self.vbar_x + self.c0
         self.vbar_x[0] = self.anchor  # measured, not recomputed
         rest = np.setdiff1d(np.arange(self.n), row0)
         self.ranks[rest], self.singular_values[rest], fits_rest = self._fit_later(rest)
@@ -305,7 +331,10 @@ class GridLearner:
         width = len(schedule.ks) - 1 if schedule.both_anchors else len(schedule.ks)
         for index in indices:
             instance = schedule.instances[index]
-            final = self.vbar_x[0] + self.vbar_x[instance.i] if instance.role == "column_link" else self.vbar_x[instance.i]
+            final = self.vbar_x[instance.i]
+            if instance.role == "column_link":  # final token w (x_0 + x_i); affine: w = 1/2, c0 kept once
+                final = self.vbar_x[0] + final
+                final = final if schedule.column_link_weight == 1 else final * schedule.column_link_weight
             difference = self.vbar_z[0] + self.vbar_z[instance.j] if instance.role == "row_link" else self.vbar_z[instance.j]
             self.samples[index, 0] = final  # F(0) = vbar^T x
             if schedule.both_anchors:
@@ -364,15 +393,17 @@ class GridLearner:
             self.ambiguity[later] = matches.ambiguity
             self.bijective = self.bijective and bool(matches.bijective.all())
         linked = np.argwhere(column_links >= 0)
-        if d > 1 and len(linked):
+        if len(linked):
             i, j = linked[:, 0], linked[:, 1]
             self._link(grid[0, j], grid[i, j], column_links[i, j], labels_add=False)
             if column_matches is not None:  # the link decided these; its own ambiguity is on the link
                 self.ambiguity[grid[i, j]] = np.nan
 
     def _link(self, a_index, b_index, link_index, labels_add: bool) -> None:
-        matches: LinkMatches = match_links(self.side(a_index, ordered=True), self.side(b_index),
-                                           self.side(link_index), labels_add)
+        link, weight = self.side(link_index), self.schedule.column_link_weight
+        if not labels_add and weight != 1:  # a column link's poles are w (m_a + m_b): compare them / w
+            link = Side(link.m / weight, link.l, link.s_m / weight, link.s_l)
+        matches: LinkMatches = match_links(self.side(a_index, ordered=True), self.side(b_index), link, labels_add)
         self.order[b_index] = matches.permutation
         self.order[link_index] = matches.link_heads
         l_a, l_b, l_link = (self._ordered(self.fits.labels, index) for index in (a_index, b_index, link_index))
@@ -393,19 +424,29 @@ class GridLearner:
         m, labels = self._ordered(self.fits.log_poles, everything), self._ordered(self.fits.labels, everything)
         sigma_m, sigma_l = self._ordered(self.fits.sigma_m, everything), self._ordered(self.fits.sigma_l, everything)
         M, consensus, M_std, label_std = arithmetic.combine(schedule, m, labels, sigma_m, sigma_l)
-        W, v = arithmetic.assemble(schedule.Z, schedule.X, M, consensus)
+        basis = schedule.assembly_basis
+        A, v = arithmetic.assemble(schedule.Z, basis, M, consensus)  # [W_h | u_h] when affine (§16)
+        W, u = (A[:, :, :schedule.d], A[:, :, schedule.d]) if schedule.affine else (A, None)
         details = GridDetails(self._diagnostics(labels, consensus, sigma_l), schedule.samples_per_instance,
                               int((schedule.column_link_index >= 0).sum()) if schedule.both_anchors else 0,
                               self.bijective)
-        W_mid, v_mid = arithmetic.midpoint(W), arithmetic.midpoint(v)
+        A_mid, v_mid = arithmetic.midpoint(A), arithmetic.midpoint(v)
+        c_mid = 0.0 if self.c0 is None else float(arithmetic.midpoint(np.array([self.c0], dtype=object))[0])
         outcome = Outcome(None, self.H_star, np.inf, details, self.sequences, self.answers)
-        if not (np.isfinite(W_mid).all() and np.isfinite(v_mid).all()):
+        if not (np.isfinite(A_mid).all() and np.isfinite(v_mid).all() and np.isfinite(c_mid)):
             outcome.heads = int(np.bincount(self.ranks).argmax())
             return outcome
-        outcome.error_estimate = arithmetic.error_estimate(schedule.Z, schedule.X, W, v, M_std, label_std)
-        outcome.model = MultiHeadAttention(W_mid, v_mid)
+        # W and u together, relative to the largest entry of either (§16); c against max(|c|, max|v|).
+        outcome.error_estimate = arithmetic.error_estimate(schedule.Z, basis, A, v, M_std, label_std)
+        if self.c0 is not None:
+            outcome.error_estimate = max(outcome.error_estimate, arithmetic.constant_error(
+                self.c0, max(abs(c_mid), float(np.abs(v_mid).max(initial=0.0)))))
+        W_mid = A_mid[:, :, :schedule.d]
+        outcome.model = MultiHeadAttention(W_mid, v_mid, None if u is None else A_mid[:, :, schedule.d], c_mid)
         if arithmetic.precision is not None:
             outcome.W_balls, outcome.v_balls = W, v
+            if schedule.affine:
+                outcome.u_balls, outcome.c_ball = u, self.c0
         else:  # what the certificate linearises: the fits in head order, the combination's weights
             outcome.linearisation = PipelineRun(
                 schedule, self.owners, self.copies, self.fits.c, m, labels, inverse_variance_weights(sigma_m),

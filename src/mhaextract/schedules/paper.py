@@ -35,24 +35,34 @@ class PaperSchedule(GridSchedule):
         # 3. everything else (vbar known on R^d): row links, grid rows 1.., column links.
         for j in range(1, self.d):
             self.row_link_index[j] = self._add("row_link", 0, j, x[0], z[0] + z[j], 1)
-        for i in range(1, self.d):
+        # (The biased grid of §16 has one more final token and column links at w (x_0 + x_i), w = 1/2.)
+        finals, weight = len(x), self.column_link_weight
+        for i in range(1, finals):
             for j in range(self.d):
                 self.grid_index[i, j] = self._add("grid", i, j, x[i], z[j], 1)
-        for i in range(1, self.d):
+        for i in range(1, finals):
             for j in range(self.d):
-                self.column_link_index[i, j] = self._add("column_link", i, j, x[0] + x[i], z[j], 1)
+                self.column_link_index[i, j] = self._add("column_link", i, j, weight * (x[0] + x[i]), z[j], 1)
+
+    #: The count in words, and the number of instances after the first as a formula in d.
+    exact_formula = "paper 4*H0*d^2 - 2*H0 + 1"
+    later_formula = "2d^2-2"
+
+    def later_instances(self) -> int:
+        """The instances after the first, ``K - 1`` queries each: ``2 d^2 - 2`` (§5)."""
+        return 2 * self.d**2 - 2
 
     @property
     def promised_queries(self) -> int:
         """``4 H0 d^2 - 2 H0 + 1``, or ``K + (K - 1)(2 d^2 - 2)`` when oversampled."""
         K = self.samples_per_instance
-        return K + (K - 1) * (2 * self.d**2 - 2)
+        return K + (K - 1) * self.later_instances()
 
     @property
     def count_formula(self) -> str:
         if self.samples_per_instance > 2 * self.max_heads + 1:
-            return f"oversampled K = {self.samples_per_instance}: K + (K-1)(2d^2-2)"
-        return "paper 4*H0*d^2 - 2*H0 + 1"
+            return f"oversampled K = {self.samples_per_instance}: K + (K-1)({self.later_formula})"
+        return self.exact_formula
 
     def certificate(self, outcome):
         return None if outcome.linearisation is None else pipeline_certificate(outcome.linearisation)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .base import Schedule
 from .biased import BiasedTargetedSchedule
+from .biased_grid import BiasedGridSchedule
 from .lean import LeanSchedule
 from .lowrank import LowRankSchedule
 from .paper import PaperSchedule
@@ -72,15 +73,17 @@ def choose(name, d: int, max_heads: int, precision, bias) -> Choice:
                 "precision for any H (docs/algorithm.md §13); the paper schedule loses ~3 digits per head")
         elif precision is None:
             cls, reason = SCHEDULES["paper"], (
-                f"auto: float64 with H0 = {max_heads} > d = {d} rules out the targeted schedule; the paper "
-                "schedule is reliable in float64 only for H <= 2: prefer precision=BITS")
+                f"auto: float64 with H0 = {max_heads} > d = {d} rules out the targeted schedule; the paper's grid "
+                f"{'(with biases the biased grid, docs/algorithm.md §16) ' if learns else ''}is reliable in float64 "
+                "only for H <= 2: prefer precision=BITS")
+        elif learns:
+            cls, reason = SCHEDULES["paper"], (
+                f"auto: precision={precision}: the biased grid (the paper's grid on d + 1 affine final tokens, "
+                "docs/algorithm.md §16), its interpolation certified in ball arithmetic (§7)")
         else:
             cls, reason = SCHEDULES["paper"], (
                 f"auto: precision={precision}: the paper schedule's interpolation is certified in ball arithmetic "
                 "(docs/algorithm.md §5, §7)")
-            if bias is None and cls not in BIASED:  # the biased grid of §16 is not implemented yet
-                learns = False
-                reason += "; biases are not learned in high precision yet (§16): an oracle with them fails its checks"
         calibrate = True
     else:
         cls = schedule_class(name)
@@ -114,4 +117,5 @@ register(LeanSchedule)
 register(TargetedSchedule)
 register(LowRankSchedule)
 BIASED[TargetedSchedule] = BiasedTargetedSchedule
+BIASED[PaperSchedule] = BiasedGridSchedule
 REAL_LAYER_DEFAULTS.add(TargetedSchedule)
