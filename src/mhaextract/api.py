@@ -141,7 +141,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
-        raise kernel_failure(error, plan, boundary.stats) from error
+        raise kernel_failure(error, plan, boundary.stats, boundary.queries + boundary.replayed) from error
     finally:
         if record is not None:
             record.close()

@@ -51,11 +51,12 @@ def failure_hints(failed: set[str], settings, stats, heads_found: int) -> list[s
     return hints
 
 
-def kernel_failure(error: BaseException, plan, stats) -> ExtractionError:
-    """The ExtractionError for an exception raised by the learner's arithmetic (after queries)."""
+def kernel_failure(error: BaseException, plan, stats, answers: int) -> ExtractionError:
+    """The ExtractionError for an exception raised by the learner's arithmetic after ``answers``
+    answers (asked or replayed; ``stats`` sees only float64 ones)."""
     settings = plan.settings
     seen = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    lines = [f"{plan.name} extraction broke down in its arithmetic after {stats.count} answers ({seen})."]
+    lines = [f"{plan.name} extraction broke down in its arithmetic after {answers} answers ({seen})."]
     problem = stats.problem()
     if problem is not None:
         lines.append("The answers: " + problem + ".")
