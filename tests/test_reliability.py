@@ -103,8 +103,7 @@ def test_a_flint_failure_is_an_extraction_error_naming_the_precision(monkeypatch
     with pytest.raises(ExtractionError, match="man_exp") as info:
         mx.extract(mx.SimulatedOracle(target, 128), 2, heads=1, precision=128, seed=0, on_failure="warn")
     assert "more bits (this was precision=128)" in str(info.value)
-    asked = info.value.extraction.queries if getattr(info.value, "extraction", None) is not None else None
-    assert "after 0 answers" not in str(info.value), asked  # high-precision answers are counted too
+    assert "after 0 answers" not in str(info.value)  # high-precision answers are counted too
 
 
 def test_an_oracle_s_own_exception_is_not_disguised():
