@@ -23,7 +23,9 @@ from .checks.base import (
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
-from .checks.refine import output_jacobian, refine_least_squares
+from .checks.refine import (
+    POLISH_FACTOR, POLISH_LONGEST, answer_scales, output_jacobian, parameter_count, refine_least_squares, residuals,
+)
 from .model import MultiHeadAttention
 from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers
@@ -44,6 +46,8 @@ from .validation import (
 #: is float64 rounding: the existing checks judge it, the validity check is only added above it
 #: (or when the caller declares answer_error).
 ROUNDING_REGIME = 1e3 * 2.0**-53
+#: The refinement weighs answer q by 1 / max(its computation's size, WEIGHT_FLOOR x the median size).
+WEIGHT_FLOOR = 1e-2
 
 
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
@@ -109,8 +113,6 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         check_directory(transcript)  # before the calibration's probes: nothing is asked for a run that cannot record
     resume_check = positive_int("resume_check", resume_check, minimum=0)
     choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias)
-    if choice.bias and settings.refine:
-        raise ValueError("refine=True refines the bias-free model: pass bias=False with it")
     started = time.perf_counter()
     calibration = None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
@@ -129,7 +131,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
-        extra = _refinement_queries(boundary, settings, plan, outcome)
+        extra = _refinement_queries(boundary, plan.settings, plan, outcome)
         probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
             probe = probe_misfit(boundary, plan, outcome.model)
@@ -221,15 +223,24 @@ def _backend(backend, precision) -> str | None:
     return backend
 
 
+def polish_count(settings: RunSettings) -> int:
+    """The refinement's fresh queries: ``refine_queries``, else ``POLISH_FACTOR`` (6) per parameter
+    refined, ``6 H0 (d^2 + d)`` (bias-free) or ``6 (H0 (d^2 + 2d) + 1)`` (with u_h and c), at least 32."""
+    if settings.refine_queries is not None:
+        return settings.refine_queries
+    return max(32, POLISH_FACTOR * parameter_count(settings.max_heads, settings.d, settings.bias))
+
+
 def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):
     """Fresh random queries for the refinement (§12), counted like every other; a stream of the
-    seed independent of the schedule's."""
+    seed independent of the schedule's. Short (2 to ``min(POLISH_LONGEST, longest)`` tokens, never
+    longer than the schedule's own) and at the run's token scale: small answers, whose float64
+    rounding is small, and a well-conditioned least-squares design."""
     if not settings.refine or outcome.model is None:
         return [], np.zeros(0)
-    d, H0 = settings.d, settings.max_heads
-    count = max(32, H0 * (d * d + d)) if settings.refine_queries is None else settings.refine_queries
-    sequences = random_queries(spawn_rng(settings.seed, 1), count, d, settings.token_scale,
-                               (2, plan.promised_max_length))
+    count = polish_count(settings)
+    longest = max(2, min(POLISH_LONGEST, plan.promised_max_length))
+    sequences = random_queries(spawn_rng(settings.seed, 1), count, settings.d, settings.token_scale, (2, longest))
     if not sequences:
         return [], np.zeros(0)
     return sequences, boundary.ask(sequences, description="querying for refinement")
@@ -246,10 +257,10 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     if model is not None:
         certificate = plan.certificate(outcome)
         if settings.refine:
-            model, refinement = refine_least_squares(model, sequences, answers, added=len(extra[0]))
-            if refinement.kept == "refined" and certificate is not None:
-                certificate = least_squares_certificate(output_jacobian(model, sequences), model,
-                                                        model(sequences) - answers, answers, certificate.valid_below)
+            own = len(outcome.sequences) if plan.refines_on_own_answers else 0
+            fitted = slice(len(outcome.sequences) - own, None)
+            model, refinement, certificate = _refine(model, sequences[fitted], answers[fitted], len(extra[0]),
+                                                     settings.bias, certificate)
         exact = None if outcome.W_balls is None else MultiHeadAttention(mpf_array(outcome.W_balls),
                                                                          mpf_array(outcome.v_balls))
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
@@ -275,6 +286,23 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
         bias=spent.choice.bias, answer_dtype=spent.answer_dtype,
     )
+
+
+def _refine(model, sequences, answers, added, bias, certificate):
+    """Refinement (§12) of all parameters (with ``bias``: u_h and c too) against every answer,
+    weighted by the inverse size of each answer's computation (its float64 rounding), then the
+    least-squares certificate ``G = (D J)^+ D`` of the fit: every schedule that refines has one.
+    ``valid_below`` stays the algebraic start's where the schedule has a certificate."""
+    scales = answer_scales(model, sequences)
+    # An answer of exactly known size 0 (the zero query answers c) must not get an unbounded weight.
+    weights = 1.0 / np.maximum(scales, WEIGHT_FLOOR * np.median(scales) + 1e-300)
+    model, refinement = refine_least_squares(model, sequences, answers, added=added, bias=bias, weights=weights)
+    if refinement.status == -1:  # not affordable: the schedule's own certificate (if any) stands
+        return model, refinement, certificate
+    valid_below = None if certificate is None else certificate.valid_below
+    return model, refinement, least_squares_certificate(
+        output_jacobian(model, sequences, bias), model, residuals(model, sequences, answers), answers, valid_below,
+        bias=bias, weights=weights)
 
 
 def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[float | None, float]:

@@ -139,6 +139,11 @@ class Certificate:
         return self._amplifications[1]
 
     @property
+    def amplification_bias(self) -> float:
+        """The same for u and c (0 for a bias-free fit)."""
+        return max(self._amplifications[2:], default=0.0)
+
+    @property
     def amplification(self) -> float:
         return max(self._amplifications)
 
@@ -370,7 +375,10 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
     """The dense G (H (d^2 + d), Q) of a certificate, in :func:`mhaextract.checks.refine.pack` order
     (for small runs and tests; the amplification itself is accumulated in chunks)."""
     if certificate.kind == "least squares":
-        return certificate._pseudo_inverse
+        if certificate._factors is None:
+            raise ValueError("the least-squares Jacobian is rank deficient: no sensitivity matrix")
+        U, s, Vt, norms, weights = certificate._factors
+        return ((Vt.T / s) / norms[:, None]) @ (U.T * weights)
     blocks_W, blocks_v = [], []
     for _, dW, dv in certificate._operator.columns():
         blocks_W.append(dW.reshape(-1, dW.shape[-1]))
@@ -379,24 +387,62 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- after refinement
-def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, residuals: np.ndarray,
-                              answers: np.ndarray, valid_below: float) -> Certificate:
-    """Certificate of the least-squares fit: ``G = J^+`` (J: (Q, P) output Jacobian at the fit).
+#: Without an algebraic certificate's validity, first order is trusted while the worst-case
+#: movement of the parameters stays below this fraction of their scale.
+LINEAR_MOVEMENT = 1e-3
 
-    ``valid_below`` is the algebraic start's (refinement converges to the fit in whose basin the
-    start lies); the noise estimate is the residual's root mean square, corrected for the P
-    parameters fitted (``sqrt(sum r^2 / (Q - P))``).
+
+def _bias_scale(values) -> float:
+    """The scale of u (or c) in the relative error: max |u|, or 1 (absolute, as
+    :func:`mhaextract.compare` reports it against a target without biases) when it is at rounding
+    level (below 1e-8)."""
+    size = float(np.abs(np.asarray(values, dtype=np.float64)).max(initial=0.0))
+    return size if size > 1e-8 else 1.0
+
+
+def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, residuals: np.ndarray,
+                              answers: np.ndarray, valid_below: float | None, bias: bool = False,
+                              weights: np.ndarray | None = None) -> Certificate:
+    """Certificate of the (weighted) least-squares fit: ``G = (D J)^+ D`` (J: (Q, P) output
+    Jacobian at the fit in :func:`mhaextract.checks.refine.pack` order, ``bias``: it has the u and
+    c columns; D: the weights, default one), the derivative of the fit with respect to the answers.
+
+    ``valid_below`` is the algebraic start's where the schedule has a certificate (refinement
+    converges to the fit in whose basin the start lies); None: the answer error under which the
+    worst-case first-order movement stays below ``LINEAR_MOVEMENT`` of the parameters' scale.
+    The noise estimate is the residual's root mean square, corrected for the P parameters
+    fitted (``sqrt(sum r^2 / (Q - P))``). The amplification is the largest row l1 norm of G over
+    the scale of its block (max |W|, max |v|, and with biases max |u|, |c| or 1 at rounding level).
     """
     Q, P = jacobian.shape
-    U, s, Vt = np.linalg.svd(jacobian, full_matrices=False)
-    rank_ok = s.size and s[-1] > s[0] * 1e-14
-    pseudo_inverse = (Vt.T / s) @ U.T if rank_ok else np.full((P, Q), np.inf)
+    weights = np.ones(Q) if weights is None else np.asarray(weights, dtype=np.float64)
+    scaled = weights[:, None] * jacobian
+    norms = np.linalg.norm(scaled, axis=0)
+    norms[norms == 0] = 1.0
+    U, s, Vt = np.linalg.svd(scaled / norms, full_matrices=False)
+    rank_ok = bool(s.size) and s[-1] > s[0] * 1e-14
+    H, d = model.heads, model.d
+    nW, nv = H * d * d, H * d
     W_scale, v_scale = _relative_scales(model)
-    nW = model.heads * model.d**2
-    rows = np.abs(pseudo_inverse).sum(axis=1)
-    amplifications = (float(rows[:nW].max(initial=0.0)) / W_scale, float(rows[nW:].max(initial=0.0)) / v_scale)
+    scales = np.concatenate([np.full(nW, W_scale), np.full(nv, v_scale)]
+                            + ([np.full(nv, _bias_scale(model.u)), [_bias_scale(model.c)]] if bias else []))
+    if rank_ok:
+        left = (Vt.T / s) / norms[:, None]  # G = left @ U^T @ D: row norms accumulated over answer chunks
+        rows = np.zeros(P)
+        for start in range(0, Q, CHUNK * 8):
+            block = slice(start, min(start + CHUNK * 8, Q))
+            rows += np.abs(left @ (U[block].T * weights[block])).sum(axis=1)
+    else:
+        rows = np.full(P, np.inf)
+    relative = rows / scales
+    parts = [relative[:nW], relative[nW:nW + nv]] + ([relative[nW + nv:]] if bias else [])
+    amplifications = tuple(float(part.max(initial=0.0)) for part in parts)
+    if valid_below is None:
+        amplification = max(amplifications)
+        valid_below = LINEAR_MOVEMENT / amplification if amplification > 0 else np.inf
     noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
     certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
                               _norms=lambda: amplifications)
-    certificate._pseudo_inverse = pseudo_inverse
+    certificate._factors = (U, s, Vt, norms, weights) if rank_ok else None
+    certificate._bias = bias
     return certificate

@@ -178,6 +178,10 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
 class BiasedTargetedSchedule(TargetedSchedule):
     """``extract(..., schedule="targeted")`` with ``bias=True``: the model of §16 in float64, H <= d."""
 
+    #: refine=True polishes W, v, u and c by least squares on fresh queries (§12).
+    accepts = TargetedSchedule.accepts | {"refine"}
+    refines_on_own_answers = False
+
     @property
     def promised_queries(self) -> int:
         """After phase 1, with H0 heads: ``(d + 1) + 3H(d + 1) + (d + 2)H(d - 1) + 3Hd(d + 1)``."""
