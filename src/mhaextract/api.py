@@ -329,6 +329,14 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
         return error_estimate, "the answers' precision (ball radii)"
     if settings.answer_error is not None:
         return error_estimate, "the declared answer_error"
+    if probe is not None and certificate is not None and certificate.kind == "least squares":
+        # Refined: the estimate already rests on the residual noise of every fitted answer; the
+        # probe's misfit (a noise the polish queries could not show, e.g. on one-token-type queries)
+        # only raises it through the same amplification, not by a ratio to rounding.
+        misfit, answers_scale, count = probe
+        return (max(error_estimate, certificate.first_order(misfit)),
+                f"the residual noise of the least-squares fit and the answer noise measured on {count} fresh "
+                f"queries ({misfit / max(answers_scale, 1e-300):.2g} relative)")
     if probe is not None:
         misfit, answers_scale, count = probe
         return (scaled_estimate(error_estimate, misfit, answers_scale),
