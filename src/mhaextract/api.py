@@ -300,9 +300,11 @@ def _refine(model, sequences, answers, added, bias, certificate):
     if refinement.status == -1:  # not affordable: the schedule's own certificate (if any) stands
         return model, refinement, certificate
     valid_below = None if certificate is None else certificate.valid_below
+    solver = refinement.solver
+    jacobian = None if solver is not None else output_jacobian(model, sequences, bias)
     return model, refinement, least_squares_certificate(
-        output_jacobian(model, sequences, bias), model, residuals(model, sequences, answers), answers, valid_below,
-        bias=bias, weights=weights)
+        jacobian, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
+        solver=solver)
 
 
 def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[float | None, float]:

@@ -377,8 +377,8 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
     if certificate.kind == "least squares":
         if certificate._factors is None:
             raise ValueError("the least-squares Jacobian is rank deficient: no sensitivity matrix")
-        U, s, Vt, norms, weights = certificate._factors
-        return ((Vt.T / s) / norms[:, None]) @ (U.T * weights)
+        solver, weights = certificate._factors
+        return (((solver.Vt.T / solver.s) @ solver.U_R.T) / solver.norms[:, None]) @ (solver.Q.T * weights)
     blocks_W, blocks_v = [], []
     for _, dW, dv in certificate._operator.columns():
         blocks_W.append(dW.reshape(-1, dW.shape[-1]))
@@ -400,12 +400,14 @@ def _bias_scale(values) -> float:
     return size if size > 1e-8 else 1.0
 
 
-def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, residuals: np.ndarray,
+def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAttention, residuals: np.ndarray,
                               answers: np.ndarray, valid_below: float | None, bias: bool = False,
-                              weights: np.ndarray | None = None) -> Certificate:
+                              weights: np.ndarray | None = None, solver=None) -> Certificate:
     """Certificate of the (weighted) least-squares fit: ``G = (D J)^+ D`` (J: (Q, P) output
     Jacobian at the fit in :func:`mhaextract.checks.refine.pack` order, ``bias``: it has the u and
     c columns; D: the weights, default one), the derivative of the fit with respect to the answers.
+    ``solver``: the refinement's factorisation of its last ``D J`` (:class:`~.refine._Solver`), reused
+    when given (the last step moved the parameters by about their error: the same G to first order).
 
     ``valid_below`` is the algebraic start's where the schedule has a certificate (refinement
     converges to the fit in whose basin the start lies); None: the answer error under which the
@@ -414,12 +416,13 @@ def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, r
     fitted (``sqrt(sum r^2 / (Q - P))``). The amplification is the largest row l1 norm of G over
     the scale of its block (max |W|, max |v|, and with biases max |u|, |c| or 1 at rounding level).
     """
-    Q, P = jacobian.shape
+    from .refine import _Solver, parameter_count  # the refinement's factorisation: QR of the scaled J, SVD of R
+
+    Q, P = len(residuals), parameter_count(model.heads, model.d, bias)
     weights = np.ones(Q) if weights is None else np.asarray(weights, dtype=np.float64)
-    scaled = weights[:, None] * jacobian
-    norms = np.linalg.norm(scaled, axis=0)
-    norms[norms == 0] = 1.0
-    U, s, Vt = np.linalg.svd(scaled / norms, full_matrices=False)
+
+    solver = solver if solver is not None else _Solver(weights[:, None] * jacobian)
+    s = solver.s
     rank_ok = bool(s.size) and s[-1] > s[0] * 1e-14
     H, d = model.heads, model.d
     nW, nv = H * d * d, H * d
@@ -427,11 +430,12 @@ def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, r
     scales = np.concatenate([np.full(nW, W_scale), np.full(nv, v_scale)]
                             + ([np.full(nv, _bias_scale(model.u)), [_bias_scale(model.c)]] if bias else []))
     if rank_ok:
-        left = (Vt.T / s) / norms[:, None]  # G = left @ U^T @ D: row norms accumulated over answer chunks
+        # G = V diag(1/s) U_R^T Q^T D / norms (row-wise): row l1 norms accumulated over answer chunks.
+        left = ((solver.Vt.T / s) @ solver.U_R.T) / solver.norms[:, None]
         rows = np.zeros(P)
         for start in range(0, Q, CHUNK * 8):
             block = slice(start, min(start + CHUNK * 8, Q))
-            rows += np.abs(left @ (U[block].T * weights[block])).sum(axis=1)
+            rows += np.abs(left @ (solver.Q[block].T * weights[block])).sum(axis=1)
     else:
         rows = np.full(P, np.inf)
     relative = rows / scales
@@ -443,6 +447,6 @@ def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, r
     noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
     certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
                               _norms=lambda: amplifications)
-    certificate._factors = (U, s, Vt, norms, weights) if rank_ok else None
+    certificate._factors = (solver, weights) if rank_ok else None
     certificate._bias = bias
     return certificate

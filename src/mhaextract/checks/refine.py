@@ -34,7 +34,7 @@ the minimiser moves by ``G e``, ``G = (D J)^+ D`` (D the weights), for answer er
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -167,6 +167,8 @@ class Refinement:
     status: int
     message: str
     queries: int = 0
+    #: The factorisation of the last (weighted) Jacobian, for the certificate (None: none was made).
+    solver: object = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return (f"refinement kept the {self.kept} model (rms misfit {self.residual_before:.3g} -> "
@@ -230,6 +232,7 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
                                  f"not refined: a dense Jacobian of {len(sequences)} x "
                                  f"{parameter_count(heads, d, bias)} exceeds {MAX_JACOBIAN_ENTRIES:.0e} entries", added)
     theta, cost = start, float(np.sum(current**2)) if np.all(np.isfinite(current)) else np.inf
+    solve = None
     evaluations, status, message = 0, 0, "the evaluation limit was reached"
     while evaluations < max_evaluations:
         J = weights[:, None] * output_jacobian(unpack(theta, heads, d, bias), sequences, bias)
@@ -255,5 +258,6 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
             break
     after = float(np.sqrt(cost / len(current))) if len(current) else 0.0
     if np.isfinite(after) and after <= before:
-        return unpack(theta, heads, d, bias), Refinement("refined", before, after, evaluations, status, message, added)
+        return unpack(theta, heads, d, bias), Refinement("refined", before, after, evaluations, status, message, added,
+                                                         solve)
     return model, Refinement("algebraic", before, after, evaluations, status, message, added)
