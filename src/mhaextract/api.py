@@ -24,7 +24,7 @@ from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
 from .checks.refine import (
-    POLISH_FACTOR, POLISH_LONGEST, answer_scales, output_jacobian, parameter_count, refine_least_squares, residuals,
+    POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, output_jacobian, parameter_count, refine_least_squares, residuals,
 )
 from .model import MultiHeadAttention
 from .numerics.arithmetic import BACKENDS, arithmetic_for
@@ -240,7 +240,8 @@ def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: S
         return [], np.zeros(0)
     count = polish_count(settings)
     longest = max(2, min(POLISH_LONGEST, plan.promised_max_length))
-    sequences = random_queries(spawn_rng(settings.seed, 1), count, settings.d, settings.token_scale, (2, longest))
+    sequences = random_queries(spawn_rng(settings.seed, 1), count, settings.d, POLISH_SCALE * settings.token_scale,
+                               (2, longest))
     if not sequences:
         return [], np.zeros(0)
     return sequences, boundary.ask(sequences, description="querying for refinement")

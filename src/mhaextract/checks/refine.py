@@ -45,7 +45,9 @@ from ..oracle.queries import padded
 #: biases, 2886 queries, 2^-51..2^-52 (docs/algorithm.md §12).
 POLISH_FACTOR = 6
 #: The polish queries have 2 .. POLISH_LONGEST tokens (never more than the schedule's longest).
-POLISH_LONGEST = 4
+POLISH_LONGEST = 5
+#: The polish queries' token norm, as a multiple of the run's (calibrated) token scale.
+POLISH_SCALE = 1.5
 #: Queries per block when evaluating residuals and Jacobians (bounds the padded token arrays).
 BLOCK = 2048
 #: Largest dense Jacobian (entries, Q x P) the refinement builds: 3e8 float64 = 2.4 GB would be too
