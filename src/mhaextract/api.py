@@ -88,8 +88,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
         raises :class:`~mhaextract.oracle.boundary.BudgetExceeded` saying how many.
     samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
-    refine : polish all parameters by nonlinear least squares against every answer (float64, §12).
-    refine_queries : fresh random queries for the refinement (default ``max(32, H0 (d^2 + d))``).
+    refine : polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
+        polish queries (and the grid schedules' own answers), then certify the fit (float64, every
+        schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``.
+    refine_queries : fresh polish queries for the refinement (default ``6 P``, P the parameters:
+        ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).
     rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
         ``3H (2dr - r^2)`` queries instead of ``4 H d^2``); other schedules refuse it.

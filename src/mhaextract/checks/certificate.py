@@ -21,8 +21,9 @@ is the amplification from answer errors (absolute) to the relative parameter err
    it, ``l_h[j]`` by a weighted mean over column j (the learner's weights, held fixed);
 5. **assembly**: ``W_h = Z^{-T} M_h X^{-1}``, ``v_h = Z^{-T} l_h``.
 
-After ``refine=True`` the result is the least-squares fit of all answers and ``G = J_f^+``
-(:func:`mhaextract.checks.refine.output_jacobian`).
+After ``refine=True`` (any float64 schedule) the result is the weighted least-squares fit of the
+answers it was refined on and ``G = (D J_f)^+ D`` (:func:`mhaextract.checks.refine.output_jacobian`,
+with the u and c columns for a model with biases; D the weights): :func:`least_squares_certificate`.
 
 **Validity.** The first order is trusted, and the matching provably unchanged, for
 ``eps < valid_below``:
