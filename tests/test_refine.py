@@ -162,3 +162,14 @@ def test_precision_record_d8_h6():
         assert error <= 2.0**-50
         assert oracle.count == result.queries <= 4 * (4 * H * d * d - 2 * H + 1)
         assert comparison.max_rel <= result.error_estimate
+
+
+def test_too_few_polish_queries_keep_the_schedule_result():
+    d, H = 4, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=3)
+    plain = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=9)
+    for count in (0, 10):  # the targeted schedules refine on the polish queries alone: fewer than P
+        result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=9, refine=True, refine_queries=count)
+        assert result.refinement.kept == "algebraic" and result.refinement.status == -1
+        assert result.queries == plain.queries + count
+        assert np.array_equal(result.model.W, plain.model.W) and result.error_estimate == plain.error_estimate

@@ -301,7 +301,7 @@ def _refine(model, sequences, answers, added, bias, certificate):
     # An answer of exactly known size 0 (the zero query answers c) must not get an unbounded weight.
     weights = 1.0 / np.maximum(scales, WEIGHT_FLOOR * np.median(scales) + 1e-300)
     model, refinement = refine_least_squares(model, sequences, answers, added=added, bias=bias, weights=weights)
-    if refinement.status == -1:  # not affordable: the schedule's own certificate (if any) stands
+    if refinement.status == -1:  # not attempted (too few answers, or not affordable): the schedule's own stands
         return model, refinement, certificate
     valid_below = None if certificate is None else certificate.valid_below
     solver = refinement.solver

@@ -156,7 +156,8 @@ class Refinement:
     Attributes
     ----------
     kept : ``"refined"`` or ``"algebraic"``, the model that misfits the answers less (or
-        ``"algebraic"`` with ``status = -1`` when the dense Jacobian was not affordable).
+        ``"algebraic"`` with ``status = -1`` when not attempted: fewer answers than parameters, or a
+        dense Jacobian beyond ``MAX_JACOBIAN_ENTRIES``).
     residual_before, residual_after : root-mean-square (weighted) misfit on all answers of the
         start and of the refined model.
     iterations : Jacobian evaluations; ``status``, ``message`` : the solver's verdict.
@@ -230,6 +231,9 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     before = float(np.sqrt(np.mean(current**2))) if len(current) else 0.0
     if heads == 0:
         return model, Refinement("algebraic", before, before, 0, 0, "no heads to refine", added)
+    if len(sequences) < len(start):
+        return model, Refinement("algebraic", before, before, 0, -1,
+                                 f"not refined: {len(sequences)} answers for {len(start)} parameters", added)
     if not affordable(len(sequences), heads, d, bias):
         return model, Refinement("algebraic", before, before, 0, -1,
                                  f"not refined: a dense Jacobian of {len(sequences)} x "
