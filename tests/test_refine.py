@@ -173,3 +173,21 @@ def test_too_few_polish_queries_keep_the_schedule_result():
         assert result.refinement.kept == "algebraic" and result.refinement.status == -1
         assert result.queries == plain.queries + count
         assert np.array_equal(result.model.W, plain.model.W) and result.error_estimate == plain.error_estimate
+
+
+def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
+    from mhaextract.checks.certificate import least_squares_certificate, sensitivity_matrix
+
+    target = mx.MultiHeadAttention.random(3, 2, seed=1, bias=True)
+    batch = random_queries(np.random.default_rng(0), 120, 3, 1.5, (2, 5))
+    answers = target(batch)
+    weights = 1 / answer_scales(target, batch)
+    J = output_jacobian(target, batch, bias=True)
+    certificate = least_squares_certificate(J, target, residuals(target, batch, answers), answers, None, bias=True,
+                                            weights=weights)
+    expected = np.linalg.pinv(weights[:, None] * J) * weights  # G = (D J)^+ D
+    G = sensitivity_matrix(certificate)
+    assert np.abs(G - expected).max() <= 1e-10 * np.abs(expected).max()
+    assert certificate.amplification_bias > 0 and certificate.amplification == max(
+        certificate.amplification_W, certificate.amplification_v, certificate.amplification_bias)
+    assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
