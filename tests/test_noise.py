@@ -249,8 +249,8 @@ def test_acceptance_6_refinement_reaches_1e_13_on_exact_oracles(d, H):
     result = mx.extract(oracle, d, heads=H, seed=1, refine=True, schedule="paper")
     assert result.refinement.kept == "refined"
     assert mx.compare(result.model, target).max_rel <= 1e-13
-    assert result.queries == oracle.count == result.promised_queries + H * (d * d + d) if H * (d * d + d) >= 32 \
-        else result.queries == oracle.count == result.promised_queries + 32
+    # The polish queries: POLISH_FACTOR = 6 per refined parameter (bias-free: H (d^2 + d)), at least 32.
+    assert result.queries == oracle.count == result.promised_queries + max(32, 6 * H * (d * d + d))
     assert result.max_query_length == 2 * H + 1  # the refinement queries keep the schedule's longest
 
 

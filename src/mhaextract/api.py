@@ -23,7 +23,9 @@ from .checks.base import (
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
-from .checks.refine import output_jacobian, refine_least_squares
+from .checks.refine import (
+    POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, output_jacobian, parameter_count, refine_least_squares, residuals,
+)
 from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers, exact_model
 from .oracle.boundary import OracleBoundary
@@ -42,6 +44,8 @@ from .validation import (
 #: is float64 rounding: the existing checks judge it, the validity check is only added above it
 #: (or when the caller declares answer_error).
 ROUNDING_REGIME = 1e3 * 2.0**-53
+#: The refinement weighs answer q by 1 / max(its computation's size, WEIGHT_FLOOR x the median size).
+WEIGHT_FLOOR = 1e-2
 
 
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
@@ -85,8 +89,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
         raises :class:`~mhaextract.oracle.boundary.BudgetExceeded` saying how many.
     samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
-    refine : polish all parameters by nonlinear least squares against every answer (float64, §12).
-    refine_queries : fresh random queries for the refinement (default ``max(32, H0 (d^2 + d))``).
+    refine : polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
+        polish queries (and the grid schedules' own answers), then certify the fit (float64, every
+        schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``.
+    refine_queries : fresh polish queries for the refinement (default ``6 P``, P the parameters:
+        ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).
     rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
         ``3H (2dr - r^2)`` queries instead of ``4 H d^2``); other schedules refuse it.
@@ -110,8 +117,6 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         check_directory(transcript)  # before the calibration's probes: nothing is asked for a run that cannot record
     resume_check = positive_int("resume_check", resume_check, minimum=0)
     choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias)
-    if choice.bias and settings.refine:
-        raise ValueError("refine=True refines the bias-free model: pass bias=False with it")
     started = time.perf_counter()
     calibration = None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
@@ -131,7 +136,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
-        extra = _refinement_queries(boundary, settings, plan, outcome)
+        extra = _refinement_queries(boundary, plan.settings, plan, outcome)
         probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
             probe = probe_misfit(boundary, plan, outcome.model)
@@ -223,15 +228,25 @@ def _backend(backend, precision) -> str | None:
     return backend
 
 
+def polish_count(settings: RunSettings) -> int:
+    """The refinement's fresh queries: ``refine_queries``, else ``POLISH_FACTOR`` (6) per parameter
+    refined, ``6 H0 (d^2 + d)`` (bias-free) or ``6 (H0 (d^2 + 2d) + 1)`` (with u_h and c), at least 32."""
+    if settings.refine_queries is not None:
+        return settings.refine_queries
+    return max(32, POLISH_FACTOR * parameter_count(settings.max_heads, settings.d, settings.bias))
+
+
 def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):
     """Fresh random queries for the refinement (§12), counted like every other; a stream of the
-    seed independent of the schedule's."""
+    seed independent of the schedule's. Short (2 to ``min(POLISH_LONGEST, longest)`` tokens, never
+    longer than the schedule's own) and at the run's token scale: small answers, whose float64
+    rounding is small, and a well-conditioned least-squares design."""
     if not settings.refine or outcome.model is None:
         return [], np.zeros(0)
-    d, H0 = settings.d, settings.max_heads
-    count = max(32, H0 * (d * d + d)) if settings.refine_queries is None else settings.refine_queries
-    sequences = random_queries(spawn_rng(settings.seed, 1), count, d, settings.token_scale,
-                               (2, plan.promised_max_length))
+    count = polish_count(settings)
+    longest = max(2, min(POLISH_LONGEST, plan.promised_max_length))
+    sequences = random_queries(spawn_rng(settings.seed, 1), count, settings.d, POLISH_SCALE * settings.token_scale,
+                               (2, longest))
     if not sequences:
         return [], np.zeros(0)
     return sequences, boundary.ask(sequences, description="querying for refinement")
@@ -248,10 +263,10 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     if model is not None:
         certificate = plan.certificate(outcome)
         if settings.refine:
-            model, refinement = refine_least_squares(model, sequences, answers, added=len(extra[0]))
-            if refinement.kept == "refined" and certificate is not None:
-                certificate = least_squares_certificate(output_jacobian(model, sequences), model,
-                                                        model(sequences) - answers, answers, certificate.valid_below)
+            own = len(outcome.sequences) if plan.refines_on_own_answers else 0
+            fitted = slice(len(outcome.sequences) - own, None)
+            model, refinement, certificate = _refine(model, sequences[fitted], answers[fitted], len(extra[0]),
+                                                     settings.bias, certificate)
         exact = None if outcome.W_balls is None else exact_model(outcome.W_balls, outcome.v_balls,
                                                                   outcome.u_balls, outcome.c_ball)
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
@@ -279,6 +294,25 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
         bias=spent.choice.bias, answer_dtype=spent.answer_dtype,
     )
+
+
+def _refine(model, sequences, answers, added, bias, certificate):
+    """Refinement (§12) of all parameters (with ``bias``: u_h and c too) against every answer,
+    weighted by the inverse size of each answer's computation (its float64 rounding), then the
+    least-squares certificate ``G = (D J)^+ D`` of the fit: every schedule that refines has one.
+    ``valid_below`` stays the algebraic start's where the schedule has a certificate."""
+    scales = answer_scales(model, sequences)
+    # An answer of exactly known size 0 (the zero query answers c) must not get an unbounded weight.
+    weights = 1.0 / np.maximum(scales, WEIGHT_FLOOR * np.median(scales) + 1e-300)
+    model, refinement = refine_least_squares(model, sequences, answers, added=added, bias=bias, weights=weights)
+    if refinement.status == -1:  # not attempted (too few answers, or not affordable): the schedule's own stands
+        return model, refinement, certificate
+    valid_below = None if certificate is None else certificate.valid_below
+    solver = refinement.solver
+    jacobian = None if solver is not None else output_jacobian(model, sequences, bias)
+    return model, refinement, least_squares_certificate(
+        jacobian, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
+        solver=solver)
 
 
 def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[float | None, float]:
@@ -311,6 +345,14 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
         noise = max(settings.answer_error, probe[0] if probe is not None else 0.0)
         return (scaled_estimate(error_estimate, noise, scale, assumed),
                 "the declared answer_error (the schedule's rounding-level estimate scaled to it)")
+    if probe is not None and certificate is not None and certificate.kind == "least squares":
+        # Refined: the estimate already rests on the residual noise of every fitted answer; the
+        # probe's misfit (a noise the polish queries could not show, e.g. on one-token-type queries)
+        # only raises it through the same amplification, not by a ratio to rounding.
+        misfit, answers_scale, count = probe
+        return (max(error_estimate, certificate.first_order(misfit)),
+                f"the residual noise of the least-squares fit and the answer noise measured on {count} fresh "
+                f"queries ({misfit / max(answers_scale, 1e-300):.2g} relative)")
     if probe is not None:
         misfit, answers_scale, count = probe
         return (scaled_estimate(error_estimate, misfit, answers_scale, assumed),

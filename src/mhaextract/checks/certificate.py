@@ -21,8 +21,9 @@ is the amplification from answer errors (absolute) to the relative parameter err
    it, ``l_h[j]`` by a weighted mean over column j (the learner's weights, held fixed);
 5. **assembly**: ``W_h = Z^{-T} M_h X^{-1}``, ``v_h = Z^{-T} l_h``.
 
-After ``refine=True`` the result is the least-squares fit of all answers and ``G = J_f^+``
-(:func:`mhaextract.checks.refine.output_jacobian`).
+After ``refine=True`` (any float64 schedule) the result is the weighted least-squares fit of the
+answers it was refined on and ``G = (D J_f)^+ D`` (:func:`mhaextract.checks.refine.output_jacobian`,
+with the u and c columns for a model with biases; D the weights): :func:`least_squares_certificate`.
 
 **Validity.** The first order is trusted, and the matching provably unchanged, for
 ``eps < valid_below``:
@@ -137,6 +138,11 @@ class Certificate:
     @property
     def amplification_v(self) -> float:
         return self._amplifications[1]
+
+    @property
+    def amplification_bias(self) -> float:
+        """The same for u and c (0 for a bias-free fit)."""
+        return max(self._amplifications[2:], default=0.0)
 
     @property
     def amplification(self) -> float:
@@ -370,7 +376,10 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
     """The dense G (H (d^2 + d), Q) of a certificate, in :func:`mhaextract.checks.refine.pack` order
     (for small runs and tests; the amplification itself is accumulated in chunks)."""
     if certificate.kind == "least squares":
-        return certificate._pseudo_inverse
+        if certificate._factors is None:
+            raise ValueError("the least-squares Jacobian is rank deficient: no sensitivity matrix")
+        solver, weights = certificate._factors
+        return (((solver.Vt.T / solver.s) @ solver.U_R.T) / solver.norms[:, None]) @ (solver.Q.T * weights)
     blocks_W, blocks_v = [], []
     for _, dW, dv in certificate._operator.columns():
         blocks_W.append(dW.reshape(-1, dW.shape[-1]))
@@ -379,24 +388,66 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- after refinement
-def least_squares_certificate(jacobian: np.ndarray, model: MultiHeadAttention, residuals: np.ndarray,
-                              answers: np.ndarray, valid_below: float) -> Certificate:
-    """Certificate of the least-squares fit: ``G = J^+`` (J: (Q, P) output Jacobian at the fit).
+#: Without an algebraic certificate's validity, first order is trusted while the worst-case
+#: movement of the parameters stays below this fraction of their scale.
+LINEAR_MOVEMENT = 1e-3
 
-    ``valid_below`` is the algebraic start's (refinement converges to the fit in whose basin the
-    start lies); the noise estimate is the residual's root mean square, corrected for the P
-    parameters fitted (``sqrt(sum r^2 / (Q - P))``).
+
+def _bias_scale(values) -> float:
+    """The scale of u (or c) in the relative error: max |u|, or 1 (absolute, as
+    :func:`mhaextract.compare` reports it against a target without biases) when it is at rounding
+    level (below 1e-8)."""
+    size = float(np.abs(np.asarray(values, dtype=np.float64)).max(initial=0.0))
+    return size if size > 1e-8 else 1.0
+
+
+def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAttention, residuals: np.ndarray,
+                              answers: np.ndarray, valid_below: float | None, bias: bool = False,
+                              weights: np.ndarray | None = None, solver=None) -> Certificate:
+    """Certificate of the (weighted) least-squares fit: ``G = (D J)^+ D`` (J: (Q, P) output
+    Jacobian at the fit in :func:`mhaextract.checks.refine.pack` order, ``bias``: it has the u and
+    c columns; D: the weights, default one), the derivative of the fit with respect to the answers.
+    ``solver``: the refinement's factorisation of its last ``D J`` (:class:`~.refine._Solver`), reused
+    when given (the last step moved the parameters by about their error: the same G to first order).
+
+    ``valid_below`` is the algebraic start's where the schedule has a certificate (refinement
+    converges to the fit in whose basin the start lies); None: the answer error under which the
+    worst-case first-order movement stays below ``LINEAR_MOVEMENT`` of the parameters' scale.
+    The noise estimate is the residual's root mean square, corrected for the P parameters
+    fitted (``sqrt(sum r^2 / (Q - P))``). The amplification is the largest row l1 norm of G over
+    the scale of its block (max |W|, max |v|, and with biases max |u|, |c| or 1 at rounding level).
     """
-    Q, P = jacobian.shape
-    U, s, Vt = np.linalg.svd(jacobian, full_matrices=False)
-    rank_ok = s.size and s[-1] > s[0] * 1e-14
-    pseudo_inverse = (Vt.T / s) @ U.T if rank_ok else np.full((P, Q), np.inf)
+    from .refine import _Solver, parameter_count  # the refinement's factorisation: QR of the scaled J, SVD of R
+
+    Q, P = len(residuals), parameter_count(model.heads, model.d, bias)
+    weights = np.ones(Q) if weights is None else np.asarray(weights, dtype=np.float64)
+
+    solver = solver if solver is not None else _Solver(weights[:, None] * jacobian)
+    s = solver.s
+    rank_ok = bool(s.size) and s[-1] > s[0] * 1e-14
+    H, d = model.heads, model.d
+    nW, nv = H * d * d, H * d
     W_scale, v_scale = _relative_scales(model)
-    nW = model.heads * model.d**2
-    rows = np.abs(pseudo_inverse).sum(axis=1)
-    amplifications = (float(rows[:nW].max(initial=0.0)) / W_scale, float(rows[nW:].max(initial=0.0)) / v_scale)
+    scales = np.concatenate([np.full(nW, W_scale), np.full(nv, v_scale)]
+                            + ([np.full(nv, _bias_scale(model.u)), [_bias_scale(model.c)]] if bias else []))
+    if rank_ok:
+        # G = V diag(1/s) U_R^T Q^T D / norms (row-wise): row l1 norms accumulated over answer chunks.
+        left = ((solver.Vt.T / s) @ solver.U_R.T) / solver.norms[:, None]
+        rows = np.zeros(P)
+        for start in range(0, Q, CHUNK * 8):
+            block = slice(start, min(start + CHUNK * 8, Q))
+            rows += np.abs(left @ (solver.Q[block].T * weights[block])).sum(axis=1)
+    else:
+        rows = np.full(P, np.inf)
+    relative = rows / scales
+    parts = [relative[:nW], relative[nW:nW + nv]] + ([relative[nW + nv:]] if bias else [])
+    amplifications = tuple(float(part.max(initial=0.0)) for part in parts)
+    if valid_below is None:
+        amplification = max(amplifications)
+        valid_below = LINEAR_MOVEMENT / amplification if amplification > 0 else np.inf
     noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
     certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
                               _norms=lambda: amplifications)
-    certificate._pseudo_inverse = pseudo_inverse
+    certificate._factors = (solver, weights) if rank_ok else None
+    certificate._bias = bias
     return certificate

@@ -107,6 +107,10 @@ class Schedule:
     #: (:mod:`mhaextract.checks.noise_probe`); False keeps the schedule's exact count.
     probes_noise: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset()
+    #: refine=True fits the schedule's own answers too (with the fresh polish queries); False: the
+    #: polish queries alone (the targeted schedules keep only a subsample of their saturated,
+    #: long-token queries, poorly conditioned for least squares).
+    refines_on_own_answers: ClassVar[bool] = True
     refusal: ClassVar[str] = ""
 
     def __init__(self, settings: RunSettings):

@@ -176,7 +176,8 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
 
 
 class BiasedTargetedSchedule(TargetedSchedule):
-    """``extract(..., schedule="targeted")`` with ``bias=True``: the model of §16 in float64, H <= d."""
+    """``extract(..., schedule="targeted")`` with ``bias=True``: the model of §16 in float64, H <= d.
+    ``refine=True`` polishes W, v, u and c by least squares on fresh queries (§12)."""
 
     @property
     def promised_queries(self) -> int:

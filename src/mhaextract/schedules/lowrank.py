@@ -48,8 +48,9 @@ class LowRankSchedule(TargetedSchedule):
     """``extract(..., schedule="lowrank", rank=r)``: float64, heads of rank <= r, H <= d."""
 
     name = "lowrank"
-    accepts = frozenset({"rank", "answer_error"})
-    refusal = ("it is a float64 schedule of single-pole fits (precision=None, no oversampling or refinement); "
+    accepts = frozenset({"rank", "answer_error", "refine"})  # refine: full-rank least squares polish (§12), rank not enforced
+    refines_on_own_answers = False
+    refusal = ("it is a float64 schedule of single-pole fits (precision=None, no oversampling); "
                "use schedule='paper' for those")
 
     def __init__(self, settings):

@@ -602,9 +602,12 @@ class TargetedSchedule(Schedule):
     """``extract(..., schedule="targeted")``: float64, H <= d (see the module docstring)."""
 
     name = "targeted"
-    accepts = frozenset({"answer_error"})
-    refusal = ("it is a float64 schedule whose instances are single-pole fits (precision=None, no oversampling "
-               "or refinement); use schedule='paper' for those")
+    accepts = frozenset({"answer_error", "refine"})
+    #: its queries are few-sample instances on huge tokens, kept only as a sample: the refinement
+    #: (§12) fits the polish queries alone
+    refines_on_own_answers = False
+    refusal = ("it is a float64 schedule whose instances are single-pole fits (precision=None, no "
+               "oversampling); use schedule='paper' for those")
 
     def __init__(self, settings):
         super().__init__(settings)

@@ -1,0 +1,193 @@
+"""Refinement with biases for every float64 schedule, its polish queries and its certificate (§12)."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import mhaextract as mx
+from mhaextract.api import polish_count
+from mhaextract.checks.refine import (
+    answer_scales, output_jacobian, pack, parameter_count, refine_least_squares, residuals, unpack,
+)
+from mhaextract.oracle.queries import random_queries
+
+from conftest import CountingOracle
+
+
+def test_biased_jacobian_matches_finite_differences():
+    d, H = 3, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=7, bias=True)
+    batch = random_queries(np.random.default_rng(3), 25, d, 1.3, (1, 5))
+    J = output_jacobian(target, batch, bias=True)
+    theta = pack(target, bias=True)
+    assert J.shape == (25, parameter_count(H, d, bias=True)) == (25, H * (d * d + 2 * d) + 1)
+    for p in range(len(theta)):
+        step = np.zeros_like(theta)
+        step[p] = 1e-6
+        numeric = (unpack(theta + step, H, d, True)(batch) - unpack(theta - step, H, d, True)(batch)) / 2e-6
+        assert np.allclose(J[:, p], numeric, atol=1e-8), p
+    assert np.all(J[:, -1] == 1.0)  # df/dc
+    # Bias-free packing is the old one: W then v, and the bias columns are the first H (d^2 + d).
+    assert np.array_equal(output_jacobian(target, batch), J[:, :H * (d * d + d)])
+
+
+def test_extended_residuals_are_below_float64_rounding_of_the_model():
+    target = mx.MultiHeadAttention.random(4, 3, seed=2, bias=True)
+    batch = random_queries(np.random.default_rng(0), 200, 4, 2.0, (2, 4))
+    exact = np.array(target(batch, precision=200), dtype=np.float64)  # correctly rounded answers
+    extended = np.abs(residuals(target, batch, exact))
+    plain = np.abs(residuals(target, batch, exact, extended=False))
+    scale = answer_scales(target, batch)
+    assert extended.max() <= 2.0**-52 * scale.max()  # only the answers' own rounding is left
+    assert np.mean(extended) <= np.mean(plain)
+
+
+def test_biased_refinement_reaches_rounding_from_a_perturbed_start():
+    d, H = 3, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=11, bias=True)
+    batch = random_queries(np.random.default_rng(1), 8 * parameter_count(H, d, True), d, d**0.25, (2, 4))
+    answers = target(batch)
+    theta = pack(target, bias=True)
+    start = unpack(theta + 1e-6 * np.random.default_rng(2).standard_normal(len(theta)), H, d, True)
+    model, record = refine_least_squares(start, batch, answers, bias=True, weights=1 / answer_scales(start, batch))
+    assert record.kept == "refined" and record.residual_after < 1e-3 * record.residual_before
+    comparison = mx.compare(model, target)
+    assert max(comparison.W_abs, comparison.v_abs, comparison.u_abs, comparison.c_abs) < 1e-14
+
+
+def test_biased_refinement_never_returns_a_worse_fit():
+    d, H = 3, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=8, bias=True)
+    batch = random_queries(np.random.default_rng(4), 80, d, d**0.25, (1, 5))
+    answers = target(batch)
+    rng = np.random.default_rng(5)
+    for size in (1e-8, 1e-2, 30.0):
+        theta = pack(target, bias=True)
+        start = unpack(theta + size * rng.standard_normal(len(theta)), H, d, True)
+        model, record = refine_least_squares(start, batch, answers, max_evaluations=3, bias=True)
+        before = np.sqrt(np.mean((start(batch) - answers) ** 2))
+        after = np.sqrt(np.mean((model(batch) - answers) ** 2))
+        assert after <= before * (1 + 1e-12)
+        if record.kept == "algebraic":
+            assert model is start
+
+
+def test_counted_polish_queries_are_exactly_the_documented_ones():
+    d, H = 4, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=3)
+    plain_oracle, refined_oracle = CountingOracle(target), CountingOracle(target)
+    plain = mx.extract(plain_oracle, d, heads=H, seed=9)
+    refined = mx.extract(refined_oracle, d, heads=H, seed=9, refine=True)
+    polish = 6 * parameter_count(H, d, bias=True)  # 6 (H (d^2 + 2d) + 1) with u_h and c
+    assert refined.refinement.queries == polish
+    assert refined_oracle.count == refined.queries == plain.queries + polish == plain_oracle.count + polish
+    assert refined.calibration_queries == plain.calibration_queries == 145  # docs/algorithm.md §18-§19
+    assert refined.max_query_length == plain.max_query_length  # polish queries: 2..4 tokens
+    assert refined.certificate.kind == "least squares" and refined.error_estimate < 1e-12
+    assert mx.compare(refined.model, target).max_rel <= refined.error_estimate
+    custom = mx.extract(CountingOracle(target), d, heads=H, seed=9, refine=True, refine_queries=50)
+    assert custom.queries == plain.queries + 50
+
+
+def test_polish_count_default():
+    from mhaextract.schedules.base import RunSettings
+
+    settings = RunSettings(8, 6, 6, None, 0, 1.0, refine=True, bias=True)
+    assert polish_count(settings) == 6 * (6 * (64 + 16) + 1) == 2886
+    assert polish_count(RunSettings(8, 6, 6, None, 0, 1.0, refine=True)) == 6 * 6 * 72
+    assert polish_count(RunSettings(1, 1, 1, None, 0, 1.0, refine=True)) == 32
+
+
+def test_bias_free_refinement_keeps_the_bias_free_model():
+    d, H = 4, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=5)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=1, refine=True, schedule="paper")
+    assert result.refinement.kept == "refined" and not result.bias
+    assert not result.model.has_bias  # u and c are not fitted
+    assert result.certificate.kind == "least squares" and result.certificate.amplification_bias == 0.0
+    assert mx.compare(result.model, target).max_rel <= min(1e-13, result.error_estimate)
+
+
+SCHEDULES = [("paper", {}), ("lean", {}), ("targeted", {}), ("lowrank", {"rank": 4}), ("auto", {})]
+
+
+def _noisy_run(schedule, options, seed, noise, declared):
+    d, H = 4, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=seed)
+    oracle = mx.SimulatedOracle(target)
+    oracle = mx.AdditiveNoise(oracle, noise, seed=seed) if declared or seed % 2 else mx.GaussianNoise(oracle, noise,
+                                                                                                        seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
+        result = mx.extract(oracle, d, heads=H, seed=100 + seed, schedule=schedule, refine=True, on_failure="warn",
+                            **options, **({"answer_error": noise} if declared else {}))
+    return result, mx.compare(result.model, target).max_rel
+
+
+@pytest.mark.parametrize("schedule, options", SCHEDULES)
+def test_every_schedule_refines_and_its_error_estimate_holds_on_noisy_runs(schedule, options):
+    for seed, noise in [(0, 1e-11), (1, 1e-13)]:
+        result, measured = _noisy_run(schedule, options, seed, noise, declared=False)
+        assert result.certificate is not None and result.certificate.kind == "least squares"
+        assert measured <= result.error_estimate < 1e-6
+
+
+@pytest.mark.parametrize("schedule", ["paper", "lean"])
+def test_declared_noise_bound_holds_after_refinement(schedule):
+    for seed in range(2):
+        result, measured = _noisy_run(schedule, {}, seed, 1e-11, declared=True)
+        assert measured <= result.error_bound(1e-11) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, options", SCHEDULES)
+def test_error_estimate_holds_over_many_seeds(schedule, options):
+    for seed in range(2, 10):
+        for noise in (1e-12, 1e-9):
+            result, measured = _noisy_run(schedule, options, seed, noise, declared=False)
+            assert measured <= result.error_estimate
+
+
+@pytest.mark.slow
+def test_precision_record_d8_h6():
+    """Issue 15: d = 8, H = 6 float64 to 2^-50 with at most 4x the paper's count (all queries)."""
+    d, H = 8, 6
+    for seed in range(2):
+        target = mx.MultiHeadAttention.random(d, H, seed=seed)
+        oracle = CountingOracle(target)
+        result = mx.extract(oracle, d, heads=H, seed=1000 + seed, refine=True)
+        comparison = mx.compare(result.model, target)
+        error = max(comparison.W_abs, comparison.v_abs, comparison.u_abs, comparison.c_abs)
+        assert error <= 2.0**-50
+        assert oracle.count == result.queries <= 4 * (4 * H * d * d - 2 * H + 1)
+        assert comparison.max_rel <= result.error_estimate
+
+
+def test_too_few_polish_queries_keep_the_schedule_result():
+    d, H = 4, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=3)
+    plain = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=9)
+    for count in (0, 10):  # the targeted schedules refine on the polish queries alone: fewer than P
+        result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=9, refine=True, refine_queries=count)
+        assert result.refinement.kept == "algebraic" and result.refinement.status == -1
+        assert result.queries == plain.queries + count
+        assert np.array_equal(result.model.W, plain.model.W) and result.error_estimate == plain.error_estimate
+
+
+def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
+    from mhaextract.checks.certificate import least_squares_certificate, sensitivity_matrix
+
+    target = mx.MultiHeadAttention.random(3, 2, seed=1, bias=True)
+    batch = random_queries(np.random.default_rng(0), 120, 3, 1.5, (2, 5))
+    answers = target(batch)
+    weights = 1 / answer_scales(target, batch)
+    J = output_jacobian(target, batch, bias=True)
+    certificate = least_squares_certificate(J, target, residuals(target, batch, answers), answers, None, bias=True,
+                                            weights=weights)
+    expected = np.linalg.pinv(weights[:, None] * J) * weights  # G = (D J)^+ D
+    G = sensitivity_matrix(certificate)
+    assert np.abs(G - expected).max() <= 1e-10 * np.abs(expected).max()
+    assert certificate.amplification_bias > 0 and certificate.amplification == max(
+        certificate.amplification_W, certificate.amplification_v, certificate.amplification_bias)
+    assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
