@@ -191,3 +191,14 @@ def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
     assert certificate.amplification_bias > 0 and certificate.amplification == max(
         certificate.amplification_W, certificate.amplification_v, certificate.amplification_bias)
     assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
+
+
+def test_refining_a_bias_free_float32_target_with_biases_is_not_a_false_alarm():
+    # The fitted u of a bias-free target is of the answers' noise (1e-7 at float32): relative to its
+    # own size its error read O(1) and the estimate (2e2) failed a fit good to 1e-7.
+    target = mx.MultiHeadAttention.random(4, 2, seed=3)
+    result = mx.extract(mx.Float32Oracle(target), 4, heads=2, seed=3, refine=True, on_failure="warn")
+    truth = float(mx.compare(result.model, target).max_rel)
+    assert result.refinement.kept == "refined"
+    assert truth < 1e-6
+    assert result.ok and truth <= result.error_estimate < 1e-3

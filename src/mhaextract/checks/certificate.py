@@ -393,12 +393,21 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
 LINEAR_MOVEMENT = 1e-3
 
 
-def _bias_scale(values) -> float:
-    """The scale of u (or c) in the relative error: max |u|, or 1 (absolute, as
-    :func:`mhaextract.compare` reports it against a target without biases) when it is at rounding
-    level (below 1e-8)."""
+#: u (or c) is resolved, and its error relative, when it exceeds this many times its own
+#: first-order absolute error; below, its error is absolute (see :func:`_bias_scale`).
+RESOLVED_BIAS = 100.0
+
+
+def _bias_scale(values, absolute_error: float) -> float:
+    """The scale of u (or c) in the relative error: max |u| when the fit resolves it (above
+    ``RESOLVED_BIAS`` times its first-order absolute error ``absolute_error``), else 1 (absolute,
+    as :func:`mhaextract.compare` reports it against a target without biases). A bias-free target
+    fitted with biases gets u of the size of the noise (1e-7 against float32 answers): relative to
+    that size its error would read O(1), and the estimate would fail a correct fit. Not covered: a
+    true u, non-zero but under 100 times the fit's error, whose relative error compare reports
+    against its own tiny size."""
     size = float(np.abs(np.asarray(values, dtype=np.float64)).max(initial=0.0))
-    return size if size > 1e-8 else 1.0
+    return size if size > max(RESOLVED_BIAS * absolute_error, 1e-8) else 1.0
 
 
 def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAttention, residuals: np.ndarray,
@@ -428,8 +437,7 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     H, d = model.heads, model.d
     nW, nv = H * d * d, H * d
     W_scale, v_scale = _relative_scales(model)
-    scales = np.concatenate([np.full(nW, W_scale), np.full(nv, v_scale)]
-                            + ([np.full(nv, _bias_scale(model.u)), [_bias_scale(model.c)]] if bias else []))
+    noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
     if rank_ok:
         # G = V diag(1/s) U_R^T Q^T D / norms (row-wise): row l1 norms accumulated over answer chunks.
         left = ((solver.Vt.T / s) @ solver.U_R.T) / solver.norms[:, None]
@@ -439,13 +447,17 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
             rows += np.abs(left @ (solver.Q[block].T * weights[block])).sum(axis=1)
     else:
         rows = np.full(P, np.inf)
-    relative = rows / scales
+    scales = [np.full(nW, W_scale), np.full(nv, v_scale)]
+    if bias:  # u and c: relative where resolved, at the first order of 3 x the residual noise
+        eps = (1.0 + SECOND_ORDER_SLACK) * (3.0 * noise + _rounding_floor(answers))
+        scales += [np.full(nv, _bias_scale(model.u, eps * rows[nW + nv:nW + 2 * nv].max(initial=0.0))),
+                   [_bias_scale(model.c, eps * rows[-1])]]
+    relative = rows / np.concatenate(scales)
     parts = [relative[:nW], relative[nW:nW + nv]] + ([relative[nW + nv:]] if bias else [])
     amplifications = tuple(float(part.max(initial=0.0)) for part in parts)
     if valid_below is None:
         amplification = max(amplifications)
         valid_below = LINEAR_MOVEMENT / amplification if amplification > 0 else np.inf
-    noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
     certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
                               _norms=lambda: amplifications)
     certificate._factors = (solver, weights) if rank_ok else None
