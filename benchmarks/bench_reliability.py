@@ -34,7 +34,7 @@ from mhaextract.oracle.boundary import OracleError
 from mhaextract.oracle.transcript import TranscriptError
 
 MODES = {"auto (default)": dict(), "paper": dict(schedule="paper"), "lean": dict(schedule="lean"), "targeted": dict(schedule="targeted"),
-         "paper 256 bits": dict(schedule="paper", precision=256)}
+         "paper 256 bits": dict(schedule="paper", precision=256), "auto 256 bits": dict(precision=256)}
 
 
 #: Random targets have H <= min(d, MOST_HEADS[mode]): float64 rational interpolation of 2H + 1
@@ -135,7 +135,7 @@ def random_cases(mode, options, runs):
     """Random targets d = 2..6, H = 1..min(d, MOST_HEADS) (biased for the default mode, which learns biases),
     answered exactly, with undeclared Gaussian noise 1e-10, and with declared uniform noise 1e-8."""
     precision = options.get("precision")
-    bias = options.get("schedule", "auto") == "auto" and precision is None
+    bias = options.get("schedule", "auto") == "auto"  # the default learns biases (the biased grid at 256 bits)
     most = MOST_HEADS.get(mode, 4)
     for seed in range(runs):
         d = 2 + seed % 5
