@@ -221,3 +221,13 @@ def test_the_default_and_targeted_schedules_take_a_declared_answer_error(schedul
     result = mx.extract(oracle, 4, heads=2, seed=5, schedule=schedule, answer_error=1e-8)
     truth = float(mx.compare(result.model, target).max_rel)
     assert result.ok and 1e-12 < truth <= 30 * result.error_estimate
+
+
+def test_the_targeted_estimate_covers_an_ill_conditioned_design():
+    # A silent failure of bench_reliability (d = H = 4): the first-order estimate applied X^{-1} to
+    # the vector of error sizes, whose signed sum cancelled: 4e-14 against a true 3e-11.
+    target = mx.MultiHeadAttention.random(4, 4, seed=1057)
+    result = mx.extract(mx.SimulatedOracle(target), 4, heads=4, seed=57, schedule="targeted", on_failure="warn")
+    truth = float(mx.compare(result.model, target).max_rel)
+    assert truth > 1e-12  # the design is ill-conditioned: far above rounding
+    assert truth <= 30 * result.error_estimate

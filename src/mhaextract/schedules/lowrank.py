@@ -33,7 +33,7 @@ from ..numerics import float64 as float64_kernel
 from .base import Outcome
 from .targeted import (
     GROUP_SCALE, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step, _checks, _diagnostics,
-    _first_group, _measure, _Prober, _shared,
+    _first_group, _measure, _Prober, _shared, first_order_estimate,
 )
 
 #: Full (R^d) differences per head beyond the rank: their extra singular values test the rank bound.
@@ -161,6 +161,5 @@ def _error_estimate(finals, model) -> float:
     """§13's first-order estimate over every final unit (full and subspace ones); the subspace
     bases' own error (from the full units) is of the same order and not added."""
     squared = sum(data.error_squared.sum(axis=0) for data in finals)
-    W_error = np.sqrt(squared) / np.linalg.norm(finals[0].differences[0], axis=1)
-    return float(4 * W_error.max(initial=0.0) / max(np.abs(model.W).max(), 1e-300))
+    return first_order_estimate(squared, np.linalg.norm(finals[0].differences[0], axis=1), model)
 
