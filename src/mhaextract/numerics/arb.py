@@ -12,8 +12,9 @@ Same mathematics as :mod:`.float64` (see :mod:`.rational`), with balls instead o
   returned balls contain the exact parameters of the rational function through the samples.
   Remaining samples (when r < H0) are checked against the fit.
 
-Samples are taken as exact balls (the oracle's answer as midpoint). Balls stay tight because
-only the final certification step runs in interval arithmetic; running the whole pipeline in
+Samples are balls of one ulp at the oracle's precision (the boundary's contract). Balls stay tight
+because only the final certification step runs in interval arithmetic (at twice the working
+precision, :func:`_certify`); running the whole pipeline in
 balls would inflate the radii by the product of every step's condition number. Only the rank
 decision (how many poles) is numerical: it reads the singular values of the Loewner matrix in
 mpmath at the working precision.
@@ -148,13 +149,31 @@ def _system(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray, constant=N
     return residual, J
 
 
+#: The Krawczyk step works at this multiple of the working precision (:func:`_certify`).
+CERTIFY_PRECISION_FACTOR = 2
+
+
 def _certify(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray, constant=None):
     """Newton-polish ``u`` on the square system at ``rows``, then enclose the exact solution.
 
     Krawczyk: with ``Y ~ J(u)^{-1}`` and a box ``X`` around ``u``, if
     ``K(X) = u - Y f(u) + (I - Y J(X)) (X - u)`` lies inside ``X`` then ``X`` holds exactly one
     solution, and it lies in ``K(X)``. Returns (balls, certified).
+
+    Run at ``CERTIFY_PRECISION_FACTOR`` times the working precision: the test needs
+    ``cond(J)^2`` times the box's radius well below one, and at the working precision the polish's
+    own rounding (not the samples' one-ulp radii) made that radius: every H = 8 instance at 256
+    bits failed (cond ~ 1e30..1e40). Sound at any precision; the samples keep their radii.
     """
+    working = ctx.prec
+    ctx.prec = CERTIFY_PRECISION_FACTOR * working
+    try:
+        return _krawczyk(u, ks, F, rows, constant)
+    finally:
+        ctx.prec = working
+
+
+def _krawczyk(u: list, ks: np.ndarray, F: np.ndarray, rows: np.ndarray, constant=None):
     size = len(u)
     for _ in range(12):  # quadratic convergence from the barycentric start
         f, J = _system(u, ks, F, rows, constant)
