@@ -231,3 +231,19 @@ def test_the_targeted_estimate_covers_an_ill_conditioned_design():
     truth = float(mx.compare(result.model, target).max_rel)
     assert truth > 1e-12  # the design is ill-conditioned: far above rounding
     assert truth <= 30 * result.error_estimate
+
+
+@pytest.mark.slow
+def test_refine_on_a_torch_layer_is_not_a_matching_false_alarm():
+    # Before: schedule="paper", refine=True on a float64 torch MHA(12, 3) failed `matching` (ambiguous
+    # links of the algebraic start) while the refined model's error was 4e-16.
+    torch = pytest.importorskip("torch")
+    from mhaextract.adapters.torch import TorchOracle, to_reduced
+    torch.manual_seed(1)
+    layer = torch.nn.MultiheadAttention(12, 3).double()
+    readout = np.random.default_rng(1).standard_normal(12)
+    result = mx.extract(TorchOracle(layer, readout), 12, heads=3, seed=1, schedule="paper", refine=True,
+                        token_scale="auto", on_failure="warn")
+    assert float(mx.compare(result.model, to_reduced(layer, readout)).max_rel) < 1e-13
+    assert result.ok
+    assert "superseded by the refinement" in next(c.message for c in result.checks if c.name == "matching")
