@@ -247,3 +247,13 @@ def test_refine_on_a_torch_layer_is_not_a_matching_false_alarm():
     assert float(mx.compare(result.model, to_reduced(layer, readout)).max_rel) < 1e-13
     assert result.ok
     assert "superseded by the refinement" in next(c.message for c in result.checks if c.name == "matching")
+
+
+def test_max_heads_reports_the_resolution_at_which_heads_merged():
+    # Two heads 1e-8 apart merge under max_heads: the result says at which resolution it decided.
+    target = near_equal(4, 3, 1e-8, 0)
+    result = mx.extract(mx.SimulatedOracle(target), 4, max_heads=3, seed=0, schedule="paper")
+    kept, dropped = result.details.merge_resolution
+    assert result.heads == 2
+    assert dropped < 1e-12 < 1e-9 < kept  # decided in a gap of many orders of magnitude
+    assert result.details.summary()["largest_dropped_singular_value"] == dropped

@@ -59,7 +59,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     oracle : callable ``oracle(batch) -> outputs`` (see :mod:`mhaextract.oracle.boundary`).
     d : token dimension.
     heads : the number of heads H, if known. Exactly one of ``heads`` and ``max_heads``.
-    max_heads : a bound H0 >= H*; the canonical count is detected on every instance.
+    max_heads : a bound H0 >= H*; the canonical count is detected on every instance (grid schedules:
+        ``result.details.merge_resolution`` is the singular-value gap it was decided in).
     precision : None for float64; bits (>= 64) for the high-precision (python-flint) path.
     seed : seeds the random query vectors (same seed, same queries).
     schedule : ``"auto"`` (default: the registry chooses from the arithmetic and H0, and

@@ -106,8 +106,24 @@ class GridDetails(ScheduleDetails):
         """Every instance's balls were proven to enclose its exact parameters (balls only)."""
         return bool(self.instances.certified.all())
 
+    @property
+    def merge_resolution(self) -> tuple[float, float]:
+        """``(smallest kept, largest dropped)``: over every instance, the smallest relative Loewner
+        singular value counted as a pole and the largest counted as none (0 when none was
+        dropped). The pole count, and so which heads merge, was decided in the gap between them:
+        heads that move an instance's spectrum by less than the second are merged (with
+        ``max_heads``) or missing (``heads_found`` fails). A merge is this decision at this
+        resolution, not a proof that the heads coincide."""
+        values = np.asarray(self.instances.singular_values, dtype=np.float64)
+        counted = np.arange(values.shape[1])[None, :] < np.asarray(self.instances.rank)[:, None]
+        kept = values[counted & np.isfinite(values)]
+        dropped = values[~counted & np.isfinite(values)]
+        return (float(kept.min()) if kept.size else float("nan"), float(dropped.max()) if dropped.size else 0.0)
+
     def summary(self) -> dict:
-        return {"samples_per_instance": self.samples_per_instance, "fallback_links": self.fallback_links}
+        kept, dropped = self.merge_resolution
+        return {"samples_per_instance": self.samples_per_instance, "fallback_links": self.fallback_links,
+                "smallest_kept_singular_value": kept, "largest_dropped_singular_value": dropped}
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {f"instances_{name}": np.asarray(values, dtype=str if name == "role" else None)
