@@ -52,6 +52,7 @@ DIRECTION_AGREEMENT = 1e-2
 #: are told apart from two heads by these looser tolerances (directions of different heads are
 #: unrelated, so 10% still separates them).
 NOISY_LABEL_AGREEMENT, NOISY_DIRECTION_AGREEMENT = 5e-2, 1e-1
+NOISY_MAX_CENTER_LOG_POLE = 2.5  # ... and only centres where the fit with P is well conditioned
 
 
 @dataclass
@@ -137,6 +138,7 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
     tolerance = max(1e-9 * scale, 1e3 * float(rounding.max()))
     # The fourth sample's agreement with the three-sample fit (the fit amplifies the samples' errors).
     agreement = max(1e-7, 1e3 * (unit or EPS)) * scale
+    max_center = NOISY_MAX_CENTER_LOG_POLE if unit is not None and unit > EPS else MAX_CENTER_LOG_POLE
     budget = 64 * (grid + 1) * max_heads  # a safety net: no line may take more queries than this
     stack = [(ts[n], values[n], ts[n + 1], values[n + 1], 0)
              for n in range(grid) if abs(values[n + 1] - values[n]) > tolerance]
@@ -158,7 +160,7 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
                 # The label must be the height of the step being bisected (a blend of two barely
                 # saturated neighbours can mimic a small single pole, but not the step).
                 step_height = abs(G_b - G_a)
-                if (np.isfinite(m) and abs(m) <= MAX_CENTER_LOG_POLE and abs(predicted - more[2]) <= agreement
+                if (np.isfinite(m) and abs(m) <= max_center and abs(predicted - more[2]) <= agreement
                         and abs(abs(label) - step_height) <= 0.1 * step_height):
                     report.centers += 1
                     _accept(gap, x_m, P, label, m, quantize, report, step, rng, unit)
