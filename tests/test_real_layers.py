@@ -1,5 +1,7 @@
 """Issue 13: real layers with non-zero biases, the library's defaults only, ground truth from the weights."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,15 @@ def test_a_layer_outside_the_model_class_fails_its_checks_and_is_refused_by_to_r
         to_reduced(layer, np.ones(8))
     with pytest.raises(mx.ExtractionError):
         mx.extract(TorchOracle(layer, np.ones(8)), 8, heads=2, seed=0)
+
+
+def test_a_float32_biased_layer_is_extracted():
+    """A float32 BERT layer whose phase 1 used to read the offsets b_h 10..200 off (no model):
+    ground truth from the float64 copy of the weights (docs/algorithm.md §19)."""
+    d, H = 16, 4
+    layer = build("BertSelfAttention", d, H, seed=0, implementation="eager").to(torch.float32)
+    r = np.random.default_rng(0).standard_normal(d)
+    truth = to_reduced(copy.deepcopy(layer).double(), r)
+    result = mx.extract(TorchOracle(layer, r), d, heads=H, seed=0, on_failure="warn")
+    assert result.ok, [check.name for check in result.failed_checks]
+    assert mx.compare(result.model, truth).max_rel <= 1e-5

@@ -33,10 +33,12 @@ import numpy as np
 
 from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
+from ..numerics import single_pole
 from ..oracle.queries import one_token_queries
 from .base import Outcome
+from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
-    GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
+    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
     _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection, _patterns,
     _Prober, _shared, answer_unit, line_search,
 )
@@ -126,13 +128,43 @@ def _assemble(Z: np.ndarray, a: np.ndarray, labels: np.ndarray):
     return W, v, u
 
 
+#: Noisy answers: a head's offset b_h is read at ``(1 - OFFSET_SHRINK) x_c`` (its centre pulled towards 0).
+OFFSET_SHRINK = (0.25, 0.0625)
+
+
+def _offset(prober: AffineProber, z: np.ndarray, head) -> float:
+    """The rough offset ``b_h = m_h(x_c) - a_h^T x_c`` of a head found at centre ``x_c``.
+
+    In float64 from the centre's log-pole and the rough direction. With noisy answers (float32
+    layers) the direction is only good to ~1e-2 (its readings inherit the score rounding of tokens
+    at ``16 token_scale``, ~1e-3 in m) and ``|a_h| |x_c|`` is ~1e4: b came out wrong by 10..200 and
+    the first group's designs then left other heads unsaturated. Instead read ``m_h`` at
+    ``lam x_c``: ``m_h(lam x_c) = lam (m_c - b) + b`` (affine, no direction involved), so
+    ``b = (m(lam) - lam m_c) / (1 - lam)``, with ``1 - lam`` small enough that head h stays in its
+    window and the other heads (|m_g| ~ |a_g^T x_c|, hundreds) stay saturated. One query per head."""
+    rough = float(head.log_pole - head.direction @ head.center)
+    if prober.unit <= EPS:
+        return rough
+    for shrink in OFFSET_SHRINK:
+        lam = 1.0 - shrink
+        x = prober.quantize(lam * head.center)
+        lam_actual = float(x @ head.center / (head.center @ head.center))
+        gap = prober.gaps(x[None], z[None], (1,), "phase 1: offsets")[0][0, 0]
+        m = float(single_pole.reading(gap, head.plateau, head.label))
+        if np.isfinite(m) and abs(m) <= MAX_READING_LOG_POLE:
+            # the quantized point is lam x_c plus a tiny residue across x_c: its log-pole part is
+            # carried by the rough direction
+            residue = x - lam_actual * head.center
+            return (m - head.direction @ residue - lam_actual * head.log_pole) / (1.0 - lam_actual)
+    return rough
+
+
 def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances."""
     Z, search = line_search(prober, d, max_heads, rng, token_scale)
     if not search.heads:
         return Z, search, None
-    rough = np.array([np.append(head.direction, head.log_pole - head.direction @ head.center)
-                      for head in search.heads])
+    rough = np.array([np.append(head.direction, _offset(prober, Z[:, 0], head)) for head in search.heads])
     first = _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign)
     return Z, search, first
 

@@ -46,6 +46,13 @@ MAX_CENTER_LOG_POLE = 4.0
 MAX_READING_LOG_POLE = 8.0
 #: Two centres with the same label whose directions agree to this (relative) are one head.
 DIRECTION_AGREEMENT = 1e-2
+#: Noisy answers (float32 layers): a centre's label and direction are good to a few percent only
+#: (the three-sample fit with the plateau P amplifies the score rounding of tokens at
+#: ``line_scale * token_scale``, ~1e-3 in m, up to 1e-2 in l at |m| ~ 3): two centres of one head
+#: are told apart from two heads by these looser tolerances (directions of different heads are
+#: unrelated, so 10% still separates them).
+NOISY_LABEL_AGREEMENT, NOISY_DIRECTION_AGREEMENT = 5e-2, 1e-1
+NOISY_MAX_CENTER_LOG_POLE = 2.5  # ... and only centres where the fit with P is well conditioned
 
 
 @dataclass
@@ -131,6 +138,7 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
     tolerance = max(1e-9 * scale, 1e3 * float(rounding.max()))
     # The fourth sample's agreement with the three-sample fit (the fit amplifies the samples' errors).
     agreement = max(1e-7, 1e3 * (unit or EPS)) * scale
+    max_center = NOISY_MAX_CENTER_LOG_POLE if unit is not None and unit > EPS else MAX_CENTER_LOG_POLE
     budget = 64 * (grid + 1) * max_heads  # a safety net: no line may take more queries than this
     stack = [(ts[n], values[n], ts[n + 1], values[n + 1], 0)
              for n in range(grid) if abs(values[n + 1] - values[n]) > tolerance]
@@ -152,10 +160,10 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
                 # The label must be the height of the step being bisected (a blend of two barely
                 # saturated neighbours can mimic a small single pole, but not the step).
                 step_height = abs(G_b - G_a)
-                if (np.isfinite(m) and abs(m) <= MAX_CENTER_LOG_POLE and abs(predicted - more[2]) <= agreement
+                if (np.isfinite(m) and abs(m) <= max_center and abs(predicted - more[2]) <= agreement
                         and abs(abs(label) - step_height) <= 0.1 * step_height):
                     report.centers += 1
-                    _accept(gap, x_m, P, label, m, quantize, report, step, rng)
+                    _accept(gap, x_m, P, label, m, quantize, report, step, rng, unit)
                 else:
                     # Two heads in the window at once: halving cannot separate them; another
                     # line will meet these heads apart.
@@ -169,8 +177,11 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
                 stack.append((left, G_left, right, G_right, depth + 1))
 
 
-def _accept(gap, center, P, label, m, quantize, report, step, rng):
+def _accept(gap, center, P, label, m, quantize, report, step, rng, unit=None):
     """A centre: a known head (same label, and its estimate predicts this log-pole) or a new one."""
+    noisy = unit is not None and unit > EPS
+    label_agreement = NOISY_LABEL_AGREEMENT if noisy else 1e-2
+    direction_agreement = NOISY_DIRECTION_AGREEMENT if noisy else DIRECTION_AGREEMENT
     for head in report.heads:
         # A known head predicts its own log-pole here; the label agrees up to the contamination of
         # a centre by neighbours that are saturated only to ~e^-10.
@@ -212,8 +223,8 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng):
         # A known head whose prediction above missed: with noisy answers (float32) the direction's
         # error times the distance between the centres can exceed 1. Its direction is still the
         # same to a few digits, while another head's is not (in float64 this never fires first).
-        same_label = abs(head.label - label) <= 1e-2 * max(abs(head.label), abs(label))
-        if same_label and np.linalg.norm(head.direction - direction) <= DIRECTION_AGREEMENT * np.linalg.norm(direction):
+        same_label = abs(head.label - label) <= label_agreement * max(abs(head.label), abs(label))
+        if same_label and np.linalg.norm(head.direction - direction) <= direction_agreement * np.linalg.norm(direction):
             report.duplicates += 1
             return
     report.heads.append(LocatedHead(label, center, P, m, direction))
