@@ -256,4 +256,4 @@ def test_max_heads_reports_the_resolution_at_which_heads_merged():
     kept, dropped = result.details.merge_resolution
     assert result.heads == 2
     assert dropped < 1e-12 < 1e-9 < kept  # decided in a gap of many orders of magnitude
-    assert result.details.summary()["largest_dropped_singular_value"] == dropped
+    assert result.details.summary()["largest_dropped_sv"] == dropped

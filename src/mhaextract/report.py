@@ -39,7 +39,8 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     if e.schedule_reason:
         table.add_row("schedule choice", e.schedule, e.schedule_reason)
     for name, value in e.details.summary().items():
-        table.add_row(name.replace("_", " "), str(value), f"schedule '{e.schedule}'")
+        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        table.add_row(name.replace("_", " "), shown, f"schedule '{e.schedule}'")
     table.add_row("canonical heads H*", str(e.heads), "")
     if comparison is not None:
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"

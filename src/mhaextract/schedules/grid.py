@@ -113,7 +113,8 @@ class GridDetails(ScheduleDetails):
         dropped). The pole count, and so which heads merge, was decided in the gap between them:
         heads that move an instance's spectrum by less than the second are merged (with
         ``max_heads``) or missing (``heads_found`` fails). A merge is this decision at this
-        resolution, not a proof that the heads coincide."""
+        resolution, not a proof that the heads coincide. In the JSON summary as
+        ``smallest_pole_sv`` and ``largest_dropped_sv``."""
         values = np.asarray(self.instances.singular_values, dtype=np.float64)
         counted = np.arange(values.shape[1])[None, :] < np.asarray(self.instances.rank)[:, None]
         kept = values[counted & np.isfinite(values)]
@@ -123,7 +124,7 @@ class GridDetails(ScheduleDetails):
     def summary(self) -> dict:
         kept, dropped = self.merge_resolution
         return {"samples_per_instance": self.samples_per_instance, "fallback_links": self.fallback_links,
-                "smallest_kept_singular_value": kept, "largest_dropped_singular_value": dropped}
+                "smallest_pole_sv": kept, "largest_dropped_sv": dropped}
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {f"instances_{name}": np.asarray(values, dtype=str if name == "role" else None)
