@@ -807,11 +807,11 @@ def first_order_estimate(squared: np.ndarray, z_norm: np.ndarray, model) -> floa
 
     The errors of ``W_h``'s d^2 entries then have root mean square ``||error||_F / d``, and
     ``compare`` reports the largest entry: of independent errors of that spread, about
-    ``sqrt(2 ln d^2)`` times it, taken as ``max(4, 1 + sqrt(2 ln d^2))`` (4 bounds the largest of
-    up to 16 entries for every spread, and is the factor the float64 estimate always had)."""
+    ``sqrt(2 ln d^2)`` times it, taken as ``max(3, sqrt(2 ln d^2))`` (3 for d <= 4: the largest of
+    up to 16 such errors exceeds 3 RMS with probability about 4%)."""
     d = model.d
     W_rms = np.sqrt(squared) / (z_norm * d)
-    factor = max(4.0, 1.0 + np.sqrt(2.0 * np.log(d * d)))
+    factor = max(3.0, np.sqrt(2.0 * np.log(d * d)))
     return float(factor * W_rms.max(initial=0.0) / max(np.abs(model.W).max(), 1e-300))
 
 
