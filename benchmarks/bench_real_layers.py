@@ -1,6 +1,7 @@
 """Issue 13 acceptance table: real layers with non-zero biases, library defaults only.
 
     python benchmarks/bench_real_layers.py [--d 16 32 64] [--heads 2 4 8] [--sweep]
+    python benchmarks/bench_real_layers.py --dtype float32 --d 16 --heads 4 --seeds 4
 
 Per layer type, d and H: a float64 layer with every bias drawn at the std of its weights, read out
 through a random vector, extracted with ``mx.extract(TorchOracle(layer, r), d, heads=H, seed=0)``
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mhaextract as mx  # noqa: E402
@@ -26,21 +28,32 @@ from test_real_layers import build  # noqa: E402
 KINDS = ["nn.MultiheadAttention", "GPT2Attention", "BertSelfAttention", "OPTAttention", "ViTAttention"]
 
 
-def layer_rows(ds, heads):
-    print("| layer | d | H | queries (measured) | calibration queries | seconds | rel. error vs to_reduced | checks |")
-    print("|---|---|---|---|---|---|---|---|")
+def layer_rows(ds, heads, dtype="float64", seeds=(None,)):
+    """One row per layer type, d, H (and seed): the layer in ``dtype`` (float32: built in float64, the
+    truth ``to_reduced`` of that float64 copy, then the layer itself converted), sdpa attention for
+    float64 and eager (float32 throughout) for float32."""
+    print("| layer | dtype | d | H | seed | queries (measured) | calibration queries | seconds | rel. error vs to_reduced "
+          "| estimate / error | checks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in KINDS:
         for d in ds:
             for H in heads:
-                layer = build(kind, d, H, seed=d + H, implementation="sdpa")
-                r = np.random.default_rng(d + H).standard_normal(d)
-                started = time.perf_counter()
-                result = mx.extract(TorchOracle(layer, r), d, heads=H, seed=0, on_failure="warn", progress=False)
-                seconds = time.perf_counter() - started
-                error = mx.compare(result.model, to_reduced(layer, r)).max_rel if result.model is not None else np.inf
-                print(f"| {kind} | {d} | {H} | {result.queries:,} | {result.calibration_queries} | {seconds:.1f} | "
-                      f"{error:.1e} | {'ok' if result.ok else 'FAILED: ' + ', '.join(c.name for c in result.failed_checks)} |",
-                      flush=True)
+                for seed in seeds:
+                    layer_seed = d + H if seed is None else seed
+                    layer = build(kind, d, H, seed=layer_seed, implementation="sdpa" if dtype == "float64" else "eager")
+                    r = np.random.default_rng(layer_seed).standard_normal(d)
+                    truth = to_reduced(layer.double(), r)
+                    layer = layer.to(getattr(torch, dtype))
+                    started = time.perf_counter()
+                    result = mx.extract(TorchOracle(layer, r), d, heads=H, seed=0 if seed is None else seed,
+                                        on_failure="warn", progress=False)
+                    seconds = time.perf_counter() - started
+                    error = mx.compare(result.model, truth).max_rel if result.model is not None else np.inf
+                    ratio = result.error_estimate / error if np.isfinite(error) and error > 0 else np.nan
+                    checks = "ok" if result.ok else "FAILED: " + ", ".join(c.name for c in result.failed_checks)
+                    print(f"| {kind} | {result.answer_dtype} | {d} | {H} | {layer_seed} | {result.queries:,} | "
+                          f"{result.calibration_queries} | {seconds:.1f} | {error:.1e} | {ratio:.2g} | {checks} |",
+                          flush=True)
 
 
 def sweep_rows(d=16, H=4, seeds=2):
@@ -66,11 +79,14 @@ def main():
     parser.add_argument("--d", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--heads", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    parser.add_argument("--seeds", type=int, help="seeds 0..N-1 per cell (default: one layer, seed d + H)")
     arguments = parser.parse_args()
     if arguments.sweep:
         sweep_rows()
     else:
-        layer_rows(arguments.d, arguments.heads)
+        layer_rows(arguments.d, arguments.heads, arguments.dtype,
+                   (None,) if arguments.seeds is None else tuple(range(arguments.seeds)))
 
 
 if __name__ == "__main__":
