@@ -109,23 +109,37 @@ class RoundedAnswers:
         return f"RoundedAnswers({self.oracle!r}, bits={self.bits})"
 
 
-class Float32Oracle:
-    """The target evaluated in float32: tokens, parameters and arithmetic rounded to float32
-    (unit roundoff ``2^-24``), answers returned as float64. Deterministic."""
+class _LowPrecisionTarget:
+    """A known target evaluated in a lower precision, answers returned as float64; deterministic.
+    Subclasses set ``unit_roundoff`` and say how each intermediate is rounded (``_stage``)."""
 
-    unit_roundoff = 2.0 ** -24
+    unit_roundoff: float
     answer_error = None
 
     def __init__(self, model: MultiHeadAttention):
         if not isinstance(model, MultiHeadAttention):
-            raise TypeError(f"Float32Oracle needs a MultiHeadAttention, got {type(model).__name__}")
+            raise TypeError(f"{type(self).__name__} needs a MultiHeadAttention, got {type(model).__name__}")
         self.model = model
+
+    @staticmethod
+    def _stage(name, array):
+        raise NotImplementedError
+
+    def __call__(self, batch):
+        return _evaluate(self.model, batch, self._stage).astype(np.float64)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.model!r})"
+
+
+class Float32Oracle(_LowPrecisionTarget):
+    """The target evaluated in float32: tokens, parameters and arithmetic rounded to float32
+    (unit roundoff ``2^-24``), answers returned as float64. Deterministic."""
+
+    unit_roundoff = 2.0 ** -24
 
     def __call__(self, batch):
         return self.model(batch, dtype=np.float32).astype(np.float64)
-
-    def __repr__(self) -> str:
-        return f"Float32Oracle({self.model!r})"
 
 
 def round_bfloat16(values) -> np.ndarray:
@@ -159,50 +173,26 @@ def _evaluate(model: MultiHeadAttention, batch, stage) -> np.ndarray:
     return out
 
 
-class MixedPrecisionOracle:
+class MixedPrecisionOracle(_LowPrecisionTarget):
     """A float64 layer whose softmax runs in float32: the scores are rounded to float32, the
     softmax weights computed in float32, everything else in float64. The answers are float64
     (they do not round-trip through float32) but carry float32-level noise. Deterministic."""
 
     unit_roundoff = 2.0 ** -24
-    answer_error = None
-
-    def __init__(self, model: MultiHeadAttention):
-        if not isinstance(model, MultiHeadAttention):
-            raise TypeError(f"MixedPrecisionOracle needs a MultiHeadAttention, got {type(model).__name__}")
-        self.model = model
 
     @staticmethod
     def _stage(name, array):
         array = np.asarray(array, dtype=np.float64)
         return array.astype(np.float32) if name == "softmax" else array
 
-    def __call__(self, batch):
-        return _evaluate(self.model, batch, self._stage).astype(np.float64)
 
-    def __repr__(self) -> str:
-        return f"MixedPrecisionOracle({self.model!r})"
-
-
-class BFloat16Oracle:
+class BFloat16Oracle(_LowPrecisionTarget):
     """The target in bfloat16: tokens, parameters and every intermediate (scores, softmax
     weights, values, output) rounded to bfloat16 (unit roundoff ``2^-8``), each product and sum
     accumulated in float32 as accelerators do; answers returned as float64. Deterministic."""
 
     unit_roundoff = 2.0 ** -8
-    answer_error = None
-
-    def __init__(self, model: MultiHeadAttention):
-        if not isinstance(model, MultiHeadAttention):
-            raise TypeError(f"BFloat16Oracle needs a MultiHeadAttention, got {type(model).__name__}")
-        self.model = model
 
     @staticmethod
     def _stage(name, array):
         return round_bfloat16(np.asarray(array, dtype=np.float32))
-
-    def __call__(self, batch):
-        return _evaluate(self.model, batch, self._stage).astype(np.float64)
-
-    def __repr__(self) -> str:
-        return f"BFloat16Oracle({self.model!r})"
