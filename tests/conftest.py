@@ -1,8 +1,18 @@
+import importlib.util
+
 import pytest
 
 import mhaextract as mx
 from mhaextract.schedules.base import RunSettings
 from mhaextract.validation import default_token_scale
+
+
+if importlib.util.find_spec("torch") is not None:
+    import torch
+
+    # The layers in the tests are tiny: torch's intra-op threads only contend (on a loaded 2-core
+    # machine a 0.4 s real-layer test took 4 s with the default thread count).
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -270,6 +270,7 @@ def test_refinement_never_returns_a_worse_fit():
             assert model is start
 
 
+@pytest.mark.slow
 def test_refined_certificate_bounds_noisy_runs():
     for seed in range(3):
         target = mx.MultiHeadAttention.random(4, 2, seed=60 + seed)

@@ -73,6 +73,7 @@ def test_biased_refinement_never_returns_a_worse_fit():
             assert model is start
 
 
+@pytest.mark.slow
 def test_counted_polish_queries_are_exactly_the_documented_ones():
     d, H = 4, 2
     target = mx.MultiHeadAttention.random(d, H, seed=3)
@@ -99,6 +100,7 @@ def test_polish_count_default():
     assert polish_count(RunSettings(1, 1, 1, None, 0, 1.0, refine=True)) == 32
 
 
+@pytest.mark.slow
 def test_bias_free_refinement_keeps_the_bias_free_model():
     d, H = 4, 2
     target = mx.MultiHeadAttention.random(d, H, seed=5)
@@ -125,6 +127,7 @@ def _noisy_run(schedule, options, seed, noise, declared):
     return result, mx.compare(result.model, target).max_rel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, options", SCHEDULES)
 def test_every_schedule_refines_and_its_error_estimate_holds_on_noisy_runs(schedule, options):
     for seed, noise in [(0, 1e-11), (1, 1e-13)]:
@@ -133,6 +136,7 @@ def test_every_schedule_refines_and_its_error_estimate_holds_on_noisy_runs(sched
         assert measured <= result.error_estimate < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["paper", "lean"])
 def test_declared_noise_bound_holds_after_refinement(schedule):
     for seed in range(2):
@@ -193,6 +197,7 @@ def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
     assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
 
 
+@pytest.mark.slow
 def test_refining_a_bias_free_float32_target_with_biases_is_not_a_false_alarm():
     # The fitted u of a bias-free target is of the answers' noise (1e-7 at float32): relative to its
     # own size its error read O(1) and the estimate (2e2) failed a fit good to 1e-7.
