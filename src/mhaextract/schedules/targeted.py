@@ -421,6 +421,11 @@ class _SubspaceDesign(_FullDesign):
         self.correction = _MinimumNormCorrection(U, self.rounds)
         others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
         self.others = others
+        # The rows every round's design fits: the other heads' estimates (never corrected here, only
+        # the target's) and the basis. They are the same in every round: one batched QR per unit.
+        rows = np.concatenate([current[self.units[:, None], others], basis.transpose(0, 2, 1)], axis=1)
+        self.frame_q, upper = np.linalg.qr(rows.transpose(0, 2, 1))  # (U, d, H - 1 + r), (U, .., ..)
+        self.frame_lower = np.ascontiguousarray(upper.transpose(0, 2, 1))
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
@@ -438,12 +443,9 @@ class _SubspaceDesign(_FullDesign):
         frame = np.eye(r)[None] - 2.0 * normal[:, :, None] * normal[:, None, :]
         along = np.concatenate([np.full((U, 1), TARGET_CENTER), SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1)
         y = np.matmul(frame, (along / size[:, None])[:, :, None])[:, :, 0]
-        saturated = self.current[self.units[:, None], self.others]  # (U, H - 1, d)
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
-        rows = np.concatenate([saturated, self.basis.transpose(0, 2, 1)], axis=1)  # (U, H - 1 + r, d)
-        q, upper = np.linalg.qr(rows.transpose(0, 2, 1))
         rhs = np.concatenate([values, y], axis=1)
-        return np.matmul(q, np.linalg.solve(upper.transpose(0, 2, 1), rhs[:, :, None]))[:, :, 0]
+        return np.matmul(self.frame_q, np.linalg.solve(self.frame_lower, rhs[:, :, None]))[:, :, 0]
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
         rows = np.einsum("udr,ud->ur", self.basis, x)
