@@ -96,6 +96,8 @@ CHUNK_BYTES = 2**28
 #: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
 #: are then computed exactly rather than bounded (:func:`_diagnostics`).
 KEEP_BYTES = 2**24
+#: Bases of this many bytes (a block of units) are orthogonalised against together, in cache.
+GRAM_SCHMIDT_BYTES = 2**20
 
 
 def answer_unit(settings, stats=None) -> float:
@@ -286,12 +288,19 @@ class _MinimumNormCorrection:
     def add(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
         """Add row ``n`` (U, d) with its misfit (U,) (NaN: not measured, skipped); returns delta."""
         ok = np.isfinite(misses)
-        basis = self.basis[:, :, :n]
-        overlap = np.matmul(rows[:, None, :], basis)[:, 0]  # (U, n)
-        q = rows - np.matmul(basis, overlap[:, :, None])[:, :, 0]
-        second = np.matmul(q[:, None, :], basis)[:, 0]  # classical Gram-Schmidt, twice
-        q -= np.matmul(basis, second[:, :, None])[:, :, 0]
-        overlap += second
+        U, d = rows.shape
+        overlap, q = np.empty((U, n)), np.empty((U, d))
+        # Blocks of units whose bases fit the cache: the four products below read each block once
+        # from memory, not four times (the same per-unit BLAS calls: the same results to the bit).
+        step = max(1, GRAM_SCHMIDT_BYTES // max(1, 8 * d * n))
+        for start in range(0, U, step):
+            part = slice(start, start + step)
+            basis = self.basis[part, :, :n]
+            overlap[part] = np.matmul(rows[part, None, :], basis)[:, 0]  # (units, n)
+            q[part] = rows[part] - np.matmul(basis, overlap[part, :, None])[:, :, 0]
+            second = np.matmul(q[part, None, :], basis)[:, 0]  # classical Gram-Schmidt, twice
+            q[part] -= np.matmul(basis, second[:, :, None])[:, :, 0]
+            overlap[part] += second
         rho = np.linalg.norm(q, axis=1)
         ok &= rho > 1e-12 * np.linalg.norm(rows, axis=1)
         safe = np.where(ok, rho, 1.0)
