@@ -96,6 +96,8 @@ CHUNK_BYTES = 2**28
 #: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
 #: are then computed exactly rather than bounded (:func:`_diagnostics`).
 KEEP_BYTES = 2**24
+#: Bases of this many bytes (a block of units) are orthogonalised against together, in cache.
+GRAM_SCHMIDT_BYTES = 2**20
 
 
 def answer_unit(settings, stats=None) -> float:
@@ -286,12 +288,19 @@ class _MinimumNormCorrection:
     def add(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
         """Add row ``n`` (U, d) with its misfit (U,) (NaN: not measured, skipped); returns delta."""
         ok = np.isfinite(misses)
-        basis = self.basis[:, :, :n]
-        overlap = np.matmul(rows[:, None, :], basis)[:, 0]  # (U, n)
-        q = rows - np.matmul(basis, overlap[:, :, None])[:, :, 0]
-        second = np.matmul(q[:, None, :], basis)[:, 0]  # classical Gram-Schmidt, twice
-        q -= np.matmul(basis, second[:, :, None])[:, :, 0]
-        overlap += second
+        U, d = rows.shape
+        overlap, q = np.empty((U, n)), np.empty((U, d))
+        # Blocks of units whose bases fit the cache: the four products below read each block once
+        # from memory, not four times (the same per-unit BLAS calls: the same results to the bit).
+        step = max(1, GRAM_SCHMIDT_BYTES // max(1, 8 * d * n))
+        for start in range(0, U, step):
+            part = slice(start, start + step)
+            basis = self.basis[part, :, :n]
+            overlap[part] = np.matmul(rows[part, None, :], basis)[:, 0]  # (units, n)
+            q[part] = rows[part] - np.matmul(basis, overlap[part, :, None])[:, :, 0]
+            second = np.matmul(q[part, None, :], basis)[:, 0]  # classical Gram-Schmidt, twice
+            q[part] -= np.matmul(basis, second[:, :, None])[:, :, 0]
+            overlap[part] += second
         rho = np.linalg.norm(q, axis=1)
         ok &= rho > 1e-12 * np.linalg.norm(rows, axis=1)
         safe = np.where(ok, rho, 1.0)
@@ -421,6 +430,11 @@ class _SubspaceDesign(_FullDesign):
         self.correction = _MinimumNormCorrection(U, self.rounds)
         others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
         self.others = others
+        # The rows every round's design fits: the other heads' estimates (never corrected here, only
+        # the target's) and the basis. They are the same in every round: one batched QR per unit.
+        rows = np.concatenate([current[self.units[:, None], others], basis.transpose(0, 2, 1)], axis=1)
+        self.frame_q, upper = np.linalg.qr(rows.transpose(0, 2, 1))  # (U, d, H - 1 + r), (U, .., ..)
+        self.frame_lower = np.ascontiguousarray(upper.transpose(0, 2, 1))
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
@@ -438,12 +452,9 @@ class _SubspaceDesign(_FullDesign):
         frame = np.eye(r)[None] - 2.0 * normal[:, :, None] * normal[:, None, :]
         along = np.concatenate([np.full((U, 1), TARGET_CENTER), SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1)
         y = np.matmul(frame, (along / size[:, None])[:, :, None])[:, :, 0]
-        saturated = self.current[self.units[:, None], self.others]  # (U, H - 1, d)
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
-        rows = np.concatenate([saturated, self.basis.transpose(0, 2, 1)], axis=1)  # (U, H - 1 + r, d)
-        q, upper = np.linalg.qr(rows.transpose(0, 2, 1))
         rhs = np.concatenate([values, y], axis=1)
-        return np.matmul(q, np.linalg.solve(upper.transpose(0, 2, 1), rhs[:, :, None]))[:, :, 0]
+        return np.matmul(self.frame_q, np.linalg.solve(self.frame_lower, rhs[:, :, None]))[:, :, 0]
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
         rows = np.einsum("udr,ud->ur", self.basis, x)
