@@ -7,11 +7,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers import BertConfig, GPT2Config, OPTConfig, ViTConfig  # noqa: E402
-from transformers.models.bert.modeling_bert import BertSelfAttention  # noqa: E402
-from transformers.models.gpt2.modeling_gpt2 import GPT2Attention  # noqa: E402
-from transformers.models.opt.modeling_opt import OPTAttention  # noqa: E402
-from transformers.models.vit.modeling_vit import ViTAttention  # noqa: E402
 
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, UnsupportedLayerError, to_reduced, to_torch  # noqa: E402
@@ -30,25 +25,35 @@ def with_biases(module, seed):
 
 
 def build(kind, d, H, seed, implementation="eager"):
+    # Each Hugging Face model module is imported when first built (importing all four cost the
+    # fast tier 5 s of collection).
     torch.manual_seed(seed)
     if kind == "nn.MultiheadAttention":
         layer = torch.nn.MultiheadAttention(d, H, batch_first=bool(seed % 2))
     elif kind == "GPT2Attention":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Config
         layer = GPT2Attention(GPT2Config(n_embd=d, n_head=H, attn_implementation=implementation), layer_idx=0)
     elif kind == "BertSelfAttention":
+        from transformers.models.bert.modeling_bert import BertConfig, BertSelfAttention
         layer = BertSelfAttention(BertConfig(hidden_size=d, num_attention_heads=H, attn_implementation=implementation))
     elif kind == "OPTAttention":  # OPT's eager path takes its softmax in float32: sdpa is the float64 layer
+        from transformers.models.opt.modeling_opt import OPTAttention, OPTConfig
         layer = OPTAttention(OPTConfig(hidden_size=d, num_attention_heads=H, attn_implementation="sdpa"), layer_idx=0)
     else:
+        from transformers.models.vit.modeling_vit import ViTAttention, ViTConfig
         layer = ViTAttention(ViTConfig(hidden_size=d, num_attention_heads=H, attn_implementation=implementation))
     return with_biases(layer, seed)
 
 
-CASES = [("nn.MultiheadAttention", 16, 2, "eager"), ("GPT2Attention", 16, 4, "sdpa"),
-         ("BertSelfAttention", 16, 2, "eager"), ("OPTAttention", 16, 2, "sdpa"), ("ViTAttention", 16, 2, "sdpa")]
+# The fast tier keeps nn.MultiheadAttention and GPT-2; BERT, OPT and ViT run in the full suite.
+CASES = [pytest.param("nn.MultiheadAttention", 16, 2, "eager", id="nn.MultiheadAttention"),
+         pytest.param("GPT2Attention", 16, 4, "sdpa", id="GPT2Attention"),
+         pytest.param("BertSelfAttention", 16, 2, "eager", id="BertSelfAttention", marks=pytest.mark.slow),
+         pytest.param("OPTAttention", 16, 2, "sdpa", id="OPTAttention", marks=pytest.mark.slow),
+         pytest.param("ViTAttention", 16, 2, "sdpa", id="ViTAttention", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("kind, d, H, implementation", CASES, ids=[case[0] for case in CASES])
+@pytest.mark.parametrize("kind, d, H, implementation", CASES)
 def test_a_biased_layer_is_extracted_with_the_defaults(kind, d, H, implementation):
     layer = build(kind, d, H, seed=0, implementation=implementation)
     r = np.random.default_rng(0).standard_normal(d)
@@ -134,6 +139,7 @@ def test_a_layer_outside_the_model_class_fails_its_checks_and_is_refused_by_to_r
         mx.extract(TorchOracle(layer, np.ones(8)), 8, heads=2, seed=0)
 
 
+@pytest.mark.slow
 def test_a_float32_biased_layer_is_extracted():
     """A float32 BERT layer whose phase 1 used to read the offsets b_h 10..200 off (no model):
     ground truth from the float64 copy of the weights (docs/algorithm.md §19)."""
