@@ -103,7 +103,7 @@ def degenerate_targets():
 
 
 @pytest.mark.parametrize("name", list(degenerate_targets()))
-@pytest.mark.parametrize("precision", [None, 256])
+@pytest.mark.parametrize("precision", [None, pytest.param(256, marks=pytest.mark.slow)])
 def test_degenerate_targets_come_back_canonical(name, precision):
     target = degenerate_targets()[name]
     exact = mx.MultiHeadAttention(target.W.astype(object), target.v.astype(object))

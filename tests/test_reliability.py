@@ -160,6 +160,7 @@ def test_the_resume_check_costs_three_counted_queries(tmp_path):
                       resume_check=0, schedule="paper").queries_asked == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [dict(heads=3), dict(max_heads=3)])
 def test_heads_merged_below_256_bits_resolution_are_not_certified(count):
     # Before: 2 heads, ok=True, certified=True, balls containing neither W_0 nor W_1.

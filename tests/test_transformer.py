@@ -244,6 +244,7 @@ def test_orientation_is_unique_or_says_how_many():
     assert orient(C, C.T @ sigma + 0.1).sigma is None
 
 
+@pytest.mark.slow
 def test_cli_demo_transformer():
     runner = CliRunner()
     result = runner.invoke(app, ["demo", "--transformer", "--d", "3", "--heads", "2", "--hidden", "4"])
@@ -336,6 +337,7 @@ def test_an_interrupted_transformer_run_resumes_without_asking_twice(tmp_path, p
     assert (offline.queries_asked, offline.queries_replayed) == (0, plain.queries)
 
 
+@pytest.mark.slow
 def test_a_transformer_transcript_is_refused_by_another_run(tmp_path):
     target = mx.Transformer1L.random(3, 2, 4, seed=11)
     path = tmp_path / "transformer.sqlite"
