@@ -24,7 +24,8 @@ from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
 from .checks.refine import (
-    POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, output_jacobian, parameter_count, refine_least_squares, residuals,
+    POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, output_jacobian, parameter_count,
+    refine_least_squares, residuals,
 )
 from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers, exact_model
