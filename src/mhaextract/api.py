@@ -278,7 +278,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
     error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
-                                               getattr(plan, "unit", None))
+                                               plan.unit)
     checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
         plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source)
     if refinement is not None and refinement.kept == "refined":

@@ -107,6 +107,9 @@ class Schedule:
     #: (:mod:`mhaextract.checks.noise_probe`); False keeps the schedule's exact count.
     probes_noise: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset()
+    #: The answers' relative unit the schedule's own error estimate assumed, once it has run (the
+    #: targeted schedules size it to the answers, docs/algorithm.md §19); None: float64 rounding.
+    unit: float | None = None
     #: refine=True fits the schedule's own answers too (with the fresh polish queries); False: the
     #: polish queries alone (the targeted schedules keep only a subsample of their saturated,
     #: long-token queries, poorly conditioned for least squares).

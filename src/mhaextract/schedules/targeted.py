@@ -107,11 +107,11 @@ def answer_unit(settings, stats=None) -> float:
     :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without calibration
     still recognises float32 answers) and a declared ``answer_error`` over the largest answer."""
     unit = EPS
-    if getattr(settings, "answer_noise", None) is not None:
+    if settings.answer_noise is not None:
         unit = max(unit, float(settings.answer_noise))
     if stats is not None and stats.precision_name != "float64":
         unit = max(unit, stats.unit_roundoff)
-    if getattr(settings, "answer_error", None) is not None and stats is not None and stats.largest > 0:
+    if settings.answer_error is not None and stats is not None and stats.largest > 0:
         # a declared absolute bound, relative to the largest answer seen so far
         unit = max(unit, float(settings.answer_error) / stats.largest)
     return unit
@@ -201,11 +201,11 @@ class _Prober:
     memory grows with the answers (one float each), not with all queries x length x d.
     """
 
-    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float, expected_queries: int = 0,
-                 unit: float = EPS):
+    def __init__(self, boundary: OracleBoundary, d: int, token_scale: float, expected_queries: int = 0):
         self.boundary = boundary
-        #: The answers' relative rounding unit every tolerance is sized by (:func:`answer_unit`).
-        self.unit = float(unit)
+        #: The answers' relative rounding unit every tolerance is sized by (:func:`answer_unit`; set
+        #: by the schedule once the one-token answers are in).
+        self.unit = EPS
         self.d = d
         self.token_scale = token_scale
         # One exact grid for every token of the run: sums and differences of tokens stay exact.
@@ -639,6 +639,7 @@ class TargetedSchedule(Schedule):
             )
         self.rng = np.random.default_rng(settings.seed)
         self.vbar_basis = random_basis(self.rng, self.d, self.token_scale)
+        self.unit = EPS  # until run() has read the answers (answer_unit)
 
     @property
     def promised_queries(self) -> int:
@@ -675,10 +676,10 @@ class TargetedSchedule(Schedule):
                        checks)
 
     def thresholds(self) -> tuple[float, float]:
-        return limits(getattr(self, "unit", EPS))
+        return limits(self.unit)
 
     def hints(self, failed: set[str]) -> list[str]:
-        unit = getattr(self, "unit", EPS)
+        unit = self.unit
         if not failed or unit <= EPS:
             return []
         bits = -np.log2(unit)
