@@ -85,6 +85,22 @@ def test_many_heads_to_1e_10(d, H, seed):
     assert result.queries <= 2 * paper_count(d, H)
 
 
+def test_a_head_met_twice_with_contaminated_labels_is_one_head():
+    """d = H = 8, seed 0, the defaults: phase 1 met one head at two centres whose labels differed
+    by 1.1% (a large-label neighbour saturated only to |m| ~ 5) and directions agreed to 1e-4; it
+    was counted twice, the eighth head never searched for, and all 72 first-group instances failed."""
+    target = mx.MultiHeadAttention.random(8, 8, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = mx.extract(mx.SimulatedOracle(target), 8, heads=8, seed=1000)
+    assert result.ok, [str(c) for c in result.failed_checks]
+    labels = np.array([head.label for head in result.details.phase1.heads])
+    directions = np.array([head.direction for head in result.details.phase1.heads])
+    assert np.linalg.matrix_rank(directions, tol=1e-3 * np.abs(directions).max()) == 8, labels
+    comparison = mx.compare(result.model, target.canonical())
+    assert comparison.heads_agree and comparison.max_rel <= 10 * result.error_estimate
+
+
 @pytest.mark.slow
 def test_random_small_targets():
     rng = np.random.default_rng(6)
