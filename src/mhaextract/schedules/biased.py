@@ -89,9 +89,9 @@ class AffineDesign(_FullDesign):
         self.correction = _MinimumNormCorrection(U, D)
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
-        """(H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted coordinate)."""
-        return np.array([_patterns(rng, d, H) for _ in range(H)])
+    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+        """(groups, H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted coordinate)."""
+        return _patterns(rng, d, H, groups * H).reshape(groups, H, d, d)
 
     def design(self, n: int) -> np.ndarray:
         """``a_g^T x = value_g - b_g``: the §13 design in R^d with the offsets moved to the right-hand

@@ -311,8 +311,8 @@ class _MinimumNormCorrection:
         return self.delta
 
 
-def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
-    """Design patterns (d x d, entries in [-1, 1]): row ``constant_row`` all ones, the other rows
+def _patterns(rng, d: int, constant_row: int, count: int) -> np.ndarray:
+    """``count`` design patterns (count, d, d), entries in [-1, 1], one batched QR: row ``constant_row`` all ones, the other rows
     random, mutually orthogonal and orthogonal to the ones (zero sums).
 
     The log-poles of the design are ``offset + halfwidth * pattern`` row by row, with a large offset
@@ -321,13 +321,13 @@ def _patterns(rng, d: int, constant_row: int) -> np.ndarray:
     transform of orthogonal rows; random rows would let the offset nearly cancel a combination
     of the variations for some draws and make the d final tokens nearly dependent.
     """
-    gaussian = rng.standard_normal((d, d))
+    gaussian = rng.standard_normal((count, d, d))
     order = [constant_row] + [row for row in range(d) if row != constant_row]
-    gaussian[:, 0] = 1.0  # Gram-Schmidt (QR) with the ones first: the others come out orthogonal to it
+    gaussian[:, :, 0] = 1.0  # Gram-Schmidt (QR) with the ones first: the others come out orthogonal to it
     q, _ = np.linalg.qr(gaussian)
-    rows = np.empty((d, d))
-    rows[order] = q.T
-    return rows / np.abs(rows).max(axis=1, keepdims=True)
+    rows = np.empty((count, d, d))
+    rows[:, order] = q.transpose(0, 2, 1)
+    return rows / np.abs(rows).max(axis=2, keepdims=True)
 
 
 @dataclass
@@ -393,8 +393,9 @@ class _FullDesign:
         self.correction = _MinimumNormCorrection(U, d)
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
-        return np.array([_patterns(rng, d, (h + 1) % d) for h in range(H)])
+    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+        """(groups, H, d, d): unit (g, h)'s pattern has its constant row at ``(h + 1) % d``."""
+        return np.stack([_patterns(rng, d, (h + 1) % d, groups) for h in range(H)], axis=1)
 
     @property
     def target(self) -> np.ndarray:
@@ -431,15 +432,18 @@ class _SubspaceDesign(_FullDesign):
         others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
         self.others = others
         # The rows every round's design fits: the other heads' estimates (never corrected here, only
-        # the target's) and the basis. They are the same in every round: one batched QR per unit.
+        # the target's) and the basis. They are the same in every round: one batched QR per unit,
+        # rows^T = Q R, and the round's token x = Q R^{-T} rhs through the map Q R^{-T} formed once
+        # (a matrix-vector product per round instead of a factorisation).
         rows = np.concatenate([current[self.units[:, None], others], basis.transpose(0, 2, 1)], axis=1)
-        self.frame_q, upper = np.linalg.qr(rows.transpose(0, 2, 1))  # (U, d, H - 1 + r), (U, .., ..)
-        self.frame_lower = np.ascontiguousarray(upper.transpose(0, 2, 1))
+        frame_q, upper = np.linalg.qr(rows.transpose(0, 2, 1))  # (U, d, H - 1 + r), (U, .., ..)
+        self.frame_map = np.matmul(frame_q, np.linalg.inv(upper.transpose(0, 2, 1)))
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int) -> np.ndarray:
-        return np.array([np.vstack([_patterns(rng, rounds, 0), rng.uniform(-1.0, 1.0, (H, rounds))])
-                         for _ in range(H)])
+    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+        """(groups, H, rounds + H, rounds): r pattern rows in the subspace, H rows for the other heads."""
+        inside = _patterns(rng, rounds, 0, groups * H).reshape(groups, H, rounds, rounds)
+        return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 
     def design(self, n: int) -> np.ndarray:
         U, r = self.coordinates.shape
@@ -449,12 +453,12 @@ class _SubspaceDesign(_FullDesign):
         normal = np.eye(r)[0] - c / size[:, None]
         length = np.linalg.norm(normal, axis=1)
         normal = np.where(length[:, None] > 1e-12, normal / np.where(length > 1e-12, length, 1.0)[:, None], 0.0)
-        frame = np.eye(r)[None] - 2.0 * normal[:, :, None] * normal[:, None, :]
         along = np.concatenate([np.full((U, 1), TARGET_CENTER), SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1)
-        y = np.matmul(frame, (along / size[:, None])[:, :, None])[:, :, 0]
+        along /= size[:, None]
+        y = along - 2.0 * normal * np.einsum("ur,ur->u", normal, along)[:, None]  # (I - 2 n n^T) along
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
         rhs = np.concatenate([values, y], axis=1)
-        return np.matmul(self.frame_q, np.linalg.solve(self.frame_lower, rhs[:, :, None]))[:, :, 0]
+        return np.matmul(self.frame_map, rhs[:, :, None])[:, :, 0]
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
         rows = np.einsum("udr,ud->ur", self.basis, x)
@@ -494,7 +498,7 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     parts = []
     for start in range(0, G, per_chunk):
         stop = min(G, start + per_chunk)
-        patterns = np.array([designer.patterns(rng, d, H, rounds) for _ in range(start, stop)])
+        patterns = designer.patterns(rng, d, H, rounds, stop - start)
         current = estimates[start:stop].reshape(-1, H, d).copy()
         heads = np.tile(np.arange(H), stop - start)
         design = (designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:])) if bases is None else
