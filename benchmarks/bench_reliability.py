@@ -100,15 +100,29 @@ def error_limit(result) -> float:
     return next((check.threshold for check in result.checks if check.name == "error_estimate"), 0.0)
 
 
-def judge(run, target, expect_success):
+def explain(result, error):
+    """One line per failed check of ``result`` (name, value, threshold) with the true error and the estimate."""
+    if result is None:
+        return "    no result (raised)"
+    estimate = float(result.error_estimate) if result.error_estimate is not None else float("nan")
+    lines = [f"    truth {error:.3g}, estimate {estimate:.3g}, limit {error_limit(result):.3g}"]
+    lines += [f"    {check.name}: {check.value:.3g} vs {check.threshold:.3g} ({check.message})"
+              for check in result.failed_checks]
+    return "\n".join(lines)
+
+
+def judge(run, target, expect_success, explained=None):
     """``(outcome, truth / estimate)``: outcome one of correct / loud failure / false alarm /
     silent failure / clean error / crash; the ratio of the true error to the error estimate for
-    runs that passed (None otherwise)."""
+    runs that passed (None otherwise). ``explained``, a list, gets :func:`explain`'s lines of a
+    run that was not correct."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = run()
-    except (ExtractionError, OracleError, TranscriptError, ValueError):
+    except (ExtractionError, OracleError, TranscriptError, ValueError) as error:
+        if explained is not None:
+            explained.append(f"    raised {type(error).__name__}: {str(error).splitlines()[0]}")
         return ("false alarm" if expect_success else "clean error"), None
     except Exception as error:  # noqa: BLE001 - a crash is what is counted
         return f"crash ({type(error).__name__})", None
@@ -116,9 +130,13 @@ def judge(run, target, expect_success):
         return ("silent failure" if result.ok else "clean error"), None
     got = result.model_hp if result.precision else result.model
     if got is None:
+        if explained is not None:
+            explained.append(explain(result, float("nan")) + "\n    no model")
         return ("false alarm" if expect_success else "clean error"), None
     comparison = mx.compare(got, target.canonical())
     error = float(comparison.max_rel)
+    if explained is not None and not result.ok:
+        explained.append(explain(result, error) + ("" if comparison.heads_agree else "\n    heads disagree"))
     if not result.ok:
         # Failing is right when the model is wrong by more than the run accepts; a model within the
         # run's own limit flagged as failed is a false alarm.
@@ -150,7 +168,7 @@ def random_cases(mode, options, runs):
                  dict(answer_error=1e-8)),
             ]
         for condition, factory, extra in conditions:
-            yield mode, f"random, {condition}", lambda t=target, d=d, H=H, s=seed, f=factory, e=extra: mx.extract(
+            yield mode, f"random, {condition} (d={d} H={H} seed={seed})", lambda t=target, d=d, H=H, s=seed, f=factory, e=extra: mx.extract(
                 f(t), d, heads=H, seed=s, on_failure="warn", **options, **e), target, True
 
 
@@ -171,7 +189,7 @@ def cases(runs):
 
 def group_of(case: str) -> str:
     if case.startswith("random"):
-        return case
+        return case.split(" (")[0]
     return "oracles" if case.startswith("oracle") else "structured"
 
 
@@ -181,6 +199,11 @@ def main():
     parser.add_argument("--modes", help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--most-heads", type=int, help="H <= min(d, this) for every mode's random targets")
     parser.add_argument("--out", default="docs/reliability.md")
+    parser.add_argument("--explain", action="store_true",
+                        help="print the failed checks (value vs threshold), true error and estimate of every "
+                             "false alarm and loud failure")
+    parser.add_argument("--seeds", help="comma-separated random-target seeds (of range(runs)) to run, only random targets")
+    parser.add_argument("--conditions", help="comma-separated subset of exact,gaussian,uniform")
     args = parser.parse_args()
     if args.modes:
         for mode in set(MODES) - set(args.modes.split(",")):
@@ -190,14 +213,23 @@ def main():
     table = collections.defaultdict(collections.Counter)
     ratios = collections.defaultdict(list)
     started = time.time()
+    seeds = None if args.seeds is None else {int(seed) for seed in args.seeds.split(",")}
+    conditions = None if args.conditions is None else args.conditions.split(",")
     for mode, case, run, target, expect in cases(args.runs):
-        outcome, ratio = judge(run, target, expect)
+        if seeds is not None and not (case.startswith("random") and int(case.split("seed=")[1][:-1]) in seeds):
+            continue
+        if conditions is not None and not (case.startswith("random") and case.split()[1] in conditions):
+            continue
+        explained = [] if args.explain else None
+        outcome, ratio = judge(run, target, expect, explained)
         key = (mode, group_of(case))
         table[key][outcome.split(" (")[0]] += 1
         if ratio is not None:
             ratios[key].append(ratio)
         if outcome.startswith(("silent", "crash", "false alarm", "loud")):
-            print(f"{mode:15s} {case:34s} {outcome}", flush=True)
+            print(f"{mode:15s} {case:58s} {outcome}", flush=True)
+            if explained:
+                print("\n".join(explained), flush=True)
     lines = ["| mode | targets | runs | correct | loud failures | clean errors | false alarms | silent failures "
              "| crashes | truth > 30 x estimate | worst truth / estimate |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
