@@ -429,12 +429,14 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
     """The answers' error against ``valid_below``: declared, or 3 x the noise estimated from the
     links' misfits (or the refined residual)."""
     if answer_error is not None:
-        noise, source = answer_error, "declared answer_error"
-    else:
+        noise, source, valid = answer_error, "declared answer_error", certificate.valid_below
+        against = "valid_below, the bound under which the matching is certified and the first-order certificate holds"
+    else:  # a measured standard deviation: its movements are l2, not the box's l1 (§12)
         noise, source = 3.0 * certificate.noise_estimate, "3 x the noise estimated from redundant measurements"
-    return Check("noise_within_validity", noise < certificate.valid_below, noise, certificate.valid_below,
-                 f"answer error ({source}) against valid_below, the bound under which the matching is "
-                 "certified and the first-order certificate holds")
+        valid = certificate.valid_below_statistical
+        against = ("the validity for independent errors of that size (matching margins and linearisation with "
+                   "the l2 movements)")
+    return Check("noise_within_validity", noise < valid, noise, valid, f"answer error ({source}) against {against}")
 
 
 def _enclosure_check(outcome: Outcome, precision: int) -> Check:

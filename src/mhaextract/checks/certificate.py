@@ -118,6 +118,9 @@ class Certificate:
     rounding_floor : the float64 floor added to eps (absolute).
     noise_estimate : estimated standard deviation of the answers' errors, from the data.
     noise_lower_bound : the smallest eps consistent with the links' misfits (first order).
+    valid_below_statistical : the same validity for independent answer errors of standard deviation
+        eps / 3 (movements ``eps ||row||_2`` instead of ``eps ||row||_1``); judges the noise the
+        links estimate (undeclared), never a declared bound. Defaults to ``valid_below``.
     """
 
     kind: str
@@ -126,6 +129,12 @@ class Certificate:
     noise_estimate: float
     noise_lower_bound: float
     _norms: object = field(repr=False, default=None)  # () -> (amplification_W, amplification_v)
+    valid_below_statistical: float | None = None
+    _norms_l2: object = field(repr=False, default=None)  # () -> the same with row l2 norms
+
+    def __post_init__(self):
+        if self.valid_below_statistical is None:
+            self.valid_below_statistical = self.valid_below
 
     @cached_property
     def _amplifications(self) -> tuple[float, float]:
@@ -147,6 +156,22 @@ class Certificate:
     @property
     def amplification(self) -> float:
         return max(self._amplifications)
+
+    @cached_property
+    def amplification_l2(self) -> float:
+        """``max_p ||G_p||_2 / scale(p)``: the relative error per unit standard deviation of
+        independent answer errors (at most :attr:`amplification`, which it defaults to)."""
+        return max(self._norms_l2()) if self._norms_l2 is not None else self.amplification
+
+    def statistical(self, sigma: float) -> float:
+        """``2 (3 sigma C_2 + C rounding_floor)``: the estimate for independent answer errors of
+        standard deviation ``sigma`` (measured, not declared). Parameter p then errs by
+        ``N(0, sigma^2 ||G_p||_2^2)`` to first order, within ``3 sigma ||G_p||_2`` but for a
+        fraction 3e-3; the box's worst case ``eps ||G_p||_1`` needs every error at its bound with
+        the sign of G_p (docs/algorithm.md §12)."""
+        sigma = _validate_eps(sigma)
+        return (1.0 + SECOND_ORDER_SLACK) * (3.0 * sigma * self.amplification_l2
+                                             + self.amplification * self.rounding_floor)
 
     def error_bound(self, eps: float) -> float:
         """Bound on the max relative parameter error (``compare(...).max_rel``) when every answer
@@ -336,6 +361,19 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     return smallest_exclusion, largest_chosen, noise_units
 
 
+def _validity(run: PipelineRun, smallest_exclusion: float, movement_m: np.ndarray, uncertain: bool) -> float:
+    """``valid_below`` from the matching margin (every non-chosen triple's misfit at least twice its
+    movement) and the linearisation (no log-pole of an instance moves by more than
+    min(0.05, gap / 8)), with the log-poles' movement per unit answer error ``movement_m``."""
+    if uncertain:
+        return 0.0
+    with np.errstate(all="ignore"):
+        gaps = np.diff(np.sort(run.m, axis=1), axis=1).min(axis=1, initial=np.inf)
+        allowed = np.minimum(LINEARIZATION_STEP, POLE_GAP_FRACTION * gaps)
+        valid_linear = float(np.nan_to_num(allowed / movement_m.max(axis=1), nan=0.0).min(initial=np.inf))
+    return max(0.0, min(smallest_exclusion / 2.0, valid_linear))
+
+
 def pipeline_certificate(run: PipelineRun) -> Certificate:
     """The certificate of an algebraic float64 run (cheap parts now, the amplification on demand)."""
     operator = _PipelineOperator(run)
@@ -344,30 +382,41 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
     if run.m.shape[1] == 0:
         return Certificate("algebraic", np.inf, _rounding_floor(run.answers), 0.0, 0.0, _norms=lambda: (0.0, 0.0))
     smallest_exclusion, largest_chosen, noise_units = _matching_margins(run, D1m, D1l, D2m, D2l)
-    valid_matching = smallest_exclusion / 2.0
-    # Linearisation: log-poles move by at most min(0.05, gap / 8) (instances that enter the run).
-    with np.errstate(all="ignore"):
-        gaps = np.diff(np.sort(run.m, axis=1), axis=1).min(axis=1, initial=np.inf)
-        allowed = np.minimum(LINEARIZATION_STEP, POLE_GAP_FRACTION * gaps)
-        valid_linear = float(np.nan_to_num(allowed / D1m.max(axis=1), nan=0.0).min(initial=np.inf))
-    if not operator.finite.all():
-        valid_linear = 0.0  # a failed fit: its links were matched on nothing
-    if np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT:
-        valid_linear = 0.0  # the pole count itself is uncertain
-    valid_below = max(0.0, min(valid_matching, valid_linear))
+    # Independent errors of standard deviation eps / 3: a misfit or log-pole moves by at most
+    # eps ||row||_2 but for a fraction 3e-3 (the same margins with the l2 norms as movements).
+    smallest_statistical = _matching_margins(run, D2m, D2l, D2m, D2l)[0]
+    uncertain = (not operator.finite.all()  # a failed fit: its links were matched on nothing
+                 or np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT)  # the pole count itself
+    valid_below = _validity(run, smallest_exclusion, D1m, uncertain)
+    valid_statistical = _validity(run, smallest_statistical, D2m, uncertain)
     noise_estimate = float(1.4826 * np.median(np.abs(noise_units))) if len(noise_units) else 0.0
     W_scale, v_scale = _relative_scales(run.model)
 
+    sums = {}
+
+    def accumulate():  # row l1 and l2 norms of G in one pass over the answers' chunks
+        if not sums:
+            shape = (run.m.shape[1], run.schedule.d)
+            sums.update(W1=np.zeros(shape + (run.schedule.d,)), v1=np.zeros(shape),
+                        W2=np.zeros(shape + (run.schedule.d,)), v2=np.zeros(shape))
+            for _, dW, dv in operator.columns():
+                sums["W1"] += np.abs(dW).sum(axis=3)
+                sums["v1"] += np.abs(dv).sum(axis=2)
+                sums["W2"] += (dW**2).sum(axis=3)
+                sums["v2"] += (dv**2).sum(axis=2)
+        return sums
+
     def norms():
-        W_rows = np.zeros((run.m.shape[1], run.schedule.d, run.schedule.d))
-        v_rows = np.zeros((run.m.shape[1], run.schedule.d))
-        for _, dW, dv in operator.columns():
-            W_rows += np.abs(dW).sum(axis=3)
-            v_rows += np.abs(dv).sum(axis=2)
-        return float(W_rows.max()) / W_scale, float(v_rows.max()) / v_scale
+        accumulate()
+        return float(sums["W1"].max()) / W_scale, float(sums["v1"].max()) / v_scale
+
+    def norms_l2():
+        accumulate()
+        return float(np.sqrt(sums["W2"].max())) / W_scale, float(np.sqrt(sums["v2"].max())) / v_scale
 
     certificate = Certificate("algebraic", valid_below, _rounding_floor(run.answers), noise_estimate,
-                              largest_chosen, _norms=norms)
+                              largest_chosen, _norms=norms, valid_below_statistical=valid_statistical,
+                              _norms_l2=norms_l2)
     certificate._operator = operator  # for sensitivity_matrix
     return certificate
 
