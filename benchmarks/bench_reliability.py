@@ -144,6 +144,8 @@ def judge(run, target, expect_success, explained=None):
             return "false alarm", None
         return ("loud failure" if expect_success else "clean error"), None
     ratio = error / max(float(result.error_estimate), 1e-300)
+    if explained is not None and ratio > 30:
+        explained.append(f"    passed with truth {error:.3g} = {ratio:.3g} x its estimate {float(result.error_estimate):.3g}")
     if comparison.heads_agree and ratio <= 100:
         return "correct", ratio
     return "silent failure", ratio
@@ -226,7 +228,7 @@ def main():
         table[key][outcome.split(" (")[0]] += 1
         if ratio is not None:
             ratios[key].append(ratio)
-        if outcome.startswith(("silent", "crash", "false alarm", "loud")):
+        if outcome.startswith(("silent", "crash", "false alarm", "loud")) or explained:
             print(f"{mode:15s} {case:58s} {outcome}", flush=True)
             if explained:
                 print("\n".join(explained), flush=True)

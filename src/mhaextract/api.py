@@ -429,13 +429,15 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
     """The answers' error against ``valid_below``: declared, or 3 x the noise estimated from the
     links' misfits (or the refined residual)."""
     if answer_error is not None:
-        noise, source, valid = answer_error, "declared answer_error", certificate.valid_below
-        against = "valid_below, the bound under which the matching is certified and the first-order certificate holds"
+        noise, source = answer_error, "declared answer_error"
+        valid = certificate.validity_at(noise)
+        against = ("valid_below, the bound under which the matching is certified and the first-order certificate "
+                   "holds (instances verified against the model at this error exempt from linearisation)")
     else:  # a measured standard deviation: its movements are l2, not the box's l1 (§12)
         noise, source = 3.0 * certificate.noise_estimate, "3 x the noise estimated from redundant measurements"
-        valid = certificate.valid_below_statistical
+        valid = certificate.validity_at(noise, statistical=True)
         against = ("the validity for independent errors of that size (matching margins and linearisation with "
-                   "the l2 movements)")
+                   "the l2 movements; instances verified against the model exempt from linearisation)")
     return Check("noise_within_validity", noise < valid, noise, valid, f"answer error ({source}) against {against}")
 
 
