@@ -145,7 +145,8 @@ def judge(run, target, expect_success, explained=None):
         return ("loud failure" if expect_success else "clean error"), None
     ratio = error / max(float(result.error_estimate), 1e-300)
     if explained is not None and ratio > 30:
-        explained.append(f"    passed with truth {error:.3g} = {ratio:.3g} x its estimate {float(result.error_estimate):.3g}")
+        explained.append(f"    passed with truth {error:.3g} = {ratio:.3g} x its estimate "
+                         f"{float(result.error_estimate):.3g}")
     if comparison.heads_agree and ratio <= 100:
         return "correct", ratio
     return "silent failure", ratio
@@ -170,7 +171,8 @@ def random_cases(mode, options, runs):
                  dict(answer_error=1e-8)),
             ]
         for condition, factory, extra in conditions:
-            yield mode, f"random, {condition} (d={d} H={H} seed={seed})", lambda t=target, d=d, H=H, s=seed, f=factory, e=extra: mx.extract(
+            case = f"random, {condition} (d={d} H={H} seed={seed})"
+            yield mode, case, lambda t=target, d=d, H=H, s=seed, f=factory, e=extra: mx.extract(
                 f(t), d, heads=H, seed=s, on_failure="warn", **options, **e), target, True
 
 
@@ -204,7 +206,8 @@ def main():
     parser.add_argument("--explain", action="store_true",
                         help="print the failed checks (value vs threshold), true error and estimate of every "
                              "false alarm and loud failure")
-    parser.add_argument("--seeds", help="comma-separated random-target seeds (of range(runs)) to run, only random targets")
+    parser.add_argument("--seeds", help="comma-separated seeds of the random targets to run (of range(runs)); "
+                                        "only random targets")
     parser.add_argument("--conditions", help="comma-separated subset of exact,gaussian,uniform")
     args = parser.parse_args()
     if args.modes:

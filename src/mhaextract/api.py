@@ -342,8 +342,9 @@ def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -
     """``(noise for the error estimate or None, the answers' error the checks judge at)``, absolute.
 
     The answers' error: the declared ``answer_error``; else, with a certificate, 3 x the noise
-    estimated from the redundant measurements or the refined residual (§12); else the misfit of the noise probe's fresh
-    queries (:mod:`.checks.noise_probe`; lean, targeted, auto); else 0 (float64 rounding). The
+    estimated from the redundant measurements or the refined residual (§12); else the misfit of
+    the noise probe's fresh queries (:mod:`.checks.noise_probe`; lean, targeted, auto); else 0
+    (float64 rounding). The
     label checks and the answers' residual are judged at it (docs/algorithm.md §11): a check that
     compares a misfit with its rounding-level error would otherwise fail every model of a noisy
     oracle, however good. The first value replaces the error estimate only when the noise was

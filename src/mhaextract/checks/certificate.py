@@ -137,8 +137,8 @@ class Certificate:
     _norms: object = field(repr=False, default=None)  # () -> (amplification_W, amplification_v)
     valid_below_statistical: float | None = None
     _norms_l2: object = field(repr=False, default=None)  # () -> the same with row l2 norms
-    #: Per instance (l1, l2): (eps above which its linearisation fails, eps from which its movement
-    #: covers its measured deviation from the model) and the matching bound; None: no exemption.
+    #: "l1", "l2": (per-link matching exclusions of :func:`_matching_margins`, per instance the eps
+    #: up to which it is linear, per instance the eps from which it is verified); None: no exemption.
     _instances: dict | None = field(repr=False, default=None)
 
     def __post_init__(self):
@@ -150,8 +150,7 @@ class Certificate:
         ``valid_below_statistical``), except that an instance whose linearisation fails at eps no
         longer lowers it, nor do the link's own pole assignments when it is a link, when its
         measured deviation from the assembled model is within its first-order movement at eps
-        (docs/algorithm.md §12, "Verified instances"). ``eps`` passes
-        when ``eps < validity_at(eps)``."""
+        (docs/algorithm.md §12, "Verified instances"). ``eps`` passes when ``eps < validity_at(eps)``."""
         base = self.valid_below_statistical if statistical else self.valid_below
         if self._instances is None or not eps > 0:
             return base
@@ -389,7 +388,8 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     # the link's own poles to other heads (h == g, p != h): the latter decide the link's poles alone.
     h, g, p = np.meshgrid(np.arange(r), np.arange(r), np.arange(r), indexing="ij")
     own = (h == g) & ~chosen
-    per_link = (link, exclusion[:, (h != g)].min(axis=1, initial=np.inf), exclusion[:, own].min(axis=1, initial=np.inf))
+    per_link = (link, exclusion[:, h != g].min(axis=1, initial=np.inf),
+                exclusion[:, own].min(axis=1, initial=np.inf))
     return smallest_exclusion, largest_chosen, noise_units, per_link
 
 

@@ -7,8 +7,8 @@ orders of magnitude above that estimate (issue 12: 83 of 84 passing runs under 1
 more than 30x off). Two sources measure the noise (docs/reliability.md):
 
 * **redundancy** (paper): the links' misfits give ``Certificate.noise_estimate``; the error
-  estimate is at least ``certificate.statistical(noise_estimate)`` (3 sigma through G's row l2 norms). No query is added; the
-  estimate then rests on redundancy alone.
+  estimate is at least ``certificate.statistical(noise_estimate)`` (3 sigma through G's row l2
+  norms). No query is added; the estimate then rests on redundancy alone.
 * **fresh noise-probe queries** (every other float64 schedule): ``PROBE_TRIPLES`` triples of
   fresh queries (``3 x PROBE_TRIPLES = 12`` queries, counted at the boundary like every other,
   stream 2 of the seed) whose exact answers are affinely related whatever the heads: a sequence
