@@ -100,15 +100,29 @@ def error_limit(result) -> float:
     return next((check.threshold for check in result.checks if check.name == "error_estimate"), 0.0)
 
 
-def judge(run, target, expect_success):
+def explain(result, error):
+    """One line per failed check of ``result`` (name, value, threshold) with the true error and the estimate."""
+    if result is None:
+        return "    no result (raised)"
+    estimate = float(result.error_estimate) if result.error_estimate is not None else float("nan")
+    lines = [f"    truth {error:.3g}, estimate {estimate:.3g}, limit {error_limit(result):.3g}"]
+    lines += [f"    {check.name}: {check.value:.3g} vs {check.threshold:.3g} ({check.message})"
+              for check in result.failed_checks]
+    return "\n".join(lines)
+
+
+def judge(run, target, expect_success, explained=None):
     """``(outcome, truth / estimate)``: outcome one of correct / loud failure / false alarm /
     silent failure / clean error / crash; the ratio of the true error to the error estimate for
-    runs that passed (None otherwise)."""
+    runs that passed (None otherwise). ``explained``, a list, gets :func:`explain`'s lines of a
+    run that was not correct."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = run()
-    except (ExtractionError, OracleError, TranscriptError, ValueError):
+    except (ExtractionError, OracleError, TranscriptError, ValueError) as error:
+        if explained is not None:
+            explained.append(f"    raised {type(error).__name__}: {str(error).splitlines()[0]}")
         return ("false alarm" if expect_success else "clean error"), None
     except Exception as error:  # noqa: BLE001 - a crash is what is counted
         return f"crash ({type(error).__name__})", None
@@ -116,9 +130,13 @@ def judge(run, target, expect_success):
         return ("silent failure" if result.ok else "clean error"), None
     got = result.model_hp if result.precision else result.model
     if got is None:
+        if explained is not None:
+            explained.append(explain(result, float("nan")) + "\n    no model")
         return ("false alarm" if expect_success else "clean error"), None
     comparison = mx.compare(got, target.canonical())
     error = float(comparison.max_rel)
+    if explained is not None and not result.ok:
+        explained.append(explain(result, error) + ("" if comparison.heads_agree else "\n    heads disagree"))
     if not result.ok:
         # Failing is right when the model is wrong by more than the run accepts; a model within the
         # run's own limit flagged as failed is a false alarm.
@@ -126,6 +144,9 @@ def judge(run, target, expect_success):
             return "false alarm", None
         return ("loud failure" if expect_success else "clean error"), None
     ratio = error / max(float(result.error_estimate), 1e-300)
+    if explained is not None and ratio > 30:
+        explained.append(f"    passed with truth {error:.3g} = {ratio:.3g} x its estimate "
+                         f"{float(result.error_estimate):.3g}")
     if comparison.heads_agree and ratio <= 100:
         return "correct", ratio
     return "silent failure", ratio
@@ -150,7 +171,8 @@ def random_cases(mode, options, runs):
                  dict(answer_error=1e-8)),
             ]
         for condition, factory, extra in conditions:
-            yield mode, f"random, {condition}", lambda t=target, d=d, H=H, s=seed, f=factory, e=extra: mx.extract(
+            case = f"random, {condition} (d={d} H={H} seed={seed})"
+            yield mode, case, lambda t=target, d=d, H=H, s=seed, f=factory, e=extra: mx.extract(
                 f(t), d, heads=H, seed=s, on_failure="warn", **options, **e), target, True
 
 
@@ -171,7 +193,7 @@ def cases(runs):
 
 def group_of(case: str) -> str:
     if case.startswith("random"):
-        return case
+        return case.split(" (")[0]
     return "oracles" if case.startswith("oracle") else "structured"
 
 
@@ -181,6 +203,12 @@ def main():
     parser.add_argument("--modes", help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--most-heads", type=int, help="H <= min(d, this) for every mode's random targets")
     parser.add_argument("--out", default="docs/reliability.md")
+    parser.add_argument("--explain", action="store_true",
+                        help="print the failed checks (value vs threshold), true error and estimate of every "
+                             "false alarm and loud failure")
+    parser.add_argument("--seeds", help="comma-separated seeds of the random targets to run (of range(runs)); "
+                                        "only random targets")
+    parser.add_argument("--conditions", help="comma-separated subset of exact,gaussian,uniform")
     args = parser.parse_args()
     if args.modes:
         for mode in set(MODES) - set(args.modes.split(",")):
@@ -190,14 +218,23 @@ def main():
     table = collections.defaultdict(collections.Counter)
     ratios = collections.defaultdict(list)
     started = time.time()
+    seeds = None if args.seeds is None else {int(seed) for seed in args.seeds.split(",")}
+    conditions = None if args.conditions is None else args.conditions.split(",")
     for mode, case, run, target, expect in cases(args.runs):
-        outcome, ratio = judge(run, target, expect)
+        if seeds is not None and not (case.startswith("random") and int(case.split("seed=")[1][:-1]) in seeds):
+            continue
+        if conditions is not None and not (case.startswith("random") and case.split()[1] in conditions):
+            continue
+        explained = [] if args.explain else None
+        outcome, ratio = judge(run, target, expect, explained)
         key = (mode, group_of(case))
         table[key][outcome.split(" (")[0]] += 1
         if ratio is not None:
             ratios[key].append(ratio)
-        if outcome.startswith(("silent", "crash", "false alarm", "loud")):
-            print(f"{mode:15s} {case:34s} {outcome}", flush=True)
+        if outcome.startswith(("silent", "crash", "false alarm", "loud")) or explained:
+            print(f"{mode:15s} {case:58s} {outcome}", flush=True)
+            if explained:
+                print("\n".join(explained), flush=True)
     lines = ["| mode | targets | runs | correct | loud failures | clean errors | false alarms | silent failures "
              "| crashes | truth > 30 x estimate | worst truth / estimate |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -240,12 +277,48 @@ What is measured where: answer noise that nobody declared is measured by 12 fres
 resumed transcript re-asks 3 recorded queries (`mhaextract.oracle.resume_check`); at 256 bits
 certified balls must reproduce the answers (`mhaextract.numerics.enclosure`).
 
-Reading it: the default (auto) and targeted modes pass every random target, exact or noisy, with
-no silent failure. Paper and lean in float64 are the paper's algebra with `2H + 1` samples per
-instance: exact, they fail loudly on a few percent of targets at H = 3; under noise 1e-10..1e-8
-they fail on about half (their amplification turns the noise into errors of 1e-6..1; most of
-these are loud failures, the rest flagged while within the loose 1e-4 limit, counted as false
-alarms). Use the default, or `refine=True`, with noisy answers.
+Reading it: no silent failure and no crash in any mode. The default (auto) and targeted modes pass
+every exact random target and all but one under each noise; no passing run's error exceeded 2.3
+times its estimate. Paper and lean in float64 are the paper's algebra with `2H + 1` samples per
+instance: exact, they fail on 3..5 of 100 targets (H = 3); under noise 1e-10..1e-8 on 34..62 of
+100 (loud failures, errors 1e-4..1, and false alarms). Use the default, or `refine=True`,
+with noisy answers.
+
+**False alarms by cause** (`--explain` prints every false alarm's failed checks with value and
+threshold, its true error and estimate; `--modes`, `--seeds`, `--conditions` select runs).
+Issue 12 removed three causes (before: paper 3 / 22 / 27, lean 2 / 35 / 22 of 100 exact / Gaussian
+/ uniform): checks judged at rounding level against noisy answers (lean's `labels_consistent`,
+`answers_residual` fixed at 1e-6: docs/algorithm.md §11), the links' noise estimate (a standard
+deviation) propagated as a bound through G's l1 norms, and one outvoted ill-conditioned link voiding
+the paper certificate's validity (both §12). What remains:
+
+* auto and targeted, 1 each (seed 57, d = H = 4): the targeted estimate takes the oracle's rounding
+  of the scores at the answers' measured unit (`u |z| |W x|`, §19), right for float32 and
+  mixed-precision layers, 1e2..2e4 times the truth for noise added to the answers (Gaussian: estimate
+  6.4e-6 against the limit 3.6e-7, truth 7.8e-10; uniform: 1.7e-4 against 3.2e-5, truth 1.2e-6; auto
+  also fails `saturation` on 14 bridge instances there). The measured unit does not tell added noise
+  from rounded scores (a mixed-precision oracle measured 4.5e-9..1.5e-7 relative in 12 runs; the
+  declared 1e-8 is 2.3e-9 here), so this is left overcautious.
+* paper, exact, 3 (H = 3): `error_estimate` 2.6e-4 on a true 4.1e-5, `matching`, `pole_count`: the
+  float64 algebra at H = 3 (§11).
+* paper, Gaussian 1e-10, 12: 8 `error_estimate` alone, 1.1e-4..8.8e-4 (3 sigma through the l2 norms,
+  factor 2 for second order) on true errors 4.7e-6..5.3e-5; 2 `noise_within_validity` (seed 53:
+  an ill-conditioned grid instance, whose pairing names later instances' heads, so it is not
+  exempt; seed 67 also fails `matching`); 2 no model (H = 3).
+* paper, uniform 1e-8 declared, 27: 11 no model (H = 3: the fits detect other pole counts and
+  complex poles in 13..32% of the instances, seeds 13 and 27; the algebra fails); 13 `error_estimate` alone: a
+  declared `answer_error` is a bound and `error_bound` the worst case over the box, 1.2e-4..1.5e-3,
+  on true errors 6e-6..9.6e-5 (6 within 2x of the limit): the model is inside the limit because the
+  errors were random, which the run cannot promise; 3 `noise_within_validity`.
+* lean, exact, 2 (d = 6, H = 3): `answers_residual` 1.1e-6, 1.2e-6 against 1e-6 where the estimate (6.7e-7,
+  1.1e-7) understates the truth (2.7e-6, 2.4e-6): the residual catches the understatement.
+* lean, Gaussian 1e-10, 11: 5 `error_estimate` alone (1.0e-4..2.3e-3 on true 4.6e-6..7.8e-5), 2
+  `answers_residual` above an estimate 2.5..5x below the truth, 1 `matching`, 3 no model (H = 3).
+* lean, uniform 1e-8 declared, 19: 14 no model (13 at H = 3), 5 `error_estimate` alone (1.8e-4..8.6e-3,
+  the rounding-level estimate scaled to the declared error, on true 5.9e-6..8.1e-5).
+
+One passing lean run under declared noise (seed 78, d = 5, H = 1) has a true error 32 times its
+estimate (3.0e-5 against 9.5e-7), as before issue 12's changes; its cause is not investigated.
 """
 
 

@@ -273,14 +273,14 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
                                                                   outcome.u_balls, outcome.c_ball)
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
     scale = float(np.abs(arithmetic.midpoint(answers)).max(initial=0.0)) or 1.0
-    noise, label_noise = _noise(certificate, settings)
+    noise, measured = _noise(certificate, settings, probe)
     if noise is not None:
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
     error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
                                                plan.unit)
-    checks = plan.checks(outcome, label_noise=label_noise / scale) + _common_checks(
-        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source)
+    checks = plan.checks(outcome, label_noise=measured / scale) + _common_checks(
+        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured)
     if refinement is not None and refinement.kept == "refined":
         checks = _superseded_by_fit(checks, len(sequences))
     return Extraction(
@@ -338,17 +338,29 @@ def _superseded_by_fit(checks: list[Check], answers: int) -> list[Check]:
             if check.name in SUPERSEDED_BY_FIT and not check.passed else check for check in checks]
 
 
-def _noise(certificate: Certificate | None, settings: RunSettings) -> tuple[float | None, float]:
-    """``(noise for the error estimate or None, noise for the label checks)``, absolute.
+def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -> tuple[float | None, float]:
+    """``(noise for the error estimate or None, the answers' error the checks judge at)``, absolute.
 
-    With a certificate: the declared ``answer_error``, else 3 x the noise estimated from the
-    redundant measurements (§12). The estimate replaces the error estimate only when the noise
-    was declared or the model refined; the label checks always widen to it."""
+    The answers' error: the declared ``answer_error``; else, with a certificate, 3 x the noise
+    estimated from the redundant measurements or the refined residual (§12); else the misfit of
+    the noise probe's fresh queries (:mod:`.checks.noise_probe`; lean, targeted, auto); else 0
+    (float64 rounding). The
+    label checks and the answers' residual are judged at it (docs/algorithm.md §11): a check that
+    compares a misfit with its rounding-level error would otherwise fail every model of a noisy
+    oracle, however good. The first value replaces the error estimate only when the noise was
+    declared or the model refined (with a certificate)."""
+    if settings.answer_error is not None:
+        measured = settings.answer_error
+    elif certificate is not None:
+        measured = 3.0 * certificate.noise_estimate
+    elif probe is not None:
+        measured = probe[0]
+    else:
+        measured = 0.0
     if certificate is None:
-        return None, 0.0
-    label_noise = settings.answer_error if settings.answer_error is not None else 3.0 * certificate.noise_estimate
-    noise = label_noise if (settings.refine or settings.answer_error is not None) else None
-    return noise, label_noise
+        return None, measured
+    noise = measured if (settings.refine or settings.answer_error is not None) else None
+    return noise, measured
 
 
 def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe,
@@ -391,11 +403,16 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
 
 
 def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_residual, noise, scale,
-                   certificate, stats, source="the rounding of the answers") -> list[Check]:
+                   certificate, stats, source="the rounding of the answers", measured=0.0) -> list[Check]:
+    """The checks every schedule shares. ``measured``: the answers' error (:func:`_noise`). Noisy
+    answers (declared, or measured above ``ROUNDING_REGIME``) cannot be fitted closer than the
+    noise, nor than the model's own error moves them: the residual limit becomes
+    ``max(limit, 10 noise / scale, error_estimate)`` (docs/algorithm.md §11)."""
     settings = plan.settings
     error_limit, residual_limit = plan.thresholds()
-    if noise is not None:  # noisy answers cannot be fitted closer than the noise
-        residual_limit = max(residual_limit, 10 * noise / scale, error_estimate)
+    noisy = noise if noise is not None else (measured if measured > ROUNDING_REGIME * scale else None)
+    if noisy is not None and settings.precision is None:
+        residual_limit = max(residual_limit, 10 * noisy / scale, error_estimate)
     checks = [error_estimate_check(error_estimate, error_limit, source),
               answers_residual_check(answers_residual, residual_limit)]
     if certificate is not None and (settings.answer_error is not None
@@ -414,11 +431,15 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
     links' misfits (or the refined residual)."""
     if answer_error is not None:
         noise, source = answer_error, "declared answer_error"
-    else:
+        valid = certificate.validity_at(noise)
+        against = ("valid_below, the bound under which the matching is certified and the first-order certificate "
+                   "holds (instances verified against the model at this error exempt from linearisation)")
+    else:  # a measured standard deviation: its movements are l2, not the box's l1 (§12)
         noise, source = 3.0 * certificate.noise_estimate, "3 x the noise estimated from redundant measurements"
-    return Check("noise_within_validity", noise < certificate.valid_below, noise, certificate.valid_below,
-                 f"answer error ({source}) against valid_below, the bound under which the matching is "
-                 "certified and the first-order certificate holds")
+        valid = certificate.validity_at(noise, statistical=True)
+        against = ("the validity for independent errors of that size (matching margins and linearisation with "
+                   "the l2 movements; instances verified against the model exempt from linearisation)")
+    return Check("noise_within_validity", noise < valid, noise, valid, f"answer error ({source}) against {against}")
 
 
 def _enclosure_check(outcome: Outcome, precision: int) -> Check:

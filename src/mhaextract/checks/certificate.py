@@ -38,6 +38,12 @@ with the u and c columns for a model with biases; D the weights): :func:`least_s
 * pole count: at most 5% of the instances detected a pole count other than the run's (a head
   lost in the noise would otherwise be certified as absent): else ``valid_below = 0``.
 
+:meth:`Certificate.validity_at` judges a given eps: an instance outside its linear range whose
+measured deviation from the assembled model is within its first-order movement at eps is
+*verified* and exempt from the linearisation (and, for a link, from the triples that only move its
+own poles to other heads); ``valid_below_statistical`` is the same with l2 movements for the
+measured noise (a standard deviation). docs/algorithm.md §12.
+
 **Safety.** ``error_bound(eps) = 2 C (eps + rounding_floor)``: a factor 2 for the second-order
 terms and the Jacobians evaluated at the estimate rather than the truth, and a floor of
 ``8 u max|answer|`` (u = 2^-53) for the rounding of the answers and of the float64
@@ -118,6 +124,9 @@ class Certificate:
     rounding_floor : the float64 floor added to eps (absolute).
     noise_estimate : estimated standard deviation of the answers' errors, from the data.
     noise_lower_bound : the smallest eps consistent with the links' misfits (first order).
+    valid_below_statistical : the same validity for independent answer errors of standard deviation
+        eps / 3 (movements ``eps ||row||_2`` instead of ``eps ||row||_1``); judges the noise the
+        links estimate (undeclared), never a declared bound. Defaults to ``valid_below``.
     """
 
     kind: str
@@ -126,6 +135,32 @@ class Certificate:
     noise_estimate: float
     noise_lower_bound: float
     _norms: object = field(repr=False, default=None)  # () -> (amplification_W, amplification_v)
+    valid_below_statistical: float | None = None
+    _norms_l2: object = field(repr=False, default=None)  # () -> the same with row l2 norms
+    #: "l1", "l2": (per-link matching exclusions of :func:`_matching_margins`, per instance the eps
+    #: up to which it is linear, per instance the eps from which it is verified); None: no exemption.
+    _instances: dict | None = field(repr=False, default=None)
+
+    def __post_init__(self):
+        if self.valid_below_statistical is None:
+            self.valid_below_statistical = self.valid_below
+
+    def validity_at(self, eps: float, statistical: bool = False) -> float:
+        """The validity that judges the answer error ``eps``: ``valid_below`` (or
+        ``valid_below_statistical``), except that an instance whose linearisation fails at eps no
+        longer lowers it, nor do the link's own pole assignments when it is a link, when its
+        measured deviation from the assembled model is within its first-order movement at eps
+        (docs/algorithm.md §12, "Verified instances"). ``eps`` passes when ``eps < validity_at(eps)``."""
+        base = self.valid_below_statistical if statistical else self.valid_below
+        if self._instances is None or not eps > 0:
+            return base
+        links, linear, verified = self._instances["l2" if statistical else "l1"]
+        if links is None:  # uncertain pole count or a failed fit
+            return base
+        exempt = verified <= eps
+        link, others, own = links
+        matching = min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0
+        return max(0.0, min(matching, float(linear[~exempt].min(initial=np.inf))))
 
     @cached_property
     def _amplifications(self) -> tuple[float, float]:
@@ -148,11 +183,27 @@ class Certificate:
     def amplification(self) -> float:
         return max(self._amplifications)
 
+    @cached_property
+    def amplification_l2(self) -> float:
+        """``max_p ||G_p||_2 / scale(p)``: the relative error per unit standard deviation of
+        independent answer errors (at most :attr:`amplification`, which it defaults to)."""
+        return max(self._norms_l2()) if self._norms_l2 is not None else self.amplification
+
+    def statistical(self, sigma: float) -> float:
+        """``2 (3 sigma C_2 + C rounding_floor)``: the estimate for independent answer errors of
+        standard deviation ``sigma`` (measured, not declared). Parameter p then errs by
+        ``N(0, sigma^2 ||G_p||_2^2)`` to first order, within ``3 sigma ||G_p||_2`` but for a
+        fraction 3e-3; the box's worst case ``eps ||G_p||_1`` needs every error at its bound with
+        the sign of G_p (docs/algorithm.md §12)."""
+        sigma = _validate_eps(sigma)
+        return (1.0 + SECOND_ORDER_SLACK) * (3.0 * sigma * self.amplification_l2
+                                             + self.amplification * self.rounding_floor)
+
     def error_bound(self, eps: float) -> float:
         """Bound on the max relative parameter error (``compare(...).max_rel``) when every answer
         is within ``eps`` of the truth: ``2 C (eps + rounding_floor)``, inf for eps >= valid_below."""
         eps = _validate_eps(eps)
-        if not eps < self.valid_below:
+        if not eps < self.validity_at(eps):
             return float("inf")
         return self.first_order(eps)
 
@@ -300,7 +351,7 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     a, b, link, adds = _links(run.schedule)
     r = run.m.shape[1]
     if not len(a):
-        return np.inf, 0.0, np.zeros(0)
+        return np.inf, 0.0, np.zeros(0), (link, np.zeros(0), np.zeros(0))
     m, l = run.m, run.l
     with np.errstate(all="ignore"):
         pole = m[a][:, :, None, None] + m[b][:, None, :, None] - m[link][:, None, None, :]
@@ -333,7 +384,46 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     largest_chosen = float(np.nanmax(np.where(np.isfinite(chosen_ratio), chosen_ratio, np.inf), initial=0.0))
     noise_units = np.concatenate([ratio[:, chosen].ravel() for ratio in ratios_2])
     noise_units = noise_units[np.isfinite(noise_units)]
-    return smallest_exclusion, largest_chosen, noise_units
+    # Per link: triples that pair a's and b's heads otherwise (h != g), and triples that only give
+    # the link's own poles to other heads (h == g, p != h): the latter decide the link's poles alone.
+    h, g, p = np.meshgrid(np.arange(r), np.arange(r), np.arange(r), indexing="ij")
+    own = (h == g) & ~chosen
+    per_link = (link, exclusion[:, h != g].min(axis=1, initial=np.inf),
+                exclusion[:, own].min(axis=1, initial=np.inf))
+    return smallest_exclusion, largest_chosen, noise_units, per_link
+
+
+def _validity(run: PipelineRun, smallest_exclusion: float, links, movement_m: np.ndarray, movement_l: np.ndarray,
+              deviation_m: np.ndarray, deviation_l: np.ndarray, uncertain: bool):
+    """``(valid_below, (links, per-instance linear validity, per-instance verified-from))`` from the
+    matching margin (every non-chosen triple's misfit at least twice its movement; ``links`` from
+    :func:`_matching_margins`) and the linearisation (no log-pole of an instance moves by more than
+    min(0.05, gap / 8)), with the movements per unit answer error ``movement_*`` (n, r). Instance t
+    is *verified* for ``eps >= verified[t]``: its measured deviations from the model
+    ``deviation_*`` are within its movement ``eps movement_*`` (docs/algorithm.md §12)."""
+    if uncertain:
+        return 0.0, (None, None, None)
+    with np.errstate(all="ignore"):
+        gaps = np.diff(np.sort(run.m, axis=1), axis=1).min(axis=1, initial=np.inf)
+        allowed = np.minimum(LINEARIZATION_STEP, POLE_GAP_FRACTION * gaps)
+        linear = np.nan_to_num(allowed / movement_m.max(axis=1), nan=0.0)
+        verified = np.nan_to_num(np.maximum((deviation_m / movement_m).max(axis=1),
+                                            (deviation_l / movement_l).max(axis=1)), nan=np.inf)
+    return max(0.0, min(smallest_exclusion / 2.0, float(linear.min(initial=np.inf)))), (links, linear, verified)
+
+
+def _deviations(run: PipelineRun) -> tuple[np.ndarray, np.ndarray]:
+    """(n, r) each instance's log-poles and labels minus those the assembled model predicts for it
+    (``M_h = Z^T W_h X`` through the pole design; labels ``v_h^T z_j``, row links ``v_h^T (z_0 + z_j)``)."""
+    schedule, model = run.schedule, run.model
+    M = np.einsum("aj,hab,bi->hji", schedule.Z, model.W, schedule.X).reshape(model.heads, -1)  # [h, j * d + i]
+    predicted_m = np.asarray(run.design @ M.T)  # (n, r)
+    lz = (schedule.Z.T @ model.v.T)  # (d, r): v_h^T z_j
+    columns = np.array([instance.j for instance in schedule.instances])
+    rows = np.array([instance.role == "row_link" for instance in schedule.instances])
+    predicted_l = lz[columns] + np.where(rows[:, None], lz[0][None, :], 0.0)
+    with np.errstate(invalid="ignore"):
+        return np.abs(run.m - predicted_m), np.abs(run.l - predicted_l)
 
 
 def pipeline_certificate(run: PipelineRun) -> Certificate:
@@ -343,31 +433,45 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
     D2m, D2l = operator.row_norms("m", 2), operator.row_norms("l", 2)
     if run.m.shape[1] == 0:
         return Certificate("algebraic", np.inf, _rounding_floor(run.answers), 0.0, 0.0, _norms=lambda: (0.0, 0.0))
-    smallest_exclusion, largest_chosen, noise_units = _matching_margins(run, D1m, D1l, D2m, D2l)
-    valid_matching = smallest_exclusion / 2.0
-    # Linearisation: log-poles move by at most min(0.05, gap / 8) (instances that enter the run).
-    with np.errstate(all="ignore"):
-        gaps = np.diff(np.sort(run.m, axis=1), axis=1).min(axis=1, initial=np.inf)
-        allowed = np.minimum(LINEARIZATION_STEP, POLE_GAP_FRACTION * gaps)
-        valid_linear = float(np.nan_to_num(allowed / D1m.max(axis=1), nan=0.0).min(initial=np.inf))
-    if not operator.finite.all():
-        valid_linear = 0.0  # a failed fit: its links were matched on nothing
-    if np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT:
-        valid_linear = 0.0  # the pole count itself is uncertain
-    valid_below = max(0.0, min(valid_matching, valid_linear))
+    smallest_exclusion, largest_chosen, noise_units, links_l1 = _matching_margins(run, D1m, D1l, D2m, D2l)
+    # Independent errors of standard deviation eps / 3: a misfit or log-pole moves by at most
+    # eps ||row||_2 but for a fraction 3e-3 (the same margins with the l2 norms as movements).
+    smallest_statistical, _, _, links_l2 = _matching_margins(run, D2m, D2l, D2m, D2l)
+    uncertain = (not operator.finite.all()  # a failed fit: its links were matched on nothing
+                 or np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT)  # the pole count itself
+    deviation_m, deviation_l = _deviations(run)
+    valid_below, instances_l1 = _validity(run, smallest_exclusion, links_l1, D1m, D1l, deviation_m, deviation_l,
+                                          uncertain)
+    valid_statistical, instances_l2 = _validity(run, smallest_statistical, links_l2, D2m, D2l, deviation_m,
+                                                deviation_l, uncertain)
     noise_estimate = float(1.4826 * np.median(np.abs(noise_units))) if len(noise_units) else 0.0
     W_scale, v_scale = _relative_scales(run.model)
 
+    sums = {}
+
+    def accumulate():  # row l1 and l2 norms of G in one pass over the answers' chunks
+        if not sums:
+            shape = (run.m.shape[1], run.schedule.d)
+            sums.update(W1=np.zeros(shape + (run.schedule.d,)), v1=np.zeros(shape),
+                        W2=np.zeros(shape + (run.schedule.d,)), v2=np.zeros(shape))
+            for _, dW, dv in operator.columns():
+                sums["W1"] += np.abs(dW).sum(axis=3)
+                sums["v1"] += np.abs(dv).sum(axis=2)
+                sums["W2"] += (dW**2).sum(axis=3)
+                sums["v2"] += (dv**2).sum(axis=2)
+        return sums
+
     def norms():
-        W_rows = np.zeros((run.m.shape[1], run.schedule.d, run.schedule.d))
-        v_rows = np.zeros((run.m.shape[1], run.schedule.d))
-        for _, dW, dv in operator.columns():
-            W_rows += np.abs(dW).sum(axis=3)
-            v_rows += np.abs(dv).sum(axis=2)
-        return float(W_rows.max()) / W_scale, float(v_rows.max()) / v_scale
+        accumulate()
+        return float(sums["W1"].max()) / W_scale, float(sums["v1"].max()) / v_scale
+
+    def norms_l2():
+        accumulate()
+        return float(np.sqrt(sums["W2"].max())) / W_scale, float(np.sqrt(sums["v2"].max())) / v_scale
 
     certificate = Certificate("algebraic", valid_below, _rounding_floor(run.answers), noise_estimate,
-                              largest_chosen, _norms=norms)
+                              largest_chosen, _norms=norms, valid_below_statistical=valid_statistical,
+                              _norms_l2=norms_l2, _instances={"l1": instances_l1, "l2": instances_l2})
     certificate._operator = operator  # for sensitivity_matrix
     return certificate
 

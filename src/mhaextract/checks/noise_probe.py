@@ -7,8 +7,8 @@ orders of magnitude above that estimate (issue 12: 83 of 84 passing runs under 1
 more than 30x off). Two sources measure the noise (docs/reliability.md):
 
 * **redundancy** (paper): the links' misfits give ``Certificate.noise_estimate``; the error
-  estimate is at least ``certificate.first_order(3 x noise_estimate)``. No query is added; the
-  estimate then rests on redundancy alone.
+  estimate is at least ``certificate.statistical(noise_estimate)`` (3 sigma through G's row l2
+  norms). No query is added; the estimate then rests on redundancy alone.
 * **fresh noise-probe queries** (every other float64 schedule): ``PROBE_TRIPLES`` triples of
   fresh queries (``3 x PROBE_TRIPLES = 12`` queries, counted at the boundary like every other,
   stream 2 of the seed) whose exact answers are affinely related whatever the heads: a sequence
@@ -72,5 +72,7 @@ def scaled_estimate(estimate: float, noise: float, answers_scale: float, assumed
 
 
 def redundancy_estimate(estimate: float, certificate) -> float:
-    """The paper's estimate: at least the first order at 3 x the noise its links measured."""
-    return max(estimate, certificate.first_order(3.0 * certificate.noise_estimate))
+    """The paper's estimate: at least the first order at the noise its links measured, a standard
+    deviation of independent errors: ``certificate.statistical(noise_estimate)``, 3 sigma through
+    the l2 norms of G (docs/algorithm.md §12)."""
+    return max(estimate, certificate.statistical(certificate.noise_estimate))
