@@ -543,9 +543,10 @@ def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance
     # The residual of a choice is r = (rounded - candidates) C_B + (sigma_F C_F' - V') exactly, with
     # C_F' = C_F - K C_B and V' = V - a^T C_B (what lies outside the span; small). Since
     # |r|_inf >= s_min(C_B) |rounded - candidates|_2 / sqrt(D) - |sigma_F C_F' - V'|_inf, most
-    # choices are ruled out on the rank coordinates alone; the residual is computed for the others
-    # (those that could pass or beat the best so far), so good and best_residual are those of the
-    # full enumeration. The 2^f choices: a table of the low bits (shared) and each high-bit pattern.
+    # choices are ruled out on the rank coordinates alone. A first pass takes that lower bound for
+    # every choice; the choice with the smallest is evaluated, then every choice whose bound could
+    # pass or beat the best so far: good and best_residual are those of the full enumeration.
+    # The 2^f choices: a table of the low bits (shared) and each high-bit pattern.
     C_B, C_F = C[basis], C[free]
     slack = (np.abs(V - a @ C_B).max() + np.abs(C_F - K @ C_B).max(axis=1).sum()) / scale
     floor = 0.99 * np.linalg.svd(C_B, compute_uv=False).min() / np.sqrt(C.shape[1]) / scale if rank else 0.0
@@ -553,18 +554,26 @@ def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance
     table = next(_sign_choices(low))
     base = a[None, :] - table @ K[:low]  # (2^low, rank)
     high_bits = np.arange(len(free) - low)
-    good, best_residual = [], np.inf
-    for high in range(1 << (len(free) - low)):
+
+    def lower_bounds(high):
+        distance = base - np.where((high >> high_bits) & 1, 1.0, -1.0) @ K[low:]  # the candidates
+        np.abs(distance, out=distance)
+        distance -= 1.0  # |rounded - candidates| = ||candidates| - 1|
+        return floor * np.sqrt(np.einsum("ij,ij->i", distance, distance)) - slack
+
+    def residuals(high, rows):
         pattern = np.where((high >> high_bits) & 1, 1.0, -1.0)
-        candidates = base - pattern @ K[low:]
-        rounded = np.where(candidates >= 0, 1.0, -1.0)
-        lower = floor * np.sqrt(((rounded - candidates) ** 2).sum(axis=1)) - slack
-        if not np.isfinite(best_residual):
-            first = int(np.argmin(lower))
-            best_residual = _orientation_residual(rounded[[first]], table[[first]], pattern, C_B, C_F, V, scale)[0]
-        keep = np.flatnonzero(lower <= max(tolerance, best_residual) + 1e-9)
-        residual = _orientation_residual(rounded[keep], table[keep], pattern, C_B, C_F, V, scale)
-        good += [(residual[i], rounded[keep[i]], np.concatenate([table[keep[i]], pattern]))
+        rounded = np.where(base[rows] - pattern @ K[low:] >= 0, 1.0, -1.0)
+        return rounded, pattern, _orientation_residual(rounded, table[rows], pattern, C_B, C_F, V, scale)
+
+    bounds = np.array([lower_bounds(high) for high in range(1 << (len(free) - low))])  # (2^(f - low), 2^low)
+    first = np.unravel_index(np.argmin(bounds), bounds.shape)
+    best_residual = float(residuals(first[0], [first[1]])[2][0])
+    good = []
+    for high in np.flatnonzero(bounds.min(axis=1) <= max(tolerance, best_residual) + 1e-9):
+        keep = np.flatnonzero(bounds[high] <= max(tolerance, best_residual) + 1e-9)
+        rounded, pattern, residual = residuals(high, keep)
+        good += [(residual[i], rounded[i], np.concatenate([table[keep[i]], pattern]))
                  for i in np.flatnonzero(residual <= tolerance)]
         if len(keep) and residual.min() < best_residual:
             best_residual = float(residual.min())
