@@ -89,10 +89,14 @@ class HeadMeans:
         return np.concatenate([means, finals.reshape(len(sequences), -1)], axis=1)
 
     def float64(self, sequences) -> np.ndarray:
+        """float64 means of a list of sequences or of one (B, N, d) array (no per-sequence work)."""
         means = self.heads_model.head_means(sequences).reshape(len(sequences), -1)
         if not self.residual:
             return means
-        finals = np.array([np.asarray(X[-1], dtype=np.float64) for X in sequences]).reshape(len(sequences), -1)
+        if isinstance(sequences, np.ndarray):
+            finals = sequences[:, -1, :].astype(np.float64)
+        else:
+            finals = np.array([np.asarray(X[-1], dtype=np.float64) for X in sequences]).reshape(len(sequences), -1)
         return np.concatenate([means, finals], axis=1)
 
 
@@ -187,7 +191,8 @@ class UnitLearner:
         self.token_scale = token_scale
         self.grid = int(grid)
         self.search = UnitSearch()
-        self.asked: list[np.ndarray] = []  # every sequence asked and its (float64) answer, for refine()
+        # Per batch asked: the float64 head means M of its sequences and the (float64) answers, for refine().
+        self.asked_means: list[np.ndarray] = []
         self.answered: list[np.ndarray] = []
         self._stacked = None  # _unit_vectors' cache
         self.fit_tolerance = 1e-9 if precision is None else 2.0 ** (-precision / 3)
@@ -216,11 +221,15 @@ class UnitLearner:
         v = self.rng.standard_normal(self.d)
         return self.token_scale * self.rng.uniform(0.5, 1.5) * v / np.linalg.norm(v)
 
-    def _ask(self, sequences, what: str):
+    def _ask(self, sequences: np.ndarray, what: str):
+        """Answers for the (B, m + 1, d) array ``sequences`` (handed to the boundary as a list, like
+        every batch). In float64 the sequences' head means M are kept with the answers, for the
+        region fits and refine()."""
         before = self.boundary.queries
-        answers = self.boundary.ask(sequences, description=f"FFN units: {what}")
-        self.asked += list(sequences)
-        self.answered.append(_value(answers, self.precision))
+        answers = self.boundary.ask(list(sequences), description=f"FFN units: {what}")
+        if self.precision is None:
+            self.asked_means.append(self.means.float64(sequences))
+            self.answered.append(answers)
         spent = self.boundary.queries - before
         if what == "segment grid":
             self.search.queries_grid += spent
@@ -304,8 +313,7 @@ class UnitLearner:
         return kinks
 
     def _h(self, segment: Segment, ss: np.ndarray, what: str) -> np.ndarray:
-        sequences = segment.sequences(ss)
-        f = _value(self._ask(list(sequences), what), self.precision)
+        f = _value(self._ask(segment.sequences(ss), what), self.precision)
         scales = np.array([segment.scale(s) for s in ss])
         return (1 - ss) * f / scales
 
@@ -339,14 +347,15 @@ class UnitLearner:
             if not pending:
                 break
             rows = self.D + SPARE_EQUATIONS
-            flat = []
+            clouds = []
             for k in pending:
                 s, room = centres[k]
                 centre = segment.sequence(s)
                 rms = np.sqrt(np.mean(centre**2))
-                flat += list(centre + size * room * rms * self.rng.standard_normal((rows,) + centre.shape))
+                clouds.append(centre + size * room * rms * self.rng.standard_normal((rows,) + centre.shape))
+            flat = np.concatenate(clouds)
             answers = self._ask(flat, "region gradients")
-            M = self.means(flat)
+            M = self.asked_means[-1] if self.precision is None else self.means(flat)
             retry = []
             for position, k in enumerate(pending):
                 block = slice(position * rows, (position + 1) * rows)
@@ -390,9 +399,11 @@ class UnitLearner:
         with working_precision(self.precision + GUARD_BITS):
             return np.array([x - y for x, y in zip(a, b)], dtype=object)
 
-    def answers(self) -> tuple[list[np.ndarray], np.ndarray]:
-        """Every sequence step 2 asked, with its answer (float64 midpoints)."""
-        return self.asked, np.concatenate(self.answered) if self.answered else np.zeros(0)
+    def answers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The float64 head means M of every sequence step 2 asked, with its answer (float64 midpoints)."""
+        if not self.answered:
+            return np.zeros((0, self.D)), np.zeros(0)
+        return np.concatenate(self.asked_means), np.concatenate(self.answered)
 
 
 
