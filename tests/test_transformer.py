@@ -63,6 +63,22 @@ def test_the_odd_part_is_attention_with_v_sum_of_w_p():
     assert np.abs(linear).max() > 0.1 * np.abs(g).max()  # the term matters
 
 
+def test_head_means_of_one_batch_array_match_the_definition():
+    """Step 2 hands its sequences to head_means as one (B, N, d) array (no per-sequence work)."""
+    attention = mx.Transformer1L.random(3, 2, 5, seed=1).odd_part()
+    batch = np.random.default_rng(2).standard_normal((7, 4, 3))
+    expected = np.empty((7, 2, 3))
+    for b, X in enumerate(batch):
+        for h in range(2):
+            scores = X @ attention.W[h] @ X[-1]
+            a = np.exp(scores - scores.max())
+            expected[b, h] = (a / a.sum()) @ X
+    np.testing.assert_allclose(attention.head_means(batch), expected, rtol=1e-13, atol=1e-15)
+    np.testing.assert_array_equal(attention.head_means(batch), attention.head_means(list(batch)))
+    with pytest.raises(ValueError, match=r"shape \(B, N >= 1, d = 3\)"):
+        attention.head_means(np.zeros((2, 3, 4)))
+
+
 def test_the_residual_queries_separate_q_from_vbar():
     """g((b)) = (vbar + q)^T b and g((b, 0)) = vbar^T b / 2 (final token 0: uniform attention, no
     residual term), so the residual term is measured from 2 d queries of g."""
