@@ -357,9 +357,8 @@ class UnitLearner:
             answers = self._ask(flat, "region gradients")
             M = self.asked_means[-1] if self.precision is None else self.means(flat)
             retry = []
-            for position, k in enumerate(pending):
-                block = slice(position * rows, (position + 1) * rows)
-                fit = self._solve(M[block], answers[block])
+            fits = self._solve_all(M.reshape(len(pending), rows, -1), answers.reshape(len(pending), rows))
+            for k, fit in zip(pending, fits):
                 self.search.regions_fitted += 1
                 if fit is None or fit[2] > self.fit_tolerance:
                     self.search.regions_failed += 1
@@ -369,6 +368,19 @@ class UnitLearner:
             pending = retry
             size *= 0.1
         return out
+
+    def _solve_all(self, M, f) -> list:
+        """:meth:`_solve` for each of a stack of systems (K, rows, D); in float64 as one batched solve."""
+        D = self.D
+        if self.precision is not None:
+            return [self._solve(Mk, fk) for Mk, fk in zip(M, f)]
+        try:
+            L = np.linalg.solve(M[:, :D], f[:, :D, None])[:, :, 0]
+        except np.linalg.LinAlgError:  # one is singular: which one, system by system
+            return [self._solve(Mk, fk) for Mk, fk in zip(M, f)]
+        spare = np.abs(np.einsum("krd,kd->kr", M[:, D:], L) - f[:, D:]).max(axis=1)
+        spare /= np.maximum(np.abs(f).max(axis=1), 1e-300)
+        return [(Lk, Lk, float(misfit)) for Lk, misfit in zip(L, spare)]
 
     def _solve(self, M, f):
         """(L float64, L exact, relative misfit of the spare equations) or None if singular."""
