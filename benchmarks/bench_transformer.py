@@ -4,6 +4,7 @@ the residual connection.
     python benchmarks/bench_transformer.py                 # full table (docs/transformer.md numbers)
     python benchmarks/bench_transformer.py --quick         # a smaller grid
     python benchmarks/bench_transformer.py --only 16,2,32  # one float64 cell (d,H,hidden[,r])
+    python benchmarks/bench_transformer.py --only 16,2,32 --seeds 10 --per-seed  # and one line per seed
 
 For every (mode, d, H, hidden, residual): measured queries of f (total, the odd-part step and its
 core schedule), the longest query, segments, the max relative error of the canonical heads and
@@ -12,7 +13,10 @@ decades: max |model - f| / max |f|), checks passed, seconds, and the step-2 time
 
 * ``step 2 / oracle``: step 2's own time (its wall time less the oracle's time answering its
   queries) over the oracle's time answering step 2's queries (the simulated oracle is vectorised
-  numpy, so this is a demanding baseline).
+  numpy, so this is a demanding baseline); median and worst over the seeds.
+
+``--per-seed`` also prints, per seed: the ratio, step 2's own seconds, the oracle's seconds for
+step 2's queries, step 2's queries and oracle calls, the fresh-query error and the checks.
 """
 
 from __future__ import annotations
@@ -71,10 +75,13 @@ def run(d, H, n, precision, seeds, residual):
         got = result.model_hp if precision else result.model
         error = float(mx.compare_transformers(got, target).max_rel) if got is not None else np.inf
         fresh = fresh_error(target, result.model, np.random.default_rng(seed)) if result.model is not None else np.inf
-        step2_oracle = oracle.seconds(result.queries_odd_part, result.queries_odd_part + result.queries_units)
+        first, last = result.queries_odd_part, result.queries_odd_part + result.queries_units
+        step2_oracle = oracle.seconds(first, last)
+        step2_calls = sum(1 for before, _, _ in oracle.calls if first <= before < last)
         rows.append(dict(queries=result.queries, odd=result.queries_odd_part, longest=result.max_query_length,
                          segments=result.segments, error=error, fresh=fresh, ok=result.ok, seconds=total,
-                         schedule=result.attention.schedule,
+                         schedule=result.attention.schedule, units=result.queries_units, calls=step2_calls,
+                         own=result.seconds_units - step2_oracle, oracle=step2_oracle,
                          ratio=(result.seconds_units - step2_oracle) / max(step2_oracle, 1e-9)))
     return rows
 
@@ -84,6 +91,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--only", help="one float64 cell: d,H,hidden[,r]")
+    parser.add_argument("--per-seed", action="store_true", help="one line per seed after each cell's row")
     args = parser.parse_args()
     if args.only:
         parts = args.only.split(",")
@@ -96,8 +104,9 @@ def main():
                 (None, 32, 4, 64, False), (None, 6, 2, 8, True), (None, 8, 4, 16, True), (None, 16, 4, 32, True),
                 (256, 3, 2, 4, False), (256, 3, 2, 4, True), (256, 4, 3, 6, False)]
     print("| mode | d | H | hidden | residual | step 1 | queries of f (median) | odd part | longest | segments "
-          "| median rel. err | worst rel. err | fresh-query err (worst) | checks ok | s (median) | step 2 / oracle (median) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| median rel. err | worst rel. err | fresh-query err (worst) | checks ok | s (median) | step 2 / oracle (median) "
+          "| step 2 / oracle (worst) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for precision, d, H, n, residual in grid:
         seeds = args.seeds if precision is None else 2
         rows = run(d, H, n, precision, seeds, residual)
@@ -107,7 +116,12 @@ def main():
               f"{int(np.median(get('queries')))} | {int(np.median(get('odd')))} | {int(get('longest').max())} | "
               f"{int(np.median(get('segments')))} | {np.median(get('error')):.1e} | {get('error').max():.1e} | "
               f"{get('fresh').max():.1e} | {int(get('ok').sum())}/{seeds} | {np.median(get('seconds')):.2f} | "
-              f"{np.median(get('ratio')):.1f} |", flush=True)
+              f"{np.median(get('ratio')):.1f} | {get('ratio').max():.1f} |", flush=True)
+        if args.per_seed:
+            for seed, row in enumerate(rows):
+                print(f"    seed {seed}: step 2 / oracle {row['ratio']:.2f} (own {row['own']:.3f} s, oracle "
+                      f"{row['oracle']:.3f} s, {row['units']} queries in {row['calls']} calls), fresh {row['fresh']:.1e}, "
+                      f"ok {row['ok']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """One-layer Transformer (docs/algorithm.md §14): the model, its canonical form, the extraction."""
 
 
+import itertools
+
 import mpmath
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ from typer.testing import CliRunner
 
 import mhaextract as mx
 from mhaextract.cli import app
-from mhaextract.relu_units import orient
+from mhaextract.relu_units import _polish, orient
 from mhaextract.transformer import residual_queries
 
 from conftest import CountingOracle, paper_count
@@ -59,6 +61,22 @@ def test_the_odd_part_is_attention_with_v_sum_of_w_p():
     linear = np.array([X[-1] for X in batch]) @ q
     np.testing.assert_allclose(g, r.odd_part()(batch) + linear, rtol=1e-11, atol=1e-13)
     assert np.abs(linear).max() > 0.1 * np.abs(g).max()  # the term matters
+
+
+def test_head_means_of_one_batch_array_match_the_definition():
+    """Step 2 hands its sequences to head_means as one (B, N, d) array (no per-sequence work)."""
+    attention = mx.Transformer1L.random(3, 2, 5, seed=1).odd_part()
+    batch = np.random.default_rng(2).standard_normal((7, 4, 3))
+    expected = np.empty((7, 2, 3))
+    for b, X in enumerate(batch):
+        for h in range(2):
+            scores = X @ attention.W[h] @ X[-1]
+            a = np.exp(scores - scores.max())
+            expected[b, h] = (a / a.sum()) @ X
+    np.testing.assert_allclose(attention.head_means(batch), expected, rtol=1e-13, atol=1e-15)
+    np.testing.assert_array_equal(attention.head_means(batch), attention.head_means(list(batch)))
+    with pytest.raises(ValueError, match=r"shape \(B, N >= 1, d = 3\)"):
+        attention.head_means(np.zeros((2, 3, 4)))
 
 
 def test_the_residual_queries_separate_q_from_vbar():
@@ -242,6 +260,60 @@ def test_orientation_is_unique_or_says_how_many():
     ambiguous = orient(twin, twin.T @ np.append(sigma, sigma[0]))
     assert ambiguous.sigma is None and ambiguous.solutions == 2
     assert orient(C, C.T @ sigma + 0.1).sigma is None
+
+
+def _orient_by_brute_force(C, V, tolerance):
+    """Every sign vector tried: (solutions, the unique one or None, smallest relative residual)."""
+    scale = max(np.abs(V).max(), np.abs(C).max())
+    signs = np.array(list(itertools.product([-1.0, 1.0], repeat=len(C))))
+    residual = np.abs(signs @ C - V).max(axis=1) / scale
+    good = np.flatnonzero(residual <= tolerance)
+    return len(good), signs[good[0]] if len(good) == 1 else None, residual.min()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_orientation_matches_trying_every_sign_vector(seed):
+    """orient rules most sign choices out without their residual: it must agree with the plain
+    enumeration on the solution count, the solution and the smallest residual (also when the
+    unit vectors span few dimensions, when two units are opposite, and when V is off)."""
+    rng = np.random.default_rng(seed)
+    n, rank, D = 13, 3 + seed % 3, 8
+    C = rng.standard_normal((n, rank)) @ rng.standard_normal((rank, D))
+    sigma = rng.choice([-1.0, 1.0], size=n)
+    cases = [(C, C.T @ sigma), (C, C.T @ sigma + 1e-3 * rng.standard_normal(D)),
+             (np.vstack([C[:-1], -C[:1]]), None)]
+    # Rank 2 of 17 units (2^15 choices, beyond one table of low bits) with a loose tolerance that
+    # hundreds of choices meet (and still one basis-sign vector per choice of the free signs, as
+    # the enumeration assumes): every one of them must be counted.
+    wide = rng.standard_normal((17, 2)) @ rng.standard_normal((2, D))
+    cases += [(wide, wide.T @ rng.choice([-1.0, 1.0], size=17), 0.1)]
+    for units, V, *loose in cases:
+        V = units.T @ sigma if V is None else V
+        tolerance = loose[0] if loose else 1e-6
+        found = orient(units, V, tolerance=tolerance)
+        solutions, unique, smallest = _orient_by_brute_force(units, V, tolerance)
+        assert found.solutions == solutions
+        assert (found.sigma is None) == (unique is None)
+        if unique is not None:
+            assert np.array_equal(found.sigma, unique)
+        else:
+            assert found.misfit == pytest.approx(smallest, rel=1e-9, abs=1e-15)
+
+
+def test_polish_reaches_the_least_squares_solution():
+    """_polish forms the normal equations from the rows' activation patterns; on a small problem
+    with repeated patterns its result is the least-squares solution of the explicit design."""
+    rng = np.random.default_rng(7)
+    n, D, R = 4, 3, 200
+    truth = rng.standard_normal((n, D))
+    rows = rng.standard_normal((R, D))
+    patterns = rng.choice([0.0, 1.0], size=(9, n)) * rng.choice([-1.0, 1.0], size=n)
+    weights = patterns[rng.integers(0, len(patterns), size=R)]
+    target = ((rows @ truth.T) * weights).sum(axis=1) + 1e-3 * rng.standard_normal(R)  # not exactly fitted
+    design = (weights[:, :, None] * rows[:, None, :]).reshape(R, n * D)
+    expected = np.linalg.lstsq(design, target, rcond=None)[0].reshape(n, D)
+    got = _polish(truth + 1e-2 * rng.standard_normal((n, D)), rows, weights, target)
+    assert np.abs(got - expected).max() <= 1e-12 * np.abs(expected).max()
 
 
 @pytest.mark.slow

@@ -213,6 +213,11 @@ class MultiHeadAttention:
         ``precision=bits`` an object array (B, H, d) of flint ``arb`` balls computed at
         ``bits + 32`` bits (the caller sets nothing; the balls carry their own precision).
         """
+        if precision is None and isinstance(batch, np.ndarray) and batch.ndim == 3 and batch.dtype == np.float64:
+            # One (B, N, d) float64 array: computed as one group, no per-sequence work.
+            if batch.shape[1] < 1 or batch.shape[2] != self.d:
+                raise ValueError(f"a batch array must have shape (B, N >= 1, d = {self.d}), got {batch.shape}")
+            return self._means_float64(batch)
         sequences = as_batch(batch, self.d)
         if precision is None:
             return self._means_float64(sequences)
@@ -235,13 +240,17 @@ class MultiHeadAttention:
 
     def _weights_float(self, sequences: Sequence[np.ndarray], dtype=np.float64):
         """Per group of equal lengths: (indices, tokens (B, N, d), softmax weights a_{h,i} (B, H, N)),
-        computed in ``dtype`` (float64, or float32 for a lower-precision target)."""
+        computed in ``dtype`` (float64, or float32 for a lower-precision target). ``sequences``
+        may be one (B, N, d) array: one group."""
         model = self.to_float64()
         W, u = model.W.astype(dtype), model.u.astype(dtype)
-        lengths = np.array([len(s) for s in sequences])
-        for length in np.unique(lengths):
-            index = np.flatnonzero(lengths == length)
-            X = np.stack([np.asarray(sequences[i], dtype=dtype) for i in index])  # (B, N, d)
+        if isinstance(sequences, np.ndarray) and sequences.ndim == 3:
+            groups = [(np.arange(len(sequences)), sequences.astype(dtype, copy=False))]
+        else:
+            lengths = np.array([len(s) for s in sequences])
+            groups = ((index, np.stack([np.asarray(sequences[i], dtype=dtype) for i in index]))  # (B, N, d)
+                      for index in (np.flatnonzero(lengths == length) for length in np.unique(lengths)))
+        for index, X in groups:
             queries = np.einsum("hde,be->bhd", W, X[:, -1, :]) + u[None]  # W_h x_N + u_h, (B, H, d)
             scores = np.einsum("bnd,bhd->bhn", X, queries)  # (B, H, N)
             scores -= scores.max(axis=2, keepdims=True)

@@ -89,10 +89,14 @@ class HeadMeans:
         return np.concatenate([means, finals.reshape(len(sequences), -1)], axis=1)
 
     def float64(self, sequences) -> np.ndarray:
+        """float64 means of a list of sequences or of one (B, N, d) array (no per-sequence work)."""
         means = self.heads_model.head_means(sequences).reshape(len(sequences), -1)
         if not self.residual:
             return means
-        finals = np.array([np.asarray(X[-1], dtype=np.float64) for X in sequences]).reshape(len(sequences), -1)
+        if isinstance(sequences, np.ndarray):
+            finals = sequences[:, -1, :].astype(np.float64)
+        else:
+            finals = np.array([np.asarray(X[-1], dtype=np.float64) for X in sequences]).reshape(len(sequences), -1)
         return np.concatenate([means, finals], axis=1)
 
 
@@ -111,19 +115,25 @@ class Segment:
         return rho ** -0.5
 
     def sequence(self, s: float) -> np.ndarray:
-        lam = self.scale(s)
-        return np.vstack([lam * self.x + self.offsets / lam, lam * self.x[None, :]])
+        return self.sequences(np.array([s]))[0]
+
+    def sequences(self, ss: np.ndarray) -> np.ndarray:
+        """The sequences at every s of ``ss``, one (len(ss), m + 1, d) array."""
+        lam = np.array([self.scale(s) for s in ss])[:, None, None]
+        out = np.empty((len(lam), len(self.offsets) + 1, len(self.x)))
+        out[:, :-1] = lam * self.x + self.offsets / lam
+        out[:, -1] = lam[:, :, 0] * self.x
+        return out
 
     def point(self, s: float) -> np.ndarray:
         return (1 - s) * self.b + s * self.kappa * self.E
 
-    def crossing(self, c: np.ndarray) -> float:
-        """s where the hyperplane ``c^T M = 0`` crosses the segment (nan if it does not)."""
-        cb, cE = c @ self.b, self.kappa * (c @ self.E)
-        if cb == cE:
-            return np.nan
-        s = cb / (cb - cE)
-        return s if 0 < s < 1 else np.nan
+    def crossing(self, C: np.ndarray) -> np.ndarray:
+        """s where each hyperplane ``c^T M = 0`` (rows of C) crosses the segment (nan where it does not)."""
+        cb, cE = C @ self.b, self.kappa * (C @ self.E)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = np.where(cb != cE, cb / (cb - cE), np.nan)
+        return np.where((s > 0) & (s < 1), s, np.nan)
 
 
 @dataclass
@@ -181,8 +191,10 @@ class UnitLearner:
         self.token_scale = token_scale
         self.grid = int(grid)
         self.search = UnitSearch()
-        self.asked: list[np.ndarray] = []  # every sequence asked and its (float64) answer, for refine()
+        # Per batch asked: the float64 head means M of its sequences and the (float64) answers, for refine().
+        self.asked_means: list[np.ndarray] = []
         self.answered: list[np.ndarray] = []
+        self._stacked = None  # _unit_vectors' cache
         self.fit_tolerance = 1e-9 if precision is None else 2.0 ** (-precision / 3)
         self.kink_tolerance = 1e-9  # linearity of h on the grid, relative (float64 midpoints)
 
@@ -209,11 +221,15 @@ class UnitLearner:
         v = self.rng.standard_normal(self.d)
         return self.token_scale * self.rng.uniform(0.5, 1.5) * v / np.linalg.norm(v)
 
-    def _ask(self, sequences, what: str):
+    def _ask(self, sequences: np.ndarray, what: str):
+        """Answers for the (B, m + 1, d) array ``sequences`` (handed to the boundary as a list, like
+        every batch). In float64 the sequences' head means M are kept with the answers, for the
+        region fits and refine()."""
         before = self.boundary.queries
-        answers = self.boundary.ask(sequences, description=f"FFN units: {what}")
-        self.asked += list(sequences)
-        self.answered.append(_value(answers, self.precision))
+        answers = self.boundary.ask(list(sequences), description=f"FFN units: {what}")
+        if self.precision is None:
+            self.asked_means.append(self.means.float64(sequences))
+            self.answered.append(answers)
         spent = self.boundary.queries - before
         if what == "segment grid":
             self.search.queries_grid += spent
@@ -297,23 +313,27 @@ class UnitLearner:
         return kinks
 
     def _h(self, segment: Segment, ss: np.ndarray, what: str) -> np.ndarray:
-        sequences = [segment.sequence(s) for s in ss]
-        f = _value(self._ask(sequences, what), self.precision)
+        f = _value(self._ask(segment.sequences(ss), what), self.precision)
         scales = np.array([segment.scale(s) for s in ss])
         return (1 - ss) * f / scales
 
+    def _unit_vectors(self) -> np.ndarray:
+        """The c of the units found so far, one (n, D) array (rebuilt when a unit is added)."""
+        units = self.search.units
+        if self._stacked is None or len(self._stacked) != len(units):
+            self._stacked = np.array([unit.c for unit in units]).reshape(len(units), self.D)
+        return self._stacked
+
     def _explained(self, segment: Segment, s_star: float) -> bool:
-        for unit in self.search.units:
-            s_known = segment.crossing(unit.c)
-            if np.isfinite(s_known) and abs(s_known - s_star) <= 1e-6:
-                return True
-        return False
+        """Whether a known unit's hyperplane crosses the segment within 1e-6 of s* (Segment.crossing)."""
+        return bool(np.any(np.abs(segment.crossing(self._unit_vectors()) - s_star) <= 1e-6))
 
     def _known(self, c: np.ndarray):
-        for index, unit in enumerate(self.search.units):
-            if min(np.linalg.norm(c - unit.c), np.linalg.norm(c + unit.c)) <= 1e-5 * np.linalg.norm(unit.c):
-                return index
-        return None
+        """Index of the first known unit equal to c up to sign (relative 1e-5), or None."""
+        C = self._unit_vectors()
+        close = np.minimum(np.linalg.norm(c - C, axis=1), np.linalg.norm(c + C, axis=1)) <= 1e-5 * np.linalg.norm(C, axis=1)
+        hits = np.flatnonzero(close)
+        return int(hits[0]) if len(hits) else None
 
     # ------------------------------------------------------------------ region gradients
     def _region_gradients(self, segment: Segment, centres) -> list:
@@ -327,18 +347,18 @@ class UnitLearner:
             if not pending:
                 break
             rows = self.D + SPARE_EQUATIONS
-            flat = []
+            clouds = []
             for k in pending:
                 s, room = centres[k]
                 centre = segment.sequence(s)
                 rms = np.sqrt(np.mean(centre**2))
-                flat += [centre + size * room * rms * self.rng.standard_normal(centre.shape) for _ in range(rows)]
+                clouds.append(centre + size * room * rms * self.rng.standard_normal((rows,) + centre.shape))
+            flat = np.concatenate(clouds)
             answers = self._ask(flat, "region gradients")
-            M = self.means(flat)
+            M = self.asked_means[-1] if self.precision is None else self.means(flat)
             retry = []
-            for position, k in enumerate(pending):
-                block = slice(position * rows, (position + 1) * rows)
-                fit = self._solve(M[block], answers[block])
+            fits = self._solve_all(M.reshape(len(pending), rows, -1), answers.reshape(len(pending), rows))
+            for k, fit in zip(pending, fits):
                 self.search.regions_fitted += 1
                 if fit is None or fit[2] > self.fit_tolerance:
                     self.search.regions_failed += 1
@@ -348,6 +368,19 @@ class UnitLearner:
             pending = retry
             size *= 0.1
         return out
+
+    def _solve_all(self, M, f) -> list:
+        """:meth:`_solve` for each of a stack of systems (K, rows, D); in float64 as one batched solve."""
+        D = self.D
+        if self.precision is not None:
+            return [self._solve(Mk, fk) for Mk, fk in zip(M, f)]
+        try:
+            L = np.linalg.solve(M[:, :D], f[:, :D, None])[:, :, 0]
+        except np.linalg.LinAlgError:  # one is singular: which one, system by system
+            return [self._solve(Mk, fk) for Mk, fk in zip(M, f)]
+        spare = np.abs(np.einsum("krd,kd->kr", M[:, D:], L) - f[:, D:]).max(axis=1)
+        spare /= np.maximum(np.abs(f).max(axis=1), 1e-300)
+        return [(Lk, Lk, float(misfit)) for Lk, misfit in zip(L, spare)]
 
     def _solve(self, M, f):
         """(L float64, L exact, relative misfit of the spare equations) or None if singular."""
@@ -378,9 +411,11 @@ class UnitLearner:
         with working_precision(self.precision + GUARD_BITS):
             return np.array([x - y for x, y in zip(a, b)], dtype=object)
 
-    def answers(self) -> tuple[list[np.ndarray], np.ndarray]:
-        """Every sequence step 2 asked, with its answer (float64 midpoints)."""
-        return self.asked, np.concatenate(self.answered) if self.answered else np.zeros(0)
+    def answers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The float64 head means M of every sequence step 2 asked, with its answer (float64 midpoints)."""
+        if not self.answered:
+            return np.zeros((0, self.D)), np.zeros(0)
+        return np.concatenate(self.asked_means), np.concatenate(self.answered)
 
 
 
@@ -450,25 +485,43 @@ def refine(C: np.ndarray, signs: np.ndarray, M: np.ndarray, f: np.ndarray, margi
 def _polish(C: np.ndarray, rows: np.ndarray, weights: np.ndarray, target: np.ndarray) -> np.ndarray:
     """``argmin_C sum_r (sum_j weights_rj c_j^T rows_r - target_r)^2`` near the start C.
 
-    The design (R x n D, row r is ``weights_r kron rows_r``) is formed once; the correction to C
-    solves the normal equations (one Gram product and one Cholesky factorisation, columns scaled
-    to unit norm, a ridge of 1e-13 for directions no row sees), followed by two rounds of
-    iterative refinement on the true residual (semi-normal equations: least-squares accuracy for
-    this conditioning at a fraction of an SVD's cost)."""
+    The design (R x n D, row r is ``weights_r kron rows_r``) is never formed. Its Gram matrix is
+    ``sum_r (weights_r weights_r^T) kron (rows_r rows_r^T)``, and rows share few activation
+    patterns (a region's cloud, a linear piece of a segment: tens to hundreds of patterns for
+    thousands of rows), so it is ``sum_p (w_p w_p^T) kron S_p`` with ``S_p`` the D x D Gram of the
+    rows of pattern p: one (n^2 x P) by (P x D^2) product instead of an R x (n D)^2 one. The
+    correction to C solves the normal equations (columns scaled to unit norm, a ridge of 1e-13
+    for directions no row sees, one Cholesky factorisation), followed by two rounds of iterative
+    refinement on the true residual (semi-normal equations: least-squares accuracy for this
+    conditioning at a fraction of an SVD's cost); products with the design and its transpose are
+    taken block by block (``(rows @ C^T) * weights`` and ``(weights * residual)^T @ rows``)."""
     from scipy.linalg import cho_factor, cho_solve
 
     n, D = C.shape
     if n == 0 or len(rows) == 0:
         return C
-    design = (weights[:, :, None] * rows[:, None, :]).reshape(len(rows), n * D)
-    columns = np.maximum(np.linalg.norm(design, axis=0), 1e-300)
-    design /= columns
-    gram = design.T @ design
+    # Rows grouped by their pattern of weights (a stable sort on each column: exact, no hashing).
+    order = np.lexsort(weights.T[::-1])
+    ordered = weights[order]
+    starts = np.flatnonzero(np.concatenate([[True], (ordered[1:] != ordered[:-1]).any(axis=1)]))
+    bounds = np.append(starts, len(rows))
+    patterns = ordered[starts]
+    blocks = np.empty((len(patterns), D, D))
+    for p in range(len(patterns)):
+        members = rows[order[bounds[p]:bounds[p + 1]]]
+        blocks[p] = members.T @ members
+    outer = (patterns[:, :, None] * patterns[:, None, :]).reshape(len(patterns), n * n)
+    gram = (outer.T @ blocks.reshape(len(patterns), D * D)).reshape(n, n, D, D)  # [j, k, a, b]
+    columns = np.maximum(np.sqrt(np.maximum(np.einsum("jjaa->ja", gram), 0.0)), 1e-300).ravel()
+    scale = 1.0 / columns.reshape(n, D)
+    # [j, a, k, b] with the columns scaled to unit norm, in one pass.
+    gram = np.multiply(gram.transpose(0, 2, 1, 3), scale[:, :, None, None] * scale[None, None, :, :]).reshape(n * D, n * D)
     gram[np.diag_indices_from(gram)] += 1e-13
-    factor = cho_factor(gram)
+    factor = cho_factor(gram, overwrite_a=True, check_finite=False)
     x = C.ravel() * columns
     for _ in range(3):
-        x = x + cho_solve(factor, design.T @ (target - design @ x))
+        residual = target - ((rows @ (x / columns).reshape(n, D).T) * weights).sum(axis=1)
+        x = x + cho_solve(factor, ((weights * residual[:, None]).T @ rows).ravel() / columns, check_finite=False)
     return (x / columns).reshape(n, D)
 
 
@@ -510,13 +563,42 @@ def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance
     # span). Then sigma_B = a - K^T sigma_F must be a sign vector: array work over the 2^f choices.
     coordinates = np.linalg.lstsq(C[basis].T, np.column_stack([V, C[free].T]), rcond=None)[0]  # (rank, 1 + f)
     a, K = coordinates[:, 0], coordinates[:, 1:].T
-    good, best, best_residual = [], 0, np.inf
-    for chunk in _sign_choices(len(free)):
-        candidates = a[None, :] - chunk @ K  # (chunk, rank)
-        rounded = np.where(candidates >= 0, 1.0, -1.0)
-        residual = np.abs(rounded @ C[basis] + chunk @ C[free] - V[None, :]).max(axis=1) / scale
-        good += [(residual[i], rounded[i], chunk[i]) for i in np.flatnonzero(residual <= tolerance)]
-        if residual.min() < best_residual:
+    # The residual of a choice is r = (rounded - candidates) C_B + (sigma_F C_F' - V') exactly, with
+    # C_F' = C_F - K C_B and V' = V - a^T C_B (what lies outside the span; small). Since
+    # |r|_inf >= s_min(C_B) |rounded - candidates|_2 / sqrt(D) - |sigma_F C_F' - V'|_inf, most
+    # choices are ruled out on the rank coordinates alone. A first pass takes that lower bound for
+    # every choice; the choice with the smallest is evaluated, then every choice whose bound could
+    # pass or beat the best so far: good and best_residual are those of the full enumeration.
+    # The 2^f choices: a table of the low bits (shared) and each high-bit pattern.
+    C_B, C_F = C[basis], C[free]
+    slack = (np.abs(V - a @ C_B).max() + np.abs(C_F - K @ C_B).max(axis=1).sum()) / scale
+    floor = 0.99 * np.linalg.svd(C_B, compute_uv=False).min() / np.sqrt(C.shape[1]) / scale if rank else 0.0
+    low = min(len(free), 14)
+    table = next(_sign_choices(low))
+    base = a[None, :] - table @ K[:low]  # (2^low, rank)
+    high_bits = np.arange(len(free) - low)
+
+    def lower_bounds(high):
+        distance = base - np.where((high >> high_bits) & 1, 1.0, -1.0) @ K[low:]  # the candidates
+        np.abs(distance, out=distance)
+        distance -= 1.0  # |rounded - candidates| = ||candidates| - 1|
+        return floor * np.sqrt(np.einsum("ij,ij->i", distance, distance)) - slack
+
+    def residuals(high, rows):
+        pattern = np.where((high >> high_bits) & 1, 1.0, -1.0)
+        rounded = np.where(base[rows] - pattern @ K[low:] >= 0, 1.0, -1.0)
+        return rounded, pattern, _orientation_residual(rounded, table[rows], pattern, C_B, C_F, V, scale)
+
+    bounds = np.array([lower_bounds(high) for high in range(1 << (len(free) - low))])  # (2^(f - low), 2^low)
+    first = np.unravel_index(np.argmin(bounds), bounds.shape)
+    best_residual = float(residuals(first[0], [first[1]])[2][0])
+    good = []
+    for high in np.flatnonzero(bounds.min(axis=1) <= max(tolerance, best_residual) + 1e-9):
+        keep = np.flatnonzero(bounds[high] <= max(tolerance, best_residual) + 1e-9)
+        rounded, pattern, residual = residuals(high, keep)
+        good += [(residual[i], rounded[i], np.concatenate([table[keep[i]], pattern]))
+                 for i in np.flatnonzero(residual <= tolerance)]
+        if len(keep) and residual.min() < best_residual:
             best_residual = float(residual.min())
     if len(good) != 1:
         return Orientation(None, len(good), best_residual, rank)
@@ -525,6 +607,13 @@ def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance
     sigma[basis] = rounded
     sigma[free] = choice
     return Orientation(sigma, 1, float(misfit), rank)
+
+
+def _orientation_residual(rounded, low, high, C_B, C_F, V, scale):
+    """``|sigma_B C_B + sigma_F C_F - V|_inf / scale`` for rows of basis signs and free signs
+    (the free signs: a row of ``low`` followed by ``high``)."""
+    choice = np.concatenate([low, np.broadcast_to(high, (len(low), len(high)))], axis=1)
+    return np.abs(rounded @ C_B + choice @ C_F - V[None, :]).max(axis=1) / scale
 
 
 def _sign_choices(count: int, chunk_bits: int = 14):

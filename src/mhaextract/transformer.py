@@ -864,8 +864,8 @@ def _assemble(run: TransformerRun, step1: Extraction, learner, orientation):
     if run.precision is None and len(units):
         # float64: the region fits carry the step-1 errors amplified by their small clouds; a joint
         # least-squares polish on every answer of step 2 removes most of that (relu_units.refine).
-        sequences, values = learner.answers()
-        A, _ = refine(A, signs, learner.means.float64(sequences), values)
+        means, values = learner.answers()
+        A, _ = refine(A, signs, means, values)
     model = Transformer1L(step1.model.W, O, A, signs, residual=run.residual, R=R)
     if run.precision is None:
         return model, None
