@@ -262,6 +262,18 @@ def test_orientation_is_unique_or_says_how_many():
     assert orient(C, C.T @ sigma + 0.1).sigma is None
 
 
+def test_orientation_beyond_the_enumeration_limit_says_it_did_not_search():
+    """More than MAX_ENUMERATED units outside the span (docs/transformer.md condition 6): the run
+    must say the choices were not searched, not that no sign vector fits."""
+    from mhaextract.relu_units import MAX_ENUMERATED
+
+    rng = np.random.default_rng(1)
+    C = rng.standard_normal((4 + MAX_ENUMERATED + 1, 4))
+    found = orient(C, C.T @ rng.choice([-1.0, 1.0], size=len(C)))
+    assert found.sigma is None and not found.enumerated and found.free == MAX_ENUMERATED + 1 and found.rank == 4
+    assert orient(C[:-1], C[:-1].T @ np.ones(len(C) - 1)).enumerated
+
+
 def _orient_by_brute_force(C, V, tolerance):
     """Every sign vector tried: (solutions, the unique one or None, smallest relative residual)."""
     scale = max(np.abs(V).max(), np.abs(C).max())

@@ -531,13 +531,20 @@ class Orientation:
     """Result of the sign solve ``sum_j sigma_j c_j = V``.
 
     sigma : (n,) signs of the (unique) solution, or None; solutions : how many sign vectors fit;
-    misfit : relative residual of the best candidate; rank : rank of the c_j.
+    misfit : relative residual of the best candidate; rank : rank of the c_j; free : units outside
+    the rank's basis, whose ``2^free`` sign choices are enumerated (none when above ``MAX_ENUMERATED``).
     """
 
     sigma: np.ndarray | None
     solutions: int
     misfit: float
     rank: int
+    free: int = 0
+
+    @property
+    def enumerated(self) -> bool:
+        """Whether the sign choices were searched at all (``free <= MAX_ENUMERATED``)."""
+        return self.free <= MAX_ENUMERATED
 
 
 def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance: float = 1e-6) -> Orientation:
@@ -558,7 +565,7 @@ def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance
     rank = int(np.sum(diagonal > rank_tolerance * diagonal[0])) if diagonal.size else 0
     basis, free = pivots[:rank], pivots[rank:]
     if len(free) > MAX_ENUMERATED:
-        return Orientation(None, 0, np.inf, rank)
+        return Orientation(None, 0, np.inf, rank, len(free))
     # Free rows and V in the basis: C[free] = K C[basis], V = a^T C[basis] (+ what lies outside the
     # span). Then sigma_B = a - K^T sigma_F must be a sign vector: array work over the 2^f choices.
     coordinates = np.linalg.lstsq(C[basis].T, np.column_stack([V, C[free].T]), rcond=None)[0]  # (rank, 1 + f)
@@ -601,12 +608,12 @@ def orient(C: np.ndarray, V: np.ndarray, tolerance: float = 1e-6, rank_tolerance
         if len(keep) and residual.min() < best_residual:
             best_residual = float(residual.min())
     if len(good) != 1:
-        return Orientation(None, len(good), best_residual, rank)
+        return Orientation(None, len(good), best_residual, rank, len(free))
     misfit, rounded, choice = good[0]
     sigma = np.empty(n)
     sigma[basis] = rounded
     sigma[free] = choice
-    return Orientation(sigma, 1, float(misfit), rank)
+    return Orientation(sigma, 1, float(misfit), rank, len(free))
 
 
 def _orientation_residual(rounded, low, high, C_B, C_F, V, scale):

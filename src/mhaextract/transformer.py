@@ -46,7 +46,7 @@ from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_basis
 from .oracle.simulated import SimulatedOracle
 from .oracle.transcript import Transcript, run_fingerprint
-from .relu_units import UnitLearner, orient, refine
+from .relu_units import MAX_ENUMERATED, UnitLearner, orient, refine
 from .report import transformer_table
 from .results import Extraction
 from .schedules.base import RunSettings
@@ -840,9 +840,15 @@ def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, lin
     tolerance = 1e-6 if run.precision is None else 1e-12
     orientation = orient(np.array([u.c for u in units]).reshape(len(units), V.size), V,
                          tolerance=tolerance, rank_tolerance=tolerance)
-    message = (f"sum_j sigma_j c_j = V has {orientation.solutions} sign solutions over {len(units)} units "
-               f"(rank {orientation.rank}); exactly one is needed (conditions 2-4: units with parallel "
-               "hyperplanes, a unit never seen, or a sign-ambiguous set of units)")
+    if orientation.enumerated:
+        message = (f"sum_j sigma_j c_j = V has {orientation.solutions} sign solutions over {len(units)} units "
+                   f"(rank {orientation.rank}); exactly one is needed (conditions 2-4: units with parallel "
+                   "hyperplanes, a unit never seen, or a sign-ambiguous set of units)")
+    else:
+        message = (f"{len(units)} units in a span of rank {orientation.rank}: the 2^{orientation.free} sign choices "
+                   f"of the units outside it were not searched (at most {MAX_ENUMERATED} units beyond the rank, "
+                   "docs/transformer.md condition 6): fewer hidden units or a larger d (the units' vectors "
+                   "span about p = d dimensions)")
     if search.regions_failed:
         message += (f"; {search.regions_failed} of {search.regions_fitted} region fits failed (if most did, f depends "
                     "on a head the odd part does not show: condition 1)")
