@@ -535,3 +535,17 @@ def test_acceptance_float64_d16_h2_hidden32_ten_seeds():
         result = extract_counted(target, 2, 32, seed=seed)
         assert result.ok and result.hidden == 32, seed
         assert fresh_error(target, result.model, seed) <= 1e-7, seed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H, seed, bound", [(4, 2, 1e-7), (8, 0, 1e-6)])
+def test_bench_cells_that_failed_step_2(H, seed, bound):
+    """bench_transformer's d = 16, hidden 32 cells (target seed, extraction seed 1000 + seed): H = 4
+    seed 2 met one unit twice (its two region fits 1.7e-5 apart, above the 1e-5 that made them one:
+    33 units, orientation failed); H = 8 seed 0's true signs fit V to 2.5e-6 from the unpolished
+    region fits, above the 1e-6 the sign solve accepted. (H = 8 then reaches a fresh-query error of
+    2.5e-7: eight heads' step-1 errors through 32 units.)"""
+    target = mx.Transformer1L.random(16, H, 32, seed=seed)
+    result = extract_counted(target, H, 32, seed=1000 + seed)
+    assert result.ok and result.hidden == 32, [str(c) for c in result.failed_checks]
+    assert fresh_error(target, result.model, seed) <= bound
