@@ -332,3 +332,22 @@ def test_an_outvoted_ill_conditioned_link_verified_against_the_model_does_not_vo
     assert noise < certificate.validity_at(noise, statistical=True)
     assert result.ok, result.failed_checks
     assert truth <= result.error_estimate <= 1e-4
+
+
+def test_answer_noise_scales_the_sample_terms_of_an_estimate_not_the_score_rounding():
+    """The targeted estimate's score-rounding part (the oracle's own arithmetic, Outcome.score_estimate)
+    is not scaled by measured or declared answer noise; the rest is (seed 57, d = H = 4, Gaussian
+    1e-10: 3.7e-6 -> 1.35e-6 against a true 1.6e-10)."""
+    from mhaextract.api import _undeclared_noise
+    from mhaextract.schedules.base import RunSettings
+
+    settings = RunSettings(d=4, heads=2, max_heads=2, precision=None, seed=0, token_scale=1.0, answer_error=1e-8)
+    eps = np.finfo(float).eps
+    # A 1e-8 bound on answers of size 1: the rounding-level terms grow by 1e-8 / eps.
+    all_samples, _ = _undeclared_noise(settings, 1e-14, None, None, 1.0, None, 0.0)
+    all_scores, _ = _undeclared_noise(settings, 1e-14, None, None, 1.0, None, 1e-14)
+    half, _ = _undeclared_noise(settings, np.hypot(1e-14, 1e-14), None, None, 1.0, None, 1e-14)
+    assert all_samples == pytest.approx(1e-14 * 1e-8 / eps)
+    assert all_scores == pytest.approx(1e-14)
+    assert half == pytest.approx(np.hypot(1e-14 * 1e-8 / eps, 1e-14))
+

@@ -278,7 +278,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
     error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
-                                               plan.unit)
+                                               plan.unit, outcome.score_estimate)
     checks = plan.checks(outcome, label_noise=measured / scale) + _common_checks(
         plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured)
     if refinement is not None and refinement.kept == "refined":
@@ -364,21 +364,28 @@ def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -
 
 
 def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe,
-                      scale: float, assumed: float | None = None) -> tuple[float, str]:
+                      scale: float, assumed: float | None = None, score_part: float = 0.0) -> tuple[float, str]:
     """The error estimate raised to the answer noise measured (:mod:`.checks.noise_probe`), and
     what it rests on (for the check's message). The links' noise estimate raises it only above
     float64 rounding (``ROUNDING_REGIME``): at rounding level the schedule's own estimate already
     assumes it, and the certificate's amplification (an operator norm over every answer, the
-    slow part of the certificate) is then not needed."""
+    slow part of the certificate) is then not needed. ``score_part``: the part of the schedule's
+    estimate from the oracle's rounding of its scores (``Outcome.score_estimate``), which answer
+    noise does not scale (docs/algorithm.md §13)."""
     if settings.precision is not None:
         return error_estimate, "the answers' precision (ball radii)"
+
+    def scaled(noise: float, answers_scale: float) -> float:
+        rest = np.sqrt(max(error_estimate**2 - score_part**2, 0.0))
+        return float(np.hypot(scaled_estimate(rest, noise, answers_scale, assumed), score_part))
+
     if settings.answer_error is not None:
         if certificate is not None:
             return error_estimate, "the declared answer_error"
         # No certificate turned the declared bound into the estimate: scale the schedule's own,
         # which assumed float64 rounding, to the bound (or to the noise the probe measured, if more).
         noise = max(settings.answer_error, probe[0] if probe is not None else 0.0)
-        return (scaled_estimate(error_estimate, noise, scale, assumed),
+        return (scaled(noise, scale),
                 "the declared answer_error (the schedule's rounding-level estimate scaled to it)")
     if probe is not None and certificate is not None and certificate.kind == "least squares":
         # Refined: the estimate already rests on the residual noise of every fitted answer; the
@@ -390,7 +397,7 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
                 f"queries ({misfit / max(answers_scale, 1e-300):.2g} relative)")
     if probe is not None:
         misfit, answers_scale, count = probe
-        return (scaled_estimate(error_estimate, misfit, answers_scale, assumed),
+        return (scaled(misfit, answers_scale),
                 f"the answer noise measured on {count} fresh queries ({misfit / max(answers_scale, 1e-300):.2g} "
                 "relative)")
     if certificate is not None and 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale:

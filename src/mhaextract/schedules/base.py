@@ -91,6 +91,10 @@ class Outcome:
     #: Score biases (H*, d) and output constant as balls: high-precision runs of the biased grid (§16).
     u_balls: np.ndarray | None = None
     c_ball: object = None
+    #: The part of ``error_estimate`` that comes from the oracle's rounding of its own scores (the
+    #: targeted schedules, §13): it does not grow with the answers' noise, so an estimate scaled to
+    #: measured or declared answer noise scales only the rest (``api._undeclared_noise``).
+    score_estimate: float = 0.0
 
 
 class Schedule:

@@ -40,7 +40,7 @@ from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
     EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
     _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection, _patterns,
-    _Prober, _shared, answer_unit, line_search,
+    _Prober, _shared, answer_unit, line_search, score_unit,
 )
 
 
@@ -228,11 +228,12 @@ class BiasedTargetedSchedule(TargetedSchedule):
         prober = AffineProber(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
         self.unit = prober.unit = answer_unit(self.settings, boundary.stats)
+        prober.score_unit = score_unit(self.settings, boundary.stats)
         search, stages, model, W_lift = run_affine(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
         instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
-        error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
+        error_estimate, score_estimate = _error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0)
         answers = np.asarray(prober.answers, dtype=np.float64)
         checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
-                       checks)
+                       checks, score_estimate=score_estimate)

@@ -82,13 +82,13 @@ class LowRankSchedule(TargetedSchedule):
         H = len(search.heads)
         instances = _diagnostics(stages, model)
         finals = [data for stage, data in stages if stage == "final"]
-        error_estimate = _error_estimate(finals, model) if model is not None else np.inf
+        error_estimate, score_estimate = _error_estimate(finals, model) if model is not None else (np.inf, 0.0)
         checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages])
         checks.append(Check("rank_bound", bool(rank_ratio <= RANK_LIMIT), float(rank_ratio), RANK_LIMIT,
                             f"largest relative singular value {self.rank + 1} of a head's measured a_h(z) "
                             f"(rank={self.rank}; above the limit the heads have higher rank)"))
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences,
-                       np.asarray(prober.answers, dtype=np.float64), checks)
+                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate)
 
 
 def _span(vectors: np.ndarray, rank: int) -> tuple[np.ndarray, float]:
@@ -157,9 +157,11 @@ def _run(prober, d: int, max_heads: int, rank: int, R: int, rng, token_scale: fl
     return search, stages, MultiHeadAttention(W, v), ratio
 
 
-def _error_estimate(finals, model) -> float:
-    """§13's first-order estimate over every final unit (full and subspace ones); the subspace
-    bases' own error (from the full units) is of the same order and not added."""
+def _error_estimate(finals, model) -> tuple[float, float]:
+    """§13's first-order estimate over every final unit (full and subspace ones), and its part from
+    the oracle's score rounding alone; the subspace bases' own error (from the full units) is of the
+    same order and not added."""
     squared = sum(data.error_squared.sum(axis=0) for data in finals)
-    return first_order_estimate(squared, np.linalg.norm(finals[0].differences[0], axis=1), model)
+    z_norm = np.linalg.norm(finals[0].differences[0], axis=1)
+    return first_order_estimate(squared[:, 0], z_norm, model), first_order_estimate(squared[:, 1], z_norm, model)
 

@@ -100,17 +100,27 @@ KEEP_BYTES = 2**24
 GRAM_SCHMIDT_BYTES = 2**20
 
 
-def answer_unit(settings, stats=None) -> float:
-    """The answers' relative rounding unit that sizes the run's tolerances (docs/algorithm.md §19):
-    ``EPS`` for float64 answers, else the largest of the noise the calibration measured
-    (``settings.answer_noise``), the unit roundoff the answers' bits show (``stats``, an
+def score_unit(settings, stats=None) -> float:
+    """The relative rounding unit of the oracle's own arithmetic, which rounds its scores too:
+    ``EPS`` for float64, else the larger of the noise the calibration measured
+    (``settings.answer_noise``) and the unit roundoff the answers' bits show (``stats``, an
     :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without calibration
-    still recognises float32 answers) and a declared ``answer_error`` over the largest answer."""
+    still recognises float32 answers). A declared ``answer_error`` is not part of it: it bounds
+    the answers' total error, score rounding included, and says nothing of a score's rounding
+    growing with ``|z| |W x|`` (seed 57 of the reliability table, d = H = 4, declared 1e-8: the
+    score term sized by the declared error overstated the estimate 1e2..1e4 times)."""
     unit = EPS
     if settings.answer_noise is not None:
         unit = max(unit, float(settings.answer_noise))
     if stats is not None and stats.precision_name != "float64":
         unit = max(unit, stats.unit_roundoff)
+    return unit
+
+
+def answer_unit(settings, stats=None) -> float:
+    """The answers' relative rounding unit that sizes the run's tolerances (docs/algorithm.md §19):
+    :func:`score_unit`, or a declared ``answer_error`` over the largest answer if that is larger."""
+    unit = score_unit(settings, stats)
     if settings.answer_error is not None and stats is not None and stats.largest > 0:
         # a declared absolute bound, relative to the largest answer seen so far
         unit = max(unit, float(settings.answer_error) / stats.largest)
@@ -204,8 +214,8 @@ class _Prober:
     def __init__(self, boundary: OracleBoundary, d: int, token_scale: float, expected_queries: int = 0):
         self.boundary = boundary
         #: The answers' relative rounding unit every tolerance is sized by (:func:`answer_unit`; set
-        #: by the schedule once the one-token answers are in).
-        self.unit = EPS
+        #: by the schedule once the one-token answers are in), and the oracle's own (:func:`score_unit`).
+        self.unit = self.score_unit = EPS
         self.d = d
         self.token_scale = token_scale
         # One exact grid for every token of the run: sums and differences of tokens stay exact.
@@ -312,8 +322,9 @@ class _MinimumNormCorrection:
 
 
 def _patterns(rng, d: int, constant_row: int, count: int) -> np.ndarray:
-    """``count`` design patterns (count, d, d), entries in [-1, 1], one batched QR: row ``constant_row`` all ones, the other rows
-    random, mutually orthogonal and orthogonal to the ones (zero sums).
+    """``count`` design patterns (count, d, d), entries in [-1, 1], by one batched QR: row
+    ``constant_row`` all ones, the other rows random, mutually orthogonal and orthogonal to the
+    ones (zero sums).
 
     The log-poles of the design are ``offset + halfwidth * pattern`` row by row, with a large offset
     (``SATURATION_MID``) on the saturated rows. With zero-sum rows the offsets of all rows are
@@ -350,7 +361,9 @@ class _GroupMeasurements:
     misfit: np.ndarray  # |m_n - a^T x_n|
     margin: np.ndarray  # smallest other head's log-pole by the design estimates
     x_norm: np.ndarray  # |x_n|
-    error_squared: np.ndarray  # (G, H) |X^{-1} sigma|^2 (final stage; NaN otherwise)
+    #: (G, H, 2) |X^{-1} sigma|^2 (final stage; NaN otherwise): [..., 0] every term, [..., 1] the
+    #: oracle's score rounding alone (the part that does not grow with answer noise)
+    error_squared: np.ndarray
     finals: np.ndarray | None = None  # (G, H, d, d) the final tokens, kept only when small (KEEP_BYTES)
 
     def consensus_labels(self) -> tuple[np.ndarray, np.ndarray]:
@@ -545,45 +558,49 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
         log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all)),
-        np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H), np.nan))
+        np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H, 2), np.nan))
     if refit:
         out.refit_with_consensus_labels()
-    _reduce_chunk(out, finals, design, W_score, prober.unit)
+    _reduce_chunk(out, finals, design, W_score, prober.unit, prober.score_unit)
     out.finals = finals.reshape(G, H, rounds, d)
     return out
 
 
-def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, unit: float = EPS) -> None:
+def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, unit: float = EPS,
+                  score_unit: float = EPS) -> None:
     """What the rest of the run needs of a chunk's final tokens (U, rounds, d), before they are
-    dropped: the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms."""
+    dropped: the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms
+    (the samples' rounding at the answers' ``unit``, the scores' at the oracle's ``score_unit``)."""
     G, H, rounds = out.log_pole.shape
     U, d, heads = G * H, finals.shape[2], design.heads
     m = out.log_pole.reshape(U, rounds)
-    sigma = np.full((U, rounds), np.nan)
+    sigma, score_sigma = np.full((U, rounds), np.nan), np.full((U, rounds), np.nan)
     if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
-        score_factor, sample_scale = 8.0, 1.0
+        score_factor, sample_scale = (NOISY_SCORE_FACTOR if score_unit > EPS else 8.0), 1.0
         if unit > EPS:  # noisy answers (docs/algorithm.md §19): typical errors rather than float64's bounds
-            score_factor = NOISY_SCORE_FACTOR
             # The samples' rounding model (4 units per magnitude) against what the three-sample fits
             # show: with one degree of freedom each, E[residual^2] = (actual / modelled error)^2.
             residual = out.residual[np.isfinite(out.residual)]
             if residual.size:
                 sample_scale = float(np.clip(3.0 * np.sqrt(np.mean(residual**2)), NOISY_SAMPLE_FLOOR, 1.0))
         for h in range(H):
-            score = score_factor * unit * z_norm[heads == h, None] * np.linalg.norm(
+            score = score_factor * score_unit * z_norm[heads == h, None] * np.linalg.norm(
                 finals[heads == h] @ W_score[h].T, axis=2)
             sigma[heads == h] = np.hypot(sample_scale * out.sigma_m.reshape(U, rounds)[heads == h], score)
+            score_sigma[heads == h] = score
     ok = np.isfinite(m).all(axis=1)
     a = np.where(ok[:, None], design.solve(finals, np.nan_to_num(m)[:, :, None])[:, :, 0], np.nan)
-    spread = np.full_like(a, np.nan)
+    spread = np.full(a.shape + (2,), np.nan)
     if W_score is not None:
         # First order, independent errors: |a_i error| ~ sqrt(sum_n (X^{-1})_{in}^2 sigma_n^2), the map
         # applied to diag(sigma). Applied to sigma itself the errors cancel in the sum and the
         # estimate understated the truth 270-fold (d = H = 4, bench_reliability seed 57).
-        mapped = design.solve(finals, np.nan_to_num(sigma)[:, :, None] * np.eye(rounds))
-        with np.errstate(over="ignore"):  # an unbounded spread is an infinite estimate, said so
-            spread = np.where(ok[:, None], np.sqrt((mapped**2).sum(axis=2)), np.nan)
+        inverse = design.solve(finals, np.broadcast_to(np.eye(rounds), (U, rounds, rounds)))
+        with np.errstate(over="ignore", invalid="ignore"):  # an unbounded spread is an infinite estimate, said so
+            for part, terms in enumerate((sigma, score_sigma)):
+                mapped = inverse * np.nan_to_num(terms)[:, None, :]
+                spread[..., part] = np.where(ok[:, None], np.sqrt((mapped**2).sum(axis=2)), np.nan)
     out.a = a.reshape(G, H, d)
     out.misfit = np.abs(m - np.einsum("und,ud->un", finals, a)).reshape(G, H, rounds)
     poles = np.einsum("ufd,und->unf", out.estimates.reshape(U, H, d), finals)
@@ -591,7 +608,7 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
     out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
     out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
     if W_score is not None:
-        out.error_squared = np.where(ok, (spread**2).sum(axis=1), np.nan).reshape(G, H)
+        out.error_squared = np.where(ok[:, None], (spread**2).sum(axis=1), np.nan).reshape(G, H, 2)
 
 
 def _shared(differences: np.ndarray, estimates: np.ndarray):
@@ -669,15 +686,16 @@ class TargetedSchedule(Schedule):
         prober = _Prober(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
         self.unit = prober.unit = answer_unit(self.settings, boundary.stats)
+        prober.score_unit = score_unit(self.settings, boundary.stats)
         search, stages, model, finite = _run(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
         instances = _diagnostics(stages, model, prober.unit)
         measurements = [data for _, data in stages]
-        error_estimate = _error_estimate(stages[-1][1], model) if model is not None else np.inf
+        error_estimate, score_estimate = _error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0)
         answers = np.asarray(prober.answers, dtype=np.float64)
         checks = _checks(instances, search, H, self.settings.heads, measurements, prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
-                       checks)
+                       checks, score_estimate=score_estimate)
 
     def thresholds(self) -> tuple[float, float]:
         return limits(self.unit)
@@ -816,8 +834,10 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
     return TargetedInstances(*(np.concatenate(column) for column in zip(*rows)))
 
 
-def _error_estimate(final: _GroupMeasurements, model) -> float:
-    return first_order_estimate(final.error_squared.sum(axis=0), np.linalg.norm(final.differences[0], axis=1), model)
+def _error_estimate(final: _GroupMeasurements, model) -> tuple[float, float]:
+    """``(estimate, the part of it from the oracle's score rounding alone)`` (:func:`first_order_estimate`)."""
+    squared, z_norm = final.error_squared.sum(axis=0), np.linalg.norm(final.differences[0], axis=1)
+    return first_order_estimate(squared[:, 0], z_norm, model), first_order_estimate(squared[:, 1], z_norm, model)
 
 
 def first_order_estimate(squared: np.ndarray, z_norm: np.ndarray, model) -> float:
