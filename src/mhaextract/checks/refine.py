@@ -399,6 +399,7 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     evaluations, status, message, inner = 0, 0, "the evaluation limit was reached", 0
     while evaluations < max_evaluations:
         if matrix_free:
+            solve = None  # the previous operator's g and s are freed before the next one's are built
             operator = _MatrixFree(unpack(theta, heads, d, bias), blocks, weights, bias)
             finite = operator.finite
         else:
