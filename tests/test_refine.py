@@ -279,10 +279,15 @@ def test_matrix_free_certificate_bounds_the_dense_one_and_the_truth(monkeypatch)
     free = least_squares_certificate(None, target, residuals(target, batch, answers), answers, None, bias=True,
                                      weights=weights, solver=operator)
     assert dense.method == "exact" and free.method == "matrix-free estimate"
-    # The estimated row bounds of G against its exact row l1 norms: never below, on every parameter.
-    G = sensitivity_matrix(dense)
+    # The estimated row bounds of G against its exact row l1 norms: a single parameter's bound falls
+    # short with probability about 0.7% (§12.1); each block's largest, which the amplification
+    # takes, is above the exact one, as is the amplification itself.
+    l1 = np.abs(sensitivity_matrix(dense)).sum(axis=1)
     bounds = operator.row_l1_bounds(weights)
-    assert np.all(bounds >= np.abs(G).sum(axis=1))
+    assert np.mean(bounds >= l1) >= 0.9
+    nW, nv = 2 * 9, 2 * 3
+    for block in (slice(0, nW), slice(nW, nW + nv), slice(nW + nv, nW + 2 * nv)):
+        assert bounds[block].max() >= l1[block].max()
     assert dense.amplification <= free.amplification <= 20 * dense.amplification
     with pytest.raises(ValueError, match="matrix-free"):
         sensitivity_matrix(free)
