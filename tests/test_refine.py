@@ -306,6 +306,7 @@ def test_matrix_free_extraction_error_estimate_holds(monkeypatch):
     free = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=6, refine=True)
     assert free.refinement.path == "matrix-free" and free.certificate.method == "matrix-free estimate"
     assert "matrix-free" in free.summary()["refinement"]
+    assert free.summary()["certificate_method"] == "matrix-free estimate" != dense.summary()["certificate_method"]
     assert free.queries == dense.queries
     assert np.abs(pack(free.model, True) - pack(dense.model, True)).max() <= 1e-13 * np.abs(pack(dense.model, True)).max()
     assert mx.compare(free.model, target).max_rel <= free.error_estimate
