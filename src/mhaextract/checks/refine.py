@@ -62,7 +62,8 @@ POLISH_SCALE = 1.5
 #: Queries per block when evaluating residuals and Jacobians (bounds the padded token arrays).
 BLOCK = 2048
 #: Largest dense Jacobian (entries, Q x P) the refinement builds: 3e8 float64 = 2.4 GB would be too
-#: much next to an SVD; 6e7 (480 MB) keeps d = 16, H <= 12 and d = 32, H <= 2 in reach.
+#: much next to an SVD; 6e7 (480 MB) keeps d = 16, H <= 8 and d = 32, H <= 2 (with biases) dense.
+#: Beyond it the refinement is matrix-free (docs/algorithm.md §12.1).
 MAX_JACOBIAN_ENTRIES = 60_000_000
 #: Matrix-free steps (docs/algorithm.md §12.1): LSMR's ``atol = btol`` (the normal-equations
 #: residual relative to ``||A|| ||r||``; the step's relative error is at most about this times the
@@ -182,8 +183,7 @@ class Refinement:
     Attributes
     ----------
     kept : ``"refined"`` or ``"algebraic"``, the model that misfits the answers less (or
-        ``"algebraic"`` with ``status = -1`` when not attempted: fewer answers than parameters, or a
-        dense Jacobian beyond ``MAX_JACOBIAN_ENTRIES``).
+        ``"algebraic"`` with ``status = -1`` when not attempted: fewer answers than parameters).
     residual_before, residual_after : root-mean-square (weighted) misfit on all answers of the
         start and of the refined model.
     iterations : Jacobian evaluations; ``status``, ``message`` : the solver's verdict.
