@@ -412,12 +412,18 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
         solve = operator if matrix_free else _Solver(J)
         improved, gain = False, 0.0
         for damping in DAMPINGS:  # plain Gauss-Newton first; damped only where it fails
-            trial = theta + solve(current, damping)
+            step = solve(current, damping)
+            trial = theta + step
             trial_residual = weighted_residual(trial)
             trial_cost = float(np.sum(trial_residual**2))
             if np.isfinite(trial_cost) and trial_cost < cost:
                 gain = 1.0 - trial_cost / cost
                 theta, current, cost, improved = trial, trial_residual, trial_cost, True
+                break
+            if matrix_free and damping == 0.0 and (
+                    cost - float(np.sum((current - solve.matvec(step)) ** 2)) < CONVERGED_GAIN * cost):
+                # At the noise floor: the Gauss-Newton step predicts under 1% and damped steps predict
+                # less still, so none would count as progress; each would be one more LSMR solve.
                 break
         if matrix_free:
             inner += solve.iterations
