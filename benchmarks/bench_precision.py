@@ -1,10 +1,13 @@
 """Precision benchmark (issue 15): bits reached, queries spent, and the error estimate against the truth.
 
-    python benchmarks/bench_precision.py               # the full table (~10 minutes on one core)
+    python benchmarks/bench_precision.py               # the full table (~10 minutes on one core, and
+                                                       # the matrix-free cells d = 32, H = 4, 8 and
+                                                       # d = 64, H = 4: 2, 5 and 15-30 minutes more)
     python benchmarks/bench_precision.py --quick       # d = 8, H = 2 and 6; d = 16, H = 4
     python benchmarks/bench_precision.py --acceptance  # d = 8, H = 6 over 10 seeds, next to the record 2^-51
     python benchmarks/bench_precision.py --noisy 200   # error bounds on 200 noisy runs, every float64 schedule
     python benchmarks/bench_precision.py --oracles float64,float32
+    python benchmarks/bench_precision.py --sizes 32x4 32x8 64x4 --seeds 3   # chosen cells, both runs
 
 For every oracle precision, (d, H) and run (``default``: ``extract(oracle, d, heads=H)``;
 ``refine``: the same with ``refine=True``, the least-squares polish of §12 on
@@ -14,10 +17,13 @@ oracle saw: calibration, schedule, noise probe, polish) and their ratio to the p
 the known target, :func:`mhaextract.compare`) as bits ``-log2``; the worst relative error
 (``max_rel``), both over the seeds whose run found the canonical heads (``heads found / seeds``
 counts them); the smallest ratio ``error_estimate / max_rel`` over the seeds (>= 1: the estimate
-held on every seed); median seconds. Targets are ``MultiHeadAttention.random(d, H, seed)``
-(bias-free; the runs learn u and c as well), extraction seed ``1000 + seed``. The refinement
-needs a dense Jacobian (queries x parameters): where it exceeds
-``mhaextract.checks.refine.MAX_JACOBIAN_ENTRIES`` the row says so instead of polishing.
+held on every seed); median seconds; the largest peak resident memory of a run (each run in a
+fresh child process: its ``ru_maxrss``, interpreter and libraries included) and the refinement's
+path (``dense``: SVD of the formed Jacobian; ``matrix-free``: LSMR on Jacobian products where
+the dense Jacobian, queries x parameters, exceeds ``mhaextract.checks.refine.MAX_JACOBIAN_ENTRIES``,
+docs/algorithm.md §12.1). Targets are
+``MultiHeadAttention.random(d, H, seed)`` (bias-free; the runs learn u and c as well), extraction
+seed ``1000 + seed``.
 """
 
 from __future__ import annotations
@@ -31,21 +37,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import time  # noqa: E402
+import multiprocessing  # noqa: E402
+import resource  # noqa: E402
 import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import mhaextract as mx  # noqa: E402
-from mhaextract.checks.refine import POLISH_FACTOR, affordable, parameter_count  # noqa: E402
 
 ORACLES = {"float64": mx.SimulatedOracle, "float32": mx.Float32Oracle}
 RECORD_BITS = 51  # IACR ePrint 2026/1678, d = 8, H = 6, float64
 
 #: (d, H, seeds of the default run, seeds of the refined run) of the full table.
+#: Refined beyond the dense limit (d = 16, H = 12; d = 32, H >= 4; d = 64) the run is matrix-free.
 FULL = [(8, 1, 3, 3), (8, 2, 3, 3), (8, 4, 3, 3), (8, 8, 3, 3),
         (16, 2, 2, 2), (16, 4, 2, 2), (16, 8, 2, 1), (16, 12, 2, 0),
-        (32, 2, 1, 1), (32, 4, 1, 0), (32, 8, 1, 0), (32, 12, 1, 0),
-        (64, 2, 1, 0), (64, 4, 1, 0), (64, 8, 1, 0), (64, 12, 1, 0)]
+        (32, 2, 1, 1), (32, 4, 1, 1), (32, 8, 1, 1), (32, 12, 1, 0),
+        (64, 2, 1, 0), (64, 4, 1, 1), (64, 8, 1, 0), (64, 12, 1, 0)]
 QUICK = [(8, 2, 2, 2), (16, 4, 1, 1)]
 ACCEPTANCE = (8, 6, 10, 10)
 
@@ -55,6 +63,12 @@ def paper_count(d: int, H: int) -> int:
 
 
 def run(oracle_name, d, H, seed, refine):
+    """One run in a fresh child process (its peak resident memory is the run's)."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        return pool.apply(_run, (oracle_name, d, H, seed, refine))
+
+
+def _run(oracle_name, d, H, seed, refine):
     target = mx.MultiHeadAttention.random(d, H, seed=seed)
     started = time.perf_counter()
     with warnings.catch_warnings():
@@ -62,14 +76,16 @@ def run(oracle_name, d, H, seed, refine):
         result = mx.extract(ORACLES[oracle_name](target), d, heads=H, seed=1000 + seed, refine=refine,
                             on_failure="warn")
     seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux -> MiB
+    path = "-" if result.refinement is None else result.refinement.path
     if result.model is None:
-        return result.queries, np.inf, np.inf, 0.0, seconds
+        return result.queries, np.inf, np.inf, 0.0, seconds, peak, path
     comparison = mx.compare(result.model, target)
     if not comparison.heads_agree:
-        return result.queries, np.inf, np.inf, 0.0, seconds
+        return result.queries, np.inf, np.inf, 0.0, seconds, peak, path
     absolute = float(max(comparison.W_abs, comparison.v_abs, comparison.u_abs, comparison.c_abs))
     relative = float(comparison.max_rel)
-    return result.queries, absolute, relative, result.error_estimate / max(relative, 1e-300), seconds
+    return result.queries, absolute, relative, result.error_estimate / max(relative, 1e-300), seconds, peak, path
 
 
 def bits(error: float) -> str:
@@ -78,7 +94,9 @@ def bits(error: float) -> str:
 
 def row(oracle_name, d, H, mode, seeds):
     results = [run(oracle_name, d, H, seed, mode == "refine") for seed in range(seeds)]
-    queries, absolute, relative, ratio, seconds = (np.array(column, dtype=float) for column in zip(*results))
+    paths = sorted({result[-1] for result in results})
+    queries, absolute, relative, ratio, seconds, peak = (np.array(column, dtype=float)
+                                                         for column in list(zip(*results))[:-1])
     median = float(np.median(queries))
     found = np.isfinite(absolute)  # the canonical heads were found (the others are counted, not averaged)
     worst_abs = absolute[found].max(initial=np.inf if not found.any() else 0.0)
@@ -86,21 +104,15 @@ def row(oracle_name, d, H, mode, seeds):
     least_ratio = ratio[found].min(initial=0.0 if not found.any() else np.inf)
     line = (f"| {oracle_name} | {d} | {H} | {mode} | {found.sum()}/{seeds} | {median:.0f} | "
             f"{median / paper_count(d, H):.2f} | {bits(worst_abs)} | {worst_rel:.2g} | {least_ratio:.3g} | "
-            f"{np.median(seconds):.1f} |")
+            f"{np.median(seconds):.1f} | {peak.max():.0f} | {'/'.join(paths)} |")
     print(line, flush=True)
     return absolute, queries
 
 
 def header():
     print("| oracle | d | H | run | heads found / seeds | queries (median) | / paper | worst bits (-log2 max abs) | "
-          "worst rel | estimate / truth (min) | s (median) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-
-
-def not_affordable(oracle_name, d, H):
-    polish = POLISH_FACTOR * parameter_count(H, d, True)
-    print(f"| {oracle_name} | {d} | {H} | refine | - | not run: dense Jacobian {polish} x "
-          f"{parameter_count(H, d, True)} | - | - | - | - | - |", flush=True)
+          "worst rel | estimate / truth (min) | s (median) | peak RSS MiB (max) | refinement |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def table(oracles, rows):
@@ -108,10 +120,8 @@ def table(oracles, rows):
     for oracle_name in oracles:
         for d, H, default_seeds, refine_seeds in rows:
             row(oracle_name, d, H, "default", default_seeds)
-            if refine_seeds and affordable(POLISH_FACTOR * parameter_count(H, d, True), H, d, True):
+            if refine_seeds:
                 row(oracle_name, d, H, "refine", refine_seeds)
-            elif refine_seeds or not affordable(POLISH_FACTOR * parameter_count(H, d, True), H, d, True):
-                not_affordable(oracle_name, d, H)
 
 
 def acceptance(oracles):
@@ -170,6 +180,8 @@ def main():
     parser.add_argument("--acceptance", action="store_true")
     parser.add_argument("--noisy", type=int, default=0, metavar="RUNS")
     parser.add_argument("--oracles", default="float64", help="comma-separated: " + ", ".join(ORACLES))
+    parser.add_argument("--sizes", nargs="+", metavar="DxH", help="only these cells (default and refine runs)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per run with --sizes")
     args = parser.parse_args()
     oracles = [name.strip() for name in args.oracles.split(",")]
     unknown = [name for name in oracles if name not in ORACLES]
@@ -180,6 +192,11 @@ def main():
         return
     if args.acceptance:
         acceptance(oracles)
+        return
+    if args.sizes:
+        cells = [tuple(int(part) for part in size.lower().split("x")) for size in args.sizes]
+        print("\n### Precision per (d, H)\n")
+        table(oracles, [(d, H, args.seeds, args.seeds) for d, H in cells])
         return
     print("\n### Precision per (d, H)\n")
     table(oracles, QUICK if args.quick else FULL)

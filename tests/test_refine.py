@@ -207,3 +207,111 @@ def test_refining_a_bias_free_float32_target_with_biases_is_not_a_false_alarm():
     assert result.refinement.kept == "refined"
     assert truth < 1e-6
     assert result.ok and truth <= result.error_estimate < 1e-3
+
+
+# ---------------------------------------------------------------- matrix-free path (docs/algorithm.md §12.1)
+def _polish_problem(d=4, H=3, seed=1, count=None):
+    """A biased target, polish-like queries, its correctly rounded answers, and weights."""
+    target = mx.MultiHeadAttention.random(d, H, seed=seed, bias=True)
+    count = count or 6 * parameter_count(H, d, True)
+    batch = random_queries(np.random.default_rng(seed), count, d, 1.5, (2, 5))
+    answers = np.array(target(batch, precision=200), dtype=np.float64)
+    return target, batch, answers, 1 / answer_scales(target, batch)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("cached", [True, False])
+def test_matrix_free_products_are_the_dense_jacobians(bias, cached, monkeypatch):
+    from mhaextract.checks import refine
+
+    if not cached:  # g, s rebuilt per product from the padded queries (the d = 64, H = 8 regime)
+        monkeypatch.setattr(refine, "CACHE_BYTES", 0)
+    target, batch, _, weights = _polish_problem(count=3000)  # two query blocks
+    J = weights[:, None] * output_jacobian(target, batch, bias)
+    operator = refine.jacobian_solver(target, batch, weights, bias, matrix_free=True)
+    assert isinstance(operator, refine._MatrixFree) and operator.shape == J.shape
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        p, r = rng.standard_normal(J.shape[1]), rng.standard_normal(J.shape[0])
+        assert np.abs(operator.matvec(p) - J @ p).max() <= 1e-14 * np.abs(J).sum(axis=1).max() * np.abs(p).max()
+        assert np.abs(operator.rmatvec(r) - J.T @ r).max() <= 1e-14 * np.abs(J).sum(axis=0).max() * np.abs(r).max()
+    assert np.allclose(operator.norms, np.linalg.norm(J, axis=0), rtol=1e-14, atol=0)
+
+
+def test_matrix_free_refinement_matches_the_dense_one_and_the_truth():
+    d, H = 4, 3
+    target, batch, answers, weights = _polish_problem(d, H, seed=2)
+    theta = pack(target, bias=True)
+    start = unpack(theta + 1e-7 * np.random.default_rng(3).standard_normal(len(theta)), H, d, True)
+    weights = 1 / answer_scales(start, batch)
+    dense, dense_record = refine_least_squares(start, batch, answers, bias=True, weights=weights, matrix_free=False)
+    free, free_record = refine_least_squares(start, batch, answers, bias=True, weights=weights, matrix_free=True)
+    assert dense_record.path == "dense" and free_record.path == "matrix-free" and free_record.inner_iterations > 0
+    assert "matrix-free" in str(free_record) and free_record.kept == "refined"
+    scale = np.abs(pack(dense, True)).max()
+    assert np.abs(pack(free, True) - pack(dense, True)).max() <= 1e-13 * scale
+    comparison = mx.compare(free, target)
+    assert max(comparison.W_abs, comparison.v_abs, comparison.u_abs, comparison.c_abs) < 1e-14  # from 1e-7
+
+
+def test_the_refinement_goes_matrix_free_beyond_the_dense_limit(monkeypatch):
+    from mhaextract.checks import refine
+
+    d, H = 3, 2
+    target, batch, answers, weights = _polish_problem(d, H, seed=4)
+    _, record = refine_least_squares(target, batch, answers, bias=True, weights=weights)
+    assert record.path == "dense"
+    monkeypatch.setattr(refine, "MAX_JACOBIAN_ENTRIES", len(batch) * parameter_count(H, d, True) - 1)
+    _, record = refine_least_squares(target, batch, answers, bias=True, weights=weights)
+    assert record.path == "matrix-free" and record.status != -1
+
+
+def test_matrix_free_certificate_bounds_the_dense_one_and_the_truth(monkeypatch):
+    from mhaextract.checks import refine
+    from mhaextract.checks.certificate import least_squares_certificate, sensitivity_matrix
+
+    d, H = 3, 2
+    target, batch, answers, weights = _polish_problem(d, H, seed=5)
+    dense = least_squares_certificate(None, target, residuals(target, batch, answers), answers, None, bias=True,
+                                      weights=weights, solver=refine.jacobian_solver(target, batch, weights, True,
+                                                                                     matrix_free=False))
+    operator = refine.jacobian_solver(target, batch, weights, True, matrix_free=True)
+    free = least_squares_certificate(None, target, residuals(target, batch, answers), answers, None, bias=True,
+                                     weights=weights, solver=operator)
+    assert dense.method == "exact" and free.method == "matrix-free estimate"
+    # The estimated row bounds of G against its exact row l1 norms: a single parameter's bound falls
+    # short with probability about 0.7% (§12.1); each block's largest, which the amplification
+    # takes, is above the exact one, as is the amplification itself.
+    l1 = np.abs(sensitivity_matrix(dense)).sum(axis=1)
+    bounds = operator.row_l1_bounds(weights)
+    assert np.mean(bounds >= l1) >= 0.9
+    nW, nv = 2 * 9, 2 * 3
+    for block in (slice(0, nW), slice(nW, nW + nv), slice(nW + nv, nW + 2 * nv)):
+        assert bounds[block].max() >= l1[block].max()
+    assert dense.amplification <= free.amplification <= 20 * dense.amplification
+    with pytest.raises(ValueError, match="matrix-free"):
+        sensitivity_matrix(free)
+
+
+@pytest.mark.slow
+def test_matrix_free_extraction_error_estimate_holds(monkeypatch):
+    """extract(refine=True) with the dense Jacobian forbidden: the matrix-free path runs, reaches the
+    dense run's result, and its error estimate is at least the true error (exact and noisy)."""
+    from mhaextract.checks import refine
+
+    d, H = 4, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=6)
+    dense = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=6, refine=True)
+    monkeypatch.setattr(refine, "MAX_JACOBIAN_ENTRIES", 0)
+    free = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=6, refine=True)
+    assert free.refinement.path == "matrix-free" and free.certificate.method == "matrix-free estimate"
+    assert "matrix-free" in free.summary()["refinement"]
+    assert free.summary()["certificate_method"] == "matrix-free estimate" != dense.summary()["certificate_method"]
+    assert free.queries == dense.queries
+    reference = pack(dense.model, True)
+    assert np.abs(pack(free.model, True) - reference).max() <= 1e-13 * np.abs(reference).max()
+    assert mx.compare(free.model, target).max_rel <= free.error_estimate
+    for seed, noise in [(0, 1e-11), (1, 1e-13)]:
+        result, measured = _noisy_run("auto", {}, seed, noise, declared=False)
+        assert result.refinement.path == "matrix-free"
+        assert measured <= result.error_estimate < 1e-6

@@ -24,7 +24,7 @@ from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
 from .checks.noise_probe import probe_misfit, redundancy_estimate, scaled_estimate
 from .checks.refine import (
-    POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, output_jacobian, parameter_count,
+    POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, jacobian_solver, parameter_count,
     refine_least_squares, residuals,
 )
 from .numerics.arithmetic import BACKENDS, arithmetic_for
@@ -313,10 +313,14 @@ def _refine(model, sequences, answers, added, bias, certificate):
         return model, refinement, certificate
     valid_below = None if certificate is None else certificate.valid_below
     solver = refinement.solver
-    jacobian = None if solver is not None else output_jacobian(model, sequences, bias)
-    return model, refinement, least_squares_certificate(
-        jacobian, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
+    if solver is None:  # the start was kept: its own Jacobian (dense or matrix-free as the refinement's)
+        solver = jacobian_solver(model, sequences, weights, bias, matrix_free=refinement.path == "matrix-free")
+    certificate = least_squares_certificate(
+        None, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
         solver=solver)
+    if refinement.path == "matrix-free":
+        refinement.solver = None  # it holds the padded queries (their size): not kept in the result
+    return model, refinement, certificate
 
 
 #: Checks of the algebraic combination (which link's pole is which head; residue labels against

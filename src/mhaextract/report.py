@@ -50,7 +50,8 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     table.add_row("error estimate", _fmt(e.error_estimate), kind)
     table.add_row("answers residual", _fmt(e.answers_residual), "misfit on the queries asked")
     if e.certificate is not None:
-        table.add_row("amplification C", _fmt(e.amplification), f"first order, {e.certificate.kind} result")
+        method = "" if e.certificate.method == "exact" else f" ({e.certificate.method}, docs/algorithm.md §12.1)"
+        table.add_row("amplification C", _fmt(e.amplification), f"first order, {e.certificate.kind} result{method}")
         table.add_row("valid below", _fmt(e.valid_below), "answer error under which the certificate holds")
         table.add_row("noise estimate", _fmt(e.certificate.noise_estimate), "std. dev. of the answers' errors, from the data")
         if e.answer_error is not None:

@@ -207,6 +207,7 @@ class Extraction(CheckedResult):
             "answer_error": self.answer_error,
             "valid_below": None if self.certificate is None else self.certificate.valid_below,
             "noise_estimate": None if self.certificate is None else self.certificate.noise_estimate,
+            "certificate_method": None if self.certificate is None else self.certificate.method,
             "refinement": None if self.refinement is None else str(self.refinement),
             "verification": None if self.verification is None else str(self.verification),
             **self.details.summary(),

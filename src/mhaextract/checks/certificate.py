@@ -80,6 +80,8 @@ LINEARIZATION_STEP = 0.05
 POLE_GAP_FRACTION = 0.125
 #: Columns (answers) of G per chunk when accumulating row norms.
 CHUNK = 512
+#: ``Certificate.method`` after a matrix-free refinement (docs/algorithm.md §12.1).
+MATRIX_FREE_METHOD = "matrix-free estimate"
 
 
 @dataclass
@@ -127,6 +129,9 @@ class Certificate:
     valid_below_statistical : the same validity for independent answer errors of standard deviation
         eps / 3 (movements ``eps ||row||_2`` instead of ``eps ||row||_1``); judges the noise the
         links estimate (undeclared), never a declared bound. Defaults to ``valid_below``.
+    method : how G's row norms were found: ``"exact"`` (G formed in chunks: the pipeline's, or the
+        dense least squares'), or :data:`MATRIX_FREE_METHOD` (after a matrix-free refinement,
+        §12.1: bounds estimated from LSMR solves on random answer errors, with a safety factor).
     """
 
     kind: str
@@ -161,6 +166,7 @@ class Certificate:
         link, others, own = links
         matching = min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0
         return max(0.0, min(matching, float(linear[~exempt].min(initial=np.inf))))
+    method: str = "exact"
 
     @cached_property
     def _amplifications(self) -> tuple[float, float]:
@@ -480,6 +486,9 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
     """The dense G (H (d^2 + d), Q) of a certificate, in :func:`mhaextract.checks.refine.pack` order
     (for small runs and tests; the amplification itself is accumulated in chunks)."""
     if certificate.kind == "least squares":
+        if certificate.method == MATRIX_FREE_METHOD:
+            raise ValueError("a matrix-free refinement (beyond refine.MAX_JACOBIAN_ENTRIES) forms no Jacobian: no "
+                             "sensitivity matrix; its certificate holds estimated row norms (docs/algorithm.md §12.1)")
         if certificate._factors is None:
             raise ValueError("the least-squares Jacobian is rank deficient: no sensitivity matrix")
         solver, weights = certificate._factors
@@ -521,7 +530,9 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     Jacobian at the fit in :func:`mhaextract.checks.refine.pack` order, ``bias``: it has the u and
     c columns; D: the weights, default one), the derivative of the fit with respect to the answers.
     ``solver``: the refinement's factorisation of its last ``D J`` (:class:`~.refine._Solver`), reused
-    when given (the last step moved the parameters by about their error: the same G to first order).
+    when given (the last step moved the parameters by about their error: the same G to first order);
+    a matrix-free one (:class:`~.refine._MatrixFree`, §12.1) replaces the row norms of G by bounds
+    estimated from LSMR solves (``Certificate.method`` says so) and keeps no G.
 
     ``valid_below`` is the algebraic start's where the schedule has a certificate (refinement
     converges to the fit in whose basin the start lies); None: the answer error under which the
@@ -530,27 +541,31 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     fitted (``sqrt(sum r^2 / (Q - P))``). The amplification is the largest row l1 norm of G over
     the scale of its block (max |W|, max |v|, and with biases max |u|, |c| or 1 at rounding level).
     """
-    from .refine import _Solver, parameter_count  # the refinement's factorisation: QR of the scaled J, SVD of R
+    from .refine import _MatrixFree, _Solver, parameter_count  # the refinement's solvers of D J
 
     Q, P = len(residuals), parameter_count(model.heads, model.d, bias)
     weights = np.ones(Q) if weights is None else np.asarray(weights, dtype=np.float64)
 
     solver = solver if solver is not None else _Solver(weights[:, None] * jacobian)
-    s = solver.s
-    rank_ok = bool(s.size) and s[-1] > s[0] * 1e-14
+    matrix_free = isinstance(solver, _MatrixFree)
     H, d = model.heads, model.d
     nW, nv = H * d * d, H * d
     W_scale, v_scale = _relative_scales(model)
     noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
-    if rank_ok:
+    if matrix_free:  # no G to take norms of: estimated bounds from LSMR solves (docs/algorithm.md §12.1)
+        rows = solver.row_l1_bounds(weights)
+        rank_ok = bool(np.all(np.isfinite(rows)))
+    else:
+        s = solver.s
+        rank_ok = bool(s.size) and s[-1] > s[0] * 1e-14
+        rows = np.full(P, np.inf)
+    if rank_ok and not matrix_free:
         # G = V diag(1/s) U_R^T Q^T D / norms (row-wise): row l1 norms accumulated over answer chunks.
         left = ((solver.Vt.T / s) @ solver.U_R.T) / solver.norms[:, None]
         rows = np.zeros(P)
         for start in range(0, Q, CHUNK * 8):
             block = slice(start, min(start + CHUNK * 8, Q))
             rows += np.abs(left @ (solver.Q[block].T * weights[block])).sum(axis=1)
-    else:
-        rows = np.full(P, np.inf)
     scales = [np.full(nW, W_scale), np.full(nv, v_scale)]
     if bias:  # u and c: relative where resolved, at the first order of 3 x the residual noise
         eps = (1.0 + SECOND_ORDER_SLACK) * (3.0 * noise + _rounding_floor(answers))
@@ -563,7 +578,8 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
         amplification = max(amplifications)
         valid_below = LINEAR_MOVEMENT / amplification if amplification > 0 else np.inf
     certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
-                              _norms=lambda: amplifications)
-    certificate._factors = (solver, weights) if rank_ok else None
+                              _norms=lambda: amplifications,
+                              method=MATRIX_FREE_METHOD if matrix_free else "exact")
+    certificate._factors = (solver, weights) if rank_ok and not matrix_free else None
     certificate._bias = bias
     return certificate

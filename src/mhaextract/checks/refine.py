@@ -31,6 +31,14 @@ calibrated token scale: small answers (float64 rounding is relative to them) and
 design. They are asked through the oracle boundary (counted). To first order
 the minimiser moves by ``G e``, ``G = (D J)^+ D`` (D the weights), for answer errors ``e``:
 :mod:`mhaextract.checks.certificate` bounds the refined result with it.
+
+Beyond ``MAX_JACOBIAN_ENTRIES`` (d = 32 from H = 4 on, d = 64) the Jacobian is never formed
+(docs/algorithm.md §12.1): :class:`_MatrixFree` applies ``D J`` and ``J^T D`` from the rank-one
+structure above, query block by query block (``O(Q (H d^2 + N H d))`` per product, memory of the
+order of the queries themselves), and each Gauss-Newton / Levenberg-Marquardt step is an LSMR
+solve of the column-scaled problem (``scipy.sparse.linalg.lsmr``, ``damp = sqrt(damping)``: the
+same damped problem the SVD solves). Its certificate estimates the row norms of G by LSMR solves
+on random answer errors (:meth:`_MatrixFree.row_l1_bounds`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from scipy.sparse.linalg import LinearOperator, lsmr
 
 from ..model import MultiHeadAttention, as_batch
 from ..oracle.queries import padded
@@ -52,8 +62,25 @@ POLISH_SCALE = 1.5
 #: Queries per block when evaluating residuals and Jacobians (bounds the padded token arrays).
 BLOCK = 2048
 #: Largest dense Jacobian (entries, Q x P) the refinement builds: 3e8 float64 = 2.4 GB would be too
-#: much next to an SVD; 6e7 (480 MB) keeps d = 16, H <= 12 and d = 32, H <= 2 in reach.
+#: much next to an SVD; 6e7 (480 MB) keeps d = 16, H <= 8 and d = 32, H <= 2 (with biases) dense.
+#: Beyond it the refinement is matrix-free (docs/algorithm.md §12.1).
 MAX_JACOBIAN_ENTRIES = 60_000_000
+#: Matrix-free steps (docs/algorithm.md §12.1): LSMR's ``atol = btol`` (the normal-equations
+#: residual relative to ``||A|| ||r||``; the step's relative error is at most about this times the
+#: squared condition number of the scaled Jacobian, and the next Gauss-Newton step corrects it),
+#: its condition limit (the dense path's rank cut-off) and its iteration cap per solve.
+LSMR_TOLERANCE = 1e-8
+LSMR_CONDITION_LIMIT = 1e13
+LSMR_MAX_ITERATIONS = 4000
+#: The matrix-free certificate: Gaussian answer-error probes ``e`` solved for ``G e`` (to
+#: ESTIMATE_TOLERANCE), and the safety factor on the row norms they estimate (the chi-square tail
+#: of ESTIMATE_PROBES samples: P(chi2_4 / 4 < 1 / 16) = 0.7%).
+ESTIMATE_PROBES = 4
+ESTIMATE_SAFETY = 4.0
+ESTIMATE_TOLERANCE = 1e-6
+#: The matrix-free operator keeps g and s (2 Q H d floats) up to this many bytes, else rebuilds
+#: them per product from the padded queries (d = 64, H = 8: 1.7 GB would be kept).
+CACHE_BYTES = 500_000_000
 
 
 def parameter_count(heads: int, d: int, bias: bool = False) -> int:
@@ -156,12 +183,14 @@ class Refinement:
     Attributes
     ----------
     kept : ``"refined"`` or ``"algebraic"``, the model that misfits the answers less (or
-        ``"algebraic"`` with ``status = -1`` when not attempted: fewer answers than parameters, or a
-        dense Jacobian beyond ``MAX_JACOBIAN_ENTRIES``).
+        ``"algebraic"`` with ``status = -1`` when not attempted: fewer answers than parameters).
     residual_before, residual_after : root-mean-square (weighted) misfit on all answers of the
         start and of the refined model.
     iterations : Jacobian evaluations; ``status``, ``message`` : the solver's verdict.
     queries : fresh queries asked for the refinement (on top of the schedule's).
+    path : ``"dense"`` (SVD of the formed Jacobian) or ``"matrix-free"`` (LSMR on Jacobian
+        products, beyond ``MAX_JACOBIAN_ENTRIES``; docs/algorithm.md §12.1).
+    inner_iterations : LSMR iterations over all the steps tried (matrix-free; 0 dense).
     """
 
     kept: str
@@ -173,10 +202,14 @@ class Refinement:
     queries: int = 0
     #: The factorisation of the last (weighted) Jacobian, for the certificate (None: none was made).
     solver: object = field(default=None, repr=False, compare=False)
+    path: str = "dense"
+    inner_iterations: int = 0
 
     def __str__(self) -> str:
+        how = "" if self.path == "dense" else f" (matrix-free, {self.inner_iterations} LSMR iterations)"
         return (f"refinement kept the {self.kept} model (rms misfit {self.residual_before:.3g} -> "
-                f"{self.residual_after:.3g}, {self.iterations} Jacobians, {self.queries} added queries: {self.message})")
+                f"{self.residual_after:.3g}, {self.iterations} Jacobians{how}, {self.queries} added queries: "
+                f"{self.message})")
 
 
 #: Damping tried per Jacobian (relative to the unit column norms): Gauss-Newton, then
@@ -209,13 +242,136 @@ class _Solver:
         return (self.Vt.T @ (filtered * self.project(r))) / self.norms
 
 
+class _MatrixFree:
+    """``D J`` (D: the answers' weights, J: the output Jacobian of ``model`` at the queries of
+    ``blocks``) as products, never formed (docs/algorithm.md §12.1). Per query and head J's row is
+    ``g_h x_N^T`` (W_h), ``s_h = sum_i a_{h,i} x_i`` (v_h), ``g_h`` (u_h), 1 (c), and
+    ``g_h = sum_i b_{h,i} x_i`` with ``b_{h,i} = a_{h,i} (v_h^T x_i - f_h)``. g and s (Q, H, d) are
+    kept where they fit ``CACHE_BYTES``; beyond, only the coefficients a and b (Q, H, N) next to the
+    padded queries, and g, s are rebuilt per block (``O(N H d)`` per query against the ``O(H d^2)``
+    of the products with W).
+
+    ``__call__(r, damping)`` is :class:`_Solver`'s: the step ``argmin ||J s - r||^2 + damping ||D_c s||^2``
+    (D_c: the column norms), here by LSMR on the column-scaled operator with ``damp = sqrt(damping)``."""
+
+    def __init__(self, model: MultiHeadAttention, blocks, weights: np.ndarray, bias: bool):
+        model = model.to_float64()
+        self.heads, self.d, self.bias = model.heads, model.d, bias
+        self.shape = (sum(len(tokens) for _, (tokens, _) in blocks), parameter_count(model.heads, model.d, bias))
+        cache = 2 * self.shape[0] * model.heads * model.d * 8 <= CACHE_BYTES
+        self.parts = []
+        squares = np.zeros(self.shape[1])
+        for rows, (tokens, mask) in blocks:
+            a, values, heads = _attention(model.W, model.v, model.u, tokens, mask)
+            b, w = a * (values - heads), weights[rows]
+            g, s, final = np.matmul(b, tokens), np.matmul(a, tokens), np.ascontiguousarray(tokens[:, -1, :])
+            self.parts.append((rows, final, w, (g, s) if cache else (tokens, a, b)))
+            # Column norms: the squared entries of D J summed over the block (the same products, squared).
+            w2 = (w**2)[:, None, None]
+            squares += self._adjoint(g**2 * w2, s**2 * w2, final**2, float(w2.sum()))
+        self.finite = bool(np.all(np.isfinite(squares)))
+        norms = np.sqrt(squares)
+        norms[norms == 0] = 1.0
+        self.norms = norms
+        self.iterations = 0  # LSMR iterations, all solves
+        self.converged = True  # every solve stopped on its tolerance (not the cap or the condition limit)
+
+    @staticmethod
+    def _gs(kept):
+        """g and s (B, H, d) of a block: kept, or rebuilt from the padded tokens and a, b."""
+        if len(kept) == 2:
+            return kept
+        tokens, a, b = kept
+        return np.matmul(b, tokens), np.matmul(a, tokens)
+
+    def _adjoint(self, g, s, final, c) -> np.ndarray:
+        """theta-shaped ``sum_q (g_qh x_qN^T, s_qh[, g_qh, c])`` for per-query g, s (B, H, d) already
+        multiplied by the residual weights (the c entry given)."""
+        count, H, d = g.shape
+        parts = [(g.reshape(count, H * d).T @ final).ravel(), s.sum(axis=0).ravel()]
+        if self.bias:
+            parts += [g.sum(axis=0).ravel(), [c]]
+        return np.concatenate(parts)
+
+    def _split(self, p):
+        H, d = self.heads, self.d
+        nW, nv = H * d * d, H * d
+        W, v = p[:nW].reshape(H * d, d), p[nW:nW + nv].reshape(H, d)
+        if not self.bias:
+            return W, v, None, 0.0
+        return W, v, p[nW + nv:nW + 2 * nv].reshape(H, d), float(p[-1])
+
+    def matvec(self, p: np.ndarray) -> np.ndarray:
+        """``D J p``: per query ``w (sum_h g_h^T (W_h x_N + u_h) + s_h^T v_h + c)``."""
+        W, v, u, c = self._split(np.asarray(p, dtype=np.float64).ravel())
+        H, d = self.heads, self.d
+        out = np.empty(self.shape[0])
+        for rows, final, w, kept in self.parts:
+            g, s = self._gs(kept)
+            z = (final @ W.T).reshape(len(final), H, d)  # W_h x_N
+            if u is not None:
+                z += u[None]
+            out[rows] = w * (np.einsum("qha,qha->q", g, z) + np.einsum("qha,ha->q", s, v) + c)
+        return out
+
+    def rmatvec(self, r: np.ndarray) -> np.ndarray:
+        """``J^T D r``: ``sum_q w_q r_q (g_qh x_qN^T, s_qh[, g_qh, 1])``."""
+        r = np.asarray(r, dtype=np.float64).ravel()
+        out = np.zeros(self.shape[1])
+        for rows, final, w, kept in self.parts:
+            g, s = self._gs(kept)
+            rw = (w * r[rows])[:, None, None]
+            out += self._adjoint(g * rw, s * rw, final, float(rw.sum()))
+        return out
+
+    def _scaled(self) -> LinearOperator:
+        norms = self.norms
+        return LinearOperator(self.shape, matvec=lambda y: self.matvec(np.ravel(y) / norms),
+                              rmatvec=lambda r: self.rmatvec(r) / norms, dtype=np.float64)
+
+    def __call__(self, r: np.ndarray, damping: float, tolerance: float = LSMR_TOLERANCE) -> np.ndarray:
+        x, istop, itn = lsmr(self._scaled(), r, damp=np.sqrt(damping), atol=tolerance, btol=tolerance,
+                             conlim=LSMR_CONDITION_LIMIT, maxiter=LSMR_MAX_ITERATIONS)[:3]
+        self.iterations += int(itn)
+        self.converged = self.converged and istop in (1, 2)
+        return x / self.norms
+
+    def row_l1_bounds(self, weights: np.ndarray, probes: int = ESTIMATE_PROBES, seed: int = 0) -> np.ndarray:
+        """Estimated upper bounds on the row l1 norms ``||G_p||_1`` of ``G = (D J)^+ D``, inf where
+        a solve did not converge (docs/algorithm.md §12.1): ``ESTIMATE_SAFETY sqrt(Q)`` times the
+        root mean square of ``(G e)_p`` over ``probes`` Gaussian e (unit variance: each sample of
+        ``(G e)_p`` is N(0, ||G_p||_2^2)), and ``||G_p||_1 <= sqrt(Q) ||G_p||_2``."""
+        rng = np.random.default_rng(seed)
+        self.converged = True
+        squares = np.zeros(self.shape[1])
+        for _ in range(probes):
+            squares += self(weights * rng.standard_normal(self.shape[0]), 0.0, ESTIMATE_TOLERANCE) ** 2
+        if not self.converged:
+            return np.full(self.shape[1], np.inf)
+        return ESTIMATE_SAFETY * np.sqrt(self.shape[0] * squares / probes)
+
+
+def jacobian_solver(model: MultiHeadAttention, sequences, weights: np.ndarray, bias: bool = False,
+                    matrix_free: bool | None = None):
+    """The solver of ``D J`` at ``model``: :class:`_Solver` (the SVD of the formed Jacobian) where it
+    fits ``MAX_JACOBIAN_ENTRIES`` (or ``matrix_free=False``), else :class:`_MatrixFree`."""
+    sequences = as_batch(sequences, model.d)
+    if matrix_free is None:
+        matrix_free = not affordable(len(sequences), model.heads, model.d, bias)
+    if matrix_free:
+        return _MatrixFree(model, list(_blocks(sequences)), weights, bias)
+    return _Solver(weights[:, None] * output_jacobian(model, sequences, bias))
+
+
 def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarray,
                          max_evaluations: int = 30, added: int = 0, bias: bool = False,
-                         weights: np.ndarray | None = None) -> tuple[MultiHeadAttention, Refinement]:
+                         weights: np.ndarray | None = None,
+                         matrix_free: bool | None = None) -> tuple[MultiHeadAttention, Refinement]:
     """Polish ``model`` against ``answers`` to ``sequences`` (float64); returns the better of the
     two models (smaller weighted misfit) and a :class:`Refinement` record saying which and why
     (``added``: how many of the sequences were asked for the refinement, recorded; ``bias``: refine
-    ``u`` and ``c`` too; ``weights``: per-answer weights, default one)."""
+    ``u`` and ``c`` too; ``weights``: per-answer weights, default one; ``matrix_free``: None chooses
+    the matrix-free steps of §12.1 exactly where the dense Jacobian exceeds ``MAX_JACOBIAN_ENTRIES``)."""
     heads, d = model.heads, model.d
     sequences = as_batch(sequences, d)
     answers = np.asarray(answers, dtype=np.float64)
@@ -234,29 +390,43 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     if len(sequences) < len(start):
         return model, Refinement("algebraic", before, before, 0, -1,
                                  f"not refined: {len(sequences)} answers for {len(start)} parameters", added)
-    if not affordable(len(sequences), heads, d, bias):
-        return model, Refinement("algebraic", before, before, 0, -1,
-                                 f"not refined: a dense Jacobian of {len(sequences)} x "
-                                 f"{parameter_count(heads, d, bias)} exceeds {MAX_JACOBIAN_ENTRIES:.0e} entries", added)
+    if matrix_free is None:
+        matrix_free = not affordable(len(sequences), heads, d, bias)
+    path = "matrix-free" if matrix_free else "dense"
+    blocks = list(_blocks(sequences)) if matrix_free else None  # padded once for every product
     theta, cost = start, float(np.sum(current**2)) if np.all(np.isfinite(current)) else np.inf
     solve = None
-    evaluations, status, message = 0, 0, "the evaluation limit was reached"
+    evaluations, status, message, inner = 0, 0, "the evaluation limit was reached", 0
     while evaluations < max_evaluations:
-        J = weights[:, None] * output_jacobian(unpack(theta, heads, d, bias), sequences, bias)
+        if matrix_free:
+            solve = None  # the previous operator's g and s are freed before the next one's are built
+            operator = _MatrixFree(unpack(theta, heads, d, bias), blocks, weights, bias)
+            finite = operator.finite
+        else:
+            J = weights[:, None] * output_jacobian(unpack(theta, heads, d, bias), sequences, bias)
+            finite = bool(np.all(np.isfinite(J)))
         evaluations += 1
-        if not np.all(np.isfinite(J)):
+        if not finite:
             status, message = -2, "the Jacobian is not finite"
             break
-        solve = _Solver(J)
+        solve = operator if matrix_free else _Solver(J)
         improved, gain = False, 0.0
         for damping in DAMPINGS:  # plain Gauss-Newton first; damped only where it fails
-            trial = theta + solve(current, damping)
+            step = solve(current, damping)
+            trial = theta + step
             trial_residual = weighted_residual(trial)
             trial_cost = float(np.sum(trial_residual**2))
             if np.isfinite(trial_cost) and trial_cost < cost:
                 gain = 1.0 - trial_cost / cost
                 theta, current, cost, improved = trial, trial_residual, trial_cost, True
                 break
+            if matrix_free and damping == 0.0 and (
+                    cost - float(np.sum((current - solve.matvec(step)) ** 2)) < CONVERGED_GAIN * cost):
+                # At the noise floor: the Gauss-Newton step predicts under 1% and damped steps predict
+                # less still, so none would count as progress; each would be one more LSMR solve.
+                break
+        if matrix_free:
+            inner += solve.iterations
         if not improved:
             status, message = 2, "converged: no step lowers the misfit further"
             break
@@ -266,5 +436,6 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     after = float(np.sqrt(cost / len(current))) if len(current) else 0.0
     if np.isfinite(after) and after <= before:
         return unpack(theta, heads, d, bias), Refinement("refined", before, after, evaluations, status, message, added,
-                                                         solve)
-    return model, Refinement("algebraic", before, after, evaluations, status, message, added)
+                                                         solve, path, inner)
+    return model, Refinement("algebraic", before, after, evaluations, status, message, added, path=path,
+                             inner_iterations=inner)
