@@ -116,3 +116,33 @@ def test_the_paper_schedule_keeps_its_exact_count_and_stays_uncertified():
     assert not result.details.instances.certified[schedule.grid_index[1, 1]]
     assert oracle.count == result.queries == paper_count(D, H)
     assert result.details.repair_queries == 0 and result.details.repairs == []
+
+
+class CountingOracle:
+    """The target at 256 bits (the library's ball evaluation), counting every query it answers."""
+
+    def __init__(self, target):
+        self.oracle = mx.SimulatedOracle(target, precision=BITS)
+        self.count = 0
+
+    def __call__(self, batch):
+        self.count += len(batch)
+        return self.oracle(batch)
+
+
+@pytest.mark.slow
+def test_a_drawn_target_whose_column_link_failed_is_certified():
+    """d = H = 8, ``MultiHeadAttention.random(8, 8, seed=2)``, extraction seed 1002 (the precision
+    benchmark's convention), defaults: column link (3, 1) fails the Krawczyk test (without §20 the
+    run is uncertified); its repair asks one mix instance, K = 17 queries (~1 minute)."""
+    d, H = 8, 8
+    target = mx.MultiHeadAttention.random(d, H, seed=2)
+    oracle = CountingOracle(target)
+    result = mx.extract(oracle, d, heads=H, precision=BITS, seed=1002)
+    assert result.ok and result.certified
+    assert result.details.repairs == ["column_link (3, 1): repaired (partner grid (0, 1), mix asked, 17 queries)"]
+    assert oracle.count == result.queries == biased_count(d, H) + result.calibration_queries + 17
+    zeros = np.zeros((H, d))
+    found, order = errors(result, target.W, target.v, zeros, 0.0)
+    assert max(found.values()) <= 1e-40, found
+    assert_balls_enclose(result, order, target.W, target.v, zeros, 0.0)
