@@ -3,10 +3,11 @@
 Targets are drawn here and given, for one instance of the schedule's layout, two heads whose
 log-poles differ by rounding only (the Krawczyk test fails there, §7). The oracle is the mpmath
 one of test_biased_grid (it counts every query on its side of the boundary); the truth the balls
-must contain is the target's weights. Without the repair (``repairs_certificate = False``: the
-code before §20) the same run is uncertified.
+must contain is the target's weights. Without the repair (``repair=False``: the code before §20)
+the same run is uncertified.
 """
 
+import flint
 import numpy as np
 import pytest
 
@@ -38,11 +39,10 @@ def close_heads(index):
     return W, v, u, c
 
 
-def extract_with(truth, repair=True, monkeypatch=None):
-    if not repair:
-        monkeypatch.setattr(BiasedGridSchedule, "repairs_certificate", False)
+def extract_with(truth, repair=None):
     oracle = MpmathOracle(*truth)
-    result = mx.extract(oracle, D, heads=H, precision=BITS, seed=SEED, token_scale=D**0.25, on_failure="warn")
+    result = mx.extract(oracle, D, heads=H, precision=BITS, seed=SEED, token_scale=D**0.25, on_failure="warn",
+                        repair=repair)
     return result, oracle
 
 
@@ -61,10 +61,9 @@ CASES = [("grid", 0, 1, 2 * K), ("row_link", 0, 1, 2 * K), ("column_link", 1, 0,
 
 @pytest.mark.parametrize("role, i, j, extra", CASES)
 def test_a_failed_instance_is_repaired_with_counted_queries_and_balls_that_hold_the_truth(
-        role, i, j, extra, monkeypatch):
+        role, i, j, extra):
     truth = close_heads(index_of(role, i, j))
-    with monkeypatch.context() as patched:
-        before, _ = extract_with(truth, repair=False, monkeypatch=patched)
+    before, _ = extract_with(truth, repair=False)
     diag = before.details.instances
     assert not before.certified
     assert np.flatnonzero(~diag.certified).tolist() == [index_of(role, i, j)]
@@ -101,21 +100,44 @@ def test_a_column_where_two_heads_coincide_stays_uncertified_and_says_why():
     assert result.details.repair_queries > 0
 
 
-def test_the_paper_schedule_keeps_its_exact_count_and_stays_uncertified():
-    """``schedule="paper"`` (bias-free, §5) does not repair (§20): a failed instance leaves the run
-    uncertified and the count is the paper's, measured at the oracle."""
+def test_the_paper_schedule_keeps_its_exact_count_unless_asked_to_repair():
+    """``schedule="paper"`` (bias-free, §5) does not repair by default: a failed instance leaves
+    the run uncertified and the count is the paper's, measured at the oracle. ``repair=True``
+    repairs it (grid (1, 1): its mix with grid (0, 1) is asked, K queries; the bias-free column
+    link (1, 1) has final token ``x_0 + x_1``, not the mix)."""
     schedule = PaperSchedule(run_settings(D, H, SEED, precision=BITS))
-    instance = schedule.instances[schedule.grid_index[1, 1]]
+    failed = schedule.grid_index[1, 1]
+    instance = schedule.instances[failed]
     x, z = instance.final, instance.difference
     W, v, _, _ = draw(D, H, SEED, bias=False)
     W = W.copy()
     W[1] -= (z @ (W[1] - W[0]) @ x) * np.outer(z, x) / ((z @ z) * (x @ x))
-    oracle = MpmathOracle(W, v, np.zeros((H, D)), 0.0)
-    result = mx.extract(oracle, D, heads=H, precision=BITS, seed=SEED, schedule="paper", on_failure="warn")
-    assert not result.certified
-    assert not result.details.instances.certified[schedule.grid_index[1, 1]]
-    assert oracle.count == result.queries == paper_count(D, H)
-    assert result.details.repair_queries == 0 and result.details.repairs == []
+    truth = (W, v, np.zeros((H, D)), 0.0)
+    results = {}
+    for repair in (None, True):
+        oracle = MpmathOracle(*truth)
+        results[repair] = mx.extract(oracle, D, heads=H, precision=BITS, seed=SEED, schedule="paper",
+                                     on_failure="warn", repair=repair), oracle.count
+    plain, count = results[None]
+    assert not plain.certified and not plain.details.instances.certified[failed]
+    assert count == plain.queries == paper_count(D, H)
+    assert plain.details.repair_queries == 0 and plain.details.repairs == []
+    repaired, count = results[True]
+    assert repaired.ok and repaired.certified
+    assert count == repaired.queries == paper_count(D, H) + K == paper_count(D, H) + repaired.details.repair_queries
+    assert repaired.details.repairs == [f"grid (1, 1): repaired (partner grid (0, 1), mix asked, {K} queries)"]
+    found, order = errors(repaired, *truth)
+    assert max(found.values()) <= 1e-40, found
+    for balls, exact in ((repaired.W_balls, W), (repaired.v_balls, v)):  # bias-free: no u or c balls
+        for ball, value in zip(np.ravel(balls[order]), np.ravel(exact)):
+            assert ball.contains(flint.arb(float(value))), (ball, value)
+
+
+def test_repair_is_a_high_precision_option_of_the_grid():
+    with pytest.raises(ValueError, match="high-precision"):
+        mx.extract(MpmathOracle(*draw(D, H, SEED)), D, heads=H, repair=True)
+    with pytest.raises(ValueError, match="repair"):
+        mx.extract(MpmathOracle(*draw(D, H, SEED)), D, heads=H, precision=BITS, schedule="lean", repair=True)
 
 
 class CountingOracle:

@@ -60,7 +60,7 @@ class BiasedGridSchedule(PaperSchedule):
 
     affine = True
     column_link_weight = 0.5
-    #: High precision: failed Krawczyk tests are repaired with extra queries (§20).
+    #: High precision: failed Krawczyk tests are repaired with extra queries by default (§20).
     repairs_certificate = True
     #: No first-order certificate (§12 linearises the bias-free grid): float64 runs probe the noise.
     probes_noise = True

@@ -161,8 +161,8 @@ class GridSchedule(Schedule):
     affine = False
     #: Column link (i, j) has final token ``w (x_0 + x_i)`` and measures ``w (M[j, 0] + M[j, i])``.
     column_link_weight = 1.0
-    #: High precision: instances that fail the Krawczyk test are measured again with their close
-    #: poles pulled apart, with extra queries (:mod:`.repair`, docs/algorithm.md §20).
+    #: High precision, ``repair=None``: instances that fail the Krawczyk test are measured again with
+    #: their close poles pulled apart, with extra queries (:mod:`.repair`, docs/algorithm.md §20).
     repairs_certificate = False
 
     def __init__(self, settings):
@@ -184,6 +184,12 @@ class GridSchedule(Schedule):
     def _final_tokens(self, rng) -> np.ndarray:
         """The final tokens as columns: a random orthogonal basis times the token scale (§5)."""
         return random_basis(rng, self.d, self.token_scale)
+
+    @property
+    def repairs(self) -> bool:
+        """The certificate repair runs (high precision): ``repair=`` given, else the class default."""
+        repair = self.settings.repair
+        return self.repairs_certificate if repair is None else repair
 
     @property
     def assembly_basis(self) -> np.ndarray:
@@ -317,7 +323,7 @@ class GridLearner:
         self.samples = arithmetic.empty_samples(len(schedule.instances), len(schedule.ks))
         self.samples[self.owners, self.copies] = self.answers
         self.repairer = None
-        if schedule.repairs_certificate and arithmetic.precision is not None:
+        if schedule.repairs and arithmetic.precision is not None:
             from .repair import Repairer  # repair imports Instance from this module
             self.repairer = Repairer(self)
 
