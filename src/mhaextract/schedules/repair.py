@@ -16,7 +16,8 @@ the partner's label balls must be pairwise disjoint and each of the mix's label 
 exactly one of them (the true labels of one head are the same number in both instances).
 
 Partners and mixes are taken where they already exist (a certified instance of the schedule with
-that final token and difference: no query) and asked otherwise. Asked instances are
+that final token and difference: no query) and asked otherwise, the partner whose mix the fits'
+midpoints predict to have the widest pole gap first (:func:`_predicted_gap`). Asked instances are
 self-anchored (``k = 0..K-1``, K queries): they need no ``vbar``, so instances of row 0 (which
 ``vbar`` is computed from) are repaired before it. Final tokens stay exact: tokens are multiples
 of a power of two with ``TOKEN_BITS`` bits (§11), so the half sum is exact in float64 (checked in
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+from scipy.optimize import linear_sum_assignment
 
+from ..numerics.highprec import mid_float
 from .grid import Instance
 
 #: Mix instances tried per failed instance before it stays uncertified.
@@ -124,8 +127,11 @@ class Repairer:
             if mix is not None:
                 plans.append((partner_row, name, mix))
                 break
-        plans += [(partner_row, name, None) for partner_row, name in partners
-                  if not plans or partner_row != plans[0][0]]
+        # Then asked mixes, the partner whose mix is predicted to separate the poles most first.
+        asked_mixes = [(partner_row, name, None) for partner_row, name in partners
+                       if not plans or partner_row != plans[0][0]]
+        gaps = [_predicted_gap(fits, row, partner_row) for partner_row, _, _ in asked_mixes]
+        plans += [asked_mixes[a] for a in sorted(range(len(gaps)), key=lambda a: -np.nan_to_num(gaps[a], nan=-1.0))]
         plans.append((None, "asked", None))
         for partner_row, partner_name, mix in plans[:ATTEMPTS]:
             if partner_row is None:
@@ -189,6 +195,19 @@ class Repairer:
         fits.imaginary[row] = 0.0
         fits.nonpositive[row] = False
         fits.certified[row] = True
+
+
+def _predicted_gap(fits, row: int, partner_row: int) -> float:
+    """The smallest log-pole gap the mix of ``row`` and ``partner_row`` is expected to have, from
+    the fits' midpoints (a failed fit's midpoints are accurate, only unproven): poles paired by
+    nearest labels, ``(m_n + m_r) / 2`` sorted. Chooses the order of the attempts, proves nothing;
+    NaN when a fit has none."""
+    m_n, l_n = mid_float(fits.log_poles[row]), mid_float(fits.labels[row])
+    m_r, l_r = mid_float(fits.log_poles[partner_row]), mid_float(fits.labels[partner_row])
+    if len(m_n) < 2 or not all(np.isfinite(values).all() for values in (m_n, l_n, m_r, l_r)):
+        return float("nan")
+    ours, theirs = linear_sum_assignment(np.abs(l_n[:, None] - l_r[None, :]))
+    return float(np.diff(np.sort((m_n[ours] + m_r[theirs]) / 2)).min())
 
 
 def _exact_half_sum(half, a, b) -> bool:
