@@ -106,12 +106,26 @@ class Repairer:
 
     # --- the repair ------------------------------------------------------------------------------
     def repair(self, fits, members) -> None:
-        """Repair every failed row of ``fits`` (``fits`` row p is instance ``members[p]``) in place."""
-        members = np.asarray(members)
-        for row in np.flatnonzero(~np.asarray(fits.certified, dtype=bool)):
-            self.records.append(self._repair_one(fits, members, int(row)))
+        """Repair every failed row of ``fits`` (``fits`` row p is instance ``members[p]``) in place.
 
-    def _repair_one(self, fits, members, row: int) -> Repair:
+        Then, while a pass repaired something, the rows still failed are tried again with mixes
+        that now exist certified (repaired in the meantime: no query)."""
+        members = np.asarray(members)
+        failed = {int(row): self._repair_one(fits, members, int(row))
+                  for row in np.flatnonzero(~np.asarray(fits.certified, dtype=bool))}
+        progress = any(record.certified for record in failed.values())
+        while progress:
+            progress = False
+            for row, record in failed.items():
+                if record.certified:
+                    continue
+                retry = self._repair_one(fits, members, row, free_only=True)
+                if retry.certified:
+                    retry.queries += record.queries
+                    failed[row], progress = retry, True
+        self.records += list(failed.values())
+
+    def _repair_one(self, fits, members, row: int, free_only: bool = False) -> Repair:
         learner = self.learner
         schedule = learner.schedule
         index = int(members[row])
@@ -133,6 +147,8 @@ class Repairer:
         gaps = [_predicted_gap(fits, row, partner_row) for partner_row, _, _ in asked_mixes]
         plans += [asked_mixes[a] for a in sorted(range(len(gaps)), key=lambda a: -np.nan_to_num(gaps[a], nan=-1.0))]
         plans.append((None, "asked", None))
+        if free_only:
+            plans = [plan for plan in plans if plan[2] is not None]
         for partner_row, partner_name, mix in plans[:ATTEMPTS]:
             if partner_row is None:
                 token = next((x for x in schedule.X.T if not np.array_equal(x, target.final)), None)
