@@ -52,7 +52,7 @@ WEIGHT_FLOOR = 1e-2
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
-            answer_error=None, rank=None, backend=None, resume_check=3) -> Extraction:
+            answer_error=None, rank=None, backend=None, resume_check=3, repair=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -105,12 +105,18 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     resume_check : resuming a transcript, re-ask this many recorded queries (counted in
         ``queries_asked``) and refuse the transcript when the oracle answers differently
         (:mod:`mhaextract.oracle.resume_check`); 0 skips the check.
+    repair : high precision, grid schedules: an instance whose Krawczyk test failed is measured
+        again with its close poles pulled apart, with 0, K or 2K extra counted queries
+        (docs/algorithm.md §20; ``result.details.repair_queries``, ``result.details.repairs``).
+        None (default): on for the biased grid (``"auto"``, ``bias=True``), off for
+        ``schedule="paper"`` named alone, whose count then stays the paper's exactly; True turns
+        it on there; False turns it off.
 
     Every count reported is measured at the oracle boundary.
     """
     scale_option, bias = token_scale_option(token_scale), bias_option(bias)
     settings = _settings(d, heads, max_heads, precision, seed, None if scale_option == "auto" else scale_option,
-                         samples_per_instance, refine, refine_queries, answer_error, rank, backend)
+                         samples_per_instance, refine, refine_queries, answer_error, rank, backend, repair)
     on_failure = on_failure_mode(on_failure)
     if max_queries is not None:
         positive_int("max_queries", max_queries, minimum=0)
@@ -188,7 +194,7 @@ class _Spent:
 
 
 def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,
-              answer_error, rank=None, backend=None) -> RunSettings:
+              answer_error, rank=None, backend=None, repair=None) -> RunSettings:
     """Every parameter checked once, with the option that fixes a bad one named."""
     d = positive_int("d", d)
     H0, declared = head_count(heads, max_heads)
@@ -199,6 +205,11 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
                              "the answers are exact to one ulp and the balls certify the result")
     if not isinstance(refine, (bool, np.bool_)):
         raise ValueError(f"refine must be True or False, got {refine!r}")
+    if repair is not None and not isinstance(repair, (bool, np.bool_)):
+        raise ValueError(f"repair must be None, True or False, got {repair!r}")
+    if repair and precision is None:
+        raise ValueError("repair=True is a high-precision option (it re-proves failed Krawczyk tests, "
+                         "docs/algorithm.md §20): give precision=bits")
     if refine_queries is not None:
         refine_queries = positive_int("refine_queries", refine_queries, minimum=0)
     if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
@@ -208,7 +219,8 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         if rank > d:
             raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
     return RunSettings(d, H0, declared, precision, seed, token_scale_for(d, token_scale), samples_per_instance,
-                       bool(refine), refine_queries, answer_error, rank, _backend(backend, precision))
+                       bool(refine), refine_queries, answer_error, rank, _backend(backend, precision),
+                       repair=None if repair is None else bool(repair))
 
 
 def _backend(backend, precision) -> str | None:

@@ -19,7 +19,7 @@ from ..checks.base import Check
 from ..model import MultiHeadAttention
 
 #: Options of ``extract`` that not every schedule supports (the others every schedule takes).
-OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error", "rank", "backend")
+OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error", "rank", "backend", "repair")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class RunSettings:
     #: runs (the calibration's probes, docs/algorithm.md §19): 2^-24 for float32 answers; None at
     #: float64 rounding or not measured. The one place a schedule reads the answers' precision from.
     answer_noise: float | None = None
+    #: High precision, grid schedules: repair instances that fail the Krawczyk test with extra
+    #: queries (docs/algorithm.md §20); None: the schedule's default (on for the biased grid).
+    repair: bool | None = None
 
     def given(self, option: str) -> bool:
         value = getattr(self, option)

@@ -23,6 +23,9 @@ instances; the first asks ``K = 2 H0 + 1`` samples, every other ``K - 1``::
 
     (2 H0 + 1) + 2 H0 (2 d^2 + 2 d - 2) = 4 H0 d^2 + 4 H0 d - 2 H0 + 1   queries, longest 2 H0 + 1.
 
+In high precision an instance that fails the Krawczyk test is repaired (:mod:`.repair`, §20):
+0, K or 2K more queries each (``details.repair_queries``); none when every instance certifies.
+
 The learner, matching and assembly are the grid's (:class:`~.grid.GridLearner`,
 :mod:`.matching`, :mod:`mhaextract.numerics.assembly`), driven by ``affine`` and
 ``column_link_weight``.
@@ -57,6 +60,8 @@ class BiasedGridSchedule(PaperSchedule):
 
     affine = True
     column_link_weight = 0.5
+    #: High precision: failed Krawczyk tests are repaired with extra queries by default (§20).
+    repairs_certificate = True
     #: No first-order certificate (§12 linearises the bias-free grid): float64 runs probe the noise.
     probes_noise = True
 

@@ -19,7 +19,7 @@ instances (``_build``) and may match heads inside a column by their labels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -94,12 +94,18 @@ class GridDetails(ScheduleDetails):
     fallback_links : lean: column links added where residue labels were too close to match
         (``2 H0 - 1`` queries each, included in the measured count); 0 for paper.
     links_bijective : every link matched its poles one to one.
+    repair_queries : queries asked to repair failed certificates (docs/algorithm.md §20; included
+        in the measured count); 0 where the schedule does not repair.
+    repairs : one line per instance that failed the Krawczyk test and was given to the repair:
+        repaired or not and why, which partner and mix instances, how many queries.
     """
 
     instances: InstanceDiagnostics
     samples_per_instance: int
     fallback_links: int
     links_bijective: bool
+    repair_queries: int = 0
+    repairs: list[str] = field(default_factory=list)
 
     @property
     def certified(self) -> bool:
@@ -124,7 +130,9 @@ class GridDetails(ScheduleDetails):
     def summary(self) -> dict:
         kept, dropped = self.merge_resolution
         return {"samples_per_instance": self.samples_per_instance, "fallback_links": self.fallback_links,
-                "smallest_pole_sv": kept, "largest_dropped_sv": dropped}
+                "smallest_pole_sv": kept, "largest_dropped_sv": dropped, "repair_queries": self.repair_queries,
+                "repaired_instances": sum(": repaired" in line for line in self.repairs),
+                "unrepaired_instances": [line for line in self.repairs if ": repaired" not in line]}
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {f"instances_{name}": np.asarray(values, dtype=str if name == "role" else None)
@@ -153,6 +161,9 @@ class GridSchedule(Schedule):
     affine = False
     #: Column link (i, j) has final token ``w (x_0 + x_i)`` and measures ``w (M[j, 0] + M[j, i])``.
     column_link_weight = 1.0
+    #: High precision, ``repair=None``: instances that fail the Krawczyk test are measured again with
+    #: their close poles pulled apart, with extra queries (:mod:`.repair`, docs/algorithm.md §20).
+    repairs_certificate = False
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -173,6 +184,12 @@ class GridSchedule(Schedule):
     def _final_tokens(self, rng) -> np.ndarray:
         """The final tokens as columns: a random orthogonal basis times the token scale (§5)."""
         return random_basis(rng, self.d, self.token_scale)
+
+    @property
+    def repairs(self) -> bool:
+        """The certificate repair runs (high precision): ``repair=`` given, else the class default."""
+        repair = self.settings.repair
+        return self.repairs_certificate if repair is None else repair
 
     @property
     def assembly_basis(self) -> np.ndarray:
@@ -305,6 +322,18 @@ class GridLearner:
         self.sequences = sequences
         self.samples = arithmetic.empty_samples(len(schedule.instances), len(schedule.ks))
         self.samples[self.owners, self.copies] = self.answers
+        self.repairer = None
+        if schedule.repairs and arithmetic.precision is not None:
+            from .repair import Repairer  # repair imports Instance from this module
+            self.repairer = Repairer(self)
+
+    def record_extra(self, sequences, answers) -> None:
+        """Queries asked outside the schedule's instances (repairs): kept with every other query
+        (owner -1) so that the answers' residual sees them."""
+        self.sequences = self.sequences + list(sequences)
+        self.answers = np.concatenate([self.answers, np.asarray(answers, dtype=self.answers.dtype)])
+        self.owners = np.concatenate([self.owners, np.full(len(sequences), -1)])
+        self.copies = np.concatenate([self.copies, np.arange(len(sequences))])
 
     @property
     def n(self) -> int:
@@ -329,6 +358,8 @@ class GridLearner:
         counts = np.bincount(self.ranks[row0], minlength=schedule.max_heads + 1)
         self.H_star = min(int(counts.argmax()), schedule.max_heads)  # oversampled instances can show H0 + 1
         fits_row0 = arithmetic.fit(self.samples[row0], schedule.ks, self.H_star)
+        if self.repairer is not None:  # vbar comes from row 0's constants: repaired first (§20)
+            self.repairer.repair(fits_row0, row0)
         self.vbar_z = self.anchor - fits_row0.c
         vbar = arithmetic.solve_transposed(schedule.Z, self.vbar_z)
         self.vbar_x = arithmetic.dot(vbar, schedule.X)
@@ -340,6 +371,8 @@ class GridLearner:
         rest = np.setdiff1d(np.arange(self.n), row0)
         self.ranks[rest], self.singular_values[rest], fits_rest = self._fit_later(rest)
         self.fits = _concatenate([fits_row0, fits_rest], [row0, rest], self.n)
+        if self.repairer is not None:
+            self.repairer.repair(self.fits, np.arange(self.n))
 
     def _fit_later(self, indices):
         """Anchor, rank and fit instances after row 0 (both anchors in the lean schedule)."""
@@ -444,9 +477,12 @@ class GridLearner:
         basis = schedule.assembly_basis
         A, v = arithmetic.assemble(schedule.Z, basis, M, consensus)  # [W_h | u_h] when affine (§16)
         W, u = (A[:, :, :schedule.d], A[:, :, schedule.d]) if schedule.affine else (A, None)
+        repairer = self.repairer
         details = GridDetails(self._diagnostics(labels, consensus, sigma_l), schedule.samples_per_instance,
                               int((schedule.column_link_index >= 0).sum()) if schedule.both_anchors else 0,
-                              self.bijective)
+                              self.bijective, repair_queries=0 if repairer is None else repairer.queries,
+                              repairs=[] if repairer is None else
+                              [record.describe(schedule.instances) for record in repairer.records])
         A_mid, v_mid = arithmetic.midpoint(A), arithmetic.midpoint(v)
         c_mid = 0.0 if self.c0 is None else float(arithmetic.midpoint(np.array([self.c0], dtype=object))[0])
         outcome = Outcome(None, self.H_star, np.inf, details, self.sequences, self.answers)

@@ -23,7 +23,7 @@ class PaperSchedule(GridSchedule):
     name = "paper"
     #: The paper's exact count: no fresh noise probe; the error estimate rests on the links' redundancy.
     probes_noise = False
-    accepts = GridSchedule.accepts | {"samples_per_instance"}
+    accepts = GridSchedule.accepts | {"samples_per_instance", "repair"}
 
     def _build(self) -> None:
         x, z = self.X.T, self.Z.T  # rows are the tokens
