@@ -1,10 +1,13 @@
-"""Query vectors and sequences: exact token grids, random bases, random sequences, padding.
+"""Query vectors and sequences: exact token grids, random bases, random sequences, padding, and
+the copies-instance of the grid schedules.
 
 Everything that makes tokens for the oracle draws them here, so that every schedule, the
 refinement, the verification and the baselines share one definition of "a random query".
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,3 +61,25 @@ def padded(sequences) -> tuple[np.ndarray, np.ndarray]:
         tokens[q, longest - len(sequence):] = sequence
         mask[q, longest - len(sequence):] = True
     return tokens, mask
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One copies-instance: ``k`` copies of ``y = final - difference``, then ``final``.
+
+    ``role`` is ``"grid"``, ``"row_link"`` or ``"column_link"`` (the grid schedules, docs/algorithm.md
+    §3), or ``"repair"`` (asked by the certificate repair, §20); ``(i, j)`` are grid indices (row link
+    ``j`` has ``i = 0``; -1 for a repair). ``ks`` are the copy counts actually queried.
+    """
+
+    role: str
+    i: int
+    j: int
+    final: np.ndarray
+    difference: np.ndarray
+    ks: tuple[int, ...]
+
+    def sequence(self, k: int) -> np.ndarray:
+        """The query ``(y, ..., y, x)`` with ``k`` copies of ``y``: shape (k + 1, d)."""
+        repeated = self.final - self.difference
+        return np.vstack([np.tile(repeated, (k, 1)), self.final[None, :]])

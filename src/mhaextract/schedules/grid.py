@@ -28,31 +28,11 @@ from ..checks.certificate import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits
-from ..oracle.queries import random_basis
+from ..oracle.queries import Instance, random_basis
 from ..validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
 from .matching import LinkMatches, Side, match_links
-
-
-@dataclass(frozen=True)
-class Instance:
-    """One copies-instance: ``k`` copies of ``y = final - difference``, then ``final``.
-
-    ``role`` is ``"grid"``, ``"row_link"`` or ``"column_link"``; ``(i, j)`` are grid indices
-    (row link ``j`` has ``i = 0``). ``ks`` are the copy counts actually queried.
-    """
-
-    role: str
-    i: int
-    j: int
-    final: np.ndarray
-    difference: np.ndarray
-    ks: tuple[int, ...]
-
-    def sequence(self, k: int) -> np.ndarray:
-        """The query ``(y, ..., y, x)`` with ``k`` copies of ``y``: shape (k + 1, d)."""
-        repeated = self.final - self.difference
-        return np.vstack([np.tile(repeated, (k, 1)), self.final[None, :]])
+from .repair import Repairer
 
 
 @dataclass
@@ -324,7 +304,6 @@ class GridLearner:
         self.samples[self.owners, self.copies] = self.answers
         self.repairer = None
         if schedule.repairs and arithmetic.precision is not None:
-            from .repair import Repairer  # repair imports Instance from this module
             self.repairer = Repairer(self)
 
     def record_extra(self, sequences, answers) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from ..numerics.highprec import mid_float
-from .grid import Instance
+from ..oracle.queries import Instance
 
 #: Mix instances tried per failed instance before it stays uncertified.
 ATTEMPTS = 3
