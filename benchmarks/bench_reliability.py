@@ -202,7 +202,8 @@ def main():
     parser.add_argument("--runs", type=int, default=10, help="random targets per mode (each under 3 answer conditions)")
     parser.add_argument("--modes", help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--most-heads", type=int, help="H <= min(d, this) for every mode's random targets")
-    parser.add_argument("--out", default="docs/reliability.md")
+    parser.add_argument("--out", help="write the page here (default: docs/reliability.md for a run of every mode, "
+                                      "case and condition; a filtered run only prints unless --out is given)")
     parser.add_argument("--explain", action="store_true",
                         help="print the failed checks (value vs threshold), true error and estimate of every "
                              "false alarm and loud failure")
@@ -248,8 +249,12 @@ def main():
     text = "\n".join(lines)
     print(text)
     print(f"({time.time() - started:.0f} s)")
-    with open(args.out, "w") as handle:
-        handle.write(HEADER.format(runs=args.runs) + text + "\n" + FOOTER)
+    out = args.out
+    if out is None and not (args.modes or args.seeds or args.conditions or args.most_heads):
+        out = "docs/reliability.md"  # only the whole table replaces the page
+    if out is not None:
+        with open(out, "w") as handle:
+            handle.write(HEADER.format(runs=args.runs) + text + "\n" + FOOTER)
 
 
 HEADER = """# Reliability (issue 12)
