@@ -219,8 +219,9 @@ def _polish_problem(d=4, H=3, seed=1, count=None):
     return target, batch, answers, 1 / answer_scales(target, batch)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("bias, cached", [(True, True), pytest.param(True, False, marks=pytest.mark.slow),
+                                          pytest.param(False, True, marks=pytest.mark.slow),
+                                          pytest.param(False, False, marks=pytest.mark.slow)])
 def test_matrix_free_products_are_the_dense_jacobians(bias, cached, monkeypatch):
     from mhaextract.checks import refine
 
