@@ -297,13 +297,13 @@ Issue 12 removed three causes (before: paper 3 / 22 / 27, lean 2 / 35 / 22 of 10
 deviation) propagated as a bound through G's l1 norms, and one outvoted ill-conditioned link voiding
 the paper certificate's validity (both §12). What remains:
 
-* auto and targeted, 1 each (seed 57, d = H = 4): the targeted estimate takes the oracle's rounding
-  of the scores at the answers' measured unit (`u |z| |W x|`, §19), right for float32 and
-  mixed-precision layers, 1e2..2e4 times the truth for noise added to the answers (Gaussian: estimate
-  6.4e-6 against the limit 3.6e-7, truth 7.8e-10; uniform: 1.7e-4 against 3.2e-5, truth 1.2e-6; auto
-  also fails `saturation` on 14 bridge instances there). The measured unit does not tell added noise
-  from rounded scores (a mixed-precision oracle measured 4.5e-9..1.5e-7 relative in 12 runs; the
-  declared 1e-8 is 2.3e-9 here), so this is left overcautious.
+* auto and targeted, 1 each (seed 57, d = H = 4): an estimate 1e2..1e4 times the truth under noise
+  added to the answers. Gaussian 1e-10: auto 1.85e-6 and targeted 1.35e-6 against limits 3.6e-7 and
+  4.4e-7, truths 7.8e-10 and 1.6e-10 (6.4e-6 and 3.7e-6 before the estimate's score-rounding part
+  stopped being scaled by the answer noise, §13); declared uniform 1e-8: 9.2e-5 and 6.4e-5 against
+  3.2e-5 and 2.3e-5, truths 1.2e-6 and 2.6e-7 (auto also fails `saturation` on 14 bridge instances).
+  What remains is the samples' term: the gaps of large saturating tokens carry vbar's error times
+  |x|, scaled as if every answer were off by the noise at the largest answer's size.
 * paper, exact, 3 (H = 3): `error_estimate` 2.6e-4 on a true 4.1e-5, `matching`, `pole_count`: the
   float64 algebra at H = 3 (§11).
 * paper, Gaussian 1e-10, 12: 8 `error_estimate` alone, 1.1e-4..8.8e-4 (3 sigma through the l2 norms,
