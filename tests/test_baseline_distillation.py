@@ -56,6 +56,7 @@ def test_distillation_of_an_easy_target_reaches_1e_9_parameters_and_fidelity():
     assert np.sqrt(np.mean((result.model(fresh) - truth) ** 2) / np.mean(truth**2)) < 1e-9
 
 
+@pytest.mark.slow  # the first torch.optim step imports torch._dynamo (~3 s of the fast tier)
 def test_an_undertrained_student_fails_its_own_check():
     """Five Adam steps cannot fit 200 answers: the result says so instead of passing it off
     (an ExtractionError by default, a warning and the result with on_failure="warn")."""
@@ -76,6 +77,12 @@ def test_max_queries_below_n_queries_raises_before_any_query():
     with pytest.raises(mx.BudgetExceeded, match="max_queries=34") as info:
         distill(oracle, 3, 1, max_queries=34, restarts=1, adam_steps=1, lbfgs_steps=0, seed=0)
     assert oracle.count == 0 and info.value.needed == 35 and info.value.answered == 0
+
+
+@pytest.mark.slow  # trains (one Adam step): the first torch.optim step imports torch._dynamo (~3 s)
+def test_a_budget_that_covers_n_queries_is_spent_exactly():
+    target = mx.MultiHeadAttention.random(3, 1, seed=0)
+    oracle = CountingOracle(target)
     result = distill(oracle, 3, 1, n_queries=20, max_queries=20, restarts=1, adam_steps=1, lbfgs_steps=0, seed=0,
                      converged_tol=1e3)
     assert result.queries == oracle.count == 20

@@ -47,7 +47,7 @@ def build(kind, d, H, seed, implementation="eager"):
 
 # The fast tier keeps nn.MultiheadAttention and GPT-2; BERT, OPT and ViT run in the full suite.
 CASES = [pytest.param("nn.MultiheadAttention", 16, 2, "eager", id="nn.MultiheadAttention"),
-         pytest.param("GPT2Attention", 16, 4, "sdpa", id="GPT2Attention"),
+         pytest.param("GPT2Attention", 16, 4, "sdpa", id="GPT2Attention", marks=pytest.mark.slow),
          pytest.param("BertSelfAttention", 16, 2, "eager", id="BertSelfAttention", marks=pytest.mark.slow),
          pytest.param("OPTAttention", 16, 2, "sdpa", id="OPTAttention", marks=pytest.mark.slow),
          pytest.param("ViTAttention", 16, 2, "sdpa", id="ViTAttention", marks=pytest.mark.slow)]

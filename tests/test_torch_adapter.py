@@ -5,8 +5,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config  # noqa: E402
-from transformers.models.gpt2.modeling_gpt2 import GPT2Attention  # noqa: E402
 
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, UnsupportedLayerError, to_reduced, to_torch  # noqa: E402
@@ -19,12 +17,19 @@ def multihead(d=8, heads=2, seed=0, **kwargs):
     return torch.nn.MultiheadAttention(d, heads, **kwargs).double()  # the oracle answers in the layer's dtype
 
 
-def gpt2(d=16, heads=2, seed=0, layer_idx=0, attn_implementation=None, **config):
+#: The GPT-2 tests are in the full suite: importing a Hugging Face model module takes ~8 s, a
+#: third of the fast tier's budget (nn.MultiheadAttention covers the adapter there).
+SLOW = pytest.mark.slow
+
+
+def gpt2(d=16, heads=2, seed=0, layer_idx=0, attn_implementation=None, is_cross_attention=False, **config):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Config
+
     torch.manual_seed(seed)
     configuration = GPT2Config(n_embd=d, n_head=heads, **config)
     if attn_implementation is not None:
         configuration._attn_implementation = attn_implementation
-    return GPT2Attention(configuration, layer_idx=layer_idx).double()
+    return GPT2Attention(configuration, is_cross_attention=is_cross_attention, layer_idx=layer_idx).double()
 
 
 def readout(d, seed=1):
@@ -54,7 +59,8 @@ LAYERS = {
 }
 
 
-@pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=SLOW) if name.startswith("gpt2") else name
+                                  for name in LAYERS])
 def test_the_reduction_computes_what_the_layer_computes(name):
     layer = LAYERS[name]()
     d = layer.embed_dim
@@ -76,6 +82,7 @@ def test_a_key_bias_cancels():
     assert relative(to_reduced(layer, u)(batch), TorchOracle(layer, u)(batch)) < 1e-12
 
 
+@SLOW
 def test_the_callers_module_is_left_as_it_was_and_answers_in_its_own_dtype():
     layer = gpt2().float()
     layer.train()
@@ -102,6 +109,7 @@ def test_extracting_a_real_layer(make, d, seed):
     assert comparison.heads_agree and comparison.max_rel <= 1e-8
 
 
+@SLOW
 def test_gpt2_at_the_default_token_scale_fails_its_checks_rather_than_returning_garbage():
     layer = gpt2(16, 2, seed=0)
     oracle = TorchOracle(layer, readout(16, 0))
@@ -177,8 +185,8 @@ def gpt2_output_bias():
 
 
 @pytest.mark.parametrize("make, where", [
-    (mha_query_bias, "u"), (mha_value_bias, "c"), (mha_output_bias, "c"), (gpt2_query_bias, "u"),
-    (gpt2_output_bias, "c"),
+    (mha_query_bias, "u"), (mha_value_bias, "c"), (mha_output_bias, "c"),
+    pytest.param(gpt2_query_bias, "u", marks=SLOW), pytest.param(gpt2_output_bias, "c", marks=SLOW),
 ])
 def test_biases_become_u_and_c_of_the_reduced_model(make, where):
     layer = make()
@@ -193,7 +201,7 @@ def test_biases_become_u_and_c_of_the_reduced_model(make, where):
     (lambda: multihead(bias=False, add_bias_kv=True), "add_bias_kv"),
     (lambda: multihead(bias=False, add_zero_attn=True), "add_zero_attn"),
     (lambda: multihead(bias=False, kdim=4, vdim=4), "kdim=4"),
-    (lambda: GPT2Attention(GPT2Config(n_embd=16, n_head=2), is_cross_attention=True, layer_idx=0), "cross"),
+    pytest.param(lambda: gpt2(is_cross_attention=True), "cross", marks=SLOW),
 ])
 def test_settings_that_change_the_model_are_refused_by_name(make, message):
     layer = make()
