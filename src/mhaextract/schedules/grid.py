@@ -78,6 +78,7 @@ class GridDetails(ScheduleDetails):
         in the measured count); 0 where the schedule does not repair.
     repairs : one line per instance that failed the Krawczyk test and was given to the repair:
         repaired or not and why, which partner and mix instances, how many queries.
+    repaired : which of those lines are repaired instances (bool per line).
     """
 
     instances: InstanceDiagnostics
@@ -86,6 +87,7 @@ class GridDetails(ScheduleDetails):
     links_bijective: bool
     repair_queries: int = 0
     repairs: list[str] = field(default_factory=list)
+    repaired: list[bool] = field(default_factory=list)
 
     @property
     def certified(self) -> bool:
@@ -111,8 +113,8 @@ class GridDetails(ScheduleDetails):
         kept, dropped = self.merge_resolution
         return {"samples_per_instance": self.samples_per_instance, "fallback_links": self.fallback_links,
                 "smallest_pole_sv": kept, "largest_dropped_sv": dropped, "repair_queries": self.repair_queries,
-                "repaired_instances": sum(": repaired" in line for line in self.repairs),
-                "unrepaired_instances": [line for line in self.repairs if ": repaired" not in line]}
+                "repaired_instances": sum(self.repaired),
+                "unrepaired_instances": [line for line, ok in zip(self.repairs, self.repaired) if not ok]}
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {f"instances_{name}": np.asarray(values, dtype=str if name == "role" else None)
@@ -461,7 +463,9 @@ class GridLearner:
                               int((schedule.column_link_index >= 0).sum()) if schedule.both_anchors else 0,
                               self.bijective, repair_queries=0 if repairer is None else repairer.queries,
                               repairs=[] if repairer is None else
-                              [record.describe(schedule.instances) for record in repairer.records])
+                              [record.describe(schedule.instances) for record in repairer.records],
+                              repaired=[] if repairer is None else
+                              [bool(record.certified) for record in repairer.records])
         A_mid, v_mid = arithmetic.midpoint(A), arithmetic.midpoint(v)
         c_mid = 0.0 if self.c0 is None else float(arithmetic.midpoint(np.array([self.c0], dtype=object))[0])
         outcome = Outcome(None, self.H_star, np.inf, details, self.sequences, self.answers)
