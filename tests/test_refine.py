@@ -219,9 +219,8 @@ def _polish_problem(d=4, H=3, seed=1, count=None):
     return target, batch, answers, 1 / answer_scales(target, batch)
 
 
-@pytest.mark.parametrize("bias, cached", [(True, True), pytest.param(True, False, marks=pytest.mark.slow),
-                                          pytest.param(False, True, marks=pytest.mark.slow),
-                                          pytest.param(False, False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier keeps test_matrix_free_refinement_matches_the_dense_one_and_the_truth
+@pytest.mark.parametrize("bias, cached", [(True, True), (True, False), (False, True), (False, False)])
 def test_matrix_free_products_are_the_dense_jacobians(bias, cached, monkeypatch):
     from mhaextract.checks import refine
 

@@ -353,6 +353,7 @@ def test_answer_noise_scales_the_sample_terms_of_an_estimate_not_the_score_round
 
 
 
+@pytest.mark.slow
 def test_a_declared_bound_is_scaled_against_the_median_answer_not_the_largest():
     """lean, d = 5, H = 1 (bench_reliability seed 78, declared uniform 1e-8): answers 0.064..4.9;
     the rounding-level estimate scaled to the bound against the largest answer came out 32 x below
