@@ -284,12 +284,13 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         exact = None if outcome.W_balls is None else exact_model(outcome.W_balls, outcome.v_balls,
                                                                   outcome.u_balls, outcome.c_ball)
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
-    scale = float(np.abs(arithmetic.midpoint(answers)).max(initial=0.0)) or 1.0
+    magnitudes = np.abs(arithmetic.midpoint(answers))  # once: high-precision midpoints cost O(answers)
+    scale = float(magnitudes.max(initial=0.0)) or 1.0
+    typical = float(np.median(magnitudes)) if magnitudes.size else 0.0  # the median answer (§11)
     noise, measured = _noise(certificate, settings, probe)
     if noise is not None:
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
-    typical = float(np.median(np.abs(arithmetic.midpoint(answers)))) if len(answers) else scale
     error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
                                                plan.unit, outcome.score_estimate, typical or scale)
     checks = plan.checks(outcome, label_noise=measured / scale) + _common_checks(
@@ -407,7 +408,7 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
         # not the largest (lean, d = 5, H = 1, answers 0.064..4.9: against the largest the estimate
         # came out 32 x below the truth).
         noise = max(settings.answer_error, probe[0] if probe is not None else 0.0)
-        return (scaled(noise, typical or scale),
+        return (scaled(noise, typical if typical is not None else scale),
                 "the declared answer_error (the schedule's rounding-level estimate scaled to it)")
     if probe is not None and certificate is not None and certificate.kind == "least squares":
         # Refined: the estimate already rests on the residual noise of every fitted answer; the
