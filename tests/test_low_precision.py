@@ -55,11 +55,29 @@ def test_calibration_measures_the_answer_noise(wrapper, precision, low, high):
     """Float64 answers (even with noise far below float32's) are not taken for float32 ones."""
     target = mx.MultiHeadAttention.random(4, 2, seed=3)
     calibration = calibrate(OracleBoundary(wrapper(target), 4), 4, np.random.default_rng(0))
-    assert calibration.answer_precision == precision and calibration.queries == 145
+    assert calibration.answer_precision == precision and calibration.queries == 147
     if low is None:
         assert calibration.answer_noise is None
     else:
         assert low <= calibration.answer_noise <= high
+
+
+@pytest.mark.parametrize("wrapper, rounds", [
+    (lambda t: mx.GaussianNoise(mx.SimulatedOracle(t), 1e-10, seed=0), False),
+    (lambda t: mx.AdditiveNoise(mx.SimulatedOracle(t), 1e-8, seed=1), False),
+    (mx.Float32Oracle, True),
+    (mx.MixedPrecisionOracle, True),
+])
+def test_calibration_tells_rounding_from_random_output_noise(wrapper, rounds):
+    """Repeated probe queries: a rounding oracle answers them alike (its scores are rounded too),
+    an oracle adding random noise does not (its scores are exact); 147 queries."""
+    target = mx.MultiHeadAttention.random(4, 2, seed=3)
+    calibration = calibrate(OracleBoundary(wrapper(target), 4), 4, np.random.default_rng(0))
+    assert calibration.queries == 147 and calibration.answer_noise is not None
+    if rounds:
+        assert calibration.arithmetic_noise == calibration.answer_noise
+    else:
+        assert calibration.arithmetic_noise is None
 
 
 @pytest.mark.parametrize("wrapper", [mx.Float32Oracle, mx.MixedPrecisionOracle])

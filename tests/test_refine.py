@@ -83,7 +83,7 @@ def test_counted_polish_queries_are_exactly_the_documented_ones():
     polish = 6 * parameter_count(H, d, bias=True)  # 6 (H (d^2 + 2d) + 1) with u_h and c
     assert refined.refinement.queries == polish
     assert refined_oracle.count == refined.queries == plain.queries + polish == plain_oracle.count + polish
-    assert refined.calibration_queries == plain.calibration_queries == 145  # docs/algorithm.md §18-§19
+    assert refined.calibration_queries == plain.calibration_queries == 147  # docs/algorithm.md §18-§19
     assert refined.max_query_length == plain.max_query_length  # polish queries: 2..4 tokens
     assert refined.certificate.kind == "least squares" and refined.error_estimate < 1e-12
     assert mx.compare(refined.model, target).max_rel <= refined.error_estimate

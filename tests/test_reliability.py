@@ -362,3 +362,42 @@ def test_a_declared_bound_is_scaled_against_the_median_answer_not_the_largest():
     oracle = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-8, seed=78)
     result = mx.extract(oracle, 5, heads=1, seed=78, schedule="lean", answer_error=1e-8, on_failure="warn")
     assert mx.compare(result.model, target.canonical()).max_rel <= 30 * result.error_estimate
+
+
+@pytest.mark.parametrize("schedule", [None, "targeted"])
+def test_random_output_noise_does_not_size_the_score_rounding(schedule):
+    """bench_reliability seed 57 (d = H = 4, Gaussian 1e-10 undeclared): the calibration's answer
+    noise was taken for the oracle's own rounding of its scores, whose term grows with |z| |W x|:
+    estimates 1.85e-6 (auto) and 1.35e-6 (targeted) against true errors 7.8e-10 and 1.6e-10, a false
+    alarm. The repeated probes show the noise is random: the scores are float64's."""
+    bias = schedule is None
+    target = mx.MultiHeadAttention.random(4, 4, seed=1057, bias=bias)
+    oracle = mx.GaussianNoise(mx.SimulatedOracle(target), 1e-10, seed=57)
+    options = {} if schedule is None else dict(schedule=schedule)
+    result = mx.extract(oracle, 4, heads=4, seed=57, on_failure="warn", **options)
+    truth = mx.compare(result.model, target.canonical()).max_rel
+    assert result.calibration.answer_noise is not None and result.calibration.arithmetic_noise is None
+    assert result.ok, result.failed_checks
+    assert truth <= result.error_estimate <= 1e3 * truth
+
+
+def test_an_output_constant_read_from_one_noisy_answer_is_in_the_estimate():
+    """bench_reliability seed 21 (d = 3, H = 2, biases, declared uniform 1e-8): c = f((0)) carries the
+    answer's error, 1.9e-6 relative to a small c, 600 times the estimate of the other parameters."""
+    target = mx.MultiHeadAttention.random(3, 2, seed=1021, bias=True)
+    oracle = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-8, seed=21)
+    result = mx.extract(oracle, 3, heads=2, seed=21, answer_error=1e-8, on_failure="warn")
+    comparison = mx.compare(result.model, target.canonical())
+    assert comparison.c_rel > 10 * max(comparison.W_rel, comparison.v_rel, comparison.u_rel)  # c dominates
+    assert comparison.max_rel <= result.error_estimate <= 100 * comparison.max_rel
+    assert result.error_estimate >= 1e-8 / abs(result.model.c)
+
+
+def test_a_constant_at_the_noise_level_claims_no_relative_error():
+    """A bias-free target's c reads as noise (|c| ~ 1e-10): no relative error is claimed for it
+    (relative to itself it would be about 1, a false alarm on every bias-free noisy target)."""
+    target = mx.MultiHeadAttention.random(2, 1, seed=1000)
+    oracle = mx.GaussianNoise(mx.SimulatedOracle(target), 1e-10, seed=0)
+    result = mx.extract(oracle, 2, heads=1, seed=0, schedule="targeted", on_failure="warn")
+    assert abs(result.model.c) < 1e-9
+    assert result.ok and result.error_estimate < 1e-6

@@ -45,6 +45,8 @@ from .validation import (
 #: is float64 rounding: the existing checks judge it, the validity check is only added above it
 #: (or when the caller declares answer_error).
 ROUNDING_REGIME = 1e3 * 2.0**-53
+#: An output constant within this many answer errors of zero is not resolved from zero (_constant_error).
+CONSTANT_RESOLVED = 10.0
 #: The refinement weighs answer q by 1 / max(its computation's size, WEIGHT_FLOOR x the median size).
 WEIGHT_FLOOR = 1e-2
 
@@ -132,7 +134,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         calibration = _calibrate(oracle, settings, batch_size, progress, max_queries)
         max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
         settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
-                                       answer_noise=calibration.answer_noise)
+                                       answer_noise=calibration.answer_noise,
+                                       arithmetic_noise=calibration.arithmetic_noise)
         plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
     arithmetic = arithmetic_for(settings.precision, settings.backend)
     record = None
@@ -293,6 +296,8 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
                           else certificate.first_order(noise))
     error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
                                                plan.unit, outcome.score_estimate, typical or scale)
+    if settings.bias and (refinement is None or refinement.kept != "refined"):
+        error_estimate = max(error_estimate, _constant_error(model, measured))
     checks = plan.checks(outcome, label_noise=measured / scale) + _common_checks(
         plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured)
     if refinement is not None and refinement.kept == "refined":
@@ -379,6 +384,19 @@ def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -
         return None, measured
     noise = measured if (settings.refine or settings.answer_error is not None) else None
     return noise, measured
+
+
+def _constant_error(model, measured: float) -> float:
+    """The relative error of an output constant read from one answer (``c = f((0))``, §16): that
+    answer's error ``measured`` (absolute) over ``|c|``. The schedules' estimates are relative to
+    the answers' sizes; a small c is off by the noise relative to itself (bench_reliability seed
+    21, d = 3, H = 2, declared uniform 1e-8: c's error 1.9e-6, 600 times the rest's estimate).
+    A c within ``CONSTANT_RESOLVED`` times that error of zero is zero at the answers' resolution (a
+    bias-free target's c reads as noise): no relative error is claimed for it; its absolute error is
+    the answer's."""
+    if model is None or not measured or model.is_high_precision or abs(model.c) <= CONSTANT_RESOLVED * measured:
+        return 0.0
+    return float(measured / abs(model.c))
 
 
 def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe,

@@ -27,10 +27,21 @@ a float64 one, ``2^-53`` for float64. ``Calibration.answer_noise`` (relative to 
 answer) is the larger of the two readings, or None at float64 rounding; :func:`mhaextract.extract`
 passes it to the schedule as ``RunSettings.answer_noise``.
 
+**Rounding or random noise** (docs/algorithm.md §19): the first ``REPEATED`` permuted probes' first
+queries are asked a second time, unchanged. An oracle that rounds (float32 arithmetic, a float32 softmax) answers a
+repeat exactly as before, and its permuted disagreement is the rounding of its own scores too; an
+oracle that adds random noise to its outputs (a defence, a sampled estimate) answers a repeat
+differently, by about as much as the permuted pairs differ. ``Calibration.arithmetic_noise`` is
+the permuted disagreement when the repeats differ by less than ``1 / RANDOM_RATIO`` of it (or the
+answers' bits are below float64), else None: then the noise is the output's, and the scores are
+taken as float64's (``RunSettings.arithmetic_noise``; the targeted schedules size their
+score-rounding term by it, not by the answer noise: seed 57 of docs/reliability.md, d = H = 4,
+Gaussian 1e-10, the estimate was 1e4 times the truth).
+
 Queries: ``1 + 2P`` one-token queries (the zero vector and both tokens of each pair at the base
 scale; one-token answers at the other scales follow exactly, since the tokens scale by powers of
-two), ``P`` two-token queries per rung and ``2 PERMUTED`` permutation probes:
-``1 + 2P + 15P + 2 PERMUTED`` (145 for P = 8), asked through an
+two), ``P`` two-token queries per rung, ``2 PERMUTED`` permutation probes and ``REPEATED`` repeats:
+``1 + 2P + 15P + 2 PERMUTED + REPEATED`` (147 for P = 8), asked through an
 :class:`~mhaextract.oracle.boundary.OracleBoundary`, counted and reported as
 ``Extraction.calibration_queries``.
 """
@@ -56,6 +67,10 @@ KNEE_TO_SCALE = 0.80
 NOISE_UNITS = 1e4
 #: Pairs of permuted five-token queries measuring the answers' own rounding.
 PERMUTED = 4
+#: Of their first queries, this many are asked a second time unchanged (rounding or random noise).
+REPEATED = 2
+#: Repeats that differ by at least 1 / RANDOM_RATIO of the permuted disagreement: random noise.
+RANDOM_RATIO = 30.0
 #: A relative answer noise at most this many units of 2^-53 is float64 rounding (answer_noise None).
 FLOAT64_NOISE_UNITS = 64.0
 
@@ -76,6 +91,10 @@ class Calibration:
         rounding, else None (module docstring).
     answer_precision : ``"float64"``, ``"float32"``, ``"bfloat16"`` (the answers' bits), or
         ``"float64 with noise"`` (float64 numbers whose permuted probes disagree beyond rounding).
+    arithmetic_noise : the part of ``answer_noise`` that is the oracle's own rounding, which rounds
+        its scores too: ``answer_noise`` when repeated queries answer alike (deterministic) or the
+        answers' bits are below float64; None when the repeats show random noise of the same size
+        (noise added to the outputs; module docstring) or there is no noise.
     """
 
     token_scale: float
@@ -87,6 +106,7 @@ class Calibration:
     message: str
     answer_noise: float | None = None
     answer_precision: str = "float64"
+    arithmetic_noise: float | None = None
 
     def __str__(self) -> str:
         noise = "" if self.answer_noise is None else f"; answers {self.answer_precision}, noise {self.answer_noise:.2g}"
@@ -144,27 +164,33 @@ def _knee(scales: np.ndarray, relative: np.ndarray) -> float | None:
     return float(scales[k - 1] * (scales[k] / scales[k - 1]) ** step)
 
 
-def permutation_noise(boundary, d: int, rng) -> float:
-    """Largest ``|f(X) - f(pi X)|`` over ``PERMUTED`` pairs, relative to the largest of their answers:
-    pi reverses the first four of five tokens (random, at the default scale), which leaves exact
-    softmax attention unchanged."""
+def permutation_noise(boundary, d: int, rng) -> tuple[float, float]:
+    """``(permuted, repeated)``: the largest ``|f(X) - f(pi X)|`` over ``PERMUTED`` pairs and the
+    largest ``|f(X) - f(X)|`` over ``REPEATED`` queries asked twice, each relative to the largest
+    of the answers. pi reverses the first four of five tokens (random, at the default scale),
+    which leaves exact softmax attention unchanged."""
     base = default_token_scale(d)
     tokens = [quantize(rng.standard_normal((5, d)) * base / np.sqrt(d), 4 * base) for _ in range(PERMUTED)]
-    sequences = tokens + [np.vstack([X[3::-1], X[4:]]) for X in tokens]
-    answers = _floats(boundary.ask(sequences, description="calibration: permutation probes"))
-    difference = np.abs(answers[:PERMUTED] - answers[PERMUTED:]).max()
-    return float(difference / max(float(np.abs(answers).max()), 1e-300))
+    sequences = tokens + [np.vstack([X[3::-1], X[4:]]) for X in tokens] + tokens[:REPEATED]
+    answers = _floats(boundary.ask(sequences, description="calibration: permutation and repeated probes"))
+    first, second, again = answers[:PERMUTED], answers[PERMUTED:2 * PERMUTED], answers[2 * PERMUTED:]
+    largest = max(float(np.abs(answers).max()), 1e-300)
+    repeated = np.abs(first[:REPEATED] - again).max(initial=0.0)
+    return float(max(np.abs(first - second).max(), repeated) / largest), float(repeated / largest)
 
 
-def answer_noise(boundary, permuted: float) -> tuple[float | None, str]:
-    """``(relative noise or None at float64 rounding, precision name)`` from the answers' bits
-    (``boundary.stats``) and the permutation probes' disagreement ``permuted``."""
+def answer_noise(boundary, permuted: float, repeated: float = 0.0) -> tuple[float | None, str, float | None]:
+    """``(relative noise or None at float64 rounding, precision name, arithmetic noise or None)``
+    from the answers' bits (``boundary.stats``), the permutation probes' disagreement ``permuted``
+    and the repeated probes' ``repeated`` (module docstring: rounding or random noise)."""
     stats = boundary.stats
     precision = stats.precision_name
     noise = max(stats.unit_roundoff if precision != "float64" else 0.0, permuted)
     if noise <= FLOAT64_NOISE_UNITS * 2.0**-53:
-        return None, precision
-    return float(noise), precision if precision != "float64" else "float64 with noise"
+        return None, precision, None
+    rounding = precision != "float64" or RANDOM_RATIO * repeated < permuted
+    return (float(noise), precision if precision != "float64" else "float64 with noise",
+            float(noise) if rounding else None)
 
 
 def calibrate(boundary, d: int, rng) -> Calibration:
@@ -174,11 +200,12 @@ def calibrate(boundary, d: int, rng) -> Calibration:
     scales, response, noise = probe_responses(boundary, d, rng)
     noisy = None
     if boundary.precision is None:
-        noisy, precision = answer_noise(boundary, permutation_noise(boundary, d, rng))
+        noisy, precision, arithmetic = answer_noise(boundary, *permutation_noise(boundary, d, rng))
         if noisy is not None:  # D below the answers' own noise (not float64 rounding) is noise
             noise = noise * max(1.0, noisy / np.finfo(np.float64).eps)
     queries = boundary.position - before
-    extra = {} if noisy is None else {"answer_noise": noisy, "answer_precision": precision}
+    extra = {} if noisy is None else {"answer_noise": noisy, "answer_precision": precision,
+                                      "arithmetic_noise": arithmetic}
     response = np.where(response > noise, response, np.nan)
     peak = np.nanmax(np.where(np.isfinite(response), response, -np.inf), axis=0)
     relative = response / np.where(peak > 0, peak, np.inf)[None]

@@ -46,6 +46,10 @@ class RunSettings:
     #: runs (the calibration's probes, docs/algorithm.md §19): 2^-24 for float32 answers; None at
     #: float64 rounding or not measured. The one place a schedule reads the answers' precision from.
     answer_noise: float | None = None
+    #: The part of ``answer_noise`` that is the oracle's own rounding, which rounds its scores too
+    #: (the calibration's repeated probes, docs/algorithm.md §19); None for float64 arithmetic with
+    #: noise added to its outputs, or not measured.
+    arithmetic_noise: float | None = None
     #: High precision, grid schedules: repair instances that fail the Krawczyk test with extra
     #: queries (docs/algorithm.md §20); None: the schedule's default (on for the biased grid).
     repair: bool | None = None

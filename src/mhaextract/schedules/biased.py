@@ -71,7 +71,11 @@ class AffineProber(_Prober):
                 raise AssertionError("lifted final tokens must end in 1 and differences in 0")
             finals, differences = finals[:, :self.d], differences[:, :self.d]
         gaps, rounding = super().gaps(finals, differences, copies, description)
-        return gaps + self.c0, rounding + 4 * self.unit * abs(self.c0)
+        return gaps + self.c0, rounding  # c's rounding is in systematic()
+
+    def systematic(self, finals: np.ndarray) -> np.ndarray:
+        """The anchor's and ``c``'s rounding: both common to an instance's samples."""
+        return super().systematic(finals[..., :self.d]) + 4 * self.unit * abs(self.c0)
 
 
 class AffineDesign(_FullDesign):

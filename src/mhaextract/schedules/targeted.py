@@ -75,7 +75,8 @@ GROUP_SCALE = 64.0
 #: 1..3, where the three-sample fit is best conditioned), the others in MID +- SPREAD.
 TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
 SATURATION_MID, SATURATION_SPREAD = 70.0, 30.0
-#: A head counts as saturated when its log-pole (from the final model) is at least this.
+#: A head counts as saturated when its log-pole (from the final model) is at least this
+#: (float64: e^-36 ~ 2^-52, below the answers' rounding; see :func:`saturation_margin`).
 SATURATION_MARGIN = 36.0
 #: A final instance whose third sample misfits the single-pole form by more than this many
 #: rounding units did not hold its saturation assumption.
@@ -102,16 +103,17 @@ GRAM_SCHMIDT_BYTES = 2**20
 
 def score_unit(settings, stats=None) -> float:
     """The relative rounding unit of the oracle's own arithmetic, which rounds its scores too:
-    ``EPS`` for float64, else the larger of the noise the calibration measured
-    (``settings.answer_noise``) and the unit roundoff the answers' bits show (``stats``, an
+    ``EPS`` for float64, else the larger of the rounding the calibration measured
+    (``settings.arithmetic_noise``: not noise added at random to the outputs, which leaves the
+    scores exact, docs/algorithm.md §19) and the unit roundoff the answers' bits show (``stats``, an
     :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without calibration
     still recognises float32 answers). A declared ``answer_error`` is not part of it: it bounds
     the answers' total error, score rounding included, and says nothing of a score's rounding
     growing with ``|z| |W x|`` (seed 57 of the reliability table, d = H = 4, declared 1e-8: the
     score term sized by the declared error overstated the estimate 1e2..1e4 times)."""
     unit = EPS
-    if settings.answer_noise is not None:
-        unit = max(unit, float(settings.answer_noise))
+    if settings.arithmetic_noise is not None:
+        unit = max(unit, float(settings.arithmetic_noise))
     if stats is not None and stats.precision_name != "float64":
         unit = max(unit, stats.unit_roundoff)
     return unit
@@ -119,12 +121,24 @@ def score_unit(settings, stats=None) -> float:
 
 def answer_unit(settings, stats=None) -> float:
     """The answers' relative rounding unit that sizes the run's tolerances (docs/algorithm.md §19):
-    :func:`score_unit`, or a declared ``answer_error`` over the largest answer if that is larger."""
+    :func:`score_unit`, the answer noise the calibration measured (``settings.answer_noise``), or a
+    declared ``answer_error`` over the largest answer, whichever is largest."""
     unit = score_unit(settings, stats)
+    if settings.answer_noise is not None:
+        unit = max(unit, float(settings.answer_noise))
     if settings.answer_error is not None and stats is not None and stats.largest > 0:
         # a declared absolute bound, relative to the largest answer seen so far
         unit = max(unit, float(settings.answer_error) / stats.largest)
     return unit
+
+
+def saturation_margin(unit: float) -> float:
+    """The log-pole beyond which a head is saturated for answers of relative unit ``unit``: its
+    weight ``e^-margin`` left on the other token is below the answers' error, as ``SATURATION_MARGIN``
+    is at float64 (``36 - ln(unit / EPS)``: 19.3 at unit 4e-9, 23.5 at float32's 2^-24). A final
+    instance at margin 34.2 under declared noise 1e-8 failed the float64 margin while its unsaturated
+    head moved its answer by 1e-15 of the 1e-8 the noise did."""
+    return SATURATION_MARGIN - float(np.log(max(unit, EPS) / EPS))
 
 
 def agreement_tolerance(unit: float) -> float:
@@ -159,7 +173,7 @@ class TargetedInstances:
     residual : misfit of the third sample to the single-pole form, in rounding units (final
         instances; NaN for bridges).
     margin : smallest log-pole of the other heads at this instance, from the extracted model.
-    saturated : the instance held its assumption: margin >= ``SATURATION_MARGIN`` and (final
+    saturated : the instance held its assumption: margin >= :func:`saturation_margin` and (final
         instances) residual <= ``RESIDUAL_LIMIT``; for bridges also the measured log-pole agrees
         with the extracted model to 1e-6.
     """
@@ -252,8 +266,14 @@ class _Prober:
             answers[:, column] = self.ask(list(tokens), description)
         anchor = finals @ self.vbar
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
-        rounding = 4 * self.unit * (np.abs(anchor)[:, None] + np.abs(answers) + labels_scale[:, None])
+        rounding = self.systematic(finals)[:, None] + 4 * self.unit * (np.abs(answers) + labels_scale[:, None])
         return anchor[:, None] - answers, rounding
+
+    def systematic(self, finals: np.ndarray) -> np.ndarray:
+        """The part of :meth:`gaps`' rounding scale common to every sample of an instance: the
+        anchor ``vbar^T x`` (its error is vbar's, from the one-token answers, times x). The
+        three-sample fits' residuals cannot show it, so noisy runs do not scale it by them."""
+        return 4 * self.unit * np.abs(finals @ self.vbar)
 
 
 def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
@@ -357,6 +377,7 @@ class _GroupMeasurements:
     sigma_l: np.ndarray
     gaps: np.ndarray  # (G, H, d, K) the samples G(k) (NaN where not asked)
     rounding: np.ndarray  # (G, H, d, K) their rounding scales
+    systematic_share: np.ndarray  # the largest share of a sample's rounding common to the instance's samples
     a: np.ndarray  # (G, H, d) a_h(z) solved from the d log-poles (NaN unless all finite)
     misfit: np.ndarray  # |m_n - a^T x_n|
     margin: np.ndarray  # smallest other head's log-pole by the design estimates
@@ -536,6 +557,7 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     log_pole, label, designed, residual = (np.full((U, rounds), np.nan) for _ in range(4))
     sigma_m, sigma_l = np.full((U, rounds), np.inf), np.full((U, rounds), np.inf)
     gaps_all, rounding_all = np.full((U, rounds, K), np.nan), np.full((U, rounds, K), np.nan)
+    share = np.zeros((U, rounds))
     for n in range(rounds):
         x = prober.quantize(design.design(n))
         finals[:, n] = x
@@ -543,6 +565,8 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
         ks = copies[1] if n else copies[0]
         gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
         gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)] = gaps, rounding
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share[:, n] = np.clip(np.nan_to_num(prober.systematic(x)[:, None] / rounding).max(axis=1), 0.0, 1.0)
         if ks == (1,):
             m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
             log_pole[:, n] = m
@@ -557,7 +581,7 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
         design.update(n, x, log_pole[:, n])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
-        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all)),
+        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, share)),
         np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H, 2), np.nan))
     if refit:
         out.refit_with_consensus_labels()
@@ -587,7 +611,12 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         for h in range(H):
             score = score_factor * score_unit * z_norm[heads == h, None] * np.linalg.norm(
                 finals[heads == h] @ W_score[h].T, axis=2)
-            sigma[heads == h] = np.hypot(sample_scale * out.sigma_m.reshape(U, rounds)[heads == h], score)
+            # the residuals scale the samples' own errors, not the part common to an instance's
+            # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate understated the
+            # truth 8x at d = H = 4 under declared uniform noise 1e-8)
+            common = out.systematic_share.reshape(U, rounds)[heads == h]
+            samples = (sample_scale * (1.0 - common) + common) * out.sigma_m.reshape(U, rounds)[heads == h]
+            sigma[heads == h] = np.hypot(samples, score)
             score_sigma[heads == h] = score
     ok = np.isfinite(m).all(axis=1)
     a = np.where(ok[:, None], design.solve(finals, np.nan_to_num(m)[:, :, None])[:, :, 0], np.nan)
@@ -796,6 +825,11 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
     disagreement by its misfit to its own ``a`` plus ``|a - a_h(model)| |x|``. Both bounds are
     at least as strict as the exact quantities."""
     rows = []
+    W_error = None
+    if stages and unit > EPS and np.isfinite(stages[-1][1].error_squared[..., 0]).all():
+        final = stages[-1][1]  # |dW_h|_F per head from the final stage's first-order errors
+        W_error = (np.sqrt(final.error_squared[..., 0].sum(axis=0))
+                   / np.linalg.norm(final.differences[0], axis=1))
     for stage, data in stages:
         G, H, rounds = data.log_pole.shape
         margin, agrees = np.full((G, H, rounds), np.nan), np.zeros((G, H, rounds), dtype=bool)
@@ -806,6 +840,12 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
                 label_part = (np.abs(data.sigma_l[:, :, :1] / data.label[:, :, :1])
                               * (1.0 + np.exp(-data.log_pole)))
             reading = np.nan_to_num(data.sigma_m, nan=np.inf) + np.nan_to_num(label_part, nan=np.inf)
+            if model is not None and W_error is not None:
+                # the model's own log-pole at the instance is off by its W's error, |dW_h| |z| |x|
+                # (the final stage's first-order error, §13): at declared noise 1e-8, d = H = 4,
+                # 13 bridges of a model within its estimate disagreed by that alone
+                z_norm = np.linalg.norm(data.differences, axis=2)  # (G, H)
+                reading = reading + W_error[None, :, None] * z_norm[:, :, None] * data.x_norm
             tolerance = np.maximum(tolerance, 10.0 * reading)
         if model is not None:
             model_a = np.einsum("fab,gha->ghfb", model.W, data.differences)  # a_f(z) of the model, every unit
@@ -824,7 +864,7 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
                 agrees = data.misfit + own[:, :, None] * data.x_norm <= tolerance
         finite = np.isfinite(data.log_pole)
         held = agrees if stage == "bridge" else data.residual <= RESIDUAL_LIMIT
-        ok = (margin >= SATURATION_MARGIN) & finite & held
+        ok = (margin >= saturation_margin(unit)) & finite & held
         g, h, _ = np.meshgrid(np.arange(G), np.arange(H), np.arange(rounds), indexing="ij")
         rows.append((np.full(G * H * rounds, stage), g.ravel(), h.ravel(), data.log_pole.ravel(),
                      data.label.ravel(), data.designed.ravel(), data.residual.ravel(), margin.ravel(), ok.ravel()))
