@@ -135,7 +135,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
         settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
                                        answer_noise=calibration.answer_noise,
-                                       arithmetic_noise=calibration.arithmetic_noise)
+                                       arithmetic_noise=_arithmetic_noise(calibration, settings))
         plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
     arithmetic = arithmetic_for(settings.precision, settings.backend)
     record = None
@@ -384,6 +384,15 @@ def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -
         return None, measured
     noise = measured if (settings.refine or settings.answer_error is not None) else None
     return noise, measured
+
+
+def _arithmetic_noise(calibration: Calibration, settings: RunSettings) -> float | None:
+    """The oracle's arithmetic rounding the schedule assumes (docs/algorithm.md §19): the
+    calibration's, except that random noise under a declared ``answer_error`` is that error (the
+    bound on the answers' total error, which the user states): the scores are then float64's."""
+    if calibration.random_noise and settings.answer_error is not None:
+        return None
+    return calibration.arithmetic_noise
 
 
 def _constant_error(model, measured: float) -> float:

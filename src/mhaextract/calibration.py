@@ -31,12 +31,19 @@ passes it to the schedule as ``RunSettings.answer_noise``.
 queries are asked a second time, unchanged. An oracle that rounds (float32 arithmetic, a float32 softmax) answers a
 repeat exactly as before, and its permuted disagreement is the rounding of its own scores too; an
 oracle that adds random noise to its outputs (a defence, a sampled estimate) answers a repeat
-differently, by about as much as the permuted pairs differ. ``Calibration.arithmetic_noise`` is
-the permuted disagreement when the repeats differ by less than ``1 / RANDOM_RATIO`` of it (or the
-answers' bits are below float64), else None: then the noise is the output's, and the scores are
-taken as float64's (``RunSettings.arithmetic_noise``; the targeted schedules size their
-score-rounding term by it, not by the answer noise: seed 57 of docs/reliability.md, d = H = 4,
-Gaussian 1e-10, the estimate was 1e4 times the truth).
+differently, by about as much as the permuted pairs differ (``Calibration.random_noise``).
+``Calibration.arithmetic_noise``, the rounding unit of the oracle's own arithmetic
+(``RunSettings.arithmetic_noise``; the targeted schedules size their score-rounding term by it,
+not by the answer noise: seed 57 of docs/reliability.md, d = H = 4, Gaussian 1e-10, the estimate
+was 1e4 times the truth):
+
+* the answer noise, when the repeats differ by less than ``1 / RANDOM_RATIO`` of the permuted
+  pairs or the answers' bits are below float64 (the noise is the arithmetic's);
+* None (float64 scores) for random noise below ``HIDDEN_FLOAT32`` relative: a float32 arithmetic
+  would have shown in the permuted pairs above it (the smallest a float32 softmax showed was 4e-9);
+* ``min(answer noise, 2^-24)`` for larger random noise, which may hide a float32 arithmetic (a
+  float32 layer behind Gaussian noise 1e-7, taken as float64 scores, passed with an estimate 12
+  times below the truth).
 
 Queries: ``1 + 2P`` one-token queries (the zero vector and both tokens of each pair at the base
 scale; one-token answers at the other scales follow exactly, since the tokens scale by powers of
@@ -71,6 +78,8 @@ PERMUTED = 4
 REPEATED = 2
 #: Repeats that differ by at least 1 / RANDOM_RATIO of the permuted disagreement: random noise.
 RANDOM_RATIO = 30.0
+#: Random noise below this (relative) cannot hide a float32 arithmetic (module docstring).
+HIDDEN_FLOAT32 = 4e-10
 #: A relative answer noise at most this many units of 2^-53 is float64 rounding (answer_noise None).
 FLOAT64_NOISE_UNITS = 64.0
 
@@ -91,10 +100,10 @@ class Calibration:
         rounding, else None (module docstring).
     answer_precision : ``"float64"``, ``"float32"``, ``"bfloat16"`` (the answers' bits), or
         ``"float64 with noise"`` (float64 numbers whose permuted probes disagree beyond rounding).
-    arithmetic_noise : the part of ``answer_noise`` that is the oracle's own rounding, which rounds
-        its scores too: ``answer_noise`` when repeated queries answer alike (deterministic) or the
-        answers' bits are below float64; None when the repeats show random noise of the same size
-        (noise added to the outputs; module docstring) or there is no noise.
+    arithmetic_noise : the relative rounding unit of the oracle's own arithmetic, which rounds its
+        scores too (module docstring): ``answer_noise`` for deterministic noise; for random noise
+        None (float64) below ``HIDDEN_FLOAT32``, else ``min(answer_noise, 2^-24)``; None without noise.
+    random_noise : the repeated probes answered differently (noise added at random to the outputs).
     """
 
     token_scale: float
@@ -107,6 +116,7 @@ class Calibration:
     answer_noise: float | None = None
     answer_precision: str = "float64"
     arithmetic_noise: float | None = None
+    random_noise: bool = False
 
     def __str__(self) -> str:
         noise = "" if self.answer_noise is None else f"; answers {self.answer_precision}, noise {self.answer_noise:.2g}"
@@ -179,18 +189,18 @@ def permutation_noise(boundary, d: int, rng) -> tuple[float, float]:
     return float(max(np.abs(first - second).max(), repeated) / largest), float(repeated / largest)
 
 
-def answer_noise(boundary, permuted: float, repeated: float = 0.0) -> tuple[float | None, str, float | None]:
-    """``(relative noise or None at float64 rounding, precision name, arithmetic noise or None)``
-    from the answers' bits (``boundary.stats``), the permutation probes' disagreement ``permuted``
-    and the repeated probes' ``repeated`` (module docstring: rounding or random noise)."""
+def answer_noise(boundary, permuted: float, repeated: float = 0.0) -> tuple[float | None, str, float | None, bool]:
+    """``(relative noise or None at float64 rounding, precision name, arithmetic noise or None,
+    random)`` from the answers' bits (``boundary.stats``), the permutation probes' disagreement
+    ``permuted`` and the repeated probes' ``repeated`` (module docstring: rounding or random noise)."""
     stats = boundary.stats
     precision = stats.precision_name
     noise = max(stats.unit_roundoff if precision != "float64" else 0.0, permuted)
     if noise <= FLOAT64_NOISE_UNITS * 2.0**-53:
-        return None, precision, None
-    rounding = precision != "float64" or RANDOM_RATIO * repeated < permuted
-    return (float(noise), precision if precision != "float64" else "float64 with noise",
-            float(noise) if rounding else None)
+        return None, precision, None, False
+    random = precision == "float64" and RANDOM_RATIO * repeated >= permuted
+    arithmetic = (None if noise < HIDDEN_FLOAT32 else min(noise, 2.0**-24)) if random else noise
+    return float(noise), precision if precision != "float64" else "float64 with noise", arithmetic, random
 
 
 def calibrate(boundary, d: int, rng) -> Calibration:
@@ -200,12 +210,12 @@ def calibrate(boundary, d: int, rng) -> Calibration:
     scales, response, noise = probe_responses(boundary, d, rng)
     noisy = None
     if boundary.precision is None:
-        noisy, precision, arithmetic = answer_noise(boundary, *permutation_noise(boundary, d, rng))
+        noisy, precision, arithmetic, random = answer_noise(boundary, *permutation_noise(boundary, d, rng))
         if noisy is not None:  # D below the answers' own noise (not float64 rounding) is noise
             noise = noise * max(1.0, noisy / np.finfo(np.float64).eps)
     queries = boundary.position - before
     extra = {} if noisy is None else {"answer_noise": noisy, "answer_precision": precision,
-                                      "arithmetic_noise": arithmetic}
+                                      "arithmetic_noise": arithmetic, "random_noise": random}
     response = np.where(response > noise, response, np.nan)
     peak = np.nanmax(np.where(np.isfinite(response), response, -np.inf), axis=0)
     relative = response / np.where(peak > 0, peak, np.inf)[None]
