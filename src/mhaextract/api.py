@@ -326,7 +326,8 @@ def _refine(model, sequences, answers, added, bias, certificate):
     ``valid_below`` stays the algebraic start's where the schedule has a certificate."""
     scales = answer_scales(model, sequences)
     # An answer of exactly known size 0 (the zero query answers c) must not get an unbounded weight.
-    weights = 1.0 / np.maximum(scales, WEIGHT_FLOOR * np.median(scales) + 1e-300)
+    floor = WEIGHT_FLOOR * np.median(scales) if len(scales) else 0.0  # no answers: nothing is refined
+    weights = 1.0 / np.maximum(scales, floor + 1e-300)
     model, refinement = refine_least_squares(model, sequences, answers, added=added, bias=bias, weights=weights)
     if refinement.status == -1:  # not attempted (too few answers, or not affordable): the schedule's own stands
         return model, refinement, certificate
