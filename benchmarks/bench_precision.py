@@ -182,6 +182,7 @@ def main():
     parser.add_argument("--oracles", default="float64", help="comma-separated: " + ", ".join(ORACLES))
     parser.add_argument("--sizes", nargs="+", metavar="DxH", help="only these cells (default and refine runs)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per run with --sizes")
+    parser.add_argument("--no-refine", action="store_true", help="with --sizes: the default runs only")
     args = parser.parse_args()
     oracles = [name.strip() for name in args.oracles.split(",")]
     unknown = [name for name in oracles if name not in ORACLES]
@@ -196,7 +197,7 @@ def main():
     if args.sizes:
         cells = [tuple(int(part) for part in size.lower().split("x")) for size in args.sizes]
         print("\n### Precision per (d, H)\n")
-        table(oracles, [(d, H, args.seeds, args.seeds) for d, H in cells])
+        table(oracles, [(d, H, args.seeds, 0 if args.no_refine else args.seeds) for d, H in cells])
         return
     print("\n### Precision per (d, H)\n")
     table(oracles, QUICK if args.quick else FULL)

@@ -196,7 +196,7 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     W_rough = lifted_scores(*_assemble(Z, rough_a, rough_l)[::2])
     v_rough = _assemble(Z, rough_a, rough_l)[1]
     scale = GROUP_SCALE * token_scale
-    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
+    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
     estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a~_f(z) for every unit
     final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough, designer=AffineDesign)

@@ -75,6 +75,9 @@ GROUP_SCALE = 64.0
 #: 1..3, where the three-sample fit is best conditioned), the others in MID +- SPREAD.
 TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
 SATURATION_MID, SATURATION_SPREAD = 70.0, 30.0
+#: Balanced bases tried per head in the final stage (:func:`_balanced_basis`), within BASIS_BYTES
+#: of candidate design rows.
+BASIS_CANDIDATES, BASIS_BYTES = 128, 2**26
 #: A head counts as saturated when its log-pole (from the final model) is at least this
 #: (float64: e^-36 ~ 2^-52, below the answers' rounding; see :func:`saturation_margin`).
 SATURATION_MARGIN = 36.0
@@ -647,7 +650,7 @@ def _shared(differences: np.ndarray, estimates: np.ndarray):
             np.repeat(estimates[:, None], H, axis=1))
 
 
-def _balanced_basis(label_direction: np.ndarray, rng, scale: float) -> np.ndarray:
+def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.ndarray | None = None) -> np.ndarray:
     """An orthogonal basis (columns) times ``scale`` in which ``label_direction`` (a rough ``v_h``)
     has equal components ``+-|v_h| / sqrt(d)``: the Householder reflection that exchanges
     ``v_h / |v_h|`` and ``(1, .., 1) / sqrt(d)``, with random column signs.
@@ -655,6 +658,16 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float) -> np.ndarra
     A difference z nearly orthogonal to ``v_h`` makes the label ``l_h = v_h^T z`` small next to the
     oracle's rounding of ``v_h^T y`` (``~ eps |v_h| |z|``), and that head's poles imprecise; in this
     basis every ``|l_h| = |v_h| |z| / sqrt(d)``.
+
+    Every rotation ``O`` that fixes ``(1, .., 1)`` keeps that balance. With ``scores`` (H, d', d'),
+    the rough score matrices (``d' = d + 1``, lifted, with biases: their d x d part), the basis is the best of
+    ``BASIS_CANDIDATES`` such rotations by the worst condition number over its columns z of the
+    design rows ``A(z) = [W_f^T z]_f`` (docs/algorithm.md §13): an instance solves ``A(z) x = m``
+    with the other heads' log-poles at 40..100, so an ill-conditioned ``A(z)`` makes ``|x|``, the
+    answers and their rounding large. Only at H = d, where ``A(z)`` is square and ``x`` has no
+    null-space part: 8 seeds each, worst error 2.9e-11 -> 1.9e-14 at d = H = 8 and 2.8e-9 -> 1.0e-13
+    at d = H = 16 with the best of 256, the same number of queries; below H = d the criterion
+    missed (d = 16, H = 8: one seed 5e-15 -> 2.5e-12).
     """
     d = len(label_direction)
     unit = label_direction / np.linalg.norm(label_direction)
@@ -665,7 +678,24 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float) -> np.ndarra
     else:
         normal /= np.linalg.norm(normal)
         reflection = np.eye(d) - 2.0 * np.outer(normal, normal)
-    return reflection * rng.choice([-1.0, 1.0], size=d)[None, :] * scale
+    signs = rng.choice([-1.0, 1.0], size=d)
+    basis = reflection * signs[None, :]
+    if scores is not None and len(scores) == d > 1:
+        rows = scores[:, :d, :d]  # A(z)[f] = W_f^T z on x (a lifted z ends in 0, a lifted x in a fixed 1)
+        count = int(np.clip(BASIS_BYTES // (8 * rows.size), 1, BASIS_CANDIDATES))  # (count, d, H, d) designs
+        gaussian = rng.standard_normal((count - 1, d, d))
+        complement = np.linalg.qr(gaussian - ones[None, :, None] * (ones @ gaussian)[:, None, :])[0][:, :, :d - 1]
+        inner = np.linalg.qr(rng.standard_normal((count - 1, d - 1, d - 1)))[0]
+        rotations = (np.outer(ones, ones)[None]
+                     + np.matmul(complement, np.matmul(inner, complement.transpose(0, 2, 1))))
+        # R O diag(signs): v^T R O = |v| 1^T O / sqrt(d) = |v| 1^T / sqrt(d), every label alike
+        candidates = np.concatenate([basis[None], np.matmul(reflection, rotations) * signs[None, None, :]])
+        designs = np.einsum("fab,kag->kgfb", rows, candidates)  # (count, groups, H, d)
+        singular = np.linalg.svd(designs, compute_uv=False)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            worst = np.nan_to_num(singular[..., 0] / singular[..., -1], nan=np.inf).max(axis=1)
+        basis = candidates[int(np.argmin(worst))]
+    return basis * scale
 
 
 class TargetedSchedule(Schedule):
@@ -799,7 +829,8 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
 
         # --- final: each head in its own basis, balanced for its label (every |v_h^T z| alike).
         scale = GROUP_SCALE * token_scale
-        bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])  # (H, d, d)
+        bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough))
+                          for h in range(H)])  # (H, d, d)
         differences = bases.transpose(2, 0, 1)  # (d groups, H, d): differences[g, h] = column g of head h's basis
         estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a_f(z) = W_f^T z for every unit
         final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough)
