@@ -664,10 +664,9 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
     ``BASIS_CANDIDATES`` such rotations by the worst condition number over its columns z of the
     design rows ``A(z) = [W_f^T z]_f`` (docs/algorithm.md §13): an instance solves ``A(z) x = m``
     with the other heads' log-poles at 40..100, so an ill-conditioned ``A(z)`` makes ``|x|``, the
-    answers and their rounding large. Only at H = d, where ``A(z)`` is square and ``x`` has no
-    null-space part: 8 seeds each, worst error 2.9e-11 -> 1.9e-14 at d = H = 8 and 2.8e-9 -> 1.0e-13
-    at d = H = 16 with the best of 256, the same number of queries; below H = d the criterion
-    missed (d = 16, H = 8: one seed 5e-15 -> 2.5e-12).
+    answers and their rounding large (worst of 8 seeds, same queries: 2.9e-11 -> 2.5e-14 at
+    d = H = 8, 2.8e-9 -> 8.3e-14 at d = H = 16, 1.3e-14 -> 5.7e-15 at d = 8, H = 6). One head
+    (H = 1): a single row, nothing to condition; the basis is drawn as before.
     """
     d = len(label_direction)
     unit = label_direction / np.linalg.norm(label_direction)
@@ -680,7 +679,7 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
         reflection = np.eye(d) - 2.0 * np.outer(normal, normal)
     signs = rng.choice([-1.0, 1.0], size=d)
     basis = reflection * signs[None, :]
-    if scores is not None and len(scores) == d > 1:
+    if scores is not None and len(scores) > 1:
         rows = scores[:, :d, :d]  # A(z)[f] = W_f^T z on x (a lifted z ends in 0, a lifted x in a fixed 1)
         count = int(np.clip(BASIS_BYTES // (8 * rows.size), 1, BASIS_CANDIDATES))  # (count, d, H, d) designs
         gaussian = rng.standard_normal((count - 1, d, d))
