@@ -118,7 +118,8 @@ def test_balanced_bases_keep_every_label_alike_and_minimise_the_worst_design_con
         np.testing.assert_allclose(basis.T @ basis, 4.0 * np.eye(d), atol=1e-12)  # orthogonal, |z| = 2
         np.testing.assert_allclose(np.abs(v @ basis), 2.0 * np.linalg.norm(v) / np.sqrt(d), rtol=1e-12)
     assert worst(chosen) < worst(plain) / 2
-    np.testing.assert_array_equal(_balanced_basis(v, np.random.default_rng(1), 2.0, W[:1]), plain)  # one head: as before
+    one_head = _balanced_basis(v, np.random.default_rng(1), 2.0, W[:1])
+    np.testing.assert_array_equal(one_head, plain)  # one head: nothing to condition, drawn as before
 
 
 def test_a_head_met_twice_with_contaminated_labels_is_one_head():

@@ -28,10 +28,11 @@ answer) is the larger of the two readings, or None at float64 rounding; :func:`m
 passes it to the schedule as ``RunSettings.answer_noise``.
 
 **Rounding or random noise** (docs/algorithm.md §19): the first ``REPEATED`` permuted probes' first
-queries are asked a second time, unchanged. An oracle that rounds (float32 arithmetic, a float32 softmax) answers a
-repeat exactly as before, and its permuted disagreement is the rounding of its own scores too; an
-oracle that adds random noise to its outputs (a defence, a sampled estimate) answers a repeat
-differently, by about as much as the permuted pairs differ (``Calibration.random_noise``).
+queries are asked a second time, unchanged. An oracle that rounds (float32 arithmetic, a float32
+softmax) answers a repeat exactly as before, and its permuted disagreement is the rounding of its
+own scores too; an oracle that adds random noise to its outputs (a defence, a sampled estimate)
+answers a repeat differently, by about as much as the permuted pairs differ
+(``Calibration.random_noise``).
 ``Calibration.arithmetic_noise``, the rounding unit of the oracle's own arithmetic
 (``RunSettings.arithmetic_noise``; the targeted schedules size their score-rounding term by it,
 not by the answer noise: seed 57 of docs/reliability.md, d = H = 4, Gaussian 1e-10, the estimate
