@@ -380,7 +380,6 @@ class _GroupMeasurements:
     sigma_l: np.ndarray
     gaps: np.ndarray  # (G, H, d, K) the samples G(k) (NaN where not asked)
     rounding: np.ndarray  # (G, H, d, K) their rounding scales
-    systematic_share: np.ndarray  # the largest share of a sample's rounding common to the instance's samples
     a: np.ndarray  # (G, H, d) a_h(z) solved from the d log-poles (NaN unless all finite)
     misfit: np.ndarray  # |m_n - a^T x_n|
     margin: np.ndarray  # smallest other head's log-pole by the design estimates
@@ -560,7 +559,6 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     log_pole, label, designed, residual = (np.full((U, rounds), np.nan) for _ in range(4))
     sigma_m, sigma_l = np.full((U, rounds), np.inf), np.full((U, rounds), np.inf)
     gaps_all, rounding_all = np.full((U, rounds, K), np.nan), np.full((U, rounds, K), np.nan)
-    share = np.zeros((U, rounds))
     for n in range(rounds):
         x = prober.quantize(design.design(n))
         finals[:, n] = x
@@ -568,8 +566,6 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
         ks = copies[1] if n else copies[0]
         gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
         gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)] = gaps, rounding
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share[:, n] = np.clip(np.nan_to_num(prober.systematic(x)[:, None] / rounding).max(axis=1), 0.0, 1.0)
         if ks == (1,):
             m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
             log_pole[:, n] = m
@@ -584,20 +580,21 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
         design.update(n, x, log_pole[:, n])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
-        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, share)),
+        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all)),
         np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H, 2), np.nan))
     if refit:
         out.refit_with_consensus_labels()
-    _reduce_chunk(out, finals, design, W_score, prober.unit, prober.score_unit)
+    _reduce_chunk(out, finals, design, W_score, prober.unit, prober.score_unit, prober.systematic)
     out.finals = finals.reshape(G, H, rounds, d)
     return out
 
 
 def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, unit: float = EPS,
-                  score_unit: float = EPS) -> None:
+                  score_unit: float = EPS, systematic=None) -> None:
     """What the rest of the run needs of a chunk's final tokens (U, rounds, d), before they are
     dropped: the solved ``a``, each instance's misfit, margin and norm, and the error-estimate terms
-    (the samples' rounding at the answers' ``unit``, the scores' at the oracle's ``score_unit``)."""
+    (the samples' rounding at the answers' ``unit``, the scores' at the oracle's ``score_unit``;
+    ``systematic``: the prober's rounding common to an instance's samples, :meth:`_Prober.systematic`)."""
     G, H, rounds = out.log_pole.shape
     U, d, heads = G * H, finals.shape[2], design.heads
     m = out.log_pole.reshape(U, rounds)
@@ -605,20 +602,26 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
     if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
         score_factor, sample_scale = (NOISY_SCORE_FACTOR if score_unit > EPS else 8.0), 1.0
+        common = np.zeros((U, rounds))  # the largest share of a sample's rounding common to its instance's
         if unit > EPS:  # noisy answers (docs/algorithm.md §19): typical errors rather than float64's bounds
             # The samples' rounding model (4 units per magnitude) against what the three-sample fits
             # show: with one degree of freedom each, E[residual^2] = (actual / modelled error)^2.
             residual = out.residual[np.isfinite(out.residual)]
             if residual.size:
                 sample_scale = float(np.clip(3.0 * np.sqrt(np.mean(residual**2)), NOISY_SAMPLE_FLOOR, 1.0))
+            if systematic is not None:
+                shared = systematic(finals.reshape(U * rounds, -1)).reshape(U, rounds)
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    ratio = np.nan_to_num(shared[:, :, None] / out.rounding.reshape(U, rounds, -1))
+                common = np.clip(ratio.max(axis=2), 0.0, 1.0)
         for h in range(H):
             score = score_factor * score_unit * z_norm[heads == h, None] * np.linalg.norm(
                 finals[heads == h] @ W_score[h].T, axis=2)
             # the residuals scale the samples' own errors, not the part common to an instance's
             # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate understated the
             # truth 8x at d = H = 4 under declared uniform noise 1e-8)
-            common = out.systematic_share.reshape(U, rounds)[heads == h]
-            samples = (sample_scale * (1.0 - common) + common) * out.sigma_m.reshape(U, rounds)[heads == h]
+            share = common[heads == h]
+            samples = (sample_scale * (1.0 - share) + share) * out.sigma_m.reshape(U, rounds)[heads == h]
             sigma[heads == h] = np.hypot(samples, score)
             score_sigma[heads == h] = score
     ok = np.isfinite(m).all(axis=1)
