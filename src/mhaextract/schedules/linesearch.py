@@ -89,6 +89,7 @@ class LineSearchReport:
     duplicates: int = 0
     heads: list[LocatedHead] = field(default_factory=list)
     queries: int = 0  # asked by the search (measured at the boundary by the caller)
+    groups: int = 1  # differences z_1 searched (the caller's retries in a fresh group)
 
 
 def locate_heads(gap: Callable, z: np.ndarray, max_heads: int, rng: np.random.Generator, token_scale: float,
