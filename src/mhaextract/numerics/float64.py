@@ -56,7 +56,7 @@ def detect_ranks(samples: np.ndarray, ks: np.ndarray, max_poles: int, constant=N
     sv = np.linalg.svd(loewner(samples, ks, support, test), compute_uv=False)
     # Samples scale: a constant F (rank 0) has a zero Loewner matrix.
     scale = np.abs(samples).max(axis=1)
-    reference = np.maximum(sv[:, :1], scale[:, None] * 1e-300)
+    reference = np.maximum(sv[:, :1], np.maximum(scale[:, None] * 1e-300, np.finfo(float).tiny))  # never 0 / 0
     relative = sv / reference
     gaps = (ks[test][:, None] - ks[support][None, :]).astype(np.float64)
     noise_norm = 2.0 * float(answer_error) * np.sqrt((1.0 / gaps**2).sum())
@@ -79,8 +79,14 @@ def poles_from_weights(weights: np.ndarray, support_points: np.ndarray) -> np.nd
     Qw = weights @ Q  # (n, r)
     sQ = s @ Q  # (r,)
     total = weights.sum(axis=1)
-    A = QSQ[None] - Qw[:, :, None] * sQ[None, None, :] / total[:, None, None]
-    return np.linalg.eigvals(A)
+    # A row whose weights sum to zero has a pole at infinity (no finite zeros of D): NaN poles,
+    # which the instance's checks reject, rather than a division by zero and eigvals of infinities.
+    finite = np.isfinite(weights).all(axis=1) & (total != 0)
+    poles = np.full((n, size - 1), np.nan, dtype=complex)
+    if finite.any():
+        A = QSQ[None] - Qw[finite, :, None] * sQ[None, None, :] / total[finite, None, None]
+        poles[finite] = np.linalg.eigvals(A)
+    return poles
 
 
 def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None) -> InstanceFits:
