@@ -40,7 +40,7 @@ from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
     EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
     _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection, _patterns,
-    _Prober, _shared, answer_unit, line_search, score_unit,
+    _Prober, _shared, answer_unit, first_group, score_unit,
 )
 
 
@@ -164,13 +164,12 @@ def _offset(prober: AffineProber, z: np.ndarray, head) -> float:
 
 
 def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
-    """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances."""
-    Z, search = line_search(prober, d, max_heads, rng, token_scale)
-    if not search.heads:
-        return Z, search, None
-    rough = np.array([np.append(head.direction, _offset(prober, Z[:, 0], head)) for head in search.heads])
-    first = _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign)
-    return Z, search, first
+    """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances
+    (:func:`.targeted.first_group`: a fresh group while heads are missing or instances did not hold)."""
+    def measure(Z, search):
+        rough = np.array([np.append(head.direction, _offset(prober, Z[:, 0], head)) for head in search.heads])
+        return _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign)
+    return first_group(prober, d, max_heads, rng, token_scale, measure)
 
 
 def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):

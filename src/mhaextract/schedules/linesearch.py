@@ -44,6 +44,9 @@ WINDOW_FRACTION = 0.02
 MAX_CENTER_LOG_POLE = 4.0
 #: Largest |m| accepted at a reading (one sample resolves m to ~1e-10 up to here).
 MAX_READING_LOG_POLE = 8.0
+#: Largest error of a reading's m from its sample's rounding (noisy answers reach it well inside
+#: MAX_READING_LOG_POLE); a reading beyond it is asked again nearer the centre.
+MAX_READING_ERROR = 1e-3
 #: Two centres with the same label whose directions agree to this (relative) are one head.
 DIRECTION_AGREEMENT = 1e-2
 #: Noisy answers (float32 layers): a centre's label and direction are good to a few percent only
@@ -209,9 +212,15 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng, unit=None):
             break
         points = np.array([quantize(center + deltas[i] * directions[:, i]) for i in todo])
         actual = (points - center[None]) @ directions  # the quantized offsets, in the q basis
-        values = gap(points, (1,))[0][:, 0]
+        values, rounding = (part[:, 0] for part in gap(points, (1,)))
         m_read = single_pole.reading(values, P, label)
         ok = np.isfinite(m_read) & (np.abs(m_read) <= MAX_READING_LOG_POLE)
+        # The reading's own error from its sample's rounding, dm = dS (1 + tau)^2 / (|l| tau): with
+        # float32 answers a reading at |m| ~ 7 had dm ~ 1 and sat at the noise floor (read 6.6 where
+        # m was 14.9: directions 14..19% off, heads counted twice; nn.MultiheadAttention d = 32, H = 8).
+        with np.errstate(over="ignore", invalid="ignore"):
+            tau = np.exp(np.clip(m_read, -MAX_READING_LOG_POLE, MAX_READING_LOG_POLE))
+            ok &= rounding * (1.0 + tau) ** 2 / (abs(label) * tau) <= MAX_READING_ERROR
         for n, i in enumerate(todo):
             if ok[n]:
                 readings[i] = (m_read[n] - m) / actual[n, i]
