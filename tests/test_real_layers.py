@@ -77,6 +77,26 @@ def test_larger_biased_layers(kind):
     assert result.ok and mx.compare(result.model, to_reduced(layer, r)).max_rel <= 1e-9
 
 
+@pytest.mark.parametrize("kind, dtype, d, H", [
+    pytest.param("nn.MultiheadAttention", "float64", 16, 2, id="nn.MHA-float64"),
+    pytest.param("GPT2Attention", "float32", 16, 4, id="GPT2-float32"),
+    pytest.param("BertSelfAttention", "float64", 32, 4, id="BERT-float64", marks=pytest.mark.slow),
+    pytest.param("ViTAttention", "float32", 32, 8, id="ViT-float32", marks=pytest.mark.slow)])
+def test_a_biased_layer_is_extracted_by_the_low_rank_schedule(kind, dtype, d, H):
+    """Real heads have rank d / H: ``schedule="lowrank", rank=d // H, bias=True`` learns W, v, u and c
+    with O(H r d) queries; float32 layers as well (the rank limit and the estimate sized to the
+    answers' noise, docs/algorithm.md §17)."""
+    layer = build(kind, d, H, seed=d + H, implementation="eager" if dtype == "float32" else "sdpa")
+    r = np.random.default_rng(d + H).standard_normal(d)
+    truth = to_reduced(layer, r)
+    oracle = TorchOracle(layer.to(getattr(torch, dtype)), r)
+    result = mx.extract(oracle, d, heads=H, seed=0, schedule="lowrank", rank=d // H, bias=True, token_scale="auto")
+    error = mx.compare(result.model, truth).max_rel
+    assert result.ok and result.bias and result.queries == oracle.sequences
+    assert error <= (1e-10 if dtype == "float64" else 1e-4) and error <= result.error_estimate
+    assert result.queries < 4 * H * d * d - 2 * H + 1  # fewer than the paper's full-rank count
+
+
 class OwnAttention(torch.nn.Module):
     """A layer the library has never seen: heads of width 3 packed head-major in one (d, 3 H r)
     projection, its own temperature, biases on query, value and output, a 2-dimensional output."""

@@ -44,6 +44,8 @@ WINDOW_FRACTION = 0.02
 MAX_CENTER_LOG_POLE = 4.0
 #: Largest |m| accepted at a reading (one sample resolves m to ~1e-10 up to here).
 MAX_READING_LOG_POLE = 8.0
+#: Bisection steps a line may take, per grid interval and head (:func:`_search_line`).
+LINE_STEPS_PER_HEAD = 4
 #: Largest error of a reading's m from its sample's rounding (noisy answers reach it well inside
 #: MAX_READING_LOG_POLE); a reading beyond it is asked again nearer the centre.
 MAX_READING_ERROR = 1e-3
@@ -151,7 +153,11 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
     tolerance = max(1e-9 * scale, 1e3 * float(rounding.max()))
     # The fourth sample's agreement with the three-sample fit (the fit amplifies the samples' errors).
     agreement = max(1e-7, 1e3 * (unit or EPS)) * scale
-    budget = 64 * (grid + 1) * max_heads  # a safety net: no line may take more queries than this
+    # A safety net: no line may take more bisection steps than this. A staircase's lines take at most
+    # ~5 per head (d = 8..64, H = 3..32, float64 and float32); a line that is no staircase (a biased
+    # oracle read as bias-free: vbar off by c Z^{-T} 1 adds a ramp, and every half is "significant")
+    # bisected until 64 (grid + 1) H, 261,688 queries at d = 12, H = 2, before this bound.
+    budget = LINE_STEPS_PER_HEAD * (grid + 1) * max_heads
     stack = [(ts[n], values[n], ts[n + 1], values[n + 1], 0)
              for n in range(grid) if abs(values[n + 1] - values[n]) > tolerance]
     while stack and len(report.heads) < max_heads and budget > 0:

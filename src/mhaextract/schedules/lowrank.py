@@ -25,22 +25,37 @@ Queries after phase 1, with H heads found:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from ..checks.base import Check
 from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
+from ..oracle.queries import one_token_queries
+from . import biased
 from .base import Outcome
+from .biased import AffineDesign, AffineProber, lift, lifted_scores
 from .targeted import (
-    GROUP_SCALE, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step, _checks, _diagnostics,
-    _first_group, _measure, _Prober, _shared, first_order_estimate,
+    GROUP_SCALE, SATURATION_MID, SATURATION_SPREAD, TARGET, TARGET_CENTER, TargetedDetails, TargetedSchedule,
+    _balanced_basis, _bridge_step, _checks, _diagnostics, _first_group, _measure, _patterns, _Prober, _shared,
+    _SubspaceDesign, answer_unit, first_order_estimate, score_unit,
 )
 
 #: Full (R^d) differences per head beyond the rank: their extra singular values test the rank bound.
 RANK_EXTRA = 2
 #: A head whose (r+1)-th singular value of its measured ``a_h(z)``, relative to the largest, exceeds
-#: this has rank above the bound.
+#: this has rank above the bound (float64 answers; noisier ones: :func:`rank_limit`).
 RANK_LIMIT = 1e-8
+#: Noisy answers: the limit is this many of the answers' relative units, at most ``LOOSEST_RANK_LIMIT``
+#: (float32 torch layers of exact rank d / H showed 2e-7..5e-7 at units 6e-8..3e-7).
+RANK_UNITS, LOOSEST_RANK_LIMIT = 1e3, 1e-3
+
+
+def rank_limit(unit: float) -> float:
+    """The ``rank_bound`` check's limit for answers of relative unit ``unit`` (the rank is told from
+    noise only above it: a head of higher rank whose extra singular values are below it passes)."""
+    return max(RANK_LIMIT, min(RANK_UNITS * unit, LOOSEST_RANK_LIMIT))
 FINAL_COPIES = ((1, 2), (1, 2))
 
 
@@ -82,13 +97,160 @@ class LowRankSchedule(TargetedSchedule):
         H = len(search.heads)
         instances = _diagnostics(stages, model)
         finals = [data for stage, data in stages if stage == "final"]
-        error_estimate, score_estimate = _error_estimate(finals, model) if model is not None else (np.inf, 0.0)
+        error_estimate, score_estimate = _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0)
         checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages])
-        checks.append(Check("rank_bound", bool(rank_ratio <= RANK_LIMIT), float(rank_ratio), RANK_LIMIT,
-                            f"largest relative singular value {self.rank + 1} of a head's measured a_h(z) "
-                            f"(rank={self.rank}; above the limit the heads have higher rank)"))
+        checks.append(_rank_check(rank_ratio, self.rank))
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences,
                        np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate)
+
+
+class BiasedLowRankSchedule(LowRankSchedule):
+    """``extract(..., schedule="lowrank", rank=r, bias=True)``: heads of rank <= r with score biases
+    ``u_h`` and the output constant ``c`` (§16, §17), float64, H <= d. In the lifted coordinates of
+    §16 ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in ``S_h x R`` (r + 1 dimensions): the subspace units
+    ask ``r + 1`` instances (:class:`AffineSubspaceDesign`), the full ones ``d + 1`` (:class:`~.biased.AffineDesign`).
+    Queries after phase 1 (module docstring, lifted): ``(d + 1) + 3H(d + 1) + (d + 2)H(R - 1)
+    + (r + 2)H(d - R) + 2HR(d + 1) + 2H(r + 1)(d - R)``."""
+
+    @property
+    def promised_queries(self) -> int:
+        d, H, r, R = self.d, self.max_heads, self.rank, self.full_units
+        return ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * (R - 1) + (r + 2) * H * (d - R)
+                + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
+
+    @property
+    def count_formula(self) -> str:
+        return ("lowrank with biases (d+1) + 3H(d+1) + (d+2)H(R-1) + (r+2)H(d-R) + 2HR(d+1) + 2H(r+1)(d-R), "
+                "R = min(d, r+2), after phase 1")
+
+    def fixed_queries(self) -> list[np.ndarray]:
+        return [np.zeros((1, self.d))] + one_token_queries(self.vbar_basis)
+
+    def run(self, boundary, arithmetic) -> Outcome:
+        prober = AffineProber(boundary, self.d, self.token_scale, self.promised_queries)
+        prober.learn_vbar(self.vbar_basis)
+        self.unit = prober.unit = answer_unit(self.settings, boundary.stats)
+        prober.score_unit = score_unit(self.settings, boundary.stats)
+        search, stages, model, rank_ratio, W_lift = _run_affine(prober, self.d, self.max_heads, self.rank,
+                                                                 self.full_units, self.rng, self.token_scale)
+        H = len(search.heads)
+        instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
+        finals = [data for stage, data in stages if stage == "final"]
+        error_estimate, score_estimate = _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0)
+        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
+        checks.append(_rank_check(rank_ratio, self.rank, prober.unit))
+        return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences,
+                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate)
+
+
+def _rank_check(rank_ratio: float, rank: int, unit: float = 0.0) -> Check:
+    limit = rank_limit(unit)
+    return Check("rank_bound", bool(rank_ratio <= limit), float(rank_ratio), limit,
+                 f"largest relative singular value {rank + 1} of a head's measured a_h(z) "
+                 f"(rank={rank}; above the limit the heads have higher rank)")
+
+
+class AffineSubspaceDesign(_SubspaceDesign):
+    """The subspace design of §17 in the lifted coordinates of §16: ``a~_h(z) = (W_h^T z, u_h^T z)``
+    lies in the span of ``Q~ = [[Q, 0], [0, 1]]`` (``basis``, (U, d + 1, r + 1)), and a lifted final
+    token ``x~ = (x, 1)`` has coordinates ``Q~^T x~ = (y, 1)``. The r + 1 instances of a unit aim
+    its head at ``m = c^T y + b = TARGET_CENTER + TARGET p_0`` (c, b: its coordinates ``Q~^T a~``),
+    with ``y`` spread by ``SPREAD p_1.. p_{r-1}`` across c, p the zero-sum orthogonal rows of a
+    pattern whose constant row is the lifted 1: the (r + 1)-square ``[(y_n, 1)]`` is a triangular
+    transform of orthogonal rows (the target's log-pole must vary here: held at one value, as in the
+    bias-free design, its component along c would be parallel to the constant 1). The other heads
+    aim at ``a~_g^T x~ = a_g^T x + b_g = MID + SPREAD p_g``."""
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+        """(groups, H, rounds + H, rounds): rows 0..r-1 zero-sum and orthogonal, row r constant (the
+        lifted coordinate), then H rows for the other heads."""
+        inside = _patterns(rng, rounds, rounds - 1, groups * H).reshape(groups, H, rounds, rounds)
+        return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
+
+    def design(self, n: int) -> np.ndarray:
+        U, rounds = self.coordinates.shape
+        r, D = rounds - 1, self.current.shape[2]
+        c, b = self.coordinates[:, :r], self.coordinates[:, r]
+        size = np.linalg.norm(c, axis=1)
+        # An orthonormal frame of R^r whose first column is c / |c|: the reflection exchanging e_0 and it.
+        normal = np.eye(r)[0] - c / size[:, None]
+        length = np.linalg.norm(normal, axis=1)
+        normal = np.where(length[:, None] > 1e-12, normal / np.where(length > 1e-12, length, 1.0)[:, None], 0.0)
+        along = np.concatenate([TARGET_CENTER + TARGET * self.pattern[:, :1, n] - b[:, None],
+                                SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1) / size[:, None]
+        y = along - 2.0 * normal * np.einsum("ur,ur->u", normal, along)[:, None]
+        # the frame's rows are the other heads' lifted a~_g: their offsets b_g ride on the lifted 1
+        values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], rounds + self.others, n]
+        x = np.matmul(self.frame_map, np.concatenate([values, y, np.ones((U, 1))], axis=1)[:, :, None])[:, :, 0]
+        x[:, D - 1] = 1.0  # the frame asked for exactly this; the prober requires it to the bit
+        return x
+
+
+def _lifted_bases(spans: np.ndarray) -> np.ndarray:
+    """``Q~ = [[Q, 0], [0, 1]]`` (H, d + 1, r + 1) from the row-space bases Q (H, d, r)."""
+    H, d, r = spans.shape
+    out = np.zeros((H, d + 1, r + 1))
+    out[:, :d, :r], out[:, d, r] = spans, 1.0
+    return out
+
+
+def _run_affine(prober: AffineProber, d: int, max_heads: int, rank: int, R: int, rng, token_scale: float):
+    """:func:`_run` in the lifted coordinates of §16. Returns ``(line search report, [(stage,
+    measurements)], model or None, rank ratio, lifted W~ or None)``."""
+    Z, search, first = biased._first_group(prober, d, max_heads, rng, token_scale)
+    if first is None:
+        return search, [], None, 0.0, None
+    a1, labels1 = first.a[0], first.consensus_labels()[0][0]  # (H, d + 1), (H,)
+    stages = [("first", first)]
+    rough_a, rough_l = a1[None], labels1[None]
+    if d > 1 and np.isfinite(a1).all():
+        eps = _bridge_step(first)
+        bridge_z = lift(prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T), 0.0)  # (d - 1, d + 1)
+        full = _measure(prober, *_shared(bridge_z[:R - 1], np.repeat(a1[None], R - 1, axis=0)), rng, bridge=True,
+                        designer=AffineDesign)
+        stages.append(("bridge", full))
+        rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
+        rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
+        if not np.isfinite(full.a).all():
+            return search, stages, None, np.inf, None
+        if R < d:  # the other bridges in the rough row spaces (lifted)
+            spans, _ = _span(np.concatenate([a1[None], full.a])[..., :d], rank)
+            low = _measure(prober, *_shared(bridge_z[R - 1:], np.repeat(a1[None], d - R, axis=0)), rng,
+                           bridge=True, bases=_per_unit(_lifted_bases(spans), d - R), designer=AffineSubspaceDesign)
+            stages.append(("bridge", low))
+            rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
+            rough_l = np.concatenate([rough_l, (low.label[:, :, 0] - labels1) / eps])
+    if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
+        return search, stages, None, 0.0, None
+    W_rough, v_rough, u_rough = biased._assemble(Z, rough_a, rough_l)
+    W_lift = lifted_scores(W_rough, u_rough)
+    H = len(search.heads)
+    scale = GROUP_SCALE * token_scale
+    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
+    differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d, H, d + 1)
+    estimates = np.einsum("fab,gha->ghfb", W_lift, differences)
+    final = _measure(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_lift, copies=FINAL_COPIES,
+                     designer=AffineDesign)
+    stages.append(("final", final))
+    if not np.isfinite(final.a).all():
+        return search, stages, None, np.inf, None
+    spans, ratio = _span(final.a[..., :d], rank)
+    a_final, labels_final = final.a, final.consensus_labels()[0]
+    if R < d:
+        low = _measure(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_lift,
+                       copies=FINAL_COPIES, bases=_per_unit(_lifted_bases(spans), d - R),
+                       designer=AffineSubspaceDesign)
+        stages.append(("final", low))
+        a_final = np.concatenate([a_final, low.a])
+        labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])
+    if not (np.isfinite(a_final).all() and np.isfinite(labels_final).all()):
+        return search, stages, None, ratio, None
+    W, v, u = np.empty((H, d, d)), np.empty((H, d)), np.empty((H, d))
+    for h in range(H):
+        W_h, v_h, u_h = biased._assemble(bases[h], a_final[:, h:h + 1], labels_final[:, h:h + 1])
+        W[h], v[h], u[h] = W_h[0], v_h[0], u_h[0]
+    return search, stages, MultiHeadAttention(W, v, u, prober.c0), ratio, lifted_scores(W, u)
 
 
 def _span(vectors: np.ndarray, rank: int) -> tuple[np.ndarray, float]:
@@ -157,11 +319,23 @@ def _run(prober, d: int, max_heads: int, rank: int, R: int, rng, token_scale: fl
     return search, stages, MultiHeadAttention(W, v), ratio
 
 
-def _error_estimate(finals, model) -> tuple[float, float]:
+def _error_estimate(finals, model, rank: int) -> tuple[float, float]:
     """§13's first-order estimate over every final unit (full and subspace ones), and its part from
-    the oracle's score rounding alone; the subspace bases' own error (from the full units) is of the
-    same order and not added."""
+    the oracle's score rounding alone. A subspace unit's ``a = Q c`` also carries the error of its
+    basis Q, the row space of the full units' measured ``a`` (R x d per head, errors E): by Wedin's
+    theorem the part spanned by singular values above the errors moves by ``sin theta <= |E|_F /
+    sigma_k``, sigma_k the smallest of the top r singular values above ``10 |E|_F`` (a head of rank
+    k < r: the other directions of Q are noise, along which the units measure c ~ 0), so each
+    subspace unit adds ``(|E|_F / sigma_k)^2 |a|^2`` (float32 torch layers, d = 16, H = 4: without
+    it the estimate was 7 times below the truth)."""
     squared = sum(data.error_squared.sum(axis=0) for data in finals)
+    if len(finals) > 1:
+        full, low, d = finals[0], finals[1], model.d
+        for h in range(squared.shape[0]):
+            singular = np.linalg.svd(full.a[:, h, :d], compute_uv=False)[:rank]
+            error = np.sqrt(full.error_squared[:, h, 0].sum())
+            significant = singular[singular > 10.0 * error]
+            sigma_k = significant.min() if significant.size else 0.0
+            squared[h, 0] += (error / max(sigma_k, 1e-300)) ** 2 * (low.a[:, h, :d] ** 2).sum()
     z_norm = np.linalg.norm(finals[0].differences[0], axis=1)
     return first_order_estimate(squared[:, 0], z_norm, model), first_order_estimate(squared[:, 1], z_norm, model)
-

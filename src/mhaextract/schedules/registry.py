@@ -14,7 +14,7 @@ from .base import Schedule
 from .biased import BiasedTargetedSchedule
 from .biased_grid import BiasedGridSchedule
 from .lean import LeanSchedule
-from .lowrank import LowRankSchedule
+from .lowrank import BiasedLowRankSchedule, LowRankSchedule
 from .paper import PaperSchedule
 from .targeted import TargetedSchedule
 
@@ -118,4 +118,5 @@ register(TargetedSchedule)
 register(LowRankSchedule)
 BIASED[TargetedSchedule] = BiasedTargetedSchedule
 BIASED[PaperSchedule] = BiasedGridSchedule
+BIASED[LowRankSchedule] = BiasedLowRankSchedule
 REAL_LAYER_DEFAULTS.add(TargetedSchedule)
