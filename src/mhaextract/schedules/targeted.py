@@ -692,7 +692,8 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
                      + np.matmul(complement, np.matmul(inner, complement.transpose(0, 2, 1))))
         # R O diag(signs): v^T R O = |v| 1^T O / sqrt(d) = |v| 1^T / sqrt(d), every label alike
         candidates = np.concatenate([basis[None], np.matmul(reflection, rotations) * signs[None, None, :]])
-        designs = np.einsum("fab,kag->kgfb", rows, candidates)  # (count, groups, H, d)
+        # (count, groups, H, d): designs[k, g, f] = rows[f]^T candidates[k][:, g], as BLAS matmuls (not einsum)
+        designs = np.matmul(candidates.transpose(0, 2, 1)[:, None], rows[None]).transpose(0, 2, 1, 3)
         singular = np.linalg.svd(designs, compute_uv=False)
         with np.errstate(divide="ignore", invalid="ignore"):
             worst = np.nan_to_num(singular[..., 0] / singular[..., -1], nan=np.inf).max(axis=1)
