@@ -266,7 +266,7 @@ class _Prober:
         repeated = finals - differences
         for column, k in enumerate(copies):  # one (n, k + 1, d) array per k: no per-query stacking
             tokens = np.concatenate([np.repeat(repeated[:, None], k, axis=1), finals[:, None]], axis=1)
-            answers[:, column] = self.ask(list(tokens), description)
+            answers[:, column] = self.ask(tokens, description)
         anchor = finals @ self.vbar
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
         rounding = self.systematic(finals)[:, None] + 4 * self.unit * (np.abs(answers) + labels_scale[:, None])
