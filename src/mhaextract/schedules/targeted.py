@@ -287,22 +287,50 @@ def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
     return SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H:, :])
 
 
-def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray) -> np.ndarray:
+def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
+    """What :func:`_designs` needs of the rows that stay fixed over a unit's rounds: an orthonormal
+    basis ``Q_o`` (U, d, H - 1) and the triangle ``R_o`` of the other heads' estimates (the rows of
+    ``current`` (U, H, d) but the target ``heads[u]``; one batched QR per unit, not per round), and
+    the order (U, H) of the heads in the frame: the others, then the target."""
+    U, H, _ = current.shape
+    units = np.arange(U)
+    slots = np.arange(H - 1)[None, :]
+    others = slots + (slots >= heads[:, None])  # the heads f != h, ascending
+    q, r = np.linalg.qr(current[units[:, None], others].transpose(0, 2, 1))
+    return q, r, np.concatenate([others, heads[:, None]], axis=1)
+
+
+def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray,
+             frame=None) -> np.ndarray:
     """The final tokens of one round for U units at once (U, d).
 
     Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + TARGET p_h`` and the others at
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
-    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``E^T = QR`` (one batched QR),
-    ``b`` the unit's ``null_part`` and ``c`` the mean singular value of E. While the estimates are
-    the initial ones this is the square design ``[E; c N0] x = values``; once the target row was
-    corrected the projection keeps the null part exactly off every head."""
+    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``E^T = QR``, ``b`` the unit's
+    ``null_part`` and ``c`` the mean singular value of E. While the estimates are the initial ones
+    this is the square design ``[E; c N0] x = values``; once the target row was corrected the
+    projection keeps the null part exactly off every head.
+
+    Only the target's row changes between rounds: ``frame`` (:func:`_other_heads_frame`, of the
+    other rows, computed here when not given) is extended by the target's row, orthogonalised against
+    it twice (classical Gram-Schmidt), in place of a QR of all of E per round (the same x to rounding)."""
     U, H, d = current.shape
-    q, r = np.linalg.qr(current.transpose(0, 2, 1))  # (U, d, H), (U, H, H)
+    units = np.arange(U)
+    q_others, r_others, order = frame if frame is not None else _other_heads_frame(current, heads)
+    target = current[units, heads]
+    overlap = np.matmul(q_others.transpose(0, 2, 1), target[:, :, None])[:, :, 0]  # (U, H - 1)
+    rest = target - np.matmul(q_others, overlap[:, :, None])[:, :, 0]
+    second = np.matmul(q_others.transpose(0, 2, 1), rest[:, :, None])[:, :, 0]
+    rest -= np.matmul(q_others, second[:, :, None])[:, :, 0]
+    overlap += second
+    size = np.linalg.norm(rest, axis=1)
+    q = np.concatenate([q_others, (rest / size[:, None])[:, :, None]], axis=2)  # (U, d, H)
+    r = np.zeros((U, H, H))
+    r[:, :H - 1, :H - 1], r[:, :H - 1, H - 1], r[:, H - 1, H - 1] = r_others, overlap, size
     scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
     values = SATURATION_MID + SATURATION_SPREAD * columns[:, :H]
-    units = np.arange(U)
     values[units, heads] = TARGET_CENTER + TARGET * columns[units, heads]
-    coefficients = np.linalg.solve(r.transpose(0, 2, 1), values[:, :, None])  # R^T y = values
+    coefficients = np.linalg.solve(r.transpose(0, 2, 1), values[units[:, None], order][:, :, None])  # R^T y = values
     free = null_part / scale[:, None]
     free -= np.matmul(q, np.matmul(q.transpose(0, 2, 1), free[:, :, None]))[:, :, 0]
     return np.matmul(q, coefficients)[:, :, 0] + free
@@ -427,6 +455,7 @@ class _FullDesign:
         self.prior = current[self.units, heads].copy()
         self.null_part = _null_parts(current, patterns)
         self.correction = _MinimumNormCorrection(U, d)
+        self.frame = _other_heads_frame(current, heads)  # the other heads' rows never change here
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
@@ -438,7 +467,7 @@ class _FullDesign:
         return self.current[self.units, self.heads]
 
     def design(self, n: int) -> np.ndarray:
-        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n])
+        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n], self.frame)
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
         """Correct the target's estimate to fit what was measured (minimal change from the prior)."""
