@@ -288,16 +288,16 @@ def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
 
 
 def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
-    """What :func:`_designs` needs of the rows that stay fixed over a unit's rounds: an orthonormal
-    basis ``Q_o`` (U, d, H - 1) and the triangle ``R_o`` of the other heads' estimates (the rows of
-    ``current`` (U, H, d) but the target ``heads[u]``; one batched QR per unit, not per round), and
-    the order (U, H) of the heads in the frame: the others, then the target."""
+    """What :func:`_designs` needs of the rows that stay fixed over a unit's rounds, the other heads'
+    estimates ``O`` (the rows of ``current`` (U, H, d) but the target ``heads[u]``), from one batched
+    QR ``O^T = Q_o R_o`` per unit (not per round): ``Q_o`` (U, d, H - 1), ``R_o``, the map
+    ``O^+ = Q_o R_o^{-T}`` (U, d, H - 1) and the other heads' indices (U, H - 1), ascending."""
     U, H, _ = current.shape
     units = np.arange(U)
     slots = np.arange(H - 1)[None, :]
     others = slots + (slots >= heads[:, None])  # the heads f != h, ascending
     q, r = np.linalg.qr(current[units[:, None], others].transpose(0, 2, 1))
-    return q, r, np.concatenate([others, heads[:, None]], axis=1)
+    return q, r, np.matmul(q, np.linalg.inv(r.transpose(0, 2, 1))), others
 
 
 def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray,
@@ -306,17 +306,18 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
 
     Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + TARGET p_h`` and the others at
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
-    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``E^T = QR``, ``b`` the unit's
+    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b`` the unit's
     ``null_part`` and ``c`` the mean singular value of E. While the estimates are the initial ones
     this is the square design ``[E; c N0] x = values``; once the target row was corrected the
     projection keeps the null part exactly off every head.
 
-    Only the target's row changes between rounds: ``frame`` (:func:`_other_heads_frame`, of the
-    other rows, computed here when not given) is extended by the target's row, orthogonalised against
-    it twice (classical Gram-Schmidt), in place of a QR of all of E per round (the same x to rounding)."""
+    Only the target's row t changes between rounds: ``frame`` (:func:`_other_heads_frame`, of the
+    other rows O, computed here when not given) is extended by t's part ``size * unit`` off O's span
+    (classical Gram-Schmidt, twice), and ``E^+ u = O^+ u_O + unit (u_t - t^T O^+ u_O) / size``: no
+    factorisation nor solve per round (the same x as a QR of E to rounding)."""
     U, H, d = current.shape
     units = np.arange(U)
-    q_others, r_others, order = frame if frame is not None else _other_heads_frame(current, heads)
+    q_others, r_others, pseudo_inverse, others = frame if frame is not None else _other_heads_frame(current, heads)
     target = current[units, heads]
     overlap = np.matmul(q_others.transpose(0, 2, 1), target[:, :, None])[:, :, 0]  # (U, H - 1)
     rest = target - np.matmul(q_others, overlap[:, :, None])[:, :, 0]
@@ -324,16 +325,17 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     rest -= np.matmul(q_others, second[:, :, None])[:, :, 0]
     overlap += second
     size = np.linalg.norm(rest, axis=1)
-    q = np.concatenate([q_others, (rest / size[:, None])[:, :, None]], axis=2)  # (U, d, H)
-    r = np.zeros((U, H, H))
+    unit = rest / size[:, None]
+    r = np.zeros((U, H, H))  # E^T = [Q_o, unit] r, the heads ordered (others, target)
     r[:, :H - 1, :H - 1], r[:, :H - 1, H - 1], r[:, H - 1, H - 1] = r_others, overlap, size
     scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
-    values = SATURATION_MID + SATURATION_SPREAD * columns[:, :H]
-    values[units, heads] = TARGET_CENTER + TARGET * columns[units, heads]
-    coefficients = np.linalg.solve(r.transpose(0, 2, 1), values[units[:, None], order][:, :, None])  # R^T y = values
+    base = np.matmul(pseudo_inverse, (SATURATION_MID + SATURATION_SPREAD * columns[units[:, None], others])[:, :, None])
+    base = base[:, :, 0]  # O^+ u_O: the other heads at their log-poles, nothing along t's own direction
+    along = (TARGET_CENTER + TARGET * columns[units, heads] - np.einsum("ud,ud->u", target, base)) / size
     free = null_part / scale[:, None]
-    free -= np.matmul(q, np.matmul(q.transpose(0, 2, 1), free[:, :, None]))[:, :, 0]
-    return np.matmul(q, coefficients)[:, :, 0] + free
+    free -= np.matmul(q_others, np.matmul(q_others.transpose(0, 2, 1), free[:, :, None]))[:, :, 0]
+    free -= unit * np.einsum("ud,ud->u", unit, free)[:, None]
+    return base + unit * along[:, None] + free
 
 
 class _MinimumNormCorrection:
