@@ -498,7 +498,9 @@ class _SubspaceDesign(_FullDesign):
         self.current, self.heads, self.units, self.basis = current, heads, np.arange(U), basis
         self.rounds = basis.shape[2]
         self.pattern = patterns
-        self.prior = np.einsum("udr,ud->ur", basis, current[self.units, heads])  # c = Q^T a
+        # Q^T stored as rows too: the per-round products with one vector per unit read contiguous blocks
+        self.basis_rows = np.ascontiguousarray(basis.transpose(0, 2, 1))  # (U, r, d)
+        self.prior = np.matmul(self.basis_rows, current[self.units, heads][:, :, None])[:, :, 0]  # c = Q^T a
         self.coordinates = self.prior.copy()
         self.correction = _MinimumNormCorrection(U, self.rounds)
         others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
@@ -509,7 +511,7 @@ class _SubspaceDesign(_FullDesign):
         # (a matrix-vector product per round instead of a factorisation).
         rows = np.concatenate([current[self.units[:, None], others], basis.transpose(0, 2, 1)], axis=1)
         frame_q, upper = np.linalg.qr(rows.transpose(0, 2, 1))  # (U, d, H - 1 + r), (U, .., ..)
-        self.frame_map = np.matmul(frame_q, np.linalg.inv(upper.transpose(0, 2, 1)))
+        self.frame_map_rows = np.matmul(np.linalg.inv(upper), frame_q.transpose(0, 2, 1))  # (Q R^-T)^T, rows
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
@@ -530,13 +532,13 @@ class _SubspaceDesign(_FullDesign):
         y = along - 2.0 * normal * np.einsum("ur,ur->u", normal, along)[:, None]  # (I - 2 n n^T) along
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
         rhs = np.concatenate([values, y], axis=1)
-        return np.matmul(self.frame_map, rhs[:, :, None])[:, :, 0]
+        return np.matmul(rhs[:, None, :], self.frame_map_rows)[:, 0]
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
-        rows = np.einsum("udr,ud->ur", self.basis, x)
+        rows = np.matmul(self.basis_rows, x[:, :, None])[:, :, 0]  # Q^T x
         miss = m - np.einsum("ur,ur->u", rows, self.prior)
         self.coordinates = self.prior + self.correction.add(n, rows, miss)
-        self.current[self.units, self.heads] = np.einsum("udr,ur->ud", self.basis, self.coordinates)
+        self.current[self.units, self.heads] = np.matmul(self.coordinates[:, None, :], self.basis_rows)[:, 0]
 
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         return np.matmul(self.basis, np.linalg.solve(np.matmul(finals, self.basis), rhs))
