@@ -396,7 +396,8 @@ def _patterns(rng, d: int, constant_row: int, count: int) -> np.ndarray:
     q, _ = np.linalg.qr(gaussian)
     rows = np.empty((count, d, d))
     rows[:, order] = q.transpose(0, 2, 1)
-    return rows / np.abs(rows).max(axis=2, keepdims=True)
+    rows /= np.maximum(rows.max(axis=2, keepdims=True), -rows.min(axis=2, keepdims=True))  # max |.|, no |rows| copy
+    return rows
 
 
 @dataclass
@@ -675,8 +676,8 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
                 mapped = inverse * np.nan_to_num(terms)[:, None, :]
                 spread[..., part] = np.where(ok[:, None], np.sqrt((mapped**2).sum(axis=2)), np.nan)
     out.a = a.reshape(G, H, d)
-    out.misfit = np.abs(m - np.einsum("und,ud->un", finals, a)).reshape(G, H, rounds)
-    poles = np.einsum("ufd,und->unf", out.estimates.reshape(U, H, d), finals)
+    out.misfit = np.abs(m - np.matmul(finals, a[:, :, None])[:, :, 0]).reshape(G, H, rounds)
+    poles = np.matmul(finals, out.estimates.reshape(U, H, d).transpose(0, 2, 1))  # (U, rounds, H)
     poles[np.arange(U), :, heads] = np.inf
     out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
     out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
