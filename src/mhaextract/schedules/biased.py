@@ -38,8 +38,8 @@ from ..oracle.queries import one_token_queries
 from .base import Outcome
 from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
-    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
-    _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection,
+    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _all_heads_at, _balanced_basis,
+    _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection,
     _other_heads_frame, _patterns, _Prober, _shared, answer_unit, line_search, score_unit,
 )
 
@@ -199,7 +199,7 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     scale = GROUP_SCALE * token_scale
     bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
-    estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a~_f(z) for every unit
+    estimates = _all_heads_at(W_rough, differences)  # a~_f(z) for every unit
     final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough, designer=AffineDesign)
     stages.append(("final", final))
     a_final, labels_final = final.solve(), final.consensus_labels()[0]  # (d, H, d + 1), (d, H)

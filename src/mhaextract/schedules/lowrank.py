@@ -32,8 +32,8 @@ from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
 from .base import Outcome
 from .targeted import (
-    GROUP_SCALE, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step, _checks, _diagnostics,
-    _first_group, _measure, _Prober, _shared, first_order_estimate,
+    GROUP_SCALE, TargetedDetails, TargetedSchedule, _all_heads_at, _balanced_basis, _bridge_step, _checks,
+    _diagnostics, _first_group, _measure, _Prober, _shared, first_order_estimate,
 )
 
 #: Full (R^d) differences per head beyond the rank: their extra singular values test the rank bound.
@@ -135,7 +135,7 @@ def _run(prober, d: int, max_heads: int, rank: int, R: int, rng, token_scale: fl
     scale = GROUP_SCALE * token_scale
     bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = bases.transpose(2, 0, 1)  # (d, H, d)
-    estimates = np.einsum("fab,gha->ghfb", W_rough, differences)
+    estimates = _all_heads_at(W_rough, differences)
     final = _measure(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_rough, copies=FINAL_COPIES)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
