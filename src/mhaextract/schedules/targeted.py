@@ -320,15 +320,22 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     U, H, d = current.shape
     units = np.arange(U)
     q_rows, r_others, pseudo_inverse_rows, others = frame if frame is not None else _other_heads_frame(current, heads)
-    along_rows = lambda vectors: np.matmul(q_rows, vectors[:, :, None])[:, :, 0]  # Q_o^T v  # noqa: E731
-    spanned = lambda coefficients: np.matmul(coefficients[:, None, :], q_rows)[:, 0]  # Q_o c  # noqa: E731
+
+    def along_rows(vectors):  # Q_o^T v, (U, H - 1)
+        return np.matmul(q_rows, vectors[:, :, None])[:, :, 0]
+
+    def spanned(coefficients):  # Q_o c, (U, d)
+        return np.matmul(coefficients[:, None, :], q_rows)[:, 0]
+
     target = current[units, heads]
-    overlap = along_rows(target)  # (U, H - 1)
+    overlap = along_rows(target)
     rest = target - spanned(overlap)
     second = along_rows(rest)
     rest -= spanned(second)
     overlap += second
     size = np.linalg.norm(rest, axis=1)
+    if (size == 0).any():  # E singular: what the solve with a QR of E per round raised
+        raise np.linalg.LinAlgError("Singular matrix")
     unit = rest / size[:, None]
     r = np.zeros((U, H, H))  # E^T = [Q_o, unit] r, the heads ordered (others, target)
     r[:, :H - 1, :H - 1], r[:, :H - 1, H - 1], r[:, H - 1, H - 1] = r_others, overlap, size
