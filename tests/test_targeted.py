@@ -124,6 +124,30 @@ def test_balanced_bases_keep_every_label_alike_and_minimise_the_worst_design_con
     np.testing.assert_array_equal(one_head, plain)  # one head: nothing to condition, drawn as before
 
 
+def test_the_best_conditioned_candidate_is_the_one_every_svd_names():
+    """The Gram-matrix shortcut (SVD only where its bounds cannot decide) picks the very candidate an
+    SVD of every candidate does: ill-conditioned, exactly singular and tied candidates included."""
+    from mhaextract.schedules.targeted import _best_conditioned
+
+    def every_svd(designs):
+        singular = np.linalg.svd(designs, compute_uv=False)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return int(np.argmin(np.nan_to_num(singular[..., 0] / singular[..., -1], nan=np.inf).max(axis=1)))
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        count, groups, d = rng.integers(2, 20), rng.integers(1, 6), rng.integers(2, 9)
+        H = min(int(rng.integers(2, 6)), d)
+        designs = rng.standard_normal((count, groups, H, d))
+        # row 0 close to row 1 by 1e0..1e-12: conditions from ~1 to ~1e12, past the Gram estimate's reach
+        designs[:, :, 0] = designs[:, :, 1] + 10.0 ** -rng.uniform(0, 12, (count, groups, 1)) * designs[:, :, 0]
+        if trial % 3 == 0:
+            designs[1] = designs[0]  # a tie: the first of the two
+        if trial % 7 == 0:
+            designs[0, 0, 0] = designs[0, 0, 1]  # exactly singular
+        assert _best_conditioned(designs) == every_svd(designs)
+
+
 def test_a_head_met_twice_with_contaminated_labels_is_one_head():
     """d = H = 8, seed 0, the defaults: phase 1 met one head at two centres whose labels differed
     by 1.1% (a large-label neighbour saturated only to |m| ~ 5) and directions agreed to 1e-4; it

@@ -90,7 +90,9 @@ class OracleBoundary:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
     def ask(self, sequences: Sequence[np.ndarray], description: str = "querying oracle") -> np.ndarray:
-        """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision).
+        """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision): a
+        list of (N_i, d) arrays, or one (n, N, d) array of n sequences of one length (in float64
+        mode each batch is then copied for the oracle as one array, not sequence by sequence).
 
         Returns a float64 array in float64 mode, an object array of ``arb`` balls in
         high-precision mode: the answer as midpoint and one ulp at ``precision`` bits as radius
@@ -112,7 +114,8 @@ class OracleBoundary:
         if replayed:
             self.replayed += len(replayed)
             self.max_query_length = max(self.max_query_length, max(len(sequences[p]) for p in replayed))
-        missing = [position for position in range(total) if position not in replayed]
+        missing = ([position for position in range(total) if position not in replayed] if replayed
+                   else range(total))  # a range slices to a range: chunks are then slices of `sequences`
         allowed = len(missing)
         if self.max_queries is not None:
             allowed = max(0, min(allowed, self.max_queries - self.queries))
@@ -122,14 +125,18 @@ class OracleBoundary:
         with _progress(show, description, total, completed=len(replayed)) as advance:
             for start in range(0, allowed, self.batch_size):
                 positions = missing[start:min(start + self.batch_size, allowed)]
-                chunk = [sequences[p] for p in positions]
+                chunk = (sequences[positions.start:positions.stop] if isinstance(positions, range)
+                         else [sequences[p] for p in positions])
                 values = self._ask_batch(chunk, [first + p for p in positions])
                 if self.transcript is not None:
                     # What the learner uses is what reads back from the file: a resumed run sees
                     # exactly the values an uninterrupted one saw.
                     values = self.transcript.record(first, positions, chunk, values)
-                for position, value in zip(positions, values):
-                    exact[position] = value
+                if self.precision:
+                    for position, value in zip(positions, values):
+                        exact[position] = value
+                else:
+                    exact[np.asarray(positions)] = values
                 advance(len(chunk))
         if allowed < len(missing):
             raise self._over_budget(len(missing) - allowed, total - len(missing) + allowed)
@@ -165,7 +172,10 @@ class OracleBoundary:
 
     def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int]):
         """Ask the oracle for one batch; ``indices`` are the run's query numbers (for messages)."""
-        batch = [self._to_oracle_tokens(sequence) for sequence in chunk]
+        if self.precision is None and isinstance(chunk, np.ndarray) and chunk.ndim == 3:
+            batch = list(np.array(chunk, dtype=np.float64))  # one copy of the batch; the oracle gets its rows
+        else:
+            batch = [self._to_oracle_tokens(sequence) for sequence in chunk]
         where = f"query {indices[0]}" if len(chunk) == 1 else f"queries {indices[0]}..{indices[-1]}"
         try:
             raw = self.oracle(batch)
@@ -178,7 +188,8 @@ class OracleBoundary:
             raise
         # Every sequence handed over counts, whatever comes back.
         self.queries += len(chunk)
-        self.max_query_length = max(self.max_query_length, max(len(s) for s in chunk))
+        longest = chunk.shape[1] if isinstance(chunk, np.ndarray) and chunk.ndim == 3 else max(len(s) for s in chunk)
+        self.max_query_length = max(self.max_query_length, longest)
         return self._validate(raw, chunk, indices, where)
 
     def _to_oracle_tokens(self, sequence: np.ndarray):

@@ -38,9 +38,9 @@ from ..oracle.queries import one_token_queries
 from .base import Outcome
 from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
-    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _balanced_basis, _bridge_step,
-    _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection, _patterns,
-    _Prober, _shared, answer_unit, first_group, score_unit,
+    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _all_heads_at, _balanced_basis,
+    _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection,
+    _other_heads_frame, _patterns, _Prober, _shared, answer_unit, first_group, score_unit,
 )
 
 
@@ -91,6 +91,7 @@ class AffineDesign(_FullDesign):
         _, _, vt = np.linalg.svd(current[:, :, :D - 1], full_matrices=True)
         self.null_part = SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H + 1:, :])
         self.correction = _MinimumNormCorrection(U, D)
+        self.frame = _other_heads_frame(current[:, :, :D - 1], heads)  # only the target's row is corrected
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
@@ -105,7 +106,7 @@ class AffineDesign(_FullDesign):
         columns = self.pattern[:, :H, n] - offsets / SATURATION_SPREAD
         columns[self.units, self.heads] = (self.pattern[self.units, self.heads, n]
                                            - offsets[self.units, self.heads] / TARGET)
-        x = _designs(slopes, self.heads, columns, self.null_part[:, :, n])
+        x = _designs(slopes, self.heads, columns, self.null_part[:, :, n], self.frame)
         return np.concatenate([x, np.ones((U, 1))], axis=1)
 
 
@@ -197,7 +198,7 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     scale = GROUP_SCALE * token_scale
     bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
-    estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a~_f(z) for every unit
+    estimates = _all_heads_at(W_rough, differences)  # a~_f(z) for every unit
     final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough, designer=AffineDesign)
     stages.append(("final", final))
     a_final, labels_final = final.solve(), final.consensus_labels()[0]  # (d, H, d + 1), (d, H)

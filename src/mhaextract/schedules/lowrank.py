@@ -38,8 +38,8 @@ from .base import Outcome
 from .biased import AffineDesign, AffineProber, lift, lifted_scores
 from .targeted import (
     GROUP_SCALE, SATURATION_MID, SATURATION_SPREAD, TARGET, TARGET_CENTER, TargetedDetails, TargetedSchedule,
-    _balanced_basis, _bridge_step, _checks, _diagnostics, _first_group, _measure, _patterns, _Prober, _shared,
-    _SubspaceDesign, answer_unit, first_order_estimate, score_unit,
+    _all_heads_at, _balanced_basis, _bridge_step, _checks, _diagnostics, _first_group, _measure, _patterns, _Prober,
+    _shared, _SubspaceDesign, answer_unit, first_order_estimate, score_unit,
 )
 
 #: Full (R^d) differences per head beyond the rank: their extra singular values test the rank bound.
@@ -182,7 +182,8 @@ class AffineSubspaceDesign(_SubspaceDesign):
         y = along - 2.0 * normal * np.einsum("ur,ur->u", normal, along)[:, None]
         # the frame's rows are the other heads' lifted a~_g: their offsets b_g ride on the lifted 1
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], rounds + self.others, n]
-        x = np.matmul(self.frame_map, np.concatenate([values, y, np.ones((U, 1))], axis=1)[:, :, None])[:, :, 0]
+        rhs = np.concatenate([values, y, np.ones((U, 1))], axis=1)
+        x = np.matmul(rhs[:, None, :], self.frame_map_rows)[:, 0]
         x[:, D - 1] = 1.0  # the frame asked for exactly this; the prober requires it to the bit
         return x
 
@@ -229,7 +230,7 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank: int, R: int,
     scale = GROUP_SCALE * token_scale
     bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d, H, d + 1)
-    estimates = np.einsum("fab,gha->ghfb", W_lift, differences)
+    estimates = _all_heads_at(W_lift, differences)
     final = _measure(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_lift, copies=FINAL_COPIES,
                      designer=AffineDesign)
     stages.append(("final", final))
@@ -297,7 +298,7 @@ def _run(prober, d: int, max_heads: int, rank: int, R: int, rng, token_scale: fl
     scale = GROUP_SCALE * token_scale
     bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = bases.transpose(2, 0, 1)  # (d, H, d)
-    estimates = np.einsum("fab,gha->ghfb", W_rough, differences)
+    estimates = _all_heads_at(W_rough, differences)
     final = _measure(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_rough, copies=FINAL_COPIES)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():

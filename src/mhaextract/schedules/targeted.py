@@ -268,7 +268,7 @@ class _Prober:
         repeated = finals - differences
         for column, k in enumerate(copies):  # one (n, k + 1, d) array per k: no per-query stacking
             tokens = np.concatenate([np.repeat(repeated[:, None], k, axis=1), finals[:, None]], axis=1)
-            answers[:, column] = self.ask(list(tokens), description)
+            answers[:, column] = self.ask(tokens, description)
         anchor = finals @ self.vbar
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
         rounding = self.systematic(finals)[:, None] + 4 * self.unit * (np.abs(answers) + labels_scale[:, None])
@@ -289,25 +289,66 @@ def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
     return SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H:, :])
 
 
-def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray) -> np.ndarray:
+def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
+    """What :func:`_designs` needs of the rows that stay fixed over a unit's rounds, the other heads'
+    estimates ``O`` (the rows of ``current`` (U, H, d) but the target ``heads[u]``), from one batched
+    QR ``O^T = Q_o R_o`` per unit (not per round): ``Q_o^T`` (U, H - 1, d), ``R_o``, the map
+    ``(O^+)^T = R_o^{-1} Q_o^T`` (U, H - 1, d) and the other heads' indices (U, H - 1), ascending.
+    (Stored as rows: the per-round products with one vector per unit run ~2x faster so.)"""
+    U, H, _ = current.shape
+    units = np.arange(U)
+    slots = np.arange(H - 1)[None, :]
+    others = slots + (slots >= heads[:, None])  # the heads f != h, ascending
+    q, r = np.linalg.qr(current[units[:, None], others].transpose(0, 2, 1))
+    rows = np.ascontiguousarray(q.transpose(0, 2, 1))
+    return rows, r, np.matmul(np.linalg.inv(r), rows), others
+
+
+def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray,
+             frame=None) -> np.ndarray:
     """The final tokens of one round for U units at once (U, d).
 
     Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + TARGET p_h`` and the others at
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
-    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``E^T = QR`` (one batched QR),
-    ``b`` the unit's ``null_part`` and ``c`` the mean singular value of E. While the estimates are
-    the initial ones this is the square design ``[E; c N0] x = values``; once the target row was
-    corrected the projection keeps the null part exactly off every head."""
+    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b`` the unit's
+    ``null_part`` and ``c`` the mean singular value of E. While the estimates are the initial ones
+    this is the square design ``[E; c N0] x = values``; once the target row was corrected the
+    projection keeps the null part exactly off every head.
+
+    Only the target's row t changes between rounds: ``frame`` (:func:`_other_heads_frame`, of the
+    other rows O, computed here when not given) is extended by t's part ``size * unit`` off O's span
+    (classical Gram-Schmidt, twice), and ``E^+ u = O^+ u_O + unit (u_t - t^T O^+ u_O) / size``: no
+    factorisation nor solve per round (the same x as a QR of E to rounding)."""
     U, H, d = current.shape
-    q, r = np.linalg.qr(current.transpose(0, 2, 1))  # (U, d, H), (U, H, H)
-    scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
-    values = SATURATION_MID + SATURATION_SPREAD * columns[:, :H]
     units = np.arange(U)
-    values[units, heads] = TARGET_CENTER + TARGET * columns[units, heads]
-    coefficients = np.linalg.solve(r.transpose(0, 2, 1), values[:, :, None])  # R^T y = values
+    q_rows, r_others, pseudo_inverse_rows, others = frame if frame is not None else _other_heads_frame(current, heads)
+
+    def along_rows(vectors):  # Q_o^T v, (U, H - 1)
+        return np.matmul(q_rows, vectors[:, :, None])[:, :, 0]
+
+    def spanned(coefficients):  # Q_o c, (U, d)
+        return np.matmul(coefficients[:, None, :], q_rows)[:, 0]
+
+    target = current[units, heads]
+    overlap = along_rows(target)
+    rest = target - spanned(overlap)
+    second = along_rows(rest)
+    rest -= spanned(second)
+    overlap += second
+    size = np.linalg.norm(rest, axis=1)
+    if (size == 0).any():  # E singular: what the solve with a QR of E per round raised
+        raise np.linalg.LinAlgError("Singular matrix")
+    unit = rest / size[:, None]
+    r = np.zeros((U, H, H))  # E^T = [Q_o, unit] r, the heads ordered (others, target)
+    r[:, :H - 1, :H - 1], r[:, :H - 1, H - 1], r[:, H - 1, H - 1] = r_others, overlap, size
+    scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
+    values = SATURATION_MID + SATURATION_SPREAD * columns[units[:, None], others]
+    base = np.matmul(values[:, None, :], pseudo_inverse_rows)[:, 0]  # O^+ u_O: nothing along t's own direction
+    along = (TARGET_CENTER + TARGET * columns[units, heads] - np.einsum("ud,ud->u", target, base)) / size
     free = null_part / scale[:, None]
-    free -= np.matmul(q, np.matmul(q.transpose(0, 2, 1), free[:, :, None]))[:, :, 0]
-    return np.matmul(q, coefficients)[:, :, 0] + free
+    free -= spanned(along_rows(free))
+    free -= unit * np.einsum("ud,ud->u", unit, free)[:, None]
+    return base + unit * along[:, None] + free
 
 
 class _MinimumNormCorrection:
@@ -316,7 +357,7 @@ class _MinimumNormCorrection:
     round instead of a least-squares solve from scratch (same solution to rounding)."""
 
     def __init__(self, units: int, d: int):
-        self.basis = np.zeros((units, d, d))  # orthonormal columns: the rows of X asked so far
+        self.basis = np.zeros((units, d, d))  # orthonormal rows: the rows of X asked so far, orthogonalised
         self.coefficients = np.zeros((units, d))
         self.delta = np.zeros((units, d))
 
@@ -326,23 +367,24 @@ class _MinimumNormCorrection:
         U, d = rows.shape
         overlap, q = np.empty((U, n)), np.empty((U, d))
         # Blocks of units whose bases fit the cache: the four products below read each block once
-        # from memory, not four times (the same per-unit BLAS calls: the same results to the bit).
+        # from memory, not four times. The basis vectors are stored as rows: each unit's (n, d)
+        # block is contiguous (as columns the products ran ~1.3x slower).
         step = max(1, GRAM_SCHMIDT_BYTES // max(1, 8 * d * n))
         for start in range(0, U, step):
             part = slice(start, start + step)
-            basis = self.basis[part, :, :n]
-            overlap[part] = np.matmul(rows[part, None, :], basis)[:, 0]  # (units, n)
-            q[part] = rows[part] - np.matmul(basis, overlap[part, :, None])[:, :, 0]
-            second = np.matmul(q[part, None, :], basis)[:, 0]  # classical Gram-Schmidt, twice
-            q[part] -= np.matmul(basis, second[:, :, None])[:, :, 0]
+            basis = self.basis[part, :n]
+            overlap[part] = np.matmul(basis, rows[part, :, None])[:, :, 0]  # (units, n)
+            q[part] = rows[part] - np.matmul(overlap[part, None, :], basis)[:, 0]
+            second = np.matmul(basis, q[part, :, None])[:, :, 0]  # classical Gram-Schmidt, twice
+            q[part] -= np.matmul(second[:, None, :], basis)[:, 0]
             overlap[part] += second
         rho = np.linalg.norm(q, axis=1)
         ok &= rho > 1e-12 * np.linalg.norm(rows, axis=1)
         safe = np.where(ok, rho, 1.0)
-        self.basis[:, :, n] = np.where(ok[:, None], q / safe[:, None], 0.0)
+        self.basis[:, n] = np.where(ok[:, None], q / safe[:, None], 0.0)
         value = (np.nan_to_num(misses) - np.einsum("un,un->u", overlap, self.coefficients[:, :n])) / safe
         self.coefficients[:, n] = np.where(ok, value, 0.0)
-        self.delta += self.basis[:, :, n] * self.coefficients[:, n:n + 1]
+        self.delta += self.basis[:, n] * self.coefficients[:, n:n + 1]
         return self.delta
 
 
@@ -363,7 +405,8 @@ def _patterns(rng, d: int, constant_row: int, count: int) -> np.ndarray:
     q, _ = np.linalg.qr(gaussian)
     rows = np.empty((count, d, d))
     rows[:, order] = q.transpose(0, 2, 1)
-    return rows / np.abs(rows).max(axis=2, keepdims=True)
+    rows /= np.maximum(rows.max(axis=2, keepdims=True), -rows.min(axis=2, keepdims=True))  # max |.|, no |rows| copy
+    return rows
 
 
 @dataclass
@@ -429,6 +472,7 @@ class _FullDesign:
         self.prior = current[self.units, heads].copy()
         self.null_part = _null_parts(current, patterns)
         self.correction = _MinimumNormCorrection(U, d)
+        self.frame = _other_heads_frame(current, heads)  # the other heads' rows never change here
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
@@ -440,7 +484,7 @@ class _FullDesign:
         return self.current[self.units, self.heads]
 
     def design(self, n: int) -> np.ndarray:
-        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n])
+        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n], self.frame)
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
         """Correct the target's estimate to fit what was measured (minimal change from the prior)."""
@@ -464,7 +508,9 @@ class _SubspaceDesign(_FullDesign):
         self.current, self.heads, self.units, self.basis = current, heads, np.arange(U), basis
         self.rounds = basis.shape[2]
         self.pattern = patterns
-        self.prior = np.einsum("udr,ud->ur", basis, current[self.units, heads])  # c = Q^T a
+        # Q^T stored as rows too: the per-round products with one vector per unit read contiguous blocks
+        self.basis_rows = np.ascontiguousarray(basis.transpose(0, 2, 1))  # (U, r, d)
+        self.prior = np.matmul(self.basis_rows, current[self.units, heads][:, :, None])[:, :, 0]  # c = Q^T a
         self.coordinates = self.prior.copy()
         self.correction = _MinimumNormCorrection(U, self.rounds)
         others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
@@ -475,7 +521,7 @@ class _SubspaceDesign(_FullDesign):
         # (a matrix-vector product per round instead of a factorisation).
         rows = np.concatenate([current[self.units[:, None], others], basis.transpose(0, 2, 1)], axis=1)
         frame_q, upper = np.linalg.qr(rows.transpose(0, 2, 1))  # (U, d, H - 1 + r), (U, .., ..)
-        self.frame_map = np.matmul(frame_q, np.linalg.inv(upper.transpose(0, 2, 1)))
+        self.frame_map_rows = np.matmul(np.linalg.inv(upper), frame_q.transpose(0, 2, 1))  # (Q R^-T)^T, rows
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
@@ -496,13 +542,13 @@ class _SubspaceDesign(_FullDesign):
         y = along - 2.0 * normal * np.einsum("ur,ur->u", normal, along)[:, None]  # (I - 2 n n^T) along
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
         rhs = np.concatenate([values, y], axis=1)
-        return np.matmul(self.frame_map, rhs[:, :, None])[:, :, 0]
+        return np.matmul(rhs[:, None, :], self.frame_map_rows)[:, 0]
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
-        rows = np.einsum("udr,ud->ur", self.basis, x)
+        rows = np.matmul(self.basis_rows, x[:, :, None])[:, :, 0]  # Q^T x
         miss = m - np.einsum("ur,ur->u", rows, self.prior)
         self.coordinates = self.prior + self.correction.add(n, rows, miss)
-        self.current[self.units, self.heads] = np.einsum("udr,ur->ud", self.basis, self.coordinates)
+        self.current[self.units, self.heads] = np.matmul(self.coordinates[:, None, :], self.basis_rows)[:, 0]
 
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         return np.matmul(self.basis, np.linalg.solve(np.matmul(finals, self.basis), rhs))
@@ -639,13 +685,21 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
                 mapped = inverse * np.nan_to_num(terms)[:, None, :]
                 spread[..., part] = np.where(ok[:, None], np.sqrt((mapped**2).sum(axis=2)), np.nan)
     out.a = a.reshape(G, H, d)
-    out.misfit = np.abs(m - np.einsum("und,ud->un", finals, a)).reshape(G, H, rounds)
-    poles = np.einsum("ufd,und->unf", out.estimates.reshape(U, H, d), finals)
+    out.misfit = np.abs(m - np.matmul(finals, a[:, :, None])[:, :, 0]).reshape(G, H, rounds)
+    poles = np.matmul(finals, out.estimates.reshape(U, H, d).transpose(0, 2, 1))  # (U, rounds, H)
     poles[np.arange(U), :, heads] = np.inf
     out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
     out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
     if W_score is not None:
         out.error_squared = np.where(ok[:, None], (spread**2).sum(axis=1), np.nan).reshape(G, H, 2)
+
+
+def _all_heads_at(W: np.ndarray, differences: np.ndarray) -> np.ndarray:
+    """``a_f(z) = W_f^T z`` of every head f (W (H, D, D)) at every unit's difference (G, H', D):
+    (G, H', H, D), as one BLAS matmul (the einsum it replaces ran ~2.5x slower at d = 128, H = 8)."""
+    H, D, _ = W.shape
+    rows = differences.reshape(-1, D) @ W.transpose(1, 0, 2).reshape(D, H * D)
+    return rows.reshape(differences.shape[:-1] + (H, D))
 
 
 def _shared(differences: np.ndarray, estimates: np.ndarray):
@@ -694,12 +748,34 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
                      + np.matmul(complement, np.matmul(inner, complement.transpose(0, 2, 1))))
         # R O diag(signs): v^T R O = |v| 1^T O / sqrt(d) = |v| 1^T / sqrt(d), every label alike
         candidates = np.concatenate([basis[None], np.matmul(reflection, rotations) * signs[None, None, :]])
-        designs = np.einsum("fab,kag->kgfb", rows, candidates)  # (count, groups, H, d)
-        singular = np.linalg.svd(designs, compute_uv=False)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            worst = np.nan_to_num(singular[..., 0] / singular[..., -1], nan=np.inf).max(axis=1)
-        basis = candidates[int(np.argmin(worst))]
+        # (count, groups, H, d): designs[k, g, f] = rows[f]^T candidates[k][:, g], as BLAS matmuls (not einsum)
+        designs = np.matmul(candidates.transpose(0, 2, 1)[:, None], rows[None]).transpose(0, 2, 1, 3)
+        basis = candidates[_best_conditioned(designs)]
     return basis * scale
+
+
+def _best_conditioned(designs: np.ndarray) -> int:
+    """The candidate k of ``designs`` (count, groups, H, d) whose worst condition number over its
+    groups, ``max_g s_0 / s_-1`` by SVD, is smallest (the first such k).
+
+    The same k as taking the SVD of every candidate, cheaper: the conditions are first estimated
+    from the eigenvalues of the H x H Gram matrices ``A A^T`` (error at most about
+    ``H (d + H) eps cond^2`` relative; here with a factor 64 to spare), and only the candidates
+    those bounds cannot rule out (usually one) get the SVD."""
+    count, groups, H, d = designs.shape
+    eigenvalues = np.linalg.eigvalsh(np.matmul(designs, designs.transpose(0, 1, 3, 2)))  # ascending
+    with np.errstate(divide="ignore", invalid="ignore"):
+        estimate = np.sqrt(eigenvalues[..., -1] / eigenvalues[..., 0]).max(axis=1)  # NaN where not positive
+        slack = 64.0 * H * (d + H) * EPS * estimate**2
+    bounded = np.isfinite(estimate) & (slack < 0.5)
+    keep = np.arange(count)
+    if bounded.any():  # exact worst within estimate * (1 -+ 2 slack)
+        highest = (estimate * (1.0 + 2.0 * slack))[bounded].min()  # >= the smallest exact worst
+        keep = np.flatnonzero(~bounded | (estimate * (1.0 - 2.0 * slack) <= highest))
+    singular = np.linalg.svd(designs[keep], compute_uv=False)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        worst = np.nan_to_num(singular[..., 0] / singular[..., -1], nan=np.inf).max(axis=1)
+    return int(keep[np.argmin(worst)])
 
 
 class TargetedSchedule(Schedule):
@@ -883,7 +959,7 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
         bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough))
                           for h in range(H)])  # (H, d, d)
         differences = bases.transpose(2, 0, 1)  # (d groups, H, d): differences[g, h] = column g of head h's basis
-        estimates = np.einsum("fab,gha->ghfb", W_rough, differences)  # a_f(z) = W_f^T z for every unit
+        estimates = _all_heads_at(W_rough, differences)  # a_f(z) = W_f^T z for every unit
         final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough)
         stages.append(("final", final))
         a_final = final.solve()  # (d, H, d)
@@ -930,7 +1006,7 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
                 reading = reading + W_error[None, :, None] * z_norm[:, :, None] * data.x_norm
             tolerance = np.maximum(tolerance, 10.0 * reading)
         if model is not None:
-            model_a = np.einsum("fab,gha->ghfb", model.W, data.differences)  # a_f(z) of the model, every unit
+            model_a = _all_heads_at(model.W, data.differences)  # a_f(z) of the model, every unit
             own_a = model_a[:, np.arange(H), np.arange(H)]  # (G, H, d)
             if data.finals is not None:  # exact: the model's log-poles at every instance
                 poles = np.einsum("ghfd,ghnd->ghnf", model_a, data.finals)
