@@ -8,10 +8,11 @@ user's side, counts as measured at the oracle boundary:
 * correct : ok, the heads agree and the true error <= 100 x the error estimate (the ratio
   truth / estimate of every passing run is kept: the table gives how many exceed 30 and the worst);
 * loud failure : a random target, not ok, and the model that came back is wrong by more than the
-  run's own error limit (the threshold of its ``error_estimate`` check): an honest failure of the
-  mode on that target;
-* false alarm : a random target, not ok although the model is within that limit, or no model at
-  all (the mode promises random targets);
+  run's own error limit (the threshold of its ``error_estimate`` check), or no model came back: an
+  honest failure of the mode on that target;
+* false alarm : a random target, not ok although the model is within that limit (a run that
+  returns no model at all is a loud failure: it says it failed, and there is no result that the
+  alarm could be wrong about);
 * silent failure : ok but the heads disagree or the true error > 100 x the estimate;
 * clean error : ExtractionError / OracleError / TranscriptError / ValueError, or a failed run, on
   a misbehaving oracle or an unresolvable structured target (the expected outcome);
@@ -132,7 +133,7 @@ def judge(run, target, expect_success, explained=None):
     if got is None:
         if explained is not None:
             explained.append(explain(result, float("nan")) + "\n    no model")
-        return ("false alarm" if expect_success else "clean error"), None
+        return ("loud failure" if expect_success else "clean error"), None
     comparison = mx.compare(got, target.canonical())
     error = float(comparison.max_rel)
     if explained is not None and not result.ok:
