@@ -34,6 +34,8 @@ class NumpyOracle:
         self.H, self.d = H, d
         self.W_cat = np.ascontiguousarray(model.W.transpose(2, 0, 1).reshape(d, H * d))  # x_N -> (W_h x_N)_h
         self.v = model.v
+        self.u = np.zeros((H, d)) if model.u is None else np.asarray(model.u, dtype=np.float64)
+        self.c = 0.0 if model.c is None else float(model.c)
         self.seconds = 0.0
         self.count = 0
 
@@ -44,12 +46,12 @@ class NumpyOracle:
         for length in np.unique(lengths):
             index = np.flatnonzero(lengths == length)
             X = np.stack([batch[i] for i in index])  # (B, N, d)
-            queries = (X[:, -1] @ self.W_cat).reshape(len(index), self.H, self.d)  # W_h x_N
+            queries = (X[:, -1] @ self.W_cat).reshape(len(index), self.H, self.d) + self.u  # W_h x_N + u_h
             scores = np.matmul(X, queries.transpose(0, 2, 1))  # (B, N, H)
             scores -= scores.max(axis=1, keepdims=True)
             weights = np.exp(scores)
             weights /= weights.sum(axis=1, keepdims=True)
-            out[index] = (weights * (X @ self.v.T)).sum(axis=(1, 2))
+            out[index] = (weights * (X @ self.v.T)).sum(axis=(1, 2)) + self.c
         self.seconds += time.perf_counter() - started
         self.count += len(batch)
         return out
@@ -66,17 +68,23 @@ def target(d: int, H: int, rank: int | None, seed: int) -> mx.MultiHeadAttention
 def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
     rank = None if kind in ("full", "default") else d // H
     model = target(d, H, rank, seed)
+    if kind == "lowb":  # rank d / H with score biases and an output constant (docs/algorithm.md §16, §17)
+        rng = np.random.default_rng(seed + 100)
+        model = mx.MultiHeadAttention(model.W, model.v, rng.standard_normal((H, d)) / np.sqrt(d), 0.3)
     oracle = NumpyOracle(model)
     check = mx.SimulatedOracle(model)([np.ones((3, d))])[0]
     assert abs(oracle([np.ones((3, d))])[0] - check) <= 1e-12 * max(1.0, abs(check))
     oracle.seconds, oracle.count = 0.0, 0
     # "default": the library's defaults (schedule="auto": calibration, biases, targeted); "full":
-    # schedule="targeted" alone (no calibration, bias-free model); "low": schedule="lowrank", rank=d/H.
-    options = {"default": {}, "full": dict(schedule="targeted")}.get(kind, dict(schedule="lowrank", rank=rank))
+    # schedule="targeted" alone (no calibration, bias-free model); "low": schedule="lowrank", rank=d/H;
+    # "lowb": the same with bias=True on a target with biases.
+    options = {"default": {}, "full": dict(schedule="targeted"),
+               "lowb": dict(schedule="lowrank", rank=rank, bias=True)}.get(kind, dict(schedule="lowrank", rank=rank))
     started = time.perf_counter()
     result = mx.extract(oracle, d, heads=H, seed=seed + 1, on_failure="warn", progress=False, **options)
     seconds = time.perf_counter() - started
-    return dict(d=d, H=H, kind=kind if rank is None else f"r={rank}", queries=result.queries, oracle_count=oracle.count,
+    label = kind if rank is None else f"r={rank}" + (", biases" if kind == "lowb" else "")
+    return dict(d=d, H=H, kind=label, queries=result.queries, oracle_count=oracle.count,
                 paper=4 * H * d * d - 2 * H + 1, seconds=seconds, oracle_s=oracle.seconds,
                 learner_s=seconds - oracle.seconds, ratio=(seconds - oracle.seconds) / oracle.seconds,
                 peak_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -113,7 +121,7 @@ def main():
     parser.add_argument("--d", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--heads", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--kinds", nargs="*", default=["full", "low"])
-    parser.add_argument("--cells", nargs="*", default=[], help="extra cells d:H:kind (kind full, low or default)")
+    parser.add_argument("--cells", nargs="*", default=[], help="extra cells d:H:kind (kind full, low, lowb or default)")
     parser.add_argument("--cell", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
