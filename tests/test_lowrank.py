@@ -61,6 +61,7 @@ def test_low_rank_heads_with_biases_are_recovered_with_the_count_at_the_oracle(d
     assert comparison.max_rel <= result.error_estimate
 
 
+@pytest.mark.slow
 def test_a_bias_free_low_rank_fit_of_a_biased_target_fails_its_checks_at_a_bounded_cost():
     """Read as bias-free, a biased oracle's vbar is off by c Z^{-T} 1: phase 1's lines are no
     staircase and every half looked like a step; the run asked 261,688 queries (94 s) before the

@@ -79,7 +79,7 @@ def test_larger_biased_layers(kind):
 
 @pytest.mark.parametrize("kind, dtype, d, H", [
     pytest.param("nn.MultiheadAttention", "float64", 16, 2, id="nn.MHA-float64"),
-    pytest.param("GPT2Attention", "float32", 16, 4, id="GPT2-float32"),
+    pytest.param("GPT2Attention", "float32", 16, 4, id="GPT2-float32", marks=pytest.mark.slow),
     pytest.param("BertSelfAttention", "float64", 32, 4, id="BERT-float64", marks=pytest.mark.slow),
     pytest.param("ViTAttention", "float32", 32, 8, id="ViT-float32", marks=pytest.mark.slow)])
 def test_a_biased_layer_is_extracted_by_the_low_rank_schedule(kind, dtype, d, H):
