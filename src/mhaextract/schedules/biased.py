@@ -229,10 +229,7 @@ class BiasedTargetedSchedule(TargetedSchedule):
         return [np.zeros((1, self.d))] + one_token_queries(self.vbar_basis)
 
     def run(self, boundary, arithmetic) -> Outcome:
-        prober = AffineProber(boundary, self.d, self.token_scale, self.promised_queries)
-        prober.learn_vbar(self.vbar_basis)
-        self.unit = prober.unit = answer_unit(self.settings, boundary.stats)
-        prober.score_unit = score_unit(self.settings, boundary.stats)
+        prober = affine_prober(self, boundary)
         search, stages, model, W_lift = run_affine(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
         instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
@@ -241,3 +238,13 @@ class BiasedTargetedSchedule(TargetedSchedule):
         checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
                        checks, score_estimate=score_estimate)
+
+
+def affine_prober(schedule, boundary) -> AffineProber:
+    """The prober of a biased targeted-family schedule: c and vbar learned, its units set from the
+    answers (the schedule's ``unit`` too, which sizes its thresholds)."""
+    prober = AffineProber(boundary, schedule.d, schedule.token_scale, schedule.promised_queries)
+    prober.learn_vbar(schedule.vbar_basis)
+    schedule.unit = prober.unit = answer_unit(schedule.settings, boundary.stats)
+    prober.score_unit = score_unit(schedule.settings, boundary.stats)
+    return prober

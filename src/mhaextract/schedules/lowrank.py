@@ -32,14 +32,13 @@ import numpy as np
 from ..checks.base import Check
 from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
-from ..oracle.queries import one_token_queries
 from . import biased
 from .base import Outcome
 from .biased import AffineDesign, AffineProber, lift, lifted_scores
 from .targeted import (
     GROUP_SCALE, SATURATION_MID, SATURATION_SPREAD, TARGET, TARGET_CENTER, TargetedDetails, TargetedSchedule,
     _all_heads_at, _balanced_basis, _bridge_step, _checks, _diagnostics, _first_group, _measure, _patterns, _Prober,
-    _shared, _SubspaceDesign, answer_unit, first_order_estimate, score_unit,
+    _shared, _SubspaceDesign, first_order_estimate,
 )
 
 #: Full (R^d) differences per head beyond the rank: their extra singular values test the rank bound.
@@ -123,14 +122,10 @@ class BiasedLowRankSchedule(LowRankSchedule):
         return ("lowrank with biases (d+1) + 3H(d+1) + (d+2)H(R-1) + (r+2)H(d-R) + 2HR(d+1) + 2H(r+1)(d-R), "
                 "R = min(d, r+2), after phase 1")
 
-    def fixed_queries(self) -> list[np.ndarray]:
-        return [np.zeros((1, self.d))] + one_token_queries(self.vbar_basis)
+    fixed_queries = biased.BiasedTargetedSchedule.fixed_queries
 
     def run(self, boundary, arithmetic) -> Outcome:
-        prober = AffineProber(boundary, self.d, self.token_scale, self.promised_queries)
-        prober.learn_vbar(self.vbar_basis)
-        self.unit = prober.unit = answer_unit(self.settings, boundary.stats)
-        prober.score_unit = score_unit(self.settings, boundary.stats)
+        prober = biased.affine_prober(self, boundary)
         search, stages, model, rank_ratio, W_lift = _run_affine(prober, self.d, self.max_heads, self.rank,
                                                                  self.full_units, self.rng, self.token_scale)
         H = len(search.heads)
