@@ -28,7 +28,7 @@ from ..checks.certificate import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits
-from ..oracle.queries import Instance, random_basis
+from ..oracle.queries import Instance, copies_sequences, random_basis
 from ..validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
 from .matching import LinkMatches, Side, match_links
@@ -193,13 +193,16 @@ class GridSchedule(Schedule):
 
     def instance_queries(self, indices) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """Queries of the given instances: (sequences, instance index of each, copy count k)."""
-        sequences, owners, copies = [], [], []
-        for index in indices:
-            for k in self.instances[index].ks:
-                sequences.append(self.instances[index].sequence(k))
-                owners.append(index)
-                copies.append(k)
-        return sequences, np.array(owners, dtype=int), np.array(copies, dtype=int)
+        indices = list(indices)
+        chosen = [self.instances[index] for index in indices]
+        if not chosen:
+            return [], np.zeros(0, dtype=int), np.zeros(0, dtype=int)
+        counts = [len(instance.ks) for instance in chosen]
+        which = np.repeat(np.arange(len(chosen)), counts)
+        copies = np.array([k for instance in chosen for k in instance.ks], dtype=int)
+        sequences = copies_sequences(np.array([instance.final for instance in chosen]),
+                                     np.array([instance.difference for instance in chosen]), which, copies)
+        return sequences, np.asarray(indices, dtype=int)[which], copies
 
     def fixed_queries(self) -> list[np.ndarray]:
         return self.instance_queries(range(len(self.instances)))[0]
