@@ -497,20 +497,20 @@ class GridLearner:
         of its own error at the answers' rounding (ball radii, or eps times the label sensitivity)."""
         schedule, arithmetic = self.schedule, self.arithmetic
         label_deviation = np.full(self.n, np.nan)
-        for index, instance in enumerate(schedule.instances):
-            if instance.role == "row_link":
-                continue
-            if not self.H_star:
-                label_deviation[index] = 0.0
-                continue
-            miss = arithmetic.magnitude(labels[index] - consensus[:, instance.j])
-            expected = arithmetic.label_error(labels[index], consensus[:, instance.j], sigma_l[index])
-            label_deviation[index] = float(np.nanmax(miss / (expected + arithmetic.unit * self.label_scale),
-                                                     initial=0.0))
+        role = np.array([inst.role for inst in schedule.instances])
+        column = np.array([inst.j for inst in schedule.instances], dtype=int)
+        judged = np.flatnonzero(role != "row_link")
+        if not self.H_star:
+            label_deviation[judged] = 0.0
+        elif len(judged):
+            own, column_consensus = labels[judged], consensus[:, column[judged]].T
+            miss = arithmetic.magnitude(own - column_consensus)
+            expected = arithmetic.label_error(own, column_consensus, sigma_l[judged])
+            label_deviation[judged] = np.nanmax(miss / (expected + arithmetic.unit * self.label_scale), axis=1,
+                                                initial=0.0)
         fits = self.fits
         return InstanceDiagnostics(
-            role=np.array([inst.role for inst in schedule.instances]),
-            i=np.array([inst.i for inst in schedule.instances]), j=np.array([inst.j for inst in schedule.instances]),
+            role=role, i=np.array([inst.i for inst in schedule.instances]), j=column,
             rank=self.ranks, singular_values=self.singular_values, pole_gap=fits.pole_gap,
             imaginary=fits.imaginary, nonpositive=fits.nonpositive, residual=fits.residual,
             condition=fits.condition, certified=fits.certified, ambiguity=self.ambiguity,
