@@ -304,12 +304,18 @@ class _PipelineOperator:
 
     def row_norms(self, what: str, order: int) -> np.ndarray:
         """(n, r) l1 (order=1) or l2 (order=2) norms of the rows of m_h or l_h."""
-        out = np.empty((self.n, self.r))
-        for h in range(self.r):
-            block = abs(self.rows(what, h))
-            out[:, h] = np.asarray(block.sum(axis=1)).ravel() if order == 1 else np.sqrt(
-                np.asarray(block.multiply(block).sum(axis=1)).ravel())
-        return np.where(self.finite[:, None], out, np.inf)
+        return np.where(self.finite[:, None], self._row_norms[what, order], np.inf)
+
+    @cached_property
+    def _row_norms(self) -> dict:
+        """Both norms of every row block, each block's absolute values formed once."""
+        out = {(what, order): np.empty((self.n, self.r)) for what in ("m", "l") for order in (1, 2)}
+        for what in ("m", "l"):
+            for h in range(self.r):
+                block = abs(self.rows(what, h))
+                out[what, 1][:, h] = np.asarray(block.sum(axis=1)).ravel()
+                out[what, 2][:, h] = np.sqrt(np.asarray(block.multiply(block).sum(axis=1)).ravel())
+        return out
 
     def columns(self, chunk: int = CHUNK):
         """Yield (columns, dW (H, d, d, c), dv (H, d, c)): G restricted to a chunk of answers."""
