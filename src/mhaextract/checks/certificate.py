@@ -499,7 +499,7 @@ def _deviations(run: PipelineRun) -> tuple[np.ndarray, np.ndarray]:
     """(n, r) each instance's log-poles and labels minus those the assembled model predicts for it
     (``M_h = Z^T W_h X`` through the pole design; labels ``v_h^T z_j``, row links ``v_h^T (z_0 + z_j)``)."""
     schedule, model = run.schedule, run.model
-    M = np.einsum("aj,hab,bi->hji", schedule.Z, model.W, schedule.X).reshape(model.heads, -1)  # [h, j * d + i]
+    M = (schedule.Z.T[None] @ model.W @ schedule.X[None]).reshape(model.heads, -1)  # Z^T W_h X: [h, j * d + i]
     predicted_m = np.asarray(run.design @ M.T)  # (n, r)
     lz = (schedule.Z.T @ model.v.T)  # (d, r): v_h^T z_j
     columns = np.array([instance.j for instance in schedule.instances])

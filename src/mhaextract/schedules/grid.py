@@ -363,16 +363,23 @@ class GridLearner:
         schedule = self.schedule
         constant = None
         width = len(schedule.ks) - 1 if schedule.both_anchors else len(schedule.ks)
-        for index in indices:
-            instance = schedule.instances[index]
-            final = self.vbar_x[instance.i]
-            if instance.role == "column_link":  # final token w (x_0 + x_i); affine: w = 1/2, c0 kept once
-                final = self.vbar_x[0] + final
-                final = final if schedule.column_link_weight == 1 else final * schedule.column_link_weight
-            difference = self.vbar_z[0] + self.vbar_z[instance.j] if instance.role == "row_link" else self.vbar_z[instance.j]
-            self.samples[index, 0] = final  # F(0) = vbar^T x
+        indices = np.asarray(indices, dtype=int)
+        if len(indices):  # every instance at once, each entry computed as for that instance alone
+            chosen = [schedule.instances[index] for index in indices]
+            role = np.array([instance.role for instance in chosen])
+            final = self.vbar_x[np.array([instance.i for instance in chosen])]
+            columns = np.array([instance.j for instance in chosen])
+            links = role == "column_link"  # final token w (x_0 + x_i); affine: w = 1/2, c0 kept once
+            if links.any():
+                linked = self.vbar_x[0] + final[links]
+                final[links] = linked if schedule.column_link_weight == 1 else linked * schedule.column_link_weight
+            difference = self.vbar_z[columns]
+            rows = role == "row_link"
+            if rows.any():
+                difference[rows] = self.vbar_z[0] + self.vbar_z[columns[rows]]
+            self.samples[indices, 0] = final  # F(0) = vbar^T x
             if schedule.both_anchors:
-                self.samples[index, width] = final - difference  # c = vbar^T (x - z), kept in the spare column
+                self.samples[indices, width] = final - difference  # c = vbar^T (x - z), kept in the spare column
         block = self.samples[indices]
         if schedule.both_anchors:
             constant, block = block[:, width], block[:, :width]
