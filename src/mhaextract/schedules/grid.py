@@ -183,9 +183,17 @@ class GridSchedule(Schedule):
         raise NotImplementedError
 
     def _add(self, role: str, i: int, j: int, final, difference, first_k: int, last_k: int | None = None) -> int:
+        return int(self._add_many(role, [i], [j], [final], [difference], first_k, last_k)[0])
+
+    def _add_many(self, role: str, i, j, finals, differences, first_k: int, last_k: int | None = None) -> np.ndarray:
+        """Add instances ``(i[n], j[n])`` with final token ``finals[n]`` and difference
+        ``differences[n]`` (rows), all asking ``k = first_k..last_k``; returns their indices."""
         last = self.samples_per_instance - 1 if last_k is None else last_k
-        self.instances.append(Instance(role, i, j, final, difference, tuple(range(first_k, last + 1))))
-        return len(self.instances) - 1
+        ks, start = tuple(range(first_k, last + 1)), len(self.instances)
+        self.instances.extend(Instance(role, a, b, final, difference, ks)
+                              for a, b, final, difference in zip(np.asarray(i).tolist(), np.asarray(j).tolist(),
+                                                                finals, differences))
+        return np.arange(start, len(self.instances))
 
     @property
     def promised_max_length(self) -> int:
