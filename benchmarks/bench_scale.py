@@ -1,6 +1,7 @@
 """Scaling benchmark (issue 14): queries, seconds, learner/oracle time, peak memory and error
 against d, for full-rank heads (schedule="targeted"; kind "default": the library's defaults,
-schedule="auto" with calibration and biases) and heads of rank r = d / H (schedule="lowrank", rank=r).
+schedule="auto" with calibration and biases; kinds "paper" and "lean": the grid schedules, float64)
+and heads of rank r = d / H (schedule="lowrank", rank=r).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --d 64 128 --heads 2 4 8 [--rank-only] [--cells d:H:kind ...]
 
@@ -66,7 +67,7 @@ def target(d: int, H: int, rank: int | None, seed: int) -> mx.MultiHeadAttention
 
 
 def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
-    rank = None if kind in ("full", "default") else d // H
+    rank = None if kind in ("full", "default", "paper", "lean") else d // H
     model = target(d, H, rank, seed)
     if kind == "lowb":  # rank d / H with score biases and an output constant (docs/algorithm.md §16, §17)
         rng = np.random.default_rng(seed + 100)
@@ -76,9 +77,11 @@ def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
     assert abs(oracle([np.ones((3, d))])[0] - check) <= 1e-12 * max(1.0, abs(check))
     oracle.seconds, oracle.count = 0.0, 0
     # "default": the library's defaults (schedule="auto": calibration, biases, targeted); "full":
-    # schedule="targeted" alone (no calibration, bias-free model); "low": schedule="lowrank", rank=d/H;
-    # "lowb": the same with bias=True on a target with biases.
-    options = {"default": {}, "full": dict(schedule="targeted"),
+    # schedule="targeted" alone (no calibration, bias-free model); "paper", "lean": the grid schedules
+    # (float64: H <= 3 is their envelope, the error column shows what they reach); "low": schedule="lowrank",
+    # rank=d/H; "lowb": the same with bias=True on a target with biases.
+    options = {"default": {}, "full": dict(schedule="targeted"), "paper": dict(schedule="paper"),
+               "lean": dict(schedule="lean"),
                "lowb": dict(schedule="lowrank", rank=rank, bias=True)}.get(kind, dict(schedule="lowrank", rank=rank))
     started = time.perf_counter()
     result = mx.extract(oracle, d, heads=H, seed=seed + 1, on_failure="warn", progress=False, **options)
@@ -111,7 +114,8 @@ def exponents(rows: list[dict]) -> list[str]:
         logd = np.log([r["d"] for r in group])
         fit = {name: np.polyfit(logd, np.log([r[name] for r in group]), 1)[0]
                for name in ("seconds", "learner_s", "oracle_s", "peak_gb", "queries")}
-        out.append(f"H = {key[0]}, {'full rank' if key[1] == 'full' else 'rank d/H'}: " +
+        label = {"full": "full rank", "r": "rank d/H"}.get(key[1], key[1])
+        out.append(f"H = {key[0]}, {label}: " +
                    ", ".join(f"{name} ~ d^{value:.2f}" for name, value in fit.items()))
     return out
 
@@ -121,7 +125,8 @@ def main():
     parser.add_argument("--d", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--heads", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--kinds", nargs="*", default=["full", "low"])
-    parser.add_argument("--cells", nargs="*", default=[], help="extra cells d:H:kind (kind full, low, lowb or default)")
+    parser.add_argument("--cells", nargs="*", default=[],
+                        help="extra cells d:H:kind (kind full, low, lowb, default, paper or lean)")
     parser.add_argument("--cell", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()

@@ -160,3 +160,20 @@ def test_equal_labels_call_for_a_link():
     clear = match_labels(side(m_a, l_a), side(m_b, l_b))
     assert np.array_equal(clear.permutation[0], permutation)
     assert clear.ambiguity[0] < LABEL_AMBIGUITY  # measured 5e-11
+
+
+@pytest.mark.parametrize("r", [2, 3, 4, 5])
+def test_all_rows_at_once_assign_what_linear_sum_assignment_assigns_row_by_row(r):
+    """The batched assignment (every permutation summed, up to 4 heads; ties and infinite costs
+    handed to scipy) against scipy's per-row solution, on random costs with ties and infinities."""
+    from scipy.optimize import linear_sum_assignment
+
+    from mhaextract.schedules.matching import _assign
+
+    rng = np.random.default_rng(r)
+    cost = rng.exponential(size=(400, r, r)) * 10.0 ** rng.integers(-12, 12, size=(400, 1, 1))
+    cost[100:200] = np.round(cost[100:200] * 2) / 2  # exact ties between permutations
+    cost[200:300][rng.random((100, r, r)) < 0.3] = np.inf
+    cost[300:310] = 0.0
+    expected = np.array([linear_sum_assignment(np.minimum(row, 1e300))[1] for row in cost])
+    assert np.array_equal(_assign(cost), expected)

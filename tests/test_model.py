@@ -26,6 +26,20 @@ def test_float64_outputs_match_the_definition():
     np.testing.assert_allclose(model(batch), expected, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_an_output_does_not_depend_on_the_batch_it_is_asked_in(dtype):
+    """Transcripts resume bit for bit with another batch size: each sequence's output is the same
+    alone, in small batches, in one batch, and in reverse order."""
+    model = mx.MultiHeadAttention.random(16, 2, seed=2)
+    rng = np.random.default_rng(3)
+    batch = [rng.standard_normal((n, 16)) for n in rng.integers(1, 6, size=120)]
+    whole = model(batch, dtype=dtype)
+    for size in (1, 2, 3, 17):
+        parts = np.concatenate([model(batch[i:i + size], dtype=dtype) for i in range(0, len(batch), size)])
+        assert np.array_equal(parts, whole), size
+    assert np.array_equal(model(batch[::-1], dtype=dtype)[::-1], whole)
+
+
 def test_high_precision_outputs_agree_with_float64_and_are_mpf():
     model = mx.MultiHeadAttention.random(4, 2, seed=3)
     rng = np.random.default_rng(4)

@@ -163,6 +163,26 @@ def test_the_linearisation_predicts_how_answers_move_the_parameters(d, H, seed):
     assert clean.amplification == pytest.approx(expected, rel=1e-10)
 
 
+@pytest.mark.parametrize("d, H, options", [(1, 2, {}), (4, 1, {}), (5, 2, {}), (3, 2, dict(samples_per_instance=7))])
+def test_the_instance_operator_built_directly_is_the_sparse_product(d, H, options, monkeypatch):
+    """The certificate's d(c, m, l)/d(answers), built block by block, against J^+ S as a sparse product."""
+    from mhaextract.checks.certificate import _PipelineOperator
+
+    built, original = [], _PipelineOperator._direct_operator
+    monkeypatch.setattr(_PipelineOperator, "_direct_operator", lambda self, *args: built.append(original(self, *args))
+                        or built[-1])
+    noisy = mx.AdditiveNoise(mx.SimulatedOracle(mx.MultiHeadAttention.random(d, H, seed=d)), 1e-10, seed=1)
+    operator = quiet_extract(noisy, d, H, seed=2, **options).certificate._operator
+    direct = operator.G_u
+    assert len(built) == 1 and built[0] is direct  # the paper's layout is built directly
+    monkeypatch.setattr(_PipelineOperator, "_direct_operator", lambda self, *args: None)
+    product = _PipelineOperator(operator.run).G_u
+    product.sort_indices()
+    assert direct.nnz > 0 and direct.has_sorted_indices
+    for name in ("indptr", "indices", "data"):
+        assert np.array_equal(getattr(direct, name), getattr(product, name)), name
+
+
 @pytest.mark.slow
 def test_acceptance_1_the_bound_holds_in_200_noisy_runs_and_is_not_vacuous():
     ratios, skipped, run = [], 0, 0

@@ -112,3 +112,19 @@ def test_the_oracle_sees_exactly_the_counted_queries_and_the_same_seed_gives_the
         assert result.queries == len(asked)
         assert result.max_query_length == max(len(X) for X in asked)
     assert all(np.array_equal(a, b) for a, b in zip(*transcripts))
+
+
+def test_copies_sequences_are_k_copies_of_x_minus_z_then_x_in_the_order_asked():
+    from mhaextract.oracle.queries import copies_sequences
+
+    rng = np.random.default_rng(3)
+    finals, differences = rng.standard_normal((2, 4, 5))
+    which, copies = np.array([2, 0, 2, 3, 1, 0]), np.array([0, 3, 2, 3, 1, 0])
+    sequences = copies_sequences(finals, differences, which, copies)
+    assert len(sequences) == len(copies)
+    for sequence, n, k in zip(sequences, which, copies):
+        y = finals[n] - differences[n]
+        expected = np.array([list(y)] * k + [list(finals[n])])
+        assert sequence.shape == (k + 1, 5) and np.array_equal(sequence, expected)
+    sequences[1][0, 0] = 99.0  # one query's tokens are its own (views of disjoint rows)
+    assert sequences[3][0, 0] != 99.0 and sequences[5][0, 0] == finals[0, 0]

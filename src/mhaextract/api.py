@@ -144,7 +144,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
                               progress=progress, max_queries=max_queries, transcript=record)
     try:
-        check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
+        if record is not None:  # a resumed transcript: is it the same oracle? (fixed_queries costs O(queries))
+            check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
         extra = _refinement_queries(boundary, plan.settings, plan, outcome)

@@ -287,6 +287,9 @@ class _PipelineOperator:
         anchor = (support == q00).astype(float)
         dvbar = np.linalg.solve(schedule.Z.T, anchor[None, :] - dc[:, support].toarray())  # (d, |support|)
         dvx = schedule.X.T @ dvbar  # row i: d(vbar^T x_i) on the support columns
+        direct = self._direct_operator(support, anchor, dvx, q00, anchored)
+        if direct is not None:
+            return direct
         for i in range(1, d):
             for t, extra in [(grid[i], 0.0), (column_links[i], 1.0)]:
                 t = np.asarray(t)
@@ -297,6 +300,74 @@ class _PipelineOperator:
         everything = np.arange(self.n)
         return (self._block(everything, self._pseudo_inverses(everything)) @ S).tocsr()
 
+    def _direct_operator(self, support, anchor, dvx, q00, anchored) -> csr_matrix | None:
+        """``J^+ S`` of :meth:`_instance_operator` built row block by row block, not as a sparse
+        product: an instance's samples read distinct answers (its own, the anchor q00, or vbar^T x_i
+        on the support), so every entry is the one product ``J_t^+[p, k] S[t K + k, q]`` the sparse
+        product forms; zeros dropped and indices sorted as there. Needs the paper's layout (the
+        instances after row 0 and its links in one trailing range, equal answer counts, their
+        answers after the support); None otherwise (the sparse product is used)."""
+        run, schedule, K, Q, n, d = self.run, self.run.schedule, self.K, self.Q, self.n, self.d
+        size = 2 * self.r + 1
+        grid, column_links = schedule.grid_index, schedule.column_link_index
+        # The instances _instance_operator anchors on the support: grid row i (extra 0), column links (1).
+        rows = range(1, d)
+        later = np.concatenate([np.concatenate([grid[i], column_links[i]]) for i in rows] or [[]]).astype(int)
+        extra = np.concatenate([np.concatenate([np.zeros(len(grid[i])), np.ones(len(column_links[i]))])
+                                for i in rows] or [[]])
+        final = np.concatenate([np.full(len(grid[i]) + len(column_links[i]), i) for i in rows] or [[]]).astype(int)
+        if run.owners.min(initial=0) < 0:
+            return None
+        first = n - len(later)
+        if not np.array_equal(np.sort(later), np.arange(first, n)) or np.isin(anchored, later).any():
+            return None
+        counts = np.bincount(run.owners, minlength=n)
+        if len(later) and (counts[later] != counts[later[0]]).any():
+            return None
+        order = np.argsort(run.owners, kind="stable")  # answers grouped by instance, in query order
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        position = np.searchsorted(self.ks, run.copies)
+        pinv = self._pseudo_inverses(np.arange(n))
+        if len(later) and order[starts[first]:].min(initial=Q) <= support.max(initial=-1):
+            return None
+        # Rows t * size + p: instances before `first` one by one (few), the later ones as one block.
+        head = []
+        lead = set(int(t) for t in anchored)
+        for t in range(first):  # row 0, its links: own answers (and the anchor q00)
+            own = order[starts[t]:starts[t + 1]]
+            cols = np.concatenate([[q00], own]) if t in lead else own
+            ks = np.concatenate([[0], position[own]]) if t in lead else position[own]
+            if len(np.unique(cols)) != len(cols):
+                return None
+            sort = np.argsort(cols, kind="stable")
+            head.append((cols[sort], pinv[t][:, ks[sort]] * 1.0))
+        width = len(support) + (counts[later[0]] if len(later) else 0)
+        widths = np.concatenate([np.repeat([len(cols) for cols, _ in head], size).astype(np.int64),
+                                 np.full(len(later) * size, width, dtype=np.int64)])
+        indptr = np.concatenate([[0], np.cumsum(widths)])
+        index_type = np.int32 if max(indptr[-1], Q) < 2**31 else np.int64
+        data, indices = np.empty(indptr[-1]), np.empty(indptr[-1], dtype=index_type)
+        offset = 0
+        for cols, values in head:
+            data[offset:offset + values.size] = values.ravel()
+            indices[offset:offset + values.size] = np.tile(cols, size)
+            offset += values.size
+        if len(later):
+            rank = np.argsort(later)  # instances first..n-1 in order
+            values = dvx[final[rank]] + extra[rank][:, None] * anchor[None, :]  # (later, |support|)
+            own = order[starts[first]:].reshape(len(later), -1)
+            P = pinv[first:]
+            block = data[offset:].reshape(len(later), size, width)
+            np.multiply(P[:, :, 0][:, :, None], values[:, None, :], out=block[:, :, :len(support)])
+            block[:, :, len(support):] = np.take_along_axis(P, position[own][:, None, :], axis=2) * 1.0
+            columns = indices[offset:].reshape(len(later), size, width)
+            columns[:, :, :len(support)] = support
+            columns[:, :, len(support):] = own[:, None, :]
+        indptr = indptr.astype(index_type)
+        out = csr_matrix((data, indices, indptr), shape=(n * size, Q))
+        out.eliminate_zeros()
+        return out
+
     def rows(self, what: str, h: int) -> csr_matrix:
         """(n, Q): derivative of every instance's m_h (``what="m"``) or l_h (``"l"``)."""
         offset = 1 + h if what == "m" else 1 + self.r + h
@@ -304,12 +375,18 @@ class _PipelineOperator:
 
     def row_norms(self, what: str, order: int) -> np.ndarray:
         """(n, r) l1 (order=1) or l2 (order=2) norms of the rows of m_h or l_h."""
-        out = np.empty((self.n, self.r))
-        for h in range(self.r):
-            block = abs(self.rows(what, h))
-            out[:, h] = np.asarray(block.sum(axis=1)).ravel() if order == 1 else np.sqrt(
-                np.asarray(block.multiply(block).sum(axis=1)).ravel())
-        return np.where(self.finite[:, None], out, np.inf)
+        return np.where(self.finite[:, None], self._row_norms[what, order], np.inf)
+
+    @cached_property
+    def _row_norms(self) -> dict:
+        """Both norms of every row block, each block's absolute values formed once."""
+        out = {(what, order): np.empty((self.n, self.r)) for what in ("m", "l") for order in (1, 2)}
+        for what in ("m", "l"):
+            for h in range(self.r):
+                block = abs(self.rows(what, h))
+                out[what, 1][:, h] = np.asarray(block.sum(axis=1)).ravel()
+                out[what, 2][:, h] = np.sqrt(np.asarray(block.multiply(block).sum(axis=1)).ravel())
+        return out
 
     def columns(self, chunk: int = CHUNK):
         """Yield (columns, dW (H, d, d, c), dv (H, d, c)): G restricted to a chunk of answers."""
@@ -422,7 +499,7 @@ def _deviations(run: PipelineRun) -> tuple[np.ndarray, np.ndarray]:
     """(n, r) each instance's log-poles and labels minus those the assembled model predicts for it
     (``M_h = Z^T W_h X`` through the pole design; labels ``v_h^T z_j``, row links ``v_h^T (z_0 + z_j)``)."""
     schedule, model = run.schedule, run.model
-    M = np.einsum("aj,hab,bi->hji", schedule.Z, model.W, schedule.X).reshape(model.heads, -1)  # [h, j * d + i]
+    M = (schedule.Z.T[None] @ model.W @ schedule.X[None]).reshape(model.heads, -1)  # Z^T W_h X: [h, j * d + i]
     predicted_m = np.asarray(run.design @ M.T)  # (n, r)
     lz = (schedule.Z.T @ model.v.T)  # (d, r): v_h^T z_j
     columns = np.array([instance.j for instance in schedule.instances])

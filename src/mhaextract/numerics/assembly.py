@@ -37,20 +37,20 @@ def pole_design(layout) -> csr_matrix:
     """Sparse (n, d F): which entries ``M[j, i]`` (column ``j F + i``) each instance's pole measures
     (grid: ``M[j, i]``; row link j: ``M[0, 0] + M[j, 0]``; column link (i, j): ``w (M[j, 0] + M[j, i])``)."""
     finals = layout.grid_index.shape[0]
-    rows, cols, values = [], [], []
-    for index, instance in enumerate(layout.instances):
-        i, j = instance.i, instance.j
-        weight = 1.0
-        if instance.role == "grid":
-            unknowns = [j * finals + i]
-        elif instance.role == "row_link":
-            unknowns = [0, j * finals]
-        else:
-            unknowns = [j * finals, j * finals + i]
-            weight = layout.column_link_weight
-        rows += [index] * len(unknowns)
-        cols += unknowns
-        values += [weight] * len(unknowns)
+    role = np.array([instance.role for instance in layout.instances])
+    i = np.array([instance.i for instance in layout.instances], dtype=int)
+    j = np.array([instance.j for instance in layout.instances], dtype=int)
+    grid, row_link = role == "grid", role == "row_link"
+    # each instance's unknowns in order: grid [j F + i]; row link [0, j F]; column link [j F, j F + i]
+    first = np.where(grid, j * finals + i, np.where(row_link, 0, j * finals))
+    second = np.where(row_link, j * finals, j * finals + i)
+    counts = np.where(grid, 1, 2)
+    start = np.cumsum(counts) - counts
+    rows = np.repeat(np.arange(len(role)), counts)
+    cols = np.empty(len(rows), dtype=int)
+    cols[start] = first
+    cols[start[~grid] + 1] = second[~grid]
+    values = np.where(grid | row_link, 1.0, float(layout.column_link_weight))[rows]
     return csr_matrix((values, (rows, cols)), shape=(len(layout.instances), layout.d * finals))
 
 
@@ -103,10 +103,12 @@ def combine_poles(layout, m: np.ndarray, sigma: np.ndarray):
     std[:, 0, 0] = v00
     for j in range(1, d):
         std[:, j, 0] = combine(variance[grid[0, j]], linked(row_links[j], v00))
-    for i in range(1, finals):
-        for j in range(d):
-            std[:, j, i] = combine(variance[grid[i, j]],
-                                   linked(column_links[i, j], std[:, j, 0], layout.column_link_weight))
+    if finals > 1:  # every (i >= 1, j) at once, as linked() would give each
+        links, weight = column_links[1:].T, layout.column_link_weight  # (d, F - 1) [j, i - 1]
+        with np.errstate(invalid="ignore"):
+            through = np.where(links[None] >= 0, variance[np.maximum(links, 0)].transpose(2, 0, 1) / weight**2
+                               + std[:, :, 0][:, :, None], np.inf)
+        std[:, :, 1:] = combine(variance[grid[1:].T].transpose(2, 0, 1), through)
     return M, np.sqrt(std)
 
 

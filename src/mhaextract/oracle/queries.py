@@ -81,5 +81,22 @@ class Instance:
 
     def sequence(self, k: int) -> np.ndarray:
         """The query ``(y, ..., y, x)`` with ``k`` copies of ``y``: shape (k + 1, d)."""
-        repeated = self.final - self.difference
-        return np.vstack([np.tile(repeated, (k, 1)), self.final[None, :]])
+        return copies_sequences(self.final[None, :], self.difference[None, :], np.zeros(1, dtype=int), [k])[0]
+
+
+def copies_sequences(finals: np.ndarray, differences: np.ndarray, which, copies) -> list[np.ndarray]:
+    """Query ``q`` is ``(y, ..., y, x)`` with ``copies[q]`` copies of ``y = x - difference``,
+    ``x = finals[which[q]]``, ``difference = differences[which[q]]`` (rows): the sequences of
+    :meth:`Instance.sequence`, built as one array per length (each query a contiguous view)."""
+    finals, differences = np.asarray(finals), np.asarray(differences)
+    which, copies = np.asarray(which, dtype=int), np.asarray(copies, dtype=int)
+    repeated = finals - differences
+    out: list[np.ndarray] = [None] * len(copies)  # type: ignore[list-item]
+    for k in np.unique(copies):
+        positions = np.flatnonzero(copies == k)
+        block = np.empty((len(positions), int(k) + 1, finals.shape[1]), dtype=repeated.dtype)
+        block[:, :k] = repeated[which[positions], None, :]
+        block[:, k] = finals[which[positions]]
+        for position, sequence in zip(positions.tolist(), block):
+            out[position] = sequence
+    return out

@@ -28,7 +28,7 @@ from ..checks.certificate import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits
-from ..oracle.queries import Instance, random_basis
+from ..oracle.queries import Instance, copies_sequences, random_basis
 from ..validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
 from .matching import LinkMatches, Side, match_links
@@ -183,9 +183,17 @@ class GridSchedule(Schedule):
         raise NotImplementedError
 
     def _add(self, role: str, i: int, j: int, final, difference, first_k: int, last_k: int | None = None) -> int:
+        return int(self._add_many(role, [i], [j], [final], [difference], first_k, last_k)[0])
+
+    def _add_many(self, role: str, i, j, finals, differences, first_k: int, last_k: int | None = None) -> np.ndarray:
+        """Add instances ``(i[n], j[n])`` with final token ``finals[n]`` and difference
+        ``differences[n]`` (rows), all asking ``k = first_k..last_k``; returns their indices."""
         last = self.samples_per_instance - 1 if last_k is None else last_k
-        self.instances.append(Instance(role, i, j, final, difference, tuple(range(first_k, last + 1))))
-        return len(self.instances) - 1
+        ks, start = tuple(range(first_k, last + 1)), len(self.instances)
+        self.instances.extend(Instance(role, a, b, final, difference, ks)
+                              for a, b, final, difference in zip(np.asarray(i).tolist(), np.asarray(j).tolist(),
+                                                                finals, differences))
+        return np.arange(start, len(self.instances))
 
     @property
     def promised_max_length(self) -> int:
@@ -193,13 +201,16 @@ class GridSchedule(Schedule):
 
     def instance_queries(self, indices) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """Queries of the given instances: (sequences, instance index of each, copy count k)."""
-        sequences, owners, copies = [], [], []
-        for index in indices:
-            for k in self.instances[index].ks:
-                sequences.append(self.instances[index].sequence(k))
-                owners.append(index)
-                copies.append(k)
-        return sequences, np.array(owners, dtype=int), np.array(copies, dtype=int)
+        indices = list(indices)
+        chosen = [self.instances[index] for index in indices]
+        if not chosen:
+            return [], np.zeros(0, dtype=int), np.zeros(0, dtype=int)
+        counts = [len(instance.ks) for instance in chosen]
+        which = np.repeat(np.arange(len(chosen)), counts)
+        copies = np.array([k for instance in chosen for k in instance.ks], dtype=int)
+        sequences = copies_sequences(np.array([instance.final for instance in chosen]),
+                                     np.array([instance.difference for instance in chosen]), which, copies)
+        return sequences, np.asarray(indices, dtype=int)[which], copies
 
     def fixed_queries(self) -> list[np.ndarray]:
         return self.instance_queries(range(len(self.instances)))[0]
@@ -360,16 +371,23 @@ class GridLearner:
         schedule = self.schedule
         constant = None
         width = len(schedule.ks) - 1 if schedule.both_anchors else len(schedule.ks)
-        for index in indices:
-            instance = schedule.instances[index]
-            final = self.vbar_x[instance.i]
-            if instance.role == "column_link":  # final token w (x_0 + x_i); affine: w = 1/2, c0 kept once
-                final = self.vbar_x[0] + final
-                final = final if schedule.column_link_weight == 1 else final * schedule.column_link_weight
-            difference = self.vbar_z[0] + self.vbar_z[instance.j] if instance.role == "row_link" else self.vbar_z[instance.j]
-            self.samples[index, 0] = final  # F(0) = vbar^T x
+        indices = np.asarray(indices, dtype=int)
+        if len(indices):  # every instance at once, each entry computed as for that instance alone
+            chosen = [schedule.instances[index] for index in indices]
+            role = np.array([instance.role for instance in chosen])
+            final = self.vbar_x[np.array([instance.i for instance in chosen])]
+            columns = np.array([instance.j for instance in chosen])
+            links = role == "column_link"  # final token w (x_0 + x_i); affine: w = 1/2, c0 kept once
+            if links.any():
+                linked = self.vbar_x[0] + final[links]
+                final[links] = linked if schedule.column_link_weight == 1 else linked * schedule.column_link_weight
+            difference = self.vbar_z[columns]
+            rows = role == "row_link"
+            if rows.any():
+                difference[rows] = self.vbar_z[0] + self.vbar_z[columns[rows]]
+            self.samples[indices, 0] = final  # F(0) = vbar^T x
             if schedule.both_anchors:
-                self.samples[index, width] = final - difference  # c = vbar^T (x - z), kept in the spare column
+                self.samples[indices, width] = final - difference  # c = vbar^T (x - z), kept in the spare column
         block = self.samples[indices]
         if schedule.both_anchors:
             constant, block = block[:, width], block[:, :width]
@@ -494,20 +512,20 @@ class GridLearner:
         of its own error at the answers' rounding (ball radii, or eps times the label sensitivity)."""
         schedule, arithmetic = self.schedule, self.arithmetic
         label_deviation = np.full(self.n, np.nan)
-        for index, instance in enumerate(schedule.instances):
-            if instance.role == "row_link":
-                continue
-            if not self.H_star:
-                label_deviation[index] = 0.0
-                continue
-            miss = arithmetic.magnitude(labels[index] - consensus[:, instance.j])
-            expected = arithmetic.label_error(labels[index], consensus[:, instance.j], sigma_l[index])
-            label_deviation[index] = float(np.nanmax(miss / (expected + arithmetic.unit * self.label_scale),
-                                                     initial=0.0))
+        role = np.array([inst.role for inst in schedule.instances])
+        column = np.array([inst.j for inst in schedule.instances], dtype=int)
+        judged = np.flatnonzero(role != "row_link")
+        if not self.H_star:
+            label_deviation[judged] = 0.0
+        elif len(judged):
+            own, column_consensus = labels[judged], consensus[:, column[judged]].T
+            miss = arithmetic.magnitude(own - column_consensus)
+            expected = arithmetic.label_error(own, column_consensus, sigma_l[judged])
+            label_deviation[judged] = np.nanmax(miss / (expected + arithmetic.unit * self.label_scale), axis=1,
+                                                initial=0.0)
         fits = self.fits
         return InstanceDiagnostics(
-            role=np.array([inst.role for inst in schedule.instances]),
-            i=np.array([inst.i for inst in schedule.instances]), j=np.array([inst.j for inst in schedule.instances]),
+            role=role, i=np.array([inst.i for inst in schedule.instances]), j=column,
             rank=self.ranks, singular_values=self.singular_values, pole_gap=fits.pole_gap,
             imaginary=fits.imaginary, nonpositive=fits.nonpositive, residual=fits.residual,
             condition=fits.condition, certified=fits.certified, ambiguity=self.ambiguity,

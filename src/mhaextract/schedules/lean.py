@@ -36,15 +36,14 @@ class LeanSchedule(GridSchedule):
     def _build(self) -> None:
         x, z = self.X.T, self.Z.T
         H0, last = self.max_heads, 2 * self.max_heads - 1
+        d, later = self.d, np.arange(1, self.d)
         self.grid_index[0, 0] = self._add("grid", 0, 0, x[0], z[0], 0)
-        for j in range(1, self.d):
-            self.grid_index[0, j] = self._add("grid", 0, j, x[0], z[j], 1)
+        self.grid_index[0, 1:] = self._add_many("grid", np.zeros(d - 1, int), later, [x[0]] * (d - 1), z[1:], 1)
         if H0 >= 2:
-            for j in range(1, self.d):
-                self.row_link_index[j] = self._add("row_link", 0, j, x[0], z[0] + z[j], 1, last)
-        for i in range(1, self.d):
-            for j in range(self.d):
-                self.grid_index[i, j] = self._add("grid", i, j, x[i], z[j], 1, last)
+            self.row_link_index[1:] = self._add_many("row_link", np.zeros(d - 1, int), later, [x[0]] * (d - 1),
+                                                     z[0][None, :] + z[1:], 1, last)
+        i, j = np.repeat(later, d), np.tile(np.arange(d), d - 1)  # row by row
+        self.grid_index[1:] = self._add_many("grid", i, j, x[i], z[j], 1, last).reshape(d - 1, d)
 
     def add_column_link(self, i: int, j: int) -> int:
         """Add the fallback column link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``)."""

@@ -19,6 +19,7 @@ coin toss).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import permutations
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -61,6 +62,55 @@ def _squared(values: np.ndarray) -> np.ndarray:
     return np.nan_to_num(magnitude_float(values), nan=np.inf) ** 2
 
 
+#: Up to this many heads the assignment is found by trying every permutation, all rows at once.
+_ENUMERATED_HEADS = 4
+
+
+def _assign(cost: np.ndarray) -> np.ndarray:
+    """Per row n, the permutation ``cols`` minimising ``sum_h cost[n, h, cols[h]]``: what
+    :func:`scipy.optimize.linear_sum_assignment` returns on ``min(cost[n], 1e300)``, (n, r) ints.
+
+    Up to :data:`_ENUMERATED_HEADS` heads every permutation is summed for all rows at once; a row
+    whose best total is not clear of the second best by more than the rounding of its largest
+    cost (ties, infinite costs) goes to ``linear_sum_assignment``, which decides it as before."""
+    n, r, _ = cost.shape
+    clipped = np.minimum(cost, 1e300)
+    out = np.zeros((n, r), dtype=int)
+    if n == 0 or r == 0:
+        return out
+    if r > _ENUMERATED_HEADS:
+        undecided = np.arange(n)
+    else:
+        perms = np.array(list(permutations(range(r))), dtype=int)  # (P, r)
+        totals = clipped[:, np.arange(r)[None, :], perms].sum(axis=2)  # (n, P)
+        best = totals.argmin(axis=1)
+        out[:] = perms[best]
+        if len(perms) > 1:
+            two = np.partition(totals, 1, axis=1)[:, :2]
+            scale = clipped.reshape(n, -1).max(axis=1)
+            undecided = np.flatnonzero(~(two[:, 1] - two[:, 0] > 1e-9 * scale) | (scale >= 1e300))
+        else:
+            undecided = np.zeros(0, dtype=int)
+    for row in undecided:
+        out[row] = linear_sum_assignment(clipped[row])[1]
+    return out
+
+
+def _excluded_min(cost: np.ndarray, permutation: np.ndarray) -> np.ndarray:
+    """Per row, the smallest cost off the chosen assignment: ``min_h min_{g != cols[h]} cost[h, g]``."""
+    n, r, _ = cost.shape
+    masked = cost.copy()
+    masked[np.arange(n)[:, None], np.arange(r)[None, :], permutation] = np.inf
+    return masked.reshape(n, -1).min(axis=1)
+
+
+def _ambiguity(worst: np.ndarray, competitor: np.ndarray) -> np.ndarray:
+    """``sqrt(worst / competitor)``, NaN as infinite; infinite where no competitor is positive."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        value = np.nan_to_num(np.sqrt(worst / competitor), nan=np.inf)
+    return np.where(competitor > 0, value, np.inf)
+
+
 def match_links(a: Side, b: Side, link: Side, labels_add: bool) -> LinkMatches:
     """Match heads for a batch of links (row links: ``labels_add``; column links: labels equal)."""
     n, r = np.shape(a.m)
@@ -69,7 +119,7 @@ def match_links(a: Side, b: Side, link: Side, labels_add: bool) -> LinkMatches:
     pole_residual = np.zeros(n)
     ambiguity = np.zeros(n)
     bijective = np.ones(n, dtype=bool)
-    if r == 0:
+    if r == 0 or n == 0:
         return LinkMatches(permutation, link_heads, pole_residual, ambiguity, bijective)
     floor = 1e-300
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # failed fits give inf costs
@@ -91,22 +141,20 @@ def match_links(a: Side, b: Side, link: Side, labels_add: bool) -> LinkMatches:
     cost = chi2.min(axis=3)
     nearest = chi2.argmin(axis=3)
     pole_distance = np.sqrt(_squared(pole_miss))
-    for row in range(n):
-        rows, cols = linear_sum_assignment(np.minimum(cost[row], 1e300))
-        permutation[row] = cols
-        link_heads[row] = nearest[row, rows, cols]
-        chosen = cost[row, rows, cols]
-        pole_residual[row] = pole_distance[row, rows, cols, link_heads[row]].max()
-        if r > 1:
-            competitor = min(np.delete(cost[row, h], cols[h]).min() for h in range(r))
-            second_pole = np.sort(chi2[row, rows, cols], axis=1)[:, 1].min()
-            competitor = min(competitor, second_pole)
-        else:
-            competitor = np.inf
-        worst = chosen.max()
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ambiguity[row] = np.nan_to_num(np.sqrt(worst / competitor), nan=np.inf) if competitor > 0 else np.inf
-        bijective[row] = len(set(link_heads[row])) == r
+    permutation[:] = _assign(cost)
+    rows, heads = np.arange(n)[:, None], np.arange(r)[None, :]
+    link_heads[:] = nearest[rows, heads, permutation]
+    chosen = cost[rows, heads, permutation]
+    pole_residual[:] = pole_distance[rows, heads, permutation, link_heads].max(axis=1)
+    if r > 1:
+        # the closest competitor: another head of b for some head h, or the link's second-nearest pole
+        competitor = np.minimum(_excluded_min(cost, permutation),
+                                np.sort(chi2[rows, heads, permutation], axis=2)[:, :, 1].min(axis=1))
+    else:
+        competitor = np.full(n, np.inf)
+    ambiguity[:] = _ambiguity(chosen.max(axis=1), competitor)
+    ordered = np.sort(link_heads, axis=1)
+    bijective[:] = (ordered[:, 1:] != ordered[:, :-1]).all(axis=1)
     return LinkMatches(permutation, link_heads, pole_residual, ambiguity, bijective)
 
 
@@ -124,12 +172,10 @@ def match_labels(a: Side, b: Side) -> LinkMatches:
         miss = _squared(a.l[:, :, None] - b.l[:, None, :])
         variance = np.maximum(a.s_l[:, :, None] ** 2 + b.s_l[:, None, :] ** 2, 1e-300)
         cost = np.nan_to_num(miss / variance, nan=np.inf)
-    for row in range(n):
-        rows, cols = linear_sum_assignment(np.minimum(cost[row], 1e300))
-        permutation[row] = cols
-        if r > 1:
-            competitor = min(np.delete(cost[row, h], cols[h]).min() for h in range(r))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                value = np.sqrt(cost[row, rows, cols].max() / competitor) if competitor > 0 else np.inf
-            ambiguity[row] = np.nan_to_num(value, nan=np.inf)
+    if r and n:
+        permutation[:] = _assign(cost)
+    if r > 1 and n:
+        chosen = cost[np.arange(n)[:, None], np.arange(r)[None, :], permutation]
+        # (no positive competitor: the largest float, as the per-row version gave)
+        ambiguity[:] = np.nan_to_num(_ambiguity(chosen.max(axis=1), _excluded_min(cost, permutation)), nan=np.inf)
     return LinkMatches(permutation, np.zeros((n, r), dtype=int), np.zeros(n), ambiguity, np.ones(n, dtype=bool))

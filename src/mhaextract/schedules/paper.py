@@ -13,6 +13,8 @@ of ``M_h`` but one is measured twice) make the first-order certificate of §12 p
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..checks.certificate import pipeline_certificate
 from .grid import GridSchedule
 
@@ -27,22 +29,20 @@ class PaperSchedule(GridSchedule):
 
     def _build(self) -> None:
         x, z = self.X.T, self.Z.T  # rows are the tokens
+        d, later = self.d, np.arange(1, self.d)
         # 1. instance (0, 0): k = 0..2H0; its one-token query gives vbar^T x_0.
         self.grid_index[0, 0] = self._add("grid", 0, 0, x[0], z[0], 0)
         # 2. row 0: F(0) = vbar^T x_0 is known; each instance then gives vbar^T z_j.
-        for j in range(1, self.d):
-            self.grid_index[0, j] = self._add("grid", 0, j, x[0], z[j], 1)
+        self.grid_index[0, 1:] = self._add_many("grid", np.zeros(d - 1, int), later, [x[0]] * (d - 1), z[1:], 1)
         # 3. everything else (vbar known on R^d): row links, grid rows 1.., column links.
-        for j in range(1, self.d):
-            self.row_link_index[j] = self._add("row_link", 0, j, x[0], z[0] + z[j], 1)
+        self.row_link_index[1:] = self._add_many("row_link", np.zeros(d - 1, int), later, [x[0]] * (d - 1),
+                                                 z[0][None, :] + z[1:], 1)
         # (The biased grid of §16 has one more final token and column links at w (x_0 + x_i), w = 1/2.)
         finals, weight = len(x), self.column_link_weight
-        for i in range(1, finals):
-            for j in range(self.d):
-                self.grid_index[i, j] = self._add("grid", i, j, x[i], z[j], 1)
-        for i in range(1, finals):
-            for j in range(self.d):
-                self.column_link_index[i, j] = self._add("column_link", i, j, weight * (x[0] + x[i]), z[j], 1)
+        i, j = np.repeat(np.arange(1, finals), d), np.tile(np.arange(d), finals - 1)  # row by row
+        self.grid_index[1:] = self._add_many("grid", i, j, x[i], z[j], 1).reshape(finals - 1, d)
+        self.column_link_index[1:] = self._add_many("column_link", i, j, weight * (x[0][None, :] + x[i]), z[j],
+                                                    1).reshape(finals - 1, d)
 
     #: The count in words, and the number of instances after the first as a formula in d.
     exact_formula = "paper 4*H0*d^2 - 2*H0 + 1"
