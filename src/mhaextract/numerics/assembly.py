@@ -27,9 +27,13 @@ from scipy.sparse.linalg import MatrixRankWarning, spsolve
 
 
 def inverse_variance_weights(sigma: np.ndarray) -> np.ndarray:
-    """Inverse variances; a non-finite sensitivity (failed fit) gets weight 0."""
+    """Inverse variances; a non-finite sensitivity (failed fit) gets weight 0.
+
+    Sensitivities are floored at 1e-6 of the smallest finite one and never below 1e-150, so that a
+    fit reporting sensitivity 0 (noise-free samples) gets a large finite weight (at most 1e300)
+    rather than 1 / 0: the weights are also used as absolute inverse variances."""
     sigma = np.where(np.isfinite(sigma), sigma, np.inf)
-    floor = np.nanmin(sigma[np.isfinite(sigma)], initial=1.0) * 1e-6 + 1e-300
+    floor = max(float(np.nanmin(sigma[np.isfinite(sigma)], initial=1.0)) * 1e-6, 1e-150)
     return 1.0 / np.maximum(sigma, floor) ** 2
 
 

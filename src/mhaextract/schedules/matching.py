@@ -106,7 +106,7 @@ def _excluded_min(cost: np.ndarray, permutation: np.ndarray) -> np.ndarray:
 
 def _ambiguity(worst: np.ndarray, competitor: np.ndarray) -> np.ndarray:
     """``sqrt(worst / competitor)``, NaN as infinite; infinite where no competitor is positive."""
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # a ratio past float64 is infinite
         value = np.nan_to_num(np.sqrt(worst / competitor), nan=np.inf)
     return np.where(competitor > 0, value, np.inf)
 
