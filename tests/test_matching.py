@@ -98,6 +98,29 @@ def test_nearly_indistinguishable_heads_are_ambiguous(row_link):
     assert clear.ambiguity[0] < LABEL_AMBIGUITY  # measured 5e-11
 
 
+def test_a_link_with_coincident_poles_loses_its_own_match_not_b_order():
+    """A column link whose two poles coincide (m_a + m_b equal for both heads; at d = 128 a paper
+    grid of 32k instances has such a link: pole gap 1e-4, condition 1.5e16) gives one pole to both
+    heads, but b's order is decided by a's and b's labels: ``order_ambiguity`` stays certain while
+    ``ambiguity`` and ``bijective`` say the link itself is unusable."""
+    a = side([0.1, 0.5], [1.0, -2.0])
+    b = side([0.2, 0.6], [-2.0, 1.0])  # b's head 1 is a's head 0: m 0.1 + 0.6 = 0.5 + 0.2
+    # The link's residues at a double pole are undetermined: huge label sensitivities.
+    # Its poles: 0.7 each, measured 0.3 and 0.2 sigma off.
+    link = Side(np.array([[0.7 + 0.3 * SIGMA, 0.7 - 0.2 * SIGMA]]), np.array([[5.0, 7.0]]), np.full((1, 2), SIGMA),
+                np.full((1, 2), 1e6))
+    result = match_links(a, b, link, labels_add=False)
+    assert list(result.permutation[0]) == [1, 0]
+    assert not result.bijective[0]
+    assert result.ambiguity[0] > FLOAT64_AMBIGUITY
+    assert result.order_ambiguity[0] < 1e-3
+    # b's heads alike in pole and label (0.1 sigma apart): nothing decides its order.
+    b_alike = side([0.35, 0.35 + 0.1 * SIGMA], [1.0, 1.0 + 0.1 * SIGMA])
+    a_alike = side([0.35, 0.35 + 0.1 * SIGMA], [1.0, 1.0 + 0.1 * SIGMA])
+    undecided = match_links(a_alike, b_alike, link, labels_add=False)
+    assert undecided.order_ambiguity[0] > FLOAT64_AMBIGUITY
+
+
 def test_a_batch_of_links_is_matched_row_by_row():
     rng = np.random.default_rng(9)
     permutations = [np.array(p) for p in ([0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1])]

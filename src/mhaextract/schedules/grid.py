@@ -459,9 +459,21 @@ class GridLearner:
         mismatch = self.arithmetic.magnitude(l_link - (l_a + l_b if labels_add else l_b))
         if not labels_add:  # column links: the labels of a and b agree too
             mismatch = np.maximum(mismatch, self.arithmetic.magnitude(l_a - l_b))
-        self.ambiguity[link_index] = matches.ambiguity
+        ambiguity, bijective = matches.ambiguity, matches.bijective
+        if self.arithmetic.precision is None:
+            # A link that gave one of its poles to two heads (its poles nearly coincide: a random grid
+            # of 2 d^2 instances has some) while b's order stayed decisive (the labels decide it too):
+            # only the link's own measurement is lost. It gets weight 0 in the combination and counts
+            # as an ambiguous link in the matching check's outlier fraction (docs/algorithm.md §8);
+            # a link that leaves b's order undecided still fails the run.
+            lost = ~bijective & (matches.order_ambiguity <= CheckPolicy.for_precision(None).ambiguity)
+            if lost.any():
+                self.fits.sigma_m[link_index[lost]] = np.inf
+                self.fits.sigma_l[link_index[lost]] = np.inf
+                ambiguity, bijective = np.where(lost, np.inf, ambiguity), bijective | lost
+        self.ambiguity[link_index] = ambiguity
         self.label_residual[link_index] = mismatch.max(axis=1, initial=0.0) / self.label_scale
-        self.bijective = self.bijective and bool(matches.bijective.all())
+        self.bijective = self.bijective and bool(bijective.all())
 
     def _ordered(self, values, index):
         return np.take_along_axis(values[index], self.order[index], axis=1)

@@ -38,6 +38,10 @@ class LinkMatches:
     pole_residual : (n,) max over heads of ``|m^a_h + m^b_pi(h) - m^link|``.
     ambiguity : (n,) sqrt of the chosen cost over the closest competing cost (0: certain).
     bijective : (n,) bool, the matched link poles are all distinct.
+    order_ambiguity : (n,) the same ratio against other permutations of b only (the link's
+        second-nearest poles not competing): how decisively b's head order was chosen. A link whose
+        own poles nearly coincide is ambiguous and may match one pole to two heads, while b's order,
+        decided by the labels of a and b as well, stays certain.
     """
 
     permutation: np.ndarray
@@ -45,6 +49,7 @@ class LinkMatches:
     pole_residual: np.ndarray
     ambiguity: np.ndarray
     bijective: np.ndarray
+    order_ambiguity: np.ndarray
 
 
 @dataclass
@@ -119,8 +124,9 @@ def match_links(a: Side, b: Side, link: Side, labels_add: bool) -> LinkMatches:
     pole_residual = np.zeros(n)
     ambiguity = np.zeros(n)
     bijective = np.ones(n, dtype=bool)
+    order_ambiguity = np.zeros(n)
     if r == 0 or n == 0:
-        return LinkMatches(permutation, link_heads, pole_residual, ambiguity, bijective)
+        return LinkMatches(permutation, link_heads, pole_residual, ambiguity, bijective, order_ambiguity)
     floor = 1e-300
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # failed fits give inf costs
         # Index layout (n, h, g, p): head h of a, head g of b, pole p of the link.
@@ -148,14 +154,15 @@ def match_links(a: Side, b: Side, link: Side, labels_add: bool) -> LinkMatches:
     pole_residual[:] = pole_distance[rows, heads, permutation, link_heads].max(axis=1)
     if r > 1:
         # the closest competitor: another head of b for some head h, or the link's second-nearest pole
-        competitor = np.minimum(_excluded_min(cost, permutation),
-                                np.sort(chi2[rows, heads, permutation], axis=2)[:, :, 1].min(axis=1))
+        other_order = _excluded_min(cost, permutation)
+        competitor = np.minimum(other_order, np.sort(chi2[rows, heads, permutation], axis=2)[:, :, 1].min(axis=1))
     else:
-        competitor = np.full(n, np.inf)
+        other_order = competitor = np.full(n, np.inf)
     ambiguity[:] = _ambiguity(chosen.max(axis=1), competitor)
+    order_ambiguity[:] = _ambiguity(chosen.max(axis=1), other_order)
     ordered = np.sort(link_heads, axis=1)
     bijective[:] = (ordered[:, 1:] != ordered[:, :-1]).all(axis=1)
-    return LinkMatches(permutation, link_heads, pole_residual, ambiguity, bijective)
+    return LinkMatches(permutation, link_heads, pole_residual, ambiguity, bijective, order_ambiguity)
 
 
 def match_labels(a: Side, b: Side) -> LinkMatches:
@@ -178,4 +185,5 @@ def match_labels(a: Side, b: Side) -> LinkMatches:
         chosen = cost[np.arange(n)[:, None], np.arange(r)[None, :], permutation]
         # (no positive competitor: the largest float, as the per-row version gave)
         ambiguity[:] = np.nan_to_num(_ambiguity(chosen.max(axis=1), _excluded_min(cost, permutation)), nan=np.inf)
-    return LinkMatches(permutation, np.zeros((n, r), dtype=int), np.zeros(n), ambiguity, np.ones(n, dtype=bool))
+    return LinkMatches(permutation, np.zeros((n, r), dtype=int), np.zeros(n), ambiguity, np.ones(n, dtype=bool),
+                       ambiguity.copy())
