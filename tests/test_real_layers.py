@@ -150,6 +150,7 @@ def test_a_float32_layer_answers_in_float32_and_says_so():
     assert result.answer_dtype == "float32"
 
 
+@pytest.mark.slow
 def test_a_layer_outside_the_model_class_fails_its_checks_and_is_refused_by_to_reduced():
     torch.manual_seed(0)
     layer = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True, dtype=torch.float64)

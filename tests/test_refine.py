@@ -240,6 +240,7 @@ def test_matrix_free_products_are_the_dense_jacobians(bias, cached, monkeypatch)
     assert np.allclose(operator.norms, np.linalg.norm(J, axis=0), rtol=1e-14, atol=0)
 
 
+@pytest.mark.slow
 def test_matrix_free_refinement_matches_the_dense_one_and_the_truth():
     d, H = 4, 3
     target, batch, answers, weights = _polish_problem(d, H, seed=2)
