@@ -175,12 +175,32 @@ def test_the_instance_operator_built_directly_is_the_sparse_product(d, H, option
     operator = quiet_extract(noisy, d, H, seed=2, **options).certificate._operator
     direct = operator.G_u
     assert len(built) == 1 and built[0] is direct  # the paper's layout is built directly
-    monkeypatch.setattr(_PipelineOperator, "_direct_operator", lambda self, *args: None)
-    product = _PipelineOperator(operator.run).G_u
+    monkeypatch.setattr(_PipelineOperator, "_direct_layout", lambda self: None)
+    general = _PipelineOperator(operator.run)
+    product = general.G_u
     product.sort_indices()
     assert direct.nnz > 0 and direct.has_sorted_indices
     for name in ("indptr", "indices", "data"):
         assert np.array_equal(getattr(direct, name), getattr(product, name)), name
+    # The row norms taken from the layout's blocks (G_u never formed) are those of the product's rows.
+    for what in ("m", "l"):
+        for order in (1, 2):
+            from_blocks, from_product = operator.row_norms(what, order), general.row_norms(what, order)
+            assert np.allclose(from_blocks, from_product, rtol=1e-14, atol=0), (what, order)
+            assert (from_product > 0).all()
+
+
+def test_the_certificate_forms_no_instance_operator_unless_asked(monkeypatch):
+    """Validity, noise estimate and row norms come from the layout's blocks; the O(d^3 H^2) G_u is formed
+    only for the amplification."""
+    from mhaextract.checks.certificate import _PipelineOperator
+
+    calls = []
+    original = _PipelineOperator._instance_operator
+    monkeypatch.setattr(_PipelineOperator, "_instance_operator", lambda self: calls.append(1) or original(self))
+    result = quiet_extract(mx.SimulatedOracle(mx.MultiHeadAttention.random(5, 2, seed=3)), 5, 2, seed=2)
+    assert result.certificate.valid_below > 0 and not calls
+    assert result.amplification > 0 and len(calls) == 1
 
 
 @pytest.mark.slow
