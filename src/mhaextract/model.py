@@ -232,6 +232,30 @@ class MultiHeadAttention:
             out[index] = np.einsum("bhn,bhn->b", weights, values) + c
         return out
 
+    def copies_outputs(self, finals, final_of, differences, which, copies) -> np.ndarray:
+        """float64 outputs on copies sequences ``(y, ..., y, x)``: query q has ``copies[q]`` copies of
+        ``y = x - differences[t]``, ``x = finals[final_of[t]]``, ``t = which[q]``
+        (:class:`mhaextract.oracle.queries.CopiesQueries`). ``W_h x + u_h`` once per final token (the
+        stacked product of :meth:`_weights_float`), scores and values once per instance, then per query
+        ``c + sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``: ``self(sequences)`` to rounding,
+        in O(H d) per instance and O(H) per query instead of O(N H d^2) per query."""
+        model = self.to_float64()
+        W, v, u = model.W, model.v, model.u
+        heads, d = W.shape[0], W.shape[1]
+        finals, differences = np.asarray(finals, dtype=np.float64), np.asarray(differences, dtype=np.float64)
+        final_of, which, k = np.asarray(final_of, dtype=int), np.asarray(which, dtype=int), np.asarray(copies)
+        if not len(which):
+            return np.empty(0)
+        queries = np.matmul(finals[:, None, :], W.reshape(heads * d, d).T).reshape(len(finals), heads, d) + u[None]
+        x = finals[final_of]  # (n, d)
+        y = x - differences
+        s_x = np.einsum("td,thd->th", x, queries[final_of])[which]  # (Q, H)
+        s_y = np.einsum("td,thd->th", y, queries[final_of])[which]
+        v_x, v_y = (x @ v.T)[which], (y @ v.T)[which]
+        top = np.where(k[:, None] > 0, np.maximum(s_x, s_y), s_x)
+        e_x, e_y = np.exp(s_x - top), k[:, None] * np.exp(s_y - top)
+        return ((e_y * v_y + e_x * v_x) / (e_y + e_x)).sum(axis=1) + model.c
+
     def _means_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
         out = np.empty((len(sequences), self.heads, self.d), dtype=np.float64)
         for index, X, weights in self._weights_float(sequences):

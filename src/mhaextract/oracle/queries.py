@@ -7,6 +7,7 @@ refinement, the verification and the baselines share one definition of "a random
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,3 +101,74 @@ def copies_sequences(finals: np.ndarray, differences: np.ndarray, which, copies)
         for position, sequence in zip(positions.tolist(), block):
             out[position] = sequence
     return out
+
+
+#: Queries built at once when a :class:`CopiesQueries` is iterated.
+BUILD_CHUNK = 4096
+
+
+class CopiesQueries(Sequence):
+    """The queries of copies-instances, built on demand: query ``q`` is :func:`copies_sequences`'s
+    ``(y, ..., y, x)`` with ``copies[q]`` copies of ``y = x - difference``, ``x = finals[final_of[t]]``,
+    ``difference = differences[t]``, ``t = which[q]``.
+
+    A sequence of (N, d) arrays like a list (``len``, indexing, slicing, iteration; every access
+    builds fresh arrays, bit for bit those of :func:`copies_sequences`), but it holds one row per
+    instance, not every query's tokens: a grid run asks its queries batch by batch from it, and
+    :meth:`outputs` evaluates a model on all of them from the instances.
+    """
+
+    def __init__(self, finals: np.ndarray, final_of, differences: np.ndarray, which, copies):
+        self.finals = np.asarray(finals, dtype=np.float64)  # (U, d) distinct final tokens
+        self.final_of = np.asarray(final_of, dtype=int)  # (n,) instance -> row of finals
+        self.differences = np.asarray(differences, dtype=np.float64)  # (n, d)
+        self.which = np.asarray(which, dtype=int)  # (Q,) query -> instance
+        self.copies = np.asarray(copies, dtype=int)  # (Q,)
+
+    @classmethod
+    def of(cls, finals: np.ndarray, differences: np.ndarray, which, copies) -> "CopiesQueries":
+        """From one final token per instance (rows of ``finals``); equal rows are kept once."""
+        finals = np.ascontiguousarray(finals, dtype=np.float64)
+        if not finals.size:
+            return cls(finals, np.arange(len(finals)), differences, which, copies)
+        rows = finals.view(np.dtype((np.void, finals.itemsize * finals.shape[1]))).ravel()  # equal bytes, not values
+        _, first, final_of = np.unique(rows, return_index=True, return_inverse=True)
+        return cls(finals[first], np.asarray(final_of).ravel(), differences, which, copies)
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    def _build(self, which: np.ndarray, copies: np.ndarray) -> list[np.ndarray]:
+        instances, local = np.unique(which, return_inverse=True)  # only the instances these queries need
+        return copies_sequences(self.finals[self.final_of[instances]], self.differences[instances],
+                                np.asarray(local).ravel(), copies)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self._build(self.which[key], self.copies[key])
+        index = range(len(self))[key]  # an int, negative allowed, IndexError past the end
+        return self._build(self.which[index:index + 1], self.copies[index:index + 1])[0]
+
+    def __iter__(self):
+        for start in range(0, len(self), BUILD_CHUNK):
+            yield from self[start:start + BUILD_CHUNK]
+
+    def __add__(self, other):
+        """Concatenation: another CopiesQueries stays one (lean's fallback links), else a list."""
+        if not isinstance(other, CopiesQueries):
+            return list(self) + list(other)
+        finals = np.concatenate([self.finals, other.finals])
+        return CopiesQueries(finals, np.concatenate([self.final_of, other.final_of + len(self.finals)]),
+                             np.concatenate([self.differences, other.differences]),
+                             np.concatenate([self.which, other.which + len(self.differences)]),
+                             np.concatenate([self.copies, other.copies]))
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def outputs(self, model) -> np.ndarray:
+        """``model`` (float64) on every query, from the instances: ``W_h x + u_h`` once per final
+        token, the scores and values of ``x`` and ``y`` once per instance, then per query the
+        softmax of ``k`` equal scores and one: ``sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``.
+        The outputs of ``model(list(self))`` to rounding (the k equal terms are summed as one product)."""
+        return model.copies_outputs(self.finals, self.final_of, self.differences, self.which, self.copies)

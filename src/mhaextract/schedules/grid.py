@@ -28,7 +28,7 @@ from ..checks.certificate import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits
-from ..oracle.queries import Instance, copies_sequences, random_basis
+from ..oracle.queries import CopiesQueries, Instance, random_basis
 from ..validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
 from .matching import LinkMatches, Side, match_links
@@ -199,20 +199,21 @@ class GridSchedule(Schedule):
     def promised_max_length(self) -> int:
         return self.samples_per_instance
 
-    def instance_queries(self, indices) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """Queries of the given instances: (sequences, instance index of each, copy count k)."""
+    def instance_queries(self, indices) -> tuple[CopiesQueries, np.ndarray, np.ndarray]:
+        """Queries of the given instances: (sequences, built on demand, instance index of each, copy count k)."""
         indices = list(indices)
         chosen = [self.instances[index] for index in indices]
         if not chosen:
-            return [], np.zeros(0, dtype=int), np.zeros(0, dtype=int)
+            empty = np.zeros(0, dtype=int)
+            return CopiesQueries.of(np.zeros((0, self.d)), np.zeros((0, self.d)), empty, empty), empty, empty
         counts = [len(instance.ks) for instance in chosen]
         which = np.repeat(np.arange(len(chosen)), counts)
         copies = np.array([k for instance in chosen for k in instance.ks], dtype=int)
-        sequences = copies_sequences(np.array([instance.final for instance in chosen]),
+        sequences = CopiesQueries.of(np.array([instance.final for instance in chosen]),
                                      np.array([instance.difference for instance in chosen]), which, copies)
         return sequences, np.asarray(indices, dtype=int)[which], copies
 
-    def fixed_queries(self) -> list[np.ndarray]:
+    def fixed_queries(self) -> CopiesQueries:
         return self.instance_queries(range(len(self.instances)))[0]
 
     def run(self, boundary, arithmetic) -> Outcome:
