@@ -131,9 +131,17 @@ class CopiesQueries(Sequence):
         finals = np.ascontiguousarray(finals, dtype=np.float64)
         if not finals.size:
             return cls(finals, np.arange(len(finals)), differences, which, copies)
-        rows = finals.view(np.dtype((np.void, finals.itemsize * finals.shape[1]))).ravel()  # equal bytes, not values
-        _, first, final_of = np.unique(rows, return_index=True, return_inverse=True)
-        return cls(finals[first], np.asarray(final_of).ravel(), differences, which, copies)
+        # Rows grouped by a random projection (one float each: fast), the grouping kept only if every
+        # row is bit for bit its group's first; else (a collision, -0.0 against 0.0, NaN) by their bytes.
+        key = finals @ np.random.default_rng(0).uniform(1.0, 2.0, finals.shape[1])
+        _, first, final_of = np.unique(key, return_index=True, return_inverse=True)
+        final_of = np.asarray(final_of).ravel()
+        bits = finals.view(np.uint64)
+        if not np.array_equal(bits, bits[first][final_of]):
+            rows = finals.view(np.dtype((np.void, finals.itemsize * finals.shape[1]))).ravel()
+            _, first, final_of = np.unique(rows, return_index=True, return_inverse=True)
+            final_of = np.asarray(final_of).ravel()
+        return cls(finals[first], final_of, differences, which, copies)
 
     def __len__(self) -> int:
         return len(self.copies)
