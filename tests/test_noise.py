@@ -363,3 +363,23 @@ def test_verify_rejects_bad_input(options, message):
     result = mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, schedule="paper")
     with pytest.raises(ValueError, match=message):
         mx.verify(result, mx.SimulatedOracle(target), **options)
+
+
+def test_instance_pseudo_inverses_by_lu_where_well_conditioned_else_by_the_svd():
+    from mhaextract.checks.certificate import INVERSE_CONDITION, _pseudo_inverse
+
+    rng = np.random.default_rng(4)
+    J = rng.standard_normal((6, 5, 5))
+    J[1, :, 4] = J[1, :, 3]  # singular: its pseudo-inverse, not an inverse
+    J[2, :, 4] = J[2, :, 3] * (1 + 1e-12)  # nearly singular: beyond INVERSE_CONDITION
+    out = _pseudo_inverse(J)
+    reference = np.linalg.pinv(J)
+    for n in (1, 2):
+        assert np.array_equal(out[n], reference[n])
+    for n in (0, 3, 4, 5):
+        assert np.linalg.cond(J[n], 1) < INVERSE_CONDITION
+        assert np.abs(out[n] - reference[n]).max() <= 1e-12 * np.abs(reference[n]).max()
+        assert np.abs(out[n] @ J[n] - np.eye(5)).max() < 1e-12
+    tall = rng.standard_normal((3, 7, 5))  # oversampled instances: the least-squares pseudo-inverse
+    assert np.array_equal(_pseudo_inverse(tall), np.linalg.pinv(tall))
+    assert _pseudo_inverse(np.zeros((0, 5, 5))).shape == (0, 5, 5)
