@@ -247,11 +247,16 @@ class MultiHeadAttention:
         if not len(which):
             return np.empty(0)
         queries = np.matmul(finals[:, None, :], W.reshape(heads * d, d).T).reshape(len(finals), heads, d) + u[None]
-        x = finals[final_of]  # (n, d)
-        y = x - differences
-        s_x = np.einsum("td,thd->th", x, queries[final_of])[which]  # (Q, H)
-        s_y = np.einsum("td,thd->th", y, queries[final_of])[which]
-        v_x, v_y = (x @ v.T)[which], (y @ v.T)[which]
+        y = finals[final_of] - differences  # (n, d)
+        s_y = np.empty((len(y), heads))
+        order = np.argsort(final_of, kind="stable")  # instances grouped by final token: one BLAS product each
+        bounds = np.searchsorted(final_of[order], np.arange(len(finals) + 1))
+        for f in np.flatnonzero(np.diff(bounds)):
+            group = order[bounds[f]:bounds[f + 1]]
+            s_y[group] = y[group] @ queries[f].T
+        s_x = np.einsum("fd,fhd->fh", finals, queries)[final_of][which]  # (Q, H)
+        s_y = s_y[which]
+        v_x, v_y = (finals @ v.T)[final_of][which], (y @ v.T)[which]
         top = np.where(k[:, None] > 0, np.maximum(s_x, s_y), s_x)
         e_x, e_y = np.exp(s_x - top), k[:, None] * np.exp(s_y - top)
         return ((e_y * v_y + e_x * v_x) / (e_y + e_x)).sum(axis=1) + model.c
