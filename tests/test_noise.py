@@ -366,7 +366,7 @@ def test_verify_rejects_bad_input(options, message):
 
 
 def test_instance_pseudo_inverses_by_lu_where_well_conditioned_else_by_the_svd():
-    from mhaextract.checks.certificate import INVERSE_CONDITION, _pseudo_inverse
+    from mhaextract.checks.certificate import INVERSE_CHUNK, INVERSE_CONDITION, _pseudo_inverse
 
     rng = np.random.default_rng(4)
     J = rng.standard_normal((6, 5, 5))
@@ -380,6 +380,11 @@ def test_instance_pseudo_inverses_by_lu_where_well_conditioned_else_by_the_svd()
         assert np.linalg.cond(J[n], 1) < INVERSE_CONDITION
         assert np.abs(out[n] - reference[n]).max() <= 1e-12 * np.abs(reference[n]).max()
         assert np.abs(out[n] @ J[n] - np.eye(5)).max() < 1e-12
+    many = rng.standard_normal((3 * INVERSE_CHUNK, 5, 5))
+    many[INVERSE_CHUNK + 3, :, 1] = 0.0  # one singular matrix: its chunk goes to pinv, the others to LU
+    out, reference = _pseudo_inverse(many), np.linalg.pinv(many)
+    assert np.array_equal(out[INVERSE_CHUNK:2 * INVERSE_CHUNK], reference[INVERSE_CHUNK:2 * INVERSE_CHUNK])
+    assert np.array_equal(out[:INVERSE_CHUNK], np.linalg.inv(many[:INVERSE_CHUNK]))
     tall = rng.standard_normal((3, 7, 5))  # oversampled instances: the least-squares pseudo-inverse
     assert np.array_equal(_pseudo_inverse(tall), np.linalg.pinv(tall))
     assert _pseudo_inverse(np.zeros((0, 5, 5))).shape == (0, 5, 5)

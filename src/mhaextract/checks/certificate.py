@@ -236,6 +236,8 @@ def _relative_scales(model: MultiHeadAttention) -> tuple[float, float]:
 #: Square instance Jacobians are inverted by LU (a fifth of an SVD's time) while their 1-norm
 #: condition is below this; above it, and for the oversampled (tall) ones, by the SVD's pseudo-inverse.
 INVERSE_CONDITION = 1e8
+#: Jacobians inverted per call (np.linalg.inv refuses a whole batch for one singular matrix).
+INVERSE_CHUNK = 256
 
 
 def _pseudo_inverse(J: np.ndarray) -> np.ndarray:
@@ -244,12 +246,13 @@ def _pseudo_inverse(J: np.ndarray) -> np.ndarray:
     ``np.linalg.pinv``."""
     if J.shape[1] != J.shape[2] or not len(J):
         return np.linalg.pinv(J)
-    out = np.empty_like(J)
+    out, inverse = np.empty_like(J), np.full_like(J, np.nan)
     with np.errstate(all="ignore"):
-        try:
-            inverse = np.linalg.inv(J)
-        except np.linalg.LinAlgError:  # an exactly singular matrix in the batch
-            inverse = np.full_like(J, np.nan)
+        for start in range(0, len(J), INVERSE_CHUNK):
+            try:
+                inverse[start:start + INVERSE_CHUNK] = np.linalg.inv(J[start:start + INVERSE_CHUNK])
+            except np.linalg.LinAlgError:  # an exactly singular matrix: this chunk is left to pinv
+                pass
         condition = np.abs(J).sum(axis=1).max(axis=1) * np.abs(inverse).sum(axis=1).max(axis=1)
     inverted = np.isfinite(condition) & (condition < INVERSE_CONDITION)
     out[inverted] = inverse[inverted]
