@@ -181,3 +181,36 @@ def test_copies_queries_outputs_are_the_model_on_the_sequences(d, H, bias):
     scale = np.abs(exact).max()
     assert np.abs(queries.outputs(target) - exact).max() <= 1e-15 * scale  # as close as the model's own evaluation:
     assert np.abs(target(list(queries)) - exact).max() <= 2e-15 * scale
+
+
+def test_an_instance_table_is_its_instances_as_arrays_and_asks_what_each_instance_asks():
+    from mhaextract.oracle.queries import Instance, InstanceTable
+
+    rng = np.random.default_rng(2)
+    d = 3
+    table = InstanceTable(d)
+    records = []
+    for role, count, ks in [("grid", 1, (0, 1, 2, 3)), ("row_link", 0, (1, 2)), ("grid", 4, (1, 2, 3)),
+                            ("column_link", 2, (1, 2))]:
+        finals, differences = rng.standard_normal((2, count, d))
+        i, j = rng.integers(0, d, (2, count))
+        assert list(table.add(role, i, j, finals, differences, ks)) == list(range(len(records), len(records) + count))
+        records += [Instance(role, int(a), int(b), f, z, ks) for a, b, f, z in zip(i, j, finals, differences)]
+    assert len(table) == len(records) == 7
+    for got, want in zip(list(table), records):  # iteration and indexing give the same records
+        assert (got.role, got.i, got.j, got.ks) == (want.role, want.i, want.j, want.ks)
+        assert np.array_equal(got.final, want.final) and np.array_equal(got.difference, want.difference)
+    assert table[-1].role == "column_link" and table[3].ks == (1, 2, 3)
+    with pytest.raises(IndexError):
+        table[7]
+    # The arrays: dtype of the roles asked (no instance of an empty block), as np.array of the records' would be.
+    assert table.role.dtype == np.array([r.role for r in records]).dtype
+    assert list(table.role) == [r.role for r in records] and list(table.j) == [r.j for r in records]
+    chosen = [6, 0, 3, 4]
+    sequences, owners, copies = table.queries(chosen)
+    expected_copies = [k for n in chosen for k in records[n].ks]
+    assert list(copies) == expected_copies and list(owners) == [n for n in chosen for _ in records[n].ks]
+    expected = [records[n].sequence(k) for n, k in zip(owners, copies)]
+    assert len(sequences) == len(expected) and all(np.array_equal(a, b) for a, b in zip(sequences, expected))
+    empty, no_owners, no_copies = table.queries([])
+    assert len(empty) == len(no_owners) == len(no_copies) == 0

@@ -595,8 +595,7 @@ def _deviations(run: PipelineRun) -> tuple[np.ndarray, np.ndarray]:
     M = (schedule.Z.T[None] @ model.W @ schedule.X[None]).reshape(model.heads, -1)  # Z^T W_h X: [h, j * d + i]
     predicted_m = np.asarray(run.design @ M.T)  # (n, r)
     lz = (schedule.Z.T @ model.v.T)  # (d, r): v_h^T z_j
-    columns = np.array([instance.j for instance in schedule.instances])
-    rows = np.array([instance.role == "row_link" for instance in schedule.instances])
+    columns, rows = schedule.instances.j, schedule.instances.role == "row_link"
     predicted_l = lz[columns] + np.where(rows[:, None], lz[0][None, :], 0.0)
     with np.errstate(invalid="ignore"):
         return np.abs(run.m - predicted_m), np.abs(run.l - predicted_l)

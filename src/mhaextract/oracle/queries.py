@@ -180,3 +180,101 @@ class CopiesQueries(Sequence):
         softmax of ``k`` equal scores and one: ``sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``.
         The outputs of ``model(list(self))`` to rounding (the k equal terms are summed as one product)."""
         return model.copies_outputs(self.finals, self.final_of, self.differences, self.which, self.copies)
+
+
+class InstanceTable(Sequence):
+    """Copies-instances held as arrays, one row per instance in query order (the grid schedules'
+    ``instances``): :attr:`role`, :attr:`i`, :attr:`j`, :attr:`finals`, :attr:`differences` and each
+    instance's copy counts. Indexing (or iterating) gives :class:`Instance` records like a list of
+    them; instances are added in blocks that share their role and copy counts (:meth:`add`)."""
+
+    def __init__(self, d: int):
+        self.d = int(d)
+        self._blocks: list[tuple] = []  # (role, i, j, finals, differences, ks)
+        self._starts = [0]
+        self._arrays: dict | None = None
+
+    def add(self, role: str, i, j, finals, differences, ks: tuple[int, ...]) -> np.ndarray:
+        """Append instances ``(i[n], j[n])`` with final ``finals[n]`` and difference ``differences[n]``
+        (rows), all of ``role`` asking the copy counts ``ks``; returns their indices."""
+        i, j = np.asarray(i, dtype=int).ravel(), np.asarray(j, dtype=int).ravel()
+        finals = np.asarray(finals, dtype=np.float64).reshape(len(i), self.d)
+        differences = np.asarray(differences, dtype=np.float64).reshape(len(i), self.d)
+        start = self._starts[-1]
+        self._blocks.append((role, i, j, finals, differences, tuple(ks)))
+        self._starts.append(start + len(i))
+        self._arrays = None
+        return np.arange(start, start + len(i))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    @property
+    def _joined(self) -> dict:
+        if self._arrays is None:
+            blocks, sizes = self._blocks, [len(block[1]) for block in self._blocks]
+            present = [block[0] for block, size in zip(blocks, sizes) if size]  # (the dtype of the roles asked)
+            self._arrays = dict(
+                role=np.array(present)[np.repeat(np.arange(len(present)), [size for size in sizes if size])]
+                if present else np.array([], dtype=str),
+                i=np.concatenate([block[1] for block in blocks] or [np.zeros(0, dtype=int)]),
+                j=np.concatenate([block[2] for block in blocks] or [np.zeros(0, dtype=int)]),
+                finals=np.concatenate([block[3] for block in blocks] or [np.zeros((0, self.d))]),
+                differences=np.concatenate([block[4] for block in blocks] or [np.zeros((0, self.d))]),
+                block=np.repeat(np.arange(len(blocks)), sizes).astype(int))
+            # The blocks keep views of the joined rows, not copies of them.
+            self._blocks = [(role, i, j, self._arrays["finals"][start:stop], self._arrays["differences"][start:stop], ks)
+                            for (role, i, j, _, _, ks), start, stop in zip(blocks, self._starts, self._starts[1:])]
+        return self._arrays
+
+    @property
+    def role(self) -> np.ndarray:
+        return self._joined["role"]
+
+    @property
+    def i(self) -> np.ndarray:
+        return self._joined["i"]
+
+    @property
+    def j(self) -> np.ndarray:
+        return self._joined["j"]
+
+    @property
+    def finals(self) -> np.ndarray:
+        return self._joined["finals"]
+
+    @property
+    def differences(self) -> np.ndarray:
+        return self._joined["differences"]
+
+    def queries(self, indices) -> tuple[CopiesQueries, np.ndarray, np.ndarray]:
+        """The queries of instances ``indices``, each asking its copy counts in order: (sequences built
+        on demand, instance index of each query, copy count of each query)."""
+        indices = np.asarray(indices, dtype=int).ravel()
+        ks = [np.asarray(block[5], dtype=int) for block in self._blocks]
+        table = np.zeros((max(len(ks), 1), max((len(k) for k in ks), default=0)), dtype=int)  # block -> its ks
+        for b, k in enumerate(ks):
+            table[b, :len(k)] = k
+        blocks = self._joined["block"][indices]
+        counts = np.array([len(k) for k in ks] or [0], dtype=int)[blocks]
+        which = np.repeat(np.arange(len(indices)), counts)
+        within = np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)  # position in its ks
+        copies = table[blocks[which], within]
+        every = len(indices) == len(self) and np.array_equal(indices, np.arange(len(self)))
+        rows = slice(None) if every else indices  # all of them, in order: the table's own rows, not copies
+        sequences = CopiesQueries.of(self.finals[rows], self.differences[rows], which, copies)
+        return sequences, indices[which], copies
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[n] for n in range(len(self))[index]]
+        n = range(len(self))[index]
+        block = int(np.searchsorted(self._starts, n, side="right")) - 1
+        role, i, j, finals, differences, ks = self._blocks[block]
+        row = n - self._starts[block]
+        return Instance(role, int(i[row]), int(j[row]), finals[row], differences[row], ks)
+
+    def __iter__(self):
+        for role, i, j, finals, differences, ks in self._blocks:
+            for row in range(len(i)):
+                yield Instance(role, int(i[row]), int(j[row]), finals[row], differences[row], ks)
