@@ -118,6 +118,10 @@ class CopiesQueries(Sequence):
     :meth:`outputs` evaluates a model on all of them from the instances.
     """
 
+    #: Every access builds new arrays: a batch taken from it may go to the oracle without a copy
+    #: (:class:`mhaextract.oracle.boundary.OracleBoundary`).
+    fresh_on_access = True
+
     def __init__(self, finals: np.ndarray, final_of, differences: np.ndarray, which, copies):
         self.finals = np.asarray(finals, dtype=np.float64)  # (U, d) distinct final tokens
         self.final_of = np.asarray(final_of, dtype=int)  # (n,) instance -> row of finals
