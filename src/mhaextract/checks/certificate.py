@@ -340,7 +340,8 @@ class _PipelineOperator:
                 rows.append(np.repeat(t * K, len(support)))
                 cols.append(np.tile(support, len(t)))
                 values.append(np.tile(dvx[i] + extra * anchor, len(t)))
-        S = csr_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))), shape=(self.n * K, self.Q))
+        S = csr_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))),
+                       shape=(self.n * K, self.Q))
         everything = np.arange(self.n)
         return (self._block(everything, self._pseudo_inverses(everything)) @ S).tocsr()
 

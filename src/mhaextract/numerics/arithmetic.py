@@ -21,10 +21,10 @@ import contextlib
 
 import numpy as np
 
+from ..oracle.queries import CopiesQueries
 from . import arb as arb_kernel
 from . import float64 as float64_kernel
 from .assembly import tightest_enclosures, weighted_combination
-from ..oracle.queries import CopiesQueries
 from .highprec import GUARD_BITS, magnitude_float, mid_float, radius_float, to_arb, working_precision
 
 

@@ -217,7 +217,8 @@ class OracleBoundary:
         # Every sequence handed over counts, whatever comes back.
         self.queries += len(chunk)
         if rebuild is None:
-            longest = chunk.shape[1] if isinstance(chunk, np.ndarray) and chunk.ndim == 3 else max(len(s) for s in chunk)
+            longest = (chunk.shape[1] if isinstance(chunk, np.ndarray) and chunk.ndim == 3
+                       else max(len(s) for s in chunk))
         self.max_query_length = max(self.max_query_length, longest)
         return self._validate(raw, chunk, indices, where)
 

@@ -227,7 +227,8 @@ class InstanceTable(Sequence):
                 differences=np.concatenate([block[4] for block in blocks] or [np.zeros((0, self.d))]),
                 block=np.repeat(np.arange(len(blocks)), sizes).astype(int))
             # The blocks keep views of the joined rows, not copies of them.
-            self._blocks = [(role, i, j, self._arrays["finals"][start:stop], self._arrays["differences"][start:stop], ks)
+            finals, differences = self._arrays["finals"], self._arrays["differences"]
+            self._blocks = [(role, i, j, finals[start:stop], differences[start:stop], ks)
                             for (role, i, j, _, _, ks), start, stop in zip(blocks, self._starts, self._starts[1:])]
         return self._arrays
 

@@ -81,7 +81,8 @@ class Outcome:
 
     ``sequences`` and ``answers`` are every query the schedule asked and its answer (in the
     arithmetic's numbers); ``sequences`` is a list, or the grid schedules' queries built on demand
-    (:class:`mhaextract.oracle.queries.CopiesQueries`, a sequence of arrays like a list); ``linearisation`` is what a schedule's certificate needs (or None).
+    (:class:`mhaextract.oracle.queries.CopiesQueries`, a sequence of arrays like a list);
+    ``linearisation`` is what a schedule's certificate needs (or None).
     ``W_balls``, ``v_balls`` (and ``u_balls``, ``c_ball`` when the run learned biases) are the
     parameters as balls in high precision.
     """
