@@ -175,12 +175,32 @@ def test_the_instance_operator_built_directly_is_the_sparse_product(d, H, option
     operator = quiet_extract(noisy, d, H, seed=2, **options).certificate._operator
     direct = operator.G_u
     assert len(built) == 1 and built[0] is direct  # the paper's layout is built directly
-    monkeypatch.setattr(_PipelineOperator, "_direct_operator", lambda self, *args: None)
-    product = _PipelineOperator(operator.run).G_u
+    monkeypatch.setattr(_PipelineOperator, "_direct_layout", lambda self: None)
+    general = _PipelineOperator(operator.run)
+    product = general.G_u
     product.sort_indices()
     assert direct.nnz > 0 and direct.has_sorted_indices
     for name in ("indptr", "indices", "data"):
         assert np.array_equal(getattr(direct, name), getattr(product, name)), name
+    # The row norms taken from the layout's blocks (G_u never formed) are those of the product's rows.
+    for what in ("m", "l"):
+        for order in (1, 2):
+            from_blocks, from_product = operator.row_norms(what, order), general.row_norms(what, order)
+            assert np.allclose(from_blocks, from_product, rtol=1e-14, atol=0), (what, order)
+            assert (from_product > 0).all()
+
+
+def test_the_certificate_forms_no_instance_operator_unless_asked(monkeypatch):
+    """Validity, noise estimate and row norms come from the layout's blocks; the O(d^3 H^2) G_u is formed
+    only for the amplification."""
+    from mhaextract.checks.certificate import _PipelineOperator
+
+    calls = []
+    original = _PipelineOperator._instance_operator
+    monkeypatch.setattr(_PipelineOperator, "_instance_operator", lambda self: calls.append(1) or original(self))
+    result = quiet_extract(mx.SimulatedOracle(mx.MultiHeadAttention.random(5, 2, seed=3)), 5, 2, seed=2)
+    assert result.certificate.valid_below > 0 and not calls
+    assert result.amplification > 0 and len(calls) == 1
 
 
 @pytest.mark.slow
@@ -343,3 +363,28 @@ def test_verify_rejects_bad_input(options, message):
     result = mx.extract(mx.SimulatedOracle(target), 2, heads=1, seed=0, schedule="paper")
     with pytest.raises(ValueError, match=message):
         mx.verify(result, mx.SimulatedOracle(target), **options)
+
+
+def test_instance_pseudo_inverses_by_lu_where_well_conditioned_else_by_the_svd():
+    from mhaextract.checks.certificate import INVERSE_CHUNK, INVERSE_CONDITION, _pseudo_inverse
+
+    rng = np.random.default_rng(4)
+    J = rng.standard_normal((6, 5, 5))
+    J[1, :, 4] = J[1, :, 3]  # singular: its pseudo-inverse, not an inverse
+    J[2, :, 4] = J[2, :, 3] * (1 + 1e-12)  # nearly singular: beyond INVERSE_CONDITION
+    out = _pseudo_inverse(J)
+    reference = np.linalg.pinv(J)
+    for n in (1, 2):
+        assert np.array_equal(out[n], reference[n])
+    for n in (0, 3, 4, 5):
+        assert np.linalg.cond(J[n], 1) < INVERSE_CONDITION
+        assert np.abs(out[n] - reference[n]).max() <= 1e-12 * np.abs(reference[n]).max()
+        assert np.abs(out[n] @ J[n] - np.eye(5)).max() < 1e-12
+    many = rng.standard_normal((3 * INVERSE_CHUNK, 5, 5))
+    many[INVERSE_CHUNK + 3, :, 1] = 0.0  # one singular matrix: its chunk goes to pinv, the others to LU
+    out, reference = _pseudo_inverse(many), np.linalg.pinv(many)
+    assert np.array_equal(out[INVERSE_CHUNK:2 * INVERSE_CHUNK], reference[INVERSE_CHUNK:2 * INVERSE_CHUNK])
+    assert np.array_equal(out[:INVERSE_CHUNK], np.linalg.inv(many[:INVERSE_CHUNK]))
+    tall = rng.standard_normal((3, 7, 5))  # oversampled instances: the least-squares pseudo-inverse
+    assert np.array_equal(_pseudo_inverse(tall), np.linalg.pinv(tall))
+    assert _pseudo_inverse(np.zeros((0, 5, 5))).shape == (0, 5, 5)

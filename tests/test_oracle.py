@@ -128,3 +128,89 @@ def test_copies_sequences_are_k_copies_of_x_minus_z_then_x_in_the_order_asked():
         assert sequence.shape == (k + 1, 5) and np.array_equal(sequence, expected)
     sequences[1][0, 0] = 99.0  # one query's tokens are its own (views of disjoint rows)
     assert sequences[3][0, 0] != 99.0 and sequences[5][0, 0] == finals[0, 0]
+
+
+def test_copies_queries_build_the_sequences_of_copies_sequences_bit_for_bit_on_demand():
+    from mhaextract.oracle.queries import BUILD_CHUNK, CopiesQueries, copies_sequences
+
+    rng = np.random.default_rng(5)
+    d, n = 6, 40
+    pool = rng.standard_normal((4, d))
+    pool[1] = pool[0]
+    pool[1, 2] = -0.0 if pool[0, 2] == 0.0 else pool[1, 2]
+    pool[0, 3], pool[1, 3] = 0.0, -0.0  # equal values, different bytes: two final tokens, not one
+    finals = pool[rng.integers(0, 4, n)]
+    differences = rng.standard_normal((n, d))
+    which = np.repeat(np.arange(n), 3)
+    copies = np.tile([0, 2, 5], n)
+    queries = CopiesQueries.of(finals, differences, which, copies)
+    expected = copies_sequences(finals, differences, which, copies)
+    assert len(queries) == len(expected) and len(queries.finals) == len(np.unique(finals, axis=0)) + 1
+    same = lambda a, b: a.shape == b.shape and a.tobytes() == b.tobytes()  # signs of zeros included
+    assert all(same(a, b) for a, b in zip(queries, expected)) and len(list(queries)) == len(expected)
+    assert all(same(queries[i], expected[i]) for i in (0, 5, -1, len(expected) - 1))
+    assert all(same(a, b) for a, b in zip(queries[7:100:3], expected[7:100:3]))
+    with pytest.raises(IndexError):
+        queries[len(expected)]
+    queries[4][0, 0] = 99.0  # every access builds fresh arrays
+    assert same(queries[4], expected[4])
+    # Concatenation keeps one CopiesQueries (lean's fallback links); with a list it is a list.
+    more = CopiesQueries.of(finals[:5], differences[:5], np.arange(5), np.full(5, 1))
+    joined = queries + more
+    assert isinstance(joined, CopiesQueries)
+    assert all(same(a, b) for a, b in zip(joined, expected + copies_sequences(finals[:5], differences[:5],
+                                                                              np.arange(5), np.full(5, 1))))
+    assert isinstance(queries + [np.ones((1, d))], list) and isinstance([np.ones((1, d))] + queries, list)
+    assert BUILD_CHUNK < 10**5  # iteration holds a bounded number of queries at once
+
+
+@pytest.mark.parametrize("d, H, bias", [(1, 1, False), (5, 2, True), (16, 3, False)])
+def test_copies_queries_outputs_are_the_model_on_the_sequences(d, H, bias):
+    """The O(H d) per instance evaluation against the model on the built sequences (to rounding)."""
+    from mhaextract.oracle.queries import CopiesQueries
+
+    target = mx.MultiHeadAttention.random(d, H, seed=d, bias=bias)
+    rng = np.random.default_rng(d)
+    n = 30
+    finals = rng.standard_normal((3, d))[rng.integers(0, 3, n)] * d**0.25 / np.sqrt(d)
+    differences = rng.standard_normal((n, d)) * d**0.25 / np.sqrt(d)
+    differences[0] = 0.0  # y = x: every token equal
+    differences[1] = finals[1] * 4  # scores of y far below or above x's
+    queries = CopiesQueries.of(finals, differences, np.repeat(np.arange(n), 6), np.tile(np.arange(6), n))
+    exact = np.array([float(value) for value in target(list(queries), precision=120)])
+    scale = np.abs(exact).max()
+    assert np.abs(queries.outputs(target) - exact).max() <= 1e-15 * scale  # as close as the model's own evaluation:
+    assert np.abs(target(list(queries)) - exact).max() <= 2e-15 * scale
+
+
+def test_an_instance_table_is_its_instances_as_arrays_and_asks_what_each_instance_asks():
+    from mhaextract.oracle.queries import Instance, InstanceTable
+
+    rng = np.random.default_rng(2)
+    d = 3
+    table = InstanceTable(d)
+    records = []
+    for role, count, ks in [("grid", 1, (0, 1, 2, 3)), ("row_link", 0, (1, 2)), ("grid", 4, (1, 2, 3)),
+                            ("column_link", 2, (1, 2))]:
+        finals, differences = rng.standard_normal((2, count, d))
+        i, j = rng.integers(0, d, (2, count))
+        assert list(table.add(role, i, j, finals, differences, ks)) == list(range(len(records), len(records) + count))
+        records += [Instance(role, int(a), int(b), f, z, ks) for a, b, f, z in zip(i, j, finals, differences)]
+    assert len(table) == len(records) == 7
+    for got, want in zip(list(table), records):  # iteration and indexing give the same records
+        assert (got.role, got.i, got.j, got.ks) == (want.role, want.i, want.j, want.ks)
+        assert np.array_equal(got.final, want.final) and np.array_equal(got.difference, want.difference)
+    assert table[-1].role == "column_link" and table[3].ks == (1, 2, 3)
+    with pytest.raises(IndexError):
+        table[7]
+    # The arrays: dtype of the roles asked (no instance of an empty block), as np.array of the records' would be.
+    assert table.role.dtype == np.array([r.role for r in records]).dtype
+    assert list(table.role) == [r.role for r in records] and list(table.j) == [r.j for r in records]
+    chosen = [6, 0, 3, 4]
+    sequences, owners, copies = table.queries(chosen)
+    expected_copies = [k for n in chosen for k in records[n].ks]
+    assert list(copies) == expected_copies and list(owners) == [n for n in chosen for _ in records[n].ks]
+    expected = [records[n].sequence(k) for n, k in zip(owners, copies)]
+    assert len(sequences) == len(expected) and all(np.array_equal(a, b) for a, b in zip(sequences, expected))
+    empty, no_owners, no_copies = table.queries([])
+    assert len(empty) == len(no_owners) == len(no_copies) == 0

@@ -335,3 +335,40 @@ def test_mpf_answers_are_stored_exactly_at_any_mpmath_precision(mantissa, expone
     with mpmath.workprec(53):  # reading back must not round to the ambient precision
         back = mpf_from_hex(mpf_to_hex(value))
     assert back._mpf_ == value._mpf_
+
+
+def test_an_oracle_that_overwrites_its_batch_changes_neither_the_transcript_nor_the_messages(tmp_path):
+    """The grid's batches reach the oracle without a copy (they are built for it); the transcript's
+    hashes and an error's sequence are of the queries as asked, whatever the oracle does to its arrays."""
+    target = mx.MultiHeadAttention.random(3, 1, seed=4)
+    simulated = mx.SimulatedOracle(target)
+
+    def vandal(batch):
+        answers = simulated(batch)
+        for X in batch:
+            X[...] = 7.0  # overwrites every token it was handed
+        return answers
+
+    path = str(tmp_path / "run.sqlite")
+    first = mx.extract(vandal, 3, heads=1, seed=5, schedule="paper", transcript=path, progress=False)
+    clean = mx.extract(simulated, 3, heads=1, seed=5, schedule="paper", progress=False)
+    assert np.array_equal(first.model.W, clean.model.W) and first.answers_residual == clean.answers_residual
+    resumed = mx.extract(simulated, 3, heads=1, seed=5, schedule="paper", transcript=path, progress=False,
+                         resume_check=0)
+    assert resumed.queries_replayed == first.queries and resumed.queries_asked == 0
+    assert np.array_equal(resumed.model.W, first.model.W)
+
+    asked = []
+
+    def vandal_with_a_nan(batch):
+        asked.extend(np.array(X) for X in batch)
+        answers = np.asarray(simulated(batch), dtype=float)
+        for X in batch:
+            X[...] = 7.0
+        answers[5] = np.nan
+        return answers
+
+    with pytest.raises(mx.OracleError) as error:
+        mx.extract(vandal_with_a_nan, 3, heads=1, seed=5, schedule="paper", progress=False)
+    assert error.value.query == 5 and np.array_equal(error.value.sequence, asked[5])
+    assert not np.all(error.value.sequence == 7.0)

@@ -274,7 +274,8 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
             probe=None) -> Extraction:
     """Certificate, refinement, error estimate and checks: the same for every schedule."""
     settings = plan.settings
-    sequences = list(outcome.sequences) + list(extra[0])
+    # The schedule's queries as it holds them (the grid's are built on demand, CopiesQueries), else one list.
+    sequences = outcome.sequences if not len(extra[0]) else list(outcome.sequences) + list(extra[0])
     answers = np.concatenate([np.asarray(outcome.answers), np.asarray(extra[1], dtype=outcome.answers.dtype)])
     model, certificate, refinement = outcome.model, None, None
     error_estimate, answers_residual = outcome.error_estimate, np.inf

@@ -232,6 +232,35 @@ class MultiHeadAttention:
             out[index] = np.einsum("bhn,bhn->b", weights, values) + c
         return out
 
+    def copies_outputs(self, finals, final_of, differences, which, copies) -> np.ndarray:
+        """float64 outputs on copies sequences ``(y, ..., y, x)``: query q has ``copies[q]`` copies of
+        ``y = x - differences[t]``, ``x = finals[final_of[t]]``, ``t = which[q]``
+        (:class:`mhaextract.oracle.queries.CopiesQueries`). ``W_h x + u_h`` once per final token (the
+        stacked product of :meth:`_weights_float`), scores and values once per instance, then per query
+        ``c + sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``: ``self(sequences)`` to rounding,
+        in O(H d) per instance and O(H) per query instead of O(N H d^2) per query."""
+        model = self.to_float64()
+        W, v, u = model.W, model.v, model.u
+        heads, d = W.shape[0], W.shape[1]
+        finals, differences = np.asarray(finals, dtype=np.float64), np.asarray(differences, dtype=np.float64)
+        final_of, which, k = np.asarray(final_of, dtype=int), np.asarray(which, dtype=int), np.asarray(copies)
+        if not len(which):
+            return np.empty(0)
+        queries = np.matmul(finals[:, None, :], W.reshape(heads * d, d).T).reshape(len(finals), heads, d) + u[None]
+        y = finals[final_of] - differences  # (n, d)
+        s_y = np.empty((len(y), heads))
+        order = np.argsort(final_of, kind="stable")  # instances grouped by final token: one BLAS product each
+        bounds = np.searchsorted(final_of[order], np.arange(len(finals) + 1))
+        for f in np.flatnonzero(np.diff(bounds)):
+            group = order[bounds[f]:bounds[f + 1]]
+            s_y[group] = y[group] @ queries[f].T
+        s_x = np.einsum("fd,fhd->fh", finals, queries)[final_of][which]  # (Q, H)
+        s_y = s_y[which]
+        v_x, v_y = (finals @ v.T)[final_of][which], (y @ v.T)[which]
+        top = np.where(k[:, None] > 0, np.maximum(s_x, s_y), s_x)
+        e_x, e_y = np.exp(s_x - top), k[:, None] * np.exp(s_y - top)
+        return ((e_y * v_y + e_x * v_x) / (e_y + e_x)).sum(axis=1) + model.c
+
     def _means_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
         out = np.empty((len(sequences), self.heads, self.d), dtype=np.float64)
         for index, X, weights in self._weights_float(sequences):

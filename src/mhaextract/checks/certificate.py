@@ -233,6 +233,34 @@ def _relative_scales(model: MultiHeadAttention) -> tuple[float, float]:
     return W_scale, v_scale
 
 
+#: Square instance Jacobians are inverted by LU (a fifth of an SVD's time) while their 1-norm
+#: condition is below this; above it, and for the oversampled (tall) ones, by the SVD's pseudo-inverse.
+INVERSE_CONDITION = 1e8
+#: Jacobians inverted per call (np.linalg.inv refuses a whole batch for one singular matrix).
+INVERSE_CHUNK = 256
+
+
+def _pseudo_inverse(J: np.ndarray) -> np.ndarray:
+    """``J^+`` of every matrix of a batch (n, K, p): ``J^{-1}`` where J is square and well conditioned
+    (the same matrix as the pseudo-inverse, to ``INVERSE_CONDITION`` times the rounding unit), else
+    ``np.linalg.pinv``."""
+    if J.shape[1] != J.shape[2] or not len(J):
+        return np.linalg.pinv(J)
+    out, inverse = np.empty_like(J), np.full_like(J, np.nan)
+    with np.errstate(all="ignore"):
+        for start in range(0, len(J), INVERSE_CHUNK):
+            try:
+                inverse[start:start + INVERSE_CHUNK] = np.linalg.inv(J[start:start + INVERSE_CHUNK])
+            except np.linalg.LinAlgError:  # an exactly singular matrix: this chunk is left to pinv
+                pass
+        condition = np.abs(J).sum(axis=1).max(axis=1) * np.abs(inverse).sum(axis=1).max(axis=1)
+    inverted = np.isfinite(condition) & (condition < INVERSE_CONDITION)
+    out[inverted] = inverse[inverted]
+    if not inverted.all():
+        out[~inverted] = np.linalg.pinv(J[~inverted])
+    return out
+
+
 # ---------------------------------------------------------------- the algebraic pipeline
 class _PipelineOperator:
     """The run's derivative as sparse per-instance blocks plus the dense combination/assembly."""
@@ -247,7 +275,14 @@ class _PipelineOperator:
         self.Q = len(run.owners)
         with np.errstate(all="ignore"):
             self.finite = np.isfinite(run.m).all(axis=1) & np.isfinite(run.l).all(axis=1) & np.isfinite(run.c)
-        self.G_u = self._instance_operator()  # (n (2r + 1), Q): d(c, m, l)_t / d answers
+        self._anchors = self._anchoring()
+        self._layout = self._direct_layout()  # the paper's layout, or None
+
+    @cached_property
+    def G_u(self) -> csr_matrix:
+        """(n (2r + 1), Q): d(c, m, l)_t / d answers. Formed on demand (the amplification, the
+        sensitivity matrix): the row norms the validity needs come from its blocks without it."""
+        return self._instance_operator()
 
     def _pseudo_inverses(self, index: np.ndarray) -> np.ndarray:
         """``J_t^+`` (len(index), 2r + 1, K); zero for failed fits (weight 0 in the combination)."""
@@ -255,7 +290,7 @@ class _PipelineOperator:
         good = index[self.finite[index]]
         if len(good):
             J = instance_jacobian(self.ks, np.exp(self.run.m[good]), self.run.l[good])
-            out[self.finite[index]] = np.linalg.pinv(J)
+            out[self.finite[index]] = _pseudo_inverse(J)
         return out
 
     def _block(self, index: np.ndarray, pinv: np.ndarray) -> csr_matrix:
@@ -265,10 +300,11 @@ class _PipelineOperator:
         cols = index[:, None, None] * self.K + np.arange(self.K)[None, None, :] + 0 * rows
         return csr_matrix((pinv.ravel(), (rows.ravel(), cols.ravel())), shape=(len(index) * size, self.n * self.K))
 
-    def _instance_operator(self) -> csr_matrix:
+    def _anchoring(self) -> dict:
+        """The sample rows read straight from answers (S0, as triplets), and the injected F(0) of
+        the instances after row 0: ``vbar^T x_i`` on the support columns (row 0's answers, q00)."""
         run, schedule, K, Q = self.run, self.run.schedule, self.K, self.Q
-        grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
-        d = self.d
+        grid, row_links = schedule.grid_index, schedule.row_link_index
         # Samples that are answers: row t*K + k holds answer q.
         position = np.searchsorted(self.ks, run.copies)
         rows, cols, values = [run.owners * K + position], [np.arange(Q)], [np.ones(Q)]
@@ -287,28 +323,40 @@ class _PipelineOperator:
         anchor = (support == q00).astype(float)
         dvbar = np.linalg.solve(schedule.Z.T, anchor[None, :] - dc[:, support].toarray())  # (d, |support|)
         dvx = schedule.X.T @ dvbar  # row i: d(vbar^T x_i) on the support columns
-        direct = self._direct_operator(support, anchor, dvx, q00, anchored)
-        if direct is not None:
-            return direct
+        return dict(rows=rows, cols=cols, values=values, support=support, anchor=anchor, dvx=dvx, q00=q00,
+                    anchored=anchored, position=position)
+
+    def _instance_operator(self) -> csr_matrix:
+        if self._layout is not None:
+            return self._direct_operator(self._layout)
+        schedule, K, d = self.run.schedule, self.K, self.d
+        grid, column_links = schedule.grid_index, schedule.column_link_index
+        a = self._anchors
+        rows, cols, values = list(a["rows"]), list(a["cols"]), list(a["values"])
+        support, anchor, dvx = a["support"], a["anchor"], a["dvx"]
         for i in range(1, d):
             for t, extra in [(grid[i], 0.0), (column_links[i], 1.0)]:
                 t = np.asarray(t)
                 rows.append(np.repeat(t * K, len(support)))
                 cols.append(np.tile(support, len(t)))
                 values.append(np.tile(dvx[i] + extra * anchor, len(t)))
-        S = csr_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))), shape=(self.n * K, Q))
+        S = csr_matrix((np.concatenate(values), (np.concatenate(rows), np.concatenate(cols))),
+                       shape=(self.n * K, self.Q))
         everything = np.arange(self.n)
         return (self._block(everything, self._pseudo_inverses(everything)) @ S).tocsr()
 
-    def _direct_operator(self, support, anchor, dvx, q00, anchored) -> csr_matrix | None:
-        """``J^+ S`` of :meth:`_instance_operator` built row block by row block, not as a sparse
-        product: an instance's samples read distinct answers (its own, the anchor q00, or vbar^T x_i
-        on the support), so every entry is the one product ``J_t^+[p, k] S[t K + k, q]`` the sparse
-        product forms; zeros dropped and indices sorted as there. Needs the paper's layout (the
-        instances after row 0 and its links in one trailing range, equal answer counts, their
-        answers after the support); None otherwise (the sparse product is used)."""
-        run, schedule, K, Q, n, d = self.run, self.run.schedule, self.K, self.Q, self.n, self.d
-        size = 2 * self.r + 1
+    def _direct_layout(self) -> dict | None:
+        """The blocks of ``J^+ S`` (:meth:`_instance_operator`) for the paper's layout, or None: an
+        instance's samples read distinct answers (its own, the anchor q00, or vbar^T x_i on the
+        support), so every entry of row block t is one product ``J_t^+[p, k] S[t K + k, q]``. Needs
+        the instances after row 0 and its links in one trailing range, equal answer counts, their
+        answers after the support. ``head``: (columns, values) of the first instances (row 0, its
+        links), columns sorted; the later ones (instances ``first..n-1``) read the support through
+        ``J_t^+[:, 0]`` times the row ``dvx[final] + extra * anchor`` and their own answers ``own``
+        through ``J_t^+[:, position]``."""
+        run, schedule, Q, n, d = self.run, self.run.schedule, self.Q, self.n, self.d
+        a = self._anchors
+        support, q00, anchored, position = a["support"], a["q00"], a["anchored"], a["position"]
         grid, column_links = schedule.grid_index, schedule.column_link_index
         # The instances _instance_operator anchors on the support: grid row i (extra 0), column links (1).
         rows = range(1, d)
@@ -326,11 +374,9 @@ class _PipelineOperator:
             return None
         order = np.argsort(run.owners, kind="stable")  # answers grouped by instance, in query order
         starts = np.concatenate([[0], np.cumsum(counts)])
-        position = np.searchsorted(self.ks, run.copies)
-        pinv = self._pseudo_inverses(np.arange(n))
         if len(later) and order[starts[first]:].min(initial=Q) <= support.max(initial=-1):
             return None
-        # Rows t * size + p: instances before `first` one by one (few), the later ones as one block.
+        pinv = self._pseudo_inverses(np.arange(n))
         head = []
         lead = set(int(t) for t in anchored)
         for t in range(first):  # row 0, its links: own answers (and the anchor q00)
@@ -341,9 +387,23 @@ class _PipelineOperator:
                 return None
             sort = np.argsort(cols, kind="stable")
             head.append((cols[sort], pinv[t][:, ks[sort]] * 1.0))
-        width = len(support) + (counts[later[0]] if len(later) else 0)
+        rank = np.argsort(later)  # instances first..n-1 in order
+        return dict(first=first, head=head, pinv=pinv, final=final[rank], extra=extra[rank],
+                    own=order[starts[first]:].reshape(len(later), -1) if len(later) else np.zeros((0, 0), dtype=int))
+
+    def _direct_operator(self, layout: dict) -> csr_matrix:
+        """``J^+ S`` built row block by row block from :meth:`_direct_layout`, not as a sparse
+        product: each entry the single product the sparse product forms; zeros dropped and indices
+        sorted as there."""
+        size, Q, n = 2 * self.r + 1, self.Q, self.n
+        a = self._anchors
+        support, anchor, dvx, position = a["support"], a["anchor"], a["dvx"], a["position"]
+        first, head, own = layout["first"], layout["head"], layout["own"]
+        later = n - first
+        width = len(support) + own.shape[1]
+        # Rows t * size + p: instances before `first` one by one (few), the later ones as one block.
         widths = np.concatenate([np.repeat([len(cols) for cols, _ in head], size).astype(np.int64),
-                                 np.full(len(later) * size, width, dtype=np.int64)])
+                                 np.full(later * size, width, dtype=np.int64)])
         indptr = np.concatenate([[0], np.cumsum(widths)])
         index_type = np.int32 if max(indptr[-1], Q) < 2**31 else np.int64
         data, indices = np.empty(indptr[-1]), np.empty(indptr[-1], dtype=index_type)
@@ -352,15 +412,13 @@ class _PipelineOperator:
             data[offset:offset + values.size] = values.ravel()
             indices[offset:offset + values.size] = np.tile(cols, size)
             offset += values.size
-        if len(later):
-            rank = np.argsort(later)  # instances first..n-1 in order
-            values = dvx[final[rank]] + extra[rank][:, None] * anchor[None, :]  # (later, |support|)
-            own = order[starts[first]:].reshape(len(later), -1)
-            P = pinv[first:]
-            block = data[offset:].reshape(len(later), size, width)
+        if later:
+            values = dvx[layout["final"]] + layout["extra"][:, None] * anchor[None, :]  # (later, |support|)
+            P = layout["pinv"][first:]
+            block = data[offset:].reshape(later, size, width)
             np.multiply(P[:, :, 0][:, :, None], values[:, None, :], out=block[:, :, :len(support)])
             block[:, :, len(support):] = np.take_along_axis(P, position[own][:, None, :], axis=2) * 1.0
-            columns = indices[offset:].reshape(len(later), size, width)
+            columns = indices[offset:].reshape(later, size, width)
             columns[:, :, :len(support)] = support
             columns[:, :, len(support):] = own[:, None, :]
         indptr = indptr.astype(index_type)
@@ -379,14 +437,50 @@ class _PipelineOperator:
 
     @cached_property
     def _row_norms(self) -> dict:
-        """Both norms of every row block, each block's absolute values formed once."""
-        out = {(what, order): np.empty((self.n, self.r)) for what in ("m", "l") for order in (1, 2)}
+        """Both norms of every row block, each block's absolute values formed once. In the paper's
+        layout from the blocks of :meth:`_direct_layout` without forming ``G_u`` (O(d^3 H^2)
+        entries): a later instance's row reads the support through ``J_t^+[p, 0]`` times a row of
+        ``dvx`` shared by every instance with its final token, so its norms there are
+        ``|J_t^+[p, 0]|`` times that row's (the same sums to rounding)."""
+        size = 2 * self.r + 1
+        if self._layout is None:
+            norm1, norm2 = self._csr_norms(self.G_u)
+        else:
+            norm1, norm2 = self._layout_norms(self._layout)
+        out = {}
         for what in ("m", "l"):
-            for h in range(self.r):
-                block = abs(self.rows(what, h))
-                out[what, 1][:, h] = np.asarray(block.sum(axis=1)).ravel()
-                out[what, 2][:, h] = np.sqrt(np.asarray(block.multiply(block).sum(axis=1)).ravel())
+            first = 1 if what == "m" else 1 + self.r
+            out[what, 1] = norm1.reshape(self.n, size)[:, first:first + self.r].copy()
+            out[what, 2] = norm2.reshape(self.n, size)[:, first:first + self.r].copy()
         return out
+
+    @staticmethod
+    def _csr_norms(matrix: csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+        block = abs(matrix)
+        return (np.asarray(block.sum(axis=1)).ravel(), np.sqrt(np.asarray(block.multiply(block).sum(axis=1)).ravel()))
+
+    def _layout_norms(self, layout: dict) -> tuple[np.ndarray, np.ndarray]:
+        size, n = 2 * self.r + 1, self.n
+        a = self._anchors
+        first, head, own = layout["first"], layout["head"], layout["own"]
+        norm1, norm2 = np.empty(n * size), np.empty(n * size)
+        if head:
+            widths = np.repeat([len(cols) for cols, _ in head], size)
+            indptr = np.concatenate([[0], np.cumsum(widths)])
+            data = np.concatenate([values.ravel() for _, values in head])
+            indices = np.concatenate([np.tile(cols, size) for cols, _ in head])
+            norm1[:first * size], norm2[:first * size] = self._csr_norms(
+                csr_matrix((data, indices, indptr), shape=(first * size, self.Q)))
+        if first < n:
+            keys, which = np.unique(layout["final"] * 2 + layout["extra"].astype(int), return_inverse=True)
+            shared = a["dvx"][keys // 2] + (keys % 2)[:, None] * a["anchor"][None, :]  # one row per final token
+            P = layout["pinv"][first:]
+            P_own = np.abs(np.take_along_axis(P, a["position"][own][:, None, :], axis=2))
+            P_0 = np.abs(P[:, :, 0])
+            norm1[first * size:] = (P_0 * np.abs(shared).sum(axis=1)[which][:, None] + P_own.sum(axis=2)).ravel()
+            norm2[first * size:] = np.sqrt(P_0**2 * (shared**2).sum(axis=1)[which][:, None]
+                                           + (P_own**2).sum(axis=2)).ravel()
+        return norm1, norm2
 
     def columns(self, chunk: int = CHUNK):
         """Yield (columns, dW (H, d, d, c), dv (H, d, c)): G restricted to a chunk of answers."""
@@ -502,8 +596,7 @@ def _deviations(run: PipelineRun) -> tuple[np.ndarray, np.ndarray]:
     M = (schedule.Z.T[None] @ model.W @ schedule.X[None]).reshape(model.heads, -1)  # Z^T W_h X: [h, j * d + i]
     predicted_m = np.asarray(run.design @ M.T)  # (n, r)
     lz = (schedule.Z.T @ model.v.T)  # (d, r): v_h^T z_j
-    columns = np.array([instance.j for instance in schedule.instances])
-    rows = np.array([instance.role == "row_link" for instance in schedule.instances])
+    columns, rows = schedule.instances.j, schedule.instances.role == "row_link"
     predicted_l = lz[columns] + np.where(rows[:, None], lz[0][None, :], 0.0)
     with np.errstate(invalid="ignore"):
         return np.abs(run.m - predicted_m), np.abs(run.l - predicted_l)

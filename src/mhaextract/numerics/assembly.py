@@ -41,9 +41,7 @@ def pole_design(layout) -> csr_matrix:
     """Sparse (n, d F): which entries ``M[j, i]`` (column ``j F + i``) each instance's pole measures
     (grid: ``M[j, i]``; row link j: ``M[0, 0] + M[j, 0]``; column link (i, j): ``w (M[j, 0] + M[j, i])``)."""
     finals = layout.grid_index.shape[0]
-    role = np.array([instance.role for instance in layout.instances])
-    i = np.array([instance.i for instance in layout.instances], dtype=int)
-    j = np.array([instance.j for instance in layout.instances], dtype=int)
+    role, i, j = layout.instances.role, layout.instances.i, layout.instances.j
     grid, row_link = role == "grid", role == "row_link"
     # each instance's unknowns in order: grid [j F + i]; row link [0, j F]; column link [j F, j F + i]
     first = np.where(grid, j * finals + i, np.where(row_link, 0, j * finals))
@@ -61,8 +59,8 @@ def pole_design(layout) -> csr_matrix:
 def label_columns(layout) -> tuple[np.ndarray, np.ndarray]:
     """``(column j of each instance, mask of the instances that measure the labels of their column)``:
     grid instances and column links do, row links (which measure sums of labels) do not."""
-    columns = np.array([instance.j for instance in layout.instances])
-    measures = np.array([instance.role in ("grid", "column_link") for instance in layout.instances])
+    columns, role = layout.instances.j, layout.instances.role
+    measures = (role == "grid") | (role == "column_link")
     return columns, measures
 
 

@@ -59,6 +59,21 @@ class BudgetExceeded(OracleError):
         self.answered = answered
 
 
+class _Rebuilt(Sequence):
+    """A batch's sequences as the learner asked them, built again on first access (for messages)."""
+
+    def __init__(self, build, count: int):
+        self._build, self._count, self._items = build, count, None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if self._items is None:
+            self._items = self._build()
+        return self._items[index]
+
+
 @dataclass
 class OracleBoundary:
     """Wraps a user's oracle: converts tokens, validates answers, counts and batches queries.
@@ -122,16 +137,23 @@ class OracleBoundary:
         if allowed < len(missing) and self.transcript is None:
             raise self._over_budget(len(missing), total - len(missing))
         show = self.progress if self.progress is not None else sys.stderr.isatty()
+        # A source that builds new arrays on every access (the grid's CopiesQueries): its batches go
+        # to the oracle as they are, and what the boundary keeps (transcript hashes, error messages)
+        # is built again, so that nothing the oracle does to its arrays reaches them.
+        fresh = self.precision is None and getattr(sequences, "fresh_on_access", False)
         with _progress(show, description, total, completed=len(replayed)) as advance:
             for start in range(0, allowed, self.batch_size):
                 positions = missing[start:min(start + self.batch_size, allowed)]
-                chunk = (sequences[positions.start:positions.stop] if isinstance(positions, range)
-                         else [sequences[p] for p in positions])
-                values = self._ask_batch(chunk, [first + p for p in positions])
+
+                def take(positions=positions):
+                    return (sequences[positions.start:positions.stop] if isinstance(positions, range)
+                            else [sequences[p] for p in positions])
+                chunk = take()
+                values = self._ask_batch(chunk, [first + p for p in positions], rebuild=take if fresh else None)
                 if self.transcript is not None:
                     # What the learner uses is what reads back from the file: a resumed run sees
                     # exactly the values an uninterrupted one saw.
-                    values = self.transcript.record(first, positions, chunk, values)
+                    values = self.transcript.record(first, positions, take() if fresh else chunk, values)
                 if self.precision:
                     for position, value in zip(positions, values):
                         exact[position] = value
@@ -170,9 +192,15 @@ class OracleBoundary:
             f"the run still needs {needed} more queries ({kept})", needed, answered,
         )
 
-    def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int]):
-        """Ask the oracle for one batch; ``indices`` are the run's query numbers (for messages)."""
-        if self.precision is None and isinstance(chunk, np.ndarray) and chunk.ndim == 3:
+    def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int], rebuild=None):
+        """Ask the oracle for one batch; ``indices`` are the run's query numbers (for messages).
+        ``rebuild``: ``chunk`` is new float64 arrays no one else holds, handed over without a copy;
+        ``rebuild()`` builds them again for the messages."""
+        if rebuild is not None:
+            batch = list(chunk)
+            longest = max((len(sequence) for sequence in chunk), default=0)  # before the oracle has them
+            chunk = _Rebuilt(rebuild, len(chunk))
+        elif self.precision is None and isinstance(chunk, np.ndarray) and chunk.ndim == 3:
             batch = list(np.array(chunk, dtype=np.float64))  # one copy of the batch; the oracle gets its rows
         else:
             batch = [self._to_oracle_tokens(sequence) for sequence in chunk]
@@ -188,7 +216,9 @@ class OracleBoundary:
             raise
         # Every sequence handed over counts, whatever comes back.
         self.queries += len(chunk)
-        longest = chunk.shape[1] if isinstance(chunk, np.ndarray) and chunk.ndim == 3 else max(len(s) for s in chunk)
+        if rebuild is None:
+            longest = (chunk.shape[1] if isinstance(chunk, np.ndarray) and chunk.ndim == 3
+                       else max(len(s) for s in chunk))
         self.max_query_length = max(self.max_query_length, longest)
         return self._validate(raw, chunk, indices, where)
 

@@ -7,6 +7,7 @@ refinement, the verification and the baselines share one definition of "a random
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,3 +101,185 @@ def copies_sequences(finals: np.ndarray, differences: np.ndarray, which, copies)
         for position, sequence in zip(positions.tolist(), block):
             out[position] = sequence
     return out
+
+
+#: Queries built at once when a :class:`CopiesQueries` is iterated.
+BUILD_CHUNK = 4096
+
+
+class CopiesQueries(Sequence):
+    """The queries of copies-instances, built on demand: query ``q`` is :func:`copies_sequences`'s
+    ``(y, ..., y, x)`` with ``copies[q]`` copies of ``y = x - difference``, ``x = finals[final_of[t]]``,
+    ``difference = differences[t]``, ``t = which[q]``.
+
+    A sequence of (N, d) arrays like a list (``len``, indexing, slicing, iteration; every access
+    builds fresh arrays, bit for bit those of :func:`copies_sequences`), but it holds one row per
+    instance, not every query's tokens: a grid run asks its queries batch by batch from it, and
+    :meth:`outputs` evaluates a model on all of them from the instances.
+    """
+
+    #: Every access builds new arrays: a batch taken from it may go to the oracle without a copy
+    #: (:class:`mhaextract.oracle.boundary.OracleBoundary`).
+    fresh_on_access = True
+
+    def __init__(self, finals: np.ndarray, final_of, differences: np.ndarray, which, copies):
+        self.finals = np.asarray(finals, dtype=np.float64)  # (U, d) distinct final tokens
+        self.final_of = np.asarray(final_of, dtype=int)  # (n,) instance -> row of finals
+        self.differences = np.asarray(differences, dtype=np.float64)  # (n, d)
+        self.which = np.asarray(which, dtype=int)  # (Q,) query -> instance
+        self.copies = np.asarray(copies, dtype=int)  # (Q,)
+
+    @classmethod
+    def of(cls, finals: np.ndarray, differences: np.ndarray, which, copies) -> "CopiesQueries":
+        """From one final token per instance (rows of ``finals``); equal rows are kept once."""
+        finals = np.ascontiguousarray(finals, dtype=np.float64)
+        if not finals.size:
+            return cls(finals, np.arange(len(finals)), differences, which, copies)
+        # Rows grouped by a random projection (one float each: fast), the grouping kept only if every
+        # row is bit for bit its group's first; else (a collision, -0.0 against 0.0, NaN) by their bytes.
+        key = finals @ np.random.default_rng(0).uniform(1.0, 2.0, finals.shape[1])
+        _, first, final_of = np.unique(key, return_index=True, return_inverse=True)
+        final_of = np.asarray(final_of).ravel()
+        bits = finals.view(np.uint64)
+        if not np.array_equal(bits, bits[first][final_of]):
+            rows = finals.view(np.dtype((np.void, finals.itemsize * finals.shape[1]))).ravel()
+            _, first, final_of = np.unique(rows, return_index=True, return_inverse=True)
+            final_of = np.asarray(final_of).ravel()
+        return cls(finals[first], final_of, differences, which, copies)
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    def _build(self, which: np.ndarray, copies: np.ndarray) -> list[np.ndarray]:
+        instances, local = np.unique(which, return_inverse=True)  # only the instances these queries need
+        return copies_sequences(self.finals[self.final_of[instances]], self.differences[instances],
+                                np.asarray(local).ravel(), copies)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self._build(self.which[key], self.copies[key])
+        index = range(len(self))[key]  # an int, negative allowed, IndexError past the end
+        return self._build(self.which[index:index + 1], self.copies[index:index + 1])[0]
+
+    def __iter__(self):
+        for start in range(0, len(self), BUILD_CHUNK):
+            yield from self[start:start + BUILD_CHUNK]
+
+    def __add__(self, other):
+        """Concatenation: another CopiesQueries stays one (lean's fallback links), else a list."""
+        if not isinstance(other, CopiesQueries):
+            return list(self) + list(other)
+        finals = np.concatenate([self.finals, other.finals])
+        return CopiesQueries(finals, np.concatenate([self.final_of, other.final_of + len(self.finals)]),
+                             np.concatenate([self.differences, other.differences]),
+                             np.concatenate([self.which, other.which + len(self.differences)]),
+                             np.concatenate([self.copies, other.copies]))
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def outputs(self, model) -> np.ndarray:
+        """``model`` (float64) on every query, from the instances: ``W_h x + u_h`` once per final
+        token, the scores and values of ``x`` and ``y`` once per instance, then per query the
+        softmax of ``k`` equal scores and one: ``sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``.
+        The outputs of ``model(list(self))`` to rounding (the k equal terms are summed as one product)."""
+        return model.copies_outputs(self.finals, self.final_of, self.differences, self.which, self.copies)
+
+
+class InstanceTable(Sequence):
+    """Copies-instances held as arrays, one row per instance in query order (the grid schedules'
+    ``instances``): :attr:`role`, :attr:`i`, :attr:`j`, :attr:`finals`, :attr:`differences` and each
+    instance's copy counts. Indexing (or iterating) gives :class:`Instance` records like a list of
+    them; instances are added in blocks that share their role and copy counts (:meth:`add`)."""
+
+    def __init__(self, d: int):
+        self.d = int(d)
+        self._blocks: list[tuple] = []  # (role, i, j, finals, differences, ks)
+        self._starts = [0]
+        self._arrays: dict | None = None
+
+    def add(self, role: str, i, j, finals, differences, ks: tuple[int, ...]) -> np.ndarray:
+        """Append instances ``(i[n], j[n])`` with final ``finals[n]`` and difference ``differences[n]``
+        (rows), all of ``role`` asking the copy counts ``ks``; returns their indices."""
+        i, j = np.asarray(i, dtype=int).ravel(), np.asarray(j, dtype=int).ravel()
+        finals = np.asarray(finals, dtype=np.float64).reshape(len(i), self.d)
+        differences = np.asarray(differences, dtype=np.float64).reshape(len(i), self.d)
+        start = self._starts[-1]
+        self._blocks.append((role, i, j, finals, differences, tuple(ks)))
+        self._starts.append(start + len(i))
+        self._arrays = None
+        return np.arange(start, start + len(i))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    @property
+    def _joined(self) -> dict:
+        if self._arrays is None:
+            blocks, sizes = self._blocks, [len(block[1]) for block in self._blocks]
+            present = [block[0] for block, size in zip(blocks, sizes) if size]  # (the dtype of the roles asked)
+            self._arrays = dict(
+                role=np.array(present)[np.repeat(np.arange(len(present)), [size for size in sizes if size])]
+                if present else np.array([], dtype=str),
+                i=np.concatenate([block[1] for block in blocks] or [np.zeros(0, dtype=int)]),
+                j=np.concatenate([block[2] for block in blocks] or [np.zeros(0, dtype=int)]),
+                finals=np.concatenate([block[3] for block in blocks] or [np.zeros((0, self.d))]),
+                differences=np.concatenate([block[4] for block in blocks] or [np.zeros((0, self.d))]),
+                block=np.repeat(np.arange(len(blocks)), sizes).astype(int))
+            # The blocks keep views of the joined rows, not copies of them.
+            finals, differences = self._arrays["finals"], self._arrays["differences"]
+            self._blocks = [(role, i, j, finals[start:stop], differences[start:stop], ks)
+                            for (role, i, j, _, _, ks), start, stop in zip(blocks, self._starts, self._starts[1:])]
+        return self._arrays
+
+    @property
+    def role(self) -> np.ndarray:
+        return self._joined["role"]
+
+    @property
+    def i(self) -> np.ndarray:
+        return self._joined["i"]
+
+    @property
+    def j(self) -> np.ndarray:
+        return self._joined["j"]
+
+    @property
+    def finals(self) -> np.ndarray:
+        return self._joined["finals"]
+
+    @property
+    def differences(self) -> np.ndarray:
+        return self._joined["differences"]
+
+    def queries(self, indices) -> tuple[CopiesQueries, np.ndarray, np.ndarray]:
+        """The queries of instances ``indices``, each asking its copy counts in order: (sequences built
+        on demand, instance index of each query, copy count of each query)."""
+        indices = np.asarray(indices, dtype=int).ravel()
+        ks = [np.asarray(block[5], dtype=int) for block in self._blocks]
+        table = np.zeros((max(len(ks), 1), max((len(k) for k in ks), default=0)), dtype=int)  # block -> its ks
+        for b, k in enumerate(ks):
+            table[b, :len(k)] = k
+        blocks = self._joined["block"][indices]
+        counts = np.array([len(k) for k in ks] or [0], dtype=int)[blocks]
+        which = np.repeat(np.arange(len(indices)), counts)
+        within = np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)  # position in its ks
+        copies = table[blocks[which], within]
+        every = len(indices) == len(self) and np.array_equal(indices, np.arange(len(self)))
+        rows = slice(None) if every else indices  # all of them, in order: the table's own rows, not copies
+        sequences = CopiesQueries.of(self.finals[rows], self.differences[rows], which, copies)
+        return sequences, indices[which], copies
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[n] for n in range(len(self))[index]]
+        n = range(len(self))[index]
+        block = int(np.searchsorted(self._starts, n, side="right")) - 1
+        role, i, j, finals, differences, ks = self._blocks[block]
+        row = n - self._starts[block]
+        return Instance(role, int(i[row]), int(j[row]), finals[row], differences[row], ks)
+
+    def __iter__(self):
+        for role, i, j, finals, differences, ks in self._blocks:
+            for row in range(len(i)):
+                yield Instance(role, int(i[row]), int(j[row]), finals[row], differences[row], ks)

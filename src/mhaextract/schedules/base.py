@@ -11,7 +11,7 @@ one line in :mod:`.registry`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import numpy as np
 
@@ -80,7 +80,9 @@ class Outcome:
     """What :meth:`Schedule.run` hands back: the heads and what was measured to get them.
 
     ``sequences`` and ``answers`` are every query the schedule asked and its answer (in the
-    arithmetic's numbers); ``linearisation`` is what a schedule's certificate needs (or None).
+    arithmetic's numbers); ``sequences`` is a list, or the grid schedules' queries built on demand
+    (:class:`mhaextract.oracle.queries.CopiesQueries`, a sequence of arrays like a list);
+    ``linearisation`` is what a schedule's certificate needs (or None).
     ``W_balls``, ``v_balls`` (and ``u_balls``, ``c_ball`` when the run learned biases) are the
     parameters as balls in high precision.
     """
@@ -89,7 +91,7 @@ class Outcome:
     heads: int
     error_estimate: float
     details: ScheduleDetails
-    sequences: list
+    sequences: Sequence
     answers: np.ndarray
     checks: list[Check] = field(default_factory=list)
     W_balls: np.ndarray | None = None

@@ -28,7 +28,7 @@ from ..checks.certificate import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits
-from ..oracle.queries import Instance, copies_sequences, random_basis
+from ..oracle.queries import CopiesQueries, InstanceTable, random_basis
 from ..validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
 from .matching import LinkMatches, Side, match_links
@@ -128,7 +128,8 @@ class GridSchedule(Schedule):
     ----------
     X, Z : (d, F) and (d, d) arrays whose columns are the final tokens ``x_i`` and differences
         ``z_j`` (F = d, or d + 1 for an affine basis, §16).
-    instances : list of :class:`Instance`, in query order.
+    instances : :class:`~mhaextract.oracle.queries.InstanceTable` (a sequence of :class:`Instance`
+        records, with their role, i, j as arrays), in query order.
     grid_index : (F, d) int array, instance index of grid ``(i, j)``.
     row_link_index : (d,) int array, instance index of row link ``j`` (-1 where not asked).
     column_link_index : (F, d) int array, instance index of column link ``(i, j)`` (-1 where not asked).
@@ -156,7 +157,7 @@ class GridSchedule(Schedule):
         self.X = self._final_tokens(rng)
         self.Z = random_basis(rng, self.d, self.token_scale)
         self.ks = np.arange(self.samples_per_instance)
-        self.instances: list[Instance] = []
+        self.instances = InstanceTable(self.d)
         finals = self.X.shape[1]
         self.grid_index = np.full((finals, self.d), -1)
         self.row_link_index = np.full(self.d, -1)
@@ -189,30 +190,17 @@ class GridSchedule(Schedule):
         """Add instances ``(i[n], j[n])`` with final token ``finals[n]`` and difference
         ``differences[n]`` (rows), all asking ``k = first_k..last_k``; returns their indices."""
         last = self.samples_per_instance - 1 if last_k is None else last_k
-        ks, start = tuple(range(first_k, last + 1)), len(self.instances)
-        self.instances.extend(Instance(role, a, b, final, difference, ks)
-                              for a, b, final, difference in zip(np.asarray(i).tolist(), np.asarray(j).tolist(),
-                                                                finals, differences))
-        return np.arange(start, len(self.instances))
+        return self.instances.add(role, i, j, finals, differences, tuple(range(first_k, last + 1)))
 
     @property
     def promised_max_length(self) -> int:
         return self.samples_per_instance
 
-    def instance_queries(self, indices) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """Queries of the given instances: (sequences, instance index of each, copy count k)."""
-        indices = list(indices)
-        chosen = [self.instances[index] for index in indices]
-        if not chosen:
-            return [], np.zeros(0, dtype=int), np.zeros(0, dtype=int)
-        counts = [len(instance.ks) for instance in chosen]
-        which = np.repeat(np.arange(len(chosen)), counts)
-        copies = np.array([k for instance in chosen for k in instance.ks], dtype=int)
-        sequences = copies_sequences(np.array([instance.final for instance in chosen]),
-                                     np.array([instance.difference for instance in chosen]), which, copies)
-        return sequences, np.asarray(indices, dtype=int)[which], copies
+    def instance_queries(self, indices) -> tuple[CopiesQueries, np.ndarray, np.ndarray]:
+        """Queries of the given instances: (sequences, built on demand, instance index of each, copy count k)."""
+        return self.instances.queries(list(indices))
 
-    def fixed_queries(self) -> list[np.ndarray]:
+    def fixed_queries(self) -> CopiesQueries:
         return self.instance_queries(range(len(self.instances)))[0]
 
     def run(self, boundary, arithmetic) -> Outcome:
@@ -373,10 +361,8 @@ class GridLearner:
         width = len(schedule.ks) - 1 if schedule.both_anchors else len(schedule.ks)
         indices = np.asarray(indices, dtype=int)
         if len(indices):  # every instance at once, each entry computed as for that instance alone
-            chosen = [schedule.instances[index] for index in indices]
-            role = np.array([instance.role for instance in chosen])
-            final = self.vbar_x[np.array([instance.i for instance in chosen])]
-            columns = np.array([instance.j for instance in chosen])
+            table = schedule.instances
+            role, final, columns = table.role[indices], self.vbar_x[table.i[indices]], table.j[indices]
             links = role == "column_link"  # final token w (x_0 + x_i); affine: w = 1/2, c0 kept once
             if links.any():
                 linked = self.vbar_x[0] + final[links]
@@ -437,7 +423,7 @@ class GridLearner:
             self._link(np.full(d - 1, grid[0, 0]), grid[0, 1:], row_links[1:], labels_add=True)
         if column_matches is not None:  # relative to each column's row-0 instance
             later, matches = column_matches
-            reference_order = self.order[grid[0]][np.array([schedule.instances[b].j for b in later])]
+            reference_order = self.order[grid[0]][schedule.instances.j[later]]
             self.order[later] = np.take_along_axis(matches.permutation, reference_order, axis=1)
             self.ambiguity[later] = matches.ambiguity
             self.bijective = self.bijective and bool(matches.bijective.all())
@@ -524,8 +510,7 @@ class GridLearner:
         of its own error at the answers' rounding (ball radii, or eps times the label sensitivity)."""
         schedule, arithmetic = self.schedule, self.arithmetic
         label_deviation = np.full(self.n, np.nan)
-        role = np.array([inst.role for inst in schedule.instances])
-        column = np.array([inst.j for inst in schedule.instances], dtype=int)
+        role, column = schedule.instances.role, schedule.instances.j
         judged = np.flatnonzero(role != "row_link")
         if not self.H_star:
             label_deviation[judged] = 0.0
@@ -537,7 +522,7 @@ class GridLearner:
                                                 initial=0.0)
         fits = self.fits
         return InstanceDiagnostics(
-            role=role, i=np.array([inst.i for inst in schedule.instances]), j=column,
+            role=role, i=schedule.instances.i, j=column,
             rank=self.ranks, singular_values=self.singular_values, pole_gap=fits.pole_gap,
             imaginary=fits.imaginary, nonpositive=fits.nonpositive, residual=fits.residual,
             condition=fits.condition, certified=fits.certified, ambiguity=self.ambiguity,
