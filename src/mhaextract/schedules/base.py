@@ -125,6 +125,14 @@ class Schedule:
     #: polish queries alone (the targeted schedules keep only a subsample of their saturated,
     #: long-token queries, poorly conditioned for least squares).
     refines_on_own_answers: ClassVar[bool] = True
+    #: float64: the error estimate is at least the answers' residual (relative to the largest answer),
+    #: a first-order lower bound of the relative parameter error (``api._residual_evidence``,
+    #: docs/algorithm.md §11); the grid schedules, whose residual limit is then their error limit.
+    residual_evidence: ClassVar[bool] = False
+    #: float64, ``refine`` not asked for: refine anyway when the answers are noisy (``answer_error``
+    #: declared, or the noise probe measured noise beyond rounding), with ``NOISY_POLISH_FACTOR``
+    #: fresh polish queries per parameter (``api._noisy_refinement``, docs/algorithm.md §10, §12).
+    refines_when_noisy: ClassVar[bool] = False
     refusal: ClassVar[str] = ""
 
     def __init__(self, settings: RunSettings):

@@ -30,6 +30,11 @@ class LeanSchedule(GridSchedule):
 
     name = "lean"
     both_anchors = True
+    #: Noisy answers (declared or measured by the noise probe): the algebra's 2 H0 - 1 samples per
+    #: instance amplify the noise up to the error limit (docs/reliability.md: truths 5e-6..1e-4 at
+    #: 1e-10..1e-8 noise, estimates above 1e-4); least squares over every answer and
+    #: H0 (d^2 + d) fresh polish queries brings them to 1e-10..1e-8 (docs/algorithm.md §10).
+    refines_when_noisy = True
     refusal = ("oversampling is a feature of the paper schedule; the lean schedule asks the fewest samples "
                "per instance by design")
 
