@@ -54,7 +54,7 @@ WEIGHT_FLOOR = 1e-2
 
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
-            max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
+            max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
@@ -96,7 +96,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
     refine : polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
         polish queries (and the grid schedules' own answers), then certify the fit (float64, every
-        schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``.
+        schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``. None
+        (default): only where the schedule refines noisy answers (float64 paper and lean, when
+        ``answer_error`` is declared or the answers show noise beyond rounding: paper on its own
+        answers, its exact count kept; lean with ``H0 (d^2 + d)`` polish queries; §10, §12);
+        False: never.
     refine_queries : fresh polish queries for the refinement (default ``6 P``, P the parameters:
         ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).
@@ -153,10 +157,6 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
             probe = probe_misfit(boundary, plan, outcome.model)
-        if _refines_when_noisy(plan, outcome, probe):  # after the probe: its polish queries come last
-            plan.settings = dataclasses.replace(plan.settings, refine=True,
-                                                refine_queries=noisy_polish_count(plan.settings))
-            extra = _refinement_queries(boundary, plan.settings, plan, outcome)
         spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
                                                       "mpf" if settings.precision else "float64")))
         extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
@@ -212,8 +212,8 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         if samples_per_instance is not None or refine or answer_error is not None:
             raise ValueError("samples_per_instance, refine and answer_error are float64 options; with precision=bits "
                              "the answers are exact to one ulp and the balls certify the result")
-    if not isinstance(refine, (bool, np.bool_)):
-        raise ValueError(f"refine must be True or False, got {refine!r}")
+    if refine is not None and not isinstance(refine, (bool, np.bool_)):
+        raise ValueError(f"refine must be None, True or False, got {refine!r}")
     if repair is not None and not isinstance(repair, (bool, np.bool_)):
         raise ValueError(f"repair must be None, True or False, got {repair!r}")
     if repair and precision is None:
@@ -228,7 +228,8 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         if rank > d:
             raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
     return RunSettings(d, H0, declared, precision, seed, token_scale_for(d, token_scale), samples_per_instance,
-                       bool(refine), refine_queries, answer_error, rank, _backend(backend, precision),
+                       None if refine is None else bool(refine), refine_queries, answer_error, rank,
+                       _backend(backend, precision),
                        repair=None if repair is None else bool(repair))
 
 
@@ -259,27 +260,27 @@ def polish_count(settings: RunSettings) -> int:
     return max(32, POLISH_FACTOR * parameter_count(settings.max_heads, settings.d, settings.bias))
 
 
-#: Fresh polish queries per parameter when a schedule refines because its answers are noisy
-#: (``Schedule.refines_when_noisy``: lean): one, ``H0 (d^2 + d)``, which keeps lean below the paper's
-#: count (``(2 H0 - 1) d^2 + H0 d^2 < 4 H0 d^2``); POLISH_FACTOR (6) is the default of ``refine=True``.
-NOISY_POLISH_FACTOR = 1
-
-
-def noisy_polish_count(settings: RunSettings) -> int:
-    """The polish queries of a refinement the noise decided (``refine_queries`` when given)."""
+def noisy_polish_count(plan: Schedule) -> int:
+    """The polish queries of a refinement the answers' noise decided (``Schedule.refines_when_noisy``):
+    ``refine_queries`` when given, else ``noisy_polish_factor`` per parameter (lean 1: ``H0 (d^2 + d)``;
+    paper 0: it keeps its exact count and refines on its own answers)."""
+    settings = plan.settings
     if settings.refine_queries is not None:
         return settings.refine_queries
-    return NOISY_POLISH_FACTOR * parameter_count(settings.max_heads, settings.d, settings.bias)
+    return plan.noisy_polish_factor * parameter_count(settings.max_heads, settings.d, settings.bias)
 
 
-def _refines_when_noisy(plan: Schedule, outcome: Outcome, probe) -> bool:
-    """float64, a schedule that refines when noisy (lean), ``refine`` not asked for, a model to
-    start from, and noisy answers: ``answer_error`` declared, or the noise probe's misfit beyond
-    rounding (docs/algorithm.md §10)."""
+def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float) -> bool:
+    """float64, a schedule that refines when noisy (lean, paper), ``refine=None`` (neither asked
+    for nor refused), and noisy answers: ``answer_error`` declared, or noise above
+    ``ROUNDING_REGIME`` (1e3 units of rounding of the largest answer): the noise probe's misfit
+    (lean; on an exact oracle it can pass its own 16 units, bench_reliability seed 69) or 3 x the
+    links' noise estimate (paper; docs/algorithm.md §10, §12)."""
     settings = plan.settings
-    if not plan.refines_when_noisy or settings.refine or settings.precision is not None or outcome.model is None:
+    if not plan.refines_when_noisy or settings.refine is not None or settings.precision is not None:
         return False
-    return settings.answer_error is not None or (probe is not None and probe[0] > 0)
+    return (settings.answer_error is not None or (probe is not None and probe[0] > ROUNDING_REGIME * probe[1])
+            or (certificate is not None and 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale))
 
 
 def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):
@@ -308,11 +309,24 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     error_estimate, answers_residual = outcome.error_estimate, np.inf
     if model is not None:
         certificate = plan.certificate(outcome)
+        own_scale = 1.0  # the largest of the schedule's own answers (float64 only)
+        if settings.precision is None:
+            own_scale = float(np.abs(np.asarray(outcome.answers, dtype=np.float64)).max(initial=0.0)) or 1.0
+        if _refines_when_noisy(plan, certificate, probe, own_scale):
+            # after the noise probe: the polish queries (if any) come last; counted like every other
+            plan.settings = settings = dataclasses.replace(settings, refine=True,
+                                                           refine_queries=noisy_polish_count(plan))
+            extra = _refinement_queries(boundary, settings, plan, outcome)
+            sequences = list(outcome.sequences) + list(extra[0])
+            answers = np.concatenate([np.asarray(outcome.answers),
+                                      np.asarray(extra[1], dtype=outcome.answers.dtype)])
         if settings.refine:
             own = len(outcome.sequences) if plan.refines_on_own_answers else 0
             fitted = slice(len(outcome.sequences) - own, None)
-            model, refinement, certificate = _refine(model, sequences[fitted], answers[fitted], len(extra[0]),
-                                                     settings.bias, certificate)
+            start = certificate
+            model, refinement, certificate = _refine(
+                model, sequences[fitted], answers[fitted], len(extra[0]), settings.bias, certificate,
+                lambda refined: _start_validity(start.verified_against(refined), settings, own_scale))
         exact = None if outcome.W_balls is None else exact_model(outcome.W_balls, outcome.v_balls,
                                                                   outcome.u_balls, outcome.c_ball)
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
@@ -327,10 +341,12 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
                                                plan.unit, outcome.score_estimate, typical or scale)
     if settings.bias and (refinement is None or refinement.kept != "refined"):
         error_estimate = max(error_estimate, _constant_error(model, measured))
+    explained = error_estimate  # the residual the model's own estimated error explains (_common_checks)
     if plan.residual_evidence and settings.precision is None and model is not None and answers_residual > error_estimate:
         error_estimate, source = _residual_evidence(answers_residual, source)
     checks = plan.checks(outcome, label_noise=measured / scale) + _common_checks(
-        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured)
+        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured,
+        explained)
     if refinement is not None and refinement.kept == "refined":
         checks = _superseded_by_fit(checks, len(sequences))
     return Extraction(
@@ -350,11 +366,33 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     )
 
 
-def _refine(model, sequences, answers, added, bias, certificate):
+def _start_validity(certificate, settings: RunSettings, scale: float) -> tuple[float, bool]:
+    """``(validity, linear)``: what a refined fit inherits from its algebraic start's certificate.
+    Refinement converges to the fit in whose basin its start lies, so the start's heads must be
+    the right ones. Exact answers: the start's ``valid_below`` (every instance linear too;
+    ``linear`` False). Noisy answers (declared ``answer_error``, or 3 x the links' noise estimate
+    above ``ROUNDING_REGIME``, for independent errors): the start's matching validity at that
+    error, instances verified against the refined model exempt (``Certificate.verified_against``,
+    ``matching_validity_at``; docs/algorithm.md §12, "Refined under noise"), and ``linear`` True:
+    the refined model's first order is the least-squares fit's, bounded by its own linearisation
+    (``LINEAR_MOVEMENT`` / C), not by the algebra's instances, whose answers it fits like any other.
+    Paper under declared uniform 1e-8 (bench_reliability seeds 23, 52, 53): one ill-conditioned
+    instance each outside its linear range (3e-10..4e-11 against the bound) voided refined models
+    within 2.6e-7..6e-7 of the truth."""
+    if settings.answer_error is not None:
+        return certificate.matching_validity_at(settings.answer_error), True
+    noise = 3.0 * certificate.noise_estimate
+    if noise > ROUNDING_REGIME * scale:
+        return certificate.matching_validity_at(noise, statistical=True), True
+    return certificate.valid_below, False
+
+
+def _refine(model, sequences, answers, added, bias, certificate, start_validity=None):
     """Refinement (§12) of all parameters (with ``bias``: u_h and c too) against every answer,
     weighted by the inverse size of each answer's computation (its float64 rounding), then the
     least-squares certificate ``G = (D J)^+ D`` of the fit: every schedule that refines has one.
-    ``valid_below`` stays the algebraic start's where the schedule has a certificate."""
+    ``valid_below``: the algebraic start's where the schedule has a certificate,
+    ``start_validity(refined model)`` (:func:`_start_validity`)."""
     scales = answer_scales(model, sequences)
     # An answer of exactly known size 0 (the zero query answers c) must not get an unbounded weight.
     floor = WEIGHT_FLOOR * np.median(scales) if len(scales) else 0.0  # no answers: nothing is refined
@@ -362,13 +400,13 @@ def _refine(model, sequences, answers, added, bias, certificate):
     model, refinement = refine_least_squares(model, sequences, answers, added=added, bias=bias, weights=weights)
     if refinement.status == -1:  # not attempted (too few answers, or not affordable): the schedule's own stands
         return model, refinement, certificate
-    valid_below = None if certificate is None else certificate.valid_below
+    valid_below, linear = (None, False) if certificate is None or start_validity is None else start_validity(model)
     solver = refinement.solver
     if solver is None:  # the start was kept: its own Jacobian (dense or matrix-free as the refinement's)
         solver = jacobian_solver(model, sequences, weights, bias, matrix_free=refinement.path == "matrix-free")
     certificate = least_squares_certificate(
         None, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
-        solver=solver)
+        solver=solver, linear=linear)
     if refinement.path == "matrix-free":
         refinement.solver = None  # it holds the padded queries (their size): not kept in the result
     return model, refinement, certificate
@@ -509,16 +547,24 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
 
 
 def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_residual, noise, scale,
-                   certificate, stats, source="the rounding of the answers", measured=0.0) -> list[Check]:
+                   certificate, stats, source="the rounding of the answers", measured=0.0,
+                   explained=None) -> list[Check]:
     """The checks every schedule shares. ``measured``: the answers' error (:func:`_noise`). Noisy
     answers (declared, or measured above ``ROUNDING_REGIME``) cannot be fitted closer than the
     noise, nor than the model's own error moves them: the residual limit becomes
-    ``max(limit, 10 noise / scale, error_estimate)`` (docs/algorithm.md §11)."""
+    ``max(limit, 10 noise / scale, error_estimate)`` (docs/algorithm.md §11). ``explained``: the
+    estimate before the residual raised it (``Schedule.residual_evidence``): the residual limit is
+    then ``max(limit, explained)`` with any answers (noisy: and ``10 noise / scale``), never the
+    raised estimate, which the residual itself set."""
     settings = plan.settings
     error_limit, residual_limit = plan.thresholds()
+    own = error_estimate if explained is None else explained
+    own = own if np.isfinite(own) else 0.0  # no model, or no finite estimate: explains no residual
     noisy = noise if noise is not None else (measured if measured > ROUNDING_REGIME * scale else None)
     if noisy is not None and settings.precision is None:
-        residual_limit = max(residual_limit, 10 * noisy / scale, error_estimate)
+        residual_limit = max(residual_limit, 10 * noisy / scale, own)
+    elif plan.residual_evidence and settings.precision is None:
+        residual_limit = max(residual_limit, own)
     checks = [error_estimate_check(error_estimate, error_limit, source),
               answers_residual_check(answers_residual, residual_limit)]
     if certificate is not None and (settings.answer_error is not None
@@ -545,6 +591,9 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
         valid = certificate.validity_at(noise, statistical=True)
         against = ("the validity for independent errors of that size (matching margins and linearisation with "
                    "the l2 movements; instances verified against the model exempt from linearisation)")
+    if certificate.kind == "least squares":  # refined under noise (_start_validity)
+        against += ("; refined: the algebraic start's matching margins (instances verified against the refined "
+                    "model exempt) and the least-squares fit's own linearisation")
     return Check("noise_within_validity", noise < valid, noise, valid, f"answer error ({source}) against {against}")
 
 

@@ -36,7 +36,7 @@ class RunSettings:
     seed: object
     token_scale: float
     samples_per_instance: int | None = None
-    refine: bool = False
+    refine: bool | None = None  # None: the schedule decides (refines_when_noisy); False: never
     refine_queries: int | None = None
     answer_error: float | None = None
     rank: int | None = None  # a bound on the rank of every W_h (docs/algorithm.md §17)
@@ -130,9 +130,10 @@ class Schedule:
     #: docs/algorithm.md §11); the grid schedules, whose residual limit is then their error limit.
     residual_evidence: ClassVar[bool] = False
     #: float64, ``refine`` not asked for: refine anyway when the answers are noisy (``answer_error``
-    #: declared, or the noise probe measured noise beyond rounding), with ``NOISY_POLISH_FACTOR``
-    #: fresh polish queries per parameter (``api._noisy_refinement``, docs/algorithm.md §10, §12).
+    #: declared, the noise probe's or the links' noise beyond rounding), with ``noisy_polish_factor``
+    #: fresh polish queries per parameter (``api._refines_when_noisy``, docs/algorithm.md §10, §12).
     refines_when_noisy: ClassVar[bool] = False
+    noisy_polish_factor: ClassVar[int] = 1
     refusal: ClassVar[str] = ""
 
     def __init__(self, settings: RunSettings):

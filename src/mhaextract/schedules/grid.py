@@ -236,14 +236,7 @@ class GridSchedule(Schedule):
     residual_evidence = True
 
     def thresholds(self) -> tuple[float, float]:
-        """float64: the residual is judged against the error limit. The error estimate is at least
-        the residual (``residual_evidence``), which lower-bounds the parameter error to first order,
-        so a residual limit below the error limit (1e-6 before) failed models within it: lean, exact,
-        d = 5, H = 3, residual 1.2e-6 and 1.7e-6 on true errors 1.2e-5 and 8.9e-5 (docs/algorithm.md
-        §11). A model whose residual exceeds the error limit still fails (both checks)."""
         policy = CheckPolicy.for_precision(self.settings.precision)
-        if self.settings.precision is None:
-            return policy.error_estimate, policy.error_estimate
         return policy.error_estimate, policy.answers_residual
 
     def checks(self, outcome: Outcome, label_noise: float = 0.0) -> list[Check]:
