@@ -559,3 +559,18 @@ def test_a_refined_paper_run_still_needs_its_start_matching(seed):
     result = mx.extract(oracle, d, heads=H, seed=seed, schedule="paper", on_failure="warn", **extra)
     assert not result.ok and result.error_estimate == np.inf
     assert not next(check for check in result.checks if check.name == "noise_within_validity").passed
+
+
+@pytest.mark.parametrize("seed, failed", [(58, "error_estimate"), (72, "matching"), (86, "pole_count")])
+def test_a_failed_exact_paper_run_is_refined_on_its_own_answers(seed, failed):
+    # Before: exact answers, H = 3: error_estimate 2.6e-4 (float64 algebra, true 5.4e-5), one ambiguous
+    # link of 15, one of 17 instances with another pole count: false alarms on models within 5.4e-5,
+    # 2e-7 and 2.4e-7. The algebra's failed result is refined on its own answers (no query).
+    target, oracle, d, H, _ = _random_case(seed, "exact")
+    algebraic = mx.extract(oracle, d, heads=H, seed=seed, schedule="paper", on_failure="warn", refine=False)
+    assert failed in {check.name for check in algebraic.failed_checks}
+    result = mx.extract(oracle, d, heads=H, seed=seed, schedule="paper", on_failure="warn")
+    truth = float(mx.compare(result.model, target.canonical()).max_rel)
+    assert result.ok, result.failed_checks
+    assert result.refinement.kept == "refined" and result.queries == result.promised_queries
+    assert truth < 1e-10 and truth <= result.error_estimate <= 1e-4

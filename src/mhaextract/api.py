@@ -160,6 +160,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
                                                       "mpf" if settings.precision else "float64")))
         extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
+        if _rescued_by_refinement(plan, outcome, extraction):
+            extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
+                                 force_refine=True)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -299,9 +302,22 @@ def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: S
     return sequences, boundary.ask(sequences, description="querying for refinement")
 
 
+def _rescued_by_refinement(plan: Schedule, outcome: Outcome, extraction: Extraction) -> bool:
+    """float64 paper or lean (``refines_when_noisy``), ``refine=None`` and not refined already, a
+    model, and a failed check: the algebraic result is refined (paper on its own answers, no query;
+    lean with its ``H0 (d^2 + d)`` polish queries) and the refined result, judged by the same
+    checks, is the run's (docs/algorithm.md §12, "Refined under noise"). Exact answers at H = 3:
+    the algebra's float64 estimate (2.6e-4 on a true 5.4e-5), one ambiguous link of 15 or one of 17
+    instances with another pole count failed models within 2e-7 of the truth."""
+    settings = plan.settings
+    return (plan.refines_when_noisy and settings.refine is None and settings.precision is None
+            and outcome.model is not None and not extraction.ok)
+
+
 def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, spent: _Spent,
-            probe=None) -> Extraction:
-    """Certificate, refinement, error estimate and checks: the same for every schedule."""
+            probe=None, force_refine=False) -> Extraction:
+    """Certificate, refinement, error estimate and checks: the same for every schedule.
+    ``force_refine``: refine as :func:`_refines_when_noisy` would (:func:`_rescued_by_refinement`)."""
     settings = plan.settings
     sequences = list(outcome.sequences) + list(extra[0])
     answers = np.concatenate([np.asarray(outcome.answers), np.asarray(extra[1], dtype=outcome.answers.dtype)])
@@ -312,7 +328,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         own_scale = 1.0  # the largest of the schedule's own answers (float64 only)
         if settings.precision is None:
             own_scale = float(np.abs(np.asarray(outcome.answers, dtype=np.float64)).max(initial=0.0)) or 1.0
-        if _refines_when_noisy(plan, certificate, probe, own_scale):
+        if force_refine or _refines_when_noisy(plan, certificate, probe, own_scale):
             # after the noise probe: the polish queries (if any) come last; counted like every other
             plan.settings = settings = dataclasses.replace(settings, refine=True,
                                                            refine_queries=noisy_polish_count(plan))
