@@ -97,10 +97,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     refine : polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
         polish queries (and the grid schedules' own answers), then certify the fit (float64, every
         schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``. None
-        (default): only where the schedule refines noisy answers (float64 paper and lean, when
-        ``answer_error`` is declared or the answers show noise beyond rounding: paper on its own
-        answers, its exact count kept; lean with ``H0 (d^2 + d)`` polish queries; §10, §12);
-        False: never.
+        (default): only where the schedule refines by itself (float64 paper and lean, when
+        ``answer_error`` is declared, the answers show noise above rounding, or the algebraic
+        result failed a check: paper on its own answers, its exact count kept; lean with
+        ``H0 (d^2 + d)`` polish queries; §10, §12); False: never.
     refine_queries : fresh polish queries for the refinement (default ``6 P``, P the parameters:
         ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).

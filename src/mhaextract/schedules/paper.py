@@ -28,7 +28,7 @@ class PaperSchedule(GridSchedule):
     #: Noisy answers (declared, or the links' noise above rounding): refined on its own answers, no
     #: query added (the exact count kept): least squares over all ``4 H0 d^2 - 2 H0 + 1`` answers,
     #: whose start is the algebra's model (docs/algorithm.md §12; docs/reliability.md: models 10..100 x
-    #: closer to the truth under 1e-10..1e-8 noise).
+    #: closer to the truth under 1e-10..1e-8 noise); so is an algebraic result that failed a check.
     refines_when_noisy = True
     noisy_polish_factor = 0
     accepts = GridSchedule.accepts | {"samples_per_instance", "repair"}
