@@ -286,11 +286,11 @@ certified balls must reproduce the answers (`mhaextract.numerics.enclosure`).
 Reading it: no silent failure and no crash in any mode. The default (auto) and targeted modes pass
 every random target, exact and under each noise; no passing run's error exceeded 13 times its
 estimate (auto: 1.3). Paper and lean in float64 are the paper's algebra with `2H + 1` samples per
-instance, refined by least squares when their answers are noisy or their algebraic result fails a
-check (paper on its own answers, its exact count kept; lean with `H0 (d^2 + d)` counted polish
-queries; docs/algorithm.md §10, §12). Lean has no false alarm left; paper 0 / 6 / 7 (exact /
+instance, refined by least squares when their answers are noisy (paper on its own answers, its
+exact count kept; lean with `H0 (d^2 + d)` counted polish queries), paper also when its algebraic
+result fails a check a refinement can answer (docs/algorithm.md §10, §12; H0 <= 3). Lean has no false alarm left; paper 0 / 6 / 7 (exact /
 Gaussian / declared uniform). Every loud failure but one is at H = 3 (paper 1 / 19 / 25, lean
-0 / 9 / 23 of 100), the float64 algebra's envelope: 29 return no model, the others fail their
+1 / 9 / 23 of 100), the float64 algebra's envelope: 29 return no model, the others fail their
 checks with errors 0.03..5e10. No passing paper or lean run is 10 times above its estimate.
 
 **False alarms by cause** (`--explain` prints every false alarm's failed checks with value and
@@ -319,7 +319,7 @@ What the second round changed:
   is the least-squares fit's (docs/algorithm.md §12, "Refined under noise").
 * paper, exact (3, H = 3: `error_estimate` 2.6e-4 on a true 5.4e-5, one ambiguous link of 15, one
   of 17 instances with another pole count): a failed algebraic result is refined on the same
-  answers and judged again; the three pass within 1e-12. A kept refinement supersedes the
+  answers (no query) and judged again; the three pass within 1e-12. A kept refinement supersedes the
   algebraic stage's `matching`, `labels_consistent`, `poles_real_positive` and `pole_count`
   (not when an instance found more than H* poles).
 

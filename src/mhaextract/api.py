@@ -98,9 +98,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         polish queries (and the grid schedules' own answers), then certify the fit (float64, every
         schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``. None
         (default): only where the schedule refines by itself (float64 paper and lean, when
-        ``answer_error`` is declared, the answers show noise above rounding, or the algebraic
-        result failed a check: paper on its own answers, its exact count kept; lean with
-        ``H0 (d^2 + d)`` polish queries; §10, §12); False: never.
+        ``answer_error`` is declared or the answers show noise above rounding, and paper when its
+        algebraic result failed a check; paper on its own answers, its exact count kept; lean
+        with ``H0 (d^2 + d)`` polish queries; H0 <= 3; §10, §12); False: never.
     refine_queries : fresh polish queries for the refinement (default ``6 P``, P the parameters:
         ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).
@@ -273,7 +273,22 @@ def noisy_polish_count(plan: Schedule) -> int:
     return plan.noisy_polish_factor * parameter_count(settings.max_heads, settings.d, settings.bias)
 
 
-def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float) -> bool:
+#: The refinement a schedule decides by itself (``refine=None``) runs only within the grid
+#: schedules' float64 envelope, H0 <= 3 (docs/algorithm.md §11), and while its Jacobian stays below
+#: this many entries: outside it the algebra's start is no start (paper, exact, d = 16, H = 4:
+#: the algebra 0.53 off, its links' misfit taken for noise, a 130 s refinement to a fit 7.7 off).
+SELF_REFINE_MOST_HEADS, SELF_REFINE_ENTRIES = 3, 10_000_000
+
+
+def _refinement_affordable(plan: Schedule, outcome: Outcome) -> bool:
+    """H0 <= ``SELF_REFINE_MOST_HEADS`` and (answers + polish queries) x parameters <= ``SELF_REFINE_ENTRIES``."""
+    settings = plan.settings
+    parameters = parameter_count(settings.max_heads, settings.d, settings.bias)
+    rows = len(outcome.sequences) + plan.noisy_polish_factor * parameters
+    return settings.max_heads <= SELF_REFINE_MOST_HEADS and rows * parameters <= SELF_REFINE_ENTRIES
+
+
+def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float, outcome: Outcome | None = None) -> bool:
     """float64, a schedule that refines when noisy (lean, paper), ``refine=None`` (neither asked
     for nor refused), and noisy answers: ``answer_error`` declared, or noise above
     ``ROUNDING_REGIME`` (1e3 units of rounding of the largest answer): the noise probe's misfit
@@ -281,6 +296,8 @@ def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float) -> boo
     links' noise estimate (paper; docs/algorithm.md §10, §12)."""
     settings = plan.settings
     if not plan.refines_when_noisy or settings.refine is not None or settings.precision is not None:
+        return False
+    if outcome is not None and not _refinement_affordable(plan, outcome):
         return False
     return (settings.answer_error is not None or (probe is not None and probe[0] > ROUNDING_REGIME * probe[1])
             or (certificate is not None and 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale))
@@ -302,16 +319,27 @@ def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: S
     return sequences, boundary.ask(sequences, description="querying for refinement")
 
 
+#: Failed checks a refinement can answer: its own estimate and residual replace the algebra's, and
+#: it supersedes the algebraic stage's (``SUPERSEDED_BY_FIT``). Any other failed check (declared
+#: heads not found, the float64 head limit, no model, uninformative answers) it cannot.
+REFINABLE = ("error_estimate", "answers_residual", "noise_within_validity")
+
+
 def _rescued_by_refinement(plan: Schedule, outcome: Outcome, extraction: Extraction) -> bool:
-    """float64 paper or lean (``refines_when_noisy``), ``refine=None`` and not refined already, a
-    model, and a failed check: the algebraic result is refined (paper on its own answers, no query;
-    lean with its ``H0 (d^2 + d)`` polish queries) and the refined result, judged by the same
+    """float64 paper (``refines_when_noisy`` with no polish query: the rescue costs no query),
+    ``refine=None`` and not refined already, a model, and failed checks that a refinement can
+    answer (``REFINABLE``, ``SUPERSEDED_BY_FIT`` but ``pole_count`` with more poles than H*): the
+    algebraic result is refined on its own answers and the refined result, judged by the same
     checks, is the run's (docs/algorithm.md §12, "Refined under noise"). Exact answers at H = 3:
     the algebra's float64 estimate (2.6e-4 on a true 5.4e-5), one ambiguous link of 15 or one of 17
     instances with another pole count failed models within 2e-7 of the truth."""
     settings = plan.settings
-    return (plan.refines_when_noisy and settings.refine is None and settings.precision is None
-            and outcome.model is not None and not extraction.ok)
+    if not (plan.refines_when_noisy and plan.noisy_polish_factor == 0 and settings.refine is None
+            and settings.precision is None and outcome.model is not None and not extraction.ok
+            and _refinement_affordable(plan, outcome)):
+        return False
+    return all(check.name in REFINABLE or (check.name in SUPERSEDED_BY_FIT and MORE_POLES not in check.message)
+               for check in extraction.failed_checks)
 
 
 def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, spent: _Spent,
@@ -328,7 +356,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         own_scale = 1.0  # the largest of the schedule's own answers (float64 only)
         if settings.precision is None:
             own_scale = float(np.abs(np.asarray(outcome.answers, dtype=np.float64)).max(initial=0.0)) or 1.0
-        if force_refine or _refines_when_noisy(plan, certificate, probe, own_scale):
+        if force_refine or _refines_when_noisy(plan, certificate, probe, own_scale, outcome):
             # after the noise probe: the polish queries (if any) come last; counted like every other
             plan.settings = settings = dataclasses.replace(settings, refine=True,
                                                            refine_queries=noisy_polish_count(plan))

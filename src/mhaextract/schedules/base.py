@@ -130,8 +130,8 @@ class Schedule:
     #: docs/algorithm.md §11); the grid schedules, whose residual limit is then their error limit.
     residual_evidence: ClassVar[bool] = False
     #: float64, ``refine=None``: refine anyway when the answers are noisy (``answer_error`` declared,
-    #: the noise probe's or the links' noise above rounding) or the algebraic result failed a check,
-    #: with ``noisy_polish_factor`` fresh polish queries per parameter (``api._refines_when_noisy``,
+    #: the noise probe's or the links' noise above rounding), and (no polish query only) when the
+    #: algebraic result failed a check, with ``noisy_polish_factor`` fresh polish queries per parameter (``api._refines_when_noisy``,
     #: ``api._rescued_by_refinement``, docs/algorithm.md §10, §12).
     refines_when_noisy: ClassVar[bool] = False
     noisy_polish_factor: ClassVar[int] = 1
