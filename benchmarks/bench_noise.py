@@ -30,6 +30,7 @@ from mhaextract.oracle.queries import random_queries
 
 
 def run(target, oracle, d, H, seed, **options):
+    options.setdefault("refine", False)  # the algebraic rows stay algebraic (paper refines noisy answers unasked)
     started = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)

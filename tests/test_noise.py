@@ -14,6 +14,9 @@ from mhaextract.oracle.queries import random_queries
 
 
 def quiet_extract(oracle, d, H, seed, **options):
+    # The paper's algebraic certificate: unless asked, no refinement (paper refines noisy answers by
+    # default, docs/algorithm.md §12, "Refined under noise"; test_paper_refines_noisy_answers_...).
+    options.setdefault("refine", False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
         return mx.extract(oracle, d, heads=H, seed=seed, on_failure="warn", **options, schedule="paper")

@@ -35,6 +35,7 @@ from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, check_directory, run_fingerprint
 from .results import Extraction
 from .schedules.base import Outcome, RunSettings, Schedule
+from .schedules.grid import MORE_POLES
 from .schedules.registry import Choice, choose
 from .validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
@@ -53,7 +54,7 @@ WEIGHT_FLOOR = 1e-2
 
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
-            max_queries=None, samples_per_instance=None, refine=False, refine_queries=None,
+            max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
@@ -95,7 +96,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
     refine : polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
         polish queries (and the grid schedules' own answers), then certify the fit (float64, every
-        schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``.
+        schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``. None
+        (default): only where the schedule refines by itself (float64 paper and lean, when
+        ``answer_error`` is declared or the answers show noise above rounding, and paper when its
+        algebraic result failed a check; paper on its own answers, its exact count kept; lean
+        with ``H0 (d^2 + d)`` polish queries; H0 <= 3; §10, §12); False: never.
     refine_queries : fresh polish queries for the refinement (default ``6 P``, P the parameters:
         ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).
@@ -155,6 +160,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
                                                       "mpf" if settings.precision else "float64")))
         extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
+        if _rescued_by_refinement(plan, outcome, extraction):
+            extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
+                                 force_refine=True)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -207,8 +215,8 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         if samples_per_instance is not None or refine or answer_error is not None:
             raise ValueError("samples_per_instance, refine and answer_error are float64 options; with precision=bits "
                              "the answers are exact to one ulp and the balls certify the result")
-    if not isinstance(refine, (bool, np.bool_)):
-        raise ValueError(f"refine must be True or False, got {refine!r}")
+    if refine is not None and not isinstance(refine, (bool, np.bool_)):
+        raise ValueError(f"refine must be None, True or False, got {refine!r}")
     if repair is not None and not isinstance(repair, (bool, np.bool_)):
         raise ValueError(f"repair must be None, True or False, got {repair!r}")
     if repair and precision is None:
@@ -223,7 +231,8 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         if rank > d:
             raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
     return RunSettings(d, H0, declared, precision, seed, token_scale_for(d, token_scale), samples_per_instance,
-                       bool(refine), refine_queries, answer_error, rank, _backend(backend, precision),
+                       None if refine is None else bool(refine), refine_queries, answer_error, rank,
+                       _backend(backend, precision),
                        repair=None if repair is None else bool(repair))
 
 
@@ -254,6 +263,46 @@ def polish_count(settings: RunSettings) -> int:
     return max(32, POLISH_FACTOR * parameter_count(settings.max_heads, settings.d, settings.bias))
 
 
+def noisy_polish_count(plan: Schedule) -> int:
+    """The polish queries of a refinement the answers' noise decided (``Schedule.refines_when_noisy``):
+    ``refine_queries`` when given, else ``noisy_polish_factor`` per parameter (lean 1: ``H0 (d^2 + d)``;
+    paper 0: it keeps its exact count and refines on its own answers)."""
+    settings = plan.settings
+    if settings.refine_queries is not None:
+        return settings.refine_queries
+    return plan.noisy_polish_factor * parameter_count(settings.max_heads, settings.d, settings.bias)
+
+
+#: The refinement a schedule decides by itself (``refine=None``) runs only within the grid
+#: schedules' float64 envelope, H0 <= 3 (docs/algorithm.md §11), and while its Jacobian stays below
+#: this many entries: outside it the algebra's start is no start (paper, exact, d = 16, H = 4:
+#: the algebra 0.53 off, its links' misfit taken for noise, a 130 s refinement to a fit 7.7 off).
+SELF_REFINE_MOST_HEADS, SELF_REFINE_ENTRIES = 3, 10_000_000
+
+
+def _refinement_affordable(plan: Schedule, outcome: Outcome) -> bool:
+    """H0 <= ``SELF_REFINE_MOST_HEADS`` and (answers + polish queries) x parameters <= ``SELF_REFINE_ENTRIES``."""
+    settings = plan.settings
+    parameters = parameter_count(settings.max_heads, settings.d, settings.bias)
+    rows = len(outcome.sequences) + plan.noisy_polish_factor * parameters
+    return settings.max_heads <= SELF_REFINE_MOST_HEADS and rows * parameters <= SELF_REFINE_ENTRIES
+
+
+def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float, outcome: Outcome | None = None) -> bool:
+    """float64, a schedule that refines when noisy (lean, paper), ``refine=None`` (neither asked
+    for nor refused), and noisy answers: ``answer_error`` declared, or noise above
+    ``ROUNDING_REGIME`` (1e3 units of rounding of the largest answer): the noise probe's misfit
+    (lean; on an exact oracle it can pass its own 16 units, bench_reliability seed 69) or 3 x the
+    links' noise estimate (paper; docs/algorithm.md §10, §12)."""
+    settings = plan.settings
+    if not plan.refines_when_noisy or settings.refine is not None or settings.precision is not None:
+        return False
+    if outcome is not None and not _refinement_affordable(plan, outcome):
+        return False
+    return (settings.answer_error is not None or (probe is not None and probe[0] > ROUNDING_REGIME * probe[1])
+            or (certificate is not None and 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale))
+
+
 def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):
     """Fresh random queries for the refinement (§12), counted like every other; a stream of the
     seed independent of the schedule's. Short (2 to ``min(POLISH_LONGEST, longest)`` tokens, never
@@ -270,9 +319,33 @@ def _refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: S
     return sequences, boundary.ask(sequences, description="querying for refinement")
 
 
+#: Failed checks a refinement can answer: its own estimate and residual replace the algebra's, and
+#: it supersedes the algebraic stage's (``SUPERSEDED_BY_FIT``). Any other failed check (declared
+#: heads not found, the float64 head limit, no model, uninformative answers) it cannot.
+REFINABLE = ("error_estimate", "answers_residual", "noise_within_validity")
+
+
+def _rescued_by_refinement(plan: Schedule, outcome: Outcome, extraction: Extraction) -> bool:
+    """float64 paper (``refines_when_noisy`` with no polish query: the rescue costs no query),
+    ``refine=None`` and not refined already, a model, and failed checks that a refinement can
+    answer (``REFINABLE``, ``SUPERSEDED_BY_FIT`` but ``pole_count`` with more poles than H*): the
+    algebraic result is refined on its own answers and the refined result, judged by the same
+    checks, is the run's (docs/algorithm.md §12, "Refined under noise"). Exact answers at H = 3:
+    the algebra's float64 estimate (2.6e-4 on a true 5.4e-5), one ambiguous link of 15 or one of 17
+    instances with another pole count failed models within 2e-7 of the truth."""
+    settings = plan.settings
+    if not (plan.refines_when_noisy and plan.noisy_polish_factor == 0 and settings.refine is None
+            and settings.precision is None and outcome.model is not None and not extraction.ok
+            and _refinement_affordable(plan, outcome)):
+        return False
+    return all(check.name in REFINABLE or (check.name in SUPERSEDED_BY_FIT and MORE_POLES not in check.message)
+               for check in extraction.failed_checks)
+
+
 def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, spent: _Spent,
-            probe=None) -> Extraction:
-    """Certificate, refinement, error estimate and checks: the same for every schedule."""
+            probe=None, force_refine=False) -> Extraction:
+    """Certificate, refinement, error estimate and checks: the same for every schedule.
+    ``force_refine``: refine as :func:`_refines_when_noisy` would (:func:`_rescued_by_refinement`)."""
     settings = plan.settings
     # The schedule's queries as it holds them (the grid's are built on demand, CopiesQueries), else one list.
     sequences = outcome.sequences if not len(extra[0]) else list(outcome.sequences) + list(extra[0])
@@ -281,11 +354,24 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     error_estimate, answers_residual = outcome.error_estimate, np.inf
     if model is not None:
         certificate = plan.certificate(outcome)
+        own_scale = 1.0  # the largest of the schedule's own answers (float64 only)
+        if settings.precision is None:
+            own_scale = float(np.abs(np.asarray(outcome.answers, dtype=np.float64)).max(initial=0.0)) or 1.0
+        if force_refine or _refines_when_noisy(plan, certificate, probe, own_scale, outcome):
+            # after the noise probe: the polish queries (if any) come last; counted like every other
+            plan.settings = settings = dataclasses.replace(settings, refine=True,
+                                                           refine_queries=noisy_polish_count(plan))
+            extra = _refinement_queries(boundary, settings, plan, outcome)
+            sequences = list(outcome.sequences) + list(extra[0])
+            answers = np.concatenate([np.asarray(outcome.answers),
+                                      np.asarray(extra[1], dtype=outcome.answers.dtype)])
         if settings.refine:
             own = len(outcome.sequences) if plan.refines_on_own_answers else 0
             fitted = slice(len(outcome.sequences) - own, None)
-            model, refinement, certificate = _refine(model, sequences[fitted], answers[fitted], len(extra[0]),
-                                                     settings.bias, certificate)
+            start = certificate
+            model, refinement, certificate = _refine(
+                model, sequences[fitted], answers[fitted], len(extra[0]), settings.bias, certificate,
+                lambda refined: _start_validity(start.verified_against(refined), settings, own_scale))
         exact = None if outcome.W_balls is None else exact_model(outcome.W_balls, outcome.v_balls,
                                                                   outcome.u_balls, outcome.c_ball)
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
@@ -300,8 +386,12 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
                                                plan.unit, outcome.score_estimate, typical or scale)
     if settings.bias and (refinement is None or refinement.kept != "refined"):
         error_estimate = max(error_estimate, _constant_error(model, measured))
+    explained = error_estimate  # the residual the model's own estimated error explains (_common_checks)
+    if plan.residual_evidence and settings.precision is None and model is not None and answers_residual > error_estimate:
+        error_estimate, source = _residual_evidence(answers_residual, source)
     checks = plan.checks(outcome, label_noise=measured / scale) + _common_checks(
-        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured)
+        plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured,
+        explained)
     if refinement is not None and refinement.kept == "refined":
         checks = _superseded_by_fit(checks, len(sequences))
     return Extraction(
@@ -321,11 +411,33 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     )
 
 
-def _refine(model, sequences, answers, added, bias, certificate):
+def _start_validity(certificate, settings: RunSettings, scale: float) -> tuple[float, bool]:
+    """``(validity, linear)``: what a refined fit inherits from its algebraic start's certificate.
+    Refinement converges to the fit in whose basin its start lies, so the start's heads must be
+    the right ones. Exact answers: the start's ``valid_below`` (every instance linear too;
+    ``linear`` False). Noisy answers (declared ``answer_error``, or 3 x the links' noise estimate
+    above ``ROUNDING_REGIME``, for independent errors): the start's matching validity at that
+    error, instances verified against the refined model exempt (``Certificate.verified_against``,
+    ``matching_validity_at``; docs/algorithm.md §12, "Refined under noise"), and ``linear`` True:
+    the refined model's first order is the least-squares fit's, bounded by its own linearisation
+    (``LINEAR_MOVEMENT`` / C), not by the algebra's instances, whose answers it fits like any other.
+    Paper under declared uniform 1e-8 (bench_reliability seeds 23, 52, 53): one ill-conditioned
+    instance each outside its linear range (3e-10..4e-11 against the bound) voided refined models
+    within 2.6e-7..6e-7 of the truth."""
+    if settings.answer_error is not None:
+        return certificate.matching_validity_at(settings.answer_error), True
+    noise = 3.0 * certificate.noise_estimate
+    if noise > ROUNDING_REGIME * scale:
+        return certificate.matching_validity_at(noise, statistical=True), True
+    return certificate.valid_below, False
+
+
+def _refine(model, sequences, answers, added, bias, certificate, start_validity=None):
     """Refinement (§12) of all parameters (with ``bias``: u_h and c too) against every answer,
     weighted by the inverse size of each answer's computation (its float64 rounding), then the
     least-squares certificate ``G = (D J)^+ D`` of the fit: every schedule that refines has one.
-    ``valid_below`` stays the algebraic start's where the schedule has a certificate."""
+    ``valid_below``: the algebraic start's where the schedule has a certificate,
+    ``start_validity(refined model)`` (:func:`_start_validity`)."""
     scales = answer_scales(model, sequences)
     # An answer of exactly known size 0 (the zero query answers c) must not get an unbounded weight.
     floor = WEIGHT_FLOOR * np.median(scales) if len(scales) else 0.0  # no answers: nothing is refined
@@ -333,22 +445,26 @@ def _refine(model, sequences, answers, added, bias, certificate):
     model, refinement = refine_least_squares(model, sequences, answers, added=added, bias=bias, weights=weights)
     if refinement.status == -1:  # not attempted (too few answers, or not affordable): the schedule's own stands
         return model, refinement, certificate
-    valid_below = None if certificate is None else certificate.valid_below
+    valid_below, linear = (None, False) if certificate is None or start_validity is None else start_validity(model)
     solver = refinement.solver
     if solver is None:  # the start was kept: its own Jacobian (dense or matrix-free as the refinement's)
         solver = jacobian_solver(model, sequences, weights, bias, matrix_free=refinement.path == "matrix-free")
     certificate = least_squares_certificate(
         None, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
-        solver=solver)
+        solver=solver, linear=linear)
     if refinement.path == "matrix-free":
         refinement.solver = None  # it holds the padded queries (their size): not kept in the result
     return model, refinement, certificate
 
 
-#: Checks of the algebraic combination (which link's pole is which head; residue labels against
-#: their consensus) that a successful refinement replaces: its model is the least-squares fit of
-#: every answer, judged by the answers' residual and the fit's own certificate.
-SUPERSEDED_BY_FIT = ("matching", "labels_consistent")
+#: Checks of the algebraic stage (which link's pole is which head; residue labels against their
+#: consensus; instances whose fits found fewer poles, or complex or non-positive ones, outvoted by
+#: the rest) that a successful refinement replaces: its model is the least-squares fit of every
+#: answer, judged by the answers' residual and the fit's own certificate. ``pole_count`` only
+#: where no instance detected more than H* poles (then H* may not be the canonical count, which
+#: no fit of H* heads can show). Lean under declared 1e-8 noise, refined (bench_reliability seed
+#: 41, d = 3, H = 3): 2 of 17 instances complex, true error 6.8e-9.
+SUPERSEDED_BY_FIT = ("matching", "labels_consistent", "poles_real_positive", "pole_count")
 
 
 def _superseded_by_fit(checks: list[Check], answers: int) -> list[Check]:
@@ -361,7 +477,8 @@ def _superseded_by_fit(checks: list[Check], answers: int) -> list[Check]:
         return checks
     return [Check(check.name, True, check.value, check.threshold,
                   f"superseded by the refinement, which fits all {answers} answers: {check.message}")
-            if check.name in SUPERSEDED_BY_FIT and not check.passed else check for check in checks]
+            if check.name in SUPERSEDED_BY_FIT and not check.passed and MORE_POLES not in check.message else check
+            for check in checks]
 
 
 def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -> tuple[float | None, float]:
@@ -396,6 +513,18 @@ def _arithmetic_noise(calibration: Calibration, settings: RunSettings) -> float 
     if calibration.random_noise and settings.answer_error is not None:
         return None
     return calibration.arithmetic_noise
+
+
+def _residual_evidence(answers_residual: float, source: str) -> tuple[float, str]:
+    """The error estimate raised to the answers' residual (``Schedule.residual_evidence``): the
+    model misfits the answers it was fitted to by ``r`` relative to the largest answer, and the
+    output moves with a relative parameter error ``e`` by at most about ``e`` of the largest
+    answer (linear in v, Lipschitz in W with constants of order one at the token scale, §11), so
+    ``e >= r`` to first order. An estimate below that understated the truth: lean, exact, d = 5,
+    H = 3 (bench_reliability seeds 28, 58), estimates 1.5e-6, 6.5e-5 on true errors 1.2e-5, 8.9e-5
+    with residuals 1.2e-6, 1.7e-6 (docs/algorithm.md §11)."""
+    return float(answers_residual), (f"{source}; raised to the answers' residual, a first-order lower bound "
+                                     "of the relative parameter error")
 
 
 def _constant_error(model, measured: float) -> float:
@@ -463,16 +592,24 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
 
 
 def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_residual, noise, scale,
-                   certificate, stats, source="the rounding of the answers", measured=0.0) -> list[Check]:
+                   certificate, stats, source="the rounding of the answers", measured=0.0,
+                   explained=None) -> list[Check]:
     """The checks every schedule shares. ``measured``: the answers' error (:func:`_noise`). Noisy
     answers (declared, or measured above ``ROUNDING_REGIME``) cannot be fitted closer than the
     noise, nor than the model's own error moves them: the residual limit becomes
-    ``max(limit, 10 noise / scale, error_estimate)`` (docs/algorithm.md §11)."""
+    ``max(limit, 10 noise / scale, error_estimate)`` (docs/algorithm.md §11). ``explained``: the
+    estimate before the residual raised it (``Schedule.residual_evidence``): the residual limit is
+    then ``max(limit, explained)`` with any answers (noisy: and ``10 noise / scale``), never the
+    raised estimate, which the residual itself set."""
     settings = plan.settings
     error_limit, residual_limit = plan.thresholds()
+    own = error_estimate if explained is None else explained
+    own = own if np.isfinite(own) else 0.0  # no model, or no finite estimate: explains no residual
     noisy = noise if noise is not None else (measured if measured > ROUNDING_REGIME * scale else None)
     if noisy is not None and settings.precision is None:
-        residual_limit = max(residual_limit, 10 * noisy / scale, error_estimate)
+        residual_limit = max(residual_limit, 10 * noisy / scale, own)
+    elif plan.residual_evidence and settings.precision is None:
+        residual_limit = max(residual_limit, own)
     checks = [error_estimate_check(error_estimate, error_limit, source),
               answers_residual_check(answers_residual, residual_limit)]
     if certificate is not None and (settings.answer_error is not None
@@ -499,6 +636,9 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
         valid = certificate.validity_at(noise, statistical=True)
         against = ("the validity for independent errors of that size (matching margins and linearisation with "
                    "the l2 movements; instances verified against the model exempt from linearisation)")
+    if certificate.kind == "least squares":  # refined under noise (_start_validity)
+        against += ("; refined: the algebraic start's matching margins (instances verified against the refined "
+                    "model exempt) and the least-squares fit's own linearisation")
     return Check("noise_within_validity", noise < valid, noise, valid, f"answer error ({source}) against {against}")
 
 

@@ -71,7 +71,8 @@ def _robust_options(precision, samples, answer_error, refine, verify_queries=0) 
         if samples is not None or answer_error is not None or refine or verify_queries:
             raise typer.BadParameter(FLOAT64_ONLY)
         return {}
-    return {"samples_per_instance": samples, "refine": refine, "answer_error": answer_error}
+    # --refine not given: the schedule decides (paper and lean refine noisy answers, docs/algorithm.md §10)
+    return {"samples_per_instance": samples, "refine": True if refine else None, "answer_error": answer_error}
 
 
 def _writable_folder(path: Path | None, hint: str) -> None:

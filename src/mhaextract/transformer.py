@@ -810,7 +810,8 @@ def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progres
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
         return extract(odd, run.d, heads=run.heads, max_heads=None if run.heads is not None else run.max_heads,
                        precision=run.core_precision, seed=run.seed, schedule=run.core_schedule.name,
-                       token_scale=run.token_scale, batch_size=batch_size, progress=progress, on_failure="warn")
+                       token_scale=run.token_scale, batch_size=batch_size, progress=progress, on_failure="warn",
+                       refine=False)  # the core as measured in §14: no refinement of noisy answers (§10) here
 
 
 def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, linear, rng, checks: list):

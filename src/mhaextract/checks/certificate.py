@@ -59,7 +59,7 @@ root-mean-square residual.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -149,6 +149,36 @@ class Certificate:
     def __post_init__(self):
         if self.valid_below_statistical is None:
             self.valid_below_statistical = self.valid_below
+
+    def verified_against(self, model) -> "Certificate":
+        """This certificate with its instances verified against ``model`` (the same heads, in the
+        same order) instead of the model the run assembled: after a refinement, whose model is
+        closer to the truth, an instance's deviation from it measures the instance's own error
+        with less of the model's (docs/algorithm.md §12, "Verified instances"). The matching
+        margins, movements and amplifications are the run's; only which instances are verified at
+        a given eps changes. Itself where there are no instances to verify."""
+        reverify = getattr(self, "_reverify", None)
+        if reverify is None or self._instances is None:
+            return self
+        other = replace(self, _instances=reverify(model))
+        other.__dict__.update({key: value for key, value in self.__dict__.items()
+                               if key in ("_operator", "_reverify")})
+        return other
+
+    def matching_validity_at(self, eps: float, statistical: bool = False) -> float:
+        """The matching part of :meth:`validity_at` alone (condition (a), docs/algorithm.md §12):
+        below it the chosen triples are certified, so the heads are the ones the run assembled; the
+        linearisation of the instances (b) is not part of it. 0 where the pole count is uncertain
+        or a fit failed; ``valid_below`` where the certificate has no instances."""
+        base = self.valid_below_statistical if statistical else self.valid_below
+        if self._instances is None:
+            return base
+        links, _, verified = self._instances["l2" if statistical else "l1"]
+        if links is None:
+            return base
+        exempt = verified <= eps if eps > 0 else np.zeros(len(verified), dtype=bool)
+        link, others, own = links
+        return max(0.0, min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0)
 
     def validity_at(self, eps: float, statistical: bool = False) -> float:
         """The validity that judges the answer error ``eps``: ``valid_below`` (or
@@ -649,6 +679,12 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
                               largest_chosen, _norms=norms, valid_below_statistical=valid_statistical,
                               _norms_l2=norms_l2, _instances={"l1": instances_l1, "l2": instances_l2})
     certificate._operator = operator  # for sensitivity_matrix
+
+    def reverify(model):  # the instances verified against another model of the same heads (order)
+        other_m, other_l = _deviations(replace(run, model=model))
+        return {"l1": _validity(run, smallest_exclusion, links_l1, D1m, D1l, other_m, other_l, uncertain)[1],
+                "l2": _validity(run, smallest_statistical, links_l2, D2m, D2l, other_m, other_l, uncertain)[1]}
+    certificate._reverify = reverify
     return certificate
 
 
@@ -695,7 +731,7 @@ def _bias_scale(values, absolute_error: float) -> float:
 
 def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAttention, residuals: np.ndarray,
                               answers: np.ndarray, valid_below: float | None, bias: bool = False,
-                              weights: np.ndarray | None = None, solver=None) -> Certificate:
+                              weights: np.ndarray | None = None, solver=None, linear: bool = False) -> Certificate:
     """Certificate of the (weighted) least-squares fit: ``G = (D J)^+ D`` (J: (Q, P) output
     Jacobian at the fit in :func:`mhaextract.checks.refine.pack` order, ``bias``: it has the u and
     c columns; D: the weights, default one), the derivative of the fit with respect to the answers.
@@ -707,6 +743,8 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     ``valid_below`` is the algebraic start's where the schedule has a certificate (refinement
     converges to the fit in whose basin the start lies); None: the answer error under which the
     worst-case first-order movement stays below ``LINEAR_MOVEMENT`` of the parameters' scale.
+    ``linear``: ``valid_below`` is the start's matching validity alone, and the fit's own
+    linearisation (``LINEAR_MOVEMENT`` / amplification) bounds it too.
     The noise estimate is the residual's root mean square, corrected for the P parameters
     fitted (``sqrt(sum r^2 / (Q - P))``). The amplification is the largest row l1 norm of G over
     the scale of its block (max |W|, max |v|, and with biases max |u|, |c| or 1 at rounding level).
@@ -744,9 +782,10 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     relative = rows / np.concatenate(scales)
     parts = [relative[:nW], relative[nW:nW + nv]] + ([relative[nW + nv:]] if bias else [])
     amplifications = tuple(float(part.max(initial=0.0)) for part in parts)
-    if valid_below is None:
+    if valid_below is None or linear:
         amplification = max(amplifications)
-        valid_below = LINEAR_MOVEMENT / amplification if amplification > 0 else np.inf
+        own = LINEAR_MOVEMENT / amplification if amplification > 0 else np.inf
+        valid_below = own if valid_below is None else min(valid_below, own)
     certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
                               _norms=lambda: amplifications,
                               method=MATRIX_FREE_METHOD if matrix_free else "exact")

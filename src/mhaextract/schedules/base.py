@@ -36,7 +36,7 @@ class RunSettings:
     seed: object
     token_scale: float
     samples_per_instance: int | None = None
-    refine: bool = False
+    refine: bool | None = None  # None: the schedule decides (refines_when_noisy); False: never
     refine_queries: int | None = None
     answer_error: float | None = None
     rank: int | None = None  # a bound on the rank of every W_h (docs/algorithm.md §17)
@@ -127,6 +127,16 @@ class Schedule:
     #: polish queries alone (the targeted schedules keep only a subsample of their saturated,
     #: long-token queries, poorly conditioned for least squares).
     refines_on_own_answers: ClassVar[bool] = True
+    #: float64: the error estimate is at least the answers' residual (relative to the largest answer),
+    #: a first-order lower bound of the relative parameter error (``api._residual_evidence``,
+    #: docs/algorithm.md §11); the grid schedules, whose residual limit is then their error limit.
+    residual_evidence: ClassVar[bool] = False
+    #: float64, ``refine=None``: refine anyway when the answers are noisy (``answer_error`` declared,
+    #: the noise probe's or the links' noise above rounding), and (no polish query only) when the
+    #: algebraic result failed a check, with ``noisy_polish_factor`` fresh polish queries per parameter (``api._refines_when_noisy``,
+    #: ``api._rescued_by_refinement``, docs/algorithm.md §10, §12).
+    refines_when_noisy: ClassVar[bool] = False
+    noisy_polish_factor: ClassVar[int] = 1
     refusal: ClassVar[str] = ""
 
     def __init__(self, settings: RunSettings):

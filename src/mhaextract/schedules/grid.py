@@ -121,6 +121,11 @@ class GridDetails(ScheduleDetails):
                 for name, values in vars(self.instances).items()}
 
 
+#: ``pole_count``'s message when an instance detected more poles than H* (a refinement does not
+#: supersede it: ``api.SUPERSEDED_BY_FIT``).
+MORE_POLES = "; some detected more, so H* is not the canonical count"
+
+
 class GridSchedule(Schedule):
     """Instances on the d x d grid of ``x_i`` and ``z_j`` (see the module docstring).
 
@@ -216,6 +221,8 @@ class GridSchedule(Schedule):
         their column's row-0 instance, or None (the paper schedule: links do all the matching)."""
         return None
 
+    residual_evidence = True
+
     def thresholds(self) -> tuple[float, float]:
         policy = CheckPolicy.for_precision(self.settings.precision)
         return policy.error_estimate, policy.answers_residual
@@ -240,7 +247,7 @@ class GridSchedule(Schedule):
         fraction_check("pole_count", diag.rank != H_star, f"instances detected a pole count other than H* = {H_star}")
         if (diag.rank > H_star).any():
             checks[-1].passed = False
-            checks[-1].message += "; some detected more, so H* is not the canonical count"
+            checks[-1].message += MORE_POLES
         fraction_check("poles_real_positive", diag.nonpositive | (diag.imaginary > policy.per_instance),
                        "instances have a complex or non-positive tau")
         links = ~np.isnan(diag.ambiguity)

@@ -14,6 +14,8 @@ Queries without fallback links::
             = (2 H0 + 1) + 2 H0 (d - 1) + (2 H0 - 1)(d^2 - 1)
 
 plus ``2 H0 - 1`` per fallback column link. The information lower bound is ``H (d^2 + d)``.
+Noisy answers add ``H0 (d^2 + d)`` polish queries for a least-squares refinement (``refine=None``,
+H0 <= 3; docs/algorithm.md §10); float64 runs ask 12 noise-probe queries.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class LeanSchedule(GridSchedule):
 
     name = "lean"
     both_anchors = True
+    #: Noisy answers (declared or measured by the noise probe): the algebra's 2 H0 - 1 samples per
+    #: instance amplify the noise up to the error limit (docs/reliability.md: truths 5e-6..1e-4 at
+    #: 1e-10..1e-8 noise, estimates above 1e-4); least squares over every answer and
+    #: H0 (d^2 + d) fresh polish queries brings them to 4e-11..1e-7 (docs/algorithm.md §10).
+    refines_when_noisy = True
     refusal = ("oversampling is a feature of the paper schedule; the lean schedule asks the fewest samples "
                "per instance by design")
 

@@ -25,6 +25,12 @@ class PaperSchedule(GridSchedule):
     name = "paper"
     #: The paper's exact count: no fresh noise probe; the error estimate rests on the links' redundancy.
     probes_noise = False
+    #: Noisy answers (declared, or the links' noise above rounding): refined on its own answers, no
+    #: query added (the exact count kept): least squares over all ``4 H0 d^2 - 2 H0 + 1`` answers,
+    #: whose start is the algebra's model (docs/algorithm.md §12; docs/reliability.md: models 10..100 x
+    #: closer to the truth under 1e-10..1e-8 noise); so is an algebraic result that failed a check.
+    refines_when_noisy = True
+    noisy_polish_factor = 0
     accepts = GridSchedule.accepts | {"samples_per_instance", "repair"}
 
     def _build(self) -> None:
