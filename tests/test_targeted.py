@@ -352,24 +352,24 @@ def test_final_patterns_put_the_target_at_both_sides_and_stay_orthogonal():
             off_diagonal = gram - np.einsum("kii->ki", gram)[:, :, None] * np.eye(rounds)
             np.testing.assert_allclose(off_diagonal[:, others][:, :, others], 0.0, atol=1e-12)
         copies = [targeted.final_copies(rounds, n) for n in range(rounds)]
-        assert copies[0] == (1, 2, 3)
-        assert all(copies[n] == ((3, 4) if sides[n] > 0 else (1, 2)) for n in range(1, rounds))
-        assert targeted.final_unit_queries(rounds) == 2 * rounds + 1
+        assert all(copies[n] == ((3, 4) if sides[n] > 0 else (1, 2)) for n in range(rounds))
+        assert targeted.final_unit_queries(rounds) == 2 * rounds
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_targeted_count_is_the_formula_plus_phase_1_counted_at_the_oracle(bias):
-    """Every query at the oracle is the formula's (final units of 2 rounds + 1 queries), phase 1's,
-    the noise probe's or the calibration's: ``d + 3Hd + (d+1)H(d-1) + Hd(2d+1)`` bias-free,
-    ``(d+1) + 3H(d+1) + (d+2)H(d-1) + Hd(2d+3)`` with biases."""
+    """Every query at the oracle is the formula's (first group and final units: 2 queries an
+    instance in float64), phase 1's, the noise probe's or the calibration's:
+    ``d + 2Hd + (d+1)H(d-1) + 2Hd^2`` bias-free, ``(d+1) + 2H(d+1) + (d+2)H(d-1) + 2Hd(d+1)`` with
+    biases."""
     d, H = 6, 3
     target = mx.MultiHeadAttention.random(d, H, seed=5, bias=bias)
     oracle = CountingOracle(target)
     options = {} if bias else dict(schedule="targeted", bias=False)
     result = mx.extract(oracle, d, heads=H, seed=11, **options)
     assert result.ok and mx.compare(result.model, target).max_rel <= 1e-13
-    formula = (d + 1 + 3 * H * (d + 1) + (d + 2) * H * (d - 1) + H * d * (2 * d + 3) if bias
-               else d + 3 * H * d + (d + 1) * H * (d - 1) + H * d * (2 * d + 1))
+    formula = (d + 1 + 2 * H * (d + 1) + (d + 2) * H * (d - 1) + 2 * H * d * (d + 1) if bias
+               else d + 2 * H * d + (d + 1) * H * (d - 1) + 2 * H * d * d)
     assert result.promised_queries == formula
     assert oracle.count == result.queries == (formula + result.details.phase1.queries + PROBE_QUERIES
                                               + result.calibration_queries)
@@ -385,7 +385,8 @@ def test_issue_15_d8_reaches_1e_14_within_one_and_a_half_times_the_paper(H):
     token scale calibrated): every run within 1.5 x the paper's count ``4Hd^2 - 2H + 1``, counted
     at the oracle (calibration, phase 1, noise probe included), and within 1e-14 relative of the
     target's true weights, with an error estimate above that truth. At d = H = 8 the previous final
-    design reached 0.9..1.8e-14 with 2879..3132 queries (up to 1.54 x)."""
+    design reached 0.9..1.8e-14 with 2879..3132 queries (up to 1.54 x). (H = 1 is not within:
+    the calibration's 147 queries are 0.58 x the paper's 255; README, Precision.)"""
     for seed in range(6 if H == 8 else 4):
         target = mx.MultiHeadAttention.random(8, H, seed=seed)
         oracle = CountingOracle(target)

@@ -19,8 +19,9 @@ final token. Everything of §13 carries over in the lifted coordinates ``x~ = (x
   square system ``X~ a~ = m``;
 * the final bases give ``W_h = Z_h^{-T} [a_h(z_j)]^T`` and ``u_h = Z_h^{-T} [b_h(z_j)]``.
 
-Queries after phase 1, with H heads found: ``(d + 1) + 3H(d + 1)`` (first group) ``+ (d + 2) H (d - 1)``
-(bridges) ``+ 3 H d (d + 1)`` (final); the longest query has 5 tokens (phase 1's ``k = 4``).
+Queries after phase 1, with H heads found: ``(d + 1) + 2H(d + 1)`` (first group; ``3H(d + 1)`` on
+answers noisier than float64) ``+ (d + 2) H (d - 1)`` (bridges) ``+ 2 H d (d + 1)`` (final); the longest
+query has 5 tokens (phase 1's ``k = 4``).
 The design, fit and check code is the targeted schedule's own (:mod:`.targeted`); only the lifted
 design (:class:`AffineDesign`), the prober that knows c, and the run's assembly live here.
 """
@@ -41,7 +42,7 @@ from .targeted import (
     EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, TargetedDetails, TargetedSchedule,
     _all_heads_at, _balanced_basis, _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign,
     _measure, _MinimumNormCorrection, _other_heads_frame, _patterns, _Prober, _shared, answer_unit, final_copies,
-    final_unit_queries, first_group, score_unit,
+    final_unit_queries, first_copies, first_group, score_unit,
 )
 
 
@@ -114,8 +115,8 @@ class AffineDesign(_FullDesign):
 class AffineFinalDesign(AffineDesign):
     """The final stage's lifted units (:class:`.targeted._FinalDesign` in the coordinates of §16): the
     target's row of every pattern is :func:`.targeted.final_sides` (``d + 1`` rounds, the centre
-    first), its log-poles ``TARGET_CENTER + FINAL_TARGET p_n``, each round asked at its side's copy
-    counts."""
+    first), its log-poles ``TARGET_CENTER + FINAL_TARGET p_n``, each round asked at its side's two
+    copy counts."""
 
     halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
 
@@ -182,19 +183,21 @@ def _offset(prober: AffineProber, z: np.ndarray, head) -> float:
     return rough
 
 
-def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
+def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float, copies=None):
     """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances
-    (:func:`.targeted.first_group`: a fresh group while heads are missing or instances did not hold)."""
+    (:func:`.targeted.first_group`: a fresh group while heads are missing or instances did not hold;
+    ``copies`` as :func:`.targeted._measure`'s, :func:`.targeted.first_copies` in :func:`run_affine`)."""
     def measure(Z, search):
         rough = np.array([np.append(head.direction, _offset(prober, Z[:, 0], head)) for head in search.heads])
-        return _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign)
+        return _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign,
+                        copies=copies)
     return first_group(prober, d, max_heads, rng, token_scale, measure)
 
 
 def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1, first group, bridges and final instances in lifted coordinates (module docstring).
     Returns ``(line search report, [(stage, measurements)], model or None, lifted W~ or None)``."""
-    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale, first_copies(prober.unit))
     if first is None:
         return search, [], None, None
     H = len(search.heads)
@@ -236,14 +239,17 @@ class BiasedTargetedSchedule(TargetedSchedule):
 
     @property
     def promised_queries(self) -> int:
-        """After phase 1, with H0 heads: ``(d + 1) + 3H(d + 1) + (d + 2)H(d - 1) + Hd(2d + 3)`` (final:
-        d units per head of ``d + 1`` rounds, 3 queries in the first, 2 in the others)."""
+        """After phase 1, with H0 heads: ``(d + 1) + 2H(d + 1) + (d + 2)H(d - 1) + 2Hd(d + 1)`` (first
+        group: ``3H(d + 1)`` on answers noisier than float64, :func:`.targeted.first_copies`; final:
+        d units per head of ``d + 1`` rounds, 2 queries each)."""
         d, H = self.d, self.max_heads
-        return (d + 1) + 3 * H * (d + 1) + (d + 2) * H * (d - 1) + H * d * final_unit_queries(d + 1)
+        first = len(first_copies(self.unit)[0])
+        return (d + 1) + first * H * (d + 1) + (d + 2) * H * (d - 1) + H * d * final_unit_queries(d + 1)
 
     @property
     def count_formula(self) -> str:
-        return "targeted with biases (d+1) + 3H(d+1) + (d+2)H(d-1) + Hd(2d+3) after the adaptive phase 1"
+        return ("targeted with biases (d+1) + 2H(d+1) (3H(d+1) on noisy answers) + (d+2)H(d-1) + 2Hd(d+1) "
+                "after the adaptive phase 1")
 
     def fixed_queries(self) -> list[np.ndarray]:
         return [np.zeros((1, self.d))] + one_token_queries(self.vbar_basis)

@@ -21,7 +21,9 @@ with a well-conditioned design. After each round the estimate of ``a_h`` is corr
 log-poles measured so far. Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine
 ``(l_h, tau_h)``, the third tests that the instance really is single-pole
 (:mod:`.kernels.single_pole`). Finally the label of ``(h, z)`` is fixed at the consensus of its d
-instances and every ``m`` refitted with it.
+instances and every ``m`` refitted with it; with the label fixed two samples test the single-pole
+form already, so the float64 first group and every final unit ask two (:func:`first_copies`,
+:class:`_FinalDesign`).
 
 **Assembly.** The d measurements ``a_h^T x_n = m_n`` give ``a_h(z) = W_h^T z``; d differences
 ``z`` (the columns of an orthogonal ``Z_h`` times ``64 * token_scale``) give
@@ -49,9 +51,9 @@ instances and every ``m`` refitted with it.
    determine least well is the scale of ``a_h`` itself, and the spread of the target's log-poles
    is what fixes it.
 
-Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``3 H d`` (first) +
-``(d + 1) H (d - 1)`` (bridges) + ``H d (2 d + 1)`` (final): about ``3 H d^2 + 4 H d``, 0.8 to 1.2
-times the paper's ``4 H d^2 - 2 H + 1``. Every count reported is measured at the oracle boundary.
+Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``2 H d`` (first; ``3 H d`` on
+answers noisier than float64, :func:`first_copies`) + ``(d + 1) H (d - 1)`` (bridges) + ``2 H d^2``
+(final): about ``3 H d^2 + 2 H d``, 0.8 to 1.2 times the paper's ``4 H d^2 - 2 H + 1``. Every count reported is measured at the oracle boundary.
 
 H > d is refused: the H conditions on x need H <= d (saturating some heads towards ``y``
 instead would lift that, at one more unknown per instance; not implemented).
@@ -82,10 +84,10 @@ TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
 #: The final stage (:class:`_FinalDesign`): the target head's log-poles at ``TARGET_CENTER`` and
 #: ``TARGET_CENTER +- FINAL_TARGET`` (float64 answers; ``NOISY_FINAL_TARGET`` for noisier ones), each
 #: side asked at the copy counts that read it best (``FINAL_SIDE_COPIES``: ``k = 1, 2`` where tau is
-#: small, ``k = 3, 4`` where it is large, ``k = 1, 2, 3`` at the centre, which also fixes the label).
+#: small and at the centre, ``k = 3, 4`` where it is large), the label fixed at the unit's consensus.
 #: docs/algorithm.md §13, "The final instances".
 FINAL_TARGET, NOISY_FINAL_TARGET = 4.0, 2.0
-FINAL_SIDE_COPIES = {-1: (1, 2), 0: (1, 2, 3), 1: (3, 4)}
+FINAL_SIDE_COPIES = {-1: (1, 2), 0: (1, 2), 1: (3, 4)}
 SATURATION_MID, SATURATION_SPREAD = 70.0, 30.0
 #: Groups (differences z_1) phase 1 searches at most while heads are missing (:func:`line_search`).
 GROUP_ATTEMPTS = 4
@@ -99,6 +101,8 @@ SATURATION_MARGIN = 36.0
 #: rounding units did not hold its saturation assumption.
 RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
+#: The first group's copy counts in float64 (:func:`first_copies`).
+FIRST_COPIES = (1, 2)
 #: The common checks' thresholds: relative parameter error expected, misfit of the answers.
 ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
 #: Noisy answers: the score rounding taken as ``NOISY_SCORE_FACTOR unit |z| |W x|`` (float64: 8, a
@@ -546,9 +550,8 @@ class _FullDesign:
 class _FinalDesign(_FullDesign):
     """The final stage's units in R^d (docs/algorithm.md §13, "The final instances"): the target's row
     of every pattern is :func:`final_sides`, its log-poles ``TARGET_CENTER + halfwidth p_n``
-    (``FINAL_TARGET`` in float64, set by :func:`_measure`), and round n asks the copy counts of its
-    side, ``FINAL_SIDE_COPIES``: 3 queries at the centre (or the first round of an even count), 2
-    elsewhere."""
+    (``FINAL_TARGET`` in float64, set by :func:`_measure`), and round n asks the two copy counts of
+    its side, ``FINAL_SIDE_COPIES``."""
 
     halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
 
@@ -563,11 +566,19 @@ class _FinalDesign(_FullDesign):
 def final_copies(rounds: int, n: int) -> tuple:
     """Round n's copy counts in a final unit of ``rounds`` rounds (:class:`_FinalDesign`)."""
     side = int(final_sides(rounds)[n])
-    return FINAL_SIDE_COPIES[0] if n == 0 else FINAL_SIDE_COPIES[side]
+    return FINAL_SIDE_COPIES[side]
+
+
+def first_copies(unit: float) -> tuple:
+    """The first group's copy counts (round 0, later rounds): ``k = 1, 2`` in float64, the label
+    then fixed at the unit's consensus and the two samples' disagreement its single-pole test (as
+    in the final units and §17); ``k = 1, 2, 3`` on noisier answers (``unit`` above float64's),
+    whose phase 1 leaves rougher estimates (docs/algorithm.md §13)."""
+    return (FIRST_COPIES, FIRST_COPIES) if unit <= EPS else (FINAL_COPIES, FINAL_COPIES)
 
 
 def final_unit_queries(rounds: int) -> int:
-    """Queries of one final unit of ``rounds`` rounds: 3 in the first round, 2 in each other."""
+    """Queries of one final unit of ``rounds`` rounds: 2 in each."""
     return sum(len(final_copies(rounds, n)) for n in range(rounds))
 
 
@@ -930,12 +941,13 @@ class TargetedSchedule(Schedule):
 
     @property
     def promised_queries(self) -> int:
-        """The stages after phase 1, with H0 heads found: ``d`` one-token queries + ``3 H d``
-        (first group) + ``(d + 1) H (d - 1)`` (bridges) + ``H d (2 d + 1)`` (final: d units per
-        head of d rounds, 3 queries in the first, 2 in the others). Phase 1 (the line search, about
-        ``H (d + 15)`` plus line grids) is adaptive and comes on top."""
+        """The stages after phase 1, with H0 heads found: ``d`` one-token queries + ``2 H d``
+        (first group; ``3 H d`` on answers noisier than float64, :func:`first_copies`, known once
+        the run has read them) + ``(d + 1) H (d - 1)`` (bridges) + ``2 H d^2`` (final: d units per
+        head of d rounds, 2 queries each). Phase 1 (the line search, about ``H (d + 15)`` plus line
+        grids) is adaptive and comes on top."""
         d, H = self.d, self.max_heads
-        return d + 3 * H * d + (d + 1) * H * (d - 1) + H * d * final_unit_queries(d)
+        return d + len(first_copies(self.unit)[0]) * H * d + (d + 1) * H * (d - 1) + H * d * final_unit_queries(d)
 
     @property
     def promised_max_length(self) -> int:
@@ -943,7 +955,7 @@ class TargetedSchedule(Schedule):
 
     @property
     def count_formula(self) -> str:
-        return "targeted d + 3Hd + (d+1)H(d-1) + Hd(2d+1) after the adaptive phase 1"
+        return ("targeted d + 2Hd (3Hd on noisy answers) + (d+1)H(d-1) + 2Hd^2 after the adaptive phase 1")
 
     def fixed_queries(self) -> list[np.ndarray]:
         # The one-token queries are fixed; the rest is adaptive and replays query by query.
@@ -1043,11 +1055,12 @@ def first_group(prober, d: int, max_heads: int, rng, token_scale: float, measure
     return Z, search, first
 
 
-def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
-    """:func:`first_group` with the targeted instances of §13 in R^d."""
+def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float, copies=None):
+    """:func:`first_group` with the targeted instances of §13 in R^d (``copies``: as
+    :func:`_measure`'s; the targeted schedule's own run passes :func:`first_copies`)."""
     def measure(Z, search):
         rough = np.array([head.direction for head in search.heads])
-        return _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False)
+        return _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False, copies=copies)
     return first_group(prober, d, max_heads, rng, token_scale, measure)
 
 
@@ -1060,7 +1073,7 @@ def _bridge_step(first: _GroupMeasurements) -> float:
 def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1, the first group, the bridges and the final instances (see the module docstring).
     Returns ``(line search report, [(stage, measurements)], model or None, finite)``."""
-    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale, first_copies(prober.unit))
     if first is None:
         return search, [], None, False
     H = len(search.heads)
