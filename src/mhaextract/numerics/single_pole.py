@@ -120,7 +120,8 @@ def reading(gap_one: np.ndarray, constant, label) -> np.ndarray:
 
 def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.ndarray, misfit: bool = False):
     """``m`` of ``G(k) = k l / (k + tau)`` when the label ``l`` is known (n,): each sample gives
-    ``tau = k (l / G(k) - 1)``; the estimates are combined with inverse-variance weights.
+    ``tau = k (l / G(k) - 1)``; the estimates are combined with inverse-variance weights. ``ks``:
+    the copy counts (K,) of every row, or (n, K) row by row (NaN with a NaN sample: none asked).
 
     A label known more precisely than one instance can fit it (the consensus of the instances
     that share it) removes the strong correlation of ``l`` and ``tau`` in the two-parameter fit.
@@ -129,7 +130,8 @@ def log_pole_given_label(gaps: np.ndarray, ks, rounding: np.ndarray, label: np.n
     known, two samples already test the single-pole form.
     """
     gaps = np.asarray(gaps, dtype=np.float64)
-    ks = np.asarray(ks, dtype=np.float64)[None, :]
+    ks = np.asarray(ks, dtype=np.float64)
+    ks = ks[None, :] if ks.ndim == 1 else ks  # (K,) shared, or (n, K) per row (NaN: no sample)
     label = np.asarray(label, dtype=np.float64)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         tau = ks * (label / gaps - 1.0)

@@ -19,8 +19,9 @@ final token. Everything of §13 carries over in the lifted coordinates ``x~ = (x
   square system ``X~ a~ = m``;
 * the final bases give ``W_h = Z_h^{-T} [a_h(z_j)]^T`` and ``u_h = Z_h^{-T} [b_h(z_j)]``.
 
-Queries after phase 1, with H heads found: ``(d + 1) + 3H(d + 1)`` (first group) ``+ (d + 2) H (d - 1)``
-(bridges) ``+ 3 H d (d + 1)`` (final); the longest query has 5 tokens (phase 1's ``k = 4``).
+Queries after phase 1, with H heads found: ``(d + 1) + 2H(d + 1)`` (first group; ``3H(d + 1)`` on
+answers noisier than float64) ``+ (d + 2) H (d - 1)`` (bridges) ``+ 2 H d (d + 1)`` (final); the longest
+query has 5 tokens (phase 1's ``k = 4``).
 The design, fit and check code is the targeted schedule's own (:mod:`.targeted`); only the lifted
 design (:class:`AffineDesign`), the prober that knows c, and the run's assembly live here.
 """
@@ -38,9 +39,10 @@ from ..oracle.queries import one_token_queries
 from .base import Outcome
 from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
-    EPS, GROUP_SCALE, SATURATION_SPREAD, TARGET, TargetedDetails, TargetedSchedule, _all_heads_at, _balanced_basis,
-    _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign, _measure, _MinimumNormCorrection,
-    _other_heads_frame, _patterns, _Prober, _shared, answer_unit, first_group, score_unit,
+    EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, TargetedDetails, TargetedSchedule,
+    _all_heads_at, _balanced_basis, _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign,
+    _measure, _MinimumNormCorrection, _other_heads_frame, _patterns, _Prober, _shared, answer_unit, final_copies,
+    final_unit_queries, first_copies, first_group, score_unit,
 )
 
 
@@ -105,9 +107,26 @@ class AffineDesign(_FullDesign):
         slopes, offsets = self.current[:, :, :D - 1], self.current[:, :, D - 1]
         columns = self.pattern[:, :H, n] - offsets / SATURATION_SPREAD
         columns[self.units, self.heads] = (self.pattern[self.units, self.heads, n]
-                                           - offsets[self.units, self.heads] / TARGET)
-        x = _designs(slopes, self.heads, columns, self.null_part[:, :, n], self.frame)
+                                           - offsets[self.units, self.heads] / self.halfwidth)
+        x = _designs(slopes, self.heads, columns, self.null_part[:, :, n], self.frame, self.halfwidth)
         return np.concatenate([x, np.ones((U, 1))], axis=1)
+
+
+class AffineFinalDesign(AffineDesign):
+    """The final stage's lifted units (:class:`.targeted._FinalDesign` in the coordinates of §16): the
+    target's row of every pattern is :func:`.targeted.final_sides` (``d + 1`` rounds, the centre
+    first), its log-poles ``TARGET_CENTER + FINAL_TARGET p_n``, each round asked at its side's two
+    copy counts."""
+
+    halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+        """(groups, H, D, D), D = ``d`` the lifted dimension: row H constant, row h the target's sides."""
+        return np.stack([_patterns(rng, d, H, groups, h) for h in range(H)], axis=1)
+
+    def copies(self, n: int, default):
+        return final_copies(self.rounds, n)
 
 
 def lift(vectors: np.ndarray, last: float) -> np.ndarray:
@@ -164,19 +183,21 @@ def _offset(prober: AffineProber, z: np.ndarray, head) -> float:
     return rough
 
 
-def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
+def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float, copies=None):
     """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances
-    (:func:`.targeted.first_group`: a fresh group while heads are missing or instances did not hold)."""
+    (:func:`.targeted.first_group`: a fresh group while heads are missing or instances did not hold;
+    ``copies`` as :func:`.targeted._measure`'s, :func:`.targeted.first_copies` in :func:`run_affine`)."""
     def measure(Z, search):
         rough = np.array([np.append(head.direction, _offset(prober, Z[:, 0], head)) for head in search.heads])
-        return _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign)
+        return _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign,
+                        copies=copies)
     return first_group(prober, d, max_heads, rng, token_scale, measure)
 
 
 def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1, first group, bridges and final instances in lifted coordinates (module docstring).
     Returns ``(line search report, [(stage, measurements)], model or None, lifted W~ or None)``."""
-    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale, first_copies(prober.unit))
     if first is None:
         return search, [], None, None
     H = len(search.heads)
@@ -196,10 +217,11 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     W_rough = lifted_scores(*_assemble(Z, rough_a, rough_l)[::2])
     v_rough = _assemble(Z, rough_a, rough_l)[1]
     scale = GROUP_SCALE * token_scale
-    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough)) for h in range(H)])
+    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough, h)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
     estimates = _all_heads_at(W_rough, differences)  # a~_f(z) for every unit
-    final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough, designer=AffineDesign)
+    final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough,
+                     designer=AffineFinalDesign)
     stages.append(("final", final))
     a_final, labels_final = final.solve(), final.consensus_labels()[0]  # (d, H, d + 1), (d, H)
     if not (np.isfinite(a_final).all() and np.isfinite(labels_final).all()):
@@ -217,13 +239,17 @@ class BiasedTargetedSchedule(TargetedSchedule):
 
     @property
     def promised_queries(self) -> int:
-        """After phase 1, with H0 heads: ``(d + 1) + 3H(d + 1) + (d + 2)H(d - 1) + 3Hd(d + 1)``."""
+        """After phase 1, with H0 heads: ``(d + 1) + 2H(d + 1) + (d + 2)H(d - 1) + 2Hd(d + 1)`` (first
+        group: ``3H(d + 1)`` on answers noisier than float64, :func:`.targeted.first_copies`; final:
+        d units per head of ``d + 1`` rounds, 2 queries each)."""
         d, H = self.d, self.max_heads
-        return (d + 1) + 3 * H * (d + 1) + (d + 2) * H * (d - 1) + 3 * H * d * (d + 1)
+        first = len(first_copies(self.unit)[0])
+        return (d + 1) + first * H * (d + 1) + (d + 2) * H * (d - 1) + H * d * final_unit_queries(d + 1)
 
     @property
     def count_formula(self) -> str:
-        return "targeted with biases (d+1) + 3H(d+1) + (d+2)H(d-1) + 3Hd(d+1) after the adaptive phase 1"
+        return ("targeted with biases (d+1) + 2H(d+1) (3H(d+1) on noisy answers) + (d+2)H(d-1) + 2Hd(d+1) "
+                "after the adaptive phase 1")
 
     def fixed_queries(self) -> list[np.ndarray]:
         return [np.zeros((1, self.d))] + one_token_queries(self.vbar_basis)

@@ -21,7 +21,9 @@ with a well-conditioned design. After each round the estimate of ``a_h`` is corr
 log-poles measured so far. Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine
 ``(l_h, tau_h)``, the third tests that the instance really is single-pole
 (:mod:`.kernels.single_pole`). Finally the label of ``(h, z)`` is fixed at the consensus of its d
-instances and every ``m`` refitted with it.
+instances and every ``m`` refitted with it; with the label fixed two samples test the single-pole
+form already, so the float64 first group and every final unit ask two (:func:`first_copies`,
+:class:`_FinalDesign`).
 
 **Assembly.** The d measurements ``a_h^T x_n = m_n`` give ``a_h(z) = W_h^T z``; d differences
 ``z`` (the columns of an orthogonal ``Z_h`` times ``64 * token_scale``) give
@@ -42,11 +44,16 @@ instances and every ``m`` refitted with it.
 5. Final (stage ``"final"``): each head in its own basis ``Z_h``, the Householder reflection that
    gives the rough ``v_h`` equal components in every column (:func:`_balanced_basis`): a z nearly
    orthogonal to ``v_h`` would make ``l_h`` small next to the oracle's rounding of ``v_h^T y``.
-   The other heads' ``a_g(z) = W_g^T z`` come from the rough model.
+   The other heads' ``a_g(z) = W_g^T z`` come from the rough model; the basis is the candidate
+   with the least predicted score rounding (:func:`_least_score_rounding`). The target's log-poles
+   sit at both edges of its window, ``log 2 +- 4``, each side read at its best copy counts
+   (:class:`_FinalDesign`, docs/algorithm.md §13, "The final instances"): what the d instances
+   determine least well is the scale of ``a_h`` itself, and the spread of the target's log-poles
+   is what fixes it.
 
-Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``3 H d`` (first) +
-``(d + 1) H (d - 1)`` (bridges) + ``3 H d^2`` (final): about ``4 H d^2 + 4 H d``, 1.1 to 1.3 times
-the paper's ``4 H d^2 - 2 H + 1``. Every count reported is measured at the oracle boundary.
+Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``2 H d`` (first; ``3 H d`` on
+answers noisier than float64, :func:`first_copies`) + ``(d + 1) H (d - 1)`` (bridges) + ``2 H d^2``
+(final): about ``3 H d^2 + 2 H d``, 0.8 to 1.2 times the paper's ``4 H d^2 - 2 H + 1``. Every count reported is measured at the oracle boundary.
 
 H > d is refused: the H conditions on x need H <= d (saturating some heads towards ``y``
 instead would lift that, at one more unknown per instance; not implemented).
@@ -74,6 +81,13 @@ GROUP_SCALE = 64.0
 #: Designed log-poles: the target head in TARGET_CENTER +- TARGET (tau near the copy counts
 #: 1..3, where the three-sample fit is best conditioned), the others in MID +- SPREAD.
 TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
+#: The final stage (:class:`_FinalDesign`): the target head's log-poles at ``TARGET_CENTER`` and
+#: ``TARGET_CENTER +- FINAL_TARGET`` (float64 answers; ``NOISY_FINAL_TARGET`` for noisier ones), each
+#: side asked at the copy counts that read it best (``FINAL_SIDE_COPIES``: ``k = 1, 2`` where tau is
+#: small and at the centre, ``k = 3, 4`` where it is large), the label fixed at the unit's consensus.
+#: docs/algorithm.md §13, "The final instances".
+FINAL_TARGET, NOISY_FINAL_TARGET = 4.0, 2.0
+FINAL_SIDE_COPIES = {-1: (1, 2), 0: (1, 2), 1: (3, 4)}
 SATURATION_MID, SATURATION_SPREAD = 70.0, 30.0
 #: Groups (differences z_1) phase 1 searches at most while heads are missing (:func:`line_search`).
 GROUP_ATTEMPTS = 4
@@ -87,6 +101,8 @@ SATURATION_MARGIN = 36.0
 #: rounding units did not hold its saturation assumption.
 RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
+#: The first group's copy counts in float64 (:func:`first_copies`).
+FIRST_COPIES = (1, 2)
 #: The common checks' thresholds: relative parameter error expected, misfit of the answers.
 ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
 #: Noisy answers: the score rounding taken as ``NOISY_SCORE_FACTOR unit |z| |W x|`` (float64: 8, a
@@ -169,7 +185,8 @@ class TargetedInstances:
     Attributes
     ----------
     stage : ``"first"`` (group ``z_1``, three samples), ``"bridge"`` (groups ``z_1 + eps z_j``, one
-        or two samples) or ``"final"`` (each head's own basis, three samples; these alone make the model).
+        or two samples) or ``"final"`` (each head's own basis, three samples in a unit's first
+        instance and two in the others; these alone make the model).
     group : which difference: j of ``z_1 + eps z_j`` for bridges (1-based j >= 1 as ``group + 1``),
         the column of the head's basis for final instances, 0 for the first group.
     head : the head the instance was designed for (index into the extracted model).
@@ -305,10 +322,10 @@ def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
 
 
 def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray,
-             frame=None) -> np.ndarray:
+             frame=None, halfwidth: float = TARGET) -> np.ndarray:
     """The final tokens of one round for U units at once (U, d).
 
-    Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + TARGET p_h`` and the others at
+    Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + halfwidth p_h`` and the others at
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
     and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b`` the unit's
     ``null_part`` and ``c`` the mean singular value of E. While the estimates are the initial ones
@@ -344,7 +361,7 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
     values = SATURATION_MID + SATURATION_SPREAD * columns[units[:, None], others]
     base = np.matmul(values[:, None, :], pseudo_inverse_rows)[:, 0]  # O^+ u_O: nothing along t's own direction
-    along = (TARGET_CENTER + TARGET * columns[units, heads] - np.einsum("ud,ud->u", target, base)) / size
+    along = (TARGET_CENTER + halfwidth * columns[units, heads] - np.einsum("ud,ud->u", target, base)) / size
     free = null_part / scale[:, None]
     free -= spanned(along_rows(free))
     free -= unit * np.einsum("ud,ud->u", unit, free)[:, None]
@@ -388,7 +405,7 @@ class _MinimumNormCorrection:
         return self.delta
 
 
-def _patterns(rng, d: int, constant_row: int, count: int) -> np.ndarray:
+def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None = None) -> np.ndarray:
     """``count`` design patterns (count, d, d), entries in [-1, 1], by one batched QR: row
     ``constant_row`` all ones, the other rows random, mutually orthogonal and orthogonal to the
     ones (zero sums).
@@ -398,15 +415,39 @@ def _patterns(rng, d: int, constant_row: int, count: int) -> np.ndarray:
     carried by the one constant row, so the design matrix is a triangular (well-conditioned)
     transform of orthogonal rows; random rows would let the offset nearly cancel a combination
     of the variations for some draws and make the d final tokens nearly dependent.
+
+    ``target_row`` (the final stage's patterns, :class:`_FinalDesign`): that row is
+    :func:`final_sides` (every entry +-1 but a 0 for odd d, zero sum) in every pattern, and the
+    other rows, random, are orthogonal to it as well.
     """
     gaussian = rng.standard_normal((count, d, d))
-    order = [constant_row] + [row for row in range(d) if row != constant_row]
     gaussian[:, :, 0] = 1.0  # Gram-Schmidt (QR) with the ones first: the others come out orthogonal to it
+    order = [constant_row] + [row for row in range(d) if row != constant_row]
+    sides = None
+    if target_row is not None and target_row != constant_row and d > 1:
+        sides = final_sides(d).astype(np.float64)
+        order = [constant_row, target_row] + [row for row in range(d) if row not in (constant_row, target_row)]
+        gaussian[:, :, 1] = sides  # zero sum: the QR keeps its direction
     q, _ = np.linalg.qr(gaussian)
     rows = np.empty((count, d, d))
     rows[:, order] = q.transpose(0, 2, 1)
     rows /= np.maximum(rows.max(axis=2, keepdims=True), -rows.min(axis=2, keepdims=True))  # max |.|, no |rows| copy
+    if sides is not None:
+        rows[:, target_row] = sides  # exactly (the QR gives it to rounding, up to sign)
     return rows
+
+
+def final_sides(rounds: int) -> np.ndarray:
+    """The target's side in each round of a final unit (:class:`_FinalDesign`): ``0, -1, +1, -1, ..``
+    for odd ``rounds`` (the centre first), ``-1, +1, -1, ..`` for even ones; zero sum.
+
+    What a unit's instances determine least well is ``a_h``'s own scale: with the target's
+    log-poles ``TARGET_CENTER + T p_n`` the error of ``a_h(z)`` along itself is
+    ``p^T dm / (T |p|^2)`` for log-pole errors dm (the other heads' rows vary by
+    ``SATURATION_SPREAD``, 12 times more). Entries +-1 give ``|p|^2 = rounds`` (or ``rounds - 1``),
+    the most for entries in [-1, 1] (a random row scaled to max 1: about 3 at 9 rounds)."""
+    sides = np.array([-((-1) ** n) for n in range(rounds)], dtype=int)  # -1, +1, -1, ..
+    return np.concatenate([[0], sides[:-1]]) if rounds % 2 else sides
 
 
 @dataclass
@@ -425,6 +466,7 @@ class _GroupMeasurements:
     sigma_l: np.ndarray
     gaps: np.ndarray  # (G, H, d, K) the samples G(k) (NaN where not asked)
     rounding: np.ndarray  # (G, H, d, K) their rounding scales
+    ks: np.ndarray  # (G, H, d, K) their copy counts (NaN where not asked)
     a: np.ndarray  # (G, H, d) a_h(z) solved from the d log-poles (NaN unless all finite)
     misfit: np.ndarray  # |m_n - a^T x_n|
     margin: np.ndarray  # smallest other head's log-pole by the design estimates
@@ -445,12 +487,13 @@ class _GroupMeasurements:
         labels, _ = self.consensus_labels()
         G, H, rounds, K = self.gaps.shape
         m, sigma, spread = single_pole.log_pole_given_label(
-            self.gaps.reshape(-1, K), FINAL_COPIES[:K], self.rounding.reshape(-1, K),
+            self.gaps.reshape(-1, K), self.ks.reshape(-1, K), self.rounding.reshape(-1, K),
             np.repeat(labels.ravel(), rounds), misfit=True)
         self.log_pole = m.reshape(G, H, rounds)
         self.sigma_m = sigma.reshape(G, H, rounds)
-        if K == 2:  # no third sample: the two samples' disagreement given the label is the test
-            self.residual = spread.reshape(G, H, rounds)
+        # no third sample: the two samples' disagreement given the label is the test
+        two = (np.isfinite(self.gaps).sum(axis=3) == 2)
+        self.residual = np.where(two, spread.reshape(G, H, rounds), self.residual)
 
     def solve(self) -> np.ndarray:
         """``a_h`` of every group and head from ``a_h^T x_n = m_n`` (G, H, d)."""
@@ -474,17 +517,25 @@ class _FullDesign:
         self.correction = _MinimumNormCorrection(U, d)
         self.frame = _other_heads_frame(current, heads)  # the other heads' rows never change here
 
+    #: the target's log-poles are ``TARGET_CENTER + halfwidth p`` (:func:`_designs`)
+    halfwidth = TARGET
+
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
         """(groups, H, d, d): unit (g, h)'s pattern has its constant row at ``(h + 1) % d``."""
         return np.stack([_patterns(rng, d, (h + 1) % d, groups) for h in range(H)], axis=1)
+
+    def copies(self, n: int, default):
+        """The copy counts asked in round n (``default``: the stage's, :func:`_measure`)."""
+        return default[1] if n else default[0]
 
     @property
     def target(self) -> np.ndarray:
         return self.current[self.units, self.heads]
 
     def design(self, n: int) -> np.ndarray:
-        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n], self.frame)
+        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n], self.frame,
+                        self.halfwidth)
 
     def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
         """Correct the target's estimate to fit what was measured (minimal change from the prior)."""
@@ -494,6 +545,41 @@ class _FullDesign:
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs``."""
         return np.linalg.solve(finals, rhs)
+
+
+class _FinalDesign(_FullDesign):
+    """The final stage's units in R^d (docs/algorithm.md §13, "The final instances"): the target's row
+    of every pattern is :func:`final_sides`, its log-poles ``TARGET_CENTER + halfwidth p_n``
+    (``FINAL_TARGET`` in float64, set by :func:`_measure`), and round n asks the two copy counts of
+    its side, ``FINAL_SIDE_COPIES``."""
+
+    halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
+
+    @staticmethod
+    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+        return np.stack([_patterns(rng, d, (h + 1) % d, groups, h) for h in range(H)], axis=1)
+
+    def copies(self, n: int, default):
+        return final_copies(self.rounds, n)
+
+
+def final_copies(rounds: int, n: int) -> tuple:
+    """Round n's copy counts in a final unit of ``rounds`` rounds (:class:`_FinalDesign`)."""
+    side = int(final_sides(rounds)[n])
+    return FINAL_SIDE_COPIES[side]
+
+
+def first_copies(unit: float) -> tuple:
+    """The first group's copy counts (round 0, later rounds): ``k = 1, 2`` in float64, the label
+    then fixed at the unit's consensus and the two samples' disagreement its single-pole test (as
+    in the final units and §17); ``k = 1, 2, 3`` on noisier answers (``unit`` above float64's),
+    whose phase 1 leaves rougher estimates (docs/algorithm.md §13)."""
+    return (FIRST_COPIES, FIRST_COPIES) if unit <= EPS else (FINAL_COPIES, FINAL_COPIES)
+
+
+def final_unit_queries(rounds: int) -> int:
+    """Queries of one final unit of ``rounds`` rounds: 2 in each."""
+    return sum(len(final_copies(rounds, n)) for n in range(rounds))
 
 
 class _SubspaceDesign(_FullDesign):
@@ -563,7 +649,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     heads f at its difference, used for the design. The target's own row is corrected after every
     round to fit its measured log-poles. ``copies``: the copy counts of round 0 and of the later
     rounds; by default final units ask ``k = 1, 2, 3`` every round, bridges ``k = 1, 2`` in round 0
-    and ``k = 1`` later (the label is then known). ``W_score`` (final stage): the model used for the
+    and ``k = 1`` later (the label is then known); a designer may choose them per round
+    (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage): the model used for the
     oracle's score rounding in the error estimate. ``bases`` (G, H, d, r): measure each unit in
     the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
     ``designer``: another design class with the interface of :class:`_FullDesign` (the lifted
@@ -588,6 +675,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
         design = (designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:])) if bases is None else
                   designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:]),
                            bases[start:stop].reshape(-1, d, rounds)))
+        if getattr(design, "noisy_halfwidth", None) is not None and prober.unit > EPS:
+            design.halfwidth = design.noisy_halfwidth  # noisy answers: their sampling error dominates
         parts.append(_measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
                                     not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
                                     f"{start + 1}..{stop} of {G}"))
@@ -606,14 +695,15 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     finals = np.empty((U, rounds, d))
     log_pole, label, designed, residual = (np.full((U, rounds), np.nan) for _ in range(4))
     sigma_m, sigma_l = np.full((U, rounds), np.inf), np.full((U, rounds), np.inf)
-    gaps_all, rounding_all = np.full((U, rounds, K), np.nan), np.full((U, rounds, K), np.nan)
+    K = max(K, max(len(design.copies(n, copies)) for n in range(rounds)))
+    gaps_all, rounding_all, ks_all = (np.full((U, rounds, K), np.nan) for _ in range(3))
     for n in range(rounds):
         x = prober.quantize(design.design(n))
         finals[:, n] = x
         designed[:, n] = np.einsum("ud,ud->u", design.target, x)
-        ks = copies[1] if n else copies[0]
+        ks = design.copies(n, copies)
         gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
-        gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)] = gaps, rounding
+        gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)], ks_all[:, n, :len(ks)] = gaps, rounding, ks
         if ks == (1,):
             m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
             log_pole[:, n] = m
@@ -628,7 +718,7 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
         design.update(n, x, log_pole[:, n])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
-        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all)),
+        log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, ks_all)),
         np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H, 2), np.nan))
     if refit:
         out.refit_with_consensus_labels()
@@ -709,7 +799,8 @@ def _shared(differences: np.ndarray, estimates: np.ndarray):
             np.repeat(estimates[:, None], H, axis=1))
 
 
-def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.ndarray | None = None) -> np.ndarray:
+def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.ndarray | None = None,
+                    head: int | None = None) -> np.ndarray:
     """An orthogonal basis (columns) times ``scale`` in which ``label_direction`` (a rough ``v_h``)
     has equal components ``+-|v_h| / sqrt(d)``: the Householder reflection that exchanges
     ``v_h / |v_h|`` and ``(1, .., 1) / sqrt(d)``, with random column signs.
@@ -724,8 +815,10 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
     design rows ``A(z) = [W_f^T z]_f`` (docs/algorithm.md §13): an instance solves ``A(z) x = m``
     with the other heads' log-poles at 40..100, so an ill-conditioned ``A(z)`` makes ``|x|``, the
     answers and their rounding large (worst of 8 seeds, same queries: 2.9e-11 -> 2.5e-14 at
-    d = H = 8, 2.8e-9 -> 8.3e-14 at d = H = 16, 1.3e-14 -> 5.7e-15 at d = 8, H = 6). One head
-    (H = 1): a single row, nothing to condition; the basis is drawn as before.
+    d = H = 8, 2.8e-9 -> 8.3e-14 at d = H = 16, 1.3e-14 -> 5.7e-15 at d = 8, H = 6). With ``head``
+    (the targeted schedules' final stage) the choice is finer: the candidate whose largest predicted
+    score rounding of that head, ``|z| |W_h x + u_h|`` (:func:`_least_score_rounding`), is smallest.
+    One head (H = 1): a single row, nothing to condition; the basis is drawn as before.
     """
     d = len(label_direction)
     unit = label_direction / np.linalg.norm(label_direction)
@@ -750,8 +843,53 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
         candidates = np.concatenate([basis[None], np.matmul(reflection, rotations) * signs[None, None, :]])
         # (count, groups, H, d): designs[k, g, f] = rows[f]^T candidates[k][:, g], as BLAS matmuls (not einsum)
         designs = np.matmul(candidates.transpose(0, 2, 1)[:, None], rows[None]).transpose(0, 2, 1, 3)
-        basis = candidates[_best_conditioned(designs)]
+        if head is None:
+            basis = candidates[_best_conditioned(designs)]
+        else:
+            basis = candidates[_least_score_rounding(designs, candidates, scores, head, scale)]
     return basis * scale
+
+
+def _least_score_rounding(designs: np.ndarray, candidates: np.ndarray, scores: np.ndarray, head: int,
+                          scale: float) -> int:
+    """The candidate k of ``designs`` (count, groups, H, d; the rows ``a_f(z) = W_f^T z`` of unit
+    columns z of ``candidates`` (count, d, d)) whose largest predicted ``|z| |W_h x + u_h|`` over its
+    columns is smallest (``scores`` (H, d', d'): the rough score matrices, lifted with biases).
+    The prediction is the root mean square over a unit's instances: x the minimum-norm token with
+    ``a_f^T x + b_f = SATURATION_MID + SATURATION_SPREAD q_f`` (f != h) and
+    ``TARGET_CENTER + FINAL_TARGET q_h`` at ``|z| = scale`` (``b_f = u_f^T z``), the pattern entries
+    q of variance 1/3 (uniform on [-1, 1]). The mean token alone is not enough: at d = H = 16 it
+    chose ill-conditioned ``A(z)`` whose variations were large (two of 8 seeds 1.2e-12, 1.8e-12).
+
+    The oracle rounds the scores ``y^T (W_h x + u_h)`` of the copies ``y = x - z`` by about
+    ``eps |z| |W_h x + u_h|``, and that error of the target's log-pole, the same at every copy
+    count, dominated the final units' error in float64 (docs/algorithm.md §13, "The final
+    instances"). ``cond A(z)`` (:func:`_best_conditioned`) bounds it only loosely: choosing by
+    the prediction itself took the worst of 16 seeds at d = H = 8 from 1.0e-14 to 6.9e-15, same
+    queries. A singular Gram matrix falls back to :func:`_best_conditioned`."""
+    count, groups, H, d = designs.shape
+    lifted = scores.shape[1] > d
+    offsets = (np.matmul(candidates.transpose(0, 2, 1), scores[:, :d, d].T) if lifted
+               else np.zeros((count, groups, H)))  # u_f^T z for unit columns z, (count, groups, H)
+    values = np.full(H, SATURATION_MID)
+    values[head] = TARGET_CENTER
+    spread = np.full(H, SATURATION_SPREAD)
+    spread[head] = FINAL_TARGET
+    rhs = values[None, None] / scale - offsets  # A x = (values - scale b) / scale for unit z, |z| = scale
+    W_h, u_h = scores[head, :d, :d], (scores[head, :d, d] if lifted else np.zeros(d))
+    with np.errstate(all="ignore"):
+        try:
+            inverse_gram = np.linalg.inv(np.matmul(designs, designs.transpose(0, 1, 3, 2)))
+        except np.linalg.LinAlgError:
+            return _best_conditioned(designs)
+        # W_h A^+ = W_h A^T (A A^T)^{-1}: (count, groups, d, H)
+        mapped = np.matmul(np.matmul(W_h[None, None], designs.transpose(0, 1, 3, 2)), inverse_gram)
+        mean = np.matmul(mapped, rhs[..., None])[..., 0] + u_h  # W_h x + u_h at the mean token
+        # the pattern's variations (entries spread uniformly over [-1, 1]: variance 1/3) around it
+        varied = (mapped * (spread / scale)) ** 2
+        size = np.sqrt((mean**2).sum(axis=2) + varied.sum(axis=(2, 3)) / 3.0) * scale
+        worst = np.nan_to_num(size.max(axis=1), nan=np.inf)
+    return int(np.argmin(worst))
 
 
 def _best_conditioned(designs: np.ndarray) -> int:
@@ -803,11 +941,13 @@ class TargetedSchedule(Schedule):
 
     @property
     def promised_queries(self) -> int:
-        """The stages after phase 1, with H0 heads found: ``d`` one-token queries + ``3 H d``
-        (first group) + ``(d + 1) H (d - 1)`` (bridges) + ``3 H d^2`` (final). Phase 1 (the line
-        search, about ``H (d + 15)`` plus line grids) is adaptive and comes on top."""
+        """The stages after phase 1, with H0 heads found: ``d`` one-token queries + ``2 H d``
+        (first group; ``3 H d`` on answers noisier than float64, :func:`first_copies`, known once
+        the run has read them) + ``(d + 1) H (d - 1)`` (bridges) + ``2 H d^2`` (final: d units per
+        head of d rounds, 2 queries each). Phase 1 (the line search, about ``H (d + 15)`` plus line
+        grids) is adaptive and comes on top."""
         d, H = self.d, self.max_heads
-        return d + 3 * H * d + (d + 1) * H * (d - 1) + 3 * H * d * d
+        return d + len(first_copies(self.unit)[0]) * H * d + (d + 1) * H * (d - 1) + H * d * final_unit_queries(d)
 
     @property
     def promised_max_length(self) -> int:
@@ -815,7 +955,7 @@ class TargetedSchedule(Schedule):
 
     @property
     def count_formula(self) -> str:
-        return "targeted d + 3Hd + (d+1)H(d-1) + 3Hd^2 after the adaptive phase 1"
+        return ("targeted d + 2Hd (3Hd on noisy answers) + (d+1)H(d-1) + 2Hd^2 after the adaptive phase 1")
 
     def fixed_queries(self) -> list[np.ndarray]:
         # The one-token queries are fixed; the rest is adaptive and replays query by query.
@@ -915,11 +1055,12 @@ def first_group(prober, d: int, max_heads: int, rng, token_scale: float, measure
     return Z, search, first
 
 
-def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
-    """:func:`first_group` with the targeted instances of §13 in R^d."""
+def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: float, copies=None):
+    """:func:`first_group` with the targeted instances of §13 in R^d (``copies``: as
+    :func:`_measure`'s; the targeted schedule's own run passes :func:`first_copies`)."""
     def measure(Z, search):
         rough = np.array([head.direction for head in search.heads])
-        return _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False)
+        return _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False, copies=copies)
     return first_group(prober, d, max_heads, rng, token_scale, measure)
 
 
@@ -932,7 +1073,7 @@ def _bridge_step(first: _GroupMeasurements) -> float:
 def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1, the first group, the bridges and the final instances (see the module docstring).
     Returns ``(line search report, [(stage, measurements)], model or None, finite)``."""
-    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale, first_copies(prober.unit))
     if first is None:
         return search, [], None, False
     H = len(search.heads)
@@ -956,11 +1097,11 @@ def _run(prober: _Prober, d: int, max_heads: int, rng, token_scale: float):
 
         # --- final: each head in its own basis, balanced for its label (every |v_h^T z| alike).
         scale = GROUP_SCALE * token_scale
-        bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough))
+        bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough, h))
                           for h in range(H)])  # (H, d, d)
         differences = bases.transpose(2, 0, 1)  # (d groups, H, d): differences[g, h] = column g of head h's basis
         estimates = _all_heads_at(W_rough, differences)  # a_f(z) = W_f^T z for every unit
-        final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough)
+        final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough, designer=_FinalDesign)
         stages.append(("final", final))
         a_final = final.solve()  # (d, H, d)
         labels_final = final.consensus_labels()[0]  # (d, H)
