@@ -199,6 +199,28 @@ def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
     assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
 
 
+
+def test_a_wrong_start_near_the_float64_limit_is_measured_not_overflowed():
+    # A wrong model at a token scale its W cannot take answers ~1e200 off: sum r^2 overflows
+    # float64. The noise and the refinement's misfit keep their true size (RuntimeWarnings are
+    # errors in this suite) and the refinement keeps the better model.
+    from mhaextract.checks.certificate import least_squares_certificate
+    from mhaextract.numerics.float64 import root_mean_square
+
+    assert root_mean_square([3e300, -4e300], 1) == pytest.approx(5e300)
+    assert root_mean_square([1e-320, 0.0]) > 0 and root_mean_square([]) == 0.0
+    assert root_mean_square([1.0, np.inf]) == np.inf == root_mean_square([np.nan])
+    target = mx.MultiHeadAttention.random(3, 2, seed=1)
+    batch = random_queries(np.random.default_rng(0), 60, 3, 1.5, (2, 5))
+    answers = target(batch) + 1e200 * np.random.default_rng(1).standard_normal(60)
+    off = residuals(target, batch, answers)
+    certificate = least_squares_certificate(output_jacobian(target, batch), target, off, answers, None)
+    assert certificate.noise_estimate == pytest.approx(root_mean_square(off, 60 - parameter_count(2, 3)))
+    assert 1e199 < certificate.noise_estimate < 1e201
+    kept, record = refine_least_squares(target, batch, answers, max_evaluations=3)
+    assert 1e199 < record.residual_before < 1e201 and np.isfinite(record.residual_after)
+    assert record.residual_after <= record.residual_before
+
 @pytest.mark.slow
 def test_refining_a_bias_free_float32_target_with_biases_is_not_a_false_alarm():
     # The fitted u of a bias-free target is of the answers' noise (1e-7 at float32): relative to its

@@ -67,6 +67,7 @@ from scipy.sparse import csr_matrix, diags
 from scipy.sparse.linalg import splu
 
 from ..numerics.assembly import label_columns
+from ..numerics.float64 import root_mean_square
 from ..numerics.rational import instance_jacobian
 from ..model import MultiHeadAttention
 from ..validation import nonnegative_number
@@ -759,7 +760,7 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     H, d = model.heads, model.d
     nW, nv = H * d * d, H * d
     W_scale, v_scale = _relative_scales(model)
-    noise = float(np.sqrt((residuals**2).sum() / max(Q - P, 1)))
+    noise = root_mean_square(residuals, max(Q - P, 1))
     if matrix_free:  # no G to take norms of: estimated bounds from LSMR solves (docs/algorithm.md §12.1)
         rows = solver.row_l1_bounds(weights)
         rank_ok = bool(np.all(np.isfinite(rows)))

@@ -51,6 +51,7 @@ from scipy.sparse.linalg import LinearOperator, lsmr
 
 from ..model import MultiHeadAttention, as_batch
 from ..oracle.queries import padded
+from ..numerics.float64 import root_mean_square
 
 #: Fresh polish queries per refined parameter (default ``refine_queries``): d = 8, H = 6 with
 #: biases, 2886 queries, 2^-51..2^-52 (docs/algorithm.md §12).
@@ -384,7 +385,7 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
 
     start = pack(model, bias)
     current = weighted_residual(start)
-    before = float(np.sqrt(np.mean(current**2))) if len(current) else 0.0
+    before = root_mean_square(current)
     if heads == 0:
         return model, Refinement("algebraic", before, before, 0, 0, "no heads to refine", added)
     if len(sequences) < len(start):
@@ -394,7 +395,9 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
         matrix_free = not affordable(len(sequences), heads, d, bias)
     path = "matrix-free" if matrix_free else "dense"
     blocks = list(_blocks(sequences)) if matrix_free else None  # padded once for every product
-    theta, cost = start, float(np.sum(current**2)) if np.all(np.isfinite(current)) else np.inf
+    # The misfit as a root mean square (scaled: a wrong start's ~1e200 residuals would overflow
+    # sum r^2); a relative gain is 1 - (after / before)^2 of the sum of squares.
+    theta, misfit = start, before
     solve = None
     evaluations, status, message, inner = 0, 0, "the evaluation limit was reached", 0
     while evaluations < max_evaluations:
@@ -415,13 +418,13 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
             step = solve(current, damping)
             trial = theta + step
             trial_residual = weighted_residual(trial)
-            trial_cost = float(np.sum(trial_residual**2))
-            if np.isfinite(trial_cost) and trial_cost < cost:
-                gain = 1.0 - trial_cost / cost
-                theta, current, cost, improved = trial, trial_residual, trial_cost, True
+            trial_misfit = root_mean_square(trial_residual)
+            if trial_misfit < misfit:
+                gain = 1.0 - (trial_misfit / misfit) ** 2
+                theta, current, misfit, improved = trial, trial_residual, trial_misfit, True
                 break
-            if matrix_free and damping == 0.0 and (
-                    cost - float(np.sum((current - solve.matvec(step)) ** 2)) < CONVERGED_GAIN * cost):
+            if matrix_free and damping == 0.0 and (misfit == 0.0 or
+                    1.0 - (root_mean_square(current - solve.matvec(step)) / misfit) ** 2 < CONVERGED_GAIN):
                 # At the noise floor: the Gauss-Newton step predicts under 1% and damped steps predict
                 # less still, so none would count as progress; each would be one more LSMR solve.
                 break
@@ -433,7 +436,7 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
         if gain < CONVERGED_GAIN:
             status, message = 1, f"converged: the last step lowered the misfit by {gain:.2g} (relative)"
             break
-    after = float(np.sqrt(cost / len(current))) if len(current) else 0.0
+    after = misfit
     if np.isfinite(after) and after <= before:
         return unpack(theta, heads, d, bias), Refinement("refined", before, after, evaluations, status, message, added,
                                                          solve, path, inner)

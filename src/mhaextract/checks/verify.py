@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..numerics.float64 import root_mean_square
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import random_queries
 from ..validation import positive_int, positive_number
@@ -90,7 +91,7 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
     boundary = OracleBoundary(oracle, d, batch_size=batch_size, progress=progress)
     answers = boundary.ask(sequences, description="verifying on fresh queries")
     predicted = model(sequences)
-    output_scale = float(np.sqrt(np.mean(answers**2))) or 1.0
+    output_scale = root_mean_square(answers) or 1.0  # scaled: huge answers do not overflow
     errors = np.abs(predicted - answers) / output_scale
     if tolerance is None:
         tolerance = max(1e-6, 10.0 * float(getattr(extraction, "answer_error", None) or 0.0) / output_scale)

@@ -25,6 +25,23 @@ from .rational import InstanceFits, instance_jacobian, rank_split, sensitivities
 RANK_TOLERANCE = 1e-11
 
 
+def root_mean_square(values, count=None) -> float:
+    """``sqrt(sum values^2 / count)`` (``count`` defaults to the number of values; 0 for none),
+    scaled by ``max |values|`` first so that answers of a wrong model near the float64 limit
+    (|r| ~ 1e200 at a token scale the target's W cannot take) give their true size, not an
+    overflow; inf where any value is not finite."""
+    values = np.asarray(values, dtype=np.float64).ravel()
+    count = values.size if count is None else count
+    if not values.size or not count:
+        return 0.0
+    largest = float(np.abs(values).max())
+    if not np.isfinite(largest):
+        return np.inf
+    if largest == 0.0:
+        return 0.0
+    return largest * float(np.sqrt(np.sum((values / largest) ** 2) / count))
+
+
 def loewner(samples: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.ndarray) -> np.ndarray:
     """Loewner matrices (n, |test|, |support|): ``(F(t_b) - F(s_a)) / (t_b - s_a)``."""
     F_test = samples[:, test][:, :, None]
