@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .calibration import Calibration, calibrate
+from .compare import compare
 from .checks.base import (
     Check, answers_residual_check, error_estimate_check, finite_check, report_failure,
 )
@@ -29,6 +30,7 @@ from .checks.refine import (
 )
 from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers, exact_model
+from .numerics.float64 import root_mean_square
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
@@ -371,7 +373,8 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
             start = certificate
             model, refinement, certificate = _refine(
                 model, sequences[fitted], answers[fitted], len(extra[0]), settings.bias, certificate,
-                lambda refined: _start_validity(start.verified_against(refined), settings, own_scale))
+                lambda refined, refit: _start_validity(start.verified_against(refined), settings, own_scale,
+                                                       refit, plan.alternative_start))
         exact = None if outcome.W_balls is None else exact_model(outcome.W_balls, outcome.v_balls,
                                                                   outcome.u_balls, outcome.c_ball)
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
@@ -411,25 +414,71 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     )
 
 
-def _start_validity(certificate, settings: RunSettings, scale: float) -> tuple[float, bool]:
-    """``(validity, linear)``: what a refined fit inherits from its algebraic start's certificate.
-    Refinement converges to the fit in whose basin its start lies, so the start's heads must be
-    the right ones. Exact answers: the start's ``valid_below`` (every instance linear too;
-    ``linear`` False). Noisy answers (declared ``answer_error``, or 3 x the links' noise estimate
-    above ``ROUNDING_REGIME``, for independent errors): the start's matching validity at that
-    error, instances verified against the refined model exempt (``Certificate.verified_against``,
-    ``matching_validity_at``; docs/algorithm.md §12, "Refined under noise"), and ``linear`` True:
-    the refined model's first order is the least-squares fit's, bounded by its own linearisation
-    (``LINEAR_MOVEMENT`` / C), not by the algebra's instances, whose answers it fits like any other.
+def _start_validity(certificate, settings: RunSettings, scale: float, refit=None,
+                    alternative_start=None) -> tuple[float, bool, tuple[int, float]]:
+    """``(validity, linear, (refuted orders, refuting ratio))``: what a refined fit inherits from
+    its algebraic start's certificate. Refinement converges to the fit in whose basin its start
+    lies, so the start's heads must be the right ones. Exact answers: the start's ``valid_below``
+    (every instance linear too; ``linear`` False). Noisy answers (declared ``answer_error``, or
+    3 x the links' noise estimate above ``ROUNDING_REGIME``, for independent errors): the start's
+    matching validity at that error, instances verified against the refined model exempt
+    (``Certificate.verified_against``, ``matching_validity_at``; docs/algorithm.md §12, "Refined
+    under noise"), links whose competing head orders ``refit`` refutes exempt too
+    (:func:`_refuted_links`), and ``linear`` True: the refined model's first order is the
+    least-squares fit's, bounded by its own linearisation (``LINEAR_MOVEMENT`` / C), not by the
+    algebra's instances, whose answers it fits like any other.
     Paper under declared uniform 1e-8 (bench_reliability seeds 23, 52, 53): one ill-conditioned
     instance each outside its linear range (3e-10..4e-11 against the bound) voided refined models
     within 2.6e-7..6e-7 of the truth."""
     if settings.answer_error is not None:
-        return certificate.matching_validity_at(settings.answer_error), True
-    noise = 3.0 * certificate.noise_estimate
-    if noise > ROUNDING_REGIME * scale:
-        return certificate.matching_validity_at(noise, statistical=True), True
-    return certificate.valid_below, False
+        eps, statistical = settings.answer_error, False
+    elif 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale:
+        # the refined fit's residual noise judges the validity later (_validity_check): the larger
+        eps, statistical = 3.0 * max(certificate.noise_estimate, 0.0 if refit is None else refit(None)[2]), True
+    else:
+        return certificate.valid_below, False, (0, np.inf)
+    validity = certificate.matching_validity_at(eps, statistical)
+    if validity > eps or refit is None:
+        return validity, True, (0, np.inf)
+    refuted, orders, ratio = _refuted_links(certificate, eps, statistical, refit, alternative_start)
+    return certificate.matching_validity_at(eps, statistical, refuted), True, (orders, ratio)
+
+
+#: A competing head order is refuted when its refit misfits the answers by at least this factor
+#: more than the run's fit does (root mean squares, weighted as the refinement weighs them).
+REFUTING_MISFIT = 2.0
+#: At most this many competing head orders are refitted (each one refinement more, no query).
+MOST_ALTERNATIVES = 6
+#: A refit within this relative distance of the run's fit (heads aligned) landed on the fit itself.
+SAME_FIT = 1e-6
+
+
+def _refuted_links(certificate, eps: float, statistical: bool, refit, alternative_start):
+    """``(links, orders, ratio)``: positions of the links whose every competing head order at
+    ``eps`` (``Certificate.matching_alternatives``) the answers refute, how many orders were
+    refuted, and the smallest misfit ratio among them (docs/algorithm.md §12, "Refuted
+    alternatives"). Each order is refitted from the refined model with the two heads exchanged
+    where the link's instance b decided them (``alternative_start``); it is refuted when its fit
+    misfits the answers ``REFUTING_MISFIT`` times more than the run's or lands on the run's fit
+    (``SAME_FIT``). A refit that fits as well elsewhere is a second model the answers cannot tell
+    apart: its link stays, and ``noise_within_validity`` fails as before."""
+    alternatives = certificate.matching_alternatives(eps, statistical)
+    # (h, g) and (g, h) exchange the same two heads: one start, one refit
+    starts = {(instance, min(h, g), max(h, g)) for _, _, instance, h, g in alternatives}
+    if not alternatives or len(starts) > MOST_ALTERNATIVES:
+        return set(), 0, np.inf
+    refined, misfit, _ = refit(None)
+    refuted, ratio = {}, np.inf
+    for instance, h, g in sorted(starts):
+        fit, record = refit(alternative_start(refined, instance, h, g))
+        same = compare(fit, refined).max_rel <= SAME_FIT
+        worse = record.residual_after / misfit if misfit > 0 else np.inf
+        refuted[instance, h, g] = same or worse >= REFUTING_MISFIT
+        ratio = min(ratio, worse) if refuted[instance, h, g] and not same else ratio
+    standing = {(position, kind) for position, kind, instance, h, g in alternatives
+                if not refuted[instance, min(h, g), max(h, g)]}
+    links = {(position, kind) for position, kind, *_ in alternatives} - standing
+    return links, sum(refuted.values()), ratio
 
 
 def _refine(model, sequences, answers, added, bias, certificate, start_validity=None):
@@ -437,7 +486,8 @@ def _refine(model, sequences, answers, added, bias, certificate, start_validity=
     weighted by the inverse size of each answer's computation (its float64 rounding), then the
     least-squares certificate ``G = (D J)^+ D`` of the fit: every schedule that refines has one.
     ``valid_below``: the algebraic start's where the schedule has a certificate,
-    ``start_validity(refined model)`` (:func:`_start_validity`)."""
+    ``start_validity(refined model, refit)`` (:func:`_start_validity`; ``refit(start)`` runs the
+    same weighted least squares from another start, ``refit(None)`` gives the fit and its misfit)."""
     scales = answer_scales(model, sequences)
     # An answer of exactly known size 0 (the zero query answers c) must not get an unbounded weight.
     floor = WEIGHT_FLOOR * np.median(scales) if len(scales) else 0.0  # no answers: nothing is refined
@@ -445,13 +495,23 @@ def _refine(model, sequences, answers, added, bias, certificate, start_validity=
     model, refinement = refine_least_squares(model, sequences, answers, added=added, bias=bias, weights=weights)
     if refinement.status == -1:  # not attempted (too few answers, or not affordable): the schedule's own stands
         return model, refinement, certificate
-    valid_below, linear = (None, False) if certificate is None or start_validity is None else start_validity(model)
+
+    def refit(start):  # the same least squares from another start; None: the fit, its misfit and its noise
+        if start is None:
+            noise = root_mean_square(residuals(model, sequences, answers),
+                                     max(len(answers) - parameter_count(model.heads, model.d, bias), 1))
+            return model, refinement.residual_after, noise
+        return refine_least_squares(start, sequences, answers, bias=bias, weights=weights)
+
+    valid_below, linear, refuted = (None, False, (0, np.inf)) if certificate is None or start_validity is None \
+        else start_validity(model, refit)
     solver = refinement.solver
     if solver is None:  # the start was kept: its own Jacobian (dense or matrix-free as the refinement's)
         solver = jacobian_solver(model, sequences, weights, bias, matrix_free=refinement.path == "matrix-free")
     certificate = least_squares_certificate(
         None, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
         solver=solver, linear=linear)
+    certificate.refuted_orders, certificate.refuting_ratio = refuted
     if refinement.path == "matrix-free":
         refinement.solver = None  # it holds the padded queries (their size): not kept in the result
     return model, refinement, certificate
@@ -639,6 +699,10 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
     if certificate.kind == "least squares":  # refined under noise (_start_validity)
         against += ("; refined: the algebraic start's matching margins (instances verified against the refined "
                     "model exempt) and the least-squares fit's own linearisation")
+        if certificate.refuted_orders:
+            against += (f"; {certificate.refuted_orders} competing head order(s) within the error refitted and "
+                        f"refuted by the answers (misfit >= {min(certificate.refuting_ratio, 1e300):.3g} x the fit's, "
+                        f"or the same fit)")
     return Check("noise_within_validity", noise < valid, noise, valid, f"answer error ({source}) against {against}")
 
 

@@ -146,6 +146,12 @@ class Certificate:
     #: "l1", "l2": (per-link matching exclusions of :func:`_matching_margins`, per instance the eps
     #: up to which it is linear, per instance the eps from which it is verified); None: no exemption.
     _instances: dict | None = field(repr=False, default=None)
+    #: Refined under noise: competing head orders of links whose margins the answer error covered,
+    #: refitted from their own starts and refuted by the answers (docs/algorithm.md §12, "Refuted
+    #: alternatives"); ``refuting_ratio``: the smallest misfit of such a refit over the fit's (inf:
+    #: every refit landed on the fit itself).
+    refuted_orders: int = 0
+    refuting_ratio: float = np.inf
 
     def __post_init__(self):
         if self.valid_below_statistical is None:
@@ -166,20 +172,51 @@ class Certificate:
                                if key in ("_operator", "_reverify")})
         return other
 
-    def matching_validity_at(self, eps: float, statistical: bool = False) -> float:
+    def _matching_at(self, eps: float, statistical: bool, refuted=()) -> float | None:
+        """Condition (a) at ``eps``: half the smallest exclusion of a triple that pairs a link's
+        ``a`` and ``b`` heads otherwise, or (links not verified at eps) gives the link's own poles
+        to other heads. Links in ``refuted`` (positions, :meth:`matching_alternatives`) no longer
+        count by the former. None where there are no links to judge."""
+        if self._instances is None:
+            return None
+        links, _, verified = self._instances["l2" if statistical else "l1"]
+        if links is None:
+            return None
+        exempt = verified <= eps if eps > 0 else np.zeros(len(verified), dtype=bool)
+        link, pairwise, own_pairs, _ = links
+        others, own = _smallest(pairwise), _smallest(own_pairs)
+        for kind, values in (("order", others), ("own", own)):
+            values[[position for position, refuted_kind in refuted if refuted_kind == kind]] = np.inf
+        return min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0
+
+    def matching_validity_at(self, eps: float, statistical: bool = False, refuted=()) -> float:
         """The matching part of :meth:`validity_at` alone (condition (a), docs/algorithm.md §12):
         below it the chosen triples are certified, so the heads are the ones the run assembled; the
         linearisation of the instances (b) is not part of it. 0 where the pole count is uncertain
-        or a fit failed; ``valid_below`` where the certificate has no instances."""
+        or a fit failed; ``valid_below`` where the certificate has no instances. ``refuted``: links
+        whose competing head orders were refitted and refuted by the answers (§12, "Refuted
+        alternatives")."""
+        matching = self._matching_at(eps, statistical, refuted)
         base = self.valid_below_statistical if statistical else self.valid_below
-        if self._instances is None:
-            return base
-        links, _, verified = self._instances["l2" if statistical else "l1"]
-        if links is None:
-            return base
-        exempt = verified <= eps if eps > 0 else np.zeros(len(verified), dtype=bool)
-        link, others, own = links
-        return max(0.0, min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0)
+        return base if matching is None else max(0.0, matching)
+
+    def matching_alternatives(self, eps: float, statistical: bool = False) -> list[tuple[int, str, int, int, int]]:
+        """``(position, kind, instance, h, g)`` of every triple a link does not exclude at ``eps``
+        (half its exclusion at most eps; docs/algorithm.md §12, "Refuted alternatives"). ``kind``
+        ``"order"``: head h of the link's instance ``a`` could be head g of its instance ``b``
+        (``instance``, heads in the run's order); ``"own"``: the link's own pole of head g could be
+        head h's (``instance`` the link; only where the link is not verified at eps). ``position``
+        indexes the links; ``(position, kind)`` pairs are what :meth:`matching_validity_at` takes
+        as ``refuted``. Empty without links."""
+        if self._instances is None or self._instances["l2" if statistical else "l1"][0] is None:
+            return []
+        (link, pairwise, own_pairs, b), _, verified = self._instances["l2" if statistical else "l1"]
+        found = []
+        for kind, pairs, instances, judged in (("order", pairwise, b, np.ones(len(b), dtype=bool)),
+                                               ("own", own_pairs, link, ~(verified[link] <= eps))):
+            position, h, g = np.nonzero((pairs / 2.0 <= eps) & judged[:, None, None])
+            found += [(int(n), kind, int(instances[n]), int(i), int(j)) for n, i, j in zip(position, h, g)]
+        return found
 
     def validity_at(self, eps: float, statistical: bool = False) -> float:
         """The validity that judges the answer error ``eps``: ``valid_below`` (or
@@ -188,15 +225,11 @@ class Certificate:
         measured deviation from the assembled model is within its first-order movement at eps
         (docs/algorithm.md §12, "Verified instances"). ``eps`` passes when ``eps < validity_at(eps)``."""
         base = self.valid_below_statistical if statistical else self.valid_below
-        if self._instances is None or not eps > 0:
+        matching = self._matching_at(eps, statistical) if eps > 0 else None
+        if matching is None:
             return base
-        links, linear, verified = self._instances["l2" if statistical else "l1"]
-        if links is None:  # uncertain pole count or a failed fit
-            return base
-        exempt = verified <= eps
-        link, others, own = links
-        matching = min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0
-        return max(0.0, min(matching, float(linear[~exempt].min(initial=np.inf))))
+        _, linear, verified = self._instances["l2" if statistical else "l1"]
+        return max(0.0, min(matching, float(linear[~(verified <= eps)].min(initial=np.inf))))
     method: str = "exact"
 
     @cached_property
@@ -541,6 +574,11 @@ class _PipelineOperator:
             yield cols, dW, dv
 
 
+def _smallest(pairs: np.ndarray) -> np.ndarray:
+    """Per link, the smallest exclusion over its (h, g) pairs ``pairs`` (n, r, r) (a copy)."""
+    return pairs.reshape(len(pairs), -1).min(axis=1, initial=np.inf)
+
+
 def _links(schedule):
     """(a, b, link, labels_add) index arrays of every link (row links, then column links)."""
     d = schedule.d
@@ -559,7 +597,7 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     a, b, link, adds = _links(run.schedule)
     r = run.m.shape[1]
     if not len(a):
-        return np.inf, 0.0, np.zeros(0), (link, np.zeros(0), np.zeros(0))
+        return np.inf, 0.0, np.zeros(0), (link, np.zeros((0, r, r)), np.zeros((0, r, r)), b)
     m, l = run.m, run.l
     with np.errstate(all="ignore"):
         pole = m[a][:, :, None, None] + m[b][:, None, :, None] - m[link][:, None, None, :]
@@ -594,10 +632,15 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     noise_units = noise_units[np.isfinite(noise_units)]
     # Per link: triples that pair a's and b's heads otherwise (h != g), and triples that only give
     # the link's own poles to other heads (h == g, p != h): the latter decide the link's poles alone.
-    h, g, p = np.meshgrid(np.arange(r), np.arange(r), np.arange(r), indexing="ij")
-    own = (h == g) & ~chosen
-    per_link = (link, exclusion[:, h != g].min(axis=1, initial=np.inf),
-                exclusion[:, own].min(axis=1, initial=np.inf))
+    # Kept per pair, for refits that can refute one (docs/algorithm.md §12, "Refuted alternatives"):
+    # pairwise[n, h, g], h != g, the smallest over the link's poles; own_pairs[n, h, p], p != h,
+    # the triple (h, h, p) that gives head h's link pole to head p.
+    heads = np.arange(r)
+    pairwise = exclusion.min(axis=3)
+    pairwise[:, heads, heads] = np.inf
+    own_pairs = exclusion[:, heads, heads, :].copy()
+    own_pairs[:, heads, heads] = np.inf
+    per_link = (link, pairwise, own_pairs, b)
     return smallest_exclusion, largest_chosen, noise_units, per_link
 
 

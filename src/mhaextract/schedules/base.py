@@ -184,6 +184,13 @@ class Schedule:
         """The first-order error certificate (docs/algorithm.md §12), where the schedule has one."""
         return None
 
+    def alternative_start(self, model, instance: int, h: int, g: int):
+        """``model`` with heads h and g exchanged where instance ``instance`` decided them: the
+        start of a refit of a competing head order (docs/algorithm.md §12, "Refuted
+        alternatives"). Only schedules whose certificate names link matchings (the grid) have
+        competing orders to refit."""
+        raise NotImplementedError(f"the {self.name} schedule's certificate has no link matchings to refit")
+
     def hints(self, failed: set[str]) -> list[str]:
         """What to try, for the names of the failed checks."""
         return []

@@ -184,6 +184,29 @@ class GridSchedule(Schedule):
         """X in ``M_h = Z^T W_h X`` (§9); the affine grid overrides it with the lifted tokens (§16)."""
         return self.X
 
+    def alternative_start(self, model: MultiHeadAttention, instance: int, h: int, g: int) -> MultiHeadAttention:
+        """``model`` with heads h and g exchanged where instance ``instance`` decided them, in
+        ``M_h = Z^T [W_h | u_h] X`` (§9, §16) and the labels ``v_h^T z_j``: a row-0 grid instance
+        (0, j), whose order names its column's heads (§8), the whole column j and its label; any
+        other grid instance (i, j) the entry (j, i); a link the entries its poles measure (row link
+        (0, j): (0, 0) and (j, 0); column link (i, j): (j, 0) and (j, i)). The start of a refit of
+        a competing head order (docs/algorithm.md §12, "Refuted alternatives")."""
+        role, i, j = self.instances.role[instance], int(self.instances.i[instance]), int(self.instances.j[instance])
+        basis, Z, d = self.assembly_basis, self.Z, self.d
+        A = model.W if not self.affine else np.concatenate([model.W, model.u[:, :, None]], axis=2)
+        M = Z.T[None] @ A @ basis[None]  # (H, d, F): [h, j, i] = z_j^T A_h x_i
+        labels = model.v @ Z  # (H, d): v_h^T z_j
+        cells = {"row_link": [(0, 0), (j, 0)], "column_link": [(j, 0), (j, i)]}.get(
+            role, [(j, slice(None))] if i == 0 else [(j, i)])
+        for row, column in cells:
+            M[[h, g], row, column] = M[[g, h], row, column]
+        if role == "grid" and i == 0:
+            labels[[h, g], j] = labels[[g, h], j]
+        A = np.linalg.solve(Z.T[None], M)
+        A = np.linalg.solve(basis.T[None], A.transpose(0, 2, 1)).transpose(0, 2, 1)
+        v = np.linalg.solve(Z.T, labels.T).T
+        return MultiHeadAttention(A[:, :, :d], v, A[:, :, d] if self.affine else model.u, model.c)
+
     def _build(self) -> None:
         """Lay out the instances known before any answer, in query order."""
         raise NotImplementedError
