@@ -448,7 +448,7 @@ def _start_validity(certificate, settings: RunSettings, scale: float, refit=None
 #: more than the run's fit does (root mean squares, weighted as the refinement weighs them).
 REFUTING_MISFIT = 2.0
 #: At most this many competing head orders are refitted (each one refinement more, no query).
-MOST_ALTERNATIVES = 6
+MOST_ALTERNATIVES = 24
 #: A refit within this relative distance of the run's fit (heads aligned) landed on the fit itself.
 SAME_FIT = 1e-6
 
