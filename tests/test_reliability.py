@@ -499,6 +499,30 @@ def test_lean_does_not_refine_exact_answers():
     assert result.refinement is None and result.ok
 
 
+
+@pytest.mark.parametrize("seed, failed", [(148, "answers_residual"), (237, "pole_count"), (266, "matching")])
+def test_a_failed_exact_lean_run_is_refined_with_counted_polish_queries(seed, failed):
+    # Before: exact answers, H = 3 (bench_reliability --runs 400: 8 lean false alarms of 400): the
+    # float64 algebra's estimate 5.7e-6 on a true 4e-5 (its residual said so), one instance of 19 with
+    # another pole count, one ambiguous link of 8: models within 1e-4 flagged. A failed lean result is
+    # refined like paper's, with its H (d^2 + d) polish queries (asked only because it failed, counted).
+    from mhaextract.checks.noise_probe import PROBE_QUERIES
+
+    target, oracle, d, H, _ = _random_case(seed, "exact")
+    algebraic = mx.extract(oracle, d, heads=H, seed=seed, schedule="lean", on_failure="warn", refine=False)
+    assert failed in {check.name for check in algebraic.failed_checks}
+    asked = []
+
+    def counted(batch):  # the count at the oracle itself
+        asked.append(len(batch))
+        return oracle(batch)
+    result = mx.extract(counted, d, heads=H, seed=seed, schedule="lean", on_failure="warn")
+    truth = float(mx.compare(result.model, target.canonical()).max_rel)
+    assert result.ok, result.failed_checks
+    assert result.refinement.kept == "refined" and result.refinement.queries == H * (d * d + d)
+    assert result.queries == sum(asked) == algebraic.queries + H * (d * d + d)
+    assert truth < 1e-8 and truth <= result.error_estimate <= 1e-4
+
 def test_a_refinement_supersedes_outvoted_instance_fits_but_not_extra_poles():
     from mhaextract.api import _superseded_by_fit
     from mhaextract.checks.base import Check
