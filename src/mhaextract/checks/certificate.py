@@ -175,8 +175,9 @@ class Certificate:
     def _matching_at(self, eps: float, statistical: bool, refuted=()) -> float | None:
         """Condition (a) at ``eps``: half the smallest exclusion of a triple that pairs a link's
         ``a`` and ``b`` heads otherwise, or (links not verified at eps) gives the link's own poles
-        to other heads. Links in ``refuted`` (positions, :meth:`matching_alternatives`) no longer
-        count by the former. None where there are no links to judge."""
+        to other heads. ``refuted``: ``(position, kind)`` pairs of :meth:`matching_alternatives`
+        whose every competing triple a refit refuted; that part of the link no longer counts. None
+        where there are no links to judge."""
         if self._instances is None:
             return None
         links, _, verified = self._instances["l2" if statistical else "l1"]
@@ -204,8 +205,8 @@ class Certificate:
         """``(position, kind, instance, h, g)`` of every triple a link does not exclude at ``eps``
         (half its exclusion at most eps; docs/algorithm.md §12, "Refuted alternatives"). ``kind``
         ``"order"``: head h of the link's instance ``a`` could be head g of its instance ``b``
-        (``instance``, heads in the run's order); ``"own"``: the link's own pole of head g could be
-        head h's (``instance`` the link; only where the link is not verified at eps). ``position``
+        (``instance``, heads in the run's order); ``"own"``: the link's pole of head h could be
+        head g's (``instance`` the link; only where the link is not verified at eps). ``position``
         indexes the links; ``(position, kind)`` pairs are what :meth:`matching_validity_at` takes
         as ``refuted``. Empty without links."""
         if self._instances is None or self._instances["l2" if statistical else "l1"][0] is None:
