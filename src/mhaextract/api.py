@@ -439,11 +439,15 @@ def _start_validity(certificate, settings: RunSettings, scale: float, refit=None
         eps, statistical = 3.0 * max(certificate.noise_estimate, 0.0 if refit is None else refit(None)[2]), True
     else:
         return certificate.valid_below, False, (0, np.inf)
-    validity = certificate.matching_validity_at(eps, statistical)
-    if validity > eps or refit is None:
+    if refit is None:
+        return certificate.matching_validity_at(eps, statistical), True, (0, np.inf)
+    # With refits, a start whose pole count is uncertain is judged too: the links touching an
+    # instance whose fit decides nothing exclude nothing, and every order they allow is refitted.
+    validity = certificate.matching_validity_at(eps, statistical, uncertain=True)
+    if validity > eps:
         return validity, True, (0, np.inf)
     refuted, orders, ratio = _refuted_links(certificate, eps, statistical, refit, alternative_start)
-    return certificate.matching_validity_at(eps, statistical, refuted), True, (orders, ratio)
+    return certificate.matching_validity_at(eps, statistical, refuted, uncertain=True), True, (orders, ratio)
 
 
 #: A competing head order is refuted when its refit misfits the answers by at least this factor
@@ -464,7 +468,7 @@ def _refuted_links(certificate, eps: float, statistical: bool, refit, alternativ
     misfits the answers ``REFUTING_MISFIT`` times more than the run's or lands on the run's fit
     (``SAME_FIT``). A refit that fits as well elsewhere is a second model the answers cannot tell
     apart: its link stays, and ``noise_within_validity`` fails as before."""
-    alternatives = certificate.matching_alternatives(eps, statistical)
+    alternatives = certificate.matching_alternatives(eps, statistical, uncertain=True)
     # (h, g) and (g, h) exchange the same two heads: one start, one refit
     starts = {(instance, min(h, g), max(h, g)) for _, _, instance, h, g in alternatives}
     if not alternatives or len(starts) > MOST_ALTERNATIVES:

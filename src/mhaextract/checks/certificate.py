@@ -144,7 +144,8 @@ class Certificate:
     valid_below_statistical: float | None = None
     _norms_l2: object = field(repr=False, default=None)  # () -> the same with row l2 norms
     #: "l1", "l2": (per-link matching exclusions of :func:`_matching_margins`, per instance the eps
-    #: up to which it is linear, per instance the eps from which it is verified); None: no exemption.
+    #: up to which it is linear, per instance the eps from which it is verified); "unreliable": an
+    #: uncertain start's instances whose fits decide nothing (None: certain); None: no exemption.
     _instances: dict | None = field(repr=False, default=None)
     #: Refined under noise: competing head orders of links whose margins the answer error covered,
     #: refitted from their own starts and refuted by the answers (docs/algorithm.md §12, "Refuted
@@ -172,46 +173,66 @@ class Certificate:
                                if key in ("_operator", "_reverify")})
         return other
 
-    def _matching_at(self, eps: float, statistical: bool, refuted=()) -> float | None:
+    def _links_at(self, statistical: bool, uncertain: bool):
+        """``(link, pairwise, own_pairs, b, verified)`` of the links, or None (no links; or an
+        uncertain start, unless ``uncertain``: then every triple of a link that touches an
+        instance whose fit decides nothing, failed or with another pole count, is excluded by
+        nothing, exclusion 0, and only refits can settle it)."""
+        if self._instances is None:
+            return None
+        links, _, verified = self._instances["l2" if statistical else "l1"]
+        unreliable = self._instances.get("unreliable")
+        if links is None or (unreliable is not None and not uncertain):
+            return None
+        link, pairwise, own_pairs, b, a = links
+        if unreliable is not None:
+            touched = (unreliable[a] | unreliable[b] | unreliable[link])[:, None, None]
+            off_diagonal = ~np.eye(pairwise.shape[1], dtype=bool)[None]
+            pairwise = np.where(touched & off_diagonal, 0.0, pairwise)
+            own_pairs = np.where(touched & off_diagonal, 0.0, own_pairs)
+        return link, pairwise, own_pairs, b, verified
+
+    def _matching_at(self, eps: float, statistical: bool, refuted=(), uncertain: bool = False) -> float | None:
         """Condition (a) at ``eps``: half the smallest exclusion of a triple that pairs a link's
         ``a`` and ``b`` heads otherwise, or (links not verified at eps) gives the link's own poles
         to other heads. ``refuted``: ``(position, kind)`` pairs of :meth:`matching_alternatives`
         whose every competing triple a refit refuted; that part of the link no longer counts. None
-        where there are no links to judge."""
-        if self._instances is None:
+        where there are no links to judge (``uncertain``: see :meth:`_links_at`)."""
+        found = self._links_at(statistical, uncertain)
+        if found is None:
             return None
-        links, _, verified = self._instances["l2" if statistical else "l1"]
-        if links is None:
-            return None
+        link, pairwise, own_pairs, _, verified = found
         exempt = verified <= eps if eps > 0 else np.zeros(len(verified), dtype=bool)
-        link, pairwise, own_pairs, _ = links
         others, own = _smallest(pairwise), _smallest(own_pairs)
         for kind, values in (("order", others), ("own", own)):
             values[[position for position, refuted_kind in refuted if refuted_kind == kind]] = np.inf
         return min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0
 
-    def matching_validity_at(self, eps: float, statistical: bool = False, refuted=()) -> float:
+    def matching_validity_at(self, eps: float, statistical: bool = False, refuted=(), uncertain: bool = False) -> float:
         """The matching part of :meth:`validity_at` alone (condition (a), docs/algorithm.md §12):
         below it the chosen triples are certified, so the heads are the ones the run assembled; the
         linearisation of the instances (b) is not part of it. 0 where the pole count is uncertain
-        or a fit failed; ``valid_below`` where the certificate has no instances. ``refuted``: links
+        or a fit failed (``uncertain``: judged from the links, those touching such an instance
+        excluding nothing); ``valid_below`` where the certificate has no instances. ``refuted``: links
         whose competing head orders were refitted and refuted by the answers (§12, "Refuted
         alternatives")."""
-        matching = self._matching_at(eps, statistical, refuted)
+        matching = self._matching_at(eps, statistical, refuted, uncertain)
         base = self.valid_below_statistical if statistical else self.valid_below
         return base if matching is None else max(0.0, matching)
 
-    def matching_alternatives(self, eps: float, statistical: bool = False) -> list[tuple[int, str, int, int, int]]:
+    def matching_alternatives(self, eps: float, statistical: bool = False,
+                              uncertain: bool = False) -> list[tuple[int, str, int, int, int]]:
         """``(position, kind, instance, h, g)`` of every triple a link does not exclude at ``eps``
         (half its exclusion at most eps; docs/algorithm.md §12, "Refuted alternatives"). ``kind``
         ``"order"``: head h of the link's instance ``a`` could be head g of its instance ``b``
         (``instance``, heads in the run's order); ``"own"``: the link's pole of head h could be
         head g's (``instance`` the link; only where the link is not verified at eps). ``position``
         indexes the links; ``(position, kind)`` pairs are what :meth:`matching_validity_at` takes
-        as ``refuted``. Empty without links."""
-        if self._instances is None or self._instances["l2" if statistical else "l1"][0] is None:
+        as ``refuted``. Empty without links (``uncertain``: see :meth:`_links_at`)."""
+        found_links = self._links_at(statistical, uncertain)
+        if found_links is None:
             return []
-        (link, pairwise, own_pairs, b), _, verified = self._instances["l2" if statistical else "l1"]
+        link, pairwise, own_pairs, b, verified = found_links
         found = []
         for kind, pairs, instances, judged in (("order", pairwise, b, np.ones(len(b), dtype=bool)),
                                                ("own", own_pairs, link, ~(verified[link] <= eps))):
@@ -598,7 +619,7 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     a, b, link, adds = _links(run.schedule)
     r = run.m.shape[1]
     if not len(a):
-        return np.inf, 0.0, np.zeros(0), (link, np.zeros((0, r, r)), np.zeros((0, r, r)), b)
+        return np.inf, 0.0, np.zeros(0), (link, np.zeros((0, r, r)), np.zeros((0, r, r)), b, a)
     m, l = run.m, run.l
     with np.errstate(all="ignore"):
         pole = m[a][:, :, None, None] + m[b][:, None, :, None] - m[link][:, None, None, :]
@@ -641,7 +662,7 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     pairwise[:, heads, heads] = np.inf
     own_pairs = exclusion[:, heads, heads, :].copy()
     own_pairs[:, heads, heads] = np.inf
-    per_link = (link, pairwise, own_pairs, b)
+    per_link = (link, pairwise, own_pairs, b, a)
     return smallest_exclusion, largest_chosen, noise_units, per_link
 
 
@@ -653,15 +674,14 @@ def _validity(run: PipelineRun, smallest_exclusion: float, links, movement_m: np
     min(0.05, gap / 8)), with the movements per unit answer error ``movement_*`` (n, r). Instance t
     is *verified* for ``eps >= verified[t]``: its measured deviations from the model
     ``deviation_*`` are within its movement ``eps movement_*`` (docs/algorithm.md §12)."""
-    if uncertain:
-        return 0.0, (None, None, None)
     with np.errstate(all="ignore"):
         gaps = np.diff(np.sort(run.m, axis=1), axis=1).min(axis=1, initial=np.inf)
         allowed = np.minimum(LINEARIZATION_STEP, POLE_GAP_FRACTION * gaps)
         linear = np.nan_to_num(allowed / movement_m.max(axis=1), nan=0.0)
         verified = np.nan_to_num(np.maximum((deviation_m / movement_m).max(axis=1),
                                             (deviation_l / movement_l).max(axis=1)), nan=np.inf)
-    return max(0.0, min(smallest_exclusion / 2.0, float(linear.min(initial=np.inf)))), (links, linear, verified)
+    valid = 0.0 if uncertain else max(0.0, min(smallest_exclusion / 2.0, float(linear.min(initial=np.inf))))
+    return valid, (links, linear, verified)
 
 
 def _deviations(run: PipelineRun) -> tuple[np.ndarray, np.ndarray]:
@@ -690,6 +710,9 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
     smallest_statistical, _, _, links_l2 = _matching_margins(run, D2m, D2l, D2m, D2l)
     uncertain = (not operator.finite.all()  # a failed fit: its links were matched on nothing
                  or np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT)  # the pole count itself
+    # Uncertain: the instances whose fits decide nothing (failed, or another pole count detected);
+    # only a refit of every order they could have decided can stand in for their margins (§12).
+    unreliable = (~operator.finite | (run.ranks != run.m.shape[1])) if uncertain else None
     deviation_m, deviation_l = _deviations(run)
     valid_below, instances_l1 = _validity(run, smallest_exclusion, links_l1, D1m, D1l, deviation_m, deviation_l,
                                           uncertain)
@@ -722,13 +745,15 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
 
     certificate = Certificate("algebraic", valid_below, _rounding_floor(run.answers), noise_estimate,
                               largest_chosen, _norms=norms, valid_below_statistical=valid_statistical,
-                              _norms_l2=norms_l2, _instances={"l1": instances_l1, "l2": instances_l2})
+                              _norms_l2=norms_l2,
+                              _instances={"l1": instances_l1, "l2": instances_l2, "unreliable": unreliable})
     certificate._operator = operator  # for sensitivity_matrix
 
     def reverify(model):  # the instances verified against another model of the same heads (order)
         other_m, other_l = _deviations(replace(run, model=model))
         return {"l1": _validity(run, smallest_exclusion, links_l1, D1m, D1l, other_m, other_l, uncertain)[1],
-                "l2": _validity(run, smallest_statistical, links_l2, D2m, D2l, other_m, other_l, uncertain)[1]}
+                "l2": _validity(run, smallest_statistical, links_l2, D2m, D2l, other_m, other_l, uncertain)[1],
+                "unreliable": unreliable}
     certificate._reverify = reverify
     return certificate
 
