@@ -199,7 +199,6 @@ def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
     assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
 
 
-
 def test_a_wrong_start_near_the_float64_limit_is_measured_not_overflowed():
     # A wrong model at a token scale its W cannot take answers ~1e200 off: sum r^2 overflows
     # float64. The noise and the refinement's misfit keep their true size (RuntimeWarnings are
@@ -220,6 +219,7 @@ def test_a_wrong_start_near_the_float64_limit_is_measured_not_overflowed():
     kept, record = refine_least_squares(target, batch, answers, max_evaluations=3)
     assert 1e199 < record.residual_before < 1e201 and np.isfinite(record.residual_after)
     assert record.residual_after <= record.residual_before
+
 
 @pytest.mark.slow
 def test_refining_a_bias_free_float32_target_with_biases_is_not_a_false_alarm():

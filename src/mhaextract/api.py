@@ -502,9 +502,11 @@ def _refine(model, sequences, answers, added, bias, certificate, start_validity=
     if refinement.status == -1:  # not attempted (too few answers, or not affordable): the schedule's own stands
         return model, refinement, certificate
 
+    fit_residuals = residuals(model, sequences, answers)  # for the refits' noise and the certificate
+
     def refit(start):  # the same least squares from another start; None: the fit, its misfit and its noise
         if start is None:
-            noise = root_mean_square(residuals(model, sequences, answers),
+            noise = root_mean_square(fit_residuals,
                                      max(len(answers) - parameter_count(model.heads, model.d, bias), 1))
             return model, refinement.residual_after, noise
         return refine_least_squares(start, sequences, answers, bias=bias, weights=weights)
@@ -515,7 +517,7 @@ def _refine(model, sequences, answers, added, bias, certificate, start_validity=
     if solver is None:  # the start was kept: its own Jacobian (dense or matrix-free as the refinement's)
         solver = jacobian_solver(model, sequences, weights, bias, matrix_free=refinement.path == "matrix-free")
     certificate = least_squares_certificate(
-        None, model, residuals(model, sequences, answers), answers, valid_below, bias=bias, weights=weights,
+        None, model, fit_residuals, answers, valid_below, bias=bias, weights=weights,
         solver=solver, linear=linear)
     certificate.refuted_orders, certificate.refuting_ratio = refuted
     if refinement.path == "matrix-free":

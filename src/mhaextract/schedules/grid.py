@@ -26,6 +26,7 @@ import numpy as np
 from ..checks.base import FLOAT64_MAX_RELIABLE_HEADS, Check, CheckPolicy, heads_found_check
 from ..checks.certificate import PipelineRun
 from ..model import MultiHeadAttention
+from ..numerics import float64 as float64_kernel
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits
 from ..oracle.queries import CopiesQueries, InstanceTable, random_basis
@@ -202,9 +203,7 @@ class GridSchedule(Schedule):
             M[[h, g], row, column] = M[[g, h], row, column]
         if role == "grid" and i == 0:
             labels[[h, g], j] = labels[[g, h], j]
-        A = np.linalg.solve(Z.T[None], M)
-        A = np.linalg.solve(basis.T[None], A.transpose(0, 2, 1)).transpose(0, 2, 1)
-        v = np.linalg.solve(Z.T, labels.T).T
+        A, v = float64_kernel.assemble(Z, basis, M, labels)  # the run's own assembly (§9)
         return MultiHeadAttention(A[:, :, :d], v, A[:, :, d] if self.affine else model.u, model.c)
 
     def _build(self) -> None:
