@@ -356,6 +356,33 @@ def test_final_patterns_put_the_target_at_both_sides_and_stay_orthogonal():
         assert targeted.final_unit_queries(rounds) == 2 * rounds
 
 
+def test_the_incremental_correction_is_the_least_squares_minimum_norm_solution():
+    """``_MinimumNormCorrection`` after each round equals ``lstsq``'s minimum-norm ``X^+ misses``
+    over the finite rows so far (computed here from scratch), also for rows almost inside the span of
+    the earlier ones (1e-6 and 1e-9 of their norm off it: one Gram-Schmidt pass would leave them
+    ``eps / 1e-9`` from orthogonal, the second pass is made), an exactly repeated row and a NaN
+    misfit (both skipped)."""
+    rng = np.random.default_rng(3)
+    units, d = 7, 9
+    rows = rng.standard_normal((d, units, d))
+    rows[4] = rows[:4].sum(axis=0) + 1e-6 * rng.standard_normal((units, d))
+    rows[6] = rows[1] * 3.0 - rows[5] + 1e-9 * rng.standard_normal((units, d))
+    rows[7] = rows[2]  # exactly dependent: skipped
+    misses = rng.standard_normal((d, units))
+    misses[3, 2] = np.nan
+    correction = targeted._MinimumNormCorrection(units, d)
+    for n in range(d):
+        delta = correction.add(n, rows[n], misses[n])
+        for u in range(units):
+            keep = [k for k in range(n + 1) if np.isfinite(misses[k, u]) and k != 7]
+            expected = np.linalg.lstsq(rows[keep, u], misses[keep, u], rcond=None)[0]
+            limit = 1e-14 * np.linalg.cond(rows[keep, u]) * np.abs(expected).max()  # both solve to eps cond
+            np.testing.assert_allclose(delta[u], expected, rtol=0, atol=limit)
+            basis = correction.basis[u, :n + 1]
+            gram = basis @ basis.T
+            np.testing.assert_allclose(gram, np.diag(np.diag(gram)), atol=1e-12)  # orthonormal, skipped rows 0
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_targeted_count_is_the_formula_plus_phase_1_counted_at_the_oracle(bias):
     """Every query at the oracle is the formula's (first group and final units: 2 queries an

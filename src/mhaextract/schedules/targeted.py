@@ -120,6 +120,9 @@ CHUNK_BYTES = 2**28
 KEEP_BYTES = 2**24
 #: Bases of this many bytes (a block of units) are orthogonalised against together, in cache.
 GRAM_SCHMIDT_BYTES = 2**20
+#: A row that keeps less than this share of its norm off the basis is orthogonalised a second time
+#: (:class:`_MinimumNormCorrection`): one pass leaves it orthogonal to about ``eps / share``.
+REORTHOGONALISE = 1e-3
 
 
 def score_unit(settings, stats=None) -> float:
@@ -309,8 +312,11 @@ def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
 def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
     """What :func:`_designs` needs of the rows that stay fixed over a unit's rounds, the other heads'
     estimates ``O`` (the rows of ``current`` (U, H, d) but the target ``heads[u]``), from one batched
-    QR ``O^T = Q_o R_o`` per unit (not per round): ``Q_o^T`` (U, H - 1, d), ``R_o``, the map
-    ``(O^+)^T = R_o^{-1} Q_o^T`` (U, H - 1, d) and the other heads' indices (U, H - 1), ascending.
+    QR ``O^T = Q_o R_o`` per unit (not per round): ``Q_o^T`` (U, H - 1, d), the map
+    ``(O^+)^T = R_o^{-1} Q_o^T`` (U, H - 1, d), the other heads' indices (U, H - 1), ascending, and
+    the scale ``c`` of the null part, the mean singular value of all H estimates ``E`` (U,) as they
+    are here: the corrections of the target's row move it by their relative size only, and ``c``
+    merely sizes the null part (an SVD per round cost a twentieth of the low-rank learner).
     (Stored as rows: the per-round products with one vector per unit run ~2x faster so.)"""
     U, H, _ = current.shape
     units = np.arange(U)
@@ -318,7 +324,8 @@ def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
     others = slots + (slots >= heads[:, None])  # the heads f != h, ascending
     q, r = np.linalg.qr(current[units[:, None], others].transpose(0, 2, 1))
     rows = np.ascontiguousarray(q.transpose(0, 2, 1))
-    return rows, r, np.matmul(np.linalg.inv(r), rows), others
+    scale = np.linalg.svd(current, compute_uv=False).mean(axis=1)
+    return rows, np.matmul(np.linalg.inv(r), rows), others, scale
 
 
 def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray,
@@ -328,8 +335,8 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + halfwidth p_h`` and the others at
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
     and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b`` the unit's
-    ``null_part`` and ``c`` the mean singular value of E. While the estimates are the initial ones
-    this is the square design ``[E; c N0] x = values``; once the target row was corrected the
+    ``null_part`` and ``c`` the mean singular value of E (at the frame's estimates). While the
+    estimates are the initial ones this is the square design ``[E; c N0] x = values``; once the target row was corrected the
     projection keeps the null part exactly off every head.
 
     Only the target's row t changes between rounds: ``frame`` (:func:`_other_heads_frame`, of the
@@ -338,7 +345,7 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     factorisation nor solve per round (the same x as a QR of E to rounding)."""
     U, H, d = current.shape
     units = np.arange(U)
-    q_rows, r_others, pseudo_inverse_rows, others = frame if frame is not None else _other_heads_frame(current, heads)
+    q_rows, pseudo_inverse_rows, others, scale = frame if frame is not None else _other_heads_frame(current, heads)
 
     def along_rows(vectors):  # Q_o^T v, (U, H - 1)
         return np.matmul(q_rows, vectors[:, :, None])[:, :, 0]
@@ -347,18 +354,12 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
         return np.matmul(coefficients[:, None, :], q_rows)[:, 0]
 
     target = current[units, heads]
-    overlap = along_rows(target)
-    rest = target - spanned(overlap)
-    second = along_rows(rest)
-    rest -= spanned(second)
-    overlap += second
+    rest = target - spanned(along_rows(target))
+    rest -= spanned(along_rows(rest))
     size = np.linalg.norm(rest, axis=1)
     if (size == 0).any():  # E singular: what the solve with a QR of E per round raised
         raise np.linalg.LinAlgError("Singular matrix")
     unit = rest / size[:, None]
-    r = np.zeros((U, H, H))  # E^T = [Q_o, unit] r, the heads ordered (others, target)
-    r[:, :H - 1, :H - 1], r[:, :H - 1, H - 1], r[:, H - 1, H - 1] = r_others, overlap, size
-    scale = np.linalg.svd(r, compute_uv=False).mean(axis=1)
     values = SATURATION_MID + SATURATION_SPREAD * columns[units[:, None], others]
     base = np.matmul(values[:, None, :], pseudo_inverse_rows)[:, 0]  # O^+ u_O: nothing along t's own direction
     along = (TARGET_CENTER + halfwidth * columns[units, heads] - np.einsum("ud,ud->u", target, base)) / size
@@ -371,7 +372,14 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
 class _MinimumNormCorrection:
     """The minimum-norm change of each unit's target estimate that fits its log-poles so far,
     ``delta = X^+ (m - X a_prior)`` (X: the finite rows), updated by one Gram-Schmidt step per
-    round instead of a least-squares solve from scratch (same solution to rounding)."""
+    round instead of a least-squares solve from scratch (same solution to rounding).
+
+    One classical Gram-Schmidt pass leaves the new basis vector orthogonal to the others to about
+    ``eps |x| / |q|`` (q: the row's part off the basis); the designs of §13 keep ``|q| / |x|`` above
+    0.07 (measured: targeted d = 64, low-rank d = 192), so a second pass, which would double the
+    cost, is made only for rows below ``REORTHOGONALISE`` (degenerate designs, repeated rows). The
+    correction only aims the next rounds' designs: ``a`` itself is solved from all rounds at the
+    end (:func:`_reduce_chunk`)."""
 
     def __init__(self, units: int, d: int):
         self.basis = np.zeros((units, d, d))  # orthonormal rows: the rows of X asked so far, orthogonalised
@@ -383,8 +391,8 @@ class _MinimumNormCorrection:
         ok = np.isfinite(misses)
         U, d = rows.shape
         overlap, q = np.empty((U, n)), np.empty((U, d))
-        # Blocks of units whose bases fit the cache: the four products below read each block once
-        # from memory, not four times. The basis vectors are stored as rows: each unit's (n, d)
+        # Blocks of units whose bases fit the cache: the products below read each block once
+        # from memory, not twice. The basis vectors are stored as rows: each unit's (n, d)
         # block is contiguous (as columns the products ran ~1.3x slower).
         step = max(1, GRAM_SCHMIDT_BYTES // max(1, 8 * d * n))
         for start in range(0, U, step):
@@ -392,11 +400,16 @@ class _MinimumNormCorrection:
             basis = self.basis[part, :n]
             overlap[part] = np.matmul(basis, rows[part, :, None])[:, :, 0]  # (units, n)
             q[part] = rows[part] - np.matmul(overlap[part, None, :], basis)[:, 0]
-            second = np.matmul(basis, q[part, :, None])[:, :, 0]  # classical Gram-Schmidt, twice
-            q[part] -= np.matmul(second[:, None, :], basis)[:, 0]
-            overlap[part] += second
+        size = np.linalg.norm(rows, axis=1)
         rho = np.linalg.norm(q, axis=1)
-        ok &= rho > 1e-12 * np.linalg.norm(rows, axis=1)
+        again = np.flatnonzero(rho < REORTHOGONALISE * size)
+        if again.size:  # classical Gram-Schmidt, twice
+            basis = self.basis[again, :n]
+            second = np.matmul(basis, q[again, :, None])[:, :, 0]
+            q[again] -= np.matmul(second[:, None, :], basis)[:, 0]
+            overlap[again] += second
+            rho[again] = np.linalg.norm(q[again], axis=1)
+        ok &= rho > 1e-12 * size
         safe = np.where(ok, rho, 1.0)
         self.basis[:, n] = np.where(ok[:, None], q / safe[:, None], 0.0)
         value = (np.nan_to_num(misses) - np.einsum("un,un->u", overlap, self.coefficients[:, :n])) / safe
@@ -529,18 +542,17 @@ class _FullDesign:
         """The copy counts asked in round n (``default``: the stage's, :func:`_measure`)."""
         return default[1] if n else default[0]
 
-    @property
-    def target(self) -> np.ndarray:
-        return self.current[self.units, self.heads]
-
     def design(self, n: int) -> np.ndarray:
         return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n], self.frame,
                         self.halfwidth)
 
-    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
-        """Correct the target's estimate to fit what was measured (minimal change from the prior)."""
+    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """Correct the target's estimate to fit what was measured (minimal change from the prior);
+        returns the log-poles ``t^T x`` the round's tokens were designed for (t: the estimate before)."""
+        designed = np.einsum("ud,ud->u", x, self.current[self.units, self.heads])
         miss = m - np.einsum("ud,ud->u", x, self.prior)
         self.current[self.units, self.heads] = self.prior + self.correction.add(n, x, miss)
+        return designed
 
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs``."""
@@ -630,11 +642,15 @@ class _SubspaceDesign(_FullDesign):
         rhs = np.concatenate([values, y], axis=1)
         return np.matmul(rhs[:, None, :], self.frame_map_rows)[:, 0]
 
-    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> None:
+    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """As :meth:`_FullDesign.update` in the coordinates ``c = Q^T t``: ``t^T x = c^T Q^T x``, and
+        only ``c`` is corrected (the designs read ``c``; the target's row of ``current`` keeps the
+        unit's initial estimate, saving a (U, r, d) product per round)."""
         rows = np.matmul(self.basis_rows, x[:, :, None])[:, :, 0]  # Q^T x
+        designed = np.einsum("ur,ur->u", rows, self.coordinates)
         miss = m - np.einsum("ur,ur->u", rows, self.prior)
         self.coordinates = self.prior + self.correction.add(n, rows, miss)
-        self.current[self.units, self.heads] = np.matmul(self.coordinates[:, None, :], self.basis_rows)[:, 0]
+        return designed
 
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         return np.matmul(self.basis, np.linalg.solve(np.matmul(finals, self.basis), rhs))
@@ -700,7 +716,6 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     for n in range(rounds):
         x = prober.quantize(design.design(n))
         finals[:, n] = x
-        designed[:, n] = np.einsum("ud,ud->u", design.target, x)
         ks = design.copies(n, copies)
         gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
         gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)], ks_all[:, n, :len(ks)] = gaps, rounding, ks
@@ -715,7 +730,7 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
             log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
                 fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
             residual[:, n] = fits.residual if len(ks) > 2 else np.nan
-        design.update(n, x, log_pole[:, n])
+        designed[:, n] = design.update(n, x, log_pole[:, n])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
         log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, ks_all)),
