@@ -1,5 +1,6 @@
 """Refinement with biases for every float64 schedule, its polish queries and its certificate (§12)."""
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -197,6 +198,14 @@ def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
     assert certificate.amplification_bias > 0 and certificate.amplification == max(
         certificate.amplification_W, certificate.amplification_v, certificate.amplification_bias)
     assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
+    # docs/algorithm.md §12, "Second order": the fit's slack grows with its first-order movement m,
+    # 1 at the edge of its linear range (m = 1e-3), 0.1 at m = 1e-4, never above 1.
+    C, floor = certificate.amplification, certificate.rounding_floor
+    for movement, factor in ((1e-4, 1.1), (1e-3, 2.0), (1e-2, 2.0), (1e-8, 1.0 + 1e-5)):
+        eps = movement / C - floor
+        assert certificate.first_order(eps) == pytest.approx(factor * movement, rel=1e-9)
+    algebraic = dataclasses.replace(certificate, kind="algebraic", linear_movement=None)
+    assert algebraic.first_order(1e-4 / C - floor) == pytest.approx(2e-4, rel=1e-9)
 
 
 def test_a_wrong_start_near_the_float64_limit_is_measured_not_overflowed():

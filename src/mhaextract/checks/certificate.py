@@ -45,7 +45,8 @@ own poles to other heads); ``valid_below_statistical`` is the same with l2 movem
 measured noise (a standard deviation). docs/algorithm.md §12.
 
 **Safety.** ``error_bound(eps) = 2 C (eps + rounding_floor)``: a factor 2 for the second-order
-terms and the Jacobians evaluated at the estimate rather than the truth, and a floor of
+terms and the Jacobians evaluated at the estimate rather than the truth (a least-squares fit's
+factor shrinks with its movement, :meth:`Certificate.second_order`), and a floor of
 ``8 u max|answer|`` (u = 2^-53) for the rounding of the answers and of the float64
 arithmetic of the run. ``error_bound`` is infinite for ``eps >= valid_below``.
 
@@ -72,7 +73,7 @@ from ..numerics.rational import instance_jacobian
 from ..model import MultiHeadAttention
 from ..validation import nonnegative_number
 
-#: error_bound = (1 + SECOND_ORDER_SLACK) * C * (eps + rounding floor).
+#: error_bound = (1 + s) * C * (eps + rounding floor), s = SECOND_ORDER_SLACK (least squares: scaled, Certificate.second_order).
 SECOND_ORDER_SLACK = 1.0
 #: The float64 floor on the answer error: this many units of 2^-53 of the largest answer.
 ROUNDING_ULPS = 8.0
@@ -133,6 +134,10 @@ class Certificate:
     method : how G's row norms were found: ``"exact"`` (G formed in chunks: the pipeline's, or the
         dense least squares'), or :data:`MATRIX_FREE_METHOD` (after a matrix-free refinement,
         §12.1: bounds estimated from LSMR solves on random answer errors, with a safety factor).
+    linear_movement : the relative parameter movement at which the fit's first order stops being
+        trusted (least squares: :data:`LINEAR_MOVEMENT`), where the second-order slack is the full
+        ``SECOND_ORDER_SLACK`` and below which it shrinks in proportion (:meth:`second_order`);
+        None (algebraic): the full slack at every eps.
     """
 
     kind: str
@@ -153,6 +158,7 @@ class Certificate:
     #: every refit landed on the fit itself).
     refuted_orders: int = 0
     refuting_ratio: float = np.inf
+    linear_movement: float | None = None
 
     def __post_init__(self):
         if self.valid_below_statistical is None:
@@ -288,8 +294,7 @@ class Certificate:
         fraction 3e-3; the box's worst case ``eps ||G_p||_1`` needs every error at its bound with
         the sign of G_p (docs/algorithm.md §12)."""
         sigma = _validate_eps(sigma)
-        return (1.0 + SECOND_ORDER_SLACK) * (3.0 * sigma * self.amplification_l2
-                                             + self.amplification * self.rounding_floor)
+        return self.second_order(3.0 * sigma * self.amplification_l2 + self.amplification * self.rounding_floor)
 
     def error_bound(self, eps: float) -> float:
         """Bound on the max relative parameter error (``compare(...).max_rel``) when every answer
@@ -302,7 +307,19 @@ class Certificate:
     def first_order(self, eps: float) -> float:
         """``2 C (eps + rounding_floor)`` whether or not eps is below ``valid_below``: an estimate
         (the learner's ``error_estimate`` when the noise is estimated), not a certified bound."""
-        return (1.0 + SECOND_ORDER_SLACK) * self.amplification * (_validate_eps(eps) + self.rounding_floor)
+        return self.second_order(self.amplification * (_validate_eps(eps) + self.rounding_floor))
+
+    def second_order(self, movement: float) -> float:
+        """A first-order relative movement with its second-order slack: ``(1 + s) movement``.
+        ``s = SECOND_ORDER_SLACK`` for the algebraic certificate; for a least-squares fit, whose
+        first order is trusted up to the movement ``linear_movement`` (the second-order terms as
+        large as the first there, by that definition), ``s = SECOND_ORDER_SLACK min(1, movement /
+        linear_movement)``: the second-order terms relative to the first grow with the movement
+        (docs/algorithm.md §12, "Second order")."""
+        slack = SECOND_ORDER_SLACK
+        if self.linear_movement is not None and np.isfinite(movement):
+            slack *= min(1.0, movement / self.linear_movement)
+        return (1.0 + slack) * movement
 
 
 def _validate_eps(eps) -> float:
@@ -858,7 +875,7 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
         valid_below = own if valid_below is None else min(valid_below, own)
     certificate = Certificate("least squares", valid_below if rank_ok else 0.0, _rounding_floor(answers), noise, 0.0,
                               _norms=lambda: amplifications,
-                              method=MATRIX_FREE_METHOD if matrix_free else "exact")
+                              method=MATRIX_FREE_METHOD if matrix_free else "exact", linear_movement=LINEAR_MOVEMENT)
     certificate._factors = (solver, weights) if rank_ok and not matrix_free else None
     certificate._bias = bias
     return certificate

@@ -118,6 +118,8 @@ CHUNK_BYTES = 2**28
 #: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
 #: are then computed exactly rather than bounded (:func:`_diagnostics`).
 KEEP_BYTES = 2**24
+#: Design patterns drawn per random orthogonal base (:func:`_patterns`: shuffled rows and rounds).
+PATTERN_SHARING = 8
 #: Bases of this many bytes (a block of units) are orthogonalised against together, in cache.
 GRAM_SCHMIDT_BYTES = 2**20
 #: A row that keeps less than this share of its norm off the basis is orthogonalised a second time
@@ -419,9 +421,8 @@ class _MinimumNormCorrection:
 
 
 def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None = None) -> np.ndarray:
-    """``count`` design patterns (count, d, d), entries in [-1, 1], by one batched QR: row
-    ``constant_row`` all ones, the other rows random, mutually orthogonal and orthogonal to the
-    ones (zero sums).
+    """``count`` design patterns (count, d, d), entries in [-1, 1]: row ``constant_row`` all ones,
+    the other rows random, mutually orthogonal and orthogonal to the ones (zero sums).
 
     The log-poles of the design are ``offset + halfwidth * pattern`` row by row, with a large offset
     (``SATURATION_MID``) on the saturated rows. With zero-sum rows the offsets of all rows are
@@ -432,22 +433,40 @@ def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None
     ``target_row`` (the final stage's patterns, :class:`_FinalDesign`): that row is
     :func:`final_sides` (every entry +-1 but a 0 for odd d, zero sum) in every pattern, and the
     other rows, random, are orthogonal to it as well.
+
+    One batched QR draws ``ceil(count / PATTERN_SHARING)`` base patterns (random orthogonal rows);
+    each pattern is a base with its random rows shuffled among themselves, their signs drawn, and
+    its columns (rounds) permuted, within each side of ``target_row`` when there is one. All of
+    that keeps every property above exactly, and the QRs, a sixth of the targeted learner's time at
+    d = 128, H = 8, cost an eighth.
     """
-    gaussian = rng.standard_normal((count, d, d))
+    bases = -(-count // PATTERN_SHARING)
+    gaussian = rng.standard_normal((bases, d, d))
     gaussian[:, :, 0] = 1.0  # Gram-Schmidt (QR) with the ones first: the others come out orthogonal to it
-    order = [constant_row] + [row for row in range(d) if row != constant_row]
+    fixed = [constant_row]
     sides = None
     if target_row is not None and target_row != constant_row and d > 1:
         sides = final_sides(d).astype(np.float64)
-        order = [constant_row, target_row] + [row for row in range(d) if row not in (constant_row, target_row)]
+        fixed = [constant_row, target_row]
         gaussian[:, :, 1] = sides  # zero sum: the QR keeps its direction
+    free = [row for row in range(d) if row not in fixed]
     q, _ = np.linalg.qr(gaussian)
-    rows = np.empty((count, d, d))
-    rows[:, order] = q.transpose(0, 2, 1)
-    rows /= np.maximum(rows.max(axis=2, keepdims=True), -rows.min(axis=2, keepdims=True))  # max |.|, no |rows| copy
+    base = np.empty((bases, d, d))
+    base[:, fixed + free] = q.transpose(0, 2, 1)
+    base /= np.maximum(base.max(axis=2, keepdims=True), -base.min(axis=2, keepdims=True))  # max |.|, no |rows| copy
     if sides is not None:
-        rows[:, target_row] = sides  # exactly (the QR gives it to rounding, up to sign)
-    return rows
+        base[:, target_row] = sides  # exactly (the QR gives it to rounding, up to sign)
+    row_order = np.empty((count, d), dtype=int)
+    row_order[:, fixed] = fixed
+    row_order[:, free] = rng.permuted(np.broadcast_to(np.array(free, dtype=int), (count, len(free))), axis=1)
+    columns = np.empty((count, d), dtype=int)
+    for side in (np.unique(sides) if sides is not None else [None]):  # rounds exchanged within a side only
+        rounds = np.arange(d) if side is None else np.flatnonzero(sides == side)
+        columns[:, rounds] = rng.permuted(np.broadcast_to(rounds, (count, len(rounds))), axis=1)
+    signs = rng.choice([-1.0, 1.0], size=(count, d, 1))
+    signs[:, fixed] = 1.0
+    picks = rng.integers(bases, size=count)
+    return base[picks[:, None, None], row_order[:, :, None], columns[:, None, :]] * signs
 
 
 def final_sides(rounds: int) -> np.ndarray:
