@@ -444,6 +444,22 @@ def _random_case(seed, condition):
     return target, mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-8, seed=seed), d, H, dict(answer_error=1e-8)
 
 
+@pytest.mark.parametrize("seed, condition", [(281, "uniform"), (387, "gaussian")])
+def test_targeted_labels_are_judged_against_their_inverse_variance_mean(seed, condition):
+    # Before: labels_consistent 3.5e3 (seed 281, d = H = 3) and 1.1e5 (seed 387, d = 4, H = 2)
+    # against 1e3 failed models 2.2e-7 and 2.0e-10 off: one label far off its target's centre,
+    # with an error 1e7 x the others', moved the plain mean of its unit by thousands of their errors.
+    d, H = 2 + seed % 5, 1 + (seed // 5) % min(2 + seed % 5, 4)
+    target = mx.MultiHeadAttention.random(d, H, seed=1000 + seed, bias=True)  # bench_reliability's auto target
+    if condition == "gaussian":
+        oracle, extra = mx.GaussianNoise(mx.SimulatedOracle(target), 1e-10, seed=seed), {}
+    else:
+        oracle, extra = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-8, seed=seed), dict(answer_error=1e-8)
+    result = mx.extract(oracle, d, heads=H, seed=seed, on_failure="warn", **extra)
+    assert result.ok, result.failed_checks
+    assert float(mx.compare(result.model, target).max_rel) <= result.error_estimate
+
+
 @pytest.mark.parametrize("seed", [28, 58])
 def test_lean_residual_is_judged_against_the_estimate_with_exact_answers(seed):
     # Before: answers_residual 1.2e-6 (seed 28) and 1.7e-6 (seed 58) against a fixed 1e-6 failed
