@@ -859,22 +859,29 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
     ones = np.full(d, 1.0 / np.sqrt(d))
     normal = unit - ones
     if np.linalg.norm(normal) < 1e-12:
-        reflection = np.eye(d)
+        normal = np.zeros(d)  # already balanced: R = I
     else:
         normal /= np.linalg.norm(normal)
-        reflection = np.eye(d) - 2.0 * np.outer(normal, normal)
+    reflection = np.eye(d) - 2.0 * np.outer(normal, normal)
     signs = rng.choice([-1.0, 1.0], size=d)
     basis = reflection * signs[None, :]
     if scores is not None and len(scores) > 1:
         rows = scores[:, :d, :d]  # A(z)[f] = W_f^T z on x (a lifted z ends in 0, a lifted x in a fixed 1)
         count = int(np.clip(BASIS_BYTES // (8 * rows.size), 1, BASIS_CANDIDATES))  # (count, d, H, d) designs
+        # A random rotation fixing the ones: O = Q F, Q from the QR of a Gaussian whose first column
+        # is the ones (Q e_1 = +-1 / sqrt(d), the rest a random basis of the complement), F the
+        # reflection exchanging e_1 and 1 / sqrt(d) (O 1 = Q sqrt(d) e_1 = 1 once Q's sign is fixed):
+        # one QR per candidate, and F applied in O(d^2).
         gaussian = rng.standard_normal((count - 1, d, d))
-        complement = np.linalg.qr(gaussian - ones[None, :, None] * (ones @ gaussian)[:, None, :])[0][:, :, :d - 1]
-        inner = np.linalg.qr(rng.standard_normal((count - 1, d - 1, d - 1)))[0]
-        rotations = (np.outer(ones, ones)[None]
-                     + np.matmul(complement, np.matmul(inner, complement.transpose(0, 2, 1))))
+        gaussian[:, :, 0] = 1.0
+        q = np.linalg.qr(gaussian)[0]
+        q *= np.sign(q[:, :1, :1] * ones[0])  # the first column +1 / sqrt(d) (a column sign keeps Q orthogonal)
+        swap = np.eye(d)[0] - ones
+        swap /= np.linalg.norm(swap)
+        rotations = q - 2.0 * np.matmul(q, swap)[:, :, None] * swap[None, None, :]  # Q (I - 2 s s^T)
         # R O diag(signs): v^T R O = |v| 1^T O / sqrt(d) = |v| 1^T / sqrt(d), every label alike
-        candidates = np.concatenate([basis[None], np.matmul(reflection, rotations) * signs[None, None, :]])
+        reflected = rotations - 2.0 * normal[None, :, None] * np.matmul(normal, rotations)[:, None, :]  # R O
+        candidates = np.concatenate([basis[None], reflected * signs[None, None, :]])
         # (count, groups, H, d): designs[k, g, f] = rows[f]^T candidates[k][:, g], as BLAS matmuls (not einsum)
         designs = np.matmul(candidates.transpose(0, 2, 1)[:, None], rows[None]).transpose(0, 2, 1, 3)
         if head is None:
