@@ -1236,6 +1236,21 @@ def first_order_estimate(squared: np.ndarray, z_norm: np.ndarray, model) -> floa
     return float(factor * W_rms.max(initial=0.0) / max(np.abs(model.W).max(), 1e-300))
 
 
+def label_deviation(labels: np.ndarray, sigma: np.ndarray, unit: float) -> float:
+    """The largest deviation of an instance's label from the inverse-variance mean of its unit's
+    (the last axis), in its own first-order errors ``sigma + unit max|label|`` (``unit``: the
+    answers' relative error). The inverse-variance mean is the consensus the fits use: in a plain
+    mean, an instance far off its target's centre, whose label error is 1e7 x the others', moved
+    the mean by thousands of theirs and failed correct runs (auto, declared uniform 1e-8,
+    bench_reliability: one label -3.1 +- 320 among three at -18.945 +- 1e-5..1.5e-2)."""
+    scale = np.nanmax(np.abs(labels))
+    error = sigma + unit * scale
+    weights = np.where(np.isfinite(labels), 1.0 / np.maximum(error, 1e-300) ** 2, 0.0)
+    mean = (np.nan_to_num(labels) * weights).sum(axis=-1, keepdims=True) / np.maximum(
+        weights.sum(axis=-1, keepdims=True), 1e-300)
+    return float(np.nanmax(np.abs(labels - mean) / error))
+
+
 def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_given, measurements, unit: float = EPS):
     checks = [heads_found_check(H, heads_given, f"by phase 1 on {search.lines} lines")]
     bad = instances.unsaturated
@@ -1245,19 +1260,7 @@ def _checks(instances: TargetedInstances, search: LineSearchReport, H, heads_giv
         f"{len(bad)} of {len(instances.saturated)} targeted instances did not hold their saturation assumption"
         + (f" ({where}{', ...' if len(bad) > 5 else ''})" if len(bad) else ""),
     ))
-    deviation = 0.0
-    for data in measurements:
-        labels = data.label
-        scale = np.nanmax(np.abs(labels))
-        error = data.sigma_l + unit * scale
-        # The inverse-variance mean, as the consensus labels are: an instance far off the target's
-        # centre has a label error 1e7 x the others' and, in a plain mean, moved it by 4 units of
-        # theirs, failing a correct run (auto, d = H = 3, declared uniform 1e-8, bench_reliability
-        # seed 296: one label -3.1 +- 320 among three at -18.945 +- 1e-5..1.5e-2).
-        weights = np.where(np.isfinite(labels), 1.0 / np.maximum(error, 1e-300) ** 2, 0.0)
-        mean = (np.nan_to_num(labels) * weights).sum(axis=2, keepdims=True) / np.maximum(
-            weights.sum(axis=2, keepdims=True), 1e-300)
-        deviation = max(deviation, float(np.nanmax(np.abs(labels - mean) / error)))
+    deviation = max((label_deviation(data.label, data.sigma_l, unit) for data in measurements), default=0.0)
     checks.append(Check("labels_consistent", deviation <= 1e3, deviation, 1e3,
                         "largest deviation of an instance's label from its (head, group) inverse-variance "
                         "mean, in first-order errors"))
