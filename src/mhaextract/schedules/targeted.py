@@ -805,9 +805,11 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         # estimate understated the truth 270-fold (d = H = 4, bench_reliability seed 57).
         inverse = design.solve(finals, np.broadcast_to(np.eye(rounds), (U, rounds, rounds)))
         with np.errstate(over="ignore", invalid="ignore"):  # an unbounded spread is an infinite estimate, said so
-            for part, terms in enumerate((sigma, score_sigma)):
-                mapped = inverse * np.nan_to_num(terms)[:, None, :]
-                spread[..., part] = np.where(ok[:, None], np.sqrt((mapped**2).sum(axis=2)), np.nan)
+            # both parts at once: sum_n (X^{-1})_{in}^2 sigma_n^2 as one batched product (a huge sigma
+            # squared to inf is held at the largest float, so that 0 x it stays 0, not NaN)
+            variances = np.stack([np.nan_to_num(sigma), np.nan_to_num(score_sigma)], axis=2) ** 2
+            variances = np.minimum(variances, np.finfo(np.float64).max)
+            spread = np.where(ok[:, None, None], np.sqrt(np.matmul(inverse**2, variances)), np.nan)
     out.a = a.reshape(G, H, d)
     out.misfit = np.abs(m - np.matmul(finals, a[:, :, None])[:, :, 0]).reshape(G, H, rounds)
     poles = np.matmul(finals, out.estimates.reshape(U, H, d).transpose(0, 2, 1))  # (U, rounds, H)
