@@ -235,6 +235,7 @@ def test_the_targeted_estimate_covers_an_ill_conditioned_design(monkeypatch):
     chosen = mx.extract(mx.SimulatedOracle(target), 4, heads=4, seed=57, schedule="targeted", on_failure="warn")
     assert chosen.ok and float(mx.compare(chosen.model, target).max_rel) < 1e-13
     monkeypatch.setattr(targeted, "BASIS_CANDIDATES", 1)
+    monkeypatch.setattr(targeted, "FEWEST_CANDIDATES", 1)
     result = mx.extract(mx.SimulatedOracle(target), 4, heads=4, seed=57, schedule="targeted", on_failure="warn")
     truth = float(mx.compare(result.model, target).max_rel)
     assert truth > 1e-12  # the design is ill-conditioned: far above rounding

@@ -92,8 +92,9 @@ SATURATION_MID, SATURATION_SPREAD = 70.0, 30.0
 #: Groups (differences z_1) phase 1 searches at most while heads are missing (:func:`line_search`).
 GROUP_ATTEMPTS = 4
 #: Balanced bases tried per head in the final stage (:func:`_balanced_basis`), within BASIS_BYTES
-#: of candidate design rows.
-BASIS_CANDIDATES, BASIS_BYTES = 128, 2**26
+#: of candidate design rows: ``BASIS_CANDIDATES`` at H = d, ``BASIS_CANDIDATES H / d`` but at least
+#: ``FEWEST_CANDIDATES`` below (a null space of d - H dimensions leaves ``cond A(z)`` little to choose).
+BASIS_CANDIDATES, FEWEST_CANDIDATES, BASIS_BYTES = 128, 16, 2**26
 #: A head counts as saturated when its log-pole (from the final model) is at least this
 #: (float64: e^-36 ~ 2^-52, below the answers' rounding; see :func:`saturation_margin`).
 SATURATION_MARGIN = 36.0
@@ -869,7 +870,8 @@ def _balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.n
     basis = reflection * signs[None, :]
     if scores is not None and len(scores) > 1:
         rows = scores[:, :d, :d]  # A(z)[f] = W_f^T z on x (a lifted z ends in 0, a lifted x in a fixed 1)
-        count = int(np.clip(BASIS_BYTES // (8 * rows.size), 1, BASIS_CANDIDATES))  # (count, d, H, d) designs
+        wanted = max(FEWEST_CANDIDATES, BASIS_CANDIDATES * len(rows) // d)
+        count = int(np.clip(BASIS_BYTES // (8 * rows.size), 1, wanted))  # (count, d, H, d) designs
         # A random rotation fixing the ones: O = Q F, Q from the QR of a Gaussian whose first column
         # is the ones (Q e_1 = +-1 / sqrt(d), the rest a random basis of the complement), F the
         # reflection exchanging e_1 and 1 / sqrt(d) (O 1 = Q sqrt(d) e_1 = 1 once Q's sign is fixed):
