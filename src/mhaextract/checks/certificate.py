@@ -73,7 +73,8 @@ from ..numerics.rational import instance_jacobian
 from ..model import MultiHeadAttention
 from ..validation import nonnegative_number
 
-#: error_bound = (1 + s) * C * (eps + rounding floor), s = SECOND_ORDER_SLACK (least squares: scaled, Certificate.second_order).
+#: error_bound = (1 + s) * C * (eps + rounding floor), s = SECOND_ORDER_SLACK (least squares:
+#: scaled by the movement, Certificate.second_order).
 SECOND_ORDER_SLACK = 1.0
 #: The float64 floor on the answer error: this many units of 2^-53 of the largest answer.
 ROUNDING_ULPS = 8.0

@@ -339,8 +339,8 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
     and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b`` the unit's
     ``null_part`` and ``c`` the mean singular value of E (at the frame's estimates). While the
-    estimates are the initial ones this is the square design ``[E; c N0] x = values``; once the target row was corrected the
-    projection keeps the null part exactly off every head.
+    estimates are the initial ones this is the square design ``[E; c N0] x = values``; once the
+    target row was corrected the projection keeps the null part exactly off every head.
 
     Only the target's row t changes between rounds: ``frame`` (:func:`_other_heads_frame`, of the
     other rows O, computed here when not given) is extended by t's part ``size * unit`` off O's span
