@@ -356,12 +356,14 @@ def test_final_patterns_put_the_target_at_both_sides_and_stay_orthogonal():
         assert targeted.final_unit_queries(rounds) == 2 * rounds
 
 
-def test_the_incremental_correction_is_the_least_squares_minimum_norm_solution():
-    """``_MinimumNormCorrection`` after each round equals ``lstsq``'s minimum-norm ``X^+ misses``
-    over the finite rows so far (computed here from scratch), also for rows almost inside the span of
-    the earlier ones (1e-6 and 1e-9 of their norm off it: one Gram-Schmidt pass would leave them
-    ``eps / 1e-9`` from orthogonal, the second pass is made), an exactly repeated row and a NaN
-    misfit (both skipped)."""
+@pytest.mark.parametrize("blocks", [(1,) * 9, (3, 3, 3), (2, 5, 1, 1), (9,)])
+def test_the_incremental_correction_is_the_least_squares_minimum_norm_solution(blocks):
+    """``_MinimumNormCorrection`` after each block of rows equals ``lstsq``'s minimum-norm
+    ``X^+ misses`` over the finite rows so far (computed here from scratch), also for rows almost
+    inside the span of the earlier ones (1e-6 and 1e-9 of their norm off it: one Gram-Schmidt pass
+    would leave them ``eps / 1e-9`` from orthogonal, the second pass is made), an exactly repeated
+    row and a NaN misfit (both skipped), whether those rows fall inside a block with the rows they
+    depend on or in a later one."""
     rng = np.random.default_rng(3)
     units, d = 7, 9
     rows = rng.standard_normal((d, units, d))
@@ -371,16 +373,50 @@ def test_the_incremental_correction_is_the_least_squares_minimum_norm_solution()
     misses = rng.standard_normal((d, units))
     misses[3, 2] = np.nan
     correction = targeted._MinimumNormCorrection(units, d)
-    for n in range(d):
-        delta = correction.add(n, rows[n], misses[n])
+    starts = np.cumsum((0,) + blocks)
+    for start, stop in zip(starts[:-1], starts[1:]):
+        delta = correction.add(start, rows[start:stop].transpose(1, 0, 2), misses[start:stop].T)
         for u in range(units):
-            keep = [k for k in range(n + 1) if np.isfinite(misses[k, u]) and k != 7]
+            keep = [k for k in range(stop) if np.isfinite(misses[k, u]) and k != 7]
             expected = np.linalg.lstsq(rows[keep, u], misses[keep, u], rcond=None)[0]
             limit = 1e-14 * np.linalg.cond(rows[keep, u]) * np.abs(expected).max()  # both solve to eps cond
             np.testing.assert_allclose(delta[u], expected, rtol=0, atol=limit)
-            basis = correction.basis[u, :n + 1]
+            basis = correction.basis[u, :stop]
             gram = basis @ basis.T
             np.testing.assert_allclose(gram, np.diag(np.diag(gram)), atol=1e-12)  # orthonormal, skipped rows 0
+
+
+@pytest.mark.parametrize("d, H", [(9, 1), (9, 4), (9, 8), (9, 9), (40, 7)])
+def test_null_parts_are_an_isometry_into_the_null_space_of_the_estimates(d, H):
+    """``_null_parts`` maps pattern rows p (d - H of them) to ``SPREAD N0 p`` with N0 an orthonormal
+    basis of the estimates' null space: every part is orthogonal to every estimate, and the parts'
+    Gram matrix is ``SPREAD^2 p^T p`` (nothing lost, nothing stretched); with H = d there are none."""
+    rng = np.random.default_rng(d + H)
+    units, columns = 5, d + 1
+    estimates = rng.standard_normal((units, H, d)) * np.logspace(0, 3, d)  # columns of unlike scales
+    rows = rng.standard_normal((units, d - H, columns))
+    parts = targeted._null_parts(estimates, rows)
+    assert parts.shape == (units, d, columns)
+    scale = targeted.SATURATION_SPREAD
+    off = np.matmul(estimates, parts) / (np.linalg.norm(estimates, axis=2, keepdims=True) * scale)
+    assert np.abs(off).max() <= 1e-13 * np.abs(rows).max(initial=1.0)
+    gram = np.matmul(parts.transpose(0, 2, 1), parts)
+    np.testing.assert_allclose(gram, scale**2 * np.matmul(rows.transpose(0, 2, 1), rows), rtol=0,
+                               atol=1e-12 * scale**2 * d)
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 5, 16, 17, 64, 129, 769])
+def test_correction_blocks_cover_the_rounds_and_shrink_towards_the_end(rounds):
+    """The blocks of rounds that share a design estimate tile ``0 .. rounds`` in order, none longer
+    than ``CORRECTION_BLOCK`` nor than a quarter of the rounds left at its start (but one round),
+    and the last four rounds are designed one by one."""
+    blocks = targeted.correction_blocks(rounds)
+    assert blocks[0].start == 0 and blocks[-1].stop == rounds
+    assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+    for block in blocks:
+        size = block.stop - block.start
+        assert 1 <= size <= max(1, min(targeted.CORRECTION_BLOCK, (rounds - block.start) // 4))
+    assert all(block.stop - block.start == 1 for block in blocks if block.start >= rounds - 4)
 
 
 @pytest.mark.parametrize("bias", [False, True])

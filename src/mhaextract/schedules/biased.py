@@ -41,8 +41,8 @@ from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
     EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, TargetedDetails, TargetedSchedule,
     _all_heads_at, _balanced_basis, _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign,
-    _measure, _MinimumNormCorrection, _other_heads_frame, _patterns, _Prober, _shared, answer_unit, final_copies,
-    final_unit_queries, first_copies, first_group, score_unit,
+    _measure, _MinimumNormCorrection, _null_parts, _other_heads_frame, _patterns, _Prober, _shared, answer_unit,
+    final_copies, final_unit_queries, first_copies, first_group, score_unit,
 )
 
 
@@ -90,8 +90,7 @@ class AffineDesign(_FullDesign):
         self.rounds, self.pattern = D, patterns
         self.prior = current[self.units, heads].copy()
         # Null part in R^d off the H slopes, from pattern rows H + 1.. (row H is the lifted coordinate).
-        _, _, vt = np.linalg.svd(current[:, :, :D - 1], full_matrices=True)
-        self.null_part = SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H + 1:, :])
+        self.null_part = _null_parts(current[:, :, :D - 1], patterns[:, H + 1:, :])
         self.correction = _MinimumNormCorrection(U, D)
         self.frame = _other_heads_frame(current[:, :, :D - 1], heads)  # only the target's row is corrected
 
@@ -100,16 +99,16 @@ class AffineDesign(_FullDesign):
         """(groups, H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted coordinate)."""
         return _patterns(rng, d, H, groups * H).reshape(groups, H, d, d)
 
-    def design(self, n: int) -> np.ndarray:
+    def design(self, block: slice) -> np.ndarray:
         """``a_g^T x = value_g - b_g``: the §13 design in R^d with the offsets moved to the right-hand
-        side (expressed as a shift of the pattern column), then lifted with an exact 1."""
+        side (expressed as a shift of the pattern columns), then lifted with an exact 1 (U, b, d + 1)."""
         U, H, D = self.current.shape
         slopes, offsets = self.current[:, :, :D - 1], self.current[:, :, D - 1]
-        columns = self.pattern[:, :H, n] - offsets / SATURATION_SPREAD
-        columns[self.units, self.heads] = (self.pattern[self.units, self.heads, n]
-                                           - offsets[self.units, self.heads] / self.halfwidth)
-        x = _designs(slopes, self.heads, columns, self.null_part[:, :, n], self.frame, self.halfwidth)
-        return np.concatenate([x, np.ones((U, 1))], axis=1)
+        columns = self.pattern[:, :H, block] - offsets[:, :, None] / SATURATION_SPREAD
+        columns[self.units, self.heads] = (self.pattern[self.units, self.heads, block]
+                                           - offsets[self.units, self.heads][:, None] / self.halfwidth)
+        x = _designs(slopes, self.heads, columns, self.null_part[:, :, block], self.frame, self.halfwidth)
+        return np.concatenate([x, np.ones(x.shape[:2] + (1,))], axis=2)
 
 
 class AffineFinalDesign(AffineDesign):

@@ -163,7 +163,7 @@ class AffineSubspaceDesign(_SubspaceDesign):
         inside = _patterns(rng, rounds, rounds - 1, groups * H).reshape(groups, H, rounds, rounds)
         return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 
-    def design(self, n: int) -> np.ndarray:
+    def design(self, block: slice) -> np.ndarray:
         U, rounds = self.coordinates.shape
         r, D = rounds - 1, self.current.shape[2]
         c, b = self.coordinates[:, :r], self.coordinates[:, r]
@@ -172,14 +172,15 @@ class AffineSubspaceDesign(_SubspaceDesign):
         normal = np.eye(r)[0] - c / size[:, None]
         length = np.linalg.norm(normal, axis=1)
         normal = np.where(length[:, None] > 1e-12, normal / np.where(length > 1e-12, length, 1.0)[:, None], 0.0)
-        along = np.concatenate([TARGET_CENTER + TARGET * self.pattern[:, :1, n] - b[:, None],
-                                SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1) / size[:, None]
-        y = along - 2.0 * normal * np.einsum("ur,ur->u", normal, along)[:, None]
+        pattern = self.pattern[:, :, block].transpose(0, 2, 1)  # (U, b, rows)
+        along = np.concatenate([TARGET_CENTER + TARGET * pattern[:, :, :1] - b[:, None, None],
+                                SATURATION_SPREAD * pattern[:, :, 1:r]], axis=2) / size[:, None, None]
+        y = along - 2.0 * np.matmul(along, normal[:, :, None]) * normal[:, None, :]
         # the frame's rows are the other heads' lifted a~_g: their offsets b_g ride on the lifted 1
-        values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], rounds + self.others, n]
-        rhs = np.concatenate([values, y, np.ones((U, 1))], axis=1)
-        x = np.matmul(rhs[:, None, :], self.frame_map_rows)[:, 0]
-        x[:, D - 1] = 1.0  # the frame asked for exactly this; the prober requires it to the bit
+        values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], rounds + self.others, block]
+        rhs = np.concatenate([values.transpose(0, 2, 1), y, np.ones(y.shape[:2] + (1,))], axis=2)
+        x = np.matmul(rhs, self.frame_map_rows)
+        x[:, :, D - 1] = 1.0  # the frame asked for exactly this; the prober requires it to the bit
         return x
 
 

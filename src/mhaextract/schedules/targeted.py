@@ -121,6 +121,11 @@ CHUNK_BYTES = 2**28
 KEEP_BYTES = 2**24
 #: Design patterns drawn per random orthogonal base (:func:`_patterns`: shuffled rows and rounds).
 PATTERN_SHARING = 8
+#: Rounds designed from one estimate of the target at most (:func:`correction_blocks`).
+CORRECTION_BLOCK = 16
+#: Misfits of a stage's aim (log-pole units) below which its estimates are not corrected at all
+#: (:meth:`_MinimumNormCorrection.aim`): the final stage's sides at ``log 2 +- 4`` do not feel it.
+AIM_TOLERANCE = 1e-3
 #: Bases of this many bytes (a block of units) are orthogonalised against together, in cache.
 GRAM_SCHMIDT_BYTES = 2**20
 #: A row that keeps less than this share of its norm off the basis is orthogonalised a second time
@@ -304,12 +309,30 @@ class _Prober:
         return 4 * self.unit * np.abs(finals @ self.vbar)
 
 
-def _null_parts(estimates: np.ndarray, patterns: np.ndarray) -> np.ndarray:
-    """(U, d, d): column n is ``SPREAD N0^T p[H:, n]`` for each unit, ``N0`` the null space of the
-    unit's initial estimates (U, H, d), one SVD per unit (not per instance)."""
-    H = estimates.shape[1]
-    _, _, vt = np.linalg.svd(estimates, full_matrices=True)
-    return SATURATION_SPREAD * np.matmul(vt[:, H:].transpose(0, 2, 1), patterns[:, H:, :])
+def _null_parts(estimates: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """(U, d, n): column j is ``SPREAD N0 rows[:, j]`` for each unit, ``N0`` (d, d - H) an
+    orthonormal basis of the null space of the unit's initial estimates (U, H, d), ``rows``
+    (U, d - H, n) (pattern rows).
+
+    ``N0`` is the last d - H columns of the complete Q of ``E^T = Q R`` (one batched Householder QR
+    per unit, not per instance), applied in its compact WY form ``Q = I - V T V^T`` (V: the H
+    reflectors, T: H x H triangular): ``N0 p = (0, p) - V T V_2^T p``, 4 H d n flops instead of the
+    2 d (d - H) n of a product with N0 formed (and no full SVD): at d = 128, H = 8 those two were a
+    twelfth of the targeted learner."""
+    h, tau = np.linalg.qr(estimates.transpose(0, 2, 1), mode="raw")  # reflectors as rows of h (U, H, d)
+    U, H, d = h.shape
+    V = np.tril(h.transpose(0, 2, 1), -1)  # (U, d, H): v_i = e_i + the part of h below the diagonal
+    V[:, np.arange(H), np.arange(H)] = 1.0
+    T = np.zeros((U, H, H))  # Q = H_1 .. H_H = I - V T V^T (LAPACK's dlarft, forward, columnwise)
+    for i in range(H):
+        T[:, i, i] = tau[:, i]
+        if i:
+            inner = np.matmul(V[:, :, :i].transpose(0, 2, 1), V[:, :, i:i + 1])
+            T[:, :i, i] = -tau[:, i, None] * np.matmul(T[:, :i, :i], inner)[:, :, 0]
+    out = np.zeros((U, d, rows.shape[2]))
+    out[:, H:] = rows
+    out -= np.matmul(V, np.matmul(T, np.matmul(V[:, H:].transpose(0, 2, 1), rows)))
+    return SATURATION_SPREAD * out
 
 
 def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
@@ -333,91 +356,132 @@ def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
 
 def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray,
              frame=None, halfwidth: float = TARGET) -> np.ndarray:
-    """The final tokens of one round for U units at once (U, d).
+    """The final tokens of a block of b rounds for U units at once (U, b, d).
 
     Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + halfwidth p_h`` and the others at
-    ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` the pattern column),
-    and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b`` the unit's
-    ``null_part`` and ``c`` the mean singular value of E (at the frame's estimates). While the
-    estimates are the initial ones this is the square design ``[E; c N0] x = values``; once the
-    target row was corrected the projection keeps the null part exactly off every head.
+    ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` (H, b) the pattern
+    columns of the rounds), and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b``
+    the unit's ``null_part`` (d, b) and ``c`` the mean singular value of E (at the frame's
+    estimates). While the estimates are the initial ones this is the square design
+    ``[E; c N0] x = values``; once the target row was corrected the projection keeps the null part
+    exactly off every head.
 
-    Only the target's row t changes between rounds: ``frame`` (:func:`_other_heads_frame`, of the
+    Only the target's row t changes between blocks: ``frame`` (:func:`_other_heads_frame`, of the
     other rows O, computed here when not given) is extended by t's part ``size * unit`` off O's span
     (classical Gram-Schmidt, twice), and ``E^+ u = O^+ u_O + unit (u_t - t^T O^+ u_O) / size``: no
-    factorisation nor solve per round (the same x as a QR of E to rounding)."""
+    factorisation nor solve per block (the same x as a QR of E to rounding), and the b rounds of a
+    block are batched products (the block shares t: :func:`correction_blocks`)."""
     U, H, d = current.shape
     units = np.arange(U)
     q_rows, pseudo_inverse_rows, others, scale = frame if frame is not None else _other_heads_frame(current, heads)
 
-    def along_rows(vectors):  # Q_o^T v, (U, H - 1)
-        return np.matmul(q_rows, vectors[:, :, None])[:, :, 0]
+    def along_rows(vectors):  # Q_o^T v for each of the block's vectors (U, b, d) -> (U, b, H - 1)
+        return np.matmul(vectors, q_rows.transpose(0, 2, 1))
 
-    def spanned(coefficients):  # Q_o c, (U, d)
-        return np.matmul(coefficients[:, None, :], q_rows)[:, 0]
+    def spanned(coefficients):  # Q_o c, (U, b, H - 1) -> (U, b, d)
+        return np.matmul(coefficients, q_rows)
 
-    target = current[units, heads]
+    target = current[units, heads][:, None, :]  # (U, 1, d)
     rest = target - spanned(along_rows(target))
     rest -= spanned(along_rows(rest))
-    size = np.linalg.norm(rest, axis=1)
+    size = np.linalg.norm(rest, axis=2)  # (U, 1)
     if (size == 0).any():  # E singular: what the solve with a QR of E per round raised
         raise np.linalg.LinAlgError("Singular matrix")
-    unit = rest / size[:, None]
-    values = SATURATION_MID + SATURATION_SPREAD * columns[units[:, None], others]
-    base = np.matmul(values[:, None, :], pseudo_inverse_rows)[:, 0]  # O^+ u_O: nothing along t's own direction
-    along = (TARGET_CENTER + halfwidth * columns[units, heads] - np.einsum("ud,ud->u", target, base)) / size
-    free = null_part / scale[:, None]
+    unit = rest / size[:, :, None]
+    values = SATURATION_MID + SATURATION_SPREAD * columns[units[:, None], others]  # (U, H - 1, b)
+    base = np.matmul(values.transpose(0, 2, 1), pseudo_inverse_rows)  # O^+ u_O (U, b, d): nothing along t
+    along = (TARGET_CENTER + halfwidth * columns[units, heads] - np.matmul(base, target[:, 0, :, None])[:, :, 0]) / size
+    free = null_part.transpose(0, 2, 1) / scale[:, None, None]
     free -= spanned(along_rows(free))
-    free -= unit * np.einsum("ud,ud->u", unit, free)[:, None]
-    return base + unit * along[:, None] + free
+    free -= np.matmul(free, unit.transpose(0, 2, 1)) * unit
+    return base + along[:, :, None] * unit + free
+
+
+def correction_blocks(rounds: int) -> list[slice]:
+    """The blocks of rounds designed from one estimate (:class:`_MinimumNormCorrection`): at most
+    ``CORRECTION_BLOCK`` rounds, and at most a quarter of the rounds left, so the estimate a block
+    is designed from fits all but a fifth of the rounds its successor fits (the correction's effect
+    on a round's aim grows with the rounds it has seen: the last rounds are corrected one by one)."""
+    blocks, start = [], 0
+    while start < rounds:
+        size = max(1, min(CORRECTION_BLOCK, (rounds - start) // 4))
+        blocks.append(slice(start, start + size))
+        start += size
+    return blocks
 
 
 class _MinimumNormCorrection:
     """The minimum-norm change of each unit's target estimate that fits its log-poles so far,
-    ``delta = X^+ (m - X a_prior)`` (X: the finite rows), updated by one Gram-Schmidt step per
-    round instead of a least-squares solve from scratch (same solution to rounding).
+    ``delta = X^+ (m - X a_prior)`` (X: the finite rows), updated by one block Gram-Schmidt step per
+    block of rounds instead of a least-squares solve from scratch (same solution to rounding).
 
-    One classical Gram-Schmidt pass leaves the new basis vector orthogonal to the others to about
+    A block's b rows are projected off the earlier basis in one batched matrix product (each unit's
+    basis read from memory once per block, not once per round: the per-round update was the largest
+    single cost of the targeted learner, memory-bound), then orthogonalised among themselves. One
+    classical Gram-Schmidt pass leaves a new basis vector orthogonal to the others to about
     ``eps |x| / |q|`` (q: the row's part off the basis); the designs of §13 keep ``|q| / |x|`` above
     0.07 (measured: targeted d = 64, low-rank d = 192), so a second pass, which would double the
     cost, is made only for rows below ``REORTHOGONALISE`` (degenerate designs, repeated rows). The
-    correction only aims the next rounds' designs: ``a`` itself is solved from all rounds at the
+    correction only aims the next blocks' designs: ``a`` itself is solved from all rounds at the
     end (:func:`_reduce_chunk`)."""
 
     def __init__(self, units: int, d: int):
         self.basis = np.zeros((units, d, d))  # orthonormal rows: the rows of X asked so far, orthogonalised
         self.coefficients = np.zeros((units, d))
         self.delta = np.zeros((units, d))
+        self.added = 0  # rows 0 .. added - 1 are in the basis; the later ones wait in it raw (aim)
+
+    def aim(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
+        """Rows ``n .. n + b - 1`` (U, b, d) and their misfits (U, b), for aiming: while every misfit
+        so far is within ``AIM_TOLERANCE`` (log-pole units) the prior aims well enough and nothing is
+        computed (the rows wait, raw, in the basis' free rows); from the first block beyond it on,
+        every waiting row is added (:meth:`add`). Returns delta (zero while nothing was added)."""
+        b = rows.shape[1]
+        self.basis[:, n:n + b], self.coefficients[:, n:n + b] = rows, misses
+        finite = np.abs(misses[np.isfinite(misses)])
+        if self.added or (finite.size and finite.max() > AIM_TOLERANCE):
+            start = self.added
+            self.added = n + b
+            return self.add(start, self.basis[:, start:n + b].copy(), self.coefficients[:, start:n + b].copy())
+        return self.delta
 
     def add(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
-        """Add row ``n`` (U, d) with its misfit (U,) (NaN: not measured, skipped); returns delta."""
-        ok = np.isfinite(misses)
-        U, d = rows.shape
-        overlap, q = np.empty((U, n)), np.empty((U, d))
+        """Add rows ``n .. n + b - 1`` (U, b, d) with their misfits (U, b) (NaN: not measured,
+        skipped); returns delta."""
+        U, b, d = rows.shape
+        overlap = np.empty((U, b, n))
+        q = np.array(rows, dtype=np.float64)
         # Blocks of units whose bases fit the cache: the products below read each block once
         # from memory, not twice. The basis vectors are stored as rows: each unit's (n, d)
         # block is contiguous (as columns the products ran ~1.3x slower).
         step = max(1, GRAM_SCHMIDT_BYTES // max(1, 8 * d * n))
-        for start in range(0, U, step):
+        for start in range(0, U, step) if n else ():
             part = slice(start, start + step)
             basis = self.basis[part, :n]
-            overlap[part] = np.matmul(basis, rows[part, :, None])[:, :, 0]  # (units, n)
-            q[part] = rows[part] - np.matmul(overlap[part, None, :], basis)[:, 0]
-        size = np.linalg.norm(rows, axis=1)
-        rho = np.linalg.norm(q, axis=1)
-        again = np.flatnonzero(rho < REORTHOGONALISE * size)
-        if again.size:  # classical Gram-Schmidt, twice
-            basis = self.basis[again, :n]
-            second = np.matmul(basis, q[again, :, None])[:, :, 0]
-            q[again] -= np.matmul(second[:, None, :], basis)[:, 0]
-            overlap[again] += second
-            rho[again] = np.linalg.norm(q[again], axis=1)
-        ok &= rho > 1e-12 * size
-        safe = np.where(ok, rho, 1.0)
-        self.basis[:, n] = np.where(ok[:, None], q / safe[:, None], 0.0)
-        value = (np.nan_to_num(misses) - np.einsum("un,un->u", overlap, self.coefficients[:, :n])) / safe
-        self.coefficients[:, n] = np.where(ok, value, 0.0)
-        self.delta += self.basis[:, n] * self.coefficients[:, n:n + 1]
+            overlap[part] = np.matmul(rows[part], basis.transpose(0, 2, 1))  # (units, b, n)
+            q[part] -= np.matmul(overlap[part], basis)
+        for j in range(b):  # the block's rows among themselves, in order
+            k = n + j
+            ok = np.isfinite(misses[:, j])
+            size = np.linalg.norm(rows[:, j], axis=1)
+            inner = np.einsum("ukd,ud->uk", self.basis[:, n:k], q[:, j])
+            q[:, j] -= np.einsum("uk,ukd->ud", inner, self.basis[:, n:k])
+            rho = np.linalg.norm(q[:, j], axis=1)
+            again = np.flatnonzero(rho < REORTHOGONALISE * size)
+            if again.size:  # classical Gram-Schmidt, twice
+                basis = self.basis[again, :k]
+                second = np.matmul(basis, q[again, j, :, None])[:, :, 0]
+                q[again, j] -= np.matmul(second[:, None, :], basis)[:, 0]
+                overlap[again, j] += second[:, :n]
+                inner[again] += second[:, n:]
+                rho[again] = np.linalg.norm(q[again, j], axis=1)
+            ok &= rho > 1e-12 * size
+            safe = np.where(ok, rho, 1.0)
+            self.basis[:, k] = np.where(ok[:, None], q[:, j] / safe[:, None], 0.0)
+            fitted = (np.einsum("un,un->u", overlap[:, j], self.coefficients[:, :n])
+                      + np.einsum("uk,uk->u", inner, self.coefficients[:, n:k]))
+            self.coefficients[:, k] = np.where(ok, (np.nan_to_num(misses[:, j]) - fitted) / safe, 0.0)
+        self.delta += np.einsum("ub,ubd->ud", self.coefficients[:, n:n + b], self.basis[:, n:n + b])
         return self.delta
 
 
@@ -546,7 +610,7 @@ class _FullDesign:
         self.current, self.heads, self.units = current, heads, np.arange(U)
         self.rounds, self.pattern = d, patterns
         self.prior = current[self.units, heads].copy()
-        self.null_part = _null_parts(current, patterns)
+        self.null_part = _null_parts(current, patterns[:, H:, :])
         self.correction = _MinimumNormCorrection(U, d)
         self.frame = _other_heads_frame(current, heads)  # the other heads' rows never change here
 
@@ -562,16 +626,18 @@ class _FullDesign:
         """The copy counts asked in round n (``default``: the stage's, :func:`_measure`)."""
         return default[1] if n else default[0]
 
-    def design(self, n: int) -> np.ndarray:
-        return _designs(self.current, self.heads, self.pattern[:, :, n], self.null_part[:, :, n], self.frame,
-                        self.halfwidth)
+    def design(self, block: slice) -> np.ndarray:
+        """The final tokens (U, b, d) of the rounds in ``block`` (:func:`correction_blocks`)."""
+        return _designs(self.current, self.heads, self.pattern[:, :, block], self.null_part[:, :, block],
+                        self.frame, self.halfwidth)
 
-    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> np.ndarray:
-        """Correct the target's estimate to fit what was measured (minimal change from the prior);
-        returns the log-poles ``t^T x`` the round's tokens were designed for (t: the estimate before)."""
-        designed = np.einsum("ud,ud->u", x, self.current[self.units, self.heads])
-        miss = m - np.einsum("ud,ud->u", x, self.prior)
-        self.current[self.units, self.heads] = self.prior + self.correction.add(n, x, miss)
+    def update(self, block: slice, x: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """Correct the target's estimate to fit what was measured (minimal change from the prior) in
+        the rounds of ``block`` (tokens x (U, b, d), log-poles m (U, b)); returns the log-poles
+        ``t^T x`` the block's tokens were designed for (t: the estimate before)."""
+        designed = np.matmul(x, self.current[self.units, self.heads][:, :, None])[:, :, 0]
+        miss = m - np.matmul(x, self.prior[:, :, None])[:, :, 0]
+        self.current[self.units, self.heads] = self.prior + self.correction.aim(block.start, x, miss)
         return designed
 
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
@@ -647,7 +713,7 @@ class _SubspaceDesign(_FullDesign):
         inside = _patterns(rng, rounds, 0, groups * H).reshape(groups, H, rounds, rounds)
         return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 
-    def design(self, n: int) -> np.ndarray:
+    def design(self, block: slice) -> np.ndarray:
         U, r = self.coordinates.shape
         c = self.coordinates
         size = np.linalg.norm(c, axis=1)
@@ -655,21 +721,22 @@ class _SubspaceDesign(_FullDesign):
         normal = np.eye(r)[0] - c / size[:, None]
         length = np.linalg.norm(normal, axis=1)
         normal = np.where(length[:, None] > 1e-12, normal / np.where(length > 1e-12, length, 1.0)[:, None], 0.0)
-        along = np.concatenate([np.full((U, 1), TARGET_CENTER), SATURATION_SPREAD * self.pattern[:, 1:r, n]], axis=1)
-        along /= size[:, None]
-        y = along - 2.0 * normal * np.einsum("ur,ur->u", normal, along)[:, None]  # (I - 2 n n^T) along
-        values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, n]
-        rhs = np.concatenate([values, y], axis=1)
-        return np.matmul(rhs[:, None, :], self.frame_map_rows)[:, 0]
+        inside = self.pattern[:, 1:r, block].transpose(0, 2, 1)  # (U, b, r - 1)
+        along = np.concatenate([np.full(inside.shape[:2] + (1,), TARGET_CENTER), SATURATION_SPREAD * inside], axis=2)
+        along /= size[:, None, None]
+        y = along - 2.0 * np.matmul(along, normal[:, :, None]) * normal[:, None, :]  # (I - 2 n n^T) along
+        values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, block]
+        rhs = np.concatenate([values.transpose(0, 2, 1), y], axis=2)
+        return np.matmul(rhs, self.frame_map_rows)
 
-    def update(self, n: int, x: np.ndarray, m: np.ndarray) -> np.ndarray:
+    def update(self, block: slice, x: np.ndarray, m: np.ndarray) -> np.ndarray:
         """As :meth:`_FullDesign.update` in the coordinates ``c = Q^T t``: ``t^T x = c^T Q^T x``, and
         only ``c`` is corrected (the designs read ``c``; the target's row of ``current`` keeps the
-        unit's initial estimate, saving a (U, r, d) product per round)."""
-        rows = np.matmul(self.basis_rows, x[:, :, None])[:, :, 0]  # Q^T x
-        designed = np.einsum("ur,ur->u", rows, self.coordinates)
-        miss = m - np.einsum("ur,ur->u", rows, self.prior)
-        self.coordinates = self.prior + self.correction.add(n, rows, miss)
+        unit's initial estimate, saving a (U, r, d) product per block)."""
+        rows = np.matmul(x, self.basis)  # (Q^T x_n)^T, (U, b, r)
+        designed = np.matmul(rows, self.coordinates[:, :, None])[:, :, 0]
+        miss = m - np.matmul(rows, self.prior[:, :, None])[:, :, 0]
+        self.coordinates = self.prior + self.correction.aim(block.start, rows, miss)
         return designed
 
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
@@ -733,24 +800,26 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     sigma_m, sigma_l = np.full((U, rounds), np.inf), np.full((U, rounds), np.inf)
     K = max(K, max(len(design.copies(n, copies)) for n in range(rounds)))
     gaps_all, rounding_all, ks_all = (np.full((U, rounds, K), np.nan) for _ in range(3))
-    for n in range(rounds):
-        x = prober.quantize(design.design(n))
-        finals[:, n] = x
-        ks = design.copies(n, copies)
-        gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
-        gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)], ks_all[:, n, :len(ks)] = gaps, rounding, ks
-        if ks == (1,):
-            m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
-            log_pole[:, n] = m
-            # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
-            tau = np.exp(m)
-            sigma_m[:, n] = rounding[:, 0] * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
-        else:
-            fits = single_pole.fit(gaps, ks, rounding)
-            log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
-                fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
-            residual[:, n] = fits.residual if len(ks) > 2 else np.nan
-        designed[:, n] = design.update(n, x, log_pole[:, n])
+
+    for block in correction_blocks(rounds):  # the rounds of a block are designed from one estimate
+        finals[:, block] = prober.quantize(design.design(block))
+        for n in range(block.start, block.stop):
+            x = finals[:, n]
+            ks = design.copies(n, copies)
+            gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
+            gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)], ks_all[:, n, :len(ks)] = gaps, rounding, ks
+            if ks == (1,):
+                m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
+                log_pole[:, n] = m
+                # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
+                tau = np.exp(m)
+                sigma_m[:, n] = rounding[:, 0] * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
+            else:
+                fits = single_pole.fit(gaps, ks, rounding)
+                log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
+                    fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
+                residual[:, n] = fits.residual if len(ks) > 2 else np.nan
+        designed[:, block] = design.update(block, finals[:, block], log_pole[:, block])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
         log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, ks_all)),
@@ -798,13 +867,17 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
             sigma[heads == h] = np.hypot(samples, score)
             score_sigma[heads == h] = score
     ok = np.isfinite(m).all(axis=1)
-    a = np.where(ok[:, None], design.solve(finals, np.nan_to_num(m)[:, :, None])[:, :, 0], np.nan)
+    rhs = np.nan_to_num(m)[:, :, None]
+    if W_score is not None:  # X^{-1} as well (below): both from one factorisation of X
+        rhs = np.concatenate([rhs, np.broadcast_to(np.eye(rounds), (U, rounds, rounds))], axis=2)
+    solved = design.solve(finals, rhs)
+    a = np.where(ok[:, None], solved[:, :, 0], np.nan)
     spread = np.full(a.shape + (2,), np.nan)
     if W_score is not None:
         # First order, independent errors: |a_i error| ~ sqrt(sum_n (X^{-1})_{in}^2 sigma_n^2), the map
         # applied to diag(sigma). Applied to sigma itself the errors cancel in the sum and the
         # estimate understated the truth 270-fold (d = H = 4, bench_reliability seed 57).
-        inverse = design.solve(finals, np.broadcast_to(np.eye(rounds), (U, rounds, rounds)))
+        inverse = solved[:, :, 1:]
         with np.errstate(over="ignore", invalid="ignore"):  # an unbounded spread is an infinite estimate, said so
             # both parts at once: sum_n (X^{-1})_{in}^2 sigma_n^2 as one batched product (a huge sigma
             # squared to inf is held at the largest float, so that 0 x it stays 0, not NaN)
