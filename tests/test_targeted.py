@@ -388,14 +388,14 @@ def test_the_incremental_correction_is_the_least_squares_minimum_norm_solution(b
 
 @pytest.mark.parametrize("d, H", [(9, 1), (9, 4), (9, 8), (9, 9), (40, 7)])
 def test_null_parts_are_an_isometry_into_the_null_space_of_the_estimates(d, H):
-    """``_null_parts`` maps pattern rows p (d - H of them) to ``SPREAD N0 p`` with N0 an orthonormal
+    """``_NullSpace.parts`` maps pattern rows p (d - H of them) to ``SPREAD N0 p`` with N0 an orthonormal
     basis of the estimates' null space: every part is orthogonal to every estimate, and the parts'
     Gram matrix is ``SPREAD^2 p^T p`` (nothing lost, nothing stretched); with H = d there are none."""
     rng = np.random.default_rng(d + H)
     units, columns = 5, d + 1
     estimates = rng.standard_normal((units, H, d)) * np.logspace(0, 3, d)  # columns of unlike scales
     rows = rng.standard_normal((units, d - H, columns))
-    parts = targeted._null_parts(estimates, rows)
+    parts = targeted._NullSpace(estimates).parts(rows)
     assert parts.shape == (units, d, columns)
     scale = targeted.SATURATION_SPREAD
     off = np.matmul(estimates, parts) / (np.linalg.norm(estimates, axis=2, keepdims=True) * scale)

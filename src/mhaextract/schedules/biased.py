@@ -41,7 +41,7 @@ from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
     EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, TargetedDetails, TargetedSchedule,
     _all_heads_at, _balanced_basis, _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign,
-    _measure, _MinimumNormCorrection, _null_parts, _other_heads_frame, _patterns, _Prober, _shared, answer_unit,
+    _measure, _MinimumNormCorrection, _NullSpace, _other_heads_frame, _patterns, _Prober, _shared, answer_unit,
     final_copies, final_unit_queries, first_copies, first_group, score_unit,
 )
 
@@ -90,7 +90,7 @@ class AffineDesign(_FullDesign):
         self.rounds, self.pattern = D, patterns
         self.prior = current[self.units, heads].copy()
         # Null part in R^d off the H slopes, from pattern rows H + 1.. (row H is the lifted coordinate).
-        self.null_part = _null_parts(current[:, :, :D - 1], patterns[:, H + 1:, :])
+        self.null_space = _NullSpace(current[:, :, :D - 1])
         self.correction = _MinimumNormCorrection(U, D)
         self.frame = _other_heads_frame(current[:, :, :D - 1], heads)  # only the target's row is corrected
 
@@ -107,7 +107,8 @@ class AffineDesign(_FullDesign):
         columns = self.pattern[:, :H, block] - offsets[:, :, None] / SATURATION_SPREAD
         columns[self.units, self.heads] = (self.pattern[self.units, self.heads, block]
                                            - offsets[self.units, self.heads][:, None] / self.halfwidth)
-        x = _designs(slopes, self.heads, columns, self.null_part[:, :, block], self.frame, self.halfwidth)
+        null_part = self.null_space.parts(self.pattern[:, H + 1:, block])
+        x = _designs(slopes, self.heads, columns, null_part, self.frame, self.halfwidth)
         return np.concatenate([x, np.ones(x.shape[:2] + (1,))], axis=2)
 
 

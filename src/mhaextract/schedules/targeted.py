@@ -309,30 +309,35 @@ class _Prober:
         return 4 * self.unit * np.abs(finals @ self.vbar)
 
 
-def _null_parts(estimates: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """(U, d, n): column j is ``SPREAD N0 rows[:, j]`` for each unit, ``N0`` (d, d - H) an
-    orthonormal basis of the null space of the unit's initial estimates (U, H, d), ``rows``
-    (U, d - H, n) (pattern rows).
+class _NullSpace:
+    """The null space of each unit's initial estimates E (U, H, d): ``N0`` (d, d - H), the last d - H
+    columns of the complete Q of ``E^T = Q R`` (one batched Householder QR per unit, not per
+    instance), kept in its compact WY form ``Q = I - V T V^T`` (V: the H reflectors (U, d, H), T: H x H
+    upper triangular), so that ``N0 p = (0, p) - V T V_2^T p`` costs 4 H d flops a column instead of
+    the 2 d (d - H) of a product with N0 formed, and no (U, d, d) array is ever held (with a full SVD
+    and the null parts of all rounds formed at once, they were a twelfth of the targeted learner
+    at d = 128, H = 8)."""
 
-    ``N0`` is the last d - H columns of the complete Q of ``E^T = Q R`` (one batched Householder QR
-    per unit, not per instance), applied in its compact WY form ``Q = I - V T V^T`` (V: the H
-    reflectors, T: H x H triangular): ``N0 p = (0, p) - V T V_2^T p``, 4 H d n flops instead of the
-    2 d (d - H) n of a product with N0 formed (and no full SVD): at d = 128, H = 8 those two were a
-    twelfth of the targeted learner."""
-    h, tau = np.linalg.qr(estimates.transpose(0, 2, 1), mode="raw")  # reflectors as rows of h (U, H, d)
-    U, H, d = h.shape
-    V = np.tril(h.transpose(0, 2, 1), -1)  # (U, d, H): v_i = e_i + the part of h below the diagonal
-    V[:, np.arange(H), np.arange(H)] = 1.0
-    T = np.zeros((U, H, H))  # Q = H_1 .. H_H = I - V T V^T (LAPACK's dlarft, forward, columnwise)
-    for i in range(H):
-        T[:, i, i] = tau[:, i]
-        if i:
-            inner = np.matmul(V[:, :, :i].transpose(0, 2, 1), V[:, :, i:i + 1])
-            T[:, :i, i] = -tau[:, i, None] * np.matmul(T[:, :i, :i], inner)[:, :, 0]
-    out = np.zeros((U, d, rows.shape[2]))
-    out[:, H:] = rows
-    out -= np.matmul(V, np.matmul(T, np.matmul(V[:, H:].transpose(0, 2, 1), rows)))
-    return SATURATION_SPREAD * out
+    def __init__(self, estimates: np.ndarray):
+        h, tau = np.linalg.qr(estimates.transpose(0, 2, 1), mode="raw")  # reflectors as rows of h (U, H, d)
+        U, H, _ = h.shape
+        self.heads = H
+        self.V = np.tril(h.transpose(0, 2, 1), -1)  # v_i = e_i + the part of h below the diagonal
+        self.V[:, np.arange(H), np.arange(H)] = 1.0
+        self.T = np.zeros((U, H, H))  # Q = H_1 .. H_H = I - V T V^T (LAPACK's dlarft, forward, columnwise)
+        for i in range(H):
+            self.T[:, i, i] = tau[:, i]
+            if i:
+                inner = np.matmul(self.V[:, :, :i].transpose(0, 2, 1), self.V[:, :, i:i + 1])
+                self.T[:, :i, i] = -tau[:, i, None] * np.matmul(self.T[:, :i, :i], inner)[:, :, 0]
+
+    def parts(self, rows: np.ndarray) -> np.ndarray:
+        """``SPREAD N0 rows`` (U, d, n) for pattern rows (U, d - H, n)."""
+        H = self.heads
+        out = np.empty((rows.shape[0], self.V.shape[1], rows.shape[2]))
+        out[:, :H], out[:, H:] = 0.0, rows
+        out -= np.matmul(self.V, np.matmul(self.T, np.matmul(self.V[:, H:].transpose(0, 2, 1), rows)))
+        return SATURATION_SPREAD * out
 
 
 def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
@@ -610,7 +615,7 @@ class _FullDesign:
         self.current, self.heads, self.units = current, heads, np.arange(U)
         self.rounds, self.pattern = d, patterns
         self.prior = current[self.units, heads].copy()
-        self.null_part = _null_parts(current, patterns[:, H:, :])
+        self.null_space = _NullSpace(current)
         self.correction = _MinimumNormCorrection(U, d)
         self.frame = _other_heads_frame(current, heads)  # the other heads' rows never change here
 
@@ -628,8 +633,8 @@ class _FullDesign:
 
     def design(self, block: slice) -> np.ndarray:
         """The final tokens (U, b, d) of the rounds in ``block`` (:func:`correction_blocks`)."""
-        return _designs(self.current, self.heads, self.pattern[:, :, block], self.null_part[:, :, block],
-                        self.frame, self.halfwidth)
+        null_part = self.null_space.parts(self.pattern[:, self.null_space.heads:, block])
+        return _designs(self.current, self.heads, self.pattern[:, :, block], null_part, self.frame, self.halfwidth)
 
     def update(self, block: slice, x: np.ndarray, m: np.ndarray) -> np.ndarray:
         """Correct the target's estimate to fit what was measured (minimal change from the prior) in
