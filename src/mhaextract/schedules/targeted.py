@@ -844,6 +844,8 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
     ``systematic``: the prober's rounding common to an instance's samples, :meth:`_Prober.systematic`)."""
     G, H, rounds = out.log_pole.shape
     U, d, heads = G * H, finals.shape[2], design.heads
+    if not np.array_equal(heads, np.tile(np.arange(H), G)):  # the (group, head) order read below
+        raise AssertionError("a chunk's units must be ordered by group, then head")
     m = out.log_pole.reshape(U, rounds)
     sigma, score_sigma = np.full((U, rounds), np.nan), np.full((U, rounds), np.nan)
     if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
@@ -861,16 +863,19 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
                 with np.errstate(invalid="ignore", divide="ignore"):
                     ratio = np.nan_to_num(shared[:, :, None] / out.rounding.reshape(U, rounds, -1))
                 common = np.clip(ratio.max(axis=2), 0.0, 1.0)
+        # |W_h x| of each unit's own head h: units are ordered (group, head), so head h's tokens are
+        # the strided view finals[:, h] of (G, H, rounds, d) (no boolean-mask copies)
+        by_head = finals.reshape(G, H, rounds, d)
+        score_norms = np.empty((G, H, rounds))
         for h in range(H):
-            score = score_factor * score_unit * z_norm[heads == h, None] * np.linalg.norm(
-                finals[heads == h] @ W_score[h].T, axis=2)
-            # the residuals scale the samples' own errors, not the part common to an instance's
-            # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate understated the
-            # truth 8x at d = H = 4 under declared uniform noise 1e-8)
-            share = common[heads == h]
-            samples = (sample_scale * (1.0 - share) + share) * out.sigma_m.reshape(U, rounds)[heads == h]
-            sigma[heads == h] = np.hypot(samples, score)
-            score_sigma[heads == h] = score
+            product = np.matmul(by_head[:, h], W_score[h].T)
+            score_norms[:, h] = np.sqrt(np.einsum("gnd,gnd->gn", product, product))
+        score = score_factor * score_unit * z_norm[:, None] * score_norms.reshape(U, rounds)
+        # the residuals scale the samples' own errors, not the part common to an instance's
+        # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate understated the
+        # truth 8x at d = H = 4 under declared uniform noise 1e-8)
+        samples = (sample_scale * (1.0 - common) + common) * out.sigma_m.reshape(U, rounds)
+        sigma, score_sigma = np.hypot(samples, score), score
     ok = np.isfinite(m).all(axis=1)
     rhs = np.nan_to_num(m)[:, :, None]
     if W_score is not None:  # X^{-1} as well (below): both from one factorisation of X
