@@ -17,8 +17,9 @@ final token. With estimates of the ``a_g`` (H <= d) the instance ``n`` of head h
 (``e^{-40}`` puts a saturated head's term ``k l_g / (k + tau_g)`` 1e-17 below its label). The
 ``(t, s, null part)`` of the d instances of ``(h, z)`` are the columns of a pattern with one
 constant row and zero-sum orthogonal rows (:func:`_patterns`), so their final tokens span R^d
-with a well-conditioned design. After each round the estimate of ``a_h`` is corrected to fit the
-log-poles measured so far. Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine
+with a well-conditioned design. After each block of rounds the estimate of ``a_h`` is corrected to
+fit the log-poles measured so far, when the prior's aim misses by more than ``AIM_TOLERANCE``
+(:class:`_MinimumNormCorrection`, :func:`correction_blocks`). Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine
 ``(l_h, tau_h)``, the third tests that the instance really is single-pole
 (:mod:`.kernels.single_pole`). Finally the label of ``(h, z)`` is fixed at the consensus of its d
 instances and every ``m`` refitted with it; with the label fixed two samples test the single-pole
@@ -120,7 +121,7 @@ CHUNK_BYTES = 2**28
 #: are then computed exactly rather than bounded (:func:`_diagnostics`).
 KEEP_BYTES = 2**24
 #: Design patterns drawn per random orthogonal base (:func:`_patterns`: shuffled rows and rounds).
-PATTERN_SHARING = 8
+PATTERN_SHARING = 32
 #: Rounds designed from one estimate of the target at most (:func:`correction_blocks`).
 CORRECTION_BLOCK = 16
 #: Misfits of a stage's aim (log-pole units) below which its estimates are not corrected at all
@@ -505,10 +506,12 @@ def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None
     other rows, random, are orthogonal to it as well.
 
     One batched QR draws ``ceil(count / PATTERN_SHARING)`` base patterns (random orthogonal rows);
-    each pattern is a base with its random rows shuffled among themselves, their signs drawn, and
-    its columns (rounds) permuted, within each side of ``target_row`` when there is one. All of
-    that keeps every property above exactly, and the QRs, a sixth of the targeted learner's time at
-    d = 128, H = 8, cost an eighth.
+    each pattern is a base with its random rows shuffled among themselves and their signs drawn,
+    which keeps every property above exactly. (The rounds are not permuted: the base's random rows
+    are the QR of Gaussian columns, whose law a permutation of the rounds within a side leaves as
+    it is. Permuting them per pattern was an element-by-element gather, more than half of the
+    patterns' time; the QRs, a sixth of the targeted learner's time at d = 128, H = 8 when every
+    pattern had its own, cost a thirty-second.)
     """
     bases = -(-count // PATTERN_SHARING)
     gaussian = rng.standard_normal((bases, d, d))
@@ -529,14 +532,12 @@ def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None
     row_order = np.empty((count, d), dtype=int)
     row_order[:, fixed] = fixed
     row_order[:, free] = rng.permuted(np.broadcast_to(np.array(free, dtype=int), (count, len(free))), axis=1)
-    columns = np.empty((count, d), dtype=int)
-    for side in (np.unique(sides) if sides is not None else [None]):  # rounds exchanged within a side only
-        rounds = np.arange(d) if side is None else np.flatnonzero(sides == side)
-        columns[:, rounds] = rng.permuted(np.broadcast_to(rounds, (count, len(rounds))), axis=1)
     signs = rng.choice([-1.0, 1.0], size=(count, d, 1))
     signs[:, fixed] = 1.0
     picks = rng.integers(bases, size=count)
-    return base[picks[:, None, None], row_order[:, :, None], columns[:, None, :]] * signs
+    out = base[picks[:, None], row_order]  # whole rows gathered
+    out *= signs
+    return out
 
 
 def final_sides(rounds: int) -> np.ndarray:
@@ -755,7 +756,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
 
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
     heads f at its difference, used for the design. The target's own row is corrected after every
-    round to fit its measured log-poles. ``copies``: the copy counts of round 0 and of the later
+    block of rounds to fit its measured log-poles (:func:`correction_blocks`; not at all while the
+    prior aims within ``AIM_TOLERANCE``). ``copies``: the copy counts of round 0 and of the later
     rounds; by default final units ask ``k = 1, 2, 3`` every round, bridges ``k = 1, 2`` in round 0
     and ``k = 1`` later (the label is then known); a designer may choose them per round
     (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage): the model used for the
