@@ -190,7 +190,7 @@ def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale:
     def measure(Z, search):
         rough = np.array([np.append(head.direction, _offset(prober, Z[:, 0], head)) for head in search.heads])
         return _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign,
-                        copies=copies)
+                        copies=copies, block=1)  # phase 1's rough prior: aimed round by round (few units)
     return first_group(prober, d, max_heads, rng, token_scale, measure)
 
 

@@ -19,8 +19,9 @@ final token. With estimates of the ``a_g`` (H <= d) the instance ``n`` of head h
 constant row and zero-sum orthogonal rows (:func:`_patterns`), so their final tokens span R^d
 with a well-conditioned design. After each block of rounds the estimate of ``a_h`` is corrected to
 fit the log-poles measured so far, when the prior's aim misses by more than ``AIM_TOLERANCE``
-(:class:`_MinimumNormCorrection`, :func:`correction_blocks`). Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine
-``(l_h, tau_h)``, the third tests that the instance really is single-pole
+(:class:`_MinimumNormCorrection`, :func:`correction_blocks`). Samples ``k = 1, 2, 3`` with
+``F(0) = vbar^T x`` known: two determine ``(l_h, tau_h)``, the third tests that the instance really
+is single-pole
 (:mod:`.kernels.single_pole`). Finally the label of ``(h, z)`` is fixed at the consensus of its d
 instances and every ``m`` refitted with it; with the label fixed two samples test the single-pole
 form already, so the float64 first group and every final unit ask two (:func:`first_copies`,
@@ -403,14 +404,14 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     return base + along[:, :, None] * unit + free
 
 
-def correction_blocks(rounds: int) -> list[slice]:
+def correction_blocks(rounds: int, most: int = CORRECTION_BLOCK) -> list[slice]:
     """The blocks of rounds designed from one estimate (:class:`_MinimumNormCorrection`): at most
-    ``CORRECTION_BLOCK`` rounds, and at most a quarter of the rounds left, so the estimate a block
-    is designed from fits all but a fifth of the rounds its successor fits (the correction's effect
-    on a round's aim grows with the rounds it has seen: the last rounds are corrected one by one)."""
+    ``most`` rounds, and at most a quarter of the rounds left, so the estimate a block is designed
+    from fits all but a fifth of the rounds its successor fits (the correction's effect on a
+    round's aim grows with the rounds it has seen: the last rounds are corrected one by one)."""
     blocks, start = [], 0
     while start < rounds:
-        size = max(1, min(CORRECTION_BLOCK, (rounds - start) // 4))
+        size = max(1, min(most, (rounds - start) // 4))
         blocks.append(slice(start, start + size))
         start += size
     return blocks
@@ -751,7 +752,7 @@ class _SubspaceDesign(_FullDesign):
 
 def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
              W_score: np.ndarray | None = None, copies=None, bases: np.ndarray | None = None,
-             designer=None) -> _GroupMeasurements:
+             designer=None, block: int = CORRECTION_BLOCK) -> _GroupMeasurements:
     """Targeted instances for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
@@ -764,7 +765,9 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     oracle's score rounding in the error estimate. ``bases`` (G, H, d, r): measure each unit in
     the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
     ``designer``: another design class with the interface of :class:`_FullDesign` (the lifted
-    design of the biased model, :mod:`.biased`, whose units have ``d + 1`` rounds).
+    design of the biased model, :mod:`.biased`, whose units have ``d + 1`` rounds). ``block``: the
+    most rounds designed from one estimate (:func:`correction_blocks`; 1 for the first group, whose
+    prior from phase 1 can miss its aim by 10 log-pole units on float32 answers).
 
     Units are independent: they are measured in chunks of groups whose working arrays (final
     tokens, null parts, Gram-Schmidt bases: three (units, d, d) arrays) fit ``CHUNK_BYTES``, so
@@ -789,14 +792,15 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
             design.halfwidth = design.noisy_halfwidth  # noisy answers: their sampling error dominates
         parts.append(_measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
                                     not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
-                                    f"{start + 1}..{stop} of {G}"))
+                                    f"{start + 1}..{stop} of {G}", block))
     out = _GroupMeasurements.concatenate(parts)
     if G * H * rounds * d * 8 <= KEEP_BYTES:
         out.finals = np.concatenate([part.finals for part in parts])
     return out
 
 
-def _measure_chunk(prober, differences, estimates, design, copies, refit, W_score, description) -> _GroupMeasurements:
+def _measure_chunk(prober, differences, estimates, design, copies, refit, W_score, description,
+                   block: int = CORRECTION_BLOCK) -> _GroupMeasurements:
     """:func:`_measure` on one chunk of groups, all its units batched as arrays in every round."""
     G, H, _, d = estimates.shape
     U, rounds = G * H, design.rounds
@@ -808,9 +812,9 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     K = max(K, max(len(design.copies(n, copies)) for n in range(rounds)))
     gaps_all, rounding_all, ks_all = (np.full((U, rounds, K), np.nan) for _ in range(3))
 
-    for block in correction_blocks(rounds):  # the rounds of a block are designed from one estimate
-        finals[:, block] = prober.quantize(design.design(block))
-        for n in range(block.start, block.stop):
+    for rounds_block in correction_blocks(rounds, block):  # the rounds of a block are designed from one estimate
+        finals[:, rounds_block] = prober.quantize(design.design(rounds_block))
+        for n in range(rounds_block.start, rounds_block.stop):
             x = finals[:, n]
             ks = design.copies(n, copies)
             gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
@@ -826,7 +830,7 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
                 log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
                     fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
                 residual[:, n] = fits.residual if len(ks) > 2 else np.nan
-        designed[:, block] = design.update(block, finals[:, block], log_pole[:, block])
+        designed[:, rounds_block] = design.update(rounds_block, finals[:, rounds_block], log_pole[:, rounds_block])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
         log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, ks_all)),
@@ -1190,7 +1194,7 @@ def _first_group(prober: _Prober, d: int, max_heads: int, rng, token_scale: floa
     :func:`_measure`'s; the targeted schedule's own run passes :func:`first_copies`)."""
     def measure(Z, search):
         rough = np.array([head.direction for head in search.heads])
-        return _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False, copies=copies)
+        return _measure(prober, *_shared(Z[:, :1].T, rough[None]), rng, bridge=False, copies=copies, block=1)
     return first_group(prober, d, max_heads, rng, token_scale, measure)
 
 
