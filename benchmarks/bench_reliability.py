@@ -284,9 +284,9 @@ resumed transcript re-asks 3 recorded queries (`mhaextract.oracle.resume_check`)
 certified balls must reproduce the answers (`mhaextract.numerics.enclosure`).
 
 Reading it: no silent failure and no crash in any mode, and no mode above 0.5% false alarms. The
-default (auto) and targeted modes pass every random target, exact and under each noise, but one
-loud failure (auto, declared uniform 1e-8, d = H = 3, seed 281: estimate 6.5e-2 on a model 2.7e-4
-off, above its limit 4.9e-5); no passing run's error exceeded 19 times its estimate (auto: 1.4).
+default (auto) and targeted modes pass every random target, exact and under each noise (the designs
+before commit e4c2e97 had one loud failure: auto, declared uniform 1e-8, d = H = 3, seed 281); no
+passing run's error exceeded 20 times its estimate (auto: 1.4).
 Paper and lean in float64 are the paper's algebra
 with `2H + 1` samples per instance, refined by least squares when their answers are noisy (paper
 on its own answers, its exact count kept; lean with `H0 (d^2 + d)` counted polish queries) and when
