@@ -386,6 +386,28 @@ def test_the_incremental_correction_is_the_least_squares_minimum_norm_solution(b
             np.testing.assert_allclose(gram, np.diag(np.diag(gram)), atol=1e-12)  # orthonormal, skipped rows 0
 
 
+def test_the_aim_waits_while_the_prior_aims_well_then_adds_every_row_asked():
+    """``_MinimumNormCorrection.aim``: while every misfit so far is within ``AIM_TOLERANCE`` nothing
+    is corrected (delta stays 0: the prior aims well enough); the first block beyond it adds every
+    row asked so far, so delta is then the minimum-norm fit of all of them (lstsq from scratch), and
+    every later block is added as it comes."""
+    rng = np.random.default_rng(5)
+    units, d = 4, 12
+    rows = rng.standard_normal((units, d, d))
+    misses = 1e-4 * rng.standard_normal((units, d))
+    misses[2, 5] = 0.3  # unit 2, round 5 misses its aim: from the block holding it on, all are corrected
+    misses[1, 6:] = 0.2 * rng.standard_normal(d - 6)
+    correction = targeted._MinimumNormCorrection(units, d)
+    for block in targeted.correction_blocks(d, 3):
+        delta = correction.aim(block.start, rows[:, block], misses[:, block])
+        if block.stop <= 5:  # every misfit so far within the tolerance
+            assert not delta.any()
+            continue
+        for u in range(units):
+            expected = np.linalg.lstsq(rows[u, :block.stop], misses[u, :block.stop], rcond=None)[0]
+            np.testing.assert_allclose(delta[u], expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("d, H", [(9, 1), (9, 4), (9, 8), (9, 9), (40, 7)])
 def test_null_parts_are_an_isometry_into_the_null_space_of_the_estimates(d, H):
     """``_NullSpace.parts`` maps pattern rows p (d - H of them) to ``SPREAD N0 p`` with N0 an orthonormal
