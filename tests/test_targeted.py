@@ -480,3 +480,71 @@ def test_issue_15_d8_reaches_1e_14_within_one_and_a_half_times_the_paper(H):
         assert result.queries == oracle.count <= 1.5 * paper_count(8, H)
         truth = mx.compare(result.model, target).max_rel
         assert truth <= 1e-14 <= result.error_estimate
+
+
+def _propagated_errors(variance, label_sigma, Z, model, rng, trials):
+    """compare's max_rel of the first-order errors, drawn: ``da_j ~ N(0, variance[j, h, :, 0])``,
+    ``dl_j ~ N(0, label_sigma^2)``, then ``W_h = Z_h^{-T} A_h`` (rows a_j), ``u_h = Z_h^{-T} b``,
+    ``v_h = Z_h^{-T} l`` by solves, independent of the estimate's closed form."""
+    J, H, D, _ = variance.shape
+    d = model.d
+    out = []
+    for _ in range(trials):
+        da = rng.standard_normal((J, H, D)) * np.sqrt(variance[..., 0])
+        dl = rng.standard_normal((J, H)) * label_sigma
+        dW = np.array([np.linalg.solve(Z[h].T, da[:, h, :d]) for h in range(H)])
+        dv = np.array([np.linalg.solve(Z[h].T, dl[:, h]) for h in range(H)])
+        parts = [np.abs(dW).max() / np.abs(model.W).max(), np.abs(dv).max() / np.abs(model.v).max()]
+        if D == d + 1:
+            du = np.array([np.linalg.solve(Z[h].T, da[:, h, d]) for h in range(H)])
+            parts.append(np.abs(du).max() / np.abs(model.u).max())
+        out.append(max(parts))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("case", ["small score biases", "one coordinate", "no biases"])
+def test_the_first_order_estimate_covers_every_parameter_entry_by_entry(case):
+    """The estimate against the first-order errors drawn and propagated by solves (the truth it
+    estimates, computed here): it must not fall below their 90th percentile, nor exceed the median
+    twentyfold. ``small score biases``: max|u| = 1e-3 max|W| (GPT-2's), whose relative error the
+    W-only estimate missed; ``one coordinate``: the variance of every a_j concentrated in one
+    coordinate, i.e. one column of each W_h, which a head-wise root mean square averages away."""
+    rng = np.random.default_rng(7)
+    d, H = 12, 3
+    lifted = case != "no biases"
+    D = d + 1 if lifted else d
+    scale = 64.0
+    Z = np.array([np.linalg.qr(rng.standard_normal((d, d)))[0] * scale for _ in range(H)])
+    differences = np.zeros((d, H, D))
+    differences[:, :, :d] = Z.transpose(2, 0, 1)  # unit j of head h at z_j = Z_h[:, j]
+    W, v = rng.standard_normal((H, d, d)), rng.standard_normal((H, d))
+    u = rng.standard_normal((H, d)) * (1e-3 if case == "small score biases" else 1.0)
+    model = mx.MultiHeadAttention(W, v, u if lifted else None, 0.0)
+    variance = np.zeros((d, H, D, 2))
+    variance[..., 0] = (1e-10 * scale) ** 2 * rng.uniform(0.5, 2.0, (d, H, D))
+    if case == "one coordinate":
+        variance[:, :, 3, 0] *= 400.0
+    variance[..., 1] = 0.25 * variance[..., 0]
+    label_sigma = 1e-12 * scale * np.ones((d, H))
+    estimate, score_part = targeted.first_order_estimate(variance, differences, label_sigma, model)
+    truth = _propagated_errors(variance, label_sigma, Z, model, rng, 300)
+    assert np.quantile(truth, 0.9) <= estimate <= 20 * np.median(truth)
+    assert score_part == pytest.approx(estimate / 2, rel=1e-9)  # a quarter of the variance
+
+
+def test_a_score_bias_unresolved_from_zero_claims_its_error_absolute():
+    """A bias-free target learned with biases: its u reads as noise, and an error relative to that
+    noise (~1) would fail every such run; within RESOLVED errors of zero it is claimed absolute,
+    as compare reports a reference without biases."""
+    rng = np.random.default_rng(8)
+    d, H, scale = 8, 2, 64.0
+    Z = np.array([np.linalg.qr(rng.standard_normal((d, d)))[0] * scale for _ in range(H)])
+    differences = np.zeros((d, H, d + 1))
+    differences[:, :, :d] = Z.transpose(2, 0, 1)
+    variance = np.full((d, H, d + 1, 2), (1e-13 * scale) ** 2)
+    noise_u = 1e-16 * rng.standard_normal((H, d))
+    model = mx.MultiHeadAttention(rng.standard_normal((H, d, d)), rng.standard_normal((H, d)), noise_u, 0.0)
+    estimate, _ = targeted.first_order_estimate(variance, differences, np.full((d, H), 1e-13), model)
+    assert estimate < 1e-11
+    resolved = mx.MultiHeadAttention(model.W, model.v, noise_u * 1e10, 0.0)  # max|u| ~ 1e-6: resolved
+    assert targeted.first_order_estimate(variance, differences, np.full((d, H), 1e-13), resolved)[0] > 1e-10

@@ -36,7 +36,7 @@ from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, check_directory, run_fingerprint
 from .results import Extraction
-from .schedules.base import Outcome, RunSettings, Schedule
+from .schedules.base import RESOLVED, Outcome, RunSettings, Schedule
 from .schedules.grid import MORE_POLES
 from .schedules.registry import Choice, choose
 from .validation import (
@@ -48,8 +48,6 @@ from .validation import (
 #: is float64 rounding: the existing checks judge it, the validity check is only added above it
 #: (or when the caller declares answer_error).
 ROUNDING_REGIME = 1e3 * 2.0**-53
-#: An output constant within this many answer errors of zero is not resolved from zero (_constant_error).
-CONSTANT_RESOLVED = 10.0
 #: The refinement weighs answer q by 1 / max(its computation's size, WEIGHT_FLOOR x the median size).
 WEIGHT_FLOOR = 1e-2
 
@@ -600,10 +598,10 @@ def _constant_error(model, measured: float) -> float:
     answer's error ``measured`` (absolute) over ``|c|``. The schedules' estimates are relative to
     the answers' sizes; a small c is off by the noise relative to itself (bench_reliability seed
     21, d = 3, H = 2, declared uniform 1e-8: c's error 1.9e-6, 600 times the rest's estimate).
-    A c within ``CONSTANT_RESOLVED`` times that error of zero is zero at the answers' resolution (a
+    A c within ``RESOLVED`` times that error of zero is zero at the answers' resolution (a
     bias-free target's c reads as noise): no relative error is claimed for it; its absolute error is
     the answer's."""
-    if model is None or not measured or model.is_high_precision or abs(model.c) <= CONSTANT_RESOLVED * measured:
+    if model is None or not measured or model.is_high_precision or abs(model.c) <= RESOLVED * measured:
         return 0.0
     return float(measured / abs(model.c))
 

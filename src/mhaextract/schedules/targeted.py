@@ -73,7 +73,7 @@ from ..numerics import float64 as float64_kernel
 from ..numerics import single_pole
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import one_token_queries, quantize, random_basis
-from .base import Outcome, Schedule, ScheduleDetails
+from .base import RESOLVED, Outcome, Schedule, ScheduleDetails
 from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 
 EPS = np.finfo(np.float64).eps
@@ -575,10 +575,16 @@ class _GroupMeasurements:
     misfit: np.ndarray  # |m_n - a^T x_n|
     margin: np.ndarray  # smallest other head's log-pole by the design estimates
     x_norm: np.ndarray  # |x_n|
-    #: (G, H, 2) |X^{-1} sigma|^2 (final stage; NaN otherwise): [..., 0] every term, [..., 1] the
-    #: oracle's score rounding alone (the part that does not grow with answer noise)
-    error_squared: np.ndarray
+    #: (G, H, D, 2) the first-order variance of each coordinate i of the solved ``a`` (D = d, or d + 1
+    #: lifted), ``sum_n (X^{-1})_{in}^2 sigma_n^2`` (final stage; NaN otherwise): [..., 0] every
+    #: term, [..., 1] the oracle's score rounding alone (the part that does not grow with answer noise)
+    variance: np.ndarray
     finals: np.ndarray | None = None  # (G, H, d, d) the final tokens, kept only when small (KEEP_BYTES)
+
+    @property
+    def error_squared(self) -> np.ndarray:
+        """(G, H, 2) ``|X^{-1} diag(sigma)|_F^2``: :attr:`variance` summed over the coordinates."""
+        return self.variance.sum(axis=2)
 
     def consensus_labels(self) -> tuple[np.ndarray, np.ndarray]:
         """Inverse-variance mean of the labels of each (group, head) over its instances, and its error."""
@@ -834,7 +840,8 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
         log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, ks_all)),
-        np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)), np.full((G, H, 2), np.nan))
+        np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)),
+        np.full((G, H, d, 2), np.nan))
     if refit:
         out.refit_with_consensus_labels()
     _reduce_chunk(out, finals, design, W_score, prober.unit, prober.score_unit, prober.systematic)
@@ -907,7 +914,7 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
     out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
     out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
     if W_score is not None:
-        out.error_squared = np.where(ok[:, None], (spread**2).sum(axis=1), np.nan).reshape(G, H, 2)
+        out.variance = np.where(ok[:, None, None], spread**2, np.nan).reshape(G, H, d, 2)
 
 
 def _all_heads_at(W: np.ndarray, differences: np.ndarray) -> np.ndarray:
@@ -1309,24 +1316,52 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
 
 def _error_estimate(final: _GroupMeasurements, model) -> tuple[float, float]:
     """``(estimate, the part of it from the oracle's score rounding alone)`` (:func:`first_order_estimate`)."""
-    squared, z_norm = final.error_squared.sum(axis=0), np.linalg.norm(final.differences[0], axis=1)
-    return first_order_estimate(squared[:, 0], z_norm, model), first_order_estimate(squared[:, 1], z_norm, model)
+    return first_order_estimate(final.variance, final.differences, final.consensus_labels()[1], model)
 
 
-def first_order_estimate(squared: np.ndarray, z_norm: np.ndarray, model) -> float:
-    """First order: each log-pole's error (sample rounding, and the oracle's rounding of the
-    scores ``y^T W_h x``, about eps |z| |W_h x|, with the design model's W) through
-    ``a_h(z) = X^{-1} m`` and ``W_h = Z_h^{-T} A_h^T`` (``Z_h`` orthogonal times ``|z|``):
-    ``squared[h]`` is the summed squared error of head h's ``a_h``, ``z_norm[h]`` its ``|z|``.
+def largest_of(count: int) -> float:
+    """How many standard deviations the largest of ``count`` independent centred Gaussian errors
+    reaches: ``sqrt(2 ln count)``, at least 3 (the largest of 16 exceeds 3 with probability ~4%)."""
+    return max(3.0, float(np.sqrt(2.0 * np.log(max(count, 1)))))
 
-    The errors of ``W_h``'s d^2 entries then have root mean square ``||error||_F / d``, and
-    ``compare`` reports the largest entry: of independent errors of that spread, about
-    ``sqrt(2 ln d^2)`` times it, taken as ``max(3, sqrt(2 ln d^2))`` (3 for d <= 4: the largest of
-    up to 16 such errors exceeds 3 RMS with probability about 4%)."""
+
+def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_sigma: np.ndarray,
+                         model) -> tuple[float, float]:
+    """The first-order estimate of ``compare``'s ``max(W_rel, u_rel, v_rel)`` (docs/algorithm.md
+    §13, "The error estimate"), and its part from the oracle's score rounding alone.
+
+    ``variance`` (J, H, D, 2): unit j of head h measured ``a~_h(z_j) = (W_h^T z_j[, u_h^T z_j])``
+    (D = d, or d + 1 with biases) with coordinate variances ``sum_n (X^{-1})_{in}^2 sigma_n^2``
+    ([..., 1]: the score-rounding terms alone); ``differences`` (J, H, D) the ``z_j`` (the columns
+    of ``Z_h``, orthogonal times ``|z|``); ``label_sigma`` (J, H) the consensus labels' errors.
+    ``W_h = Z_h^{-T} A_h^T`` with ``Z_h^{-T} = Z_h / |z|^2``, so entry (k, i) of ``dW_h`` has
+    variance ``sum_j (Z_h[k, j] / |z_j|^2)^2 var(a_j[i])``; ``u_h`` and ``v_h`` the same with the
+    lifted coordinate and the labels. Each part is its largest entry's standard deviation times
+    :func:`largest_of` its entry count, relative to the model's largest entry of that parameter
+    (``compare``'s normalisation). Per entry, not per head: an error concentrated in one coordinate
+    of the ``a_j`` is concentrated in one column of ``W_h`` (ViT float32, d = 16: the head-wise
+    root mean square stood 1.8x below the truth). A u within ``RESOLVED`` errors of zero is not
+    resolved from zero and its error is claimed absolute (``compare`` on a bias-free reference).
+    Before, u's and v's errors were not estimated at all, and the score biases of GPT-2 layers
+    (max|u| ~ 1e-3 against max|W| ~ 1) came out up to 1.7x above the estimate."""
     d = model.d
-    W_rms = np.sqrt(squared) / (z_norm * d)
-    factor = max(3.0, np.sqrt(2.0 * np.log(d * d)))
-    return float(factor * W_rms.max(initial=0.0) / max(np.abs(model.W).max(), 1e-300))
+    J, H, D, _ = variance.shape
+    z = differences[:, :, :d]
+    weights = (z / (z * z).sum(axis=2, keepdims=True)) ** 2  # (J, H, d): (Z_h^{-T})[k, j]^2
+    weights = weights.transpose(1, 2, 0)  # (H, d, J)
+    with np.errstate(over="ignore", invalid="ignore"):
+        W_var = np.matmul(weights, variance[:, :, :d].transpose(1, 0, 2, 3).reshape(H, J, 2 * d))
+        W_std = np.sqrt(W_var.reshape(H, d, d, 2).max(axis=(0, 1, 2)))  # (2,)
+        parts = [largest_of(H * d * d) * W_std / max(float(np.abs(model.W).max()), 1e-300)]
+        v_std = np.sqrt(np.matmul(weights, label_sigma.T[:, :, None] ** 2).max())
+        parts.append(np.array([largest_of(H * d) * v_std / max(float(np.abs(model.v).max()), 1e-300), 0.0]))
+        if D == d + 1:
+            u_std = np.sqrt(np.matmul(weights, variance[:, :, d].transpose(1, 0, 2)).max(axis=(0, 1)))  # (2,)
+            u_scale = float(np.abs(model.u).max())
+            u_scale = u_scale if u_scale > RESOLVED * u_std[0] else 1.0
+            parts.append(largest_of(H * d) * u_std / u_scale)
+    estimate = np.max(parts, axis=0)
+    return float(estimate[0]), float(estimate[1])
 
 
 def label_deviation(labels: np.ndarray, sigma: np.ndarray, unit: float) -> float:
