@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import mhaextract as mx
 import mhaextract.schedules.linesearch as linesearch
 import mhaextract.schedules.targeted as targeted
+from mhaextract.api import _bias_error, _constant_error
 from mhaextract.checks.noise_probe import PROBE_QUERIES
 from mhaextract.numerics import single_pole
 from mhaextract.oracle.queries import random_basis
@@ -526,25 +527,23 @@ def test_the_first_order_estimate_covers_every_parameter_entry_by_entry(case):
         variance[:, :, 3, 0] *= 400.0
     variance[..., 1] = 0.25 * variance[..., 0]
     label_sigma = 1e-12 * scale * np.ones((d, H))
-    estimate, score_part = targeted.first_order_estimate(variance, differences, label_sigma, model)
+    estimate, score_part, (u_error, u_score) = targeted.first_order_estimate(variance, differences, label_sigma, model)
+    assert score_part == pytest.approx(estimate / 2, rel=1e-9)  # a quarter of W's variance
+    assert u_score == pytest.approx(u_error / 2, rel=1e-9) and (u_error > 0) == lifted
+    estimate = max(estimate, _bias_error(model, u_error))  # as extract combines them
     truth = _propagated_errors(variance, label_sigma, Z, model, rng, 300)
     assert np.quantile(truth, 0.9) <= estimate <= 20 * np.median(truth)
-    assert score_part == pytest.approx(estimate / 2, rel=1e-9)  # a quarter of the variance
 
 
 def test_a_score_bias_unresolved_from_zero_claims_its_error_absolute():
     """A bias-free target learned with biases: its u reads as noise, and an error relative to that
     noise (~1) would fail every such run; within RESOLVED errors of zero it is claimed absolute,
-    as compare reports a reference without biases."""
+    as compare reports a reference without biases. The same for the output constant c."""
     rng = np.random.default_rng(8)
-    d, H, scale = 8, 2, 64.0
-    Z = np.array([np.linalg.qr(rng.standard_normal((d, d)))[0] * scale for _ in range(H)])
-    differences = np.zeros((d, H, d + 1))
-    differences[:, :, :d] = Z.transpose(2, 0, 1)
-    variance = np.full((d, H, d + 1, 2), (1e-13 * scale) ** 2)
-    noise_u = 1e-16 * rng.standard_normal((H, d))
-    model = mx.MultiHeadAttention(rng.standard_normal((H, d, d)), rng.standard_normal((H, d)), noise_u, 0.0)
-    estimate, _ = targeted.first_order_estimate(variance, differences, np.full((d, H), 1e-13), model)
-    assert estimate < 1e-11
-    resolved = mx.MultiHeadAttention(model.W, model.v, noise_u * 1e10, 0.0)  # max|u| ~ 1e-6: resolved
-    assert targeted.first_order_estimate(variance, differences, np.full((d, H), 1e-13), resolved)[0] > 1e-10
+    W, v = rng.standard_normal((2, 8, 8)), rng.standard_normal((2, 8))
+    noise_u = 1e-12 * rng.standard_normal((2, 8))
+    unresolved = mx.MultiHeadAttention(W, v, noise_u, 1e-12)
+    assert _bias_error(unresolved, 1e-12) == 1e-12 and _constant_error(unresolved, 1e-12) == 1e-12
+    resolved = mx.MultiHeadAttention(W, v, noise_u * 1e6, 1e-6)  # max|u| ~ 1e-6, c = 1e-6
+    assert _bias_error(resolved, 1e-12) == pytest.approx(1e-12 / np.abs(resolved.u).max())
+    assert _constant_error(resolved, 1e-12) == pytest.approx(1e-6)

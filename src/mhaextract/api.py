@@ -389,6 +389,10 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
                                                plan.unit, outcome.score_estimate, typical or scale)
     if settings.bias and (refinement is None or refinement.kept != "refined"):
         error_estimate = max(error_estimate, _constant_error(model, measured))
+        if outcome.bias_error[0] > 0:  # u's error, scaled to the answers' noise as the rest was
+            u_error = _undeclared_noise(settings, outcome.bias_error[0], certificate, probe, scale, plan.unit,
+                                        outcome.bias_error[1], typical or scale)[0]
+            error_estimate = max(error_estimate, _bias_error(model, u_error))
     explained = error_estimate  # the residual the model's own estimated error explains (_common_checks)
     if plan.residual_evidence and settings.precision is None and model is not None and answers_residual > error_estimate:
         error_estimate, source = _residual_evidence(answers_residual, source)
@@ -599,11 +603,23 @@ def _constant_error(model, measured: float) -> float:
     the answers' sizes; a small c is off by the noise relative to itself (bench_reliability seed
     21, d = 3, H = 2, declared uniform 1e-8: c's error 1.9e-6, 600 times the rest's estimate).
     A c within ``RESOLVED`` times that error of zero is zero at the answers' resolution (a
-    bias-free target's c reads as noise): no relative error is claimed for it; its absolute error is
-    the answer's."""
-    if model is None or not measured or model.is_high_precision or abs(model.c) <= RESOLVED * measured:
+    bias-free target's c reads as noise): its error is claimed absolute, ``measured``, as
+    ``compare`` reports it against a reference without c (claiming none, the targeted schedule's
+    estimate stood 6x below such a c's error under Gaussian noise 1e-10, bench_reliability seed 373)."""
+    if model is None or not measured or model.is_high_precision:
         return 0.0
-    return float(measured / abs(model.c))
+    return float(measured) if abs(model.c) <= RESOLVED * measured else float(measured / abs(model.c))
+
+
+def _bias_error(model, error: float) -> float:
+    """The score biases' error ``error`` (absolute, their largest entry's, scaled to the answers'
+    noise: ``Outcome.bias_error``) as ``compare`` reports it: relative to max|u|, or absolute where
+    max|u| is within ``RESOLVED`` times it of zero (a bias-free target's u reads as noise, and its
+    error relative to that noise would be ~1)."""
+    if model is None or not error or model.is_high_precision:
+        return 0.0
+    largest = float(np.abs(model.u).max(initial=0.0))
+    return float(error) if largest <= RESOLVED * error else float(error / largest)
 
 
 def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe,

@@ -66,9 +66,11 @@ class Extraction(CheckedResult):
     schedule : the schedule's registry name.
     token_scale : the norm of the query tokens the run used (``verify`` draws at this scale).
     error_estimate : float
-        Max relative parameter error expected: in high precision the largest relative ball radius
-        (a proven bound when ``certified``), in float64 a first-order estimate (or, with a
-        certificate and declared or refined noise, the certificate's bound).
+        Max relative parameter error expected, in the sense of ``compare(...).max_rel`` (each of W,
+        v, u and c relative to its own largest entry; u and c absolute where they are not resolved
+        from zero): in high precision the largest relative ball radius (a proven bound when
+        ``certified``), in float64 a first-order estimate (or, with a certificate and declared or
+        refined noise, the certificate's bound).
     answers_residual : float
         Max relative misfit of the extracted model on the queries asked.
     checks : list of Check

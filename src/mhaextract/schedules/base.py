@@ -108,6 +108,12 @@ class Outcome:
     #: targeted schedules, §13): it does not grow with the answers' noise, so an estimate scaled to
     #: measured or declared answer noise scales only the rest (``api._undeclared_noise``).
     score_estimate: float = 0.0
+    #: The estimated absolute error of the score biases' largest entry, and its part from the oracle's
+    #: score rounding (the targeted schedules with biases, §13; zeros otherwise). Not part of
+    #: ``error_estimate``: whether u is resolved from zero, and so whether its error is relative to
+    #: max|u|, depends on the answers' noise, which ``extract`` measures after the run
+    #: (``api._bias_error``).
+    bias_error: tuple[float, float] = (0.0, 0.0)
 
 
 class Schedule:

@@ -96,11 +96,13 @@ class LowRankSchedule(TargetedSchedule):
         H = len(search.heads)
         instances = _diagnostics(stages, model)
         finals = [data for stage, data in stages if stage == "final"]
-        error_estimate, score_estimate = _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0)
+        error_estimate, score_estimate, bias_error = (
+            _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
         checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages])
         checks.append(_rank_check(rank_ratio, self.rank))
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences,
-                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate)
+                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate,
+                       bias_error=bias_error)
 
 
 class BiasedLowRankSchedule(LowRankSchedule):
@@ -131,11 +133,13 @@ class BiasedLowRankSchedule(LowRankSchedule):
         H = len(search.heads)
         instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
         finals = [data for stage, data in stages if stage == "final"]
-        error_estimate, score_estimate = _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0)
+        error_estimate, score_estimate, bias_error = (
+            _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
         checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
         checks.append(_rank_check(rank_ratio, self.rank, prober.unit))
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences,
-                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate)
+                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate,
+                       bias_error=bias_error)
 
 
 def _rank_check(rank_ratio: float, rank: int, unit: float = 0.0) -> Check:
@@ -337,4 +341,4 @@ def _error_estimate(finals, model, rank: int) -> tuple[float, float]:
             basis_part = (error / max(sigma_k, 1e-300)) ** 2 * (low.a[:, h, :d] ** 2).sum(axis=1) / d
             variance[1][:, h, :d, 0] += basis_part[:, None]
     return first_order_estimate(np.concatenate(variance), np.concatenate([data.differences for data in finals]),
-                                np.concatenate([data.consensus_labels()[1] for data in finals]), model)
+                                np.concatenate([data.label_error for data in finals]), model)

@@ -73,7 +73,7 @@ from ..numerics import float64 as float64_kernel
 from ..numerics import single_pole
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import one_token_queries, quantize, random_basis
-from .base import RESOLVED, Outcome, Schedule, ScheduleDetails
+from .base import Outcome, Schedule, ScheduleDetails
 from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 
 EPS = np.finfo(np.float64).eps
@@ -579,6 +579,9 @@ class _GroupMeasurements:
     #: lifted), ``sum_n (X^{-1})_{in}^2 sigma_n^2`` (final stage; NaN otherwise): [..., 0] every
     #: term, [..., 1] the oracle's score rounding alone (the part that does not grow with answer noise)
     variance: np.ndarray
+    #: (G, H) the consensus label's error with the samples' errors scaled as in ``variance`` (final
+    #: stage; NaN otherwise)
+    label_error: np.ndarray
     finals: np.ndarray | None = None  # (G, H, d, d) the final tokens, kept only when small (KEEP_BYTES)
 
     @property
@@ -841,7 +844,7 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
         log_pole, label, designed, residual, sigma_m, sigma_l, gaps_all, rounding_all, ks_all)),
         np.full((G, H, d), np.nan), *(np.full((G, H, rounds), np.nan) for _ in range(3)),
-        np.full((G, H, d, 2), np.nan))
+        np.full((G, H, d, 2), np.nan), np.full((G, H), np.nan))
     if refit:
         out.refit_with_consensus_labels()
     _reduce_chunk(out, finals, design, W_score, prober.unit, prober.score_unit, prober.systematic)
@@ -887,8 +890,14 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         # the residuals scale the samples' own errors, not the part common to an instance's
         # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate understated the
         # truth 8x at d = H = 4 under declared uniform noise 1e-8)
-        samples = (sample_scale * (1.0 - common) + common) * out.sigma_m.reshape(U, rounds)
+        scaled = sample_scale * (1.0 - common) + common
+        samples = scaled * out.sigma_m.reshape(U, rounds)
         sigma, score_sigma = np.hypot(samples, score), score
+        # the labels' consensus error with the same scaling (unscaled, 3.7e-7 against a true 4e-10
+        # at d = 5, H = 3 under Gaussian noise 1e-10: the v part then overstated the error 25x)
+        weights = np.where(np.isfinite(out.label.reshape(U, rounds)),
+                           1.0 / np.maximum(scaled * out.sigma_l.reshape(U, rounds), 1e-300) ** 2, 0.0)
+        out.label_error = (1.0 / np.sqrt(np.maximum(weights.sum(axis=1), 1e-300))).reshape(G, H)
     ok = np.isfinite(m).all(axis=1)
     rhs = np.nan_to_num(m)[:, :, None]
     if W_score is not None:  # X^{-1} as well (below): both from one factorisation of X
@@ -1111,11 +1120,12 @@ class TargetedSchedule(Schedule):
         H = len(search.heads)
         instances = _diagnostics(stages, model, prober.unit)
         measurements = [data for _, data in stages]
-        error_estimate, score_estimate = _error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0)
+        error_estimate, score_estimate, bias_error = (
+            _error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
         answers = np.asarray(prober.answers, dtype=np.float64)
         checks = _checks(instances, search, H, self.settings.heads, measurements, prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
-                       checks, score_estimate=score_estimate)
+                       checks, score_estimate=score_estimate, bias_error=bias_error)
 
     def thresholds(self) -> tuple[float, float]:
         return limits(self.unit)
@@ -1314,9 +1324,10 @@ def _diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
     return TargetedInstances(*(np.concatenate(column) for column in zip(*rows)))
 
 
-def _error_estimate(final: _GroupMeasurements, model) -> tuple[float, float]:
-    """``(estimate, the part of it from the oracle's score rounding alone)`` (:func:`first_order_estimate`)."""
-    return first_order_estimate(final.variance, final.differences, final.consensus_labels()[1], model)
+def _error_estimate(final: _GroupMeasurements, model) -> tuple[float, float, tuple[float, float]]:
+    """``(estimate, its part from the oracle's score rounding alone, the score biases' error)``
+    (:func:`first_order_estimate`)."""
+    return first_order_estimate(final.variance, final.differences, final.label_error, model)
 
 
 def largest_of(count: int) -> float:
@@ -1326,9 +1337,10 @@ def largest_of(count: int) -> float:
 
 
 def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_sigma: np.ndarray,
-                         model) -> tuple[float, float]:
-    """The first-order estimate of ``compare``'s ``max(W_rel, u_rel, v_rel)`` (docs/algorithm.md
-    §13, "The error estimate"), and its part from the oracle's score rounding alone.
+                         model) -> tuple[float, float, tuple[float, float]]:
+    """The first-order estimate of ``compare``'s ``max(W_rel, v_rel)`` (docs/algorithm.md §13,
+    "Error estimate"), its part from the oracle's score rounding alone, and the estimated absolute
+    error of u's largest entry (with its score part; zeros without biases).
 
     ``variance`` (J, H, D, 2): unit j of head h measured ``a~_h(z_j) = (W_h^T z_j[, u_h^T z_j])``
     (D = d, or d + 1 with biases) with coordinate variances ``sum_n (X^{-1})_{in}^2 sigma_n^2``
@@ -1337,13 +1349,13 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
     ``W_h = Z_h^{-T} A_h^T`` with ``Z_h^{-T} = Z_h / |z|^2``, so entry (k, i) of ``dW_h`` has
     variance ``sum_j (Z_h[k, j] / |z_j|^2)^2 var(a_j[i])``; ``u_h`` and ``v_h`` the same with the
     lifted coordinate and the labels. Each part is its largest entry's standard deviation times
-    :func:`largest_of` its entry count, relative to the model's largest entry of that parameter
+    :func:`largest_of` its entry count, W's and v's relative to the model's largest entry
     (``compare``'s normalisation). Per entry, not per head: an error concentrated in one coordinate
     of the ``a_j`` is concentrated in one column of ``W_h`` (ViT float32, d = 16: the head-wise
-    root mean square stood 1.8x below the truth). A u within ``RESOLVED`` errors of zero is not
-    resolved from zero and its error is claimed absolute (``compare`` on a bias-free reference).
-    Before, u's and v's errors were not estimated at all, and the score biases of GPT-2 layers
-    (max|u| ~ 1e-3 against max|W| ~ 1) came out up to 1.7x above the estimate."""
+    root mean square stood 1.7x below the truth). u's error stays absolute here: whether u is
+    resolved from zero, and its error relative to max|u|, depends on the answers' noise, which
+    ``extract`` measures after the run (``api._bias_error``; GPT-2's score biases, max|u| ~ 1e-3
+    against max|W| ~ 1, came out up to 1.4x above a W-only estimate)."""
     d = model.d
     J, H, D, _ = variance.shape
     z = differences[:, :, :d]
@@ -1352,16 +1364,14 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
     with np.errstate(over="ignore", invalid="ignore"):
         W_var = np.matmul(weights, variance[:, :, :d].transpose(1, 0, 2, 3).reshape(H, J, 2 * d))
         W_std = np.sqrt(W_var.reshape(H, d, d, 2).max(axis=(0, 1, 2)))  # (2,)
-        parts = [largest_of(H * d * d) * W_std / max(float(np.abs(model.W).max()), 1e-300)]
+        W_part = largest_of(H * d * d) * W_std / max(float(np.abs(model.W).max()), 1e-300)
         v_std = np.sqrt(np.matmul(weights, label_sigma.T[:, :, None] ** 2).max())
-        parts.append(np.array([largest_of(H * d) * v_std / max(float(np.abs(model.v).max()), 1e-300), 0.0]))
+        v_part = largest_of(H * d) * v_std / max(float(np.abs(model.v).max()), 1e-300)
+        u_error = np.zeros(2)
         if D == d + 1:
-            u_std = np.sqrt(np.matmul(weights, variance[:, :, d].transpose(1, 0, 2)).max(axis=(0, 1)))  # (2,)
-            u_scale = float(np.abs(model.u).max())
-            u_scale = u_scale if u_scale > RESOLVED * u_std[0] else 1.0
-            parts.append(largest_of(H * d) * u_std / u_scale)
-    estimate = np.max(parts, axis=0)
-    return float(estimate[0]), float(estimate[1])
+            u_var = np.matmul(weights, variance[:, :, d].transpose(1, 0, 2))  # (H, d, 2)
+            u_error = largest_of(H * d) * np.sqrt(u_var.max(axis=(0, 1)))
+    return float(max(W_part[0], v_part)), float(W_part[1]), (float(u_error[0]), float(u_error[1]))
 
 
 def label_deviation(labels: np.ndarray, sigma: np.ndarray, unit: float) -> float:
