@@ -189,6 +189,26 @@ def test_undeclared_noise_raises_the_error_estimate(schedule, seed):
     assert error <= 100 * result.error_estimate
 
 
+@pytest.mark.parametrize("seed, noise", [(373, "gaussian"), (374, "uniform")])
+def test_a_bias_free_target_learned_with_biases_claims_its_constant_s_noise(seed, noise):
+    """The targeted schedule learns u and c; a bias-free target's c comes out as one answer's
+    noise, which compare reports absolute (the target has none). The estimate claimed no error for
+    an unresolved c and stood 6x (Gaussian 1e-10) and 10x (declared uniform 1e-8) below the truth
+    (bench_reliability's targets); now it claims the answers' error for it, and u's likewise."""
+    d = 2 + seed % 5
+    H = 1 + (seed // 5) % min(d, 4)
+    target = mx.MultiHeadAttention.random(d, H, seed=1000 + seed)
+    if noise == "gaussian":
+        oracle, extra = mx.GaussianNoise(mx.SimulatedOracle(target), 1e-10, seed=seed), {}
+    else:
+        oracle, extra = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-8, seed=seed), dict(answer_error=1e-8)
+    result = mx.extract(oracle, d, heads=H, seed=seed, schedule="targeted", on_failure="warn", **extra)
+    comparison = mx.compare(result.model, target)
+    assert result.ok and result.bias and target.c == 0.0
+    assert comparison.c_rel == abs(result.model.c) > 10 * max(comparison.W_rel, comparison.v_rel)
+    assert comparison.max_rel <= result.error_estimate <= 100 * comparison.max_rel
+
+
 def test_the_noise_probe_costs_twelve_counted_queries_and_paper_none():
     from mhaextract.checks.noise_probe import PROBE_QUERIES
     target = mx.MultiHeadAttention.random(3, 2, seed=0)
