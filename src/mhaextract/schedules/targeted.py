@@ -589,9 +589,10 @@ class _GroupMeasurements:
         """(G, H, 2) ``|X^{-1} diag(sigma)|_F^2``: :attr:`variance` summed over the coordinates."""
         return self.variance.sum(axis=2)
 
-    def consensus_labels(self) -> tuple[np.ndarray, np.ndarray]:
-        """Inverse-variance mean of the labels of each (group, head) over its instances, and its error."""
-        weights = np.where(np.isfinite(self.label), 1.0 / np.maximum(self.sigma_l, 1e-300) ** 2, 0.0)
+    def consensus_labels(self, sigma_scale=1.0) -> tuple[np.ndarray, np.ndarray]:
+        """Inverse-variance mean of the labels of each (group, head) over its instances, and its
+        error; ``sigma_scale`` (broadcast to (G, H, rounds)) scales the instances' label errors."""
+        weights = np.where(np.isfinite(self.label), 1.0 / np.maximum(sigma_scale * self.sigma_l, 1e-300) ** 2, 0.0)
         total = np.maximum(weights.sum(axis=2), 1e-300)
         return (np.nan_to_num(self.label) * weights).sum(axis=2) / total, 1.0 / np.sqrt(total)
 
@@ -895,9 +896,7 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         sigma, score_sigma = np.hypot(samples, score), score
         # the labels' consensus error with the same scaling (unscaled, 3.7e-7 against a true 4e-10
         # at d = 5, H = 3 under Gaussian noise 1e-10: the v part then overstated the error 25x)
-        weights = np.where(np.isfinite(out.label.reshape(U, rounds)),
-                           1.0 / np.maximum(scaled * out.sigma_l.reshape(U, rounds), 1e-300) ** 2, 0.0)
-        out.label_error = (1.0 / np.sqrt(np.maximum(weights.sum(axis=1), 1e-300))).reshape(G, H)
+        out.label_error = out.consensus_labels(scaled.reshape(G, H, rounds))[1]
     ok = np.isfinite(m).all(axis=1)
     rhs = np.nan_to_num(m)[:, :, None]
     if W_score is not None:  # X^{-1} as well (below): both from one factorisation of X
@@ -1371,7 +1370,7 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
         if D == d + 1:
             u_var = np.matmul(weights, variance[:, :, d].transpose(1, 0, 2))  # (H, d, 2)
             u_error = largest_of(H * d) * np.sqrt(u_var.max(axis=(0, 1)))
-    return float(max(W_part[0], v_part)), float(W_part[1]), (float(u_error[0]), float(u_error[1]))
+    return float(np.max([W_part[0], v_part])), float(W_part[1]), (float(u_error[0]), float(u_error[1]))  # NaN stays NaN
 
 
 def label_deviation(labels: np.ndarray, sigma: np.ndarray, unit: float) -> float:
