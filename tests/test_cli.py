@@ -69,3 +69,21 @@ def test_schedule_help_lists_the_registry(command):
     text = " ".join(result.output.split())
     for name in schedule_names():
         assert repr(name) in text
+
+
+def test_the_report_shows_every_parameter_the_estimate_covers_when_biases_are_learned():
+    """The error estimate covers W, v, u and c (compare's max_rel); with biases learned the table
+    shows u's and c's errors beside W's and v's, and without them it does not."""
+    import mhaextract as mx
+    from mhaextract.report import extraction_table
+    from rich.console import Console
+
+    rows = {}
+    for bias in (True, False):
+        target = mx.MultiHeadAttention.random(4, 2, seed=3, bias=bias)
+        result = mx.extract(mx.SimulatedOracle(target), 4, heads=2, seed=0, bias=bias, progress=False)
+        console = Console(width=160, record=True)
+        console.print(extraction_table(result, mx.compare(result.model, target)))
+        rows[bias] = console.export_text()
+    assert "max rel. error u" in rows[True] and "rel. error c" in rows[True]
+    assert "max rel. error u" not in rows[False] and "rel. error c" not in rows[False]

@@ -46,6 +46,9 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
         agree = "" if comparison.heads_agree else f"  truth has {comparison.heads_b} canonical heads"
         table.add_row("max rel. error W", _fmt(comparison.W_rel), "normwise, against the truth" + agree)
         table.add_row("max rel. error v", _fmt(comparison.v_rel), "")
+        if e.bias:  # the estimate below covers these too (compare's max_rel)
+            table.add_row("max rel. error u", _fmt(comparison.u_rel), "to the truth's max |u| (absolute if it has none)")
+            table.add_row("rel. error c", _fmt(comparison.c_rel), "to the truth's |c| (absolute if c = 0)")
     kind = "certified ball radius" if e.certified else ("ball radius (first order)" if e.precision else "first order")
     table.add_row("error estimate", _fmt(e.error_estimate), kind)
     table.add_row("answers residual", _fmt(e.answers_residual), "misfit on the queries asked")
