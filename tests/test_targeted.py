@@ -509,7 +509,8 @@ def test_the_first_order_estimate_covers_every_parameter_entry_by_entry(case):
     estimates, computed here): it must not fall below their 90th percentile, nor exceed the median
     twentyfold. ``small score biases``: max|u| = 1e-3 max|W| (GPT-2's), whose relative error the
     W-only estimate missed; ``one coordinate``: the variance of every a_j concentrated in one
-    coordinate, i.e. one column of each W_h, which a head-wise root mean square averages away."""
+    coordinate, i.e. one column of each W_h, whose largest entry a head-wise root mean square
+    understates (7.7e-10 against a 90th percentile of 2.4e-9 for the old estimate)."""
     rng = np.random.default_rng(7)
     d, H = 12, 3
     lifted = case != "no biases"
