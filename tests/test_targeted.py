@@ -13,7 +13,8 @@ import mhaextract.schedules.targeted as targeted
 from mhaextract.api import _bias_error, _constant_error
 from mhaextract.checks.noise_probe import PROBE_QUERIES
 from mhaextract.numerics import single_pole
-from mhaextract.oracle.queries import random_basis
+from mhaextract.oracle.queries import quantize, random_basis
+from mhaextract.schedules.biased import AffineFinalDesign
 
 from conftest import CountingOracle, paper_count
 
@@ -426,6 +427,81 @@ def test_null_parts_are_an_isometry_into_the_null_space_of_the_estimates(d, H):
     gram = np.matmul(parts.transpose(0, 2, 1), parts)
     np.testing.assert_allclose(gram, scale**2 * np.matmul(rows.transpose(0, 2, 1), rows), rtol=0,
                                atol=1e-12 * scale**2 * d)
+
+
+def _final_design(designer, d, H, units, seed):
+    """A final-stage design of ``units`` units (heads 0, 1, .. in turn) on random estimates, and its
+    tokens for every round (the prior aims: no correction), unrounded."""
+    rng = np.random.default_rng(seed)
+    D = d + 1 if designer is AffineFinalDesign else d
+    current = rng.standard_normal((units, H, D)) * np.logspace(0, 1, D)
+    heads = np.arange(units) % H
+    patterns = designer.patterns(rng, D, H, D, units)[np.arange(units), heads]
+    design = designer(current, heads, patterns)
+    return design, design.design(slice(0, D))
+
+
+@pytest.mark.parametrize("lifted", [False, True])
+@pytest.mark.parametrize("d, H", [(9, 1), (9, 4), (9, 8), (9, 9), (24, 3)])
+def test_the_final_designs_inverse_from_their_structure_is_the_inverse(lifted, d, H):
+    """``_FullDesign.approximate_inverse`` (docs/algorithm.md §13, "The inverse from the design"):
+    the final stage's ``X^{-1}`` from the frame of the estimates, the null space and the pattern,
+    with no solve, equals ``np.linalg.inv`` of the designed tokens to rounding (here unrounded
+    tokens) for every head's unit: constant rows in a head's slot, in the null space (the last
+    head, unlifted) and the lifted coordinate; H = 1 and H = d (no null space)."""
+    if lifted and H == d:
+        H = d - 1
+    designer = AffineFinalDesign if lifted else targeted._FinalDesign
+    design, tokens = _final_design(designer, d, H, 2 * H + 1, d + H)
+    inverse = design.approximate_inverse()
+    exact = np.linalg.inv(tokens)
+    scale = np.abs(exact).max(axis=(1, 2), keepdims=True) * np.linalg.cond(tokens)[:, None, None]
+    assert np.abs(inverse - exact).max() <= 1e-13 * scale.max()
+    design.correction.added = 1  # a corrected target: rounds from different frames, no structure
+    assert design.approximate_inverse() is None
+
+
+def test_the_refined_solve_matches_lu_and_refuses_a_wrong_inverse():
+    """``_refined_solve``: from the structured inverse of tokens rounded to ``TOKEN_BITS`` (an
+    inverse to about 1e-8 only) the refined ``a`` equals an LU solve's to float64 rounding; an
+    inverse that fails the probe (here 1e-3 off) is refused, and the caller solves by LU."""
+    design, tokens = _final_design(targeted._FinalDesign, 20, 3, 6, 1)
+    tokens = quantize(tokens, np.abs(tokens).max())
+    rhs = np.random.default_rng(2).standard_normal((6, 20)) * 10
+    inverse = design.approximate_inverse()
+    assert 1e-12 < np.abs(np.matmul(tokens, inverse) - np.eye(20)).max() < targeted.INVERSE_CHECK
+    a, returned = targeted._refined_solve(tokens, inverse, rhs)
+    assert returned is inverse
+    expected = np.linalg.solve(tokens, rhs[:, :, None])[:, :, 0]
+    limit = 1e-15 * np.linalg.cond(tokens).max() * np.abs(expected).max()
+    np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
+    assert targeted._refined_solve(tokens, inverse * (1 + 1e-3), rhs) is None
+    assert targeted._refined_solve(tokens, None, rhs) is None
+
+
+def test_a_stage_whose_corrections_fitted_every_round_reads_a_off_them_unless_the_residual_objects():
+    """``_solve_units`` without the inverse (the bridges): when the corrections took in every round
+    the corrected estimate is ``a`` (same as LU to rounding); a unit whose corrected estimate does
+    not fit its rounds to the residual's limit (here one entry spoilt) is solved by LU instead."""
+    rng = np.random.default_rng(4)
+    units, d, H = 5, 12, 2
+    design, _ = _final_design(targeted._FullDesign, d, H, units, 4)
+    tokens = rng.standard_normal((units, d, d))
+    m = rng.standard_normal((units, d))
+    for block in targeted.correction_blocks(d, 4):
+        design.update(block, tokens[:, block], m[:, block])
+    assert design.correction.added == d
+    expected = np.linalg.solve(tokens, m[:, :, None])[:, :, 0]
+    a, inverse = targeted._solve_units(tokens, design, m, with_inverse=False)
+    assert inverse is None
+    limit = 1e-14 * np.linalg.cond(tokens).max() * np.abs(expected).max()
+    np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
+    design.current[1, design.heads[1], 3] += 1e-6  # unit 1's estimate no longer fits its rounds
+    a, _ = targeted._solve_units(tokens, design, m, with_inverse=False)
+    np.testing.assert_allclose(a, expected, rtol=0, atol=limit)  # LU took over for unit 1
+    fresh, _ = _final_design(targeted._FullDesign, d, H, units, 4)  # nothing corrected: LU
+    assert fresh.fitted_solution() is None
+    np.testing.assert_allclose(targeted._solve_units(tokens, fresh, m, False)[0], expected, rtol=0, atol=limit)
 
 
 @pytest.mark.parametrize("rounds", [1, 2, 5, 16, 17, 64, 129, 769])

@@ -99,6 +99,9 @@ class AffineDesign(_FullDesign):
         """(groups, H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted coordinate)."""
         return _patterns(rng, d, H, groups * H).reshape(groups, H, d, d)
 
+    def constant_rows(self) -> np.ndarray:
+        return np.full(len(self.heads), self.current.shape[1])
+
     def design(self, block: slice) -> np.ndarray:
         """``a_g^T x = value_g - b_g``: the §13 design in R^d with the offsets moved to the right-hand
         side (expressed as a shift of the pattern columns), then lifted with an exact 1 (U, b, d + 1)."""

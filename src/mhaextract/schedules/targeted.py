@@ -333,13 +333,19 @@ class _NullSpace:
                 inner = np.matmul(self.V[:, :, :i].transpose(0, 2, 1), self.V[:, :, i:i + 1])
                 self.T[:, :i, i] = -tau[:, i, None] * np.matmul(self.T[:, :i, :i], inner)[:, :, 0]
 
-    def parts(self, rows: np.ndarray) -> np.ndarray:
-        """``SPREAD N0 rows`` (U, d, n) for pattern rows (U, d - H, n)."""
+    def apply(self, rows: np.ndarray) -> np.ndarray:
+        """``N0 rows`` (U, d, n) for rows (U, d - H, n)."""
         H = self.heads
         out = np.empty((rows.shape[0], self.V.shape[1], rows.shape[2]))
         out[:, :H], out[:, H:] = 0.0, rows
         out -= np.matmul(self.V, np.matmul(self.T, np.matmul(self.V[:, H:].transpose(0, 2, 1), rows)))
-        return SATURATION_SPREAD * out
+        return out
+
+    def parts(self, rows: np.ndarray) -> np.ndarray:
+        """``SPREAD N0 rows`` (U, d, n) for pattern rows (U, d - H, n)."""
+        out = self.apply(rows)
+        out *= SATURATION_SPREAD
+        return out
 
 
 def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
@@ -661,6 +667,79 @@ class _FullDesign:
         """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs``."""
         return np.linalg.solve(finals, rhs)
 
+    def fitted_solution(self) -> np.ndarray | None:
+        """The targets' corrected estimates (U, D) when the corrections took in every round: the
+        minimum-norm correction then fits all d rounds, so it solves ``X a = m`` (to Gram-Schmidt's
+        rounding; :func:`_solve_units` checks the residual). None otherwise."""
+        if self.correction.added < self.rounds:
+            return None
+        return self.current[self.units, self.heads].copy()
+
+    def constant_rows(self) -> np.ndarray:
+        """The pattern row of each unit that is all ones or all minus ones (:meth:`patterns`)."""
+        return (self.heads + 1) % self.rounds
+
+    def approximate_inverse(self) -> np.ndarray | None:
+        """``X^{-1}`` (U, D, D) of the rounds' final tokens (rows), from the design's structure in
+        ``O(H D^2)`` per unit instead of an LU (docs/algorithm.md §13, "The inverse from the
+        design"); None once a correction moved the target's row (rounds designed from different
+        estimates have no common frame).
+
+        In the frame ``G`` whose rows are the estimates ``E`` (pattern slots ``0 .. H - 1``), ``N0^T``
+        (the null slots; lifted, with a 0 against the 1 of ``x~``) and, lifted, ``e_D^T`` (slot H), the
+        rounds' coordinates are ``G x_n = o + l * p_n`` (``p_n``: pattern column n; ``o``, ``l``: the
+        design's offsets and spreads per slot), so ``C^T = L P`` with ``L = diag(l) + s o e_c^T`` (c: the
+        constant row, all ``s = +-1``). P's rows are orthogonal, ``P^{-T} = diag(|p_j|^{-2}) P``, and by Sherman-Morrison
+        ``L^{-T} = diag(1/l) - e_c (s o / l)^T / (l_c + s o_c)``: ``X^{-1} = G^T C^{-1} = G^T L^{-T} P^{-T}``.
+        The tokens are rounded to ``TOKEN_BITS`` after the design: this is ``X^{-1}`` to about
+        ``2^-38 cond(X)``, and :func:`_refined_solve` checks and refines with it."""
+        if self.correction.added:
+            return None
+        U, H, D = self.current.shape
+        units = np.arange(U)
+        d = self.null_space.V.shape[1]  # the slopes' dimension (D - 1 lifted)
+        null_start = D - (d - H)
+        spread, offset = np.empty((U, D)), np.zeros((U, D))
+        spread[:, :H], offset[:, :H] = SATURATION_SPREAD, SATURATION_MID
+        spread[units, self.heads], offset[units, self.heads] = self.halfwidth, TARGET_CENTER
+        spread[:, null_start:] = SATURATION_SPREAD / self.frame[3][:, None]
+        pattern = self.pattern
+        constant = self.constant_rows()
+        sign = pattern[units, constant, :1]  # the constant row is all ones or all minus ones: 1^T = s p_c^T
+        spread[:, H:null_start] = sign  # the lifted coordinate (its slot is the constant row): 1 = s p_c
+        offset *= sign
+        # C^{-1} = diag(w) P + e_c correction^T with w = 1 / (|p_j|^2 l_j); X^{-1} = G^T C^{-1} is formed as
+        # one product of rank 2H + 1 (the estimates' rows, N0's reflectors, the constant slot's column)
+        # plus the null rows' diagonal part: one (U, D, D) array besides the pattern, no LU.
+        weights = 1.0 / (np.einsum("ujn,ujn->uj", pattern, pattern) * spread)
+        heads_part = pattern[:, :H] * weights[:, :H, None]  # C^{-1}'s rows 0 .. H - 1 before the correction
+        correction = -np.matmul(offset[:, None, :H], heads_part)[:, 0]
+        correction /= (spread[units, constant] + offset[units, constant])[:, None]
+        in_heads = constant < H
+        heads_part[units[in_heads], constant[in_heads]] += correction[in_heads]
+        column = np.zeros((U, D, 1))  # G^T e_c where c is not a head's slot: e_D (lifted) or N0 e_(c - null start)
+        if null_start > H:
+            column[:, D - 1] = 1.0
+        null_weights = weights[:, null_start:]
+        in_null = constant >= null_start
+        if in_null.any():
+            picks = np.zeros((U, d - H, 1))
+            picks[units[in_null], constant[in_null] - null_start] = 1.0
+            column[:, :d] += self.null_space.apply(picks)
+        V = self.null_space.V
+        reflected = np.matmul(np.matmul(self.null_space.T, (V[:, H:] * null_weights[:, :, None]).transpose(0, 2, 1)),
+                              pattern[:, null_start:])  # T V_2^T diag(w) P_null (U, H, D)
+        left = np.zeros((U, D, 2 * H + 1))
+        left[:, :, :H] = self.current.transpose(0, 2, 1)
+        left[:, :d, H:2 * H] = -V
+        left[:, :, 2 * H:] = column
+        right = np.concatenate([heads_part, reflected, np.where(in_heads[:, None], 0.0, correction)[:, None]], axis=1)
+        inverse = np.matmul(left, right)
+        inverse[:, H:d] += pattern[:, null_start:] * null_weights[:, :, None]  # N0 = (0, I) - V T V_2^T on the null rows
+        if null_start > H:
+            inverse[:, D - 1] += pattern[:, H] * weights[:, H, None]
+        return inverse
+
 
 class _FinalDesign(_FullDesign):
     """The final stage's units in R^d (docs/algorithm.md §13, "The final instances"): the target's row
@@ -758,6 +837,14 @@ class _SubspaceDesign(_FullDesign):
 
     def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         return np.matmul(self.basis, np.linalg.solve(np.matmul(finals, self.basis), rhs))
+
+    def fitted_solution(self) -> None:
+        """Not used here (:meth:`_FullDesign.fitted_solution`): ``a = Q c`` is solved from all rounds."""
+        return None
+
+    def approximate_inverse(self) -> None:
+        """No structured inverse here (:meth:`_FullDesign.approximate_inverse`): one LU of the r x r ``X Q``."""
+        return None
 
 
 def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
@@ -898,23 +985,19 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         # at d = 5, H = 3 under Gaussian noise 1e-10: the v part then overstated the error 25x)
         out.label_error = out.consensus_labels(scaled.reshape(G, H, rounds))[1]
     ok = np.isfinite(m).all(axis=1)
-    rhs = np.nan_to_num(m)[:, :, None]
-    if W_score is not None:  # X^{-1} as well (below): both from one factorisation of X
-        rhs = np.concatenate([rhs, np.broadcast_to(np.eye(rounds), (U, rounds, rounds))], axis=2)
-    solved = design.solve(finals, rhs)
-    a = np.where(ok[:, None], solved[:, :, 0], np.nan)
+    solution, inverse = _solve_units(finals, design, np.nan_to_num(m), W_score is not None)
+    a = np.where(ok[:, None], solution, np.nan)
     spread = np.full(a.shape + (2,), np.nan)
     if W_score is not None:
         # First order, independent errors: |a_i error| ~ sqrt(sum_n (X^{-1})_{in}^2 sigma_n^2), the map
         # applied to diag(sigma). Applied to sigma itself the errors cancel in the sum and the
         # estimate understated the truth 270-fold (d = H = 4, bench_reliability seed 57).
-        inverse = solved[:, :, 1:]
         with np.errstate(over="ignore", invalid="ignore"):  # an unbounded spread is an infinite estimate, said so
             # both parts at once: sum_n (X^{-1})_{in}^2 sigma_n^2 as one batched product (a huge sigma
             # squared to inf is held at the largest float, so that 0 x it stays 0, not NaN)
             variances = np.stack([np.nan_to_num(sigma), np.nan_to_num(score_sigma)], axis=2) ** 2
             variances = np.minimum(variances, np.finfo(np.float64).max)
-            spread = np.where(ok[:, None, None], np.sqrt(np.matmul(inverse**2, variances)), np.nan)
+            spread = np.where(ok[:, None, None], np.sqrt(np.matmul(np.square(inverse, out=inverse), variances)), np.nan)
     out.a = a.reshape(G, H, d)
     out.misfit = np.abs(m - np.matmul(finals, a[:, :, None])[:, :, 0]).reshape(G, H, rounds)
     poles = np.matmul(finals, out.estimates.reshape(U, H, d).transpose(0, 2, 1))  # (U, rounds, H)
@@ -923,6 +1006,62 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
     out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
     if W_score is not None:
         out.variance = np.where(ok[:, None, None], spread**2, np.nan).reshape(G, H, d, 2)
+
+
+#: An approximate inverse Y is used (:func:`_refined_solve`) only when ``|X Y p - p| <= INVERSE_CHECK |p|`` on a probe
+#: p; each refinement step then shrinks the error about that much (the design's Y: ``2^-38 cond(X)``, 1e-8
+#: at d = 6 and d = 160), and at most ``REFINEMENT_STEPS`` take ``INVERSE_CHECK`` below float64's rounding.
+INVERSE_CHECK, REFINEMENT_STEPS = 1e-4, 3
+
+
+def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, with_inverse: bool):
+    """``a`` (U, D) from ``X a = rhs`` for every unit of a chunk, and ``X^{-1}`` (U, D, D) when
+    ``with_inverse`` (else None), each by the cheapest route the design allows that is as accurate as
+    an LU solve (docs/algorithm.md §13, "The inverse from the design"): the final stage's inverse
+    from the design's structure, refined (:func:`_refined_solve`); a stage whose corrections fitted
+    every round (the bridges) reads ``a`` off its corrected estimate where the residual shows
+    it backward stable, ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; LU for the rest."""
+    U, D = rhs.shape
+    if with_inverse:
+        refined = _refined_solve(finals, design.approximate_inverse(), rhs)
+        if refined is not None:
+            return refined
+        identity = np.broadcast_to(np.eye(D), (U, D, D))
+        solved = design.solve(finals, np.concatenate([rhs[:, :, None], identity], axis=2))
+        return solved[:, :, 0], solved[:, :, 1:]
+    solution = design.fitted_solution()
+    if solution is None:
+        return design.solve(finals, rhs[:, :, None])[:, :, 0], None
+    with np.errstate(all="ignore"):
+        residual = np.abs(rhs - np.matmul(finals, solution[:, :, None])[:, :, 0])
+        size = np.linalg.norm(finals, axis=2) * np.linalg.norm(solution, axis=1)[:, None] + np.abs(rhs)
+    rough = ~(residual <= 64 * EPS * size).all(axis=1)
+    if rough.any():
+        solution[rough] = np.linalg.solve(finals[rough], rhs[rough][:, :, None])[:, :, 0]
+    return solution, None
+
+
+def _refined_solve(finals: np.ndarray, inverse: np.ndarray | None, rhs: np.ndarray):
+    """``a`` (U, D) from ``X a = rhs`` with an approximate inverse ``Y`` of every X (U, D, D):
+    ``a = Y rhs``, then ``a += Y (rhs - X a)`` (iterative refinement in float64: each step multiplies
+    the error by ``I - Y X``, whose size ``mu`` the probe estimates, so ``k`` steps leave
+    ``mu^(k + 1)``: as many as take it below ``EPS / 4``; the result is backward stable as an LU
+    solve's). Returns ``(a, Y)``, or None (solve by LU instead) when Y is None or fails the probe
+    ``mu = max |X Y p - p|_inf / |p|_inf <= INVERSE_CHECK`` for some unit."""
+    if inverse is None:
+        return None
+    D = finals.shape[1]
+    probe = np.cos(1.7 * np.arange(D) + 0.3)  # fixed, dense, no exact zeros; the schedule's rng is not touched
+    with np.errstate(all="ignore"):
+        misfit = np.abs(np.matmul(finals, np.matmul(inverse, probe)[:, :, None])[:, :, 0] - probe).max()
+    mu = misfit / np.abs(probe).max()
+    if not mu <= INVERSE_CHECK:
+        return None
+    steps = REFINEMENT_STEPS if mu <= 0 else min(REFINEMENT_STEPS, int(np.ceil(np.log(EPS / 4) / np.log(mu))) - 1)
+    a = np.matmul(inverse, rhs[:, :, None])
+    for _ in range(max(1, steps)):
+        a += np.matmul(inverse, rhs[:, :, None] - np.matmul(finals, a))
+    return a[:, :, 0], inverse
 
 
 def _all_heads_at(W: np.ndarray, differences: np.ndarray) -> np.ndarray:
