@@ -479,6 +479,26 @@ def test_the_refined_solve_matches_lu_and_refuses_a_wrong_inverse():
     assert targeted._refined_solve(tokens, None, rhs) is None
 
 
+def test_the_final_units_are_solved_in_blocks_with_their_spread(monkeypatch):
+    """``_solve_units`` with the rounds' variances (the final stage): in blocks of units (here 2 of 6,
+    by ``INVERSE_BLOCK_BYTES``) ``a`` is the LU solution and the spread ``(X^{-1})^2 variances`` is
+    computed from ``np.linalg.inv`` here, to rounding; a corrected design (no structure) gives the
+    same through its LU."""
+    monkeypatch.setattr(targeted, "INVERSE_BLOCK_BYTES", 2 * 8 * 20 * 20)
+    design, tokens = _final_design(targeted._FinalDesign, 20, 3, 6, 1)
+    tokens = quantize(tokens, np.abs(tokens).max())
+    rng = np.random.default_rng(7)
+    rhs, variances = rng.standard_normal((6, 20)), rng.uniform(0.5, 2.0, (6, 20, 2)) ** 2
+    expected = np.linalg.solve(tokens, rhs[:, :, None])[:, :, 0]
+    expected_spread = np.matmul(np.linalg.inv(tokens) ** 2, variances)
+    limit = 1e-15 * np.linalg.cond(tokens).max() * np.abs(expected).max()
+    for corrected in (0, 1):
+        design.correction.added = corrected
+        a, spread = targeted._solve_units(tokens, design, rhs, variances)
+        np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
+        np.testing.assert_allclose(spread, expected_spread, rtol=1e-6)
+
+
 def test_a_stage_whose_corrections_fitted_every_round_reads_a_off_them_unless_the_residual_objects():
     """``_solve_units`` without the inverse (the bridges): when the corrections took in every round
     the corrected estimate is ``a`` (same as LU to rounding); a unit whose corrected estimate does
@@ -492,16 +512,16 @@ def test_a_stage_whose_corrections_fitted_every_round_reads_a_off_them_unless_th
         design.update(block, tokens[:, block], m[:, block])
     assert design.correction.added == d
     expected = np.linalg.solve(tokens, m[:, :, None])[:, :, 0]
-    a, inverse = targeted._solve_units(tokens, design, m, with_inverse=False)
-    assert inverse is None
+    a, spread = targeted._solve_units(tokens, design, m)
+    assert spread is None
     limit = 1e-14 * np.linalg.cond(tokens).max() * np.abs(expected).max()
     np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
     design.current[1, design.heads[1], 3] += 1e-6  # unit 1's estimate no longer fits its rounds
-    a, _ = targeted._solve_units(tokens, design, m, with_inverse=False)
+    a, _ = targeted._solve_units(tokens, design, m)
     np.testing.assert_allclose(a, expected, rtol=0, atol=limit)  # LU took over for unit 1
     fresh, _ = _final_design(targeted._FullDesign, d, H, units, 4)  # nothing corrected: LU
     assert fresh.fitted_solution() is None
-    np.testing.assert_allclose(targeted._solve_units(tokens, fresh, m, False)[0], expected, rtol=0, atol=limit)
+    np.testing.assert_allclose(targeted._solve_units(tokens, fresh, m)[0], expected, rtol=0, atol=limit)
 
 
 @pytest.mark.parametrize("rounds", [1, 2, 5, 16, 17, 64, 129, 769])

@@ -333,12 +333,12 @@ class _NullSpace:
                 inner = np.matmul(self.V[:, :, :i].transpose(0, 2, 1), self.V[:, :, i:i + 1])
                 self.T[:, :i, i] = -tau[:, i, None] * np.matmul(self.T[:, :i, :i], inner)[:, :, 0]
 
-    def apply(self, rows: np.ndarray) -> np.ndarray:
-        """``N0 rows`` (U, d, n) for rows (U, d - H, n)."""
-        H = self.heads
-        out = np.empty((rows.shape[0], self.V.shape[1], rows.shape[2]))
+    def apply(self, rows: np.ndarray, part: slice = slice(None)) -> np.ndarray:
+        """``N0 rows`` (U, d, n) for rows (U, d - H, n) of the units ``part``."""
+        H, V = self.heads, self.V[part]
+        out = np.empty((rows.shape[0], V.shape[1], rows.shape[2]))
         out[:, :H], out[:, H:] = 0.0, rows
-        out -= np.matmul(self.V, np.matmul(self.T, np.matmul(self.V[:, H:].transpose(0, 2, 1), rows)))
+        out -= np.matmul(V, np.matmul(self.T[part], np.matmul(V[:, H:].transpose(0, 2, 1), rows)))
         return out
 
     def parts(self, rows: np.ndarray) -> np.ndarray:
@@ -439,29 +439,39 @@ class _MinimumNormCorrection:
     end (:func:`_reduce_chunk`)."""
 
     def __init__(self, units: int, d: int):
-        self.basis = np.zeros((units, d, d))  # orthonormal rows: the rows of X asked so far, orthogonalised
+        self.units, self.d = units, d
+        #: orthonormal rows: the rows of X added so far, orthogonalised; (units, d, d), allocated by the
+        #: first :meth:`add` (a stage its prior aims well, the final one in float64, never needs it)
+        self.basis: np.ndarray | None = None
         self.coefficients = np.zeros((units, d))
         self.delta = np.zeros((units, d))
-        self.added = 0  # rows 0 .. added - 1 are in the basis; the later ones wait in it raw (aim)
+        self.added = 0  # rows 0 .. added - 1 are in the basis
+        self.waiting: list[np.ndarray] = []  # the rows asked since, (U, b, d) blocks in order (aim)
 
     def aim(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
         """Rows ``n .. n + b - 1`` (U, b, d) and their misfits (U, b), for aiming: while every misfit
         so far is within ``AIM_TOLERANCE`` (log-pole units) the prior aims well enough and nothing is
-        computed (the rows wait, raw, in the basis' free rows); from the first block beyond it on,
-        every waiting row is added (:meth:`add`). Returns delta (zero while nothing was added)."""
+        computed (the rows wait, as the caller's arrays, which must not change); from the first block
+        beyond it on, every waiting row is added (:meth:`add`). Returns delta (zero while nothing was
+        added)."""
         b = rows.shape[1]
-        self.basis[:, n:n + b], self.coefficients[:, n:n + b] = rows, misses
+        self.coefficients[:, n:n + b] = misses
+        self.waiting.append(rows)
         finite = np.abs(misses[np.isfinite(misses)])
         if self.added or (finite.size and finite.max() > AIM_TOLERANCE):
             start = self.added
             self.added = n + b
-            return self.add(start, self.basis[:, start:n + b].copy(), self.coefficients[:, start:n + b].copy())
+            waiting = self.waiting[0] if len(self.waiting) == 1 else np.concatenate(self.waiting, axis=1)
+            self.waiting = []
+            return self.add(start, waiting, self.coefficients[:, start:n + b].copy())
         return self.delta
 
     def add(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
         """Add rows ``n .. n + b - 1`` (U, b, d) with their misfits (U, b) (NaN: not measured,
         skipped); returns delta."""
         U, b, d = rows.shape
+        if self.basis is None:
+            self.basis = np.zeros((self.units, self.d, self.d))
         overlap = np.empty((U, b, n))
         q = np.array(rows, dtype=np.float64)
         # Blocks of units whose bases fit the cache: the products below read each block once
@@ -663,8 +673,9 @@ class _FullDesign:
         self.current[self.units, self.heads] = self.prior + self.correction.aim(block.start, x, miss)
         return designed
 
-    def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-        """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs``."""
+    def solve(self, finals: np.ndarray, rhs: np.ndarray, units: slice = slice(None)) -> np.ndarray:
+        """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs`` (the tokens and
+        right-hand sides of the units ``units``)."""
         return np.linalg.solve(finals, rhs)
 
     def fitted_solution(self) -> np.ndarray | None:
@@ -679,8 +690,8 @@ class _FullDesign:
         """The pattern row of each unit that is all ones or all minus ones (:meth:`patterns`)."""
         return (self.heads + 1) % self.rounds
 
-    def approximate_inverse(self) -> np.ndarray | None:
-        """``X^{-1}`` (U, D, D) of the rounds' final tokens (rows), from the design's structure in
+    def approximate_inverse(self, part: slice = slice(None)) -> np.ndarray | None:
+        """``X^{-1}`` (U, D, D) of the rounds' final tokens (rows) of the units ``part``, from the design's structure in
         ``O(H D^2)`` per unit instead of an LU (docs/algorithm.md §13, "The inverse from the
         design"); None once a correction moved the target's row (rounds designed from different
         estimates have no common frame).
@@ -695,16 +706,16 @@ class _FullDesign:
         ``2^-38 cond(X)``, and :func:`_refined_solve` checks and refines with it."""
         if self.correction.added:
             return None
-        U, H, D = self.current.shape
+        current, heads, pattern = self.current[part], self.heads[part], self.pattern[part]
+        U, H, D = current.shape
         units = np.arange(U)
         d = self.null_space.V.shape[1]  # the slopes' dimension (D - 1 lifted)
         null_start = D - (d - H)
         spread, offset = np.empty((U, D)), np.zeros((U, D))
         spread[:, :H], offset[:, :H] = SATURATION_SPREAD, SATURATION_MID
-        spread[units, self.heads], offset[units, self.heads] = self.halfwidth, TARGET_CENTER
-        spread[:, null_start:] = SATURATION_SPREAD / self.frame[3][:, None]
-        pattern = self.pattern
-        constant = self.constant_rows()
+        spread[units, heads], offset[units, heads] = self.halfwidth, TARGET_CENTER
+        spread[:, null_start:] = SATURATION_SPREAD / self.frame[3][part, None]
+        constant = self.constant_rows()[part]
         sign = pattern[units, constant, :1]  # the constant row is all ones or all minus ones: 1^T = s p_c^T
         spread[:, H:null_start] = sign  # the lifted coordinate (its slot is the constant row): 1 = s p_c
         offset *= sign
@@ -725,12 +736,12 @@ class _FullDesign:
         if in_null.any():
             picks = np.zeros((U, d - H, 1))
             picks[units[in_null], constant[in_null] - null_start] = 1.0
-            column[:, :d] += self.null_space.apply(picks)
-        V = self.null_space.V
-        reflected = np.matmul(np.matmul(self.null_space.T, (V[:, H:] * null_weights[:, :, None]).transpose(0, 2, 1)),
+            column[:, :d] += self.null_space.apply(picks, part)
+        V, T = self.null_space.V[part], self.null_space.T[part]
+        reflected = np.matmul(np.matmul(T, (V[:, H:] * null_weights[:, :, None]).transpose(0, 2, 1)),
                               pattern[:, null_start:])  # T V_2^T diag(w) P_null (U, H, D)
         left = np.zeros((U, D, 2 * H + 1))
-        left[:, :, :H] = self.current.transpose(0, 2, 1)
+        left[:, :, :H] = current.transpose(0, 2, 1)
         left[:, :d, H:2 * H] = -V
         left[:, :, 2 * H:] = column
         right = np.concatenate([heads_part, reflected, np.where(in_heads[:, None], 0.0, correction)[:, None]], axis=1)
@@ -835,14 +846,15 @@ class _SubspaceDesign(_FullDesign):
         self.coordinates = self.prior + self.correction.aim(block.start, rows, miss)
         return designed
 
-    def solve(self, finals: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-        return np.matmul(self.basis, np.linalg.solve(np.matmul(finals, self.basis), rhs))
+    def solve(self, finals: np.ndarray, rhs: np.ndarray, units: slice = slice(None)) -> np.ndarray:
+        basis = self.basis[units]
+        return np.matmul(basis, np.linalg.solve(np.matmul(finals, basis), rhs))
 
     def fitted_solution(self) -> None:
         """Not used here (:meth:`_FullDesign.fitted_solution`): ``a = Q c`` is solved from all rounds."""
         return None
 
-    def approximate_inverse(self) -> None:
+    def approximate_inverse(self, part: slice = slice(None)) -> None:
         """No structured inverse here (:meth:`_FullDesign.approximate_inverse`): one LU of the r x r ``X Q``."""
         return None
 
@@ -985,27 +997,25 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         # at d = 5, H = 3 under Gaussian noise 1e-10: the v part then overstated the error 25x)
         out.label_error = out.consensus_labels(scaled.reshape(G, H, rounds))[1]
     ok = np.isfinite(m).all(axis=1)
-    solution, inverse = _solve_units(finals, design, np.nan_to_num(m), W_score is not None)
-    a = np.where(ok[:, None], solution, np.nan)
-    spread = np.full(a.shape + (2,), np.nan)
+    variances = None
     if W_score is not None:
         # First order, independent errors: |a_i error| ~ sqrt(sum_n (X^{-1})_{in}^2 sigma_n^2), the map
         # applied to diag(sigma). Applied to sigma itself the errors cancel in the sum and the
-        # estimate understated the truth 270-fold (d = H = 4, bench_reliability seed 57).
-        with np.errstate(over="ignore", invalid="ignore"):  # an unbounded spread is an infinite estimate, said so
-            # both parts at once: sum_n (X^{-1})_{in}^2 sigma_n^2 as one batched product (a huge sigma
-            # squared to inf is held at the largest float, so that 0 x it stays 0, not NaN)
+        # estimate understated the truth 270-fold (d = H = 4, bench_reliability seed 57). Both parts
+        # at once (a huge sigma squared to inf is held at the largest float, so that 0 x it stays 0).
+        with np.errstate(over="ignore", invalid="ignore"):
             variances = np.stack([np.nan_to_num(sigma), np.nan_to_num(score_sigma)], axis=2) ** 2
-            variances = np.minimum(variances, np.finfo(np.float64).max)
-            spread = np.where(ok[:, None, None], np.sqrt(np.matmul(np.square(inverse, out=inverse), variances)), np.nan)
+        variances = np.minimum(variances, np.finfo(np.float64).max)
+    solution, spread_squared = _solve_units(finals, design, np.nan_to_num(m), variances)
+    a = np.where(ok[:, None], solution, np.nan)
     out.a = a.reshape(G, H, d)
     out.misfit = np.abs(m - np.matmul(finals, a[:, :, None])[:, :, 0]).reshape(G, H, rounds)
     poles = np.matmul(finals, out.estimates.reshape(U, H, d).transpose(0, 2, 1))  # (U, rounds, H)
     poles[np.arange(U), :, heads] = np.inf
     out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
     out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
-    if W_score is not None:
-        out.variance = np.where(ok[:, None, None], spread**2, np.nan).reshape(G, H, d, 2)
+    if W_score is not None:  # an unbounded spread is an infinite estimate, said so
+        out.variance = np.where(ok[:, None, None], spread_squared, np.nan).reshape(G, H, d, 2)
 
 
 #: An approximate inverse Y is used (:func:`_refined_solve`) only when ``|X Y p - p| <= INVERSE_CHECK |p|`` on a probe
@@ -1014,21 +1024,38 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
 INVERSE_CHECK, REFINEMENT_STEPS = 1e-4, 3
 
 
-def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, with_inverse: bool):
-    """``a`` (U, D) from ``X a = rhs`` for every unit of a chunk, and ``X^{-1}`` (U, D, D) when
-    ``with_inverse`` (else None), each by the cheapest route the design allows that is as accurate as
-    an LU solve (docs/algorithm.md §13, "The inverse from the design"): the final stage's inverse
-    from the design's structure, refined (:func:`_refined_solve`); a stage whose corrections fitted
-    every round (the bridges) reads ``a`` off its corrected estimate where the residual shows
+#: Units whose inverses :func:`_solve_units` forms at once: their temporaries (a few (units, D, D)
+#: arrays) stay small enough to be reused from the heap rather than mapped and zeroed afresh
+#: by the kernel each time (at d = 192, H = 6 that took a sixth of the learner's time).
+INVERSE_BLOCK_BYTES = 2**24
+
+
+def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndarray | None = None):
+    """``a`` (U, D) from ``X a = rhs`` for every unit of a chunk and, given the rounds' ``variances``
+    (U, D, V), the first-order spread ``(X^{-1})^2 variances`` (U, D, V) (else None), each by the
+    cheapest route the design allows that is as accurate as an LU solve (docs/algorithm.md §13,
+    "The inverse from the design"): the final stage's inverse from the design's structure, refined
+    (:func:`_refined_solve`), in blocks of units (``INVERSE_BLOCK_BYTES``); a stage whose corrections
+    fitted every round (the bridges) reads ``a`` off its corrected estimate where the residual shows
     it backward stable, ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; LU for the rest."""
     U, D = rhs.shape
-    if with_inverse:
-        refined = _refined_solve(finals, design.approximate_inverse(), rhs)
-        if refined is not None:
-            return refined
-        identity = np.broadcast_to(np.eye(D), (U, D, D))
-        solved = design.solve(finals, np.concatenate([rhs[:, :, None], identity], axis=2))
-        return solved[:, :, 0], solved[:, :, 1:]
+    if variances is not None:
+        solution = spread = None  # (U, d) and (U, d, V): a subspace unit's a is in R^d, its rounds r
+        step = max(1, INVERSE_BLOCK_BYTES // (8 * D * D))
+        for start in range(0, U, step):
+            part = slice(start, min(U, start + step))
+            refined = _refined_solve(finals[part], design.approximate_inverse(part), rhs[part])
+            if refined is None:
+                identity = np.broadcast_to(np.eye(D), (part.stop - start, D, D))
+                solved = design.solve(finals[part], np.concatenate([rhs[part, :, None], identity], axis=2), part)
+                refined = solved[:, :, 0], solved[:, :, 1:]
+            if solution is None:
+                solution = np.empty((U, refined[1].shape[1]))
+                spread = np.empty((U, refined[1].shape[1], variances.shape[2]))
+            solution[part], inverse = refined
+            with np.errstate(over="ignore", invalid="ignore"):
+                spread[part] = np.matmul(np.square(inverse, out=inverse), variances[part])
+        return solution, spread
     solution = design.fitted_solution()
     if solution is None:
         return design.solve(finals, rhs[:, :, None])[:, :, 0], None
