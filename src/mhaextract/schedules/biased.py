@@ -95,9 +95,11 @@ class AffineDesign(_FullDesign):
         self.frame = _other_heads_frame(current[:, :, :D - 1], heads)  # only the target's row is corrected
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
-        """(groups, H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted coordinate)."""
-        return _patterns(rng, d, H, groups * H).reshape(groups, H, d, d)
+    def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
+        """(groups, H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted
+        coordinate); written into ``out`` (contiguous) when given."""
+        return _patterns(rng, d, H, groups * H, out=None if out is None else out.reshape(groups * H, d, d)
+                         ).reshape(groups, H, d, d)
 
     def constant_rows(self) -> np.ndarray:
         return np.full(len(self.heads), self.current.shape[1])
@@ -124,9 +126,12 @@ class AffineFinalDesign(AffineDesign):
     halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+    def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, D, D), D = ``d`` the lifted dimension: row H constant, row h the target's sides."""
-        return np.stack([_patterns(rng, d, H, groups, h) for h in range(H)], axis=1)
+        out = np.empty((groups, H, d, d)) if out is None else out
+        for h in range(H):
+            _patterns(rng, d, H, groups, h, out=out[:, h])
+        return out
 
     def copies(self, n: int, default):
         return final_copies(self.rounds, n)

@@ -161,9 +161,9 @@ class AffineSubspaceDesign(_SubspaceDesign):
     aim at ``a~_g^T x~ = a_g^T x + b_g = MID + SPREAD p_g``."""
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
+    def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, rounds + H, rounds): rows 0..r-1 zero-sum and orthogonal, row r constant (the
-        lifted coordinate), then H rows for the other heads."""
+        lifted coordinate), then H rows for the other heads (a new array: ``out`` is not used)."""
         inside = _patterns(rng, rounds, rounds - 1, groups * H).reshape(groups, H, rounds, rounds)
         return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 

@@ -447,6 +447,9 @@ class _MinimumNormCorrection:
         self.delta = np.zeros((units, d))
         self.added = 0  # rows 0 .. added - 1 are in the basis
         self.waiting: list[np.ndarray] = []  # the rows asked since, (U, b, d) blocks in order (aim)
+        #: an array (units, d, d) the basis may be written into (a previous chunk's, :func:`_measure`):
+        #: rows are written before they are read, so none needs clearing
+        self.spare: np.ndarray | None = None
 
     def aim(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
         """Rows ``n .. n + b - 1`` (U, b, d) and their misfits (U, b), for aiming: while every misfit
@@ -471,7 +474,7 @@ class _MinimumNormCorrection:
         skipped); returns delta."""
         U, b, d = rows.shape
         if self.basis is None:
-            self.basis = np.zeros((self.units, self.d, self.d))
+            self.basis = np.empty((self.units, self.d, self.d)) if self.spare is None else self.spare
         overlap = np.empty((U, b, n))
         q = np.array(rows, dtype=np.float64)
         # Blocks of units whose bases fit the cache: the products below read each block once
@@ -508,7 +511,8 @@ class _MinimumNormCorrection:
         return self.delta
 
 
-def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None = None) -> np.ndarray:
+def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None = None,
+              out: np.ndarray | None = None) -> np.ndarray:
     """``count`` design patterns (count, d, d), entries in [-1, 1]: row ``constant_row`` all ones,
     the other rows random, mutually orthogonal and orthogonal to the ones (zero sums).
 
@@ -528,7 +532,8 @@ def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None
     are the QR of Gaussian columns, whose law a permutation of the rounds within a side leaves as
     it is. Permuting them per pattern was an element-by-element gather, more than half of the
     patterns' time; the QRs, a sixth of the targeted learner's time at d = 128, H = 8 when every
-    pattern had its own, cost a thirty-second.)
+    pattern had its own, cost a thirty-second.) ``out`` (count, d, d), any strides: written in place
+    (a stage reuses one array for all its chunks, :func:`_measure`).
     """
     bases = -(-count // PATTERN_SHARING)
     gaussian = rng.standard_normal((bases, d, d))
@@ -552,7 +557,8 @@ def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None
     signs = rng.choice([-1.0, 1.0], size=(count, d, 1))
     signs[:, fixed] = 1.0
     picks = rng.integers(bases, size=count)
-    out = base[picks[:, None], row_order]  # whole rows gathered
+    # whole rows gathered (mode "wrap": the indices are in range, and "raise" would buffer a copy)
+    out = np.take(base.reshape(-1, d), picks[:, None] * d + row_order, axis=0, out=out, mode="wrap")
     out *= signs
     return out
 
@@ -651,9 +657,13 @@ class _FullDesign:
     halfwidth = TARGET
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
-        """(groups, H, d, d): unit (g, h)'s pattern has its constant row at ``(h + 1) % d``."""
-        return np.stack([_patterns(rng, d, (h + 1) % d, groups) for h in range(H)], axis=1)
+    def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
+        """(groups, H, d, d): unit (g, h)'s pattern has its constant row at ``(h + 1) % d``; written
+        into ``out`` when given."""
+        out = np.empty((groups, H, d, d)) if out is None else out
+        for h in range(H):
+            _patterns(rng, d, (h + 1) % d, groups, out=out[:, h])
+        return out
 
     def copies(self, n: int, default):
         """The copy counts asked in round n (``default``: the stage's, :func:`_measure`)."""
@@ -761,8 +771,11 @@ class _FinalDesign(_FullDesign):
     halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
-        return np.stack([_patterns(rng, d, (h + 1) % d, groups, h) for h in range(H)], axis=1)
+    def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty((groups, H, d, d)) if out is None else out
+        for h in range(H):
+            _patterns(rng, d, (h + 1) % d, groups, h, out=out[:, h])
+        return out
 
     def copies(self, n: int, default):
         return final_copies(self.rounds, n)
@@ -815,8 +828,9 @@ class _SubspaceDesign(_FullDesign):
         self.frame_map_rows = np.matmul(np.linalg.inv(upper), frame_q.transpose(0, 2, 1))  # (Q R^-T)^T, rows
 
     @staticmethod
-    def patterns(rng, d: int, H: int, rounds: int, groups: int) -> np.ndarray:
-        """(groups, H, rounds + H, rounds): r pattern rows in the subspace, H rows for the other heads."""
+    def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
+        """(groups, H, rounds + H, rounds): r pattern rows in the subspace, H rows for the other heads
+        (a new array: ``out`` is not used)."""
         inside = _patterns(rng, rounds, 0, groups * H).reshape(groups, H, rounds, rounds)
         return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 
@@ -888,34 +902,50 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     designer = designer or (_FullDesign if bases is None else _SubspaceDesign)
     rounds = d if bases is None else bases.shape[3]
     per_chunk = max(1, CHUNK_BYTES // (24 * d * d * H))
-    parts = []
+    keep = G * H * rounds * d * 8 <= KEEP_BYTES
+    # The first (largest) chunk's patterns and final tokens are reused by the later chunks: a large
+    # array made afresh per chunk is mapped and zeroed by the kernel each time (docs/algorithm.md §13,
+    # "Memory and speed"), and the tokens of a stage too large to keep are never all held at once.
+    parts, pattern_buffer, finals_buffer, basis_buffer = [], None, None, None
     for start in range(0, G, per_chunk):
         stop = min(G, start + per_chunk)
-        patterns = designer.patterns(rng, d, H, rounds, stop - start)
+        patterns = designer.patterns(rng, d, H, rounds, stop - start,
+                                     out=None if pattern_buffer is None else pattern_buffer[:stop - start])
+        pattern_buffer = patterns if pattern_buffer is None else pattern_buffer
         current = estimates[start:stop].reshape(-1, H, d).copy()
         heads = np.tile(np.arange(H), stop - start)
         design = (designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:])) if bases is None else
                   designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:]),
                            bases[start:stop].reshape(-1, d, rounds)))
+        if basis_buffer is not None:
+            design.correction.spare = basis_buffer[:len(heads)]
         if getattr(design, "noisy_halfwidth", None) is not None and prober.unit > EPS:
             design.halfwidth = design.noisy_halfwidth  # noisy answers: their sampling error dominates
-        parts.append(_measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
-                                    not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
-                                    f"{start + 1}..{stop} of {G}", block))
+        part = _measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
+                              not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
+                              f"{start + 1}..{stop} of {G}", block,
+                              None if finals_buffer is None else finals_buffer[:(stop - start) * H])
+        if not keep:
+            finals_buffer = part.finals.reshape(-1, rounds, d) if finals_buffer is None else finals_buffer
+            part.finals = None
+        if basis_buffer is None:
+            basis_buffer = design.correction.basis
+        parts.append(part)
     out = _GroupMeasurements.concatenate(parts)
-    if G * H * rounds * d * 8 <= KEEP_BYTES:
+    if keep:
         out.finals = np.concatenate([part.finals for part in parts])
     return out
 
 
 def _measure_chunk(prober, differences, estimates, design, copies, refit, W_score, description,
-                   block: int = CORRECTION_BLOCK) -> _GroupMeasurements:
-    """:func:`_measure` on one chunk of groups, all its units batched as arrays in every round."""
+                   block: int = CORRECTION_BLOCK, finals: np.ndarray | None = None) -> _GroupMeasurements:
+    """:func:`_measure` on one chunk of groups, all its units batched as arrays in every round
+    (``finals``: an array (units, rounds, d) to write the final tokens into, else a new one)."""
     G, H, _, d = estimates.shape
     U, rounds = G * H, design.rounds
     diffs = differences.reshape(U, d)
     K = len(copies[0])
-    finals = np.empty((U, rounds, d))
+    finals = np.empty((U, rounds, d)) if finals is None else finals
     log_pole, label, designed, residual = (np.full((U, rounds), np.nan) for _ in range(4))
     sigma_m, sigma_l = np.full((U, rounds), np.inf), np.full((U, rounds), np.inf)
     K = max(K, max(len(design.copies(n, copies)) for n in range(rounds)))
@@ -1006,14 +1036,15 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         with np.errstate(over="ignore", invalid="ignore"):
             variances = np.stack([np.nan_to_num(sigma), np.nan_to_num(score_sigma)], axis=2) ** 2
         variances = np.minimum(variances, np.finfo(np.float64).max)
-    solution, spread_squared = _solve_units(finals, design, np.nan_to_num(m), variances)
+    x_norm = np.sqrt(np.einsum("und,und->un", finals, finals))  # (no (U, rounds, d) temporary)
+    solution, spread_squared = _solve_units(finals, design, np.nan_to_num(m), variances, x_norm)
     a = np.where(ok[:, None], solution, np.nan)
     out.a = a.reshape(G, H, d)
     out.misfit = np.abs(m - np.matmul(finals, a[:, :, None])[:, :, 0]).reshape(G, H, rounds)
     poles = np.matmul(finals, out.estimates.reshape(U, H, d).transpose(0, 2, 1))  # (U, rounds, H)
     poles[np.arange(U), :, heads] = np.inf
     out.margin = poles.min(axis=2).reshape(G, H, rounds) if H > 1 else np.full((G, H, rounds), np.inf)
-    out.x_norm = np.linalg.norm(finals, axis=2).reshape(G, H, rounds)
+    out.x_norm = x_norm.reshape(G, H, rounds)
     if W_score is not None:  # an unbounded spread is an infinite estimate, said so
         out.variance = np.where(ok[:, None, None], spread_squared, np.nan).reshape(G, H, d, 2)
 
@@ -1030,14 +1061,16 @@ INVERSE_CHECK, REFINEMENT_STEPS = 1e-4, 3
 INVERSE_BLOCK_BYTES = 2**24
 
 
-def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndarray | None = None):
+def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndarray | None = None,
+                 row_norms: np.ndarray | None = None):
     """``a`` (U, D) from ``X a = rhs`` for every unit of a chunk and, given the rounds' ``variances``
     (U, D, V), the first-order spread ``(X^{-1})^2 variances`` (U, D, V) (else None), each by the
     cheapest route the design allows that is as accurate as an LU solve (docs/algorithm.md §13,
     "The inverse from the design"): the final stage's inverse from the design's structure, refined
     (:func:`_refined_solve`), in blocks of units (``INVERSE_BLOCK_BYTES``); a stage whose corrections
     fitted every round (the bridges) reads ``a`` off its corrected estimate where the residual shows
-    it backward stable, ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; LU for the rest."""
+    it backward stable, ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; LU for the rest.
+    ``row_norms``: the ``|x_n|`` (U, D) if known."""
     U, D = rhs.shape
     if variances is not None:
         solution = spread = None  # (U, d) and (U, d, V): a subspace unit's a is in R^d, its rounds r
@@ -1061,7 +1094,9 @@ def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndar
         return design.solve(finals, rhs[:, :, None])[:, :, 0], None
     with np.errstate(all="ignore"):
         residual = np.abs(rhs - np.matmul(finals, solution[:, :, None])[:, :, 0])
-        size = np.linalg.norm(finals, axis=2) * np.linalg.norm(solution, axis=1)[:, None] + np.abs(rhs)
+        if row_norms is None:
+            row_norms = np.sqrt(np.einsum("und,und->un", finals, finals))
+        size = row_norms * np.linalg.norm(solution, axis=1)[:, None] + np.abs(rhs)
     rough = ~(residual <= 64 * EPS * size).all(axis=1)
     if rough.any():
         solution[rough] = np.linalg.solve(finals[rough], rhs[rough][:, :, None])[:, :, 0]
