@@ -1056,9 +1056,9 @@ INVERSE_CHECK, REFINEMENT_STEPS = 1e-4, 3
 
 
 #: Units whose inverses :func:`_solve_units` forms at once: their temporaries (a few (units, D, D)
-#: arrays) stay small enough to be reused from the heap rather than mapped and zeroed afresh
+#: arrays, about 4 MB) stay small enough to be reused from the heap rather than mapped and zeroed afresh
 #: by the kernel each time (at d = 192, H = 6 that took a sixth of the learner's time).
-INVERSE_BLOCK_BYTES = 2**24
+INVERSE_BLOCK_BYTES = 2**22
 
 
 def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndarray | None = None,
