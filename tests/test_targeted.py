@@ -35,34 +35,6 @@ def test_single_pole_fit_recovers_pole_and_label(m, magnitude, sign):
     assert abs(m_fixed[0] - m) <= 1e-12
 
 
-def test_two_sample_fits_in_closed_form_are_the_least_squares_fits():
-    """``single_pole.fit`` with two samples (the float64 final, first and bridge units) solves the
-    square weighted systems in closed form: the same ``alpha, beta`` and covariance as
-    ``np.linalg.lstsq`` and ``pinv`` on each row (computed here), for both sides' copy counts, with
-    noisy samples; a row whose two samples give a singular system (equal copy counts) is no fit."""
-    rng = np.random.default_rng(11)
-    n = 200
-    ks = np.where(rng.random((n, 1)) < 0.5, [1.0, 2.0], [3.0, 4.0])
-    ks[7] = [2.0, 2.0]  # singular
-    m, label = rng.uniform(-5, 5, n), rng.choice([-1, 1], n) * rng.uniform(0.1, 300, n)
-    gaps = ks * label[:, None] / (ks + np.exp(m)[:, None]) * (1 + 1e-9 * rng.standard_normal((n, 2)))
-    rounding = 1e-9 * np.abs(gaps)
-    fit = single_pole.fit(gaps, ks, rounding)
-    weight = gaps**2 / rounding
-    for i in range(n):
-        A = np.stack([np.ones(2), 1 / ks[i]], axis=1) * weight[i, :, None]
-        if i == 7:
-            assert np.isnan(fit.log_pole[i]) and fit.sigma_m[i] == np.inf
-            continue
-        alpha, beta = np.linalg.lstsq(A, weight[i] / gaps[i], rcond=None)[0]
-        assert abs(fit.label[i] - 1 / alpha) <= 1e-12 * abs(1 / alpha)
-        assert abs(fit.log_pole[i] - np.log(beta / alpha)) <= 1e-11
-        covariance = np.linalg.pinv(A.T @ A)
-        gradient = np.array([-1 / alpha, 1 / beta])
-        np.testing.assert_allclose(fit.sigma_m[i], np.sqrt(gradient @ covariance @ gradient), rtol=1e-8)
-        np.testing.assert_allclose(fit.sigma_l[i], np.sqrt(covariance[0, 0]) / alpha**2, rtol=1e-8)
-
-
 @settings(derandomize=True, max_examples=40, deadline=None)
 @given(st.floats(-2, 2), st.floats(8.0, 20.0), st.floats(5.0, 100.0))
 def test_a_second_head_within_reach_breaks_the_single_pole_form(m, m_other, label_other):

@@ -68,23 +68,9 @@ def fit(gaps: np.ndarray, ks, rounding: np.ndarray) -> SinglePoleFits:
     beta = np.full(n, np.nan)
     residual = np.full(n, np.inf)
     covariance = np.full((n, 2, 2), np.nan)
-    # (K x 2) systems, all rows at once through one batched SVD (what lstsq does row by row); two
-    # samples make them square, solved in closed form (no SVD: the fits were the largest single
-    # part of the targeted learner at d = 64, H = 2).
+    # (K x 2) systems, all rows at once through one batched SVD (what lstsq does row by row).
     rows = np.flatnonzero(np.all(weight > 0, axis=1))
-    if len(rows) and K == 2:
-        a = design[rows]
-        determinant = a[:, 0, 0] * a[:, 1, 1] - a[:, 0, 1] * a[:, 1, 0]
-        # rank 2 as lstsq's rcond would judge it, with |A|_F^2 >= s_1^2 for s_1^2 (det = s_1 s_2)
-        full = np.abs(determinant) > np.einsum("nij,nij->n", a, a) * EPS * K
-        rows, a, determinant = rows[full], a[full], determinant[full]
-        inverse = np.stack([np.stack([a[:, 1, 1], -a[:, 0, 1]], axis=1),
-                            np.stack([-a[:, 1, 0], a[:, 0, 0]], axis=1)], axis=1) / determinant[:, None, None]
-        solution = np.matmul(inverse, target[rows][:, :, None])[:, :, 0]
-        alpha[rows], beta[rows] = solution[:, 0], solution[:, 1]
-        residual[rows] = np.linalg.norm(np.matmul(a, solution[:, :, None])[:, :, 0] - target[rows], axis=1)
-        covariance[rows] = np.matmul(inverse, inverse.transpose(0, 2, 1))  # (A^T A)^-1 = A^-1 A^-T
-    elif len(rows):
+    if len(rows):
         u, singular, vt = np.linalg.svd(design[rows], full_matrices=False)
         full = singular[:, 1] > singular[:, 0] * EPS * max(K, 2)  # lstsq's default rcond: rank 2
         rows, u, singular, vt = rows[full], u[full], singular[full], vt[full]
