@@ -683,9 +683,9 @@ class _FullDesign:
         self.current[self.units, self.heads] = self.prior + self.correction.aim(block.start, x, miss)
         return designed
 
-    def solve(self, finals: np.ndarray, rhs: np.ndarray, units: slice = slice(None)) -> np.ndarray:
+    def solve(self, finals: np.ndarray, rhs: np.ndarray, units=slice(None)) -> np.ndarray:
         """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs`` (the tokens and
-        right-hand sides of the units ``units``)."""
+        right-hand sides of the units ``units``, a slice or a mask)."""
         return np.linalg.solve(finals, rhs)
 
     def fitted_solution(self) -> np.ndarray | None:
@@ -860,7 +860,7 @@ class _SubspaceDesign(_FullDesign):
         self.coordinates = self.prior + self.correction.aim(block.start, rows, miss)
         return designed
 
-    def solve(self, finals: np.ndarray, rhs: np.ndarray, units: slice = slice(None)) -> np.ndarray:
+    def solve(self, finals: np.ndarray, rhs: np.ndarray, units=slice(None)) -> np.ndarray:
         basis = self.basis[units]
         return np.matmul(basis, np.linalg.solve(np.matmul(finals, basis), rhs))
 
@@ -1099,7 +1099,7 @@ def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndar
         size = row_norms * np.linalg.norm(solution, axis=1)[:, None] + np.abs(rhs)
     rough = ~(residual <= 64 * EPS * size).all(axis=1)
     if rough.any():
-        solution[rough] = np.linalg.solve(finals[rough], rhs[rough][:, :, None])[:, :, 0]
+        solution[rough] = design.solve(finals[rough], rhs[rough][:, :, None], rough)[:, :, 0]
     return solution, None
 
 
