@@ -701,17 +701,18 @@ class _FullDesign:
         return (self.heads + 1) % self.rounds
 
     def approximate_inverse(self, part: slice = slice(None)) -> np.ndarray | None:
-        """``X^{-1}`` (U, D, D) of the rounds' final tokens (rows) of the units ``part``, from the design's structure in
-        ``O(H D^2)`` per unit instead of an LU (docs/algorithm.md §13, "The inverse from the
-        design"); None once a correction moved the target's row (rounds designed from different
-        estimates have no common frame).
+        """``X^{-1}`` (U, D, D) of the rounds' final tokens (rows) of the units ``part``, from the
+        design's structure in ``O(H D^2)`` per unit instead of an LU (docs/algorithm.md §13, "The
+        inverse from the design"); None once a correction moved the target's row (rounds designed
+        from different estimates have no common frame).
 
         In the frame ``G`` whose rows are the estimates ``E`` (pattern slots ``0 .. H - 1``), ``N0^T``
         (the null slots; lifted, with a 0 against the 1 of ``x~``) and, lifted, ``e_D^T`` (slot H), the
         rounds' coordinates are ``G x_n = o + l * p_n`` (``p_n``: pattern column n; ``o``, ``l``: the
-        design's offsets and spreads per slot), so ``C^T = L P`` with ``L = diag(l) + s o e_c^T`` (c: the
-        constant row, all ``s = +-1``). P's rows are orthogonal, ``P^{-T} = diag(|p_j|^{-2}) P``, and by Sherman-Morrison
-        ``L^{-T} = diag(1/l) - e_c (s o / l)^T / (l_c + s o_c)``: ``X^{-1} = G^T C^{-1} = G^T L^{-T} P^{-T}``.
+        design's offsets and spreads per slot), so ``C^T = L P`` with ``L = diag(l) + s o e_c^T`` (c:
+        the constant row, all ``s = +-1``). P's rows are orthogonal, ``P^{-T} = diag(|p_j|^{-2}) P``,
+        and by Sherman-Morrison ``L^{-T} = diag(1/l) - e_c (s o / l)^T / (l_c + s o_c)``:
+        ``X^{-1} = G^T C^{-1} = G^T L^{-T} P^{-T}``.
         The tokens are rounded to ``TOKEN_BITS`` after the design: this is ``X^{-1}`` to about
         ``2^-38 cond(X)``, and :func:`_refined_solve` checks and refines with it."""
         if self.correction.added:
@@ -905,7 +906,7 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     keep = G * H * rounds * d * 8 <= KEEP_BYTES
     # The first (largest) chunk's patterns and final tokens are reused by the later chunks: a large
     # array made afresh per chunk is mapped and zeroed by the kernel each time (docs/algorithm.md §13,
-    # "Memory and speed"), and the tokens of a stage too large to keep are never all held at once.
+    # "Fresh memory is not free"), and the tokens of a stage too large to keep are never all held at once.
     parts, pattern_buffer, finals_buffer, basis_buffer = [], None, None, None
     for start in range(0, G, per_chunk):
         stop = min(G, start + per_chunk)
