@@ -441,6 +441,38 @@ def _final_design(designer, d, H, units, seed):
     return design, design.design(slice(0, D))
 
 
+@pytest.mark.parametrize("schedule, bias", [("targeted", True), ("targeted", False), ("lowrank", True)])
+def test_stages_in_many_chunks_reuse_their_arrays_and_lose_nothing(monkeypatch, schedule, bias):
+    """``_measure`` with every stage cut into chunks of one or two groups (``CHUNK_BYTES`` shrunk) and
+    its final tokens too large to keep (``KEEP_BYTES`` 0): the chunks after the first write their
+    patterns, final tokens and Gram-Schmidt bases into the first chunk's arrays (docs/algorithm.md §13,
+    "Fresh memory is not free"), and the run still asks the unchunked run's number of queries and
+    learns the target to the same precision (the patterns are drawn per chunk, so the queries differ)."""
+    d, H = 8, 2
+    target = mx.MultiHeadAttention.random(d, H, seed=4)
+    if schedule == "lowrank":
+        A, B = np.random.default_rng(4).standard_normal((2, H, d, 3))
+        target = mx.MultiHeadAttention(np.matmul(A, B.transpose(0, 2, 1)) / d, target.v, target.u, target.c)
+    options = dict(heads=H, seed=5, schedule=schedule, bias=bias, **({"rank": 3} if schedule == "lowrank" else {}))
+    whole = mx.extract(CountingOracle(target), d, **options)
+    reused = []
+    original = targeted._measure_chunk
+
+    def measure_chunk(*args, **kwargs):
+        finals = args[9] if len(args) > 9 else kwargs.get("finals")
+        reused.append(finals is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(targeted, "CHUNK_BYTES", 24 * (d + 1) ** 2 * H * 2)  # two groups a chunk
+    monkeypatch.setattr(targeted, "KEEP_BYTES", 0)
+    monkeypatch.setattr(targeted, "_measure_chunk", measure_chunk)
+    oracle = CountingOracle(target)
+    chunked = mx.extract(oracle, d, **options)
+    assert sum(reused) >= 3  # later chunks wrote into the first chunk's arrays
+    assert chunked.ok and oracle.count == chunked.queries == whole.queries
+    assert mx.compare(chunked.model, target).max_rel <= 10 * max(mx.compare(whole.model, target).max_rel, 1e-13)
+
+
 @pytest.mark.parametrize("lifted", [False, True])
 @pytest.mark.parametrize("d, H", [(9, 1), (9, 4), (9, 8), (9, 9), (24, 3)])
 def test_the_final_designs_inverse_from_their_structure_is_the_inverse(lifted, d, H):
