@@ -41,8 +41,8 @@ from .linesearch import MAX_READING_LOG_POLE
 from .targeted import (
     EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, TargetedDetails, TargetedSchedule,
     _all_heads_at, _balanced_basis, _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign,
-    _measure, _MinimumNormCorrection, _NullSpace, _other_heads_frame, _patterns, _Prober, _shared, answer_unit,
-    final_copies, final_unit_queries, first_copies, first_group, score_unit,
+    _measure, _MinimumNormCorrection, _NullSpace, _other_heads_frame, _patterns, _patterns_per_head, _Prober,
+    _shared, answer_unit, final_copies, final_unit_queries, first_copies, first_group, score_unit,
 )
 
 
@@ -128,10 +128,7 @@ class AffineFinalDesign(AffineDesign):
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, D, D), D = ``d`` the lifted dimension: row H constant, row h the target's sides."""
-        out = np.empty((groups, H, d, d)) if out is None else out
-        for h in range(H):
-            _patterns(rng, d, H, groups, h, out=out[:, h])
-        return out
+        return _patterns_per_head(rng, d, groups, [H] * H, range(H), out)
 
     def copies(self, n: int, default):
         return final_copies(self.rounds, n)

@@ -563,6 +563,18 @@ def _patterns(rng, d: int, constant_row: int, count: int, target_row: int | None
     return out
 
 
+def _patterns_per_head(rng, d: int, groups: int, constant_rows, target_rows=None,
+                       out: np.ndarray | None = None) -> np.ndarray:
+    """(groups, H, d, d): head h's ``groups`` patterns from :func:`_patterns` with constant row
+    ``constant_rows[h]`` (and target row ``target_rows[h]``), drawn head by head; written into
+    ``out`` when given (a stage's reused array, :func:`_measure`)."""
+    H = len(constant_rows)
+    out = np.empty((groups, H, d, d)) if out is None else out
+    for h in range(H):
+        _patterns(rng, d, constant_rows[h], groups, None if target_rows is None else target_rows[h], out=out[:, h])
+    return out
+
+
 def final_sides(rounds: int) -> np.ndarray:
     """The target's side in each round of a final unit (:class:`_FinalDesign`): ``0, -1, +1, -1, ..``
     for odd ``rounds`` (the centre first), ``-1, +1, -1, ..`` for even ones; zero sum.
@@ -660,10 +672,7 @@ class _FullDesign:
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, d, d): unit (g, h)'s pattern has its constant row at ``(h + 1) % d``; written
         into ``out`` when given."""
-        out = np.empty((groups, H, d, d)) if out is None else out
-        for h in range(H):
-            _patterns(rng, d, (h + 1) % d, groups, out=out[:, h])
-        return out
+        return _patterns_per_head(rng, d, groups, [(h + 1) % d for h in range(H)], out=out)
 
     def copies(self, n: int, default):
         """The copy counts asked in round n (``default``: the stage's, :func:`_measure`)."""
@@ -773,10 +782,7 @@ class _FinalDesign(_FullDesign):
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
-        out = np.empty((groups, H, d, d)) if out is None else out
-        for h in range(H):
-            _patterns(rng, d, (h + 1) % d, groups, h, out=out[:, h])
-        return out
+        return _patterns_per_head(rng, d, groups, [(h + 1) % d for h in range(H)], range(H), out)
 
     def copies(self, n: int, default):
         return final_copies(self.rounds, n)
