@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhaextract as mx
+import mhaextract.schedules.biased as biased
 import mhaextract.schedules.linesearch as linesearch
 import mhaextract.schedules.targeted as targeted
 from mhaextract.api import _bias_error, _constant_error
@@ -532,7 +533,7 @@ def test_the_final_units_are_solved_in_blocks_with_their_spread(monkeypatch):
 
 
 def test_a_stage_whose_corrections_fitted_every_round_reads_a_off_them_unless_the_residual_objects():
-    """``_solve_units`` without the inverse (the bridges): when the corrections took in every round
+    """``_solve_units`` without the inverse (bridges that were corrected): when the corrections took in every round
     the corrected estimate is ``a`` (same as LU to rounding); a unit whose corrected estimate does
     not fit its rounds to the residual's limit (here one entry spoilt) is solved by LU instead."""
     rng = np.random.default_rng(4)
@@ -551,9 +552,69 @@ def test_a_stage_whose_corrections_fitted_every_round_reads_a_off_them_unless_th
     design.current[1, design.heads[1], 3] += 1e-6  # unit 1's estimate no longer fits its rounds
     a, _ = targeted._solve_units(tokens, design, m)
     np.testing.assert_allclose(a, expected, rtol=0, atol=limit)  # LU took over for unit 1
-    fresh, _ = _final_design(targeted._FullDesign, d, H, units, 4)  # nothing corrected: LU
+    fresh, _ = _final_design(targeted._FullDesign, d, H, units, 4)  # nothing corrected, not its tokens: LU
     assert fresh.fitted_solution() is None
     np.testing.assert_allclose(targeted._solve_units(tokens, fresh, m)[0], expected, rtol=0, atol=limit)
+
+
+def test_a_stage_never_corrected_is_solved_through_its_structured_inverse(monkeypatch):
+    """``_solve_units`` without variances on a design that was never corrected (the bridges in
+    float64, whose misfits stay within ``BRIDGE_AIM_TOLERANCE``): ``a`` comes from the design's own
+    inverse, refined, with no LU, and equals the LU solution to rounding; in blocks of units."""
+    monkeypatch.setattr(targeted, "INVERSE_BLOCK_BYTES", 2 * 8 * 16 * 16)
+    design, tokens = _final_design(targeted._FullDesign, 16, 3, 7, 9)
+    tokens = quantize(tokens, np.abs(tokens).max())
+    m = np.random.default_rng(3).standard_normal((7, 16)) * 5
+    expected = np.linalg.solve(tokens, m[:, :, None])[:, :, 0]
+    monkeypatch.setattr(design, "solve", lambda *args: pytest.fail("solved by LU"))
+    a, spread = targeted._solve_units(tokens, design, m)
+    assert spread is None
+    limit = 1e-15 * np.linalg.cond(tokens).max() * np.abs(expected).max()
+    np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
+
+
+def test_the_bridges_are_aimed_by_their_prior_within_their_own_tolerance():
+    """A correction built with ``tolerance=BRIDGE_AIM_TOLERANCE`` (the bridges, :func:`_measure`)
+    waits through misfits the stage's step explains (0.9 log-pole units here) and corrects, with
+    every row so far, from the first block beyond it (1.5)."""
+    rng = np.random.default_rng(8)
+    units, d = 3, 10
+    rows = rng.standard_normal((units, d, d))
+    misses = 0.9 * np.sign(rng.standard_normal((units, d)))
+    misses[0, 7] = 1.5
+    correction = targeted._MinimumNormCorrection(units, d, tolerance=targeted.BRIDGE_AIM_TOLERANCE)
+    for block in targeted.correction_blocks(d, 3):
+        delta = correction.aim(block.start, rows[:, block], misses[:, block])
+        if block.stop <= 7:
+            assert not delta.any() and correction.basis is None
+            continue
+        for u in range(units):
+            expected = np.linalg.lstsq(rows[u, :block.stop], misses[u, :block.stop], rcond=None)[0]
+            np.testing.assert_allclose(delta[u], expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+
+
+def test_a_float64_run_computes_no_gram_schmidt_for_its_bridges(monkeypatch):
+    """End to end (float64, d = 12, H = 3): the bridges' misfits stay within their tolerance, so no
+    bridge unit is corrected (their Gram-Schmidt was a fifth of the learner at d = 256, H = 2), and
+    the run learns the target to float64 precision."""
+    d, H = 12, 3
+    target = mx.MultiHeadAttention.random(d, H, seed=2)
+    stage, corrected = [], []
+    original_add, original_measure = targeted._MinimumNormCorrection.add, targeted._measure
+
+    def add(self, *args):
+        corrected.append(stage[-1])
+        return original_add(self, *args)
+
+    def measure(prober, differences, estimates, rng, bridge, *args, **kwargs):
+        stage.append("bridge" if bridge else "other")
+        return original_measure(prober, differences, estimates, rng, bridge, *args, **kwargs)
+
+    monkeypatch.setattr(targeted._MinimumNormCorrection, "add", add)
+    monkeypatch.setattr(biased, "_measure", measure)  # the targeted schedule runs the lifted model (§16)
+    result = mx.extract(CountingOracle(target), d, heads=H, seed=3, schedule="targeted")
+    assert result.ok and mx.compare(result.model, target).max_rel < 1e-13
+    assert "bridge" in stage and "bridge" not in corrected
 
 
 @pytest.mark.parametrize("rounds", [1, 2, 5, 16, 17, 64, 129, 769])

@@ -19,7 +19,7 @@ final token. With estimates of the ``a_g`` (H <= d) the instance ``n`` of head h
 constant row and zero-sum orthogonal rows (:func:`_patterns`), so their final tokens span R^d
 with a well-conditioned design. After each block of rounds the estimate of ``a_h`` is corrected to
 fit the log-poles measured so far, when the prior's aim misses by more than ``AIM_TOLERANCE``
-(:class:`_MinimumNormCorrection`, :func:`correction_blocks`). Samples ``k = 1, 2, 3`` with
+(the bridges: ``BRIDGE_AIM_TOLERANCE``; :class:`_MinimumNormCorrection`, :func:`correction_blocks`). Samples ``k = 1, 2, 3`` with
 ``F(0) = vbar^T x`` known: two determine ``(l_h, tau_h)``, the third tests that the instance really
 is single-pole
 (:mod:`.kernels.single_pole`). Finally the label of ``(h, z)`` is fixed at the consensus of its d
@@ -128,6 +128,11 @@ CORRECTION_BLOCK = 16
 #: Misfits of a stage's aim (log-pole units) below which its estimates are not corrected at all
 #: (:meth:`_MinimumNormCorrection.aim`): the final stage's sides at ``log 2 +- 4`` do not feel it.
 AIM_TOLERANCE = 1e-3
+#: The bridges' tolerance (log-pole units): their misfits come from the bridge step itself
+#: (``eps |a_h| |x| <= 2``, :func:`_bridge_step`; 0.1..0.7 at most, measured), and a one-sample
+#: reading's error grows only as ``e^misfit`` at the window's edge, less than the corrections'
+#: Gram-Schmidt costs; beyond it (a prior far off) they are corrected as the other stages are.
+BRIDGE_AIM_TOLERANCE = 1.0
 #: Bases of this many bytes (a block of units) are orthogonalised against together, in cache.
 GRAM_SCHMIDT_BYTES = 2**20
 #: A row that keeps less than this share of its norm off the basis is orthogonalised a second time
@@ -438,8 +443,9 @@ class _MinimumNormCorrection:
     correction only aims the next blocks' designs: ``a`` itself is solved from all rounds at the
     end (:func:`_reduce_chunk`)."""
 
-    def __init__(self, units: int, d: int):
+    def __init__(self, units: int, d: int, tolerance: float = AIM_TOLERANCE):
         self.units, self.d = units, d
+        self.tolerance = tolerance  # the misfits below which nothing is corrected (:meth:`aim`)
         #: orthonormal rows: the rows of X added so far, orthogonalised; (units, d, d), allocated by the
         #: first :meth:`add` (a stage its prior aims well, the final one in float64, never needs it)
         self.basis: np.ndarray | None = None
@@ -453,7 +459,7 @@ class _MinimumNormCorrection:
 
     def aim(self, n: int, rows: np.ndarray, misses: np.ndarray) -> np.ndarray:
         """Rows ``n .. n + b - 1`` (U, b, d) and their misfits (U, b), for aiming: while every misfit
-        so far is within ``AIM_TOLERANCE`` (log-pole units) the prior aims well enough and nothing is
+        so far is within :attr:`tolerance` (log-pole units) the prior aims well enough and nothing is
         computed (the rows wait, as the caller's arrays, which must not change); from the first block
         beyond it on, every waiting row is added (:meth:`add`). Returns delta (zero while nothing was
         added)."""
@@ -461,7 +467,7 @@ class _MinimumNormCorrection:
         self.coefficients[:, n:n + b] = misses
         self.waiting.append(rows)
         finite = np.abs(misses[np.isfinite(misses)])
-        if self.added or (finite.size and finite.max() > AIM_TOLERANCE):
+        if self.added or (finite.size and finite.max() > self.tolerance):
             start = self.added
             self.added = n + b
             waiting = self.waiting[0] if len(self.waiting) == 1 else np.concatenate(self.waiting, axis=1)
@@ -888,7 +894,7 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
     heads f at its difference, used for the design. The target's own row is corrected after every
     block of rounds to fit its measured log-poles (:func:`correction_blocks`; not at all while the
-    prior aims within ``AIM_TOLERANCE``). ``copies``: the copy counts of round 0 and of the later
+    prior aims within ``AIM_TOLERANCE``, for bridges ``BRIDGE_AIM_TOLERANCE``). ``copies``: the copy counts of round 0 and of the later
     rounds; by default final units ask ``k = 1, 2, 3`` every round, bridges ``k = 1, 2`` in round 0
     and ``k = 1`` later (the label is then known); a designer may choose them per round
     (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage): the model used for the
@@ -926,6 +932,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
                            bases[start:stop].reshape(-1, d, rounds)))
         if basis_buffer is not None:
             design.correction.spare = basis_buffer[:len(heads)]
+        if bridge:
+            design.correction.tolerance = BRIDGE_AIM_TOLERANCE
         if getattr(design, "noisy_halfwidth", None) is not None and prober.unit > EPS:
             design.halfwidth = design.noisy_halfwidth  # noisy answers: their sampling error dominates
         part = _measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
@@ -1073,41 +1081,44 @@ def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndar
     """``a`` (U, D) from ``X a = rhs`` for every unit of a chunk and, given the rounds' ``variances``
     (U, D, V), the first-order spread ``(X^{-1})^2 variances`` (U, D, V) (else None), each by the
     cheapest route the design allows that is as accurate as an LU solve (docs/algorithm.md §13,
-    "The inverse from the design"): the final stage's inverse from the design's structure, refined
-    (:func:`_refined_solve`), in blocks of units (``INVERSE_BLOCK_BYTES``); a stage whose corrections
-    fitted every round (the bridges) reads ``a`` off its corrected estimate where the residual shows
-    it backward stable, ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; LU for the rest.
-    ``row_norms``: the ``|x_n|`` (U, D) if known."""
+    "The inverse from the design"): a stage whose corrections fitted every round reads ``a`` off its
+    corrected estimate where the residual shows it backward stable,
+    ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; a design never corrected has its inverse from
+    its structure, refined (:func:`_refined_solve`), in blocks of units (``INVERSE_BLOCK_BYTES``); LU
+    for the rest. ``row_norms``: the ``|x_n|`` (U, D) if known."""
     U, D = rhs.shape
-    if variances is not None:
-        solution = spread = None  # (U, d) and (U, d, V): a subspace unit's a is in R^d, its rounds r
-        step = max(1, INVERSE_BLOCK_BYTES // (8 * D * D))
-        for start in range(0, U, step):
-            part = slice(start, min(U, start + step))
-            refined = _refined_solve(finals[part], design.approximate_inverse(part), rhs[part])
-            if refined is None:
-                identity = np.broadcast_to(np.eye(D), (part.stop - start, D, D))
-                solved = design.solve(finals[part], np.concatenate([rhs[part, :, None], identity], axis=2), part)
-                refined = solved[:, :, 0], solved[:, :, 1:]
-            if solution is None:
-                solution = np.empty((U, refined[1].shape[1]))
+    solution = None if variances is not None else design.fitted_solution()
+    if solution is not None:
+        with np.errstate(all="ignore"):
+            residual = np.abs(rhs - np.matmul(finals, solution[:, :, None])[:, :, 0])
+            if row_norms is None:
+                row_norms = np.sqrt(np.einsum("und,und->un", finals, finals))
+            size = row_norms * np.linalg.norm(solution, axis=1)[:, None] + np.abs(rhs)
+        rough = ~(residual <= 64 * EPS * size).all(axis=1)
+        if rough.any():
+            solution[rough] = design.solve(finals[rough], rhs[rough][:, :, None], rough)[:, :, 0]
+        return solution, None
+    spread = None  # (U, d) and (U, d, V): a subspace unit's a is in R^d, its rounds r
+    step = max(1, INVERSE_BLOCK_BYTES // (8 * D * D))
+    for start in range(0, U, step):
+        part = slice(start, min(U, start + step))
+        refined = _refined_solve(finals[part], design.approximate_inverse(part), rhs[part])
+        if refined is None and variances is None:
+            solved = design.solve(finals[part], rhs[part, :, None], part)
+            refined = solved[:, :, 0], None
+        elif refined is None:
+            identity = np.broadcast_to(np.eye(D), (part.stop - start, D, D))
+            solved = design.solve(finals[part], np.concatenate([rhs[part, :, None], identity], axis=2), part)
+            refined = solved[:, :, 0], solved[:, :, 1:]
+        if solution is None:
+            solution = np.empty((U, refined[0].shape[1]))
+            if variances is not None:
                 spread = np.empty((U, refined[1].shape[1], variances.shape[2]))
-            solution[part], inverse = refined
+        solution[part], inverse = refined
+        if variances is not None:
             with np.errstate(over="ignore", invalid="ignore"):
                 spread[part] = np.matmul(np.square(inverse, out=inverse), variances[part])
-        return solution, spread
-    solution = design.fitted_solution()
-    if solution is None:
-        return design.solve(finals, rhs[:, :, None])[:, :, 0], None
-    with np.errstate(all="ignore"):
-        residual = np.abs(rhs - np.matmul(finals, solution[:, :, None])[:, :, 0])
-        if row_norms is None:
-            row_norms = np.sqrt(np.einsum("und,und->un", finals, finals))
-        size = row_norms * np.linalg.norm(solution, axis=1)[:, None] + np.abs(rhs)
-    rough = ~(residual <= 64 * EPS * size).all(axis=1)
-    if rough.any():
-        solution[rough] = design.solve(finals[rough], rhs[rough][:, :, None], rough)[:, :, 0]
-    return solution, None
+    return solution, spread
 
 
 def _refined_solve(finals: np.ndarray, inverse: np.ndarray | None, rhs: np.ndarray):
