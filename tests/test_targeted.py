@@ -494,6 +494,25 @@ def test_the_final_designs_inverse_from_their_structure_is_the_inverse(lifted, d
     assert design.approximate_inverse() is None
 
 
+@pytest.mark.parametrize("designer", [targeted._FullDesign, AffineFinalDesign])
+def test_a_block_designed_into_the_stage_array_is_the_block_designed_afresh(designer):
+    """``design(block, out)`` writes a block's tokens into a strided view of the stage's (U, rounds, D)
+    array (:func:`_measure_chunk`), and the prober rounds them there: the same bits as a fresh design
+    rounded by ``quantize``; a later, smaller block reuses the null-space workspace of the first."""
+    d, H, units = 13, 3, 6
+    design, _ = _final_design(designer, d, H, units, 11)
+    D = design.rounds
+    finals = np.full((units, D, D), np.nan)
+    for block in targeted.correction_blocks(D, 4):
+        fresh = design.design(block)
+        tokens = design.design(block, finals[:, block])
+        assert np.shares_memory(tokens, finals)
+        np.testing.assert_array_equal(tokens, fresh)
+        scale = np.abs(fresh).max()
+        np.testing.assert_array_equal(quantize(tokens, scale, out=tokens), quantize(fresh, scale))
+    assert np.isfinite(finals).all()
+
+
 def test_the_refined_solve_matches_lu_and_refuses_a_wrong_inverse():
     """``_refined_solve``: from the structured inverse of tokens rounded to ``TOKEN_BITS`` (an
     inverse to about 1e-8 only) the refined ``a`` equals an LU solve's to float64 rounding; an

@@ -18,10 +18,15 @@ import numpy as np
 TOKEN_BITS = 40
 
 
-def quantize(values: np.ndarray, scale: float) -> np.ndarray:
-    """Round to multiples of ``2**(e + 2 - TOKEN_BITS)`` where ``2**e >= scale``: sums stay exact."""
+def quantize(values: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+    """Round to multiples of ``2**(e + 2 - TOKEN_BITS)`` where ``2**e >= scale``: sums stay exact.
+    ``out`` (``values`` itself allowed): written there, with the same bits."""
     step = 2.0 ** (np.ceil(np.log2(scale)) + 2 - TOKEN_BITS)
-    return np.round(values / step) * step
+    if out is None:
+        return np.round(values / step) * step
+    np.divide(values, step, out=out)
+    np.round(out, out=out)
+    return np.multiply(out, step, out=out)
 
 
 def random_basis(rng: np.random.Generator, d: int, scale: float) -> np.ndarray:

@@ -59,12 +59,15 @@ class AffineProber(_Prober):
         self.c0 = float(answers[0])
         self.vbar = float64_kernel.solve_transposed(basis, answers[1:] - self.c0)
 
-    def quantize(self, values: np.ndarray) -> np.ndarray:
+    def quantize(self, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
         if values.shape[-1] == self.d:
-            return super().quantize(values)
-        out = values.copy()
-        out[..., :self.d] = super().quantize(values[..., :self.d])
+            return super().quantize(values, out)
+        if out is None:
+            out = values.copy()
+        elif out is not values:
+            out[..., self.d:] = values[..., self.d:]
+        super().quantize(values[..., :self.d], out[..., :self.d])
         return out
 
     def gaps(self, finals, differences, copies, description="targeted instances"):
@@ -104,17 +107,21 @@ class AffineDesign(_FullDesign):
     def constant_rows(self) -> np.ndarray:
         return np.full(len(self.heads), self.current.shape[1])
 
-    def design(self, block: slice) -> np.ndarray:
+    def design(self, block: slice, out: np.ndarray | None = None) -> np.ndarray:
         """``a_g^T x = value_g - b_g``: the §13 design in R^d with the offsets moved to the right-hand
-        side (expressed as a shift of the pattern columns), then lifted with an exact 1 (U, b, d + 1)."""
+        side (expressed as a shift of the pattern columns), then lifted with an exact 1 (U, b, d + 1);
+        written into ``out`` when given."""
         U, H, D = self.current.shape
         slopes, offsets = self.current[:, :, :D - 1], self.current[:, :, D - 1]
         columns = self.pattern[:, :H, block] - offsets[:, :, None] / SATURATION_SPREAD
         columns[self.units, self.heads] = (self.pattern[self.units, self.heads, block]
                                            - offsets[self.units, self.heads][:, None] / self.halfwidth)
-        null_part = self.null_space.parts(self.pattern[:, H + 1:, block])
-        x = _designs(slopes, self.heads, columns, null_part, self.frame, self.halfwidth)
-        return np.concatenate([x, np.ones(x.shape[:2] + (1,))], axis=2)
+        null_part = self.null_space.parts(self.pattern[:, H + 1:, block], self.frame[3], self.null_space.workspace(block))
+        if out is None:
+            out = np.empty((U, columns.shape[2], D))
+        _designs(slopes, self.heads, columns, null_part, self.frame, self.halfwidth, out[:, :, :D - 1])
+        out[:, :, D - 1] = 1.0
+        return out
 
 
 class AffineFinalDesign(AffineDesign):

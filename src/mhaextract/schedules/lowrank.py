@@ -167,7 +167,7 @@ class AffineSubspaceDesign(_SubspaceDesign):
         inside = _patterns(rng, rounds, rounds - 1, groups * H).reshape(groups, H, rounds, rounds)
         return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 
-    def design(self, block: slice) -> np.ndarray:
+    def design(self, block: slice, out: np.ndarray | None = None) -> np.ndarray:
         U, rounds = self.coordinates.shape
         r, D = rounds - 1, self.current.shape[2]
         c, b = self.coordinates[:, :r], self.coordinates[:, r]
@@ -183,7 +183,7 @@ class AffineSubspaceDesign(_SubspaceDesign):
         # the frame's rows are the other heads' lifted a~_g: their offsets b_g ride on the lifted 1
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], rounds + self.others, block]
         rhs = np.concatenate([values.transpose(0, 2, 1), y, np.ones(y.shape[:2] + (1,))], axis=2)
-        x = np.matmul(rhs, self.frame_map_rows)
+        x = np.matmul(rhs, self.frame_map_rows, out=out)
         x[:, :, D - 1] = 1.0  # the frame asked for exactly this; the prober requires it to the bit
         return x
 

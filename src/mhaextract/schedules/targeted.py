@@ -280,8 +280,8 @@ class _Prober:
         self.answers: list[float] = []
         self.vbar: np.ndarray | None = None
 
-    def quantize(self, values: np.ndarray) -> np.ndarray:
-        return quantize(values, self.grid_scale)
+    def quantize(self, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return quantize(values, self.grid_scale, out)
 
     def ask(self, sequences, description):
         answers = np.asarray(self.boundary.ask(sequences, description=description), dtype=np.float64)
@@ -329,6 +329,7 @@ class _NullSpace:
         h, tau = np.linalg.qr(estimates.transpose(0, 2, 1), mode="raw")  # reflectors as rows of h (U, H, d)
         U, H, _ = h.shape
         self.heads = H
+        self._workspace: np.ndarray | None = None  # (:meth:`workspace`)
         self.V = np.tril(h.transpose(0, 2, 1), -1)  # v_i = e_i + the part of h below the diagonal
         self.V[:, np.arange(H), np.arange(H)] = 1.0
         self.T = np.zeros((U, H, H))  # Q = H_1 .. H_H = I - V T V^T (LAPACK's dlarft, forward, columnwise)
@@ -338,19 +339,30 @@ class _NullSpace:
                 inner = np.matmul(self.V[:, :, :i].transpose(0, 2, 1), self.V[:, :, i:i + 1])
                 self.T[:, :i, i] = -tau[:, i, None] * np.matmul(self.T[:, :i, :i], inner)[:, :, 0]
 
-    def apply(self, rows: np.ndarray, part: slice = slice(None)) -> np.ndarray:
-        """``N0 rows`` (U, d, n) for rows (U, d - H, n) of the units ``part``."""
+    def apply(self, rows: np.ndarray, part: slice = slice(None), out: np.ndarray | None = None) -> np.ndarray:
+        """``N0 rows`` (U, d, n) for rows (U, d - H, n) of the units ``part``, written into ``out``
+        (any strides) when given: ``-V (T V_2^T rows)`` is written, then ``rows`` added below row H
+        (no (U, d, n) temporary: the same bits as ``(0, rows) - V T V_2^T rows``)."""
         H, V = self.heads, self.V[part]
-        out = np.empty((rows.shape[0], V.shape[1], rows.shape[2]))
-        out[:, :H], out[:, H:] = 0.0, rows
-        out -= np.matmul(V, np.matmul(self.T[part], np.matmul(V[:, H:].transpose(0, 2, 1), rows)))
+        reflected = np.matmul(self.T[part], np.matmul(V[:, H:].transpose(0, 2, 1), rows))
+        out = np.matmul(V, np.negative(reflected, out=reflected), out=out)
+        out[:, H:] += rows
         return out
 
-    def parts(self, rows: np.ndarray) -> np.ndarray:
-        """``SPREAD N0 rows`` (U, d, n) for pattern rows (U, d - H, n)."""
-        out = self.apply(rows)
-        out *= SATURATION_SPREAD
+    def parts(self, rows: np.ndarray, scale: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """``SPREAD N0 rows / c`` (U, d, n) for pattern rows (U, d - H, n) and each unit's ``scale`` c
+        (U,; 1 when not given): the null parts :func:`_designs` adds; written into ``out`` if given."""
+        out = self.apply(rows, out=out)
+        out *= SATURATION_SPREAD if scale is None else (SATURATION_SPREAD / scale)[:, None, None]
         return out
+
+    def workspace(self, block: slice) -> np.ndarray:
+        """An array (U, d, b) for :meth:`parts` of a block of b rounds: a view of one array made
+        for the first (largest, :func:`correction_blocks`) block and reused by the later ones."""
+        size = block.stop - block.start
+        if self._workspace is None or self._workspace.shape[2] < size:
+            self._workspace = np.empty((self.V.shape[0], self.V.shape[1], size))
+        return self._workspace[:, :, :size]
 
 
 def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
@@ -373,22 +385,27 @@ def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
 
 
 def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_part: np.ndarray,
-             frame=None, halfwidth: float = TARGET) -> np.ndarray:
-    """The final tokens of a block of b rounds for U units at once (U, b, d).
+             frame=None, halfwidth: float = TARGET, out: np.ndarray | None = None) -> np.ndarray:
+    """The final tokens of a block of b rounds for U units at once (U, b, d), written into ``out``
+    (any strides) when given.
 
     Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + halfwidth p_h`` and the others at
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` (H, b) the pattern
-    columns of the rounds), and adds the null-space part: ``x = E^+ u + (I - P_E) b / c`` with ``b``
-    the unit's ``null_part`` (d, b) and ``c`` the mean singular value of E (at the frame's
-    estimates). While the estimates are the initial ones this is the square design
-    ``[E; c N0] x = values``; once the target row was corrected the projection keeps the null part
-    exactly off every head.
+    columns of the rounds), and adds the null-space part: ``x = E^+ u + (I - P_E) b`` with ``b``
+    the unit's ``null_part`` (d, b), ``SPREAD N0 p / c`` (:meth:`_NullSpace.parts`; ``c`` the mean
+    singular value of E at the frame's estimates). While the estimates are the initial ones this is
+    the square design ``[E; c N0] x = values``; once the target row was corrected the projection
+    keeps the null part exactly off every head.
 
     Only the target's row t changes between blocks: ``frame`` (:func:`_other_heads_frame`, of the
     other rows O, computed here when not given) is extended by t's part ``size * unit`` off O's span
     (classical Gram-Schmidt, twice), and ``E^+ u = O^+ u_O + unit (u_t - t^T O^+ u_O) / size``: no
-    factorisation nor solve per block (the same x as a QR of E to rounding), and the b rounds of a
-    block are batched products (the block shares t: :func:`correction_blocks`)."""
+    factorisation nor solve per block (the same x as a QR of E to rounding). The b rounds of a
+    block share t (:func:`correction_blocks`), so every term but ``b`` is a combination of the same
+    ``2H - 1`` rows ``(O^+)^T``, ``unit``, ``Q_o``: ``x = C R + b``, with b's projection read off one
+    product of the null parts with ``(Q_o, unit)``. The tokens are written once (the terms formed
+    and added one by one passed over a block's (U, b, d) tokens a dozen times, memory-bound: a
+    sixth of the learner at d = 256, H = 2)."""
     U, H, d = current.shape
     units = np.arange(U)
     q_rows, pseudo_inverse_rows, others, scale = frame if frame is not None else _other_heads_frame(current, heads)
@@ -407,12 +424,17 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
         raise np.linalg.LinAlgError("Singular matrix")
     unit = rest / size[:, :, None]
     values = SATURATION_MID + SATURATION_SPREAD * columns[units[:, None], others]  # (U, H - 1, b)
-    base = np.matmul(values.transpose(0, 2, 1), pseudo_inverse_rows)  # O^+ u_O (U, b, d): nothing along t
-    along = (TARGET_CENTER + halfwidth * columns[units, heads] - np.matmul(base, target[:, 0, :, None])[:, :, 0]) / size
-    free = null_part.transpose(0, 2, 1) / scale[:, None, None]
-    free -= spanned(along_rows(free))
-    free -= np.matmul(free, unit.transpose(0, 2, 1)) * unit
-    return base + along[:, :, None] * unit + free
+    # O^+ u_O is values^T (O^+)^T: nothing along t; its log-pole for t, t^T O^+ u_O, from (O^+)^T t
+    base_target = np.matmul(values.transpose(0, 2, 1), np.matmul(pseudo_inverse_rows, target[:, 0, :, None]))[:, :, 0]
+    along = (TARGET_CENTER + halfwidth * columns[units, heads] - base_target) / size  # (U, b)
+    free = null_part.transpose(0, 2, 1)  # (U, b, d), a view
+    rows = np.concatenate([pseudo_inverse_rows, unit, q_rows], axis=1)  # (U, 2H - 1, d)
+    off = np.matmul(free, rows[:, H - 1:].transpose(0, 2, 1))  # b's parts along unit and Q_o (U, b, H)
+    coefficients = np.concatenate([values.transpose(0, 2, 1), (along - off[:, :, 0])[:, :, None], -off[:, :, 1:]],
+                                  axis=2)
+    x = np.matmul(coefficients, rows, out=out)
+    x += free
+    return x
 
 
 def correction_blocks(rounds: int, most: int = CORRECTION_BLOCK) -> list[slice]:
@@ -684,10 +706,13 @@ class _FullDesign:
         """The copy counts asked in round n (``default``: the stage's, :func:`_measure`)."""
         return default[1] if n else default[0]
 
-    def design(self, block: slice) -> np.ndarray:
-        """The final tokens (U, b, d) of the rounds in ``block`` (:func:`correction_blocks`)."""
-        null_part = self.null_space.parts(self.pattern[:, self.null_space.heads:, block])
-        return _designs(self.current, self.heads, self.pattern[:, :, block], null_part, self.frame, self.halfwidth)
+    def design(self, block: slice, out: np.ndarray | None = None) -> np.ndarray:
+        """The final tokens (U, b, d) of the rounds in ``block`` (:func:`correction_blocks`), unrounded,
+        written into ``out`` (any strides) when given."""
+        null_part = self.null_space.parts(self.pattern[:, self.null_space.heads:, block], self.frame[3],
+                                          self.null_space.workspace(block))
+        return _designs(self.current, self.heads, self.pattern[:, :, block], null_part, self.frame, self.halfwidth,
+                        out)
 
     def update(self, block: slice, x: np.ndarray, m: np.ndarray) -> np.ndarray:
         """Correct the target's estimate to fit what was measured (minimal change from the prior) in
@@ -847,7 +872,7 @@ class _SubspaceDesign(_FullDesign):
         inside = _patterns(rng, rounds, 0, groups * H).reshape(groups, H, rounds, rounds)
         return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 
-    def design(self, block: slice) -> np.ndarray:
+    def design(self, block: slice, out: np.ndarray | None = None) -> np.ndarray:
         U, r = self.coordinates.shape
         c = self.coordinates
         size = np.linalg.norm(c, axis=1)
@@ -861,7 +886,7 @@ class _SubspaceDesign(_FullDesign):
         y = along - 2.0 * np.matmul(along, normal[:, :, None]) * normal[:, None, :]  # (I - 2 n n^T) along
         values = SATURATION_MID + SATURATION_SPREAD * self.pattern[self.units[:, None], r + self.others, block]
         rhs = np.concatenate([values.transpose(0, 2, 1), y], axis=2)
-        return np.matmul(rhs, self.frame_map_rows)
+        return np.matmul(rhs, self.frame_map_rows, out=out)
 
     def update(self, block: slice, x: np.ndarray, m: np.ndarray) -> np.ndarray:
         """As :meth:`_FullDesign.update` in the coordinates ``c = Q^T t``: ``t^T x = c^T Q^T x``, and
@@ -967,7 +992,8 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     gaps_all, rounding_all, ks_all = (np.full((U, rounds, K), np.nan) for _ in range(3))
 
     for rounds_block in correction_blocks(rounds, block):  # the rounds of a block are designed from one estimate
-        finals[:, rounds_block] = prober.quantize(design.design(rounds_block))
+        tokens = design.design(rounds_block, finals[:, rounds_block])  # written in place, then rounded there
+        prober.quantize(tokens, out=tokens)
         for n in range(rounds_block.start, rounds_block.stop):
             x = finals[:, n]
             ks = design.copies(n, copies)
