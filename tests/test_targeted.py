@@ -756,3 +756,21 @@ def test_a_score_bias_unresolved_from_zero_claims_its_error_absolute():
     resolved = mx.MultiHeadAttention(W, v, noise_u * 1e6, 1e-6)  # max|u| ~ 1e-6, c = 1e-6
     assert _bias_error(resolved, 1e-12) == pytest.approx(1e-12 / np.abs(resolved.u).max())
     assert _constant_error(resolved, 1e-12) == pytest.approx(1e-6)
+
+
+def test_score_norms_in_float32_match_float64_and_fall_back_where_float32_cannot_hold_them():
+    """``_score_norms``: ``|W_h x|`` of each unit's own head computed in float32 (they size a rounding
+    term) agree with float64 to a few 1e-6 relative on ordinary tokens, and rows float32 cannot
+    represent (a token 1e30 times larger, overflowing; one 1e-30 times smaller, underflowing) or that
+    are zero come out as in float64 (computed again there), never inf or a spurious 0."""
+    rng = np.random.default_rng(0)
+    G, H, rounds, d = 3, 2, 5, 16
+    tokens = rng.standard_normal((G, H, rounds, d))
+    W = rng.standard_normal((H, d, d)) * 1e3
+    tokens[0, 1, 2] *= 1e30
+    tokens[1, 0, 3] = 0.0
+    tokens[2, 0, 0] *= 1e-30
+    expected = np.linalg.norm(np.einsum("ghnd,hed->ghne", tokens, W), axis=3)
+    norms = targeted._score_norms(tokens, W)
+    assert norms[1, 0, 3] == 0.0 and np.isfinite(norms).all()
+    np.testing.assert_allclose(norms, expected, rtol=1e-5, atol=0)
