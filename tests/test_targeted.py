@@ -413,21 +413,25 @@ def test_the_aim_waits_while_the_prior_aims_well_then_adds_every_row_asked():
 
 @pytest.mark.parametrize("d, H", [(9, 1), (9, 4), (9, 8), (9, 9), (40, 7)])
 def test_null_parts_are_an_isometry_into_the_null_space_of_the_estimates(d, H):
-    """``_NullSpace.parts`` maps pattern rows p (d - H of them) to ``SPREAD N0 p`` with N0 an orthonormal
-    basis of the estimates' null space: every part is orthogonal to every estimate, and the parts'
-    Gram matrix is ``SPREAD^2 p^T p`` (nothing lost, nothing stretched); with H = d there are none."""
+    """``_NullSpace.parts`` maps pattern vectors p (d - H entries; as rows, one per round) to ``SPREAD N0 p``
+    with N0 an orthonormal basis of the estimates' null space: every part is orthogonal to every
+    estimate, and the parts' Gram matrix is ``SPREAD^2 p^T p`` (nothing lost, nothing stretched); with
+    H = d there are none. Per unit ``scale`` c divides them (the designs' ``SPREAD N0 p / c``)."""
     rng = np.random.default_rng(d + H)
-    units, columns = 5, d + 1
+    units, rounds = 5, d + 1
     estimates = rng.standard_normal((units, H, d)) * np.logspace(0, 3, d)  # columns of unlike scales
-    rows = rng.standard_normal((units, d - H, columns))
-    parts = targeted._NullSpace(estimates).parts(rows)
-    assert parts.shape == (units, d, columns)
+    rows = rng.standard_normal((units, rounds, d - H))
+    null_space = targeted._NullSpace(estimates)
+    parts = null_space.parts(rows)
+    assert parts.shape == (units, rounds, d)
     scale = targeted.SATURATION_SPREAD
-    off = np.matmul(estimates, parts) / (np.linalg.norm(estimates, axis=2, keepdims=True) * scale)
+    off = np.matmul(parts, estimates.transpose(0, 2, 1)) / (np.linalg.norm(estimates, axis=2)[:, None, :] * scale)
     assert np.abs(off).max() <= 1e-13 * np.abs(rows).max(initial=1.0)
-    gram = np.matmul(parts.transpose(0, 2, 1), parts)
-    np.testing.assert_allclose(gram, scale**2 * np.matmul(rows.transpose(0, 2, 1), rows), rtol=0,
+    gram = np.matmul(parts, parts.transpose(0, 2, 1))
+    np.testing.assert_allclose(gram, scale**2 * np.matmul(rows, rows.transpose(0, 2, 1)), rtol=0,
                                atol=1e-12 * scale**2 * d)
+    c = rng.uniform(0.5, 4.0, units)
+    np.testing.assert_allclose(null_space.parts(rows, c), parts / c[:, None, None], rtol=1e-14, atol=1e-300)
 
 
 def _final_design(designer, d, H, units, seed):

@@ -116,7 +116,8 @@ class AffineDesign(_FullDesign):
         columns = self.pattern[:, :H, block] - offsets[:, :, None] / SATURATION_SPREAD
         columns[self.units, self.heads] = (self.pattern[self.units, self.heads, block]
                                            - offsets[self.units, self.heads][:, None] / self.halfwidth)
-        null_part = self.null_space.parts(self.pattern[:, H + 1:, block], self.frame[3], self.null_space.workspace(block))
+        null_part = self.null_space.parts(self.pattern[:, H + 1:, block].transpose(0, 2, 1), self.frame[3],
+                                          self.null_space.workspace(block))
         if out is None:
             out = np.empty((U, columns.shape[2], D))
         _designs(slopes, self.heads, columns, null_part, self.frame, self.halfwidth, out[:, :, :D - 1])

@@ -324,7 +324,9 @@ class _NullSpace:
     upper triangular), so that ``N0 p = (0, p) - V T V_2^T p`` costs 4 H d flops a column instead of
     the 2 d (d - H) of a product with N0 formed, and no (U, d, d) array is ever held (with a full SVD
     and the null parts of all rounds formed at once, they were a twelfth of the targeted learner
-    at d = 128, H = 8)."""
+    at d = 128, H = 8). Vectors are rows, as the tokens are: ``(N0 p)^T = (0, p^T) - p^T V_2 T^T V^T``
+    for a block's rows ``p^T`` (in columns, the additions ran over b entries at a time, 1.2..2.5 x
+    slower)."""
 
     def __init__(self, estimates: np.ndarray):
         h, tau = np.linalg.qr(estimates.transpose(0, 2, 1), mode="raw")  # reflectors as rows of h (U, H, d)
@@ -341,29 +343,30 @@ class _NullSpace:
                 self.T[:, :i, i] = -tau[:, i, None] * np.matmul(self.T[:, :i, :i], inner)[:, :, 0]
 
     def apply(self, rows: np.ndarray, part: slice = slice(None), out: np.ndarray | None = None) -> np.ndarray:
-        """``N0 rows`` (U, d, n) for rows (U, d - H, n) of the units ``part``, written into ``out``
-        (any strides) when given: ``-V (T V_2^T rows)`` is written, then ``rows`` added below row H
-        (no (U, d, n) temporary: the same bits as ``(0, rows) - V T V_2^T rows``)."""
+        """``(N0 p)^T`` (U, n, d) for the rows ``p^T`` (U, n, d - H) of the units ``part``, written into
+        ``out`` (any strides) when given: ``-(p^T V_2 T^T) V^T`` is written, then ``p^T`` added from
+        column H on (no (U, n, d) temporary)."""
         H, V = self.heads, self.V[part]
-        reflected = np.matmul(self.T[part], np.matmul(V[:, H:].transpose(0, 2, 1), rows))
-        out = np.matmul(V, np.negative(reflected, out=reflected), out=out)
-        out[:, H:] += rows
+        reflected = np.matmul(np.matmul(rows, V[:, H:]), self.T[part].transpose(0, 2, 1))  # (U, n, H)
+        out = np.matmul(np.negative(reflected, out=reflected), V.transpose(0, 2, 1), out=out)
+        out[:, :, H:] += rows
         return out
 
     def parts(self, rows: np.ndarray, scale: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """``SPREAD N0 rows / c`` (U, d, n) for pattern rows (U, d - H, n) and each unit's ``scale`` c
-        (U,; 1 when not given): the null parts :func:`_designs` adds; written into ``out`` if given."""
+        """``(SPREAD N0 p / c)^T`` (U, n, d) for pattern rows ``p^T`` (U, n, d - H) (a block's rounds)
+        and each unit's ``scale`` c (U,; 1 when not given): the null parts :func:`_designs` adds;
+        written into ``out`` if given."""
         out = self.apply(rows, out=out)
         out *= SATURATION_SPREAD if scale is None else (SATURATION_SPREAD / scale)[:, None, None]
         return out
 
     def workspace(self, block: slice) -> np.ndarray:
-        """An array (U, d, b) for :meth:`parts` of a block of b rounds: a view of one array made
+        """An array (U, b, d) for :meth:`parts` of a block of b rounds: a view of one array made
         for the first (largest, :func:`correction_blocks`) block and reused by the later ones."""
         size = block.stop - block.start
-        if self._workspace is None or self._workspace.shape[2] < size:
-            self._workspace = np.empty((self.V.shape[0], self.V.shape[1], size))
-        return self._workspace[:, :, :size]
+        if self._workspace is None or self._workspace.shape[1] < size:
+            self._workspace = np.empty((self.V.shape[0], size, self.V.shape[1]))
+        return self._workspace[:, :size]
 
 
 def _other_heads_frame(current: np.ndarray, heads: np.ndarray):
@@ -393,7 +396,7 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     Unit u aims head ``heads[u]`` at log-pole ``TARGET_CENTER + halfwidth p_h`` and the others at
     ``MID + SPREAD p_g`` (by its estimates ``current[u]`` (H, d); ``columns[u]`` (H, b) the pattern
     columns of the rounds), and adds the null-space part: ``x = E^+ u + (I - P_E) b`` with ``b``
-    the unit's ``null_part`` (d, b), ``SPREAD N0 p / c`` (:meth:`_NullSpace.parts`; ``c`` the mean
+    the unit's ``null_part`` (b, d), ``(SPREAD N0 p / c)^T`` (:meth:`_NullSpace.parts`; ``c`` the mean
     singular value of E at the frame's estimates). While the estimates are the initial ones this is
     the square design ``[E; c N0] x = values``; once the target row was corrected the projection
     keeps the null part exactly off every head.
@@ -428,7 +431,7 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     # O^+ u_O is values^T (O^+)^T: nothing along t; its log-pole for t, t^T O^+ u_O, from (O^+)^T t
     base_target = np.matmul(values.transpose(0, 2, 1), np.matmul(pseudo_inverse_rows, target[:, 0, :, None]))[:, :, 0]
     along = (TARGET_CENTER + halfwidth * columns[units, heads] - base_target) / size  # (U, b)
-    free = null_part.transpose(0, 2, 1)  # (U, b, d), a view
+    free = null_part  # (U, b, d)
     rows = np.concatenate([pseudo_inverse_rows, unit, q_rows], axis=1)  # (U, 2H - 1, d)
     off = np.matmul(free, rows[:, H - 1:].transpose(0, 2, 1))  # b's parts along unit and Q_o (U, b, H)
     coefficients = np.concatenate([values.transpose(0, 2, 1), (along - off[:, :, 0])[:, :, None], -off[:, :, 1:]],
@@ -710,8 +713,8 @@ class _FullDesign:
     def design(self, block: slice, out: np.ndarray | None = None) -> np.ndarray:
         """The final tokens (U, b, d) of the rounds in ``block`` (:func:`correction_blocks`), unrounded,
         written into ``out`` (any strides) when given."""
-        null_part = self.null_space.parts(self.pattern[:, self.null_space.heads:, block], self.frame[3],
-                                          self.null_space.workspace(block))
+        null_part = self.null_space.parts(self.pattern[:, self.null_space.heads:, block].transpose(0, 2, 1),
+                                          self.frame[3], self.null_space.workspace(block))
         return _designs(self.current, self.heads, self.pattern[:, :, block], null_part, self.frame, self.halfwidth,
                         out)
 
@@ -788,7 +791,7 @@ class _FullDesign:
         if in_null.any():
             picks = np.zeros((U, d - H, 1))
             picks[units[in_null], constant[in_null] - null_start] = 1.0
-            column[:, :d] += self.null_space.apply(picks, part)
+            column[:, :d] += self.null_space.apply(picks.transpose(0, 2, 1), part).transpose(0, 2, 1)
         V, T = self.null_space.V[part], self.null_space.T[part]
         reflected = np.matmul(np.matmul(T, (V[:, H:] * null_weights[:, :, None]).transpose(0, 2, 1)),
                               pattern[:, null_start:])  # T V_2^T diag(w) P_null (U, H, D)
