@@ -778,3 +778,26 @@ def test_score_norms_in_float32_match_float64_and_fall_back_where_float32_cannot
     norms = targeted._score_norms(tokens, W)
     assert norms[1, 0, 3] == 0.0 and np.isfinite(norms).all()
     np.testing.assert_allclose(norms, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("H, r", [(1, 3), (2, 4), (4, 3), (3, 9)])
+def test_the_subspace_designs_map_is_the_pseudo_inverse_of_its_rows(H, r):
+    """``_SubspaceDesign``'s map from a round's right-hand side (the other heads' values, the
+    coordinates y in the basis) to its token, formed from the basis' orthonormality in ``O(H d r)``
+    (docs/algorithm.md §17), is the minimum-norm solution map of ``[O; Q^T] x = rhs``:
+    ``pinv([O; Q^T])^T``, with O the other heads' estimates; other heads nearly inside the
+    subspace included."""
+    d, units = 12, 2 * H
+    rng = np.random.default_rng(H + r)
+    basis = np.linalg.qr(rng.standard_normal((d, r)))[0]
+    current = rng.standard_normal((units, H, d))
+    current[0] = current[0] @ basis @ basis.T + 1e-6 * current[0]  # unit 0: every head within 1e-6 of the span
+    heads = np.arange(units) % H
+    patterns = rng.uniform(-1, 1, (units, r + H, r))
+    design = targeted._SubspaceDesign(current, heads, patterns, np.repeat(basis[None], units, axis=0))
+    for u in range(units):
+        others = [f for f in range(H) if f != heads[u]]
+        rows = np.concatenate([current[u, others], basis.T])
+        expected = np.linalg.pinv(rows).T
+        scale = np.abs(expected).max() * np.linalg.cond(rows)
+        np.testing.assert_allclose(design.frame_map_rows[u], expected, rtol=0, atol=1e-14 * scale)

@@ -861,13 +861,24 @@ class _SubspaceDesign(_FullDesign):
         self.correction = _MinimumNormCorrection(U, self.rounds)
         others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
         self.others = others
-        # The rows every round's design fits: the other heads' estimates (never corrected here, only
-        # the target's) and the basis. They are the same in every round: one batched QR per unit,
-        # rows^T = Q R, and the round's token x = Q R^{-T} rhs through the map Q R^{-T} formed once
-        # (a matrix-vector product per round instead of a factorisation).
-        rows = np.concatenate([current[self.units[:, None], others], basis.transpose(0, 2, 1)], axis=1)
-        frame_q, upper = np.linalg.qr(rows.transpose(0, 2, 1))  # (U, d, H - 1 + r), (U, .., ..)
-        self.frame_map_rows = np.matmul(np.linalg.inv(upper), frame_q.transpose(0, 2, 1))  # (Q R^-T)^T, rows
+        # The rows every round's design fits: the other heads' estimates O (never corrected here, only
+        # the target's) and the basis rows Q^T, the same in every round, so the minimum-norm map from
+        # the right-hand side (u_O, y) to x is formed once (a matrix-vector product per round). Q is
+        # orthonormal: x = Q y + O'^+ (u_O - O Q y) with O' = O (I - Q Q^T), the other heads' parts off
+        # the subspace (Gram-Schmidt, twice), and O'^+ = Q_o R_o^{-T} from the QR of O'^T (d x (H - 1)):
+        # the map's rows are (O'^+)^T and Q^T - (O Q)^T (O'^+)^T, O(H d r) a unit (the QR of the whole
+        # d x (H - 1 + r) [O; Q^T] per unit was a fifth of the low-rank learner at d = 256, H = 2).
+        O = current[self.units[:, None], others]  # (U, H - 1, d)
+        along = np.matmul(O, basis)  # O Q (U, H - 1, r)
+        off = O - np.matmul(along, self.basis_rows)
+        off -= np.matmul(np.matmul(off, basis), self.basis_rows)
+        if H > 1:
+            q_o, r_o = np.linalg.qr(off.transpose(0, 2, 1))  # (U, d, H - 1), (U, H - 1, H - 1)
+            pseudo_inverse_rows = np.linalg.solve(r_o, q_o.transpose(0, 2, 1))  # (O'^+)^T = R_o^{-1} Q_o^T
+        else:
+            pseudo_inverse_rows = off  # (U, 0, d)
+        self.frame_map_rows = np.concatenate(
+            [pseudo_inverse_rows, self.basis_rows - np.matmul(along.transpose(0, 2, 1), pseudo_inverse_rows)], axis=1)
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
