@@ -19,13 +19,12 @@ final token. With estimates of the ``a_g`` (H <= d) the instance ``n`` of head h
 constant row and zero-sum orthogonal rows (:func:`_patterns`), so their final tokens span R^d
 with a well-conditioned design. After each block of rounds the estimate of ``a_h`` is corrected to
 fit the log-poles measured so far, when the prior's aim misses by more than ``AIM_TOLERANCE``
-(the bridges: ``BRIDGE_AIM_TOLERANCE``; :class:`_MinimumNormCorrection`, :func:`correction_blocks`). Samples ``k = 1, 2, 3`` with
-``F(0) = vbar^T x`` known: two determine ``(l_h, tau_h)``, the third tests that the instance really
-is single-pole
-(:mod:`.kernels.single_pole`). Finally the label of ``(h, z)`` is fixed at the consensus of its d
-instances and every ``m`` refitted with it; with the label fixed two samples test the single-pole
-form already, so the float64 first group and every final unit ask two (:func:`first_copies`,
-:class:`_FinalDesign`).
+(the bridges: ``BRIDGE_AIM_TOLERANCE``; :class:`_MinimumNormCorrection`, :func:`correction_blocks`).
+Samples ``k = 1, 2, 3`` with ``F(0) = vbar^T x`` known: two determine ``(l_h, tau_h)``, the third
+tests that the instance really is single-pole (:mod:`.kernels.single_pole`). Finally the label of
+``(h, z)`` is fixed at the consensus of its d instances and every ``m`` refitted with it; with the
+label fixed two samples test the single-pole form already, so the float64 first group and every
+final unit ask two (:func:`first_copies`, :class:`_FinalDesign`).
 
 **Assembly.** The d measurements ``a_h^T x_n = m_n`` give ``a_h(z) = W_h^T z``; d differences
 ``z`` (the columns of an orthogonal ``Z_h`` times ``64 * token_scale``) give
@@ -934,10 +933,10 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
     heads f at its difference, used for the design. The target's own row is corrected after every
     block of rounds to fit its measured log-poles (:func:`correction_blocks`; not at all while the
-    prior aims within ``AIM_TOLERANCE``, for bridges ``BRIDGE_AIM_TOLERANCE``). ``copies``: the copy counts of round 0 and of the later
-    rounds; by default final units ask ``k = 1, 2, 3`` every round, bridges ``k = 1, 2`` in round 0
-    and ``k = 1`` later (the label is then known); a designer may choose them per round
-    (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage): the model used for the
+    prior aims within ``AIM_TOLERANCE``, for bridges ``BRIDGE_AIM_TOLERANCE``). ``copies``: the copy
+    counts of round 0 and of the later rounds; by default final units ask ``k = 1, 2, 3`` every round,
+    bridges ``k = 1, 2`` in round 0 and ``k = 1`` later (the label is then known); a designer may
+    choose them per round (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage): the model used for the
     oracle's score rounding in the error estimate. ``bases`` (G, H, d, r): measure each unit in
     the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
     ``designer``: another design class with the interface of :class:`_FullDesign` (the lifted
