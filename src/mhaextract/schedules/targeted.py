@@ -936,9 +936,9 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     prior aims within ``AIM_TOLERANCE``, for bridges ``BRIDGE_AIM_TOLERANCE``). ``copies``: the copy
     counts of round 0 and of the later rounds; by default final units ask ``k = 1, 2, 3`` every round,
     bridges ``k = 1, 2`` in round 0 and ``k = 1`` later (the label is then known); a designer may
-    choose them per round (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage): the model used for the
-    oracle's score rounding in the error estimate. ``bases`` (G, H, d, r): measure each unit in
-    the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
+    choose them per round (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage):
+    the model used for the oracle's score rounding in the error estimate. ``bases`` (G, H, d, r):
+    measure each unit in the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
     ``designer``: another design class with the interface of :class:`_FullDesign` (the lifted
     design of the biased model, :mod:`.biased`, whose units have ``d + 1`` rounds). ``block``: the
     most rounds designed from one estimate (:func:`correction_blocks`; 1 for the first group, whose
