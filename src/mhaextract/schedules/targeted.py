@@ -1104,7 +1104,7 @@ def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
 
     They size the oracle's score rounding ``8 eps |z| |W_h x|`` in the error estimate, so a few
     digits suffice: the products run in float32 (sgemm, twice dgemm's speed; ``d^2`` per token was
-    a seventh of the learner at d = 256, H = 2, half the final stage's oracle work at H = 2), with
+    an eighth of the learner at d = 256, H = 2, half the final stage's oracle work at H = 2), with
     each head's W scaled to entries at most 1, to a relative error about ``d 2^-24 cond(W_h)``
     (4e-3 at d = 256 for a Gaussian W). A row whose float32 norm is not a positive finite number
     (overflow, underflow) is computed again in float64."""
