@@ -853,9 +853,9 @@ class _SubspaceDesign(_FullDesign):
         self.current, self.heads, self.units, self.basis = current, heads, np.arange(U), basis
         self.rounds = basis.shape[2]
         self.pattern = patterns
-        # Q^T stored as rows too: the per-round products with one vector per unit read contiguous blocks
-        self.basis_rows = np.ascontiguousarray(basis.transpose(0, 2, 1))  # (U, r, d)
-        self.prior = np.matmul(self.basis_rows, current[self.units, heads][:, :, None])[:, :, 0]  # c = Q^T a
+        # Q^T as rows (contiguous blocks per unit), for the map below; the rounds use the map itself
+        basis_rows = np.ascontiguousarray(basis.transpose(0, 2, 1))  # (U, r, d)
+        self.prior = np.matmul(basis_rows, current[self.units, heads][:, :, None])[:, :, 0]  # c = Q^T a
         self.coordinates = self.prior.copy()
         self.correction = _MinimumNormCorrection(U, self.rounds)
         others = np.array([[f for f in range(H) if f != h] for h in heads], dtype=int).reshape(U, H - 1)
@@ -869,15 +869,15 @@ class _SubspaceDesign(_FullDesign):
         # d x (H - 1 + r) [O; Q^T] per unit was a fifth of the low-rank learner at d = 256, H = 2).
         O = current[self.units[:, None], others]  # (U, H - 1, d)
         along = np.matmul(O, basis)  # O Q (U, H - 1, r)
-        off = O - np.matmul(along, self.basis_rows)
-        off -= np.matmul(np.matmul(off, basis), self.basis_rows)
+        off = O - np.matmul(along, basis_rows)
+        off -= np.matmul(np.matmul(off, basis), basis_rows)
         if H > 1:
             q_o, r_o = np.linalg.qr(off.transpose(0, 2, 1))  # (U, d, H - 1), (U, H - 1, H - 1)
             pseudo_inverse_rows = np.linalg.solve(r_o, q_o.transpose(0, 2, 1))  # (O'^+)^T = R_o^{-1} Q_o^T
         else:
             pseudo_inverse_rows = off  # (U, 0, d)
         self.frame_map_rows = np.concatenate(
-            [pseudo_inverse_rows, self.basis_rows - np.matmul(along.transpose(0, 2, 1), pseudo_inverse_rows)], axis=1)
+            [pseudo_inverse_rows, basis_rows - np.matmul(along.transpose(0, 2, 1), pseudo_inverse_rows)], axis=1)
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
