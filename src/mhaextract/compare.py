@@ -72,7 +72,12 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
         Wa, va, ua, Wb, vb, ub = (mpf_array(x) for x in (Wa, va, ua, Wb, vb, ub))
     fa = np.concatenate([_float(Wa).reshape(a.heads, -1), _float(va), _float(ua)], axis=1)
     fb = np.concatenate([_float(Wb).reshape(b.heads, -1), _float(vb), _float(ub)], axis=1)
-    cost = np.linalg.norm(fb[:, None, :] - fa[None, :, :], axis=2) if a.heads and b.heads else np.zeros((b.heads, a.heads))
+    # distances in units of the largest entry (a power of two: exact), so that a model far off (a
+    # refit that diverged to 1e150) does not overflow the squares; the assignment is the same
+    largest = max(np.abs(fa).max(initial=0.0), np.abs(fb).max(initial=0.0))
+    unit = 2.0 ** np.ceil(np.log2(largest)) if np.isfinite(largest) and largest > 0 else 1.0
+    cost = (np.linalg.norm(fb[:, None, :] / unit - fa[None, :, :] / unit, axis=2) if a.heads and b.heads
+            else np.zeros((b.heads, a.heads)))
     rows, cols = linear_sum_assignment(cost)
     zero = mpmath.mpf(0) if high else 0.0
     if len(rows):

@@ -261,7 +261,7 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None) -> Insta
         gaps = np.diff(m_mid, axis=1)
     pole_gap = np.min(np.abs(np.nan_to_num(gaps, nan=np.inf)), axis=1) if poles > 1 else np.full(n, np.inf)
     condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m_mid), mid_float(labels), scale,
-                                                constant_known=constant is not None)
+                                                constant_known=constant is not None, residual=residual)
     if poles == 0:
         condition = np.full(n, 1.0 / np.sqrt(K))
     return InstanceFits(c, m, labels, pole_gap, imaginary, nonpositive, residual, condition, sigma_m, sigma_l,

@@ -162,7 +162,8 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None) -> Insta
     labels = np.take_along_axis(labels, order, axis=1)
     gaps = np.diff(m, axis=1)
     pole_gap = np.min(np.nan_to_num(gaps, nan=np.inf), axis=1) if poles > 1 else np.full(n, np.inf)
-    condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale, constant_known=known)
+    condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale, constant_known=known,
+                                                residual=residual)
     return InstanceFits(c, m, labels, pole_gap, imaginary, nonpositive, residual, condition, sigma_m, sigma_l,
                         np.zeros(n, bool))
 

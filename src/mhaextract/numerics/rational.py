@@ -94,7 +94,13 @@ def instance_jacobian(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray) -> np
         [np.ones((tau.shape[0], k.shape[1], 1)), t * labels[:, None, :] * k / (k + t) ** 2, t / (k + t)], axis=2)
 
 
-def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np.ndarray, constant_known: bool = False):
+#: A fit whose model misses its own samples by more than this (relative to the largest sample,
+#: :class:`InstanceFits` ``residual``) measures nothing: its sensitivities are infinite.
+FAILED_FIT_RESIDUAL = 1.0
+
+
+def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np.ndarray, constant_known: bool = False,
+                  residual: np.ndarray | None = None):
     """First-order amplification from sample errors to parameter errors, per instance.
 
     ``J[k] = dF(k)/d(c, m_1..m_r, l_1..l_r)`` with ``F = c + sum tau l / (k + tau)``,
@@ -111,9 +117,16 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
 
     Shapes: ks (K,), tau and labels (n, r). Rows with non-finite parameters get inf. With
     ``constant_known`` (both anchors of docs/algorithm.md §4 known) the column of c is dropped.
+    Rows whose ``residual`` (n,) is above ``FAILED_FIT_RESIDUAL`` (or NaN) get inf too: the
+    linearisation of a fit that does not fit is no error bar. Near such a degenerate fit the SVD's
+    rounding reported sigma 265 for a label 3.5e279 (paper, d = H = 3 under uniform 1e-8,
+    bench_reliability seed 386, on numpy 2.4.6's OpenBLAS), which then outweighed every other
+    instance of its column in the weighted consensus.
     """
     n, r = tau.shape
     finite = np.isfinite(tau).all(axis=1) & np.isfinite(labels).all(axis=1)
+    if residual is not None:
+        finite &= np.asarray(residual) <= FAILED_FIT_RESIDUAL
     condition = np.full(n, np.inf)
     sigma_m = np.full((n, r), np.inf)
     sigma_l = np.full((n, r), np.inf)

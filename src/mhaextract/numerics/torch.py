@@ -115,7 +115,8 @@ class TorchKernels:
         m, labels = np.take_along_axis(m, order, axis=1), np.take_along_axis(labels, order, axis=1)
         poles = m.shape[1]
         pole_gap = np.min(np.nan_to_num(np.diff(m, axis=1), nan=np.inf), axis=1) if poles > 1 else np.full(n, np.inf)
-        condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale, constant_known=known)
+        condition, sigma_m, sigma_l = sensitivities(ks, np.exp(m), labels, scale, constant_known=known,
+                                                    residual=residual)
         return InstanceFits(c, m, labels, pole_gap, imaginary.cpu().numpy(), nonpositive.cpu().numpy(), residual,
                             condition, sigma_m, sigma_l, np.zeros(n, bool))
 
