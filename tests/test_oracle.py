@@ -6,6 +6,8 @@ import pytest
 
 import mhaextract as mx
 
+from conftest import CountingOracle
+
 
 def test_a_plain_function_is_an_oracle_in_float64():
     target = mx.MultiHeadAttention.random(3, 2, seed=0)
@@ -162,6 +164,66 @@ def test_copies_queries_build_the_sequences_of_copies_sequences_bit_for_bit_on_d
                                                                               np.arange(5), np.full(5, 1))))
     assert isinstance(queries + [np.ones((1, d))], list) and isinstance([np.ones((1, d))] + queries, list)
     assert BUILD_CHUNK < 10**5  # iteration holds a bounded number of queries at once
+
+
+def test_round_queries_are_the_copies_instances_of_every_unit_round_by_round_built_on_demand():
+    from mhaextract.oracle.queries import BUILD_CHUNK, RoundQueries, copies_sequences
+
+    rng = np.random.default_rng(8)
+    U, R, d = 7, 5, 4
+    finals = rng.standard_normal((U, R + 2, d))[:, 1:R + 1]  # a strided view, as the targeted stages pass
+    differences = rng.standard_normal((U, d))
+    finals[2, 1, 3], differences[2, 3] = 0.0, 0.0  # y = 0 - 0 keeps its sign bits like copies_sequences'
+    copies = [(1, 2, 3), (1,), (2, 4), (1, 2), (3,)]
+    queries = RoundQueries(finals, differences, copies)
+    # independently: round by round, k by k, unit by unit, as copies_sequences builds each one
+    expected = [copies_sequences(finals[u:u + 1, n], differences[u:u + 1], [0], [k])[0]
+                for n, ks in enumerate(copies) for k in ks for u in range(U)]
+    same = lambda a, b: a.shape == b.shape and a.tobytes() == b.tobytes()  # noqa: E731
+    assert len(queries) == len(expected) == U * 9
+    assert all(same(a, b) for a, b in zip(queries, expected)) and len(list(queries)) == len(expected)
+    for key in (slice(None), slice(3, 40), slice(5, 60, 4), slice(2, None, 13), slice(6, 7), slice(10, 10),
+                slice(None, None, -5)):
+        got = queries[key]
+        assert len(got) == len(expected[key]) and all(same(a, b) for a, b in zip(got, expected[key])), key
+    assert all(same(queries[i], expected[i]) for i in (0, 6, 7, -1, len(expected) - 1, -len(expected)))
+    with pytest.raises(IndexError):
+        queries[len(expected)]
+    queries[9][0, 0] = 99.0  # every access builds fresh arrays: handed to the oracle without a copy
+    assert same(queries[9], expected[9]) and queries.fresh_on_access
+    assert BUILD_CHUNK < 10**5
+
+
+def test_a_block_of_rounds_asked_at_once_measures_what_its_rounds_asked_one_by_one_do():
+    from mhaextract.oracle.boundary import OracleBoundary
+    from mhaextract.schedules.targeted import _Prober
+
+    d, U = 6, 9
+    target = mx.MultiHeadAttention.random(d, 2, seed=3)
+    rng = np.random.default_rng(3)
+    finals = rng.standard_normal((U, 4, d)) * 0.3
+    differences = rng.standard_normal((U, d)) * 0.3
+    copies = [(1, 2, 3), (1, 2), (1,), (2, 3)]
+    probers = []
+    for _ in range(2):
+        oracle = CountingOracle(target)
+        prober = _Prober(OracleBoundary(oracle, d, batch_size=16), d, 1.0, expected_queries=64)
+        prober.learn_vbar(np.eye(d))
+        probers.append((prober, oracle))
+    (together, once), (apart, each) = probers
+    calls = [0]
+    inner = once.inner
+    once.inner = lambda batch: (calls.__setitem__(0, calls[0] + 1), inner(batch))[1]
+    asked = together.rounds_gaps(finals, differences, copies)
+    for n, ks in enumerate(copies):
+        gaps, rounding = apart.gaps(finals[:, n], differences, ks)
+        assert asked[n][0].tobytes() == gaps.tobytes() and asked[n][1].tobytes() == rounding.tobytes()
+    queries = U * 8
+    assert once.count == each.count == d + queries and together.asked == apart.asked
+    assert calls[0] == -(-queries // 16)  # one oracle call per boundary batch, not one per round and k
+    # the same residual sample of queries and answers: every stride-th of the run
+    assert [s.tobytes() for s in together.sequences] == [s.tobytes() for s in apart.sequences]
+    assert together.answers == apart.answers and len(together.answers) == -(-(d + queries) // together.stride)
 
 
 @pytest.mark.parametrize("d, H, bias", [(1, 1, False), (5, 2, True), (16, 3, False)])

@@ -157,6 +157,8 @@ class OracleBoundary:
                 if self.precision:
                     for position, value in zip(positions, values):
                         exact[position] = value
+                elif isinstance(positions, range):
+                    exact[positions.start:positions.stop] = values
                 else:
                     exact[np.asarray(positions)] = values
                 advance(len(chunk))
@@ -198,7 +200,7 @@ class OracleBoundary:
         ``rebuild()`` builds them again for the messages."""
         if rebuild is not None:
             batch = list(chunk)
-            longest = max((len(sequence) for sequence in chunk), default=0)  # before the oracle has them
+            longest = max(map(len, batch), default=0)  # before the oracle has them
             chunk = _Rebuilt(rebuild, len(chunk))
         elif self.precision is None and isinstance(chunk, np.ndarray) and chunk.ndim == 3:
             batch = list(np.array(chunk, dtype=np.float64))  # one copy of the batch; the oracle gets its rows

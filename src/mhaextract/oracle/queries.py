@@ -191,6 +191,63 @@ class CopiesQueries(Sequence):
         return model.copies_outputs(self.finals, self.final_of, self.differences, self.which, self.copies)
 
 
+class RoundQueries(Sequence):
+    """The queries of a block of targeted rounds (docs/algorithm.md §13), built on demand: round
+    by round, each of the round's copy counts k in turn, unit by unit, the copies-instance
+    ``(y, ..., y, x)`` with k copies of ``y = x - differences[u]``, ``x = finals[u, n]``.
+
+    ``finals`` (U, R, d) (a view is fine: nothing is copied until asked), ``differences`` (U, d),
+    ``copies`` R tuples: round n's copy counts. The tokens are those of :func:`copies_sequences`
+    bit for bit; the layout differs (every unit asked in every round, instance i of a query read
+    from its position), which is what lets a whole block of rounds be one ask: one oracle call per
+    boundary batch instead of one per round and copy count, and only a batch's tokens built at a
+    time (a block's would be ``U R (k + 1) d`` floats). Every access builds new arrays, so a batch
+    goes to the oracle without the boundary's copy (:class:`mhaextract.oracle.boundary.OracleBoundary`).
+    """
+
+    fresh_on_access = True
+
+    def __init__(self, finals: np.ndarray, differences: np.ndarray, copies):
+        self.finals, self.differences = finals, differences
+        self.units = finals.shape[0]
+        #: (round, copy count) of each run of ``units`` consecutive queries
+        self.segments = [(n, int(k)) for n, ks in enumerate(copies) for k in ks]
+
+    def __len__(self) -> int:
+        return len(self.segments) * self.units
+
+    def _build(self, start: int, stop: int, step: int = 1) -> list[np.ndarray]:
+        """Queries ``start, start + step, ..`` below ``stop`` (step > 0), a block per (round, k)."""
+        out: list[np.ndarray] = []
+        U = self.units
+        for segment in range(start // U, (stop - 1) // U + 1):
+            n, k = self.segments[segment]
+            base = segment * U
+            first = max(start, base)
+            first += (start - first) % step  # the next query of the slice in this segment
+            rows = slice(first - base, min(stop, base + U) - base, step)
+            x = self.finals[rows, n]
+            block = np.empty((len(x), k + 1, x.shape[-1]))
+            np.subtract(x, self.differences[rows], out=block[:, 0])  # y = x - z, as copies_sequences forms it
+            block[:, 1:k] = block[:, :1]
+            block[:, k] = x
+            out.extend(block)
+        return out
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step < 0:
+                return [self[i] for i in range(start, stop, step)]
+            return self._build(start, stop, step) if stop > start else []
+        index = range(len(self))[key]  # an int, negative allowed, IndexError past the end
+        return self._build(index, index + 1)[0]
+
+    def __iter__(self):
+        for start in range(0, len(self), BUILD_CHUNK):
+            yield from self[start:start + BUILD_CHUNK]
+
+
 class InstanceTable(Sequence):
     """Copies-instances held as arrays, one row per instance in query order (the grid schedules'
     ``instances``): :attr:`role`, :attr:`i`, :attr:`j`, :attr:`finals`, :attr:`differences` and each

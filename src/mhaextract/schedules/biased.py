@@ -70,13 +70,13 @@ class AffineProber(_Prober):
         super().quantize(values[..., :self.d], out[..., :self.d])
         return out
 
-    def gaps(self, finals, differences, copies, description="targeted instances"):
-        if finals.shape[1] == self.d + 1:
-            if not (np.all(finals[:, self.d] == 1.0) and np.all(differences[:, self.d] == 0.0)):
+    def rounds_gaps(self, finals, differences, copies, description="targeted instances"):
+        if finals.shape[-1] == self.d + 1:
+            if not (np.all(finals[..., self.d] == 1.0) and np.all(differences[:, self.d] == 0.0)):
                 raise AssertionError("lifted final tokens must end in 1 and differences in 0")
-            finals, differences = finals[:, :self.d], differences[:, :self.d]
-        gaps, rounding = super().gaps(finals, differences, copies, description)
-        return gaps + self.c0, rounding  # c's rounding is in systematic()
+            finals, differences = finals[..., :self.d], differences[:, :self.d]
+        return [(gaps + self.c0, rounding)  # c's rounding is in systematic()
+                for gaps, rounding in super().rounds_gaps(finals, differences, copies, description)]
 
     def systematic(self, finals: np.ndarray) -> np.ndarray:
         """The anchor's and ``c``'s rounding: both common to an instance's samples."""

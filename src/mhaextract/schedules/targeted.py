@@ -71,7 +71,7 @@ from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
 from ..numerics import single_pole
 from ..oracle.boundary import OracleBoundary
-from ..oracle.queries import one_token_queries, quantize, random_basis
+from ..oracle.queries import RoundQueries, one_token_queries, quantize, random_basis
 from .base import Outcome, Schedule, ScheduleDetails
 from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 
@@ -284,9 +284,9 @@ class _Prober:
 
     def ask(self, sequences, description):
         answers = np.asarray(self.boundary.ask(sequences, description=description), dtype=np.float64)
-        picks = np.arange((-self.asked) % self.stride, len(sequences), self.stride)
-        self.sequences.extend(np.array(sequences[p]) for p in picks)
-        self.answers.extend(answers[picks].tolist())
+        first_pick = (-self.asked) % self.stride  # every stride-th query of the run
+        self.sequences.extend(np.array(sequence) for sequence in sequences[first_pick::self.stride])
+        self.answers.extend(answers[first_pick::self.stride].tolist())
         self.asked += len(sequences)
         return answers
 
@@ -296,18 +296,26 @@ class _Prober:
         self.vbar = float64_kernel.solve_transposed(basis, answers)
 
     def gaps(self, finals: np.ndarray, differences: np.ndarray, copies, description="targeted instances"):
-        """``G(k) = vbar^T x - F(k)`` for each row (x, z) and each k in ``copies``; and the
-        rounding scale of each sample (the magnitudes the subtraction cancels)."""
-        answers = np.empty((len(finals), len(copies)))
-        repeated = finals - differences
-        for column, k in enumerate(copies):  # one (n, k + 1, d) array per k: no per-query stacking
-            tokens = np.empty((len(finals), k + 1, finals.shape[1]))
-            tokens[:, :k], tokens[:, k] = repeated[:, None], finals  # written once (no repeat, then a join)
-            answers[:, column] = self.ask(tokens, description)
-        anchor = finals @ self.vbar
+        """``G(k) = vbar^T x - F(k)`` for each row (x, z) and each k in ``copies`` (n, K); and the
+        rounding scale of each sample (the magnitudes the subtraction cancels), (n, K)."""
+        return self.rounds_gaps(finals[:, None], differences, [copies], description)[0]
+
+    def rounds_gaps(self, finals: np.ndarray, differences: np.ndarray, copies, description="targeted instances"):
+        """:meth:`gaps` for R rounds asked at once: ``finals`` (n, R, d) (round r's final token of
+        each row), ``differences`` (n, d), ``copies`` R tuples (round r's copy counts). One ask of
+        :class:`~mhaextract.oracle.queries.RoundQueries` (round by round, k by k, row by row: the
+        order in which the rounds were asked one by one). Returns R pairs ``(gaps, rounding)``."""
+        answers = self.ask(RoundQueries(finals, differences, copies), description)
         labels_scale = np.abs(differences) @ np.abs(self.vbar)
-        rounding = self.systematic(finals)[:, None] + 4 * self.unit * (np.abs(answers) + labels_scale[:, None])
-        return anchor[:, None] - answers, rounding
+        out, start = [], 0
+        for n, ks in enumerate(copies):
+            n_answers = answers[start:start + len(ks) * len(finals)].reshape(len(ks), len(finals)).T
+            start += len(ks) * len(finals)
+            x = finals[:, n]
+            anchor = x @ self.vbar
+            rounding = self.systematic(x)[:, None] + 4 * self.unit * (np.abs(n_answers) + labels_scale[:, None])
+            out.append((anchor[:, None] - n_answers, rounding))
+        return out
 
     def systematic(self, finals: np.ndarray) -> np.ndarray:
         """The part of :meth:`gaps`' rounding scale common to every sample of an instance: the
@@ -1008,10 +1016,11 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     for rounds_block in correction_blocks(rounds, block):  # the rounds of a block are designed from one estimate
         tokens = design.design(rounds_block, finals[:, rounds_block])  # written in place, then rounded there
         prober.quantize(tokens, out=tokens)
-        for n in range(rounds_block.start, rounds_block.stop):
-            x = finals[:, n]
-            ks = design.copies(n, copies)
-            gaps, rounding = prober.gaps(x, diffs, ks, f"{description}, round {n + 1}/{rounds}")
+        block_copies = [design.copies(n, copies) for n in range(rounds_block.start, rounds_block.stop)]
+        # the block's rounds asked at once (their designs do not depend on each other's answers)
+        samples = prober.rounds_gaps(finals[:, rounds_block], diffs, block_copies,
+                                     f"{description}, rounds {rounds_block.start + 1}..{rounds_block.stop}/{rounds}")
+        for n, ks, (gaps, rounding) in zip(range(rounds_block.start, rounds_block.stop), block_copies, samples):
             gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)], ks_all[:, n, :len(ks)] = gaps, rounding, ks
             if ks == (1,):
                 m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
