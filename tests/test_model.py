@@ -93,3 +93,19 @@ def test_compare_aligns_permutations_and_reports_errors():
     fewer = mx.MultiHeadAttention(model.W[:2], model.v[:2])
     assert not mx.compare(fewer, model).heads_agree
     assert mx.compare(fewer, model).max_rel == np.inf
+
+
+def test_compare_aligns_a_model_far_off_without_overflowing():
+    # A refit that diverged (v ~ 1e279: the paper start of bench_reliability seed 386 on numpy
+    # 2.4.6) squared its distances to inf: a RuntimeWarning, and "cost matrix is infeasible" from
+    # the assignment once every entry was inf. Distances are now taken in units of the largest entry.
+    model = mx.MultiHeadAttention.random(3, 3, seed=4)
+    order = [1, 2, 0]
+    far = mx.MultiHeadAttention(model.W[order], model.v[order] * np.array([[1e279], [1.0], [1.0]]))
+    result = mx.compare(far, model)  # the test settings turn a RuntimeWarning into an error
+    # reported as far off (the 1e279 head's distance swamps the others', so which of them pair up
+    # is not decided, and need not be: any pairing leaves the error at 1e279)
+    assert result.heads_agree and result.v_rel > 1e270 and result.max_rel == result.v_rel
+    assert sorted(result.permutation) == [0, 1, 2]
+    # and a model that is right is still aligned head by head (the same units, no other effect)
+    assert mx.compare(mx.MultiHeadAttention(model.W[order], model.v[order]), model).max_rel == 0
