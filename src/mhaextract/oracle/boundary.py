@@ -106,8 +106,8 @@ class OracleBoundary:
 
     def ask(self, sequences: Sequence[np.ndarray], description: str = "querying oracle") -> np.ndarray:
         """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision): a
-        list of (N_i, d) arrays, or one (n, N, d) array of n sequences of one length (in float64
-        mode each batch is then copied for the oracle as one array, not sequence by sequence).
+        list of (N_i, d) arrays, or any sequence of them (one (n, N, d) array; a source that builds
+        new arrays on every access, ``fresh_on_access``, whose batches go to the oracle uncopied).
 
         Returns a float64 array in float64 mode, an object array of ``arb`` balls in
         high-precision mode: the answer as midpoint and one ulp at ``precision`` bits as radius
@@ -202,8 +202,6 @@ class OracleBoundary:
             batch = list(chunk)
             longest = max(map(len, batch), default=0)  # before the oracle has them
             chunk = _Rebuilt(rebuild, len(chunk))
-        elif self.precision is None and isinstance(chunk, np.ndarray) and chunk.ndim == 3:
-            batch = list(np.array(chunk, dtype=np.float64))  # one copy of the batch; the oracle gets its rows
         else:
             batch = [self._to_oracle_tokens(sequence) for sequence in chunk]
         where = f"query {indices[0]}" if len(chunk) == 1 else f"queries {indices[0]}..{indices[-1]}"
@@ -219,8 +217,7 @@ class OracleBoundary:
         # Every sequence handed over counts, whatever comes back.
         self.queries += len(chunk)
         if rebuild is None:
-            longest = (chunk.shape[1] if isinstance(chunk, np.ndarray) and chunk.ndim == 3
-                       else max(len(s) for s in chunk))
+            longest = max(map(len, chunk))
         self.max_query_length = max(self.max_query_length, longest)
         return self._validate(raw, chunk, indices, where)
 

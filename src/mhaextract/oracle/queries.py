@@ -90,19 +90,26 @@ class Instance:
         return copies_sequences(self.final[None, :], self.difference[None, :], np.zeros(1, dtype=int), [k])[0]
 
 
+def copies_block(finals: np.ndarray, differences: np.ndarray, k: int) -> np.ndarray:
+    """(n, k + 1, d): for each row, k copies of ``y = x - z`` then ``x`` (``x`` a row of ``finals``,
+    ``z`` of ``differences``), written once: the layout every copies-instance query is built in."""
+    block = np.empty((len(finals), int(k) + 1, finals.shape[-1]), dtype=np.result_type(finals, differences))
+    np.subtract(finals, differences, out=block[:, 0])
+    block[:, 1:k] = block[:, :1]
+    block[:, k] = finals
+    return block
+
+
 def copies_sequences(finals: np.ndarray, differences: np.ndarray, which, copies) -> list[np.ndarray]:
     """Query ``q`` is ``(y, ..., y, x)`` with ``copies[q]`` copies of ``y = x - difference``,
     ``x = finals[which[q]]``, ``difference = differences[which[q]]`` (rows): the sequences of
     :meth:`Instance.sequence`, built as one array per length (each query a contiguous view)."""
     finals, differences = np.asarray(finals), np.asarray(differences)
     which, copies = np.asarray(which, dtype=int), np.asarray(copies, dtype=int)
-    repeated = finals - differences
     out: list[np.ndarray] = [None] * len(copies)  # type: ignore[list-item]
     for k in np.unique(copies):
         positions = np.flatnonzero(copies == k)
-        block = np.empty((len(positions), int(k) + 1, finals.shape[1]), dtype=repeated.dtype)
-        block[:, :k] = repeated[which[positions], None, :]
-        block[:, k] = finals[which[positions]]
+        block = copies_block(finals[which[positions]], differences[which[positions]], int(k))
         for position, sequence in zip(positions.tolist(), block):
             out[position] = sequence
     return out
@@ -197,8 +204,8 @@ class RoundQueries(Sequence):
     ``(y, ..., y, x)`` with k copies of ``y = x - differences[u]``, ``x = finals[u, n]``.
 
     ``finals`` (U, R, d) (a view is fine: nothing is copied until asked), ``differences`` (U, d),
-    ``copies`` R tuples: round n's copy counts. The tokens are those of :func:`copies_sequences`
-    bit for bit; the layout differs (every unit asked in every round, instance i of a query read
+    ``copies`` R tuples: round n's copy counts. The tokens are :func:`copies_block`'s, those of
+    :func:`copies_sequences` bit for bit; the layout differs (every unit asked in every round, instance i of a query read
     from its position), which is what lets a whole block of rounds be one ask: one oracle call per
     boundary batch instead of one per round and copy count, and only a batch's tokens built at a
     time (a block's would be ``U R (k + 1) d`` floats). Every access builds new arrays, so a batch
@@ -226,12 +233,7 @@ class RoundQueries(Sequence):
             first = max(start, base)
             first += (start - first) % step  # the next query of the slice in this segment
             rows = slice(first - base, min(stop, base + U) - base, step)
-            x = self.finals[rows, n]
-            block = np.empty((len(x), k + 1, x.shape[-1]))
-            np.subtract(x, self.differences[rows], out=block[:, 0])  # y = x - z, as copies_sequences forms it
-            block[:, 1:k] = block[:, :1]
-            block[:, k] = x
-            out.extend(block)
+            out.extend(copies_block(self.finals[rows, n], self.differences[rows], k))
         return out
 
     def __getitem__(self, key):
