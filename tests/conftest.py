@@ -40,10 +40,12 @@ class CountingOracle:
     def __init__(self, target, precision=None):
         self.inner = mx.SimulatedOracle(target, precision)
         self.count = 0
+        self.calls = 0
         self.longest = 0
 
     def __call__(self, batch):
         self.count += len(batch)
+        self.calls += 1
         self.longest = max([self.longest] + [len(X) for X in batch])
         return self.inner(batch)
 

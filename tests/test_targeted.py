@@ -645,13 +645,62 @@ def test_correction_blocks_cover_the_rounds_and_shrink_towards_the_end(rounds):
     """The blocks of rounds that share a design estimate tile ``0 .. rounds`` in order, none longer
     than ``CORRECTION_BLOCK`` nor than a quarter of the rounds left at its start (but one round),
     and the last four rounds are designed one by one."""
-    blocks = targeted.correction_blocks(rounds)
+    blocks = list(targeted.correction_blocks(rounds))
     assert blocks[0].start == 0 and blocks[-1].stop == rounds
     assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
     for block in blocks:
         size = block.stop - block.start
         assert 1 <= size <= max(1, min(targeted.CORRECTION_BLOCK, (rounds - block.start) // 4))
     assert all(block.stop - block.start == 1 for block in blocks if block.start >= rounds - 4)
+
+
+@pytest.mark.parametrize("rounds, most", [(1, 1), (5, 1), (65, 1), (129, 1), (16, 16), (65, 16), (769, 16)])
+def test_uncorrected_blocks_double_up_to_the_block_size_and_shrink_once_correcting(rounds, most):
+    """Before any correction every block is designed from the prior: the blocks tile the rounds,
+    double from ``most`` to ``CORRECTION_BLOCK`` (whatever is left); from the block after the one that
+    starts the corrections on, they follow the shrinking rule of :func:`correction_blocks`."""
+    state = {"correcting": False}
+    blocks = []
+    for block in targeted.correction_blocks(rounds, most, lambda: state["correcting"]):
+        blocks.append(block)
+        if len(blocks) == 3:
+            state["correcting"] = True  # the third block's answers start the corrections
+    assert blocks[0].start == 0 and blocks[-1].stop == rounds
+    assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+    previous = 0
+    for i, block in enumerate(blocks):
+        size, left = block.stop - block.start, rounds - block.start
+        if i < 3:  # not yet correcting: doubling, at most CORRECTION_BLOCK (or most, if larger)
+            assert size == min(max(most, 2 * previous), max(most, targeted.CORRECTION_BLOCK), left)
+        else:
+            assert size == max(1, min(most, left // 4))
+        previous = size
+
+
+@pytest.mark.parametrize("schedule, d, H", [("targeted", 24, 3), ("lowrank", 24, 4)])
+def test_uncorrected_stages_ask_the_same_queries_in_fewer_asks(monkeypatch, schedule, d, H):
+    """A stage whose prior aims within the tolerance is never corrected, so its rounds are designed
+    from the prior whatever the blocks: asked in the doubling blocks they are the very queries of the
+    shrinking blocks (the same model to the bit, the same count), in fewer oracle calls."""
+    target = mx.MultiHeadAttention.random(d, H, seed=4)
+    options = dict(schedule=schedule)
+    if schedule == "lowrank":  # heads of rank d / H
+        factors = np.random.default_rng(4).standard_normal((2, H, d, d // H)) / np.sqrt(d)
+        target = mx.MultiHeadAttention(np.einsum("hdr,her->hde", *factors), target.v)
+        options["rank"] = d // H
+    oracle = CountingOracle(target)
+    adaptive = mx.extract(oracle, d, heads=H, seed=2, **options)
+    calls_adaptive = oracle.calls
+    shrinking = targeted.correction_blocks
+    monkeypatch.setattr(targeted, "correction_blocks",
+                        lambda rounds, most=targeted.CORRECTION_BLOCK, correcting=None: shrinking(rounds, most))
+    oracle = CountingOracle(target)
+    fixed = mx.extract(oracle, d, heads=H, seed=2, **options)
+    assert adaptive.ok and fixed.ok
+    assert adaptive.queries == fixed.queries
+    np.testing.assert_array_equal(adaptive.model.W, fixed.model.W)
+    np.testing.assert_array_equal(adaptive.model.v, fixed.model.v)
+    assert calls_adaptive < oracle.calls
 
 
 @pytest.mark.parametrize("bias", [False, True])

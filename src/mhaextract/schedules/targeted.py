@@ -448,17 +448,26 @@ def _designs(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, null_p
     return x
 
 
-def correction_blocks(rounds: int, most: int = CORRECTION_BLOCK) -> list[slice]:
-    """The blocks of rounds designed from one estimate (:class:`_MinimumNormCorrection`): at most
-    ``most`` rounds, and at most a quarter of the rounds left, so the estimate a block is designed
-    from fits all but a fifth of the rounds its successor fits (the correction's effect on a
-    round's aim grows with the rounds it has seen: the last rounds are corrected one by one)."""
-    blocks, start = [], 0
+def correction_blocks(rounds: int, most: int = CORRECTION_BLOCK, correcting=lambda: True):
+    """The blocks of rounds designed from one estimate (:class:`_MinimumNormCorrection`), as slices,
+    each one made when the previous block is done (a generator): while ``correcting()`` says the
+    estimate is being corrected, at most ``most`` rounds and at most a quarter of the rounds left, so
+    the estimate a block is designed from fits all but a fifth of the rounds its successor fits (the
+    correction's effect on a round's aim grows with the rounds it has seen: the last rounds are
+    corrected one by one). Before any correction the prior aims within the tolerance and every
+    block is designed from that same prior: the blocks then double from ``most`` up to
+    ``CORRECTION_BLOCK`` rounds, whatever is left (the same tokens as the blocks above whenever no
+    correction follows, in fewer and larger asks: the final stage and the bridges in float64, and
+    the first group when phase 1's prior aims it well; a block that finds the aim off starts the
+    corrections, and the blocks after it shrink as above)."""
+    start, size = 0, 0
     while start < rounds:
-        size = max(1, min(most, (rounds - start) // 4))
-        blocks.append(slice(start, start + size))
+        if correcting():
+            size = max(1, min(most, (rounds - start) // 4))
+        else:
+            size = min(max(most, 2 * size), max(most, CORRECTION_BLOCK), rounds - start)
+        yield slice(start, start + size)
         start += size
-    return blocks
 
 
 class _MinimumNormCorrection:
@@ -949,8 +958,9 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     measure each unit in the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
     ``designer``: another design class with the interface of :class:`_FullDesign` (the lifted
     design of the biased model, :mod:`.biased`, whose units have ``d + 1`` rounds). ``block``: the
-    most rounds designed from one estimate (:func:`correction_blocks`; 1 for the first group, whose
-    prior from phase 1 can miss its aim by 10 log-pole units on float32 answers).
+    most rounds designed from one corrected estimate, and the first block (:func:`correction_blocks`;
+    1 for the first group, whose prior from phase 1 can miss its aim by 10 log-pole units on float32
+    answers: its first round shows whether it does).
 
     Units are independent: they are measured in chunks of groups whose working arrays (final
     tokens, null parts, Gram-Schmidt bases: three (units, d, d) arrays) fit ``CHUNK_BYTES``, so
@@ -1013,7 +1023,8 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     K = max(K, max(len(design.copies(n, copies)) for n in range(rounds)))
     gaps_all, rounding_all, ks_all = (np.full((U, rounds, K), np.nan) for _ in range(3))
 
-    for rounds_block in correction_blocks(rounds, block):  # the rounds of a block are designed from one estimate
+    correcting = lambda: design.correction.added > 0  # noqa: E731
+    for rounds_block in correction_blocks(rounds, block, correcting):  # a block's rounds: designed from one estimate
         tokens = design.design(rounds_block, finals[:, rounds_block])  # written in place, then rounded there
         prober.quantize(tokens, out=tokens)
         block_copies = [design.copies(n, copies) for n in range(rounds_block.start, rounds_block.stop)]
