@@ -49,6 +49,26 @@ def test_a_second_head_within_reach_breaks_the_single_pole_form(m, m_other, labe
     assert fit.residual[0] > targeted.RESIDUAL_LIMIT
 
 
+@pytest.mark.parametrize("K", [2, 3])
+def test_single_pole_fits_of_a_batch_are_each_rows_own(K):
+    """Each row's fit depends on that row alone, to the bit: a block's rounds are fitted as one
+    batch (targeted._measure_chunk) and must give what they gave fitted round by round. Rows with
+    non-finite, zero or degenerate samples sit among the good ones."""
+    rng = np.random.default_rng(K)
+    ks = np.arange(1.0, K + 1)
+    labels = rng.choice([-1.0, 1.0], 300) * 10 ** rng.uniform(-1, 3, 300)
+    gaps = ks * labels[:, None] / (ks + np.exp(rng.uniform(-3, 3, (300, 1))))
+    gaps *= 1 + 1e-15 * rng.standard_normal(gaps.shape)
+    gaps[7, 0], gaps[11] = np.nan, 0.0
+    gaps[13, 1:] = gaps[13, 0]  # not of the single-pole form
+    rounding = 4 * np.finfo(float).eps * np.abs(gaps) + 1e-300
+    batch = single_pole.fit(gaps, ks, rounding)
+    for start in range(0, 300, 37):
+        part = single_pole.fit(gaps[start:start + 37], ks, rounding[start:start + 37])
+        for name in ("log_pole", "label", "residual", "sigma_m", "sigma_l"):
+            np.testing.assert_array_equal(getattr(part, name), getattr(batch, name)[start:start + 37])
+
+
 def test_fit_with_constant_and_one_sample_reading():
     P, label, m = 3.25, -41.5, 0.7
     ks = np.array([1.0, 2.0, 3.0])

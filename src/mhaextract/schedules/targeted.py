@@ -1033,17 +1033,24 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
                                      f"{description}, rounds {rounds_block.start + 1}..{rounds_block.stop}/{rounds}")
         for n, ks, (gaps, rounding) in zip(range(rounds_block.start, rounds_block.stop), block_copies, samples):
             gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)], ks_all[:, n, :len(ks)] = gaps, rounding, ks
-            if ks == (1,):
-                m = single_pole.reading(gaps[:, 0], 0.0, label[:, 0])
-                log_pole[:, n] = m
-                # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
-                tau = np.exp(m)
-                sigma_m[:, n] = rounding[:, 0] * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
-            else:
-                fits = single_pole.fit(gaps, ks, rounding)
-                log_pole[:, n], label[:, n], sigma_m[:, n], sigma_l[:, n] = (
-                    fits.log_pole, fits.label, fits.sigma_m, fits.sigma_l)
-                residual[:, n] = fits.residual if len(ks) > 2 else np.nan
+        # the rounds fitted with the same copy counts in one batched fit (each row's fit is its own:
+        # the same numbers as round by round), before the one-sample readings, which read round 0's label
+        for ks in dict.fromkeys(ks for ks in block_copies if ks != (1,)):
+            fitted = [n for n, each in zip(range(rounds_block.start, rounds_block.stop), block_copies) if each == ks]
+            count = len(ks)
+            fits = single_pole.fit(gaps_all[:, fitted, :count].transpose(1, 0, 2).reshape(-1, count), ks,
+                                   rounding_all[:, fitted, :count].transpose(1, 0, 2).reshape(-1, count))
+            per_round = lambda values: values.reshape(len(fitted), U).T  # noqa: E731
+            log_pole[:, fitted], label[:, fitted] = per_round(fits.log_pole), per_round(fits.label)
+            sigma_m[:, fitted], sigma_l[:, fitted] = per_round(fits.sigma_m), per_round(fits.sigma_l)
+            residual[:, fitted] = per_round(fits.residual) if count > 2 else np.nan
+        for n in (n for n, ks in zip(range(rounds_block.start, rounds_block.stop), block_copies) if ks == (1,)):
+            gap, rounding = gaps_all[:, n, 0], rounding_all[:, n, 0]
+            m = single_pole.reading(gap, 0.0, label[:, 0])
+            log_pole[:, n] = m
+            # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
+            tau = np.exp(m)
+            sigma_m[:, n] = rounding * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
         designed[:, rounds_block] = design.update(rounds_block, finals[:, rounds_block], log_pole[:, rounds_block])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = _GroupMeasurements(differences, estimates, *(shape(a) for a in (
