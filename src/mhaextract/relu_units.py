@@ -71,6 +71,10 @@ ZOOM_GRID = 16
 SAME_UNIT = 1e-3
 #: Unit counts beyond the rank of the unit vectors whose orientations are enumerated.
 MAX_ENUMERATED = 20
+#: Random sequences asked for the float64 polish, per dimension of M (:meth:`UnitLearner.ask_spread`).
+SPREAD_PER_DIMENSION = 8
+#: What those queries are called at the boundary (and counted as: ``UnitSearch.queries_spread``).
+SPREAD_ROWS = "random rows for the polish"
 
 
 class HeadMeans:
@@ -162,10 +166,25 @@ class UnitSearch:
     queries_grid: int = 0
     queries_confirm: int = 0
     queries_regions: int = 0
+    #: random sequences asked only for the polish (:meth:`UnitLearner.ask_spread`, float64)
+    queries_spread: int = 0
     regions_fitted: int = 0
     regions_failed: int = 0
     kinks_confirmed: int = 0
     kinks_rejected: int = 0
+
+
+def random_sequences(rng, count: int, d: int, longest: int, scale: float) -> list[np.ndarray]:
+    """``count`` random sequences of lengths 1..``longest``, random token directions and norms
+    ``scale x 10^U(-0.5, 0.5)`` (a decade): what the polish's random rows
+    (:meth:`UnitLearner.ask_spread`) and the verification queries ask."""
+    sequences = []
+    for _ in range(count):
+        length = int(rng.integers(1, longest + 1))
+        norms = scale * 10 ** rng.uniform(-0.5, 0.5, size=(length, 1))
+        tokens = rng.standard_normal((length, d))
+        sequences.append(norms * tokens / np.linalg.norm(tokens, axis=1, keepdims=True))
+    return sequences
 
 
 def _value(answers, precision):
@@ -226,9 +245,9 @@ class UnitLearner:
         v = self.rng.standard_normal(self.d)
         return self.token_scale * self.rng.uniform(0.5, 1.5) * v / np.linalg.norm(v)
 
-    def _ask(self, sequences: np.ndarray, what: str):
-        """Answers for the (B, m + 1, d) array ``sequences`` (handed to the boundary as a list, like
-        every batch). In float64 the sequences' head means M are kept with the answers, for the
+    def _ask(self, sequences, what: str):
+        """Answers for the (B, m + 1, d) array ``sequences`` (or a list of sequences; handed to the
+        boundary as a list, like every batch). In float64 the sequences' head means M are kept with the answers, for the
         region fits and refine()."""
         before = self.boundary.queries
         answers = self.boundary.ask(list(sequences), description=f"FFN units: {what}")
@@ -240,6 +259,8 @@ class UnitLearner:
             self.search.queries_grid += spent
         elif what == "kink confirmation":
             self.search.queries_confirm += spent
+        elif what == SPREAD_ROWS:
+            self.search.queries_spread += spent
         else:
             self.search.queries_regions += spent
         return answers
@@ -417,6 +438,21 @@ class UnitLearner:
         with working_precision(self.precision + GUARD_BITS):
             return np.array([x - y for x, y in zip(a, b)], dtype=object)
 
+    def ask_spread(self, count: int) -> None:
+        """Ask ``count`` random sequences (lengths 1 .. 2H + 1, token norms over a decade around the
+        token scale) whose head means M, with their answers, join the polish's rows (float64).
+
+        The segments and the region clouds explore M-space along lines ``(1 - s) b + s kappa E``
+        near ``b = (x, .., x)``: together their rows are anisotropic (d = 16, H = 8, hidden 32: the
+        smallest singular value of all 13,000 normalised rows 1.3e-5 of the largest, against 9e-2 for
+        random sequences), so the least-squares polish fixes the units along the heads' differences
+        only loosely, and step 1's rounding came out amplified there: fresh-query errors 1e-11 on most
+        seeds and 2.4e-7 on one, near the 1e-6 the verification allows (docs/transformer.md, "The
+        polish"). Random sequences see every direction of M alike."""
+        if self.precision is not None or count <= 0:
+            return
+        self._ask(random_sequences(self.rng, count, self.d, 2 * self.H + 1, self.token_scale), SPREAD_ROWS)
+
     def answers(self) -> tuple[np.ndarray, np.ndarray]:
         """The float64 head means M of every sequence step 2 asked, with its answer (float64 midpoints)."""
         if not self.answered:
@@ -494,8 +530,10 @@ def _polish(C: np.ndarray, rows: np.ndarray, weights: np.ndarray, target: np.nda
     The design (R x n D, row r is ``weights_r kron rows_r``) is never formed. Its Gram matrix is
     ``sum_r (weights_r weights_r^T) kron (rows_r rows_r^T)``, and rows share few activation
     patterns (a region's cloud, a linear piece of a segment: tens to hundreds of patterns for
-    thousands of rows), so it is ``sum_p (w_p w_p^T) kron S_p`` with ``S_p`` the D x D Gram of the
-    rows of pattern p: one (n^2 x P) by (P x D^2) product instead of an R x (n D)^2 one. The
+    thousands of rows; each random row of :meth:`UnitLearner.ask_spread` has its own), so it is
+    ``sum_p (w_p w_p^T) kron S_p`` with ``S_p`` the D x D Gram of the rows of pattern p: one product
+    of (n (n + 1) / 2 x P) by (P x D (D + 1) / 2), the pairs j <= k and entries a <= b (both
+    symmetric), instead of an R x (n D)^2 one. The
     correction to C solves the normal equations (columns scaled to unit norm, a ridge of 1e-13
     for directions no row sees, one Cholesky factorisation), followed by two rounds of iterative
     refinement on the true residual (semi-normal equations: least-squares accuracy for this
@@ -512,16 +550,26 @@ def _polish(C: np.ndarray, rows: np.ndarray, weights: np.ndarray, target: np.nda
     starts = np.flatnonzero(np.concatenate([[True], (ordered[1:] != ordered[:-1]).any(axis=1)]))
     bounds = np.append(starts, len(rows))
     patterns = ordered[starts]
+    # Both symmetries halve the product each: block (j, k) is block (k, j), and every S_p is
+    # symmetric; only the pairs j <= k and the entries a <= b are formed, then spread out.
+    pair_j, pair_k = np.triu_indices(n)
+    entry_a, entry_b = np.triu_indices(D)
     blocks = np.empty((len(patterns), D, D))
     for p in range(len(patterns)):
         members = rows[order[bounds[p]:bounds[p + 1]]]
-        blocks[p] = members.T @ members
-    outer = (patterns[:, :, None] * patterns[:, None, :]).reshape(len(patterns), n * n)
-    gram = (outer.T @ blocks.reshape(len(patterns), D * D)).reshape(n, n, D, D)  # [j, k, a, b]
-    columns = np.maximum(np.sqrt(np.maximum(np.einsum("jjaa->ja", gram), 0.0)), 1e-300).ravel()
-    scale = 1.0 / columns.reshape(n, D)
-    # [j, a, k, b] with the columns scaled to unit norm, in one pass.
-    gram = np.multiply(gram.transpose(0, 2, 1, 3), scale[:, :, None, None] * scale[None, None, :, :]).reshape(n * D, n * D)
+        np.matmul(members.T, members, out=blocks[p])
+    blocks = blocks.reshape(len(patterns), D * D)[:, entry_a * D + entry_b]
+    upper = (patterns[:, pair_j] * patterns[:, pair_k]).T @ blocks  # (pairs, entries)
+    pair_of, entry_of = np.empty((n, n), dtype=np.intp), np.empty((D, D), dtype=np.intp)
+    pair_of[pair_j, pair_k] = pair_of[pair_k, pair_j] = np.arange(len(pair_j))
+    entry_of[entry_a, entry_b] = entry_of[entry_b, entry_a] = np.arange(len(entry_a))
+    diagonal = upper[np.diag(pair_of)[:, None], np.diag(entry_of)[None, :]]  # [j, j, a, a]
+    columns = np.maximum(np.sqrt(np.maximum(diagonal, 0.0)), 1e-300).ravel()
+    scale = 1.0 / columns
+    # [j, a, k, b] gathered in that order, then its columns scaled to unit norm in place
+    gram = upper[pair_of[:, None, :, None], entry_of[None, :, None, :]].reshape(n * D, n * D)
+    gram *= scale[:, None]
+    gram *= scale[None, :]
     gram[np.diag_indices_from(gram)] += 1e-13
     factor = cho_factor(gram, overwrite_a=True, check_finite=False)
     x = C.ravel() * columns

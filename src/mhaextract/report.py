@@ -94,7 +94,8 @@ def transformer_table(extraction, comparison=None, title: str = "mhaextract tran
     if search is not None:
         table.add_row("  units", str(e.queries_units),
                       f"{search.segments} segments: grid {search.queries_grid}, kink probes {search.queries_confirm}, "
-                      f"region fits {search.queries_regions}")
+                      f"region fits {search.queries_regions}"
+                      + (f", random rows for the polish {search.queries_spread}" if search.queries_spread else ""))
     table.add_row("  verification", str(e.queries_verification), "fresh random queries")
     table.add_row("longest query", str(e.max_query_length), "")
     table.add_row("canonical heads H*", str(e.heads), "")

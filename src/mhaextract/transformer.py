@@ -46,7 +46,7 @@ from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_basis
 from .oracle.simulated import SimulatedOracle
 from .oracle.transcript import Transcript, run_fingerprint
-from .relu_units import MAX_ENUMERATED, UnitLearner, orient, refine
+from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orient, random_sequences, refine
 from .report import transformer_table
 from .results import Extraction
 from .schedules.base import RunSettings
@@ -834,6 +834,7 @@ def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, lin
         quiet = 0 if new else quiet + 1
     search = learner.search
     units = search.units
+    learner.ask_spread(SPREAD_PER_DIMENSION * learner.D if units else 0)  # float64: rows for the polish
     if run.hidden is not None:
         checks.append(Check("units_found", len(units) <= run.hidden, len(units), run.hidden,
                             f"{len(units)} units found, hidden={run.hidden} given (more found means hidden is too "
@@ -898,12 +899,7 @@ def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, m
     """The misfit on fresh random queries of f (counted); the ``verification`` check appended."""
     d, scale, precision = run.d, run.token_scale, run.precision
     count = run.verification_queries if run.verification_queries is not None else 4 * H * d + 32
-    sequences = []
-    for _ in range(count):
-        length = int(rng.integers(1, 2 * H + 2))  # no longer than the core schedule's 2H + 1
-        norms = scale * 10 ** rng.uniform(-0.5, 0.5, size=(length, 1))
-        tokens = rng.standard_normal((length, d))
-        sequences.append(norms * tokens / np.linalg.norm(tokens, axis=1, keepdims=True))
+    sequences = random_sequences(rng, count, d, 2 * H + 1, scale)  # no longer than the core schedule's 2H + 1
     answers = boundary.ask(sequences, description="verification queries")
     if precision is None:
         misfit = float(np.abs(model(sequences) - answers).max() / max(np.abs(answers).max(), 1e-300))
