@@ -281,6 +281,41 @@ def test_high_precision_is_refused():
         mx.extract(mx.SimulatedOracle(target, 128), 3, heads=2, precision=128, schedule="targeted")
 
 
+def test_first_group_and_bridges_are_held_to_the_prior_margin(monkeypatch):
+    """The first group's and the bridges' instances only aim the final stage: they are checked
+    against ``prior_saturation_margin`` (20 in float64; a noisier unit's own margin where that is
+    lower), the final instances against ``saturation_margin`` (36). Raised above the first group's
+    planned 40 (never so in the library: it is at most 36), the prior margin fails the run and
+    names first-group instances, and no final one."""
+    assert targeted.prior_saturation_margin(np.finfo(float).eps) == targeted.PRIOR_SATURATION_MARGIN == 20.0
+    assert targeted.prior_saturation_margin(4e-9) == targeted.saturation_margin(4e-9) < 20.0
+    target = mx.MultiHeadAttention.random(6, 3, seed=1)
+    result = mx.extract(mx.SimulatedOracle(target), 6, heads=3, seed=2, schedule="targeted")
+    instances = result.details.instances
+    assert result.ok and instances.margin[instances.stage == "final"].min() >= targeted.SATURATION_MARGIN
+    monkeypatch.setattr(targeted, "prior_saturation_margin", lambda unit: 45.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
+        result = mx.extract(mx.SimulatedOracle(target), 6, heads=3, seed=2, schedule="targeted", on_failure="warn")
+    instances = result.details.instances
+    assert not result.ok and "first group" in str(result.failed_checks[0])
+    assert set(instances.stage[instances.unsaturated]) <= {"first", "bridge"}
+
+
+@pytest.mark.slow
+def test_a_first_group_prior_off_by_nine_log_poles_is_no_false_alarm():
+    """d = 64, H = 8 (bench_scale's full-rank target seed 1, extraction seed 1): phase 1's rough
+    estimate of one head missed the first group's saturated rows by ~9 log-pole units (margins down
+    to 31, planned 40); the final model is good to 2e-15, and the run passes: those instances only
+    aimed the final stage, whose instances all keep 36."""
+    target = mx.MultiHeadAttention.random(64, 8, seed=1)
+    result = mx.extract(mx.SimulatedOracle(target), 64, heads=8, seed=1, schedule="targeted")
+    instances = result.details.instances
+    first = instances.stage == "first"
+    assert targeted.PRIOR_SATURATION_MARGIN <= instances.margin[first].min() < targeted.SATURATION_MARGIN
+    assert result.ok and mx.compare(result.model, target).max_rel <= 1e-14
+
+
 def test_instances_that_are_not_saturated_are_flagged_and_named(monkeypatch):
     """Acceptance 5: with the other heads only ~e^-30 saturated, the third sample sees them;
     the run fails its saturation check and names the instances."""
