@@ -247,8 +247,8 @@ class UnitLearner:
 
     def _ask(self, sequences, what: str):
         """Answers for the (B, m + 1, d) array ``sequences`` (or a list of sequences; handed to the
-        boundary as a list, like every batch). In float64 the sequences' head means M are kept with the answers, for the
-        region fits and refine()."""
+        boundary as a list, like every batch). In float64 the sequences' head means M are kept with
+        the answers, for the region fits and refine()."""
         before = self.boundary.queries
         answers = self.boundary.ask(list(sequences), description=f"FFN units: {what}")
         if self.precision is None:
@@ -447,7 +447,7 @@ class UnitLearner:
         smallest singular value of all 13,000 normalised rows 1.3e-5 of the largest, against 9e-2 for
         random sequences), so the least-squares polish fixes the units along the heads' differences
         only loosely, and step 1's rounding came out amplified there: fresh-query errors 1e-11 on most
-        seeds and 2.4e-7 on one, near the 1e-6 the verification allows (docs/transformer.md, "The
+        seeds and 2.4e-7 on one, near the 1e-6 the verification allows (docs/transformer.md, "float64
         polish"). Random sequences see every direction of M alike."""
         if self.precision is not None or count <= 0:
             return

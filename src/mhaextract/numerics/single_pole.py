@@ -96,8 +96,8 @@ def fit(gaps: np.ndarray, ks, rounding: np.ndarray) -> SinglePoleFits:
         along_second = np.einsum("nk,nk->n", q1, off)
         beta[rows] = along_second / r22
         alpha[rows] = (along_first - r12 * beta[rows]) / r11
-        residual[rows] = np.sqrt(np.einsum("nk,nk->n", off - along_second[:, None] * q1,
-                                           off - along_second[:, None] * q1))
+        off -= along_second[:, None] * q1  # the target's part off the columns' span
+        residual[rows] = np.sqrt(np.einsum("nk,nk->n", off, off))
         # (A^T A)^-1 = R^-1 R^-T
         covariance[rows, 0, 0] = 1.0 / r11**2 + (r12 / (r11 * r22)) ** 2
         covariance[rows, 0, 1] = covariance[rows, 1, 0] = -r12 / (r11 * r22**2)
