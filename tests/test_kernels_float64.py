@@ -248,4 +248,58 @@ def test_sensitivities_are_the_pseudo_inverse_diagonal_of_the_jacobian(known):
         assert sigma_m[row] == pytest.approx(expected[first:first + 2], rel=1e-5)
         assert sigma_l[row] == pytest.approx(expected[first + 2:], rel=1e-5)
         smallest = np.linalg.svd(J[row], compute_uv=False)[-1]
-        assert condition[row] == pytest.approx(scale[row] / smallest, rel=1e-5)
+        if known:  # tall (5 x 4): by the SVD
+            assert condition[row] == pytest.approx(scale[row] / smallest, rel=1e-5)
+        else:  # square: LU's inverse, an upper bound at most 5^(1/8) too large
+            assert scale[row] / smallest * (1 - 1e-5) <= condition[row] <= 5**0.125 * scale[row] / smallest * (1 + 1e-5)
+
+
+def test_sensitivities_of_an_unidentifiable_pole_are_enormous():
+    # l_1 = 0: the column dF/dm_1 vanishes, J is singular; LU refuses its chunk, the SVD says so
+    # (its least singular value is 0 or rounding: measured 1e-17, condition 7e16).
+    rng = np.random.default_rng(8)
+    cs, ms, ls = random_instances(rng, 300, 2)
+    ls[17, 0] = 0.0
+    condition, sigma_m, sigma_l = sensitivities(np.arange(5), np.exp(ms), ls, np.ones(300))
+    assert condition[17] > 1e15 and sigma_m[17, 0] > 1e15
+    others = np.delete(np.arange(300), 17)
+    assert np.isfinite(condition[others]).all() and np.isfinite(sigma_m[others]).all()
+
+
+def test_small_matrix_helpers_against_numpy():
+    from mhaextract.numerics.rational import lu_inverses, spectral_norm_bound, triangular_inverse
+
+    rng = np.random.default_rng(9)
+    A = rng.standard_normal((50, 5, 5))
+    R = np.triu(A) + 3 * np.eye(5)
+    assert np.abs(triangular_inverse(R) @ R - np.eye(5)).max() < 1e-14
+    R[3, 2, 2] = 0.0  # a zero pivot: that matrix has no inverse, the others are untouched
+    with np.errstate(all="ignore"):
+        inverse = triangular_inverse(R)
+    assert not np.isfinite(inverse[3]).all() and np.isfinite(np.delete(inverse, 3, axis=0)).all()
+    exact = np.linalg.norm(A, 2, axis=(1, 2))
+    bound = spectral_norm_bound(A)
+    assert (exact * (1 - 1e-13) <= bound).all() and (bound <= 5**0.125 * exact).all()
+    assert spectral_norm_bound(1e300 * A) == pytest.approx(1e300 * bound, rel=1e-13)  # no overflow
+    assert spectral_norm_bound(np.zeros((2, 3, 3))).tolist() == [0.0, 0.0]
+    inverse, inverted = lu_inverses(A)
+    assert inverted.all() and np.abs(inverse @ A - np.eye(5)).max() < 1e-10
+    assert not lu_inverses(rng.standard_normal((4, 7, 5)))[1].any()  # tall: the caller's SVD
+
+
+def test_null_vectors_and_least_squares_match_the_svd():
+    rng = np.random.default_rng(10)
+    L = rng.standard_normal((40, 3, 4))
+    w = kf.null_vectors(L)
+    assert np.abs(np.einsum("nij,nj->ni", L, w)).max() < 1e-14
+    assert np.allclose(np.linalg.norm(w, axis=1), 1.0)
+    tall = rng.standard_normal((40, 6, 4))  # oversampled: the least right singular vector
+    reference = np.linalg.svd(tall)[2][:, -1]
+    assert np.abs(np.abs(np.einsum("ni,ni->n", kf.null_vectors(tall), reference)) - 1).max() < 1e-12
+    C, t = rng.standard_normal((40, 5, 3)), rng.standard_normal((40, 5))
+    x = kf.least_squares_qr(C, t)
+    for n in range(40):
+        assert np.allclose(x[n], np.linalg.lstsq(C[n], t[n], rcond=None)[0], rtol=1e-12, atol=1e-13)
+    C[7, :, 2] = C[7, :, 1]  # rank 2: the SVD's (finite) solution instead of R^{-1}'s infinities
+    x = kf.least_squares_qr(C, t)
+    assert np.isfinite(x).all()

@@ -369,7 +369,8 @@ def test_verify_rejects_bad_input(options, message):
 
 
 def test_instance_pseudo_inverses_by_lu_where_well_conditioned_else_by_the_svd():
-    from mhaextract.checks.certificate import INVERSE_CHUNK, INVERSE_CONDITION, _pseudo_inverse
+    from mhaextract.checks.certificate import _pseudo_inverse
+    from mhaextract.numerics.rational import INVERSE_CHUNK, INVERSE_CONDITION
 
     rng = np.random.default_rng(4)
     J = rng.standard_normal((6, 5, 5))

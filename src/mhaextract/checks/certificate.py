@@ -69,7 +69,7 @@ from scipy.sparse.linalg import splu
 
 from ..numerics.assembly import label_columns
 from ..numerics.float64 import root_mean_square
-from ..numerics.rational import instance_jacobian
+from ..numerics.rational import instance_jacobian, lu_inverses
 from ..model import MultiHeadAttention
 from ..validation import nonnegative_number
 
@@ -337,29 +337,11 @@ def _relative_scales(model: MultiHeadAttention) -> tuple[float, float]:
     return W_scale, v_scale
 
 
-#: Square instance Jacobians are inverted by LU (a fifth of an SVD's time) while their 1-norm
-#: condition is below this; above it, and for the oversampled (tall) ones, by the SVD's pseudo-inverse.
-INVERSE_CONDITION = 1e8
-#: Jacobians inverted per call (np.linalg.inv refuses a whole batch for one singular matrix).
-INVERSE_CHUNK = 256
-
-
 def _pseudo_inverse(J: np.ndarray) -> np.ndarray:
     """``J^+`` of every matrix of a batch (n, K, p): ``J^{-1}`` where J is square and well conditioned
-    (the same matrix as the pseudo-inverse, to ``INVERSE_CONDITION`` times the rounding unit), else
-    ``np.linalg.pinv``."""
-    if J.shape[1] != J.shape[2] or not len(J):
-        return np.linalg.pinv(J)
-    out, inverse = np.empty_like(J), np.full_like(J, np.nan)
-    with np.errstate(all="ignore"):
-        for start in range(0, len(J), INVERSE_CHUNK):
-            try:
-                inverse[start:start + INVERSE_CHUNK] = np.linalg.inv(J[start:start + INVERSE_CHUNK])
-            except np.linalg.LinAlgError:  # an exactly singular matrix: this chunk is left to pinv
-                pass
-        condition = np.abs(J).sum(axis=1).max(axis=1) * np.abs(inverse).sum(axis=1).max(axis=1)
-    inverted = np.isfinite(condition) & (condition < INVERSE_CONDITION)
-    out[inverted] = inverse[inverted]
+    (:func:`~mhaextract.numerics.rational.lu_inverses`: the same matrix as the pseudo-inverse, to
+    ``INVERSE_CONDITION`` times the rounding unit), else ``np.linalg.pinv``."""
+    out, inverted = lu_inverses(J)
     if not inverted.all():
         out[~inverted] = np.linalg.pinv(J[~inverted])
     return out
