@@ -2,12 +2,15 @@
 
     python benchmarks/bench_real_layers.py [--d 16 32 64] [--heads 2 4 8] [--sweep]
     python benchmarks/bench_real_layers.py --dtype float32 --d 16 --heads 4 --seeds 4
+    python benchmarks/bench_real_layers.py --dtype float32 --d 16 --heads 4 --seeds 4 --rank auto
 
 Per layer type, d and H: a float64 layer with every bias drawn at the std of its weights, read out
 through a random vector, extracted with ``mx.extract(TorchOracle(layer, r), d, heads=H, seed=0)``
 (no token scale, no schedule); the error is ``compare(result.model, to_reduced(layer, r)).max_rel``
 (ground truth from the weights, computed here). ``--sweep``: simulated biased targets with weights
-scaled 1e-3..1e3, ``token_scale="auto"``; every run must pass or fail loudly.
+scaled 1e-3..1e3, ``token_scale="auto"``; every run must pass or fail loudly. ``--rank dH`` or
+``--rank auto``: ``schedule="lowrank", rank=d // H`` (the heads' rank) or ``rank="auto"``, with
+``bias=True, token_scale="auto"`` (docs/algorithm.md §17); the queries then include no calibration.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ from test_real_layers import build  # noqa: E402
 KINDS = ["nn.MultiheadAttention", "GPT2Attention", "BertSelfAttention", "OPTAttention", "ViTAttention"]
 
 
-def layer_rows(ds, heads, dtype="float64", seeds=(None,)):
+def layer_rows(ds, heads, dtype="float64", seeds=(None,), rank=None):
     """One row per layer type, d, H (and seed): the layer in ``dtype`` (float32: built in float64, the
     truth ``to_reduced`` of that float64 copy, then the layer itself converted), sdpa attention for
     float64 and eager (float32 throughout) for float32."""
     print("| layer | dtype | d | H | seed | queries (measured) | calibration queries | seconds | rel. error vs to_reduced "
-          "| estimate / error | checks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| estimate / error | rank | checks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in KINDS:
         for d in ds:
             for H in heads:
@@ -44,16 +47,19 @@ def layer_rows(ds, heads, dtype="float64", seeds=(None,)):
                     r = np.random.default_rng(layer_seed).standard_normal(d)
                     truth = to_reduced(layer.double(), r)
                     layer = layer.to(getattr(torch, dtype))
+                    options = {} if rank is None else dict(
+                        schedule="lowrank", rank=d // H if rank == "dH" else rank, bias=True, token_scale="auto")
                     started = time.perf_counter()
                     result = mx.extract(TorchOracle(layer, r), d, heads=H, seed=0 if seed is None else seed,
-                                        on_failure="warn", progress=False)
+                                        on_failure="warn", progress=False, **options)
                     seconds = time.perf_counter() - started
                     error = mx.compare(result.model, truth).max_rel if result.model is not None else np.inf
                     ratio = result.error_estimate / error if np.isfinite(error) and error > 0 else np.nan
                     checks = "ok" if result.ok else "FAILED: " + ", ".join(c.name for c in result.failed_checks)
+                    found = getattr(result.details, "rank", "-")
                     print(f"| {kind} | {result.answer_dtype} | {d} | {H} | {layer_seed} | {result.queries:,} | "
-                          f"{result.calibration_queries} | {seconds:.1f} | {error:.1e} | {ratio:.2g} | {checks} |",
-                          flush=True)
+                          f"{result.calibration_queries} | {seconds:.1f} | {error:.1e} | {ratio:.2g} | {found} | "
+                          f"{checks} |", flush=True)
 
 
 def sweep_rows(d=16, H=4, seeds=2):
@@ -81,12 +87,13 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seeds", type=int, help="seeds 0..N-1 per cell (default: one layer, seed d + H)")
+    parser.add_argument("--rank", choices=["dH", "auto"], help='schedule="lowrank" with rank=d//H or rank="auto"')
     arguments = parser.parse_args()
     if arguments.sweep:
         sweep_rows()
     else:
         layer_rows(arguments.d, arguments.heads, arguments.dtype,
-                   (None,) if arguments.seeds is None else tuple(range(arguments.seeds)))
+                   (None,) if arguments.seeds is None else tuple(range(arguments.seeds)), arguments.rank)
 
 
 if __name__ == "__main__":

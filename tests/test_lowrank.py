@@ -110,3 +110,82 @@ def test_rank_is_required_by_lowrank_and_refused_by_the_others():
         with pytest.raises(ValueError, match=f"schedule='{name}' does not take rank"):
             mx.extract(oracle, 6, heads=2, schedule=name, rank=2)
     assert oracle.count == 0
+
+
+# ------------------------------------------------------------------ rank="auto" (docs/algorithm.md §17)
+def auto_formula(d, H, r, n):
+    """The count with rank r found after n full bridges (n = R - 1 for a given bound)."""
+    R = min(d, r + 2)
+    return d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n) + 2 * H * R * d + 2 * H * r * (d - R)
+
+
+def test_the_auto_formula_with_n_equal_r_plus_one_is_the_bound_formula():
+    for d, H, r in [(12, 3, 3), (8, 3, 8), (64, 12, 5)]:
+        assert auto_formula(d, H, r, min(d, r + 2) - 1) == formula(d, H, r)
+
+
+@pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (16, 4, 2, 1), (10, 2, 5, 2), (8, 3, 8, 3), (20, 2, 1, 4)])
+def test_auto_rank_is_found_and_the_count_measured_at_the_oracle(d, H, r, seed):
+    target = low_rank_target(d, H, r, seed)
+    oracle = CountingOracle(target)
+    result = mx.extract(oracle, d, heads=H, seed=seed, schedule="lowrank", rank="auto")
+    assert result.ok, [str(check) for check in result.failed_checks]
+    details = result.details
+    assert details.rank == r and details.rank_found
+    # at least r + 2 full bridges (three vectors beyond the rank with a_h(z_1)); the blocks overshoot
+    # by at most their doubling
+    n = details.full_bridges
+    assert min(d - 1, r + 2) <= n <= min(d - 1, max(4, 2 * (r + 2)))
+    assert result.promised_queries == auto_formula(d, H, r, n)
+    assert oracle.count == result.queries == auto_formula(d, H, r, n) + details.phase1.queries + PROBE_QUERIES
+    assert f"r = {r} found" in result.promised_formula and result.summary()["rank"] == r
+    assert mx.compare(result.model, target).max_rel <= 1e-11
+
+
+def test_auto_rank_of_heads_of_different_ranks_is_the_largest():
+    rng = np.random.default_rng(11)
+    d, ranks = 14, (1, 4, 2)
+    A, B = rng.standard_normal((2, 3, d, d))
+    for h, r in enumerate(ranks):
+        A[h, :, r:] = 0.0
+    target = mx.MultiHeadAttention(np.einsum("hdr,her->hde", A, B) / d, rng.standard_normal((3, d)))
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=3, seed=11, schedule="lowrank", rank="auto")
+    assert result.ok and result.details.rank == 4
+    # the rank-1 head's subspace units also measure 3 directions of noise: measured 1.6e-11 against an
+    # estimate of 1.2e-11 (rank=4 given: 2.8e-11 against 1.0e-11; rank=6: 2.4e-12 against 1.2e-11)
+    truth = mx.compare(result.model, target).max_rel
+    assert truth <= 1e-10 and truth <= 3 * result.error_estimate
+
+
+def test_auto_rank_with_biases():
+    d, H, r, seed = 12, 3, 3, 0
+    target = biased_low_rank_target(d, H, r, seed)
+    oracle = CountingOracle(target)
+    result = mx.extract(oracle, d, heads=H, seed=seed, schedule="lowrank", rank="auto", bias=True)
+    assert result.ok and result.bias and result.details.rank == r, [str(check) for check in result.failed_checks]
+    n, R = result.details.full_bridges, min(d, r + 2)
+    expected = ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * n + (r + 2) * H * (d - 1 - n)
+                + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
+    assert oracle.count == result.queries == expected + result.details.phase1.queries + PROBE_QUERIES
+    assert mx.compare(result.model, target).max_rel <= 1e-11
+
+
+def test_auto_rank_costs_at_most_a_few_bridges_more_than_the_bound():
+    d, H, r = 32, 4, 8
+    given = mx.extract(CountingOracle(low_rank_target(d, H, r, 6)), d, heads=H, seed=6, schedule="lowrank", rank=r)
+    found = mx.extract(CountingOracle(low_rank_target(d, H, r, 6)), d, heads=H, seed=6, schedule="lowrank",
+                       rank="auto")
+    assert found.details.rank == r and given.details.rank == r and not given.details.rank_found
+    # blocks 4, 4 (all independent), then the 2 witnesses missing: 10 full bridges against the bound's 9
+    assert found.details.full_bridges == 10 and given.details.full_bridges == 9
+    assert found.queries - given.queries == (d + 1 - (r + 1)) * H * 1
+
+
+@pytest.mark.parametrize("schedule", ["paper", "targeted"])
+def test_auto_rank_is_refused_by_the_other_schedules_and_a_bad_string_is_named(schedule):
+    oracle = CountingOracle(low_rank_target(6, 2, 2, 0))
+    with pytest.raises(ValueError, match=f"schedule='{schedule}' does not take rank"):
+        mx.extract(oracle, 6, heads=2, schedule=schedule, rank="auto")
+    with pytest.raises(ValueError, match="rank must be an integer 1 <= r <= d = 6 or 'auto', got 'full'"):
+        mx.extract(oracle, 6, heads=2, schedule="lowrank", rank="full")
+    assert oracle.count == 0

@@ -38,6 +38,7 @@ from .oracle.transcript import Transcript, check_directory, run_fingerprint
 from .results import Extraction
 from .schedules.base import RESOLVED, Outcome, RunSettings, Schedule
 from .schedules.grid import MORE_POLES
+from .schedules.lowrank import AUTO as AUTO_RANK
 from .schedules.registry import Choice, choose
 from .validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
@@ -105,7 +106,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).
     rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
-        ``3H (2dr - r^2)`` queries instead of ``4 H d^2``); other schedules refuse it.
+        ``3H (2dr - r^2)`` queries instead of ``4 H d^2``), or ``"auto"``: the schedule finds r from
+        its bridges first (at most twice the full bridges r needs; ``details.rank``); other
+        schedules refuse it.
     backend : float64 kernels of the grid schedules (paper, lean): None or ``"numpy"``, or
         ``"torch"`` (CUDA when present, else CPU), ``"torch-cpu"``, ``"torch-cuda"``: the batched
         factorisations in torch, the same results to float64 rounding (needs the ``[torch]`` extra).
@@ -226,7 +229,10 @@ def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_ins
         refine_queries = positive_int("refine_queries", refine_queries, minimum=0)
     if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
         answer_error = nonnegative_number("answer_error", answer_error, "a bound on |answer - truth|", ValueError)
-    if rank is not None:
+    if isinstance(rank, str):
+        if rank != AUTO_RANK:
+            raise ValueError(f"rank must be an integer 1 <= r <= d = {d} or {AUTO_RANK!r}, got {rank!r}")
+    elif rank is not None:
         rank = positive_int("rank", rank)
         if rank > d:
             raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")

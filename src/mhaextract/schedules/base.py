@@ -43,7 +43,7 @@ class RunSettings:
     refine: bool | None = None  # None: the schedule decides (refines_when_noisy); False: never
     refine_queries: int | None = None
     answer_error: float | None = None
-    rank: int | None = None  # a bound on the rank of every W_h (docs/algorithm.md §17)
+    rank: int | str | None = None  # a bound on the rank of every W_h, or "auto" (docs/algorithm.md §17)
     backend: str | None = None  # float64 kernels: None (numpy) or a torch backend (numerics/arithmetic.py)
     bias: bool = False  # learn score biases u_h and the output constant c (docs/algorithm.md §16)
     #: The answers' relative noise (fraction of the largest answer) measured before the schedule

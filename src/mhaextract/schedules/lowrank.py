@@ -25,6 +25,7 @@ Queries after phase 1, with H heads found:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -55,11 +56,87 @@ def rank_limit(unit: float) -> float:
     """The ``rank_bound`` check's limit for answers of relative unit ``unit`` (the rank is told from
     noise only above it: a head of higher rank whose extra singular values are below it passes)."""
     return max(RANK_LIMIT, min(RANK_UNITS * unit, LOOSEST_RANK_LIMIT))
+
+
+#: ``rank="auto"``: the value of ``rank`` that asks the schedule to find the rank itself.
+AUTO = "auto"
+#: rank="auto": the full bridges come in blocks, the first this large, each later one as large as all
+#: before it while some head's rough ``a_h(z_j)`` are still independent, then just enough for every
+#: head to show ``AUTO_WITNESSES`` vectors beyond its numerical rank (or until every bridge is full).
+AUTO_FIRST_BRIDGES, AUTO_WITNESSES = 4, RANK_EXTRA + 1
+#: The rough ``a_h(z_j)`` (bridge differences over eps) are noisier than the final ones: a singular
+#: value counts toward the rank above this many times :func:`rank_limit` (relative to the largest).
+AUTO_ROUGH_FACTOR = 10.0
+
+
+def numerical_ranks(vectors: np.ndarray, tolerance: float) -> np.ndarray:
+    """Each head's numerical rank (H,) of its vectors (n, H, d): the singular values of the n x d
+    matrix above ``tolerance`` times the largest (at least 1)."""
+    singular = np.linalg.svd(vectors.transpose(1, 0, 2), compute_uv=False)  # (H, min(n, d))
+    return np.maximum(1, (singular > tolerance * singular[:, :1]).sum(axis=1))
+
+
+def _full_bridges(measure, rough_of, first_rough: np.ndarray, d: int, rank, unit: float):
+    """The bridges measured in all of R^d (docs/algorithm.md §17): with a bound ``rank`` the first
+    ``min(d, rank + RANK_EXTRA) - 1`` in one block; with ``rank="auto"`` blocks (``AUTO_FIRST_BRIDGES``,
+    doubling while a head's vectors are all independent, then the witnesses missing) until
+    :func:`numerical_ranks` of every head's rough ``a_h(z_1), a_h(z_2), ..`` leaves ``AUTO_WITNESSES``
+    vectors beyond it (a head of rank k: any k + 1 generic a_h(z) are dependent); the rank is the
+    largest head's.
+
+    ``measure(rows)`` measures the bridges ``rows`` (a slice of ``j - 2``), ``rough_of(data)`` gives
+    their rough ``a_h(z_j)`` (b, H, d) (W's part). Returns ``(blocks of measurements, rank, bridges
+    measured)``; it stops early at a block with non-finite estimates (the caller fails the run)."""
+    if rank != AUTO:
+        count = min(d, rank + RANK_EXTRA) - 1
+        return [measure(slice(0, count))], rank, count
+    blocks, rough, measured = [], [first_rough[None]], 0
+    tolerance = AUTO_ROUGH_FACTOR * rank_limit(unit)
+    ranks = np.ones(first_rough.shape[0], dtype=int)
+    while measured < d - 1:
+        vectors = measured + 1
+        if measured and (ranks < vectors).all():  # every head showed its rank: just the witnesses missing
+            size = int(ranks.max()) + AUTO_WITNESSES - vectors
+        else:  # some head still full: double
+            size = max(AUTO_FIRST_BRIDGES, measured)
+        size = min(d - 1 - measured, size)
+        data = measure(slice(measured, measured + size))
+        blocks.append(data)
+        measured += size
+        if not np.isfinite(data.a).all():
+            break
+        rough.append(rough_of(data))
+        ranks = numerical_ranks(np.concatenate(rough), tolerance)
+        if (measured + 1 - ranks >= AUTO_WITNESSES).all():
+            break
+    return blocks, int(min(d, ranks.max())), measured
 FINAL_COPIES = ((1, 2), (1, 2))
 
 
+@dataclass
+class LowRankDetails(TargetedDetails):
+    """``Extraction.details`` of the low-rank schedule: :class:`~.targeted.TargetedDetails` and
+
+    Attributes
+    ----------
+    rank : the bound r the final stage used: ``rank`` as given, or the rank found (``rank="auto"``).
+    rank_found : True when ``rank="auto"`` found it (:func:`numerical_ranks` of the bridges).
+    full_bridges : bridge units measured in all of R^d (``R - 1`` for a given bound; for
+        ``rank="auto"`` the blocks asked until the rank showed, at least ``r + 2``).
+    """
+
+    rank: int = 0
+    rank_found: bool = False
+    full_bridges: int = 0
+
+    def summary(self) -> dict:
+        return {**super().summary(), "rank": self.rank, "rank_found": self.rank_found,
+                "full_bridges": self.full_bridges}
+
+
 class LowRankSchedule(TargetedSchedule):
-    """``extract(..., schedule="lowrank", rank=r)``: float64, heads of rank <= r, H <= d."""
+    """``extract(..., schedule="lowrank", rank=r)``: float64, heads of rank <= r, H <= d;
+    ``rank="auto"`` finds r from the bridges first (docs/algorithm.md §17)."""
 
     name = "lowrank"
     accepts = frozenset({"rank", "answer_error", "refine"})  # refine: full-rank least squares polish (§12), rank not enforced
@@ -70,39 +147,64 @@ class LowRankSchedule(TargetedSchedule):
     def __init__(self, settings):
         super().__init__(settings)
         if settings.rank is None:
-            raise ValueError("schedule='lowrank' needs rank=r, a bound on the rank of every W_h (1 <= r <= d)")
+            raise ValueError("schedule='lowrank' needs rank=r, a bound on the rank of every W_h (1 <= r <= d), "
+                             "or rank='auto' to find it")
         self.rank = settings.rank
+        self.found: tuple[int, int] | None = None  # rank="auto", after run(): (rank, full bridges)
 
-    @property
-    def full_units(self) -> int:
-        return min(self.d, self.rank + RANK_EXTRA)
+    def _counts(self) -> tuple[int, int, int]:
+        """(r, R, full bridges) of the count: the bound, or for ``rank="auto"`` what run() found (before
+        it: r = d, the most it can find)."""
+        d = self.d
+        if self.rank != AUTO:
+            r = self.rank
+            return r, min(d, r + RANK_EXTRA), min(d, r + RANK_EXTRA) - 1
+        r, bridges = self.found if self.found is not None else (d, d - 1)
+        return r, min(d, r + RANK_EXTRA), bridges
 
     @property
     def promised_queries(self) -> int:
-        """After the adaptive phase 1, H0 heads found (module docstring)."""
-        d, H, r, R = self.d, self.max_heads, self.rank, self.full_units
-        return (d + 3 * H * d + (d + 1) * H * (R - 1) + (r + 1) * H * (d - R)
+        """After the adaptive phase 1, H0 heads found (module docstring; with n full bridges)."""
+        d, H = self.d, self.max_heads
+        r, R, n = self._counts()
+        return (d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n)
                 + 2 * H * R * d + 2 * H * r * (d - R))
 
     @property
     def count_formula(self) -> str:
-        return "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + 2HRd + 2Hr(d-R), R = min(d, r+2), after phase 1"
+        if self.rank != AUTO:
+            return "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + 2HRd + 2Hr(d-R), R = min(d, r+2), after phase 1"
+        r, _, n = self._counts()
+        return (f"lowrank rank='auto' d + 3Hd + (d+1)Hn + (r+1)H(d-1-n) + 2HRd + 2Hr(d-R), r = {r} found, "
+                f"n = {n} full bridges measured, R = min(d, r+2), after phase 1")
+
+    def _outcome(self, prober, search, stages, model, rank_ratio, found, lifted=None) -> Outcome:
+        """What both run()s report: the diagnostics, the estimate, the checks and the rank used.
+        ``found``: (rank used, full bridges measured or None when the run stopped before them)."""
+        rank, bridges = found
+        if self.rank == AUTO:
+            self.found = (rank, min(self.d, rank + RANK_EXTRA) - 1 if bridges is None else bridges)
+        H = len(search.heads)
+        unit = () if lifted is None else (prober.unit,)  # the bias-free checks judge float64 answers
+        instances = _diagnostics(stages, model if lifted is None else
+                                 None if model is None else SimpleNamespace(W=lifted), *unit)
+        finals = [data for stage, data in stages if stage == "final"]
+        error_estimate, score_estimate, bias_error = (
+            _error_estimate(finals, model, rank) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
+        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], *unit)
+        checks.append(_rank_check(rank_ratio, rank, *unit, found=self.rank == AUTO))
+        details = LowRankDetails(instances, search, rank=rank, rank_found=self.rank == AUTO,
+                                 full_bridges=self._counts()[2])
+        return Outcome(model, H, error_estimate, details, prober.sequences,
+                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate,
+                       bias_error=bias_error)
 
     def run(self, boundary, arithmetic) -> Outcome:
         prober = _Prober(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
-        search, stages, model, rank_ratio = _run(prober, self.d, self.max_heads, self.rank, self.full_units,
-                                                 self.rng, self.token_scale)
-        H = len(search.heads)
-        instances = _diagnostics(stages, model)
-        finals = [data for stage, data in stages if stage == "final"]
-        error_estimate, score_estimate, bias_error = (
-            _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
-        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages])
-        checks.append(_rank_check(rank_ratio, self.rank))
-        return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences,
-                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate,
-                       bias_error=bias_error)
+        search, stages, model, rank_ratio, found = _run(prober, self.d, self.max_heads, self.rank, self.rng,
+                                                       self.token_scale)
+        return self._outcome(prober, search, stages, model, rank_ratio, found)
 
 
 class BiasedLowRankSchedule(LowRankSchedule):
@@ -110,43 +212,38 @@ class BiasedLowRankSchedule(LowRankSchedule):
     ``u_h`` and the output constant ``c`` (§16, §17), float64, H <= d. In the lifted coordinates of
     §16 ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in ``S_h x R`` (r + 1 dimensions): the subspace units
     ask ``r + 1`` instances (:class:`AffineSubspaceDesign`), the full ones ``d + 1`` (:class:`~.biased.AffineDesign`).
-    Queries after phase 1 (module docstring, lifted): ``(d + 1) + 3H(d + 1) + (d + 2)H(R - 1)
-    + (r + 2)H(d - R) + 2HR(d + 1) + 2H(r + 1)(d - R)``."""
+    Queries after phase 1 (module docstring, lifted, n full bridges): ``(d + 1) + 3H(d + 1) + (d + 2)Hn
+    + (r + 2)H(d - 1 - n) + 2HR(d + 1) + 2H(r + 1)(d - R)``."""
 
     @property
     def promised_queries(self) -> int:
-        d, H, r, R = self.d, self.max_heads, self.rank, self.full_units
-        return ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * (R - 1) + (r + 2) * H * (d - R)
+        d, H = self.d, self.max_heads
+        r, R, n = self._counts()
+        return ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * n + (r + 2) * H * (d - 1 - n)
                 + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
 
     @property
     def count_formula(self) -> str:
-        return ("lowrank with biases (d+1) + 3H(d+1) + (d+2)H(R-1) + (r+2)H(d-R) + 2HR(d+1) + 2H(r+1)(d-R), "
-                "R = min(d, r+2), after phase 1")
+        return super().count_formula.replace("lowrank", "lowrank with biases", 1).replace(
+            "d + 3Hd + (d+1)H", "(d+1) + 3H(d+1) + (d+2)H").replace("(r+1)H(d-", "(r+2)H(d-").replace(
+            "2HRd + 2Hr(d-R)", "2HR(d+1) + 2H(r+1)(d-R)")
 
     fixed_queries = biased.BiasedTargetedSchedule.fixed_queries
 
     def run(self, boundary, arithmetic) -> Outcome:
         prober = biased.affine_prober(self, boundary)
-        search, stages, model, rank_ratio, W_lift = _run_affine(prober, self.d, self.max_heads, self.rank,
-                                                                 self.full_units, self.rng, self.token_scale)
-        H = len(search.heads)
-        instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
-        finals = [data for stage, data in stages if stage == "final"]
-        error_estimate, score_estimate, bias_error = (
-            _error_estimate(finals, model, self.rank) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
-        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
-        checks.append(_rank_check(rank_ratio, self.rank, prober.unit))
-        return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences,
-                       np.asarray(prober.answers, dtype=np.float64), checks, score_estimate=score_estimate,
-                       bias_error=bias_error)
+        search, stages, model, rank_ratio, W_lift, found = _run_affine(prober, self.d, self.max_heads, self.rank,
+                                                                      self.rng, self.token_scale)
+        return self._outcome(prober, search, stages, model, rank_ratio, found, lifted=W_lift)
 
 
-def _rank_check(rank_ratio: float, rank: int, unit: float = 0.0) -> Check:
+def _rank_check(rank_ratio: float, rank: int, unit: float = 0.0, found: bool = False) -> Check:
     limit = rank_limit(unit)
+    told = (f"rank='auto' found r = {rank} from the bridges; above the limit the final units show a higher rank, "
+            f"too weak for the bridges to tell (give rank=r)" if found else
+            f"rank={rank}; above the limit the heads have higher rank")
     return Check("rank_bound", bool(rank_ratio <= limit), float(rank_ratio), limit,
-                 f"largest relative singular value {rank + 1} of a head's measured a_h(z) "
-                 f"(rank={rank}; above the limit the heads have higher rank)")
+                 f"largest relative singular value {rank + 1} of a head's measured a_h(z) ({told})")
 
 
 class AffineSubspaceDesign(_SubspaceDesign):
@@ -196,34 +293,44 @@ def _lifted_bases(spans: np.ndarray) -> np.ndarray:
     return out
 
 
-def _run_affine(prober: AffineProber, d: int, max_heads: int, rank: int, R: int, rng, token_scale: float):
+def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_scale: float):
     """:func:`_run` in the lifted coordinates of §16. Returns ``(line search report, [(stage,
-    measurements)], model or None, rank ratio, lifted W~ or None)``."""
+    measurements)], model or None, rank ratio, lifted W~ or None, (rank, full bridges))``."""
     Z, search, first = biased._first_group(prober, d, max_heads, rng, token_scale)
     if first is None:
-        return search, [], None, 0.0, None
+        return search, [], None, 0.0, None, (_settled(rank, d), None)
     a1, labels1 = first.a[0], first.consensus_labels()[0][0]  # (H, d + 1), (H,)
     stages = [("first", first)]
     rough_a, rough_l = a1[None], labels1[None]
+    measured = None  # full bridges measured (none yet)
     if d > 1 and np.isfinite(a1).all():
         eps = _bridge_step(first)
         bridge_z = lift(prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T), 0.0)  # (d - 1, d + 1)
-        full = _measure(prober, *_shared(bridge_z[:R - 1], np.repeat(a1[None], R - 1, axis=0)), rng, bridge=True,
-                        designer=AffineDesign)
-        stages.append(("bridge", full))
-        rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
-        rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
-        if not np.isfinite(full.a).all():
-            return search, stages, None, np.inf, None
-        if R < d:  # the other bridges in the rough row spaces (lifted)
-            spans, _ = _span(np.concatenate([a1[None], full.a])[..., :d], rank)
-            low = _measure(prober, *_shared(bridge_z[R - 1:], np.repeat(a1[None], d - R, axis=0)), rng,
-                           bridge=True, bases=_per_unit(_lifted_bases(spans), d - R), designer=AffineSubspaceDesign)
+
+        def measure(rows, spans=None):  # spans (H, d, r): the bridges in those (lifted) row spaces
+            count = len(range(d - 1)[rows])
+            return _measure(prober, *_shared(bridge_z[rows], np.repeat(a1[None], count, axis=0)), rng, bridge=True,
+                            **({"designer": AffineDesign} if spans is None else
+                               {"bases": _per_unit(_lifted_bases(spans), count), "designer": AffineSubspaceDesign}))
+
+        blocks, rank, measured = _full_bridges(measure, lambda data: (data.a[..., :d] - a1[:, :d]) / eps,
+                                               a1[:, :d], d, rank, prober.unit)
+        for full in blocks:
+            stages.append(("bridge", full))
+            rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
+            rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
+            if not np.isfinite(full.a).all():
+                return search, stages, None, np.inf, None, (rank, measured)
+        if measured < d - 1:  # the other bridges in the rough row spaces (lifted)
+            spans, _ = _span(np.concatenate([a1[None]] + [full.a for full in blocks])[..., :d], rank)
+            low = measure(slice(measured, None), spans)
             stages.append(("bridge", low))
             rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
             rough_l = np.concatenate([rough_l, (low.label[:, :, 0] - labels1) / eps])
+    rank = _settled(rank, d)
+    R = min(d, rank + RANK_EXTRA)
     if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
-        return search, stages, None, 0.0, None
+        return search, stages, None, 0.0, None, (rank, measured)
     W_rough, v_rough, u_rough = biased._assemble(Z, rough_a, rough_l)
     W_lift = lifted_scores(W_rough, u_rough)
     H = len(search.heads)
@@ -235,7 +342,7 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank: int, R: int,
                      designer=AffineDesign)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
-        return search, stages, None, np.inf, None
+        return search, stages, None, np.inf, None, (rank, measured)
     spans, ratio = _span(final.a[..., :d], rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
@@ -246,12 +353,12 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank: int, R: int,
         a_final = np.concatenate([a_final, low.a])
         labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])
     if not (np.isfinite(a_final).all() and np.isfinite(labels_final).all()):
-        return search, stages, None, ratio, None
+        return search, stages, None, ratio, None, (rank, measured)
     W, v, u = np.empty((H, d, d)), np.empty((H, d)), np.empty((H, d))
     for h in range(H):
         W_h, v_h, u_h = biased._assemble(bases[h], a_final[:, h:h + 1], labels_final[:, h:h + 1])
         W[h], v[h], u[h] = W_h[0], v_h[0], u_h[0]
-    return search, stages, MultiHeadAttention(W, v, u, prober.c0), ratio, lifted_scores(W, u)
+    return search, stages, MultiHeadAttention(W, v, u, prober.c0), ratio, lifted_scores(W, u), (rank, measured)
 
 
 def _span(vectors: np.ndarray, rank: int) -> tuple[np.ndarray, float]:
@@ -267,32 +374,43 @@ def _per_unit(bases: np.ndarray, groups: int) -> np.ndarray:
     return np.repeat(bases[None], groups, axis=0)  # (G, H, d, r)
 
 
-def _run(prober, d: int, max_heads: int, rank: int, R: int, rng, token_scale: float):
-    """Returns ``(line search report, [(stage, measurements)], model or None, rank ratio)``."""
+def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
+    """Returns ``(line search report, [(stage, measurements)], model or None, rank ratio, (rank, full
+    bridges))``: the bound given or the rank found for ``rank="auto"``, and the bridge units measured
+    in all of R^d (None when the run stopped before the bridges)."""
     Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
     if first is None:
-        return search, [], None, 0.0
+        return search, [], None, 0.0, (_settled(rank, d), None)
     a1, labels1 = first.a[0], first.consensus_labels()[0][0]
     stages = [("first", first)]
     rough_a, rough_l = a1[None], labels1[None]
+    measured = None  # full bridges measured (none yet)
     if d > 1 and np.isfinite(a1).all():
         eps = _bridge_step(first)
         bridge_z = prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T)  # (d - 1, d)
-        full = _measure(prober, *_shared(bridge_z[:R - 1], np.repeat(a1[None], R - 1, axis=0)), rng, bridge=True)
-        stages.append(("bridge", full))
-        rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
-        rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
-        if not np.isfinite(full.a).all():
-            return search, stages, None, np.inf
-        if R < d:  # the other bridges in the rough row spaces
-            spans, _ = _span(np.concatenate([a1[None], full.a]), rank)
-            low = _measure(prober, *_shared(bridge_z[R - 1:], np.repeat(a1[None], d - R, axis=0)), rng,
-                           bridge=True, bases=_per_unit(spans, d - R))
+
+        def measure(rows, spans=None):  # spans (H, d, r): the bridges in those row spaces
+            count = len(range(d - 1)[rows])
+            return _measure(prober, *_shared(bridge_z[rows], np.repeat(a1[None], count, axis=0)), rng, bridge=True,
+                            bases=None if spans is None else _per_unit(spans, count))
+
+        blocks, rank, measured = _full_bridges(measure, lambda data: (data.a - a1) / eps, a1, d, rank, prober.unit)
+        for full in blocks:
+            stages.append(("bridge", full))
+            rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
+            rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
+            if not np.isfinite(full.a).all():
+                return search, stages, None, np.inf, (rank, measured)
+        if measured < d - 1:  # the other bridges in the rough row spaces
+            spans, _ = _span(np.concatenate([a1[None]] + [full.a for full in blocks]), rank)
+            low = measure(slice(measured, None), spans)
             stages.append(("bridge", low))
             rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
             rough_l = np.concatenate([rough_l, (low.label[:, :, 0] - labels1) / eps])
+    rank = _settled(rank, d)
+    R = min(d, rank + RANK_EXTRA)
     if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
-        return search, stages, None, 0.0
+        return search, stages, None, 0.0, (rank, measured)
     W_rough, v_rough = float64_kernel.assemble(Z, np.eye(d), rough_a.transpose(1, 0, 2), rough_l.T)
     H = len(search.heads)
     scale = GROUP_SCALE * token_scale
@@ -302,7 +420,7 @@ def _run(prober, d: int, max_heads: int, rank: int, R: int, rng, token_scale: fl
     final = _measure(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_rough, copies=FINAL_COPIES)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
-        return search, stages, None, np.inf
+        return search, stages, None, np.inf, (rank, measured)
     spans, ratio = _span(final.a, rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
@@ -312,12 +430,18 @@ def _run(prober, d: int, max_heads: int, rank: int, R: int, rng, token_scale: fl
         a_final = np.concatenate([a_final, low.a])
         labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])
     if not (np.isfinite(a_final).all() and np.isfinite(labels_final).all()):
-        return search, stages, None, ratio
+        return search, stages, None, ratio, (rank, measured)
     W, v = np.empty((H, d, d)), np.empty((H, d))
     for h in range(H):  # W_h^T z = a_h(z) over head h's basis: W_h = Z_h^{-T} A_h^T
         W[h], v[h] = (part[0] for part in float64_kernel.assemble(
             bases[h], np.eye(d), a_final[:, h][None], labels_final[:, h][None]))
-    return search, stages, MultiHeadAttention(W, v), ratio
+    return search, stages, MultiHeadAttention(W, v), ratio, (rank, measured)
+
+
+def _settled(rank, d: int) -> int:
+    """``rank`` once the bridges are measured: a bound stays; ``"auto"`` left unsettled (a run that
+    failed before its bridges, or d = 1) is d."""
+    return d if rank == AUTO else rank
 
 
 def _error_estimate(finals, model, rank: int) -> tuple[float, float]:
