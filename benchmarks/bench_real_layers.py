@@ -10,7 +10,7 @@ through a random vector, extracted with ``mx.extract(TorchOracle(layer, r), d, h
 (ground truth from the weights, computed here). ``--sweep``: simulated biased targets with weights
 scaled 1e-3..1e3, ``token_scale="auto"``; every run must pass or fail loudly. ``--rank dH`` or
 ``--rank auto``: ``schedule="lowrank", rank=d // H`` (the heads' rank) or ``rank="auto"``, with
-``bias=True, token_scale="auto"`` (docs/algorithm.md §17); the queries then include no calibration.
+``bias=True, token_scale="auto"`` (docs/algorithm.md §17).
 """
 
 from __future__ import annotations
