@@ -56,6 +56,7 @@ def rank_limit(unit: float) -> float:
     """The ``rank_bound`` check's limit for answers of relative unit ``unit`` (the rank is told from
     noise only above it: a head of higher rank whose extra singular values are below it passes)."""
     return max(RANK_LIMIT, min(RANK_UNITS * unit, LOOSEST_RANK_LIMIT))
+FINAL_COPIES = ((1, 2), (1, 2))
 
 
 #: ``rank="auto"``: the value of ``rank`` that asks the schedule to find the rank itself.
@@ -110,7 +111,6 @@ def _full_bridges(measure, rough_of, first_rough: np.ndarray, d: int, rank, unit
         if (measured + 1 - ranks >= AUTO_WITNESSES).all():
             break
     return blocks, int(min(d, ranks.max())), measured
-FINAL_COPIES = ((1, 2), (1, 2))
 
 
 @dataclass
@@ -170,13 +170,16 @@ class LowRankSchedule(TargetedSchedule):
         return (d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n)
                 + 2 * H * R * d + 2 * H * r * (d - R))
 
+    #: The count in words: with a bound (R - 1 full bridges) and with ``rank="auto"`` (n of them).
+    bound_formula = "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + 2HRd + 2Hr(d-R)"
+    auto_formula = "lowrank rank='auto' d + 3Hd + (d+1)Hn + (r+1)H(d-1-n) + 2HRd + 2Hr(d-R)"
+
     @property
     def count_formula(self) -> str:
         if self.rank != AUTO:
-            return "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + 2HRd + 2Hr(d-R), R = min(d, r+2), after phase 1"
+            return f"{self.bound_formula}, R = min(d, r+2), after phase 1"
         r, _, n = self._counts()
-        return (f"lowrank rank='auto' d + 3Hd + (d+1)Hn + (r+1)H(d-1-n) + 2HRd + 2Hr(d-R), r = {r} found, "
-                f"n = {n} full bridges measured, R = min(d, r+2), after phase 1")
+        return f"{self.auto_formula}, r = {r} found, n = {n} full bridges measured, R = min(d, r+2), after phase 1"
 
     def _outcome(self, prober, search, stages, model, rank_ratio, found, lifted=None) -> Outcome:
         """What both run()s report: the diagnostics, the estimate, the checks and the rank used.
@@ -222,11 +225,10 @@ class BiasedLowRankSchedule(LowRankSchedule):
         return ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * n + (r + 2) * H * (d - 1 - n)
                 + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
 
-    @property
-    def count_formula(self) -> str:
-        return super().count_formula.replace("lowrank", "lowrank with biases", 1).replace(
-            "d + 3Hd + (d+1)H", "(d+1) + 3H(d+1) + (d+2)H").replace("(r+1)H(d-", "(r+2)H(d-").replace(
-            "2HRd + 2Hr(d-R)", "2HR(d+1) + 2H(r+1)(d-R)")
+    bound_formula = ("lowrank with biases (d+1) + 3H(d+1) + (d+2)H(R-1) + (r+2)H(d-R) + 2HR(d+1) "
+                     "+ 2H(r+1)(d-R)")
+    auto_formula = ("lowrank with biases rank='auto' (d+1) + 3H(d+1) + (d+2)Hn + (r+2)H(d-1-n) + 2HR(d+1) "
+                    "+ 2H(r+1)(d-R)")
 
     fixed_queries = biased.BiasedTargetedSchedule.fixed_queries
 
