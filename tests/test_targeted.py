@@ -912,10 +912,27 @@ def test_score_norms_in_float32_match_float64_and_fall_back_where_float32_cannot
     tokens[0, 1, 2] *= 1e30
     tokens[1, 0, 3] = 0.0
     tokens[2, 0, 0] *= 1e-30
-    expected = np.linalg.norm(np.einsum("ghnd,hed->ghne", tokens, W), axis=3)
+    products = np.linalg.norm(np.einsum("ghnd,hed->ghne", tokens, W), axis=3)
+    rounding = np.linalg.norm(W, axis=(1, 2))[None, :, None] / np.sqrt(d) * np.linalg.norm(tokens, axis=3)
     norms = targeted._score_norms(tokens, W)
     assert norms[1, 0, 3] == 0.0 and np.isfinite(norms).all()
-    np.testing.assert_allclose(norms, expected, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(norms, np.maximum(products, rounding), rtol=1e-5, atol=0)
+
+
+def test_score_norms_of_a_token_in_a_low_rank_heads_null_space_are_its_rounding():
+    """A token x nearly in W_h's null space has a tiny ``|W_h x|``, but the oracle's own ``W_h x``
+    rounds at about ``eps |W_h|_F |x| / sqrt(d)``: that is the size the log-pole's rounding carries
+    (measured on a rank-1 head: answers 8 and 40 times off the rounding modelled from ``|W_h x|``)."""
+    rng = np.random.default_rng(1)
+    d = 14
+    a, b = rng.standard_normal((2, d))
+    W = np.outer(a, b)[None] / d  # rank 1: W x = a (b^T x)
+    x = rng.standard_normal(d)
+    x -= (x @ b) / (b @ b) * b * (1 - 1e-3)  # b^T x a thousandth of its size
+    x *= 50.0
+    norms = targeted._score_norms(x[None, None, None], W)[0, 0, 0]
+    assert np.linalg.norm(W[0] @ x) < 1e-2 * norms
+    assert norms == pytest.approx(np.linalg.norm(W[0]) * np.linalg.norm(x) / np.sqrt(d), rel=1e-12)
 
 
 @pytest.mark.parametrize("H, r", [(1, 3), (2, 4), (4, 3), (3, 9)])

@@ -1095,7 +1095,10 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         raise AssertionError("a chunk's units must be ordered by group, then head")
     m = out.log_pole.reshape(U, rounds)
     sigma, score_sigma = np.full((U, rounds), np.nan), np.full((U, rounds), np.nan)
-    if W_score is not None:  # the oracle's rounding of the scores y^T W_h x, about eps |z| |W_h x|
+    if W_score is not None:
+        # The oracle's rounding of the log-pole y^T q - x^T q = -z^T q, q = W_h x: the two dot
+        # products round at eps |x| |q| (|x| <= 0.1 |z| over the targeted runs measured), q's own
+        # rounding enters as z^T dq, about eps |z| times :func:`_score_norms`.
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
         score_factor, sample_scale = (NOISY_SCORE_FACTOR if score_unit > EPS else 8.0), 1.0
         common = np.zeros((U, rounds))  # the largest share of a sample's rounding common to its instance's
@@ -1123,6 +1126,7 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         out.label_error = out.consensus_labels(scaled.reshape(G, H, rounds))[1]
     ok = np.isfinite(m).all(axis=1)
     variances = None
+    x_norm = np.sqrt(np.einsum("und,und->un", finals, finals))  # (no (U, rounds, d) temporary)
     if W_score is not None:
         # First order, independent errors: |a_i error| ~ sqrt(sum_n (X^{-1})_{in}^2 sigma_n^2), the map
         # applied to diag(sigma). Applied to sigma itself the errors cancel in the sum and the
@@ -1131,7 +1135,6 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         with np.errstate(over="ignore", invalid="ignore"):
             variances = np.stack([np.nan_to_num(sigma), np.nan_to_num(score_sigma)], axis=2) ** 2
         variances = np.minimum(variances, np.finfo(np.float64).max)
-    x_norm = np.sqrt(np.einsum("und,und->un", finals, finals))  # (no (U, rounds, d) temporary)
     solution, spread_squared = _solve_units(finals, design, np.nan_to_num(m), variances, x_norm)
     a = np.where(ok[:, None], solution, np.nan)
     out.a = a.reshape(G, H, d)
@@ -1145,11 +1148,16 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
 
 
 def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
-    """``|W_h x|`` (G, H, rounds) of each unit's own head h for its tokens ``by_head`` (G, H, rounds, d)
-    (units ordered (group, head): head h's tokens are the strided view ``by_head[:, h]``).
+    """``max(|W_h x|, |W_h|_F |x| / sqrt(d))`` (G, H, rounds) of each unit's own head h for its tokens
+    ``by_head`` (G, H, rounds, d) (units ordered (group, head): head h's tokens are the strided view
+    ``by_head[:, h]``).
 
-    They size the oracle's score rounding ``8 eps |z| |W_h x|`` in the error estimate, so a few
-    digits suffice: the products run in float32 (sgemm, twice dgemm's speed; ``d^2`` per token was
+    They size the oracle's score rounding ``8 eps |z| |q|`` in the error estimate, ``q = W_h x`` as the
+    oracle forms it: its rounding error is about ``eps |W_h|_F |x| / sqrt(d)`` (each entry a sum of d
+    products of random signs), which is what the log-pole ``-z^T q`` carries where x lies nearly in
+    W_h's null space (a low-rank head, a token aimed at a small log-pole along it: the answers of a
+    rank-1 head under schedule="lowrank" with |x| = 58 and 6,841 were 8 and 40 times off their
+    modelled rounding, the estimate 50 times below the truth). A few digits suffice: the products run in float32 (sgemm, twice dgemm's speed; ``d^2`` per token was
     an eighth of the learner at d = 256, H = 2, half the final stage's oracle work at H = 2), with
     each head's W scaled to entries at most 1, to a relative error about ``d 2^-24 cond(W_h)``
     (4e-3 at d = 256 for a Gaussian W). A row whose float32 norm is not a positive finite number
@@ -1168,6 +1176,8 @@ def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
             if redo.any():
                 exact = np.matmul(by_head[:, h][redo], W_score[h].T)
                 norms[:, h][redo] = np.sqrt(np.einsum("nd,nd->n", exact, exact))
+            rounding = np.linalg.norm(W_score[h]) / np.sqrt(d) * np.linalg.norm(by_head[:, h], axis=2)
+            np.maximum(norms[:, h], rounding, out=norms[:, h])
     return norms
 
 
