@@ -913,7 +913,8 @@ def test_score_norms_in_float32_match_float64_and_fall_back_where_float32_cannot
     tokens[1, 0, 3] = 0.0
     tokens[2, 0, 0] *= 1e-30
     products = np.linalg.norm(np.einsum("ghnd,hed->ghne", tokens, W), axis=3)
-    rounding = np.linalg.norm(W, axis=(1, 2))[None, :, None] / np.sqrt(d) * np.linalg.norm(tokens, axis=3)
+    rounding = (targeted.SCORE_NORM_FLOOR * np.linalg.norm(W, axis=(1, 2))[None, :, None] / np.sqrt(d)
+                * np.linalg.norm(tokens, axis=3))
     norms = targeted._score_norms(tokens, W)
     assert norms[1, 0, 3] == 0.0 and np.isfinite(norms).all()
     np.testing.assert_allclose(norms, np.maximum(products, rounding), rtol=1e-5, atol=0)
@@ -932,7 +933,8 @@ def test_score_norms_of_a_token_in_a_low_rank_heads_null_space_are_its_rounding(
     x *= 50.0
     norms = targeted._score_norms(x[None, None, None], W)[0, 0, 0]
     assert np.linalg.norm(W[0] @ x) < 1e-2 * norms
-    assert norms == pytest.approx(np.linalg.norm(W[0]) * np.linalg.norm(x) / np.sqrt(d), rel=1e-12)
+    expected = targeted.SCORE_NORM_FLOOR * np.linalg.norm(W[0]) * np.linalg.norm(x) / np.sqrt(d)
+    assert norms == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("H, r", [(1, 3), (2, 4), (4, 3), (3, 9)])

@@ -1147,21 +1147,29 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         out.variance = np.where(ok[:, None, None], spread_squared, np.nan).reshape(G, H, d, 2)
 
 
-def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
-    """``max(|W_h x|, |W_h|_F |x| / sqrt(d))`` (G, H, rounds) of each unit's own head h for its tokens
-    ``by_head`` (G, H, rounds, d) (units ordered (group, head): head h's tokens are the strided view
-    ``by_head[:, h]``).
+#: The floor of :func:`_score_norms` as a fraction of ``|W_h|_F |x| / sqrt(d)``, the expected size of
+#: ``|W_h x|`` for a token in no particular direction: ordinary tokens stay above it (their estimates
+#: unchanged), tokens nearly in a head's null space are lifted to it. (At the full expected size the
+#: estimates of ordinary runs grew up to 2x and a float32 GPT-2 layer's, d = 32, H = 8, passed its
+#: error_estimate limit.)
+SCORE_NORM_FLOOR = 0.5
 
-    They size the oracle's score rounding ``8 eps |z| |q|`` in the error estimate, ``q = W_h x`` as the
-    oracle forms it: its rounding error is about ``eps |W_h|_F |x| / sqrt(d)`` (each entry a sum of d
-    products of random signs), which is what the log-pole ``-z^T q`` carries where x lies nearly in
-    W_h's null space (a low-rank head, a token aimed at a small log-pole along it: the answers of a
+
+def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
+    """``max(|W_h x|, SCORE_NORM_FLOOR |W_h|_F |x| / sqrt(d))`` (G, H, rounds) of each unit's own head
+    h for its tokens ``by_head`` (G, H, rounds, d) (units ordered (group, head): head h's tokens are
+    the strided view ``by_head[:, h]``).
+
+    They size the oracle's score rounding ``8 eps |z| |q|`` in the error estimate, ``q = W_h x`` as
+    the oracle forms it: its rounding error is about ``eps |W_h|_F |x| / sqrt(d)`` (each entry a sum
+    of d products of random signs), which is what the log-pole ``-z^T q`` carries where x lies nearly
+    in W_h's null space (a low-rank head, a token aimed at a small log-pole along it: the answers of a
     rank-1 head under schedule="lowrank" with |x| = 58 and 6,841 were 8 and 40 times off their
-    modelled rounding, the estimate 50 times below the truth). A few digits suffice: the products run in float32 (sgemm, twice dgemm's speed; ``d^2`` per token was
-    an eighth of the learner at d = 256, H = 2, half the final stage's oracle work at H = 2), with
-    each head's W scaled to entries at most 1, to a relative error about ``d 2^-24 cond(W_h)``
-    (4e-3 at d = 256 for a Gaussian W). A row whose float32 norm is not a positive finite number
-    (overflow, underflow) is computed again in float64."""
+    modelled rounding, the estimate 50 times below the truth). A few digits suffice: the products run
+    in float32 (sgemm, twice dgemm's speed; ``d^2`` per token was an eighth of the learner at d = 256,
+    H = 2, half the final stage's oracle work at H = 2), with each head's W scaled to entries at most
+    1, to a relative error about ``d 2^-24 cond(W_h)`` (4e-3 at d = 256 for a Gaussian W). A row whose
+    float32 norm is not a positive finite number (overflow, underflow) is computed again in float64."""
     G, H, rounds, d = by_head.shape
     norms = np.empty((G, H, rounds))
     tokens, product = np.empty((G, rounds, d), np.float32), np.empty((G, rounds, d), np.float32)
@@ -1176,7 +1184,7 @@ def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
             if redo.any():
                 exact = np.matmul(by_head[:, h][redo], W_score[h].T)
                 norms[:, h][redo] = np.sqrt(np.einsum("nd,nd->n", exact, exact))
-            rounding = np.linalg.norm(W_score[h]) / np.sqrt(d) * np.linalg.norm(by_head[:, h], axis=2)
+            rounding = SCORE_NORM_FLOOR * np.linalg.norm(W_score[h]) / np.sqrt(d) * np.linalg.norm(by_head[:, h], axis=2)
             np.maximum(norms[:, h], rounding, out=norms[:, h])
     return norms
 
