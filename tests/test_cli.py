@@ -87,3 +87,25 @@ def test_the_report_shows_every_parameter_the_estimate_covers_when_biases_are_le
         rows[bias] = console.export_text()
     assert "max rel. error u" in rows[True] and "rel. error c" in rows[True]
     assert "max rel. error u" not in rows[False] and "rel. error c" not in rows[False]
+
+
+@pytest.mark.parametrize("rank, found", [("2", "2"), ("auto", "4")])
+def test_demo_with_a_rank_extracts_a_low_rank_target(rank, found):
+    # --rank r: the target's heads have rank r (d // heads for 'auto'), the run the low-rank schedule.
+    result = runner.invoke(app, ["demo", "--d", "16", "--heads", "4", "--rank", rank])
+    assert result.exit_code == 0, result.output
+    assert "low-rank schedule" in result.output and "checks" in result.output
+    assert any(line.split("│")[1].strip() == "rank" and line.split("│")[2].strip() == found
+               for line in result.output.splitlines() if line.count("│") >= 3)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--rank", "x"], "must be an integer r >= 1 or 'auto'"),
+    (["--rank", "20"], "rank must be an integer 1 <= rank <= d = 8"),
+    (["--rank", "2", "--precision", "128"], "float64 low-rank schedule"),
+    (["--rank", "2", "--transformer"], "--rank apply to the attention demo"),
+])
+def test_demo_refuses_a_bad_rank(arguments, message):
+    result = runner.invoke(app, ["demo", *arguments])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())

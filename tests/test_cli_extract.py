@@ -242,3 +242,24 @@ def test_a_failed_verification_exits_1(marking_module):
                                  "--verify", "64"])
     assert result.exit_code == 1, result.output
     assert "verification FAILED" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("rank", ["3", "auto"])
+def test_extract_with_a_rank_runs_the_low_rank_schedule(user_module, rank):
+    # The user's heads are full rank (3 = d): rank=3 is a true bound, and "auto" finds 3.
+    name, truth, folder = user_module
+    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+                                 "--rank", rank, "--out", "low.json"])
+    assert result.exit_code == 0, result.output
+    assert "lowrank" in result.output
+    assert mx.compare(load_model(folder / "low.json"), truth).max_rel < 1e-12
+
+
+def test_extract_refuses_a_bad_rank(user_module):
+    name, _, _ = user_module
+    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+                                 "--rank", "big"])
+    assert result.exit_code == 2 and "--rank" in result.output
+    result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
+                                 "--rank", "4"])
+    assert result.exit_code == 2 and "rank must be at most d = 3" in result.output

@@ -10,9 +10,16 @@ from conftest import CountingOracle, paper_count
 
 def low_rank_target(d, H, r, seed):
     """``W_h = A_h B_h^T / sqrt(d r)`` (rank r, entries of size ~1/sqrt(d) like ``random``)."""
-    rng = np.random.default_rng(seed)
-    A, B = rng.standard_normal((2, H, d, r))
-    return mx.MultiHeadAttention(np.einsum("hdr,her->hde", A, B) / np.sqrt(d * r), rng.standard_normal((H, d)))
+    return mx.MultiHeadAttention.random(d, H, seed=seed, rank=r)
+
+
+def test_random_low_rank_targets_have_the_rank_asked():
+    target = mx.MultiHeadAttention.random(12, 3, seed=0, rank=4)
+    assert [np.linalg.matrix_rank(W) for W in target.W] == [4, 4, 4]
+    assert 0.5 < np.std(target.W) * np.sqrt(12) < 2.0  # entries of variance about 1/d, as full rank
+    for rank in (0, 13, 2.5, True):
+        with pytest.raises(ValueError, match="rank must be an integer 1 <= rank <= d = 12"):
+            mx.MultiHeadAttention.random(12, 3, seed=0, rank=rank)
 
 
 def formula(d, H, r):
@@ -205,3 +212,14 @@ def test_auto_rank_is_refused_by_the_other_schedules_and_a_bad_string_is_named(s
     with pytest.raises(ValueError, match="rank must be an integer 1 <= r <= d = 6 or 'auto', got 'full'"):
         mx.extract(oracle, 6, heads=2, schedule="lowrank", rank="full")
     assert oracle.count == 0
+
+
+def test_a_rank_with_the_default_schedule_runs_the_low_rank_schedule():
+    target = low_rank_target(12, 3, 3, 9)
+    oracle = CountingOracle(target)
+    result = mx.extract(oracle, 12, heads=3, seed=9, rank="auto")  # schedule="auto": calibration, biases
+    assert result.ok and result.details.rank == 3 and result.bias
+    assert "low-rank schedule" in result.schedule_reason and oracle.count == result.queries
+    assert mx.compare(result.model, target).max_rel <= 1e-11
+    with pytest.raises(ValueError, match="rank=3 is for the float64 low-rank schedule"):
+        mx.extract(CountingOracle(target), 12, heads=3, rank=3, precision=128)

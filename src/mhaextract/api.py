@@ -107,8 +107,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     answer_error : a bound on every answer's absolute error, if known (float64).
     rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
         ``3H (2dr - r^2)`` queries instead of ``4 H d^2``), or ``"auto"``: the schedule finds r from
-        its bridges first (at most twice the full bridges r needs; ``details.rank``); other
-        schedules refuse it.
+        its bridges first (at most twice the full bridges r needs; ``details.rank``). With
+        ``schedule="auto"`` a rank selects the low-rank schedule (float64, H0 <= d, with biases and
+        calibration as the other defaults); the other schedules refuse it.
     backend : float64 kernels of the grid schedules (paper, lean): None or ``"numpy"``, or
         ``"torch"`` (CUDA when present, else CPU), ``"torch-cpu"``, ``"torch-cuda"``: the batched
         factorisations in torch, the same results to float64 rounding (needs the ``[torch]`` extra).
@@ -134,7 +135,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         resumable_seed(seed)
         check_directory(transcript)  # before the calibration's probes: nothing is asked for a run that cannot record
     resume_check = positive_int("resume_check", resume_check, minimum=0)
-    choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias)
+    choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
     started = time.perf_counter()
     calibration = None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query

@@ -51,6 +51,20 @@ def _number_or_text(value):
         return value
 
 
+RANK_HELP = ("a bound r on every head's rank, or 'auto' to find it: the float64 low-rank schedule, about "
+             "3H(2dr - r^2) queries (docs/algorithm.md §17)")
+
+
+def _rank_option(value: str | None):
+    """``--rank``: None, ``"auto"`` or an int (its range is checked with the run's other settings)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"must be an integer r >= 1 or 'auto', got {value!r}", param_hint="--rank") from None
+
+
 def _common_options(d, precision, seed, schedule) -> None:
     """The options ``demo`` and ``extract`` share, checked before anything runs."""
     _checked("--d", positive_int, "d", d)
@@ -103,6 +117,8 @@ def demo(
     refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
     transformer: bool = typer.Option(False, "--transformer", help="target: attention + bias-free ReLU FFN"),
     hidden: int = typer.Option(8, "--hidden", help="hidden units of the --transformer target"),
+    rank: str = typer.Option(None, "--rank", help=RANK_HELP + "; the target's heads then have rank r (d // heads "
+                             "for 'auto')"),
 ) -> None:
     """Extract a random target through a simulated oracle, verify it on fresh queries, print what it took."""
     console = Console()
@@ -114,12 +130,17 @@ def demo(
     if precision is not None and noise is not None:
         raise typer.BadParameter(FLOAT64_ONLY)
     robust = _robust_options(precision, samples, noise, refine)
-    if transformer and (noise is not None or samples is not None or refine):
-        raise typer.BadParameter("--noise, --samples and --refine apply to the attention demo, not --transformer")
+    rank = _rank_option(rank)
+    if transformer and (noise is not None or samples is not None or refine or rank is not None):
+        raise typer.BadParameter("--noise, --samples, --refine and --rank apply to the attention demo, "
+                                 "not --transformer")
     if transformer:
         from .transformer import transformer_demo
         raise typer.Exit(code=transformer_demo(console, d, heads, hidden, precision, seed))
-    target = MultiHeadAttention.random(d, heads, seed=seed)
+    target_rank = None if rank is None else max(1, d // heads) if rank == "auto" else rank
+    target = _checked("--rank", MultiHeadAttention.random, d, heads, seed, False, target_rank)
+    if rank is not None:
+        robust["rank"] = rank
     oracle = SimulatedOracle(target, precision=precision)
     if noise is not None:
         oracle = AdditiveNoise(oracle, noise, seed=seed + 2)
@@ -192,6 +213,7 @@ def extract_command(
     max_queries: int = typer.Option(None, "--max-queries", help="cap on the queries asked in this run"),
     batch_size: int = typer.Option(1024, "--batch-size", help="sequences per oracle call"),
     out: Path = typer.Option(None, "--out", help="write the result as JSON (and .npz arrays beside it)"),
+    rank: str = typer.Option(None, "--rank", help=RANK_HELP),
 ) -> None:
     """Extract the heads of a user's oracle and print (and save) what it took."""
     console = Console()
@@ -203,6 +225,9 @@ def extract_command(
     _checked("--batch-size", positive_int, "batch_size", batch_size)
     _checked("--verify", positive_int, "verify", verify_queries, 0)
     robust = _robust_options(precision, samples, answer_error, refine, verify_queries)
+    rank = _rank_option(rank)
+    if rank is not None:
+        robust["rank"] = rank
     if out is not None and out.suffix != ".json":
         raise typer.BadParameter(f"must end in .json, got {str(out)!r}", param_hint="--out")
     _writable_folder(out, "--out")

@@ -148,10 +148,12 @@ class MultiHeadAttention:
         return f"MultiHeadAttention(d={self.d}, heads={self.heads}, {kind}{bias})"
 
     @classmethod
-    def random(cls, d: int, heads: int, seed=None, bias: bool = False) -> "MultiHeadAttention":
+    def random(cls, d: int, heads: int, seed=None, bias: bool = False, rank: int | None = None) -> "MultiHeadAttention":
         """A random target: ``W_h`` with i.i.d. N(0, 1/d) entries and ``v_h`` with N(0, 1) entries;
         with ``bias=True`` also ``u_h`` with N(0, 1/sqrt(d)) entries and ``c`` N(0, 1) (the same
-        draws of W and v as without).
+        draws of W and v as without). ``rank=r``: ``W_h = A_h B_h^T / sqrt(d r)`` with Gaussian
+        ``A_h``, ``B_h`` (d x r), of rank r with entries of variance 1/d (the low-rank schedule's
+        targets, docs/algorithm.md §17).
 
         The 1/d variance keeps ``z^T W_h x`` of order one for tokens of norm ``d**0.25``, the
         default token scale of :func:`mhaextract.extract`; ``u_h`` of norm ``d**0.25`` keeps
@@ -160,7 +162,13 @@ class MultiHeadAttention:
         if int(d) < 1 or int(heads) < 1:
             raise ValueError(f"d and heads must be positive, got d={d}, heads={heads}")
         rng = np.random.default_rng(seed)
-        W = rng.standard_normal((heads, d, d)) / np.sqrt(d)
+        if rank is None:
+            W = rng.standard_normal((heads, d, d)) / np.sqrt(d)
+        else:
+            if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 1 <= rank <= d:
+                raise ValueError(f"rank must be an integer 1 <= rank <= d = {d}, got {rank!r}")
+            A, B = rng.standard_normal((2, heads, d, int(rank)))
+            W = np.einsum("hdr,her->hde", A, B) / np.sqrt(d * rank)
         v = rng.standard_normal((heads, d))
         if not bias:
             return cls(W, v)

@@ -62,12 +62,21 @@ class Choice:
     reason: str
 
 
-def choose(name, d: int, max_heads: int, precision, bias) -> Choice:
-    """Resolve ``schedule=name`` and ``bias`` (None: the schedule's default) for a run."""
+def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
+    """Resolve ``schedule=name`` and ``bias`` (None: the schedule's default) for a run; ``rank`` (a
+    bound, or ``"auto"``) sends ``schedule="auto"`` to the low-rank schedule."""
     known_schedule(name)
     if name == AUTO:
         learns = True if bias is None else bool(bias)
-        if precision is None and max_heads <= d:
+        if rank is not None and precision is None and max_heads <= d:
+            cls, reason = SCHEDULES["lowrank"], (
+                f"auto: rank={rank!r} given, float64 and H0 = {max_heads} <= d = {d}: the low-rank schedule, "
+                "targeted instances in each head's row space, about 3H(2dr - r^2) queries (docs/algorithm.md §17)")
+        elif rank is not None:
+            raise ValueError(f"rank={rank!r} is for the float64 low-rank schedule (docs/algorithm.md §17), which "
+                             f"needs precision=None and H0 <= d (got precision={precision}, H0 = {max_heads}, "
+                             f"d = {d}): drop rank, or precision")
+        elif precision is None and max_heads <= d:
             cls, reason = SCHEDULES["targeted"], (
                 f"auto: float64 and H0 = {max_heads} <= d = {d}: targeted single-pole instances keep machine "
                 "precision for any H (docs/algorithm.md §13); the paper schedule loses ~3 digits per head")
