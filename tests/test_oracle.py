@@ -141,13 +141,15 @@ def test_copies_queries_build_the_sequences_of_copies_sequences_bit_for_bit_on_d
     pool[1] = pool[0]
     pool[1, 2] = -0.0 if pool[0, 2] == 0.0 else pool[1, 2]
     pool[0, 3], pool[1, 3] = 0.0, -0.0  # equal values, different bytes: two final tokens, not one
-    finals = pool[rng.integers(0, 4, n)]
-    differences = rng.standard_normal((n, d))
+    final_of = rng.integers(0, 4, n)
+    difference_pool = rng.standard_normal((7, d))
+    difference_of = rng.integers(0, 7, n)
+    finals, differences = pool[final_of], difference_pool[difference_of]
     which = np.repeat(np.arange(n), 3)
     copies = np.tile([0, 2, 5], n)
-    queries = CopiesQueries.of(finals, differences, which, copies)
+    queries = CopiesQueries(pool, final_of, difference_pool, which, copies, difference_of)  # rows named, not copied
     expected = copies_sequences(finals, differences, which, copies)
-    assert len(queries) == len(expected) and len(queries.finals) == len(np.unique(finals, axis=0)) + 1
+    assert len(queries) == len(expected)
     same = lambda a, b: a.shape == b.shape and a.tobytes() == b.tobytes()  # signs of zeros included
     assert all(same(a, b) for a, b in zip(queries, expected)) and len(list(queries)) == len(expected)
     assert all(same(queries[i], expected[i]) for i in (0, 5, -1, len(expected) - 1))
@@ -157,7 +159,7 @@ def test_copies_queries_build_the_sequences_of_copies_sequences_bit_for_bit_on_d
     queries[4][0, 0] = 99.0  # every access builds fresh arrays
     assert same(queries[4], expected[4])
     # Concatenation keeps one CopiesQueries (lean's fallback links); with a list it is a list.
-    more = CopiesQueries.of(finals[:5], differences[:5], np.arange(5), np.full(5, 1))
+    more = CopiesQueries(finals[:5], np.arange(5), differences[:5], np.arange(5), np.full(5, 1))
     joined = queries + more
     assert isinstance(joined, CopiesQueries)
     assert all(same(a, b) for a, b in zip(joined, expected + copies_sequences(finals[:5], differences[:5],
@@ -234,11 +236,11 @@ def test_copies_queries_outputs_are_the_model_on_the_sequences(d, H, bias):
     target = mx.MultiHeadAttention.random(d, H, seed=d, bias=bias)
     rng = np.random.default_rng(d)
     n = 30
-    finals = rng.standard_normal((3, d))[rng.integers(0, 3, n)] * d**0.25 / np.sqrt(d)
+    pool, final_of = rng.standard_normal((3, d)) * d**0.25 / np.sqrt(d), rng.integers(0, 3, n)
     differences = rng.standard_normal((n, d)) * d**0.25 / np.sqrt(d)
     differences[0] = 0.0  # y = x: every token equal
-    differences[1] = finals[1] * 4  # scores of y far below or above x's
-    queries = CopiesQueries.of(finals, differences, np.repeat(np.arange(n), 6), np.tile(np.arange(6), n))
+    differences[1] = pool[final_of[1]] * 4  # scores of y far below or above x's
+    queries = CopiesQueries(pool, final_of, differences, np.repeat(np.arange(n), 6), np.tile(np.arange(6), n))
     exact = np.array([float(value) for value in target(list(queries), precision=120)])
     scale = np.abs(exact).max()
     assert np.abs(queries.outputs(target) - exact).max() <= 1e-15 * scale  # as close as the model's own evaluation:

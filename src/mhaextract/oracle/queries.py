@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -122,7 +123,7 @@ BUILD_CHUNK = 4096
 class CopiesQueries(Sequence):
     """The queries of copies-instances, built on demand: query ``q`` is :func:`copies_sequences`'s
     ``(y, ..., y, x)`` with ``copies[q]`` copies of ``y = x - difference``, ``x = finals[final_of[t]]``,
-    ``difference = differences[t]``, ``t = which[q]``.
+    ``difference = differences[difference_of[t]]``, ``t = which[q]``.
 
     A sequence of (N, d) arrays like a list (``len``, indexing, slicing, iteration; every access
     builds fresh arrays, bit for bit those of :func:`copies_sequences`), but it holds one row per
@@ -134,37 +135,22 @@ class CopiesQueries(Sequence):
     #: (:class:`mhaextract.oracle.boundary.OracleBoundary`).
     fresh_on_access = True
 
-    def __init__(self, finals: np.ndarray, final_of, differences: np.ndarray, which, copies):
+    def __init__(self, finals: np.ndarray, final_of, differences: np.ndarray, which, copies, difference_of=None):
         self.finals = np.asarray(finals, dtype=np.float64)  # (U, d) distinct final tokens
         self.final_of = np.asarray(final_of, dtype=int)  # (n,) instance -> row of finals
-        self.differences = np.asarray(differences, dtype=np.float64)  # (n, d)
+        self.differences = np.asarray(differences, dtype=np.float64)  # (V, d) difference rows
         self.which = np.asarray(which, dtype=int)  # (Q,) query -> instance
         self.copies = np.asarray(copies, dtype=int)  # (Q,)
-
-    @classmethod
-    def of(cls, finals: np.ndarray, differences: np.ndarray, which, copies) -> "CopiesQueries":
-        """From one final token per instance (rows of ``finals``); equal rows are kept once."""
-        finals = np.ascontiguousarray(finals, dtype=np.float64)
-        if not finals.size:
-            return cls(finals, np.arange(len(finals)), differences, which, copies)
-        # Rows grouped by a random projection (one float each: fast), the grouping kept only if every
-        # row is bit for bit its group's first; else (a collision, -0.0 against 0.0, NaN) by their bytes.
-        key = finals @ np.random.default_rng(0).uniform(1.0, 2.0, finals.shape[1])
-        _, first, final_of = np.unique(key, return_index=True, return_inverse=True)
-        final_of = np.asarray(final_of).ravel()
-        bits = finals.view(np.uint64)
-        if not np.array_equal(bits, bits[first][final_of]):
-            rows = finals.view(np.dtype((np.void, finals.itemsize * finals.shape[1]))).ravel()
-            _, first, final_of = np.unique(rows, return_index=True, return_inverse=True)
-            final_of = np.asarray(final_of).ravel()
-        return cls(finals[first], final_of, differences, which, copies)
+        #: (n,) instance -> row of differences (one row per instance when not given)
+        self.difference_of = (np.arange(len(self.differences)) if difference_of is None
+                              else np.asarray(difference_of, dtype=int))
 
     def __len__(self) -> int:
         return len(self.copies)
 
     def _build(self, which: np.ndarray, copies: np.ndarray) -> list[np.ndarray]:
         instances, local = np.unique(which, return_inverse=True)  # only the instances these queries need
-        return copies_sequences(self.finals[self.final_of[instances]], self.differences[instances],
+        return copies_sequences(self.finals[self.final_of[instances]], self.differences[self.difference_of[instances]],
                                 np.asarray(local).ravel(), copies)
 
     def __getitem__(self, key):
@@ -184,8 +170,9 @@ class CopiesQueries(Sequence):
         finals = np.concatenate([self.finals, other.finals])
         return CopiesQueries(finals, np.concatenate([self.final_of, other.final_of + len(self.finals)]),
                              np.concatenate([self.differences, other.differences]),
-                             np.concatenate([self.which, other.which + len(self.differences)]),
-                             np.concatenate([self.copies, other.copies]))
+                             np.concatenate([self.which, other.which + len(self.final_of)]),
+                             np.concatenate([self.copies, other.copies]),
+                             np.concatenate([self.difference_of, other.difference_of + len(self.differences)]))
 
     def __radd__(self, other):
         return list(other) + list(self)
@@ -195,7 +182,8 @@ class CopiesQueries(Sequence):
         token, the scores and values of ``x`` and ``y`` once per instance, then per query the
         softmax of ``k`` equal scores and one: ``sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``.
         The outputs of ``model(list(self))`` to rounding (the k equal terms are summed as one product)."""
-        return model.copies_outputs(self.finals, self.final_of, self.differences, self.which, self.copies)
+        return model.copies_outputs(self.finals, self.final_of, self.differences[self.difference_of], self.which,
+                                    self.copies)
 
 
 class RoundQueries(Sequence):
@@ -250,26 +238,67 @@ class RoundQueries(Sequence):
             yield from self[start:start + BUILD_CHUNK]
 
 
+@dataclass(frozen=True)
+class Rows:
+    """The rows ``source[index]`` of a table of tokens, named without gathering them: an
+    :meth:`InstanceTable.add` whose 2 d^2 instances share d final tokens and d differences keeps
+    those rows once (a grid run at d = 128 wrote and then joined 2 x 33 MB of repeated rows, a third
+    of its learner)."""
+
+    source: np.ndarray
+    index: np.ndarray
+
+
+def _rows(tokens, count: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct rows (m, d), row of each of ``count`` instances) of :class:`Rows` or an array (count, d)."""
+    if isinstance(tokens, Rows):
+        return np.asarray(tokens.source, dtype=np.float64).reshape(-1, d), np.asarray(tokens.index, dtype=int).ravel()
+    return np.asarray(tokens, dtype=np.float64).reshape(count, d), np.arange(count)
+
+
+class _Block(NamedTuple):
+    """Instances added at once (:meth:`InstanceTable.add`): their role, grid indices, copy counts and
+    tokens as distinct rows with each instance's row among them."""
+
+    role: str
+    i: np.ndarray
+    j: np.ndarray
+    final_rows: np.ndarray
+    final_of: np.ndarray
+    difference_rows: np.ndarray
+    difference_of: np.ndarray
+    ks: tuple[int, ...]
+
+    def instance(self, row: int) -> Instance:
+        return Instance(self.role, int(self.i[row]), int(self.j[row]), self.final_rows[self.final_of[row]],
+                        self.difference_rows[self.difference_of[row]], self.ks)
+
+
 class InstanceTable(Sequence):
-    """Copies-instances held as arrays, one row per instance in query order (the grid schedules'
-    ``instances``): :attr:`role`, :attr:`i`, :attr:`j`, :attr:`finals`, :attr:`differences` and each
-    instance's copy counts. Indexing (or iterating) gives :class:`Instance` records like a list of
-    them; instances are added in blocks that share their role and copy counts (:meth:`add`)."""
+    """Copies-instances held as arrays in query order (the grid schedules' ``instances``): :attr:`role`,
+    :attr:`i`, :attr:`j` per instance, and their tokens and copy counts. Indexing (or iterating) gives
+    :class:`Instance` records like a list of them; instances are added in blocks that share their
+    role and copy counts (:meth:`add`), whose tokens may be :class:`Rows` of a few distinct ones:
+    those are kept once, not per instance, and :meth:`queries` names them the same way."""
 
     def __init__(self, d: int):
         self.d = int(d)
-        self._blocks: list[tuple] = []  # (role, i, j, finals, differences, ks)
+        self._blocks: list[_Block] = []
         self._starts = [0]
         self._arrays: dict | None = None
 
     def add(self, role: str, i, j, finals, differences, ks: tuple[int, ...]) -> np.ndarray:
         """Append instances ``(i[n], j[n])`` with final ``finals[n]`` and difference ``differences[n]``
-        (rows), all of ``role`` asking the copy counts ``ks``; returns their indices."""
+        (rows (n, d), or :class:`Rows`), all of ``role`` asking the copy counts ``ks``; returns their
+        indices."""
         i, j = np.asarray(i, dtype=int).ravel(), np.asarray(j, dtype=int).ravel()
-        finals = np.asarray(finals, dtype=np.float64).reshape(len(i), self.d)
-        differences = np.asarray(differences, dtype=np.float64).reshape(len(i), self.d)
+        final_rows, final_of = _rows(finals, len(i), self.d)
+        difference_rows, difference_of = _rows(differences, len(i), self.d)
+        if len(final_of) != len(i) or len(difference_of) != len(i):
+            raise ValueError(f"{len(i)} instances need as many finals and differences, got {len(final_of)} "
+                             f"and {len(difference_of)}")
         start = self._starts[-1]
-        self._blocks.append((role, i, j, finals, differences, tuple(ks)))
+        self._blocks.append(_Block(role, i, j, final_rows, final_of, difference_rows, difference_of, tuple(ks)))
         self._starts.append(start + len(i))
         self._arrays = None
         return np.arange(start, start + len(i))
@@ -280,20 +309,24 @@ class InstanceTable(Sequence):
     @property
     def _joined(self) -> dict:
         if self._arrays is None:
-            blocks, sizes = self._blocks, [len(block[1]) for block in self._blocks]
-            present = [block[0] for block, size in zip(blocks, sizes) if size]  # (the dtype of the roles asked)
+            blocks, sizes = self._blocks, [len(block.i) for block in self._blocks]
+            present = [block.role for block, size in zip(blocks, sizes) if size]  # (the dtype of the roles asked)
+
+            def stacked(rows, of):  # the blocks' distinct rows, and each instance's row among them
+                offsets = np.cumsum([0] + [len(getattr(block, rows)) for block in blocks])
+                return (np.concatenate([getattr(block, rows) for block in blocks] or [np.zeros((0, self.d))]),
+                        np.concatenate([getattr(block, of) + offset for block, offset in zip(blocks, offsets)]
+                                       or [np.zeros(0, dtype=int)]))
+
+            final_rows, final_of = stacked("final_rows", "final_of")
+            difference_rows, difference_of = stacked("difference_rows", "difference_of")
             self._arrays = dict(
                 role=np.array(present)[np.repeat(np.arange(len(present)), [size for size in sizes if size])]
                 if present else np.array([], dtype=str),
-                i=np.concatenate([block[1] for block in blocks] or [np.zeros(0, dtype=int)]),
-                j=np.concatenate([block[2] for block in blocks] or [np.zeros(0, dtype=int)]),
-                finals=np.concatenate([block[3] for block in blocks] or [np.zeros((0, self.d))]),
-                differences=np.concatenate([block[4] for block in blocks] or [np.zeros((0, self.d))]),
+                i=np.concatenate([block.i for block in blocks] or [np.zeros(0, dtype=int)]),
+                j=np.concatenate([block.j for block in blocks] or [np.zeros(0, dtype=int)]),
+                final_rows=final_rows, final_of=final_of, difference_rows=difference_rows, difference_of=difference_of,
                 block=np.repeat(np.arange(len(blocks)), sizes).astype(int))
-            # The blocks keep views of the joined rows, not copies of them.
-            finals, differences = self._arrays["finals"], self._arrays["differences"]
-            self._blocks = [(role, i, j, finals[start:stop], differences[start:stop], ks)
-                            for (role, i, j, _, _, ks), start, stop in zip(blocks, self._starts, self._starts[1:])]
         return self._arrays
 
     @property
@@ -308,19 +341,11 @@ class InstanceTable(Sequence):
     def j(self) -> np.ndarray:
         return self._joined["j"]
 
-    @property
-    def finals(self) -> np.ndarray:
-        return self._joined["finals"]
-
-    @property
-    def differences(self) -> np.ndarray:
-        return self._joined["differences"]
-
     def queries(self, indices) -> tuple[CopiesQueries, np.ndarray, np.ndarray]:
         """The queries of instances ``indices``, each asking its copy counts in order: (sequences built
         on demand, instance index of each query, copy count of each query)."""
         indices = np.asarray(indices, dtype=int).ravel()
-        ks = [np.asarray(block[5], dtype=int) for block in self._blocks]
+        ks = [np.asarray(block.ks, dtype=int) for block in self._blocks]
         table = np.zeros((max(len(ks), 1), max((len(k) for k in ks), default=0)), dtype=int)  # block -> its ks
         for b, k in enumerate(ks):
             table[b, :len(k)] = k
@@ -329,9 +354,9 @@ class InstanceTable(Sequence):
         which = np.repeat(np.arange(len(indices)), counts)
         within = np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)  # position in its ks
         copies = table[blocks[which], within]
-        every = len(indices) == len(self) and np.array_equal(indices, np.arange(len(self)))
-        rows = slice(None) if every else indices  # all of them, in order: the table's own rows, not copies
-        sequences = CopiesQueries.of(self.finals[rows], self.differences[rows], which, copies)
+        joined = self._joined
+        sequences = CopiesQueries(joined["final_rows"], joined["final_of"][indices], joined["difference_rows"], which,
+                                  copies, joined["difference_of"][indices])
         return sequences, indices[which], copies
 
     def __getitem__(self, index):
@@ -339,11 +364,9 @@ class InstanceTable(Sequence):
             return [self[n] for n in range(len(self))[index]]
         n = range(len(self))[index]
         block = int(np.searchsorted(self._starts, n, side="right")) - 1
-        role, i, j, finals, differences, ks = self._blocks[block]
-        row = n - self._starts[block]
-        return Instance(role, int(i[row]), int(j[row]), finals[row], differences[row], ks)
+        return self._blocks[block].instance(n - self._starts[block])
 
     def __iter__(self):
-        for role, i, j, finals, differences, ks in self._blocks:
-            for row in range(len(i)):
-                yield Instance(role, int(i[row]), int(j[row]), finals[row], differences[row], ks)
+        for block in self._blocks:
+            for row in range(len(block.i)):
+                yield block.instance(row)

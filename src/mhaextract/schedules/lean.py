@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks.base import CheckPolicy
+from ..oracle.queries import Rows
 from .grid import GridSchedule
 from .matching import match_labels
 
@@ -41,16 +42,16 @@ class LeanSchedule(GridSchedule):
                "per instance by design")
 
     def _build(self) -> None:
-        x, z = self.X.T, self.Z.T
+        x, z = np.ascontiguousarray(self.X.T), np.ascontiguousarray(self.Z.T)  # the instances name rows (Rows)
         H0, last = self.max_heads, 2 * self.max_heads - 1
-        d, later = self.d, np.arange(1, self.d)
+        d, later, first = self.d, np.arange(1, self.d), np.zeros(self.d - 1, int)
         self.grid_index[0, 0] = self._add("grid", 0, 0, x[0], z[0], 0)
-        self.grid_index[0, 1:] = self._add_many("grid", np.zeros(d - 1, int), later, [x[0]] * (d - 1), z[1:], 1)
+        self.grid_index[0, 1:] = self._add_many("grid", first, later, Rows(x, first), Rows(z, later), 1)
         if H0 >= 2:
-            self.row_link_index[1:] = self._add_many("row_link", np.zeros(d - 1, int), later, [x[0]] * (d - 1),
-                                                     z[0][None, :] + z[1:], 1, last)
+            self.row_link_index[1:] = self._add_many("row_link", first, later, Rows(x, first), z[0][None, :] + z[1:],
+                                                     1, last)
         i, j = np.repeat(later, d), np.tile(np.arange(d), d - 1)  # row by row
-        self.grid_index[1:] = self._add_many("grid", i, j, x[i], z[j], 1, last).reshape(d - 1, d)
+        self.grid_index[1:] = self._add_many("grid", i, j, Rows(x, i), Rows(z, j), 1, last).reshape(d - 1, d)
 
     def add_column_link(self, i: int, j: int) -> int:
         """Add the fallback column link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``)."""

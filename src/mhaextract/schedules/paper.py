@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks.certificate import pipeline_certificate
+from ..oracle.queries import Rows
 from .grid import GridSchedule
 
 
@@ -34,20 +35,21 @@ class PaperSchedule(GridSchedule):
     accepts = GridSchedule.accepts | {"samples_per_instance", "repair"}
 
     def _build(self) -> None:
-        x, z = self.X.T, self.Z.T  # rows are the tokens
-        d, later = self.d, np.arange(1, self.d)
+        # rows are the tokens; the instances name them (Rows), 2 d^2 instances share d of each
+        x, z = np.ascontiguousarray(self.X.T), np.ascontiguousarray(self.Z.T)
+        d, later, first = self.d, np.arange(1, self.d), np.zeros(self.d - 1, int)
         # 1. instance (0, 0): k = 0..2H0; its one-token query gives vbar^T x_0.
         self.grid_index[0, 0] = self._add("grid", 0, 0, x[0], z[0], 0)
         # 2. row 0: F(0) = vbar^T x_0 is known; each instance then gives vbar^T z_j.
-        self.grid_index[0, 1:] = self._add_many("grid", np.zeros(d - 1, int), later, [x[0]] * (d - 1), z[1:], 1)
+        self.grid_index[0, 1:] = self._add_many("grid", first, later, Rows(x, first), Rows(z, later), 1)
         # 3. everything else (vbar known on R^d): row links, grid rows 1.., column links.
-        self.row_link_index[1:] = self._add_many("row_link", np.zeros(d - 1, int), later, [x[0]] * (d - 1),
-                                                 z[0][None, :] + z[1:], 1)
+        self.row_link_index[1:] = self._add_many("row_link", first, later, Rows(x, first), z[0][None, :] + z[1:], 1)
         # (The biased grid of §16 has one more final token and column links at w (x_0 + x_i), w = 1/2.)
         finals, weight = len(x), self.column_link_weight
         i, j = np.repeat(np.arange(1, finals), d), np.tile(np.arange(d), finals - 1)  # row by row
-        self.grid_index[1:] = self._add_many("grid", i, j, x[i], z[j], 1).reshape(finals - 1, d)
-        self.column_link_index[1:] = self._add_many("column_link", i, j, weight * (x[0][None, :] + x[i]), z[j],
+        self.grid_index[1:] = self._add_many("grid", i, j, Rows(x, i), Rows(z, j), 1).reshape(finals - 1, d)
+        link_finals = weight * (x[0][None, :] + x[1:])  # row i - 1: the final of column links (i, .)
+        self.column_link_index[1:] = self._add_many("column_link", i, j, Rows(link_finals, i - 1), Rows(z, j),
                                                     1).reshape(finals - 1, d)
 
     #: The count in words, and the number of instances after the first as a formula in d.
