@@ -1095,6 +1095,7 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         raise AssertionError("a chunk's units must be ordered by group, then head")
     m = out.log_pole.reshape(U, rounds)
     sigma, score_sigma = np.full((U, rounds), np.nan), np.full((U, rounds), np.nan)
+    x_norm = np.sqrt(np.einsum("und,und->un", finals, finals))  # (no (U, rounds, d) temporary)
     if W_score is not None:
         # The oracle's rounding of the log-pole y^T q - x^T q = -z^T q, q = W_h x: the two dot
         # products round at eps |x| |q| (|x| <= 0.1 |z| over the targeted runs measured), q's own
@@ -1113,7 +1114,7 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
                 with np.errstate(invalid="ignore", divide="ignore"):
                     ratio = np.nan_to_num(shared[:, :, None] / out.rounding.reshape(U, rounds, -1))
                 common = np.clip(ratio.max(axis=2), 0.0, 1.0)
-        score_norms = _score_norms(finals.reshape(G, H, rounds, d), W_score)
+        score_norms = _score_norms(finals.reshape(G, H, rounds, d), W_score, x_norm.reshape(G, H, rounds))
         score = score_factor * score_unit * z_norm[:, None] * score_norms.reshape(U, rounds)
         # the residuals scale the samples' own errors, not the part common to an instance's
         # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate understated the
@@ -1126,7 +1127,6 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
         out.label_error = out.consensus_labels(scaled.reshape(G, H, rounds))[1]
     ok = np.isfinite(m).all(axis=1)
     variances = None
-    x_norm = np.sqrt(np.einsum("und,und->un", finals, finals))  # (no (U, rounds, d) temporary)
     if W_score is not None:
         # First order, independent errors: |a_i error| ~ sqrt(sum_n (X^{-1})_{in}^2 sigma_n^2), the map
         # applied to diag(sigma). Applied to sigma itself the errors cancel in the sum and the
@@ -1155,10 +1155,10 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
 SCORE_NORM_FLOOR = 0.5
 
 
-def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
+def _score_norms(by_head: np.ndarray, W_score: np.ndarray, token_norms: np.ndarray | None = None) -> np.ndarray:
     """``max(|W_h x|, SCORE_NORM_FLOOR |W_h|_F |x| / sqrt(d))`` (G, H, rounds) of each unit's own head
     h for its tokens ``by_head`` (G, H, rounds, d) (units ordered (group, head): head h's tokens are
-    the strided view ``by_head[:, h]``).
+    the strided view ``by_head[:, h]``; ``token_norms`` their ``|x|`` (G, H, rounds), if known).
 
     They size the oracle's score rounding ``8 eps |z| |q|`` in the error estimate, ``q = W_h x`` as
     the oracle forms it: its rounding error is about ``eps |W_h|_F |x| / sqrt(d)`` (each entry a sum
@@ -1171,6 +1171,8 @@ def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
     1, to a relative error about ``d 2^-24 cond(W_h)`` (4e-3 at d = 256 for a Gaussian W). A row whose
     float32 norm is not a positive finite number (overflow, underflow) is computed again in float64."""
     G, H, rounds, d = by_head.shape
+    if token_norms is None:
+        token_norms = np.linalg.norm(by_head, axis=3)
     norms = np.empty((G, H, rounds))
     tokens, product = np.empty((G, rounds, d), np.float32), np.empty((G, rounds, d), np.float32)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
@@ -1184,8 +1186,8 @@ def _score_norms(by_head: np.ndarray, W_score: np.ndarray) -> np.ndarray:
             if redo.any():
                 exact = np.matmul(by_head[:, h][redo], W_score[h].T)
                 norms[:, h][redo] = np.sqrt(np.einsum("nd,nd->n", exact, exact))
-            rounding = SCORE_NORM_FLOOR * np.linalg.norm(W_score[h]) / np.sqrt(d) * np.linalg.norm(by_head[:, h], axis=2)
-            np.maximum(norms[:, h], rounding, out=norms[:, h])
+            floor = SCORE_NORM_FLOOR * np.linalg.norm(W_score[h]) / np.sqrt(d) * token_norms[:, h]
+            np.maximum(norms[:, h], floor, out=norms[:, h])
     return norms
 
 
