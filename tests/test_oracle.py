@@ -196,6 +196,37 @@ def test_round_queries_are_the_copies_instances_of_every_unit_round_by_round_bui
     assert BUILD_CHUNK < 10**5
 
 
+def test_kept_queries_hold_round_rows_and_arrays_in_the_order_kept_and_evaluate_as_the_model():
+    """The residual sample: every kept query is the one asked, bit for bit, in order (rows of two
+    blocks of rounds around a list of other queries); its outputs are the model's on the sequences."""
+    from mhaextract.oracle.queries import KeptQueries, RoundQueries
+
+    rng = np.random.default_rng(12)
+    U, d = 6, 5
+    target = mx.MultiHeadAttention.random(d, 3, seed=12, bias=True)
+    blocks = [RoundQueries(rng.standard_normal((U, 4, d))[:, 1:3] * 0.4, rng.standard_normal((U, d)) * 0.4,
+                           [(1, 2, 3), (2,)]),
+              [rng.standard_normal((n, d)) * 0.4 for n in (1, 3, 2, 4)],
+              RoundQueries(rng.standard_normal((U, 1, d)) * 0.4, rng.standard_normal((U, d)) * 0.4, [(1, 5)])]
+    kept, expected = KeptQueries(), []
+    for block, positions in zip(blocks, [range(1, 24, 5), range(0, 4, 2), range(3, 12, 4)]):
+        kept.keep(block, positions)
+        expected += [np.array(block[p]) for p in positions]
+    kept.keep(blocks[0], range(0))  # nothing kept
+    same = lambda a, b: a.shape == b.shape and a.tobytes() == b.tobytes()  # noqa: E731
+    assert len(kept) == len(expected) == 5 + 2 + 3
+    assert all(same(a, b) for a, b in zip(kept, expected)) and len(list(kept)) == len(expected)
+    assert all(same(a, b) for a, b in zip(kept[2:9:3], expected[2:9:3])) and same(kept[-1], expected[-1])
+    with pytest.raises(IndexError):
+        kept[len(expected)]
+    kept.keep(blocks[1], range(3, 4))  # kept after a read: joined again
+    expected.append(blocks[1][3])
+    assert len(kept) == 11 and same(kept[10], expected[10]) and same(kept[4], expected[4])
+    exact = np.array([float(value) for value in target(expected, precision=120)])
+    assert np.abs(kept.outputs(target) - exact).max() <= 2e-15 * np.abs(exact).max()
+    assert mx.MultiHeadAttention.random(d, 3, seed=13)(expected).tobytes() != kept.outputs(target).tobytes()
+
+
 def test_a_block_of_rounds_asked_at_once_measures_what_its_rounds_asked_one_by_one_do():
     from mhaextract.oracle.boundary import OracleBoundary
     from mhaextract.schedules.targeted import _Prober
@@ -245,6 +276,9 @@ def test_copies_queries_outputs_are_the_model_on_the_sequences(d, H, bias):
     scale = np.abs(exact).max()
     assert np.abs(queries.outputs(target) - exact).max() <= 1e-15 * scale  # as close as the model's own evaluation:
     assert np.abs(target(list(queries)) - exact).max() <= 2e-15 * scale
+    # one final token per instance (a kept sample's rows): the scores gathered per instance, not grouped
+    own = CopiesQueries(pool[final_of], np.arange(n), differences, np.repeat(np.arange(n), 6), np.tile(np.arange(6), n))
+    assert np.abs(own.outputs(target) - exact).max() <= 1e-15 * scale
 
 
 def test_an_instance_table_is_its_instances_as_arrays_and_asks_what_each_instance_asks():

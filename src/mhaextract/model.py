@@ -243,8 +243,8 @@ class MultiHeadAttention:
     def copies_outputs(self, finals, final_of, differences, which, copies) -> np.ndarray:
         """float64 outputs on copies sequences ``(y, ..., y, x)``: query q has ``copies[q]`` copies of
         ``y = x - differences[t]``, ``x = finals[final_of[t]]``, ``t = which[q]``
-        (:class:`mhaextract.oracle.queries.CopiesQueries`). ``W_h x + u_h`` once per final token (the
-        stacked product of :meth:`_weights_float`), scores and values once per instance, then per query
+        (:class:`mhaextract.oracle.queries.CopiesQueries`). ``W_h x + u_h`` once per final token, scores
+        and values once per instance, then per query
         ``c + sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``: ``self(sequences)`` to rounding,
         in O(H d) per instance and O(H) per query instead of O(N H d^2) per query."""
         model = self.to_float64()
@@ -254,14 +254,22 @@ class MultiHeadAttention:
         final_of, which, k = np.asarray(final_of, dtype=int), np.asarray(which, dtype=int), np.asarray(copies)
         if not len(which):
             return np.empty(0)
-        queries = np.matmul(finals[:, None, :], W.reshape(heads * d, d).T).reshape(len(finals), heads, d) + u[None]
+        # one BLAS product for all final tokens (a kept sample has thousands: stacked per token, a
+        # matrix-vector product each, it was half of this evaluation's time at d = 64)
+        queries = (finals @ W.reshape(heads * d, d).T).reshape(len(finals), heads, d) + u[None]
         y = finals[final_of] - differences  # (n, d)
         s_y = np.empty((len(y), heads))
-        order = np.argsort(final_of, kind="stable")  # instances grouped by final token: one BLAS product each
-        bounds = np.searchsorted(final_of[order], np.arange(len(finals) + 1))
-        for f in np.flatnonzero(np.diff(bounds)):
-            group = order[bounds[f]:bounds[f + 1]]
-            s_y[group] = y[group] @ queries[f].T
+        if 4 * len(finals) >= len(y):  # few instances per final token (a kept sample): gathered, in chunks
+            step = max(1, 2**20 // max(1, heads * d))
+            for start in range(0, len(y), step):
+                part = slice(start, start + step)
+                s_y[part] = np.einsum("nd,nhd->nh", y[part], queries[final_of[part]])
+        else:  # instances grouped by final token (the grid's d^2 on d): one BLAS product each
+            order = np.argsort(final_of, kind="stable")
+            bounds = np.searchsorted(final_of[order], np.arange(len(finals) + 1))
+            for f in np.flatnonzero(np.diff(bounds)):
+                group = order[bounds[f]:bounds[f + 1]]
+                s_y[group] = y[group] @ queries[f].T
         s_x = np.einsum("fd,fhd->fh", finals, queries)[final_of][which]  # (Q, H)
         s_y = s_y[which]
         v_x, v_y = (finals @ v.T)[final_of][which], (y @ v.T)[which]

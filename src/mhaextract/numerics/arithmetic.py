@@ -21,7 +21,7 @@ import contextlib
 
 import numpy as np
 
-from ..oracle.queries import CopiesQueries
+from ..oracle.queries import CopiesQueries, KeptQueries
 from . import arb as arb_kernel
 from . import float64 as float64_kernel
 from .assembly import tightest_enclosures, weighted_combination
@@ -88,8 +88,10 @@ class Arithmetic:
 
     def answers_residual(self, model, sequences, answers) -> float:
         """Max ``|model - answer|`` over the queries asked, relative to the largest answer (the grid's
-        copies queries evaluated from their instances, :meth:`CopiesQueries.outputs`)."""
-        predicted = sequences.outputs(model) if isinstance(sequences, CopiesQueries) else model(sequences)
+        copies queries evaluated from their instances, :meth:`CopiesQueries.outputs`, the targeted
+        schedules' kept sample from its rows, :meth:`KeptQueries.outputs`)."""
+        predicted = (sequences.outputs(model) if isinstance(sequences, (CopiesQueries, KeptQueries))
+                     else model(sequences))
         scale = max(np.abs(answers).max(), 1e-300)
         return float(np.abs(predicted - answers).max() / scale)
 

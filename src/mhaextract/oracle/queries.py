@@ -237,6 +237,81 @@ class RoundQueries(Sequence):
         for start in range(0, len(self), BUILD_CHUNK):
             yield from self[start:start + BUILD_CHUNK]
 
+    def rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(finals, differences, copies)`` of the queries at ``positions`` (ascending, in range):
+        query ``p`` is ``copies[p]`` copies of ``finals[p] - differences[p]``, then ``finals[p]``."""
+        positions = np.asarray(positions, dtype=int)
+        segment, row = np.divmod(positions, self.units)
+        rounds_and_copies = np.array(self.segments, dtype=int).reshape(-1, 2)[segment]
+        return (np.asarray(self.finals[row, rounds_and_copies[:, 0]], dtype=np.float64),
+                np.asarray(self.differences[row], dtype=np.float64), rounds_and_copies[:, 1])
+
+
+class KeptQueries(Sequence):
+    """A sample of a run's queries kept with their answers (the targeted schedules' residual sample,
+    docs/algorithm.md §13, "Memory"), in the order asked: copies-instances as their rows
+    ``(final, difference, k)`` (:meth:`RoundQueries.rows`), other queries as arrays. Indexing builds
+    the sequences (those of :func:`copies_block`, bit for bit); :meth:`outputs` evaluates a model on
+    the copies rows from the rows (:meth:`~mhaextract.model.MultiHeadAttention.copies_outputs`,
+    O(H d) a query, a fifth of a model call's time per query at d = 64)."""
+
+    def __init__(self):
+        self._arrays: list[np.ndarray] = []
+        self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (finals, differences, copies) blocks
+        #: per kept query: ``r >= 0`` the copies row r, ``-1 - a`` the array a; a list of blocks until joined
+        self._source: list[np.ndarray] = []
+        self._row_count = 0
+
+    def keep(self, sequences, positions: range) -> None:
+        """Keep the queries ``positions`` (a range) of ``sequences``: a :class:`RoundQueries`' as
+        rows, any other's as copies of their arrays."""
+        if not len(positions):
+            return
+        if isinstance(sequences, RoundQueries):
+            block = sequences.rows(np.asarray(positions))
+            self._rows.append(block)
+            self._source.append(np.arange(self._row_count, self._row_count + len(block[2])))
+            self._row_count += len(block[2])
+        else:
+            first = len(self._arrays)
+            self._arrays.extend(np.array(sequence) for sequence in sequences[positions.start:positions.stop:positions.step])
+            self._source.append(-1 - np.arange(first, len(self._arrays)))
+
+    def _joined(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """(the source of every kept query, the copies rows joined), joined once and kept joined."""
+        if len(self._source) != 1:
+            self._source = [np.concatenate(self._source) if self._source else np.zeros(0, dtype=int)]
+        if len(self._rows) > 1:
+            self._rows = [tuple(np.concatenate(part) for part in zip(*self._rows))]
+        return self._source[0], (self._rows[0] if self._rows else None)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._source))
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return [self[n] for n in range(len(self))[key]]
+        n = range(len(self))[key]  # an int, negative allowed, IndexError past the end
+        source, rows = self._joined()
+        where = int(source[n])
+        if where < 0:
+            return self._arrays[-1 - where]
+        finals, differences, copies = rows
+        return copies_block(finals[where:where + 1], differences[where:where + 1], int(copies[where]))[0]
+
+    def outputs(self, model) -> np.ndarray:
+        """``model`` (float64) on every kept query: ``model(list(self))`` to rounding."""
+        source, rows = self._joined()
+        out = np.empty(len(source))
+        plain = source < 0
+        if plain.any():
+            out[plain] = model([self._arrays[-1 - where] for where in source[plain]])
+        if rows is not None:
+            finals, differences, copies = rows
+            index = np.arange(len(copies))
+            out[~plain] = model.copies_outputs(finals, index, differences, index, copies)[source[~plain]]
+        return out
+
 
 @dataclass(frozen=True)
 class Rows:

@@ -71,7 +71,7 @@ from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
 from ..numerics import single_pole
 from ..oracle.boundary import OracleBoundary
-from ..oracle.queries import RoundQueries, one_token_queries, quantize, random_basis
+from ..oracle.queries import KeptQueries, RoundQueries, one_token_queries, quantize, random_basis
 from .base import Outcome, Schedule, ScheduleDetails
 from .linesearch import CENTER_COPIES, LineSearchReport, locate_heads
 
@@ -294,7 +294,7 @@ class _Prober:
         self.grid_scale = 4 * GROUP_SCALE * token_scale
         self.stride = max(1, int(expected_queries) // RESIDUAL_SAMPLE)
         self.asked = 0
-        self.sequences: list[np.ndarray] = []
+        self.sequences = KeptQueries()
         self.answers: list[float] = []
         self.vbar: np.ndarray | None = None
 
@@ -304,7 +304,7 @@ class _Prober:
     def ask(self, sequences, description):
         answers = np.asarray(self.boundary.ask(sequences, description=description), dtype=np.float64)
         first_pick = (-self.asked) % self.stride  # every stride-th query of the run
-        self.sequences.extend(np.array(sequence) for sequence in sequences[first_pick::self.stride])
+        self.sequences.keep(sequences, range(first_pick, len(sequences), self.stride))
         self.answers.extend(answers[first_pick::self.stride].tolist())
         self.asked += len(sequences)
         return answers
