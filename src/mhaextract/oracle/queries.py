@@ -1,5 +1,6 @@
-"""Query vectors and sequences: exact token grids, random bases, random sequences, padding, and
-the copies-instance of the grid schedules.
+"""Query vectors and sequences: exact token grids, random bases, random sequences, padding, the
+copies-instances of the grid and targeted schedules built on demand, and the targeted schedules'
+kept sample of them (:class:`KeptQueries`).
 
 Everything that makes tokens for the oracle draws them here, so that every schedule, the
 refinement, the verification and the baselines share one definition of "a random query".
