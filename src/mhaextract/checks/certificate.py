@@ -613,36 +613,58 @@ def _links(schedule):
 
 
 def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
-    """Per link: the smallest exclusion ratio of a non-chosen triple (misfit over its first-order
-    l1 movement), the largest such ratio of a chosen triple, and the chosen triples' misfits in
-    units of their l2 sensitivities (for the noise estimate)."""
+    """Per link, for two movements of a triple (the sum over its three instances of their l1 norms
+    ``D1``, and of their l2 norms ``D2``): the smallest exclusion ratio of a non-chosen triple
+    (misfit over its movement), the largest such ratio of a chosen triple, and the exclusions per
+    link (:func:`_margins`); and the chosen triples' misfits in units of their l2 sensitivities in
+    quadrature (for the noise estimate). Returns ``(D1's (smallest, largest, per link), D2's, noise
+    units)``. The misfits of every triple are formed once for both movements."""
     a, b, link, adds = _links(run.schedule)
     r = run.m.shape[1]
     if not len(a):
-        return np.inf, 0.0, np.zeros(0), (link, np.zeros((0, r, r)), np.zeros((0, r, r)), b, a)
+        empty = (np.inf, 0.0, (link, np.zeros((0, r, r)), np.zeros((0, r, r)), b, a))
+        return empty, empty, np.zeros(0)
     m, l = run.m, run.l
+    row = adds[:, None, None, None]
     with np.errstate(all="ignore"):
-        pole = m[a][:, :, None, None] + m[b][:, None, :, None] - m[link][:, None, None, :]
-        pole_1 = D1m[a][:, :, None, None] + D1m[b][:, None, :, None] + D1m[link][:, None, None, :]
-        pole_2 = np.sqrt(D2m[a][:, :, None, None] ** 2 + D2m[b][:, None, :, None] ** 2 + D2m[link][:, None, None, :] ** 2)
-        ratios_1 = [np.abs(pole) / pole_1]
-        ratios_2 = [np.abs(pole) / pole_2]
-        # Row links: labels add. Column links: a's and b's labels agree, and b's equal the link's.
-        added = l[a][:, :, None, None] + l[b][:, None, :, None] - l[link][:, None, None, :]
-        added_1 = D1l[a][:, :, None, None] + D1l[b][:, None, :, None] + D1l[link][:, None, None, :]
-        added_2 = np.sqrt(D2l[a][:, :, None, None] ** 2 + D2l[b][:, None, :, None] ** 2 + D2l[link][:, None, None, :] ** 2)
-        pair = np.broadcast_to(l[a][:, :, None, None] - l[b][:, None, :, None], pole.shape)
-        pair_1 = np.broadcast_to(D1l[a][:, :, None, None] + D1l[b][:, None, :, None], pole.shape)
-        pair_2 = np.broadcast_to(np.sqrt(D2l[a][:, :, None, None] ** 2 + D2l[b][:, None, :, None] ** 2), pole.shape)
-        same = l[b][:, None, :, None] - l[link][:, None, None, :] + 0 * pole
-        same_1 = D1l[b][:, None, :, None] + D1l[link][:, None, None, :] + 0 * pole
-        same_2 = np.sqrt(D2l[b][:, None, :, None] ** 2 + D2l[link][:, None, None, :] ** 2) + 0 * pole
-        row = adds[:, None, None, None]
-        ratios_1 += [np.where(row, np.abs(added) / added_1, np.abs(pair) / pair_1),
-                     np.where(row, 0.0, np.abs(same) / same_1)]
-        ratios_2 += [np.where(row, np.abs(added) / added_2, np.abs(pair) / pair_2),
-                     np.where(row, 0.0, np.abs(same) / same_2)]
-        exclusion = np.nan_to_num(np.maximum.reduce(ratios_1), nan=0.0, posinf=np.inf)
+        # triple (h, g, p): a's head h, b's head g, the link's pole p. Row links: labels add. Column
+        # links: a's and b's labels agree, and b's equal the link's.
+        signed_pole = m[a][:, :, None, None] + m[b][:, None, :, None] - m[link][:, None, None, :]
+        pole = np.abs(signed_pole)
+        added = np.abs(l[a][:, :, None, None] + l[b][:, None, :, None] - l[link][:, None, None, :])
+        pair = np.abs(np.broadcast_to(l[a][:, :, None, None] - l[b][:, None, :, None], pole.shape))
+        same = np.abs(l[b][:, None, :, None] - l[link][:, None, None, :] + 0 * signed_pole)
+
+        def exclusion(Dm, Dl):
+            pole_1 = Dm[a][:, :, None, None] + Dm[b][:, None, :, None] + Dm[link][:, None, None, :]
+            added_1 = Dl[a][:, :, None, None] + Dl[b][:, None, :, None] + Dl[link][:, None, None, :]
+            pair_1 = np.broadcast_to(Dl[a][:, :, None, None] + Dl[b][:, None, :, None], pole.shape)
+            same_1 = Dl[b][:, None, :, None] + Dl[link][:, None, None, :] + 0 * signed_pole
+            ratios = [pole / pole_1, np.where(row, added / added_1, pair / pair_1), np.where(row, 0.0, same / same_1)]
+            return np.nan_to_num(np.maximum.reduce(ratios), nan=0.0, posinf=np.inf)
+
+        exclusions = exclusion(D1m, D1l), exclusion(D2m, D2l)
+        # the noise units: the chosen triples (h, h, h) alone, their movements in quadrature
+        heads = np.arange(r)
+        chosen = (slice(None), heads, heads, heads)
+        pole_2 = np.sqrt(D2m[a] ** 2 + D2m[b] ** 2 + D2m[link] ** 2)
+        added_2 = np.sqrt(D2l[a] ** 2 + D2l[b] ** 2 + D2l[link] ** 2)
+        pair_2 = np.sqrt(D2l[a] ** 2 + D2l[b] ** 2)
+        same_2 = np.sqrt(D2l[b] ** 2 + D2l[link] ** 2) + 0 * signed_pole[chosen]
+        row_links = adds[:, None]
+        noise_units = np.concatenate([
+            (pole[chosen] / pole_2).ravel(),
+            np.where(row_links, added[chosen] / added_2, pair[chosen] / pair_2).ravel(),
+            np.where(row_links, 0.0, same[chosen] / same_2).ravel()])
+    noise_units = noise_units[np.isfinite(noise_units)]
+    return _margins(exclusions[0], link, b, a), _margins(exclusions[1], link, b, a), noise_units
+
+
+def _margins(exclusion: np.ndarray, link, b, a):
+    """``(smallest, largest, per link)`` of the exclusion ratios (n, r, r, r) of every triple of the
+    links (:func:`_matching_margins`): the smallest over non-chosen triples, the largest over chosen
+    ones, and per link the pairs a refit could refute."""
+    r = exclusion.shape[1]
     chosen = np.zeros((r, r, r), dtype=bool)
     chosen[np.arange(r), np.arange(r), np.arange(r)] = True
     # A non-finite misfit (a failed fit) cannot exclude anything: ratio 0.
@@ -650,8 +672,6 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     smallest_exclusion = float(non_chosen.min(initial=np.inf))
     chosen_ratio = exclusion[:, chosen]
     largest_chosen = float(np.nanmax(np.where(np.isfinite(chosen_ratio), chosen_ratio, np.inf), initial=0.0))
-    noise_units = np.concatenate([ratio[:, chosen].ravel() for ratio in ratios_2])
-    noise_units = noise_units[np.isfinite(noise_units)]
     # Per link: triples that pair a's and b's heads otherwise (h != g), and triples that only give
     # the link's own poles to other heads (h == g, p != h): the latter decide the link's poles alone.
     # Kept per pair, for refits that can refute one (docs/algorithm.md §12, "Refuted alternatives"):
@@ -662,8 +682,7 @@ def _matching_margins(run: PipelineRun, D1m, D1l, D2m, D2l):
     pairwise[:, heads, heads] = np.inf
     own_pairs = exclusion[:, heads, heads, :].copy()
     own_pairs[:, heads, heads] = np.inf
-    per_link = (link, pairwise, own_pairs, b, a)
-    return smallest_exclusion, largest_chosen, noise_units, per_link
+    return smallest_exclusion, largest_chosen, (link, pairwise, own_pairs, b, a)
 
 
 def _validity(run: PipelineRun, smallest_exclusion: float, links, movement_m: np.ndarray, movement_l: np.ndarray,
@@ -704,10 +723,10 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
     D2m, D2l = operator.row_norms("m", 2), operator.row_norms("l", 2)
     if run.m.shape[1] == 0:
         return Certificate("algebraic", np.inf, _rounding_floor(run.answers), 0.0, 0.0, _norms=lambda: (0.0, 0.0))
-    smallest_exclusion, largest_chosen, noise_units, links_l1 = _matching_margins(run, D1m, D1l, D2m, D2l)
     # Independent errors of standard deviation eps / 3: a misfit or log-pole moves by at most
     # eps ||row||_2 but for a fraction 3e-3 (the same margins with the l2 norms as movements).
-    smallest_statistical, _, _, links_l2 = _matching_margins(run, D2m, D2l, D2m, D2l)
+    ((smallest_exclusion, largest_chosen, links_l1), (smallest_statistical, _, links_l2),
+     noise_units) = _matching_margins(run, D1m, D1l, D2m, D2l)
     uncertain = (not operator.finite.all()  # a failed fit: its links were matched on nothing
                  or np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT)  # the pole count itself
     # Uncertain: the instances whose fits decide nothing (failed, or another pole count detected);
