@@ -894,8 +894,14 @@ class _SubspaceDesign(_FullDesign):
         self.current, self.heads, self.units, self.basis = current, heads, np.arange(U), basis
         self.rounds = basis.shape[2]
         self.pattern = patterns
-        # Q^T as rows (contiguous blocks per unit), for the map below; the rounds use the map itself
-        basis_rows = np.ascontiguousarray(basis.transpose(0, 2, 1))  # (U, r, d)
+        # The map below is made in one array, its last r rows per unit first Q^T itself (the basis
+        # rows, contiguous per unit, which the products below read): one fresh (U, r, d) array instead
+        # of four (a copy, a product, a difference, a concatenation; fresh memory is mapped and zeroed
+        # by the kernel, docs/algorithm.md §13: they were a sixth of the low-rank learner at d = 256,
+        # H = 2, r = 128)
+        self.frame_map_rows = np.empty((U, H - 1 + self.rounds, d))
+        basis_rows = self.frame_map_rows[:, H - 1:]  # (U, r, d)
+        np.copyto(basis_rows, basis.transpose(0, 2, 1))
         self.prior = np.matmul(basis_rows, current[self.units, heads][:, :, None])[:, :, 0]  # c = Q^T a
         self.coordinates = self.prior.copy()
         self.correction = _MinimumNormCorrection(U, self.rounds)
@@ -917,8 +923,12 @@ class _SubspaceDesign(_FullDesign):
             pseudo_inverse_rows = np.linalg.solve(r_o, q_o.transpose(0, 2, 1))  # (O'^+)^T = R_o^{-1} Q_o^T
         else:
             pseudo_inverse_rows = off  # (U, 0, d)
-        self.frame_map_rows = np.concatenate(
-            [pseudo_inverse_rows, basis_rows - np.matmul(along.transpose(0, 2, 1), pseudo_inverse_rows)], axis=1)
+        self.frame_map_rows[:, :H - 1] = pseudo_inverse_rows
+        # Q^T - (O Q)^T (O'^+)^T in place, units in blocks whose product stays small (reused heap memory)
+        step = max(1, INVERSE_BLOCK_BYTES // (8 * self.rounds * d))
+        for start in range(0, U, step):
+            part = slice(start, start + step)
+            basis_rows[part] -= np.matmul(along[part].transpose(0, 2, 1), pseudo_inverse_rows[part])
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
