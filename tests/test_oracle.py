@@ -224,7 +224,6 @@ def test_kept_queries_hold_round_rows_and_arrays_in_the_order_kept_and_evaluate_
     assert len(kept) == 11 and same(kept[10], expected[10]) and same(kept[4], expected[4])
     exact = np.array([float(value) for value in target(expected, precision=120)])
     assert np.abs(kept.outputs(target) - exact).max() <= 2e-15 * np.abs(exact).max()
-    assert mx.MultiHeadAttention.random(d, 3, seed=13)(expected).tobytes() != kept.outputs(target).tobytes()
 
 
 def test_a_block_of_rounds_asked_at_once_measures_what_its_rounds_asked_one_by_one_do():
@@ -276,7 +275,7 @@ def test_copies_queries_outputs_are_the_model_on_the_sequences(d, H, bias):
     scale = np.abs(exact).max()
     assert np.abs(queries.outputs(target) - exact).max() <= 1e-15 * scale  # as close as the model's own evaluation:
     assert np.abs(target(list(queries)) - exact).max() <= 2e-15 * scale
-    # one final token per instance (a kept sample's rows): the scores gathered per instance, not grouped
+    # one final token per instance (a kept sample's rows)
     own = CopiesQueries(pool[final_of], np.arange(n), differences, np.repeat(np.arange(n), 6), np.tile(np.arange(6), n))
     assert np.abs(own.outputs(target) - exact).max() <= 1e-15 * scale
 

@@ -261,7 +261,6 @@ class KeptQueries(Sequence):
         self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (finals, differences, copies) blocks
         #: per kept query: ``r >= 0`` the copies row r, ``-1 - a`` the array a; a list of blocks until joined
         self._source: list[np.ndarray] = []
-        self._row_count = 0
 
     def keep(self, sequences, positions: range) -> None:
         """Keep the queries ``positions`` (a range) of ``sequences``: a :class:`RoundQueries`' as
@@ -270,9 +269,9 @@ class KeptQueries(Sequence):
             return
         if isinstance(sequences, RoundQueries):
             block = sequences.rows(np.asarray(positions))
+            first = sum(len(copies) for _, _, copies in self._rows)
             self._rows.append(block)
-            self._source.append(np.arange(self._row_count, self._row_count + len(block[2])))
-            self._row_count += len(block[2])
+            self._source.append(np.arange(first, first + len(block[2])))
         else:
             first = len(self._arrays)
             self._arrays.extend(np.array(sequence) for sequence in sequences[positions.start:positions.stop:positions.step])
