@@ -205,3 +205,25 @@ def test_the_error_estimate_of_a_float32_layer_covers_its_small_score_biases(kin
     assert result.ok, [check.name for check in result.failed_checks]
     error = mx.compare(result.model, truth).max_rel
     assert error <= result.error_estimate <= 100 * error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, d, H, seed", [("ViTAttention", 64, 2, 0), ("GPT2Attention", 16, 4, 1)])
+def test_the_low_rank_estimate_of_a_float32_layer_is_above_its_error_and_within_its_limit(kind, d, H, seed):
+    """The subspace units' basis error, bounded by Wedin's theorem, put the estimate 1800x above the
+    truth on this ViT layer (rank 32) and failed ``error_estimate`` on a model 3e-6 off (10 of 15
+    float32 layers at d = 64, H = 2, 2e-6..4e-5 off); on the GPT-2 layer (rank 4) the same bound stood 2.6x above it
+    while what actually moves those units (the basis's miss read by the tokens' parts off the
+    subspace) went unmodelled. The first-order term of docs/algorithm.md §17 ("Error estimate"),
+    sized to the noise the full units show: 10x and 3.8x here (GPT-2's u, its largest error; the old
+    estimate of u alone was 0.87x it, covered by the W part's excess). A float32 layer's rounding
+    depends on the machine's vector units and threads (the same layer, seed and code came out 6.5e-6
+    and 3.2e-6 off here), hence the wide bounds."""
+    layer = build(kind, d, H, seed=seed, implementation="eager")
+    r = np.random.default_rng(seed).standard_normal(d)
+    truth = to_reduced(copy.deepcopy(layer), r)
+    result = mx.extract(TorchOracle(layer.to(torch.float32), r), d, heads=H, seed=seed, schedule="lowrank",
+                        rank=d // H, bias=True, token_scale="auto", on_failure="warn", progress=False)
+    assert result.ok, [check.name for check in result.failed_checks]
+    error = mx.compare(result.model, truth).max_rel
+    assert error <= result.error_estimate <= 100 * error

@@ -366,7 +366,7 @@ def test_an_outvoted_ill_conditioned_link_verified_against_the_model_does_not_vo
 
 
 def test_answer_noise_scales_the_sample_terms_of_an_estimate_not_the_score_rounding():
-    """The targeted estimate's score-rounding part (the oracle's own arithmetic, Outcome.score_estimate)
+    """The targeted estimate's score-rounding part (the oracle's own arithmetic, Outcome.unscaled_estimate)
     is not scaled by measured or declared answer noise; the rest is (seed 57, d = H = 4, Gaussian
     1e-10: 3.7e-6 -> 1.35e-6 against a true 1.6e-10)."""
     from mhaextract.api import _undeclared_noise

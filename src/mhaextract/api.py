@@ -393,7 +393,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
                           else certificate.first_order(noise))
     error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
-                                               plan.unit, outcome.score_estimate, typical or scale)
+                                               plan.unit, outcome.unscaled_estimate, typical or scale)
     if settings.bias and (refinement is None or refinement.kept != "refined"):
         error_estimate = max(error_estimate, _constant_error(model, measured))
         if outcome.bias_error[0] > 0:  # u's error, scaled to the answers' noise as the rest was
@@ -630,21 +630,22 @@ def _bias_error(model, error: float) -> float:
 
 
 def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate, probe,
-                      scale: float, assumed: float | None = None, score_part: float = 0.0,
+                      scale: float, assumed: float | None = None, unscaled_part: float = 0.0,
                       typical: float | None = None) -> tuple[float, str]:
     """The error estimate raised to the answer noise measured (:mod:`.checks.noise_probe`), and
     what it rests on (for the check's message). The links' noise estimate raises it only above
     float64 rounding (``ROUNDING_REGIME``): at rounding level the schedule's own estimate already
     assumes it, and the certificate's amplification (an operator norm over every answer, the
-    slow part of the certificate) is then not needed. ``score_part``: the part of the schedule's
-    estimate from the oracle's rounding of its scores (``Outcome.score_estimate``), which answer
-    noise does not scale (docs/algorithm.md §13)."""
+    slow part of the certificate) is then not needed. ``unscaled_part``: the part of the schedule's
+    estimate that answer noise does not scale (``Outcome.unscaled_estimate``: the oracle's rounding
+    of its scores, docs/algorithm.md §13, and the low-rank basis term, already sized to the noise
+    measured, §17)."""
     if settings.precision is not None:
         return error_estimate, "the answers' precision (ball radii)"
 
     def scaled(noise: float, answers_scale: float) -> float:
-        rest = np.sqrt(max(error_estimate**2 - score_part**2, 0.0))
-        return float(np.hypot(scaled_estimate(rest, noise, answers_scale, assumed), score_part))
+        rest = np.sqrt(max(error_estimate**2 - unscaled_part**2, 0.0))
+        return float(np.hypot(scaled_estimate(rest, noise, answers_scale, assumed), unscaled_part))
 
     if settings.answer_error is not None:
         if certificate is not None:

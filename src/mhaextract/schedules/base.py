@@ -104,10 +104,11 @@ class Outcome:
     #: Score biases (H*, d) and output constant as balls: high-precision runs of the biased grid (§16).
     u_balls: np.ndarray | None = None
     c_ball: object = None
-    #: The part of ``error_estimate`` that comes from the oracle's rounding of its own scores (the
-    #: targeted schedules, §13): it does not grow with the answers' noise, so an estimate scaled to
-    #: measured or declared answer noise scales only the rest (``api._undeclared_noise``).
-    score_estimate: float = 0.0
+    #: The part of ``error_estimate`` that the answers' noise, measured or declared after the run, does
+    #: not scale (``api._undeclared_noise`` scales only the rest): the oracle's rounding of its own
+    #: scores (the targeted schedules, §13) and the low-rank subspace units' basis term, sized to the
+    #: noise the full units showed (§17).
+    unscaled_estimate: float = 0.0
     #: The estimated absolute error of the score biases' largest entry, and its part from the oracle's
     #: score rounding (the targeted schedules with biases, §13; zeros otherwise). Not part of
     #: ``error_estimate``: whether u is resolved from zero, and so whether its error is relative to

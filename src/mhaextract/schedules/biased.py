@@ -272,12 +272,12 @@ class BiasedTargetedSchedule(TargetedSchedule):
         search, stages, model, W_lift = run_affine(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
         instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
-        error_estimate, score_estimate, bias_error = (
+        error_estimate, unscaled_estimate, bias_error = (
             _error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
         answers = np.asarray(prober.answers, dtype=np.float64)
         checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
-                       checks, score_estimate=score_estimate, bias_error=bias_error)
+                       checks, unscaled_estimate=unscaled_estimate, bias_error=bias_error)
 
 
 def affine_prober(schedule, boundary) -> AffineProber:

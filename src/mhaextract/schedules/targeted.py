@@ -683,7 +683,8 @@ class _GroupMeasurements:
     x_norm: np.ndarray  # |x_n|
     #: (G, H, D, 2) the first-order variance of each coordinate i of the solved ``a`` (D = d, or d + 1
     #: lifted), ``sum_n (X^{-1})_{in}^2 sigma_n^2`` (final stage; NaN otherwise): [..., 0] every
-    #: term, [..., 1] the oracle's score rounding alone (the part that does not grow with answer noise)
+    #: term, [..., 1] the part that does not grow with answer noise: the oracle's score rounding, and a
+    #: subspace unit's basis term, sized to the noise measured (:meth:`_SubspaceDesign.basis_variance`)
     variance: np.ndarray
     #: (G, H) the consensus label's error with the samples' errors scaled as in ``variance`` (final
     #: stage; NaN otherwise)
@@ -771,6 +772,14 @@ class _FullDesign:
         """``a`` (and the same map applied to other right-hand sides) from ``X a = rhs`` (the tokens and
         right-hand sides of the units ``units``, a slice or a mask)."""
         return np.linalg.solve(finals, rhs)
+
+    #: what a subspace design's basis got wrong (:meth:`_SubspaceDesign.basis_variance`); none here
+    basis_error = None
+
+    def basis_variance(self, finals: np.ndarray, a: np.ndarray) -> np.ndarray | None:
+        """The variance (U, D) a unit's ``a`` gets from an error in its design's basis, beside its own
+        rounds' (:func:`_solve_units`): none for a design in all of R^D."""
+        return None
 
     def fitted_solution(self) -> np.ndarray | None:
         """The targets' corrected estimates (U, D) when the corrections took in every round: the
@@ -967,6 +976,39 @@ class _SubspaceDesign(_FullDesign):
         basis = self.basis[units]
         return np.matmul(basis, np.linalg.solve(np.matmul(finals, basis), rhs))
 
+    def basis_variance(self, finals: np.ndarray, a: np.ndarray) -> np.ndarray | None:
+        """The first-order variance (U, D) of each unit's ``a = Q (X Q)^-1 m`` from the error of its
+        basis Q (docs/algorithm.md §17, "Error estimate"), given ``basis_error`` = (per head h: the map
+        (D, R) from a unit's ``a`` to the weights ``w`` of the full units whose errors turned Q, the
+        full units' coordinate variances (R, D)); None without it. With ``g = E^T w`` (coordinate
+        variances ``t = sum_j w_j^2 var(E_j)``) the true ``a`` sticks out of Q's span by ``g`` (the
+        ``t`` term), and that part of it, read by the final tokens' components off the subspace
+        (``B = X (I - Q Q^T)``: the other heads' saturation puts them there, far larger than their
+        in-span parts), enters the log-poles the unit solves: ``(X Q)^-1 B g`` in c, variance
+        ``diag(M B diag(t) B^T M^T)``, ``M = Q (X Q)^-1``."""
+        if self.basis_error is None:
+            return None
+        to_weights, full_variance = self.basis_error
+        others = self.others.shape[1]  # H - 1
+        extra = np.full(a.shape, np.nan)
+        with np.errstate(invalid="ignore", over="ignore"):
+            for h in np.unique(self.heads):
+                units = np.flatnonzero(self.heads == h)
+                t = np.matmul(np.square(np.matmul(a[units], to_weights[h])), full_variance[h])  # (u, D)
+                extra[units] = t
+                if not others:
+                    continue
+                # The tokens' parts off the subspace lie in the span of the frame map's first H - 1
+                # rows (x = Q y + O'^+ (u_O - O Q y), __init__): with an orthonormal basis P of it,
+                # B = (X P) P^T (to the tokens' rounding), and the variance of P^T g is P^T diag(t) P,
+                # (H - 1)-square: O(D r (H - 1)) a unit beside the r x r solve, not O(D r^2)
+                P = np.linalg.qr(self.frame_map_rows[units, :others].transpose(0, 2, 1))[0]  # (u, D, H - 1)
+                X, Q = finals[units], self.basis[units]
+                spread = np.matmul(Q, np.linalg.solve(np.matmul(X, Q), np.matmul(X, P)))  # M X P, (u, D, H - 1)
+                off_variance = np.matmul(P.transpose(0, 2, 1) * t[:, None, :], P)  # (u, H - 1, H - 1)
+                extra[units] += (np.matmul(spread, off_variance) * spread).sum(axis=2)
+        return extra
+
     def fitted_solution(self) -> None:
         """Not used here (:meth:`_FullDesign.fitted_solution`): ``a = Q c`` is solved from all rounds."""
         return None
@@ -978,7 +1020,7 @@ class _SubspaceDesign(_FullDesign):
 
 def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
              W_score: np.ndarray | None = None, copies=None, bases: np.ndarray | None = None,
-             designer=None, block: int = CORRECTION_BLOCK) -> _GroupMeasurements:
+             designer=None, block: int = CORRECTION_BLOCK, basis_error=None) -> _GroupMeasurements:
     """Targeted instances for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
     ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
@@ -989,7 +1031,8 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
     bridges ``k = 1, 2`` in round 0 and ``k = 1`` later (the label is then known); a designer may
     choose them per round (``designer.copies``: :class:`_FinalDesign`). ``W_score`` (final stage):
     the model used for the oracle's score rounding in the error estimate. ``bases`` (G, H, d, r):
-    measure each unit in the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds).
+    measure each unit in the subspace of its head (r rounds, :class:`_SubspaceDesign`) instead of R^d (d rounds),
+    ``basis_error`` what those bases got wrong (:meth:`_SubspaceDesign.basis_variance`; final stage).
     ``designer``: another design class with the interface of :class:`_FullDesign` (the lifted
     design of the biased model, :mod:`.biased`, whose units have ``d + 1`` rounds). ``block``: the
     most rounds designed from one corrected estimate, and the first block (:func:`correction_blocks`;
@@ -1021,6 +1064,7 @@ def _measure(prober: _Prober, differences: np.ndarray, estimates: np.ndarray, rn
         design = (designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:])) if bases is None else
                   designer(current, heads, patterns.reshape((-1,) + patterns.shape[2:]),
                            bases[start:stop].reshape(-1, d, rounds)))
+        design.basis_error = basis_error
         if basis_buffer is not None:
             design.correction.spare = basis_buffer[:len(heads)]
         if bridge:
@@ -1151,6 +1195,10 @@ def _reduce_chunk(out: _GroupMeasurements, finals: np.ndarray, design, W_score, 
             variances = np.stack([np.nan_to_num(sigma), np.nan_to_num(score_sigma)], axis=2) ** 2
         variances = np.minimum(variances, np.finfo(np.float64).max)
     solution, spread_squared = _solve_units(finals, design, np.nan_to_num(m), variances, x_norm)
+    if spread_squared is not None:
+        from_basis = design.basis_variance(finals, solution)
+        if from_basis is not None:  # sized to the noise the full units showed: in both parts
+            spread_squared += from_basis[:, :, None]
     a = np.where(ok[:, None], solution, np.nan)
     out.a = a.reshape(G, H, d)
     out.misfit = np.abs(m - np.matmul(finals, a[:, :, None])[:, :, 0]).reshape(G, H, rounds)
@@ -1480,12 +1528,12 @@ class TargetedSchedule(Schedule):
         H = len(search.heads)
         instances = _diagnostics(stages, model, prober.unit)
         measurements = [data for _, data in stages]
-        error_estimate, score_estimate, bias_error = (
+        error_estimate, unscaled_estimate, bias_error = (
             _error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
         answers = np.asarray(prober.answers, dtype=np.float64)
         checks = _checks(instances, search, H, self.settings.heads, measurements, prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
-                       checks, score_estimate=score_estimate, bias_error=bias_error)
+                       checks, unscaled_estimate=unscaled_estimate, bias_error=bias_error)
 
     def thresholds(self) -> tuple[float, float]:
         return limits(self.unit)
@@ -1705,7 +1753,8 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
 
     ``variance`` (J, H, D, 2): unit j of head h measured ``a~_h(z_j) = (W_h^T z_j[, u_h^T z_j])``
     (D = d, or d + 1 with biases) with coordinate variances ``sum_n (X^{-1})_{in}^2 sigma_n^2``
-    ([..., 1]: the score-rounding terms alone); ``differences`` (J, H, D) the ``z_j`` (the columns
+    ([..., 1]: the part answer noise does not scale: the score-rounding terms, and a subspace unit's
+    basis term, §17); ``differences`` (J, H, D) the ``z_j`` (the columns
     of ``Z_h``, orthogonal times ``|z|``); ``label_sigma`` (J, H) the consensus labels' errors.
     ``W_h = Z_h^{-T} A_h^T`` with ``Z_h^{-T} = Z_h / |z|^2``, so entry (k, i) of ``dW_h`` has
     variance ``sum_j (Z_h[k, j] / |z_j|^2)^2 var(a_j[i])``; ``u_h`` and ``v_h`` the same with the
