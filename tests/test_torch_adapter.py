@@ -111,11 +111,21 @@ def test_extracting_a_real_layer(make, d, seed):
 
 @SLOW
 def test_gpt2_at_the_default_token_scale_fails_its_checks_rather_than_returning_garbage():
+    """GPT-2's W_h are tiny: at the default token scale the paper schedule's instances sit far off
+    their poles and the layer's own float64 rounding decides the run. Which way it goes depends on
+    the machine's kernels (torch with AVX-512: matching fails, 0.12 off, and the error names
+    token_scale; ATEN_CPU_CAPABILITY=default: the run passes, 4.5e-8 off under an estimate of
+    2.7e-6): either is honest, garbage passed off as a result is not."""
     layer = gpt2(16, 2, seed=0)
-    oracle = TorchOracle(layer, readout(16, 0))
+    r = readout(16, 0)
+    oracle = TorchOracle(layer, r)
     assert oracle.suggested_token_scale > 20 * 16 ** 0.25  # GPT-2's W_h are tiny
-    with pytest.raises(mx.ExtractionError, match="token_scale"):
-        mx.extract(oracle, 16, heads=2, seed=0, schedule="paper")
+    try:
+        result = mx.extract(oracle, 16, heads=2, seed=0, schedule="paper")
+    except mx.ExtractionError as error:
+        assert "token_scale" in str(error)
+    else:
+        assert mx.compare(result.model, to_reduced(layer, r)).max_rel <= result.error_estimate
 
 
 # ---------------------------------------------------------------------- back to torch
