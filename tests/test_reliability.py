@@ -275,7 +275,12 @@ def test_refine_on_a_torch_layer_is_not_a_matching_false_alarm():
                         token_scale="auto", on_failure="warn")
     assert float(mx.compare(result.model, to_reduced(layer, readout)).max_rel) < 1e-13
     assert result.ok
-    assert "superseded by the refinement" in next(c.message for c in result.checks if c.name == "matching")
+    # The algebraic start's links: with torch's AVX-512 kernels a link pole matched two heads (the
+    # check fails, the refinement supersedes it and says so); with ATEN_CPU_CAPABILITY=default 1 of
+    # 143 links was ambiguous, within the check, which passes on its own
+    matching = next(c for c in result.checks if c.name == "matching")
+    on_its_own = matching.value <= matching.threshold and "matched to two heads" not in matching.message
+    assert on_its_own or matching.message.startswith("superseded by the refinement")
 
 
 def test_max_heads_reports_the_resolution_at_which_heads_merged():
