@@ -86,6 +86,7 @@ def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
     return dict(d=d, H=H, kind=label, queries=result.queries, oracle_count=oracle.count,
                 paper=4 * H * d * d - 2 * H + 1, seconds=seconds, oracle_s=oracle.seconds,
                 learner_s=seconds - oracle.seconds, ratio=(seconds - oracle.seconds) / oracle.seconds,
+                estimate=float(result.error_estimate),
                 peak_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 error=float(mx.compare(result.model, model).max_rel) if result.model is not None else float("inf"),
                 ok=result.ok)
