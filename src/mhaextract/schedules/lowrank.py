@@ -325,7 +325,7 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
             if not np.isfinite(full.a).all():
                 return search, stages, None, np.inf, None, (rank, measured)
         if measured < d - 1:  # the other bridges in the rough row spaces (lifted)
-            spans, _ = _span(np.concatenate([a1[None]] + [full.a for full in blocks])[..., :d], rank)
+            spans = _span(np.concatenate([a1[None]] + [full.a for full in blocks])[..., :d], rank)[0]
             low = measure(slice(measured, None), spans)
             stages.append(("bridge", low))
             rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
@@ -346,12 +346,12 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
         return search, stages, None, np.inf, None, (rank, measured)
-    spans, ratio = _span(final.a[..., :d], rank)
+    spans, ratio, factors = _span(final.a[..., :d], rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
         low = _measure(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_lift,
                        copies=FINAL_COPIES, bases=_per_unit(_lifted_bases(spans), d - R),
-                       designer=AffineSubspaceDesign, basis_error=_basis_error(final, d, rank))
+                       designer=AffineSubspaceDesign, basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
         a_final = np.concatenate([a_final, low.a])
         labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])
@@ -364,13 +364,14 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     return search, stages, MultiHeadAttention(W, v, u, prober.c0), ratio, lifted_scores(W, u), (rank, measured)
 
 
-def _span(vectors: np.ndarray, rank: int) -> tuple[np.ndarray, float]:
+def _span(vectors: np.ndarray, rank: int) -> tuple[np.ndarray, float, tuple]:
     """Orthonormal bases (H, d, r) of the top-r right singular subspaces of ``vectors`` (n, H, d),
-    and the largest relative (r+1)-th singular value (0 when n <= r)."""
-    _, singular, vt = np.linalg.svd(vectors.transpose(1, 0, 2), full_matrices=False)  # per head (n, d)
+    the largest relative (r+1)-th singular value (0 when n <= r), and the SVDs themselves
+    ``(U, S, V^T)`` per head (the final stage's feed :func:`_basis_error`)."""
+    left, singular, vt = np.linalg.svd(vectors.transpose(1, 0, 2), full_matrices=False)  # per head (n, d)
     r = min(rank, vt.shape[1])
     ratio = float((singular[:, r] / singular[:, 0]).max()) if singular.shape[1] > r else 0.0
-    return vt[:, :r].transpose(0, 2, 1), ratio
+    return vt[:, :r].transpose(0, 2, 1), ratio, (left, singular, vt)
 
 
 def _per_unit(bases: np.ndarray, groups: int) -> np.ndarray:
@@ -405,7 +406,7 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
             if not np.isfinite(full.a).all():
                 return search, stages, None, np.inf, (rank, measured)
         if measured < d - 1:  # the other bridges in the rough row spaces
-            spans, _ = _span(np.concatenate([a1[None]] + [full.a for full in blocks]), rank)
+            spans = _span(np.concatenate([a1[None]] + [full.a for full in blocks]), rank)[0]
             low = measure(slice(measured, None), spans)
             stages.append(("bridge", low))
             rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
@@ -424,11 +425,11 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
         return search, stages, None, np.inf, (rank, measured)
-    spans, ratio = _span(final.a, rank)
+    spans, ratio, factors = _span(final.a, rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
         low = _measure(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_rough,
-                       copies=FINAL_COPIES, bases=_per_unit(spans, d - R), basis_error=_basis_error(final, d, rank))
+                       copies=FINAL_COPIES, bases=_per_unit(spans, d - R), basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
         a_final = np.concatenate([a_final, low.a])
         labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])
@@ -467,10 +468,11 @@ BASIS_ROUNDING = 4.0
 BASIS_NOISE_MARGIN = 2.0
 
 
-def _basis_error(full, d: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+def _basis_error(full, factors, d: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """What the subspace units need to know of their bases' error (:meth:`.targeted._SubspaceDesign.
     basis_variance`): per head h, the map (D, R) from a unit's ``a`` to the weights ``w = U S^-1 Q^T a``
-    on the R full units (the measured ``A = U S Q^T``, R x d), and the full units' coordinate
+    on the R full units (the measured ``A = U S Q^T``, R x d: ``factors``, the SVDs :func:`_span` made
+    the bases from), and the full units' coordinate
     variances (R, D); zero on a lifted coordinate (D = d + 1), whose basis vector is exact. To first
     order Q's component off its span moves by ``(I - Q Q^T) E^T U S^-1`` (E: the full units'
     errors), so a true ``a = Q c`` sticks out of the measured span by ``(I - Q Q^T) E^T w``. Only the
@@ -488,8 +490,7 @@ def _basis_error(full, d: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
     the answer noise measured after the run (``Outcome.unscaled_estimate``)."""
     R, H, D = full.a.shape
     to_weights, variance = np.zeros((H, D, R)), np.zeros((H, R, D))
-    for h in range(H):
-        left, singular, right_t = np.linalg.svd(full.a[:, h, :d], full_matrices=False)
+    for h, (left, singular, right_t) in enumerate(zip(*factors)):
         error = np.sqrt(full.error_squared[:, h, 0].sum())
         keep = np.flatnonzero(singular[:rank] > 10.0 * error)
         to_weights[h, :d] = right_t[keep].T @ (left[:, keep] / singular[keep]).T
