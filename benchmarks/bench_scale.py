@@ -58,16 +58,19 @@ class NumpyOracle:
         return out
 
 
-def target(d: int, H: int, rank: int | None, seed: int) -> mx.MultiHeadAttention:
-    return mx.MultiHeadAttention.random(d, H, seed=seed, rank=rank)
+def target(d: int, H: int, rank: int | None, seed: int, bias: bool = False) -> mx.MultiHeadAttention:
+    """``MultiHeadAttention.random``; ``bias``: with score biases and an output constant (the "lowb"
+    cells, docs/algorithm.md §16, §17)."""
+    model = mx.MultiHeadAttention.random(d, H, seed=seed, rank=rank)
+    if not bias:
+        return model
+    rng = np.random.default_rng(seed + 100)
+    return mx.MultiHeadAttention(model.W, model.v, rng.standard_normal((H, d)) / np.sqrt(d), 0.3)
 
 
 def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
     rank = None if kind in ("full", "default", "paper", "lean") else d // H
-    model = target(d, H, rank, seed)
-    if kind == "lowb":  # rank d / H with score biases and an output constant (docs/algorithm.md §16, §17)
-        rng = np.random.default_rng(seed + 100)
-        model = mx.MultiHeadAttention(model.W, model.v, rng.standard_normal((H, d)) / np.sqrt(d), 0.3)
+    model = target(d, H, rank, seed, bias=kind == "lowb")
     oracle = NumpyOracle(model)
     check = mx.SimulatedOracle(model)([np.ones((3, d))])[0]
     assert abs(oracle([np.ones((3, d))])[0] - check) <= 1e-12 * max(1.0, abs(check))
