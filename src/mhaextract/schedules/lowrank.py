@@ -462,7 +462,7 @@ BASIS_ROUNDING = 4.0
 
 #: The measured noise's margin, in standard deviation (:func:`_basis_error`): the model of E behind
 #: the term (independent across the full units, the first-order pattern across coordinates) put the
-#: first-order miss of the true ``a`` at 0.44..1.38 times what it says over 30 heads of float32 layers
+#: first-order miss of the true ``a`` at 0.44..1.38 times what it says over 26 heads of float32 layers
 #: (d = 16..64); without the margin the estimate stood 1.5..1.7 times the truth on the tightest of
 #: the 236 float32 runs that pass (3.0 with it).
 BASIS_NOISE_MARGIN = 2.0
