@@ -3,6 +3,7 @@
     python benchmarks/bench_real_layers.py [--d 16 32 64] [--heads 2 4 8] [--sweep]
     python benchmarks/bench_real_layers.py --dtype float32 --d 16 --heads 4 --seeds 4
     python benchmarks/bench_real_layers.py --dtype float32 --d 16 --heads 4 --seeds 4 --rank auto
+    python benchmarks/bench_real_layers.py --dtype float32 --d 768 --heads 12 --seeds 1 --rank dH --kinds GPT2Attention
 
 Per layer type, d and H: a float64 layer with every bias drawn at the std of its weights, read out
 through a random vector, extracted with ``mx.extract(TorchOracle(layer, r), d, heads=H, seed=0)``
@@ -31,14 +32,14 @@ from test_real_layers import build  # noqa: E402
 KINDS = ["nn.MultiheadAttention", "GPT2Attention", "BertSelfAttention", "OPTAttention", "ViTAttention"]
 
 
-def layer_rows(ds, heads, dtype="float64", seeds=(None,), rank=None):
+def layer_rows(ds, heads, dtype="float64", seeds=(None,), rank=None, kinds=KINDS):
     """One row per layer type, d, H (and seed): the layer in ``dtype`` (float32: built in float64, the
     truth ``to_reduced`` of that float64 copy, then the layer itself converted), sdpa attention for
     float64 and eager (float32 throughout) for float32."""
     print("| layer | dtype | d | H | seed | queries (measured) | calibration queries | seconds | rel. error vs to_reduced "
           "| estimate / error | rank | checks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for kind in KINDS:
+    for kind in kinds:
         for d in ds:
             for H in heads:
                 for seed in seeds:
@@ -88,12 +89,14 @@ def main():
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seeds", type=int, help="seeds 0..N-1 per cell (default: one layer, seed d + H)")
     parser.add_argument("--rank", choices=["dH", "auto"], help='schedule="lowrank" with rank=d//H or rank="auto"')
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS, help="layer types (default: all five)")
     arguments = parser.parse_args()
     if arguments.sweep:
         sweep_rows()
     else:
         layer_rows(arguments.d, arguments.heads, arguments.dtype,
-                   (None,) if arguments.seeds is None else tuple(range(arguments.seeds)), arguments.rank)
+                   (None,) if arguments.seeds is None else tuple(range(arguments.seeds)), arguments.rank,
+                   arguments.kinds)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,14 @@ from ..numerics import single_pole
 
 EPS = np.finfo(np.float64).eps
 
+#: A head in its window (the step moved a fraction f = tau / (1 + tau) in WINDOW_FRACTION ..
+#: 1 - WINDOW_FRACTION) has ``S_2 - S_1 = l tau / ((2 + tau)(1 + tau))``, at least 0.0099 |l| (at f =
+#: 0.02): the point is tested as a centre when ``S_2 - S_1`` exceeds this fraction of the step being
+#: bisected, even below the line's noise tolerance (1e3 rounding scales). That tolerance is sized for
+#: the staircase's steps; against ``S_2 - S_1``, at most 0.17 |l|, it hid every head with |l| under
+#: 6 tolerances: a float32 GPT-2 layer at d = 768, H = 12 (tolerance 1.1% of the largest gap) never
+#: tested its head of label 73.7 (of 1,300) as a centre, and the run failed.
+WINDOW_GAP = 0.005
 #: Copy counts asked at a candidate centre (k = 1 is the bisection's own sample): the longest
 #: query of the targeted schedule has max(CENTER_COPIES) + 1 tokens.
 CENTER_COPIES = (1, 2, 3, 4)
@@ -169,15 +177,17 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
         x_m = quantize(x0 + t_m * u)
         G_m = float(gap(x_m[None], (1,))[0][0, 0])
         fraction = (G_m - G_a) / (G_b - G_a)
+        step_height = abs(G_b - G_a)
         if WINDOW_FRACTION < fraction < 1 - WINDOW_FRACTION:
             more = gap(x_m[None], CENTER_COPIES[1:])[0][0]
-            if abs(more[0] - G_m) > tolerance:  # some head is in its window here
+            # some head is in its window here (a step above tolerance: WINDOW_GAP of it is 5 rounding
+            # scales or more, above the two samples' rounding)
+            if abs(more[0] - G_m) > max(min(tolerance, WINDOW_GAP * step_height), 1e-9 * scale):
                 samples = np.array([[G_m, more[0], more[1]]])
                 P, label, m = (float(value[0]) for value in single_pole.fit_with_constant(samples))
                 predicted = P + 4 * label / (4 + np.exp(m)) if np.isfinite(m) else np.nan
                 # The label must be the height of the step being bisected (a blend of two barely
                 # saturated neighbours can mimic a small single pole, but not the step).
-                step_height = abs(G_b - G_a)
                 if (np.isfinite(m) and abs(m) <= max_center and abs(predicted - more[2]) <= agreement
                         and abs(abs(label) - step_height) <= 0.1 * step_height):
                     report.centers += 1
