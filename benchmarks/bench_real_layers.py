@@ -17,6 +17,7 @@ scaled 1e-3..1e3, ``token_scale="auto"``; every run must pass or fail loudly. ``
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,8 @@ def layer_rows(ds, heads, dtype="float64", seeds=(None,), rank=None, kinds=KINDS
                     print(f"| {kind} | {result.answer_dtype} | {d} | {H} | {layer_seed} | {result.queries:,} | "
                           f"{result.calibration_queries} | {seconds:.1f} | {error:.1e} | {ratio:.2g} | {found} | "
                           f"{checks} |", flush=True)
+    # one process for every row: the peak is the largest row's (run one row for its own, as §17's GPT-2-sized rows)
+    print(f"\npeak memory of this process (ru_maxrss): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GB")
 
 
 def sweep_rows(d=16, H=4, seeds=2):
