@@ -1,16 +1,19 @@
-"""The target: multi-head softmax attention read out at the final token (docs/algorithm.md §1, §16).
+"""The target: multi-head softmax attention read out at the final token (docs/algorithm.md §1, §16, §21).
 
-For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, v_h, u_h)``::
+For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, V_h, u_h)``::
 
     s_{h,i} = x_i^T (W_h x_N + u_h)                score of token i (key on the left)
     a_{h,i} = exp(s_{h,i}) / sum_j exp(s_{h,j})    softmax over all N tokens, x_N included
-    f(X)    = c + sum_h sum_i a_{h,i} v_h^T x_i    the one scalar an oracle returns
+    f(X)    = c + sum_h V_h sum_i a_{h,i} x_i      the output an oracle returns
 
-``u_h`` (the query bias seen through the keys) and the constant ``c`` (value and output biases)
-are zero in the paper's model (§1) and in a model built without them.
+``V_h`` is a ``d_out x d`` value read-out (``W_O,h W_V,h`` of a real layer) and ``c`` a vector of
+``d_out`` (value and output biases). The paper's scalar model is ``d_out = 1`` with ``v_h = V_h^T``:
+``f(X) = c + sum_h sum_i a_{h,i} v_h^T x_i``, one number per sequence. ``u_h`` (the query bias
+seen through the keys) and ``c`` are zero in the paper's model (§1) and in a model built without
+them.
 
-Canonical form: heads with equal ``(W_h, u_h)`` act as one head with the sum of their ``v_h``; a
-merged head whose summed value vector is zero contributes nothing. Only canonical heads are
+Canonical form: heads with equal ``(W_h, u_h)`` act as one head with the sum of their ``V_h``; a
+merged head whose summed value read-out is zero contributes nothing. Only canonical heads are
 identifiable, and only up to permutation.
 """
 
@@ -75,60 +78,105 @@ def group_equal_heads(W: np.ndarray, rtol: float = 0.0, u: np.ndarray | None = N
 
 
 class MultiHeadAttention:
-    """Multi-head softmax attention with a scalar read-out at the final token.
+    """Multi-head softmax attention read out at the final token: a scalar or a vector of d_out outputs.
 
     Parameters
     ----------
     W : array of shape (H, d, d)
         Bilinear score matrices; ``s_{h,i} = x_i^T W_h x_N``.
-    v : array of shape (H, d)
-        Value read-out vectors.
+    V : array of shape (H, d) or (H, d_out, d)
+        Value read-outs. Shape (H, d): the scalar model, one value vector ``v_h`` per head (the
+        paper's model; ``f(X)`` is a number). Shape (H, d_out, d): the vector model, one
+        ``d_out x d`` matrix ``V_h = W_O,h W_V,h`` per head (a real layer's whole output).
     u : array of shape (H, d), optional
         Score biases: ``s_{h,i} = x_i^T (W_h x_N + u_h)`` (docs/algorithm.md §16). Default zero.
-    c : scalar, optional
+    c : scalar, or array of shape (d_out,) for the vector model, optional
         Output constant added to every answer. Default zero.
 
     All are float64, or ``mpmath.mpf`` (object arrays) for a high-precision model.
 
     Attributes
     ----------
-    W, v, u : the parameters (float64 or object arrays); ``u`` is zeros when not given.
-    c : the constant (float, or ``mpf`` for a high-precision model).
+    W, u : the parameters (float64 or object arrays); ``u`` is zeros when not given.
+    V : (H, d_out, d) value read-outs (the scalar model's ``v[:, None, :]``).
+    v : (H, d) value vectors of the scalar model (a vector model has none: see :meth:`readout`).
+    c : the constant (float or ``mpf``; a (d_out,) array for the vector model).
     d : int, the token dimension.
+    d_out : int, outputs per sequence (1 for the scalar model).
+    is_vector : bool, the vector model (``model(batch)`` has shape (B, d_out), not (B,)).
     heads : int, the number of heads H (not necessarily canonical).
     has_bias : bool, some ``u_h`` or ``c`` is non-zero.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> scalar = mx.MultiHeadAttention.random(d=4, heads=2, seed=0)
+    >>> scalar(np.ones((3, 5, 4))).shape                      # 3 sequences of 5 tokens
+    (3,)
+    >>> layer = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, d_out=6, bias=True)
+    >>> layer.V.shape, layer.c.shape, layer(np.ones((3, 5, 4))).shape
+    ((2, 6, 4), (6,), (3, 6))
+    >>> r = np.arange(6.0)
+    >>> bool(np.allclose(layer.readout(r)(np.ones((3, 5, 4))), layer(np.ones((3, 5, 4))) @ r))
+    True
     """
 
-    def __init__(self, W, v, u=None, c=0.0):
+    def __init__(self, W, V, u=None, c=None):
         W = np.asarray(W)
-        v = np.asarray(v)
+        V = np.asarray(V)
         if W.ndim != 3 or W.shape[1] != W.shape[2]:
             raise ValueError(f"W must have shape (H, d, d), got {W.shape}")
-        if v.shape != W.shape[:2]:
-            raise ValueError(f"v must have shape (H, d) = {W.shape[:2]}, got {v.shape}")
+        vector = V.ndim == 3
+        if vector and (V.shape[0] != W.shape[0] or V.shape[2] != W.shape[1]):
+            raise ValueError(f"V must have shape (H, d_out, d) = ({W.shape[0]}, d_out, {W.shape[1]}), got {V.shape}")
+        if not vector and V.shape != W.shape[:2]:
+            raise ValueError(f"v must have shape (H, d) = {W.shape[:2]} (the scalar model), or V "
+                             f"(H, d_out, d) = ({W.shape[0]}, d_out, {W.shape[1]}) (the vector model); got {V.shape}")
         u = np.zeros(W.shape[:2], dtype=W.dtype if W.dtype == object else np.float64) if u is None else np.asarray(u)
         if u.shape != W.shape[:2]:
             raise ValueError(f"u must have shape (H, d) = {W.shape[:2]}, got {u.shape}")
-        if np.ndim(c) != 0:
-            raise ValueError(f"c must be a scalar, got shape {np.shape(c)}")
-        if W.dtype == object or v.dtype == object or u.dtype == object or isinstance(c, mpmath.mpf):
-            W, v, u = mpf_array(W), mpf_array(v), mpf_array(u)  # exact: mpf entries are kept, floats converted
-            c = mpf_array(np.array([c], dtype=object))[0]
-            finite = all(mpmath.isfinite(value) for value in list(W.ravel()) + list(v.ravel()) + list(u.ravel()) + [c])
+        if c is None:
+            c = np.zeros(V.shape[1]) if vector else 0.0
+        if vector and np.shape(c) != (V.shape[1],):
+            raise ValueError(f"c must have shape (d_out,) = ({V.shape[1]},) for V of shape {V.shape}, got {np.shape(c)}")
+        if not vector and np.ndim(c) != 0:
+            raise ValueError(f"c must be a scalar for the scalar model (v of shape (H, d)), got shape {np.shape(c)}")
+        c_array = np.asarray(c) if vector else np.array([c], dtype=object)
+        if (W.dtype == object or V.dtype == object or u.dtype == object or c_array.dtype == object and
+                any(isinstance(value, mpmath.mpf) for value in c_array)):
+            W, V, u = mpf_array(W), mpf_array(V), mpf_array(u)  # exact: mpf entries are kept, floats converted
+            c_array = mpf_array(np.asarray(c_array, dtype=object))
+            finite = all(mpmath.isfinite(value) for value in
+                         list(W.ravel()) + list(V.ravel()) + list(u.ravel()) + list(c_array))
         else:
-            W, v, u = W.astype(np.float64), v.astype(np.float64), u.astype(np.float64)
-            c = float(c)
-            finite = bool(np.isfinite(W).all() and np.isfinite(v).all() and np.isfinite(u).all() and np.isfinite(c))
+            W, V, u = W.astype(np.float64), V.astype(np.float64), u.astype(np.float64)
+            c_array = np.asarray(c_array, dtype=np.float64)
+            finite = bool(np.isfinite(W).all() and np.isfinite(V).all() and np.isfinite(u).all()
+                          and np.isfinite(c_array).all())
         if not finite:
-            raise ValueError("W, v, u and c must be finite")
+            raise ValueError("W, V, u and c must be finite")
         self.W = W
-        self.v = v
+        self.V = V if vector else V[:, None, :]
         self.u = u
-        self.c = c
+        self.is_vector = vector
+        self.c = c_array if vector else (c_array[0] if c_array.dtype == object else float(c_array[0]))
+
+    @property
+    def v(self) -> np.ndarray:
+        """The scalar model's value vectors ``v_h`` (H, d); a vector model has ``V`` instead."""
+        if self.is_vector:
+            raise AttributeError(f"a model with d_out = {self.d_out} outputs has V (H, d_out, d), not v: "
+                                 "model.readout(r) is its scalar model r^T f, with v_h = V_h^T r")
+        return self.V[:, 0, :]
+
+    @property
+    def d_out(self) -> int:
+        return self.V.shape[1]
 
     @property
     def has_bias(self) -> bool:
-        return bool(any(value != 0 for value in self.u.ravel()) or self.c != 0)
+        return bool(any(value != 0 for value in self.u.ravel()) or any(value != 0 for value in np.ravel(self.c)))
 
     @property
     def d(self) -> int:
@@ -145,22 +193,35 @@ class MultiHeadAttention:
     def __repr__(self) -> str:
         kind = "mpf" if self.is_high_precision else "float64"
         bias = ", biased" if self.has_bias else ""
-        return f"MultiHeadAttention(d={self.d}, heads={self.heads}, {kind}{bias})"
+        outputs = f", d_out={self.d_out}" if self.is_vector else ""
+        return f"MultiHeadAttention(d={self.d}, heads={self.heads}{outputs}, {kind}{bias})"
 
     @classmethod
-    def random(cls, d: int, heads: int, seed=None, bias: bool = False, rank: int | None = None) -> "MultiHeadAttention":
+    def random(cls, d: int, heads: int, seed=None, bias: bool = False, rank: int | None = None,
+               d_out: int | None = None) -> "MultiHeadAttention":
         """A random target: ``W_h`` with i.i.d. N(0, 1/d) entries and ``v_h`` with N(0, 1) entries;
         with ``bias=True`` also ``u_h`` with N(0, 1/sqrt(d)) entries and ``c`` N(0, 1) (the same
         draws of W and v as without). ``rank=r``: ``W_h = A_h B_h^T / sqrt(d r)`` with Gaussian
         ``A_h``, ``B_h`` (d x r), of rank r with entries of variance 1/d (the low-rank schedule's
-        targets, docs/algorithm.md §17).
+        targets, docs/algorithm.md §17). ``d_out=n``: the vector model, ``V_h`` (n x d) with N(0, 1)
+        entries in place of ``v_h`` and ``c`` of n N(0, 1) entries (the same draws of W).
 
         The 1/d variance keeps ``z^T W_h x`` of order one for tokens of norm ``d**0.25``, the
         default token scale of :func:`mhaextract.extract`; ``u_h`` of norm ``d**0.25`` keeps
         ``z^T u_h`` of order one there too.
+
+        Examples
+        --------
+        >>> import mhaextract as mx
+        >>> mx.MultiHeadAttention.random(d=8, heads=3, seed=0, bias=True)
+        MultiHeadAttention(d=8, heads=3, float64, biased)
+        >>> mx.MultiHeadAttention.random(d=8, heads=3, seed=0, d_out=8).V.shape
+        (3, 8, 8)
         """
         if int(d) < 1 or int(heads) < 1:
             raise ValueError(f"d and heads must be positive, got d={d}, heads={heads}")
+        if d_out is not None and (isinstance(d_out, bool) or not isinstance(d_out, (int, np.integer)) or d_out < 1):
+            raise ValueError(f"d_out must be a positive integer (outputs per sequence) or None, got {d_out!r}")
         rng = np.random.default_rng(seed)
         if rank is None:
             W = rng.standard_normal((heads, d, d)) / np.sqrt(d)
@@ -169,11 +230,12 @@ class MultiHeadAttention:
                 raise ValueError(f"rank must be an integer 1 <= rank <= d = {d}, got {rank!r}")
             A, B = rng.standard_normal((2, heads, d, int(rank)))
             W = np.einsum("hdr,her->hde", A, B) / np.sqrt(d * rank)
-        v = rng.standard_normal((heads, d))
+        V = rng.standard_normal((heads, d) if d_out is None else (heads, int(d_out), d))
         if not bias:
-            return cls(W, v)
+            return cls(W, V)
         u = rng.standard_normal((heads, d)) / d**0.25
-        return cls(W, v, u, float(rng.standard_normal()))
+        c = float(rng.standard_normal()) if d_out is None else rng.standard_normal(int(d_out))
+        return cls(W, V, u, c)
 
     def suggested_token_scale(self) -> float:
         """The token norm ``s`` at which the schedule's log-poles ``z^T W_h x`` are of order one.
@@ -193,15 +255,40 @@ class MultiHeadAttention:
         if not self.is_high_precision:
             return self
         to_float = np.vectorize(float, otypes=[np.float64])
-        return MultiHeadAttention(to_float(self.W), to_float(self.v), to_float(self.u), float(self.c))
+        c = to_float(self.c) if self.is_vector else float(self.c)
+        return MultiHeadAttention(to_float(self.W), to_float(self.V if self.is_vector else self.v), to_float(self.u), c)
+
+    def readout(self, r) -> "MultiHeadAttention":
+        """The scalar model ``r^T f``: ``v_h = V_h^T r`` and ``r^T c`` (what an oracle read out through ``r`` answers).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mhaextract as mx
+        >>> layer = mx.MultiHeadAttention.random(d=4, heads=2, seed=1, d_out=3)
+        >>> layer.readout(np.array([0.0, 1.0, 0.0])).v.shape
+        (2, 4)
+        """
+        r = np.asarray(r)
+        if r.shape != (self.d_out,):
+            raise ValueError(f"the read-out must be a vector of d_out = {self.d_out} entries, got shape {r.shape}")
+        if self.is_high_precision or r.dtype == object:
+            with mpmath.workprec(2200):  # exact for float64 products and short sums
+                V, r_mp, c = mpf_array(self.V), mpf_array(r.astype(object)), mpf_array(np.ravel(np.asarray(self.c, dtype=object)))
+                v = np.einsum("hod,o->hd", V, r_mp)
+                scalar_c = sum((c[o] * r_mp[o] for o in range(self.d_out)), mpmath.mpf(0))
+            return MultiHeadAttention(self.W, v, self.u, scalar_c)
+        r = r.astype(np.float64)
+        return MultiHeadAttention(self.W, np.einsum("hod,o->hd", self.V, r), self.u, float(np.ravel(self.c) @ r))
 
     # ------------------------------------------------------------------ evaluation
     def __call__(self, batch, precision: int | None = None, dtype=np.float64):
         """Outputs f(X) for a batch of sequences.
 
-        In float64 (``precision=None``) returns a float64 array of shape (B,). With
-        ``precision=bits`` the sequences may hold ``mpmath.mpf`` (or floats) and the outputs are
-        a list of ``mpf`` computed with ball arithmetic at ``bits`` (+ guard) bits.
+        In float64 (``precision=None``) returns a float64 array of shape (B,), (B, d_out) for the
+        vector model. With ``precision=bits`` the sequences may hold ``mpmath.mpf`` (or floats) and
+        the outputs are a list of ``mpf`` (an object array (B, d_out) for the vector model) computed
+        with ball arithmetic at ``bits`` (+ guard) bits.
         ``dtype=np.float32`` evaluates in float32 throughout (tokens, parameters and arithmetic
         rounded to float32; a lower-precision target, see :class:`mhaextract.oracle.noise.Float32Oracle`).
         """
@@ -233,6 +320,13 @@ class MultiHeadAttention:
 
     def _evaluate_float(self, sequences: Sequence[np.ndarray], dtype=np.float64) -> np.ndarray:
         model = self.to_float64()
+        if self.is_vector:
+            V, c = model.V.astype(dtype), model.c.astype(dtype)
+            out = np.empty((len(sequences), self.d_out), dtype=dtype)
+            for index, X, weights in self._weights_float(sequences, dtype):
+                means = np.einsum("bhn,bnd->bhd", weights, X)  # m_h(X), (B, H, d)
+                out[index] = np.einsum("bhd,hod->bo", means, V) + c
+            return out
         v, c = model.v.astype(dtype), np.dtype(dtype).type(model.c)
         out = np.empty(len(sequences), dtype=dtype)
         for index, X, weights in self._weights_float(sequences, dtype):
@@ -248,18 +342,18 @@ class MultiHeadAttention:
         ``c + sum_h (k e_y v_h^T y + e_x v_h^T x) / (k e_y + e_x)``: ``self(sequences)`` to rounding,
         in O(H d) per instance and O(H) per query instead of O(N H d^2) per query."""
         model = self.to_float64()
-        W, v, u = model.W, model.v, model.u
+        W, u = model.W, model.u
         heads, d = W.shape[0], W.shape[1]
         finals, differences = np.asarray(finals, dtype=np.float64), np.asarray(differences, dtype=np.float64)
         final_of, which, k = np.asarray(final_of, dtype=int), np.asarray(which, dtype=int), np.asarray(copies)
         if not len(which):
-            return np.empty(0)
-        # one BLAS product for all final tokens (a kept sample has thousands: stacked per token, a
-        # matrix-vector product each, it was half of this evaluation's time at d = 64)
+            return np.empty((0, self.d_out) if self.is_vector else 0)
+        # one BLAS product for all final tokens (stacked per token, a matrix-vector product each is
+        # several times slower at d = 64)
         queries = (finals @ W.reshape(heads * d, d).T).reshape(len(finals), heads, d) + u[None]
         y = finals[final_of] - differences  # (n, d)
-        # each instance's y against its final token's W_h x + u_h, gathered in chunks of ~8 MB (half the
-        # time of one BLAS product per final token over the grid's d^2 instances on 4d finals, d = 128)
+        # each instance's y against its final token's W_h x + u_h, gathered in chunks of ~8 MB (faster
+        # than one BLAS product per final token when instances share few final tokens)
         s_y = np.empty((len(y), heads))
         step = max(1, 2**20 // max(1, heads * d))
         for start in range(0, len(y), step):
@@ -267,9 +361,15 @@ class MultiHeadAttention:
             s_y[part] = np.einsum("nd,nhd->nh", y[part], queries[final_of[part]])
         s_x = np.einsum("fd,fhd->fh", finals, queries)[final_of][which]  # (Q, H)
         s_y = s_y[which]
-        v_x, v_y = (finals @ v.T)[final_of][which], (y @ v.T)[which]
         top = np.where(k[:, None] > 0, np.maximum(s_x, s_y), s_x)
         e_x, e_y = np.exp(s_x - top), k[:, None] * np.exp(s_y - top)
+        if self.is_vector:  # V_h x and V_h y per head and output: (Q, H, d_out)
+            v_x = np.einsum("fd,hod->fho", finals, model.V)[final_of][which]
+            v_y = np.einsum("nd,hod->nho", y, model.V)[which]
+            weights_x, weights_y = (e_x / (e_y + e_x))[:, :, None], (e_y / (e_y + e_x))[:, :, None]
+            return (weights_y * v_y + weights_x * v_x).sum(axis=1) + model.c
+        v = model.v
+        v_x, v_y = (finals @ v.T)[final_of][which], (y @ v.T)[which]
         return ((e_y * v_y + e_x * v_x) / (e_y + e_x)).sum(axis=1) + model.c
 
     def _means_float64(self, sequences: Sequence[np.ndarray]) -> np.ndarray:
@@ -302,20 +402,21 @@ class MultiHeadAttention:
             weights /= weights.sum(axis=2, keepdims=True)
             yield index, X, weights
 
-    def _evaluate_arb(self, sequences: Sequence[np.ndarray], precision: int) -> list:
+    def _evaluate_arb(self, sequences: Sequence[np.ndarray], precision: int):
         means = self._means_arb(sequences, precision)
         with working_precision(precision + 32):
-            v = np.vectorize(to_arb, otypes=[object])(self.v)
-            outputs = []
-            c = to_arb(self.c)
-            for row in means:
-                # Head by head: heads that cancel (equal W, opposite v) then cancel exactly.
-                total = c
-                for h in range(self.heads):
-                    total += sum((row[h, a] * v[h, a] for a in range(self.d)), arb(0))
-                with mpmath.workprec(precision):
-                    outputs.append(+arb_to_mpf(total))  # unary + rounds to `precision` bits
-            return outputs
+            V = np.vectorize(to_arb, otypes=[object])(self.V)
+            constants = [to_arb(value) for value in np.ravel(np.asarray(self.c, dtype=object))]
+            outputs = np.empty((len(means), self.d_out), dtype=object)
+            for b, row in enumerate(means):
+                for o in range(self.d_out):
+                    # Head by head: heads that cancel (equal W, opposite V) then cancel exactly.
+                    total = constants[o]
+                    for h in range(self.heads):
+                        total += sum((row[h, a] * V[h, o, a] for a in range(self.d)), arb(0))
+                    with mpmath.workprec(precision):
+                        outputs[b, o] = +arb_to_mpf(total)  # unary + rounds to `precision` bits
+            return outputs if self.is_vector else list(outputs[:, 0])
 
     def _means_arb(self, sequences: Sequence[np.ndarray], precision: int) -> np.ndarray:
         H, d = self.heads, self.d
@@ -355,29 +456,38 @@ class MultiHeadAttention:
 
     # ------------------------------------------------------------------ canonical form
     def canonical(self, rtol: float = 0.0) -> "MultiHeadAttention":
-        """The canonical form: equal (W, u)'s merged (v's summed), zero merged v's dropped; c kept.
+        """The canonical form: equal (W, u)'s merged (V's summed), zero merged V's dropped; c kept.
 
-        ``rtol`` is the tolerance, relative to the largest entry of W (resp. u, v), under which two
-        heads count as equal (resp. a summed v as zero). The default 0 merges exact equality only.
+        ``rtol`` is the tolerance, relative to the largest entry of W (resp. u, V), under which two
+        heads count as equal (resp. a summed V as zero). The default 0 merges exact equality only.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mhaextract as mx
+        >>> W, v = np.stack([np.eye(2), np.eye(2), 2 * np.eye(2)]), np.array([[1.0, 0], [-1, 0], [0, 1]])
+        >>> mx.MultiHeadAttention(W, v).canonical().heads   # heads 1 and 2 merge and cancel
+        1
         """
-        W, v, u = self.W, self.v, self.u
+        W, V, u = self.W, self.V, self.u
         W_mag = np.vectorize(lambda value: abs(float(value)), otypes=[np.float64])
-        v_abs = W_mag(v) if v.dtype == object else np.abs(v)
-        v_scale = float(v_abs.max()) if v.size else 0.0
+        V_abs = W_mag(V) if V.dtype == object else np.abs(V)
+        V_scale = float(V_abs.max()) if V.size else 0.0
         groups = group_equal_heads(W, rtol, u)
-        W_out, v_out, u_out = [], [], []
+        W_out, V_out, u_out = [], [], []
         for group in groups:
             # mpf sums are exact here (enough bits for any sum of a few doubles); float64 rounds.
             with mpmath.workprec(2200):
-                summed = v[group].sum(axis=0)
-            size = W_mag(summed).max() if v.dtype == object else np.abs(summed).max()
-            if size > rtol * v_scale:
+                summed = V[group].sum(axis=0)
+            size = W_mag(summed).max() if V.dtype == object else np.abs(summed).max()
+            if size > rtol * V_scale:
                 W_out.append(W[group[0]])
-                v_out.append(summed)
+                V_out.append(summed)
                 u_out.append(u[group[0]])
         dtype = object if self.is_high_precision else np.float64
+        value_shape = (self.d_out, self.d) if self.is_vector else (self.d,)
         if not W_out:
-            return MultiHeadAttention(np.zeros((0, self.d, self.d), dtype=dtype), np.zeros((0, self.d), dtype=dtype),
+            return MultiHeadAttention(np.zeros((0, self.d, self.d), dtype=dtype), np.zeros((0,) + value_shape, dtype=dtype),
                                       np.zeros((0, self.d), dtype=dtype), self.c)
-        return MultiHeadAttention(np.array(W_out, dtype=dtype), np.array(v_out, dtype=dtype),
-                                  np.array(u_out, dtype=dtype), self.c)
+        V_out = np.array(V_out, dtype=dtype).reshape((len(V_out),) + value_shape)
+        return MultiHeadAttention(np.array(W_out, dtype=dtype), V_out, np.array(u_out, dtype=dtype), self.c)
