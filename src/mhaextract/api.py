@@ -19,7 +19,7 @@ import numpy as np
 from .calibration import Calibration, calibrate
 from .compare import compare
 from .checks.base import (
-    Check, answers_residual_check, error_estimate_check, finite_check, report_failure,
+    Check, CheckPolicy, answers_residual_check, error_estimate_check, finite_check, report_failure,
 )
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
@@ -35,6 +35,8 @@ from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, check_directory, run_fingerprint
+from .oracle.vector_answers import VectorAnswers
+from .outputs import fit_values, sample_size
 from .results import Extraction
 from .schedules.base import RESOLVED, Outcome, RunSettings, Schedule
 from .schedules.grid import MORE_POLES
@@ -139,8 +141,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     started = time.perf_counter()
     calibration = None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
+    # answers of d_out numbers: one read-out for every boundary of the run, one sample for the value fit
+    vectors = VectorAnswers(settings.seed, sample_size(settings.max_heads, settings.d))
     if scale_option == "auto" or (scale_option is None and choice.calibrate):
-        calibration = _calibrate(oracle, settings, batch_size, progress, max_queries)
+        calibration = _calibrate(oracle, settings, batch_size, progress, max_queries, vectors)
         max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
         settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
                                        answer_noise=calibration.answer_noise,
@@ -151,7 +155,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if transcript is not None:  # before any query: a transcript that cannot be written fails here
         record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
     boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                              progress=progress, max_queries=max_queries, transcript=record)
+                              progress=progress, max_queries=max_queries, transcript=record, vectors=vectors)
     try:
         if record is not None:  # a resumed transcript: is it the same oracle? (fixed_queries costs O(queries))
             check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
@@ -167,6 +171,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if _rescued_by_refinement(plan, outcome, extraction):
             extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
                                  force_refine=True)
+        if vectors.d_out is not None:
+            extraction = _with_values(extraction, vectors, plan.settings)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -183,11 +189,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     return extraction
 
 
-def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries) -> Calibration:
+def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries, vectors=None) -> Calibration:
     """The token scale from counted probe queries (§18), on a stream of the seed of its own. They
     are asked through a boundary of their own (not the transcript: a resumed run asks them again)."""
     probes = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                            progress=progress, max_queries=max_queries)
+                            progress=progress, max_queries=max_queries, vectors=vectors)
     return calibrate(probes, settings.d, spawn_rng(settings.seed, 3))
 
 
@@ -423,6 +429,27 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
         bias=spent.choice.bias, answer_dtype=spent.answer_dtype,
     )
+
+
+def _with_values(extraction: Extraction, vectors: VectorAnswers, settings: RunSettings) -> Extraction:
+    """The vector model (docs/algorithm.md §21): the schedule's scores with ``V_h`` and ``c`` fitted to
+    the sampled vector answers; its estimate and checks join the run's."""
+    scalar = extraction.model
+    if scalar is None:
+        return dataclasses.replace(extraction, readout=vectors.readout)
+    limit = next((check.threshold for check in extraction.checks if check.name == "answers_residual"),
+                 CheckPolicy.for_precision(settings.precision).answers_residual)
+    try:
+        fit = fit_values(scalar, vectors, extraction.bias, vectors.readout,
+                         (extraction.error_estimate, extraction.error_estimate), spawn_rng(settings.seed, 12))
+    except (ValueError, np.linalg.LinAlgError) as error:
+        failed = Check("value_fit", False, np.inf, 0.0, f"the value read-outs V_h could not be fitted: {error}")
+        return dataclasses.replace(extraction, readout=vectors.readout, scalar_model=scalar,
+                                   checks=extraction.checks + [failed])
+    return dataclasses.replace(
+        extraction, model=fit.model, scalar_model=scalar, readout=vectors.readout, value_fit=fit,
+        error_estimate=max(extraction.error_estimate, fit.error_estimate),
+        checks=extraction.checks + fit.checks(limit, extraction.error_estimate))
 
 
 def _start_validity(certificate, settings: RunSettings, scale: float, refit=None,

@@ -21,11 +21,12 @@ class Comparison:
     heads_agree : bool, both canonical forms have the same number of heads.
     heads_a, heads_b : canonical head counts.
     permutation : (min(H_a, H_b),) head ``k`` of ``b`` is aligned with head ``permutation[k]`` of ``a``.
-    W_abs, v_abs : max absolute entry error over the aligned heads.
+    W_abs, v_abs : max absolute entry error over the aligned heads (``v``: the value read-outs,
+        ``v_h`` of a scalar model, every entry of ``V_h`` of a vector model).
     W_rel, v_rel : ``W_abs / max|W_b|`` and ``v_abs / max|v_b|`` (normwise relative errors).
     u_abs, u_rel : the same for the score biases ``u_h`` (``u_rel = u_abs`` when ``b`` has none).
-    c_abs, c_rel : error of the output constant, absolute and relative to ``|c_b|`` (absolute
-        when ``c_b = 0``).
+    c_abs, c_rel : error of the output constant (max over its entries for a vector model),
+        absolute and relative to ``max |c_b|`` (absolute when ``c_b = 0``).
     max_rel : ``max(W_rel, v_rel, u_rel, c_rel)``; infinite when the head counts disagree.
 
     Errors are ``mpmath.mpf`` when either model is high-precision, floats otherwise.
@@ -61,13 +62,25 @@ def _float(array: np.ndarray) -> np.ndarray:
 
 def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> Comparison:
     """Canonicalise ``a`` and ``b`` (``rtol`` as in :meth:`MultiHeadAttention.canonical`), align their
-    heads with :func:`scipy.optimize.linear_sum_assignment` on the distance of (W_h, v_h), and report
-    max absolute and relative errors of ``a`` against the reference ``b``."""
+    heads with :func:`scipy.optimize.linear_sum_assignment` on the distance of (W_h, V_h, u_h), and
+    report max absolute and relative errors of ``a`` against the reference ``b``.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=4, heads=2, seed=0)
+    >>> swapped = mx.MultiHeadAttention(target.W[::-1], target.v[::-1])
+    >>> float(mx.compare(swapped, target).max_rel)
+    0.0
+    """
     if a.d != b.d:
         raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")
+    if a.is_vector != b.is_vector or a.d_out != b.d_out:
+        raise ValueError(f"models have different outputs: d_out = {a.d_out if a.is_vector else 'scalar'} and "
+                         f"{b.d_out if b.is_vector else 'scalar'} (compare a vector model's readout(r) with a scalar one)")
     a, b = a.canonical(rtol), b.canonical(rtol)
     high = a.is_high_precision or b.is_high_precision
-    Wa, va, ua, Wb, vb, ub = a.W, a.v, a.u, b.W, b.v, b.u
+    Wa, va, ua, Wb, vb, ub = a.W, a.V.reshape(a.heads, -1), a.u, b.W, b.V.reshape(b.heads, -1), b.u
     if high:
         Wa, va, ua, Wb, vb, ub = (mpf_array(x) for x in (Wa, va, ua, Wb, vb, ub))
     fa = np.concatenate([_float(Wa).reshape(a.heads, -1), _float(va), _float(ua)], axis=1)
@@ -93,8 +106,14 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
     v_rel = v_abs / v_scale if v_scale else v_abs
     u_rel = u_abs / u_scale if u_scale else u_abs
     # mpf_array keeps an mpf c exact (mpmath.mpf(c) would round it to mpmath's 53-bit default).
-    ca, cb = mpf_array(np.array([a.c, b.c], dtype=object)) if high else (a.c, b.c)
-    c_abs = abs(ca - cb)
-    c_rel = c_abs / abs(cb) if cb else c_abs
+    if high:
+        ca, cb = (mpf_array(np.ravel(np.asarray(model.c, dtype=object))) for model in (a, b))
+    else:
+        ca, cb = np.ravel(a.c), np.ravel(b.c)
+    c_abs = max(abs(x - y) for x, y in zip(ca, cb))
+    c_scale = max(abs(y) for y in cb)
+    c_rel = c_abs / c_scale if c_scale else c_abs
+    if not high:
+        c_abs, c_rel = float(c_abs), float(c_rel)
     return Comparison(a.heads == b.heads, a.heads, b.heads, cols, W_abs, v_abs, W_rel, v_rel, u_abs, u_rel,
                       c_abs, c_rel)

@@ -9,7 +9,7 @@ estimate) and a schedule-specific ``details`` object that documents and serialis
 * JSON: ``format``; ``summary`` (:meth:`Extraction.summary`: d, H0, H*, schedule, token scale,
   measured queries asked and replayed, error estimate, residual, certificate, the details'
   scalars); ``checks`` (every self-check with value and threshold); ``model``: the canonical heads
-  ``W`` (H*, d, d) and ``v`` (H*, d) as float64 numbers (JSON floats round-trip exactly); in high
+  ``W`` (H*, d, d), ``v`` (H*, d) (``V`` (H*, d_out, d) for a vector model), ``u`` and ``c`` as float64 numbers (JSON floats round-trip exactly); in high
   precision also ``model_exact``, the ball midpoints as exact ``[-]0x<hex mantissa>p<exponent>``
   strings, and the ball radii.
 * npz: ``W``, ``v`` (float64), the radii (high precision) and the details' per-instance arrays
@@ -101,6 +101,14 @@ class Extraction(CheckedResult):
         The bound on the answers' absolute error the run was told (None: not told).
     transcript : path of the run's transcript, or None.
     seconds : float
+    readout : (d_out,) float64 array or None
+        For an oracle answering vectors of d_out numbers: the unit read-out ``r`` the schedule
+        learned the scores from (``r^T f``); None for scalar answers.
+    scalar_model : MultiHeadAttention or None
+        For vector answers: the schedule's scalar model of ``r^T f``; ``model`` is then the vector
+        model (``V_h`` (d_out, d) and ``c`` (d_out,) fitted to the answers, docs/algorithm.md §21).
+    value_fit : :class:`~mhaextract.outputs.ValueFit` or None
+        For vector answers: the fit of ``V_h`` and ``c``, its sample, residual and estimate.
     """
 
     model: MultiHeadAttention | None
@@ -137,6 +145,14 @@ class Extraction(CheckedResult):
     refinement: Refinement | None = None
     verification: object = None
     answer_error: float | None = None
+    readout: np.ndarray | None = None
+    scalar_model: MultiHeadAttention | None = None
+    value_fit: object = None
+
+    @property
+    def d_out(self) -> int | None:
+        """Outputs per answer for an oracle answering vectors, None for scalar answers."""
+        return None if self.readout is None else len(self.readout)
 
     def _certificate(self) -> Certificate:
         if self.certificate is None:
@@ -206,7 +222,8 @@ class Extraction(CheckedResult):
             "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
             "certified": self.certified, "ok": self.ok,
             "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
-            "answer_error": self.answer_error,
+            "answer_error": self.answer_error, "d_out": self.d_out,
+            "value_fit_rows": None if self.value_fit is None else self.value_fit.rows,
             "valid_below": None if self.certificate is None else self.certificate.valid_below,
             "noise_estimate": None if self.certificate is None else self.certificate.noise_estimate,
             "certificate_method": None if self.certificate is None else self.certificate.method,
@@ -255,9 +272,10 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
     arrays = {}
     if extraction.model is not None:
         model = extraction.model
-        document["model"] = {"d": model.d, "heads": model.heads, "W": model.W.tolist(), "v": model.v.tolist(),
-                             "u": model.u.tolist(), "c": model.c}
-        arrays.update(W=model.W, v=model.v, u=model.u, c=np.array(model.c))
+        values = {"V": model.V.tolist()} if model.is_vector else {"v": model.v.tolist()}
+        document["model"] = {"d": model.d, "heads": model.heads, "W": model.W.tolist(), **values,
+                             "u": model.u.tolist(), "c": np.asarray(model.c).tolist()}
+        arrays.update(W=model.W, u=model.u, c=np.array(model.c), **({"V": model.V} if model.is_vector else {"v": model.v}))
     if extraction.W_balls is not None:
         exact = extraction.model_hp
         to_hex = np.vectorize(mpf_to_hex, otypes=[object])
@@ -301,7 +319,13 @@ def load_model(path, exact: bool = False) -> MultiHeadAttention:
     else:
         if document.get("model") is None:
             raise ValueError(f"{str(path)!r} holds no model: the extraction produced non-finite parameters")
-        W, v = np.array(document["model"]["W"], dtype=np.float64), np.array(document["model"]["v"], dtype=np.float64)
+        W = np.array(document["model"]["W"], dtype=np.float64)
+        if "V" in document["model"]:  # the vector model: V (H, d_out, d) and c (d_out,)
+            c = np.array(document["model"]["c"], dtype=np.float64)
+            V = np.array(document["model"]["V"], dtype=np.float64).reshape(-1, len(c), document["summary"]["d"])
+            return MultiHeadAttention(W.reshape(-1, V.shape[2], V.shape[2]), V,
+                                      np.array(document["model"]["u"], dtype=np.float64).reshape(-1, V.shape[2]), c)
+        v = np.array(document["model"]["v"], dtype=np.float64)
     d = document["summary"]["d"]
     # A run with no canonical head stores empty lists; give them their shapes. Files written before
     # biases existed (docs/algorithm.md §16) have no "u" and "c": zero.

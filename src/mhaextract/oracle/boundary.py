@@ -2,7 +2,9 @@
 
 Oracle protocol: any callable ``oracle(batch) -> outputs`` where ``batch`` is a list of
 sequences, each a 2-D array of shape (N_i, d). In float64 mode the tokens are float64 arrays and
-the answers floats. In high-precision mode (``precision=bits``) the tokens are object arrays of
+the answers floats, one per sequence (B,), or vectors of ``d_out`` numbers per sequence (B, d_out)
+(a layer's whole output at the final token; :mod:`mhaextract.oracle.vector_answers`), as numpy
+arrays, lists or torch tensors of any float dtype (converted exactly to float64). In high-precision mode (``precision=bits``) the tokens are object arrays of
 ``mpmath.mpf`` and the answers ``mpmath.mpf`` or decimal strings, at least as precise; plain
 floats are refused there, since they would silently cap the precision at 53 bits.
 
@@ -22,6 +24,7 @@ from flint import arb
 
 from ..numerics.highprec import mpf_to_arb
 from .answer_stats import AnswerStats
+from .vector_answers import VectorAnswers
 
 
 class OracleError(RuntimeError):
@@ -97,8 +100,11 @@ class OracleBoundary:
     max_query_length: int = 0
     position: int = 0
     stats: AnswerStats = field(default_factory=AnswerStats)  # float64 answers used so far
+    vectors: VectorAnswers | None = None  # the read-out and value sample of vector answers
 
     def __post_init__(self):
+        if self.vectors is None:
+            self.vectors = VectorAnswers(None, 0)
         if not callable(self.oracle):
             raise TypeError(f"oracle must be callable, got {type(self.oracle).__name__}")
         if int(self.batch_size) < 1:
@@ -124,6 +130,12 @@ class OracleBoundary:
         self.position += total
         exact = np.empty(total, dtype=object if self.precision else np.float64)
         replayed = self.transcript.replay(first, sequences) if self.transcript is not None else {}
+        vector_positions = [position for position, value in replayed.items() if np.ndim(value) == 1]
+        if vector_positions:
+            values = np.stack([replayed[position] for position in vector_positions])
+            self._check_vectors(values, [first + p for p in vector_positions], "read back from the transcript")
+            self.vectors.keep([first + p for p in vector_positions], [sequences[p] for p in vector_positions], values)
+            replayed.update(zip(vector_positions, self.vectors.scalars(values)))
         for position, value in replayed.items():
             exact[position] = value
         if replayed:
@@ -154,6 +166,10 @@ class OracleBoundary:
                     # What the learner uses is what reads back from the file: a resumed run sees
                     # exactly the values an uninterrupted one saw.
                     values = self.transcript.record(first, positions, take() if fresh else chunk, values)
+                if np.ndim(values) == 2:  # vector answers: kept for the value fit, read out for the schedule
+                    values = np.asarray(values, dtype=np.float64)
+                    self.vectors.keep([first + p for p in positions], take() if fresh else chunk, values)
+                    values = self.vectors.scalars(values)
                 if self.precision:
                     for position, value in zip(positions, values):
                         exact[position] = value
@@ -180,7 +196,10 @@ class OracleBoundary:
                 f"query budget exceeded: {description} needs {len(sequences)} queries and max_queries="
                 f"{self.max_queries} leaves {max(0, self.max_queries - self.queries)} (raise max_queries, or "
                 "pass resume_check=0 to replay a transcript without re-asking)", len(sequences), 0)
-        return self._ask_batch(list(sequences), list(indices)) if len(sequences) else []
+        if not len(sequences):
+            return []
+        values = self._ask_batch(list(sequences), list(indices))
+        return self.vectors.scalars(values) if np.ndim(values) == 2 else values
 
     def _over_budget(self, needed: int, answered: int) -> BudgetExceeded:
         if self.transcript is not None:
@@ -240,6 +259,20 @@ class OracleBoundary:
                 f"the oracle returned {count} answers for a batch of {len(chunk)} sequences "
                 f"({where}); missing answers", indices[0], chunk[0]
             )
+        raw = plain_numbers(raw)
+        vector = self._vector_answers(raw, count, indices, chunk)
+        if vector is not None:
+            if self.precision:
+                raise OracleError(
+                    f"the oracle answered vectors of {vector.shape[1]} numbers per query ({where}); in high "
+                    f"precision (precision={self.precision}) answers are one mpmath.mpf per query: read out "
+                    "one output (a scalar per sequence)", indices[0], chunk[0])
+            self._check_vectors(vector, indices, f"answered ({where})", chunk)
+            return vector
+        if self.vectors.d_out is not None and self.vectors.d_out > 1:
+            raise OracleError(
+                f"the oracle answered one number per query ({where}) after answering vectors of "
+                f"{self.vectors.d_out}; an oracle answers the same shape throughout", indices[0], chunk[0])
         if self.precision is None:
             if isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and raw.shape == (count,):
                 values = raw.astype(np.float64)
@@ -249,7 +282,56 @@ class OracleBoundary:
         return [self._mpf_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
 
     @staticmethod
+    def _vector_answers(raw, count: int, indices, chunk) -> np.ndarray | None:
+        """The answers as a float64 (count, d_out) array when the oracle answered vectors, else None."""
+        if isinstance(raw, np.ndarray) and raw.dtype != object:
+            if raw.ndim == 1:
+                return None
+            if raw.ndim != 2 or raw.dtype.kind not in "fiu":
+                raise OracleError(
+                    f"the oracle returned an array of shape {raw.shape} and dtype {raw.dtype} for a batch of "
+                    f"{count}: answers are one number per sequence (B,) or one vector per sequence (B, d_out)",
+                    indices[0], chunk[0])
+            return raw.astype(np.float64)
+        rows = [plain_numbers(value) for value in raw]
+        shapes = {np.shape(row) for row in rows}
+        if all(len(shape) == 0 for shape in shapes):
+            return None
+        if len(shapes) > 1 or any(len(shape) != 1 for shape in shapes):
+            n = next(n for n, row in enumerate(rows) if np.shape(row) != np.shape(rows[0]))
+            raise OracleError(
+                f"answer to query {indices[n]} has shape {np.shape(rows[n])} while answer {indices[0]} has "
+                f"shape {np.shape(rows[0])}: every answer is one number or a vector of the same d_out numbers",
+                indices[n], chunk[n])
+        try:
+            return np.array(rows, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise OracleError(f"the answers to queries {indices[0]}..{indices[-1]} are vectors that are not "
+                              f"numbers: {rows[0]!r}", indices[0], chunk[0]) from None
+
+    def _check_vectors(self, values: np.ndarray, indices, how: str, chunk=None) -> None:
+        """Vector answers: finite in every coordinate, of the run's d_out, no mix with scalar answers."""
+        if values.shape[1] < 1:
+            raise OracleError(f"the oracle {how} vectors of 0 numbers", indices[0])
+        bad = np.argwhere(~np.isfinite(values))
+        if len(bad):
+            n, o = bad[0]
+            raise OracleError(
+                f"answer to query {indices[n]}, output {o} of {values.shape[1]}, is {values[n, o]} "
+                f"({len(bad)} non-finite entries in this batch)", indices[n], None if chunk is None else chunk[n])
+        if self.vectors.d_out is not None and values.shape[1] != self.vectors.d_out:
+            raise OracleError(
+                f"the oracle {how} vectors of {values.shape[1]} numbers after vectors of {self.vectors.d_out}: "
+                "an oracle answers the same d_out throughout", indices[0], None if chunk is None else chunk[0])
+        if self.vectors.d_out is None and self.stats.count and values.shape[1] > 1:
+            raise OracleError(f"the oracle {how} vectors of {values.shape[1]} numbers after answering one "
+                              "number per query; an oracle answers the same shape throughout", indices[0])
+        if self.vectors.d_out is None:
+            self.vectors.start(values.shape[1])
+
+    @staticmethod
     def _float_answer(value, query: int, sequence) -> float:
+        value = plain_numbers(value)
         if isinstance(value, (bool, np.bool_)):
             raise OracleError(
                 f"answer to query {query} (length {len(sequence)}) is the boolean {value!r}: the oracle must "
@@ -293,6 +375,15 @@ class OracleBoundary:
         # The ball says so, and everything computed from it inherits a certified radius.
         ball = mpf_to_arb(value)
         return arb(ball.mid(), abs(ball).upper() * arb(2) ** (1 - self.precision))
+
+
+def plain_numbers(value):
+    """A torch tensor as a numpy array, exactly: detached (an answer may require grad) and floats
+    widened to float64 (numpy has no bfloat16); anything else unchanged."""
+    if type(value).__module__.split(".")[0] == "torch" and hasattr(value, "detach"):
+        tensor = value.detach().cpu()
+        return (tensor.double() if tensor.is_floating_point() else tensor).numpy()
+    return value
 
 
 class _progress:

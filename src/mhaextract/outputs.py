@@ -1,0 +1,222 @@
+"""The value read-outs of a layer's whole output: ``V_h`` and ``c`` from vector answers (docs/algorithm.md §21).
+
+Once the scores are known (``W_h`` and ``u_h`` from any schedule, learned on the read-out
+``r^T f``), every answer is linear in the value read-outs::
+
+    f(X) = c + sum_h V_h m_h(X),     m_h(X) = sum_i a_{h,i}(X) x_i,
+
+so the ``d_out`` coordinates of the answers to a sample of the run's own queries
+(:class:`~mhaextract.oracle.vector_answers.VectorAnswers`) determine ``[V_1 ... V_H c]`` by one
+least-squares problem with ``H d + 1`` unknowns per output and ``d_out`` right-hand sides, one
+design for all of them. No query is added.
+
+The estimate has two parts: the answers' noise through the fit (the residual's size times the
+rows of ``A^+``, probed with random vectors), and the first-order response of the fit to an error
+in the scores of the size the schedule estimated for ``W`` and ``u`` (the design moved by that
+error, the fit solved again for the moved right-hand side). The check ``readout_consistency``
+compares ``V_h^T r`` with the ``v_h`` the schedule found independently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.linalg
+
+from .checks.base import Check
+from .model import MultiHeadAttention
+
+#: Above this many design entries (rows x unknowns) the fit is formed as normal equations in
+#: chunks (memory O(unknowns^2)) and refined twice on the residual; below, a dense QR.
+DENSE_ENTRIES = 2 * 10**7
+#: Rows of the design built at once in the chunked fit.
+CHUNK = 2048
+#: Random vectors probing the rows of A^+ for the noise part of the estimate.
+PROBES = 8
+
+
+def sample_size(max_heads: int, d: int) -> int:
+    """Queries the value fit keeps: twice the unknowns per output (``H0 d + 1``), and some more."""
+    return 2 * (max_heads * d + 1) + 64
+
+
+@dataclass
+class ValueFit:
+    """The value read-outs fitted to vector answers.
+
+    Attributes
+    ----------
+    model : MultiHeadAttention
+        The vector model: the schedule's ``W_h``, ``u_h`` with the fitted ``V_h`` (H, d_out, d) and ``c``.
+    rows : int, queries in the fit (each with its ``d_out`` answers).
+    unknowns : int, unknowns per output (``H d``, plus one for ``c``).
+    residual : float, max misfit of the fit on its rows, relative to the largest answer.
+    noise_error, score_error : float
+        Max absolute error of ``V`` and ``c`` expected from the answers' noise and from the error in
+        the scores, respectively.
+    error_estimate : float, ``(noise_error + score_error)`` relative to ``max |V|`` (and to
+        ``max |c|`` for c).
+    readout_gap : float, ``max |V_h^T r - v_h|`` relative to ``max |v_h|``.
+    """
+
+    model: MultiHeadAttention
+    rows: int
+    unknowns: int
+    residual: float
+    noise_error: float
+    score_error: float
+    error_estimate: float
+    readout_gap: float
+
+    def checks(self, residual_limit: float, scalar_estimate: float) -> list[Check]:
+        """``value_fit_residual`` (the fit explains the sample like the schedule explains its answers)
+        and ``readout_consistency`` (``V^T r`` agrees with the schedule's own ``v`` within both estimates)."""
+        gap_limit = max(10.0 * (scalar_estimate + self.error_estimate), 1e-12)
+        return [
+            Check("value_fit_residual", self.residual <= residual_limit, self.residual, residual_limit,
+                  f"max misfit of the value fit on its {self.rows} sampled vector answers, relative to the largest"),
+            Check("readout_consistency", self.readout_gap <= gap_limit, self.readout_gap, gap_limit,
+                  "max |V_h^T r - v_h| / max |v_h|: the fitted read-outs against the schedule's own v_h"),
+        ]
+
+
+def _design(model: MultiHeadAttention, sequences, bias: bool) -> np.ndarray:
+    """Rows ``[m_1(X)^T ... m_H(X)^T (1)]`` for the sequences (the means under the model's scores)."""
+    means = model.head_means(sequences).reshape(len(sequences), -1)
+    return np.hstack([means, np.ones((len(sequences), 1))]) if bias else means
+
+
+def fit_values(model: MultiHeadAttention, sample, bias: bool, readout: np.ndarray,
+               score_error: tuple[float, float] = (0.0, 0.0), seed=0) -> ValueFit:
+    """Fit ``V_h`` and ``c`` to the sampled vector answers under ``model``'s scores.
+
+    Parameters
+    ----------
+    model : the schedule's scalar model (canonical, float64), read out through ``readout``.
+    sample : :class:`~mhaextract.oracle.vector_answers.VectorAnswers` holding the kept queries.
+    bias : fit the constant ``c`` (else ``c = 0``, the paper's model).
+    readout : (d_out,) the read-out the schedule's answers were taken through.
+    score_error : the relative errors estimated for ``W`` and ``u`` (each of its own largest entry).
+    seed : seeds the probes of the estimate.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> from mhaextract.oracle.vector_answers import VectorAnswers
+    >>> layer = mx.MultiHeadAttention.random(d=3, heads=2, seed=0, d_out=4, bias=True)
+    >>> sample = VectorAnswers(seed=0, sample_size=40)
+    >>> sample.start(d_out=4)
+    >>> queries = [np.random.default_rng(n).standard_normal((1 + n % 4, 3)) for n in range(40)]
+    >>> sample.keep(range(40), queries, layer(queries))
+    >>> fit = fit_values(layer.readout(sample.readout), sample, bias=True, readout=sample.readout)
+    >>> bool(mx.compare(fit.model, layer).max_rel < 1e-10)
+    True
+    """
+    model = model.to_float64()
+    rows = len(sample)
+    heads, d = model.heads, model.d
+    unknowns = heads * d + int(bias)
+    if heads == 0 or rows < unknowns + 1:
+        raise ValueError(f"the value fit needs more than {unknowns} sampled queries, it has {rows}")
+    sequences, answers = sample.sample()
+    scale = float(np.abs(answers).max()) or 1.0
+    dense = rows * unknowns <= DENSE_ENTRIES
+    solver = _DenseFit(model, sequences, answers, bias) if dense else _NormalFit(model, sequences, answers, bias)
+    X = solver.solution
+    residual_rms = np.sqrt(solver.residual_squares / max(1, rows - unknowns))  # per output
+    rng = np.random.default_rng(seed)
+    # The answers' noise through the fit: std of coefficient i is sigma_o * ||row i of A^+||.
+    row_norms = np.sqrt(np.mean(solver.pinv_times(rng.standard_normal((rows, PROBES)), transposed=True) ** 2, axis=1))
+    z = np.sqrt(2 * np.log(2 * unknowns * answers.shape[1]))
+    noise_error = float(z * row_norms.max() * residual_rms.max())
+    # The scores' error: the design moved by a random perturbation of W and u of the estimated size.
+    W_error, u_error = score_error
+    score_part = 0.0
+    if W_error > 0 or u_error > 0:
+        W_size, u_size = float(np.abs(model.W).max()), float(np.abs(model.u).max())
+        moved = MultiHeadAttention(model.W + W_error * W_size * rng.standard_normal(model.W.shape) / 3, model.v,
+                                   model.u + u_error * u_size * rng.standard_normal(model.u.shape) / 3, model.c)
+        score_part = float(np.abs(solver.response(moved)).max())
+    V = X[:heads * d].T.reshape(answers.shape[1], heads, d).transpose(1, 0, 2)
+    c = X[heads * d] if bias else np.zeros(answers.shape[1])
+    fitted = MultiHeadAttention(model.W, V, model.u, c)
+    V_scale = float(np.abs(V).max()) or 1.0
+    error_estimate = (noise_error + score_part) / V_scale
+    if bias:
+        error_estimate = max(error_estimate, (noise_error + score_part) / max(float(np.abs(c).max()), V_scale))
+    v_scale = float(np.abs(model.v).max()) or 1.0
+    gap = float(np.abs(np.einsum("hod,o->hd", V, readout) - model.v).max()) / v_scale
+    return ValueFit(fitted, rows, unknowns, float(solver.residual_max) / scale, noise_error, score_part,
+                    float(error_estimate), gap)
+
+
+class _DenseFit:
+    """Least squares by a column-equilibrated QR of the whole design (small problems)."""
+
+    def __init__(self, model, sequences, answers, bias):
+        self.sequences, self.bias = sequences, bias
+        A = _design(model, sequences, bias)
+        self.columns = np.linalg.norm(A, axis=0)
+        self.columns[self.columns == 0] = 1.0
+        self.Q, self.R = scipy.linalg.qr(A / self.columns, mode="economic")
+        self.solution = self._solve(answers)
+        residual = answers - A @ self.solution
+        self.residual_squares = (residual ** 2).sum(axis=0)
+        self.residual_max = float(np.abs(residual).max())
+        self.A = A
+
+    def _solve(self, rhs):
+        return scipy.linalg.solve_triangular(self.R, self.Q.T @ rhs) / self.columns[:, None]
+
+    def pinv_times(self, G, transposed=False):
+        """``A^+ G`` (unknowns, k) for G (rows, k)."""
+        return self._solve(G)
+
+    def response(self, moved):
+        """First-order change of the solution when the design becomes that of ``moved``."""
+        return self._solve((_design(moved, self.sequences, self.bias) - self.A) @ self.solution)
+
+
+class _NormalFit:
+    """Least squares by normal equations formed in chunks (memory O(unknowns^2)), equilibrated,
+    Cholesky-factored and refined twice on the residual computed chunk by chunk (large problems)."""
+
+    def __init__(self, model, sequences, answers, bias):
+        self.model, self.sequences, self.bias = model, sequences, bias
+        gram, self.columns = None, None
+        for start in range(0, len(sequences), CHUNK):
+            A = _design(model, sequences[start:start + CHUNK], bias)
+            gram = A.T @ A if gram is None else gram + A.T @ A
+        self.columns = np.sqrt(np.diag(gram)).copy()
+        self.columns[self.columns == 0] = 1.0
+        self.factor = scipy.linalg.cho_factor(gram / np.outer(self.columns, self.columns))
+        self.solution = np.zeros((len(self.columns), answers.shape[1]))
+        for _ in range(3):  # the solve and two refinements on the true residual
+            correction = self._solve(self._transpose_times(answers - self._times(self.solution)))
+            self.solution = self.solution + correction
+        residual = answers - self._times(self.solution)
+        self.residual_squares = (residual ** 2).sum(axis=0)
+        self.residual_max = float(np.abs(residual).max())
+
+    def _designs(self, model=None):
+        for start in range(0, len(self.sequences), CHUNK):
+            yield slice(start, start + CHUNK), _design(model or self.model, self.sequences[start:start + CHUNK], self.bias)
+
+    def _times(self, X, model=None):
+        return np.vstack([A @ X for _, A in self._designs(model)])
+
+    def _transpose_times(self, Y, model=None):
+        return sum(A.T @ Y[rows] for rows, A in self._designs(model))
+
+    def _solve(self, normal_rhs):
+        return scipy.linalg.cho_solve(self.factor, normal_rhs / self.columns[:, None]) / self.columns[:, None]
+
+    def pinv_times(self, G, transposed=False):
+        return self._solve(self._transpose_times(G))
+
+    def response(self, moved):
+        shifted = np.vstack([(A_moved @ self.solution) - (A @ self.solution) for (_, A), (_, A_moved)
+                             in zip(self._designs(), self._designs(moved))])
+        return self._solve(self._transpose_times(shifted))
