@@ -35,8 +35,9 @@ from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, check_directory, run_fingerprint
+from .model import MultiHeadAttention
 from .oracle.vector_answers import VectorAnswers
-from .outputs import fit_values, sample_size
+from .outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from .results import Extraction
 from .schedules.base import RESOLVED, Outcome, RunSettings, Schedule
 from .schedules.grid import MORE_POLES
@@ -141,8 +142,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     started = time.perf_counter()
     calibration = None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
-    # answers of d_out numbers: one read-out for every boundary of the run, one sample for the value fit
-    vectors = VectorAnswers(settings.seed, sample_size(settings.max_heads, settings.d))
+    vectors = VectorAnswers(settings.seed)  # answers of d_out numbers: one read-out for every boundary of the run
     if scale_option == "auto" or (scale_option is None and choice.calibrate):
         calibration = _calibrate(oracle, settings, batch_size, progress, max_queries, vectors)
         max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
@@ -161,6 +161,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
+        value_queries = _value_queries(boundary, settings, outcome) if (vectors.d_out or 1) > 1 else None
         extra = _refinement_queries(boundary, plan.settings, plan, outcome)
         probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
@@ -172,7 +173,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
                                  force_refine=True)
         if vectors.d_out is not None:
-            extraction = _with_values(extraction, vectors, plan.settings)
+            extraction = _with_values(extraction, vectors, value_queries, plan.settings)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -431,16 +432,30 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
     )
 
 
-def _with_values(extraction: Extraction, vectors: VectorAnswers, settings: RunSettings) -> Extraction:
+def _value_queries(boundary: OracleBoundary, settings: RunSettings, outcome: Outcome):
+    """Fresh queries for the value fit (docs/algorithm.md §21), asked whole after the schedule's:
+    (sequences, answers (n, d_out)), or None when the schedule found no model."""
+    if outcome.model is None or outcome.model.heads == 0:
+        return None
+    count = value_query_count(outcome.model.heads, settings.d)
+    sequences = random_queries(spawn_rng(settings.seed, 13), count, settings.d, settings.token_scale,
+                               VALUE_QUERY_LENGTHS)
+    return sequences, boundary.ask(sequences, "value read-outs", whole=True)
+
+
+def _with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, settings: RunSettings) -> Extraction:
     """The vector model (docs/algorithm.md §21): the schedule's scores with ``V_h`` and ``c`` fitted to
-    the sampled vector answers; its estimate and checks join the run's."""
+    whole answers of fresh queries; its estimate and checks join the run's."""
     scalar = extraction.model
-    if scalar is None:
-        return dataclasses.replace(extraction, readout=vectors.readout)
+    if scalar is not None and vectors.d_out == 1:  # r = (1,): the schedule's v_h is V_h itself
+        whole = MultiHeadAttention(scalar.W, scalar.v[:, None, :], scalar.u, np.array([scalar.c]))
+        return dataclasses.replace(extraction, model=whole, readout=vectors.readout, scalar_model=scalar)
+    if scalar is None or value_queries is None:
+        return dataclasses.replace(extraction, readout=vectors.readout, scalar_model=scalar)
     limit = next((check.threshold for check in extraction.checks if check.name == "answers_residual"),
                  CheckPolicy.for_precision(settings.precision).answers_residual)
     try:
-        fit = fit_values(scalar, vectors, extraction.bias, vectors.readout,
+        fit = fit_values(scalar, value_queries[0], value_queries[1], extraction.bias, vectors.readout,
                          (extraction.error_estimate, extraction.error_estimate), spawn_rng(settings.seed, 12))
     except (ValueError, np.linalg.LinAlgError) as error:
         failed = Check("value_fit", False, np.inf, 0.0, f"the value read-outs V_h could not be fitted: {error}")

@@ -5,10 +5,13 @@ Once the scores are known (``W_h`` and ``u_h`` from any schedule, learned on the
 
     f(X) = c + sum_h V_h m_h(X),     m_h(X) = sum_i a_{h,i}(X) x_i,
 
-so the ``d_out`` coordinates of the answers to a sample of the run's own queries
-(:class:`~mhaextract.oracle.vector_answers.VectorAnswers`) determine ``[V_1 ... V_H c]`` by one
-least-squares problem with ``H d + 1`` unknowns per output and ``d_out`` right-hand sides, one
-design for all of them. No query is added.
+so the ``d_out`` coordinates of the answers to ``n`` fresh queries determine ``[V_1 ... V_H c]``
+by one least-squares problem with ``p = H d + 1`` unknowns per output and ``d_out`` right-hand
+sides, one design for all of them. The schedules' own queries make a poor design (a copies
+query's head means all lie on the line through its two tokens, and a head saturated by the
+schedule's design sits at one end of it, so the heads' columns nearly coincide); fresh random
+queries of 2..8 tokens at the run's token scale give every head its own mixture of several
+tokens. :func:`value_query_count` asks ``p + max(32, p / 4)`` of them.
 
 The estimate has two parts: the answers' noise through the fit (the residual's size times the
 rows of ``A^+``, probed with random vectors), and the first-order response of the fit to an error
@@ -36,9 +39,14 @@ CHUNK = 2048
 PROBES = 8
 
 
-def sample_size(max_heads: int, d: int) -> int:
-    """Queries the value fit keeps: twice the unknowns per output (``H0 d + 1``), and some more."""
-    return 2 * (max_heads * d + 1) + 64
+#: Lengths of the value fit's queries (inclusive).
+VALUE_QUERY_LENGTHS = (2, 8)
+
+
+def value_query_count(heads: int, d: int) -> int:
+    """Fresh queries of the value fit: the ``p = H d + 1`` unknowns per output and ``max(32, p / 4)`` more."""
+    unknowns = heads * d + 1
+    return unknowns + max(32, unknowns // 4)
 
 
 @dataclass
@@ -49,7 +57,7 @@ class ValueFit:
     ----------
     model : MultiHeadAttention
         The vector model: the schedule's ``W_h``, ``u_h`` with the fitted ``V_h`` (H, d_out, d) and ``c``.
-    rows : int, queries in the fit (each with its ``d_out`` answers).
+    rows : int, fresh queries in the fit (each with its ``d_out`` answers).
     unknowns : int, unknowns per output (``H d``, plus one for ``c``).
     residual : float, max misfit of the fit on its rows, relative to the largest answer.
     noise_error, score_error : float
@@ -75,7 +83,7 @@ class ValueFit:
         gap_limit = max(10.0 * (scalar_estimate + self.error_estimate), 1e-12)
         return [
             Check("value_fit_residual", self.residual <= residual_limit, self.residual, residual_limit,
-                  f"max misfit of the value fit on its {self.rows} sampled vector answers, relative to the largest"),
+                  f"max misfit of the value fit on its {self.rows} vector answers, relative to the largest"),
             Check("readout_consistency", self.readout_gap <= gap_limit, self.readout_gap, gap_limit,
                   "max |V_h^T r - v_h| / max |v_h|: the fitted read-outs against the schedule's own v_h"),
         ]
@@ -87,14 +95,15 @@ def _design(model: MultiHeadAttention, sequences, bias: bool) -> np.ndarray:
     return np.hstack([means, np.ones((len(sequences), 1))]) if bias else means
 
 
-def fit_values(model: MultiHeadAttention, sample, bias: bool, readout: np.ndarray,
+def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: bool, readout: np.ndarray,
                score_error: tuple[float, float] = (0.0, 0.0), seed=0) -> ValueFit:
-    """Fit ``V_h`` and ``c`` to the sampled vector answers under ``model``'s scores.
+    """Fit ``V_h`` and ``c`` to whole answers under ``model``'s scores.
 
     Parameters
     ----------
     model : the schedule's scalar model (canonical, float64), read out through ``readout``.
-    sample : :class:`~mhaextract.oracle.vector_answers.VectorAnswers` holding the kept queries.
+    sequences : the value fit's queries, (N_i, d) arrays.
+    answers : (n, d_out) their whole answers.
     bias : fit the constant ``c`` (else ``c = 0``, the paper's model).
     readout : (d_out,) the read-out the schedule's answers were taken through.
     score_error : the relative errors estimated for ``W`` and ``u`` (each of its own largest entry).
@@ -104,23 +113,21 @@ def fit_values(model: MultiHeadAttention, sample, bias: bool, readout: np.ndarra
     --------
     >>> import numpy as np
     >>> import mhaextract as mx
-    >>> from mhaextract.oracle.vector_answers import VectorAnswers
     >>> layer = mx.MultiHeadAttention.random(d=3, heads=2, seed=0, d_out=4, bias=True)
-    >>> sample = VectorAnswers(seed=0, sample_size=40)
-    >>> sample.start(d_out=4)
-    >>> queries = [np.random.default_rng(n).standard_normal((1 + n % 4, 3)) for n in range(40)]
-    >>> sample.keep(range(40), queries, layer(queries))
-    >>> fit = fit_values(layer.readout(sample.readout), sample, bias=True, readout=sample.readout)
+    >>> queries = [np.random.default_rng(n).standard_normal((2 + n % 4, 3)) for n in range(40)]
+    >>> r = np.ones(4) / 2
+    >>> fit = fit_values(layer.readout(r), queries, layer(queries), bias=True, readout=r)
     >>> bool(mx.compare(fit.model, layer).max_rel < 1e-10)
     True
     """
     model = model.to_float64()
-    rows = len(sample)
+    answers = np.asarray(answers, dtype=np.float64)
+    rows = len(sequences)
     heads, d = model.heads, model.d
     unknowns = heads * d + int(bias)
-    if heads == 0 or rows < unknowns + 1:
-        raise ValueError(f"the value fit needs more than {unknowns} sampled queries, it has {rows}")
-    sequences, answers = sample.sample()
+    if heads == 0 or rows < unknowns + 1 or answers.shape != (rows, len(readout)):
+        raise ValueError(f"the value fit needs more than {unknowns} queries with answers (n, {len(readout)}); it has "
+                         f"{rows} queries and answers of shape {answers.shape}")
     scale = float(np.abs(answers).max()) or 1.0
     dense = rows * unknowns <= DENSE_ENTRIES
     solver = _DenseFit(model, sequences, answers, bias) if dense else _NormalFit(model, sequences, answers, bias)

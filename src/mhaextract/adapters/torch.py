@@ -1,25 +1,32 @@
-"""Torch modules as oracles (any of them), and the ground truth of known attention layers.
+"""Torch modules as oracles (any of them), the ground truth of known attention layers, and the export back.
 
 :class:`TorchOracle` is black-box: any ``nn.Module`` (or callable on tensors) mapping tokens
 (B, N, d) to outputs (B, N, d_out) (a tuple's first element is taken; ``nn.MultiheadAttention``
-is called as self-attention), read out at the last position through a vector r. It runs the
-module in its own dtype and on its own device and knows nothing of the layer's class.
+is called as self-attention), answering its whole output at the last position (B, d_out), or
+``r^T`` of it for a read-out ``r``. It runs the module in its own dtype and on its own device and
+knows nothing of the layer's class.
 
 Layer-specific code lives only in :func:`to_reduced` (the ground truth, from the weights) and
-:func:`to_torch` (export). A layer with H heads of width r has per head ``r x d`` query, key and
-value blocks ``Wq_h, Wk_h, Wv_h``, a ``d x r`` output block ``Wo_h`` (the identity's block for
-BERT's self-attention, which has none), biases ``b_Q, b_K, b_V, b_O`` and a score scale sigma
-(``1/sqrt(r)`` by default). Read out through r it is the model of docs/algorithm.md §16 with
+:func:`to_state_dict` (export into the layer's own class). A layer with H heads of width r has per
+head ``r x d`` query, key and value blocks ``Wq_h, Wk_h, Wv_h``, a ``d_out x r`` output block
+``Wo_h`` (the identity's block for BERT's self-attention, which has none), biases
+``b_Q, b_K, b_V, b_O`` and a score scale sigma (``1/sqrt(r)`` by default). It is the model of
+docs/algorithm.md §16 and §21 with
 
-    W_h = sigma Wk_h^T Wq_h,   u_h = sigma Wk_h^T b_Q_h,   v_h = Wv_h^T Wo_h^T r,
-    c   = r^T (sum_h Wo_h b_V_h + b_O);
+    W_h = sigma Wk_h^T Wq_h,   u_h = sigma Wk_h^T b_Q_h,   V_h = Wo_h Wv_h,
+    c   = sum_h Wo_h b_V_h + b_O,
 
-``b_K`` adds the same score to every token of a row and cancels in the softmax. Supported:
-``nn.MultiheadAttention``, transformers' ``GPT2Attention``, ``BertSelfAttention``, ``OPTAttention``
-and ``ViTAttention`` (eager or sdpa). Settings outside the model class are refused by
-:func:`to_reduced` with the reason: ``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim`` other
-than ``embed_dim``, cross-attention, rotary or relative position embeddings. Extraction against
-such a layer fails its checks rather than returning heads (the oracle cannot know to refuse it).
+and read out through r, ``v_h = V_h^T r`` and ``r^T c``; ``b_K`` adds the same score to every token
+of a row and cancels in the softmax. Supported: ``nn.MultiheadAttention``, transformers'
+``GPT2Attention``, ``BertSelfAttention``, ``OPTAttention`` and ``ViTAttention`` (eager or sdpa).
+Settings outside the model class are refused by :func:`to_reduced` with the reason:
+``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim`` other than ``embed_dim``, cross-attention,
+rotary or relative position embeddings. Extraction against such a layer fails its checks rather
+than returning heads (the oracle cannot know to refuse it).
+
+:func:`to_torch` turns an extracted model back into a module: the final-token function f, or with
+``causal=`` a whole attention layer (B, N, d) -> (B, N, d_out) whose heads are factored at their
+width, ``W_h = K_h^T Q_h`` and ``V_h = O_h P_h``.
 """
 
 from __future__ import annotations
@@ -157,22 +164,34 @@ def _readout(readout, d: int) -> np.ndarray:
     return u
 
 
-def to_reduced(module, readout) -> MultiHeadAttention:
-    """The ground truth ``(W_h, v_h, u_h)`` and ``c`` of a layer read out through ``readout`` (module
-    docstring), in float64, one head per head of the layer (not canonicalised). White-box: for
-    tests, benchmarks and diagnostics, never on the extraction path. Raises
-    :class:`UnsupportedLayerError` for settings outside the model class, naming the setting;
-    ``TypeError`` for other modules."""
+def to_reduced(module, readout=None) -> MultiHeadAttention:
+    """The ground truth ``(W_h, V_h, u_h)`` and ``c`` of a layer (module docstring), in float64, one head
+    per head of the layer (not canonicalised): the vector model of its whole output, or with a
+    ``readout`` r the scalar model ``(W_h, v_h = V_h^T r, u_h)``, ``r^T c``. White-box: for tests,
+    benchmarks and diagnostics, never on the extraction path. Raises :class:`UnsupportedLayerError`
+    for settings outside the model class, naming the setting; ``TypeError`` for other modules.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mhaextract.adapters.torch import to_reduced
+    >>> layer = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    >>> truth = to_reduced(layer)
+    >>> truth.W.shape, truth.V.shape, truth.c.shape
+    ((2, 8, 8), (2, 8, 8), (8,))
+    """
     blocks = _blocks(module)
-    r = _readout(readout, blocks.Wo.shape[1])
     W = blocks.sigma * np.einsum("hrd,hre->hde", blocks.Wk, blocks.Wq)  # sigma Wk_h^T Wq_h
     u = blocks.sigma * np.einsum("hrd,hr->hd", blocks.Wk, blocks.bq)  # sigma Wk_h^T b_Q_h
-    v = np.einsum("hrd,hqr,q->hd", blocks.Wv, blocks.Wo, r)  # Wv_h^T Wo_h^T r
-    c = float(r @ (np.einsum("hdr,hr->d", blocks.Wo, blocks.bv) + blocks.bo))
-    return MultiHeadAttention(W, v, u, c)
+    V = np.einsum("hor,hrd->hod", blocks.Wo, blocks.Wv)  # Wo_h Wv_h
+    c = np.einsum("hor,hr->o", blocks.Wo, blocks.bv) + blocks.bo
+    if readout is None:
+        return MultiHeadAttention(W, V, u, c)
+    r = _readout(readout, blocks.Wo.shape[1])
+    return MultiHeadAttention(W, np.einsum("hod,o->hd", V, r), u, float(r @ c))
 
 
-def suggested_token_scale(module, readout) -> float:
+def suggested_token_scale(module, readout=None) -> float:
     """A white-box token scale from the layer's weights (:meth:`MultiHeadAttention.suggested_token_scale`
     of :func:`to_reduced`): a diagnostic; extraction finds its scale from queries (``token_scale="auto"``)."""
     return to_reduced(module, readout).suggested_token_scale()
@@ -192,7 +211,7 @@ def _device(module) -> torch.device:
 
 
 class TorchOracle:
-    """Any torch module (or callable on tensors) as an oracle: ``readout^T`` of its output at the last position.
+    """Any torch module (or callable on tensors) as an oracle: its output at the last position.
 
     Parameters
     ----------
@@ -200,30 +219,52 @@ class TorchOracle:
         whose first element is that). ``nn.MultiheadAttention`` is called as self-attention
         ``module(X, X, X)`` (either ``batch_first``). An ``nn.Module`` is copied in eval mode; the
         caller's is not changed. Nothing about its class is used.
-    readout : vector of length d_out (array or tensor).
+    readout : vector of length d_out (array or tensor), optional. None (default): the oracle answers
+        the whole output at the last position, (B, d_out), and :func:`mhaextract.extract` learns the
+        whole layer (``result.model.V``, ``result.model.c``). A vector r: it answers ``r^T`` of it, (B,),
+        and the result is the scalar model of that read-out.
 
     Attributes
     ----------
     module : what answers (the eval-mode copy).
-    readout : (d_out,) float64 array.
+    readout : (d_out,) float64 array, or None (whole outputs).
+    d_out : outputs per answer (None for a readout's scalar answers until the first call).
     dtype, device : the module's own (its first floating parameter's), in which it is run.
-    answer_dtype : ``"float32"``, ``"float64"``, ...: the precision of the answers (reported as
-        ``Extraction.answer_dtype``; a float32 layer cannot be extracted to float64 accuracy).
+    answer_dtype : ``"float32"``, ``"float64"``, ``"bfloat16"``, ``"float16"``: the precision of the
+        answers (reported as ``Extraction.answer_dtype``; a float32 layer cannot be extracted to
+        float64 accuracy). Answers cross as float64, converted exactly.
     calls, sequences : forward passes run and sequences answered.
 
     Sequences of equal length are stacked into one forward pass. Tokens must be float arrays (a
     torch layer serves float64 extractions, ``precision=None``).
+
+    Examples
+    --------
+    >>> import numpy as np, torch
+    >>> from mhaextract.adapters.torch import TorchOracle
+    >>> layer = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    >>> TorchOracle(layer)([np.ones((3, 8)), np.ones((5, 8))]).shape      # whole outputs
+    (2, 8)
+    >>> TorchOracle(layer, readout=np.ones(8))([np.ones((3, 8))]).shape   # one read-out
+    (1,)
     """
 
-    def __init__(self, module, readout):
+    def __init__(self, module, readout=None):
         if not callable(module):
             raise TypeError(f"module must be a torch.nn.Module or a callable on tensors, got {type(module).__name__}")
         self.dtype, self.device = _floating_dtype(module), _device(module)
         self.module = copy.deepcopy(module).eval() if isinstance(module, nn.Module) else module
-        self.readout = _readout(readout, int(np.asarray(readout.detach().cpu() if isinstance(readout, torch.Tensor)
-                                                        else readout).shape[0]))
-        self._r = torch.as_tensor(self.readout, dtype=self.dtype, device=self.device)
-        self.answer_dtype = str(torch.empty(0, dtype=self.dtype).numpy().dtype)
+        self.readout = None
+        if readout is not None:
+            length = int(np.asarray(readout.detach().cpu() if isinstance(readout, torch.Tensor) else readout).size)
+            self.readout = _readout(readout, length)
+        self.d_out = None if self.readout is None else len(self.readout)
+        self.answer_dtype = str(self.dtype).removeprefix("torch.")
+        # The read-out is ours, not the layer's: taken in the layer's dtype where numpy has it (a
+        # float32 layer's answers stay float32 numbers), in float32 for bfloat16 and float16 layers.
+        self._readout_dtype = self.dtype if self.dtype in (torch.float32, torch.float64) else torch.float32
+        self._r = None if self.readout is None else torch.as_tensor(self.readout, dtype=self._readout_dtype,
+                                                                     device=self.device)
         self.calls = 0
         self.sequences = 0
         self._original = module
@@ -239,7 +280,8 @@ class TorchOracle:
         return self.reduced.suggested_token_scale()
 
     def __repr__(self) -> str:
-        return f"TorchOracle({type(self._original).__name__}, {self.answer_dtype}, d_out={len(self.readout)})"
+        outputs = "whole outputs" if self.readout is None else f"read out, d_out={len(self.readout)}"
+        return f"TorchOracle({type(self._original).__name__}, {self.answer_dtype}, {outputs})"
 
     def __call__(self, batch) -> np.ndarray:
         sequences = as_batch(batch)
@@ -247,20 +289,32 @@ class TorchOracle:
             if sequence.dtype == object:
                 raise TypeError(f"sequence {index} holds Python objects (high-precision tokens?): a torch layer "
                                 "answers in its own float dtype, run the extraction with precision=None")
-        out = np.empty(len(sequences), dtype=np.float64)
+        out = None
         lengths = np.array([len(s) for s in sequences])
         with torch.inference_mode():
             for length in np.unique(lengths):
                 index = np.flatnonzero(lengths == length)
                 X = torch.as_tensor(np.stack([sequences[i] for i in index]), dtype=self.dtype, device=self.device)
                 last = self._last_position(X)
-                if last.shape != (len(index), len(self.readout)):
+                if self.readout is not None and last.shape != (len(index), len(self.readout)):
                     raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}, "
                                      f"expected (B, {len(self.readout)}) for a readout of length {len(self.readout)}")
-                out[index] = (last @ self._r).cpu().numpy()
+                if self.readout is None:
+                    if last.dim() != 2:
+                        raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}; "
+                                         "expected (B, d_out)")
+                    answers = last.to(torch.float64).cpu().numpy()  # exact: every float dtype widens
+                    self.d_out = answers.shape[1]
+                else:
+                    answers = (last.to(self._readout_dtype) @ self._r).to(torch.float64).cpu().numpy()
+                if out is None:
+                    out = np.empty((len(sequences),) + answers.shape[1:], dtype=np.float64)
+                out[index] = answers
                 self.calls += 1
         self.sequences += len(sequences)
-        return out.astype(self.answer_dtype) if self.answer_dtype in ("float32", "float16") else out
+        if self.readout is not None and self._readout_dtype == torch.float32:
+            return out.astype(np.float32)  # float32 numbers: the answers' precision shows in their type
+        return out
 
     def _last_position(self, X: torch.Tensor) -> torch.Tensor:
         """The module's output at the last position for a batch (B, N, d) -> (B, d_out)."""
@@ -272,26 +326,29 @@ class TorchOracle:
         output = self.module(X)
         if isinstance(output, (tuple, list)):
             output = output[0]
-        if output.dim() != 3:
-            raise ValueError(f"the module must map (B, N, d) to (B, N, d_out); it returned shape {tuple(output.shape)}")
+        if not isinstance(output, torch.Tensor) or output.dim() != 3:
+            shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ValueError(f"the module must map (B, N, d) to (B, N, d_out); it returned {shape}")
         return output[:, -1]
 
 
 class ReducedAttention(nn.Module):
-    """A :class:`~mhaextract.MultiHeadAttention` as a torch module computing the same f.
+    """A :class:`~mhaextract.MultiHeadAttention` as a torch module computing the same final-token f.
 
     ``forward(X)`` takes tokens (B, N, d) (or one sequence (N, d)) and returns f per sequence,
-    (B,) (or a scalar): ``f(X) = c + sum_h sum_i softmax_i(x_i^T (W_h x_N + u_h)) v_h^T x_i``.
-    ``W`` (H, d, d), ``v`` and ``u`` (H, d) and ``c`` (a scalar) are float64 parameters.
+    (B,) for the scalar model, (B, d_out) for the vector model (or one of them for one sequence):
+    ``f(X) = c + sum_h V_h sum_i softmax_i(x_i^T (W_h x_N + u_h)) x_i``. ``W`` (H, d, d), ``V``
+    (H, d_out, d), ``u`` (H, d) and ``c`` (d_out,) are float64 parameters.
     """
 
     def __init__(self, model: MultiHeadAttention):
         super().__init__()
         model = model.to_float64()
+        self.vector = model.is_vector
         self.W = nn.Parameter(torch.as_tensor(model.W, dtype=torch.float64))
-        self.v = nn.Parameter(torch.as_tensor(model.v, dtype=torch.float64))
+        self.V = nn.Parameter(torch.as_tensor(model.V, dtype=torch.float64))
         self.u = nn.Parameter(torch.as_tensor(model.u, dtype=torch.float64))
-        self.c = nn.Parameter(torch.tensor(float(model.c), dtype=torch.float64))
+        self.c = nn.Parameter(torch.as_tensor(np.reshape(model.c, -1), dtype=torch.float64))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         single = X.dim() == 2
@@ -300,15 +357,139 @@ class ReducedAttention(nn.Module):
             raise ValueError(f"expected tokens of shape (B, N, {self.W.shape[-1]}), got {tuple(X.shape)}")
         X = X.to(self.W.dtype)
         queries = torch.einsum("hde,be->bhd", self.W, X[:, -1]) + self.u[None]  # W_h x_N + u_h
-        scores = torch.einsum("bnd,bhd->bhn", X, queries)
-        weights = torch.softmax(scores, dim=-1)
-        values = torch.einsum("bnd,hd->bhn", X, self.v)  # v_h^T x_i
-        f = (weights * values).sum(dim=(1, 2)) + self.c
+        weights = torch.softmax(torch.einsum("bnd,bhd->bhn", X, queries), dim=-1)
+        means = torch.einsum("bhn,bnd->bhd", weights, X)  # m_h(X)
+        f = torch.einsum("bhd,hod->bo", means, self.V) + self.c
+        f = f if self.vector else f[:, 0]
         return f[0] if single else f
 
 
-def to_torch(model: MultiHeadAttention) -> ReducedAttention:
-    """An extracted (or any) :class:`~mhaextract.MultiHeadAttention` as a torch module (float64)."""
+def _factor(matrix: np.ndarray, width: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``matrix = left @ right`` with ``width`` columns in ``left`` (None: the numerical rank, the
+    number of singular values before the largest drop of at least RANK_GAP, else all of them)."""
+    U, S, Vt = np.linalg.svd(matrix, full_matrices=False)
+    rank = width if width is not None else numerical_rank(S)
+    root = np.sqrt(S[:rank])
+    return U[:, :rank] * root, root[:, None] * Vt[:rank]
+
+
+#: A drop of this factor between consecutive singular values separates a head's rank from the
+#: extraction's error (float64 layers drop by ~1e13, float32 ones by ~1e4; trained heads' own
+#: singular values fall far more gently).
+RANK_GAP = 1e3
+
+
+def numerical_rank(singular_values: np.ndarray) -> int:
+    """The rank of a matrix whose singular values (descending) carry an extraction's error: the
+    count before the largest drop of at least :data:`RANK_GAP`, or all the non-zero ones."""
+    S = np.asarray(singular_values, dtype=np.float64)
+    if not len(S) or S[0] == 0:
+        return 0
+    positive = S[S > 0]
+    if len(positive) < 2:
+        return len(positive)
+    ratios = positive[:-1] / positive[1:]
+    largest = int(np.argmax(ratios))
+    return largest + 1 if ratios[largest] >= RANK_GAP else len(positive)
+
+
+@dataclass
+class HeadFactors:
+    """A model's heads factored at a common width r: scores ``(Q_h x_N + b_h)^T (K_h x_i)`` and
+    values ``O_h P_h x_i``. Q, K, P (H, r, d), b (H, r), O (H, d_out, r), c (d_out,)."""
+
+    Q: np.ndarray
+    b: np.ndarray
+    K: np.ndarray
+    P: np.ndarray
+    O: np.ndarray
+    c: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return self.Q.shape[1]
+
+
+def head_factors(model: MultiHeadAttention, width: int | None = None) -> HeadFactors:
+    """Factor every head: ``[W_h | u_h] = K_h^T [Q_h | b_h]`` and ``V_h = O_h P_h`` by SVD, at ``width``
+    (None: each head's numerical rank, :func:`numerical_rank`, padded with zeros to the largest)."""
+    model = model.to_float64()
+    H, d, d_out = model.heads, model.d, model.d_out
+    scores = [_factor(np.hstack([model.W[h], model.u[h][:, None]]), width) for h in range(H)]
+    values = [_factor(model.V[h], width) for h in range(H)]
+    r = width if width is not None else max([1] + [f[0].shape[1] for f in scores + values])
+    Q, K, P = (np.zeros((H, r, d)) for _ in range(3))
+    b, O = np.zeros((H, r)), np.zeros((H, d_out, r))
+    for h, ((K_t, Q_b), (O_h, P_h)) in enumerate(zip(scores, values)):
+        k, j = K_t.shape[1], O_h.shape[1]
+        K[h, :k], Q[h, :k], b[h, :k] = K_t.T, Q_b[:, :d], Q_b[:, d]
+        O[h, :, :j], P[h, :j] = O_h, P_h
+    return HeadFactors(Q, b, K, P, O, np.reshape(np.asarray(model.c, dtype=np.float64), -1).copy())
+
+
+class ExtractedAttention(nn.Module):
+    """An extracted model as an attention layer: tokens (B, N, d) to outputs (B, N, d_out) at every position.
+
+    Head h scores key j from position i as ``(Q_h x_i + b_h)^T (K_h x_j)`` and adds ``O_h P_h`` times
+    the attention-weighted mean of the tokens; ``causal=True`` lets position i see tokens j <= i
+    (a decoder's layer: the output at i is the final-token model on the prefix), ``causal=False``
+    all tokens (an encoder's). The final-token answers an oracle gives cannot tell the two apart:
+    say which the original layer is. Parameters (float64 by default): Q, K, P (H, r, d), b (H, r),
+    O (H, d_out, r), c (d_out,).
+    """
+
+    def __init__(self, factors: HeadFactors, causal: bool, dtype=torch.float64):
+        super().__init__()
+        self.causal = bool(causal)
+        for name in ("Q", "b", "K", "P", "O", "c"):
+            setattr(self, name, nn.Parameter(torch.as_tensor(getattr(factors, name), dtype=dtype)))
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        single = X.dim() == 2
+        X = X[None] if single else X
+        if X.dim() != 3 or X.shape[-1] != self.Q.shape[-1]:
+            raise ValueError(f"expected tokens of shape (B, N, {self.Q.shape[-1]}), got {tuple(X.shape)}")
+        X = X.to(self.Q.dtype)
+        queries = torch.einsum("hrd,bnd->bhnr", self.Q, X) + self.b[None, :, None, :]
+        keys = torch.einsum("hrd,bnd->bhnr", self.K, X)
+        scores = queries @ keys.transpose(-1, -2)  # (B, H, N, N): query position, key position
+        if self.causal:
+            N = X.shape[1]
+            hidden = torch.ones(N, N, dtype=torch.bool, device=X.device).triu(1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        values = torch.einsum("hrd,bnd->bhnr", self.P, X)
+        out = torch.einsum("hor,bhnr->bno", self.O, weights @ values) + self.c
+        return out[0] if single else out
+
+
+def to_torch(model: MultiHeadAttention, causal: bool | None = None, width: int | None = None, dtype=torch.float64):
+    """An extracted (or any) :class:`~mhaextract.MultiHeadAttention` as a torch module.
+
+    ``causal=None`` (default): :class:`ReducedAttention`, the final-token function f ((B, N, d) to
+    (B,) or (B, d_out)). ``causal=True`` or ``False``: :class:`ExtractedAttention`, a drop-in
+    attention layer mapping (B, N, d) to (B, N, d_out) at every position, heads factored at
+    ``width`` (None: their numerical rank, :func:`head_factors`); a decoder's layer is causal, an
+    encoder's is not (the oracle's final-token answers cannot say which).
+
+    Examples
+    --------
+    >>> import numpy as np, torch
+    >>> import mhaextract as mx
+    >>> from mhaextract.adapters.torch import to_torch
+    >>> layer = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, d_out=4, bias=True)
+    >>> module = to_torch(layer, causal=True)
+    >>> X = torch.randn(2, 5, 4, dtype=torch.float64)
+    >>> out = module(X)                       # (B, N, d_out): every position
+    >>> out.shape
+    torch.Size([2, 5, 4])
+    >>> bool(np.allclose(out[:, 2].numpy(), layer(X[:, :3].numpy())))   # position 2 sees tokens 0..2
+    True
+    """
     if not isinstance(model, MultiHeadAttention):
         raise TypeError(f"to_torch expects a MultiHeadAttention, got {type(model).__name__}")
-    return ReducedAttention(model)
+    if causal is None:
+        return ReducedAttention(model)
+    if width is not None and (isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1):
+        raise ValueError(f"width must be a positive integer (the head width) or None, got {width!r}")
+    return ExtractedAttention(head_factors(model, width), causal, dtype)

@@ -100,17 +100,18 @@ class OracleBoundary:
     max_query_length: int = 0
     position: int = 0
     stats: AnswerStats = field(default_factory=AnswerStats)  # float64 answers used so far
-    vectors: VectorAnswers | None = None  # the read-out and value sample of vector answers
+    vectors: VectorAnswers | None = None  # the read-out of vector answers
 
     def __post_init__(self):
         if self.vectors is None:
-            self.vectors = VectorAnswers(None, 0)
+            self.vectors = VectorAnswers(None)
         if not callable(self.oracle):
             raise TypeError(f"oracle must be callable, got {type(self.oracle).__name__}")
         if int(self.batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
-    def ask(self, sequences: Sequence[np.ndarray], description: str = "querying oracle") -> np.ndarray:
+    def ask(self, sequences: Sequence[np.ndarray], description: str = "querying oracle",
+            whole: bool = False) -> np.ndarray:
         """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision): a
         list of (N_i, d) arrays, or any sequence of them (one (n, N, d) array; a source that builds
         new arrays on every access, ``fresh_on_access``, whose batches go to the oracle uncopied).
@@ -124,8 +125,13 @@ class OracleBoundary:
         it arrives. ``max_queries`` caps the queries asked of the oracle by this boundary: with a
         transcript the budget is spent (and saved) before :class:`BudgetExceeded` is raised;
         without one nothing could be kept, so it is raised before anything is asked.
+
+        Vector answers (B, d_out) reach the schedules read out through ``vectors.readout``;
+        ``whole=True`` returns them whole, float64 (B, d_out), when the oracle answers vectors (the
+        value fit's queries, docs/algorithm.md §21).
         """
         total = len(sequences)
+        whole = {} if whole and not self.precision else None  # position -> whole vector answer
         first = self.position
         self.position += total
         exact = np.empty(total, dtype=object if self.precision else np.float64)
@@ -134,7 +140,8 @@ class OracleBoundary:
         if vector_positions:
             values = np.stack([replayed[position] for position in vector_positions])
             self._check_vectors(values, [first + p for p in vector_positions], "read back from the transcript")
-            self.vectors.keep([first + p for p in vector_positions], [sequences[p] for p in vector_positions], values)
+            if whole is not None:
+                whole.update(zip(vector_positions, values))
             replayed.update(zip(vector_positions, self.vectors.scalars(values)))
         for position, value in replayed.items():
             exact[position] = value
@@ -166,9 +173,10 @@ class OracleBoundary:
                     # What the learner uses is what reads back from the file: a resumed run sees
                     # exactly the values an uninterrupted one saw.
                     values = self.transcript.record(first, positions, take() if fresh else chunk, values)
-                if np.ndim(values) == 2:  # vector answers: kept for the value fit, read out for the schedule
+                if np.ndim(values) == 2:  # vector answers: read out for the schedule
                     values = np.asarray(values, dtype=np.float64)
-                    self.vectors.keep([first + p for p in positions], take() if fresh else chunk, values)
+                    if whole is not None:
+                        whole.update(zip(positions, values))
                     values = self.vectors.scalars(values)
                 if self.precision:
                     for position, value in zip(positions, values):
@@ -182,6 +190,8 @@ class OracleBoundary:
             raise self._over_budget(len(missing) - allowed, total - len(missing) + allowed)
         if not self.precision:
             self.stats.add(exact)
+            if whole is not None and len(whole) == total and total:
+                return np.stack([whole[position] for position in range(total)])
             return exact
         balls = np.empty(total, dtype=object)
         for position, value in enumerate(exact):
