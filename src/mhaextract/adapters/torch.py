@@ -35,6 +35,7 @@ import copy
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import linear_sum_assignment
 
 try:
     import torch
@@ -493,3 +494,105 @@ def to_torch(model: MultiHeadAttention, causal: bool | None = None, width: int |
     if width is not None and (isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1):
         raise ValueError(f"width must be a positive integer (the head width) or None, got {width!r}")
     return ExtractedAttention(head_factors(model, width), causal, dtype)
+
+
+def _template_blocks(model: MultiHeadAttention, like) -> _Blocks:
+    """The model's heads in the per-head layout of the layer ``like`` (its H, head width r, score
+    scale sigma): Wq, Wk, Wv (H, r, d), Wo (H, d_out, r), bq, bv (H, r), bo (d_out,) (b_K is zero)."""
+    template = _blocks(like)
+    H, r, d = template.Wq.shape
+    d_out = template.Wo.shape[1]
+    if not model.is_vector or model.d != d or model.d_out != d_out:
+        shape = f"d = {model.d}, d_out = {model.d_out if model.is_vector else 'scalar'}"
+        raise ValueError(f"{template.kind} maps d = {d} to d_out = {d_out}; the model has {shape} (a model "
+                         "extracted from a read-out is one number per sequence: extract with TorchOracle(layer))")
+    model = model.to_float64().canonical()
+    if model.heads > H:
+        raise UnsupportedLayerError(f"the model has {model.heads} canonical heads; {template.kind} holds {H}")
+    ranks = [numerical_rank(np.linalg.svd(np.hstack([model.W[h], model.u[h][:, None]]), compute_uv=False))
+             for h in range(model.heads)]
+    if max(ranks, default=0) > r:
+        raise UnsupportedLayerError(f"a head's scores have rank {max(ranks)} > the head width {r} of {template.kind}")
+    factors = head_factors(model, width=r)
+    blocks = _Blocks(template.kind, np.zeros((H, r, d)), np.zeros((H, r, d)), np.zeros((H, r, d)),
+                     np.zeros((H, d_out, r)), np.zeros((H, r)), np.zeros((H, r)), np.zeros(d_out), template.sigma)
+    found = slice(0, model.heads)
+    blocks.Wq[found], blocks.bq[found] = factors.Q / template.sigma, factors.b / template.sigma
+    blocks.Wk[found] = factors.K
+    if template.kind == "BertSelfAttention":  # no output projection: head g writes output rows g*r..(g+1)*r
+        blocks.Wo = template.Wo
+        mass = np.array([[np.linalg.norm(model.V[h, g * r:(g + 1) * r]) for g in range(H)] for h in range(model.heads)])
+        rows, groups = linear_sum_assignment(-mass) if model.heads else (np.zeros(0, int), np.zeros(0, int))
+        outside = [np.sqrt(max(0.0, np.linalg.norm(model.V[h]) ** 2 - mass[h, g] ** 2)) / np.linalg.norm(model.V[h])
+                   for h, g in zip(rows, groups)]
+        if max(outside, default=0.0) > 1e-6:
+            raise UnsupportedLayerError(f"a head's values reach {max(outside):.1e} of their size outside one head's "
+                                        "block of outputs: BertSelfAttention has no output projection to carry them")
+        blocks.Wq[:], blocks.Wk[:], blocks.bq[:] = 0.0, 0.0, 0.0  # heads go to their groups' slots
+        for h, g in zip(rows, groups):
+            blocks.Wq[g], blocks.bq[g] = factors.Q[h] / template.sigma, factors.b[h] / template.sigma
+            blocks.Wk[g], blocks.Wv[g] = factors.K[h], model.V[h, g * r:(g + 1) * r]
+        blocks.bv = np.asarray(model.c, dtype=np.float64).reshape(H, r)
+    else:
+        blocks.Wv[found], blocks.Wo[found] = factors.P, factors.O
+        blocks.bo = factors.c
+    return blocks
+
+
+def to_state_dict(model: MultiHeadAttention, like) -> dict:
+    """Weights of an extracted vector model in the layout of the layer ``like``, for its ``load_state_dict``.
+
+    ``like`` is a layer of the class and configuration to put the stolen layer back into
+    (``nn.MultiheadAttention``, ``GPT2Attention``, ``BertSelfAttention``, ``OPTAttention``,
+    ``ViTAttention``): its head count H, head width r and score scale sigma are read from it (its
+    weights are only overwritten). Every canonical head is factored at width r, ``W_h = sigma
+    Wk_h^T Wq_h`` and ``u_h = sigma Wk_h^T b_Q_h`` (``b_K = 0``), and ``V_h = Wo_h Wv_h`` with
+    ``b_V = 0`` and ``b_O = c`` (BERT, with no output projection: ``Wv_h`` is ``V_h``'s block of
+    rows and ``b_V = c``); missing heads are zero. Raises :class:`UnsupportedLayerError` when the
+    class cannot carry the model (more heads than H, a head of rank above r, a bias the class
+    lacks), naming which.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mhaextract.adapters.torch import to_reduced, to_state_dict
+    >>> layer = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    >>> fresh = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    >>> _ = fresh.load_state_dict(to_state_dict(to_reduced(layer), like=fresh))
+    >>> X = torch.randn(1, 5, 8, dtype=torch.float64)
+    >>> bool(torch.allclose(fresh(X, X, X)[0], layer(X, X, X)[0], atol=1e-12))
+    True
+    """
+    blocks = _template_blocks(model, like)
+    H, r, d = blocks.Wq.shape
+    stacked = {name: getattr(blocks, name).reshape(H * r, d) for name in ("Wq", "Wk", "Wv")}
+    out_weight = blocks.Wo.transpose(1, 0, 2).reshape(blocks.Wo.shape[1], H * r)  # (d_out, H r)
+    bq, bk, bv = blocks.bq.reshape(-1), np.zeros(H * r), blocks.bv.reshape(-1)
+    kind = blocks.kind
+    if kind == "nn.MultiheadAttention":
+        values = {"in_proj_weight": np.vstack([stacked["Wq"], stacked["Wk"], stacked["Wv"]]),
+                  "in_proj_bias": np.concatenate([bq, bk, bv]), "out_proj.weight": out_weight,
+                  "out_proj.bias": blocks.bo}
+    elif kind == "GPT2Attention":  # Conv1D weights are (in, out)
+        values = {"c_attn.weight": np.vstack([stacked["Wq"], stacked["Wk"], stacked["Wv"]]).T,
+                  "c_attn.bias": np.concatenate([bq, bk, bv]), "c_proj.weight": out_weight.T,
+                  "c_proj.bias": blocks.bo}
+    else:
+        names = {"BertSelfAttention": ("query", "key", "value", None)}.get(
+            kind, ("q_proj", "k_proj", "v_proj", "out_proj" if hasattr(like, "out_proj") else "o_proj"))
+        values = {}
+        for name, weight, bias in zip(names, (stacked["Wq"], stacked["Wk"], stacked["Wv"], out_weight),
+                                      (bq, bk, bv, blocks.bo)):
+            if name is not None:
+                values.update({f"{name}.weight": weight, f"{name}.bias": bias})
+    state = {key: tensor.detach().clone() for key, tensor in like.state_dict().items()}
+    for key, value in values.items():
+        if key not in state:
+            if np.any(value != 0):
+                raise UnsupportedLayerError(f"{kind} has no parameter {key!r} (built without biases?) and the model "
+                                            f"needs it non-zero (max |{key}| = {np.abs(value).max():.3g})")
+            continue
+        if tuple(state[key].shape) != value.shape:
+            raise UnsupportedLayerError(f"{kind}'s {key} has shape {tuple(state[key].shape)}, the model gives {value.shape}")
+        state[key] = torch.as_tensor(value, dtype=state[key].dtype, device=state[key].device)
+    return state
