@@ -193,3 +193,44 @@ def test_outputs_that_are_not_attention_of_the_learned_scores_fail_loudly():
     result = mx.extract(bent, 4, heads=2, seed=0, on_failure="warn")
     assert result.scalar_model is not None and mx.compare(result.scalar_model, target.readout(readout.readout)).max_rel < 1e-9
     assert [check.name for check in result.failed_checks] == ["value_fit_residual"]
+
+
+VECTOR_MODULE = '''
+import numpy as np
+
+# A "remote" layer answering all 4 outputs at the final token: d = 3, two heads, known only here.
+_rng = np.random.default_rng(7)
+W = _rng.standard_normal((2, 3, 3)) / np.sqrt(3)
+V = _rng.standard_normal((2, 4, 3))
+c = _rng.standard_normal(4)
+
+
+def oracle(batch):
+    answers = []
+    for X in batch:
+        out = c.copy()
+        for W_h, V_h in zip(W, V):
+            scores = X @ W_h @ X[-1]
+            weights = np.exp(scores - scores.max())
+            out += V_h @ (weights @ X) / weights.sum()
+        answers.append(out)
+    return np.array(answers)
+'''
+
+
+def test_cli_extract_writes_the_whole_layer(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mhaextract.cli import app
+    (tmp_path / "layer_oracle.py").write_text(VECTOR_MODULE)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "layer.json"
+    result = CliRunner().invoke(app, ["extract", "--oracle", "layer_oracle.py:oracle", "--d", "3", "--heads", "2",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "outputs per answer" in result.output
+    namespace = {}
+    exec(VECTOR_MODULE, namespace)
+    truth = mx.MultiHeadAttention(namespace["W"], namespace["V"], c=namespace["c"])
+    loaded = mx.load_model(out)
+    assert loaded.d_out == 4 and mx.compare(loaded, truth).max_rel <= 1e-11

@@ -382,7 +382,16 @@ RANK_GAP = 1e3
 
 def numerical_rank(singular_values: np.ndarray) -> int:
     """The rank of a matrix whose singular values (descending) carry an extraction's error: the
-    count before the largest drop of at least :data:`RANK_GAP`, or all the non-zero ones."""
+    count before the largest drop of at least :data:`RANK_GAP`, or all the non-zero ones.
+
+    Examples
+    --------
+    >>> from mhaextract.adapters.torch import numerical_rank
+    >>> numerical_rank([3.0, 1.0, 0.5, 2e-14, 1e-15])
+    3
+    >>> numerical_rank([3.0, 1.0, 0.5])
+    3
+    """
     S = np.asarray(singular_values, dtype=np.float64)
     if not len(S) or S[0] == 0:
         return 0
@@ -413,7 +422,20 @@ class HeadFactors:
 
 def head_factors(model: MultiHeadAttention, width: int | None = None) -> HeadFactors:
     """Factor every head: ``[W_h | u_h] = K_h^T [Q_h | b_h]`` and ``V_h = O_h P_h`` by SVD, at ``width``
-    (None: each head's numerical rank, :func:`numerical_rank`, padded with zeros to the largest)."""
+    (None: each head's numerical rank, :func:`numerical_rank`, padded with zeros to the largest).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> from mhaextract.adapters.torch import head_factors
+    >>> model = mx.MultiHeadAttention.random(d=6, heads=2, seed=0, rank=2, d_out=6)
+    >>> factors = head_factors(model)
+    >>> factors.width                      # V_h is full rank: the widest factor sets the width
+    6
+    >>> bool(np.allclose(factors.K[0].T @ factors.Q[0], model.W[0]))
+    True
+    """
     model = model.to_float64()
     H, d, d_out = model.heads, model.d, model.d_out
     scores = [_factor(np.hstack([model.W[h], model.u[h][:, None]]), width) for h in range(H)]
@@ -481,7 +503,7 @@ def to_torch(model: MultiHeadAttention, causal: bool | None = None, width: int |
     >>> layer = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, d_out=4, bias=True)
     >>> module = to_torch(layer, causal=True)
     >>> X = torch.randn(2, 5, 4, dtype=torch.float64)
-    >>> out = module(X)                       # (B, N, d_out): every position
+    >>> out = module(X).detach()              # (B, N, d_out): every position
     >>> out.shape
     torch.Size([2, 5, 4])
     >>> bool(np.allclose(out[:, 2].numpy(), layer(X[:, :3].numpy())))   # position 2 sees tokens 0..2
