@@ -51,7 +51,10 @@ scale; one-token answers at the other scales follow exactly, since the tokens sc
 two), ``P`` two-token queries per rung, ``2 PERMUTED`` permutation probes and ``REPEATED`` repeats:
 ``1 + 2P + 15P + 2 PERMUTED + REPEATED`` (147 for P = 8), asked through an
 :class:`~mhaextract.oracle.boundary.OracleBoundary`, counted and reported as
-``Extraction.calibration_queries``.
+``Extraction.calibration_queries``. They depend on ``d`` and the seed alone
+(:func:`probe_queries`), so a transcript records them in a section of their own before the run's
+plan exists, and a resumed run replays them: the same scale to the bit, whatever the oracle's
+noise (:mod:`mhaextract.oracle.transcript`).
 """
 
 from __future__ import annotations
