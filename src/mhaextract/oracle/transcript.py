@@ -98,16 +98,16 @@ def tokens_sha256(sequence: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def _identity(schedule, seed: int, precision: int | None) -> dict:
+    return {"d": schedule.d, "max_heads": schedule.max_heads, "seed": seed, "precision": precision,
+            "schedule": schedule.name}
+
+
 def run_header(schedule, seed: int, precision: int | None, calibrated: bool) -> dict:
     """What identifies a run before any query (the file's header): ``schedule`` is the plan built
     from the run's settings; ``calibrated``: the token scale is found by probes (``"auto"``)."""
     settings = schedule.settings
-    return {
-        "d": schedule.d,
-        "max_heads": schedule.max_heads,
-        "seed": seed,
-        "precision": precision,
-        "schedule": schedule.name,
+    return _identity(schedule, seed, precision) | {
         "bias": bool(settings.bias),
         "rank": None if settings.rank is None else str(settings.rank),
         "token_scale": "auto" if calibrated else float(schedule.token_scale).hex(),
@@ -123,12 +123,7 @@ def run_fingerprint(schedule, seed: int, precision: int | None, sequences: Seque
     everything = hashlib.sha256()
     for sequence in sequences:
         everything.update(tokens_sha256(sequence).encode())
-    return {
-        "d": schedule.d,
-        "max_heads": schedule.max_heads,
-        "seed": seed,
-        "precision": precision,
-        "schedule": schedule.name,
+    return _identity(schedule, seed, precision) | {
         "token_scale": float(schedule.token_scale).hex(),
         "queries": len(sequences),
         "queries_sha256": everything.hexdigest(),
