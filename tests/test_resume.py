@@ -12,6 +12,7 @@ same model bit for bit. docs/real-layers-and-transcripts.md's table is measured 
 ``python tests/test_resume.py`` (the same cases, printed).
 """
 
+import functools
 import json
 import os
 import signal
@@ -99,7 +100,9 @@ def assert_same_decisions(resumed, plain):
     assert resumed.queries_asked + resumed.queries_replayed == resumed.queries
 
 
+@functools.lru_cache(maxsize=None)
 def uninterrupted(name):
+    """``(result, answers paid)`` of the case run without interruption nor transcript (once per case)."""
     oracle = PaidOracle(mx.SimulatedOracle(make_target(name)))
     return run(name, oracle), oracle.paid
 
@@ -153,7 +156,7 @@ def re_paid(name, path, how, fraction):
 
 # 0.2: inside the calibration of the schedules that calibrate, early in the others; 0.6 in the
 # schedule's queries; 0.97 in the last queries (noise probe, polish queries).
-@pytest.mark.parametrize("fraction", [0.2, 0.6, 0.97])
+@pytest.mark.parametrize("fraction", [0.2, pytest.param(0.6, marks=pytest.mark.slow), 0.97])
 @pytest.mark.parametrize("name", list(CASES))
 def test_an_oracle_exception_re_pays_at_most_the_batch_in_flight(tmp_path, name, fraction):
     extra, in_flight, resumed, plain = re_paid(name, tmp_path / "run.sqlite", "exception", fraction)
