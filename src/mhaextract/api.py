@@ -90,8 +90,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     on_failure : ``"raise"`` an :class:`~mhaextract.checks.base.ExtractionError` when a check
         fails (the result is on the error), or ``"warn"`` and return it.
     transcript : path of a SQLite transcript (:mod:`mhaextract.oracle.transcript`), or None. Every
-        batch of answers is committed to it as it arrives; re-running with the same transcript
-        and seed reads them back and asks only the missing queries. Needs an integer ``seed``.
+        batch of answers (the calibration's probes included) is committed to it as it arrives;
+        re-running with the same transcript and seed reads them back and asks only the missing
+        queries, so it re-pays at most the batch in flight and the resume check. Needs an integer ``seed``.
     max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
         raises :class:`~mhaextract.oracle.boundary.BudgetExceeded` saying how many.
     samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
