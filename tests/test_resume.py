@@ -9,7 +9,7 @@ wrapper below, independently of the library's counters:
 
 and the resumed run decides what the uninterrupted one did: the same token scale to the bit, the
 same model bit for bit. docs/real-layers-and-transcripts.md's table is measured by
-``python tests/test_resume.py`` (the same cases, printed).
+``python tests/test_resume.py [case ...]`` (the same cases, printed).
 """
 
 import functools
@@ -42,6 +42,7 @@ CASES = {
     "paper-bias": (3, 2, dict(schedule="paper", bias=True), True),
     "lean": (3, 2, dict(schedule="lean"), False),
     "lean-auto-scale": (3, 2, dict(schedule="lean", token_scale="auto"), False),
+    "paper-128-bits-auto-scale": (2, 1, dict(schedule="paper", precision=128, token_scale="auto"), False),
 }
 
 
@@ -54,6 +55,10 @@ def make_target(name):
         return base
     rng = np.random.default_rng(7)
     return mx.MultiHeadAttention(base.W, base.v, rng.standard_normal((H, d)) / np.sqrt(d), 0.3)
+
+
+def make_oracle(name):
+    return mx.SimulatedOracle(make_target(name), CASES[name][2].get("precision"))
 
 
 class Stop(RuntimeError):
@@ -97,19 +102,22 @@ def assert_same_decisions(resumed, plain):
         assert np.array_equal(getattr(resumed.model, name), getattr(plain.model, name)), name
     assert np.float64(resumed.model.c).tobytes() == np.float64(plain.model.c).tobytes()
     assert resumed.error_estimate == plain.error_estimate and resumed.answers_residual == plain.answers_residual
+    if plain.W_balls is not None:  # high precision: the certified balls, midpoint and radius
+        for ours, theirs in zip(resumed.W_balls.ravel(), plain.W_balls.ravel()):
+            assert ours.mid() == theirs.mid() and ours.rad() == theirs.rad()
     assert resumed.queries_asked + resumed.queries_replayed == resumed.queries
 
 
 @functools.lru_cache(maxsize=None)
 def uninterrupted(name):
     """``(result, answers paid)`` of the case run without interruption nor transcript (once per case)."""
-    oracle = PaidOracle(mx.SimulatedOracle(make_target(name)))
+    oracle = PaidOracle(make_oracle(name))
     return run(name, oracle), oracle.paid
 
 
 def interrupted_by_exception(name, path, stop_after):
     """``(paid by the interrupted run, its batch in flight)``."""
-    oracle = PaidOracle(mx.SimulatedOracle(make_target(name)), stop_after=stop_after)
+    oracle = PaidOracle(make_oracle(name), stop_after=stop_after)
     try:
         run(name, oracle, transcript=path)
     except Stop:
@@ -121,9 +129,9 @@ CHILD = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
 import mhaextract as mx
-from test_resume import PaidOracle, make_target, run
+from test_resume import PaidOracle, make_oracle, run
 log = os.open({log!r}, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-run({name!r}, PaidOracle(mx.SimulatedOracle(make_target({name!r})), {stop_after}, "kill", log), transcript={path!r})
+run({name!r}, PaidOracle(make_oracle({name!r}), {stop_after}, "kill", log), transcript={path!r})
 """
 
 
@@ -149,7 +157,7 @@ def re_paid(name, path, how, fraction):
     stop_after = max(1, int(fraction * paid))
     interrupt = interrupted_by_exception if how == "exception" else interrupted_by_sigkill
     first, in_flight = interrupt(name, path, stop_after)
-    second = PaidOracle(mx.SimulatedOracle(make_target(name)))
+    second = PaidOracle(make_oracle(name))
     resumed = run(name, second, transcript=path)
     return first + second.paid - paid, in_flight, resumed, plain
 
@@ -185,16 +193,16 @@ def test_sigkill_of_every_schedule_re_pays_at_most_the_batch_in_flight(tmp_path,
 
 def test_the_calibration_is_in_the_transcript_and_a_complete_transcript_asks_only_the_check(tmp_path):
     path = tmp_path / "run.sqlite"
-    first = run("auto", PaidOracle(mx.SimulatedOracle(make_target("auto"))), transcript=path)
+    first = run("auto", PaidOracle(make_oracle("auto")), transcript=path)
     with sqlite3.connect(path) as connection:
         sections = dict(connection.execute("SELECT section, count(*) FROM queries GROUP BY section").fetchall())
     assert sections == {"calibration": first.calibration_queries, "run": first.queries - first.calibration_queries}
-    again = PaidOracle(mx.SimulatedOracle(make_target("auto")))
+    again = PaidOracle(make_oracle("auto"))
     offline = run("auto", again, transcript=path)
     assert again.paid == RESUME_CHECK == offline.queries_asked
     assert offline.queries_replayed == first.queries
     assert_same_decisions(offline, first)
-    silent = run("auto", PaidOracle(mx.SimulatedOracle(make_target("auto")), stop_after=0), transcript=path,
+    silent = run("auto", PaidOracle(make_oracle("auto"), stop_after=0), transcript=path,
                  resume_check=0)
     assert silent.queries_asked == 0
 
@@ -234,7 +242,7 @@ def test_a_noisy_oracle_resumes_on_the_scale_its_calibration_found(tmp_path):
 def test_another_oracle_is_refused_after_an_interrupted_calibration(tmp_path, stop_after):
     path = tmp_path / "run.sqlite"
     with pytest.raises(Stop):
-        run("auto", PaidOracle(mx.SimulatedOracle(make_target("auto")), stop_after=stop_after), transcript=path)
+        run("auto", PaidOracle(make_oracle("auto"), stop_after=stop_after), transcript=path)
     before = path.read_bytes()
     d, H, _, _ = CASES["auto"]
     other = PaidOracle(mx.SimulatedOracle(mx.MultiHeadAttention.random(d, H, seed=99)))
@@ -246,11 +254,11 @@ def test_another_oracle_is_refused_after_an_interrupted_calibration(tmp_path, st
 def test_a_budget_spent_inside_the_calibration_is_saved(tmp_path):
     path = tmp_path / "run.sqlite"
     plain, paid = uninterrupted("auto")
-    first = PaidOracle(mx.SimulatedOracle(make_target("auto")))
+    first = PaidOracle(make_oracle("auto"))
     with pytest.raises(mx.BudgetExceeded):
         run("auto", first, transcript=path, max_queries=100)
     assert first.paid == 100
-    second = PaidOracle(mx.SimulatedOracle(make_target("auto")))
+    second = PaidOracle(make_oracle("auto"))
     resumed = run("auto", second, transcript=path, resume_check=0)
     assert first.paid + second.paid == paid
     assert_same_decisions(resumed, plain)
@@ -262,6 +270,8 @@ if __name__ == "__main__":  # the table of docs/real-layers-and-transcripts.md
     print("| schedule | options | interruption | stopped after | batch in flight | re-paid | resume check |")
     print("|---|---|---|---|---|---|---|")
     for name, (d, H, options, biased) in CASES.items():
+        if sys.argv[1:] and name not in sys.argv[1:]:  # python tests/test_resume.py [case ...]
+            continue
         for how in ("exception", "kill"):
             for fraction in (0.2, 0.6, 0.97):
                 with tempfile.TemporaryDirectory() as folder:
