@@ -238,6 +238,26 @@ def test_a_noisy_oracle_resumes_on_the_scale_its_calibration_found(tmp_path):
             assert abs(resumed.token_scale / plain.token_scale - 1) < 1e-3
 
 
+def test_a_noisy_bias_free_layer_resumes_although_its_zero_query_answers_noise_alone(tmp_path):
+    """The default schedule learns biases and asks the zero query first, whose exact answer is c = 0
+    for a bias-free layer: its recorded and re-asked answers are two draws of the noise, relative to
+    each other of order one. The resume check compares them with the largest answer re-asked."""
+    target = make_target("paper")  # bias-free
+    path = tmp_path / "run.sqlite"
+
+    def noisy(seed):
+        return mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-9, seed=seed)
+
+    first = PaidOracle(noisy(1), stop_after=200)
+    with pytest.raises(Stop):
+        mx.extract(first, 3, heads=2, seed=5, batch_size=BATCH, transcript=path)
+    with sqlite3.connect(path) as connection:
+        zero = connection.execute("SELECT answer FROM queries WHERE section = 'run' AND id = 0").fetchone()[0]
+    assert abs(float.fromhex(zero)) <= 1e-9  # the zero query, recorded: noise alone
+    resumed = mx.extract(PaidOracle(noisy(2)), 3, heads=2, seed=5, batch_size=BATCH, transcript=path)
+    assert resumed.ok and resumed.queries_replayed > resumed.calibration_queries  # the run section resumed
+
+
 @pytest.mark.parametrize("stop_after", [40, 147])  # inside the calibration; just after it
 def test_another_oracle_is_refused_after_an_interrupted_calibration(tmp_path, stop_after):
     path = tmp_path / "run.sqlite"
