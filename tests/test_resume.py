@@ -258,6 +258,30 @@ def test_a_noisy_bias_free_layer_resumes_although_its_zero_query_answers_noise_a
     assert resumed.ok and resumed.queries_replayed > resumed.calibration_queries  # the run section resumed
 
 
+def test_the_resume_check_tolerates_the_noise_the_calibration_measured_and_not_another_oracle(tmp_path):
+    """Noise of 1e-5 (relative to the largest answer, above the check's 1e-6): the recorded and
+    re-asked answers of the same oracle differ by the noise, within 30 times the noise the
+    calibration measured; another layer's answers differ by far more and are refused."""
+    target = make_target("auto")
+    d, H, _, _ = CASES["auto"]
+
+    def noisy(layer, seed):
+        return mx.AdditiveNoise(mx.SimulatedOracle(layer), 1e-5, seed=seed)
+
+    for other, path in ((None, tmp_path / "same.sqlite"), (mx.MultiHeadAttention.random(d, H, seed=99),
+                                                            tmp_path / "other.sqlite")):
+        with pytest.raises(Stop):
+            run("auto", PaidOracle(noisy(target, 1), stop_after=200), transcript=path)
+        again = PaidOracle(noisy(target if other is None else other, 2))
+        if other is None:
+            resumed = run("auto", again, transcript=path)
+            assert resumed.calibration.answer_noise > 1e-6 and resumed.queries_replayed > resumed.calibration_queries
+        else:
+            with pytest.raises(TranscriptError, match="different oracle"):
+                run("auto", again, transcript=path)
+        assert again.paid >= RESUME_CHECK
+
+
 @pytest.mark.parametrize("stop_after", [40, 147])  # inside the calibration; just after it
 def test_another_oracle_is_refused_after_an_interrupted_calibration(tmp_path, stop_after):
     path = tmp_path / "run.sqlite"
