@@ -403,9 +403,11 @@ class Transcript:
         if section == RUN and not self._started:
             raise RuntimeError("the run section's fingerprint is not set: call start_run first")
         positions = list(positions)
-        if self.high_precision and not all(
-                isinstance(entry, mpmath.mpf) for value in values for entry in np.atleast_1d(np.asarray(value, dtype=object))):
-            raise TypeError("a high-precision transcript stores mpf answers, got another type")
+        if self.high_precision:
+            wrong = [entry for value in values for entry in np.atleast_1d(np.asarray(value, dtype=object))
+                     if not isinstance(entry, mpmath.mpf)]
+            if wrong:
+                raise TypeError(f"a high-precision transcript stores mpf answers, got {type(wrong[0]).__name__}")
         array = self._answer_shape(values, len(positions))
         recorded, rows = self._answers[section], []
         for position, sequence, value in zip(positions, sequences, array):
