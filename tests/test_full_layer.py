@@ -234,3 +234,27 @@ def test_cli_extract_writes_the_whole_layer(tmp_path, monkeypatch):
     truth = mx.MultiHeadAttention(namespace["W"], namespace["V"], c=namespace["c"])
     loaded = mx.load_model(out)
     assert loaded.d_out == 4 and mx.compare(loaded, truth).max_rel <= 1e-11
+
+
+def test_a_vector_run_resumes_from_its_transcript_bit_for_bit(tmp_path):
+    """Vector answers are recorded whole: an interrupted run re-pays at most the batch in flight and
+    the resume check, and returns the uninterrupted run's model (V and c included)."""
+    target = vector_target(d=4, heads=2, d_out=3, seed=6)
+    whole = mx.extract(mx.SimulatedOracle(target), 4, heads=2, seed=3, batch_size=64)
+    calls = {"left": whole.queries // 2}
+
+    def failing(batch):
+        if calls["left"] < len(batch):
+            raise ConnectionError("the layer's server went away")
+        calls["left"] -= len(batch)
+        return target(batch)
+    path = tmp_path / "run.sqlite"
+    with pytest.raises(ConnectionError):
+        mx.extract(failing, 4, heads=2, seed=3, batch_size=64, transcript=path)
+    counting = CountingOracle(lambda batch: target(batch))
+    resumed = mx.extract(counting, 4, heads=2, seed=3, batch_size=64, transcript=path)
+    paid_before = whole.queries // 2 - calls["left"]
+    assert paid_before + counting.sequences - whole.queries <= 64 + 3
+    np.testing.assert_array_equal(resumed.model.V, whole.model.V)
+    np.testing.assert_array_equal(resumed.model.c, whole.model.c)
+    np.testing.assert_array_equal(resumed.model.W, whole.model.W)

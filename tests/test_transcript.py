@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import mhaextract as mx
 from mhaextract.numerics.highprec import mpf_from_hex, mpf_to_hex
-from mhaextract.oracle.transcript import TranscriptError
+from mhaextract.oracle.transcript import CALIBRATION, Transcript, TranscriptError
 
 from conftest import paper_count
 
@@ -372,3 +372,110 @@ def test_an_oracle_that_overwrites_its_batch_changes_neither_the_transcript_nor_
         mx.extract(vandal_with_a_nan, 3, heads=1, seed=5, schedule="paper", progress=False)
     assert error.value.query == 5 and np.array_equal(error.value.sequence, asked[5])
     assert not np.all(error.value.sequence == 7.0)
+
+
+# ---------------------------------------------------------------------- sections and vector answers
+
+HEADER = dict(d=2, max_heads=1, seed=1, precision=None, schedule="paper", bias=False, rank=None, token_scale="auto")
+
+
+def queries(count, d=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1 + n % 3, d)) for n in range(count)]
+
+
+def awkward_floats(shape, seed=0):
+    """float64 answers that a decimal round trip would not keep: subnormals, -0.0, huge, tiny, random bits."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape) * 10.0 ** rng.integers(-300, 300, size=shape)
+    flat = values.reshape(-1)
+    flat[:4] = [-0.0, 5e-324, -np.finfo(float).max, np.nextafter(1.0, 2.0)]
+    return values
+
+
+def bits(values):
+    return np.asarray(values, dtype=np.float64).view(np.uint64)
+
+
+@pytest.mark.parametrize("d_out", [None, 1, 5])
+def test_scalar_and_vector_answers_round_trip_bit_for_bit(tmp_path, d_out):
+    path = tmp_path / "run.sqlite"
+    asked = queries(9)
+    shape = (9,) if d_out is None else (9, d_out)
+    values = awkward_floats(shape)
+    with Transcript(path, HEADER) as record:
+        stored = record.record(0, range(4), asked[:4], values[:4], section=CALIBRATION)
+        record.start_run({"queries": 5})
+        stored += record.record(0, [0, 2, 1], asked[4:7], values[[4, 6, 5]])
+        stored += record.record(3, [0, 1], asked[7:9], values[7:9])
+    reordered = values[[0, 1, 2, 3, 4, 6, 5, 7, 8]]
+    for returned, value in zip(stored, reordered):
+        if d_out is None:
+            assert type(returned) is float
+        else:
+            assert isinstance(returned, np.ndarray) and returned.shape == (d_out,) and returned.dtype == np.float64
+        assert np.array_equal(bits(returned), bits(value))
+    with Transcript(path, HEADER) as again:
+        assert again.d_out == d_out
+        again.start_run({"queries": 5})
+        replayed = list(again.replay(0, asked[:4], section=CALIBRATION).values())
+        run = again.replay(0, [asked[4], asked[6], asked[5], asked[7], asked[8]])
+        replayed += [run[p] for p in (0, 2, 1, 3, 4)]  # in the order recorded
+    for returned, back in zip(stored, replayed):
+        assert type(back) is type(returned) and np.array_equal(bits(back), bits(returned))
+
+
+def test_vector_answers_of_another_length_or_kind_are_refused(tmp_path):
+    path = tmp_path / "run.sqlite"
+    asked = queries(4)
+    with Transcript(path, HEADER) as record:
+        record.record(0, [0, 1], asked[:2], np.ones((2, 3)), section=CALIBRATION)
+        with pytest.raises(TranscriptError, match="vector answers of length d_out = 3.*d_out = 4"):
+            record.record(2, [0], asked[2:3], np.ones((1, 4)), section=CALIBRATION)
+        with pytest.raises(TranscriptError, match="d_out = 3.*scalar answers"):
+            record.record(2, [0], asked[2:3], np.ones(1), section=CALIBRATION)
+        with pytest.raises(TranscriptError, match=r"got shape \(1, 2, 2\)"):
+            record.record(2, [0], asked[2:3], np.ones((1, 2, 2)), section=CALIBRATION)
+    with Transcript(path, HEADER) as again:  # the length is the file's, read back
+        with pytest.raises(TranscriptError, match="d_out = 3.*d_out = 2"):
+            again.record(2, [0], asked[2:3], np.ones((1, 2)), section=CALIBRATION)
+    scalar = tmp_path / "scalar.sqlite"
+    with Transcript(scalar, HEADER) as record:
+        record.record(0, [0], asked[:1], [0.5], section=CALIBRATION)
+        with pytest.raises(TranscriptError, match="holds scalar answers.*d_out = 2"):
+            record.record(1, [0], asked[1:2], np.ones((1, 2)), section=CALIBRATION)
+
+
+def test_high_precision_vector_answers_round_trip_exactly(tmp_path):
+    path = tmp_path / "run.sqlite"
+    header = HEADER | dict(precision=128)
+    with mpmath.workprec(300):
+        values = [[mpmath.mpf(1) / 3, -mpmath.sqrt(2) * 2**-900], [+mpmath.pi, mpmath.mpf(0)]]
+    with Transcript(path, header) as record:
+        stored = record.record(0, [0, 1], queries(2), values, section=CALIBRATION)
+    with Transcript(path, header) as again:
+        back = again.replay(0, queries(2), section=CALIBRATION)
+    for position, row in enumerate(values):
+        assert [entry._mpf_ for entry in stored[position]] == [entry._mpf_ for entry in row]
+        assert [entry._mpf_ for entry in back[position]] == [entry._mpf_ for entry in row]
+
+
+def test_a_format_1_transcript_is_refused_with_what_to_do(tmp_path):
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as connection:  # the layout of transcripts without sections
+        connection.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        connection.execute("CREATE TABLE queries (id INTEGER PRIMARY KEY, length INTEGER NOT NULL, "
+                           "tokens_sha256 TEXT NOT NULL, answer TEXT NOT NULL, checksum TEXT NOT NULL)")
+        connection.execute("INSERT INTO meta VALUES ('fingerprint', ?)", ('{"format": 1, "d": 2}',))
+    before = file_digest(path)
+    target = mx.MultiHeadAttention.random(2, 1, seed=0)
+    oracle = FlakyOracle(target, fail_after=0)
+    with pytest.raises(TranscriptError, match="format 1.*cannot resume it.*new transcript"):
+        mx.extract(oracle, 2, heads=1, seed=1, transcript=path, schedule="paper")
+    assert oracle.calls == 0 and file_digest(path) == before
+
+
+def test_the_run_section_needs_its_fingerprint_first(tmp_path):
+    with Transcript(tmp_path / "run.sqlite", HEADER) as record:
+        with pytest.raises(RuntimeError, match="start_run"):
+            record.record(0, [0], queries(1), [1.0])

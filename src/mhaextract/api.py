@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .calibration import Calibration, calibrate
+from .calibration import Calibration, calibrate, probe_queries
 from .compare import compare
 from .checks.base import (
     Check, CheckPolicy, answers_residual_check, error_estimate_check, finite_check, report_failure,
@@ -34,7 +34,7 @@ from .numerics.float64 import root_mean_square
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
-from .oracle.transcript import Transcript, check_directory, run_fingerprint
+from .oracle.transcript import CALIBRATION, RUN, Transcript, check_directory, run_fingerprint, run_header
 from .model import MultiHeadAttention
 from .oracle.vector_answers import VectorAnswers
 from .outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
@@ -93,8 +93,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     on_failure : ``"raise"`` an :class:`~mhaextract.checks.base.ExtractionError` when a check
         fails (the result is on the error), or ``"warn"`` and return it.
     transcript : path of a SQLite transcript (:mod:`mhaextract.oracle.transcript`), or None. Every
-        batch of answers is committed to it as it arrives; re-running with the same transcript
-        and seed reads them back and asks only the missing queries. Needs an integer ``seed``.
+        batch of answers (the calibration's probes included) is committed to it as it arrives;
+        re-running with the same transcript and seed reads them back and asks only the missing
+        queries, so it re-pays at most the batch in flight and the resume check. Needs an integer ``seed``.
     max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
         raises :class:`~mhaextract.oracle.boundary.BudgetExceeded` saying how many.
     samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
@@ -140,25 +141,41 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     resume_check = positive_int("resume_check", resume_check, minimum=0)
     choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
     started = time.perf_counter()
-    calibration = None
+    calibration, probes = None, None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
     vectors = VectorAnswers(settings.seed)  # answers of d_out numbers: one read-out for every boundary of the run
-    if scale_option == "auto" or (scale_option is None and choice.calibrate):
-        calibration = _calibrate(oracle, settings, batch_size, progress, max_queries, vectors)
-        max_queries = None if max_queries is None else max(0, max_queries - calibration.queries)
-        settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
-                                       answer_noise=calibration.answer_noise,
-                                       arithmetic_noise=_arithmetic_noise(calibration, settings))
-        plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
-    arithmetic = arithmetic_for(settings.precision, settings.backend)
+    calibrating = scale_option == "auto" or (scale_option is None and choice.calibrate)
     record = None
     if transcript is not None:  # before any query: a transcript that cannot be written fails here
-        record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
-    boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                              progress=progress, max_queries=max_queries, transcript=record, vectors=vectors)
+        record = Transcript(transcript, run_header(plan, int(seed), settings.precision, calibrating))
+    # a resumed transcript: is it the same oracle? Checked on the run's recorded queries, or on the
+    # calibration's before it asks anything new where the run section is still empty
+    check = 0 if record is None or not record.resumed else resume_check
     try:
-        if record is not None:  # a resumed transcript: is it the same oracle? (fixed_queries costs O(queries))
-            check_same_oracle(boundary, record, plan.fixed_queries(), resume_check)
+        if calibrating:  # its probes are recorded too (section "calibration"): a resumed run decides the same
+            early = check if record is not None and record.answered_in(RUN) == 0 else 0
+            calibration, probes = _calibrate(oracle, settings, batch_size, progress, max_queries, record, early,
+                                              vectors)
+            check -= early
+            max_queries = None if max_queries is None else max(0, max_queries - probes.queries)
+            settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
+                                           answer_noise=calibration.answer_noise,
+                                           arithmetic_noise=_arithmetic_noise(calibration, settings))
+            plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
+        if record is not None:
+            record.start_run(run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
+    except BaseException:
+        if record is not None:
+            record.close()
+        raise
+    arithmetic = arithmetic_for(settings.precision, settings.backend)
+    boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
+                              progress=progress, max_queries=max_queries,
+                              transcript=None if record is None else record.section(RUN), vectors=vectors)
+    try:
+        if check:  # (fixed_queries costs O(queries))
+            check_same_oracle(boundary, boundary.transcript, plan.fixed_queries(), check,
+                              noise=None if calibration is None else calibration.answer_noise)
         with arithmetic.working():
             outcome = plan.run(boundary, arithmetic)
         value_queries = _value_queries(boundary, settings, outcome) if (vectors.d_out or 1) > 1 else None
@@ -167,7 +184,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
             probe = probe_misfit(boundary, plan, outcome.model)
         spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
-                                                      "mpf" if settings.precision else "float64")))
+                                                      "mpf" if settings.precision else "float64")), probes)
         extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
         if _rescued_by_refinement(plan, outcome, extraction):
             extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
@@ -190,12 +207,20 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     return extraction
 
 
-def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries, vectors=None) -> Calibration:
-    """The token scale from counted probe queries (§18), on a stream of the seed of its own. They
-    are asked through a boundary of their own (not the transcript: a resumed run asks them again)."""
+def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries, record, resume_check: int,
+               vectors=None):
+    """The token scale from counted probe queries (§18), on a stream of the seed of its own, asked
+    through a boundary of their own and recorded in the transcript's calibration section.
+    ``resume_check``: re-ask this many recorded probes first (a resumed transcript whose run section
+    is empty: :mod:`.oracle.resume_check`). Returns ``(calibration, its boundary)``."""
+    section = None if record is None else record.section(CALIBRATION)
     probes = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                            progress=progress, max_queries=max_queries, vectors=vectors)
-    return calibrate(probes, settings.d, spawn_rng(settings.seed, 3))
+                            progress=progress, max_queries=max_queries, transcript=section, vectors=vectors)
+    if resume_check and section.answered:
+        queries = [sequence for group in probe_queries(settings.d, spawn_rng(settings.seed, 3)) for sequence in group]
+        # from 1: the zero query answers the constant c alone (0 for a bias-free layer, whatever its heads)
+        check_same_oracle(probes, section, queries, resume_check, first=1)
+    return calibrate(probes, settings.d, spawn_rng(settings.seed, 3)), probes
 
 
 @dataclass(frozen=True)
@@ -206,10 +231,21 @@ class _Spent:
     choice: Choice
     calibration: Calibration | None
     answer_dtype: str
+    probes: OracleBoundary | None = None  # the calibration's boundary (its counts), or None
 
     @property
     def queries(self) -> int:
+        """The calibration's answers used (asked or read back from the transcript)."""
         return 0 if self.calibration is None else self.calibration.queries
+
+    @property
+    def asked(self) -> int:
+        """Queries the calibration's boundary asked of the oracle (a resume check's re-asks included)."""
+        return 0 if self.probes is None else self.probes.queries
+
+    @property
+    def replayed(self) -> int:
+        return 0 if self.probes is None else self.probes.replayed
 
     @property
     def longest(self) -> int:
@@ -417,8 +453,9 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         checks = _superseded_by_fit(checks, len(sequences))
     return Extraction(
         model=model, heads=model.heads if model is not None else outcome.heads,
-        queries=boundary.queries + boundary.replayed + spent.queries, queries_asked=boundary.queries + spent.queries,
-        queries_replayed=boundary.replayed, transcript=None if record is None else record.path,
+        queries=boundary.queries + boundary.replayed + spent.asked + spent.replayed,
+        queries_asked=boundary.queries + spent.asked, queries_replayed=boundary.replayed + spent.replayed,
+        transcript=None if record is None else record.path,
         max_query_length=max(boundary.max_query_length, spent.longest), promised_queries=plan.promised_queries,
         promised_max_length=plan.promised_max_length, promised_formula=plan.count_formula, d=settings.d,
         max_heads=settings.max_heads,

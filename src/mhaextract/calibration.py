@@ -51,7 +51,10 @@ scale; one-token answers at the other scales follow exactly, since the tokens sc
 two), ``P`` two-token queries per rung, ``2 PERMUTED`` permutation probes and ``REPEATED`` repeats:
 ``1 + 2P + 15P + 2 PERMUTED + REPEATED`` (147 for P = 8), asked through an
 :class:`~mhaextract.oracle.boundary.OracleBoundary`, counted and reported as
-``Extraction.calibration_queries``.
+``Extraction.calibration_queries``. They depend on ``d`` and the seed alone
+(:func:`probe_queries`), so a transcript records them in a section of their own before the run's
+plan exists, and a resumed run replays them: the same scale to the bit, whatever the oracle's
+noise (:mod:`mhaextract.oracle.transcript`).
 """
 
 from __future__ import annotations
@@ -144,19 +147,31 @@ def _floats(answers) -> np.ndarray:
     return answers.astype(np.float64)
 
 
-def probe_responses(boundary, d: int, rng) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(scales, A(s), noise level of A)`` from the probe queries (asked through ``boundary``)."""
+def probe_queries(d: int, rng) -> list[list[np.ndarray]]:
+    """The calibration's queries in the order asked, in three groups: the ``1 + 2P`` one-token
+    probes, the ``15 P`` two-token probes (rung by rung), the ``2 PERMUTED + REPEATED``
+    permutation and repeated probes (asked in float64 only). They depend on ``d`` and ``rng``
+    alone, never on an answer: a transcript records them before the run's plan exists."""
     base = default_token_scale(d)
     x0, z0 = _pairs(rng, d, base)
     one_token = [np.zeros((1, d))] + [token[None] for token in x0] + [token[None] for token in x0 - z0]
+    two_token = [np.vstack([f * (x - z), f * x]) for f in 2.0 ** LADDER for x, z in zip(x0, z0)]
+    tokens = [quantize(rng.standard_normal((5, d)) * base / np.sqrt(d), 4 * base) for _ in range(PERMUTED)]
+    permuted = tokens + [np.vstack([X[3::-1], X[4:]]) for X in tokens] + tokens[:REPEATED]
+    return [one_token, two_token, permuted]
+
+
+def probe_responses(boundary, d: int, queries) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(scales, A(s), noise level of A)`` from the one- and two-token probes of ``queries``
+    (:func:`probe_queries`), asked through ``boundary``."""
+    one_token, sequences = queries[0], queries[1]
     first = _floats(boundary.ask(one_token, description="calibration: one-token probes"))
     c0, fx, fy = first[0], first[1:PAIRS + 1], first[PAIRS + 1:]
     factors = 2.0 ** LADDER
-    sequences = [np.vstack([f * (x - z), f * x]) for f in factors for x, z in zip(x0, z0)]
     pairs = _floats(boundary.ask(sequences, description="calibration: two-token probes")).reshape(len(factors), PAIRS)
     linear = c0 + factors[:, None] * ((fx - c0) + (fy - c0))[None] / 2  # (f((x)) + f((y))) / 2 at every rung
     D = pairs - linear
-    scales = base * factors
+    scales = default_token_scale(d) * factors
     magnitude = np.abs(pairs) + np.abs(linear)
     noise = NOISE_UNITS * np.finfo(np.float64).eps * magnitude / scales[:, None]
     return scales, np.abs(D) / scales[:, None], noise
@@ -175,14 +190,12 @@ def _knee(scales: np.ndarray, relative: np.ndarray) -> float | None:
     return float(scales[k - 1] * (scales[k] / scales[k - 1]) ** step)
 
 
-def permutation_noise(boundary, d: int, rng) -> tuple[float, float]:
+def permutation_noise(boundary, sequences) -> tuple[float, float]:
     """``(permuted, repeated)``: the largest ``|f(X) - f(pi X)|`` over ``PERMUTED`` pairs and the
     largest ``|f(X) - f(X)|`` over ``REPEATED`` queries asked twice, each relative to the largest
     of the answers. pi reverses the first four of five tokens (random, at the default scale),
-    which leaves exact softmax attention unchanged."""
-    base = default_token_scale(d)
-    tokens = [quantize(rng.standard_normal((5, d)) * base / np.sqrt(d), 4 * base) for _ in range(PERMUTED)]
-    sequences = tokens + [np.vstack([X[3::-1], X[4:]]) for X in tokens] + tokens[:REPEATED]
+    which leaves exact softmax attention unchanged. ``sequences``: the third group of
+    :func:`probe_queries`."""
     answers = _floats(boundary.ask(sequences, description="calibration: permutation and repeated probes"))
     first, second, again = answers[:PERMUTED], answers[PERMUTED:2 * PERMUTED], answers[2 * PERMUTED:]
     largest = max(float(np.abs(answers).max()), 1e-300)
@@ -208,10 +221,11 @@ def calibrate(boundary, d: int, rng) -> Calibration:
     """Probe the oracle through ``boundary`` and choose the token scale (module docstring)."""
     base = default_token_scale(d)
     before = boundary.position
-    scales, response, noise = probe_responses(boundary, d, rng)
+    queries = probe_queries(d, rng)
+    scales, response, noise = probe_responses(boundary, d, queries)
     noisy = None
     if boundary.precision is None:
-        noisy, precision, arithmetic, random = answer_noise(boundary, *permutation_noise(boundary, d, rng))
+        noisy, precision, arithmetic, random = answer_noise(boundary, *permutation_noise(boundary, queries[2]))
         if noisy is not None:  # D below the answers' own noise (not float64 rounding) is noise
             noise = noise * max(1.0, noisy / np.finfo(np.float64).eps)
     queries = boundary.position - before

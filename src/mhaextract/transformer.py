@@ -45,7 +45,7 @@ from .numerics.highprec import arb_to_mpf, magnitude_float, mid_float, mpf_array
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_basis
 from .oracle.simulated import SimulatedOracle
-from .oracle.transcript import Transcript, run_fingerprint
+from .oracle.transcript import RUN, Transcript, run_fingerprint
 from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orient, random_sequences, refine
 from .report import transformer_table
 from .results import Extraction
@@ -751,9 +751,11 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     record = None
     try:
         if transcript is not None:
-            record = Transcript(transcript, run_fingerprint(run, run.seed, run.precision, run.fixed_queries()))
+            fingerprint = run_fingerprint(run, run.seed, run.precision, run.fixed_queries())
+            record = Transcript(transcript, fingerprint)  # no calibration: the fingerprint is known before any query
+            record.start_run(fingerprint)
         boundary = OracleBoundary(oracle, run.d, precision=run.precision, batch_size=batch_size, progress=progress,
-                                  max_queries=run.max_queries, transcript=record)
+                                  max_queries=run.max_queries, transcript=None if record is None else record.section(RUN))
         result = _extract_transformer(boundary, run, batch_size, progress, started)
     finally:
         if record is not None:

@@ -198,9 +198,11 @@ class OracleBoundary:
             balls[position] = self._ball(value)
         return balls
 
-    def probe(self, sequences: Sequence[np.ndarray], indices: Sequence[int], description: str = "probing"):
+    def probe(self, sequences: Sequence[np.ndarray], indices: Sequence[int], description: str = "probing",
+              whole: bool = False):
         """Ask ``sequences`` outside the run's sequence (nothing recorded nor replayed); counted in
-        ``queries`` and within ``max_queries``. Returns raw validated answers (float or mpf)."""
+        ``queries`` and within ``max_queries``. Returns raw validated answers (float or mpf; vector
+        answers read out, or whole with ``whole=True``)."""
         if self.max_queries is not None and self.queries + len(sequences) > self.max_queries:
             raise BudgetExceeded(
                 f"query budget exceeded: {description} needs {len(sequences)} queries and max_queries="
@@ -209,7 +211,7 @@ class OracleBoundary:
         if not len(sequences):
             return []
         values = self._ask_batch(list(sequences), list(indices))
-        return self.vectors.scalars(values) if np.ndim(values) == 2 else values
+        return self.vectors.scalars(values) if np.ndim(values) == 2 and not whole else values
 
     def _over_budget(self, needed: int, answered: int) -> BudgetExceeded:
         if self.transcript is not None:
