@@ -86,9 +86,8 @@ class MultiHeadAttention:
     u : array of shape (H, d), optional
         Score biases: ``s_{h,i} = x_i^T (W_h x_N + u_h)`` (docs/algorithm.md §16). Default zero.
     c : scalar, optional
-        Output constant added to every answer. Default zero.
-
-    All are float64, or ``mpmath.mpf`` (object arrays) for a high-precision model.
+        Output constant added to every answer. Default zero. All are float64, or ``mpmath.mpf``
+        (object arrays) for a high-precision model.
 
     Attributes
     ----------
