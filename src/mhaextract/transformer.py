@@ -92,9 +92,8 @@ class Transformer1L:
         Add the final token inside the ReLU, ``ReLU(A (o(X) + R x_N))``.
     R : array (p, d), optional
         The residual's embedding of x_N into R^p; default the identity (then ``p == d`` is
-        needed). The canonical form (p = H* d + d) puts x_N in the last block.
-
-    Float64 arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
+        needed). The canonical form (p = H* d + d) puts x_N in the last block. All are float64
+        arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
 
     Attributes
     ----------
