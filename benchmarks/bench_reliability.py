@@ -254,13 +254,33 @@ def main():
     if out is None and not (args.modes or args.seeds or args.conditions or args.most_heads):
         out = "docs/reliability.md"  # only the whole table replaces the page
     if out is not None:
-        with open(out, "w") as handle:
-            handle.write(HEADER.format(runs=args.runs) + text + "\n" + FOOTER)
+        write_page(out, text, args.runs)
 
 
-HEADER = """# Reliability (issue 12)
+#: The table's place in docs/reliability.md: a re-run replaces what lies between these and keeps
+#: the page's prose (which says what the numbers mean; read it again after a re-run).
+TABLE_START, TABLE_END = "<!-- bench_reliability table -->", "<!-- end of bench_reliability table -->"
 
-Made by one command: `PYTHONPATH=src python benchmarks/bench_reliability.py --runs {runs}`
+
+def write_page(out: str, table: str, runs: int) -> None:
+    """Put ``table`` between the markers of an existing page, or write a new page around it."""
+    try:
+        with open(out) as handle:
+            page = handle.read()
+    except FileNotFoundError:
+        page = ""
+    if TABLE_START in page and TABLE_END in page:
+        before, rest = page.split(TABLE_START, 1)
+        page = before + TABLE_START + "\n" + table + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1]
+    else:
+        page = HEADER.format(runs=runs) + TABLE_START + "\n" + table + "\n" + TABLE_END + "\n" + FOOTER
+    with open(out, "w") as handle:
+        handle.write(page)
+
+
+HEADER = """# Reliability
+
+Made by one command: `python benchmarks/bench_reliability.py --runs {runs}`
 (see the script's docstring for how each run is judged against an independent reference).
 
 Random targets: d = 2..6, H = 1..min(d, 4) (paper and lean in float64: H <= 3, their float64

@@ -30,6 +30,16 @@ class Comparison:
     max_rel : ``max(W_rel, v_rel, u_rel, c_rel)``; infinite when the head counts disagree.
 
     Errors are ``mpmath.mpf`` when either model is high-precision, floats otherwise.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> swapped = mx.MultiHeadAttention(target.W[::-1], target.v[::-1])
+    >>> comparison = mx.compare(swapped, target)
+    >>> comparison.heads_agree, comparison.permutation.tolist(), float(comparison.max_rel)
+    (True, [1, 0], 0.0)
     """
 
     heads_agree: bool
@@ -72,6 +82,14 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
     >>> swapped = mx.MultiHeadAttention(target.W[::-1], target.v[::-1])
     >>> float(mx.compare(swapped, target).max_rel)
     0.0
+    >>> import numpy as np
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> nudged = mx.MultiHeadAttention(target.W + 1e-9, target.v)
+    >>> comparison = mx.compare(nudged, target)
+    >>> bool(np.isclose(comparison.W_abs, 1e-9)), float(comparison.v_rel)
+    (True, 0.0)
+    >>> mx.compare(mx.MultiHeadAttention(target.W[:1], target.v[:1]), target).max_rel
+    inf
     """
     if a.d != b.d:
         raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")

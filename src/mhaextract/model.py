@@ -91,9 +91,8 @@ class MultiHeadAttention:
     u : array of shape (H, d), optional
         Score biases: ``s_{h,i} = x_i^T (W_h x_N + u_h)`` (docs/algorithm.md §16). Default zero.
     c : scalar, or array of shape (d_out,) for the vector model, optional
-        Output constant added to every answer. Default zero.
-
-    All are float64, or ``mpmath.mpf`` (object arrays) for a high-precision model.
+        Output constant added to every answer. Default zero. All are float64, or ``mpmath.mpf``
+        (object arrays) for a high-precision model.
 
     Attributes
     ----------
@@ -244,6 +243,12 @@ class MultiHeadAttention:
         ``E[(z^T W x)^2] = s^4 ||W||_F^2 / d^2``; the RMS is one at ``s = sqrt(d / ||W||_F)``,
         taken for the largest ``||W_h||_F``. For W with N(0, 1/d) entries (``||W||_F ~ sqrt(d)``)
         this is ``d ** 0.25``, the default of :func:`mhaextract.extract`.
+
+        Examples
+        --------
+        >>> import mhaextract as mx
+        >>> round(mx.MultiHeadAttention.random(d=16, heads=2, seed=0).suggested_token_scale(), 1)
+        2.0
         """
         norms = [float(np.linalg.norm(np.asarray(W_h, dtype=np.float64))) for W_h in self.to_float64().W]
         largest = max(norms, default=0.0)
@@ -307,6 +312,17 @@ class MultiHeadAttention:
         through its value-output maps (docs/algorithm.md §14). Returns float64 (B, H, d), or with
         ``precision=bits`` an object array (B, H, d) of flint ``arb`` balls computed at
         ``bits + 32`` bits (the caller sets nothing; the balls carry their own precision).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mhaextract as mx
+        >>> model = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+        >>> means = model.head_means([np.eye(3)])
+        >>> means.shape
+        (1, 2, 3)
+        >>> bool(np.isclose(np.einsum("bhd,hd->b", means, model.v)[0], model([np.eye(3)])[0]))
+        True
         """
         if precision is None and isinstance(batch, np.ndarray) and batch.ndim == 3 and batch.dtype == np.float64:
             # One (B, N, d) float64 array: computed as one group, no per-sequence work.

@@ -113,6 +113,7 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     --------
     >>> import numpy as np
     >>> import mhaextract as mx
+    >>> from mhaextract.outputs import fit_values
     >>> layer = mx.MultiHeadAttention.random(d=3, heads=2, seed=0, d_out=4, bias=True)
     >>> queries = [np.random.default_rng(n).standard_normal((2 + n % 4, 3)) for n in range(40)]
     >>> r = np.ones(4) / 2

@@ -108,7 +108,23 @@ class Extraction(CheckedResult):
         For vector answers: the schedule's scalar model of ``r^T f``; ``model`` is then the vector
         model (``V_h`` (d_out, d) and ``c`` (d_out,) fitted to the answers, docs/algorithm.md §21).
     value_fit : :class:`~mhaextract.outputs.ValueFit` or None
-        For vector answers: the fit of ``V_h`` and ``c``, its sample, residual and estimate.
+        For vector answers: the fit of ``V_h`` and ``c``, its queries, residual and estimate.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> oracle = mx.SimulatedOracle(target)
+    >>> result = mx.extract(oracle, d=3, heads=2, seed=1, schedule="paper")
+    >>> result.ok, result.heads, result.queries, result.promised_queries
+    (True, 2, 69, 69)
+    >>> [check.name for check in result.checks][:3]
+    ['heads_found', 'pole_count', 'poles_real_positive']
+    >>> bool(result.error_estimate < 1e-6), bool(result.error_bound(1e-12) < 1e-6)
+    (True, True)
+    >>> checked = result.with_verification(mx.verify(result, oracle, n=64, seed=0))
+    >>> checked.verified
+    True
     """
 
     model: MultiHeadAttention | None
@@ -255,7 +271,19 @@ def _jsonable(value):
 
 
 def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
-    """Write ``path`` (JSON) and the same name with ``.npz`` (arrays). Returns both paths."""
+    """Write ``path`` (JSON) and the same name with ``.npz`` (arrays). Returns both paths.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=1, seed=0)
+    >>> result = mx.extract(mx.SimulatedOracle(target), d=3, heads=1, seed=1, schedule="paper")
+    >>> folder = tempfile.mkdtemp()
+    >>> json_path, npz_path = mx.save_extraction(result, pathlib.Path(folder) / "result.json")
+    >>> json_path.name, npz_path.name
+    ('result.json', 'result.npz')
+    """
     if not isinstance(extraction, Extraction):
         raise TypeError(f"save_extraction expects an Extraction, got {type(extraction).__name__}")
     json_path = Path(path)
@@ -301,6 +329,22 @@ def load_model(path, exact: bool = False) -> MultiHeadAttention:
 
     ``exact=False`` gives the float64 model; ``exact=True`` the high-precision ball midpoints as
     exact ``mpmath.mpf`` (only for a high-precision extraction).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=1, seed=0)
+    >>> result = mx.extract(mx.SimulatedOracle(target, precision=128), d=3, heads=1, seed=1,
+    ...                     schedule="paper", precision=128)
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "result.json"
+    >>> _ = mx.save_extraction(result, path)
+    >>> model = mx.load_model(path)
+    >>> model.heads, bool(np.array_equal(model.W, result.model.W))
+    (1, True)
+    >>> mx.load_model(path, exact=True).is_high_precision
+    True
     """
     path = Path(path)
     try:

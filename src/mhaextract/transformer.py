@@ -92,13 +92,24 @@ class Transformer1L:
         Add the final token inside the ReLU, ``ReLU(A (o(X) + R x_N))``.
     R : array (p, d), optional
         The residual's embedding of x_N into R^p; default the identity (then ``p == d`` is
-        needed). The canonical form (p = H* d + d) puts x_N in the last block.
-
-    Float64 arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
+        needed). The canonical form (p = H* d + d) puts x_N in the last block. All are float64
+        arrays, or object arrays of ``mpmath.mpf`` for a high-precision model.
 
     Attributes
     ----------
     W, O, A, w, residual, R : the parameters (R None without the residual). d, p, heads (H), hidden (n) : sizes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> T = mx.Transformer1L.random(d=3, heads=1, hidden=4, seed=0)
+    >>> T
+    Transformer1L(d=3, heads=1, hidden=4, p=3, float64)
+    >>> T([np.eye(3)]).round(6)  # f at the final token of one sequence
+    array([0.214832])
+    >>> T.canonical().hidden  # units rescaled to w_j = +-1
+    4
     """
 
     def __init__(self, W, O, A, w, residual: bool = False, R=None):
@@ -358,6 +369,15 @@ class TransformerComparison:
     units_abs, units_rel : max entry error of the aligned unit vectors ``c_{h,j}`` (relative: over
         ``max|c_b|``), the products that reach the output.
     max_rel : ``max(W_rel, units_rel)``; infinite when counts or signs disagree.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> T = mx.Transformer1L.random(d=3, heads=1, hidden=4, seed=0)
+    >>> flipped = mx.Transformer1L(T.W, T.O, T.A, -T.w)  # every unit's sign flipped
+    >>> comparison = mx.compare_transformers(flipped, T)
+    >>> comparison.heads_agree, comparison.units_agree, comparison.signs_agree, comparison.max_rel
+    (True, True, False, inf)
     """
 
     heads_agree: bool
@@ -392,7 +412,16 @@ def _abs_max(array):
 def compare_transformers(a: Transformer1L, b: Transformer1L, rtol: float = 0.0) -> TransformerComparison:
     """Canonicalise ``a`` and ``b`` (``rtol`` as in :meth:`Transformer1L.canonical`), align heads on
     ``W_h`` and then units on their vectors (in the aligned head order) with
-    :func:`scipy.optimize.linear_sum_assignment`, and report errors of ``a`` against ``b``."""
+    :func:`scipy.optimize.linear_sum_assignment`, and report errors of ``a`` against ``b``.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> T = mx.Transformer1L.random(d=3, heads=2, hidden=4, seed=0)
+    >>> swapped = mx.Transformer1L(T.W[::-1], T.O[::-1], T.A, T.w)  # the heads in another order
+    >>> bool(mx.compare_transformers(swapped, T).max_rel < 1e-14)
+    True
+    """
     if a.d != b.d:
         raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")
     if a.residual != b.residual:
@@ -441,7 +470,23 @@ def compare_transformers(a: Transformer1L, b: Transformer1L, rtol: float = 0.0) 
 
 # ---------------------------------------------------------------------- extraction
 class TransformerExtractionError(RuntimeError):
-    """The Transformer extraction failed its checks. ``.extraction`` holds the result."""
+    """The Transformer extraction failed its checks. ``.extraction`` holds the result.
+
+    Examples
+    --------
+    Two units on the same hyperplane (``a_1 = -a_0``, equal weights) cannot be told apart; the
+    run refuses them instead of returning a wrong Transformer:
+
+    >>> import mhaextract as mx
+    >>> T = mx.Transformer1L.random(d=3, heads=1, hidden=4, seed=0)
+    >>> A, w = T.A.copy(), T.w.copy()
+    >>> A[1], w[1] = -A[0], w[0]
+    >>> try:
+    ...     mx.extract_transformer(mx.SimulatedOracle(mx.Transformer1L(T.W, T.O, A, w)), d=3, heads=1, seed=1)
+    ... except mx.TransformerExtractionError as error:
+    ...     print(str(error).splitlines()[0], error.extraction.ok)
+    Transformer extraction failed its checks: False
+    """
 
     def __init__(self, message: str, extraction: "TransformerExtraction"):
         super().__init__(message)
@@ -580,6 +625,16 @@ class TransformerExtraction(CheckedResult):
     seconds, seconds_units : wall time of the run, and of step 2 (its queries, search,
         orientation, assembly and polish).
     checks : list of Check; ok : all passed.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> T = mx.Transformer1L.random(d=3, heads=1, hidden=4, seed=0)
+    >>> result = mx.extract_transformer(mx.SimulatedOracle(T), d=3, heads=1, hidden=4, seed=1)
+    >>> result.ok, result.heads, result.hidden
+    (True, 1, 4)
+    >>> result.queries == result.queries_odd_part + result.queries_units + result.queries_verification
+    True
     """
 
     model: Transformer1L | None
@@ -742,8 +797,26 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
         a re-run with the same transcript and seed asks only the missing ones; a run needing more
         than ``max_queries`` queries of f raises :class:`~mhaextract.BudgetExceeded`.
 
+    Returns
+    -------
+    TransformerExtraction
+        The canonical Transformer (``model``), the step-1 attention extraction and every measured
+        count and check.
+
+    Notes
+    -----
     The conditions step 2 needs are listed in :mod:`mhaextract.relu_units`; a target that violates
     one fails a check (it is not returned as a wrong Transformer).
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> T = mx.Transformer1L.random(d=4, heads=2, hidden=4, seed=0)
+    >>> result = mx.extract_transformer(mx.SimulatedOracle(T), d=4, heads=2, hidden=4, seed=1)
+    >>> result.ok, result.model
+    (True, Transformer1L(d=4, heads=2, hidden=4, p=8, float64))
+    >>> bool(mx.compare_transformers(result.model, T).max_rel < 1e-10)
+    True
     """
     run = _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, token_scale, max_segments,
                            quiet_segments, verification_queries, on_failure, transcript, max_queries)

@@ -47,7 +47,18 @@ from ..model import MultiHeadAttention, as_batch
 
 
 class UnsupportedLayerError(ValueError):
-    """The layer is not (reducible to) the model class the extractor learns; the message names why."""
+    """The layer is not (reducible to) the model class the extractor learns; the message names why.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mhaextract.adapters.torch import UnsupportedLayerError, to_reduced
+    >>> try:
+    ...     to_reduced(torch.nn.MultiheadAttention(4, 2, add_zero_attn=True))
+    ... except UnsupportedLayerError as error:
+    ...     print("add_zero_attn" in str(error))
+    True
+    """
 
 
 @dataclass
@@ -194,7 +205,15 @@ def to_reduced(module, readout=None) -> MultiHeadAttention:
 
 def suggested_token_scale(module, readout=None) -> float:
     """A white-box token scale from the layer's weights (:meth:`MultiHeadAttention.suggested_token_scale`
-    of :func:`to_reduced`): a diagnostic; extraction finds its scale from queries (``token_scale="auto"``)."""
+    of :func:`to_reduced`): a diagnostic; extraction finds its scale from queries (``token_scale="auto"``).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mhaextract.adapters.torch import suggested_token_scale
+    >>> bool(suggested_token_scale(torch.nn.MultiheadAttention(4, 2).double()) > 0)
+    True
+    """
     return to_reduced(module, readout).suggested_token_scale()
 
 
@@ -340,6 +359,17 @@ class ReducedAttention(nn.Module):
     (B,) for the scalar model, (B, d_out) for the vector model (or one of them for one sequence):
     ``f(X) = c + sum_h V_h sum_i softmax_i(x_i^T (W_h x_N + u_h)) x_i``. ``W`` (H, d, d), ``V``
     (H, d_out, d), ``u`` (H, d) and ``c`` (d_out,) are float64 parameters.
+
+    Examples
+    --------
+    >>> import numpy as np, torch
+    >>> import mhaextract as mx
+    >>> from mhaextract.adapters.torch import ReducedAttention
+    >>> model = mx.MultiHeadAttention.random(d=3, heads=2, seed=0, bias=True)
+    >>> X = np.random.default_rng(0).standard_normal((2, 5, 3))
+    >>> out = ReducedAttention(model)(torch.as_tensor(X)).detach()
+    >>> out.shape, bool(np.allclose(out.numpy(), model(list(X))))
+    (torch.Size([2]), True)
     """
 
     def __init__(self, model: MultiHeadAttention):
@@ -459,6 +489,18 @@ class ExtractedAttention(nn.Module):
     all tokens (an encoder's). The final-token answers an oracle gives cannot tell the two apart:
     say which the original layer is. Parameters (float64 by default): Q, K, P (H, r, d), b (H, r),
     O (H, d_out, r), c (d_out,).
+
+    Examples
+    --------
+    >>> import numpy as np, torch
+    >>> import mhaextract as mx
+    >>> from mhaextract.adapters.torch import ExtractedAttention, head_factors
+    >>> model = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, d_out=3, bias=True)
+    >>> encoder = ExtractedAttention(head_factors(model), causal=False)
+    >>> X = torch.randn(1, 6, 4, dtype=torch.float64)
+    >>> out = encoder(X).detach()              # position 0 attends to all six tokens
+    >>> bool(np.allclose(out[0, 0].numpy(), model([X[0, [1, 2, 3, 4, 5, 0]].numpy()])[0]))
+    True
     """
 
     def __init__(self, factors: HeadFactors, causal: bool, dtype=torch.float64):

@@ -16,7 +16,21 @@ FLOAT64_MAX_RELIABLE_HEADS = 4
 
 
 class ExtractionError(RuntimeError):
-    """The extraction failed its own checks. ``.extraction`` holds the result and diagnostics."""
+    """The extraction failed its own checks. ``.extraction`` holds the result and diagnostics.
+
+    Examples
+    --------
+    Four heads in float64 with the paper's ``2H + 1`` samples per instance are past its reach;
+    the run says so instead of returning the model:
+
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=4, heads=4, seed=0)
+    >>> try:
+    ...     mx.extract(mx.SimulatedOracle(target), d=4, heads=4, seed=1, schedule="paper")
+    ... except mx.ExtractionError as error:
+    ...     print(str(error).splitlines()[0], error.extraction.ok)
+    paper extraction failed its checks: False
+    """
 
     def __init__(self, message: str, extraction):
         super().__init__(message)
@@ -24,12 +38,38 @@ class ExtractionError(RuntimeError):
 
 
 class UnreliableExtractionWarning(UserWarning):
-    """An extraction returned with ``on_failure="warn"`` failed some of its checks."""
+    """An extraction returned with ``on_failure="warn"`` failed some of its checks.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=4, heads=4, seed=0)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     result = mx.extract(mx.SimulatedOracle(target), d=4, heads=4, seed=1, schedule="paper",
+    ...                         on_failure="warn")
+    >>> result.ok, caught[0].category.__name__
+    (False, 'UnreliableExtractionWarning')
+    """
 
 
 @dataclass
 class Check:
-    """One self-check of a run: ``value`` compared against ``threshold`` (smaller is better)."""
+    """One self-check of a run: ``value`` compared against ``threshold`` (smaller is better).
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> check = mx.Check("answers_residual", passed=True, value=2.5e-13, threshold=1e-6,
+    ...                  message="max misfit on the queries asked")
+    >>> print(check)
+    answers_residual: ok (2.5e-13 vs 1e-06) max misfit on the queries asked
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=1, seed=0)
+    >>> result = mx.extract(mx.SimulatedOracle(target), d=3, heads=1, seed=1, schedule="paper")
+    >>> all(check.passed for check in result.checks), result.failed_checks
+    (True, [])
+    """
 
     name: str
     passed: bool

@@ -34,6 +34,18 @@ class Verification:
     tolerance : the max relative error allowed; ``passed``: max_relative_error <= tolerance.
     lengths : (shortest, longest) query length asked. scales : token scales used.
     seed : the seed of the queries.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> oracle = mx.SimulatedOracle(target)
+    >>> result = mx.extract(oracle, d=3, heads=2, seed=1, schedule="paper")
+    >>> verification = mx.verify(result, oracle, n=60, seed=0)
+    >>> verification.passed, verification.queries, verification.lengths
+    (True, 60, (1, 16))
+    >>> print(verification)  # doctest: +ELLIPSIS
+    verification passed: 60 fresh queries (lengths 1..16, token scales 0.658, 1.32, 2.63): max relative output error ...
     """
 
     queries: int
@@ -68,8 +80,25 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
     tolerance : the max relative output error that counts as passing; default
         ``max(1e-6, 10 answer_error / output scale)`` (``extraction.answer_error``, 0 if not given).
 
-    Returns a new :class:`Verification`; ``extraction`` is not modified (attach the outcome with
-    ``extraction.with_verification(...)``).
+    Returns
+    -------
+    Verification
+        A new :class:`Verification`; ``extraction`` is not modified (attach the outcome with
+        ``extraction.with_verification(...)``).
+
+    Examples
+    --------
+    A model that is a little off fails on fresh queries:
+
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> oracle = mx.SimulatedOracle(target)
+    >>> result = mx.extract(oracle, d=3, heads=2, seed=1, schedule="paper")
+    >>> mx.verify(result, oracle, n=30, seed=0).passed
+    True
+    >>> wrong = mx.SimulatedOracle(mx.MultiHeadAttention(target.W, 1.001 * target.v))
+    >>> mx.verify(result, wrong, n=30, seed=0).passed
+    False
     """
     if getattr(extraction, "model", None) is None:
         raise ValueError("the extraction has no model to verify (its parameters were not finite)")

@@ -36,6 +36,17 @@ class OracleError(RuntimeError):
         Index (0-based, in the order asked) of the offending query, when one can be named.
     sequence : array or None
         The offending sequence.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> def broken(batch):
+    ...     return [float("nan")] * len(batch)
+    >>> try:
+    ...     mx.extract(broken, d=3, heads=1, schedule="paper")
+    ... except mx.OracleError as error:
+    ...     print(error, "| query", error.query)
+    answer to query 0 (length 1) is nan | query 0
     """
 
     def __init__(self, message: str, query: int | None = None, sequence=None):
@@ -54,6 +65,18 @@ class BudgetExceeded(OracleError):
     answered : int
         Answers the run holds (asked now or read back from the transcript); with a transcript they
         are saved there and a re-run with the same transcript and seed resumes from them.
+
+    Examples
+    --------
+    Without a transcript nothing is asked when the budget cannot cover the run:
+
+    >>> import mhaextract as mx
+    >>> oracle = mx.SimulatedOracle(mx.MultiHeadAttention.random(d=3, heads=2, seed=0))
+    >>> try:
+    ...     mx.extract(oracle, d=3, heads=2, seed=1, schedule="paper", max_queries=10)
+    ... except mx.BudgetExceeded as error:
+    ...     print(error.needed, error.answered)
+    69 0
     """
 
     def __init__(self, message: str, needed: int, answered: int):

@@ -47,6 +47,16 @@ class AdditiveNoise:
     ----------
     oracle : a float64 oracle (e.g. :class:`mhaextract.SimulatedOracle`).
     eps : the bound (absolute). seed : seeds the noise.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> exact = mx.SimulatedOracle(mx.MultiHeadAttention.random(d=3, heads=1, seed=0))
+    >>> noisy = mx.AdditiveNoise(exact, eps=1e-9, seed=0)
+    >>> batch = [np.eye(3), np.ones((2, 3))]
+    >>> noisy.answer_error, bool(np.all(np.abs(noisy(batch) - exact(batch)) <= 1e-9))
+    (1e-09, True)
     """
 
     def __init__(self, oracle, eps: float, seed=None):
@@ -67,7 +77,19 @@ class AdditiveNoise:
 
 
 class GaussianNoise:
-    """``f(X) + e`` with ``e ~ N(0, sigma^2)`` i.i.d. (no bound: ``answer_error`` is None)."""
+    """``f(X) + e`` with ``e ~ N(0, sigma^2)`` i.i.d. (no bound: ``answer_error`` is None).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> exact = mx.SimulatedOracle(mx.MultiHeadAttention.random(d=3, heads=1, seed=0))
+    >>> noisy = mx.GaussianNoise(exact, sigma=1e-10, seed=0)
+    >>> print(noisy.answer_error)
+    None
+    >>> bool(np.abs(noisy([np.eye(3)]) - exact([np.eye(3)]))[0] < 1e-8)
+    True
+    """
 
     def __init__(self, oracle, sigma: float, seed=None):
         self.oracle = _callable(oracle)
@@ -86,7 +108,20 @@ class GaussianNoise:
 
 class RoundedAnswers:
     """``f(X)`` rounded to ``bits`` significant bits (round to nearest): relative error at most
-    ``2^-bits``. Deterministic; ``answer_error`` is None (the bound is relative)."""
+    ``2^-bits``. Deterministic; ``answer_error`` is None (the bound is relative).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> exact = mx.SimulatedOracle(mx.MultiHeadAttention.random(d=3, heads=1, seed=0))
+    >>> rounded = mx.RoundedAnswers(exact, bits=20)
+    >>> rounded.relative_error == 2.0**-20
+    True
+    >>> a, b = rounded([np.eye(3)])[0], exact([np.eye(3)])[0]
+    >>> bool(abs(a - b) <= 2.0**-20 * abs(b))
+    True
+    """
 
     def __init__(self, oracle, bits: int):
         self.oracle = _callable(oracle)
@@ -134,7 +169,19 @@ class _LowPrecisionTarget:
 
 class Float32Oracle(_LowPrecisionTarget):
     """The target evaluated in float32: tokens, parameters and arithmetic rounded to float32
-    (unit roundoff ``2^-24``), answers returned as float64. Deterministic."""
+    (unit roundoff ``2^-24``), answers returned as float64. Deterministic.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> answer = mx.Float32Oracle(target)([np.eye(3)])[0]
+    >>> bool(answer == np.float32(answer))  # the answer round-trips through float32
+    True
+    >>> bool(abs(answer - mx.SimulatedOracle(target)([np.eye(3)])[0]) < 1e-6)
+    True
+    """
 
     unit_roundoff = 2.0 ** -24
 
@@ -176,7 +223,18 @@ def _evaluate(model: MultiHeadAttention, batch, stage) -> np.ndarray:
 class MixedPrecisionOracle(_LowPrecisionTarget):
     """A float64 layer whose softmax runs in float32: the scores are rounded to float32, the
     softmax weights computed in float32, everything else in float64. The answers are float64
-    (they do not round-trip through float32) but carry float32-level noise. Deterministic."""
+    (they do not round-trip through float32) but carry float32-level noise. Deterministic.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> answer = mx.MixedPrecisionOracle(target)([np.eye(3)])[0]
+    >>> error = abs(answer - mx.SimulatedOracle(target)([np.eye(3)])[0])
+    >>> bool(1e-12 < error < 1e-6)
+    True
+    """
 
     unit_roundoff = 2.0 ** -24
 
@@ -189,7 +247,16 @@ class MixedPrecisionOracle(_LowPrecisionTarget):
 class BFloat16Oracle(_LowPrecisionTarget):
     """The target in bfloat16: tokens, parameters and every intermediate (scores, softmax
     weights, values, output) rounded to bfloat16 (unit roundoff ``2^-8``), each product and sum
-    accumulated in float32 as accelerators do; answers returned as float64. Deterministic."""
+    accumulated in float32 as accelerators do; answers returned as float64. Deterministic.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> mx.BFloat16Oracle(target)([np.eye(3)])  # 8 significant bits
+    array([1.1171875])
+    """
 
     unit_roundoff = 2.0 ** -8
 

@@ -16,6 +16,20 @@ class SimulatedOracle:
     precision : int or None
         None answers float64; an int answers ``mpmath.mpf`` computed in ball arithmetic and
         rounded to ``precision`` bits.
+
+    Examples
+    --------
+    An oracle takes a list of token sequences, each an (N_i, d) array, and answers the output
+    at each one's final token:
+
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> oracle = mx.SimulatedOracle(target)
+    >>> oracle([np.eye(3), np.ones((2, 3))]).round(6)
+    array([1.120096, 2.378388])
+    >>> mx.SimulatedOracle(target, precision=80)([np.eye(3)])
+    [mpf('1.1200964933794974')]
     """
 
     def __init__(self, model: MultiHeadAttention, precision: int | None = None):

@@ -70,6 +70,24 @@ class TranscriptError(RuntimeError):
     ----------
     path : str, the transcript file.
     unsaved : dict {query index: answer} of answers received but not stored (storage errors).
+
+    Examples
+    --------
+    A transcript records one run; another run (here another seed) is refused, the file untouched:
+
+    >>> import pathlib, tempfile
+    >>> import mhaextract as mx
+    >>> oracle = mx.SimulatedOracle(mx.MultiHeadAttention.random(d=3, heads=1, seed=0))
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.sqlite"
+    >>> first = mx.extract(oracle, d=3, heads=1, seed=1, schedule="paper", transcript=path)
+    >>> again = mx.extract(oracle, d=3, heads=1, seed=1, schedule="paper", transcript=path)
+    >>> again.queries_replayed == first.queries  # every answer read back, none paid for twice
+    True
+    >>> try:
+    ...     mx.extract(oracle, d=3, heads=1, seed=2, schedule="paper", transcript=path)
+    ... except mx.TranscriptError as error:
+    ...     print(type(error).__name__, "seed" in str(error))
+    TranscriptError True
     """
 
     def __init__(self, message: str, path):

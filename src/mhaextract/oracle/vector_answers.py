@@ -39,6 +39,7 @@ class VectorAnswers:
     Examples
     --------
     >>> import numpy as np
+    >>> from mhaextract.oracle.vector_answers import VectorAnswers
     >>> answers = VectorAnswers(seed=0)
     >>> scalars = answers.scalars(np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
     >>> answers.d_out, scalars.shape, round(float(np.linalg.norm(answers.readout)), 12)
