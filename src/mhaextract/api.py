@@ -38,7 +38,7 @@ from .oracle.transcript import Transcript, check_directory, run_fingerprint
 from .results import Extraction
 from .schedules.base import RESOLVED, Outcome, RunSettings, Schedule
 from .schedules.grid import MORE_POLES
-from .schedules.lowrank import AUTO as AUTO_RANK
+from .schedules.targeted.lowrank import AUTO as AUTO_RANK
 from .schedules.registry import Choice, choose
 from .validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,

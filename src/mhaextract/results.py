@@ -76,7 +76,7 @@ class Extraction(CheckedResult):
     checks : list of Check
     details : ScheduleDetails
         Schedule-specific diagnostics (:class:`~mhaextract.schedules.grid.GridDetails` for paper
-        and lean, :class:`~mhaextract.schedules.targeted.TargetedDetails` for targeted).
+        and lean, :class:`~mhaextract.schedules.targeted.diagnostics.TargetedDetails` for targeted).
     W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
     u_balls, c_ball : the score biases (H*, d) and the output constant as balls (high-precision runs
         that learned biases, ``bias=True``: the biased grid, docs/algorithm.md §16); None otherwise.

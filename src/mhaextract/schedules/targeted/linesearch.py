@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..numerics import single_pole
+from ...numerics import single_pole
 
 EPS = np.finfo(np.float64).eps
 
