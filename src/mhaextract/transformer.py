@@ -435,13 +435,11 @@ def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, lin
                             f"{len(units)} units found, hidden={run.hidden} given (more found means hidden is too "
                             "small)"))
     # The sign solve runs on the region fits' unit vectors, before the polish: in float64 they carry
-    # step 1's errors amplified to ~1e-5 (a unit met twice differed by 1.7e-5), and the true signs
-    # of 32 such units fit V to 2.5e-6 (d = 16, H = 8, hidden 32, seed 0), against 1e-6 before. A
+    # step 1's errors amplified to ~1e-5, and the true signs of such units fit V only to ~1e-6. A
     # wrong sign moves the sum by a whole |c_j|; two choices within the tolerance are reported as
     # ambiguous, and the verification on fresh queries judges the model that comes out. The rank
-    # tolerance sits above those errors too: at 1e-6, the same cell with answers different only in
-    # their last bits (the oracle's batches split otherwise) had a 17th pivot of 1.9e-6 (1.5e-7
-    # before) beside a 16th of 5.7e-2, and no sign solution in the rank-17 basis.
+    # tolerance sits above those errors too: a tolerance of 1e-6 can count a spurious pivot of
+    # that size, and then find no sign solution.
     tolerance, rank_tolerance = (1e-4, 1e-4) if run.precision is None else (1e-12, 1e-12)
     orientation = orient(np.array([u.c for u in units]).reshape(len(units), V.size), V,
                          tolerance=tolerance, rank_tolerance=rank_tolerance)

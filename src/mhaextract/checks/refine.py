@@ -53,8 +53,7 @@ from ..model import MultiHeadAttention, as_batch
 from ..oracle.queries import padded
 from ..numerics.float64 import root_mean_square
 
-#: Fresh polish queries per refined parameter (default ``refine_queries``): d = 8, H = 6 with
-#: biases, 2886 queries, 2^-51..2^-52 (docs/algorithm.md §12).
+#: Fresh polish queries per refined parameter (default ``refine_queries``; docs/algorithm.md §12).
 POLISH_FACTOR = 6
 #: The polish queries have 2 .. POLISH_LONGEST tokens (never more than the schedule's longest).
 POLISH_LONGEST = 5

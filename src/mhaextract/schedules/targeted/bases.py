@@ -10,10 +10,8 @@ from .tolerances import EPS, FINAL_TARGET, SATURATION_MID, SATURATION_SPREAD, TA
 
 #: Balanced bases tried per head in the final stage (:func:`balanced_basis`), within BASIS_BYTES
 #: of candidate design rows: ``BASIS_CANDIDATES`` at H = d, ``BASIS_CANDIDATES H / d`` but at least
-#: ``FEWEST_CANDIDATES`` below (a null space of d - H dimensions leaves ``cond A(z)`` little to choose:
-#: 4 rather than 16 candidates, 6 seeds each, moved the median error 2.30e-15 -> 2.38e-15 at d = 64,
-#: H = 2, 5.1e-15 -> 5.6e-15 at d = 128, H = 2, 3.85e-15 -> 3.95e-15 at d = 96, H = 3, and cut the
-#: learner by a tenth to a sixth there: the choice was 16% of it at d = 128, H = 2).
+#: ``FEWEST_CANDIDATES`` below (a null space of d - H dimensions leaves ``cond A(z)`` little to choose,
+#: and the choice is a large part of the learner's time there).
 BASIS_CANDIDATES, FEWEST_CANDIDATES, BASIS_BYTES = 128, 4, 2**26
 
 
@@ -32,11 +30,10 @@ def balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.nd
     ``BASIS_CANDIDATES`` such rotations by the worst condition number over its columns z of the
     design rows ``A(z) = [W_f^T z]_f`` (docs/algorithm.md §13): an instance solves ``A(z) x = m``
     with the other heads' log-poles at 40..100, so an ill-conditioned ``A(z)`` makes ``|x|``, the
-    answers and their rounding large (worst of 8 seeds, same queries: 2.9e-11 -> 2.5e-14 at
-    d = H = 8, 2.8e-9 -> 8.3e-14 at d = H = 16, 1.3e-14 -> 5.7e-15 at d = 8, H = 6). With ``head``
+    answers and their rounding large. With ``head``
     (the targeted schedules' final stage) the choice is finer: the candidate whose largest predicted
     score rounding of that head, ``|z| |W_h x + u_h|`` (:func:`_least_score_rounding`), is smallest.
-    One head (H = 1): a single row, nothing to condition; the basis is drawn as before.
+    One head (H = 1): a single row, nothing to condition; the basis is drawn as it is.
     """
     d = len(label_direction)
     unit = label_direction / np.linalg.norm(label_direction)
@@ -84,15 +81,14 @@ def _least_score_rounding(designs: np.ndarray, candidates: np.ndarray, scores: n
     The prediction is the root mean square over a unit's instances: x the minimum-norm token with
     ``a_f^T x + b_f = SATURATION_MID + SATURATION_SPREAD q_f`` (f != h) and
     ``TARGET_CENTER + FINAL_TARGET q_h`` at ``|z| = scale`` (``b_f = u_f^T z``), the pattern entries
-    q of variance 1/3 (uniform on [-1, 1]). The mean token alone is not enough: at d = H = 16 it
-    chose ill-conditioned ``A(z)`` whose variations were large (two of 8 seeds 1.2e-12, 1.8e-12).
+    q of variance 1/3 (uniform on [-1, 1]). The mean token alone is not enough: it can choose
+    an ill-conditioned ``A(z)`` whose variations are large.
 
     The oracle rounds the scores ``y^T (W_h x + u_h)`` of the copies ``y = x - z`` by about
     ``eps |z| |W_h x + u_h|``, and that error of the target's log-pole, the same at every copy
     count, dominated the final units' error in float64 (docs/algorithm.md §13, "The final
-    instances"). ``cond A(z)`` (:func:`_best_conditioned`) bounds it only loosely: choosing by
-    the prediction itself took the worst of 16 seeds at d = H = 8 from 1.0e-14 to 6.9e-15, same
-    queries. A singular Gram matrix falls back to :func:`_best_conditioned`."""
+    instances"). ``cond A(z)`` (:func:`_best_conditioned`) bounds it only loosely, so the choice is by
+    the prediction itself. A singular Gram matrix falls back to :func:`_best_conditioned`."""
     count, groups, H, d = designs.shape
     lifted = scores.shape[1] > d
     offsets = (np.matmul(candidates.transpose(0, 2, 1), scores[:, :d, d].T) if lifted

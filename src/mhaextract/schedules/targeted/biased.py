@@ -180,8 +180,8 @@ def _offset(prober: AffineProber, z: np.ndarray, head) -> float:
 
     In float64 from the centre's log-pole and the rough direction. With noisy answers (float32
     layers) the direction is only good to ~1e-2 (its readings inherit the score rounding of tokens
-    at ``16 token_scale``, ~1e-3 in m) and ``|a_h| |x_c|`` is ~1e4: b came out wrong by 10..200 and
-    the first group's designs then left other heads unsaturated. Instead read ``m_h`` at
+    at ``16 token_scale``, ~1e-3 in m) and ``|a_h| |x_c|`` is ~1e4: b would be wrong by tens to
+    hundreds, and the first group's designs would leave other heads unsaturated. Instead read ``m_h`` at
     ``lam x_c``: ``m_h(lam x_c) = lam (m_c - b) + b`` (affine, no direction involved), so
     ``b = (m(lam) - lam m_c) / (1 - lam)``, with ``1 - lam`` small enough that head h stays in its
     window and the other heads (|m_g| ~ |a_g^T x_c|, hundreds) stay saturated. One query per head."""

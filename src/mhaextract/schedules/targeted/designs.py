@@ -214,8 +214,8 @@ class SubspaceDesign(FullDesign):
         # the right-hand side (u_O, y) to x is formed once (a matrix-vector product per round). Q is
         # orthonormal: x = Q y + O'^+ (u_O - O Q y) with O' = O (I - Q Q^T), the other heads' parts off
         # the subspace (Gram-Schmidt, twice), and O'^+ = Q_o R_o^{-T} from the QR of O'^T (d x (H - 1)):
-        # the map's rows are (O'^+)^T and Q^T - (O Q)^T (O'^+)^T, O(H d r) a unit (the QR of the whole
-        # d x (H - 1 + r) [O; Q^T] per unit was a fifth of the low-rank learner at d = 256, H = 2).
+        # the map's rows are (O'^+)^T and Q^T - (O Q)^T (O'^+)^T, O(H d r) a unit (not a QR of the whole
+        # d x (H - 1 + r) [O; Q^T] per unit).
         O = current[self.units[:, None], others]  # (U, H - 1, d)
         along = np.matmul(O, basis)  # O Q (U, H - 1, r)
         off = O - np.matmul(along, basis_rows)

@@ -100,8 +100,8 @@ def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
             reading = np.nan_to_num(data.sigma_m, nan=np.inf) + np.nan_to_num(label_part, nan=np.inf)
             if model is not None and W_error is not None:
                 # the model's own log-pole at the instance is off by its W's error, |dW_h| |z| |x|
-                # (the final stage's first-order error, §13): at declared noise 1e-8, d = H = 4,
-                # 13 bridges of a model within its estimate disagreed by that alone
+                # (the final stage's first-order error, §13): under declared noise a bridge of a model
+                # within its estimate can disagree by that alone
                 z_norm = np.linalg.norm(data.differences, axis=2)  # (G, H)
                 reading = reading + W_error[None, :, None] * z_norm[:, :, None] * data.x_norm
             tolerance = np.maximum(tolerance, 10.0 * reading)
@@ -162,11 +162,11 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
     :func:`largest_of` its entry count, W's and v's relative to the model's largest entry
     (``compare``'s normalisation). Per entry, not per head: the rows and columns of ``W_h`` carry
     unequal shares of its error (the a_j's coordinates and the z_j's entries differ in variance),
-    so its largest entry can exceed ``largest_of`` times the head's root mean square (ViT float32,
-    d = 16, seed 0: 4.5 times it, the head-wise estimate 1.7x below the truth). u's error stays absolute here: whether u is
+    so its largest entry can exceed ``largest_of`` times the head's root mean square (a head-wise
+    estimate understates float32 layers' errors). u's error stays absolute here: whether u is
     resolved from zero, and its error relative to max|u|, depends on the answers' noise, which
-    ``extract`` measures after the run (``api._bias_error``; GPT-2's score biases, max|u| ~ 1e-3
-    against max|W| ~ 1, came out up to 1.45x above a W-only estimate)."""
+    ``extract`` measures after the run (``api._bias_error``: real layers' score biases are small
+    beside W, and their error is not W's)."""
     d = model.d
     J, H, D, _ = variance.shape
     z = differences[:, :, :d]
@@ -189,9 +189,8 @@ def label_deviation(labels: np.ndarray, sigma: np.ndarray, unit: float) -> float
     """The largest deviation of an instance's label from the inverse-variance mean of its unit's
     (the last axis), in its own first-order errors ``sigma + unit max|label|`` (``unit``: the
     answers' relative error). The inverse-variance mean is the consensus the fits use: in a plain
-    mean, an instance far off its target's centre, whose label error is 1e7 x the others', moved
-    the mean by thousands of theirs and failed correct runs (auto, declared uniform 1e-8,
-    bench_reliability: one label -3.1 +- 320 among three at -18.945 +- 1e-5..1.5e-2)."""
+    mean, an instance far off its target's centre, whose label error can be 1e7 x the others',
+    would move the mean by thousands of theirs and fail correct runs."""
     scale = np.nanmax(np.abs(labels))
     error = sigma + unit * scale
     weights = np.where(np.isfinite(labels), 1.0 / np.maximum(error, 1e-300) ** 2, 0.0)

@@ -23,7 +23,7 @@ CHUNK_BYTES = 2**28
 #: are then computed exactly rather than bounded (:func:`instance_diagnostics`).
 KEEP_BYTES = 2**24
 #: The bridges' tolerance (log-pole units): their misfits come from the bridge step itself
-#: (``eps |a_h| |x| <= 2``, :func:`bridge_step`; 0.1..0.7 at most, measured), and a one-sample
+#: (``eps |a_h| |x| <= 2``, :func:`bridge_step`), and a one-sample
 #: reading's error grows only as ``e^misfit`` at the window's edge, less than the corrections'
 #: Gram-Schmidt costs; beyond it (a prior far off) they are corrected as the other stages are.
 BRIDGE_AIM_TOLERANCE = 1.0
@@ -253,20 +253,20 @@ def _reduce_chunk(out: GroupMeasurements, finals: np.ndarray, design, W_score, u
         score_norms = _score_norms(finals.reshape(G, H, rounds, d), W_score, x_norm.reshape(G, H, rounds))
         score = score_factor * score_unit * z_norm[:, None] * score_norms.reshape(U, rounds)
         # the residuals scale the samples' own errors, not the part common to an instance's
-        # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate understated the
-        # truth 8x at d = H = 4 under declared uniform noise 1e-8)
+        # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate would understate
+        # the truth)
         scaled = sample_scale * (1.0 - common) + common
         samples = scaled * out.sigma_m.reshape(U, rounds)
         sigma, score_sigma = np.hypot(samples, score), score
-        # the labels' consensus error with the same scaling (unscaled, 3.7e-7 against a true 4e-10
-        # at d = 5, H = 3 under Gaussian noise 1e-10: the v part then overstated the error 25x)
+        # the labels' consensus error with the same scaling (unscaled, the v part would overstate
+        # the error)
         out.label_error = out.consensus_labels(scaled.reshape(G, H, rounds))[1]
     ok = np.isfinite(m).all(axis=1)
     variances = None
     if W_score is not None:
         # First order, independent errors: |a_i error| ~ sqrt(sum_n (X^{-1})_{in}^2 sigma_n^2), the map
-        # applied to diag(sigma). Applied to sigma itself the errors cancel in the sum and the
-        # estimate understated the truth 270-fold (d = H = 4, bench_reliability seed 57). Both parts
+        # applied to diag(sigma). Applied to sigma itself the errors would cancel in the sum and
+        # the estimate understate the truth. Both parts
         # at once (a huge sigma squared to inf is held at the largest float, so that 0 x it stays 0).
         with np.errstate(over="ignore", invalid="ignore"):
             variances = np.stack([np.nan_to_num(sigma), np.nan_to_num(score_sigma)], axis=2) ** 2
@@ -289,9 +289,8 @@ def _reduce_chunk(out: GroupMeasurements, finals: np.ndarray, design, W_score, u
 
 #: The floor of :func:`_score_norms` as a fraction of ``|W_h|_F |x| / sqrt(d)``, the expected size of
 #: ``|W_h x|`` for a token in no particular direction: ordinary tokens stay above it (their estimates
-#: unchanged), tokens nearly in a head's null space are lifted to it. (At the full expected size the
-#: estimates of ordinary runs grew up to 2x and a float32 GPT-2 layer's, d = 32, H = 8, passed its
-#: error_estimate limit.)
+#: unchanged), tokens nearly in a head's null space are lifted to it. (At the full expected size
+#: ordinary runs' estimates would grow, and float32 layers' pass their error_estimate limit.)
 SCORE_NORM_FLOOR = 0.5
 
 
@@ -303,11 +302,9 @@ def _score_norms(by_head: np.ndarray, W_score: np.ndarray, token_norms: np.ndarr
     They size the oracle's score rounding ``8 eps |z| |q|`` in the error estimate, ``q = W_h x`` as
     the oracle forms it: its rounding error is about ``eps |W_h|_F |x| / sqrt(d)`` (each entry a sum
     of d products of random signs), which is what the log-pole ``-z^T q`` carries where x lies nearly
-    in W_h's null space (a low-rank head, a token aimed at a small log-pole along it: the answers of a
-    rank-1 head under schedule="lowrank" with |x| = 58 and 6,841 were 8 and 40 times off their
-    modelled rounding, the estimate 50 times below the truth). A few digits suffice: the products run
-    in float32 (sgemm, twice dgemm's speed; ``d^2`` per token was an eighth of the learner at d = 256,
-    H = 2, half the final stage's oracle work at H = 2), with each head's W scaled to entries at most
+    in W_h's null space (a low-rank head, a token aimed at a small log-pole along it: modelled by ``|W_h x|`` alone the
+    rounding, and the estimate, would fall far below the truth). A few digits suffice: the products run
+    in float32 (sgemm, twice dgemm's speed; ``d^2`` per token is a large part of the learner), with each head's W scaled to entries at most
     1, to a relative error about ``d 2^-24 cond(W_h)`` (4e-3 at d = 256 for a Gaussian W). A row whose
     float32 norm is not a positive finite number (overflow, underflow) is computed again in float64."""
     G, H, rounds, d = by_head.shape
@@ -407,7 +404,7 @@ def _refined_solve(finals: np.ndarray, inverse: np.ndarray | None, rhs: np.ndarr
 
 def all_heads_at(W: np.ndarray, differences: np.ndarray) -> np.ndarray:
     """``a_f(z) = W_f^T z`` of every head f (W (H, D, D)) at every unit's difference (G, H', D):
-    (G, H', H, D), as one BLAS matmul (the einsum it replaces ran ~2.5x slower at d = 128, H = 8)."""
+    (G, H', H, D), as one BLAS matmul (faster than an einsum)."""
     H, D, _ = W.shape
     rows = differences.reshape(-1, D) @ W.transpose(1, 0, 2).reshape(D, H * D)
     return rows.reshape(differences.shape[:-1] + (H, D))

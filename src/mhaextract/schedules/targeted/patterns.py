@@ -25,9 +25,7 @@ class NullSpace:
     columns of the complete Q of ``E^T = Q R`` (one batched Householder QR per unit, not per
     instance), kept in its compact WY form ``Q = I - V T V^T`` (V: the H reflectors (U, d, H), T: H x H
     upper triangular), so that ``N0 p = (0, p) - V T V_2^T p`` costs 4 H d flops a column instead of
-    the 2 d (d - H) of a product with N0 formed, and no (U, d, d) array is ever held (with a full SVD
-    and the null parts of all rounds formed at once, they were a twelfth of the targeted learner
-    at d = 128, H = 8). Vectors are rows, as the tokens are: ``(N0 p)^T = (0, p^T) - p^T V_2 T^T V^T``
+    the 2 d (d - H) of a product with N0 formed, and no (U, d, d) array is ever held. Vectors are rows, as the tokens are: ``(N0 p)^T = (0, p^T) - p^T V_2 T^T V^T``
     for a block's rows ``p^T`` (in columns, the additions ran over b entries at a time, 1.2..2.5 x
     slower)."""
 
@@ -79,8 +77,8 @@ def other_heads_frame(current: np.ndarray, heads: np.ndarray):
     ``(O^+)^T = R_o^{-1} Q_o^T`` (U, H - 1, d), the other heads' indices (U, H - 1), ascending, and
     the scale ``c`` of the null part, the mean singular value of all H estimates ``E`` (U,) as they
     are here: the corrections of the target's row move it by their relative size only, and ``c``
-    merely sizes the null part (an SVD per round cost a twentieth of the low-rank learner).
-    (Stored as rows: the per-round products with one vector per unit run ~2x faster so.)"""
+    merely sizes the null part (no SVD per round).
+    (Stored as rows: the per-round products with one vector per unit run faster so.)"""
     U, H, _ = current.shape
     units = np.arange(U)
     slots = np.arange(H - 1)[None, :]
@@ -111,8 +109,7 @@ def design_tokens(current: np.ndarray, heads: np.ndarray, columns: np.ndarray, n
     block share t (:func:`correction_blocks`), so every term but ``b`` is a combination of the same
     ``2H - 1`` rows ``(O^+)^T``, ``unit``, ``Q_o``: ``x = C R + b``, with b's projection read off one
     product of the null parts with ``(Q_o, unit)``. The tokens are written once (the terms formed
-    and added one by one passed over a block's (U, b, d) tokens a dozen times, memory-bound: a
-    sixth of the learner at d = 256, H = 2)."""
+    and added one by one would pass over a block's (U, b, d) tokens a dozen times, memory-bound)."""
     U, H, d = current.shape
     units = np.arange(U)
     q_rows, pseudo_inverse_rows, others, scale = frame if frame is not None else other_heads_frame(current, heads)
@@ -175,8 +172,8 @@ class MinimumNormCorrection:
     basis read from memory once per block, not once per round: the per-round update was the largest
     single cost of the targeted learner, memory-bound), then orthogonalised among themselves. One
     classical Gram-Schmidt pass leaves a new basis vector orthogonal to the others to about
-    ``eps |x| / |q|`` (q: the row's part off the basis); the designs of §13 keep ``|q| / |x|`` above
-    0.07 (measured: targeted d = 64, low-rank d = 192), so a second pass, which would double the
+    ``eps |x| / |q|`` (q: the row's part off the basis); the designs of §13 keep ``|q| / |x|`` well
+    above that, so a second pass, which would double the
     cost, is made only for rows below ``REORTHOGONALISE`` (degenerate designs, repeated rows). The
     correction only aims the next blocks' designs: ``a`` itself is solved from all rounds at the
     end (:func:`_reduce_chunk`)."""
@@ -223,7 +220,7 @@ class MinimumNormCorrection:
         q = np.array(rows, dtype=np.float64)
         # Blocks of units whose bases fit the cache: the products below read each block once
         # from memory, not twice. The basis vectors are stored as rows: each unit's (n, d)
-        # block is contiguous (as columns the products ran ~1.3x slower).
+        # block is contiguous (faster than columns).
         step = max(1, GRAM_SCHMIDT_BYTES // max(1, 8 * d * n))
         for start in range(0, U, step) if n else ():
             part = slice(start, start + step)
@@ -274,9 +271,8 @@ def draw_patterns(rng, d: int, constant_row: int, count: int, target_row: int | 
     each pattern is a base with its random rows shuffled among themselves and their signs drawn,
     which keeps every property above exactly. (The rounds are not permuted: the base's random rows
     are the QR of Gaussian columns, whose law a permutation of the rounds within a side leaves as
-    it is. Permuting them per pattern was an element-by-element gather, more than half of the
-    patterns' time; the QRs, a sixth of the targeted learner's time at d = 128, H = 8 when every
-    pattern had its own, cost a thirty-second.) ``out`` (count, d, d), any strides: written in place
+    it is. Permuting them per pattern would be an element-by-element gather; one QR per
+    ``PATTERN_SHARING`` patterns, not per pattern, keeps the QRs cheap.) ``out`` (count, d, d), any strides: written in place
     (a stage reuses one array for all its chunks, :func:`measure_units`).
     """
     bases = -(-count // PATTERN_SHARING)
@@ -302,8 +298,7 @@ def draw_patterns(rng, d: int, constant_row: int, count: int, target_row: int | 
     signs[:, fixed] = 1.0
     picks = rng.integers(bases, size=count)
     # whole rows gathered; the indices are in range, so any mode gives the same rows: "raise" would
-    # buffer a copy, and "wrap" takes a modulo per index (9x slower than "clip" at d = 256, H = 2, rank
-    # 128: 0.35 s of the bridges' 1.5 s learner under cProfile, 4% of the whole run measured without)
+    # buffer a copy, and "wrap" takes a modulo per index (much slower than "clip")
     out = np.take(base.reshape(-1, d), picks[:, None] * d + row_order, axis=0, out=out, mode="clip")
     out *= signs
     return out

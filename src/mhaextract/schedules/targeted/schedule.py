@@ -184,16 +184,14 @@ def first_group(prober, d: int, max_heads: int, rng, token_scale: float, measure
     queries (``groups``: how many were searched).
 
     A group can mislead phase 1: a head whose ``v_h`` is nearly orthogonal to ``z_1`` has a label
-    ``v_h^T z_1`` too small for its step to stand out of the answers' rounding (float32, d = 64,
-    H = 8, seed 2: ``l_3 = 1.3`` beside labels 39..668, 7 of 8 heads found), and under float32
-    noise a centre contaminated by a neighbour of similar label can pass for a new head (a float32
-    nn.MultiheadAttention, d = 32, H = 8: two heads counted twice with directions 10% and 27% off,
-    two never searched for, and every first-group instance then unsaturated). Either way the run
+    ``v_h^T z_1`` too small for its step to stand out of the answers' rounding (a head missed), and under
+    float32 noise a centre contaminated by a neighbour of similar label can pass for a new head (a
+    head counted twice, another never searched for, and the first group's instances unsaturated). Either way the run
     would fail loudly. So while fewer than ``max_heads`` heads were found, or some first-group
     instance did not hold (:func:`held_fraction`), phase 1 starts again in a fresh group (a new
     ``Z``), up to ``GROUP_ATTEMPTS`` groups; the attempt with the most heads, then the most held
     first-group instances, is kept (the earliest on a tie). A run whose first group holds asks
-    exactly as before; a bound ``max_heads`` above the canonical count pays the extra groups' lines
+    one group only; a bound ``max_heads`` above the canonical count pays the extra groups' lines
     (docs/algorithm.md §13)."""
     position = lambda: prober.boundary.position  # noqa: E731
     before = position()

@@ -48,8 +48,8 @@ def score_unit(settings, stats=None) -> float:
     :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without calibration
     still recognises float32 answers). A declared ``answer_error`` is not part of it: it bounds
     the answers' total error, score rounding included, and says nothing of a score's rounding
-    growing with ``|z| |W x|`` (seed 57 of the reliability table, d = H = 4, declared 1e-8: the
-    score term sized by the declared error overstated the estimate 1e2..1e4 times)."""
+    growing with ``|z| |W x|`` (a score term sized by a declared error would overstate the
+    estimate by orders of magnitude)."""
     unit = EPS
     if settings.arithmetic_noise is not None:
         unit = max(unit, float(settings.arithmetic_noise))
@@ -88,9 +88,8 @@ def prior_saturation_margin(unit: float) -> float:
     model comes from the final instances alone, which keep :func:`saturation_margin`), so a head
     left at log-pole 20..36 there perturbs a prior by ``e^-margin`` relative, far below the
     ``AIM_TOLERANCE = 1e-3`` the final stage's aim is checked to. Phase 1's rough estimates can miss
-    the first group's saturated rows by ~9 log-pole units (d = 64, H = 8, bench_scale target seed 1,
-    extraction seed 1: margins down to 31.0 instead of the planned 40, model error 1.9e-15, and the
-    run failed ``saturation``: a false alarm). A head near the window (a missed head, a prior far
+    the first group's saturated rows by ~9 log-pole units (margins near 31 instead of the planned
+    40), which the float64 margin would fail as a false alarm. A head near the window (a missed head, a prior far
     off) is still caught: margins near 0 and misfitting samples."""
     return min(PRIOR_SATURATION_MARGIN, saturation_margin(unit))
 
@@ -113,5 +112,5 @@ def limits(unit: float) -> tuple[float, float]:
 
 #: Units whose inverses :func:`_solve_units` forms at once: their temporaries (a few (units, D, D)
 #: arrays, about 4 MB) stay small enough to be reused from the heap rather than mapped and zeroed afresh
-#: by the kernel each time (at d = 192, H = 6 that took a sixth of the learner's time).
+#: by the kernel each time.
 INVERSE_BLOCK_BYTES = 2**22
