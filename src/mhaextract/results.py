@@ -92,7 +92,8 @@ class Extraction(CheckedResult):
         layer, ``"mpf"`` in high precision), from the oracle's ``answer_dtype`` when it has one.
     certificate : Certificate or None
         The first-order error certificate (docs/algorithm.md §12) where the schedule has one
-        (float64 paper runs), behind ``amplification``, ``error_bound(eps)`` and ``valid_below``.
+        (float64 paper runs), behind ``amplification``, ``error_bound(eps)`` and ``valid_below``
+        (each None when this is None).
     refinement : Refinement or None
         With ``refine=True``: which model was kept, the misfits before and after, the queries added.
     verification : Verification or None
@@ -101,6 +102,22 @@ class Extraction(CheckedResult):
         The bound on the answers' absolute error the run was told (None: not told).
     transcript : path of the run's transcript, or None.
     seconds : float
+
+    Schedule-specific parts are None where the run has none, never an error: ``certificate`` and its
+    shortcuts ``amplification``, ``valid_below`` and ``error_bound(eps)`` (float64 paper runs, and
+    refined runs), ``W_balls``/``v_balls``, ``model_hp`` and ``radius`` (high precision), ``details``
+    (its own class per schedule), ``refinement``, ``verification``, ``calibration``.
+
+    Methods
+    -------
+    summary() : dict
+        Every scalar above in one JSON-ready dict (``save_extraction`` writes it as ``summary``).
+    error_bound(eps) : float or None
+        The certificate's bound for answers within ``eps`` (None without a certificate).
+    with_verification(verification) : a copy carrying a :func:`mhaextract.verify` result.
+
+    ``repr(result)`` (and ``print(result)``) is one line: schedule, heads, d, queries, ok and the
+    error estimate; :func:`mhaextract.report` or ``summary()`` gives the rest.
     """
 
     model: MultiHeadAttention | None
@@ -138,27 +155,27 @@ class Extraction(CheckedResult):
     verification: object = None
     answer_error: float | None = None
 
-    def _certificate(self) -> Certificate:
-        if self.certificate is None:
-            raise ValueError(f"no first-order certificate: schedule={self.schedule!r} at precision={self.precision} "
-                             "has none (float64 runs of the paper schedule carry one; high-precision runs carry "
-                             "certified balls, W_balls and v_balls, instead)")
-        return self.certificate
+    def __repr__(self) -> str:
+        return (f"Extraction(schedule={self.schedule!r}, heads={self.heads}, d={self.d}, queries={self.queries}, "
+                f"ok={self.ok}, error_estimate={self.error_estimate:.3g})")
 
     @property
-    def amplification(self) -> float:
-        """C: worst-case relative parameter error per unit absolute answer error, first order."""
-        return self._certificate().amplification
+    def amplification(self) -> float | None:
+        """C: worst-case relative parameter error per unit absolute answer error, first order (None
+        without a ``certificate``: high precision, and the schedules that have none)."""
+        return None if self.certificate is None else self.certificate.amplification
 
     @property
-    def valid_below(self) -> float:
-        """The answer-error bound below which the matching is certified and first order holds."""
-        return self._certificate().valid_below
+    def valid_below(self) -> float | None:
+        """The answer-error bound below which the matching is certified and first order holds (None
+        without a ``certificate``)."""
+        return None if self.certificate is None else self.certificate.valid_below
 
-    def error_bound(self, eps: float) -> float:
+    def error_bound(self, eps: float) -> float | None:
         """Bound on ``compare(model, truth).max_rel`` if every answer is within ``eps`` of the
-        truth (inf when ``eps >= valid_below``); see :class:`mhaextract.checks.certificate.Certificate`."""
-        return self._certificate().error_bound(eps)
+        truth (inf when ``eps >= valid_below``; None without a ``certificate``, whose absence
+        ``error_estimate`` does not depend on); see :class:`mhaextract.checks.certificate.Certificate`."""
+        return None if self.certificate is None else self.certificate.error_bound(eps)
 
     def with_verification(self, verification) -> "Extraction":
         """A copy of this result carrying ``verification`` (from :func:`mhaextract.verify`)."""
@@ -194,6 +211,8 @@ class Extraction(CheckedResult):
         return float(radius_float(self.W_balls).max()), float(radius_float(self.v_balls).max())
 
     def summary(self) -> dict:
+        """The run's scalars as one JSON-ready dict (the attributes above, the certificate's
+        ``valid_below``, ``noise_estimate`` and ``method`` or None, and ``details.summary()``)."""
         return {
             "d": self.d, "max_heads": self.max_heads, "heads": self.heads, "queries": self.queries,
             "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
