@@ -32,6 +32,7 @@ from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers, exact_model
 from .numerics.float64 import root_mean_square
 from .oracle.boundary import OracleBoundary
+from .oracle.progress import expect_queries, one_bar_per_run
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import Transcript, check_directory, run_fingerprint
@@ -53,6 +54,7 @@ ROUNDING_REGIME = 1e3 * 2.0**-53
 WEIGHT_FLOOR = 1e-2
 
 
+@one_bar_per_run
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
@@ -86,7 +88,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         one, §11), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``, ``d ** 0.25``
         for the paper-model schedules, suited to W with entries of size ``1/sqrt(d)``).
     batch_size : sequences per oracle call.
-    progress : show a progress bar (default: when stderr is a terminal).
+    progress : draw one progress bar for the run on stderr: True, False, or None (default: only when
+        stderr is a terminal, so a redirected log gets no bar lines). Its description names the
+        stage being asked (calibration probes, the schedule's rounds, polish and probe queries,
+        verification), with the queries asked against those expected and the time left.
     on_failure : ``"raise"`` an :class:`~mhaextract.checks.base.ExtractionError` when a check
         fails (the result is on the error), or ``"warn"`` and return it.
     transcript : path of a SQLite transcript (:mod:`mhaextract.oracle.transcript`), or None. Every
@@ -150,6 +155,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     record = None
     if transcript is not None:  # before any query: a transcript that cannot be written fails here
         record = Transcript(transcript, run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
+    expect_queries(progress, plan.promised_queries)
     boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
                               progress=progress, max_queries=max_queries, transcript=record)
     try:
