@@ -181,10 +181,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if record is not None:
             record.close()
     failed = {check.name for check in extraction.failed_checks}
-    hints = plan.hints(failed) + failure_hints(failed, settings, boundary.stats, extraction.heads)
-    if "noise_within_validity" in failed:
-        hints.append("The answers are noisier than this run can certify (valid_below): oversample "
-                     "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
+    hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
+                          float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf")
     report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
     return extraction
 
