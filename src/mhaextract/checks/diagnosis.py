@@ -48,6 +48,10 @@ REJECTED_PER_CENTRE = 4
 #: they do not fit the declared model. (Oracles that add noise stay below the floor.)
 MISFIT_ROUNDING, MISFIT_FLOOR = 1e4, 1e-4
 
+#: Answers coarser than this (relative unit, 20 bits) can hide heads by themselves: the schedule's
+#: noise hint then comes first (docs/algorithm.md §19).
+COARSE_ANSWERS = 2.0 ** -20
+
 NOT_ATTENTION = ("mhaextract learns one multi-head softmax attention layer read at the final token "
                  "(extract; with biases u_h and c), or one such layer followed by a ReLU feed-forward network "
                  "(extract_transformer). A block or a whole model (residual, LayerNorm, MLP after the attention) is "
@@ -127,8 +131,13 @@ def failure_hints(failed: set[str], settings, stats, extraction, schedule_hints=
     heads_found = extraction.heads
     causes = _cause_hints(failed, settings, stats, extraction, float_only) if problem is None else []
     merged = "heads_found" in failed and 0 < heads_found < settings.max_heads
-    # the targeted family's schedule hints blame the answers' noise: not when too few heads were found
-    hints += causes if causes or (merged and _phase1_evidence(extraction.details)) else list(schedule_hints)
+    # the targeted family's schedule hints blame the answers' noise: first where the answers are that
+    # coarse, else only when no other cause is plain (nor too few heads found)
+    coarse = max(stats.unit_roundoff, settings.answer_noise or 0.0) > COARSE_ANSWERS
+    if coarse:
+        hints += list(schedule_hints) + causes
+    else:
+        hints += causes if causes or (merged and _phase1_evidence(extraction.details)) else list(schedule_hints)
     if merged:
         hints.append(f"Found {heads_found} of {_heads(settings.max_heads)}: heads with equal W_h merge in the canonical "
                      f"form, and heads closer than this run resolves merge too. Pass max_heads={settings.max_heads} "
