@@ -154,7 +154,7 @@ def test_auto_rank_of_heads_of_different_ranks_is_the_largest():
     result = mx.extract(mx.SimulatedOracle(target), d, heads=3, seed=11, schedule="lowrank", rank="auto")
     assert result.ok and result.details.rank == 4
     # measured 1.6e-11 against an estimate of 9.9e-11 (before the scores' rounding counted the
-    # oracle's own W_h x, targeted._score_norms: 1.2e-11, and 2.8e-11 against 1.0e-11 with rank=4)
+    # oracle's own W_h x, measure._score_norms: 1.2e-11, and 2.8e-11 against 1.0e-11 with rank=4)
     truth = mx.compare(result.model, target).max_rel
     assert truth <= 1e-10 and truth <= result.error_estimate
 
@@ -225,14 +225,14 @@ def test_the_basis_term_of_a_subspace_unit_equals_its_dense_form(lifted):
     """``basis_variance`` works in the (H - 1)-dimensional span of the tokens' parts off the subspace
     (docs/algorithm.md §17, "Error estimate"); here against ``diag(M B diag(t) B^T M^T) + t`` formed
     densely, ``B = X (I - Q Q^T)``, ``M = Q (X Q)^-1``, on tokens the design itself makes."""
-    from mhaextract.schedules.lowrank import AffineSubspaceDesign, _lifted_bases
-    from mhaextract.schedules.targeted import _SubspaceDesign
+    from mhaextract.schedules.targeted.lowrank import AffineSubspaceDesign, _lifted_bases
+    from mhaextract.schedules.targeted.designs import SubspaceDesign
 
     rng = np.random.default_rng(3)
     d, H, r, groups, R = 12, 3, 3, 4, 5
     spans = np.linalg.qr(rng.standard_normal((H, d, r)))[0]  # (H, d, r) orthonormal
     designer, bases, D = ((AffineSubspaceDesign, _lifted_bases(spans), d + 1) if lifted else
-                          (_SubspaceDesign, spans, d))
+                          (SubspaceDesign, spans, d))
     n = bases.shape[2]
     heads = np.tile(np.arange(H), groups)
     current = rng.standard_normal((groups * H, H, D))

@@ -228,7 +228,7 @@ def test_kept_queries_hold_round_rows_and_arrays_in_the_order_kept_and_evaluate_
 
 def test_a_block_of_rounds_asked_at_once_measures_what_its_rounds_asked_one_by_one_do():
     from mhaextract.oracle.boundary import OracleBoundary
-    from mhaextract.schedules.targeted import _Prober
+    from mhaextract.schedules.targeted.prober import Prober
 
     d, U = 6, 9
     target = mx.MultiHeadAttention.random(d, 2, seed=3)
@@ -239,7 +239,7 @@ def test_a_block_of_rounds_asked_at_once_measures_what_its_rounds_asked_one_by_o
     probers = []
     for _ in range(2):
         oracle = CountingOracle(target)
-        prober = _Prober(OracleBoundary(oracle, d, batch_size=16), d, 1.0, expected_queries=64)
+        prober = Prober(OracleBoundary(oracle, d, batch_size=16), d, 1.0, expected_queries=64)
         prober.learn_vbar(np.eye(d))
         probers.append((prober, oracle))
     (together, once), (apart, each) = probers

@@ -262,7 +262,7 @@ def test_matrix_free_products_are_the_dense_jacobians(bias, cached, monkeypatch)
     target, batch, _, weights = _polish_problem(count=3000)  # two query blocks
     J = weights[:, None] * output_jacobian(target, batch, bias)
     operator = refine.jacobian_solver(target, batch, weights, bias, matrix_free=True)
-    assert isinstance(operator, refine._MatrixFree) and operator.shape == J.shape
+    assert isinstance(operator, refine.MatrixFreeSolver) and operator.shape == J.shape
     rng = np.random.default_rng(0)
     for _ in range(3):
         p, r = rng.standard_normal(J.shape[1]), rng.standard_normal(J.shape[0])

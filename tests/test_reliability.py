@@ -249,13 +249,13 @@ def test_the_targeted_estimate_covers_an_ill_conditioned_design(monkeypatch):
     # the vector of error sizes, whose signed sum cancelled: 4e-14 against a true 3e-11. The final
     # bases are now chosen for well-conditioned designs (docs/algorithm.md §13); one candidate
     # basis per head gives the ill-conditioned design back.
-    import mhaextract.schedules.targeted as targeted
+    from mhaextract.schedules.targeted import bases
 
     target = mx.MultiHeadAttention.random(4, 4, seed=1057)
     chosen = mx.extract(mx.SimulatedOracle(target), 4, heads=4, seed=57, schedule="targeted", on_failure="warn")
     assert chosen.ok and float(mx.compare(chosen.model, target).max_rel) < 1e-13
-    monkeypatch.setattr(targeted, "BASIS_CANDIDATES", 1)
-    monkeypatch.setattr(targeted, "FEWEST_CANDIDATES", 1)
+    monkeypatch.setattr(bases, "BASIS_CANDIDATES", 1)
+    monkeypatch.setattr(bases, "FEWEST_CANDIDATES", 1)
     result = mx.extract(mx.SimulatedOracle(target), 4, heads=4, seed=57, schedule="targeted", on_failure="warn")
     truth = float(mx.compare(result.model, target).max_rel)
     assert truth > 1e-12  # the design is ill-conditioned: far above rounding
@@ -475,7 +475,7 @@ def test_targeted_labels_are_judged_against_their_inverse_variance_mean():
     # with one label far off its target's centre, -3.07 +- 320, among three at -18.945 +- 1e-5..1.5e-2:
     # its plain mean sat 4 away from the good labels, 3.5e5 of their errors, and failed a model
     # within its estimate (seeds 281, 387: labels_consistent 3.5e3, 1.1e5 against 1e3).
-    from mhaextract.schedules.targeted import label_deviation
+    from mhaextract.schedules.targeted.diagnostics import label_deviation
 
     labels = np.array([[[-3.06820438, -18.94490588, -18.94491967, -18.94484769]]])
     sigma = np.array([[[319.6, 4.04e-3, 1.09e-5, 1.52e-2]]])

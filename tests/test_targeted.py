@@ -9,14 +9,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhaextract as mx
-import mhaextract.schedules.biased as biased
-import mhaextract.schedules.linesearch as linesearch
-import mhaextract.schedules.targeted as targeted
+import mhaextract.schedules.targeted.biased as biased
+import mhaextract.schedules.targeted.linesearch as linesearch
+from mhaextract.schedules.targeted import bases as targeted_bases
+from mhaextract.schedules.targeted import designs as targeted_designs
+from mhaextract.schedules.targeted import diagnostics as targeted_diagnostics
+from mhaextract.schedules.targeted import measure as targeted_measure
+from mhaextract.schedules.targeted import patterns as targeted_patterns
+from mhaextract.schedules.targeted import schedule as targeted_schedule
+from mhaextract.schedules.targeted import tolerances as targeted_tolerances
 from mhaextract.api import _bias_error, _constant_error
 from mhaextract.checks.noise_probe import PROBE_QUERIES
 from mhaextract.numerics import single_pole
 from mhaextract.oracle.queries import quantize, random_basis
-from mhaextract.schedules.biased import AffineFinalDesign
+from mhaextract.schedules.targeted.biased import AffineFinalDesign
 
 from conftest import CountingOracle, paper_count
 
@@ -47,13 +53,13 @@ def test_a_second_head_within_reach_breaks_the_single_pole_form(m, m_other, labe
     rounding = 4 * np.finfo(float).eps * (np.abs(gaps) + 100.0)
     fit = single_pole.fit(gaps[None], ks, rounding[None])
     assert label_other * np.exp(-m_other) >= 1e-8  # the contamination, far above rounding
-    assert fit.residual[0] > targeted.RESIDUAL_LIMIT
+    assert fit.residual[0] > targeted_tolerances.RESIDUAL_LIMIT
 
 
 @pytest.mark.parametrize("K", [2, 3])
 def test_single_pole_fits_of_a_batch_are_each_rows_own(K):
     """Each row's fit depends on that row alone, to the bit: a block's rounds are fitted as one
-    batch (targeted._measure_chunk) and must give what they gave fitted round by round. Rows with
+    batch (targeted_measure._measure_chunk) and must give what they gave fitted round by round. Rows with
     non-finite, zero or degenerate samples sit among the good ones."""
     rng = np.random.default_rng(K)
     ks = np.arange(1.0, K + 1)
@@ -130,7 +136,7 @@ def test_d8_h6_machine_precision_over_10_targets():
         worst = max(worst, comparison.W_abs, comparison.v_abs)
         # every instance checked its saturation and held it
         assert result.details.instances.saturated.all()
-        assert np.nanmax(result.details.instances.residual) <= targeted.RESIDUAL_LIMIT
+        assert np.nanmax(result.details.instances.residual) <= targeted_tolerances.RESIDUAL_LIMIT
     assert worst <= 2.0**-45
 
 
@@ -162,13 +168,13 @@ def test_at_h_equal_d_the_final_bases_are_chosen_for_well_conditioned_designs(sc
 
 
 def test_balanced_bases_keep_every_label_alike_and_minimise_the_worst_design_condition():
-    from mhaextract.schedules.targeted import _balanced_basis
+    from mhaextract.schedules.targeted.bases import balanced_basis
 
     rng = np.random.default_rng(0)
     d = 6
     W, v = rng.standard_normal((d, d, d)), rng.standard_normal(d)
-    plain = _balanced_basis(v, np.random.default_rng(1), 2.0)
-    chosen = _balanced_basis(v, np.random.default_rng(1), 2.0, W)
+    plain = balanced_basis(v, np.random.default_rng(1), 2.0)
+    chosen = balanced_basis(v, np.random.default_rng(1), 2.0, W)
 
     def worst(Z):
         singular = np.linalg.svd(np.einsum("fab,ag->gfb", W, Z), compute_uv=False)
@@ -178,14 +184,14 @@ def test_balanced_bases_keep_every_label_alike_and_minimise_the_worst_design_con
         np.testing.assert_allclose(basis.T @ basis, 4.0 * np.eye(d), atol=1e-12)  # orthogonal, |z| = 2
         np.testing.assert_allclose(np.abs(v @ basis), 2.0 * np.linalg.norm(v) / np.sqrt(d), rtol=1e-12)
     assert worst(chosen) < worst(plain) / 2
-    one_head = _balanced_basis(v, np.random.default_rng(1), 2.0, W[:1])
+    one_head = balanced_basis(v, np.random.default_rng(1), 2.0, W[:1])
     np.testing.assert_array_equal(one_head, plain)  # one head: nothing to condition, drawn as before
 
 
 def test_the_best_conditioned_candidate_is_the_one_every_svd_names():
     """The Gram-matrix shortcut (SVD only where its bounds cannot decide) picks the very candidate an
     SVD of every candidate does: ill-conditioned, exactly singular and tied candidates included."""
-    from mhaextract.schedules.targeted import _best_conditioned
+    from mhaextract.schedules.targeted.bases import _best_conditioned
 
     def every_svd(designs):
         singular = np.linalg.svd(designs, compute_uv=False)
@@ -260,7 +266,7 @@ def test_a_head_invisible_in_the_first_group_is_found_in_another(monkeypatch, d,
     scale = d ** 0.25
     rng = np.random.default_rng(seed)  # the schedule's stream: vbar's basis, then phase 1's Z
     random_basis(rng, d, scale)
-    z1 = random_basis(rng, d, targeted.GROUP_SCALE * scale)[:, 0]
+    z1 = random_basis(rng, d, targeted_tolerances.GROUP_SCALE * scale)[:, 0]
     base = mx.MultiHeadAttention.random(d, H, seed=target_seed)
     v = base.v.copy()
     v[1] -= (v[1] @ z1) / (z1 @ z1) * z1  # l_1(z_1) = 0
@@ -268,7 +274,7 @@ def test_a_head_invisible_in_the_first_group_is_found_in_another(monkeypatch, d,
     options = dict(heads=H, seed=seed, schedule="targeted", bias=False, token_scale=scale, on_failure="warn")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
-        monkeypatch.setattr(targeted, "GROUP_ATTEMPTS", 1)
+        monkeypatch.setattr(targeted_schedule, "GROUP_ATTEMPTS", 1)
         one_group = mx.extract(mx.SimulatedOracle(target), d, **options)
         monkeypatch.undo()
         oracle = CountingOracle(target)
@@ -321,13 +327,13 @@ def test_first_group_and_bridges_are_held_to_the_prior_margin(monkeypatch):
     lower), the final instances against ``saturation_margin`` (36). Raised above the first group's
     planned 40 (never so in the library: it is at most 36), the prior margin fails the run and
     names first-group instances, and no final one."""
-    assert targeted.prior_saturation_margin(np.finfo(float).eps) == targeted.PRIOR_SATURATION_MARGIN == 20.0
-    assert targeted.prior_saturation_margin(4e-9) == targeted.saturation_margin(4e-9) < 20.0
+    assert targeted_tolerances.prior_saturation_margin(np.finfo(float).eps) == targeted_tolerances.PRIOR_SATURATION_MARGIN == 20.0
+    assert targeted_tolerances.prior_saturation_margin(4e-9) == targeted_tolerances.saturation_margin(4e-9) < 20.0
     target = mx.MultiHeadAttention.random(6, 3, seed=1)
     result = mx.extract(mx.SimulatedOracle(target), 6, heads=3, seed=2, schedule="targeted")
     instances = result.details.instances
-    assert result.ok and instances.margin[instances.stage == "final"].min() >= targeted.SATURATION_MARGIN
-    monkeypatch.setattr(targeted, "prior_saturation_margin", lambda unit: 45.0)
+    assert result.ok and instances.margin[instances.stage == "final"].min() >= targeted_tolerances.SATURATION_MARGIN
+    monkeypatch.setattr(targeted_diagnostics, "prior_saturation_margin", lambda unit: 45.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
         result = mx.extract(mx.SimulatedOracle(target), 6, heads=3, seed=2, schedule="targeted", on_failure="warn")
@@ -346,15 +352,16 @@ def test_a_first_group_prior_off_by_nine_log_poles_is_no_false_alarm():
     result = mx.extract(mx.SimulatedOracle(target), 64, heads=8, seed=1, schedule="targeted")
     instances = result.details.instances
     first = instances.stage == "first"
-    assert targeted.PRIOR_SATURATION_MARGIN <= instances.margin[first].min() < targeted.SATURATION_MARGIN
+    assert targeted_tolerances.PRIOR_SATURATION_MARGIN <= instances.margin[first].min() < targeted_tolerances.SATURATION_MARGIN
     assert result.ok and mx.compare(result.model, target).max_rel <= 1e-14
 
 
 def test_instances_that_are_not_saturated_are_flagged_and_named(monkeypatch):
     """Acceptance 5: with the other heads only ~e^-30 saturated, the third sample sees them;
     the run fails its saturation check and names the instances."""
-    monkeypatch.setattr(targeted, "SATURATION_MID", 30.0)
-    monkeypatch.setattr(targeted, "SATURATION_SPREAD", 3.0)
+    for module in (targeted_patterns, targeted_designs, targeted_bases):  # the modules that design instances
+        monkeypatch.setattr(module, "SATURATION_MID", 30.0)
+        monkeypatch.setattr(module, "SATURATION_SPREAD", 3.0)
     target = mx.MultiHeadAttention.random(6, 4, seed=1)
     with pytest.raises(mx.ExtractionError, match=r"saturation: FAILED .* did not hold their saturation assumption \(\w+ group"):
         mx.extract(mx.SimulatedOracle(target), 6, heads=4, seed=2, schedule="targeted")
@@ -363,7 +370,7 @@ def test_instances_that_are_not_saturated_are_flagged_and_named(monkeypatch):
         result = mx.extract(mx.SimulatedOracle(target), 6, heads=4, seed=2, schedule="targeted", on_failure="warn")
     instances = result.details.instances
     final = instances.stage == "final"
-    assert (instances.residual[final] > targeted.RESIDUAL_LIMIT).any()
+    assert (instances.residual[final] > targeted_tolerances.RESIDUAL_LIMIT).any()
     assert len(instances.unsaturated) > 0
     assert not result.ok
 
@@ -426,13 +433,13 @@ def test_final_patterns_put_the_target_at_both_sides_and_stay_orthogonal():
     rows: well-conditioned final tokens); round n asks the copy counts of its side."""
     rng = np.random.default_rng(0)
     for rounds in (2, 3, 8, 9, 17):
-        sides = targeted.final_sides(rounds)
+        sides = targeted_patterns.final_sides(rounds)
         assert sides.sum() == 0 and set(np.abs(sides[1:])) == {1}
         assert sides[0] == (0 if rounds % 2 else -1)
         for constant, target in ((0, 1), (rounds - 1, 0), (2 % rounds, rounds - 1)):
             if constant == target:
                 continue
-            patterns = targeted._patterns(rng, rounds, constant, 5, target)
+            patterns = targeted_patterns.draw_patterns(rng, rounds, constant, 5, target)
             np.testing.assert_array_equal(patterns[:, target], np.broadcast_to(sides, (5, rounds)))
             constant_row = patterns[:, constant]  # all ones up to the QR's sign and rounding
             np.testing.assert_allclose(constant_row, np.sign(constant_row[:, :1]) * np.ones(rounds), atol=1e-15)
@@ -442,9 +449,9 @@ def test_final_patterns_put_the_target_at_both_sides_and_stay_orthogonal():
             gram = np.matmul(patterns, patterns.transpose(0, 2, 1))
             off_diagonal = gram - np.einsum("kii->ki", gram)[:, :, None] * np.eye(rounds)
             np.testing.assert_allclose(off_diagonal[:, others][:, :, others], 0.0, atol=1e-12)
-        copies = [targeted.final_copies(rounds, n) for n in range(rounds)]
+        copies = [targeted_designs.final_copies(rounds, n) for n in range(rounds)]
         assert all(copies[n] == ((3, 4) if sides[n] > 0 else (1, 2)) for n in range(rounds))
-        assert targeted.final_unit_queries(rounds) == 2 * rounds
+        assert targeted_designs.final_unit_queries(rounds) == 2 * rounds
 
 
 @pytest.mark.parametrize("blocks", [(1,) * 9, (3, 3, 3), (2, 5, 1, 1), (9,)])
@@ -463,7 +470,7 @@ def test_the_incremental_correction_is_the_least_squares_minimum_norm_solution(b
     rows[7] = rows[2]  # exactly dependent: skipped
     misses = rng.standard_normal((d, units))
     misses[3, 2] = np.nan
-    correction = targeted._MinimumNormCorrection(units, d)
+    correction = targeted_patterns.MinimumNormCorrection(units, d)
     starts = np.cumsum((0,) + blocks)
     for start, stop in zip(starts[:-1], starts[1:]):
         delta = correction.add(start, rows[start:stop].transpose(1, 0, 2), misses[start:stop].T)
@@ -488,8 +495,8 @@ def test_the_aim_waits_while_the_prior_aims_well_then_adds_every_row_asked():
     misses = 1e-4 * rng.standard_normal((units, d))
     misses[2, 5] = 0.3  # unit 2, round 5 misses its aim: from the block holding it on, all are corrected
     misses[1, 6:] = 0.2 * rng.standard_normal(d - 6)
-    correction = targeted._MinimumNormCorrection(units, d)
-    for block in targeted.correction_blocks(d, 3):
+    correction = targeted_patterns.MinimumNormCorrection(units, d)
+    for block in targeted_patterns.correction_blocks(d, 3):
         delta = correction.aim(block.start, rows[:, block], misses[:, block])
         if block.stop <= 5:  # every misfit so far within the tolerance
             assert not delta.any()
@@ -509,10 +516,10 @@ def test_null_parts_are_an_isometry_into_the_null_space_of_the_estimates(d, H):
     units, rounds = 5, d + 1
     estimates = rng.standard_normal((units, H, d)) * np.logspace(0, 3, d)  # columns of unlike scales
     rows = rng.standard_normal((units, rounds, d - H))
-    null_space = targeted._NullSpace(estimates)
+    null_space = targeted_patterns.NullSpace(estimates)
     parts = null_space.parts(rows)
     assert parts.shape == (units, rounds, d)
-    scale = targeted.SATURATION_SPREAD
+    scale = targeted_tolerances.SATURATION_SPREAD
     off = np.matmul(parts, estimates.transpose(0, 2, 1)) / (np.linalg.norm(estimates, axis=2)[:, None, :] * scale)
     assert np.abs(off).max() <= 1e-13 * np.abs(rows).max(initial=1.0)
     gram = np.matmul(parts, parts.transpose(0, 2, 1))
@@ -536,7 +543,7 @@ def _final_design(designer, d, H, units, seed):
 
 @pytest.mark.parametrize("schedule, bias", [("targeted", True), ("targeted", False), ("lowrank", True)])
 def test_stages_in_many_chunks_reuse_their_arrays_and_lose_nothing(monkeypatch, schedule, bias):
-    """``_measure`` with every stage cut into chunks of one or two groups (``CHUNK_BYTES`` shrunk) and
+    """``measure_units`` with every stage cut into chunks of one or two groups (``CHUNK_BYTES`` shrunk) and
     its final tokens too large to keep (``KEEP_BYTES`` 0): the chunks after the first write their
     patterns, final tokens and Gram-Schmidt bases into the first chunk's arrays (docs/algorithm.md §13,
     "Fresh memory is not free"), and the run still asks the unchunked run's number of queries and
@@ -549,16 +556,16 @@ def test_stages_in_many_chunks_reuse_their_arrays_and_lose_nothing(monkeypatch, 
     options = dict(heads=H, seed=5, schedule=schedule, bias=bias, **({"rank": 3} if schedule == "lowrank" else {}))
     whole = mx.extract(CountingOracle(target), d, **options)
     reused = []
-    original = targeted._measure_chunk
+    original = targeted_measure._measure_chunk
 
     def measure_chunk(*args, **kwargs):
         finals = args[9] if len(args) > 9 else kwargs.get("finals")
         reused.append(finals is not None)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(targeted, "CHUNK_BYTES", 24 * (d + 1) ** 2 * H * 2)  # two groups a chunk
-    monkeypatch.setattr(targeted, "KEEP_BYTES", 0)
-    monkeypatch.setattr(targeted, "_measure_chunk", measure_chunk)
+    monkeypatch.setattr(targeted_measure, "CHUNK_BYTES", 24 * (d + 1) ** 2 * H * 2)  # two groups a chunk
+    monkeypatch.setattr(targeted_measure, "KEEP_BYTES", 0)
+    monkeypatch.setattr(targeted_measure, "_measure_chunk", measure_chunk)
     oracle = CountingOracle(target)
     chunked = mx.extract(oracle, d, **options)
     assert sum(reused) >= 3  # later chunks wrote into the first chunk's arrays
@@ -576,7 +583,7 @@ def test_the_final_designs_inverse_from_their_structure_is_the_inverse(lifted, d
     head, unlifted) and the lifted coordinate; H = 1 and H = d (no null space)."""
     if lifted and H == d:
         H = d - 1
-    designer = AffineFinalDesign if lifted else targeted._FinalDesign
+    designer = AffineFinalDesign if lifted else targeted_designs.FinalDesign
     design, tokens = _final_design(designer, d, H, 2 * H + 1, d + H)
     inverse = design.approximate_inverse()
     exact = np.linalg.inv(tokens)
@@ -586,7 +593,7 @@ def test_the_final_designs_inverse_from_their_structure_is_the_inverse(lifted, d
     assert design.approximate_inverse() is None
 
 
-@pytest.mark.parametrize("designer", [targeted._FullDesign, AffineFinalDesign])
+@pytest.mark.parametrize("designer", [targeted_designs.FullDesign, AffineFinalDesign])
 def test_a_block_designed_into_the_stage_array_is_the_block_designed_afresh(designer):
     """``design(block, out)`` writes a block's tokens into a strided view of the stage's (U, rounds, D)
     array (:func:`_measure_chunk`), and the prober rounds them there: the same bits as a fresh design
@@ -595,7 +602,7 @@ def test_a_block_designed_into_the_stage_array_is_the_block_designed_afresh(desi
     design, _ = _final_design(designer, d, H, units, 11)
     D = design.rounds
     finals = np.full((units, D, D), np.nan)
-    for block in targeted.correction_blocks(D, 4):
+    for block in targeted_patterns.correction_blocks(D, 4):
         fresh = design.design(block)
         tokens = design.design(block, finals[:, block])
         assert np.shares_memory(tokens, finals)
@@ -609,18 +616,18 @@ def test_the_refined_solve_matches_lu_and_refuses_a_wrong_inverse():
     """``_refined_solve``: from the structured inverse of tokens rounded to ``TOKEN_BITS`` (an
     inverse to about 1e-8 only) the refined ``a`` equals an LU solve's to float64 rounding; an
     inverse that fails the probe (here 1e-3 off) is refused, and the caller solves by LU."""
-    design, tokens = _final_design(targeted._FinalDesign, 20, 3, 6, 1)
+    design, tokens = _final_design(targeted_designs.FinalDesign, 20, 3, 6, 1)
     tokens = quantize(tokens, np.abs(tokens).max())
     rhs = np.random.default_rng(2).standard_normal((6, 20)) * 10
     inverse = design.approximate_inverse()
-    assert 1e-12 < np.abs(np.matmul(tokens, inverse) - np.eye(20)).max() < targeted.INVERSE_CHECK
-    a, returned = targeted._refined_solve(tokens, inverse, rhs)
+    assert 1e-12 < np.abs(np.matmul(tokens, inverse) - np.eye(20)).max() < targeted_measure.INVERSE_CHECK
+    a, returned = targeted_measure._refined_solve(tokens, inverse, rhs)
     assert returned is inverse
     expected = np.linalg.solve(tokens, rhs[:, :, None])[:, :, 0]
     limit = 1e-15 * np.linalg.cond(tokens).max() * np.abs(expected).max()
     np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
-    assert targeted._refined_solve(tokens, inverse * (1 + 1e-3), rhs) is None
-    assert targeted._refined_solve(tokens, None, rhs) is None
+    assert targeted_measure._refined_solve(tokens, inverse * (1 + 1e-3), rhs) is None
+    assert targeted_measure._refined_solve(tokens, None, rhs) is None
 
 
 def test_the_final_units_are_solved_in_blocks_with_their_spread(monkeypatch):
@@ -628,8 +635,9 @@ def test_the_final_units_are_solved_in_blocks_with_their_spread(monkeypatch):
     by ``INVERSE_BLOCK_BYTES``) ``a`` is the LU solution and the spread ``(X^{-1})^2 variances`` is
     computed from ``np.linalg.inv`` here, to rounding; a corrected design (no structure) gives the
     same through its LU."""
-    monkeypatch.setattr(targeted, "INVERSE_BLOCK_BYTES", 2 * 8 * 20 * 20)
-    design, tokens = _final_design(targeted._FinalDesign, 20, 3, 6, 1)
+    for module in (targeted_designs, targeted_measure):
+        monkeypatch.setattr(module, "INVERSE_BLOCK_BYTES", 2 * 8 * 20 * 20)
+    design, tokens = _final_design(targeted_designs.FinalDesign, 20, 3, 6, 1)
     tokens = quantize(tokens, np.abs(tokens).max())
     rng = np.random.default_rng(7)
     rhs, variances = rng.standard_normal((6, 20)), rng.uniform(0.5, 2.0, (6, 20, 2)) ** 2
@@ -638,7 +646,7 @@ def test_the_final_units_are_solved_in_blocks_with_their_spread(monkeypatch):
     limit = 1e-15 * np.linalg.cond(tokens).max() * np.abs(expected).max()
     for corrected in (0, 1):
         design.correction.added = corrected
-        a, spread = targeted._solve_units(tokens, design, rhs, variances)
+        a, spread = targeted_measure._solve_units(tokens, design, rhs, variances)
         np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
         np.testing.assert_allclose(spread, expected_spread, rtol=1e-6)
 
@@ -649,36 +657,37 @@ def test_a_stage_whose_corrections_fitted_every_round_reads_a_off_them_unless_th
     not fit its rounds to the residual's limit (here one entry spoilt) is solved by LU instead."""
     rng = np.random.default_rng(4)
     units, d, H = 5, 12, 2
-    design, _ = _final_design(targeted._FullDesign, d, H, units, 4)
+    design, _ = _final_design(targeted_designs.FullDesign, d, H, units, 4)
     tokens = rng.standard_normal((units, d, d))
     m = rng.standard_normal((units, d))
-    for block in targeted.correction_blocks(d, 4):
+    for block in targeted_patterns.correction_blocks(d, 4):
         design.update(block, tokens[:, block], m[:, block])
     assert design.correction.added == d
     expected = np.linalg.solve(tokens, m[:, :, None])[:, :, 0]
-    a, spread = targeted._solve_units(tokens, design, m)
+    a, spread = targeted_measure._solve_units(tokens, design, m)
     assert spread is None
     limit = 1e-14 * np.linalg.cond(tokens).max() * np.abs(expected).max()
     np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
     design.current[1, design.heads[1], 3] += 1e-6  # unit 1's estimate no longer fits its rounds
-    a, _ = targeted._solve_units(tokens, design, m)
+    a, _ = targeted_measure._solve_units(tokens, design, m)
     np.testing.assert_allclose(a, expected, rtol=0, atol=limit)  # LU took over for unit 1
-    fresh, _ = _final_design(targeted._FullDesign, d, H, units, 4)  # nothing corrected, not its tokens: LU
+    fresh, _ = _final_design(targeted_designs.FullDesign, d, H, units, 4)  # nothing corrected, not its tokens: LU
     assert fresh.fitted_solution() is None
-    np.testing.assert_allclose(targeted._solve_units(tokens, fresh, m)[0], expected, rtol=0, atol=limit)
+    np.testing.assert_allclose(targeted_measure._solve_units(tokens, fresh, m)[0], expected, rtol=0, atol=limit)
 
 
 def test_a_stage_never_corrected_is_solved_through_its_structured_inverse(monkeypatch):
     """``_solve_units`` without variances on a design that was never corrected (the bridges in
     float64, whose misfits stay within ``BRIDGE_AIM_TOLERANCE``): ``a`` comes from the design's own
     inverse, refined, with no LU, and equals the LU solution to rounding; in blocks of units."""
-    monkeypatch.setattr(targeted, "INVERSE_BLOCK_BYTES", 2 * 8 * 16 * 16)
-    design, tokens = _final_design(targeted._FullDesign, 16, 3, 7, 9)
+    for module in (targeted_designs, targeted_measure):
+        monkeypatch.setattr(module, "INVERSE_BLOCK_BYTES", 2 * 8 * 16 * 16)
+    design, tokens = _final_design(targeted_designs.FullDesign, 16, 3, 7, 9)
     tokens = quantize(tokens, np.abs(tokens).max())
     m = np.random.default_rng(3).standard_normal((7, 16)) * 5
     expected = np.linalg.solve(tokens, m[:, :, None])[:, :, 0]
     monkeypatch.setattr(design, "solve", lambda *args: pytest.fail("solved by LU"))
-    a, spread = targeted._solve_units(tokens, design, m)
+    a, spread = targeted_measure._solve_units(tokens, design, m)
     assert spread is None
     limit = 1e-15 * np.linalg.cond(tokens).max() * np.abs(expected).max()
     np.testing.assert_allclose(a, expected, rtol=0, atol=limit)
@@ -693,8 +702,8 @@ def test_the_bridges_are_aimed_by_their_prior_within_their_own_tolerance():
     rows = rng.standard_normal((units, d, d))
     misses = 0.9 * np.sign(rng.standard_normal((units, d)))
     misses[0, 7] = 1.5
-    correction = targeted._MinimumNormCorrection(units, d, tolerance=targeted.BRIDGE_AIM_TOLERANCE)
-    for block in targeted.correction_blocks(d, 3):
+    correction = targeted_patterns.MinimumNormCorrection(units, d, tolerance=targeted_measure.BRIDGE_AIM_TOLERANCE)
+    for block in targeted_patterns.correction_blocks(d, 3):
         delta = correction.aim(block.start, rows[:, block], misses[:, block])
         if block.stop <= 7:
             assert not delta.any() and correction.basis is None
@@ -711,7 +720,7 @@ def test_a_float64_run_computes_no_gram_schmidt_for_its_bridges(monkeypatch):
     d, H = 12, 3
     target = mx.MultiHeadAttention.random(d, H, seed=2)
     stage, corrected = [], []
-    original_add, original_measure = targeted._MinimumNormCorrection.add, targeted._measure
+    original_add, original_measure = targeted_patterns.MinimumNormCorrection.add, targeted_measure.measure_units
 
     def add(self, *args):
         corrected.append(stage[-1])
@@ -721,8 +730,8 @@ def test_a_float64_run_computes_no_gram_schmidt_for_its_bridges(monkeypatch):
         stage.append("bridge" if bridge else "other")
         return original_measure(prober, differences, estimates, rng, bridge, *args, **kwargs)
 
-    monkeypatch.setattr(targeted._MinimumNormCorrection, "add", add)
-    monkeypatch.setattr(biased, "_measure", measure)  # the targeted schedule runs the lifted model (§16)
+    monkeypatch.setattr(targeted_patterns.MinimumNormCorrection, "add", add)
+    monkeypatch.setattr(biased, "measure_units", measure)  # the targeted schedule runs the lifted model (§16)
     result = mx.extract(CountingOracle(target), d, heads=H, seed=3, schedule="targeted")
     assert result.ok and mx.compare(result.model, target).max_rel < 1e-13
     assert "bridge" in stage and "bridge" not in corrected
@@ -733,12 +742,12 @@ def test_correction_blocks_cover_the_rounds_and_shrink_towards_the_end(rounds):
     """The blocks of rounds that share a design estimate tile ``0 .. rounds`` in order, none longer
     than ``CORRECTION_BLOCK`` nor than a quarter of the rounds left at its start (but one round),
     and the last four rounds are designed one by one."""
-    blocks = list(targeted.correction_blocks(rounds))
+    blocks = list(targeted_patterns.correction_blocks(rounds))
     assert blocks[0].start == 0 and blocks[-1].stop == rounds
     assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
     for block in blocks:
         size = block.stop - block.start
-        assert 1 <= size <= max(1, min(targeted.CORRECTION_BLOCK, (rounds - block.start) // 4))
+        assert 1 <= size <= max(1, min(targeted_tolerances.CORRECTION_BLOCK, (rounds - block.start) // 4))
     assert all(block.stop - block.start == 1 for block in blocks if block.start >= rounds - 4)
 
 
@@ -749,7 +758,7 @@ def test_uncorrected_blocks_double_up_to_the_block_size_and_shrink_once_correcti
     starts the corrections on, they follow the shrinking rule of :func:`correction_blocks`."""
     state = {"correcting": False}
     blocks = []
-    for block in targeted.correction_blocks(rounds, most, lambda: state["correcting"]):
+    for block in targeted_patterns.correction_blocks(rounds, most, lambda: state["correcting"]):
         blocks.append(block)
         if len(blocks) == 3:
             state["correcting"] = True  # the third block's answers start the corrections
@@ -759,7 +768,7 @@ def test_uncorrected_blocks_double_up_to_the_block_size_and_shrink_once_correcti
     for i, block in enumerate(blocks):
         size, left = block.stop - block.start, rounds - block.start
         if i < 3:  # not yet correcting: doubling, at most CORRECTION_BLOCK (or most, if larger)
-            assert size == min(max(most, 2 * previous), max(most, targeted.CORRECTION_BLOCK), left)
+            assert size == min(max(most, 2 * previous), max(most, targeted_tolerances.CORRECTION_BLOCK), left)
         else:
             assert size == max(1, min(most, left // 4))
         previous = size
@@ -779,9 +788,9 @@ def test_uncorrected_stages_ask_the_same_queries_in_fewer_asks(monkeypatch, sche
     oracle = CountingOracle(target)
     adaptive = mx.extract(oracle, d, heads=H, seed=2, **options)
     calls_adaptive = oracle.calls
-    shrinking = targeted.correction_blocks
-    monkeypatch.setattr(targeted, "correction_blocks",
-                        lambda rounds, most=targeted.CORRECTION_BLOCK, correcting=None: shrinking(rounds, most))
+    shrinking = targeted_patterns.correction_blocks
+    monkeypatch.setattr(targeted_measure, "correction_blocks",
+                        lambda rounds, most=targeted_tolerances.CORRECTION_BLOCK, correcting=None: shrinking(rounds, most))
     oracle = CountingOracle(target)
     fixed = mx.extract(oracle, d, heads=H, seed=2, **options)
     assert adaptive.ok and fixed.ok
@@ -877,7 +886,7 @@ def test_the_first_order_estimate_covers_every_parameter_entry_by_entry(case):
         variance[:, :, 3, 0] *= 400.0
     variance[..., 1] = 0.25 * variance[..., 0]
     label_sigma = 1e-12 * scale * np.ones((d, H))
-    estimate, score_part, (u_error, u_score) = targeted.first_order_estimate(variance, differences, label_sigma, model)
+    estimate, score_part, (u_error, u_score) = targeted_diagnostics.first_order_estimate(variance, differences, label_sigma, model)
     assert score_part == pytest.approx(estimate / 2, rel=1e-9)  # a quarter of W's variance
     assert u_score == pytest.approx(u_error / 2, rel=1e-9) and (u_error > 0) == lifted
     estimate = max(estimate, _bias_error(model, u_error))  # as extract combines them
@@ -912,9 +921,9 @@ def test_score_norms_in_float32_match_float64_and_fall_back_where_float32_cannot
     tokens[1, 0, 3] = 0.0
     tokens[2, 0, 0] *= 1e-30
     products = np.linalg.norm(np.einsum("ghnd,hed->ghne", tokens, W), axis=3)
-    rounding = (targeted.SCORE_NORM_FLOOR * np.linalg.norm(W, axis=(1, 2))[None, :, None] / np.sqrt(d)
+    rounding = (targeted_measure.SCORE_NORM_FLOOR * np.linalg.norm(W, axis=(1, 2))[None, :, None] / np.sqrt(d)
                 * np.linalg.norm(tokens, axis=3))
-    norms = targeted._score_norms(tokens, W)
+    norms = targeted_measure._score_norms(tokens, W)
     assert norms[1, 0, 3] == 0.0 and np.isfinite(norms).all()
     np.testing.assert_allclose(norms, np.maximum(products, rounding), rtol=1e-5, atol=0)
 
@@ -930,9 +939,9 @@ def test_score_norms_of_a_token_in_a_low_rank_heads_null_space_are_its_rounding(
     x = rng.standard_normal(d)
     x -= (x @ b) / (b @ b) * b * (1 - 1e-3)  # b^T x a thousandth of its size
     x *= 50.0
-    norms = targeted._score_norms(x[None, None, None], W)[0, 0, 0]
+    norms = targeted_measure._score_norms(x[None, None, None], W)[0, 0, 0]
     assert np.linalg.norm(W[0] @ x) < 1e-2 * norms
-    expected = targeted.SCORE_NORM_FLOOR * np.linalg.norm(W[0]) * np.linalg.norm(x) / np.sqrt(d)
+    expected = targeted_measure.SCORE_NORM_FLOOR * np.linalg.norm(W[0]) * np.linalg.norm(x) / np.sqrt(d)
     assert norms == pytest.approx(expected, rel=1e-12)
 
 
@@ -950,7 +959,7 @@ def test_the_subspace_designs_map_is_the_pseudo_inverse_of_its_rows(H, r):
     current[0] = current[0] @ basis @ basis.T + 1e-6 * current[0]  # unit 0: every head within 1e-6 of the span
     heads = np.arange(units) % H
     patterns = rng.uniform(-1, 1, (units, r + H, r))
-    design = targeted._SubspaceDesign(current, heads, patterns, np.repeat(basis[None], units, axis=0))
+    design = targeted_designs.SubspaceDesign(current, heads, patterns, np.repeat(basis[None], units, axis=0))
     for u in range(units):
         others = [f for f in range(H) if f != heads[u]]
         rows = np.concatenate([current[u, others], basis.T])

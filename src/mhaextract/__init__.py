@@ -16,10 +16,8 @@ from .oracle.noise import (
 from .oracle.simulated import SimulatedOracle
 from .oracle.transcript import TranscriptError
 from .results import Extraction, load_model, save_extraction
-from .transformer import (
-    Transformer1L, TransformerComparison, TransformerExtraction, TransformerExtractionError, compare_transformers,
-    extract_transformer,
-)
+from .transformer import TransformerExtraction, TransformerExtractionError, extract_transformer
+from .transformer_model import Transformer1L, TransformerComparison, compare_transformers
 
 __all__ = [
     "AdditiveNoise", "BFloat16Oracle", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError",

@@ -32,6 +32,7 @@ from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers, exact_model
 from .numerics.float64 import root_mean_square
 from .oracle.boundary import OracleBoundary
+from .oracle.progress import expect_queries, one_bar_per_run
 from .oracle.queries import random_queries
 from .oracle.resume_check import check_same_oracle
 from .oracle.transcript import CALIBRATION, RUN, Transcript, check_directory, run_fingerprint, run_header
@@ -41,7 +42,7 @@ from .outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from .results import Extraction
 from .schedules.base import RESOLVED, Outcome, RunSettings, Schedule
 from .schedules.grid import MORE_POLES
-from .schedules.lowrank import AUTO as AUTO_RANK
+from .schedules.targeted.lowrank import AUTO as AUTO_RANK
 from .schedules.registry import Choice, choose
 from .validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
@@ -56,6 +57,7 @@ ROUNDING_REGIME = 1e3 * 2.0**-53
 WEIGHT_FLOOR = 1e-2
 
 
+@one_bar_per_run
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
@@ -89,7 +91,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         one, §11), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``, ``d ** 0.25``
         for the paper-model schedules, suited to W with entries of size ``1/sqrt(d)``).
     batch_size : sequences per oracle call.
-    progress : show a progress bar (default: when stderr is a terminal).
+    progress : draw one progress bar for the run on stderr: True, False, or None (default: only when
+        stderr is a terminal, so a redirected log gets no bar lines). Its description names the
+        stage being asked (calibration probes, the schedule's rounds, polish and probe queries,
+        verification), with the queries asked against those expected and the time left.
     on_failure : ``"raise"`` an :class:`~mhaextract.checks.base.ExtractionError` when a check
         fails (the result is on the error), or ``"warn"`` and return it.
     transcript : path of a SQLite transcript (:mod:`mhaextract.oracle.transcript`), or None. Every
@@ -192,6 +197,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             record.close()
         raise
     arithmetic = arithmetic_for(settings.precision, settings.backend)
+    expect_queries(progress, plan.promised_queries)
     boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
                               progress=progress, max_queries=max_queries,
                               transcript=None if record is None else record.section(RUN), vectors=vectors)
@@ -222,10 +228,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if record is not None:
             record.close()
     failed = {check.name for check in extraction.failed_checks}
-    hints = plan.hints(failed) + failure_hints(failed, settings, boundary.stats, extraction.heads)
-    if "noise_within_validity" in failed:
-        hints.append("The answers are noisier than this run can certify (valid_below): oversample "
-                     "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
+    hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
+                          float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf")
     report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
     return extraction
 
@@ -348,8 +352,8 @@ def noisy_polish_count(plan: Schedule) -> int:
 
 #: The refinement a schedule decides by itself (``refine=None``) runs only within the grid
 #: schedules' float64 envelope, H0 <= 3 (docs/algorithm.md §11), and while its Jacobian stays below
-#: this many entries: outside it the algebra's start is no start (paper, exact, d = 16, H = 4:
-#: the algebra 0.53 off, its links' misfit taken for noise, a 130 s refinement to a fit 7.7 off).
+#: this many entries: outside it the algebra's start is no start (its links' misfit taken
+#: for noise, a long refinement to a fit further off).
 SELF_REFINE_MOST_HEADS, SELF_REFINE_ENTRIES = 3, 10_000_000
 
 
@@ -365,7 +369,7 @@ def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float, outcom
     """float64, a schedule that refines when noisy (lean, paper), ``refine=None`` (neither asked
     for nor refused), and noisy answers: ``answer_error`` declared, or noise above
     ``ROUNDING_REGIME`` (1e3 units of rounding of the largest answer): the noise probe's misfit
-    (lean; on an exact oracle it can pass its own 16 units, bench_reliability seed 69) or 3 x the
+    (lean; on an exact oracle it can pass its own 16 units) or 3 x the
     links' noise estimate (paper; docs/algorithm.md §10, §12)."""
     settings = plan.settings
     if not plan.refines_when_noisy or settings.refine is not None or settings.precision is not None:
@@ -540,9 +544,8 @@ def _start_validity(certificate, settings: RunSettings, scale: float, refit=None
     (:func:`_refuted_links`), and ``linear`` True: the refined model's first order is the
     least-squares fit's, bounded by its own linearisation (``LINEAR_MOVEMENT`` / C), not by the
     algebra's instances, whose answers it fits like any other.
-    Paper under declared uniform 1e-8 (bench_reliability seeds 23, 52, 53): one ill-conditioned
-    instance each outside its linear range (3e-10..4e-11 against the bound) voided refined models
-    within 2.6e-7..6e-7 of the truth."""
+    Otherwise one ill-conditioned instance outside its linear range would void a refined model
+    within its estimate of the truth."""
     if settings.answer_error is not None:
         eps, statistical = settings.answer_error, False
     elif 3.0 * certificate.noise_estimate > ROUNDING_REGIME * scale:
@@ -641,8 +644,8 @@ def _refine(model, sequences, answers, added, bias, certificate, start_validity=
 #: the rest) that a successful refinement replaces: its model is the least-squares fit of every
 #: answer, judged by the answers' residual and the fit's own certificate. ``pole_count`` only
 #: where no instance detected more than H* poles (then H* may not be the canonical count, which
-#: no fit of H* heads can show). Lean under declared 1e-8 noise, refined (bench_reliability seed
-#: 41, d = 3, H = 3): 2 of 17 instances complex, true error 6.8e-9.
+#: no fit of H* heads can show). (A refined run under noise can keep a few complex
+#: instances and still be within its estimate.)
 SUPERSEDED_BY_FIT = ("matching", "labels_consistent", "poles_real_positive", "pole_count")
 
 
@@ -699,9 +702,7 @@ def _residual_evidence(answers_residual: float, source: str) -> tuple[float, str
     model misfits the answers it was fitted to by ``r`` relative to the largest answer, and the
     output moves with a relative parameter error ``e`` by at most about ``e`` of the largest
     answer (linear in v, Lipschitz in W with constants of order one at the token scale, §11), so
-    ``e >= r`` to first order. An estimate below that understated the truth: lean, exact, d = 5,
-    H = 3 (bench_reliability seeds 28, 58), estimates 1.5e-6, 6.5e-5 on true errors 1.2e-5, 8.9e-5
-    with residuals 1.2e-6, 1.7e-6 (docs/algorithm.md §11)."""
+    ``e >= r`` to first order. An estimate below that understates the truth (docs/algorithm.md §11)."""
     return float(answers_residual), (f"{source}; raised to the answers' residual, a first-order lower bound "
                                      "of the relative parameter error")
 
@@ -709,12 +710,12 @@ def _residual_evidence(answers_residual: float, source: str) -> tuple[float, str
 def _constant_error(model, measured: float) -> float:
     """The relative error of an output constant read from one answer (``c = f((0))``, §16): that
     answer's error ``measured`` (absolute) over ``|c|``. The schedules' estimates are relative to
-    the answers' sizes; a small c is off by the noise relative to itself (bench_reliability seed
-    21, d = 3, H = 2, declared uniform 1e-8: c's error 1.9e-6, 600 times the rest's estimate).
+    the answers' sizes; a small c is off by the noise relative to itself, which can be far above
+    the rest's estimate.
     A c within ``RESOLVED`` times that error of zero is zero at the answers' resolution (a
     bias-free target's c reads as noise): its error is claimed absolute, ``measured``, as
-    ``compare`` reports it against a reference without c (claiming none, the targeted schedule's
-    estimate stood 6x below such a c's error under Gaussian noise 1e-10, bench_reliability seed 373)."""
+    ``compare`` reports it against a reference without c (claiming none, an estimate would stand
+    below such a c's error)."""
     if model is None or not measured or model.is_high_precision:
         return 0.0
     return float(measured) if abs(model.c) <= RESOLVED * measured else float(measured / abs(model.c))
@@ -756,8 +757,8 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
         # which assumed float64 rounding, to the bound (or to the noise the probe measured, if more).
         # The schedule's estimate assumed errors relative to each answer; an absolute bound is a
         # larger relative error on the smaller answers, so it is compared with the median answer,
-        # not the largest (lean, d = 5, H = 1, answers 0.064..4.9: against the largest the estimate
-        # came out 32 x below the truth).
+        # not the largest (against the largest, answers spread over decades would make the
+        # estimate understate the truth).
         noise = max(settings.answer_error, probe[0] if probe is not None else 0.0)
         return (scaled(noise, typical if typical is not None else scale),
                 "the declared answer_error (the schedule's rounding-level estimate scaled to it)")

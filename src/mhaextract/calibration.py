@@ -35,16 +35,14 @@ answers a repeat differently, by about as much as the permuted pairs differ
 (``Calibration.random_noise``).
 ``Calibration.arithmetic_noise``, the rounding unit of the oracle's own arithmetic
 (``RunSettings.arithmetic_noise``; the targeted schedules size their score-rounding term by it,
-not by the answer noise: seed 57 of docs/reliability.md, d = H = 4, Gaussian 1e-10, the estimate
-was 1e4 times the truth):
+not by the answer noise, which would overstate the estimate by orders of magnitude):
 
 * the answer noise, when the repeats differ by less than ``1 / RANDOM_RATIO`` of the permuted
   pairs or the answers' bits are below float64 (the noise is the arithmetic's);
 * None (float64 scores) for random noise below ``HIDDEN_FLOAT32`` relative: a float32 arithmetic
   would have shown in the permuted pairs above it (the smallest a float32 softmax showed was 4e-9);
-* ``min(answer noise, 2^-24)`` for larger random noise, which may hide a float32 arithmetic (a
-  float32 layer behind Gaussian noise 1e-7, taken as float64 scores, passed with an estimate 12
-  times below the truth).
+* ``min(answer noise, 2^-24)`` for larger random noise, which may hide a float32 arithmetic (taken as
+  float64 scores, a float32 layer behind Gaussian noise would pass with an estimate below the truth).
 
 Queries: ``1 + 2P`` one-token queries (the zero vector and both tokens of each pair at the base
 scale; one-token answers at the other scales follow exactly, since the tokens scale by powers of

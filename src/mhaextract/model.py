@@ -409,8 +409,8 @@ class MultiHeadAttention:
         heads, d = W.shape[0], W.shape[1]
         W_rows = W.reshape(heads * d, d)  # row (h, a): row a of W_h
         for index, X in groups:
-            # W_h x_N + u_h (B, H, d): one BLAS product per sequence (stacked), not einsum (~3x slower at d =
-            # 128), and not one product for the batch, whose rounding would depend on the batch's size.
+            # W_h x_N + u_h (B, H, d): one BLAS product per sequence (stacked), not einsum (slower),
+            # and not one product for the batch, whose rounding would depend on the batch's size.
             queries = np.matmul(X[:, -1:, :], W_rows.T).reshape(len(index), heads, d) + u[None]
             scores = np.einsum("bnd,bhd->bhn", X, queries)  # (B, H, N)
             scores -= scores.max(axis=2, keepdims=True)

@@ -19,7 +19,7 @@ from .api import extract
 from .checks.base import UnreliableExtractionWarning
 from .compare import compare
 from .model import MultiHeadAttention
-from .oracle.boundary import _progress
+from .oracle.progress import ProgressBar
 from .oracle.noise import AdditiveNoise
 from .oracle.simulated import SimulatedOracle
 
@@ -43,7 +43,7 @@ def noise_sweep(d: int, heads: tuple[int, ...], eps_values: tuple[float, ...], s
     the caller gets either all points or the KeyboardInterrupt."""
     points = []
     total = len(heads) * len(eps_values) * seeds
-    with _progress(progress, "noise sweep", total) as advance:
+    with ProgressBar(progress, "noise sweep", total) as advance:
         for H in heads:
             for eps in eps_values:
                 for seed in range(seeds):

@@ -65,9 +65,8 @@ SPARE_EQUATIONS = 4
 MAX_ZOOM = 4
 ZOOM_GRID = 16
 #: Two region fits' unit vectors within this relative distance (up to sign) are one unit. The fits
-#: amplify step 1's errors: d = 16, H = 4, hidden 32, seed 2 met one unit twice at 1.7e-5 (the bound
-#: was 1e-5: 33 units, orientation failed), while distinct units of the random targets sit 0.86 and
-#: more apart; units closer than 1e-3 would be near-parallel hyperplanes (condition 2) anyway.
+#: amplify step 1's errors (one unit can be met twice at ~1e-5 apart), while distinct units of the
+#: random targets sit 0.86 and more apart; units closer than 1e-3 would be near-parallel hyperplanes (condition 2) anyway.
 SAME_UNIT = 1e-3
 #: Unit counts beyond the rank of the unit vectors whose orientations are enumerated.
 MAX_ENUMERATED = 20
@@ -443,11 +442,9 @@ class UnitLearner:
         token scale) whose head means M, with their answers, join the polish's rows (float64).
 
         The segments and the region clouds explore M-space along lines ``(1 - s) b + s kappa E``
-        near ``b = (x, .., x)``: together their rows are anisotropic (d = 16, H = 8, hidden 32: the
-        smallest singular value of all 13,000 normalised rows 1.3e-5 of the largest, against 9e-2 for
-        random sequences), so the least-squares polish fixes the units along the heads' differences
-        only loosely, and step 1's rounding came out amplified there: fresh-query errors 1e-11 on most
-        seeds and 2.4e-7 on one, near the 1e-6 the verification allows (docs/transformer.md, "float64
+        near ``b = (x, .., x)``: together their rows are anisotropic (their smallest singular value
+        far below random sequences'), so the least-squares polish would fix the units along the heads'
+        differences only loosely, and amplify step 1's rounding there (docs/transformer.md, "float64
         polish"). Random sequences see every direction of M alike."""
         if self.precision is not None or count <= 0:
             return

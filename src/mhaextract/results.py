@@ -76,7 +76,7 @@ class Extraction(CheckedResult):
     checks : list of Check
     details : ScheduleDetails
         Schedule-specific diagnostics (:class:`~mhaextract.schedules.grid.GridDetails` for paper
-        and lean, :class:`~mhaextract.schedules.targeted.TargetedDetails` for targeted).
+        and lean, :class:`~mhaextract.schedules.targeted.diagnostics.TargetedDetails` for targeted).
     W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
     u_balls, c_ball : the score biases (H*, d) and the output constant as balls (high-precision runs
         that learned biases, ``bias=True``: the biased grid, docs/algorithm.md §16); None otherwise.
@@ -92,7 +92,8 @@ class Extraction(CheckedResult):
         layer, ``"mpf"`` in high precision), from the oracle's ``answer_dtype`` when it has one.
     certificate : Certificate or None
         The first-order error certificate (docs/algorithm.md §12) where the schedule has one
-        (float64 paper runs), behind ``amplification``, ``error_bound(eps)`` and ``valid_below``.
+        (float64 paper runs), behind ``amplification``, ``error_bound(eps)`` and ``valid_below``
+        (each None when this is None).
     refinement : Refinement or None
         With ``refine=True``: which model was kept, the misfits before and after, the queries added.
     verification : Verification or None
@@ -109,6 +110,23 @@ class Extraction(CheckedResult):
         model (``V_h`` (d_out, d) and ``c`` (d_out,) fitted to the answers, docs/algorithm.md §21).
     value_fit : :class:`~mhaextract.outputs.ValueFit` or None
         For vector answers: the fit of ``V_h`` and ``c``, its queries, residual and estimate.
+
+
+    Schedule-specific parts are None where the run has none, never an error: ``certificate`` and its
+    shortcuts ``amplification``, ``valid_below`` and ``error_bound(eps)`` (float64 paper runs, and
+    refined runs), ``W_balls``/``v_balls``, ``model_hp`` and ``radius`` (high precision), ``details``
+    (its own class per schedule), ``refinement``, ``verification``, ``calibration``.
+
+    Methods
+    -------
+    summary() : dict
+        Every scalar above in one JSON-ready dict (``save_extraction`` writes it as ``summary``).
+    error_bound(eps) : float or None
+        The certificate's bound for answers within ``eps`` (None without a certificate).
+    with_verification(verification) : a copy carrying a :func:`mhaextract.verify` result.
+
+    ``repr(result)`` (and ``print(result)``) is one line: schedule, heads, d, queries, ok and the
+    error estimate; :func:`mhaextract.report` or ``summary()`` gives the rest.
 
     Examples
     --------
@@ -170,27 +188,27 @@ class Extraction(CheckedResult):
         """Outputs per answer for an oracle answering vectors, None for scalar answers."""
         return None if self.readout is None else len(self.readout)
 
-    def _certificate(self) -> Certificate:
-        if self.certificate is None:
-            raise ValueError(f"no first-order certificate: schedule={self.schedule!r} at precision={self.precision} "
-                             "has none (float64 runs of the paper schedule carry one; high-precision runs carry "
-                             "certified balls, W_balls and v_balls, instead)")
-        return self.certificate
+    def __repr__(self) -> str:
+        return (f"Extraction(schedule={self.schedule!r}, heads={self.heads}, d={self.d}, queries={self.queries}, "
+                f"ok={self.ok}, error_estimate={self.error_estimate:.3g})")
 
     @property
-    def amplification(self) -> float:
-        """C: worst-case relative parameter error per unit absolute answer error, first order."""
-        return self._certificate().amplification
+    def amplification(self) -> float | None:
+        """C: worst-case relative parameter error per unit absolute answer error, first order (None
+        without a ``certificate``: high precision, and the schedules that have none)."""
+        return None if self.certificate is None else self.certificate.amplification
 
     @property
-    def valid_below(self) -> float:
-        """The answer-error bound below which the matching is certified and first order holds."""
-        return self._certificate().valid_below
+    def valid_below(self) -> float | None:
+        """The answer-error bound below which the matching is certified and first order holds (None
+        without a ``certificate``)."""
+        return None if self.certificate is None else self.certificate.valid_below
 
-    def error_bound(self, eps: float) -> float:
+    def error_bound(self, eps: float) -> float | None:
         """Bound on ``compare(model, truth).max_rel`` if every answer is within ``eps`` of the
-        truth (inf when ``eps >= valid_below``); see :class:`mhaextract.checks.certificate.Certificate`."""
-        return self._certificate().error_bound(eps)
+        truth (inf when ``eps >= valid_below``; None without a ``certificate``, whose absence
+        ``error_estimate`` does not depend on); see :class:`mhaextract.checks.certificate.Certificate`."""
+        return None if self.certificate is None else self.certificate.error_bound(eps)
 
     def with_verification(self, verification) -> "Extraction":
         """A copy of this result carrying ``verification`` (from :func:`mhaextract.verify`)."""
@@ -226,6 +244,8 @@ class Extraction(CheckedResult):
         return float(radius_float(self.W_balls).max()), float(radius_float(self.v_balls).max())
 
     def summary(self) -> dict:
+        """The run's scalars as one JSON-ready dict (the attributes above, the certificate's
+        ``valid_below``, ``noise_estimate`` and ``method`` or None, and ``details.summary()``)."""
         return {
             "d": self.d, "max_heads": self.max_heads, "heads": self.heads, "queries": self.queries,
             "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,

@@ -3,8 +3,7 @@
 A schedule's own error estimate assumes answers exact to float64 rounding unless
 ``answer_error`` is declared. Undeclared noise (an oracle that adds 1e-9, computes in float32
 inside, or rounds its output) moves the parameters by the noise times the run's amplification,
-orders of magnitude above that estimate (issue 12: 83 of 84 passing runs under 1e-9 noise were
-more than 30x off). Two sources measure the noise (docs/reliability.md):
+orders of magnitude above that estimate. Two sources measure the noise (docs/reliability.md):
 
 * **redundancy** (paper): the links' misfits give ``Certificate.noise_estimate``; the error
   estimate is at least ``certificate.statistical(noise_estimate)`` (3 sigma through G's row l2

@@ -33,12 +33,12 @@ the minimiser moves by ``G e``, ``G = (D J)^+ D`` (D the weights), for answer er
 :mod:`mhaextract.checks.certificate` bounds the refined result with it.
 
 Beyond ``MAX_JACOBIAN_ENTRIES`` (d = 32 from H = 4 on, d = 64) the Jacobian is never formed
-(docs/algorithm.md §12.1): :class:`_MatrixFree` applies ``D J`` and ``J^T D`` from the rank-one
+(docs/algorithm.md §12.1): :class:`MatrixFreeSolver` applies ``D J`` and ``J^T D`` from the rank-one
 structure above, query block by query block (``O(Q (H d^2 + N H d))`` per product, memory of the
 order of the queries themselves), and each Gauss-Newton / Levenberg-Marquardt step is an LSMR
 solve of the column-scaled problem (``scipy.sparse.linalg.lsmr``, ``damp = sqrt(damping)``: the
 same damped problem the SVD solves). Its certificate estimates the row norms of G by LSMR solves
-on random answer errors (:meth:`_MatrixFree.row_l1_bounds`).
+on random answer errors (:meth:`MatrixFreeSolver.row_l1_bounds`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ from ..model import MultiHeadAttention, as_batch
 from ..oracle.queries import padded
 from ..numerics.float64 import root_mean_square
 
-#: Fresh polish queries per refined parameter (default ``refine_queries``): d = 8, H = 6 with
-#: biases, 2886 queries, 2^-51..2^-52 (docs/algorithm.md §12).
+#: Fresh polish queries per refined parameter (default ``refine_queries``; docs/algorithm.md §12).
 POLISH_FACTOR = 6
 #: The polish queries have 2 .. POLISH_LONGEST tokens (never more than the schedule's longest).
 POLISH_LONGEST = 5
@@ -221,7 +220,7 @@ DAMPINGS = (0.0, 1e-6, 1e-4, 1e-2, 1.0, 1e2, 1e4)
 CONVERGED_GAIN = 1e-2
 
 
-class _Solver:
+class FactoredSolver:
     """``s(r, damping) = argmin ||J s - r||^2 + damping ||D s||^2`` (D: J's column norms) from one
     SVD of the column-scaled J: no normal equations, whose condition number is squared."""
 
@@ -243,7 +242,7 @@ class _Solver:
         return (self.Vt.T @ (filtered * self.project(r))) / self.norms
 
 
-class _MatrixFree:
+class MatrixFreeSolver:
     """``D J`` (D: the answers' weights, J: the output Jacobian of ``model`` at the queries of
     ``blocks``) as products, never formed (docs/algorithm.md §12.1). Per query and head J's row is
     ``g_h x_N^T`` (W_h), ``s_h = sum_i a_{h,i} x_i`` (v_h), ``g_h`` (u_h), 1 (c), and
@@ -252,7 +251,7 @@ class _MatrixFree:
     padded queries, and g, s are rebuilt per block (``O(N H d)`` per query against the ``O(H d^2)``
     of the products with W).
 
-    ``__call__(r, damping)`` is :class:`_Solver`'s: the step ``argmin ||J s - r||^2 + damping ||D_c s||^2``
+    ``__call__(r, damping)`` is :class:`FactoredSolver`'s: the step ``argmin ||J s - r||^2 + damping ||D_c s||^2``
     (D_c: the column norms), here by LSMR on the column-scaled operator with ``damp = sqrt(damping)``."""
 
     def __init__(self, model: MultiHeadAttention, blocks, weights: np.ndarray, bias: bool):
@@ -354,14 +353,14 @@ class _MatrixFree:
 
 def jacobian_solver(model: MultiHeadAttention, sequences, weights: np.ndarray, bias: bool = False,
                     matrix_free: bool | None = None):
-    """The solver of ``D J`` at ``model``: :class:`_Solver` (the SVD of the formed Jacobian) where it
-    fits ``MAX_JACOBIAN_ENTRIES`` (or ``matrix_free=False``), else :class:`_MatrixFree`."""
+    """The solver of ``D J`` at ``model``: :class:`FactoredSolver` (the SVD of the formed Jacobian) where it
+    fits ``MAX_JACOBIAN_ENTRIES`` (or ``matrix_free=False``), else :class:`MatrixFreeSolver`."""
     sequences = as_batch(sequences, model.d)
     if matrix_free is None:
         matrix_free = not affordable(len(sequences), model.heads, model.d, bias)
     if matrix_free:
-        return _MatrixFree(model, list(_blocks(sequences)), weights, bias)
-    return _Solver(weights[:, None] * output_jacobian(model, sequences, bias))
+        return MatrixFreeSolver(model, list(_blocks(sequences)), weights, bias)
+    return FactoredSolver(weights[:, None] * output_jacobian(model, sequences, bias))
 
 
 def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarray,
@@ -403,7 +402,7 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     while evaluations < max_evaluations:
         if matrix_free:
             solve = None  # the previous operator's g and s are freed before the next one's are built
-            operator = _MatrixFree(unpack(theta, heads, d, bias), blocks, weights, bias)
+            operator = MatrixFreeSolver(unpack(theta, heads, d, bias), blocks, weights, bias)
             finite = operator.finite
         else:
             J = weights[:, None] * output_jacobian(unpack(theta, heads, d, bias), sequences, bias)
@@ -412,7 +411,7 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
         if not finite:
             status, message = -2, "the Jacobian is not finite"
             break
-        solve = operator if matrix_free else _Solver(J)
+        solve = operator if matrix_free else FactoredSolver(J)
         improved, gain = False, 0.0
         for damping in DAMPINGS:  # plain Gauss-Newton first; damped only where it fails
             step = solve(current, damping)

@@ -3,7 +3,7 @@
 Each instance's balls are proven to enclose the exact parameters *of the rational function it
 fitted with H* poles*. When two heads are closer than the answers' precision resolves, the
 instances fit H* - 1 poles and the proof holds for that merged model, not for the oracle: the
-balls then contain neither head (issue 12, W_1 = W_0 + 1e-40 E at 256 bits). The oracle's own
+balls then contain neither head (e.g. W_1 = W_0 + 1e-40 E at 256 bits). The oracle's own
 answers expose it: if the balls enclosed the oracle's parameters, the model evaluated in ball
 arithmetic with those balls would contain the exact output, and so overlap every answer's ball
 (the answer within one ulp). :func:`balls_reproduce_answers` evaluates a few of the queries

@@ -177,9 +177,8 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
     ``constant_known`` (both anchors of docs/algorithm.md §4 known) the column of c is dropped.
     Rows whose ``residual`` (n,) is above ``FAILED_FIT_RESIDUAL`` (or NaN) get inf too: the
     linearisation of a fit that does not fit is no error bar. Near such a degenerate fit the SVD's
-    rounding reported sigma 265 for a label 3.5e279 (paper, d = H = 3 under uniform 1e-8,
-    bench_reliability seed 386, on numpy 2.4.6's OpenBLAS), which then outweighed every other
-    instance of its column in the weighted consensus.
+    rounding can report a sigma far below a huge label's error, which would then outweigh every
+    other instance of its column in the weighted consensus.
     """
     n, r = tau.shape
     finite = np.isfinite(tau).all(axis=1) & np.isfinite(labels).all(axis=1)

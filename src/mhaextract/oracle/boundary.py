@@ -14,7 +14,6 @@ floats are refused there, since they would silently cap the precision at 53 bits
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -25,6 +24,7 @@ from flint import arb
 from ..numerics.highprec import mpf_to_arb
 from .answer_stats import AnswerStats
 from .vector_answers import VectorAnswers
+from .progress import progress_bar
 
 
 class OracleError(RuntimeError):
@@ -116,7 +116,7 @@ class OracleBoundary:
     precision: int | None = None
     batch_size: int = 1024
     max_queries: int | None = None
-    progress: bool | None = None
+    progress: object = None  # True, False, None (stderr a terminal) or the run's bar (.progress.RunProgress)
     transcript: object = None  # a mhaextract.oracle.transcript.Transcript, or None
     queries: int = 0
     replayed: int = 0
@@ -178,12 +178,11 @@ class OracleBoundary:
             allowed = max(0, min(allowed, self.max_queries - self.queries))
         if allowed < len(missing) and self.transcript is None:
             raise self._over_budget(len(missing), total - len(missing))
-        show = self.progress if self.progress is not None else sys.stderr.isatty()
         # A source that builds new arrays on every access (the grid's CopiesQueries): its batches go
         # to the oracle as they are, and what the boundary keeps (transcript hashes, error messages)
         # is built again, so that nothing the oracle does to its arrays reaches them.
         fresh = self.precision is None and getattr(sequences, "fresh_on_access", False)
-        with _progress(show, description, total, completed=len(replayed)) as advance:
+        with progress_bar(self.progress, description, total, completed=len(replayed)) as advance:
             for start in range(0, allowed, self.batch_size):
                 positions = missing[start:min(start + self.batch_size, allowed)]
 
@@ -419,28 +418,3 @@ def plain_numbers(value):
         tensor = value.detach().cpu()
         return (tensor.double() if tensor.is_floating_point() else tensor).numpy()
     return value
-
-
-class _progress:
-    """A rich progress bar (or nothing) as a context manager yielding ``advance(n)``."""
-
-    def __init__(self, show: bool, description: str, total: int, completed: int = 0):
-        self.show, self.description, self.total, self.completed = show, description, total, completed
-
-    def __enter__(self):
-        if not self.show:
-            return lambda n: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            transient=True,
-        )
-        self._bar.__enter__()
-        task = self._bar.add_task(self.description, total=self.total, completed=self.completed)
-        return lambda n: self._bar.advance(task, n)
-
-    def __exit__(self, *exc):
-        if self.show:
-            self._bar.__exit__(*exc)
-        return False

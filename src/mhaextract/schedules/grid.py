@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..checks.base import FLOAT64_MAX_RELIABLE_HEADS, Check, CheckPolicy, heads_found_check
-from ..checks.certificate import PipelineRun
+from ..checks.linearisation import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
 from ..numerics.assembly import inverse_variance_weights, pole_design

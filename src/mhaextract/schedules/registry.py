@@ -1,6 +1,7 @@
 """The one place where schedule names are known: ``extract(..., schedule=NAME)`` looks them up here.
 
-Adding a schedule: one module with a :class:`~.base.Schedule` subclass, and one line below.
+Adding a schedule: one module with a :class:`~.base.Schedule` subclass (or a family of them in a
+subpackage, as :mod:`.targeted`), and one line below.
 ``schedule="auto"`` and the model with biases (docs/algorithm.md §16) are resolved here too
 (:func:`choose`): which class runs, whether it learns biases, whether the token scale is
 calibrated by queries (§18), and why.
@@ -11,12 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import Schedule
-from .biased import BiasedTargetedSchedule
 from .biased_grid import BiasedGridSchedule
 from .lean import LeanSchedule
-from .lowrank import BiasedLowRankSchedule, LowRankSchedule
 from .paper import PaperSchedule
-from .targeted import TargetedSchedule
+from .targeted import BiasedLowRankSchedule, BiasedTargetedSchedule, LowRankSchedule, TargetedSchedule
 
 SCHEDULES: dict[str, type[Schedule]] = {}
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..numerics import single_pole
+from ...numerics import single_pole
 
 EPS = np.finfo(np.float64).eps
 
@@ -38,9 +38,8 @@ EPS = np.finfo(np.float64).eps
 #: 1 - WINDOW_FRACTION) has ``S_2 - S_1 = l tau / ((2 + tau)(1 + tau))``, at least 0.0099 |l| (at f =
 #: 0.02): the point is tested as a centre when ``S_2 - S_1`` exceeds this fraction of the step being
 #: bisected, even below the line's noise tolerance (1e3 rounding scales). That tolerance is sized for
-#: the staircase's steps; against ``S_2 - S_1``, at most 0.17 |l|, it hid every head with |l| under
-#: 6 tolerances: a float32 GPT-2 layer at d = 768, H = 12 (tolerance 1.1% of the largest gap) never
-#: tested its head of label 73.7 (of 1,300) as a centre, and the run failed.
+#: the staircase's steps; against ``S_2 - S_1``, at most 0.17 |l|, it would hide every head with |l|
+#: under 6 tolerances (a small label beside large ones in a float32 layer).
 WINDOW_GAP = 0.005
 #: Copy counts asked at a candidate centre (k = 1 is the bisection's own sample): the longest
 #: query of the targeted schedule has max(CENTER_COPIES) + 1 tokens.
@@ -130,8 +129,8 @@ def locate_heads(gap: Callable, z: np.ndarray, max_heads: int, rng: np.random.Ge
     max_lines = max_lines if max_lines is not None else 10 + 6 * max_heads
     step = token_scale**2 / np.linalg.norm(z)  # |a_h| ~ |z| / token_scale^2: steps move m_h by O(1)
     # Noisy answers: centres first only where the fit is well conditioned; if that leaves heads
-    # unfound, another round of lines accepts the float64 range (a float32 d = 16, H = 4 target
-    # showed its fourth head at no centre with |m| <= 2.5 in 8 lines).
+    # unfound, another round of lines accepts the float64 range (a head
+    # can show at no centre with |m| <= 2.5).
     tiers = [MAX_CENTER_LOG_POLE] if unit is None or unit <= EPS else [NOISY_MAX_CENTER_LOG_POLE, MAX_CENTER_LOG_POLE]
     for max_center in tiers:
         idle, last_line = 0, report.lines + max_lines
@@ -164,7 +163,7 @@ def _search_line(gap, x0, u, half_length, grid, quantize, report, max_heads, ste
     # A safety net: no line may take more bisection steps than this. A staircase's lines take at most
     # ~5 per head (d = 8..64, H = 3..32, float64 and float32); a line that is no staircase (a biased
     # oracle read as bias-free: vbar off by c Z^{-T} 1 adds a ramp, and every half is "significant")
-    # bisected until 64 (grid + 1) H, 261,688 queries at d = 12, H = 2, before this bound.
+    # would be bisected without end.
     budget = LINE_STEPS_PER_HEAD * (grid + 1) * max_heads
     stack = [(ts[n], values[n], ts[n + 1], values[n + 1], 0)
              for n in range(grid) if abs(values[n + 1] - values[n]) > tolerance]
@@ -232,8 +231,8 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng, unit=None):
         m_read = single_pole.reading(values, P, label)
         ok = np.isfinite(m_read) & (np.abs(m_read) <= MAX_READING_LOG_POLE)
         # The reading's own error from its sample's rounding, dm = dS (1 + tau)^2 / (|l| tau): with
-        # float32 answers a reading at |m| ~ 7 had dm ~ 1 and sat at the noise floor (read 6.6 where
-        # m was 14.9: directions 14..19% off, heads counted twice; nn.MultiheadAttention d = 32, H = 8).
+        # float32 answers a reading at |m| ~ 7 has dm ~ 1 and sits at the noise floor (its direction
+        # then far off, a head counted twice).
         with np.errstate(over="ignore", invalid="ignore"):
             tau = np.exp(np.clip(m_read, -MAX_READING_LOG_POLE, MAX_READING_LOG_POLE))
             ok &= rounding * (1.0 + tau) ** 2 / (abs(label) * tau) <= MAX_READING_ERROR
@@ -258,8 +257,7 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng, unit=None):
         # same to a few digits, while another head's is not. The label is then compared loosely
         # even in float64: a centre's label carries its neighbours' incomplete saturation,
         # l_g exp(-|m_g|), which is a few percent of a small label when a large-label neighbour
-        # sits at |m_g| ~ 5 (d = H = 8, seed 0: one head found twice with labels 40.46 and 40.02
-        # and directions agreeing to 1e-4, and every targeted instance then failed).
+        # sits at |m_g| ~ 5 (else one head is found twice, and every targeted instance then fails).
         same_label = abs(head.label - label) <= DUPLICATE_LABEL_AGREEMENT * max(abs(head.label), abs(label))
         if same_label and np.linalg.norm(head.direction - direction) <= direction_agreement * np.linalg.norm(direction):
             report.duplicates += 1

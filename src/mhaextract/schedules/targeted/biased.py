@@ -22,7 +22,7 @@ final token. Everything of §13 carries over in the lifted coordinates ``x~ = (x
 Queries after phase 1, with H heads found: ``(d + 1) + 2H(d + 1)`` (first group; ``3H(d + 1)`` on
 answers noisier than float64) ``+ (d + 2) H (d - 1)`` (bridges) ``+ 2 H d (d + 1)`` (final); the longest
 query has 5 tokens (phase 1's ``k = 4``).
-The design, fit and check code is the targeted schedule's own (:mod:`.targeted`); only the lifted
+The design, fit and check code is the targeted schedule's own (:mod:`.schedule`); only the lifted
 design (:class:`AffineDesign`), the prober that knows c, and the run's assembly live here.
 """
 
@@ -32,22 +32,28 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..model import MultiHeadAttention
-from ..numerics import float64 as float64_kernel
-from ..numerics import single_pole
-from ..oracle.queries import one_token_queries
-from .base import Outcome
+from ...model import MultiHeadAttention
+from ...numerics import float64 as float64_kernel
+from ...numerics import single_pole
+from ...oracle.queries import one_token_queries
+from ..base import Outcome
 from .linesearch import MAX_READING_LOG_POLE
-from .targeted import (
-    EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, TargetedDetails, TargetedSchedule,
-    _all_heads_at, _balanced_basis, _bridge_step, _checks, _designs, _diagnostics, _error_estimate, _FullDesign,
-    _measure, _MinimumNormCorrection, _NullSpace, _other_heads_frame, _patterns, _patterns_per_head, _Prober,
-    _shared, answer_unit, final_copies, final_unit_queries, first_copies, first_group, score_unit,
+from .bases import balanced_basis
+from .designs import final_copies, final_unit_queries, first_copies, FullDesign
+from .diagnostics import final_error_estimate, instance_diagnostics, targeted_checks, TargetedDetails
+from .measure import all_heads_at, measure_units, shared_estimates
+from .patterns import (
+    design_tokens, draw_patterns, draw_patterns_per_head, MinimumNormCorrection, NullSpace, other_heads_frame,
+)
+from .prober import Prober
+from .schedule import bridge_step, first_group, TargetedSchedule
+from .tolerances import (
+    EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, answer_unit, score_unit,
 )
 
 
-class AffineProber(_Prober):
-    """A :class:`~.targeted._Prober` for the biased model: knows ``c`` as well as ``vbar``, and takes
+class AffineProber(Prober):
+    """A :class:`~.prober.Prober` for the biased model: knows ``c`` as well as ``vbar``, and takes
     final tokens and differences either in R^d or lifted to R^(d+1) (last coordinate 1 for final
     tokens, 0 for differences; the oracle is asked the first d coordinates)."""
 
@@ -83,7 +89,7 @@ class AffineProber(_Prober):
         return super().systematic(finals[..., :self.d]) + 4 * self.unit * abs(self.c0)
 
 
-class AffineDesign(_FullDesign):
+class AffineDesign(FullDesign):
     """Designs of units measuring ``a~_h(z) = (W_h^T z, u_h^T z)`` in lifted coordinates: ``d + 1``
     instances per unit (module docstring). ``current`` (U, H, d + 1) are the lifted estimates."""
 
@@ -93,15 +99,15 @@ class AffineDesign(_FullDesign):
         self.rounds, self.pattern = D, patterns
         self.prior = current[self.units, heads].copy()
         # Null part in R^d off the H slopes, from pattern rows H + 1.. (row H is the lifted coordinate).
-        self.null_space = _NullSpace(current[:, :, :D - 1])
-        self.correction = _MinimumNormCorrection(U, D)
-        self.frame = _other_heads_frame(current[:, :, :D - 1], heads)  # only the target's row is corrected
+        self.null_space = NullSpace(current[:, :, :D - 1])
+        self.correction = MinimumNormCorrection(U, D)
+        self.frame = other_heads_frame(current[:, :, :D - 1], heads)  # only the target's row is corrected
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, D, D) with D = ``d`` here the lifted dimension: row H constant (the lifted
         coordinate); written into ``out`` (contiguous) when given."""
-        return _patterns(rng, d, H, groups * H, out=None if out is None else out.reshape(groups * H, d, d)
+        return draw_patterns(rng, d, H, groups * H, out=None if out is None else out.reshape(groups * H, d, d)
                          ).reshape(groups, H, d, d)
 
     def constant_rows(self) -> np.ndarray:
@@ -120,14 +126,14 @@ class AffineDesign(_FullDesign):
                                           self.null_space.workspace(block))
         if out is None:
             out = np.empty((U, columns.shape[2], D))
-        _designs(slopes, self.heads, columns, null_part, self.frame, self.halfwidth, out[:, :, :D - 1])
+        design_tokens(slopes, self.heads, columns, null_part, self.frame, self.halfwidth, out[:, :, :D - 1])
         out[:, :, D - 1] = 1.0
         return out
 
 
 class AffineFinalDesign(AffineDesign):
-    """The final stage's lifted units (:class:`.targeted._FinalDesign` in the coordinates of §16): the
-    target's row of every pattern is :func:`.targeted.final_sides` (``d + 1`` rounds, the centre
+    """The final stage's lifted units (:class:`.designs.FinalDesign` in the coordinates of §16): the
+    target's row of every pattern is :func:`.patterns.final_sides` (``d + 1`` rounds, the centre
     first), its log-poles ``TARGET_CENTER + FINAL_TARGET p_n``, each round asked at its side's two
     copy counts."""
 
@@ -136,7 +142,7 @@ class AffineFinalDesign(AffineDesign):
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, D, D), D = ``d`` the lifted dimension: row H constant, row h the target's sides."""
-        return _patterns_per_head(rng, d, groups, [H] * H, range(H), out)
+        return draw_patterns_per_head(rng, d, groups, [H] * H, range(H), out)
 
     def copies(self, n: int, default):
         return final_copies(self.rounds, n)
@@ -156,7 +162,7 @@ def lifted_scores(W: np.ndarray, u: np.ndarray) -> np.ndarray:
     return out
 
 
-def _assemble(Z: np.ndarray, a: np.ndarray, labels: np.ndarray):
+def assemble_affine(Z: np.ndarray, a: np.ndarray, labels: np.ndarray):
     """``W_h = Z^{-T} [a_h(z_j)]^T``, ``u_h = Z^{-T} [b_h(z_j)]``, ``v_h = Z^{-T} l_h`` for lifted
     ``a`` (groups j, H, d + 1) and labels (groups j, H) over the columns z_j of Z."""
     d = Z.shape[0]
@@ -174,8 +180,8 @@ def _offset(prober: AffineProber, z: np.ndarray, head) -> float:
 
     In float64 from the centre's log-pole and the rough direction. With noisy answers (float32
     layers) the direction is only good to ~1e-2 (its readings inherit the score rounding of tokens
-    at ``16 token_scale``, ~1e-3 in m) and ``|a_h| |x_c|`` is ~1e4: b came out wrong by 10..200 and
-    the first group's designs then left other heads unsaturated. Instead read ``m_h`` at
+    at ``16 token_scale``, ~1e-3 in m) and ``|a_h| |x_c|`` is ~1e4: b would be wrong by tens to
+    hundreds, and the first group's designs would leave other heads unsaturated. Instead read ``m_h`` at
     ``lam x_c``: ``m_h(lam x_c) = lam (m_c - b) + b`` (affine, no direction involved), so
     ``b = (m(lam) - lam m_c) / (1 - lam)``, with ``1 - lam`` small enough that head h stays in its
     window and the other heads (|m_g| ~ |a_g^T x_c|, hundreds) stay saturated. One query per head."""
@@ -196,13 +202,13 @@ def _offset(prober: AffineProber, z: np.ndarray, head) -> float:
     return rough
 
 
-def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float, copies=None):
+def affine_first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float, copies=None):
     """Phase 1 in R^d, then the first group ``z_1`` with lifted targeted instances
-    (:func:`.targeted.first_group`: a fresh group while heads are missing or instances did not hold;
-    ``copies`` as :func:`.targeted._measure`'s, :func:`.targeted.first_copies` in :func:`run_affine`)."""
+    (:func:`.schedule.first_group`: a fresh group while heads are missing or instances did not hold;
+    ``copies`` as :func:`.measure.measure_units`'s, :func:`.designs.first_copies` in :func:`run_affine`)."""
     def measure(Z, search):
         rough = np.array([np.append(head.direction, _offset(prober, Z[:, 0], head)) for head in search.heads])
-        return _measure(prober, *_shared(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign,
+        return measure_units(prober, *shared_estimates(lift(Z[:, :1].T, 0.0), rough[None]), rng, bridge=False, designer=AffineDesign,
                         copies=copies, block=1)  # phase 1's rough prior: aimed round by round (few units)
     return first_group(prober, d, max_heads, rng, token_scale, measure)
 
@@ -210,7 +216,7 @@ def _first_group(prober: AffineProber, d: int, max_heads: int, rng, token_scale:
 def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1, first group, bridges and final instances in lifted coordinates (module docstring).
     Returns ``(line search report, [(stage, measurements)], model or None, lifted W~ or None)``."""
-    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale, first_copies(prober.unit))
+    Z, search, first = affine_first_group(prober, d, max_heads, rng, token_scale, first_copies(prober.unit))
     if first is None:
         return search, [], None, None
     H = len(search.heads)
@@ -218,22 +224,22 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     stages = [("first", first)]
     rough_a, rough_l = a1[None], labels1[None]
     if d > 1 and np.isfinite(a1).all():
-        eps_bridge = _bridge_step(first)
+        eps_bridge = bridge_step(first)
         bridge_z = lift(prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T), 0.0)
-        bridges = _measure(prober, *_shared(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True,
+        bridges = measure_units(prober, *shared_estimates(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True,
                            designer=AffineDesign)
         stages.append(("bridge", bridges))
         rough_a = np.concatenate([rough_a, (bridges.solve() - a1[None]) / eps_bridge])
         rough_l = np.concatenate([rough_l, (bridges.label[:, :, 0] - labels1[None]) / eps_bridge])
     if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
         return search, stages, None, None
-    W_rough = lifted_scores(*_assemble(Z, rough_a, rough_l)[::2])
-    v_rough = _assemble(Z, rough_a, rough_l)[1]
+    W_rough = lifted_scores(*assemble_affine(Z, rough_a, rough_l)[::2])
+    v_rough = assemble_affine(Z, rough_a, rough_l)[1]
     scale = GROUP_SCALE * token_scale
-    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale, W_rough, h)) for h in range(H)])
+    bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale, W_rough, h)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
-    estimates = _all_heads_at(W_rough, differences)  # a~_f(z) for every unit
-    final = _measure(prober, differences, estimates, rng, bridge=False, W_score=W_rough,
+    estimates = all_heads_at(W_rough, differences)  # a~_f(z) for every unit
+    final = measure_units(prober, differences, estimates, rng, bridge=False, W_score=W_rough,
                      designer=AffineFinalDesign)
     stages.append(("final", final))
     a_final, labels_final = final.solve(), final.consensus_labels()[0]  # (d, H, d + 1), (d, H)
@@ -241,7 +247,7 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
         return search, stages, None, None
     W, v, u = np.empty((H, d, d)), np.empty((H, d)), np.empty((H, d))
     for h in range(H):
-        W_h, v_h, u_h = _assemble(bases[h], a_final[:, h:h + 1], labels_final[:, h:h + 1])
+        W_h, v_h, u_h = assemble_affine(bases[h], a_final[:, h:h + 1], labels_final[:, h:h + 1])
         W[h], v[h], u[h] = W_h[0], v_h[0], u_h[0]
     return search, stages, MultiHeadAttention(W, v, u, prober.c0), lifted_scores(W, u)
 
@@ -253,7 +259,7 @@ class BiasedTargetedSchedule(TargetedSchedule):
     @property
     def promised_queries(self) -> int:
         """After phase 1, with H0 heads: ``(d + 1) + 2H(d + 1) + (d + 2)H(d - 1) + 2Hd(d + 1)`` (first
-        group: ``3H(d + 1)`` on answers noisier than float64, :func:`.targeted.first_copies`; final:
+        group: ``3H(d + 1)`` on answers noisier than float64, :func:`.designs.first_copies`; final:
         d units per head of ``d + 1`` rounds, 2 queries each)."""
         d, H = self.d, self.max_heads
         first = len(first_copies(self.unit)[0])
@@ -271,11 +277,11 @@ class BiasedTargetedSchedule(TargetedSchedule):
         prober = affine_prober(self, boundary)
         search, stages, model, W_lift = run_affine(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
-        instances = _diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
+        instances = instance_diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
         error_estimate, unscaled_estimate, bias_error = (
-            _error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
+            final_error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
         answers = np.asarray(prober.answers, dtype=np.float64)
-        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
+        checks = targeted_checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
                        checks, unscaled_estimate=unscaled_estimate, bias_error=bias_error)
 

@@ -31,17 +31,20 @@ from types import SimpleNamespace
 import numpy as np
 from scipy.special import gammaincinv
 
-from ..checks.base import Check
-from ..model import MultiHeadAttention
-from ..numerics import float64 as float64_kernel
+from ...checks.base import Check
+from ...model import MultiHeadAttention
+from ...numerics import float64 as float64_kernel
 from . import biased
-from .base import Outcome
+from ..base import Outcome
 from .biased import AffineDesign, AffineProber, lift, lifted_scores
-from .targeted import (
-    EPS, GROUP_SCALE, SATURATION_MID, SATURATION_SPREAD, TARGET, TARGET_CENTER, TargetedDetails, TargetedSchedule,
-    _all_heads_at, _balanced_basis, _bridge_step, _checks, _diagnostics, _first_group, _measure, _patterns, _Prober,
-    _shared, _SubspaceDesign, first_order_estimate,
-)
+from .bases import balanced_basis
+from .designs import SubspaceDesign
+from .diagnostics import first_order_estimate, instance_diagnostics, targeted_checks, TargetedDetails
+from .measure import all_heads_at, measure_units, shared_estimates
+from .patterns import draw_patterns
+from .prober import Prober
+from .schedule import bridge_step, targeted_first_group, TargetedSchedule
+from .tolerances import EPS, GROUP_SCALE, SATURATION_MID, SATURATION_SPREAD, TARGET, TARGET_CENTER
 
 #: Full (R^d) differences per head beyond the rank: their extra singular values test the rank bound.
 RANK_EXTRA = 2
@@ -116,7 +119,7 @@ def _full_bridges(measure, rough_of, first_rough: np.ndarray, d: int, rank, unit
 
 @dataclass
 class LowRankDetails(TargetedDetails):
-    """``Extraction.details`` of the low-rank schedule: :class:`~.targeted.TargetedDetails` and
+    """``Extraction.details`` of the low-rank schedule: :class:`~.diagnostics.TargetedDetails` and
 
     Attributes
     ----------
@@ -190,12 +193,12 @@ class LowRankSchedule(TargetedSchedule):
             self.found = (rank, min(self.d, rank + RANK_EXTRA) - 1 if bridges is None else bridges)
         H = len(search.heads)
         unit = () if lifted is None else (prober.unit,)  # the bias-free checks judge float64 answers
-        instances = _diagnostics(stages, model if lifted is None else
+        instances = instance_diagnostics(stages, model if lifted is None else
                                  None if model is None else SimpleNamespace(W=lifted), *unit)
         finals = [data for stage, data in stages if stage == "final"]
         error_estimate, unscaled_estimate, bias_error = (
             _error_estimate(finals, model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
-        checks = _checks(instances, search, H, self.settings.heads, [data for _, data in stages], *unit)
+        checks = targeted_checks(instances, search, H, self.settings.heads, [data for _, data in stages], *unit)
         checks.append(_rank_check(rank_ratio, rank, *unit, found=self.rank == AUTO))
         details = LowRankDetails(instances, search, rank=rank, rank_found=self.rank == AUTO,
                                  full_bridges=self._counts()[2])
@@ -204,7 +207,7 @@ class LowRankSchedule(TargetedSchedule):
                        bias_error=bias_error)
 
     def run(self, boundary, arithmetic) -> Outcome:
-        prober = _Prober(boundary, self.d, self.token_scale, self.promised_queries)
+        prober = Prober(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
         search, stages, model, rank_ratio, found = _run(prober, self.d, self.max_heads, self.rank, self.rng,
                                                        self.token_scale)
@@ -249,7 +252,7 @@ def _rank_check(rank_ratio: float, rank: int, unit: float = 0.0, found: bool = F
                  f"largest relative singular value {rank + 1} of a head's measured a_h(z) ({told})")
 
 
-class AffineSubspaceDesign(_SubspaceDesign):
+class AffineSubspaceDesign(SubspaceDesign):
     """The subspace design of §17 in the lifted coordinates of §16: ``a~_h(z) = (W_h^T z, u_h^T z)``
     lies in the span of ``Q~ = [[Q, 0], [0, 1]]`` (``basis``, (U, d + 1, r + 1)), and a lifted final
     token ``x~ = (x, 1)`` has coordinates ``Q~^T x~ = (y, 1)``. The r + 1 instances of a unit aim
@@ -264,7 +267,7 @@ class AffineSubspaceDesign(_SubspaceDesign):
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, rounds + H, rounds): rows 0..r-1 zero-sum and orthogonal, row r constant (the
         lifted coordinate), then H rows for the other heads (a new array: ``out`` is not used)."""
-        inside = _patterns(rng, rounds, rounds - 1, groups * H).reshape(groups, H, rounds, rounds)
+        inside = draw_patterns(rng, rounds, rounds - 1, groups * H).reshape(groups, H, rounds, rounds)
         return np.concatenate([inside, rng.uniform(-1.0, 1.0, (groups, H, H, rounds))], axis=2)
 
     def design(self, block: slice, out: np.ndarray | None = None) -> np.ndarray:
@@ -299,7 +302,7 @@ def _lifted_bases(spans: np.ndarray) -> np.ndarray:
 def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_scale: float):
     """:func:`_run` in the lifted coordinates of §16. Returns ``(line search report, [(stage,
     measurements)], model or None, rank ratio, lifted W~ or None, (rank, full bridges))``."""
-    Z, search, first = biased._first_group(prober, d, max_heads, rng, token_scale)
+    Z, search, first = biased.affine_first_group(prober, d, max_heads, rng, token_scale)
     if first is None:
         return search, [], None, 0.0, None, (_settled(rank, d), None)
     a1, labels1 = first.a[0], first.consensus_labels()[0][0]  # (H, d + 1), (H,)
@@ -307,12 +310,12 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     rough_a, rough_l = a1[None], labels1[None]
     measured = None  # full bridges measured (none yet)
     if d > 1 and np.isfinite(a1).all():
-        eps = _bridge_step(first)
+        eps = bridge_step(first)
         bridge_z = lift(prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T), 0.0)  # (d - 1, d + 1)
 
         def measure(rows, spans=None):  # spans (H, d, r): the bridges in those (lifted) row spaces
             count = len(range(d - 1)[rows])
-            return _measure(prober, *_shared(bridge_z[rows], np.repeat(a1[None], count, axis=0)), rng, bridge=True,
+            return measure_units(prober, *shared_estimates(bridge_z[rows], np.repeat(a1[None], count, axis=0)), rng, bridge=True,
                             **({"designer": AffineDesign} if spans is None else
                                {"bases": _per_unit(_lifted_bases(spans), count), "designer": AffineSubspaceDesign}))
 
@@ -334,14 +337,14 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     R = min(d, rank + RANK_EXTRA)
     if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
         return search, stages, None, 0.0, None, (rank, measured)
-    W_rough, v_rough, u_rough = biased._assemble(Z, rough_a, rough_l)
+    W_rough, v_rough, u_rough = biased.assemble_affine(Z, rough_a, rough_l)
     W_lift = lifted_scores(W_rough, u_rough)
     H = len(search.heads)
     scale = GROUP_SCALE * token_scale
-    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
+    bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d, H, d + 1)
-    estimates = _all_heads_at(W_lift, differences)
-    final = _measure(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_lift, copies=FINAL_COPIES,
+    estimates = all_heads_at(W_lift, differences)
+    final = measure_units(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_lift, copies=FINAL_COPIES,
                      designer=AffineDesign)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
@@ -349,7 +352,7 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     spans, ratio, factors = _span(final.a[..., :d], rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
-        low = _measure(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_lift,
+        low = measure_units(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_lift,
                        copies=FINAL_COPIES, bases=_per_unit(_lifted_bases(spans), d - R),
                        designer=AffineSubspaceDesign, basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
@@ -359,7 +362,7 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
         return search, stages, None, ratio, None, (rank, measured)
     W, v, u = np.empty((H, d, d)), np.empty((H, d)), np.empty((H, d))
     for h in range(H):
-        W_h, v_h, u_h = biased._assemble(bases[h], a_final[:, h:h + 1], labels_final[:, h:h + 1])
+        W_h, v_h, u_h = biased.assemble_affine(bases[h], a_final[:, h:h + 1], labels_final[:, h:h + 1])
         W[h], v[h], u[h] = W_h[0], v_h[0], u_h[0]
     return search, stages, MultiHeadAttention(W, v, u, prober.c0), ratio, lifted_scores(W, u), (rank, measured)
 
@@ -382,7 +385,7 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     """Returns ``(line search report, [(stage, measurements)], model or None, rank ratio, (rank, full
     bridges))``: the bound given or the rank found for ``rank="auto"``, and the bridge units measured
     in all of R^d (None when the run stopped before the bridges)."""
-    Z, search, first = _first_group(prober, d, max_heads, rng, token_scale)
+    Z, search, first = targeted_first_group(prober, d, max_heads, rng, token_scale)
     if first is None:
         return search, [], None, 0.0, (_settled(rank, d), None)
     a1, labels1 = first.a[0], first.consensus_labels()[0][0]
@@ -390,12 +393,12 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     rough_a, rough_l = a1[None], labels1[None]
     measured = None  # full bridges measured (none yet)
     if d > 1 and np.isfinite(a1).all():
-        eps = _bridge_step(first)
+        eps = bridge_step(first)
         bridge_z = prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T)  # (d - 1, d)
 
         def measure(rows, spans=None):  # spans (H, d, r): the bridges in those row spaces
             count = len(range(d - 1)[rows])
-            return _measure(prober, *_shared(bridge_z[rows], np.repeat(a1[None], count, axis=0)), rng, bridge=True,
+            return measure_units(prober, *shared_estimates(bridge_z[rows], np.repeat(a1[None], count, axis=0)), rng, bridge=True,
                             bases=None if spans is None else _per_unit(spans, count))
 
         blocks, rank, measured = _full_bridges(measure, lambda data: (data.a - a1) / eps, a1, d, rank, prober.unit)
@@ -418,17 +421,17 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     W_rough, v_rough = float64_kernel.assemble(Z, np.eye(d), rough_a.transpose(1, 0, 2), rough_l.T)
     H = len(search.heads)
     scale = GROUP_SCALE * token_scale
-    bases = np.array([prober.quantize(_balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
+    bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = bases.transpose(2, 0, 1)  # (d, H, d)
-    estimates = _all_heads_at(W_rough, differences)
-    final = _measure(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_rough, copies=FINAL_COPIES)
+    estimates = all_heads_at(W_rough, differences)
+    final = measure_units(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_rough, copies=FINAL_COPIES)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
         return search, stages, None, np.inf, (rank, measured)
     spans, ratio, factors = _span(final.a, rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
-        low = _measure(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_rough,
+        low = measure_units(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_rough,
                        copies=FINAL_COPIES, bases=_per_unit(spans, d - R), basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
         a_final = np.concatenate([a_final, low.a])
@@ -469,7 +472,7 @@ BASIS_NOISE_MARGIN = 2.0
 
 
 def _basis_error(full, factors, d: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """What the subspace units need to know of their bases' error (:meth:`.targeted._SubspaceDesign.
+    """What the subspace units need to know of their bases' error (:meth:`.designs.SubspaceDesign.
     basis_variance`): per head h, the map (D, R) from a unit's ``a`` to the weights ``w = U S^-1 Q^T a``
     on the R full units (the measured ``A = U S Q^T``, R x d: ``factors``, the SVDs :func:`_span` made
     the bases from), and the full units' coordinate
@@ -510,7 +513,7 @@ def _basis_error(full, factors, d: int, rank: int) -> tuple[np.ndarray, np.ndarr
 def _error_estimate(finals, model) -> tuple[float, float, tuple[float, float]]:
     """§13's first-order estimate over every final unit (full and subspace ones, the latter with
     their bases' error, :func:`_basis_error`), its part answer noise does not scale (the score
-    rounding and that basis term), and the score biases' error (:func:`.targeted.first_order_estimate`)."""
+    rounding and that basis term), and the score biases' error (:func:`.diagnostics.first_order_estimate`)."""
     return first_order_estimate(np.concatenate([data.variance for data in finals]),
                                 np.concatenate([data.differences for data in finals]),
                                 np.concatenate([data.label_error for data in finals]), model)
