@@ -78,6 +78,7 @@ def row(kind, dtype, d, H, rank=None):
         error = parameters = np.inf
     own = output_error(layer, exact, d) if dtype != "float64" else 0.0
     checks = "ok" if whole.ok else "FAILED: " + ", ".join(c.name for c in whole.failed_checks)
+    checks += " / " + ("ok" if scalar.ok else "FAILED: " + ", ".join(c.name for c in scalar.failed_checks))
     fit = 0 if whole.value_fit is None else whole.value_fit.rows
     print(f"| {kind} | {dtype} | {d} | {H} | {'causal' if causal else 'all tokens'} | {whole.queries:,} | {fit:,} | "
           f"{scalar.queries:,} | {whole.queries / scalar.queries:.4f} | {error:.1e} | {own:.1e} | {parameters:.1e} | "
@@ -93,7 +94,7 @@ def main():
     parser.add_argument("--rank", type=int, help='schedule="lowrank" with this rank (the heads\' width)')
     arguments = parser.parse_args()
     print("| layer | dtype | d | H | positions | queries whole | of which value fit | queries scalar (same r) | ratio "
-          "| output error | layer's own float error | parameter error | estimate / error | seconds whole / scalar | checks |")
+          "| output error | layer's own float error | parameter error | estimate / error | seconds whole / scalar | checks whole / scalar |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in arguments.dtypes:
         for kind in arguments.kinds:
