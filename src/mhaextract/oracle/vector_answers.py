@@ -62,7 +62,18 @@ class VectorAnswers:
 
     def scalars(self, values: np.ndarray) -> np.ndarray:
         """``r^T y`` per answer, for values (n, d_out). Summed along each row on its own (numpy's
-        pairwise sum of one contiguous row), so a replayed answer gives the same bits in any batch."""
+        pairwise sum of one contiguous row), so a replayed answer gives the same bits in any batch.
+
+        An answer whose every entry is a float32 number (a float32, bfloat16 or float16 layer) is
+        read out to float32, as a scalar oracle of such a layer rounds its own read-out: the
+        rounding (``2^-24`` relative) is below the layer's own, and the answers' precision stays
+        visible to the run (:class:`~mhaextract.oracle.answer_stats.AnswerStats`, docs/algorithm.md §19)."""
         if self.d_out is None:
             self.start(values.shape[1])
-        return (np.ascontiguousarray(values, dtype=np.float64) * self.readout).sum(axis=1)
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        projected = (values * self.readout).sum(axis=1)
+        if self.d_out > 1:
+            with np.errstate(over="ignore"):
+                single = (values.astype(np.float32).astype(np.float64) == values).all(axis=1)
+                projected[single] = projected[single].astype(np.float32)
+        return projected
