@@ -28,6 +28,7 @@ from .checks.refine import (
     POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, jacobian_solver, parameter_count,
     refine_least_squares, residuals,
 )
+from .checks.verify import VERIFY_LENGTH, LongVerification, ask_long_verification, verify_length_option
 from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers, exact_model
 from .numerics.float64 import root_mean_square
@@ -56,7 +57,8 @@ WEIGHT_FLOOR = 1e-2
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
-            answer_error=None, rank=None, backend=None, resume_check=3, repair=None) -> Extraction:
+            answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
+            verify_length=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -122,6 +124,13 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         None (default): on for the biased grid (``"auto"``, ``bias=True``), off for
         ``schedule="paper"`` named alone, whose count then stays the paper's exactly; True turns
         it on there; False turns it off.
+    verify_length : the default verification (docs/algorithm.md §12): 32 fresh random queries of
+        lengths spread from 1 to ``verify_length`` tokens, asked after the schedule and counted like
+        every query (``result.verification_queries``, ``result.verification_length``), judged by
+        the ``long_verification`` check against the run's own error estimate and noise; a layer
+        that is another model beyond short sequences (a sliding window, position-dependent scores)
+        fails it. None (default): 256, except ``schedule="paper"`` named alone (0: the paper's
+        exact count); an integer 1..4096; 0 turns it off.
 
     Every count reported is measured at the oracle boundary.
     """
@@ -135,6 +144,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         resumable_seed(seed)
         check_directory(transcript)  # before the calibration's probes: nothing is asked for a run that cannot record
     resume_check = positive_int("resume_check", resume_check, minimum=0)
+    verify_length = verify_length_option(verify_length)
     choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
     started = time.perf_counter()
     calibration = None
@@ -161,12 +171,17 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
             probe = probe_misfit(boundary, plan, outcome.model)
+        length = verify_length if verify_length is not None else VERIFY_LENGTH * plan.verifies_by_default
+        long_queries = None  # asked once, before _finish: judged for whichever model the run keeps
+        if length and outcome.model is not None:
+            long_queries = ask_long_verification(boundary, spawn_rng(settings.seed, 5), settings.token_scale, length)
         spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
                                                       "mpf" if settings.precision else "float64")))
-        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
+        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
+                             long_queries=long_queries)
         if _rescued_by_refinement(plan, outcome, extraction):
             extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
-                                 force_refine=True)
+                                 force_refine=True, long_queries=long_queries)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -179,6 +194,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if "noise_within_validity" in failed:
         hints.append("The answers are noisier than this run can certify (valid_below): oversample "
                      "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
+    if "long_verification" in failed:
+        hints.append("The oracle is not one softmax attention layer over the whole sequence (docs/algorithm.md "
+                     "§12, verification): the heads describe it on short sequences only. verify_length=0 turns "
+                     "the verification off; it does not make the model right beyond those lengths.")
     report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
     return extraction
 
@@ -347,14 +366,17 @@ def _rescued_by_refinement(plan: Schedule, outcome: Outcome, extraction: Extract
             and settings.precision is None and outcome.model is not None and not extraction.ok
             and _refinement_affordable(plan, outcome)):
         return False
-    return all(check.name in REFINABLE or (check.name in SUPERSEDED_BY_FIT and MORE_POLES not in check.message)
-               for check in extraction.failed_checks)
+    # a failed verification alone is no inaccuracy a refinement answers; beside others it may be one
+    failed = [check for check in extraction.failed_checks if check.name != "long_verification"]
+    return bool(failed) and all(check.name in REFINABLE or (check.name in SUPERSEDED_BY_FIT
+                                                            and MORE_POLES not in check.message) for check in failed)
 
 
 def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, spent: _Spent,
-            probe=None, force_refine=False) -> Extraction:
+            probe=None, force_refine=False, long_queries: LongVerification | None = None) -> Extraction:
     """Certificate, refinement, error estimate and checks: the same for every schedule.
-    ``force_refine``: refine as :func:`_refines_when_noisy` would (:func:`_rescued_by_refinement`)."""
+    ``force_refine``: refine as :func:`_refines_when_noisy` would (:func:`_rescued_by_refinement`).
+    ``long_queries``: the default verification's answers, judged here for the final model."""
     settings = plan.settings
     # The schedule's queries as it holds them (the grid's are built on demand, CopiesQueries), else one list.
     sequences = outcome.sequences if not len(extra[0]) else list(outcome.sequences) + list(extra[0])
@@ -408,6 +430,12 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         explained)
     if refinement is not None and refinement.kept == "refined":
         checks = _superseded_by_fit(checks, len(sequences))
+    verification = None
+    if long_queries is not None and model is not None:
+        unit = max(2.0**-53, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
+        check, verification = long_queries.judge(model, error_estimate, answers_residual, measured, scale, unit,
+                                                 plan.promised_max_length, settings.seed)
+        checks.append(check)
     return Extraction(
         model=model, heads=model.heads if model is not None else outcome.heads,
         queries=boundary.queries + boundary.replayed + spent.queries, queries_asked=boundary.queries + spent.queries,
@@ -421,7 +449,9 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         seconds=time.perf_counter() - started,
         certificate=certificate, refinement=refinement, answer_error=settings.answer_error,
         calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
-        bias=spent.choice.bias, answer_dtype=spent.answer_dtype,
+        bias=spent.choice.bias, answer_dtype=spent.answer_dtype, verification=verification,
+        verification_queries=0 if long_queries is None else long_queries.queries,
+        verification_length=0 if long_queries is None else long_queries.longest,
     )
 
 

@@ -96,7 +96,15 @@ class Extraction(CheckedResult):
     refinement : Refinement or None
         With ``refine=True``: which model was kept, the misfits before and after, the queries added.
     verification : Verification or None
-        Attached by :meth:`with_verification` (fresh queries, see :func:`mhaextract.verify`).
+        The run's default verification on fresh long queries (``extract(..., verify_length=...)``,
+        the ``long_verification`` check, docs/algorithm.md §12), or the one attached by
+        :meth:`with_verification` (:func:`mhaextract.verify`); None when neither ran.
+    verification_queries : int
+        Fresh queries of the default verification, measured at the oracle boundary and included
+        in ``queries`` (0 when it did not run: ``verify_length=0``, ``schedule="paper"`` named
+        alone, or no model).
+    verification_length : int
+        The longest of them, in tokens (included in ``max_query_length``; 0 when none).
     answer_error : float or None
         The bound on the answers' absolute error the run was told (None: not told).
     transcript : path of the run's transcript, or None.
@@ -137,6 +145,8 @@ class Extraction(CheckedResult):
     refinement: Refinement | None = None
     verification: object = None
     answer_error: float | None = None
+    verification_queries: int = 0
+    verification_length: int = 0
 
     def _certificate(self) -> Certificate:
         if self.certificate is None:
@@ -212,6 +222,7 @@ class Extraction(CheckedResult):
             "certificate_method": None if self.certificate is None else self.certificate.method,
             "refinement": None if self.refinement is None else str(self.refinement),
             "verification": None if self.verification is None else str(self.verification),
+            "verification_queries": self.verification_queries, "verification_length": self.verification_length,
             **self.details.summary(),
         }
 
