@@ -54,7 +54,8 @@ class Extraction(CheckedResult):
         transcript, recorded by an earlier run's boundary).
     queries_asked, queries_replayed : int
     max_query_length : int
-        Longest query whose answer was used (measured at the boundary, or read back).
+        Longest query whose answer was used (measured at the boundary, or read back), the default
+        verification's included (``verification_length``).
     promised_queries, promised_max_length : int
         The schedule's own formula, for comparison (paper: ``4 H0 d^2 - 2 H0 + 1`` and
         ``2 H0 + 1``; lean: its count without fallback links; targeted: its stages after the
@@ -176,7 +177,7 @@ class Extraction(CheckedResult):
 
     @property
     def verified(self) -> bool:
-        """True when a verification is attached and it passed."""
+        """True when a verification ran (the run's default one, or one attached) and it passed."""
         return self.verification is not None and bool(self.verification.passed)
 
     @property
