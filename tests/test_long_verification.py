@@ -199,3 +199,22 @@ def test_high_precision_runs_verify_too_and_catch_a_window():
     assert result.queries == len(oracle.lengths) and max(oracle.lengths) == 256
     with pytest.raises(mx.ExtractionError, match="long_verification"):
         mx.extract(Exact(16), d, heads=H, seed=0, precision=bits)
+
+
+def test_an_oracle_that_refuses_long_sequences_or_a_tight_budget_is_told_about_verify_length():
+    d, H = 3, 1
+    target = mx.MultiHeadAttention.random(d, H, seed=1, bias=True)
+
+    def short_context(batch):
+        if max(len(X) for X in batch) > 100:
+            raise RuntimeError("context of 100 tokens exceeded")
+        return target(batch)
+
+    with pytest.raises(RuntimeError, match="context of 100") as raised:
+        mx.extract(short_context, d, heads=H, seed=0)
+    assert any("verify_length" in note for note in raised.value.__notes__)
+    assert mx.extract(short_context, d, heads=H, seed=0, verify_length=100).ok
+    needed = mx.extract(target, d, heads=H, seed=0, verify_length=0).queries
+    with pytest.raises(mx.BudgetExceeded) as raised:
+        mx.extract(target, d, heads=H, seed=0, max_queries=needed)
+    assert raised.value.needed == VERIFY_QUERIES and any("verify_length" in note for note in raised.value.__notes__)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..numerics.float64 import root_mean_square
 from ..numerics.highprec import mid_float
-from ..oracle.boundary import OracleBoundary
+from ..oracle.boundary import OracleBoundary, OracleError
 from ..oracle.queries import random_queries
 from ..validation import positive_int, positive_number
 from .base import Check
@@ -86,9 +86,12 @@ def output_errors(model, sequences, answers) -> np.ndarray:
     """``|f_hat(X_q) - answer_q|`` per query, absolute, in float64 (answers as the boundary returns
     them: floats, or balls whose midpoints are compared; an answer of several entries counts by
     its largest difference)."""
-    predicted = np.asarray(model(sequences), dtype=np.float64)
-    observed = mid_float(answers).reshape(predicted.shape)
-    return np.abs(predicted - observed).reshape(len(sequences), -1).max(axis=1, initial=0.0)
+    predicted = np.asarray(model(sequences), dtype=np.float64).reshape(len(sequences), -1)
+    observed = mid_float(answers).reshape(len(sequences), -1)
+    if predicted.shape != observed.shape:
+        raise ValueError(f"the model answers {predicted.shape[1]} numbers per query and the oracle "
+                         f"{observed.shape[1]}: compare outputs of the same shape")
+    return np.abs(predicted - observed).max(axis=1, initial=0.0)
 
 
 @dataclass
@@ -186,7 +189,18 @@ def ask_long_verification(boundary: OracleBoundary, rng: np.random.Generator, to
     ``TOKEN_SCALES`` x ``token_scale``) through the run's ``boundary`` (counted, recorded in its
     transcript like every other answer)."""
     sequences = fresh_queries(rng, spread_lengths(count, longest), boundary.d, token_scale)
-    answers = boundary.ask(sequences, description="verifying on fresh long queries")
+    try:
+        answers = boundary.ask(sequences, description="verifying on fresh long queries")
+    except OracleError as error:  # the budget, or a bad answer: say which queries these were
+        error.add_note(f"mhaextract: these are the run's own verification queries ({count} fresh queries of 1.."
+                       f"{longest} tokens, docs/algorithm.md §12.2); verify_length sets their longest, 0 turns "
+                       "them off")
+        raise
+    except Exception as error:
+        if getattr(error, "raised_by_oracle", False):  # an oracle that cannot take long sequences
+            error.add_note(f"mhaextract: the oracle raised on the run's own verification queries (up to {longest} "
+                           "tokens); pass verify_length=L (its longest query) or 0 to turn it off")
+        raise
     return LongVerification(sequences, answers, tuple(s * token_scale for s in TOKEN_SCALES))
 
 
