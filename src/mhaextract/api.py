@@ -176,12 +176,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if length and outcome.model is not None:
             long_queries = ask_long_verification(boundary, spawn_rng(settings.seed, 5), settings.token_scale, length)
         spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
-                                                      "mpf" if settings.precision else "float64")))
-        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
-                             long_queries=long_queries)
+                                                      "mpf" if settings.precision else "float64")), long_queries)
+        extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
         if _rescued_by_refinement(plan, outcome, extraction):
             extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
-                                 force_refine=True, long_queries=long_queries)
+                                 force_refine=True)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -213,11 +212,14 @@ def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries)
 @dataclass(frozen=True)
 class _Spent:
     """What the run chose and spent beyond its schedule: the schedule choice (and its reason), the
-    token-scale calibration (its probes count like every other query), the oracle's answer dtype."""
+    token-scale calibration (its probes count like every other query), the oracle's answer dtype,
+    the default verification's queries and answers (asked once, judged by :func:`_finish` for the
+    model the run keeps; docs/algorithm.md §12.2)."""
 
     choice: Choice
     calibration: Calibration | None
     answer_dtype: str
+    verification: LongVerification | None = None
 
     @property
     def queries(self) -> int:
@@ -373,10 +375,9 @@ def _rescued_by_refinement(plan: Schedule, outcome: Outcome, extraction: Extract
 
 
 def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, spent: _Spent,
-            probe=None, force_refine=False, long_queries: LongVerification | None = None) -> Extraction:
+            probe=None, force_refine=False) -> Extraction:
     """Certificate, refinement, error estimate and checks: the same for every schedule.
-    ``force_refine``: refine as :func:`_refines_when_noisy` would (:func:`_rescued_by_refinement`).
-    ``long_queries``: the default verification's answers, judged here for the final model."""
+    ``force_refine``: refine as :func:`_refines_when_noisy` would (:func:`_rescued_by_refinement`)."""
     settings = plan.settings
     # The schedule's queries as it holds them (the grid's are built on demand, CopiesQueries), else one list.
     sequences = outcome.sequences if not len(extra[0]) else list(outcome.sequences) + list(extra[0])
@@ -430,7 +431,7 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         explained)
     if refinement is not None and refinement.kept == "refined":
         checks = _superseded_by_fit(checks, len(sequences))
-    verification = None
+    verification, long_queries = None, spent.verification
     if long_queries is not None and model is not None:
         unit = max(2.0**-53, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
         check, verification = long_queries.judge(model, error_estimate, answers_residual, measured, scale, unit,

@@ -141,13 +141,13 @@ class Extraction(CheckedResult):
     seconds: float = 0.0
     queries_asked: int = 0
     queries_replayed: int = 0
+    verification_queries: int = 0
+    verification_length: int = 0
     transcript: str | None = None
     certificate: Certificate | None = None
     refinement: Refinement | None = None
     verification: object = None
     answer_error: float | None = None
-    verification_queries: int = 0
-    verification_length: int = 0
 
     def _certificate(self) -> Certificate:
         if self.certificate is None:
