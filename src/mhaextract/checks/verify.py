@@ -126,7 +126,9 @@ class Verification:
         verdict = "passed" if self.passed else "FAILED"
         return (f"verification {verdict}: {self.queries} fresh queries (lengths {self.lengths[0]}..{self.lengths[1]}, "
                 f"token scales {', '.join(f'{s:.3g}' for s in self.scales)}): max relative output error "
-                f"{self.max_relative_error:.3g}, mean {self.mean_relative_error:.3g} (tolerance {self.tolerance:.3g})")
+                f"{self.max_relative_error:.3g}, mean {self.mean_relative_error:.3g} (tolerance {self.tolerance:.3g}; "
+                f"relative to {self.relative_to})"
+                + ("" if self.misses_from is None else f"; missed from {self.misses_from} tokens on"))
 
 
 @dataclass
