@@ -53,9 +53,9 @@ def long_check(result):
     return next(check for check in result.checks if check.name == "long_verification")
 
 
-@pytest.mark.parametrize("window", [5, 8, 16, 64])
-def test_a_sliding_window_fails_loudly_with_the_defaults(window):
-    d, H = 4, 2
+@pytest.mark.parametrize("window, d, H", [(5, 4, 2), (8, 4, 2), (16, 4, 2), (64, 4, 2), (8, 8, 8)],
+                         ids=["5", "8", "16", "64", "8-eight-heads"])
+def test_a_sliding_window_fails_loudly_with_the_defaults(window, d, H):
     target = mx.MultiHeadAttention.random(d, H, seed=window, bias=True)
     oracle = WindowedAttention(target, window)
     with pytest.raises(mx.ExtractionError, match="long_verification") as raised:
