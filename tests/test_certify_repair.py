@@ -165,7 +165,7 @@ def test_a_drawn_target_whose_column_link_failed_is_certified():
     assert result.ok and result.certified
     [line] = result.details.repairs  # the partner: the column's instance whose mix separates the poles most
     assert line.startswith("column_link (3, 1): repaired (partner grid (") and line.endswith("mix asked, 17 queries)")
-    assert oracle.count == result.queries == biased_count(d, H) + result.calibration_queries + 17
+    assert oracle.count == result.queries == biased_count(d, H) + result.calibration_queries + 17 + VERIFY_QUERIES
     zeros = np.zeros((H, d))
     found, order = errors(result, target.W, target.v, zeros, 0.0)
     assert max(found.values()) <= 1e-40, found

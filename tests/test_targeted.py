@@ -121,7 +121,7 @@ def test_d8_h6_machine_precision_over_10_targets():
     for seed in range(10):
         target = mx.MultiHeadAttention.random(8, 6, seed=seed)
         oracle = CountingOracle(target)
-        result = mx.extract(oracle, 8, heads=6, seed=100 + seed, schedule="targeted")
+        result = mx.extract(oracle, 8, heads=6, seed=100 + seed, schedule="targeted", verify_length=0)  # its own
         assert result.ok and result.schedule == "targeted" and result.heads == 6
         assert result.queries == oracle.count <= 2 * paper_count(8, 6)
         assert result.max_query_length == oracle.longest <= result.promised_max_length == 5
