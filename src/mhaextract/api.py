@@ -193,10 +193,6 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if "noise_within_validity" in failed:
         hints.append("The answers are noisier than this run can certify (valid_below): oversample "
                      "(samples_per_instance), use fewer heads per run, or a less noisy oracle.")
-    if "long_verification" in failed:
-        hints.append("The oracle is not one softmax attention layer over the whole sequence (docs/algorithm.md "
-                     "§12, verification): the heads describe it on short sequences only. verify_length=0 turns "
-                     "the verification off; it does not make the model right beyond those lengths.")
     report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
     return extraction
 

@@ -104,11 +104,23 @@ class Verification:
     max_relative_error, mean_relative_error : over the fresh queries, relative to ``relative_to``.
     tolerance : the max relative error allowed; ``passed``: max_relative_error <= tolerance.
     lengths : (shortest, longest) query length asked. scales : token scales used.
-    seed : the seed of the queries.
     relative_to : the output scale the errors are relative to (:func:`verify`: the root mean
         square of the oracle's answers on the same queries; the default verification: the largest
         answer of the run, the scale its error estimate and residual are relative to).
     misses_from : the shortest query length the model missed (None when it passed).
+    seed : the seed of the queries.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+    >>> oracle = mx.SimulatedOracle(target)
+    >>> result = mx.extract(oracle, d=3, heads=2, seed=1, schedule="paper")
+    >>> verification = mx.verify(result, oracle, n=60, seed=0)
+    >>> verification.passed, verification.queries, verification.lengths
+    (True, 60, (1, 16))
+    >>> print(verification)  # doctest: +ELLIPSIS
+    verification passed: 60 fresh queries (lengths 1..16, token scales 0.658, 1.32, 2.63): max relative output error ...
     """
 
     queries: int
@@ -178,7 +190,9 @@ class LongVerification:
             if misses_from > schedule_longest:
                 message += (f": the model fits every query up to {fits_up_to} tokens but misses answers of length "
                             f">= {misses_from} by up to {worst:.3g}: a sliding window, position-dependent scores "
-                            "or another model beyond short sequences; these are outside the model class")
+                            "or another model beyond short sequences; these are outside the model class, and the "
+                            "heads describe the oracle on short sequences only (verify_length=0 turns this check "
+                            "off; it does not make them right beyond)")
             else:
                 message += (f": the model misses fresh queries as short as {misses_from} tokens (the schedule's own "
                             f"are up to {schedule_longest}) by up to {worst:.3g}: it does not answer like the oracle")
