@@ -16,6 +16,7 @@ from mhaextract.schedules.paper import PaperSchedule
 from mhaextract.schedules.registry import choose
 
 from conftest import paper_count, run_settings
+from mhaextract.checks.verify import VERIFY_QUERIES
 
 BITS = 256
 
@@ -109,7 +110,8 @@ def test_defaults_recover_biases_and_count_exactly(d, H):
     assert result.ok and result.certified and result.bias and result.heads == H
     assert "biased grid" in result.schedule_reason and "§16" in result.schedule_reason
     # Measured on the oracle's side: the schedule's count plus the token-scale probes (§18).
-    assert result.queries == oracle.count == biased_count(d, H) + result.calibration_queries
+    # ... and the default verification's fresh long queries (docs/algorithm.md §12)
+    assert result.queries == oracle.count == biased_count(d, H) + result.calibration_queries + VERIFY_QUERIES
     assert result.promised_queries == biased_count(d, H)
     found, order = errors(result, *truth)
     assert max(found.values()) <= 1e-40, found
@@ -119,7 +121,7 @@ def test_defaults_recover_biases_and_count_exactly(d, H):
 
 def test_with_a_given_token_scale_the_count_and_length_are_the_formula(tmp_path):
     d, H = 2, 2
-    result, oracle, truth = run(d, H, seed=5, token_scale=1.3)
+    result, oracle, truth = run(d, H, seed=5, token_scale=1.3, verify_length=0)
     assert result.calibration_queries == 0
     assert result.queries == oracle.count == biased_count(d, H)
     assert result.max_query_length == oracle.longest == 2 * H + 1
@@ -201,7 +203,7 @@ def test_float64_comes_along():
 @pytest.mark.parametrize("d", [3, 4])
 @pytest.mark.parametrize("H", [1, 2, 3])
 def test_random_biased_targets_to_1e_40(d, H):
-    result, oracle, truth = run(d, H, seed=100 * d + H, token_scale=d**0.25)
+    result, oracle, truth = run(d, H, seed=100 * d + H, token_scale=d**0.25, verify_length=0)  # the formula
     assert result.ok and result.certified and result.heads == H
     assert result.queries == oracle.count == biased_count(d, H)
     assert result.max_query_length == oracle.longest == 2 * H + 1
@@ -215,7 +217,7 @@ def test_random_biased_targets_to_1e_40(d, H):
 def test_a_head_bound_costs_the_formula_in_h0_and_finds_h(d, H, H0):
     W, v, u, c = draw(d, H, seed=7 * H0 + d)
     oracle = MpmathOracle(W, v, u, c)
-    result = mx.extract(oracle, d, max_heads=H0, precision=BITS, seed=1, token_scale=d**0.25)
+    result = mx.extract(oracle, d, max_heads=H0, precision=BITS, seed=1, token_scale=d**0.25, verify_length=0)
     assert result.ok and result.certified and result.heads == H
     assert result.queries == oracle.count == biased_count(d, H0)
     assert result.max_query_length == oracle.longest == 2 * H0 + 1

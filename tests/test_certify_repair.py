@@ -16,6 +16,7 @@ from mhaextract.schedules.biased_grid import BiasedGridSchedule
 from mhaextract.schedules.paper import PaperSchedule
 
 from conftest import paper_count, run_settings
+from mhaextract.checks.verify import VERIFY_QUERIES
 from test_biased_grid import BITS, MpmathOracle, assert_balls_enclose, biased_count, draw, errors
 
 D, H, SEED = 2, 2, 1
@@ -71,7 +72,7 @@ def test_a_failed_instance_is_repaired_with_counted_queries_and_balls_that_hold_
     result, oracle = extract_with(truth)
     assert result.ok and result.certified and result.heads == H
     # Counted on the oracle's side: the schedule's formula plus the repair's queries.
-    assert oracle.count == result.queries == biased_count(D, H) + extra
+    assert oracle.count == result.queries == biased_count(D, H) + extra + VERIFY_QUERIES
     assert result.details.repair_queries == extra == result.details.summary()["repair_queries"]
     assert result.details.repairs == [line for line in result.details.repairs if f"{role} ({i}, {j}): repaired" in line]
     assert len(result.details.repairs) == 1
@@ -96,7 +97,7 @@ def test_a_column_where_two_heads_coincide_stays_uncertified_and_says_why():
     lines = result.details.summary()["unrepaired_instances"]
     assert lines and all("not repaired" in line for line in lines)
     assert any("did not certify" in line for line in lines), lines
-    assert oracle.count == result.queries == biased_count(D, H) + result.details.repair_queries
+    assert oracle.count == result.queries == biased_count(D, H) + result.details.repair_queries + VERIFY_QUERIES
     assert result.details.repair_queries > 0
 
 
@@ -164,7 +165,7 @@ def test_a_drawn_target_whose_column_link_failed_is_certified():
     assert result.ok and result.certified
     [line] = result.details.repairs  # the partner: the column's instance whose mix separates the poles most
     assert line.startswith("column_link (3, 1): repaired (partner grid (") and line.endswith("mix asked, 17 queries)")
-    assert oracle.count == result.queries == biased_count(d, H) + result.calibration_queries + 17
+    assert oracle.count == result.queries == biased_count(d, H) + result.calibration_queries + 17 + VERIFY_QUERIES
     zeros = np.zeros((H, d))
     found, order = errors(result, target.W, target.v, zeros, 0.0)
     assert max(found.values()) <= 1e-40, found

@@ -192,6 +192,8 @@ def marking_module(tmp_path, monkeypatch):
     (["--answer-error", "inf"], "--answer-error"),
     (["--answer-error", "-1"], "--answer-error"),
     (["--verify", "-1"], "--verify"),
+    (["--verify-length", "-1"], "--verify-length"),
+    (["--verify-length", "5000"], "--verify-length"),
     (["--max-queries", "-1"], "--max-queries"),
     (["--batch-size", "0"], "--batch-size"),
     (["--token-scale", "0"], "--token-scale"),
@@ -242,6 +244,18 @@ def test_a_failed_verification_exits_1(marking_module):
                                  "--verify", "64"])
     assert result.exit_code == 1, result.output
     assert "verification FAILED" in " ".join(result.output.split())
+
+
+def test_the_default_run_verifies_itself_on_long_queries_and_exits_1(marking_module):
+    """The same oracle with the defaults (auto): the run's own verification (up to 256 tokens)
+    fails ``long_verification``; ``--verify-length 0`` turns it off and the run passes."""
+    arguments = ["extract", "--oracle", "marking.py:oracle", "--d", "3", "--heads", "2"]
+    result = runner.invoke(app, arguments)
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "long_verification: FAILED" in text and "verification FAILED: 32 fresh queries (lengths 1..256" in text
+    result = runner.invoke(app, arguments + ["--verify-length", "0"])
+    assert result.exit_code == 0, result.output
 
 
 @pytest.mark.parametrize("rank", ["3", "auto"])

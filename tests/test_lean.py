@@ -8,6 +8,7 @@ import pytest
 import mhaextract as mx
 from conftest import run_settings
 from mhaextract.checks.noise_probe import PROBE_QUERIES
+from mhaextract.checks.verify import VERIFY_QUERIES
 from mhaextract.schedules.lean import LeanSchedule
 from mhaextract.schedules.paper import PaperSchedule
 
@@ -52,8 +53,9 @@ def test_high_precision_lean_recovers_100_random_targets_to_1e_40():
 
         result = mx.extract(oracle, d, heads=H, precision=256, seed=trial, schedule="lean")
         assert result.ok and result.schedule == "lean"
-        # Measured at the boundary: the formula plus 2H - 1 per fallback link, nothing else.
-        assert result.queries == len(asked) == lean_formula(d, H) + result.details.fallback_links * (2 * H - 1)
+        # Measured at the boundary: the formula plus 2H - 1 per fallback link, and the verification's.
+        assert result.queries == len(asked) == (lean_formula(d, H) + result.details.fallback_links * (2 * H - 1)
+                                                + VERIFY_QUERIES)
         fallbacks += result.details.fallback_links
         assert hp_error(result, target) <= 1e-40
     assert fallbacks <= 5  # distinct random labels rarely need a link
@@ -72,7 +74,7 @@ def test_equal_value_vectors_fall_back_to_column_links(precision):
     # Every column needs its links: one per instance of rows 1..d-1.
     assert result.details.fallback_links == d * (d - 1)
     probe = PROBE_QUERIES if precision is None else 0  # float64: the noise probe (issue 12)
-    assert result.queries == lean_formula(d, H) + result.details.fallback_links * (2 * H - 1) + probe
+    assert result.queries == lean_formula(d, H) + result.details.fallback_links * (2 * H - 1) + probe + VERIFY_QUERIES
     got = result.model_hp if precision else result.model
     assert float(mx.compare(got, target).max_rel) < (1e-40 if precision else 1e-6)
 
@@ -94,7 +96,7 @@ def test_lean_with_a_bound_finds_the_canonical_count():
     target = mx.MultiHeadAttention.random(3, 2, seed=9)
     result = mx.extract(mx.SimulatedOracle(target, 256), 3, max_heads=4, precision=256, seed=1, schedule="lean")
     assert result.heads == 2
-    assert result.queries == lean_formula(3, 4) + result.details.fallback_links * 7
+    assert result.queries == lean_formula(3, 4) + result.details.fallback_links * 7 + VERIFY_QUERIES
     assert hp_error(result, target) <= 1e-40
 
 

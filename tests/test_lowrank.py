@@ -5,6 +5,7 @@ import pytest
 
 import mhaextract as mx
 from mhaextract.checks.noise_probe import PROBE_QUERIES
+from mhaextract.checks.verify import VERIFY_QUERIES
 from conftest import CountingOracle, paper_count
 
 
@@ -36,7 +37,7 @@ def test_count_at_the_oracle_equals_the_formula_and_heads_are_recovered(d, H, r,
     assert result.promised_queries == formula(d, H, r)
     # every query counted at the user's side: the formula after the (adaptive, measured) phase 1,
     # plus the fresh noise-probe queries every float64 schedule but paper asks (docs/algorithm.md §12)
-    assert oracle.count == result.queries == formula(d, H, r) + result.details.phase1.queries + PROBE_QUERIES
+    assert oracle.count == result.queries == formula(d, H, r) + result.details.phase1.queries + PROBE_QUERIES + VERIFY_QUERIES
     assert mx.compare(result.model, target).max_rel <= 1e-11
 
 
@@ -62,7 +63,7 @@ def test_low_rank_heads_with_biases_are_recovered_with_the_count_at_the_oracle(d
     result = mx.extract(oracle, d, heads=H, seed=seed, schedule="lowrank", rank=r, bias=True)
     assert result.ok and result.bias, [str(check) for check in result.failed_checks]
     assert result.promised_queries == biased_formula(d, H, r)
-    assert oracle.count == result.queries == biased_formula(d, H, r) + result.details.phase1.queries + PROBE_QUERIES
+    assert oracle.count == result.queries == biased_formula(d, H, r) + result.details.phase1.queries + PROBE_QUERIES + VERIFY_QUERIES
     comparison = mx.compare(result.model, target)  # W, v, u and c
     assert comparison.max_rel <= 1e-11 and comparison.u_rel <= 1e-11 and comparison.c_rel <= 1e-11
     assert comparison.max_rel <= result.error_estimate
@@ -139,7 +140,7 @@ def test_auto_rank_is_found_and_the_count_measured_at_the_oracle(d, H, r, seed):
     n = details.full_bridges
     assert min(d - 1, r + 2) <= n <= min(d - 1, max(4, 2 * (r + 2)))
     assert result.promised_queries == auto_formula(d, H, r, n)
-    assert oracle.count == result.queries == auto_formula(d, H, r, n) + details.phase1.queries + PROBE_QUERIES
+    assert oracle.count == result.queries == auto_formula(d, H, r, n) + details.phase1.queries + PROBE_QUERIES + VERIFY_QUERIES
     assert f"r = {r} found" in result.promised_formula and result.summary()["rank"] == r
     assert mx.compare(result.model, target).max_rel <= 1e-11
 
@@ -184,7 +185,7 @@ def test_auto_rank_with_biases():
     n, R = result.details.full_bridges, min(d, r + 2)
     expected = ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * n + (r + 2) * H * (d - 1 - n)
                 + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
-    assert oracle.count == result.queries == expected + result.details.phase1.queries + PROBE_QUERIES
+    assert oracle.count == result.queries == expected + result.details.phase1.queries + PROBE_QUERIES + VERIFY_QUERIES
     assert mx.compare(result.model, target).max_rel <= 1e-11
 
 

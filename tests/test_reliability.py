@@ -14,6 +14,7 @@ import pytest
 
 import mhaextract as mx
 from mhaextract.checks.base import ExtractionError
+from mhaextract.checks.verify import VERIFY_QUERIES
 from mhaextract.oracle.boundary import OracleError
 from mhaextract.oracle.transcript import Transcript, TranscriptError
 
@@ -215,7 +216,7 @@ def test_the_noise_probe_costs_twelve_counted_queries_and_paper_none():
     lean = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, schedule="lean")
     paper = mx.extract(mx.SimulatedOracle(target), 3, heads=2, seed=0, schedule="paper")
     assert PROBE_QUERIES == 12
-    assert lean.queries == lean.promised_queries + lean.details.fallback_links * 3 + PROBE_QUERIES
+    assert lean.queries == lean.promised_queries + lean.details.fallback_links * 3 + PROBE_QUERIES + VERIFY_QUERIES
     assert paper.queries == paper.promised_queries
     assert "fresh queries" in str(lean.checks) and "redundancy alone" in str(paper.checks)
 
@@ -533,7 +534,7 @@ def test_lean_refines_when_its_answers_are_noisy(seed, condition):
     assert result.ok, result.failed_checks
     assert result.refinement is not None and result.refinement.kept == "refined"
     assert result.queries == (result.promised_queries + result.details.fallback_links * (2 * H - 1)
-                              + PROBE_QUERIES + H * (d * d + d))
+                              + PROBE_QUERIES + H * (d * d + d) + VERIFY_QUERIES)
     assert result.queries == sum(asked)
     assert truth < 1e-6 and truth <= result.error_estimate <= 1e-4
 

@@ -66,7 +66,7 @@ def test_a_float64_layer_is_replaced_at_every_position(kind, implementation):
     assert mx.compare(result.model, to_reduced(layer)).max_rel <= 1e-11
     replacement = to_torch(result.model, causal=(kind, implementation) in CAUSAL)
     assert worst_relative_error(replacement, layer, d) <= 1e-12
-    assert result.max_query_length <= 8  # the replacement is judged on sequences 8 times longer
+    assert result.verification.passed and result.verification_length == 256  # the default, whole answers
 
 
 def test_the_float64_layer_needs_about_one_percent_more_queries_than_its_read_out():

@@ -28,6 +28,7 @@ from .checks.refine import (
     POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, jacobian_solver, parameter_count,
     refine_least_squares, residuals,
 )
+from .checks.verify import VERIFY_LENGTH, LongVerification, ask_long_verification, verify_length_option
 from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .numerics.enclosure import balls_reproduce_answers, exact_model
 from .numerics.float64 import root_mean_square
@@ -61,7 +62,8 @@ WEIGHT_FLOOR = 1e-2
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
-            answer_error=None, rank=None, backend=None, resume_check=3, repair=None) -> Extraction:
+            answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
+            verify_length=None) -> Extraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -131,6 +133,13 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         None (default): on for the biased grid (``"auto"``, ``bias=True``), off for
         ``schedule="paper"`` named alone, whose count then stays the paper's exactly; True turns
         it on there; False turns it off.
+    verify_length : the default verification (docs/algorithm.md §12): 32 fresh random queries of
+        lengths spread from 1 to ``verify_length`` tokens, asked after the schedule and counted like
+        every query (``result.verification_queries``, ``result.verification_length``), judged by
+        the ``long_verification`` check against the run's own error estimate and noise; a layer
+        that is another model beyond short sequences (a sliding window, position-dependent scores)
+        fails it. None (default): 256, except ``schedule="paper"`` named alone (0: the paper's
+        exact count); an integer 1..4096; 0 turns it off.
 
     Returns
     -------
@@ -167,6 +176,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         resumable_seed(seed)
         check_directory(transcript)  # before the calibration's probes: nothing is asked for a run that cannot record
     resume_check = positive_int("resume_check", resume_check, minimum=0)
+    verify_length = verify_length_option(verify_length)
     choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
     started = time.perf_counter()
     calibration, probes = None, None
@@ -212,14 +222,19 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
             probe = probe_misfit(boundary, plan, outcome.model)
+        length = verify_length if verify_length is not None else VERIFY_LENGTH * plan.verifies_by_default
+        long_queries = None  # asked once, before _finish: judged for whichever model the run keeps
+        if length and outcome.model is not None:
+            long_queries = ask_long_verification(boundary, spawn_rng(settings.seed, 5), settings.token_scale, length)
         spent = _Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
-                                                      "mpf" if settings.precision else "float64")), probes)
+                                                      "mpf" if settings.precision else "float64")), probes,
+                       long_queries)
         extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
         if _rescued_by_refinement(plan, outcome, extraction):
             extraction = _finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
                                  force_refine=True)
         if vectors.d_out is not None:
-            extraction = _with_values(extraction, vectors, value_queries, plan.settings)
+            extraction = _with_values(extraction, vectors, value_queries, plan, boundary, spent)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -253,12 +268,15 @@ def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries,
 @dataclass(frozen=True)
 class _Spent:
     """What the run chose and spent beyond its schedule: the schedule choice (and its reason), the
-    token-scale calibration (its probes count like every other query), the oracle's answer dtype."""
+    token-scale calibration (its probes count like every other query), the oracle's answer dtype,
+    the default verification's queries and answers (asked once, judged by :func:`_finish` for the
+    model the run keeps; docs/algorithm.md §12.2)."""
 
     choice: Choice
     calibration: Calibration | None
     answer_dtype: str
     probes: OracleBoundary | None = None  # the calibration's boundary (its counts), or None
+    verification: LongVerification | None = None
 
     @property
     def queries(self) -> int:
@@ -417,8 +435,10 @@ def _rescued_by_refinement(plan: Schedule, outcome: Outcome, extraction: Extract
             and settings.precision is None and outcome.model is not None and not extraction.ok
             and _refinement_affordable(plan, outcome)):
         return False
-    return all(check.name in REFINABLE or (check.name in SUPERSEDED_BY_FIT and MORE_POLES not in check.message)
-               for check in extraction.failed_checks)
+    # a failed verification alone is no inaccuracy a refinement answers; beside others it may be one
+    failed = [check for check in extraction.failed_checks if check.name != "long_verification"]
+    return bool(failed) and all(check.name in REFINABLE or (check.name in SUPERSEDED_BY_FIT
+                                                            and MORE_POLES not in check.message) for check in failed)
 
 
 def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record, started, spent: _Spent,
@@ -478,6 +498,12 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         explained)
     if refinement is not None and refinement.kept == "refined":
         checks = _superseded_by_fit(checks, len(sequences))
+    verification, long_queries = None, spent.verification
+    if long_queries is not None and model is not None:
+        unit = max(2.0**-53, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
+        check, verification = long_queries.judge(model, error_estimate, answers_residual, measured, scale, unit,
+                                                 plan.promised_max_length, settings.seed)
+        checks.append(check)
     return Extraction(
         model=model, heads=model.heads if model is not None else outcome.heads,
         queries=boundary.queries + boundary.replayed + spent.asked + spent.replayed,
@@ -492,7 +518,9 @@ def _finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, recor
         seconds=time.perf_counter() - started,
         certificate=certificate, refinement=refinement, answer_error=settings.answer_error,
         calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
-        bias=spent.choice.bias, answer_dtype=spent.answer_dtype,
+        bias=spent.choice.bias, answer_dtype=spent.answer_dtype, verification=verification,
+        verification_queries=0 if long_queries is None else long_queries.queries,
+        verification_length=0 if long_queries is None else long_queries.longest,
     )
 
 
@@ -507,9 +535,12 @@ def _value_queries(boundary: OracleBoundary, settings: RunSettings, outcome: Out
     return sequences, boundary.ask(sequences, "value read-outs", whole=True)
 
 
-def _with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, settings: RunSettings) -> Extraction:
+def _with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, plan: Schedule,
+                 boundary: OracleBoundary, spent: _Spent) -> Extraction:
     """The vector model (docs/algorithm.md §21): the schedule's scores with ``V_h`` and ``c`` fitted to
-    whole answers of fresh queries; its estimate and checks join the run's."""
+    whole answers of fresh queries; its estimate and checks join the run's, and the default
+    verification judges it on the whole answers."""
+    settings = plan.settings
     scalar = extraction.model
     if scalar is not None and vectors.d_out == 1:  # r = (1,): the schedule's v_h is V_h itself
         whole = MultiHeadAttention(scalar.W, scalar.v[:, None, :], scalar.u, np.array([scalar.c]))
@@ -525,10 +556,18 @@ def _with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, 
         failed = Check("value_fit", False, np.inf, 0.0, f"the value read-outs V_h could not be fitted: {error}")
         return dataclasses.replace(extraction, readout=vectors.readout, scalar_model=scalar,
                                    checks=extraction.checks + [failed])
+    error_estimate = max(extraction.error_estimate, fit.error_estimate)
+    checks, verification = extraction.checks + fit.checks(limit, extraction.error_estimate), extraction.verification
+    long_queries = spent.verification
+    if long_queries is not None and long_queries.whole is not None:  # the whole model on the whole answers
+        scale = float(np.abs(value_queries[1]).max(initial=0.0)) or 1.0
+        unit = max(2.0**-53, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
+        check, verification = long_queries.judge(fit.model, error_estimate, fit.residual, 0.0, scale, unit,
+                                                 plan.promised_max_length, settings.seed)
+        checks = [check if old.name == "long_verification" else old for old in checks]
     return dataclasses.replace(
         extraction, model=fit.model, scalar_model=scalar, readout=vectors.readout, value_fit=fit,
-        error_estimate=max(extraction.error_estimate, fit.error_estimate),
-        checks=extraction.checks + fit.checks(limit, extraction.error_estimate))
+        error_estimate=error_estimate, checks=checks, verification=verification)
 
 
 def _start_validity(certificate, settings: RunSettings, scale: float, refit=None,

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from .api import extract
 from .checks.base import ExtractionError, UnreliableExtractionWarning
-from .checks.verify import verify
+from .checks.verify import verify, verify_length_option
 from .compare import compare
 from .model import MultiHeadAttention
 from .oracle.boundary import OracleError
@@ -209,6 +209,8 @@ def extract_command(
                                        help="float64: a bound on every answer's absolute error, if known"),
     verify_queries: int = typer.Option(0, "--verify", help="float64: fresh random queries to verify the result on "
                                        "after the run (not capped by --max-queries, not in the transcript)"),
+    verify_length: int = typer.Option(None, "--verify-length", help="longest fresh query of the run's own "
+                                      "verification, in tokens (default 256; 0 turns it off; docs/algorithm.md §12)"),
     transcript: Path = typer.Option(None, "--transcript", help="SQLite transcript: saves every answer, resumes"),
     max_queries: int = typer.Option(None, "--max-queries", help="cap on the queries asked in this run"),
     batch_size: int = typer.Option(1024, "--batch-size", help="sequences per oracle call"),
@@ -224,6 +226,7 @@ def extract_command(
         _checked("--max-queries", positive_int, "max_queries", max_queries, 0)
     _checked("--batch-size", positive_int, "batch_size", batch_size)
     _checked("--verify", positive_int, "verify", verify_queries, 0)
+    _checked("--verify-length", verify_length_option, verify_length)
     robust = _robust_options(precision, samples, answer_error, refine, verify_queries)
     rank = _rank_option(rank)
     if rank is not None:
@@ -238,7 +241,8 @@ def extract_command(
             warnings.simplefilter("ignore", UnreliableExtractionWarning)
             result = extract(function, d, heads=heads, max_heads=max_heads, precision=precision, seed=seed,
                              schedule=schedule, token_scale=token_scale, batch_size=batch_size, progress=True,
-                             on_failure="warn", transcript=transcript, max_queries=max_queries, **robust)
+                             on_failure="warn", transcript=transcript, max_queries=max_queries,
+                             verify_length=verify_length, **robust)
             if verify_queries and result.model is not None:
                 # Another stream than the run's (seed): fresh queries.
                 result = result.with_verification(verify(result, function, n=verify_queries, seed=seed + 1,

@@ -54,7 +54,8 @@ class Extraction(CheckedResult):
         transcript, recorded by an earlier run's boundary).
     queries_asked, queries_replayed : int
     max_query_length : int
-        Longest query whose answer was used (measured at the boundary, or read back).
+        Longest query whose answer was used (measured at the boundary, or read back), the default
+        verification's included (``verification_length``).
     promised_queries, promised_max_length : int
         The schedule's own formula, for comparison (paper: ``4 H0 d^2 - 2 H0 + 1`` and
         ``2 H0 + 1``; lean: its count without fallback links; targeted: its stages after the
@@ -97,7 +98,15 @@ class Extraction(CheckedResult):
     refinement : Refinement or None
         With ``refine=True``: which model was kept, the misfits before and after, the queries added.
     verification : Verification or None
-        Attached by :meth:`with_verification` (fresh queries, see :func:`mhaextract.verify`).
+        The run's default verification on fresh long queries (``extract(..., verify_length=...)``,
+        the ``long_verification`` check, docs/algorithm.md §12), or the one attached by
+        :meth:`with_verification` (:func:`mhaextract.verify`); None when neither ran.
+    verification_queries : int
+        Fresh queries of the default verification, measured at the oracle boundary and included
+        in ``queries`` (0 when it did not run: ``verify_length=0``, ``schedule="paper"`` named
+        alone, or no model).
+    verification_length : int
+        The longest of them, in tokens (included in ``max_query_length``; 0 when none).
     answer_error : float or None
         The bound on the answers' absolute error the run was told (None: not told).
     transcript : path of the run's transcript, or None.
@@ -174,6 +183,8 @@ class Extraction(CheckedResult):
     seconds: float = 0.0
     queries_asked: int = 0
     queries_replayed: int = 0
+    verification_queries: int = 0
+    verification_length: int = 0
     transcript: str | None = None
     certificate: Certificate | None = None
     refinement: Refinement | None = None
@@ -216,7 +227,7 @@ class Extraction(CheckedResult):
 
     @property
     def verified(self) -> bool:
-        """True when a verification is attached and it passed."""
+        """True when a verification ran (the run's default one, or one attached) and it passed."""
         return self.verification is not None and bool(self.verification.passed)
 
     @property
@@ -265,6 +276,7 @@ class Extraction(CheckedResult):
             "certificate_method": None if self.certificate is None else self.certificate.method,
             "refinement": None if self.refinement is None else str(self.refinement),
             "verification": None if self.verification is None else str(self.verification),
+            "verification_queries": self.verification_queries, "verification_length": self.verification_length,
             **self.details.summary(),
         }
 

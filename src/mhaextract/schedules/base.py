@@ -130,6 +130,9 @@ class Schedule:
     #: float64: ask a few fresh queries to measure undeclared answer noise
     #: (:mod:`mhaextract.checks.noise_probe`); False keeps the schedule's exact count.
     probes_noise: ClassVar[bool] = True
+    #: ``verify_length=None``: verify the model on fresh long queries after the run (the
+    #: ``long_verification`` check, docs/algorithm.md §12); False keeps the schedule's exact count.
+    verifies_by_default: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset()
     #: The answers' relative unit the schedule's own error estimate assumed, once it has run (the
     #: targeted schedules size it to the answers, docs/algorithm.md §19); None: float64 rounding.

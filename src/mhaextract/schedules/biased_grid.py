@@ -64,6 +64,7 @@ class BiasedGridSchedule(PaperSchedule):
     repairs_certificate = True
     #: No first-order certificate (§12 linearises the bias-free grid): float64 runs probe the noise.
     probes_noise = True
+    verifies_by_default = True
 
     def _final_tokens(self, rng) -> np.ndarray:
         return affine_basis(rng, self.d, self.token_scale)

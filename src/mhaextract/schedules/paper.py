@@ -26,6 +26,8 @@ class PaperSchedule(GridSchedule):
     name = "paper"
     #: The paper's exact count: no fresh noise probe; the error estimate rests on the links' redundancy.
     probes_noise = False
+    #: ... nor a default verification on fresh long queries (``verify_length=256`` asks for one).
+    verifies_by_default = False
     #: Noisy answers (declared, or the links' noise above rounding): refined on its own answers, no
     #: query added (the exact count kept): least squares over all ``4 H0 d^2 - 2 H0 + 1`` answers,
     #: whose start is the algebra's model (docs/algorithm.md §12; docs/reliability.md: models 10..100 x
