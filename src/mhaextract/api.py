@@ -181,7 +181,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     started = time.perf_counter()
     calibration, probes = None, None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
-    vectors = VectorAnswers(settings.seed)  # answers of d_out numbers: one read-out for every boundary of the run
+    # answers of d_out numbers: one read-out for every boundary of the run
+    vectors = VectorAnswers(settings.seed, getattr(oracle, "answer_dtype", None))
     calibrating = scale_option == "auto" or (scale_option is None and choice.calibrate)
     record = None
     if transcript is not None:  # before any query: a transcript that cannot be written fails here

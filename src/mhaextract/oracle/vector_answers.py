@@ -30,6 +30,11 @@ class VectorAnswers:
     Parameters
     ----------
     seed : the run's seed (int, None, SeedSequence or Generator; a Generator is not drawn from).
+    answer_dtype : the oracle's declared answer precision (``TorchOracle.answer_dtype``), if any:
+        ``"float32"``, ``"bfloat16"`` or ``"float16"`` read the answers out to float32, as a scalar
+        oracle of such a layer rounds its own read-out (the rounding, ``2^-24`` relative, is below the
+        layer's own, and the run sees the answers' precision:
+        :class:`~mhaextract.oracle.answer_stats.AnswerStats`, docs/algorithm.md §19).
 
     Attributes
     ----------
@@ -46,8 +51,9 @@ class VectorAnswers:
     (2, (3,), 1.0)
     """
 
-    def __init__(self, seed):
+    def __init__(self, seed, answer_dtype: str | None = None):
         self._rng = np.random.default_rng(_seed_sequence(seed))
+        self.single = answer_dtype in ("float32", "bfloat16", "float16")
         self.d_out: int | None = None
         self.readout: np.ndarray | None = None
 
@@ -62,18 +68,10 @@ class VectorAnswers:
 
     def scalars(self, values: np.ndarray) -> np.ndarray:
         """``r^T y`` per answer, for values (n, d_out). Summed along each row on its own (numpy's
-        pairwise sum of one contiguous row), so a replayed answer gives the same bits in any batch.
-
-        An answer whose every entry is a float32 number (a float32, bfloat16 or float16 layer) is
-        read out to float32, as a scalar oracle of such a layer rounds its own read-out: the
-        rounding (``2^-24`` relative) is below the layer's own, and the answers' precision stays
-        visible to the run (:class:`~mhaextract.oracle.answer_stats.AnswerStats`, docs/algorithm.md §19)."""
+        pairwise sum of one contiguous row), so a replayed answer gives the same bits in any batch."""
         if self.d_out is None:
             self.start(values.shape[1])
-        values = np.ascontiguousarray(values, dtype=np.float64)
-        projected = (values * self.readout).sum(axis=1)
-        if self.d_out > 1:
-            with np.errstate(over="ignore"):
-                single = (values.astype(np.float32).astype(np.float64) == values).all(axis=1)
-                projected[single] = projected[single].astype(np.float32)
+        projected = (np.ascontiguousarray(values, dtype=np.float64) * self.readout).sum(axis=1)
+        if self.single and self.d_out > 1:
+            projected = projected.astype(np.float32).astype(np.float64)
         return projected
