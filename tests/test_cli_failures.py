@@ -130,8 +130,11 @@ def test_unwritable_output_paths_are_refused_before_the_first_query(oracle_file,
     assert not (folder / "oracle_was_called").exists()
 
 
-def test_a_save_that_fails_after_the_run_writes_the_result_elsewhere_and_says_where(oracle_file):
+def test_a_save_that_fails_after_the_run_writes_the_result_elsewhere_and_says_where(oracle_file, monkeypatch):
+    import tempfile
+
     folder, truth = oracle_file
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))  # the fallback's temporary folder, cleaned up
     (folder / "results").mkdir()
     result = _extract("removes_the_output_folder", "--out", "results/run.json")
     assert result.exit_code == 2, result.output
@@ -177,3 +180,30 @@ def test_bench_refuses_an_output_folder_below_a_file_before_the_run(tmp_path, mo
     (tmp_path / "made").mkdir()
     (tmp_path / "made" / "bench.md").write_text("")
     _usage_error(runner.invoke(app, ["bench", "--quick", "--out", out]), "--out", cause)
+
+
+@pytest.mark.slow  # 2 s (matplotlib)
+def test_report_noise_keeps_a_finished_sweep_whose_folder_went_away(tmp_path, monkeypatch):
+    import shutil
+    import tempfile
+
+    import mhaextract.noise_sweep as sweep_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the fallback's temporary folder, cleaned up
+    (tmp_path / "figures").mkdir()
+    real_sweep = sweep_module.noise_sweep
+
+    def sweep_then_remove_the_folder(*arguments, **keywords):
+        points = real_sweep(*arguments, **keywords)
+        shutil.rmtree(tmp_path / "figures")
+        return points
+    monkeypatch.setattr(sweep_module, "noise_sweep", sweep_then_remove_the_folder)
+    result = runner.invoke(app, ["report", "noise", "--d", "2", "--heads", "1", "--eps", "1e-12", "--seeds", "1",
+                                 "-o", "figures/noise.png"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert "could not write --output 'figures/noise.png'" in text
+    written = text.split("wrote the figure to ")[1].split(" instead")[0]
+    assert open(written, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"

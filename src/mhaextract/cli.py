@@ -386,11 +386,24 @@ def report_noise(
     _checked("--seeds", positive_int, "seeds", seeds)
     _writable_folder(output, "--output", ".png")
     points = noise_sweep(d, head_values, eps_values, seeds, refine=refine, progress=True)
-    plot_noise_sweep(points, output, d)
+    moved = False
+    try:
+        plot_noise_sweep(points, output, d)
+    except OSError as error:  # the sweep is done: its figure goes to a temporary folder instead
+        import tempfile
+
+        console.print(f"[bold red]Error:[/] could not write --output {str(output)!r} ({error.strerror or error})",
+                      highlight=False)
+        output = Path(tempfile.mkdtemp(prefix="mhaextract-")) / output.name
+        plot_noise_sweep(points, output, d)
+        console.print(f"wrote the figure to {output} instead", highlight=False)
+        moved = True
     covered = [p for p in points if p.eps < p.valid_below]
     held = sum(p.error <= p.bound for p in covered)
     console.print(f"wrote {output}: {len(points)} runs (d = {d}, H in {head_values}); {len(covered)} with eps below "
                   f"valid_below, the certificate held in {held} of them")
+    if moved:
+        raise typer.Exit(code=2)
 
 
 @app.command()
