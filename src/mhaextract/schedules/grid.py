@@ -426,7 +426,11 @@ class GridLearner:
         scale = np.maximum(np.abs(self.samples[row0]).max(axis=1), np.finfo(float).tiny)
         sigma_c = constant_sigmas(self.schedule.ks, np.exp(fits_row0.log_poles), fits_row0.labels, scale)
         self.anchor_sigma = np.zeros((self.n, 2, self.H_star))  # (instance, m or l, pole), row 0 none
-        return np.hypot(abs(float(self.anchor)), np.where(np.isfinite(sigma_c), sigma_c, np.inf))
+        # A failed row-0 fit (non-finite poles: its own checks report it) counts as the worst of the
+        # others: an infinite sigma would reach every later instance through vbar and leave no weight.
+        finite = np.isfinite(sigma_c)
+        sigma_c = np.where(finite, sigma_c, sigma_c[finite].max(initial=0.0))
+        return np.hypot(abs(float(self.anchor)), sigma_c)
 
     def _add_anchor_errors(self, fits, indices, ks) -> None:
         """``anchor_sigma[indices]``: what the anchors' errors do to the later instances' log-poles and
