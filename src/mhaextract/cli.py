@@ -177,7 +177,8 @@ def _save_safely(console: Console, result, out: Path) -> bool:
 
     try:
         json_path, npz_path = save_extraction(result, Path(tempfile.mkdtemp(prefix="mhaextract-")) / out.name)
-        console.print(f"the finished run was written to {json_path} and {npz_path} instead", highlight=False, soft_wrap=True)
+        console.print(f"the finished run was written to {json_path} and {npz_path} instead", highlight=False,
+                      soft_wrap=True)
     except OSError as error:  # nowhere to write: the model on the terminal, so the queries are not lost
         model = result.model
         console.print(f"nor to a temporary folder ({error}); the model, in full precision:", highlight=False)
