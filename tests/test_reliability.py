@@ -490,7 +490,7 @@ def test_targeted_labels_are_judged_against_their_inverse_variance_mean():
     assert label_deviation(two, np.full((1, 2, 3), 1e-6), 0.0) == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("seed", [28, 58])
+@pytest.mark.parametrize("seed", [28])
 def test_lean_residual_is_judged_against_the_estimate_with_exact_answers(seed):
     # Before: answers_residual 1.2e-6 (seed 28) and 1.7e-6 (seed 58) against a fixed 1e-6 failed
     # models within 1.2e-5 and 8.9e-5 of the truth whose estimates (1.5e-6, 6.5e-5) explain the
@@ -509,10 +509,11 @@ def test_lean_estimate_is_at_least_the_answers_residual():
     # Before: estimate 1.4e-10 below its own residual 3.8e-10 and 26 x below the true error 3.6e-9
     # (exact answers, d = 6, H = 2, bench_reliability seed 24: the table's worst lean ratio).
     target, oracle, d, H, _ = _random_case(24, "exact")
+    # The estimate carries the anchors' error (docs/algorithm.md §10) and is above the residual by
+    # itself; where it is not, the residual raises it (Schedule.residual_evidence).
     result = mx.extract(oracle, d, heads=H, seed=24, schedule="lean")
     truth = float(mx.compare(result.model, target.canonical()).max_rel)
-    assert result.error_estimate == pytest.approx(result.answers_residual)
-    assert "residual" in next(check.message for check in result.checks if check.name == "error_estimate")
+    assert result.error_estimate >= result.answers_residual
     assert truth <= 10 * result.error_estimate
 
 
@@ -546,7 +547,10 @@ def test_lean_does_not_refine_exact_answers():
 
 
 
-@pytest.mark.parametrize("seed, failed", [(148, "answers_residual"), (237, "pole_count"), (266, "matching")])
+# Seeds 58 and 148: the algebra's models are 8.2e-5 and 3.9e-5 off, their estimates (6.1e-4, 2.5e-4,
+# anchors' error included, docs/algorithm.md §10) above the 1e-4 limit.
+@pytest.mark.parametrize("seed, failed", [(58, "error_estimate"), (148, "error_estimate"), (237, "pole_count"),
+                                          (266, "matching")])
 def test_a_failed_exact_lean_run_is_refined_with_counted_polish_queries(seed, failed):
     # Before: exact answers, H = 3 (bench_reliability --runs 400: 8 lean false alarms of 400): the
     # float64 algebra's estimate 5.7e-6 on a true 4e-5 (its residual said so), one instance of 19 with

@@ -20,6 +20,7 @@ from .calibration import Calibration, calibrate, probe_queries
 from .compare import compare
 from .checks.base import (
     Check, CheckPolicy, answers_residual_check, error_estimate_check, finite_check, report_failure,
+    uncertified_error_limit,
 )
 from .checks.certificate import Certificate, least_squares_certificate
 from .checks.diagnosis import KERNEL_ERRORS, answers_check, failure_hints, kernel_failure
@@ -843,6 +844,8 @@ def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_res
         residual_limit = max(residual_limit, 10 * noisy / scale, own)
     elif plan.residual_evidence and settings.precision is None:
         residual_limit = max(residual_limit, own)
+    if settings.precision is not None and outcome.model is not None and not outcome.details.certified:
+        error_limit, source = uncertified_error_limit(error_limit, outcome.details)  # §7: says what is proven
     checks = [error_estimate_check(error_estimate, error_limit, source),
               answers_residual_check(answers_residual, residual_limit)]
     if certificate is not None and (settings.answer_error is not None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import typer
 from rich.console import Console
 
@@ -51,6 +53,14 @@ def _number_or_text(value):
         return value
 
 
+def _int_or_text(value: str):
+    """A command-line value that should be an integer (left as text if it is not, for the message)."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
 RANK_HELP = ("a bound r on every head's rank, or 'auto' to find it: the float64 low-rank schedule, about "
              "3H(2dr - r^2) queries (docs/algorithm.md §17)")
 
@@ -89,15 +99,93 @@ def _robust_options(precision, samples, answer_error, refine, verify_queries=0) 
     return {"samples_per_instance": samples, "refine": True if refine else None, "answer_error": answer_error}
 
 
-def _writable_folder(path: Path | None, hint: str) -> None:
-    """Refuse, before the run, a file whose folder does not exist or cannot be written."""
+def _writable_folder(path: Path | None, hint: str, suffix: str | None = None) -> None:
+    """Refuse, before the run, an output file that could not be written: a wrong ``suffix``, an
+    existing folder of that name (or of the ``.npz`` beside a ``.json``), a folder that does not
+    exist, is a file or cannot be written."""
     if path is None:
         return
+    if suffix is not None and path.suffix != suffix:
+        raise typer.BadParameter(f"must be a file name ending in {suffix}, got {str(path)!r}", param_hint=hint)
+    for written in (path, path.with_suffix(".npz")) if path.suffix == ".json" else (path,):
+        if written.is_dir():
+            raise typer.BadParameter(f"{str(written)!r} is a folder; name a file in it", param_hint=hint)
     folder = path.parent
+    if folder.exists() and not folder.is_dir():
+        raise typer.BadParameter(f"{str(folder)!r} is a file, not a folder", param_hint=hint)
     if not folder.is_dir():
         raise typer.BadParameter(f"the folder {str(folder)!r} does not exist", param_hint=hint)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise typer.BadParameter(f"the folder {str(folder)!r} is not writable", param_hint=hint)
+
+
+def _creatable_folder(folder: Path, hint: str) -> None:
+    """Refuse, before the run, an output folder that could not be made or written: a file on its path
+    or an existing ancestor that cannot be written."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise typer.BadParameter(f"{str(existing)!r} is a file, so {str(folder)!r} cannot be a folder",
+                                 param_hint=hint)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"the folder {str(existing)!r} is not writable", param_hint=hint)
+
+
+def _oracle_failure(error: Exception, spec: str) -> str | None:
+    """One line for an exception the user's oracle raised (named by ``spec``): the oracle, the queries
+    it was answering (from the note the oracle boundary adds) and the exception; None for any other."""
+    if not getattr(error, "raised_by_oracle", False):
+        return None
+    where = next((note.splitlines()[0] for note in getattr(error, "__notes__", [])
+                  if note.startswith("mhaextract: raised by the oracle")), "")
+    where = where.removeprefix("mhaextract: raised by the oracle ").split("; the first sequence", 1)[0]
+    message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return f"the oracle {spec} raised {message}" + (f" {where}" if where else "")
+
+
+def _failure_code(console: Console, error: Exception, spec: str) -> int:
+    """Print why the run named by the oracle ``spec`` stopped and return the exit code: 2 for the
+    oracle's own exception (one line), bad input, a spent budget or a refused transcript; 1 for an
+    extraction whose arithmetic broke down after the queries. Anything else is a bug: re-raised."""
+    oracle_line = _oracle_failure(error, spec)
+    if oracle_line is not None:
+        console.print(f"[bold red]Error:[/] {oracle_line}", highlight=False, soft_wrap=True)
+        return 2
+    if isinstance(error, (ValueError, OracleError, TranscriptError)):
+        console.print(f"[bold red]{type(error).__name__}:[/] {error}", highlight=False)
+        for note in getattr(error, "__notes__", []):
+            console.print(note, markup=False, highlight=False)
+        return 2
+    if isinstance(error, ExtractionError):
+        console.print(f"[bold red]ExtractionError:[/] {error}", highlight=False)
+        return 1
+    raise error
+
+
+def _save_safely(console: Console, result, out: Path) -> bool:
+    """Write the finished run to ``out``; if that fails (the folder went away, the disk is full), to a
+    fresh temporary folder instead, and say where. False when ``out`` could not be written."""
+    try:
+        json_path, npz_path = save_extraction(result, out)
+        console.print(f"wrote {json_path} and {npz_path}", highlight=False)
+        return True
+    except OSError as error:
+        console.print(f"[bold red]Error:[/] could not write --out {str(out)!r} ({error.strerror or error})",
+                      highlight=False)
+    import tempfile
+
+    try:
+        json_path, npz_path = save_extraction(result, Path(tempfile.mkdtemp(prefix="mhaextract-")) / out.name)
+        console.print(f"the finished run was written to {json_path} and {npz_path} instead", highlight=False,
+                      soft_wrap=True)
+    except OSError as error:  # nowhere to write: the model on the terminal, so the queries are not lost
+        model = result.model
+        console.print(f"nor to a temporary folder ({error}); the model, in full precision:", highlight=False)
+        if model is not None:
+            console.print(json.dumps({"W": model.W.tolist(), "v": model.v.tolist(), "u": model.u.tolist(),
+                                      "c": np.asarray(model.c).tolist()}), highlight=False, soft_wrap=True)
+    return False
 
 
 @app.callback()
@@ -231,9 +319,7 @@ def extract_command(
     rank = _rank_option(rank)
     if rank is not None:
         robust["rank"] = rank
-    if out is not None and out.suffix != ".json":
-        raise typer.BadParameter(f"must end in .json, got {str(out)!r}", param_hint="--out")
-    _writable_folder(out, "--out")
+    _writable_folder(out, "--out", ".json")
     _writable_folder(transcript, "--transcript")
     function = load_oracle(oracle)
     try:
@@ -243,24 +329,23 @@ def extract_command(
                              schedule=schedule, token_scale=token_scale, batch_size=batch_size, progress=True,
                              on_failure="warn", transcript=transcript, max_queries=max_queries,
                              verify_length=verify_length, **robust)
-            if verify_queries and result.model is not None:
-                # Another stream than the run's (seed): fresh queries.
-                result = result.with_verification(verify(result, function, n=verify_queries, seed=seed + 1,
-                                                         batch_size=batch_size, progress=True))
-    except (ValueError, OracleError, TranscriptError) as error:  # bad input, budget, oracle, transcript
-        console.print(f"[bold red]{type(error).__name__}:[/] {error}", highlight=False)
-        for note in getattr(error, "__notes__", []):
-            console.print(note, markup=False, highlight=False)
-        raise typer.Exit(code=2)
-    except ExtractionError as error:  # the arithmetic broke down after the queries: not bad input
-        console.print(f"[bold red]ExtractionError:[/] {error}", highlight=False)
-        raise typer.Exit(code=1)
+    except Exception as error:
+        raise typer.Exit(code=_failure_code(console, error, oracle)) from None
+    verification_error = None
+    if verify_queries and result.model is not None:
+        try:  # another stream than the run's (seed): fresh queries
+            result = result.with_verification(verify(result, function, n=verify_queries, seed=seed + 1,
+                                                     batch_size=batch_size, progress=True))
+        except Exception as error:  # the finished run is still printed and saved below
+            verification_error = error
     console.print(extraction_table(result, title=f"mhaextract extract {oracle}"))
     if result.verification is not None:
         console.print(str(result.verification), highlight=False)
-    if out is not None:
-        json_path, npz_path = save_extraction(result, out)
-        console.print(f"wrote {json_path} and {npz_path}")
+    if out is not None and not _save_safely(console, result, out):
+        raise typer.Exit(code=2)
+    if verification_error is not None:
+        console.print("The run finished; its verification on fresh queries did not:", highlight=False)
+        raise typer.Exit(code=_failure_code(console, verification_error, oracle))
     verification_failed = result.verification is not None and not result.verification.passed
     if not result.ok or verification_failed:
         console.print("[bold red]The extraction failed its own checks or its verification; the heads are not "
@@ -297,18 +382,33 @@ def report_noise(
     from .noise_sweep import noise_sweep, plot_noise_sweep
 
     console = Console()
-    head_values = tuple(int(h) for h in _floats(heads, "--heads"))
+    head_values = tuple(_checked("--heads", positive_int, "every head count", _int_or_text(part.strip()))
+                        for part in heads.split(",") if part.strip())
+    if not head_values:
+        raise typer.BadParameter(f"must be comma-separated head counts, got {heads!r}", param_hint="--heads")
     eps_values = _floats(eps, "--eps")
-    if d < 1 or seeds < 1:
-        raise typer.BadParameter("--d and --seeds must be positive")
-    if not output.parent.exists():
-        raise typer.BadParameter(f"the folder of --output does not exist: {output.parent}")
+    _checked("--d", positive_int, "d", d)
+    _checked("--seeds", positive_int, "seeds", seeds)
+    _writable_folder(output, "--output", ".png")
     points = noise_sweep(d, head_values, eps_values, seeds, refine=refine, progress=True)
-    plot_noise_sweep(points, output, d)
+    moved = False
+    try:
+        plot_noise_sweep(points, output, d)
+    except OSError as error:  # the sweep is done: its figure goes to a temporary folder instead
+        import tempfile
+
+        console.print(f"[bold red]Error:[/] could not write --output {str(output)!r} ({error.strerror or error})",
+                      highlight=False)
+        output = Path(tempfile.mkdtemp(prefix="mhaextract-")) / output.name
+        plot_noise_sweep(points, output, d)
+        console.print(f"wrote the figure to {output} instead", highlight=False, soft_wrap=True)
+        moved = True
     covered = [p for p in points if p.eps < p.valid_below]
     held = sum(p.error <= p.bound for p in covered)
     console.print(f"wrote {output}: {len(points)} runs (d = {d}, H in {head_values}); {len(covered)} with eps below "
                   f"valid_below, the certificate held in {held} of them")
+    if moved:
+        raise typer.Exit(code=2)
 
 
 @app.command()
@@ -332,6 +432,10 @@ def bench(
         settings = BenchSettings.quick(**overrides) if quick else BenchSettings(**overrides)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
+    _creatable_folder(Path(out), "--out")
+    for written in ("bench.md", "bench.png"):
+        if (Path(out) / written).is_dir():
+            raise typer.BadParameter(f"{str(Path(out) / written)!r} is a folder", param_hint="--out")
     console = Console(width=400)
     run_bench(settings, out_dir=out, console=console)
     console.print(f"wrote {out}/bench.md and {out}/bench.png")

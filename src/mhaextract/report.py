@@ -56,6 +56,9 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
             table.add_row("max rel. error u", _fmt(comparison.u_rel), "to the truth's max |u| (absolute if it has none)")
             table.add_row("rel. error c", _fmt(comparison.c_rel), "to the truth's |c| (absolute if c = 0)")
     kind = "certified ball radius" if e.certified else ("ball radius (first order)" if e.precision else "first order")
+    proven = getattr(getattr(e.details, "instances", None), "certified", None)
+    if e.precision and not e.certified and proven is not None:  # what is proven, what estimated (§7)
+        kind = f"ball radius: {int(proven.sum())} of {len(proven)} instances proven, the rest first order"
     table.add_row("error estimate", _fmt(e.error_estimate), kind)
     table.add_row("answers residual", _fmt(e.answers_residual), "misfit on the queries asked")
     if e.certificate is not None:

@@ -235,7 +235,8 @@ class Extraction(CheckedResult):
         """High precision: every instance's balls were proven (Krawczyk) to enclose its exact
         parameters, given answers within one ulp; the assembled balls then enclose the truth.
         Not claimed when the balls fail to reproduce the answers (``balls_reproduce_answers``:
-        heads merged below the answers' resolution)."""
+        heads merged below the answers' resolution). False in high precision: ``error_estimate`` rests
+        partly on first-order radii, judged against ``max(2^-53, 2^(-precision/4))`` (docs/algorithm.md §7)."""
         disproved = any(check.name == "balls_reproduce_answers" and not check.passed for check in self.checks)
         return self.precision is not None and self.details.certified and not disproved
 

@@ -139,6 +139,27 @@ class CheckPolicy:
         return cls(tolerance, 0.0, 0.1, 4.0, tolerance, tolerance)
 
 
+#: float64's unit roundoff: a high-precision result not every part of which is proven passes its
+#: error estimate when the estimate is below this (or below the certified runs' ``2^(-precision/4)``,
+#: if larger): the model is then right to every float64 digit (docs/algorithm.md §7).
+FLOAT64_UNIT_ROUNDOFF = 2.0**-53
+
+
+def uncertified_error_limit(limit: float, details) -> tuple[float, str]:
+    """High precision with some instances not certified (Krawczyk, docs/algorithm.md §7): their balls
+    keep first-order radii, so the largest relative radius is an estimate, not a proven bound, and
+    the limit ``2^(-precision/4)`` meant for proven radii does not apply. Returns the limit the
+    estimate is judged against, ``max(limit, FLOAT64_UNIT_ROUNDOFF)``, and words saying what was
+    proven (``details.instances.certified``: instances proven, directly or by repair) and what not."""
+    proven = getattr(getattr(details, "instances", None), "certified", None)
+    counted = (f"{int(np.sum(proven))} of {len(proven)} instances proven (Krawczyk, their balls enclose the exact "
+               f"parameters), {len(proven) - int(np.sum(proven))} not: their first-order radii are estimates"
+               if proven is not None else "not every instance proven")
+    return (max(limit, FLOAT64_UNIT_ROUNDOFF),
+            f"the balls' radii ({counted}; not certified, the estimate is judged against float64's unit "
+            f"roundoff 2^-53, not the proven radii's 2^(-precision/4) = {limit:.3g})")
+
+
 def error_estimate_check(error_estimate: float, threshold: float, what: str) -> Check:
     return Check("error_estimate", error_estimate <= threshold, error_estimate, threshold,
                  f"max relative parameter error expected from {what}")

@@ -213,3 +213,40 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
     sigma_m[finite] = scale[:, None] * np.sqrt(variances[:, first:first + r])
     sigma_l[finite] = scale[:, None] * np.sqrt(variances[:, first + r:])
     return condition, sigma_m, sigma_l
+
+
+def _pseudo_inverses(J: np.ndarray) -> np.ndarray:
+    """``J^+`` of a batch (n, K, p); rows with a non-finite entry get NaN (their fit failed)."""
+    inverse = np.full((J.shape[0], J.shape[2], J.shape[1]), np.nan)
+    finite = np.isfinite(J).all(axis=(1, 2))
+    if finite.any():
+        inverse[finite] = np.linalg.pinv(J[finite])
+    return inverse
+
+
+def constant_sigmas(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """First-order standard deviation of each fitted constant c (n,) per unit relative sample error,
+    ``scale * sqrt(((J^T J)^{-1})[c, c])``, as :func:`sensitivities` gives those of m and l (c fitted)."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # failed fits: NaN, then inf
+        J_plus = _pseudo_inverses(instance_jacobian(ks, tau, labels))
+        sigma = np.asarray(scale) * np.sqrt((J_plus[:, 0, :] ** 2).sum(axis=1))
+    return np.where(np.isfinite(sigma), sigma, np.inf)
+
+
+def anchor_sigmas(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, coefficients: np.ndarray,
+                  anchor_sigma: np.ndarray, constant_known: bool) -> tuple[np.ndarray, np.ndarray]:
+    """First-order standard deviations of the log-poles and labels (n, r) that the errors of computed
+    anchors cause (docs/algorithm.md §4, §10): the fitted samples are ``G = E a + (answers)`` with
+    ``a`` the anchors ``vbar^T z_j``, their errors independent with standard deviations ``anchor_sigma``
+    (d,); ``coefficients`` is ``E`` (n, K, d) per instance. A parameter moves by ``J^+ E delta a``,
+    so its variance is ``sum_j (J^+ E)[:, j]^2 anchor_sigma_j^2``. The anchors' errors are shared by
+    every instance that uses them: summed with :func:`sensitivities`' own, in the same units."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # failed fits: NaN, then inf
+        J = instance_jacobian(ks, tau, labels)
+        if constant_known:
+            J = J[:, :, 1:]
+        moved = np.einsum("npk,nkd->npd", _pseudo_inverses(J), coefficients)
+        sigma = np.sqrt((moved**2 * np.asarray(anchor_sigma)[None, None, :] ** 2).sum(axis=2))
+    first, r = (0 if constant_known else 1), tau.shape[1]
+    sigma = np.where(np.isfinite(sigma), sigma, np.inf)
+    return sigma[:, first:first + r], sigma[:, first + r:]

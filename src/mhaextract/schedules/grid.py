@@ -28,7 +28,7 @@ from ..checks.linearisation import PipelineRun
 from ..model import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
 from ..numerics.assembly import inverse_variance_weights, pole_design
-from ..numerics.rational import InstanceFits
+from ..numerics.rational import InstanceFits, anchor_sigmas, constant_sigmas
 from ..oracle.queries import CopiesQueries, InstanceTable, random_basis
 from ..validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
@@ -333,6 +333,7 @@ class GridLearner:
         self.samples = arithmetic.empty_samples(len(schedule.instances), len(schedule.ks))
         self.samples[self.owners, self.copies] = self.answers
         self.repairer = None
+        self.vbar_z_sigma = None  # the anchors' standard deviations (float64, _anchor_sigma)
         if schedule.repairs and arithmetic.precision is not None:
             self.repairer = Repairer(self)
 
@@ -370,6 +371,7 @@ class GridLearner:
         if self.repairer is not None:  # vbar comes from row 0's constants: repaired first (§20)
             self.repairer.repair(fits_row0, row0)
         self.vbar_z = self.anchor - fits_row0.c
+        self.vbar_z_sigma = self._anchor_sigma(fits_row0, row0)
         vbar = arithmetic.solve_transposed(schedule.Z, self.vbar_z)
         self.vbar_x = arithmetic.dot(vbar, schedule.X)
         self.c0 = None
@@ -409,7 +411,53 @@ class GridLearner:
         ks = schedule.ks[:width]
         ranks, values = self.arithmetic.detect_ranks(block, ks, schedule.max_heads, constant=constant,
                                                      answer_error=self.answer_error)
-        return ranks, values, self.arithmetic.fit(block, ks, self.H_star, constant=constant)
+        fits = self.arithmetic.fit(block, ks, self.H_star, constant=constant)
+        if self.vbar_z_sigma is not None and len(indices) and self.H_star:
+            self._add_anchor_errors(fits, indices, ks)
+        return ranks, values, fits
+
+    def _anchor_sigma(self, fits_row0, row0):
+        """float64 (bias-free): the standard deviations of the anchors ``vbar^T z_j = vbar^T x_0 - c_j``
+        per unit relative answer error (absolute error / eps): the one-token answer's rounding and the
+        row-0 fit's error of c_j. None where they are not propagated (balls enclose them; the affine
+        grid's c0 shares them)."""
+        if self.arithmetic.precision is not None or self.schedule.affine or not self.H_star:
+            return None
+        scale = np.maximum(np.abs(self.samples[row0]).max(axis=1), np.finfo(float).tiny)
+        sigma_c = constant_sigmas(self.schedule.ks, np.exp(fits_row0.log_poles), fits_row0.labels, scale)
+        self.anchor_sigma = np.zeros((self.n, 2, self.H_star))  # (instance, m or l, pole), row 0 none
+        # A failed row-0 fit (non-finite poles: its own checks report it) counts as the worst of the
+        # others: an infinite sigma would reach every later instance through vbar and leave no weight.
+        finite = np.isfinite(sigma_c)
+        sigma_c = np.where(finite, sigma_c, sigma_c[finite].max(initial=0.0))
+        return np.hypot(abs(float(self.anchor)), sigma_c)
+
+    def _add_anchor_errors(self, fits, indices, ks) -> None:
+        """``anchor_sigma[indices]``: what the anchors' errors do to the later instances' log-poles and
+        labels (docs/algorithm.md §4, §10), in the units of their ``sigma_m``, ``sigma_l``, in fit order;
+        the assembly adds it to theirs (the matching keeps the instances' own). Their F(0) = vbar^T x
+        (and, both anchors known, c = vbar^T (x - z)) are computed from ``vbar_z``, not answered: an
+        error there moves the later fits alike, and lean's fits, which take c as known, cannot absorb
+        it into c. It dominates where the row-0 constants are ill-determined (heads with collinear W)."""
+        schedule, table = self.schedule, self.schedule.instances
+        finals = np.linalg.solve(schedule.Z, schedule.X).T  # vbar^T x_i = finals[i] . vbar_z
+        finals[0] = 0.0  # vbar^T x_0 is the answer itself
+        i, j, role = table.i[indices], table.j[indices], table.role[indices]
+        a = finals[i] * np.where(role == "column_link", schedule.column_link_weight, 1.0)[:, None]
+        b = np.eye(schedule.d)[j]
+        b[role == "row_link", 0] += 1.0
+        E = np.zeros((len(indices), len(ks), schedule.d))
+        if schedule.both_anchors:  # G(0) = vbar^T z; G(k) = F(k) - vbar^T (x - z)
+            E[:, 0], E[:, 1:] = b, (b - a)[:, None, :]
+        else:  # F(0) = vbar^T x
+            E[:, 0] = a
+        anchor_m, anchor_l = anchor_sigmas(ks, np.exp(fits.log_poles), fits.labels, E, self.vbar_z_sigma,
+                                           constant_known=schedule.both_anchors)
+        grown = max(self.n, len(self.anchor_sigma))
+        if grown > len(self.anchor_sigma):  # fallback links added
+            self.anchor_sigma = np.concatenate([self.anchor_sigma, np.zeros((grown - len(self.anchor_sigma),
+                                                                             2, self.H_star))])
+        self.anchor_sigma[indices, 0], self.anchor_sigma[indices, 1] = anchor_m, anchor_l
 
     def add_instances(self, indices: list[int]) -> None:
         """Ask, anchor and fit instances the schedule added after the first answers (fallback links)."""
@@ -498,7 +546,10 @@ class GridLearner:
         """``M_h`` and ``l_h`` from every redundant measurement, then ``W_h``, ``v_h`` (§9)."""
         schedule, arithmetic, everything = self.schedule, self.arithmetic, np.arange(self.n)
         m, labels = self._ordered(self.fits.log_poles, everything), self._ordered(self.fits.labels, everything)
-        sigma_m, sigma_l = self._ordered(self.fits.sigma_m, everything), self._ordered(self.fits.sigma_l, everything)
+        sigma_m, sigma_l = self.fits.sigma_m, self.fits.sigma_l
+        if self.vbar_z_sigma is not None:  # the anchors' errors too (_add_anchor_errors)
+            sigma_m, sigma_l = np.hypot(sigma_m, self.anchor_sigma[:, 0]), np.hypot(sigma_l, self.anchor_sigma[:, 1])
+        sigma_m, sigma_l = self._ordered(sigma_m, everything), self._ordered(sigma_l, everything)
         M, consensus, M_std, label_std = arithmetic.combine(schedule, m, labels, sigma_m, sigma_l)
         basis = schedule.assembly_basis
         A, v = arithmetic.assemble(schedule.Z, basis, M, consensus)  # [W_h | u_h] when affine (§16)
