@@ -2,7 +2,7 @@
 
     python benchmarks/bench_full_layer.py                                   # the acceptance table
     python benchmarks/bench_full_layer.py --cells 32:2 --dtypes float64 --kinds GPT2Attention
-    python benchmarks/bench_full_layer.py --cells 768:12 --dtypes float32 --kinds GPT2Attention --rank 64
+    python benchmarks/bench_full_layer.py --cells 768:12 --dtypes float32 --kinds GPT2Attention --rank 64 --seed 0
 
 Per layer class, dtype and (d, H): the layer built with every bias drawn at its weights' std
 (``tests/test_real_layers.build``), extracted with the library's defaults twice in one process:
@@ -56,10 +56,11 @@ def output_error(replacement, layer, d, sequences=200, longest=64, seed=11):
     return worst / largest
 
 
-def row(kind, dtype, d, H, rank=None):
+def row(kind, dtype, d, H, rank=None, seed=None):
     implementation = "sdpa"  # eager OPT and ViT take the softmax in float32 even in a float64 layer
-    exact = build(kind, d, H, seed=d + H, implementation=implementation).eval()  # float64 weights
-    layer = build(kind, d, H, seed=d + H, implementation=implementation).eval().to(getattr(torch, dtype))
+    seed = d + H if seed is None else seed
+    exact = build(kind, d, H, seed=seed, implementation=implementation).eval()  # float64 weights
+    layer = build(kind, d, H, seed=seed, implementation=implementation).eval().to(getattr(torch, dtype))
     exact.load_state_dict({k: v.to(torch.float64) for k, v in layer.state_dict().items()})  # its rounded weights
     options = {} if rank is None else dict(schedule="lowrank", rank=rank, bias=True, token_scale="auto")
     started = time.perf_counter()
@@ -80,7 +81,7 @@ def row(kind, dtype, d, H, rank=None):
     checks = "ok" if whole.ok else "FAILED: " + ", ".join(c.name for c in whole.failed_checks)
     checks += " / " + ("ok" if scalar.ok else "FAILED: " + ", ".join(c.name for c in scalar.failed_checks))
     fit = 0 if whole.value_fit is None else whole.value_fit.rows
-    print(f"| {kind} | {dtype} | {d} | {H} | {'causal' if causal else 'all tokens'} | {whole.queries:,} | {fit:,} | "
+    print(f"| {kind} | {dtype} | {d} | {H} | {seed} | {'causal' if causal else 'all tokens'} | {whole.queries:,} | {fit:,} | "
           f"{scalar.queries:,} | {whole.queries / scalar.queries:.4f} | {error:.1e} | {own:.1e} | {parameters:.1e} | "
           f"{whole.error_estimate / parameters if parameters else np.nan:.2g} | {whole_seconds:.1f} / {scalar_seconds:.1f} | "
           f"{checks} |", flush=True)
@@ -92,15 +93,16 @@ def main():
     parser.add_argument("--dtypes", nargs="+", choices=["float64", "float32"], default=["float64", "float32"])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS)
     parser.add_argument("--rank", type=int, help='schedule="lowrank" with this rank (the heads\' width)')
+    parser.add_argument("--seed", type=int, help="the layers' seed (default d + H)")
     arguments = parser.parse_args()
-    print("| layer | dtype | d | H | positions | queries whole | of which value fit | queries scalar (same r) | ratio "
+    print("| layer | dtype | d | H | layer seed | positions | queries whole | of which value fit | queries scalar (same r) | ratio "
           "| output error | layer's own float error | parameter error | estimate / error | seconds whole / scalar | checks whole / scalar |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in arguments.dtypes:
         for kind in arguments.kinds:
             for cell in arguments.cells:
                 d, H = (int(part) for part in cell.split(":"))
-                row(kind, dtype, d, H, arguments.rank)
+                row(kind, dtype, d, H, arguments.rank, arguments.seed)
     print(f"\npeak memory of this process (ru_maxrss): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GB")
 
 
