@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.api import polish_count
+from mhaextract.finish import polish_count
 from mhaextract.checks.refine import (
     answer_scales, output_jacobian, pack, parameter_count, refine_least_squares, residuals, unpack,
 )

@@ -375,7 +375,7 @@ def test_answer_noise_scales_the_sample_terms_of_an_estimate_not_the_score_round
     """The targeted estimate's score-rounding part (the oracle's own arithmetic, Outcome.unscaled_estimate)
     is not scaled by measured or declared answer noise; the rest is (seed 57, d = H = 4, Gaussian
     1e-10: 3.7e-6 -> 1.35e-6 against a true 1.6e-10)."""
-    from mhaextract.api import _undeclared_noise
+    from mhaextract.finish import _undeclared_noise
     from mhaextract.schedules.base import RunSettings
 
     settings = RunSettings(d=4, heads=2, max_heads=2, precision=None, seed=0, token_scale=1.0, answer_error=1e-8)
@@ -574,7 +574,7 @@ def test_a_failed_exact_lean_run_is_refined_with_counted_polish_queries(seed, fa
     assert truth < 1e-8 and truth <= result.error_estimate <= 1e-4
 
 def test_a_refinement_supersedes_outvoted_instance_fits_but_not_extra_poles():
-    from mhaextract.api import _superseded_by_fit
+    from mhaextract.finish import _superseded_by_fit
     from mhaextract.checks.base import Check
     from mhaextract.schedules.grid import MORE_POLES
 
@@ -678,7 +678,7 @@ def test_a_competing_order_that_fits_as_well_is_not_refuted():
     # The decision alone, against refits chosen here: an order whose fit is as good and elsewhere
     # stands (two models the answers cannot tell apart: the run keeps failing); one whose fit
     # misfits REFUTING_MISFIT times more, or that lands on the run's fit, is refuted.
-    from mhaextract.api import REFUTING_MISFIT, _refuted_links
+    from mhaextract.finish import REFUTING_MISFIT, _refuted_links
     from mhaextract.checks.refine import Refinement
 
     target, oracle, d, H, extra = _random_case(6, "uniform")

@@ -18,7 +18,7 @@ from mhaextract.schedules.targeted import measure as targeted_measure
 from mhaextract.schedules.targeted import patterns as targeted_patterns
 from mhaextract.schedules.targeted import schedule as targeted_schedule
 from mhaextract.schedules.targeted import tolerances as targeted_tolerances
-from mhaextract.api import _bias_error, _constant_error
+from mhaextract.finish import _bias_error, _constant_error
 from mhaextract.checks.noise_probe import PROBE_QUERIES
 from mhaextract.numerics import single_pole
 from mhaextract.oracle.queries import quantize, random_basis

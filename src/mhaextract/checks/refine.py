@@ -25,7 +25,7 @@ noise of the size of the oracle's. It keeps whichever of the start and the refin
 misfits the answers less: refinement never makes a result worse silently.
 
 The schedules' queries are poorly conditioned as a least-squares design (two distinct tokens
-each, or saturated heads), so the learner adds fresh random queries (``api._refinement_queries``):
+each, or saturated heads), so the learner adds fresh random queries (``finish.refinement_queries``):
 ``POLISH_FACTOR`` per parameter, 2 to ``POLISH_LONGEST`` tokens at ``POLISH_SCALE`` times the
 calibrated token scale: small answers (float64 rounding is relative to them) and a well-conditioned
 design. They are asked through the oracle boundary (counted). To first order

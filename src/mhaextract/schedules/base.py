@@ -105,7 +105,7 @@ class Outcome:
     u_balls: np.ndarray | None = None
     c_ball: object = None
     #: The part of ``error_estimate`` that the answers' noise, measured or declared after the run, does
-    #: not scale (``api._undeclared_noise`` scales only the rest): the oracle's rounding of its own
+    #: not scale (``finish._undeclared_noise`` scales only the rest): the oracle's rounding of its own
     #: scores (the targeted schedules, §13) and the low-rank subspace units' basis term, sized to the
     #: noise the full units showed (§17).
     unscaled_estimate: float = 0.0
@@ -113,7 +113,7 @@ class Outcome:
     #: score rounding (the targeted schedules with biases, §13; zeros otherwise). Not part of
     #: ``error_estimate``: whether u is resolved from zero, and so whether its error is relative to
     #: max|u|, depends on the answers' noise, which ``extract`` measures after the run
-    #: (``api._bias_error``).
+    #: (``finish._bias_error``).
     bias_error: tuple[float, float] = (0.0, 0.0)
 
 
@@ -142,13 +142,13 @@ class Schedule:
     #: long-token queries, poorly conditioned for least squares).
     refines_on_own_answers: ClassVar[bool] = True
     #: float64: the error estimate is at least the answers' residual (relative to the largest answer),
-    #: a first-order lower bound of the relative parameter error (``api._residual_evidence``,
+    #: a first-order lower bound of the relative parameter error (``finish._residual_evidence``,
     #: docs/algorithm.md §11); the grid schedules, whose residual limit is then their error limit.
     residual_evidence: ClassVar[bool] = False
     #: float64, ``refine=None``: refine anyway when the answers are noisy (``answer_error`` declared,
     #: the noise probe's or the links' noise above rounding), and (no polish query only) when the
-    #: algebraic result failed a check, with ``noisy_polish_factor`` fresh polish queries per parameter (``api._refines_when_noisy``,
-    #: ``api._rescued_by_refinement``, docs/algorithm.md §10, §12).
+    #: algebraic result failed a check, with ``noisy_polish_factor`` fresh polish queries per parameter (``finish._refines_when_noisy``,
+    #: ``finish.rescued_by_refinement``, docs/algorithm.md §10, §12).
     refines_when_noisy: ClassVar[bool] = False
     noisy_polish_factor: ClassVar[int] = 1
     refusal: ClassVar[str] = ""

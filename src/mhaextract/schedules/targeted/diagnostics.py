@@ -165,7 +165,7 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
     so its largest entry can exceed ``largest_of`` times the head's root mean square (a head-wise
     estimate understates float32 layers' errors). u's error stays absolute here: whether u is
     resolved from zero, and its error relative to max|u|, depends on the answers' noise, which
-    ``extract`` measures after the run (``api._bias_error``: real layers' score biases are small
+    ``extract`` measures after the run (``finish._bias_error``: real layers' score biases are small
     beside W, and their error is not W's)."""
     d = model.d
     J, H, D, _ = variance.shape
