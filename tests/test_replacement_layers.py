@@ -134,3 +134,11 @@ def test_low_precision_modules_answer_exactly_in_float64(dtype):
     np.testing.assert_array_equal(answers, own.to(torch.float64).numpy())
     scalar = TorchOracle(layer, np.ones(8))(X)
     assert scalar.shape == (3,) and np.isfinite(scalar).all()
+
+
+@pytest.mark.slow
+def test_a_whole_model_taking_token_ids_gets_a_clear_error():
+    from transformers import GPT2Config, GPT2Model
+    model = GPT2Model(GPT2Config(n_embd=8, n_head=2, n_layer=1, vocab_size=10, n_positions=16))
+    with pytest.raises(TypeError, match=r"attention module\s+itself.*model\.h\[i\]\.attn"):
+        mx.extract(TorchOracle(model), 8, heads=2, seed=0)

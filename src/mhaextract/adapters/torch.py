@@ -338,6 +338,17 @@ class TorchOracle:
 
     def _last_position(self, X: torch.Tensor) -> torch.Tensor:
         """The module's output at the last position for a batch (B, N, d) -> (B, d_out)."""
+        try:
+            return self._call_module(X)
+        except (RuntimeError, TypeError, IndexError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise TypeError(
+                f"{type(self._original).__name__} raised {type(error).__name__} ({first}) when called on a batch of "
+                f"token vectors of shape {tuple(X.shape)} and dtype {X.dtype}: TorchOracle calls the attention module "
+                "itself on token vectors (B, N, d), not a model that takes token ids (for GPT-2 pass model.h[i].attn, "
+                "for BERT model.encoder.layer[i].attention.self)") from error
+
+    def _call_module(self, X: torch.Tensor) -> torch.Tensor:
         if isinstance(self.module, nn.MultiheadAttention):
             if not self.module.batch_first:
                 X = X.transpose(0, 1)  # (N, B, d)
