@@ -108,12 +108,6 @@ def transformer_table(extraction, comparison=None, title: str = "mhaextract tran
     table.add_row("  verification", str(e.queries_verification), "fresh random queries")
     table.add_row("longest query", str(e.max_query_length), "")
     table.add_row("canonical heads H*", str(e.heads), "")
-    if e.d_out is not None:
-        table.add_row("outputs per answer", str(e.d_out), "whole answers: the model has V_h (d_out x d) and c (d_out)")
-        if e.value_fit is not None:
-            table.add_row("value fit", f"{e.value_fit.rows} queries",
-                          f"residual {_fmt(e.value_fit.residual)}, estimate {_fmt(e.value_fit.error_estimate)}, "
-                          f"|V^T r - v| {_fmt(e.value_fit.readout_gap)} (docs/algorithm.md §21)")
     table.add_row("hidden units found", str(e.hidden), "")
     if comparison is not None:
         agree = []

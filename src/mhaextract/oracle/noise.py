@@ -34,9 +34,11 @@ def _callable(oracle) -> Callable:
 
 
 def _exact(oracle, batch) -> np.ndarray:
+    """The wrapped oracle's answers, (B,) or whole (B, d_out): the noise is drawn per entry."""
     answers = np.asarray(oracle(batch), dtype=np.float64)
-    if answers.shape != (len(batch),):
-        raise ValueError(f"the wrapped oracle returned shape {answers.shape} for a batch of {len(batch)}")
+    if answers.ndim not in (1, 2) or answers.shape[0] != len(batch):
+        raise ValueError(f"the wrapped oracle returned shape {answers.shape} for a batch of {len(batch)}: "
+                         "expected (B,) or (B, d_out)")
     return answers
 
 
