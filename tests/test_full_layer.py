@@ -259,3 +259,13 @@ def test_a_vector_run_resumes_from_its_transcript_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(resumed.model.V, whole.model.V)
     np.testing.assert_array_equal(resumed.model.c, whole.model.c)
     np.testing.assert_array_equal(resumed.model.W, whole.model.W)
+
+
+@pytest.mark.parametrize("wrap", ["gaussian", "float32"])
+def test_noisy_and_float32_whole_answers_are_extracted_within_their_estimate(wrap):
+    target = vector_target(d=6, heads=2, d_out=4, seed=1)
+    oracle = mx.GaussianNoise(mx.SimulatedOracle(target), 1e-10, seed=0) if wrap == "gaussian" else mx.Float32Oracle(target)
+    result = mx.extract(oracle, 6, heads=2, seed=0)
+    error = mx.compare(result.model, target).max_rel
+    assert result.ok and result.model.d_out == 4
+    assert error <= result.error_estimate and error <= (1e-8 if wrap == "gaussian" else 1e-5)
