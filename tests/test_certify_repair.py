@@ -60,6 +60,7 @@ def index_of(role, i, j):
 CASES = [("grid", 0, 1, 2 * K), ("row_link", 0, 1, 2 * K), ("column_link", 1, 0, K), ("grid", 1, 1, 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role, i, j, extra", CASES)
 def test_a_failed_instance_is_repaired_with_counted_queries_and_balls_that_hold_the_truth(
         role, i, j, extra):
@@ -81,6 +82,7 @@ def test_a_failed_instance_is_repaired_with_counted_queries_and_balls_that_hold_
     assert_balls_enclose(result, order, *truth)
 
 
+@pytest.mark.slow
 def test_a_column_where_two_heads_coincide_stays_uncertified_and_says_why():
     """Heads 0 and 1 with ``z_0^T W_h`` and ``z_0^T u_h`` equal (to rounding): every instance of
     column 0 has a double pole, no partner or mix can separate them; the run stays uncertified

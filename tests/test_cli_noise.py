@@ -1,6 +1,6 @@
-import pytest
 """The command line for approximate oracles: demo with noise, refinement, verification; report noise."""
 
+import pytest
 from typer.testing import CliRunner
 
 from mhaextract.cli import app
@@ -15,6 +15,7 @@ def test_demo_verifies_on_fresh_queries():
     assert "amplification C" in result.output and "valid below" in result.output
 
 
+@pytest.mark.slow
 def test_demo_with_noise_beyond_valid_below_says_so_and_exits_nonzero():
     result = runner.invoke(app, ["demo", "--schedule", "paper", "--d", "4", "--heads", "3", "--noise", "1e-7"])
     assert result.exit_code == 1

@@ -75,6 +75,7 @@ def test_the_grid_schedule_on_too_few_heads_says_more_heads_not_noise():
     assert "noisier than this run can certify" not in hints
 
 
+@pytest.mark.slow
 def test_a_float32_block_is_named_not_blamed_on_noise():
     hints = _hints(Float32Answers(GPT2LikeBlock(8, 2, seed=0)), 8, heads=2)
     assert "TorchOracle the attention module itself" in hints and "not as softmax heads do" in hints

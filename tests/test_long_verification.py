@@ -91,6 +91,7 @@ def test_a_model_that_changes_after_five_tokens_fails_loudly():
     assert mx.compare(result.model, first).max_rel < 1e-9  # it learned the short model, and says the rest differs
 
 
+@pytest.mark.slow
 def test_a_torch_gpt2_layer_with_a_window_mask_fails_loudly():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")

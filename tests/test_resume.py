@@ -174,6 +174,7 @@ def test_an_oracle_exception_re_pays_at_most_the_batch_in_flight(tmp_path, name,
     assert resumed.ok == plain.ok
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_re_pays_at_most_the_batch_in_flight(tmp_path):
     """A child process killed inside the calibration (about 2 s: the child imports mhaextract)."""
     extra, in_flight, resumed, plain = re_paid("auto", tmp_path / "run.sqlite", "kill", 0.2)

@@ -329,6 +329,7 @@ def test_float_answers_are_stored_exactly(value):
 
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(st.integers(min_value=-(2**400), max_value=2**400), st.integers(min_value=-3000, max_value=3000))
+@pytest.mark.slow
 def test_mpf_answers_are_stored_exactly_at_any_mpmath_precision(mantissa, exponent):
     with mpmath.workprec(600):
         value = mpmath.ldexp(mpmath.mpf(mantissa), exponent)
