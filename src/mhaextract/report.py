@@ -25,15 +25,20 @@ def extraction_table(extraction: Extraction, comparison: Comparison | None = Non
     table.add_row("d", str(e.d), "")
     table.add_row("H (bound H0)", str(e.max_heads), f"schedule '{e.schedule}', {mode}")
     formula = f"{e.promised_formula} = {e.promised_queries}"
-    asked_by_schedule = e.queries - (e.refinement.queries if e.refinement is not None else 0)
-    formula += f" (measured/formula {asked_by_schedule / max(e.promised_queries, 1):.3f})"
+    value_fit = 0 if e.value_fit is None else e.value_fit.rows
+    asked_by_schedule = (e.queries - (e.refinement.queries if e.refinement is not None else 0)
+                         - e.calibration_queries - e.verification_queries - value_fit)
+    formula += f" (the schedule's measured/formula {asked_by_schedule / max(e.promised_queries, 1):.3f})"
     if e.refinement is not None:
         formula += f" + {e.refinement.queries} refinement queries"
     table.add_row("queries (measured)", str(e.queries), formula)
     if e.transcript is not None:
         table.add_row("asked / replayed", f"{e.queries_asked} / {e.queries_replayed}",
                       f"this run / read back from {e.transcript}")
-    table.add_row("longest query", str(e.max_query_length), f"promised at most {e.promised_max_length}")
+    longest = f"the schedule's promise: at most {e.promised_max_length}"
+    if e.verification_length:
+        longest += f"; the verification's queries reach {e.verification_length} (docs/algorithm.md §12.2)"
+    table.add_row("longest query", str(e.max_query_length), longest)
     table.add_row("token scale", f"{e.token_scale:.4g}", "norm of the query tokens" if e.calibration is None
                   else f"{e.calibration} (calibration queries: {e.calibration_queries}, in the count)")
     if e.schedule_reason:
