@@ -269,3 +269,22 @@ def test_noisy_and_float32_whole_answers_are_extracted_within_their_estimate(wra
     error = mx.compare(result.model, target).max_rel
     assert result.ok and result.model.d_out == 4
     assert error <= result.error_estimate and error <= (1e-8 if wrap == "gaussian" else 1e-5)
+
+
+def test_the_chunked_normal_equations_agree_with_the_dense_fit(monkeypatch):
+    """Large fits form normal equations in chunks and refine them (memory O(p^2)); on a small fit
+    forced down that path they give the dense QR's values, and the same estimate to within its probes."""
+    import mhaextract.outputs as outputs
+    layer = vector_target(d=5, heads=3, d_out=4, seed=8)
+    rng = np.random.default_rng(0)
+    queries = [rng.standard_normal((int(n), 5)) for n in rng.integers(2, 9, size=300)]
+    answers = layer(queries) + 1e-9 * rng.standard_normal((300, 4))  # a little noise for the estimate
+    r = np.ones(4) / 2
+    dense = outputs.fit_values(layer.readout(r), queries, answers, True, r, (1e-12, 1e-12))
+    monkeypatch.setattr(outputs, "DENSE_ENTRIES", 0)
+    monkeypatch.setattr(outputs, "CHUNK", 64)
+    chunked = outputs.fit_values(layer.readout(r), queries, answers, True, r, (1e-12, 1e-12))
+    np.testing.assert_allclose(chunked.model.V, dense.model.V, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(chunked.model.c, dense.model.c, rtol=0, atol=1e-12)
+    assert mx.compare(chunked.model, layer).max_rel <= chunked.error_estimate
+    assert 0.3 <= chunked.error_estimate / dense.error_estimate <= 3

@@ -63,8 +63,8 @@ class ValueFit:
     noise_error, score_error : float
         Max absolute error of ``V`` and ``c`` expected from the answers' noise and from the error in
         the scores, respectively.
-    error_estimate : float, ``(noise_error + score_error)`` relative to ``max |V|`` (and to
-        ``max |c|`` for c).
+    error_estimate : float, ``(noise_error + score_error)`` relative to ``max |V|``, and to
+        ``max |c|`` for c (the larger of the two).
     readout_gap : float, ``max |V_h^T r - v_h|`` relative to ``max |v_h|``.
     """
 
@@ -152,8 +152,8 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     fitted = MultiHeadAttention(model.W, V, model.u, c)
     V_scale = float(np.abs(V).max()) or 1.0
     error_estimate = (noise_error + score_part) / V_scale
-    if bias:
-        error_estimate = max(error_estimate, (noise_error + score_part) / max(float(np.abs(c).max()), V_scale))
+    if bias:  # c's error relative to its own largest entry, as compare() measures it
+        error_estimate = max(error_estimate, (noise_error + score_part) / (float(np.abs(c).max()) or 1.0))
     v_scale = float(np.abs(model.v).max()) or 1.0
     gap = float(np.abs(np.einsum("hod,o->hd", V, readout) - model.v).max()) / v_scale
     return ValueFit(fitted, rows, unknowns, float(solver.residual_max) / scale, noise_error, score_part,
