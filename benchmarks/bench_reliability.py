@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -204,7 +205,7 @@ EXPLICIT_VERIFY = {"paper": 256, "paper 256 bits": 256}
 INTERRUPT_BATCH = 16
 RESUME_CHECK = 3
 #: Where the interrupted runs stop, as fractions of an uninterrupted run's answers.
-INTERRUPT_AT = (0.1, 0.5, 0.9)
+INTERRUPT_AT = (0.1, 0.5, 0.9, 0.99)
 
 
 def windowed_answers(model, window: int, batch) -> np.ndarray:
@@ -262,37 +263,63 @@ class Interrupted(Exception):
 
 class CountingOracle:
     """Counts every sequence it is asked (the batch it raises on included: that batch was paid
-    for) and raises :class:`Interrupted` on the call that would take it past ``stop_after``."""
+    for) and, on the call that would take it past ``stop_after``, raises :class:`Interrupted` or,
+    with ``kill`` (a forked child), writes its count to that file and kills its own process."""
 
-    def __init__(self, inner, stop_after=None):
-        self.inner, self.stop_after, self.asked = inner, stop_after, 0
+    def __init__(self, inner, stop_after=None, kill=None):
+        self.inner, self.stop_after, self.kill, self.asked = inner, stop_after, kill, 0
 
     def __call__(self, batch):
         self.asked += len(batch)
         if self.stop_after is not None and self.asked > self.stop_after:
+            if self.kill is not None:
+                with open(self.kill, "w") as handle:
+                    handle.write(str(self.asked))
+                os.kill(os.getpid(), signal.SIGKILL)
             raise Interrupted(f"stopped after {self.stop_after} answers")
         return self.inner(batch)
+
+
+def killed_run(oracle: CountingOracle, run) -> int:
+    """Run ``run(oracle)`` in a forked child that ``oracle`` kills (SIGKILL) with a batch in flight;
+    the answers the child was asked for."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            run(oracle)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if not os.WIFSIGNALED(status) or os.WTERMSIG(status) != signal.SIGKILL:
+        raise RuntimeError(f"the child was not killed (status {status})")
+    with open(oracle.kill) as handle:
+        return int(handle.read())
 
 
 #: Re-paid answers per mode of the interrupted class: (most re-paid, runs, runs over the bound).
 REPAID = collections.defaultdict(lambda: [0, 0, 0])
 
 
-def interrupted_run(mode, options, target, d, H, seed, fraction):
-    """An uninterrupted run's answers, then a run stopped after ``fraction`` of them and resumed from
-    its transcript; records the answers re-paid at the oracle in REPAID and returns the resumed result."""
+def interrupted_run(mode, options, target, d, H, seed, fraction, kill=False):
+    """An uninterrupted run's answers, then a run stopped after ``fraction`` of them (its oracle
+    raises, or with ``kill`` its process is killed) and resumed from its transcript; records the
+    answers re-paid at the oracle in REPAID and returns the resumed result."""
     precision = options.get("precision")
     keywords = dict(heads=H, seed=seed, on_failure="warn", batch_size=INTERRUPT_BATCH, resume_check=RESUME_CHECK,
                     **options)
     with tempfile.TemporaryDirectory() as folder:
         whole = CountingOracle(mx.SimulatedOracle(target, precision))
         mx.extract(whole, d, transcript=os.path.join(folder, "whole.sqlite"), **keywords)
-        stopped = CountingOracle(mx.SimulatedOracle(target, precision), stop_after=int(fraction * whole.asked))
+        stopped = CountingOracle(mx.SimulatedOracle(target, precision), stop_after=int(fraction * whole.asked),
+                                 kill=os.path.join(folder, "asked") if kill else None)
         path = os.path.join(folder, "stopped.sqlite")
-        try:
-            mx.extract(stopped, d, transcript=path, **keywords)
-        except Interrupted:
-            pass
+        if kill:
+            stopped.asked = killed_run(stopped, lambda oracle: mx.extract(oracle, d, transcript=path, **keywords))
+        else:
+            try:
+                mx.extract(stopped, d, transcript=path, **keywords)
+            except Interrupted:
+                pass
         resumed = CountingOracle(mx.SimulatedOracle(target, precision))
         result = mx.extract(resumed, d, transcript=path, **keywords)
     repaid = stopped.asked + resumed.asked - whole.asked
@@ -314,6 +341,10 @@ def interrupted_cases(mode, options, seeds):
         for fraction in INTERRUPT_AT[1:2] if high else INTERRUPT_AT:
             yield mode, f"interrupted: at {fraction} (d={d} H={H} seed={seed})", (
                 lambda t=target, d=d, H=H, s=seed, f=fraction: interrupted_run(mode, options, t, d, H, s, f)), \
+                target, True
+        if mode == "auto (default)" and hasattr(os, "fork"):  # one SIGKILL per target (tests/test_resume.py has more)
+            yield mode, f"interrupted: SIGKILL at 0.5 (d={d} H={H} seed={seed})", (
+                lambda t=target, d=d, H=H, s=seed: interrupted_run(mode, options, t, d, H, s, 0.5, kill=True)), \
                 target, True
 
 
