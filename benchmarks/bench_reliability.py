@@ -1,6 +1,13 @@
-"""Reliability table (issue 12): runs, false alarms, silent failures, crashes per mode and case.
+"""Reliability table (issues 12, 38): runs, false alarms, silent failures, crashes per mode and case.
 
     PYTHONPATH=src python benchmarks/bench_reliability.py [--runs N] [--out docs/reliability.md]
+
+Classes (``--classes``): random targets, structured targets, misbehaving oracles, layers that are
+another model beyond short sequences (sliding windows, a model that changes after 5 tokens),
+interrupted runs resumed from their transcript (answers re-paid, counted at the oracle),
+low-precision and autograd oracles (torch layers in float32, bfloat16, float16; tensor answers),
+the command line's output paths and oracle exceptions, and the default verification's share of
+the queries at d = 32, 64 (``cost``).
 
 Every run is judged against an independent reference (the target, mhaextract.compare) at the
 user's side, counts as measured at the oracle boundary:
@@ -662,7 +669,9 @@ with biases (u, c), which it learns. Structured targets (d = 3): two heads with 
 1e-3..1e-12 (float64) or 1e-20..1e-60 (256 bits) with `heads=3` declared, rank-1 W, tiny v,
 parallel v, ||W|| x100 and x0.01: a clean error is the expected outcome where the target is not
 resolvable. Misbehaving oracles (float64): wrong count, strings, NaN, undeclared noise 1e-9 and
-1e-6, non-deterministic 1e-12, constant zero, integers, booleans. The last two columns are over
+1e-6, non-deterministic 1e-12, constant zero, integers, booleans. The classes of issue 38 (layers
+that are another model beyond short sequences, interrupted runs, low-precision and autograd
+oracles, the command line): see the functions that make their cases. The last two columns are over
 the runs that passed: how many had a true error above 30 times their error estimate, and the
 worst ratio of true error to estimate.
 
