@@ -1,6 +1,13 @@
-"""Reliability table (issue 12): runs, false alarms, silent failures, crashes per mode and case.
+"""Reliability table (issues 12, 38): runs, false alarms, silent failures, crashes per mode and case.
 
     PYTHONPATH=src python benchmarks/bench_reliability.py [--runs N] [--out docs/reliability.md]
+
+Classes (``--classes``): random targets, structured targets, misbehaving oracles, layers that are
+another model beyond short sequences (sliding windows, a model that changes after 5 tokens),
+interrupted runs resumed from their transcript (answers re-paid, counted at the oracle),
+low-precision and autograd oracles (torch layers in float32, bfloat16, float16; tensor answers),
+the command line's output paths and oracle exceptions, and the default verification's share of
+the queries at d = 32, 64 (``cost``).
 
 Every run is judged against an independent reference (the target, mhaextract.compare) at the
 user's side, counts as measured at the oracle boundary:
@@ -14,8 +21,11 @@ user's side, counts as measured at the oracle boundary:
   returns no model at all is a loud failure: it says it failed, and there is no result that the
   alarm could be wrong about);
 * silent failure : ok but the heads disagree or the true error > 100 x the estimate;
-* clean error : ExtractionError / OracleError / TranscriptError / ValueError, or a failed run, on
-  a misbehaving oracle or an unresolvable structured target (the expected outcome);
+* clean error : ExtractionError / OracleError / TranscriptError / ValueError, the oracle's own
+  exception passed on (``raised_by_oracle``), or a failed run, on a misbehaving oracle, an
+  unresolvable structured target, a layer that is another model beyond short sequences, or a
+  command line refusing its options (exit code 2, one error message, no traceback): the expected
+  outcome;
 * crash : any other exception.
 """
 
@@ -23,13 +33,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import signal
+import sys
+import tempfile
 import time
 import warnings
 
 import mpmath
 import numpy as np
+import torch
 
 import mhaextract as mx
+from mhaextract.adapters.torch import TorchOracle, to_reduced
 from mhaextract.checks.base import ExtractionError
 from mhaextract.oracle.boundary import OracleError
 from mhaextract.oracle.transcript import TranscriptError
@@ -126,6 +142,10 @@ def judge(run, target, expect_success, explained=None):
             explained.append(f"    raised {type(error).__name__}: {str(error).splitlines()[0]}")
         return ("false alarm" if expect_success else "clean error"), None
     except Exception as error:  # noqa: BLE001 - a crash is what is counted
+        if getattr(error, "raised_by_oracle", False):  # the oracle's own exception, passed on with its note
+            if explained is not None:
+                explained.append(f"    the oracle raised {type(error).__name__}: {str(error).splitlines()[0]}")
+            return ("false alarm" if expect_success else "clean error"), None
         return f"crash ({type(error).__name__})", None
     if target is None:
         return ("silent failure" if result.ok else "clean error"), None
@@ -134,6 +154,8 @@ def judge(run, target, expect_success, explained=None):
         if explained is not None:
             explained.append(explain(result, float("nan")) + "\n    no model")
         return ("loud failure" if expect_success else "clean error"), None
+    if target.is_vector and not got.is_vector and result.readout is not None:
+        target = target.readout(result.readout)  # a failed whole-output run keeps its read-out's scalar model
     comparison = mx.compare(got, target.canonical())
     error = float(comparison.max_rel)
     if explained is not None and not result.ok:
@@ -177,24 +199,356 @@ def random_cases(mode, options, runs):
                 f(t), d, heads=H, seed=s, on_failure="warn", **options, **e), target, True
 
 
-def cases(runs):
+# ----------------------------------------------------------------- issue 38's classes
+#: Sliding windows of the mismatch class, in tokens: every schedule's queries are at most 2 H0 + 1
+#: tokens long, so each of these fits every query a schedule asks.
+WINDOWS = (5, 8, 16, 64)
+#: The mismatch class's piecewise oracle: one model up to this many tokens, another beyond.
+SWITCH = 5
+#: ``verify_length`` given explicitly where a mode's default verification is off by design
+#: (``schedule="paper"`` named alone keeps the paper's exact count).
+EXPLICIT_VERIFY = {"paper": 256, "paper 256 bits": 256}
+#: The interrupted class's batch size: the bound on re-paid answers is one batch plus the resume check.
+INTERRUPT_BATCH = 16
+RESUME_CHECK = 3
+#: Where the interrupted runs stop, as fractions of an uninterrupted run's answers.
+INTERRUPT_AT = (0.1, 0.5, 0.9, 0.99)
+
+
+def windowed_answers(model, window: int, batch) -> np.ndarray:
+    """float64 multi-head softmax attention of ``model``'s parameters (W_h, v_h, u_h, c) at each
+    sequence's final token, over its last ``window`` tokens only (numpy, written here)."""
+    answers = []
+    for X in batch:
+        X = np.asarray(X, dtype=np.float64)
+        seen, final = X[-window:], X[-1]
+        answer = float(model.c)
+        for W, v, u in zip(model.W, model.v, model.u):
+            scores = seen @ (W @ final + u)
+            weights = np.exp(scores - scores.max())
+            answer += weights @ (seen @ v) / weights.sum()
+        answers.append(answer)
+    return np.array(answers)
+
+
+def windowed_oracle(model, window: int, precision):
+    """The sliding-window oracle: float64 numpy above; at ``precision`` bits each sequence cut to its
+    last ``window`` tokens and answered by the model there (the same function: the final token's
+    attention over exactly those tokens)."""
+    if precision is None:
+        return lambda batch: windowed_answers(model, window, batch)
+    simulated = mx.SimulatedOracle(model, precision)
+    return lambda batch: simulated([np.asarray(X)[-window:] for X in batch])
+
+
+def piecewise_oracle(short, long, precision):
+    """``short`` answers sequences of at most ``SWITCH`` tokens, ``long`` the longer ones."""
+    first, second = mx.SimulatedOracle(short, precision), mx.SimulatedOracle(long, precision)
+    return lambda batch: [(first if len(X) <= SWITCH else second)([X])[0] for X in batch]
+
+
+def mismatch_cases(mode, options, seeds):
+    """Targets that are one model on short sequences and another beyond: a loud failure (a clean
+    error or a failed run) is the expected outcome, a passing run a silent failure (target None)."""
+    precision = options.get("precision")
+    bias = options.get("schedule", "auto") in ("auto", "targeted")
+    extra = {"verify_length": EXPLICIT_VERIFY[mode]} if mode in EXPLICIT_VERIFY else {}
+    for seed in range(seeds):
+        d, H = 3 + seed % 2, 2
+        target = mx.MultiHeadAttention.random(d, H, seed=2000 + seed, bias=bias)
+        other = mx.MultiHeadAttention.random(d, H, seed=3000 + seed, bias=bias)
+        oracles = [(f"sliding window {w}", windowed_oracle(target, w, precision)) for w in WINDOWS]
+        oracles.append((f"another model after {SWITCH} tokens", piecewise_oracle(target, other, precision)))
+        for name, oracle in oracles:
+            yield mode, f"mismatch: {name} (d={d} H={H} seed={seed})", lambda o=oracle, d=d, H=H, s=seed: mx.extract(
+                o, d, heads=H, seed=s, on_failure="warn", **options, **extra), None, False
+
+
+class Interrupted(Exception):
+    """Raised by :class:`CountingOracle` when it is told to stop (a lost connection, say)."""
+
+
+class CountingOracle:
+    """Counts every sequence it is asked (the batch it raises on included: that batch was paid
+    for) and, on the call that would take it past ``stop_after``, raises :class:`Interrupted` or,
+    with ``kill`` (a forked child), writes its count to that file and kills its own process."""
+
+    def __init__(self, inner, stop_after=None, kill=None):
+        self.inner, self.stop_after, self.kill, self.asked = inner, stop_after, kill, 0
+
+    def __call__(self, batch):
+        self.asked += len(batch)
+        if self.stop_after is not None and self.asked > self.stop_after:
+            if self.kill is not None:
+                with open(self.kill, "w") as handle:
+                    handle.write(str(self.asked))
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise Interrupted(f"stopped after {self.stop_after} answers")
+        return self.inner(batch)
+
+
+def killed_run(oracle: CountingOracle, run) -> int:
+    """Run ``run(oracle)`` in a forked child that ``oracle`` kills (SIGKILL) with a batch in flight;
+    the answers the child was asked for."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            run(oracle)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if not os.WIFSIGNALED(status) or os.WTERMSIG(status) != signal.SIGKILL:
+        raise RuntimeError(f"the child was not killed (status {status})")
+    with open(oracle.kill) as handle:
+        return int(handle.read())
+
+
+#: Re-paid answers per mode of the interrupted class: (most re-paid, runs, runs over the bound).
+REPAID = collections.defaultdict(lambda: [0, 0, 0])
+
+
+def interrupted_run(mode, options, target, d, H, seed, fraction, kill=False):
+    """An uninterrupted run's answers, then a run stopped after ``fraction`` of them (its oracle
+    raises, or with ``kill`` its process is killed) and resumed from its transcript; records the
+    answers re-paid at the oracle in REPAID and returns the resumed result."""
+    precision = options.get("precision")
+    keywords = dict(heads=H, seed=seed, on_failure="warn", batch_size=INTERRUPT_BATCH, resume_check=RESUME_CHECK,
+                    **options)
+    with tempfile.TemporaryDirectory() as folder:
+        whole = CountingOracle(mx.SimulatedOracle(target, precision))
+        mx.extract(whole, d, transcript=os.path.join(folder, "whole.sqlite"), **keywords)
+        stopped = CountingOracle(mx.SimulatedOracle(target, precision), stop_after=int(fraction * whole.asked),
+                                 kill=os.path.join(folder, "asked") if kill else None)
+        path = os.path.join(folder, "stopped.sqlite")
+        if kill:
+            stopped.asked = killed_run(stopped, lambda oracle: mx.extract(oracle, d, transcript=path, **keywords))
+        else:
+            try:
+                mx.extract(stopped, d, transcript=path, **keywords)
+            except Interrupted:
+                pass
+        resumed = CountingOracle(mx.SimulatedOracle(target, precision))
+        result = mx.extract(resumed, d, transcript=path, **keywords)
+    repaid = stopped.asked + resumed.asked - whole.asked
+    entry = REPAID[mode]
+    entry[0], entry[1] = max(entry[0], repaid), entry[1] + 1
+    if repaid > INTERRUPT_BATCH + RESUME_CHECK:
+        entry[2] += 1
+        print(f"{mode:15s} interrupted at {fraction} (d={d} H={H} seed={seed}): {repaid} answers re-paid", flush=True)
+    return result
+
+
+def interrupted_cases(mode, options, seeds):
+    """Runs stopped by their oracle at a few fractions of their answers and resumed from the transcript."""
+    bias = options.get("schedule", "auto") in ("auto", "targeted")
+    high = options.get("precision") is not None
+    for seed in range(1 if high else seeds):
+        d, H = 3 + seed % 2, 2
+        target = mx.MultiHeadAttention.random(d, H, seed=4000 + seed, bias=bias)
+        for fraction in INTERRUPT_AT[1:2] if high else INTERRUPT_AT:
+            yield mode, f"interrupted: at {fraction} (d={d} H={H} seed={seed})", (
+                lambda t=target, d=d, H=H, s=seed, f=fraction: interrupted_run(mode, options, t, d, H, s, f)), \
+                target, True
+        if mode == "auto (default)" and hasattr(os, "fork"):  # one SIGKILL per target (tests/test_resume.py has more)
+            yield mode, f"interrupted: SIGKILL at 0.5 (d={d} H={H} seed={seed})", (
+                lambda t=target, d=d, H=H, s=seed: interrupted_run(mode, options, t, d, H, s, 0.5, kill=True)), \
+                target, True
+
+
+def torch_layer(d, H, dtype, seed, bias):
+    """A seeded ``nn.MultiheadAttention`` in ``dtype`` (random biases when ``bias``)."""
+    torch.manual_seed(seed)
+    layer = torch.nn.MultiheadAttention(d, H, batch_first=True, bias=bias, dtype=dtype)
+    if bias:
+        with torch.no_grad():
+            layer.in_proj_bias.normal_(0.0, 0.3)
+            layer.out_proj.bias.normal_(0.0, 0.3)
+    return layer
+
+
+def low_precision_cases(mode, options, seeds):
+    """float32, bfloat16 and float16 torch layers (whole outputs and one read-out) through TorchOracle,
+    judged against to_reduced of their weights; answers as torch tensors requiring grad, and as
+    bfloat16 tensors. float32 and float64 answers are expected to pass, bfloat16 and float16 to
+    fail loudly (or pass within their estimate)."""
+    bias = options.get("schedule", "auto") in ("auto", "targeted")
+    float64 = options.get("precision") is None  # a torch layer or float answers cannot serve a high-precision run
+    for seed in range(seeds):
+        d, H = (8, 12, 16)[seed % 3], 2
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            layer = torch_layer(d, H, dtype, 5000 + seed, bias)
+            readout = np.random.default_rng(seed).standard_normal(d)
+            name = str(dtype).removeprefix("torch.")
+            for kind, oracle, truth in (("whole", TorchOracle(layer), to_reduced(layer)),
+                                        ("read-out", TorchOracle(layer, readout), to_reduced(layer, readout))):
+                yield mode, f"{name} layer: {kind} (d={d} H={H} seed={seed})", (
+                    lambda o=oracle, d=d: mx.extract(o, d, heads=H, seed=seed, on_failure="warn", **options)), \
+                    truth, float64 and dtype == torch.float32
+        target = mx.MultiHeadAttention.random(4, 2, seed=6000 + seed, bias=bias)
+        exact = mx.SimulatedOracle(target)
+        answers = (("autograd", lambda batch: torch.tensor(np.asarray(exact(batch)), requires_grad=True), float64),
+                   ("bfloat16", lambda batch: torch.tensor(np.asarray(exact(batch))).to(torch.bfloat16), False))
+        for name, oracle, expected in answers:
+            yield mode, f"tensor answers: {name} (d=4 H=2 seed={seed})", (
+                lambda o=oracle: mx.extract(o, 4, heads=2, seed=seed, on_failure="warn", **options)), target, expected
+
+
+CLI_ORACLES = '''
+import numpy as np
+
+_rng = np.random.default_rng(42)
+W = _rng.standard_normal((2, 3, 3)) / np.sqrt(3)
+v = _rng.standard_normal((2, 3))
+CALLS = [0]
+
+
+def oracle(batch):
+    answers = []
+    for X in batch:
+        scores = np.einsum("nd,hde,e->hn", X, W, X[-1])
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        answers.append(float(np.sum((weights * (X @ v.T).T).sum(axis=1) / weights.sum(axis=1))))
+    return answers
+
+
+def _fails_on_third_call(error):
+    def failing(batch):
+        CALLS[0] += 1
+        if CALLS[0] == 3:
+            raise error
+        return oracle(batch)
+    return failing
+
+
+key_error = _fails_on_third_call(KeyError("token 7"))
+connection_error = _fails_on_third_call(ConnectionError("the server closed the connection"))
+memory_error = _fails_on_third_call(MemoryError())
+'''
+
+
+class CliCrash(Exception):
+    """The command line ended with a traceback or with an exit code other than 2."""
+
+
+def cli_run(arguments, prepare=None):
+    """Run ``mhaextract ARGUMENTS`` in a fresh folder (holding remote.py, the oracles above, and
+    what ``prepare`` makes there): exit code 2 with one ``Error`` line and no traceback is a clean
+    error (raised as ValueError); anything else raises CliCrash."""
+    from typer.testing import CliRunner
+
+    from mhaextract.cli import app
+
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "remote.py"), "w") as handle:
+            handle.write(CLI_ORACLES)
+        os.chdir(folder)
+        try:
+            if prepare is not None:
+                prepare()
+            result = CliRunner().invoke(app, arguments)
+        finally:
+            os.chdir(here)
+            sys.modules.pop("remote", None)
+    output = result.output
+    errors = [line for line in output.splitlines() if line.startswith("Error:") or "─ Error ─" in line]
+    if result.exit_code == 2 and "Traceback" not in output and isinstance(result.exception, SystemExit) and len(errors) == 1:
+        raise ValueError(" ".join(output.replace("│", " ").replace("─", "").split()))
+    raise CliCrash(f"exit code {result.exit_code}, {type(result.exception).__name__}: {output.strip()[-300:]!r}")
+
+
+def cli_cases():
+    """Output paths that cannot be written and oracles that raise, through the command line."""
+    extract = ["extract", "--oracle", "remote.py:oracle", "--d", "3", "--heads", "2", "--batch-size", "8"]
+    cases = [
+        ("extract --out naming a folder", extract + ["--out", "results"], lambda: os.mkdir("results")),
+        ("extract --out naming a folder.json", extract + ["--out", "result.json"], lambda: os.mkdir("result.json")),
+        ("extract --out under a file", extract + ["--out", "plain/result.json"], lambda: open("plain", "w").close()),
+        ("extract --transcript naming a folder", extract + ["--transcript", "run.sqlite"],
+         lambda: os.mkdir("run.sqlite")),
+        ("bench --out below a file", ["bench", "--quick", "--out", "plain/sub"], lambda: open("plain", "w").close()),
+        ("report noise --heads 0.4", ["report", "noise", "--d", "2", "--heads", "0.4"], None),
+        ("report noise --output DIR", ["report", "noise", "--d", "2", "-o", "figures"], lambda: os.mkdir("figures")),
+        ("report noise --output DIR.png", ["report", "noise", "--d", "2", "-o", "figures.png"],
+         lambda: os.mkdir("figures.png")),
+    ]
+    for error in ("key_error", "connection_error", "memory_error"):
+        for schedule in ("auto", "paper", "lean", "targeted"):
+            arguments = extract[:2] + [f"remote.py:{error}"] + extract[3:] + ["--schedule", schedule]
+            cases.append((f"oracle raising {error} ({schedule})", arguments, None))
+    for name, arguments, prepare in cases:
+        yield "command line", f"cli: {name}", lambda a=arguments, p=prepare: cli_run(a, p), None, False
+
+
+def verification_cost(seeds):
+    """The default verification's share of the queries at d = 32, 64 (H = 2, 4; ``seeds`` targets
+    each): rows (d, H, runs, passed, most share, median share)."""
+    rows = []
+    for d in (32, 64):
+        for H in (2, 4):
+            shares, passed = [], 0
+            for seed in range(seeds):
+                target = mx.MultiHeadAttention.random(d, H, seed=7000 + seed, bias=True)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=seed, on_failure="warn")
+                passed += bool(result.ok)
+                shares.append(result.verification_queries / result.queries)
+            rows.append((d, H, seeds, passed, max(shares), float(np.median(shares))))
+    return rows
+
+
+#: The classes of cases, selected by ``--classes``.
+CLASSES = ("random", "structured", "oracles", "mismatch", "interrupted", "low-precision", "cli")
+
+
+def class_seeds(runs: int, per: int) -> int:
+    """Targets per mode of the newer classes: one per ``per`` random targets, at least one."""
+    return max(1, runs // per)
+
+
+def cases(runs, classes=CLASSES):
     for mode, options in MODES.items():
         precision = options.get("precision")
-        yield from random_cases(mode, options, runs)
-        for name, target in structured(7, precision):
-            yield mode, name, lambda t=target: mx.extract(
-                mx.SimulatedOracle(t, precision), t.d, heads=t.heads, seed=0, **options), target, False
-        if precision is None:
+        if "random" in classes:
+            yield from random_cases(mode, options, runs)
+        if "structured" in classes:
+            for name, target in structured(7, precision):
+                yield mode, name, lambda t=target: mx.extract(
+                    mx.SimulatedOracle(t, precision), t.d, heads=t.heads, seed=0, **options), target, False
+        if precision is None and "oracles" in classes:
             target = mx.MultiHeadAttention.random(3, 2, seed=11)
             for name, factory in misbehaving(3):
                 keeps = name.startswith(("noise", "non-det"))
                 yield mode, "oracle: " + name, lambda f=factory: mx.extract(
                     f(target), 3, heads=2, seed=0, **options), target if keeps else None, False
+        if "mismatch" in classes:
+            yield from mismatch_cases(mode, options, class_seeds(runs, 20 if precision else 10))
+        if "interrupted" in classes:
+            yield from interrupted_cases(mode, options, class_seeds(runs, 40))
+        if "low-precision" in classes:
+            yield from low_precision_cases(mode, options, class_seeds(runs, 40))
+    if "cli" in classes:
+        yield from cli_cases()
 
 
 def group_of(case: str) -> str:
     if case.startswith("random"):
         return case.split(" (")[0]
+    if case.startswith("mismatch: sliding"):
+        return "mismatch: sliding window " + "..".join(map(str, WINDOWS[::len(WINDOWS) - 1]))
+    if case.startswith("interrupted"):
+        return "interrupted and resumed"
+    if case.startswith("mismatch"):
+        return case.split(" (")[0]
+    if case.startswith("float32 layer"):
+        return "float32 torch layers"
+    if case.startswith(("bfloat16 layer", "float16 layer")):
+        return "bfloat16, float16 torch layers"
+    if case.startswith("tensor answers"):
+        return case.split(" (")[0]
+    if case.startswith("cli"):
+        return "cli: oracle exceptions" if "oracle raising" in case else "cli: output paths, options"
     return "oracles" if case.startswith("oracle") else "structured"
 
 
@@ -211,7 +565,10 @@ def main():
     parser.add_argument("--seeds", help="comma-separated seeds of the random targets to run (of range(runs)); "
                                         "only random targets")
     parser.add_argument("--conditions", help="comma-separated subset of exact,gaussian,uniform")
+    parser.add_argument("--classes", help="comma-separated subset of " + ", ".join(CLASSES) + ", cost (the "
+                                          "default verification's share of the queries at d = 32, 64)")
     args = parser.parse_args()
+    classes = CLASSES + ("cost",) if args.classes is None else tuple(args.classes.split(","))
     if args.modes:
         for mode in set(MODES) - set(args.modes.split(",")):
             del MODES[mode]
@@ -222,7 +579,7 @@ def main():
     started = time.time()
     seeds = None if args.seeds is None else {int(seed) for seed in args.seeds.split(",")}
     conditions = None if args.conditions is None else args.conditions.split(",")
-    for mode, case, run, target, expect in cases(args.runs):
+    for mode, case, run, target, expect in cases(args.runs, classes):
         if seeds is not None and not (case.startswith("random") and int(case.split("seed=")[1][:-1]) in seeds):
             continue
         if conditions is not None and not (case.startswith("random") and case.split()[1] in conditions):
@@ -247,14 +604,36 @@ def main():
         lines.append(f"| {mode} | {group} | {sum(counts.values())} | {counts['correct']} | {counts['loud failure']} | "
                      f"{counts['clean error']} | {counts['false alarm']} | {counts['silent failure']} | "
                      f"{counts['crash']} | {over} | {worst} |")
+    lines += repaid_table() if REPAID else []
+    if "cost" in classes:
+        lines += cost_table(verification_cost(class_seeds(args.runs, 20)))
     text = "\n".join(lines)
     print(text)
     print(f"({time.time() - started:.0f} s)")
     out = args.out
-    if out is None and not (args.modes or args.seeds or args.conditions or args.most_heads):
+    if out is None and not (args.modes or args.seeds or args.conditions or args.most_heads or args.classes):
         out = "docs/reliability.md"  # only the whole table replaces the page
     if out is not None:
         write_page(out, text, args.runs)
+
+
+def repaid_table() -> list[str]:
+    """Lines of the interrupted class's table: answers re-paid at the oracle against the bound."""
+    lines = ["", f"Interrupted and resumed runs (batch size {INTERRUPT_BATCH}, resume check {RESUME_CHECK}): answers "
+                 "asked of the oracle over the stopped and the resumed run, less an uninterrupted run's.", "",
+             "| mode | runs | most answers re-paid | bound (batch + resume check) | runs over the bound |",
+             "|---|---|---|---|---|"]
+    for mode, (most, runs, over) in REPAID.items():
+        lines.append(f"| {mode} | {runs} | {most} | {INTERRUPT_BATCH + RESUME_CHECK} | {over} |")
+    return lines
+
+
+def cost_table(rows) -> list[str]:
+    """Lines of the verification-cost table (rows of :func:`verification_cost`)."""
+    lines = ["", "The default verification's share of the queries (default mode, targets with biases):", "",
+             "| d | H | runs | passed | verification queries / queries (most) | (median) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {d} | {H} | {runs} | {passed} | {most:.2%} | {median:.2%} |" for d, H, runs, passed, most, median in rows]
+    return lines
 
 
 #: The table's place in docs/reliability.md: a re-run replaces what lies between these and keeps
@@ -290,7 +669,9 @@ with biases (u, c), which it learns. Structured targets (d = 3): two heads with 
 1e-3..1e-12 (float64) or 1e-20..1e-60 (256 bits) with `heads=3` declared, rank-1 W, tiny v,
 parallel v, ||W|| x100 and x0.01: a clean error is the expected outcome where the target is not
 resolvable. Misbehaving oracles (float64): wrong count, strings, NaN, undeclared noise 1e-9 and
-1e-6, non-deterministic 1e-12, constant zero, integers, booleans. The last two columns are over
+1e-6, non-deterministic 1e-12, constant zero, integers, booleans. The classes of issue 38 (layers
+that are another model beyond short sequences, interrupted runs, low-precision and autograd
+oracles, the command line): see the functions that make their cases. The last two columns are over
 the runs that passed: how many had a true error above 30 times their error estimate, and the
 worst ratio of true error to estimate.
 
