@@ -229,5 +229,5 @@ def test_bad_arguments_are_named():
     oracle = TorchOracle(multihead(bias=False), readout(8))
     with pytest.raises(Exception, match="3"):  # the module itself refuses tokens of the wrong width
         oracle([np.zeros((2, 3))])
-    with pytest.raises(TypeError, match="precision=None"):
+    with pytest.raises(ValueError, match="precision=None"):  # refused before the first query
         mx.extract(oracle, 8, heads=2, precision=128, seed=0, schedule="paper")

@@ -152,6 +152,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     settings = _settings(d, heads, max_heads, precision, seed, None if scale_option == "auto" else scale_option,
                          samples_per_instance, refine, refine_queries, answer_error, rank, backend, repair)
     on_failure = on_failure_mode(on_failure)
+    answer_dtype = getattr(oracle, "answer_dtype", None)
+    if settings.precision is not None and answer_dtype not in (None, "mpf"):
+        raise ValueError(f"precision={settings.precision} needs an oracle answering mpmath.mpf; this one answers "
+                         f"{answer_dtype} (a torch layer computes in its own dtype): run it with precision=None")
     if max_queries is not None:
         positive_int("max_queries", max_queries, minimum=0)
     if transcript is not None:

@@ -279,8 +279,8 @@ def with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, p
     if scalar is not None and vectors.d_out == 1:  # r = (1,): the schedule's v_h is V_h itself
         whole = MultiHeadAttention(scalar.W, scalar.v[:, None, :], scalar.u, np.array([scalar.c]))
         return dataclasses.replace(extraction, model=whole, readout=vectors.readout, scalar_model=scalar)
-    if scalar is None or value_queries is None:
-        return dataclasses.replace(extraction, readout=vectors.readout, scalar_model=scalar)
+    if scalar is None or value_queries is None:  # no model of the oracle's outputs: none is returned
+        return dataclasses.replace(extraction, model=None, readout=vectors.readout, scalar_model=scalar)
     limit = next((check.threshold for check in extraction.checks if check.name == "answers_residual"),
                  CheckPolicy.for_precision(settings.precision).answers_residual)
     try:
@@ -288,7 +288,7 @@ def with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, p
                          (extraction.error_estimate, extraction.error_estimate), spawn_rng(settings.seed, 12))
     except (ValueError, np.linalg.LinAlgError) as error:
         failed = Check("value_fit", False, np.inf, 0.0, f"the value read-outs V_h could not be fitted: {error}")
-        return dataclasses.replace(extraction, readout=vectors.readout, scalar_model=scalar,
+        return dataclasses.replace(extraction, model=None, readout=vectors.readout, scalar_model=scalar,
                                    checks=extraction.checks + [failed])
     error_estimate = max(extraction.error_estimate, fit.error_estimate)
     checks, verification = extraction.checks + fit.checks(limit, extraction.error_estimate), extraction.verification

@@ -116,7 +116,8 @@ class Extraction(CheckedResult):
         learned the scores from (``r^T f``); None for scalar answers.
     scalar_model : MultiHeadAttention or None
         For vector answers: the schedule's scalar model of ``r^T f``; ``model`` is then the vector
-        model (``V_h`` (d_out, d) and ``c`` (d_out,) fitted to the answers, docs/algorithm.md §21).
+        model (``V_h`` (d_out, d) and ``c`` (d_out,) fitted to the answers, docs/algorithm.md §21), or
+        None where no vector model could be fitted (a failed check says why).
     value_fit : :class:`~mhaextract.outputs.ValueFit` or None
         For vector answers: the fit of ``V_h`` and ``c``, its queries, residual and estimate.
 
