@@ -100,7 +100,8 @@ def test_the_gpt2_state_dict_loads_into_a_fresh_gpt2_attention():
     assert worst_relative_error(fresh, layer, d) <= 1e-12
 
 
-@pytest.mark.parametrize("kind", ["nn.MultiheadAttention", "BertSelfAttention", "OPTAttention", "ViTAttention"])
+@pytest.mark.parametrize("kind", ["nn.MultiheadAttention"] + [
+    pytest.param(kind, marks=pytest.mark.slow) for kind in ("BertSelfAttention", "OPTAttention", "ViTAttention")])
 def test_state_dicts_of_the_truth_reproduce_each_class(kind):
     # OPT's and ViT's eager paths take the softmax in float32: sdpa is their float64 layer
     implementation = "sdpa" if kind in ("OPTAttention", "ViTAttention") else "eager"
