@@ -136,7 +136,7 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     residual_rms = np.sqrt(solver.residual_squares / max(1, rows - unknowns))  # per output
     rng = np.random.default_rng(seed)
     # The answers' noise through the fit: std of coefficient i is sigma_o * ||row i of A^+||.
-    row_norms = np.sqrt(np.mean(solver.pinv_times(rng.standard_normal((rows, PROBES)), transposed=True) ** 2, axis=1))
+    row_norms = np.sqrt(np.mean(solver.pinv_times(rng.standard_normal((rows, PROBES))) ** 2, axis=1))
     z = np.sqrt(2 * np.log(2 * unknowns * answers.shape[1]))
     noise_error = float(z * row_norms.max() * residual_rms.max())
     # The scores' error: the design moved by a random perturbation of W and u of the estimated size.
@@ -178,7 +178,7 @@ class _DenseFit:
     def _solve(self, rhs):
         return scipy.linalg.solve_triangular(self.R, self.Q.T @ rhs) / self.columns[:, None]
 
-    def pinv_times(self, G, transposed=False):
+    def pinv_times(self, G):
         """``A^+ G`` (unknowns, k) for G (rows, k)."""
         return self._solve(G)
 
@@ -221,7 +221,7 @@ class _NormalFit:
     def _solve(self, normal_rhs):
         return scipy.linalg.cho_solve(self.factor, normal_rhs / self.columns[:, None]) / self.columns[:, None]
 
-    def pinv_times(self, G, transposed=False):
+    def pinv_times(self, G):
         return self._solve(self._transpose_times(G))
 
     def response(self, moved):
