@@ -14,12 +14,14 @@ from .oracle.noise import (
     AdditiveNoise, BFloat16Oracle, Float32Oracle, GaussianNoise, MixedPrecisionOracle, RoundedAnswers,
 )
 from .oracle.simulated import SimulatedOracle
+from .rotary.model import RotaryAttention
 from .oracle.transcript import TranscriptError
 from .results import Extraction, load_model, save_extraction
 from .transformer import TransformerExtraction, TransformerExtractionError, extract_transformer
 from .transformer_model import Transformer1L, TransformerComparison, compare_transformers
 
 __all__ = [
+    "RotaryAttention",
     "AdditiveNoise", "BFloat16Oracle", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError",
     "Float32Oracle", "GaussianNoise", "MixedPrecisionOracle", "MultiHeadAttention", "OracleError", "RoundedAnswers",
     "SimulatedOracle", "TranscriptError",

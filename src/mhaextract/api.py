@@ -45,7 +45,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
-            verify_length=None) -> Extraction:
+            verify_length=None, positions="none"):
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -123,6 +123,14 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         fails it. None (default): 256, except ``schedule="paper"`` named alone (0: the paper's
         exact count); an integer 1..4096; 0 turns it off.
 
+    positions : ``"none"`` (default: the model of docs/algorithm.md §1, no positions) or
+        ``"rotary"``: rotary position embeddings (Llama-style RoPE, grouped-query heads, a sliding
+        window found by queries; §22), learned with the rotary schedule in float64; returns a
+        :class:`~mhaextract.rotary.learn.RotaryExtraction` whose ``model`` is a
+        :class:`~mhaextract.RotaryAttention`. It takes ``heads``, ``seed``, ``token_scale``,
+        ``bias`` (the query bias; default True), ``rank`` (the head width), ``batch_size``,
+        ``progress``, ``on_failure``, ``max_queries`` and ``verify_length``.
+
     Returns
     -------
     Extraction
@@ -148,6 +156,13 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     >>> result.queries, 4 * 2 * 3**2 - 2 * 2 + 1, result.max_query_length
     (69, 69, 5)
     """
+    if positions == "rotary":
+        return _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size,
+                               progress, on_failure, transcript, max_queries, samples_per_instance, refine,
+                               refine_queries, answer_error, rank, backend, repair, verify_length)
+    if positions != "none":
+        raise ValueError(f"positions must be 'none' (no position dependence) or 'rotary' (rotary embeddings, "
+                         f"docs/algorithm.md §22), got {positions!r}")
     scale_option, bias = token_scale_option(token_scale), bias_option(bias)
     settings = _settings(d, heads, max_heads, precision, seed, None if scale_option == "auto" else scale_option,
                          samples_per_instance, refine, refine_queries, answer_error, rank, backend, repair)
@@ -234,6 +249,36 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
                           float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf")
     report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
     return extraction
+
+
+def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size, progress,
+                    on_failure, transcript, max_queries, samples_per_instance, refine, refine_queries, answer_error,
+                    rank, backend, repair, verify_length):
+    """``positions="rotary"``: the options the rotary schedule takes validated, the rest refused."""
+    from .rotary.learn import extract_rotary
+
+    others = {"max_heads": max_heads, "precision": precision, "transcript": transcript,
+              "samples_per_instance": samples_per_instance, "refine": refine, "refine_queries": refine_queries,
+              "answer_error": answer_error, "backend": backend, "repair": repair}
+    given = [name for name, value in others.items() if value is not None]
+    if schedule != "auto":
+        given.append("schedule")
+    if given:
+        raise ValueError(f"positions='rotary' does not take {', '.join(given)}: the rotary schedule runs in float64 "
+                         "with the number of heads given (heads=H)")
+    d = positive_int("d", d)
+    heads = positive_int("heads", heads) if heads is not None else None
+    if heads is None:
+        raise ValueError("positions='rotary' needs heads=H, the number of query heads")
+    scale = token_scale_option(token_scale)
+    if rank is not None:
+        rank = positive_int("rank", rank)
+    on_failure = on_failure_mode(on_failure)
+    result = extract_rotary(oracle, d, heads, seed, token_scale=None if scale in (None, "auto") else scale,
+                            bias=True if bias is None else bool(bias), rank=rank, batch_size=batch_size,
+                            progress=progress, max_queries=max_queries, verify_length=verify_length_option(verify_length))
+    report_failure(result, "rotary extraction", on_failure)
+    return result
 
 
 def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries, record, resume_check: int,

@@ -10,6 +10,7 @@ from scipy.optimize import linear_sum_assignment
 
 from .numerics.highprec import mpf_array
 from .model import MultiHeadAttention
+from .rotary.model import RotaryAttention
 
 
 @dataclass
@@ -93,6 +94,10 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
     """
     if a.d != b.d:
         raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")
+    if isinstance(a, RotaryAttention) or isinstance(b, RotaryAttention):
+        if not (isinstance(a, RotaryAttention) and isinstance(b, RotaryAttention)):
+            raise ValueError("compare a RotaryAttention with a RotaryAttention (positions change the function)")
+        return compare_rotary(a, b)
     if a.is_vector != b.is_vector or a.d_out != b.d_out:
         raise ValueError(f"models have different outputs: d_out = {a.d_out if a.is_vector else 'scalar'} and "
                          f"{b.d_out if b.is_vector else 'scalar'} (compare a vector model's readout(r) with a scalar one)")
@@ -135,3 +140,28 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
         c_abs, c_rel = float(c_abs), float(c_rel)
     return Comparison(a.heads == b.heads, a.heads, b.heads, cols, W_abs, v_abs, W_rel, v_rel, u_abs, u_rel,
                       c_abs, c_rel)
+
+
+def compare_rotary(a: RotaryAttention, b: RotaryAttention) -> Comparison:
+    """Errors of ``a`` against the reference ``b`` (a :class:`~mhaextract.Comparison`): heads
+    aligned by an assignment on ``(W_h(0), W_h(1), W_h(2), V_h)``; ``W_abs`` is the largest entry
+    error of those score matrices, ``v_abs`` of ``V_h``, ``c_abs`` of the constant."""
+    a, b = a.canonical(), b.canonical()
+    Wa, Wb = a.identifying_matrices(), b.identifying_matrices()
+    cost = (np.abs(Wa[:, None] - Wb[None]).max(axis=(2, 3, 4)) / max(np.abs(Wb).max(), 1e-300)
+            + np.abs(a.V[:, None] - b.V[None]).max(axis=(2, 3)) / max(np.abs(b.V).max(), 1e-300))
+    rows, columns = linear_sum_assignment(cost)
+    permutation = np.empty(len(columns), dtype=int)
+    permutation[np.argsort(columns)] = rows[np.argsort(columns)]
+    aligned = rows[np.argsort(columns)]
+    shared = np.sort(columns)
+    W_abs = float(np.abs(Wa[aligned] - Wb[shared]).max()) if len(shared) else 0.0
+    v_abs = float(np.abs(a.V[aligned] - b.V[shared]).max()) if len(shared) else 0.0
+    c_abs = float(np.abs(np.atleast_1d(a.c) - np.atleast_1d(b.c)).max())
+    c_scale = float(np.abs(np.atleast_1d(b.c)).max())
+    return Comparison(heads_agree=a.heads == b.heads and a.window == b.window, heads_a=a.heads, heads_b=b.heads,
+                      permutation=permutation, W_abs=W_abs, v_abs=v_abs,
+                      W_rel=W_abs / max(float(np.abs(Wb).max()), 1e-300),
+                      v_rel=v_abs / max(float(np.abs(b.V).max()), 1e-300),
+                      c_abs=c_abs, c_rel=c_abs / c_scale if c_scale > 0 else c_abs)
+

@@ -1,0 +1,1 @@
+"""Rotary attention (docs/algorithm.md §22): the model, its queries and its extraction."""

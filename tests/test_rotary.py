@@ -1,0 +1,161 @@
+"""Rotary attention (docs/algorithm.md §22): the model against a Llama-style reference written
+here, the rotation recovered from two score matrices, the window search, and the rotary schedule
+end to end against layers whose truth is known."""
+
+import numpy as np
+import pytest
+
+import mhaextract as mx
+from mhaextract.rotary.structure import rotary_head
+from mhaextract.rotary.window import find_window
+from mhaextract.oracle.boundary import OracleBoundary
+
+
+def llama_reference(layer: mx.RotaryAttention, X: np.ndarray, start: int = 0) -> float:
+    """The final-token output of a scalar rotary layer, computed the way Llama does: absolute
+    positions from ``start``, ``rotate_half`` on the pairs (m, m + r/2) after permuting the
+    model's consecutive pairs into that layout, softmax over the window."""
+    N = len(X)
+    H, r, _ = layer.Q.shape
+    half = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])  # pair m -> (m, m + r/2)
+    out = float(layer.c)
+    for h in range(H):
+        q = (layer.Q[h] @ X[-1] + layer.b[h])[half]
+        k = (X @ layer.K[h].T)[:, half]
+        freqs = np.concatenate([layer.theta[h], layer.theta[h]])
+
+        def rope(vector, position):
+            rotated = np.concatenate([-vector[..., r // 2:], vector[..., : r // 2]], axis=-1)
+            return vector * np.cos(position * freqs) + rotated * np.sin(position * freqs)
+
+        positions = np.arange(start, start + N)
+        scores = np.array([rope(k[j], positions[j]) @ rope(q, positions[-1]) for j in range(N)])
+        if layer.window is not None:
+            scores[: max(0, N - layer.window)] = -np.inf
+        weights = np.exp(scores - scores.max())
+        weights /= weights.sum()
+        out += weights @ (X @ layer.v[h])
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_model_is_llamas_rotary_attention_at_any_absolute_offset(window):
+    layer = mx.RotaryAttention.random(d=8, heads=4, head_width=6, seed=0, kv_heads=2, bias=True, window=window)
+    rng = np.random.default_rng(1)
+    for length in (1, 2, 7, 40):
+        X = rng.normal(size=(length, 8))
+        expected = llama_reference(layer, X, start=int(rng.integers(0, 1000)))
+        assert layer(X[None])[0] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_score_matrices_are_the_bilinear_scores_and_grouped_heads_share_keys():
+    layer = mx.RotaryAttention.random(d=6, heads=4, head_width=4, seed=2, kv_heads=2)
+    X = np.random.default_rng(3).normal(size=(9, 6))
+    scores = layer.scores(X)
+    for delta in (0, 1, 5, 8):
+        W = layer.score_matrices(delta)
+        assert np.allclose(np.einsum("a,hab,b->h", X[-1 - delta], W, X[-1]), scores[:, -1 - delta], atol=1e-13)
+    assert np.array_equal(layer.K[0], layer.K[1]) and not np.array_equal(layer.K[1], layer.K[2])
+    assert layer.canonical().heads == 4  # grouped heads have their own queries: nothing merges
+
+
+@pytest.mark.parametrize("kind", ["rope", "no positions", "partial"])
+def test_two_score_matrices_give_the_head_at_every_offset(kind):
+    layer = mx.RotaryAttention.random(d=12, heads=2, head_width=8, seed=3)
+    if kind == "no positions":
+        layer.theta[:] = 0.0
+    elif kind == "partial":
+        layer.theta[:, 2:] = 0.0
+    for h in range(2):
+        head = rotary_head(layer.score_matrices(1)[h], layer.score_matrices(2)[h])
+        assert head.width == 8
+        learned = mx.RotaryAttention(head.Q[None], head.K[None], head.theta[None], np.ones((1, 12)))
+        scale = np.abs(layer.score_matrices(1)[h]).max()
+        for delta in (0, 1, 2, 7, 100, 255):
+            error = np.abs(learned.score_matrices(delta)[0] - layer.score_matrices(delta)[h]).max()
+            assert error <= 1e-12 * scale * max(1, delta)
+        assert np.allclose(np.sort(head.theta), np.sort(layer.theta[h]), atol=1e-12)
+
+
+class CountingOracle:
+    def __init__(self, model):
+        self.model, self.queries, self.longest = model, 0, 0
+
+    def __call__(self, batch):
+        self.queries += len(batch)
+        self.longest = max([self.longest] + [len(X) for X in batch])
+        return self.model(batch)
+
+
+@pytest.mark.parametrize("window", [8, 16, None])
+def test_the_window_is_found_by_queries_of_increasing_length(window):
+    layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=4, bias=True, window=window)
+    oracle = CountingOracle(layer)
+    boundary = OracleBoundary(oracle, 6)
+    c = float(boundary.ask([np.zeros((1, 6))])[0])
+    search = find_window(boundary, np.random.default_rng(0), 1.0, c, limit=512)
+    assert search.window == window
+    assert search.check(6).passed
+    assert boundary.queries == oracle.queries == search.queries + 1
+    if window is not None:
+        assert search.queries <= 2 * np.log2(window) + 2
+
+
+def fresh_outputs_error(model, layer, longest, count=200, seed=7):
+    rng = np.random.default_rng(seed)
+    sequences = [rng.normal(size=(int(n), layer.d)) * layer.d ** -0.25 for n in rng.integers(1, longest + 1, count)]
+    truth = layer(sequences)
+    return float(np.abs(model(sequences) - truth).max() / np.abs(truth).max())
+
+
+@pytest.mark.parametrize("bias,window", [(False, None), (True, None), (True, 16)])
+def test_a_single_rotary_head_is_extracted_to_machine_precision(bias, window):
+    layer = mx.RotaryAttention.random(d=8, heads=1, head_width=4, seed=5, bias=bias, window=window)
+    oracle = CountingOracle(layer)
+    result = mx.extract(oracle, d=8, heads=1, positions="rotary", seed=1)
+    assert result.ok and result.window == window
+    assert result.queries == oracle.queries and result.max_query_length == oracle.longest
+    comparison = mx.compare(result.model, layer)
+    assert comparison.max_rel <= 1e-10 and comparison.max_rel <= 10 * result.error_estimate
+    assert fresh_outputs_error(result.model, layer, longest=256 if window is None else 4 * window) <= 1e-10
+    assert np.allclose(np.sort(result.frequencies[0]), np.sort(layer.theta[0]), atol=1e-8)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_heads_pass_with_an_honest_estimate_or_fail_loudly(seed):
+    layer = mx.RotaryAttention.random(d=8, heads=2, head_width=4, seed=seed, bias=bool(seed % 2))
+    try:
+        result = mx.extract(mx.SimulatedOracle(layer), d=8, heads=2, positions="rotary", seed=seed)
+    except mx.ExtractionError as error:
+        assert not error.extraction.ok
+        return
+    error = mx.compare(result.model, layer).max_rel
+    assert error <= 10 * result.error_estimate and result.error_estimate <= 1e-6
+    # the outputs at 256 tokens carry the angles' error 255 times: within the verification's limit
+    assert fresh_outputs_error(result.model, layer, longest=256) <= 100 * result.error_estimate
+
+
+def test_heads_past_the_float64_fit_fail_loudly():
+    layer = mx.RotaryAttention.random(d=16, heads=3, head_width=4, seed=0)
+    with pytest.raises(mx.ExtractionError) as raised:
+        mx.extract(mx.SimulatedOracle(layer), d=16, heads=3, positions="rotary", seed=0)
+    assert not raised.value.extraction.ok
+
+
+def test_a_window_shorter_than_the_instances_fails_loudly():
+    layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=1, window=4)
+    with pytest.raises(mx.ExtractionError, match="window of 4 tokens is shorter"):
+        mx.extract(mx.SimulatedOracle(layer), d=6, heads=2, positions="rotary", seed=0)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"positions": "alibi"}, "positions must be"),
+    ({"positions": "rotary", "heads": None, "max_heads": 2}, "does not take max_heads"),
+    ({"positions": "rotary", "precision": 128}, "does not take precision"),
+    ({"positions": "rotary", "schedule": "paper"}, "does not take schedule"),
+])
+def test_bad_rotary_options_are_named(options, message):
+    layer = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0)
+    arguments = {"heads": 1, **options}
+    with pytest.raises(ValueError, match=message):
+        mx.extract(mx.SimulatedOracle(layer), d=4, **arguments)
