@@ -263,6 +263,18 @@ class MultiHeadAttention:
         c = to_float(self.c) if self.is_vector else float(self.c)
         return MultiHeadAttention(to_float(self.W), to_float(self.V if self.is_vector else self.v), to_float(self.u), c)
 
+    def with_values(self, V, c) -> "MultiHeadAttention":
+        """The same scores with value read-outs ``V`` (H, d_out, d) and constant ``c`` (d_out,)."""
+        return MultiHeadAttention(self.W, V, self.u, c)
+
+    def scores_moved(self, rng: np.random.Generator, relative: float, bias_relative: float) -> "MultiHeadAttention":
+        """The model with Gaussian score errors: W and u moved by entries of a third of ``relative``
+        (and ``bias_relative``) times their largest entry (the value fit's score-error probe)."""
+        W_size, u_size = float(np.abs(self.W).max()), float(np.abs(self.u).max())
+        return MultiHeadAttention(self.W + relative * W_size * rng.standard_normal(self.W.shape) / 3, self.V if
+                                  self.is_vector else self.v,
+                                  self.u + bias_relative * u_size * rng.standard_normal(self.u.shape) / 3, self.c)
+
     def readout(self, r) -> "MultiHeadAttention":
         """The scalar model ``r^T f``: ``v_h = V_h^T r`` and ``r^T c`` (what an oracle read out through ``r`` answers).
 

@@ -55,8 +55,9 @@ class ValueFit:
 
     Attributes
     ----------
-    model : MultiHeadAttention
-        The vector model: the schedule's ``W_h``, ``u_h`` with the fitted ``V_h`` (H, d_out, d) and ``c``.
+    model : MultiHeadAttention or RotaryAttention
+        The vector model: the schedule's scores (``W_h``, ``u_h``, or the rotary factors) with the
+        fitted ``V_h`` (H, d_out, d) and ``c``.
     rows : int, fresh queries in the fit (each with its ``d_out`` answers).
     unknowns : int, unknowns per output (``H d``, plus one for ``c``).
     residual : float, max misfit of the fit on its rows, relative to the largest answer.
@@ -101,7 +102,9 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
 
     Parameters
     ----------
-    model : the schedule's scalar model (canonical, float64), read out through ``readout``.
+    model : the schedule's scalar model (canonical, float64), read out through ``readout``: a
+        :class:`MultiHeadAttention` or a :class:`~mhaextract.RotaryAttention` (any model with
+        ``head_means``, ``with_values`` and ``scores_moved``).
     sequences : the value fit's queries, (N_i, d) arrays.
     answers : (n, d_out) their whole answers.
     bias : fit the constant ``c`` (else ``c = 0``, the paper's model).
@@ -143,13 +146,10 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     W_error, u_error = score_error
     score_part = 0.0
     if W_error > 0 or u_error > 0:
-        W_size, u_size = float(np.abs(model.W).max()), float(np.abs(model.u).max())
-        moved = MultiHeadAttention(model.W + W_error * W_size * rng.standard_normal(model.W.shape) / 3, model.v,
-                                   model.u + u_error * u_size * rng.standard_normal(model.u.shape) / 3, model.c)
-        score_part = float(np.abs(solver.response(moved)).max())
+        score_part = float(np.abs(solver.response(model.scores_moved(rng, W_error, u_error))).max())
     V = X[:heads * d].T.reshape(answers.shape[1], heads, d).transpose(1, 0, 2)
     c = X[heads * d] if bias else np.zeros(answers.shape[1])
-    fitted = MultiHeadAttention(model.W, V, model.u, c)
+    fitted = model.with_values(V, c)
     V_scale = float(np.abs(V).max()) or 1.0
     error_estimate = (noise_error + score_part) / V_scale
     if bias:  # c's error relative to its own largest entry, as compare() measures it

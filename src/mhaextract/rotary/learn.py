@@ -32,24 +32,43 @@ from ..checks.base import Check, CheckedResult
 from ..checks.verify import ask_long_verification
 from ..numerics.float64 import fit
 from ..oracle.boundary import OracleBoundary
-from ..oracle.queries import random_basis
+from ..outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
+from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
 from .model import RotaryAttention
+from .refine import pack, refine
 from .structure import rotary_head
 from .window import WindowSearch, find_window
 
-#: Float64 limits of the checks (relative): instance fits, label matching, rotary structure, the
-#: answers' misfit, and the error estimate.
-FIT_LIMIT = 1e-8
-MATCH_LIMIT = 1e-3
-STRUCTURE_LIMIT = 1e-6
-RESIDUAL_LIMIT = 1e-6
-ESTIMATE_LIMIT = 1e-6
-#: The error estimate is this many times the largest of its redundancy measurements.
-SAFETY = 10.0
+#: Float64 limits of the checks (relative): the answers' misfit and the error estimate.
+RESIDUAL_LIMIT = 1e-9
+ESTIMATE_LIMIT = 1e-8
+#: The smallest error estimate claimed: float64 rounding through the scores and the softmax.
+ESTIMATE_FLOOR = 1e-14
+#: An instance whose rational fit misses its samples by more than this (relative) is not used.
+INSTANCE_LIMIT = 1e-7
+#: An offset instance whose numerator misfit (relative to its key's labels) exceeds this is left out.
+MATCH_OUTLIER = 1e-2
+#: An offset instance's log E is used when its pole is at most this many times E (else completed).
+MOST_AMPLIFIED = 1e300
+#: Relative misfit (of the grid's largest entry) within which a completion's rank explains the entries.
+COMPLETION_LIMIT = 1e-6
+#: Cost of a pairing whose implied label could not be formed (a failed fit, E <= 0).
+MISSING = 1e6
+#: More missing log-score entries than this fraction leave no start.
+MOST_MISSING = 0.2
+#: Singular-value drop that marks the head width of a start model's W(1) (its error is ~1e-4 at H = 4).
+START_RANK_GAP = 10.0
+#: Samples per instance beyond the 2H that determine it (least squares: fewer failed fits at H >= 3).
+SAMPLES_OVER = 2
+#: The largest count of leading zeros is this many times the samples per instance (``zero_counts``).
+ZEROS_PER_SAMPLE = 9
+#: Fresh polish queries per parameter of the model, and their lengths (inclusive).
+POLISH_FACTOR = 3
+POLISH_LENGTHS = (2, 16)
 #: The token scale makes the self-scores of the basis tokens this large (root mean square).
-SCORE_TARGET = 1.0
+SCORE_TARGET = 3.0
 
 
 @dataclass
@@ -97,6 +116,9 @@ class RotaryExtraction(CheckedResult):
     seconds: float
     checks: list = field(default_factory=list)
     verification: object = None
+    start: RotaryAttention | None = None
+    refinement: object = None
+    diagnostics: dict = field(default_factory=dict)
     readout: np.ndarray | None = None
     scalar_model: RotaryAttention | None = None
     value_fit: object = None
@@ -131,17 +153,29 @@ def _zeros(count: int, d: int) -> np.ndarray:
     return np.zeros((count, d))
 
 
-def instance_queries(patterns: list[np.ndarray], samples: int) -> list[np.ndarray]:
-    """``(0^k, S)`` for every pattern S and ``k = 0..samples - 1``, pattern-major."""
+def zero_counts(samples: int, longest: int) -> np.ndarray:
+    """The counts ``k`` of leading zeros: 0, then geometric up to ``longest`` (distinct integers;
+    linear where the range is too short). Poles spread over a decade are resolved by samples
+    spread over it: measured on d = 32, H = 4 instances, 0..9 zeros left 1e-3 log-pole errors
+    at the 90th percentile where 0, 1, 2, 4, .., 90 left 4e-8."""
+    if longest < 2 * samples:
+        return np.arange(samples)
+    ks = np.unique(np.rint(np.geomspace(1, longest, samples - 1)).astype(int))
+    while len(ks) < samples - 1:  # rounding merged small counts: fill from the bottom
+        ks = np.union1d(ks, np.setdiff1d(np.arange(1, longest + 1), ks)[:samples - 1 - len(ks)])
+    return np.concatenate([[0], ks])
+
+
+def instance_queries(patterns: list[np.ndarray], ks: np.ndarray) -> list[np.ndarray]:
+    """``(0^k, S)`` for every pattern S and every k, pattern-major."""
     d = patterns[0].shape[1]
-    return [np.vstack([_zeros(k, d), pattern]) for pattern in patterns for k in range(samples)]
+    return [np.vstack([_zeros(int(k), d), pattern]) for pattern in patterns for k in ks]
 
 
-def fit_instances(answers: np.ndarray, c: float, samples: int, heads: int) -> Instances:
-    """Fit ``F(k) = c + sum_h N_h / (k + P_h)`` to each instance's ``samples`` answers."""
-    table = answers.reshape(-1, samples)
-    ks = np.arange(samples)
-    fits = fit(table, ks, heads, constant=np.full(len(table), c))
+def fit_instances(answers: np.ndarray, c: float, ks: np.ndarray, heads: int) -> Instances:
+    """Fit ``F(k) = c + sum_h N_h / (k + P_h)`` to each instance's answers at the counts ``ks``."""
+    table = answers.reshape(-1, len(ks))
+    fits = fit(table, np.asarray(ks), heads, constant=np.full(len(table), c))
     P = np.exp(fits.log_poles)
     return Instances(P, P * fits.labels, fits.residual)
 
@@ -156,7 +190,9 @@ def _assign(cost: np.ndarray) -> np.ndarray:
 
 def implied_labels(P, N, tau, label, offset):
     """``(N_p - tau_g l_g) / (P_p - tau_g - offset)`` for every (g, p): the key labels an offset
-    instance implies for each pairing of a self head g with a pole p; NaN where ``E <= 0``."""
+    instance implies for each pairing of a self head g with a pole p; NaN where ``E <= 0``.
+    Returns ``(labels, E)``; a label's misfit times E is the misfit of the numerator N_p, which
+    is what the matching weighs (a small E makes its implied label uncertain, not wrong)."""
     E = P[..., None, :] - tau[..., :, None] - offset
     with np.errstate(divide="ignore", invalid="ignore"):
         value = (N[..., None, :] - (tau * label)[..., :, None]) / E
@@ -166,9 +202,13 @@ def implied_labels(P, N, tau, label, offset):
 class RotaryLearner:
     """One rotary run: the queries from the seed, the fits, the matching and the assembly."""
 
-    def __init__(self, d: int, heads: int, seed, token_scale: float, bias: bool, rank: int | None):
+    def __init__(self, d: int, heads: int, seed, token_scale: float, bias: bool, rank: int | None,
+                 window: int | None = None):
         self.d, self.H, self.seed, self.bias, self.rank = d, heads, seed, bias, rank
-        self.samples = 2 * heads
+        self.samples = 2 * heads + SAMPLES_OVER
+        longest = ZEROS_PER_SAMPLE * self.samples if window is None else min(ZEROS_PER_SAMPLE * self.samples,
+                                                                               window - 3)
+        self.ks = zero_counts(self.samples, longest)
         self.set_scale(token_scale)
 
     def set_scale(self, token_scale: float):
@@ -194,13 +234,20 @@ class RotaryLearner:
                     out.append(np.vstack([z[None], _zeros(delta - 1, d), x[None]]))
         return out
 
-    def promised_queries(self) -> int:
-        return self.samples * len(self.patterns()) + 1
+    @property
+    def longest_instance(self) -> int:
+        return int(self.ks[-1]) + 3
 
-    def learn(self, answers: np.ndarray, c: float, instances_misfit: list) -> tuple:
-        """Heads from the instances' answers: returns (model or None, diagnostics dict)."""
-        d, H, S = self.d, self.H, self.samples
-        fitted = fit_instances(answers, c, S, H)
+    def learn(self, answers: np.ndarray, c: float) -> tuple:
+        """The start model from the instances' answers: ``(model or None, diagnostics dict)``.
+
+        Instances whose fit failed (a pole not positive, ``E <= 0``) leave their entry of the
+        log-score grid missing; each head's grid (rank r) is completed by iterated truncated SVDs.
+        """
+        d, H = self.d, self.H
+        fitted = fit_instances(answers, c, self.ks, H)
+        # an instance whose fit misses its own samples found other poles than its heads': unused
+        fitted.P[~(fitted.residual <= INSTANCE_LIMIT)] = np.nan
         n_final = self.finals.shape[1]
         tau, label_x = fitted.P[:n_final], fitted.N[:n_final] / fitted.P[:n_final]
         key_P, key_N = fitted.P[n_final:n_final + d], fitted.N[n_final:n_final + d]
@@ -208,86 +255,142 @@ class RotaryLearner:
         offset_N = fitted.N[n_final + d:].reshape(2, n_final, d, H)
         key_labels = key_N / key_P                                # (j, g) unordered
         offsets = np.array([0.0, 1.0])
-        # Row i = 0 (the first final token) is the reference order of the heads.
-        ref_tau, ref_label = tau[0], label_x[0]
-        label_z = np.empty((d, H))
+        diagnostics = {"failed_instances": int((~np.isfinite(fitted.P).all(axis=1)).sum()),
+                       "fit_residual": float(np.nanmax(np.where(np.isfinite(fitted.residual), fitted.residual,
+                                                                np.nan), initial=0.0))}
+        if not (np.isfinite(tau[0]).all() and np.isfinite(label_x[0]).all()):
+            return None, diagnostics  # the reference instance itself failed
+        # Row order: the first final token's heads are the reference; each key token's labels are
+        # ordered by what its two offset instances with x_1 imply.
+        label_z = np.full((d, H), np.nan)
         for j in range(d):
-            candidates = [implied_labels(offset_P[t, 0, j], offset_N[t, 0, j], ref_tau, ref_label, offsets[t])[0]
-                          for t in range(2)]                      # (h, p) each
+            if not np.isfinite(key_labels[j]).all():
+                continue
             scale = max(np.abs(key_labels[j]).max(), 1e-300)
-            cost = sum(np.nanmin((candidate[:, :, None] - key_labels[j][None, None, :]) ** 2, axis=1,
-                                 initial=np.inf, where=np.isfinite(candidate)[:, :, None]) for candidate in candidates)
-            label_z[j] = key_labels[j][_assign(cost / scale ** 2)]
-        # Every final token's self heads ordered against the key labels over its 2d offset instances.
-        order = np.zeros((n_final, H), dtype=int)
-        for i in range(n_final):
-            if i == 0:  # the reference
-                order[i] = np.arange(H)
+            cost = np.zeros((H, H))
+            for t in range(2):
+                implied, E = implied_labels(offset_P[t, 0, j], offset_N[t, 0, j], tau[0], label_x[0], offsets[t])
+                misfit = ((implied[:, :, None] - key_labels[j][None, None, :]) * E[:, :, None]) ** 2 / scale ** 2
+                cost += np.min(np.where(np.isfinite(misfit), misfit, MISSING), axis=1)
+            label_z[j] = key_labels[j][_assign(cost)]
+        known_z = np.isfinite(label_z).all(axis=1)
+        if known_z.sum() < d // 2 + 1:
+            return None, diagnostics
+        # Every final token's self heads ordered against the key labels over its offset instances.
+        order = np.tile(np.arange(H), (n_final, 1))
+        usable = np.isfinite(tau).all(axis=1) & np.isfinite(label_x).all(axis=1)
+        z_scale = np.maximum(np.abs(label_z).max(axis=1), 1e-300)
+        for i in range(1, n_final):
+            if not usable[i]:
                 continue
             cost = np.zeros((H, H))
             for t in range(2):
-                implied, _ = implied_labels(offset_P[t, i], offset_N[t, i], tau[i], label_x[i], offsets[t])  # (j, g, p)
-                misfit = (implied[:, None, :, :] - label_z[:, :, None, None]) ** 2          # (j, h, g, p)
-                misfit /= np.maximum(np.abs(label_z).max(axis=1), 1e-300)[:, None, None, None] ** 2
-                cost += np.nanmin(np.where(np.isfinite(misfit), misfit, np.inf), axis=3).sum(axis=0)
+                implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau[i], label_x[i], offsets[t])  # (j, g, p)
+                misfit = ((implied[:, None, :, :] - label_z[:, :, None, None]) * E[:, None]) ** 2 \
+                    / z_scale[:, None, None, None] ** 2
+                misfit = np.min(np.where(np.isfinite(misfit), misfit, MISSING), axis=3)   # (j, h, g)
+                cost += misfit[known_z].sum(axis=0)
             order[i] = _assign(cost)
         tau_ordered = np.take_along_axis(tau, order, axis=1)
         label_x_ordered = np.take_along_axis(label_x, order, axis=1)
         # Each offset instance: its poles assigned to the ordered heads by the key labels.
-        log_E = np.empty((2, H, d, n_final))
-        worst_match = 0.0
+        log_E = np.full((2, H, d, n_final), np.nan)
+        worst_match, misfits = 0.0, []
         for t in range(2):
-            for i in range(n_final):
+            for i in np.flatnonzero(usable):
                 implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau_ordered[i], label_x_ordered[i],
                                             offsets[t])           # (j, h, p)
-                scale = np.maximum(np.abs(label_z).max(axis=1), 1e-300)[:, None, None]
-                misfit = np.abs(implied - label_z[:, :, None]) / scale
-                for j in range(d):
-                    pole = _assign(misfit[j] ** 2)
+                misfit = np.abs((implied - label_z[:, :, None]) * E) / z_scale[:, None, None]
+                for j in np.flatnonzero(known_z & np.isfinite(offset_P[t, i]).all(axis=1)):
+                    pole = _assign(np.where(np.isfinite(misfit[j]), misfit[j] ** 2, MISSING))
                     chosen = misfit[j, np.arange(H), pole]
-                    worst_match = max(worst_match, float(np.nan_to_num(chosen, nan=np.inf).max()))
-                    with np.errstate(invalid="ignore", divide="ignore"):
-                        log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
-        diagnostics = {"fit_residual": float(np.nan_to_num(fitted.residual, nan=np.inf).max()),
-                       "match_misfit": worst_match}
-        instances_misfit.append(fitted.residual)
-        if not np.isfinite(log_E).all():
-            diagnostics["nonpositive"] = True
+                    if not np.isfinite(chosen).all():
+                        continue
+                    misfits.append(float(chosen.max()))
+                    if chosen.max() > MATCH_OUTLIER:  # an ambiguous or poorly fitted instance: its entry is left out
+                        continue
+                    entry = E[j, np.arange(H), pole]
+                    # log E errs by (P / E) times the pole's relative error: an E swamped by the final
+                    # token's own term is left to the completion
+                    amplification = offset_P[t, i, j][pole] / entry
+                    worst_match = max(worst_match, float(chosen.max()))
+                    log_E[t, :, j, i] = np.where(amplification <= MOST_AMPLIFIED, np.log(entry), np.nan)
+        missing = ~np.isfinite(log_E)
+        diagnostics.update(match_misfit=worst_match, missing_entries=int(missing.sum() // H),
+                           match_quantiles=np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist() if misfits else [])
+        if missing.mean() > MOST_MISSING:
             return None, diagnostics
+        log_E = complete_low_rank(log_E, self.rank)
         # Assembly: [W(delta) | u(delta)] = Z^{-T} L X_aug^{-1}, v = Z^{-T} l_z (and X^{-T} l_x).
         s2 = self.token_scale ** 2
         augmented = np.vstack([self.finals, np.ones((1, n_final))]) if self.bias else self.finals
-        inverse = np.linalg.inv(augmented)
-        W = np.einsum("aj,thji,ib->thab", self.Z / s2, log_E, inverse)   # (delta, h, d, d(+1))
-        v_from_z = (self.Z @ label_z).T / s2
-        v_from_x = (self.X @ label_x_ordered[:d]).T / s2
-        v = 0.5 * (v_from_z + v_from_x)
-        heads = [rotary_head(W[0, h], W[1, h], self.rank) for h in range(H)]
-        width = max(head.Q.shape[0] for head in heads)
-        Q = np.zeros((H, width, d))
-        K = np.zeros((H, width, d))
-        b = np.zeros((H, width))
+        W = np.einsum("aj,thji,ib->thab", self.Z / s2, log_E, np.linalg.inv(augmented))  # (delta, h, d, d(+1))
+        v_parts = []
+        if known_z.all():
+            v_parts.append((self.Z @ label_z).T / s2)
+        if usable[:d].all():
+            v_parts.append((self.X @ label_x_ordered[:d]).T / s2)
+        if not v_parts:
+            return None, diagnostics
+        v = np.mean(v_parts, axis=0)
+        heads = [rotary_head(W[0, h], W[1, h], self.rank, START_RANK_GAP) for h in range(H)]
+        width = max(max(head.Q.shape[0] for head in heads), 2)
+        Q, K, b = np.zeros((H, width, d)), np.zeros((H, width, d)), np.zeros((H, width))
         theta = np.zeros((H, width // 2))
         for h, head in enumerate(heads):
             rows = head.Q.shape[0]
-            Q[h, :rows] = head.Q[:, :d]
+            Q[h, :rows], K[h, :rows] = head.Q[:, :d], head.K
             b[h, :rows] = head.Q[:, d] if self.bias else 0.0
-            K[h, :rows] = head.K
             theta[h, :rows // 2] = head.theta
-        model = RotaryAttention(Q, K, theta, v, c, b=b)
-        # Redundancy: what the error estimate is made of.
-        finals = self.finals
-        predicted = np.einsum("ai,hab,bi->ih", finals, model.score_matrices(0, bias=False), finals)
-        if self.bias:
-            predicted += np.einsum("ai,ha->ih", finals, model.score_matrices(0, bias=True)[:, :, d])
-        score_scale = max(float(np.abs(log_E).max()), 1e-300)
-        diagnostics.update(
-            self_score_misfit=float(np.abs(predicted - np.log(tau_ordered)).max()) / score_scale,
-            value_gap=float(np.abs(v_from_z - v_from_x).max()) / max(float(np.abs(v).max()), 1e-300),
-            subspace_residual=max(head.subspace_residual for head in heads),
-            modulus_error=max(head.modulus_error for head in heads),
-            widths=[head.width for head in heads])
-        return model, diagnostics
+        diagnostics.update(subspace_residual=max(head.subspace_residual for head in heads),
+                           modulus_error=max(head.modulus_error for head in heads),
+                           widths=[head.width for head in heads])
+        return RotaryAttention(Q, K, theta, v, c, b=b), diagnostics
+
+
+def complete_low_rank(grids: np.ndarray, rank: int | None, sweeps: int = 30) -> np.ndarray:
+    """Each (..., d, n) grid of log-scores (rank r: ``L = Z^T [W | u] [X; 1]``) with its missing
+    (NaN) entries filled and its outliers replaced, by alternating least squares on the observed
+    entries at rank r (given, or the smallest whose fit leaves the observed entries within
+    ``COMPLETION_LIMIT`` of their scale, outliers aside: entries off the fit by more than 100
+    times its median misfit are dropped and refitted)."""
+    grids = grids.copy()
+    for index in np.ndindex(grids.shape[:-2]):
+        grid = grids[index]
+        observed = np.isfinite(grid)
+        if observed.all() and rank is None:
+            continue
+        scale = float(np.abs(grid[observed]).max()) if observed.any() else 1.0
+        candidates = [rank] if rank is not None else range(1, min(grid.shape))
+        for r in candidates:
+            fitted, kept = _alternating_fit(grid, observed, r, sweeps)
+            misfit = np.abs(fitted - grid)[kept]
+            if rank is not None or (kept.sum() >= 0.7 * observed.sum() and misfit.max() <= COMPLETION_LIMIT * scale):
+                break
+        grids[index] = np.where(kept, grid, fitted)
+    return grids
+
+
+def _alternating_fit(grid: np.ndarray, observed: np.ndarray, r: int, sweeps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank-r fit ``A B`` of the entries of ``grid`` marked ``observed``; returns (fit, kept mask)."""
+    kept = observed.copy()
+    filled = np.where(kept, grid, np.nanmean(np.where(kept, grid, np.nan)))
+    U, s, Vt = np.linalg.svd(filled, full_matrices=False)
+    A, B = U[:, :r] * s[:r], Vt[:r]
+    for sweep in range(sweeps):
+        for i in range(grid.shape[0]):
+            columns = kept[i]
+            if columns.sum() >= r:
+                A[i] = np.linalg.lstsq(B[:, columns].T, grid[i, columns], rcond=None)[0]
+        for j in range(grid.shape[1]):
+            rows = kept[:, j]
+            if rows.sum() >= r:
+                B[:, j] = np.linalg.lstsq(A[rows], grid[rows, j], rcond=None)[0]
+        if sweep in (sweeps // 3, 2 * sweeps // 3):  # drop outliers, refit
+            misfit = np.abs(A @ B - grid)
+            typical = np.median(misfit[kept]) if kept.any() else 0.0
+            kept &= ~(misfit > 100 * max(typical, 1e-15 * float(np.abs(grid[observed]).max())))
+    return A @ B, kept
 
 
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, bias: bool = True,
@@ -302,59 +405,69 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
     c = float(boundary.ask([np.zeros((1, d))], "the output constant")[0])
     scale = d ** 0.25 if token_scale is None else float(token_scale)
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
-    learner = RotaryLearner(d, heads, seed, scale, bias, rank)
-    checks = [window.check(learner.samples + 2)]
-    misfits: list = []
-    model, diagnostics = None, {}
+    learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window)
+    checks = [window.check(learner.samples + 3)]
+    start, model, refinement, diagnostics = None, None, None, {}
+    sequences, answers = [], np.zeros(0)
     if checks[0].passed:
         if token_scale is None:  # scores of order one: measured on d self instances at d^(1/4)
-            answers = boundary.ask(instance_queries([x[None] for x in learner.X.T], learner.samples),
-                                   "choosing the token scale")
-            fitted = fit_instances(answers, c, learner.samples, heads)
+            calibration = boundary.ask(instance_queries([x[None] for x in learner.X.T], learner.ks),
+                                       "choosing the token scale")
+            fitted = fit_instances(calibration, c, learner.ks, heads)
             typical = float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2)))
             if np.isfinite(typical) and typical > 0:
                 learner.set_scale(scale * float(np.clip(np.sqrt(SCORE_TARGET / typical), 1e-3, 1e3)))
-        sequences = instance_queries(learner.patterns(), learner.samples)
+        sequences = instance_queries(learner.patterns(), learner.ks)
         answers = boundary.ask(sequences, "rotary instances")
-        model, diagnostics = learner.learn(answers, c, misfits)
-        if model is not None and window.window is not None:
-            model = RotaryAttention(model.Q, model.K, model.theta, model.v, model.c, window.window, model.b)
-    residual = np.inf
-    estimate = np.inf
+        start, diagnostics = learner.learn(answers, c)
+        if start is not None and window.window is not None:
+            start = RotaryAttention(start.Q, start.K, start.theta, start.v, start.c, window.window, start.b)
+        if start is None:
+            checks.append(Check("start", False, float(diagnostics.get("failed_instances", 0)), 0.0,
+                                "the instances gave no start model (too many failed fits or unmatched heads): "
+                                f"{diagnostics}"))
+    if start is not None:
+        polish = random_queries(spawn_rng(seed, 22), POLISH_FACTOR * len(pack(start)), d, learner.token_scale,
+                                POLISH_LENGTHS)
+        polish_answers = boundary.ask(polish, "refining on fresh queries")
+        model, refinement = refine(start, polish, polish_answers, seed=seed)
+        sequences, answers = list(sequences) + polish, np.concatenate([answers, polish_answers])
+    residual = estimate = np.inf
     if model is not None:
         scale_answers = max(float(np.abs(answers).max()), 1e-300)
         residual = float(np.abs(model(sequences) - answers).max()) / scale_answers
-        estimate = SAFETY * max(diagnostics["self_score_misfit"], diagnostics["value_gap"],
-                                diagnostics["subspace_residual"], diagnostics["modulus_error"], residual,
-                                np.finfo(float).eps)
+        estimate = max(refinement.noise_error, ESTIMATE_FLOOR)
         checks += [
-            Check("instance_fit", diagnostics["fit_residual"] <= FIT_LIMIT, diagnostics["fit_residual"], FIT_LIMIT,
-                  "max misfit of an instance's rational fit, relative to its largest sample"),
-            Check("matching", diagnostics["match_misfit"] <= MATCH_LIMIT, diagnostics["match_misfit"], MATCH_LIMIT,
-                  "max disagreement of an offset instance's implied key label with the head's, relative"),
-            Check("rotary_structure", max(diagnostics["subspace_residual"], diagnostics["modulus_error"])
-                  <= STRUCTURE_LIMIT, max(diagnostics["subspace_residual"], diagnostics["modulus_error"]),
-                  STRUCTURE_LIMIT, "W(2) outside W(1)'s spaces, or an eigenvalue of the rotation off the unit "
-                  "circle: the scores are not rotary"),
             Check("answers_residual", residual <= RESIDUAL_LIMIT, residual, RESIDUAL_LIMIT,
-                  "max misfit of the model on the queries asked, relative to the largest answer"),
+                  f"max misfit of the model on the {len(sequences)} queries asked (instances and fresh polish "
+                  "queries), relative to the largest answer"),
             Check("error_estimate", estimate <= ESTIMATE_LIMIT, estimate, ESTIMATE_LIMIT,
-                  "ten times the largest disagreement of the run's redundant measurements"),
+                  "first-order error of W_h(0..2) and v_h from the refinement's residual"),
         ]
-    elif checks[0].passed:
-        checks.append(Check("instance_fit", False, np.inf, FIT_LIMIT,
-                            "an offset instance's poles do not fit its heads (E <= 0): no model"))
+    value_fit, scalar_model = None, None
+    if model is not None and (vectors.d_out or 1) > 1:  # the whole layer: V_h and c fitted to whole answers (§21)
+        value_queries = random_queries(spawn_rng(seed, 13), value_query_count(model.heads, d), d, learner.token_scale,
+                                       VALUE_QUERY_LENGTHS)
+        whole = boundary.ask(value_queries, "value read-outs", whole=True)
+        value_fit = fit_values(model, value_queries, whole, bias=True, readout=vectors.readout,
+                               score_error=(estimate, estimate), seed=seed)
+        checks += value_fit.checks(RESIDUAL_LIMIT, estimate)
+        scalar_model, model = model, value_fit.model
+        estimate = max(estimate, value_fit.error_estimate)
     verification = None
     if model is not None and (verify_length is None or verify_length > 0):
         longest = verify_length or max(256, 4 * (window.window or 0))
         long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), learner.token_scale, longest)
-        check, verification = long_queries.judge(model, estimate, residual, 0.0,
-                                                 max(float(np.abs(answers).max()), 1e-300), 2.0 ** -53,
-                                                 learner.samples + 2, seed=seed)
+        scale_long = float(np.abs(whole).max()) if value_fit is not None else float(np.abs(answers).max())
+        unit = max(2.0 ** -53, boundary.stats.unit_roundoff)
+        check, verification = long_queries.judge(model, estimate, residual, 0.0, max(scale_long, 1e-300), unit,
+                                                 max(POLISH_LENGTHS[1], learner.longest_instance), seed=seed)
         checks.append(check)
     return RotaryExtraction(model=model, heads=0 if model is None else model.heads, queries=boundary.queries,
                             queries_asked=boundary.queries, max_query_length=boundary.max_query_length,
                             window=window.window, window_search=window, token_scale=learner.token_scale,
                             error_estimate=float(estimate), answers_residual=float(residual),
                             seconds=time.perf_counter() - started, checks=checks, verification=verification,
+                            start=start, refinement=refinement, diagnostics=diagnostics,
+                            scalar_model=scalar_model, value_fit=value_fit,
                             readout=vectors.readout if (vectors.d_out or 1) > 1 else None)

@@ -237,6 +237,21 @@ class RotaryAttention:
         return RotaryAttention(self.Q[first], self.K[first], self.theta[first], values, self.c, self.window,
                                self.b[first])
 
+    def to_float64(self) -> "RotaryAttention":
+        return self
+
+    def scores_moved(self, rng: np.random.Generator, relative: float, bias_relative: float) -> "RotaryAttention":
+        """The model with Gaussian score errors: Q, K, b moved by entries of a sixth of ``relative``
+        times their largest entry (a score matrix ``K^T R Q`` then moves by about ``relative / 3``),
+        theta by ``relative / 3`` radians (the value fit's score-error probe)."""
+        Q_size, K_size = float(np.abs(self.Q).max()), float(np.abs(self.K).max())
+        b_size = float(np.abs(self.b).max())
+        return RotaryAttention(self.Q + relative * Q_size * rng.standard_normal(self.Q.shape) / 6,
+                               self.K + relative * K_size * rng.standard_normal(self.K.shape) / 6,
+                               self.theta + relative * rng.standard_normal(self.theta.shape) / 3,
+                               self.V if self.is_vector else self.v, self.c, self.window,
+                               self.b + bias_relative * b_size * rng.standard_normal(self.b.shape) / 3)
+
     def with_values(self, V, c) -> "RotaryAttention":
         """The same scores with value read-outs ``V`` (H, d_out, d) and constant ``c`` (d_out,)."""
         return RotaryAttention(self.Q, self.K, self.theta, V, c, self.window, self.b)

@@ -47,17 +47,17 @@ class RotaryHead:
     modulus_error: float
 
 
-def head_width(W1: np.ndarray) -> int:
-    """The count of singular values before the largest drop of at least ``RANK_GAP`` (else d)."""
+def head_width(W1: np.ndarray, gap: float = RANK_GAP) -> int:
+    """The count of singular values before the largest drop of at least ``gap`` (else d)."""
     singular = np.linalg.svd(W1, compute_uv=False)
     if singular[0] == 0:
         return 0
     ratios = singular[:-1] / np.maximum(singular[1:], singular[0] * 1e-300)
     drop = int(np.argmax(ratios))
-    return drop + 1 if ratios[drop] >= RANK_GAP else len(singular)
+    return drop + 1 if ratios[drop] >= gap else len(singular)
 
 
-def rotary_head(W1: np.ndarray, W2: np.ndarray, width: int | None = None) -> RotaryHead:
+def rotary_head(W1: np.ndarray, W2: np.ndarray, width: int | None = None, gap: float = RANK_GAP) -> RotaryHead:
     """The canonical rotary factors of a head from ``W(1)`` and ``W(2)`` (both d x d', d' = d, or
     d + 1 with the query bias as the last column: ``[W(delta) | u(delta)] = K^T R(delta) [Q | b]``).
 
@@ -72,7 +72,7 @@ def rotary_head(W1: np.ndarray, W2: np.ndarray, width: int | None = None) -> Rot
     (4, True)
     """
     d = W1.shape[0]
-    r = head_width(W1) if width is None else int(width)
+    r = head_width(W1, gap) if width is None else int(width)
     if r == 0:
         return RotaryHead(np.zeros((0, W1.shape[1])), np.zeros((0, d)), np.zeros(0), 0, 0.0, 0.0)
     U, s, Vt = np.linalg.svd(W1)

@@ -47,7 +47,7 @@ class WindowSearch:
         if self.window is not None and self.window < shortest:
             return Check("window", False, float(self.window), float(shortest),
                          f"the sliding window of {self.window} tokens is shorter than the schedule's instances "
-                         f"({shortest} tokens, 2H + 2): fewer heads fit in it")
+                         f"({shortest} tokens: 2H + 2 counts of zeros before 3 tokens): fewer heads fit in it")
         value = float(self.window or self.limit)
         found = f"window of {self.window} tokens" if self.window else f"no window up to {self.limit} tokens"
         return Check("window", True, value, float(shortest), found)

@@ -1,0 +1,182 @@
+"""Refinement of a rotary model by damped Gauss-Newton on fresh queries (docs/algorithm.md §22,
+"Refinement").
+
+The parameters ``theta_vec = (Q, K, b, theta, v, c)`` of a scalar :class:`RotaryAttention` enter
+the answer of a query X through its scores; with ``a_{h,j}`` the attention weights, ``m_h`` the
+head means and ``g_{h,j} = a_{h,j} (v_h^T x_j - v_h^T m_h)`` the sensitivity of f to the score of
+key j,
+
+    df/dK_h = sum_j g_{h,j} (R_h(delta_j) q_h) x_j^T,     q_h = Q_h x_N + b_h,
+    df/dQ_h = (sum_j g_{h,j} R_h(delta_j)^T k_{h,j}) x_N^T,  df/db_h = sum_j g_{h,j} R_h(delta_j)^T k_{h,j},
+    df/dtheta_{h,m} = sum_j g_{h,j} delta_j k_{h,j,m}^T rot'(delta_j theta_{h,m}) q_{h,m},
+    df/dv_h = m_h,   df/dc = 1.
+
+The factors are determined up to a rotation and a scale per block (``(K_m, Q_m) -> (S K_m,
+S^{-T} Q_m)`` with S a scaled rotation), so the Jacobian has a null space of that dimension; the
+Levenberg-Marquardt damping keeps the steps out of it. The first-order error of the score
+matrices and values is measured by drawing parameter errors from ``sigma^2 (J^T J)^{-1}``
+(``sigma`` the residual's root mean square) and mapping them through ``W_h(0..2)`` and ``v``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.linalg import cho_factor, cho_solve
+
+from .model import RotaryAttention
+
+
+@dataclass
+class RotaryRefinement:
+    """What the refinement did.
+
+    Attributes
+    ----------
+    queries : fresh queries fitted. iterations : Gauss-Newton steps taken.
+    residual_before, residual_after : max misfit on the fresh queries, relative to the largest answer.
+    noise_error : the first-order error of ``W_h(0..2)`` and ``v`` from the residual's size (relative).
+    """
+
+    queries: int
+    iterations: int
+    residual_before: float
+    residual_after: float
+    noise_error: float
+
+
+def pack(model: RotaryAttention) -> np.ndarray:
+    return np.concatenate([model.Q.ravel(), model.K.ravel(), model.b.ravel(), model.theta.ravel(), model.v.ravel(),
+                           [model.c]])
+
+
+def unpack(vector: np.ndarray, like: RotaryAttention) -> RotaryAttention:
+    H, r, d = like.Q.shape
+    sizes = [H * r * d, H * r * d, H * r, H * (r // 2), H * d, 1]
+    parts = np.split(vector, np.cumsum(sizes)[:-1])
+    return RotaryAttention(parts[0].reshape(H, r, d), parts[1].reshape(H, r, d), parts[3].reshape(H, r // 2),
+                           parts[4].reshape(H, d), float(parts[5][0]), like.window, parts[2].reshape(H, r))
+
+
+def jacobian(model: RotaryAttention, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(f, J)`` for sequences X (B, N, d) of one length: answers (B,) and df/dparameters (B, P)."""
+    B, N, d = X.shape
+    H, r, _ = model.Q.shape
+    offsets = np.arange(N - 1, -1, -1, dtype=np.float64)
+    window = np.ones(N, bool) if model.window is None else offsets < model.window
+    keys = np.einsum("hrd,bnd->bhnr", model.K, X)                         # k_{h,j}
+    query = np.einsum("hrd,bd->bhr", model.Q, X[:, -1]) + model.b          # q_h
+    angles = offsets[:, None, None] * model.theta[None]                    # (N, H, r/2)
+    cos, sin = np.cos(angles).transpose(1, 0, 2), np.sin(angles).transpose(1, 0, 2)  # (H, N, r/2)
+    q = query.reshape(B, H, 1, r // 2, 2)
+    rotated_q = np.stack([cos * q[..., 0] - sin * q[..., 1], sin * q[..., 0] + cos * q[..., 1]], -1)  # R q
+    scores = np.einsum("bhnr,bhnr->bhn", keys, rotated_q.reshape(B, H, N, r))
+    scores = np.where(window, scores, -np.inf)
+    scores -= scores.max(axis=2, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=2, keepdims=True)                          # a_{h,j}
+    values = np.einsum("hd,bnd->bhn", model.v, X)                           # v_h^T x_j
+    head_out = (weights * values).sum(axis=2)                               # v_h^T m_h
+    f = head_out.sum(axis=1) + model.c
+    g = weights * (values - head_out[:, :, None])                           # (B, H, N)
+    dK = np.einsum("bhn,bhnr,bnd->bhrd", g, rotated_q.reshape(B, H, N, r), X)
+    k = keys.reshape(B, H, N, r // 2, 2)
+    back = np.stack([cos * k[..., 0] + sin * k[..., 1], -sin * k[..., 0] + cos * k[..., 1]], -1)  # R^T k
+    db = np.einsum("bhn,bhnr->bhr", g, back.reshape(B, H, N, r))
+    dQ = db[:, :, :, None] * X[:, -1][:, None, None, :]
+    # d(k^T rot(phi) q)/dphi = k^T rot'(phi) q, rot'(phi) = [[-sin, -cos], [cos, -sin]], phi = delta theta
+    dphase = (k[..., 0] * (-sin * q[..., 0] - cos * q[..., 1]) + k[..., 1] * (cos * q[..., 0] - sin * q[..., 1]))
+    dtheta = np.einsum("bhn,bhnm,n->bhm", g, dphase, offsets)
+    dv = np.einsum("bhn,bnd->bhd", weights, X)
+    J = np.concatenate([dQ.reshape(B, -1), dK.reshape(B, -1), db.reshape(B, -1), dtheta.reshape(B, -1),
+                        dv.reshape(B, -1), np.ones((B, 1))], axis=1)
+    return f, J
+
+
+def evaluate(model: RotaryAttention, groups, with_jacobian: bool = True):
+    """``(f, J)`` over length groups ``[(index, X)]``, rows in the order of the queries (J None
+    without ``with_jacobian``)."""
+    total = sum(len(index) for index, _ in groups)
+    f = np.empty(total)
+    J = None
+    for index, X in groups:
+        if not with_jacobian:
+            f[index] = model(list(X))
+            continue
+        f_group, J_group = jacobian(model, X)
+        if J is None:
+            J = np.empty((total, J_group.shape[1]))
+        f[index], J[index] = f_group, J_group
+    return f, J
+
+
+def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0):
+    """Levenberg-Marquardt on ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``."""
+    answers = np.asarray(answers, dtype=np.float64)
+    lengths = np.array([len(X) for X in sequences])
+    groups = [(index, np.stack([sequences[i] for i in index])) for index in
+              (np.flatnonzero(lengths == n) for n in np.unique(lengths))]
+    scale = max(float(np.abs(answers).max()), 1e-300)
+    vector = pack(model)
+    f, J = evaluate(model, groups)
+    residual = f - answers
+    before = float(np.abs(residual).max()) / scale
+    cost = float(residual @ residual)
+    damping = 1e-3
+    taken = 0
+    for _ in range(iterations):
+        normal = J.T @ J
+        gradient = J.T @ residual
+        diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
+        improved = False
+        for _ in range(12):
+            try:
+                step = cho_solve(cho_factor(normal + damping * np.diag(diagonal)), gradient)
+            except np.linalg.LinAlgError:
+                damping *= 10
+                continue
+            trial = unpack(vector - step, model)
+            trial_residual = evaluate(trial, groups, with_jacobian=False)[0] - answers
+            trial_cost = float(trial_residual @ trial_residual)
+            if np.isfinite(trial_cost) and trial_cost < cost:
+                relative = (cost - trial_cost) / max(cost, 1e-300)
+                vector, model, residual, cost = vector - step, trial, trial_residual, trial_cost
+                damping = max(damping / 10, 1e-15)
+                improved = True
+                break
+            damping *= 10
+        if not improved:
+            break
+        taken += 1
+        if relative < 1e-6 and float(np.abs(residual).max()) / scale < 1e-13:
+            break
+        f, J = evaluate(model, groups)
+    f, J = evaluate(model, groups)
+    residual = f - answers
+    noise_error = _noise_error(model, J, residual, seed)
+    return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, noise_error)
+
+
+def _noise_error(model: RotaryAttention, J: np.ndarray, residual: np.ndarray, seed, draws: int = 8) -> float:
+    """Relative error of ``W_h(0..2)`` and ``v`` from parameter errors drawn from
+    ``sigma^2 (J^T J + eps)^{-1}`` (the gauge directions damped: they move no score matrix)."""
+    rows, columns = J.shape
+    sigma = float(np.sqrt(residual @ residual / max(1, rows - columns)))
+    normal = J.T @ J
+    ridge = 1e-10 * np.diag(normal).max()
+    try:
+        factor = cho_factor(normal + ridge * np.eye(columns))
+    except np.linalg.LinAlgError:
+        return np.inf
+    rng = np.random.default_rng(seed)
+    base_W, base_v = model.identifying_matrices(), model.v
+    W_scale, v_scale = max(float(np.abs(base_W).max()), 1e-300), max(float(np.abs(base_v).max()), 1e-300)
+    worst = 0.0
+    vector = pack(model)
+    for _ in range(draws):  # J^T z ~ N(0, J^T J): (J^T J)^{-1} J^T z ~ N(0, (J^T J)^{-1})
+        error = cho_solve(factor, J.T @ rng.standard_normal(rows)) * sigma
+        moved = unpack(vector + error, model)
+        worst = max(worst, float(np.abs(moved.identifying_matrices() - base_W).max()) / W_scale,
+                    float(np.abs(moved.v - base_v).max()) / v_scale)
+    return 3.0 * worst
