@@ -48,7 +48,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from ..rotary.model import RotaryAttention, rotation_blocks
 from .torch import UnsupportedLayerError
 
-__all__ = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention"]
+__all__ = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]
 
 #: Attention classes and the transformers model package that holds their rotary embedding.
 FAMILIES = {"LlamaAttention": "llama", "MistralAttention": "mistral", "Qwen2Attention": "qwen2"}
@@ -111,7 +111,18 @@ def _frequencies(rotary_embedding) -> tuple[np.ndarray, float]:
 def causal_mask(length: int, window: int | None, dtype: torch.dtype, device=None) -> torch.Tensor:
     """The additive mask (1, 1, N, N) of a causal layer: 0 where query i sees key j (``j <= i`` and,
     with a window, ``i - j < window``), the dtype's most negative number elsewhere (what
-    transformers' eager path builds, and a float mask its sdpa path accepts)."""
+    transformers' eager path builds, and a float mask its sdpa path accepts).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mhaextract.adapters.rotary import causal_mask
+    >>> (causal_mask(4, window=2, dtype=torch.float64)[0, 0] == 0).int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
     i = torch.arange(length, device=device)[:, None]
     j = torch.arange(length, device=device)[None, :]
     seen = j <= i
@@ -380,12 +391,7 @@ class ExtractedRotaryAttention(nn.Module):
         keys = self._rotate(torch.einsum("hrd,bnd->bhnr", self.K, X), positions)
         scores = queries @ keys.transpose(-1, -2)  # (B, H, N, N): (R(j) k_j)^T R(i) q_i = k_j^T R(i - j) q_i
         if self.causal:
-            i = torch.arange(N, device=X.device)[:, None]
-            j = torch.arange(N, device=X.device)[None, :]
-            hidden = j > i
-            if self.window is not None:
-                hidden = hidden | (i - j >= self.window)
-            scores = scores.masked_fill(hidden, float("-inf"))
+            scores = scores + causal_mask(N, self.window, scores.dtype, X.device)
         means = torch.softmax(scores, dim=-1) @ X[:, None]  # (B, H, N, d)
         out = torch.einsum("hod,bhnd->bno", self.V, means) + self.c
         return out[0] if single else out
