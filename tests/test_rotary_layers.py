@@ -246,6 +246,10 @@ def test_bad_layers_and_options_are_named():
         RotaryLayer(layer, angles="float32")
     with pytest.raises(ValueError, match=r"hidden states of shape \(B, N, d\)"):
         RotaryLayer(layer)(torch.zeros(5, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="d = 16"):
+        RotaryLayer(layer)(torch.zeros(1, 5, 12, dtype=torch.float64))
+    with pytest.raises(TypeError, match="rotary_embedding must be"):
+        RotaryLayer(layer, rotary_embedding=3)
     dynamic = attention("llama", d=16, H=2, H_kv=1, r=8,
                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(UnsupportedLayerError, match="'dynamic' changes its frequencies"):

@@ -186,6 +186,9 @@ class RotaryLayer(nn.Module):
         family = _family(attention)
         if angles not in ANGLES:
             raise ValueError(f"angles must be one of {ANGLES}, got {angles!r}")
+        if rotary_embedding is not None and not callable(rotary_embedding):
+            raise TypeError(f"rotary_embedding must be the model's rotary embedding module (model.model.rotary_emb), "
+                            f"got {type(rotary_embedding).__name__}")
         self.attention = attention
         self.rotary_embedding = (_default_rotary_embedding(attention, family) if rotary_embedding is None
                                  else rotary_embedding)
@@ -210,9 +213,14 @@ class RotaryLayer(nn.Module):
         return cos[None].expand(B, -1, -1), sin[None].expand(B, -1, -1)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        d = self.attention.q_proj.in_features
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != d:
             shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
-            raise ValueError(f"RotaryLayer takes hidden states of shape (B, N, d), got {shape}")
+            raise ValueError(f"RotaryLayer takes hidden states of shape (B, N, d) with d = {d} (the layer's "
+                             f"hidden_size), got {shape}")
+        if not hidden_states.is_floating_point() or hidden_states.shape[1] == 0:
+            raise ValueError(f"RotaryLayer takes float hidden states of at least one position, got "
+                             f"{hidden_states.dtype} of shape {tuple(hidden_states.shape)}")
         mask = causal_mask(hidden_states.shape[1], self.window, hidden_states.dtype, hidden_states.device)
         output = self.attention(hidden_states, position_embeddings=self.position_embeddings(hidden_states),
                                 attention_mask=mask)
