@@ -23,9 +23,10 @@ MODULES = [
     "mhaextract.oracle.transcript", "mhaextract.transformer", "mhaextract.outputs", "mhaextract.oracle.vector_answers",
     "mhaextract.rotary.model", "mhaextract.rotary.learn", "mhaextract.rotary.structure",
 ]
-TORCH_MODULES = ["mhaextract.adapters.torch"]
+TORCH_MODULES = ["mhaextract.adapters.torch", "mhaextract.adapters.rotary"]
 TORCH_PUBLIC = ["TorchOracle", "to_reduced", "to_torch", "to_state_dict", "suggested_token_scale", "ReducedAttention",
                 "ExtractedAttention", "head_factors", "numerical_rank", "UnsupportedLayerError"]
+ROTARY_PUBLIC = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]
 #: Public names still without an example (strict xfail: once one has it, remove it from this set).
 PENDING: set[str] = set()
 
@@ -50,6 +51,8 @@ def test_examples_run(module_name):
 @pytest.mark.parametrize("module_name", TORCH_MODULES)
 def test_torch_examples_run(module_name):
     pytest.importorskip("torch")
+    if module_name == "mhaextract.adapters.rotary":
+        pytest.importorskip("transformers")
     results = _run(module_name)
     assert results.failed == 0, f"{results.failed} of {results.attempted} examples of {module_name} failed (see stdout)"
 
@@ -60,7 +63,13 @@ def _public():
         torch_adapter = importlib.import_module("mhaextract.adapters.torch")
     except ImportError:
         return names
-    return names + [(name, getattr(torch_adapter, name)) for name in TORCH_PUBLIC]
+    names += [(name, getattr(torch_adapter, name)) for name in TORCH_PUBLIC]
+    try:
+        rotary_adapter = importlib.import_module("mhaextract.adapters.rotary")
+        importlib.import_module("transformers")
+    except ImportError:
+        return names
+    return names + [(name, getattr(rotary_adapter, name)) for name in ROTARY_PUBLIC]
 
 
 def _cases():
