@@ -29,6 +29,7 @@ import scipy.linalg
 
 from .checks.base import Check
 from .model import MultiHeadAttention
+from .schedules.base import RESOLVED
 
 #: Above this many design entries (rows x unknowns) the fit is formed as normal equations in
 #: chunks (memory O(unknowns^2)) and refined twice on the residual; below, a dense QR.
@@ -152,8 +153,10 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     fitted = model.with_values(V, c)
     V_scale = float(np.abs(V).max()) or 1.0
     error_estimate = (noise_error + score_part) / V_scale
-    if bias:  # c's error relative to its own largest entry, as compare() measures it
-        error_estimate = max(error_estimate, (noise_error + score_part) / (float(np.abs(c).max()) or 1.0))
+    if bias:  # c's error relative to its own largest entry, as compare() measures it; absolute for a c
+        # within RESOLVED errors of zero (a bias-free layer's c reads as noise, compare() reports it absolute)
+        c_size, c_error = float(np.abs(c).max()), noise_error + score_part
+        error_estimate = max(error_estimate, c_error / c_size if c_size > RESOLVED * c_error else c_error)
     v_scale = float(np.abs(model.v).max()) or 1.0
     gap = float(np.abs(np.einsum("hod,o->hd", V, readout) - model.v).max()) / v_scale
     return ValueFit(fitted, rows, unknowns, float(solver.residual_max) / scale, noise_error, score_part,

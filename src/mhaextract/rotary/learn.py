@@ -68,7 +68,7 @@ ZEROS_PER_SAMPLE = 9
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 16)
 #: The token scale makes the self-scores of the basis tokens this large (root mean square).
-SCORE_TARGET = 3.0
+SCORE_TARGET = 1.5
 
 
 @dataclass
@@ -441,8 +441,6 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
             Check("answers_residual", residual <= RESIDUAL_LIMIT, residual, RESIDUAL_LIMIT,
                   f"max misfit of the model on the {len(sequences)} queries asked (instances and fresh polish "
                   "queries), relative to the largest answer"),
-            Check("error_estimate", estimate <= ESTIMATE_LIMIT, estimate, ESTIMATE_LIMIT,
-                  "first-order error of W_h(0..2) and v_h from the refinement's residual"),
         ]
     value_fit, scalar_model = None, None
     if model is not None and (vectors.d_out or 1) > 1:  # the whole layer: V_h and c fitted to whole answers (§21)
@@ -454,6 +452,10 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         checks += value_fit.checks(RESIDUAL_LIMIT, estimate)
         scalar_model, model = model, value_fit.model
         estimate = max(estimate, value_fit.error_estimate)
+    if model is not None:
+        checks.append(Check("error_estimate", estimate <= ESTIMATE_LIMIT, estimate, ESTIMATE_LIMIT,
+                            "first-order error of W_h(0..2), u_h(0..2) and the values, from the refinement's "
+                            "residual (and the value fit's for a whole layer)"))
     verification = None
     if model is not None and (verify_length is None or verify_length > 0):
         longest = verify_length or max(256, 4 * (window.window or 0))
