@@ -13,6 +13,7 @@ from .oracle.boundary import BudgetExceeded, OracleError
 from .oracle.noise import (
     AdditiveNoise, BFloat16Oracle, Float32Oracle, GaussianNoise, MixedPrecisionOracle, RoundedAnswers,
 )
+from .oracle.parallel import ParallelOracle
 from .oracle.simulated import SimulatedOracle
 from .oracle.transcript import TranscriptError
 from .results import Extraction, load_model, save_extraction
@@ -21,7 +22,7 @@ from .transformer_model import Transformer1L, TransformerComparison, compare_tra
 
 __all__ = [
     "AdditiveNoise", "BFloat16Oracle", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError",
-    "Float32Oracle", "GaussianNoise", "MixedPrecisionOracle", "MultiHeadAttention", "OracleError", "RoundedAnswers",
+    "Float32Oracle", "GaussianNoise", "MixedPrecisionOracle", "MultiHeadAttention", "OracleError", "ParallelOracle", "RoundedAnswers",
     "SimulatedOracle", "TranscriptError",
     "Transformer1L", "TransformerComparison", "TransformerExtraction", "TransformerExtractionError",
     "UnreliableExtractionWarning", "Verification", "compare", "compare_transformers", "extract",
