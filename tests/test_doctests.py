@@ -20,7 +20,8 @@ MODULES = [
     "mhaextract.api", "mhaextract.results", "mhaextract.compare", "mhaextract.model",
     "mhaextract.checks.base", "mhaextract.checks.verify",
     "mhaextract.oracle.simulated", "mhaextract.oracle.noise", "mhaextract.oracle.boundary",
-    "mhaextract.oracle.transcript", "mhaextract.transformer", "mhaextract.outputs", "mhaextract.oracle.vector_answers",
+    "mhaextract.oracle.transcript", "mhaextract.oracle.parallel", "mhaextract.transformer", "mhaextract.outputs",
+    "mhaextract.oracle.vector_answers",
 ]
 TORCH_MODULES = ["mhaextract.adapters.torch"]
 TORCH_PUBLIC = ["TorchOracle", "to_reduced", "to_torch", "to_state_dict", "suggested_token_scale", "ReducedAttention",

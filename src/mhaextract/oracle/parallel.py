@@ -284,11 +284,15 @@ class ParallelOracle:
             try:
                 dtypes.append(ray.get(actor.answer_dtype.remote(), timeout=timeout))
             except ray.exceptions.GetTimeoutError:
-                raise OracleError(f"worker {index} was not ready after start_timeout={timeout:g} s (the Ray "
-                                  "instance busy, or too small for the workers?)") from None
+                raise OracleError(f"worker {index} was not placed and ready after start_timeout={timeout:g} s: "
+                                  "the Ray instance's CPUs are held by other actors (close other ParallelOracles) "
+                                  "or its nodes are still starting") from None
             except ray.exceptions.RayError as error:
                 cause = self._cause(error)
-                raise OracleError(f"factory() failed in worker {index}: {_describe(cause)}") from cause
+                hint = (" (factory is called with no argument and returns an oracle: pass a function that builds "
+                        "the oracle, such as functools.partial(mx.SimulatedOracle, model), not the oracle itself)"
+                        if isinstance(cause, TypeError) else "")
+                raise OracleError(f"factory() failed in worker {index}: {_describe(cause)}{hint}") from cause
         return dtypes
 
     def close(self) -> None:
