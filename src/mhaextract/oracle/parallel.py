@@ -250,8 +250,8 @@ class ParallelOracle:
         if address is None:
             # The workers on this machine import what this process imports, from where it found it
             # (mhaextract from a checkout as well as installed; the factory's own module).
-            ray.init(num_cpus=self.workers * self.threads_per_worker, runtime_env={"env_vars": {"PYTHONPATH": driver_path()}},
-                     **options)
+            ray.init(num_cpus=self.workers * self.threads_per_worker,
+                     runtime_env={"env_vars": {"PYTHONPATH": driver_path()}}, **options)
             self._join_local_instance()
         else:
             del options["include_dashboard"]  # a setting of the cluster, not of a driver connecting to it
