@@ -189,26 +189,6 @@ def local():
 
 
 @pytest.mark.slow
-def test_a_local_instance_it_starts_is_shut_down_by_close():
-    """address=None without a running instance: a local one of workers x threads CPUs, started
-    and shut down by the oracle (in a process of its own: this module's instance is running)."""
-    pytest.importorskip("ray")
-    code = (
-        "import functools, numpy as np, ray, mhaextract as mx\n"
-        "target = mx.MultiHeadAttention.random(d=3, heads=2, seed=4)\n"
-        "batch = [np.ones((2, 3)), np.eye(3), np.ones((1, 3))]\n"
-        "with mx.ParallelOracle(functools.partial(mx.SimulatedOracle, target), workers=2) as oracle:\n"
-        "    same = np.array_equal(oracle(batch), mx.SimulatedOracle(target)(batch))\n"
-        "    cpus = ray.cluster_resources()['CPU']\n"
-        "print(same, cpus, ray.is_initialized())\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == ["True", "2.0", "False"]
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [[], [4], [2, 5], [3, 1, 6], [1, 2, 3, 4, 5, 6, 7], [6] * 9])
 def test_answers_in_order_for_batches_below_at_and_above_the_worker_count(local, lengths):
     batch = batch_of(lengths, seed=len(lengths))
@@ -370,3 +350,24 @@ def test_a_closed_oracle_says_so(local):
     with pytest.raises(mx.OracleError, match="closed"):
         oracle(batch_of([2]))
     assert local(batch_of([2])).shape == (1,)  # the instance and its other oracles run on
+
+
+@pytest.mark.slow
+def test_the_docs_local_example_runs_as_written(tmp_path):
+    """docs/parallel.md's example on one machine, as a script: address=None without a running
+    instance starts a local one of workers x threads CPUs, shut down when the oracle closes."""
+    pytest.importorskip("ray")
+    pytest.importorskip("torch")
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "parallel.md").read_text()
+    script = next(block for block in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "__main__" in block)
+    script = script.replace("    with mx.ParallelOracle(", "    import ray\n    with mx.ParallelOracle(")
+    script = script.replace("        result = mx.extract(", "        print(ray.cluster_resources()['CPU'])\n        result = mx.extract(")
+    (tmp_path / "example.py").write_text(script + "    print(ray.is_initialized())\n")
+    out = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    cpus, queries, ok, dtype, running = out.stdout.split()[-5:]
+    assert cpus == "2.0" and int(queries) > 0 and ok == "True" and dtype == "float64" and running == "False"
