@@ -330,6 +330,14 @@ def test_an_oracle_passed_as_the_factory_is_named(local):
 
 
 @pytest.mark.slow
+def test_a_factory_ray_cannot_send_is_named(local):
+    import threading
+
+    with pytest.raises(TypeError, match="factory must be picklable"):
+        mx.ParallelOracle(functools.partial(simulated, threading.Lock()), workers=2)
+
+
+@pytest.mark.slow
 def test_too_few_answers_from_a_worker_are_refused(local):
     with mx.ParallelOracle(AnswersTooFew, workers=2) as oracle:
         with pytest.raises(mx.OracleError, match="worker 0's oracle returned 1 answers for its share of 2"):

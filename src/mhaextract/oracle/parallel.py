@@ -27,9 +27,9 @@ INSTALL_HINT = "pip install 'mhaextract[ray]'"
 #: Variables that size the BLAS and OpenMP thread pools of a worker process.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-# A local Ray instance started by a ParallelOracle is shut down when the last one using it closes;
-# one the user started (or a cluster connected to before) is never shut down here.
-_local_instance = {"users": 0}
+# The Ray connection a ParallelOracle opened (a local instance it started, or a cluster it connected
+# to) is closed when the last ParallelOracle using it closes; one the user opened is never closed here.
+_opened_here = {"users": 0}
 
 
 def import_ray():
@@ -151,7 +151,9 @@ class ParallelOracle:
     workers : int >= 1, the number of Ray actors (each reserves ``threads_per_worker`` CPUs).
     address : None (default): the Ray instance this process is connected to, or else a new local
         one of ``workers * threads_per_worker`` CPUs (shut down when the last ParallelOracle
-        using it closes). ``"auto"`` or ``"ray://host:10001"``: an existing cluster (``ray start``).
+        using it closes). ``"auto"`` or ``"ray://host:10001"``: an existing cluster (``ray start``),
+        disconnected from when the last ParallelOracle using the connection closes. A process
+        already connected to Ray uses that connection.
     threads_per_worker : int >= 1, CPUs each actor reserves and the size of its OpenMP, BLAS and
         torch thread pools (1: one core per worker).
     gpus_per_worker : number >= 0, GPUs each actor reserves (its oracle then sees its own device).
@@ -242,24 +244,22 @@ class ParallelOracle:
 
     def _connect(self, address) -> None:
         ray = self._ray
-        if ray.is_initialized():
-            if address is None and _local_instance["users"]:
-                self._join_local_instance()
+        if ray.is_initialized():  # the connection there is, whatever the address
+            if _opened_here["users"]:
+                self._use_connection()
             return
-        options = dict(log_to_driver=False, logging_level="ERROR", include_dashboard=False)
+        options = dict(log_to_driver=False, logging_level="ERROR")
         if address is None:
             # The workers on this machine import what this process imports, from where it found it
             # (mhaextract from a checkout as well as installed; the factory's own module).
-            ray.init(num_cpus=self.workers * self.threads_per_worker,
+            ray.init(num_cpus=self.workers * self.threads_per_worker, include_dashboard=False,
                      runtime_env={"env_vars": {"PYTHONPATH": driver_path()}}, **options)
-            self._join_local_instance()
-        else:
-            del options["include_dashboard"]  # a setting of the cluster, not of a driver connecting to it
+        else:  # closing disconnects; the cluster goes on
             ray.init(address=address, **options)
-            self._owns_instance = True  # this connection: closing disconnects, the cluster stays
+        self._use_connection()
 
-    def _join_local_instance(self) -> None:
-        _local_instance["users"] += 1
+    def _use_connection(self) -> None:
+        _opened_here["users"] += 1
         self._owns_instance = True
 
     def _check_room(self) -> None:
@@ -296,9 +296,10 @@ class ParallelOracle:
         return dtypes
 
     def close(self) -> None:
-        """Stop the workers (and the local Ray instance this oracle started, once no other
-        ParallelOracle uses it; a Ray instance started by the caller is left running)."""
-        ray = self._ray if hasattr(self, "_ray") else None
+        """Stop the workers; close the Ray connection this oracle opened (a local instance it
+        started is shut down, a cluster disconnected from) once no other ParallelOracle uses it. A
+        Ray instance or connection the caller opened stays."""
+        ray = self._ray
         for actor in self._actors:
             try:
                 ray.kill(actor)
@@ -307,9 +308,8 @@ class ParallelOracle:
         self._actors = []
         if self._owns_instance:
             self._owns_instance = False
-            if self.address is None:
-                _local_instance["users"] -= 1
-            if _local_instance["users"] == 0 and ray.is_initialized():
+            _opened_here["users"] -= 1
+            if _opened_here["users"] == 0 and ray.is_initialized():
                 ray.shutdown()
 
     def __enter__(self) -> "ParallelOracle":
