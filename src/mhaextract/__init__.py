@@ -22,8 +22,8 @@ from .transformer_model import Transformer1L, TransformerComparison, compare_tra
 
 __all__ = [
     "AdditiveNoise", "BFloat16Oracle", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError",
-    "Float32Oracle", "GaussianNoise", "MixedPrecisionOracle", "MultiHeadAttention", "OracleError", "ParallelOracle", "RoundedAnswers",
-    "SimulatedOracle", "TranscriptError",
+    "Float32Oracle", "GaussianNoise", "MixedPrecisionOracle", "MultiHeadAttention", "OracleError", "RoundedAnswers",
+    "ParallelOracle", "SimulatedOracle", "TranscriptError",
     "Transformer1L", "TransformerComparison", "TransformerExtraction", "TransformerExtractionError",
     "UnreliableExtractionWarning", "Verification", "compare", "compare_transformers", "extract",
     "extract_transformer", "load_model", "save_extraction", "verify",
