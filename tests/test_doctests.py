@@ -20,8 +20,9 @@ MODULES = [
     "mhaextract.api", "mhaextract.results", "mhaextract.compare", "mhaextract.model",
     "mhaextract.checks.base", "mhaextract.checks.verify",
     "mhaextract.oracle.simulated", "mhaextract.oracle.noise", "mhaextract.oracle.boundary",
-    "mhaextract.oracle.transcript", "mhaextract.transformer", "mhaextract.outputs", "mhaextract.oracle.vector_answers",
-    "mhaextract.rotary.model", "mhaextract.rotary.learn", "mhaextract.rotary.structure",
+    "mhaextract.oracle.transcript", "mhaextract.oracle.parallel", "mhaextract.transformer", "mhaextract.outputs",
+    "mhaextract.oracle.vector_answers", "mhaextract.rotary.model", "mhaextract.rotary.learn",
+    "mhaextract.rotary.structure",
 ]
 TORCH_MODULES = ["mhaextract.adapters.torch", "mhaextract.adapters.rotary"]
 TORCH_PUBLIC = ["TorchOracle", "to_reduced", "to_torch", "to_state_dict", "suggested_token_scale", "ReducedAttention",

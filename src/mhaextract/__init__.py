@@ -13,6 +13,7 @@ from .oracle.boundary import BudgetExceeded, OracleError
 from .oracle.noise import (
     AdditiveNoise, BFloat16Oracle, Float32Oracle, GaussianNoise, MixedPrecisionOracle, RoundedAnswers,
 )
+from .oracle.parallel import ParallelOracle
 from .oracle.simulated import SimulatedOracle
 from .rotary.model import RotaryAttention
 from .oracle.transcript import TranscriptError
@@ -24,7 +25,7 @@ __all__ = [
     "RotaryAttention",
     "AdditiveNoise", "BFloat16Oracle", "BudgetExceeded", "Check", "Comparison", "Extraction", "ExtractionError",
     "Float32Oracle", "GaussianNoise", "MixedPrecisionOracle", "MultiHeadAttention", "OracleError", "RoundedAnswers",
-    "SimulatedOracle", "TranscriptError",
+    "ParallelOracle", "SimulatedOracle", "TranscriptError",
     "Transformer1L", "TransformerComparison", "TransformerExtraction", "TransformerExtractionError",
     "UnreliableExtractionWarning", "Verification", "compare", "compare_transformers", "extract",
     "extract_transformer", "load_model", "save_extraction", "verify",

@@ -1,3 +1,4 @@
 """The oracle boundary (docs/algorithm.md §5): counting, validation, budgets and batches
 (:mod:`.boundary`), transcripts (:mod:`.transcript`), query generators (:mod:`.queries`), simulated
-oracles (:mod:`.simulated`) and noise wrappers (:mod:`.noise`)."""
+oracles (:mod:`.simulated`), noise wrappers (:mod:`.noise`) and an oracle spread over Ray workers
+(:mod:`.parallel`)."""
