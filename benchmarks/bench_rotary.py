@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_rotary.py [--seeds 4] [--cells d:H:r:kv ...]
 
 Each cell extracts ``RotaryAttention.random(d, H, r, kv_heads=kv, bias=seed odd)`` with the
-defaults plus ``positions="rotary"``, through an oracle that counts what it is asked, and prints one
+defaults plus ``positions="rotary"`` and ``rank=r`` (the head width, as a user reads it from the
+layer's config; ``--no-rank`` leaves it to the run), through an oracle that counts what it is asked, and prints one
 row per seed: passed or failed (and which checks), the error against the layer
 (``compare(...).max_rel``), the run's own estimate, their ratio, the output error on 200 fresh
 sequences of 1..256 tokens, the queries counted at the oracle, and the seconds.
@@ -32,8 +33,9 @@ class Counting:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--cells", nargs="*", default=["8:1:4:1", "16:1:8:1", "32:1:16:1", "8:2:4:2", "16:2:8:1",
-                                                       "32:2:16:1", "16:3:4:3", "32:4:8:2"])
+    parser.add_argument("--no-rank", action="store_true", help="do not give the head width")
+    parser.add_argument("--cells", nargs="*", default=["8:1:4:1", "32:1:16:1", "8:2:4:2", "16:2:8:1", "32:2:16:1",
+                                                       "16:3:4:3", "32:4:8:2"])
     args = parser.parse_args()
     warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
     print("| d | H | r | kv | seed | ok | failed checks | error | estimate | error / estimate | output error (1..256) "
@@ -45,7 +47,8 @@ def main() -> None:
             layer = mx.RotaryAttention.random(d=d, heads=H, head_width=r, seed=seed, kv_heads=kv, bias=bool(seed % 2))
             oracle = Counting(layer)
             started = time.perf_counter()
-            result = mx.extract(oracle, d=d, heads=H, positions="rotary", seed=seed, on_failure="warn")
+            result = mx.extract(oracle, d=d, heads=H, positions="rotary", seed=seed, on_failure="warn",
+                                rank=None if args.no_rank else r)
             seconds = time.perf_counter() - started
             error, output = np.inf, np.inf
             if result.model is not None:

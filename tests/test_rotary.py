@@ -186,3 +186,61 @@ def test_bad_rotary_options_are_named(options, message):
     arguments = {"heads": 1, **options}
     with pytest.raises(ValueError, match=message):
         mx.extract(mx.SimulatedOracle(layer), d=4, **arguments)
+
+
+class LlamaStyleOracle:
+    """Grouped-query rotary attention written here from its weights, the way Llama computes it
+    (``rotate_half`` on the pairs (m, m + r/2), absolute positions 0..N-1, key/value heads
+    repeated over their query heads), batched per length: the truth of the acceptance test."""
+
+    def __init__(self, d=32, heads=4, kv_heads=2, head_width=8, base=10000.0, seed=0):
+        rng = np.random.default_rng(seed)
+        scale = 1.0 / np.sqrt(d * np.sqrt(head_width))
+        self.Wq = rng.normal(size=(heads, head_width, d)) * np.sqrt(scale)
+        self.Wk = rng.normal(size=(kv_heads, head_width, d)) * np.sqrt(scale)
+        self.Wv = rng.normal(size=(kv_heads, head_width, d)) / np.sqrt(d)
+        self.Wo = rng.normal(size=(heads, head_width)) / np.sqrt(head_width)  # the read-out of each head
+        self.inv_freq = base ** (-np.arange(0, head_width, 2) / head_width)
+        self.group = heads // kv_heads
+
+    def rope(self, vectors, positions):
+        freqs = np.concatenate([self.inv_freq, self.inv_freq])
+        angles = positions[:, None] * freqs
+        half = vectors.shape[-1] // 2
+        rotated = np.concatenate([-vectors[..., half:], vectors[..., :half]], axis=-1)
+        return vectors * np.cos(angles) + rotated * np.sin(angles)
+
+    def __call__(self, batch):
+        lengths = np.array([len(X) for X in batch])
+        out = np.empty(len(batch))
+        for n in np.unique(lengths):
+            index = np.flatnonzero(lengths == n)
+            X = np.stack([batch[i] for i in index])
+            positions = np.arange(n, dtype=np.float64)
+            total = np.zeros(len(index))
+            for h in range(self.Wq.shape[0]):
+                g = h // self.group
+                q = self.rope(X[:, -1] @ self.Wq[h].T, positions[-1:])        # (B, r)
+                k = self.rope(X @ self.Wk[g].T, positions)                    # (B, n, r)
+                scores = np.einsum("bnr,br->bn", k, q)
+                weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+                weights /= weights.sum(axis=1, keepdims=True)
+                values = X @ self.Wv[g].T @ self.Wo[h]                        # (B, n)
+                total += (weights * values).sum(axis=1)
+            out[index] = total
+        return out
+
+
+@pytest.mark.slow
+def test_a_grouped_rotary_layer_written_here_is_extracted_to_1e_10_at_every_length():
+    """Issue 40, acceptance 1: d = 32, H = 4, head width 8, two key/value heads, base 10000, no
+    biases, float64: outputs on 200 fresh sequences of 1..256 tokens within 1e-10."""
+    oracle = LlamaStyleOracle()
+    counted = CountingOracle(oracle)
+    result = mx.extract(counted, d=32, heads=4, positions="rotary", rank=8, seed=0)
+    assert result.ok and result.queries == counted.queries and result.max_query_length == counted.longest
+    rng = np.random.default_rng(3)
+    sequences = [rng.normal(size=(int(n), 32)) * 32 ** -0.25 for n in rng.integers(1, 257, 200)]
+    truth = oracle(sequences)
+    assert np.abs(result.model(sequences) - truth).max() / np.abs(truth).max() <= 1e-10
+    assert np.allclose(np.sort(result.frequencies, axis=1), np.sort(oracle.inv_freq), rtol=1e-10)

@@ -319,7 +319,7 @@ def test_a_one_head_layer_is_extracted_through_the_adapter(kind, options):
     assert fresh_error(result, truth) <= 1e-10
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_a_grouped_two_head_layer_is_extracted_whole(seed):
     layer = attention("llama", seed=seed, d=16, H=2, H_kv=1, r=8)
     oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
@@ -331,6 +331,7 @@ def test_a_grouped_two_head_layer_is_extracted_whole(seed):
     assert fresh_error(result, truth) <= 1e-10
 
 
+@pytest.mark.slow
 def test_the_float32_angles_of_a_layer_in_its_model_fail_loudly():
     layer = attention("llama", seed=0, d=16, H=1, H_kv=1, r=8)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,13 +40,16 @@ from .validation import (
     token_scale_for, token_scale_option,
 )
 
+if TYPE_CHECKING:
+    from .rotary.learn import RotaryExtraction
+
 
 @one_bar_per_run
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
-            verify_length=None, positions="none"):
+            verify_length=None, positions="none") -> Extraction | RotaryExtraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -271,12 +275,13 @@ def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias
     if heads is None:
         raise ValueError("positions='rotary' needs heads=H, the number of query heads")
     scale = token_scale_option(token_scale)
+    verify_length = verify_length_option(verify_length)
     if rank is not None:
         rank = positive_int("rank", rank)
     on_failure = on_failure_mode(on_failure)
     result = extract_rotary(oracle, d, heads, seed, token_scale=None if scale in (None, "auto") else scale,
                             bias=True if bias is None else bool(bias), rank=rank, batch_size=batch_size,
-                            progress=progress, max_queries=max_queries, verify_length=verify_length_option(verify_length))
+                            progress=progress, max_queries=max_queries, verify_length=verify_length)
     report_failure(result, "rotary extraction", on_failure)
     return result
 

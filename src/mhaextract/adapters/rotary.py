@@ -45,7 +45,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("mhaextract.adapters.rotary needs PyTorch: pip install 'mhaextract[torch]'") from error
 
-from ..rotary.model import RotaryAttention, rotation_blocks
+from ..rotary.model import RotaryAttention
 from .torch import UnsupportedLayerError
 
 __all__ = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]

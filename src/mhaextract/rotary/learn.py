@@ -50,8 +50,6 @@ ESTIMATE_FLOOR = 1e-14
 INSTANCE_LIMIT = 1e-7
 #: An offset instance whose numerator misfit (relative to its key's labels) exceeds this is left out.
 MATCH_OUTLIER = 1e-2
-#: An offset instance's log E is used when its pole is at most this many times E (else completed).
-MOST_AMPLIFIED = 1e300
 #: Relative misfit (of the grid's largest entry) within which a completion's rank explains the entries.
 COMPLETION_LIMIT = 1e-6
 #: Cost of a pairing whose implied label could not be formed (a failed fit, E <= 0).
@@ -85,12 +83,15 @@ class RotaryExtraction(CheckedResult):
     window_search : how it was found (:class:`~mhaextract.rotary.window.WindowSearch`).
     token_scale : the norm of the basis tokens.
     frequencies : (H*, r / 2) the rotation angles per position of every head, ascending.
-    error_estimate : relative error of the score matrices ``W_h(0..2)`` and values, in the sense
-        of ``compare(...).max_rel``: ten times the largest disagreement among the run's redundant
-        measurements (labels from X and from Z, self-scores predicted and measured, W(2) outside
-        W(1)'s spaces, eigenvalue moduli).
-    answers_residual : max misfit on the schedule's own queries, relative to the largest answer.
+    error_estimate : relative error of the score matrices ``[W_h(delta) | u_h(delta)]``,
+        delta = 0..2, and of the values, in the sense of ``compare(...).max_rel``: first order
+        from the refinement's residual (docs/algorithm.md §22), and the value fit's for a whole layer.
+    answers_residual : max misfit on every query of the instances and the refinement, relative to
+        the largest answer.
     checks : list of Check. verification : the long verification, or None.
+    start : the model the instances gave, before the refinement.
+    refinement : :class:`~mhaextract.rotary.refine.RotaryRefinement` (queries, steps, residuals).
+    diagnostics : the instances' fits and matching (failed instances, missing grid entries, widths).
     readout, scalar_model, value_fit : as in :class:`~mhaextract.Extraction` for vector answers.
     seconds : float.
 
@@ -99,7 +100,7 @@ class RotaryExtraction(CheckedResult):
     >>> import mhaextract as mx
     >>> layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=0)
     >>> result = mx.extract(mx.SimulatedOracle(layer), d=6, heads=2, positions="rotary", seed=1)
-    >>> result.ok, result.window, bool(mx.compare(result.model, layer).max_rel < 1e-9)
+    >>> result.ok, result.window, bool(mx.compare(result.model, layer).max_rel < 1e-12)
     (True, None, True)
     """
 
@@ -309,12 +310,8 @@ class RotaryLearner:
                     misfits.append(float(chosen.max()))
                     if chosen.max() > MATCH_OUTLIER:  # an ambiguous or poorly fitted instance: its entry is left out
                         continue
-                    entry = E[j, np.arange(H), pole]
-                    # log E errs by (P / E) times the pole's relative error: an E swamped by the final
-                    # token's own term is left to the completion
-                    amplification = offset_P[t, i, j][pole] / entry
                     worst_match = max(worst_match, float(chosen.max()))
-                    log_E[t, :, j, i] = np.where(amplification <= MOST_AMPLIFIED, np.log(entry), np.nan)
+                    log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
         missing = ~np.isfinite(log_E)
         diagnostics.update(match_misfit=worst_match, missing_entries=int(missing.sum() // H),
                            match_quantiles=np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist() if misfits else [])
