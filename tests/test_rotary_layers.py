@@ -319,7 +319,8 @@ def test_a_one_head_layer_is_extracted_through_the_adapter(kind, options):
     assert fresh_error(result, truth) <= 1e-10
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
 def test_a_grouped_two_head_layer_is_extracted_whole(seed):
     layer = attention("llama", seed=seed, d=16, H=2, H_kv=1, r=8)
     oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
