@@ -62,6 +62,8 @@ START_RANK_GAP = 10.0
 SAMPLES_OVER = 2
 #: The largest count of leading zeros is this many times the samples per instance (``zero_counts``).
 ZEROS_PER_SAMPLE = 9
+#: Spare final and key tokens beyond the d (+1) the assembly needs.
+SPARE_TOKENS = 2
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 16)
@@ -219,19 +221,30 @@ class RotaryLearner:
         self.Z = random_basis(rng, self.d, token_scale)   # keys z_j (columns)
         # off the hyperplane through x_1..x_d (a random orthogonal basis's sum direction, reversed)
         self.extra = -self.X.sum(axis=1) / np.sqrt(self.d)
+        # spare tokens: a final or key token whose instances failed leaves its whole column or row
+        # of the log-score grid unknown, which no completion recovers; the spares keep the
+        # assembly (least squares over the tokens that held) determined
+        spare = random_basis(rng, self.d, token_scale)
+        self.spare_finals, self.spare_keys = spare[:, :SPARE_TOKENS], spare[:, SPARE_TOKENS:2 * SPARE_TOKENS]
 
     @property
     def finals(self) -> np.ndarray:
-        """Final tokens as columns: x_1..x_d, and x_{d+1} when the query bias is learned."""
-        return np.hstack([self.X, self.extra[:, None]]) if self.bias else self.X
+        """Final tokens as columns: x_1..x_d, x_{d+1} when the query bias is learned, the spares."""
+        columns = [self.X] + ([self.extra[:, None]] if self.bias else []) + [self.spare_finals]
+        return np.hstack(columns)
+
+    @property
+    def keys(self) -> np.ndarray:
+        """Key tokens as columns: z_1..z_d and the spares."""
+        return np.hstack([self.Z, self.spare_keys])
 
     def patterns(self) -> list[np.ndarray]:
         """Self (x_i), key (z_j), then offset (z_j, 0^(delta-1), x_i) for delta = 1, 2, i-major."""
         d, finals = self.d, self.finals
-        out = [x[None] for x in finals.T] + [z[None] for z in self.Z.T]
+        out = [x[None] for x in finals.T] + [z[None] for z in self.keys.T]
         for delta in (1, 2):
             for x in finals.T:
-                for z in self.Z.T:
+                for z in self.keys.T:
                     out.append(np.vstack([z[None], _zeros(delta - 1, d), x[None]]))
         return out
 
@@ -249,11 +262,11 @@ class RotaryLearner:
         fitted = fit_instances(answers, c, self.ks, H)
         # an instance whose fit misses its own samples found other poles than its heads': unused
         fitted.P[~(fitted.residual <= INSTANCE_LIMIT)] = np.nan
-        n_final = self.finals.shape[1]
+        n_final, n_key = self.finals.shape[1], self.keys.shape[1]
         tau, label_x = fitted.P[:n_final], fitted.N[:n_final] / fitted.P[:n_final]
-        key_P, key_N = fitted.P[n_final:n_final + d], fitted.N[n_final:n_final + d]
-        offset_P = fitted.P[n_final + d:].reshape(2, n_final, d, H)   # (delta, i, j, p)
-        offset_N = fitted.N[n_final + d:].reshape(2, n_final, d, H)
+        key_P, key_N = fitted.P[n_final:n_final + n_key], fitted.N[n_final:n_final + n_key]
+        offset_P = fitted.P[n_final + n_key:].reshape(2, n_final, n_key, H)   # (delta, i, j, p)
+        offset_N = fitted.N[n_final + n_key:].reshape(2, n_final, n_key, H)
         key_labels = key_N / key_P                                # (j, g) unordered
         offsets = np.array([0.0, 1.0])
         diagnostics = {"failed_instances": int((~np.isfinite(fitted.P).all(axis=1)).sum()),
@@ -263,8 +276,8 @@ class RotaryLearner:
             return None, diagnostics  # the reference instance itself failed
         # Row order: the first final token's heads are the reference; each key token's labels are
         # ordered by what its two offset instances with x_1 imply.
-        label_z = np.full((d, H), np.nan)
-        for j in range(d):
+        label_z = np.full((n_key, H), np.nan)
+        for j in range(n_key):
             if not np.isfinite(key_labels[j]).all():
                 continue
             scale = max(np.abs(key_labels[j]).max(), 1e-300)
@@ -275,7 +288,7 @@ class RotaryLearner:
                 cost += np.min(np.where(np.isfinite(misfit), misfit, MISSING), axis=1)
             label_z[j] = key_labels[j][_assign(cost)]
         known_z = np.isfinite(label_z).all(axis=1)
-        if known_z.sum() < d // 2 + 1:
+        if known_z.sum() < d:
             return None, diagnostics
         # Every final token's self heads ordered against the key labels over its offset instances.
         order = np.tile(np.arange(H), (n_final, 1))
@@ -295,7 +308,7 @@ class RotaryLearner:
         tau_ordered = np.take_along_axis(tau, order, axis=1)
         label_x_ordered = np.take_along_axis(label_x, order, axis=1)
         # Each offset instance: its poles assigned to the ordered heads by the key labels.
-        log_E = np.full((2, H, d, n_final), np.nan)
+        log_E = np.full((2, H, n_key, n_final), np.nan)
         worst_match, misfits = 0.0, []
         for t in range(2):
             for i in np.flatnonzero(usable):
@@ -312,24 +325,25 @@ class RotaryLearner:
                         continue
                     worst_match = max(worst_match, float(chosen.max()))
                     log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
+        # the rows and columns that held: keys with labels, finals with their self instance
+        rows, columns = np.flatnonzero(known_z), np.flatnonzero(usable)
+        augmented = np.vstack([self.finals, np.ones((1, n_final))]) if self.bias else self.finals
+        if len(columns) < augmented.shape[0]:
+            return None, diagnostics
+        log_E = log_E[:, :, rows][:, :, :, columns]
         missing = ~np.isfinite(log_E)
         diagnostics.update(match_misfit=worst_match, missing_entries=int(missing.sum() // H),
                            match_quantiles=np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist() if misfits else [])
         if missing.mean() > MOST_MISSING:
             return None, diagnostics
         log_E = complete_low_rank(log_E, self.rank)
-        # Assembly: [W(delta) | u(delta)] = Z^{-T} L X_aug^{-1}, v = Z^{-T} l_z (and X^{-T} l_x).
-        s2 = self.token_scale ** 2
-        augmented = np.vstack([self.finals, np.ones((1, n_final))]) if self.bias else self.finals
-        W = np.einsum("aj,thji,ib->thab", self.Z / s2, log_E, np.linalg.inv(augmented))  # (delta, h, d, d(+1))
-        v_parts = []
-        if known_z.all():
-            v_parts.append((self.Z @ label_z).T / s2)
-        if usable[:d].all():
-            v_parts.append((self.X @ label_x_ordered[:d]).T / s2)
-        if not v_parts:
-            return None, diagnostics
-        v = np.mean(v_parts, axis=0)
+        # Assembly by least squares over what held: Z_r^T [W(delta) | u(delta)] X_c = L,
+        # Z_r^T v = l_z and X_c^T v = l_x (X_c without the augmenting 1).
+        Z_rows, X_columns = self.keys[:, rows], augmented[:, columns]
+        W = np.einsum("aj,thji,ib->thab", np.linalg.pinv(Z_rows.T), log_E, np.linalg.pinv(X_columns))
+        finals_used = self.finals[:, columns]
+        v = np.linalg.lstsq(np.hstack([Z_rows, finals_used]).T,
+                            np.vstack([label_z[rows], label_x_ordered[columns]]), rcond=None)[0].T
         heads = [rotary_head(W[0, h], W[1, h], self.rank, START_RANK_GAP) for h in range(H)]
         width = max(max(head.Q.shape[0] for head in heads), 2)
         Q, K, b = np.zeros((H, width, d)), np.zeros((H, width, d)), np.zeros((H, width))
