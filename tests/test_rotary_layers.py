@@ -342,3 +342,10 @@ def test_the_float32_angles_of_a_layer_in_its_model_fail_loudly():
         return
     truth = to_rotary(layer)
     assert mx.compare(result.model, truth).max_rel <= 10 * result.error_estimate
+
+
+def test_to_torch_names_the_rotary_export():
+    from mhaextract.adapters.torch import to_torch
+
+    with pytest.raises(TypeError, match="to_torch_rotary"):
+        to_torch(mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0), causal=True)

@@ -44,6 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mhaextract.adapters.torch needs PyTorch: pip install 'mhaextract[torch]'") from error
 
 from ..model import MultiHeadAttention, as_batch
+from ..rotary.model import RotaryAttention
 
 
 class UnsupportedLayerError(ValueError):
@@ -562,6 +563,9 @@ def to_torch(model: MultiHeadAttention, causal: bool | None = None, width: int |
     >>> bool(np.allclose(out[:, 2].numpy(), layer(X[:, :3].numpy())))   # position 2 sees tokens 0..2
     True
     """
+    if isinstance(model, RotaryAttention):
+        raise TypeError("to_torch takes attention without positions; a RotaryAttention becomes a layer with "
+                        "mhaextract.adapters.rotary.to_torch_rotary(model, causal=True)")
     if not isinstance(model, MultiHeadAttention):
         raise TypeError(f"to_torch expects a MultiHeadAttention, got {type(model).__name__}")
     if causal is None:
