@@ -244,3 +244,16 @@ def test_a_grouped_rotary_layer_written_here_is_extracted_to_1e_10_at_every_leng
     truth = oracle(sequences)
     assert np.abs(result.model(sequences) - truth).max() / np.abs(truth).max() <= 1e-10
     assert np.allclose(np.sort(result.frequencies, axis=1), np.sort(oracle.inv_freq), rtol=1e-10)
+
+
+def test_a_rotary_result_is_saved_and_loaded_back_exactly(tmp_path):
+    layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=2, bias=True, window=20)
+    result = mx.extract(mx.SimulatedOracle(layer), d=6, heads=2, positions="rotary", seed=0)
+    json_path, npz_path = mx.save_extraction(result, tmp_path / "rotary.json")
+    loaded = mx.load_model(json_path)
+    assert isinstance(loaded, mx.RotaryAttention) and loaded.window == 20
+    for name in ("Q", "K", "b", "theta", "V"):
+        assert np.array_equal(getattr(loaded, name), getattr(result.model, name))
+    assert loaded.c == result.model.c and npz_path.exists()
+    with pytest.raises(ValueError, match="no exact"):
+        mx.load_model(json_path, exact=True)

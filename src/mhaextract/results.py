@@ -15,7 +15,8 @@ estimate) and a schedule-specific ``details`` object that documents and serialis
 * npz: ``W``, ``v`` (float64), the radii (high precision) and the details' per-instance arrays
   (``instances_<name>``).
 
-:func:`load_model` reads the JSON back into a :class:`~mhaextract.MultiHeadAttention`.
+:func:`load_model` reads the JSON back into a :class:`~mhaextract.MultiHeadAttention` (a
+:class:`~mhaextract.RotaryAttention` for a rotary result, whose JSON holds its factors).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .checks.base import Check, CheckedResult
 from .checks.certificate import Certificate
 from .checks.refine import Refinement
 from .model import MultiHeadAttention
+from .rotary.model import RotaryAttention
 from .numerics.enclosure import exact_model
 from .numerics.highprec import mpf_from_hex, mpf_to_hex, radius_float
 from .schedules.base import ScheduleDetails
@@ -318,12 +320,16 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
     >>> json_path.name, npz_path.name
     ('result.json', 'result.npz')
     """
-    if not isinstance(extraction, Extraction):
+    from .rotary.learn import RotaryExtraction  # (the rotary module imports this one's neighbours)
+
+    if not isinstance(extraction, (Extraction, RotaryExtraction)):
         raise TypeError(f"save_extraction expects an Extraction, got {type(extraction).__name__}")
     json_path = Path(path)
     if json_path.suffix != ".json":
         raise ValueError(f"the result path must end in .json, got {str(json_path)!r}")
     npz_path = json_path.with_suffix(".npz")
+    if isinstance(extraction, RotaryExtraction):
+        return _save_rotary(extraction, json_path, npz_path)
     document = {
         "format": FORMAT,
         "summary": extraction.summary(),
@@ -358,7 +364,25 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
     return json_path, npz_path
 
 
-def load_model(path, exact: bool = False) -> MultiHeadAttention:
+def _save_rotary(extraction, json_path: Path, npz_path: Path) -> tuple[Path, Path]:
+    """A rotary result: the factors ``Q, K, b, theta`` with ``V`` (or ``v``), ``c`` and the window."""
+    model = extraction.model
+    document = {"format": FORMAT, "summary": extraction.summary(),
+                "checks": [check.as_dict() for check in extraction.checks], "model": None, "arrays": npz_path.name}
+    arrays = {}
+    if model is not None:
+        values = {"V": model.V.tolist()} if model.is_vector else {"v": model.v.tolist()}
+        document["model"] = {"kind": "rotary", "d": model.d, "heads": model.heads, "Q": model.Q.tolist(),
+                             "K": model.K.tolist(), "b": model.b.tolist(), "theta": model.theta.tolist(), **values,
+                             "c": np.asarray(model.c).tolist(), "window": model.window}
+        arrays.update(Q=model.Q, K=model.K, b=model.b, theta=model.theta, c=np.array(model.c),
+                      **({"V": model.V} if model.is_vector else {"v": model.v}))
+    json_path.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False))
+    np.savez_compressed(npz_path, **arrays)
+    return json_path, npz_path
+
+
+def load_model(path, exact: bool = False) -> MultiHeadAttention | RotaryAttention:
     """The canonical heads saved by :func:`save_extraction` (or ``mhaextract extract --out``).
 
     ``exact=False`` gives the float64 model; ``exact=True`` the high-precision ball midpoints as
@@ -388,6 +412,15 @@ def load_model(path, exact: bool = False) -> MultiHeadAttention:
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
         raise ValueError(f"{str(path)!r} is not a mhaextract extraction (format {found!r}, expected {FORMAT!r})")
+    part = document.get("model") or {}
+    if part.get("kind") == "rotary":  # a rotary result (docs/algorithm.md §22)
+        if exact:
+            raise ValueError(f"{str(path)!r} is a float64 rotary extraction: it has no exact (high-precision) model")
+        values = np.array(part["V"] if "V" in part else part["v"], dtype=np.float64)
+        c = np.array(part["c"], dtype=np.float64) if "V" in part else float(part["c"])
+        return RotaryAttention(np.array(part["Q"], dtype=np.float64), np.array(part["K"], dtype=np.float64),
+                               np.array(part["theta"], dtype=np.float64), values, c, part["window"],
+                               np.array(part["b"], dtype=np.float64))
     if exact:
         if "model_exact" not in document:
             raise ValueError(f"{str(path)!r} is a float64 extraction: it has no exact (high-precision) model")

@@ -137,7 +137,8 @@ class RotaryExtraction(CheckedResult):
                 f"error_estimate={self.error_estimate:.2g})")
 
     def summary(self) -> dict:
-        return {"schedule": self.schedule, "heads": self.heads, "queries": self.queries,
+        return {"schedule": self.schedule, "positions": "rotary",
+                "d": None if self.model is None else self.model.d, "heads": self.heads, "queries": self.queries,
                 "max_query_length": self.max_query_length, "window": self.window, "token_scale": self.token_scale,
                 "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
                 "ok": self.ok, "seconds": self.seconds}
