@@ -49,7 +49,8 @@ def test_examples_run(module_name):
     assert results.failed == 0, f"{results.failed} of {results.attempted} examples of {module_name} failed (see stdout)"
 
 
-@pytest.mark.parametrize("module_name", TORCH_MODULES)
+@pytest.mark.parametrize("module_name", [TORCH_MODULES[0]] + [pytest.param(name, marks=pytest.mark.slow)
+                                                               for name in TORCH_MODULES[1:]])
 def test_torch_examples_run(module_name):
     pytest.importorskip("torch")
     if module_name == "mhaextract.adapters.rotary":

@@ -121,7 +121,8 @@ def test_a_single_rotary_head_is_extracted_to_machine_precision(bias, window):
     assert np.allclose(np.sort(result.frequencies[0]), np.sort(layer.theta[0]), atol=1e-8)
 
 
-@pytest.mark.parametrize("d,heads,width,groups,seed", [(8, 2, 4, 2, 0), (8, 2, 4, 1, 1), (12, 3, 4, 3, 2)])
+@pytest.mark.parametrize("d,heads,width,groups,seed", [(8, 2, 4, 2, 0), (8, 2, 4, 1, 1),
+                                                     pytest.param(12, 3, 4, 3, 2, marks=pytest.mark.slow)])
 def test_several_heads_are_refined_to_machine_precision(d, heads, width, groups, seed):
     layer = mx.RotaryAttention.random(d=d, heads=heads, head_width=width, seed=seed, kv_heads=groups,
                                       bias=bool(seed % 2))
