@@ -258,3 +258,42 @@ def test_a_rotary_result_is_saved_and_loaded_back_exactly(tmp_path):
     assert loaded.c == result.model.c and npz_path.exists()
     with pytest.raises(ValueError, match="no exact"):
         mx.load_model(json_path, exact=True)
+
+
+class WindowedAttention:
+    """GPT-2-style attention written here: no positions, query and key biases (the key bias adds
+    one score to every key and cancels), value and output biases, and a sliding window of the last
+    ``window`` positions."""
+
+    def __init__(self, d, heads, width, window, seed):
+        rng = np.random.default_rng(seed)
+        self.Wq, self.Wk, self.Wv = (rng.normal(size=(heads, width, d)) / d ** 0.5 for _ in range(3))
+        self.bq, self.bk, self.bv = (rng.normal(size=(heads, width)) * 0.3 for _ in range(3))
+        self.wo = rng.normal(size=(heads, width)) / width ** 0.5
+        self.bo, self.window = 0.2, window
+
+    def __call__(self, batch):
+        out = []
+        for X in batch:
+            keys = X[-self.window:]
+            total = self.bo
+            for h in range(len(self.Wq)):
+                q = self.Wq[h] @ X[-1] + self.bq[h]
+                scores = (keys @ self.Wk[h].T + self.bk[h]) @ q / np.sqrt(len(q))
+                weights = np.exp(scores - scores.max())
+                total += weights @ ((keys @ self.Wv[h].T + self.bv[h]) @ self.wo[h]) / weights.sum()
+            out.append(total)
+        return np.array(out)
+
+
+@pytest.mark.parametrize("heads,window", [(1, 8), (2, 16)])
+def test_a_windowed_layer_without_positions_is_extracted_with_its_window(heads, window):
+    """GPT-2-style windows: no rotation is the rotary model with M = I (docs/algorithm.md §22)."""
+    layer = WindowedAttention(d=8, heads=heads, width=4, window=window, seed=heads)
+    result = mx.extract(layer, d=8, heads=heads, positions="rotary", rank=4, seed=0)
+    assert result.ok and result.window == window
+    assert np.abs(result.frequencies).max() <= 1e-8   # nothing rotates
+    rng = np.random.default_rng(5)
+    sequences = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(1, 4 * window + 1, 200)]
+    truth = layer(sequences)
+    assert np.abs(result.model(sequences) - truth).max() / np.abs(truth).max() <= 1e-10

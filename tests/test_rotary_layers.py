@@ -306,7 +306,8 @@ def fresh_error(result, truth, longest=256, count=100):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, options", [("llama", {}), ("mistral", {"sliding_window": 16})])
+@pytest.mark.parametrize("kind, options", [("llama", {}), ("mistral", {"sliding_window": 8}),
+                                           ("mistral", {"sliding_window": 16})])
 def test_a_one_head_layer_is_extracted_through_the_adapter(kind, options):
     layer = attention(kind, seed=0, d=16, H=1, H_kv=1, r=8, **options)
     oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
