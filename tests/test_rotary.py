@@ -297,3 +297,19 @@ def test_a_windowed_layer_without_positions_is_extracted_with_its_window(heads, 
     sequences = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(1, 4 * window + 1, 200)]
     truth = layer(sequences)
     assert np.abs(result.model(sequences) - truth).max() / np.abs(truth).max() <= 1e-10
+
+
+def test_the_refinement_reports_its_steps_and_the_run_draws_them_on_its_bar():
+    from mhaextract.oracle.progress import RunProgress
+    from mhaextract.rotary.refine import refine
+
+    layer = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0)
+    rng = np.random.default_rng(0)
+    sequences = [rng.normal(size=(int(n), 4)) for n in rng.integers(2, 9, 60)]
+    start = mx.RotaryAttention(layer.Q * 1.01, layer.K, layer.theta * 0.99, layer.v)
+    steps = []
+    refined, report = refine(start, sequences, layer(sequences), on_step=lambda step, misfit: steps.append(misfit))
+    assert len(steps) == report.iterations >= 1 and steps[-1] == pytest.approx(report.residual_after)
+    with RunProgress() as bar:  # the rotary run draws on a run's bar without error
+        result = mx.extract(mx.SimulatedOracle(layer), d=4, heads=1, positions="rotary", seed=0, progress=bar)
+    assert result.ok

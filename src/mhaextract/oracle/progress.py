@@ -84,6 +84,10 @@ class RunProgress:
         completed, total = self._counts()
         self._bar.update(self._task, total=max(total or 0, completed + queries))
 
+    def note(self, description: str) -> None:
+        """Name work between asks (a learner's long step) in the task's description."""
+        self._bar.update(self._task, description=description)
+
     @contextlib.contextmanager
     def stage(self, description: str, total: int, completed: int = 0):
         done, expected = self._counts()
@@ -98,6 +102,12 @@ def progress_bar(progress, description: str, total: int, completed: int = 0):
     if isinstance(progress, RunProgress):
         return progress.stage(description, total, completed)
     return ProgressBar(shown(progress), description, total, completed)
+
+
+def note_progress(progress, description: str) -> None:
+    """Show ``description`` on the run's bar (if ``progress`` is one): work that asks nothing."""
+    if isinstance(progress, RunProgress):
+        progress.note(description)
 
 
 def expect_queries(progress, queries: int) -> None:

@@ -32,6 +32,7 @@ from ..checks.base import Check, CheckedResult
 from ..checks.verify import ask_long_verification
 from ..numerics.float64 import fit
 from ..oracle.boundary import OracleBoundary
+from ..oracle.progress import note_progress
 from ..outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
@@ -442,7 +443,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         polish = random_queries(spawn_rng(seed, 22), POLISH_FACTOR * len(pack(start)), d, learner.token_scale,
                                 POLISH_LENGTHS)
         polish_answers = boundary.ask(polish, "refining on fresh queries")
-        model, refinement = refine(start, polish, polish_answers, seed=seed)
+        model, refinement = refine(start, polish, polish_answers, seed=seed, on_step=lambda step, misfit: note_progress(
+            progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
         sequences, answers = list(sequences) + polish, np.concatenate([answers, polish_answers])
     residual = estimate = np.inf
     if model is not None:

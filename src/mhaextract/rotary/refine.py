@@ -111,8 +111,10 @@ def evaluate(model: RotaryAttention, groups, with_jacobian: bool = True):
     return f, J
 
 
-def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0):
-    """Levenberg-Marquardt on ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``."""
+def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
+           on_step=None):
+    """Levenberg-Marquardt on ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
+    ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display)."""
     answers = np.asarray(answers, dtype=np.float64)
     lengths = np.array([len(X) for X in sequences])
     groups = [(index, np.stack([sequences[i] for i in index])) for index in
@@ -149,6 +151,8 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         if not improved:
             break
         taken += 1
+        if on_step is not None:
+            on_step(taken, float(np.abs(residual).max()) / scale)
         if relative < 1e-6 and float(np.abs(residual).max()) / scale < 1e-13:
             break
         f, J = evaluate(model, groups)
