@@ -313,3 +313,13 @@ def test_the_refinement_reports_its_steps_and_the_run_draws_them_on_its_bar():
     with RunProgress() as bar:  # the rotary run draws on a run's bar without error
         result = mx.extract(mx.SimulatedOracle(layer), d=4, heads=1, positions="rotary", seed=0, progress=bar)
     assert result.ok
+
+
+def test_compare_aligns_rotary_heads_whatever_their_order():
+    layer = mx.RotaryAttention.random(d=6, heads=3, head_width=4, seed=4, bias=True)
+    order = [2, 0, 1]
+    shuffled = mx.RotaryAttention(layer.Q[order], layer.K[order], layer.theta[order], layer.v[order], layer.c,
+                                  b=layer.b[order])
+    comparison = mx.compare(shuffled, layer)
+    assert comparison.max_rel == 0.0
+    assert [order[k] for k in comparison.permutation] == [0, 1, 2]  # b's head k is a's permutation[k]

@@ -151,10 +151,9 @@ def compare_rotary(a: RotaryAttention, b: RotaryAttention) -> Comparison:
     cost = (np.abs(Wa[:, None] - Wb[None]).max(axis=(2, 3, 4)) / max(np.abs(Wb).max(), 1e-300)
             + np.abs(a.V[:, None] - b.V[None]).max(axis=(2, 3)) / max(np.abs(b.V).max(), 1e-300))
     rows, columns = linear_sum_assignment(cost)
-    permutation = np.empty(len(columns), dtype=int)
-    permutation[np.argsort(columns)] = rows[np.argsort(columns)]
-    aligned = rows[np.argsort(columns)]
-    shared = np.sort(columns)
+    order = np.argsort(columns)
+    aligned, shared = rows[order], columns[order]  # head shared[k] of b is aligned with head aligned[k] of a
+    permutation = aligned
     W_abs = float(np.abs(Wa[aligned] - Wb[shared]).max()) if len(shared) else 0.0
     v_abs = float(np.abs(a.V[aligned] - b.V[shared]).max()) if len(shared) else 0.0
     c_abs = float(np.abs(np.atleast_1d(a.c) - np.atleast_1d(b.c)).max())

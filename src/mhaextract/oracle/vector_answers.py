@@ -24,6 +24,10 @@ def _seed_sequence(seed) -> np.random.SeedSequence:
     return np.random.SeedSequence(seed).spawn(STREAM)[STREAM - 1]
 
 
+#: Relative rounding (unit roundoff) of the answer dtypes an oracle may declare below float64.
+DECLARED_UNITS = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
 class VectorAnswers:
     """The read-out ``r`` that turns answers of ``d_out`` numbers into the scalar the schedules fit.
 
@@ -39,6 +43,7 @@ class VectorAnswers:
     Attributes
     ----------
     d_out : int or None, numbers per answer (None until the first vector answer).
+    unit : the declared answer dtype's relative rounding (``2^-53`` when none is declared).
     readout : (d_out,) float64 unit vector or None: the scalar answer is ``r^T y``.
 
     Examples
@@ -53,7 +58,9 @@ class VectorAnswers:
 
     def __init__(self, seed, answer_dtype: str | None = None):
         self._rng = np.random.default_rng(_seed_sequence(seed))
-        self.single = answer_dtype in ("float32", "bfloat16", "float16")
+        self.single = answer_dtype in DECLARED_UNITS
+        #: The relative rounding of the declared answer dtype (2^-53 when none is declared).
+        self.unit = DECLARED_UNITS.get(answer_dtype, 2.0 ** -53)
         self.d_out: int | None = None
         self.readout: np.ndarray | None = None
 

@@ -218,7 +218,7 @@ class RotaryLearner:
 
     def set_scale(self, token_scale: float):
         self.token_scale = float(token_scale)
-        rng = np.random.default_rng(np.random.SeedSequence(self.seed).spawn(1)[0] if self.seed is not None else None)
+        rng = spawn_rng(self.seed, 1)  # the bases: stream 1 (the run's other queries draw from streams 5..22)
         self.X = random_basis(rng, self.d, token_scale)   # finals x_i (columns)
         self.Z = random_basis(rng, self.d, token_scale)   # keys z_j (columns)
         # off the hyperplane through x_1..x_d (a random orthogonal basis's sum direction, reversed)
@@ -272,8 +272,7 @@ class RotaryLearner:
         key_labels = key_N / key_P                                # (j, g) unordered
         offsets = np.array([0.0, 1.0])
         diagnostics = {"failed_instances": int((~np.isfinite(fitted.P).all(axis=1)).sum()),
-                       "fit_residual": float(np.nanmax(np.where(np.isfinite(fitted.residual), fitted.residual,
-                                                                np.nan), initial=0.0))}
+                       "fit_residual": float(fitted.residual[np.isfinite(fitted.residual)].max(initial=0.0))}
         if not (np.isfinite(tau[0]).all() and np.isfinite(label_x[0]).all()):
             return None, diagnostics  # the reference instance itself failed
         # Row order: the first final token's heads are the reference; each key token's labels are

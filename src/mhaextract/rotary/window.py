@@ -58,10 +58,7 @@ def find_window(boundary, rng: np.random.Generator, token_scale: float, c: float
     d = boundary.d
     y = rng.standard_normal(d) * token_scale / np.sqrt(d)
     base = abs(float(boundary.ask([y[None]], "window search")[0]) - c)
-    unit = 2.0 ** -24 if boundary.vectors.single or getattr(boundary.oracle, "answer_dtype", None) in (
-        "float32", "bfloat16", "float16") else 2.0 ** -53
-    if getattr(boundary.oracle, "answer_dtype", None) in ("bfloat16", "float16"):
-        unit = 2.0 ** -8
+    unit = max(boundary.vectors.unit, boundary.stats.unit_roundoff)  # declared, or seen in the answers
     floor = 64 * unit * max(abs(c), base, 1e-300)  # the answers' rounding, with room
     lengths, deviations = [], []
 
