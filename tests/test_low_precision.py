@@ -36,6 +36,29 @@ def test_too_few_or_uninformative_answers_say_float64():
         assert stats.precision_name == "float64"
 
 
+def test_float16_answers_are_told_from_bfloat16_and_float32():
+    """11 significant bits read as float16 (also when a few answers happen to be bfloat16 numbers)."""
+    answers = _answers(mx.SimulatedOracle(mx.MultiHeadAttention.random(6, 2, seed=1)), n=40)
+    stats = AnswerStats()
+    stats.add(answers.astype(np.float16).astype(np.float64))
+    assert (stats.precision_name, stats.unit_roundoff) == ("float16", 2.0**-11)
+    lucky = AnswerStats()  # four float16 answers that are bfloat16 numbers too: too few to say bfloat16
+    lucky.add([0.5, 0.375, -1.25, 3.0 + 2.0**-6])
+    assert lucky.precision_name == "float16"
+
+
+def test_vector_answers_show_their_format_through_the_read_out():
+    """Whole answers of a bfloat16 layer are read out to float32 scalars; the format is read from the
+    vectors' own numbers."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    for dtype, name in [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")]:
+        boundary = OracleBoundary(lambda batch: torch.as_tensor(np.stack([X.sum(axis=0) for X in batch])).to(dtype),
+                                  d=5)
+        boundary.ask([rng.standard_normal((3, 5)) for _ in range(20)])
+        assert boundary.stats.precision_name == name
+
+
 def test_round_bfloat16_keeps_eight_bits():
     values = np.float32([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-9, -3.14159, 1e-3])
     rounded = round_bfloat16(values)

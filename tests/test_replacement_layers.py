@@ -143,3 +143,23 @@ def test_a_whole_model_taking_token_ids_gets_a_clear_error():
     model = GPT2Model(GPT2Config(n_embd=8, n_head=2, n_layer=1, vocab_size=10, n_positions=16))
     with pytest.raises(TypeError, match=r"attention module\s+itself.*model\.h\[i\]\.attn"):
         mx.extract(TorchOracle(model), 8, heads=2, seed=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_layers_scalar_oracle_of_the_whole_runs_readout_asks_the_same_queries(dtype):
+    """TorchOracle(layer, r) reads its answers out as the whole run does (float32 numbers for a
+    float32 layer), so the scalar run of the whole run's r takes the same path: the whole run costs
+    the scalar run's queries plus the value fit's, and its scores are the scalar run's bit for bit."""
+    torch.manual_seed(3)
+    layer = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=dtype)
+    with torch.no_grad():
+        layer.in_proj_bias.normal_(0, 0.2)
+        layer.out_proj.bias.normal_(0, 0.2)
+    whole_oracle = TorchOracle(layer)
+    result = mx.extract(whole_oracle, 8, heads=2, seed=4)
+    scalar_oracle = TorchOracle(layer, result.readout)
+    scalar = mx.extract(scalar_oracle, 8, heads=2, seed=4)
+    assert result.ok and scalar.ok
+    assert whole_oracle.sequences == result.queries == scalar_oracle.sequences + result.value_fit.rows
+    np.testing.assert_array_equal(result.scalar_model.W, scalar.model.W)
+    np.testing.assert_array_equal(result.scalar_model.v, scalar.model.v)

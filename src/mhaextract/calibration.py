@@ -18,7 +18,7 @@ over d = 4..64, H = 1, 2, 4, 8, with and without biases, 2 seeds (80 targets), d
 median 0.80, 90% of targets within 0.54..1.26, all within 0.34..1.87.
 
 **The answers' precision** (docs/algorithm.md §19), measured here too, before any schedule runs:
-the bits of the answers (every answer a float32 or a bfloat16 number:
+the bits of the answers (every answer a float32, float16 or bfloat16 number:
 :attr:`~mhaextract.oracle.answer_stats.AnswerStats.unit_roundoff`) and ``PERMUTED`` pairs of
 five-token queries that differ only in the order of their first four tokens. Softmax attention is
 invariant under that permutation, so each pair's difference is the oracle's own rounding (the
@@ -100,7 +100,7 @@ class Calibration:
     message : what was decided, in words.
     answer_noise : the answers' relative noise (fraction of the largest answer) when above float64
         rounding, else None (module docstring).
-    answer_precision : ``"float64"``, ``"float32"``, ``"bfloat16"`` (the answers' bits), or
+    answer_precision : ``"float64"``, ``"float32"``, ``"float16"``, ``"bfloat16"`` (the answers' bits), or
         ``"float64 with noise"`` (float64 numbers whose permuted probes disagree beyond rounding).
     arithmetic_noise : the relative rounding unit of the oracle's own arithmetic, which rounds its
         scores too (module docstring): ``answer_noise`` for deterministic noise; for random noise

@@ -44,6 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mhaextract.adapters.torch needs PyTorch: pip install 'mhaextract[torch]'") from error
 
 from ..model import MultiHeadAttention, as_batch
+from ..oracle.vector_answers import read_out
 from ..rotary.model import RotaryAttention
 
 
@@ -281,11 +282,9 @@ class TorchOracle:
             self.readout = _readout(readout, length)
         self.d_out = None if self.readout is None else len(self.readout)
         self.answer_dtype = str(self.dtype).removeprefix("torch.")
-        # The read-out is ours, not the layer's: taken in the layer's dtype where numpy has it (a
-        # float32 layer's answers stay float32 numbers), in float32 for bfloat16 and float16 layers.
-        self._readout_dtype = self.dtype if self.dtype in (torch.float32, torch.float64) else torch.float32
-        self._r = None if self.readout is None else torch.as_tensor(self.readout, dtype=self._readout_dtype,
-                                                                     device=self.device)
+        # The read-out is ours, not the layer's: the whole run's arithmetic (read_out), float32
+        # numbers for a layer below float64, so that the precision shows in the answers' type.
+        self._single = self.dtype != torch.float64
         self.calls = 0
         self.sequences = 0
         self._original = module
@@ -320,20 +319,20 @@ class TorchOracle:
                 if self.readout is not None and last.shape != (len(index), len(self.readout)):
                     raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}, "
                                      f"expected (B, {len(self.readout)}) for a readout of length {len(self.readout)}")
+                if last.dim() != 2:
+                    raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}; "
+                                     "expected (B, d_out)")
+                answers = last.to(torch.float64).cpu().numpy()  # exact: every float dtype widens
                 if self.readout is None:
-                    if last.dim() != 2:
-                        raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}; "
-                                         "expected (B, d_out)")
-                    answers = last.to(torch.float64).cpu().numpy()  # exact: every float dtype widens
                     self.d_out = answers.shape[1]
                 else:
-                    answers = (last.to(self._readout_dtype) @ self._r).to(torch.float64).cpu().numpy()
+                    answers = read_out(answers, self.readout, self._single)
                 if out is None:
                     out = np.empty((len(sequences),) + answers.shape[1:], dtype=np.float64)
                 out[index] = answers
                 self.calls += 1
         self.sequences += len(sequences)
-        if self.readout is not None and self._readout_dtype == torch.float32:
+        if self.readout is not None and self._single:
             return out.astype(np.float32)  # float32 numbers: the answers' precision shows in their type
         return out
 

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
-#: Answers needed before their round-trip through float32 or bfloat16 counts as a detection.
+#: Answers needed before their round-trip through float32, float16 or bfloat16 counts as a detection.
 MIN_ANSWERS = 4
+
+#: Unit roundoff of each answer format below float64, coarsest first (the order of detection: a
+#: bfloat16 number inside float16's range is also a float16 number).
+FORMAT_UNITS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
 
 
 @dataclass
@@ -21,9 +25,12 @@ class AnswerStats:
     """Running summary of the float64 answers a run used (asked or replayed).
 
     count : answers seen; first : the first one; all_equal : every answer equal to the first;
-    all_integer : every answer an integer; largest : max |answer|; float32_exact, bfloat16_exact :
-    every answer round-trips exactly through float32 (bfloat16): the oracle computes in that
-    precision (:attr:`unit_roundoff`).
+    all_integer : every answer an integer; largest : max |answer|; numbers : the numbers whose format
+    was read (answers, or the coordinates of vector answers); float32_exact, float16_exact,
+    bfloat16_exact : every number the oracle answered round-trips exactly through float32 (float16,
+    bfloat16): the oracle computes in that precision (:attr:`unit_roundoff`). For an oracle that
+    answers vectors the formats are read from the vectors' own numbers (:meth:`add_vectors`), not
+    from their read-out.
     """
 
     count: int = 0
@@ -32,9 +39,13 @@ class AnswerStats:
     all_integer: bool = True
     largest: float = 0.0
     float32_exact: bool = True
+    float16_exact: bool = True
     bfloat16_exact: bool = True
+    vectors: bool = False
+    numbers: int = 0
 
     def add(self, values) -> None:
+        """Summarise the (scalar) answers the schedules use."""
         values = np.asarray(values, dtype=np.float64).ravel()
         if not values.size:
             return
@@ -44,35 +55,52 @@ class AnswerStats:
         self.all_equal = self.all_equal and bool((values == self.first).all())
         self.all_integer = self.all_integer and bool((values == np.round(values)).all())
         self.largest = max(self.largest, float(np.abs(values).max()))
-        if self.float32_exact:
-            with np.errstate(over="ignore"):
-                single = values.astype(np.float32)
-            self.float32_exact = bool((single.astype(np.float64) == values).all())
-            if self.bfloat16_exact:
-                bits = single.view(np.uint32)
-                self.bfloat16_exact = self.float32_exact and bool(((bits & np.uint32(0xFFFF)) == 0).all())
-        else:
-            self.bfloat16_exact = False
+        if not self.vectors:
+            self._formats(values)
+
+    def add_vectors(self, values) -> None:
+        """Read the answer format from whole vector answers (their read-out is a sum of them)."""
+        self.vectors = True
+        self._formats(np.asarray(values, dtype=np.float64).ravel())
+
+    def _formats(self, values: np.ndarray) -> None:
+        self.numbers += int(values.size)
+        if not self.float32_exact:
+            return
+        with np.errstate(over="ignore"):
+            single = values.astype(np.float32)
+            half = values.astype(np.float16)
+        self.float32_exact = bool((single.astype(np.float64) == values).all())
+        self.float16_exact = self.float16_exact and bool((half.astype(np.float64) == values).all())
+        bits = single.view(np.uint32)
+        self.bfloat16_exact = (self.bfloat16_exact and self.float32_exact
+                               and bool(((bits & np.uint32(0xFFFF)) == 0).all()))
+        self.float16_exact = self.float16_exact and self.float32_exact
 
     @property
     def unit_roundoff(self) -> float:
         """The answers' unit roundoff as their bits show it: ``2^-8`` when every answer is a
-        bfloat16 number, ``2^-24`` when every answer is a float32 number, else ``2^-53``.
+        bfloat16 number, ``2^-11`` a float16 number, ``2^-24`` a float32 number, else ``2^-53``.
 
         Needs at least ``MIN_ANSWERS`` answers that are not all integers or all equal (those
         round-trip through any format and say nothing). A float64 answer that is not the output of
-        a lower-precision computation is a float32 number with probability ``2^-29``.
+        a lower-precision computation is a float32 number with probability ``2^-29``; a float16
+        number is a bfloat16 number with probability ``2^-3``, so telling them apart takes ``4 MIN_ANSWERS``
+        numbers.
         """
         if self.count < MIN_ANSWERS or self.all_equal or self.all_integer:
             return 2.0**-53
-        if self.bfloat16_exact:
-            return 2.0**-8
-        return 2.0**-24 if self.float32_exact else 2.0**-53
+        if self.bfloat16_exact and (self.numbers >= 4 * MIN_ANSWERS or not self.float16_exact):
+            return FORMAT_UNITS["bfloat16"]
+        if self.float16_exact:
+            return FORMAT_UNITS["float16"]
+        return FORMAT_UNITS["float32"] if self.float32_exact else 2.0**-53
 
     @property
     def precision_name(self) -> str:
-        """``"bfloat16"``, ``"float32"`` or ``"float64"``, as :attr:`unit_roundoff` reads the answers."""
-        return {2.0**-8: "bfloat16", 2.0**-24: "float32"}.get(self.unit_roundoff, "float64")
+        """``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"float64"``, as :attr:`unit_roundoff`
+        reads the answers."""
+        return {unit: name for name, unit in FORMAT_UNITS.items()}.get(self.unit_roundoff, "float64")
 
     def problem(self) -> str | None:
         """A sentence naming what is wrong with the answers, or None when nothing is visible."""

@@ -163,6 +163,7 @@ class OracleBoundary:
         if vector_positions:
             values = np.stack([replayed[position] for position in vector_positions])
             self._check_vectors(values, [first + p for p in vector_positions], "read back from the transcript")
+            self.stats.add_vectors(values)
             if whole is not None:
                 whole.update(zip(vector_positions, values))
             replayed.update(zip(vector_positions, self.vectors.scalars(values)))
@@ -197,6 +198,7 @@ class OracleBoundary:
                     values = self.transcript.record(first, positions, take() if fresh else chunk, values)
                 if np.ndim(values) == 2:  # vector answers: read out for the schedule
                     values = np.asarray(values, dtype=np.float64)
+                    self.stats.add_vectors(values)
                     if whole is not None:
                         whole.update(zip(positions, values))
                     values = self.vectors.scalars(values)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .answer_stats import FORMAT_UNITS
+
 #: The stream of the run's seed (:func:`mhaextract.validation.spawn_rng`) the read-out is drawn
 #: from: independent of the schedule's queries and of every other stream.
 STREAM = 11
@@ -24,8 +26,6 @@ def _seed_sequence(seed) -> np.random.SeedSequence:
     return np.random.SeedSequence(seed).spawn(STREAM)[STREAM - 1]
 
 
-#: Relative rounding (unit roundoff) of the answer dtypes an oracle may declare below float64.
-DECLARED_UNITS = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
 
 class VectorAnswers:
@@ -58,9 +58,9 @@ class VectorAnswers:
 
     def __init__(self, seed, answer_dtype: str | None = None):
         self._rng = np.random.default_rng(_seed_sequence(seed))
-        self.single = answer_dtype in DECLARED_UNITS
+        self.single = answer_dtype in FORMAT_UNITS
         #: The relative rounding of the declared answer dtype (2^-53 when none is declared).
-        self.unit = DECLARED_UNITS.get(answer_dtype, 2.0 ** -53)
+        self.unit = FORMAT_UNITS.get(answer_dtype, 2.0 ** -53)
         self.d_out: int | None = None
         self.readout: np.ndarray | None = None
 
@@ -74,11 +74,30 @@ class VectorAnswers:
             self.readout = r / np.linalg.norm(r)
 
     def scalars(self, values: np.ndarray) -> np.ndarray:
-        """``r^T y`` per answer, for values (n, d_out). Summed along each row on its own (numpy's
-        pairwise sum of one contiguous row), so a replayed answer gives the same bits in any batch."""
+        """``r^T y`` per answer, for values (n, d_out): :func:`read_out`."""
         if self.d_out is None:
             self.start(values.shape[1])
-        projected = (np.ascontiguousarray(values, dtype=np.float64) * self.readout).sum(axis=1)
-        if self.single and self.d_out > 1:
-            projected = projected.astype(np.float32).astype(np.float64)
-        return projected
+        return read_out(values, self.readout, self.single)
+
+
+def read_out(values: np.ndarray, readout: np.ndarray, single: bool = False) -> np.ndarray:
+    """The scalar answers ``r^T y`` of whole answers ``y`` (n, d_out), float64 (n,).
+
+    Summed along each row on its own (numpy's pairwise sum of one contiguous row), so a replayed
+    answer gives the same bits in any batch; ``single``: rounded to float32, as the read-out of a
+    layer that answers in float32 or below (the rounding, ``2^-24`` relative, is below the layer's
+    own). A scalar oracle of a layer (``TorchOracle(layer, r)``) reads its answers out with this
+    function too, so a scalar run of the read-out a whole run drew sees exactly the whole run's
+    scalars.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from mhaextract.oracle.vector_answers import read_out
+    >>> read_out(np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([0.5, -1.0]))
+    array([-1.5, -2.5])
+    """
+    projected = (np.ascontiguousarray(values, dtype=np.float64) * readout).sum(axis=1)
+    if single and len(readout) > 1:
+        projected = projected.astype(np.float32).astype(np.float64)
+    return projected

@@ -149,7 +149,7 @@ class TargetedSchedule(Schedule):
         if not failed or unit <= EPS:
             return []
         bits = -np.log2(unit)
-        said = (f"The answers carry noise of about {unit:.2g} relative ({bits:.0f} bits; bfloat16 has 8, float32 24) "
+        said = (f"The answers carry noise of about {unit:.2g} relative ({bits:.0f} bits; bfloat16 has 8, float16 11, float32 24) "
                 "measured before the run, and the targeted instances sized to it did not hold")
         if bits < 20:
             return [said + ": below about 20 bits the single-pole fits cannot see the heads (docs/algorithm.md "
