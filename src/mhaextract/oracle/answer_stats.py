@@ -69,13 +69,11 @@ class AnswerStats:
             return
         with np.errstate(over="ignore"):
             single = values.astype(np.float32)
-            half = values.astype(np.float16)
-        self.float32_exact = bool((single.astype(np.float64) == values).all())
-        self.float16_exact = self.float16_exact and bool((half.astype(np.float64) == values).all())
-        bits = single.view(np.uint32)
-        self.bfloat16_exact = (self.bfloat16_exact and self.float32_exact
-                               and bool(((bits & np.uint32(0xFFFF)) == 0).all()))
-        self.float16_exact = self.float16_exact and self.float32_exact
+            self.float32_exact = bool((single.astype(np.float64) == values).all())
+            if self.float16_exact:  # each format is checked only while it may still hold
+                self.float16_exact = self.float32_exact and bool((single.astype(np.float16) == single).all())
+        if self.bfloat16_exact:
+            self.bfloat16_exact = self.float32_exact and bool(((single.view(np.uint32) & np.uint32(0xFFFF)) == 0).all())
 
     @property
     def unit_roundoff(self) -> float:
