@@ -18,19 +18,22 @@ BASIS_CANDIDATES, FEWEST_CANDIDATES, BASIS_BYTES = 128, 4, 2**26
 #: Noisy answers with score biases (docs/algorithm.md §19, "Narrow heads"): the final stage's
 #: ``|z|`` grows until the part of the target's query ``W_h x`` that shrinks as ``1 / |z|`` (x aims
 #: fixed log-poles) is about ``SCORE_BALANCE`` times the score bias ``u_h``, by at most
-#: ``LONGEST_FINAL`` times ``GROUP_SCALE`` token scales.
-SCORE_BALANCE, LONGEST_FINAL = 2.5, 8.0
+#: ``LONGEST_FINAL`` times ``GROUP_SCALE`` token scales. A bias below ``1 / UNRESOLVED_BIAS`` of
+#: that query part is the rough model's noise (bias-free float32 targets read 1e4..2e5, real
+#: layers 3..43): nothing to balance, the default length is kept.
+SCORE_BALANCE, LONGEST_FINAL, UNRESOLVED_BIAS = 2.5, 8.0, 1e3
 
 
 def bias_balanced_scale(scores: np.ndarray, directions: np.ndarray, scale: float) -> float:
     """The final differences' length for noisy answers: ``scale`` times
-    ``clip(rms |W_h x| / (SCORE_BALANCE rms |u_h|), 1, LONGEST_FINAL)``.
+    ``clip(rms |W_h x| / (SCORE_BALANCE rms |u_h|), 1, LONGEST_FINAL)``, or ``scale`` itself where the
+    ratio exceeds ``UNRESOLVED_BIAS`` (no bias to read).
 
     ``scores`` (H, d + 1, d + 1): the rough lifted score matrices (:func:`.biased.lifted_scores`);
     ``directions`` (d, n): the columns z of some basis (their lengths do not matter); x the
     minimum-norm token with ``a_f^T x = SATURATION_MID`` (f != h) and ``TARGET_CENTER`` (f = h),
-    ``a_f = W_f^T z``, ``|z| = scale``, the mean token of a final unit without its offsets (the
-    part of the query that does not shrink with ``|z|``).
+    ``a_f = W_f^T z``, ``|z| = scale``: a final unit's mean token, leaving out the offsets
+    ``b_f = u_f^T z`` (their part of x does not shrink as z grows).
 
     A final unit solves ``a~ = (W_h^T z, u_h^T z)`` from lifted tokens ``(x, 1)``: the bias's
     coordinate is 1 while x aims log-poles of 70 at ``|z|``, so ``u_h`` is read ``|W_h x| / |u_h|``
@@ -43,7 +46,7 @@ def bias_balanced_scale(scores: np.ndarray, directions: np.ndarray, scale: float
     units = directions / np.linalg.norm(directions, axis=0)
     bias = np.sqrt(np.mean(np.sum(u**2, axis=1)))
     if not (bias > 0 and np.isfinite(bias)):
-        return scale * LONGEST_FINAL
+        return scale
     designs = np.matmul(units.T[None], W).transpose(1, 0, 2)  # (n, H, d): rows a_f(z)^T = z^T W_f
     with np.errstate(all="ignore"):
         try:
@@ -57,7 +60,7 @@ def bias_balanced_scale(scores: np.ndarray, directions: np.ndarray, scale: float
             tokens = np.matmul(designs.transpose(0, 2, 1), np.matmul(inverse_gram, values / scale)[..., None])[..., 0]
             sizes.append(np.sum((tokens @ W[head].T) ** 2, axis=1))
         query = np.sqrt(np.mean(sizes))
-    if not np.isfinite(query):
+    if not np.isfinite(query) or query > UNRESOLVED_BIAS * bias:
         return scale
     return scale * float(np.clip(query / (SCORE_BALANCE * bias), 1.0, LONGEST_FINAL))
 
