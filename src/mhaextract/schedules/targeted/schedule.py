@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...calibration import PERMUTED, permutation_spread, permuted_probes
 from ...model import MultiHeadAttention
 from ...numerics import float64 as float64_kernel
 from ...oracle.queries import one_token_queries, random_basis
@@ -163,6 +164,26 @@ class TargetedSchedule(Schedule):
                 "another seed."]
 
 
+def lines_unit(prober, d: int, rng, token_scale: float) -> float:
+    """The answers' unit phase 1's lines are sized by (docs/algorithm.md §19, "Narrow heads"):
+    ``prober.unit``, or on answers whose bits are below float64 the noise ``PERMUTED`` permutation
+    probes show at the run's token scale where that is less (never below the bits' unit).
+
+    The calibration reads the noise at the default token norm ``d^(1/4)``, where a trained layer's
+    answers are mostly its biases; read out to a scalar they cancel, and a float32 GPT-2 layer at
+    d = 64, H = 8 read 1.2e-6 there against 0.8e-7..1.4e-7 at its token scale: its lines then could
+    not read heads with labels below about 14, and phase 1 missed one in every group. The probes
+    are queries of the run (counted); their tokens come from a jumped copy of ``rng``, so the
+    run's own stream is not moved."""
+    stats = prober.boundary.stats
+    if prober.unit <= EPS or stats.precision_name == "float64":
+        return prober.unit
+    generator = np.random.Generator(rng.bit_generator.jumped())
+    tokens = [prober.quantize(generator.standard_normal((5, d)) * token_scale / np.sqrt(d)) for _ in range(PERMUTED)]
+    permuted, _ = permutation_spread(prober.ask(permuted_probes(tokens, repeated=0), "phase 1: permutation probes"))
+    return max(stats.unit_roundoff, min(prober.unit, permuted))
+
+
 def line_search(prober, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1 in one group: the groups' differences ``Z`` and the heads located along lines in
     group ``z_1`` (:func:`.linesearch.locate_heads`)."""
@@ -201,8 +222,13 @@ def first_group(prober, d: int, max_heads: int, rng, token_scale: float, measure
     position = lambda: prober.boundary.position  # noqa: E731
     before = position()
     attempts, lines = [], 0
+    unit, line_unit = prober.unit, lines_unit(prober, d, rng, token_scale)
     for _ in range(GROUP_ATTEMPTS if prober.unit <= EPS else max(GROUP_ATTEMPTS, NOISY_GROUP_ATTEMPTS)):
-        Z, search = line_search(prober, d, max_heads, rng, token_scale)
+        prober.unit = line_unit
+        try:
+            Z, search = line_search(prober, d, max_heads, rng, token_scale)
+        finally:
+            prober.unit = unit
         lines += search.lines
         first, start = None, position()
         if search.heads and len(search.heads) >= max_heads:
