@@ -80,8 +80,9 @@ from .tolerances import EPS, GROUP_SCALE, RESIDUAL_LIMIT, answer_unit, limits, s
 #: Groups (differences z_1) phase 1 searches at most while heads are missing (:func:`line_search`);
 #: on noisy answers (float32) ``NOISY_GROUP_ATTEMPTS``: a label ``v_h^T z_1`` of a few percent of
 #: the others' hides its step in the answers' rounding there, or a centre blended with a neighbour
-#: passes for a new head; over 30 float32 GPT-2 layers at d = 64, H = 8 read out to a scalar, 9 first
-#: groups failed so, and two layers needed 5 and 7 groups (docs/algorithm.md §19, "Narrow heads").
+#: passes for a new head; over 30 float32 GPT-2 layers at d = 64, H = 8 read out to a scalar, 7 first
+#: groups failed so and 3 layers needed 3 groups (docs/algorithm.md §19, "Narrow heads"); with
+#: the lines sized by the calibration's noise alone (:func:`lines_unit`), two needed 5 and 7.
 GROUP_ATTEMPTS, NOISY_GROUP_ATTEMPTS = 4, 8
 
 
