@@ -80,10 +80,11 @@ from .tolerances import EPS, GROUP_SCALE, RESIDUAL_LIMIT, answer_unit, limits, s
 #: Groups (differences z_1) phase 1 searches at most while heads are missing (:func:`line_search`);
 #: on noisy answers (float32) ``NOISY_GROUP_ATTEMPTS``: a label ``v_h^T z_1`` of a few percent of
 #: the others' hides its step in the answers' rounding there, or a centre blended with a neighbour
-#: passes for a new head; over 30 float32 GPT-2 layers at d = 64, H = 8 read out to a scalar, 7 first
-#: groups failed so and 3 layers needed 3 groups (docs/algorithm.md §19, "Narrow heads"); with
-#: the lines sized by the calibration's noise alone (:func:`lines_unit`), two needed 5 and 7.
+#: passes for a new head; over 30 float32 GPT-2 layers at d = 64, H = 8 read out to a scalar, 8 first
+#: groups failed so, and two layers needed 5 and 7 groups (docs/algorithm.md §19, "Narrow heads").
 GROUP_ATTEMPTS, NOISY_GROUP_ATTEMPTS = 4, 8
+#: :func:`lines_unit`: a calibration noise reading this many times the run-scale probes' is a misreading.
+MISREAD_NOISE = 4.0
 
 
 class TargetedSchedule(Schedule):
@@ -168,7 +169,9 @@ class TargetedSchedule(Schedule):
 def lines_unit(prober, d: int, rng, token_scale: float) -> float:
     """The answers' unit phase 1's lines are sized by (docs/algorithm.md §19, "Narrow heads"):
     ``prober.unit``, or on answers whose bits are below float64 the noise ``PERMUTED`` permutation
-    probes show at the run's token scale where that is less (never below the bits' unit).
+    probes show at the run's token scale (never below the bits' unit) where ``prober.unit`` is more
+    than ``MISREAD_NOISE`` times that: two maxima over 4 pairs differ by chance by a factor of a
+    few, and a phase 1 sized otherwise than the calibration says would move every run for nothing.
 
     The calibration reads the noise at the default token norm ``d^(1/4)``, where a trained layer's
     answers are mostly its biases; read out to a scalar they cancel, and a float32 GPT-2 layer at
@@ -182,7 +185,8 @@ def lines_unit(prober, d: int, rng, token_scale: float) -> float:
     generator = np.random.Generator(rng.bit_generator.jumped())
     tokens = [prober.quantize(generator.standard_normal((5, d)) * token_scale / np.sqrt(d)) for _ in range(PERMUTED)]
     permuted, _ = permutation_spread(prober.ask(permuted_probes(tokens, repeated=0), "phase 1: permutation probes"))
-    return max(stats.unit_roundoff, min(prober.unit, permuted))
+    reading = max(stats.unit_roundoff, permuted)
+    return reading if prober.unit > MISREAD_NOISE * reading else prober.unit
 
 
 def line_search(prober, d: int, max_heads: int, rng, token_scale: float):
