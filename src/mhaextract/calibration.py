@@ -155,8 +155,7 @@ def probe_queries(d: int, rng) -> list[list[np.ndarray]]:
     one_token = [np.zeros((1, d))] + [token[None] for token in x0] + [token[None] for token in x0 - z0]
     two_token = [np.vstack([f * (x - z), f * x]) for f in 2.0 ** LADDER for x, z in zip(x0, z0)]
     tokens = [quantize(rng.standard_normal((5, d)) * base / np.sqrt(d), 4 * base) for _ in range(PERMUTED)]
-    permuted = tokens + [np.vstack([X[3::-1], X[4:]]) for X in tokens] + tokens[:REPEATED]
-    return [one_token, two_token, permuted]
+    return [one_token, two_token, permuted_probes(tokens)]
 
 
 def probe_responses(boundary, d: int, queries) -> tuple[np.ndarray, np.ndarray, float]:
@@ -194,10 +193,22 @@ def permutation_noise(boundary, sequences) -> tuple[float, float]:
     of the answers. pi reverses the first four of five tokens (random, at the default scale),
     which leaves exact softmax attention unchanged. ``sequences``: the third group of
     :func:`probe_queries`."""
-    answers = _floats(boundary.ask(sequences, description="calibration: permutation and repeated probes"))
-    first, second, again = answers[:PERMUTED], answers[PERMUTED:2 * PERMUTED], answers[2 * PERMUTED:]
+    return permutation_spread(_floats(boundary.ask(sequences, description="calibration: permutation and repeated probes")))
+
+
+def permuted_probes(tokens: list[np.ndarray], repeated: int = REPEATED) -> list[np.ndarray]:
+    """The permutation probes of ``tokens`` (five-token queries): each, then each with its first
+    four tokens reversed, then the first ``repeated`` of them again (:func:`permutation_spread`)."""
+    return tokens + [np.vstack([X[3::-1], X[4:]]) for X in tokens] + tokens[:repeated]
+
+
+def permutation_spread(answers: np.ndarray, pairs: int = PERMUTED) -> tuple[float, float]:
+    """``(permuted, repeated)`` of :func:`permutation_noise` from the answers to
+    :func:`permuted_probes` of ``pairs`` token sets (any number of repeats, none included)."""
+    answers = np.asarray(answers, dtype=np.float64)
+    first, second, again = answers[:pairs], answers[pairs:2 * pairs], answers[2 * pairs:]
     largest = max(float(np.abs(answers).max()), 1e-300)
-    repeated = np.abs(first[:REPEATED] - again).max(initial=0.0)
+    repeated = np.abs(first[:len(again)] - again).max(initial=0.0)
     return float(max(np.abs(first - second).max(), repeated) / largest), float(repeated / largest)
 
 

@@ -15,6 +15,56 @@ from .tolerances import EPS, FINAL_TARGET, SATURATION_MID, SATURATION_SPREAD, TA
 BASIS_CANDIDATES, FEWEST_CANDIDATES, BASIS_BYTES = 128, 4, 2**26
 
 
+#: Noisy answers with score biases (docs/algorithm.md §19, "Narrow heads"): the final stage's
+#: ``|z|`` grows until the part of the target's query ``W_h x`` that shrinks as ``1 / |z|`` (x aims
+#: fixed log-poles) is about ``SCORE_BALANCE`` times the score bias ``u_h``, by at most
+#: ``LONGEST_FINAL`` times ``GROUP_SCALE`` token scales. A bias below ``1 / UNRESOLVED_BIAS`` of
+#: that query part is the rough model's noise (bias-free float32 targets read 1e4..2e5, real
+#: layers 3..43): nothing to balance, the default length is kept.
+SCORE_BALANCE, LONGEST_FINAL, UNRESOLVED_BIAS = 2.5, 8.0, 1e3
+
+
+def bias_balanced_scale(scores: np.ndarray, directions: np.ndarray, scale: float) -> float:
+    """The final differences' length for noisy answers: ``scale`` times
+    ``clip(rms |W_h x| / (SCORE_BALANCE rms |u_h|), 1, LONGEST_FINAL)``, or ``scale`` itself where the
+    ratio exceeds ``UNRESOLVED_BIAS`` (no bias to read).
+
+    ``scores`` (H, d + 1, d + 1): the rough lifted score matrices (:func:`.biased.lifted_scores`);
+    ``directions`` (d, n): the columns z of some basis (their lengths do not matter); x the
+    minimum-norm token with ``a_f^T x = SATURATION_MID`` (f != h) and ``TARGET_CENTER`` (f = h),
+    ``a_f = W_f^T z``, ``|z| = scale``: a final unit's mean token, leaving out the offsets
+    ``b_f = u_f^T z`` (their part of x does not shrink as z grows).
+
+    A final unit solves ``a~ = (W_h^T z, u_h^T z)`` from lifted tokens ``(x, 1)``: the bias's
+    coordinate is 1 while x aims log-poles of 70 at ``|z|``, so ``u_h`` is read ``|W_h x| / |u_h|``
+    times less well than ``W_h`` relative to their sizes. A longer z shortens x (``|x| ~ 1 / |z|``)
+    at the same log-poles: W's error stays (the scores' rounding ``|z| |W_h x|`` does not change)
+    and u's falls as ``1 / |z|`` until the bias itself dominates the rounding, ``|z| |u_h|``."""
+    H, D, _ = scores.shape
+    d = D - 1
+    W, u = scores[:, :d, :d], scores[:, :d, d]
+    units = directions / np.linalg.norm(directions, axis=0)
+    bias = np.sqrt(np.mean(np.sum(u**2, axis=1)))
+    if not (bias > 0 and np.isfinite(bias)):
+        return scale
+    designs = np.matmul(units.T[None], W).transpose(1, 0, 2)  # (n, H, d): rows a_f(z)^T = z^T W_f
+    with np.errstate(all="ignore"):
+        try:
+            inverse_gram = np.linalg.inv(np.matmul(designs, designs.transpose(0, 2, 1)))
+        except np.linalg.LinAlgError:
+            return scale
+        sizes = []
+        for head in range(H):
+            values = np.full(H, SATURATION_MID)
+            values[head] = TARGET_CENTER
+            tokens = np.matmul(designs.transpose(0, 2, 1), np.matmul(inverse_gram, values / scale)[..., None])[..., 0]
+            sizes.append(np.sum((tokens @ W[head].T) ** 2, axis=1))
+        query = np.sqrt(np.mean(sizes))
+    if not np.isfinite(query) or query > UNRESOLVED_BIAS * bias:
+        return scale
+    return scale * float(np.clip(query / (SCORE_BALANCE * bias), 1.0, LONGEST_FINAL))
+
+
 def balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.ndarray | None = None,
                     head: int | None = None) -> np.ndarray:
     """An orthogonal basis (columns) times ``scale`` in which ``label_direction`` (a rough ``v_h``)

@@ -38,7 +38,7 @@ from ...numerics import single_pole
 from ...oracle.queries import one_token_queries
 from ..base import Outcome
 from .linesearch import MAX_READING_LOG_POLE
-from .bases import balanced_basis
+from .bases import balanced_basis, bias_balanced_scale
 from .designs import final_copies, final_unit_queries, first_copies, FullDesign
 from .diagnostics import final_error_estimate, instance_diagnostics, targeted_checks, TargetedDetails
 from .measure import all_heads_at, measure_units, shared_estimates
@@ -236,6 +236,8 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     W_rough = lifted_scores(*assemble_affine(Z, rough_a, rough_l)[::2])
     v_rough = assemble_affine(Z, rough_a, rough_l)[1]
     scale = GROUP_SCALE * token_scale
+    if prober.unit > EPS:  # noisy answers: u_h read as well as W_h (docs/algorithm.md §19, "Narrow heads")
+        scale = bias_balanced_scale(W_rough, Z, scale)
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale, W_rough, h)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
     estimates = all_heads_at(W_rough, differences)  # a~_f(z) for every unit

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...calibration import PERMUTED, permutation_spread, permuted_probes
 from ...model import MultiHeadAttention
 from ...numerics import float64 as float64_kernel
 from ...oracle.queries import one_token_queries, random_basis
@@ -76,8 +77,14 @@ from .measure import GroupMeasurements, all_heads_at, measure_units, shared_esti
 from .prober import Prober
 from .tolerances import EPS, GROUP_SCALE, RESIDUAL_LIMIT, answer_unit, limits, score_unit
 
-#: Groups (differences z_1) phase 1 searches at most while heads are missing (:func:`line_search`).
-GROUP_ATTEMPTS = 4
+#: Groups (differences z_1) phase 1 searches at most while heads are missing (:func:`line_search`);
+#: on noisy answers (float32) ``NOISY_GROUP_ATTEMPTS``: a label ``v_h^T z_1`` of a few percent of
+#: the others' hides its step in the answers' rounding there, or a centre blended with a neighbour
+#: passes for a new head; over 30 float32 GPT-2 layers at d = 64, H = 8 read out to a scalar, 8 first
+#: groups failed so, and two layers needed 5 and 7 groups (docs/algorithm.md §19, "Narrow heads").
+GROUP_ATTEMPTS, NOISY_GROUP_ATTEMPTS = 4, 8
+#: :func:`lines_unit`: a calibration noise reading this many times the run-scale probes' is a misreading.
+MISREAD_NOISE = 4.0
 
 
 class TargetedSchedule(Schedule):
@@ -159,6 +166,29 @@ class TargetedSchedule(Schedule):
                 "another seed."]
 
 
+def lines_unit(prober, d: int, rng, token_scale: float) -> float:
+    """The answers' unit phase 1's lines are sized by (docs/algorithm.md §19, "Narrow heads"):
+    ``prober.unit``, or on answers whose bits are below float64 the noise ``PERMUTED`` permutation
+    probes show at the run's token scale (never below the bits' unit) where ``prober.unit`` is more
+    than ``MISREAD_NOISE`` times that: two maxima over 4 pairs differ by chance by a factor of a
+    few, and a phase 1 sized otherwise than the calibration says would move every run for nothing.
+
+    The calibration reads the noise at the default token norm ``d^(1/4)``, where a trained layer's
+    answers are mostly its biases; read out to a scalar they cancel, and a float32 GPT-2 layer at
+    d = 64, H = 8 read 1.2e-6 there against 0.8e-7..1.4e-7 at its token scale: its lines then could
+    not read heads with labels below about 14, and phase 1 missed one in every group. The probes
+    are queries of the run (counted); their tokens come from a jumped copy of ``rng``, so the
+    run's own stream is not moved."""
+    stats = prober.boundary.stats
+    if prober.unit <= EPS or stats.precision_name == "float64":
+        return prober.unit
+    generator = np.random.Generator(rng.bit_generator.jumped())
+    tokens = [prober.quantize(generator.standard_normal((5, d)) * token_scale / np.sqrt(d)) for _ in range(PERMUTED)]
+    permuted, _ = permutation_spread(prober.ask(permuted_probes(tokens, repeated=0), "phase 1: permutation probes"))
+    reading = max(stats.unit_roundoff, permuted)
+    return reading if prober.unit > MISREAD_NOISE * reading else prober.unit
+
+
 def line_search(prober, d: int, max_heads: int, rng, token_scale: float):
     """Phase 1 in one group: the groups' differences ``Z`` and the heads located along lines in
     group ``z_1`` (:func:`.linesearch.locate_heads`)."""
@@ -189,15 +219,21 @@ def first_group(prober, d: int, max_heads: int, rng, token_scale: float, measure
     head counted twice, another never searched for, and the first group's instances unsaturated). Either way the run
     would fail loudly. So while fewer than ``max_heads`` heads were found, or some first-group
     instance did not hold (:func:`held_fraction`), phase 1 starts again in a fresh group (a new
-    ``Z``), up to ``GROUP_ATTEMPTS`` groups; the attempt with the most heads, then the most held
+    ``Z``), up to ``GROUP_ATTEMPTS`` groups (``NOISY_GROUP_ATTEMPTS`` on noisy answers); the attempt
+    with the most heads, then the most held
     first-group instances, is kept (the earliest on a tie). A run whose first group holds asks
     one group only; a bound ``max_heads`` above the canonical count pays the extra groups' lines
     (docs/algorithm.md §13)."""
     position = lambda: prober.boundary.position  # noqa: E731
     before = position()
     attempts, lines = [], 0
-    for _ in range(GROUP_ATTEMPTS):
-        Z, search = line_search(prober, d, max_heads, rng, token_scale)
+    unit, line_unit = prober.unit, lines_unit(prober, d, rng, token_scale)
+    for _ in range(GROUP_ATTEMPTS if prober.unit <= EPS else max(GROUP_ATTEMPTS, NOISY_GROUP_ATTEMPTS)):
+        prober.unit = line_unit
+        try:
+            Z, search = line_search(prober, d, max_heads, rng, token_scale)
+        finally:
+            prober.unit = unit
         lines += search.lines
         first, start = None, position()
         if search.heads and len(search.heads) >= max_heads:
