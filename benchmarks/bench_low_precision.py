@@ -4,6 +4,8 @@ float32, mixed-precision (float32 softmax in a float64 layer) and bfloat16 targe
     python benchmarks/bench_low_precision.py [--sizes 8x2 16x4 32x4 64x8] [--seeds 10]
         [--oracles float32 mixed bfloat16]
     python benchmarks/bench_low_precision.py --bfloat16-oversampling [--sizes 4x1 4x2] [--seeds 2]
+    python benchmarks/bench_low_precision.py --whole [--sizes 64x4 128x8] [--dtypes bfloat16 float16]
+        [--kinds GPT2Attention BertSelfAttention] [--seeds 1]
 
 Per oracle, size and seed: target ``MultiHeadAttention.random(d, H, seed=s)``, run
 ``extract(oracle, d, heads=H, seed=1000 + s, on_failure="warn")`` (library defaults: schedule
@@ -70,13 +72,76 @@ def oversampling_table(sizes, seeds) -> None:
                   f"{np.median([row['seconds'] for row in rows]):.1f} |", flush=True)
 
 
+def whole_row(kind: str, dtype: str, d: int, H: int, seed: int) -> str:
+    """A torch layer in ``dtype`` (biases at its weights' std, ``tests/test_real_layers.build``), whole
+    outputs, library defaults (docs/algorithm.md §23). Truth: the same layer in float64 from its own
+    rounded weights (``to_reduced``, white-box, here only). Output errors at every position of 200
+    fresh sequences of 1..32 tokens (unit-variance tokens) relative to the exact layer's largest
+    output; the float64 run is the default extraction of that exact layer."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from mhaextract.adapters.torch import TorchOracle, to_reduced, to_torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_real_layers import build
+    from bench_full_layer import outputs
+
+    low = build(kind, d, H, seed=seed, implementation="sdpa").eval().to(getattr(torch, dtype))
+    exact = build(kind, d, H, seed=seed, implementation="sdpa").eval().double()
+    exact.load_state_dict({key: value.double() for key, value in low.state_dict().items()})
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = mx.extract(TorchOracle(low), d, heads=H, seed=0, on_failure="warn", progress=False)
+        seconds = time.perf_counter() - started
+        reference = mx.extract(TorchOracle(exact), d, heads=H, seed=0, on_failure="warn", progress=False)
+    truth = to_reduced(exact)
+    error = mx.compare(result.model, truth).max_rel if result.model is not None else np.inf
+    rng = np.random.default_rng(11)
+    own = mine = top = 0.0
+    replacement = to_torch(result.model, causal=kind in ("GPT2Attention",)) if result.model is not None else None
+    for n in rng.integers(1, 33, size=200):
+        X = torch.as_tensor(rng.standard_normal((1, int(n), d)))
+        with torch.no_grad():
+            expected = outputs(exact, X)
+            top = max(top, float(expected.abs().max()))
+            own = max(own, float((outputs(low, X.to(low_dtype(low))).double() - expected).abs().max()))
+            if replacement is not None:
+                mine = max(mine, float((outputs(replacement, X) - expected).abs().max()))
+    mine = mine / top if replacement is not None else np.inf
+    checks = "ok" if result.ok else "FAILED: " + ", ".join(check.name for check in result.failed_checks)
+    return (f"| {kind} | {dtype} | {d} | {H} | {result.queries:,} | {result.queries / reference.queries:.2f} | "
+            f"{error:.2g} | {mine:.2g} | {own / top:.2g} | {result.error_estimate / error:.2g} | {seconds:.0f} | "
+            f"{checks} |")
+
+
+def low_dtype(module):
+    return next(module.parameters()).dtype
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", nargs="+", default=["8x2", "16x4", "32x4"])
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--oracles", nargs="+", default=list(ORACLES))
     parser.add_argument("--bfloat16-oversampling", action="store_true")
+    parser.add_argument("--whole", action="store_true", help="torch layers in bfloat16/float16, whole outputs")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    parser.add_argument("--kinds", nargs="+", default=["GPT2Attention", "BertSelfAttention"])
     args = parser.parse_args()
+    if args.whole:
+        print("| layer | dtype | d | H | queries | / float64 run | parameter error | output error | the layer's own "
+              "output error | estimate / error | seconds | checks |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for size in args.sizes:
+            d, H = (int(part) for part in size.split("x"))
+            for kind in args.kinds:
+                for dtype in args.dtypes:
+                    for seed in range(args.seeds):
+                        print(whole_row(kind, dtype, d, H, d + H + seed), flush=True)
+        return
     if args.bfloat16_oversampling:
         oversampling_table(args.sizes, args.seeds)
         return

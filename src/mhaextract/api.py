@@ -33,7 +33,7 @@ from .oracle.transcript import CALIBRATION, RUN, Transcript, check_directory, ru
 from .oracle.vector_answers import VectorAnswers
 from .results import Extraction
 from .schedules.base import RunSettings
-from .schedules.registry import choose
+from .schedules.registry import COARSE_FORMATS, choose, low_precision_run
 from .schedules.targeted.lowrank import AUTO as AUTO_RANK
 from .validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
@@ -41,6 +41,7 @@ from .validation import (
 )
 
 if TYPE_CHECKING:
+    from .lowprecision.learn import LowPrecisionExtraction
     from .rotary.learn import RotaryExtraction
 
 
@@ -49,7 +50,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
-            verify_length=None, positions="none") -> Extraction | RotaryExtraction:
+            verify_length=None, positions="none") -> Extraction | RotaryExtraction | LowPrecisionExtraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -139,7 +140,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     -------
     Extraction
         The canonical heads and every measured count, check and error estimate. Every count
-        reported is measured at the oracle boundary.
+        reported is measured at the oracle boundary. A layer answering whole outputs in bfloat16
+        or float16 (its ``answer_dtype``, or the answers' bits) returns a
+        :class:`~mhaextract.lowprecision.learn.LowPrecisionExtraction` (docs/algorithm.md §23).
 
     Examples
     --------
@@ -206,6 +209,14 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
                                            answer_noise=calibration.answer_noise,
                                            arithmetic_noise=arithmetic_noise(calibration, settings))
             plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
+        answer_format = answer_dtype if answer_dtype in COARSE_FORMATS else (
+            calibration.answer_precision if calibration is not None else None)
+        if low_precision_run(schedule, answer_format, vectors.d_out):
+            if record is not None:
+                record.close()
+                record = None
+            return _extract_low_precision(oracle, settings, answer_format, scale_option, vectors, batch_size, progress,
+                                          on_failure, transcript, max_queries, verify_length, probes)
         if record is not None:
             record.start_run(run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
     except BaseException:
@@ -283,6 +294,34 @@ def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias
                             bias=True if bias is None else bool(bias), rank=rank, batch_size=batch_size,
                             progress=progress, max_queries=max_queries, verify_length=verify_length)
     report_failure(result, "rotary extraction", on_failure)
+    return result
+
+
+def _extract_low_precision(oracle, settings: RunSettings, answer_format: str, scale_option, vectors, batch_size,
+                           progress, on_failure, transcript, max_queries, verify_length, probes):
+    """Answers of 8 or 11 bits, whole: the low-precision learner (docs/algorithm.md §23) with the
+    options it takes; the others refused."""
+    from .lowprecision.learn import extract_low_precision
+
+    given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
+                               "rank", "backend", "repair") if settings.given(name)]
+    if settings.heads is None:
+        given.append("max_heads")
+    if transcript is not None:
+        given.append("transcript")
+    if given:
+        raise ValueError(f"the answers carry {answer_format}'s few bits: the low-precision learner runs "
+                         f"(docs/algorithm.md §23), which does not take {', '.join(given)}; it needs heads=H")
+    result = extract_low_precision(oracle, settings.d, settings.heads, settings.seed, unit=COARSE_FORMATS[answer_format],
+                                   answer_dtype=answer_format,
+                                   token_scale=None if scale_option in (None, "auto") else scale_option,
+                                   batch_size=batch_size, progress=progress, max_queries=max_queries,
+                                   verify_length=verify_length, vectors=vectors)
+    if probes is not None:
+        result.calibration_queries = probes.queries
+        result.queries += probes.queries
+        result.queries_asked += probes.queries
+    report_failure(result, f"low-precision extraction ({answer_format} answers)", on_failure)
     return result
 
 

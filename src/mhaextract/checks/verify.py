@@ -161,19 +161,24 @@ class LongVerification:
     def longest(self) -> int:
         return max((len(sequence) for sequence in self.sequences), default=0)
 
-    def limit(self, error_estimate: float, residual: float, noise: float, scale: float, unit: float) -> float:
+    def limit(self, error_estimate: float, residual: float, noise: float, scale: float, unit: float,
+              rounding: float | None = None) -> float:
         """The largest misfit (relative to the largest answer ``scale``) a correct model may show:
-        ``min(LIMIT_CAP, LIMIT_FACTOR x max(error_estimate, residual, noise / scale))`` plus
-        ``ROUNDING_PER_TOKEN x longest x unit`` (``unit``: the answers' relative rounding)."""
+        ``min(LIMIT_CAP, LIMIT_FACTOR x max(error_estimate, residual, noise / scale))`` plus the
+        answers' rounding, ``rounding`` or by default ``ROUNDING_PER_TOKEN x longest x unit``
+        (``unit``: the answers' relative rounding)."""
         claimed = max((value if np.isfinite(value) else np.inf)
                       for value in (error_estimate, residual, noise / scale, 0.0))
-        return min(LIMIT_CAP, LIMIT_FACTOR * claimed) + ROUNDING_PER_TOKEN * self.longest * unit
+        if rounding is None:
+            rounding = ROUNDING_PER_TOKEN * self.longest * unit
+        return min(LIMIT_CAP, LIMIT_FACTOR * claimed) + rounding
 
     def judge(self, model, error_estimate: float, residual: float, noise: float, scale: float, unit: float,
-              schedule_longest: int, seed=None) -> tuple[Check, Verification]:
+              schedule_longest: int, seed=None, rounding: float | None = None) -> tuple[Check, Verification]:
         """The ``long_verification`` check of ``model`` and its :class:`Verification`. ``noise``:
-        the answers' absolute error the run measured or was told; ``scale``: its largest answer."""
-        tolerance = self.limit(error_estimate, residual, noise, scale, unit)
+        the answers' absolute error the run measured or was told; ``scale``: its largest answer;
+        ``rounding``: see :meth:`limit`."""
+        tolerance = self.limit(error_estimate, residual, noise, scale, unit, rounding)
         answers = self.whole if self.whole is not None and getattr(model, "is_vector", False) else self.answers
         errors = output_errors(model, self.sequences, answers) / scale
         lengths = np.array([len(sequence) for sequence in self.sequences])

@@ -39,6 +39,17 @@ BIASED: dict[type[Schedule], type[Schedule]] = {}
 REAL_LAYER_DEFAULTS: set[type[Schedule]] = set()
 
 
+#: Answer formats whose few significant bits the algebraic schedules cannot resolve: with whole
+#: answers, ``schedule="auto"`` runs the low-precision learner there (docs/algorithm.md §23).
+COARSE_FORMATS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+def low_precision_run(name, answer_format, d_out) -> bool:
+    """Whether ``schedule=name`` on answers of ``answer_format`` with ``d_out`` numbers each runs the
+    low-precision learner (:mod:`mhaextract.lowprecision`) instead of a schedule."""
+    return name == AUTO and answer_format in COARSE_FORMATS and (d_out or 1) > 1
+
+
 def schedule_names() -> list[str]:
     return list(SCHEDULES) + [AUTO]
 

@@ -1,0 +1,147 @@
+"""The run for layers that answer in bfloat16 or float16 (docs/algorithm.md §23).
+
+:func:`extract_low_precision` is what :func:`mhaextract.extract` runs when the answers carry 8 or
+11 significant bits (declared by the oracle's ``answer_dtype`` or read from their bits) and come
+as whole vectors: the saturated start (:mod:`.start`), least squares on fresh short queries
+(:mod:`.fit`), a residual-bootstrap error estimate, and the checks below.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..checks.base import Check, CheckedResult
+from ..checks.verify import ask_long_verification
+from ..compare import compare
+from ..model import MultiHeadAttention
+from ..oracle.boundary import OracleBoundary
+from ..oracle.progress import note_progress
+from ..oracle.queries import random_queries
+from ..oracle.vector_answers import VectorAnswers
+from ..validation import spawn_rng
+from .fit import Design, WholeFit, bootstrap_error, fit_query_count, fit_whole
+from .start import LabelsNotFound, SaturatedStart, saturated_start
+
+#: The fit's queries have 2 .. FIT_LONGEST tokens at the start's token scale times ``2^U``, U
+#: uniform in ``[-FIT_SPREAD, FIT_SPREAD]``: small tokens weigh the score biases u_h beside W_h x.
+FIT_LONGEST = 8
+FIT_SPREAD = 0.0
+FIT_SCALE = 1.0
+#: The fit's RMS misfit may reach this many answer roundings (``unit`` times the answers' RMS):
+#: a fit in the right basin misfits by about the layer's own rounding, a wrong one by far more.
+RESIDUAL_UNITS = 4.0
+#: The error estimate (relative, ``compare(...).max_rel``) may reach this many answer units.
+ESTIMATE_UNITS = 8.0
+#: Default verification length, and the answers' rounding it allows (in units, beside the run's
+#: own error estimate).
+VERIFY_LONGEST = 64
+VERIFY_ROUNDING_UNITS = 4.0
+
+
+@dataclass
+class LowPrecisionExtraction(CheckedResult):
+    """Result of :func:`mhaextract.extract` on a layer answering in bfloat16 or float16.
+
+    Attributes
+    ----------
+    model : MultiHeadAttention (whole: ``V`` (H, d_out, d), ``c`` (d_out,)) or None.
+    heads : heads in the model.
+    queries, queries_asked : answers used, measured at the oracle boundary (the calibration's
+        probes, when ``extract`` ran them, in ``calibration_queries``).
+    max_query_length : longest query asked.
+    answer_dtype : the answers' precision, ``"bfloat16"`` or ``"float16"``.
+    token_scale : the token norm the start found (scores of order one).
+    error_estimate : relative parameter error in the sense of ``compare(...).max_rel``, from the
+        residual bootstrap (docs/algorithm.md §23).
+    answers_residual : RMS misfit of the fit's answers, relative to the largest.
+    start : :class:`~mhaextract.lowprecision.start.SaturatedStart` (the start model, the value map,
+        lines per direction). fit : :class:`~mhaextract.lowprecision.fit.WholeFit`.
+    checks : list of Check. verification : the long verification, or None. seconds : float.
+
+    Examples
+    --------
+    >>> import mhaextract as mx, numpy as np
+    >>> from mhaextract.oracle.noise import round_bfloat16
+    >>> layer = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, bias=True, d_out=4)
+    >>> def bfloat16_layer(batch):  # whole outputs rounded to 8 bits
+    ...     return round_bfloat16(layer(batch).astype(np.float32)).astype(np.float64)
+    >>> result = mx.extract(bfloat16_layer, d=4, heads=2, seed=0)
+    >>> result.answer_dtype, result.ok, bool(mx.compare(result.model, layer).max_rel < 2e-2)
+    ('bfloat16', True, True)
+    """
+
+    model: MultiHeadAttention | None
+    heads: int
+    queries: int
+    queries_asked: int
+    max_query_length: int
+    answer_dtype: str
+    token_scale: float
+    error_estimate: float
+    answers_residual: float
+    seconds: float
+    checks: list = field(default_factory=list)
+    verification: object = None
+    start: SaturatedStart | None = None
+    fit: WholeFit | None = None
+    calibration_queries: int = 0
+    schedule: str = "saturated"
+
+    def __repr__(self) -> str:
+        return (f"LowPrecisionExtraction(heads={self.heads}, answers={self.answer_dtype}, queries={self.queries}, "
+                f"ok={self.ok}, error_estimate={self.error_estimate:.2g})")
+
+
+def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float, answer_dtype: str,
+                          token_scale: float | None = None, batch_size: int = 1024, progress=None,
+                          max_queries=None, verify_length: int | None = None,
+                          vectors: VectorAnswers | None = None) -> LowPrecisionExtraction:
+    """The run of the module docstring (its checks unreported: ``extract`` raises or warns).
+    ``unit``: the answers' unit roundoff (``2^-8`` bfloat16, ``2^-11`` float16)."""
+    started = time.perf_counter()
+    vectors = VectorAnswers(seed, answer_dtype) if vectors is None else vectors
+    boundary = OracleBoundary(oracle, d, batch_size=batch_size, progress=progress, max_queries=max_queries,
+                              vectors=vectors)
+    checks, start, fit, model = [], None, None, None
+    estimate = residual = np.inf
+    try:
+        start = saturated_start(boundary, spawn_rng(seed, 31), d, heads, token_scale,
+                                on_direction=lambda done, total: note_progress(
+                                    progress, f"saturated lines: direction {done} of {total}"))
+        checks.append(Check("start", True, 0.0, 0.0, "every direction's labels found on saturated lines"))
+    except LabelsNotFound as error:
+        checks.append(Check("start", False, 1.0, 0.0, f"{error}: the heads are not resolved at these answers' "
+                                                       "precision (heads that switch together on every line)"))
+    design = None
+    if start is not None:
+        count = fit_query_count(heads, d, vectors.d_out or 1)
+        sequences = random_queries(spawn_rng(seed, 32), count, d, FIT_SCALE * start.scale, (2, FIT_LONGEST), FIT_SPREAD)
+        design = Design(sequences, boundary.ask(sequences, "fitting on fresh queries", whole=True))
+        fit = fit_whole(start.model, design, warm_up=True)
+        model, residual = fit.model, fit.misfit_after
+        estimate = bootstrap_error(fit, design, spawn_rng(seed, 33), compare)
+        rounding = unit * float(np.sqrt(np.mean(design.answers ** 2))) / design.scale
+        checks += [
+            Check("answers_residual", residual <= RESIDUAL_UNITS * rounding, residual, RESIDUAL_UNITS * rounding,
+                  f"RMS misfit of the fit on its {count} answers, relative to the largest (limit: "
+                  f"{RESIDUAL_UNITS:g} roundings of the answers at {answer_dtype})"),
+            Check("error_estimate", estimate <= ESTIMATE_UNITS * unit, estimate, ESTIMATE_UNITS * unit,
+                  "relative parameter error, residual bootstrap of the fit"),
+        ]
+    verification = None
+    if model is not None and (verify_length is None or verify_length > 0):
+        long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), start.scale,
+                                             verify_length or VERIFY_LONGEST)
+        # the layer rounds each answer once (its sums accumulate in float32): a few units whatever the length
+        check, verification = long_queries.judge(model, estimate, residual, 0.0, design.scale, unit, FIT_LONGEST,
+                                                 seed=seed, rounding=VERIFY_ROUNDING_UNITS * unit)
+        checks.append(check)
+    return LowPrecisionExtraction(
+        model=model, heads=0 if model is None else model.heads, queries=boundary.queries,
+        queries_asked=boundary.queries, max_query_length=boundary.max_query_length, answer_dtype=answer_dtype,
+        token_scale=float(start.scale) if start is not None else float("nan"), error_estimate=float(estimate),
+        answers_residual=float(residual), seconds=time.perf_counter() - started, checks=checks,
+        verification=verification, start=start, fit=fit)

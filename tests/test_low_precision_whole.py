@@ -1,0 +1,122 @@
+"""Layers answering whole outputs in bfloat16 or float16 (docs/algorithm.md §23): the saturated
+start and the fit on whole answers, with library defaults.
+
+The oracles are written here: a vector attention computed in float64 from its parameters and
+rounded to 8 or 11 significant bits (round to nearest even, by bit arithmetic on float32), and a
+torch GPT-2 layer run in bfloat16 whose truth is written from its own rounded weights.
+"""
+
+import numpy as np
+import pytest
+
+import mhaextract as mx
+
+
+def round_bits(values: np.ndarray, bits: int) -> np.ndarray:
+    """Round to ``bits`` significant bits (8: bfloat16's, 11: float16's) to nearest even, via the
+    float32 bit pattern (float32 first: both formats' rounding of a float32)."""
+    single = np.asarray(values, dtype=np.float32)
+    drop = np.uint32(24 - bits)
+    raw = single.view(np.uint32)
+    half = (np.uint32(1) << (drop - np.uint32(1))) - np.uint32(1) + ((raw >> drop) & np.uint32(1))
+    return ((raw + half) >> drop << drop).view(np.float32).astype(np.float64)
+
+
+def attention(W, V, u, c, X):
+    """f(X) = c + sum_h V_h sum_i softmax_i(x_i^T (W_h x_N + u_h)) x_i, float64, one sequence."""
+    total = np.array(c, dtype=np.float64)
+    for h in range(len(W)):
+        scores = X @ (W[h] @ X[-1] + u[h])
+        weights = np.exp(scores - scores.max())
+        total = total + V[h] @ (weights @ X) / weights.sum()
+    return total
+
+
+class RoundedLayer:
+    """Whole outputs of a random layer with biases, rounded to ``bits``; counts what it answers."""
+
+    def __init__(self, d, heads, bits, seed):
+        rng = np.random.default_rng(seed)
+        self.W = rng.standard_normal((heads, d, d)) / d
+        self.V = rng.standard_normal((heads, d, d)) / np.sqrt(d)
+        self.u = rng.standard_normal((heads, d)) / np.sqrt(d)
+        self.c = rng.standard_normal(d) / 4
+        self.bits, self.sequences = bits, 0
+
+    def __call__(self, batch):
+        self.sequences += len(batch)
+        return round_bits(np.stack([attention(self.W, self.V, self.u, self.c, X) for X in batch]), self.bits)
+
+    @property
+    def truth(self):
+        return mx.MultiHeadAttention(self.W, self.V, self.u, self.c)
+
+
+@pytest.mark.parametrize("bits, name, limit", [(8, "bfloat16", 2e-2), (11, "float16", 3e-3)])
+def test_a_layer_answering_few_bits_is_extracted_whole(bits, name, limit):
+    oracle = RoundedLayer(6, 2, bits, seed=1)
+    result = mx.extract(oracle, 6, heads=2, seed=3)
+    assert result.answer_dtype == name and result.ok and result.model.is_vector
+    error = mx.compare(result.model, oracle.truth).max_rel
+    assert error <= limit
+    assert result.error_estimate >= error / 10  # never far below the truth
+    assert result.queries == oracle.sequences  # the calibration's probes included, counted by the oracle
+    assert result.max_query_length <= 64
+
+
+def test_the_start_alone_is_near_and_the_fit_reaches_the_answers_noise():
+    oracle = RoundedLayer(8, 3, 8, seed=2)
+    result = mx.extract(oracle, 8, heads=3, seed=0)
+    start = mx.compare(result.start.model, oracle.truth).max_rel
+    final = mx.compare(result.model, oracle.truth).max_rel
+    assert start < 0.2 and final < start / 5
+    assert result.answers_residual <= 4 * 2.0**-8
+
+
+def test_outputs_that_are_not_attention_fail_loudly():
+    """A whole output bent by a non-linearity, rounded to 8 bits: no silent model."""
+    layer = RoundedLayer(5, 2, 8, seed=3)
+
+    def bent(batch):
+        return round_bits(np.tanh(3 * np.stack([attention(layer.W, layer.V, layer.u, layer.c, X) for X in batch])), 8)
+    with pytest.raises(mx.ExtractionError):
+        mx.extract(bent, 5, heads=2, seed=0)
+
+
+def test_options_the_low_precision_run_does_not_take_are_refused():
+    oracle = RoundedLayer(4, 2, 8, seed=0)
+    with pytest.raises(ValueError, match="max_heads"):
+        mx.extract(oracle, 4, max_heads=3, seed=0)
+    with pytest.raises(ValueError, match="rank"):
+        mx.extract(oracle, 4, heads=2, rank=2, seed=0)
+
+
+@pytest.mark.slow
+def test_a_bfloat16_gpt2_layer_is_as_close_to_its_exact_layer_as_it_is_itself():
+    """GPT-2 at d = 32, H = 2 in bfloat16, biases: the extracted model's outputs at every position
+    of fresh sequences of 1..32 tokens are at least as close to the exact layer (its own bfloat16
+    weights in float64) as the bfloat16 layer's are."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from mhaextract.adapters.torch import TorchOracle, to_torch
+    from test_narrow_heads import gpt2_truth
+    from test_real_layers import build
+    d, H = 32, 2
+    layer = build("GPT2Attention", d, H, seed=5, implementation="sdpa").to(torch.bfloat16)
+    exact = build("GPT2Attention", d, H, seed=5, implementation="sdpa").double()
+    exact.load_state_dict({key: value.double() for key, value in layer.state_dict().items()})
+    result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, progress=False)
+    assert result.ok and result.answer_dtype == "bfloat16"
+    error = mx.compare(result.model, gpt2_truth(exact)).max_rel
+    assert error <= 2e-2 and result.error_estimate >= error / 10
+    replacement = to_torch(result.model, causal=True)
+    rng = np.random.default_rng(9)
+    own = mine = top = 0.0
+    with torch.no_grad():
+        for n in rng.integers(1, 33, size=60):
+            X = torch.as_tensor(rng.standard_normal((1, int(n), d)))
+            truth = exact(X)[0]
+            top = max(top, float(truth.abs().max()))
+            own = max(own, float((layer(X.to(torch.bfloat16))[0].double() - truth).abs().max()))
+            mine = max(mine, float((replacement(X) - truth).abs().max()))
+    assert mine <= own, (mine / top, own / top)
