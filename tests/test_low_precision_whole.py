@@ -2,7 +2,7 @@
 start and the fit on whole answers, with library defaults.
 
 The oracles are written here: a vector attention computed in float64 from its parameters and
-rounded to 8 or 11 significant bits (round to nearest even, by bit arithmetic on float32), and a
+rounded to bfloat16 (round to nearest even, by bit arithmetic on float32) or float16, and a
 torch GPT-2 layer run in bfloat16 whose truth is written from its own rounded weights.
 """
 
@@ -13,13 +13,14 @@ import mhaextract as mx
 
 
 def round_bits(values: np.ndarray, bits: int) -> np.ndarray:
-    """Round to ``bits`` significant bits (8: bfloat16's, 11: float16's) to nearest even, via the
-    float32 bit pattern (float32 first: both formats' rounding of a float32)."""
+    """Round to bfloat16 (``bits = 8``: to nearest even on the float32 bit pattern) or float16
+    (``bits = 11``: numpy's own float16, with its range and subnormals)."""
+    if bits == 11:
+        return np.asarray(values).astype(np.float16).astype(np.float64)
     single = np.asarray(values, dtype=np.float32)
-    drop = np.uint32(24 - bits)
     raw = single.view(np.uint32)
-    half = (np.uint32(1) << (drop - np.uint32(1))) - np.uint32(1) + ((raw >> drop) & np.uint32(1))
-    return ((raw + half) >> drop << drop).view(np.float32).astype(np.float64)
+    half = np.uint32(0x7FFF) + ((raw >> np.uint32(16)) & np.uint32(1))
+    return ((raw + half) & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
 
 
 def attention(W, V, u, c, X):
@@ -71,6 +72,16 @@ def test_the_start_alone_is_near_and_the_fit_reaches_the_answers_noise():
     final = mx.compare(result.model, oracle.truth).max_rel
     assert start < 0.2 and final < start / 5
     assert result.answers_residual <= 4 * 2.0**-8
+
+
+def test_a_result_is_saved_and_loaded(tmp_path):
+    oracle = RoundedLayer(4, 2, 11, seed=4)
+    result = mx.extract(oracle, 4, heads=2, seed=1)
+    json_path, _ = mx.save_extraction(result, tmp_path / "layer.json")
+    loaded = mx.load_model(json_path)
+    np.testing.assert_array_equal(loaded.V, result.model.V)
+    np.testing.assert_array_equal(loaded.W, result.model.W)
+    assert result.summary()["answer_dtype"] == "float16"
 
 
 def test_outputs_that_are_not_attention_fail_loudly():

@@ -320,9 +320,10 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
     >>> json_path.name, npz_path.name
     ('result.json', 'result.npz')
     """
+    from .lowprecision.learn import LowPrecisionExtraction
     from .rotary.learn import RotaryExtraction  # (the rotary module imports this one's neighbours)
 
-    if not isinstance(extraction, (Extraction, RotaryExtraction)):
+    if not isinstance(extraction, (Extraction, RotaryExtraction, LowPrecisionExtraction)):
         raise TypeError(f"save_extraction expects an Extraction, got {type(extraction).__name__}")
     json_path = Path(path)
     if json_path.suffix != ".json":
@@ -344,7 +345,7 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
         document["model"] = {"d": model.d, "heads": model.heads, "W": model.W.tolist(), **values,
                              "u": model.u.tolist(), "c": np.asarray(model.c).tolist()}
         arrays.update(W=model.W, u=model.u, c=np.array(model.c), **({"V": model.V} if model.is_vector else {"v": model.v}))
-    if extraction.W_balls is not None:
+    if getattr(extraction, "W_balls", None) is not None:
         exact = extraction.model_hp
         to_hex = np.vectorize(mpf_to_hex, otypes=[object])
         W_radius, v_radius = radius_float(extraction.W_balls), radius_float(extraction.v_balls)
@@ -358,7 +359,8 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
             u_radius, c_radius = radius_float(extraction.u_balls), float(radius_float([extraction.c_ball])[0])
             document["model_exact"].update(u_radius=u_radius.tolist(), c_radius=c_radius)
             arrays.update(u_radius=u_radius, c_radius=np.array(c_radius))
-    arrays.update(extraction.details.arrays())
+    if getattr(extraction, "details", None) is not None:
+        arrays.update(extraction.details.arrays())
     json_path.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False))
     np.savez_compressed(npz_path, **arrays)
     return json_path, npz_path

@@ -128,13 +128,14 @@ def _rms(model, design) -> float:
 
 
 def fit_whole(start: MultiHeadAttention, design: Design, iterations: int = FIT_ITERATIONS,
-              warm_up: bool = False) -> WholeFit:
+              warm_up: bool = False, on_iteration=None) -> WholeFit:
     """L-BFGS on every parameter from ``start``, each block scaled by its RMS size in the start;
     ``warm_up``: first ``WARM_UP_ITERATIONS`` on every ``WARM_UP_STEP``-th query (most of the way
-    from a start 1e-2 off, at a quarter of the cost)."""
+    from a start 1e-2 off, at a quarter of the cost). ``on_iteration(iteration, misfit)``: called
+    after each iteration (a progress bar), misfit as ``sum |f - y|^2 / (2 scale^2)``."""
     if warm_up:
-        first = fit_whole(start, design.subset(WARM_UP_STEP), WARM_UP_ITERATIONS)
-        final = fit_whole(first.model, design, iterations)
+        first = fit_whole(start, design.subset(WARM_UP_STEP), WARM_UP_ITERATIONS, on_iteration=on_iteration)
+        final = fit_whole(first.model, design, iterations, on_iteration=on_iteration)
         before = _rms(start, design)
         if not final.misfit_after <= before:
             return WholeFit(start, before, before, first.iterations + final.iterations, final.message)
@@ -156,7 +157,13 @@ def fit_whole(start: MultiHeadAttention, design: Design, iterations: int = FIT_I
         return value, np.concatenate([g.ravel() * scale for g, scale in zip(grads, scales)])
 
     phi0 = np.concatenate([b.ravel() / scale for b, scale in zip(blocks, scales)])
-    result = minimize(objective, phi0, jac=True, method="L-BFGS-B",
+    counter = iter(range(1, iterations + 1))
+
+    def callback(intermediate_result):
+        if on_iteration is not None:
+            on_iteration(next(counter), float(intermediate_result.fun))
+
+    result = minimize(objective, phi0, jac=True, method="L-BFGS-B", callback=callback,
                       options={"maxiter": iterations, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 30})
     W, u, V, c = unpack(result.x)
     model = MultiHeadAttention(W, V, u, c)

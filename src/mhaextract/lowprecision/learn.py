@@ -90,6 +90,14 @@ class LowPrecisionExtraction(CheckedResult):
     calibration_queries: int = 0
     schedule: str = "saturated"
 
+    def summary(self) -> dict:
+        return {"schedule": self.schedule, "answer_dtype": self.answer_dtype,
+                "d": None if self.model is None else self.model.d, "heads": self.heads,
+                "d_out": None if self.model is None else self.model.d_out, "queries": self.queries,
+                "calibration_queries": self.calibration_queries, "max_query_length": self.max_query_length,
+                "token_scale": self.token_scale, "error_estimate": self.error_estimate,
+                "answers_residual": self.answers_residual, "ok": self.ok, "seconds": self.seconds}
+
     def __repr__(self) -> str:
         return (f"LowPrecisionExtraction(heads={self.heads}, answers={self.answer_dtype}, queries={self.queries}, "
                 f"ok={self.ok}, error_estimate={self.error_estimate:.2g})")
@@ -120,7 +128,8 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
         count = fit_query_count(heads, d, vectors.d_out or 1)
         sequences = random_queries(spawn_rng(seed, 32), count, d, FIT_SCALE * start.scale, (2, FIT_LONGEST), FIT_SPREAD)
         design = Design(sequences, boundary.ask(sequences, "fitting on fresh queries", whole=True))
-        fit = fit_whole(start.model, design, warm_up=True)
+        fit = fit_whole(start.model, design, warm_up=True, on_iteration=lambda step, value: note_progress(
+            progress, f"fitting the whole model: iteration {step}, misfit {value:.3g}"))
         model, residual = fit.model, fit.misfit_after
         estimate = bootstrap_error(fit, design, spawn_rng(seed, 33), compare)
         rounding = unit * float(np.sqrt(np.mean(design.answers ** 2))) / design.scale

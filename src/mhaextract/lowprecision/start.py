@@ -41,8 +41,10 @@ SATURATING = 400.0
 #: Samples per line of query tokens, and the line's half-length (in token scales).
 LINE_SAMPLES = 64
 LINE_HALF_LENGTH = 3.0
-#: Lines tried per direction before its labels are declared not found.
+#: Lines tried per direction before its labels are declared not found; every LINES_PER_LENGTH
+#: lines the half-length doubles.
 MOST_LINES = 16
+LINES_PER_LENGTH = 4
 #: A jump joins a cluster within this relative distance of its centre.
 CLUSTER_RADIUS = 0.05
 #: The labels' signed sum must give V e within this relative misfit.
@@ -88,15 +90,16 @@ def _unit(vector: np.ndarray) -> np.ndarray:
     return vector / np.linalg.norm(vector)
 
 
-def line_plateaus(boundary, values: ValueMap, rng, e: np.ndarray, scale: float) -> list[np.ndarray]:
+def line_plateaus(boundary, values: ValueMap, rng, e: np.ndarray, scale: float,
+                  half_length: float = LINE_HALF_LENGTH) -> list[np.ndarray]:
     """The plateau values of ``R(z(s))`` along one random line of query tokens (``LINE_SAMPLES``
-    queries): runs of samples whose consecutive differences stay below 20 times their median (the
+    queries, ``s`` in ``[-half_length, half_length]``): runs of samples whose consecutive differences stay below 20 times their median (the
     answers' rounding) and 1% of the largest R."""
     d = len(e)
     z1 = _unit(rng.standard_normal(d))
     z0 = rng.standard_normal(d)
     z0 = _unit(z0 - (z0 @ z1) * z1)
-    s = np.linspace(-LINE_HALF_LENGTH, LINE_HALF_LENGTH, LINE_SAMPLES)
+    s = np.linspace(-half_length, half_length, LINE_SAMPLES)
     Z = scale * (z0[None] + s[:, None] * z1[None])
     t = SATURATING * scale
     answers = boundary.ask([np.stack([z + t * e, z]) for z in Z], "saturated lines", whole=True)
@@ -134,7 +137,9 @@ def direction_labels(boundary, values: ValueMap, rng, e: np.ndarray, heads: int,
     total = values.V @ e
     clusters: list[list] = []  # [sum of members, count]
     for line in range(1, MOST_LINES + 1):
-        plateaus = line_plateaus(boundary, values, rng, e, scale)
+        # a head whose score bias outweighs W_h z on these lines crosses beyond them: longer lines
+        plateaus = line_plateaus(boundary, values, rng, e, scale,
+                                 LINE_HALF_LENGTH * 2.0 ** ((line - 1) // LINES_PER_LENGTH))
         for before, after in zip(plateaus, plateaus[1:]):
             jump = after - before
             jump = jump * np.sign(jump[np.argmax(np.abs(jump))])  # +-w_h: one sign for the clustering
