@@ -159,8 +159,9 @@ class TargetedSchedule(Schedule):
         said = (f"The answers carry noise of about {unit:.2g} relative ({bits:.0f} bits; bfloat16 has 8, float16 11, float32 24) "
                 "measured before the run, and the targeted instances sized to it did not hold")
         if bits < 20:
-            return [said + ": below about 20 bits the single-pole fits cannot see the heads (docs/algorithm.md "
-                    "§19). Use a higher-precision oracle (float32 or better) for this layer."]
+            return [said + ": below about 20 bits the single-pole fits of one read-out cannot see the heads "
+                    "(docs/algorithm.md §19). Answer the layer's whole output (TorchOracle(layer) without readout): "
+                    "at 8 or 11 bits the run then learns it from the vectors (§23); or use a float32 or better copy."]
         return [said + " (docs/algorithm.md §19: float32 layers pass at d <= 32 with few heads, not every one at "
                 "d = 32, H = 8). A float64 copy of the layer, where you have one, extracts to 1e-14; or try "
                 "another seed."]
