@@ -94,6 +94,21 @@ def test_outputs_that_are_not_attention_fail_loudly():
         mx.extract(bent, 5, heads=2, seed=0)
 
 
+def test_a_declared_format_with_a_given_token_scale_and_scalar_answers():
+    """No calibration (token_scale given): the declared answer_dtype routes the run; a scalar
+    oracle at 8 bits fails loudly, saying to answer whole outputs."""
+    layer = RoundedLayer(4, 2, 8, seed=0)
+    layer.answer_dtype = "bfloat16"
+    result = mx.extract(layer, 4, heads=2, seed=0, token_scale=3.0)
+    assert result.schedule == "saturated" and result.ok and result.calibration_queries == 0
+
+    def scalar(batch):
+        return layer(batch)[:, 0]
+    scalar.answer_dtype = "bfloat16"
+    with pytest.raises(mx.ExtractionError, match="whole output"):
+        mx.extract(scalar, 4, heads=2, seed=0, token_scale=3.0)
+
+
 def test_options_the_low_precision_run_does_not_take_are_refused():
     oracle = RoundedLayer(4, 2, 8, seed=0)
     with pytest.raises(ValueError, match="max_heads"):

@@ -116,6 +116,12 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
     checks, start, fit, model = [], None, None, None
     estimate = residual = np.inf
     try:
+        if vectors.d_out is None:  # no vector answer seen (no calibration, or scalars): one query says
+            boundary.ask([np.zeros((1, d))], "the output width", whole=True)
+        if (vectors.d_out or 1) == 1:
+            raise LabelsNotFound(f"the oracle answers one number per query at {answer_dtype}: the heads' labels are "
+                                 "vectors of the layer's outputs; answer the whole output (TorchOracle(layer) "
+                                 "without readout)")
         start = saturated_start(boundary, spawn_rng(seed, 31), d, heads, token_scale,
                                 on_direction=lambda done, total: note_progress(
                                     progress, f"saturated lines: direction {done} of {total}"))

@@ -45,9 +45,10 @@ COARSE_FORMATS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 
 def low_precision_run(name, answer_format, d_out) -> bool:
-    """Whether ``schedule=name`` on answers of ``answer_format`` with ``d_out`` numbers each runs the
-    low-precision learner (:mod:`mhaextract.lowprecision`) instead of a schedule."""
-    return name == AUTO and answer_format in COARSE_FORMATS and (d_out or 1) > 1
+    """Whether ``schedule=name`` on answers of ``answer_format`` with ``d_out`` numbers each (None:
+    none asked yet) runs the low-precision learner (:mod:`mhaextract.lowprecision`) instead of a
+    schedule."""
+    return name == AUTO and answer_format in COARSE_FORMATS and (d_out is None or d_out > 1)
 
 
 def schedule_names() -> list[str]:
