@@ -146,3 +146,18 @@ def test_a_bfloat16_gpt2_layer_is_as_close_to_its_exact_layer_as_it_is_itself():
             own = max(own, float((layer(X.to(torch.bfloat16))[0].double() - truth).abs().max()))
             mine = max(mine, float((replacement(X) - truth).abs().max()))
     assert mine <= own, (mine / top, own / top)
+
+
+def test_the_fit_design_and_its_subset_predict_every_answer():
+    """The fit's misfit on a design and on every 4th query of it: every prediction is computed
+    (an unfilled entry would be read as a misfit), the model's own outputs to float64 rounding."""
+    from mhaextract.lowprecision.fit import Design, predictions
+    from mhaextract.oracle.queries import random_queries
+    layer = RoundedLayer(5, 2, 8, seed=6)
+    sequences = random_queries(np.random.default_rng(0), 41, 5, 2.0, (1, 6))
+    expected = np.stack([attention(layer.W, layer.V, layer.u, layer.c, X) for X in sequences])
+    design = Design(sequences, expected)
+    np.testing.assert_allclose(predictions(layer.truth, design), expected, rtol=1e-12, atol=1e-12)
+    part = design.subset(4)
+    np.testing.assert_allclose(predictions(layer.truth, part), part.answers, rtol=1e-12, atol=1e-12)
+    assert len(part.answers) < len(sequences) and part.scale == design.scale

@@ -52,13 +52,19 @@ class Design:
             index = np.flatnonzero(lengths == length)
             self.blocks.append((index, np.stack([sequences[i] for i in index]), answers[index]))
         self.answers = answers
-        self.scale = max(float(np.abs(answers).max()), 1e-300)
+        self.scale = float(np.abs(answers).max()) or 1.0  # (squared below: a tiny floor would underflow)
 
     def subset(self, step: int) -> "Design":
-        """Every ``step``-th query (a cheaper design for the first iterations)."""
+        """Every ``step``-th query of each length (a cheaper design for the first iterations), with
+        the same answer scale."""
         other = object.__new__(Design)
-        other.blocks = [(index[::step], X[::step], y[::step]) for index, X, y in self.blocks]
-        other.answers, other.scale = self.answers, self.scale
+        other.blocks, at = [], 0
+        for _, X, y in self.blocks:
+            count = len(X[::step])
+            other.blocks.append((np.arange(at, at + count), X[::step], y[::step]))
+            at += count
+        other.answers = np.concatenate([y for _, _, y in other.blocks])
+        other.scale = self.scale
         return other
 
     def with_answers(self, answers: np.ndarray) -> "Design":

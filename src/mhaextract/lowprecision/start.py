@@ -157,7 +157,9 @@ def direction_labels(boundary, values: ValueMap, rng, e: np.ndarray, heads: int,
             if misfit < SUM_MISFIT:
                 return labels, line
     raise LabelsNotFound(f"the {heads} labels of a direction did not show on {MOST_LINES} lines of saturated "
-                         f"queries ({len(clusters)} jumps seen, {sum(c[1] >= 2 for c in clusters)} recurring)")
+                         f"queries ({len(clusters)} jumps seen, {sum(c[1] >= 2 for c in clusters)} recurring): the "
+                         "heads are not resolved at these answers' precision (heads that switch together on every "
+                         "line), or the oracle is not one attention layer")
 
 
 def direction_rates(boundary, values: ValueMap, rng, e: np.ndarray, labels: np.ndarray,

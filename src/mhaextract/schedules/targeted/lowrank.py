@@ -37,7 +37,7 @@ from ...numerics import float64 as float64_kernel
 from . import biased
 from ..base import Outcome
 from .biased import AffineDesign, AffineProber, lift, lifted_scores
-from .bases import balanced_basis
+from .bases import balanced_basis, bias_balanced_scale
 from .designs import SubspaceDesign
 from .diagnostics import first_order_estimate, instance_diagnostics, targeted_checks, TargetedDetails
 from .measure import all_heads_at, measure_units, shared_estimates
@@ -341,6 +341,8 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     W_lift = lifted_scores(W_rough, u_rough)
     H = len(search.heads)
     scale = GROUP_SCALE * token_scale
+    if prober.unit > EPS:  # noisy answers: u_h read as well as W_h (docs/algorithm.md §19, "Narrow heads")
+        scale = bias_balanced_scale(W_lift, Z, scale)
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d, H, d + 1)
     estimates = all_heads_at(W_lift, differences)
