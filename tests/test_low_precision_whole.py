@@ -65,6 +65,7 @@ def test_a_layer_answering_few_bits_is_extracted_whole(bits, name, limit):
     assert result.max_query_length <= 64
 
 
+@pytest.mark.slow  # 4 s
 def test_the_start_alone_is_near_and_the_fit_reaches_the_answers_noise():
     oracle = RoundedLayer(8, 3, 8, seed=2)
     result = mx.extract(oracle, 8, heads=3, seed=0)
