@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..oracle.answer_stats import FORMAT_UNITS
 from .base import Schedule
 from .biased_grid import BiasedGridSchedule
 from .lean import LeanSchedule
@@ -41,7 +42,7 @@ REAL_LAYER_DEFAULTS: set[type[Schedule]] = set()
 
 #: Answer formats whose few significant bits the algebraic schedules cannot resolve: with whole
 #: answers, ``schedule="auto"`` runs the low-precision learner there (docs/algorithm.md §23).
-COARSE_FORMATS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+COARSE_FORMATS = {name: FORMAT_UNITS[name] for name in ("bfloat16", "float16")}
 
 
 def low_precision_run(name, answer_format, d_out) -> bool:
