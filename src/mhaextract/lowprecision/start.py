@@ -41,10 +41,10 @@ SATURATING = 400.0
 #: Samples per line of query tokens, and the line's half-length (in token scales).
 LINE_SAMPLES = 64
 LINE_HALF_LENGTH = 3.0
-#: Lines tried per direction before its labels are declared not found; every LINES_PER_LENGTH
-#: lines the half-length doubles.
+#: Lines tried per direction before its labels are declared not found; their half-lengths cycle
+#: through LINE_LENGTHS doublings of LINE_HALF_LENGTH.
 MOST_LINES = 16
-LINES_PER_LENGTH = 4
+LINE_LENGTHS = 3
 #: A jump joins a cluster within this relative distance of its centre.
 CLUSTER_RADIUS = 0.05
 #: The labels' signed sum must give V e within this relative misfit.
@@ -137,9 +137,10 @@ def direction_labels(boundary, values: ValueMap, rng, e: np.ndarray, heads: int,
     total = values.V @ e
     clusters: list[list] = []  # [sum of members, count]
     for line in range(1, MOST_LINES + 1):
-        # a head whose score bias outweighs W_h z on these lines crosses beyond them: longer lines
+        # a head whose score bias outweighs W_h z on these lines crosses beyond them: longer lines,
+        # in turn with the base length (long lines round their query tokens' own scores more)
         plateaus = line_plateaus(boundary, values, rng, e, scale,
-                                 LINE_HALF_LENGTH * 2.0 ** ((line - 1) // LINES_PER_LENGTH))
+                                 LINE_HALF_LENGTH * 2.0 ** ((line - 1) % LINE_LENGTHS))
         for before, after in zip(plateaus, plateaus[1:]):
             jump = after - before
             jump = jump * np.sign(jump[np.argmax(np.abs(jump))])  # +-w_h: one sign for the clustering
