@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import minimize
 
+from ..compare import compare
 from ..model import MultiHeadAttention
 
 #: Fit queries per parameter and d_out numbers (``n d_out >= FIT_NUMBERS_PER_PARAMETER P``).
@@ -54,29 +55,30 @@ class Design:
         self.answers = answers
         self.scale = float(np.abs(answers).max()) or 1.0  # (squared below: a tiny floor would underflow)
 
+    @classmethod
+    def _of(cls, blocks: list, answers: np.ndarray, scale: float) -> "Design":
+        design = object.__new__(cls)
+        design.blocks, design.answers, design.scale = blocks, answers, scale
+        return design
+
     def subset(self, step: int) -> "Design":
         """Every ``step``-th query of each length (a cheaper design for the first iterations), with
         the same answer scale."""
-        other = object.__new__(Design)
-        other.blocks, at = [], 0
+        blocks, at = [], 0
         for _, X, y in self.blocks:
             count = len(X[::step])
-            other.blocks.append((np.arange(at, at + count), X[::step], y[::step]))
+            blocks.append((np.arange(at, at + count), X[::step], y[::step]))
             at += count
-        other.answers = np.concatenate([y for _, _, y in other.blocks])
-        other.scale = self.scale
-        return other
+        return Design._of(blocks, np.concatenate([y for _, _, y in blocks]), self.scale)
 
     def with_answers(self, answers: np.ndarray) -> "Design":
-        other = object.__new__(Design)
-        other.blocks = [(index, X, answers[index]) for index, X, _ in self.blocks]
-        other.answers, other.scale = answers, self.scale
-        return other
+        """The same queries with other answers (and the same scale)."""
+        return Design._of([(index, X, answers[index]) for index, X, _ in self.blocks], answers, self.scale)
 
 
 def _forward(W, u, V, c, X):
     """``f`` (n, d_out), the weights ``a`` (n, H, L) and head means ``z`` (n, H, d) of one block, as
-    BLAS products: ``Wr`` stacks the ``W_h`` (H d, d), ``Vr`` the ``V_h^T`` (H d, d_out)."""
+    BLAS products over the stacked ``W_h`` (H d, d) and ``V_h^T`` (H d, d_out)."""
     n, _, d = X.shape
     H = len(W)
     q = (X[:, -1] @ W.reshape(H * d, d).T).reshape(n, H, d) + u[None]
@@ -179,7 +181,7 @@ def fit_whole(start: MultiHeadAttention, design: Design, iterations: int = FIT_I
     return WholeFit(model, before, after, int(result.nit), str(result.message))
 
 
-def bootstrap_error(fit: WholeFit, design: Design, seed, compare) -> float:
+def bootstrap_error(fit: WholeFit, design: Design, seed) -> float:
     """``BOOTSTRAP_SAFETY`` times the largest relative move (``compare(...).max_rel``) of the fit
     repeated on ``f_fit(X_q) + r_{pi(q)}`` (the fitted answers plus the residuals of a random
     permutation of the queries): the residuals stand for the answers' noise, and the refit moves by

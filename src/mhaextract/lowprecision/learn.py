@@ -15,7 +15,6 @@ import numpy as np
 
 from ..checks.base import Check, CheckedResult
 from ..checks.verify import ask_long_verification
-from ..compare import compare
 from ..model import MultiHeadAttention
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import note_progress
@@ -139,7 +138,7 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
         fit = fit_whole(start.model, design, warm_up=True, on_iteration=lambda step, value: note_progress(
             progress, f"fitting the whole model: iteration {step}, misfit {value:.3g}"))
         model, residual = fit.model, fit.misfit_after
-        estimate = bootstrap_error(fit, design, spawn_rng(seed, 33), compare)
+        estimate = bootstrap_error(fit, design, spawn_rng(seed, 33))
         rounding = unit * float(np.sqrt(np.mean(design.answers ** 2))) / design.scale
         checks += [
             Check("answers_residual", residual <= RESIDUAL_UNITS * rounding, residual, RESIDUAL_UNITS * rounding,
