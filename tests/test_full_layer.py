@@ -288,3 +288,7 @@ def test_the_chunked_normal_equations_agree_with_the_dense_fit(monkeypatch):
     np.testing.assert_allclose(chunked.model.c, dense.model.c, rtol=0, atol=1e-12)
     assert mx.compare(chunked.model, layer).max_rel <= chunked.error_estimate
     assert 0.3 <= chunked.error_estimate / dense.error_estimate <= 3
+    # chunks rebuilt on every pass (a design over the memory budget) give the kept chunks' numbers
+    monkeypatch.setattr(outputs, "DESIGN_CACHE_BYTES", 0)
+    rebuilt = outputs.fit_values(layer.readout(r), queries, answers, True, r, (1e-12, 1e-12))
+    assert np.array_equal(rebuilt.model.V, chunked.model.V) and rebuilt.error_estimate == chunked.error_estimate

@@ -36,6 +36,10 @@ from .schedules.base import RESOLVED
 DENSE_ENTRIES = 2 * 10**7
 #: Rows of the design built at once in the chunked fit.
 CHUNK = 2048
+#: The chunked fit keeps its design's chunks when they take at most this many bytes (each pass
+#: over the design otherwise recomputes every query's softmax weights), and rebuilds them per pass
+#: above it, so that memory stays O(unknowns^2).
+DESIGN_CACHE_BYTES = 2**30
 #: Random vectors probing the rows of A^+ for the noise part of the estimate.
 PROBES = 8
 
@@ -94,7 +98,11 @@ class ValueFit:
 def _design(model: MultiHeadAttention, sequences, bias: bool) -> np.ndarray:
     """Rows ``[m_1(X)^T ... m_H(X)^T (1)]`` for the sequences (the means under the model's scores)."""
     means = model.head_means(sequences).reshape(len(sequences), -1)
-    return np.hstack([means, np.ones((len(sequences), 1))]) if bias else means
+    if not bias:
+        return means
+    rows = np.empty((len(sequences), means.shape[1] + 1))
+    rows[:, :-1], rows[:, -1] = means, 1.0
+    return rows
 
 
 def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: bool, readout: np.ndarray,
@@ -192,14 +200,20 @@ class _DenseFit:
 
 class _NormalFit:
     """Least squares by normal equations formed in chunks (memory O(unknowns^2)), equilibrated,
-    Cholesky-factored and refined twice on the residual computed chunk by chunk (large problems)."""
+    Cholesky-factored and refined twice on the residual computed chunk by chunk (large problems).
+    The chunks are kept for the later passes when they fit ``DESIGN_CACHE_BYTES``."""
 
     def __init__(self, model, sequences, answers, bias):
         self.model, self.sequences, self.bias = model, sequences, bias
+        unknowns = model.heads * model.d + int(bias)
+        keep = len(sequences) * unknowns * 8 <= DESIGN_CACHE_BYTES
+        self.chunks = [] if keep else None
         gram, self.columns = None, None
         for start in range(0, len(sequences), CHUNK):
             A = _design(model, sequences[start:start + CHUNK], bias)
             gram = A.T @ A if gram is None else gram + A.T @ A
+            if keep:
+                self.chunks.append(A)
         self.columns = np.sqrt(np.diag(gram)).copy()
         self.columns[self.columns == 0] = 1.0
         self.factor = scipy.linalg.cho_factor(gram / np.outer(self.columns, self.columns))
@@ -212,8 +226,12 @@ class _NormalFit:
         self.residual_max = float(np.abs(residual).max())
 
     def _designs(self, model=None):
-        for start in range(0, len(self.sequences), CHUNK):
-            yield slice(start, start + CHUNK), _design(model or self.model, self.sequences[start:start + CHUNK], self.bias)
+        for number, start in enumerate(range(0, len(self.sequences), CHUNK)):
+            rows = slice(start, start + CHUNK)
+            if model is None and self.chunks is not None:
+                yield rows, self.chunks[number]
+            else:
+                yield rows, _design(model or self.model, self.sequences[rows], self.bias)
 
     def _times(self, X, model=None):
         return np.vstack([A @ X for _, A in self._designs(model)])
