@@ -162,3 +162,24 @@ def test_the_fit_design_and_its_subset_predict_every_answer():
     part = design.subset(4)
     np.testing.assert_allclose(predictions(layer.truth, part), part.answers, rtol=1e-12, atol=1e-12)
     assert len(part.answers) < len(sequences) and part.scale == design.scale
+
+
+def test_the_fit_stops_where_its_misfit_stalls_and_is_as_close_as_one_run_to_its_cap(monkeypatch):
+    """L-BFGS stops once ten iterations lower the misfit by less than a thousandth of what the
+    parameters' statistical error adds to it (docs/algorithm.md §23): well before its cap, and the
+    fit run on to the cap is no closer to the truth."""
+    import mhaextract.lowprecision.fit as fit
+    from mhaextract.oracle.queries import random_queries
+    layer = RoundedLayer(5, 2, 8, seed=6)
+    sequences = random_queries(np.random.default_rng(0), 1500, 5, 2.0, (2, 8))
+    design = fit.Design(sequences, layer(sequences))
+    rng = np.random.default_rng(1)
+    truth = layer.truth
+    start = mx.MultiHeadAttention(*(p * (1 + 1e-2 * rng.standard_normal(np.shape(p)))
+                                    for p in (truth.W, truth.V, truth.u, truth.c)))
+    stalled = fit.fit_whole(start, design, iterations=3000)
+    monkeypatch.setattr(fit, "STALL_FRACTION", 0.0)
+    capped = fit.fit_whole(start, design, iterations=3000)
+    assert stalled.iterations < capped.iterations
+    error, floor = (mx.compare(f.model, truth).max_rel for f in (stalled, capped))
+    assert error <= 1.1 * floor and error < mx.compare(start, truth).max_rel / 3

@@ -35,6 +35,12 @@ BOOTSTRAP_ITERATIONS = 100
 #: Bootstrap refits; the estimate is ``BOOTSTRAP_SAFETY`` times the largest move.
 BOOTSTRAPS = 1
 BOOTSTRAP_SAFETY = 3.0
+#: L-BFGS stops once the misfit fell by less than ``STALL_FRACTION f P / (n d_out)`` over the last
+#: ``STALL_WINDOW`` iterations: about ``f P / (n d_out)`` is what moving the parameters by their
+#: statistical error adds to the misfit ``f`` (docs/algorithm.md §23), so the fit has stopped moving
+#: on that scale.
+STALL_WINDOW = 10
+STALL_FRACTION = 1e-3
 
 
 def fit_query_count(heads: int, d: int, d_out: int) -> int:
@@ -137,7 +143,8 @@ def _rms(model, design) -> float:
 
 def fit_whole(start: MultiHeadAttention, design: Design, iterations: int = FIT_ITERATIONS,
               warm_up: bool = False, on_iteration=None) -> WholeFit:
-    """L-BFGS on every parameter from ``start``, each block scaled by its RMS size in the start;
+    """L-BFGS on every parameter from ``start``, each block scaled by its RMS size in the start, for
+    at most ``iterations`` and until the misfit stalls (``STALL_WINDOW``, ``STALL_FRACTION``);
     ``warm_up``: first ``WARM_UP_ITERATIONS`` on every ``WARM_UP_STEP``-th query (most of the way
     from a start 1e-2 off, at a quarter of the cost). ``on_iteration(iteration, misfit)``: called
     after each iteration (a progress bar), misfit as ``sum |f - y|^2 / (2 scale^2)``."""
@@ -165,11 +172,16 @@ def fit_whole(start: MultiHeadAttention, design: Design, iterations: int = FIT_I
         return value, np.concatenate([g.ravel() * scale for g, scale in zip(grads, scales)])
 
     phi0 = np.concatenate([b.ravel() / scale for b, scale in zip(blocks, scales)])
-    counter = iter(range(1, iterations + 1))
+    stall = STALL_FRACTION * sum(sizes) / design.answers.size  # times f: P / (n d_out)
+    history = []
 
     def callback(intermediate_result):
+        value = float(intermediate_result.fun)
+        history.append(value)
         if on_iteration is not None:
-            on_iteration(next(counter), float(intermediate_result.fun))
+            on_iteration(len(history), value)
+        if len(history) > STALL_WINDOW and history[-1 - STALL_WINDOW] - value < stall * value:
+            raise StopIteration  # scipy ends the run with the current point
 
     result = minimize(objective, phi0, jac=True, method="L-BFGS-B", callback=callback,
                       options={"maxiter": iterations, "ftol": 1e-15, "gtol": 1e-12, "maxcor": 30})
