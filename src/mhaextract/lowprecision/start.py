@@ -41,14 +41,16 @@ SATURATING = 400.0
 #: Samples per line of query tokens, and the line's half-length (in token scales).
 LINE_SAMPLES = 64
 LINE_HALF_LENGTH = 3.0
-#: Lines tried per direction before its labels are declared not found; their half-lengths cycle
-#: through LINE_LENGTHS doublings of LINE_HALF_LENGTH.
+#: Lines tried per direction before its labels are declared not found; their token scales cycle
+#: through LINE_SCALES doublings of the run's.
 MOST_LINES = 16
-LINE_LENGTHS = 3
+LINE_SCALES = 3
 #: A jump joins a cluster within this relative distance of its centre.
 CLUSTER_RADIUS = 0.05
 #: The labels' signed sum must give V e within this relative misfit.
 SUM_MISFIT = 0.02
+#: Recurring jumps beyond the H most frequent that may stand in for one of them.
+SPARE_CLUSTERS = 2
 #: Key lengths of the rate queries, in token scales (one of them puts each head near sigma = 1/2).
 RATE_LENGTHS = (0.5, 2.0, 8.0, 32.0)
 #: Sigmoid values read as rates (beyond them logit amplifies the answers' rounding too much).
@@ -91,16 +93,22 @@ def _unit(vector: np.ndarray) -> np.ndarray:
 
 
 def line_plateaus(boundary, values: ValueMap, rng, e: np.ndarray, scale: float,
-                  half_length: float = LINE_HALF_LENGTH) -> list[np.ndarray]:
-    """The plateau values of ``R(z(s))`` along one random line of query tokens (``LINE_SAMPLES``
-    queries, ``s`` in ``[-half_length, half_length]``): runs of samples whose consecutive differences stay below 20 times their median (the
-    answers' rounding) and 1% of the largest R."""
+                  magnification: float = 1.0) -> list[np.ndarray]:
+    """The plateau values of ``R(z(s))`` along one random line of query tokens
+    ``z(s) = magnification scale (z0 + s z1)`` (``LINE_SAMPLES`` queries, ``s`` in
+    ``[-LINE_HALF_LENGTH, LINE_HALF_LENGTH]`` at equal steps of ``arctan s``; keys ``z + t e`` with
+    ``t = SATURATING scale`` whatever the magnification, which a float16 layer's scores could not
+    carry): runs of samples whose consecutive differences stay below 20
+    times their median (the answers' rounding) and 1% of the largest R."""
     d = len(e)
     z1 = _unit(rng.standard_normal(d))
     z0 = rng.standard_normal(d)
     z0 = _unit(z0 - (z0 @ z1) * z1)
-    s = np.linspace(-half_length, half_length, LINE_SAMPLES)
-    Z = scale * (z0[None] + s[:, None] * z1[None])
+    # equal steps in the token's direction: head h crosses at s = -(g_h^T z0 + beta_h / m) / g_h^T z1
+    # (m the line's token scale), about a Cauchy variable where the bias is small beside W_h z, whose
+    # arctangent is about uniform; equal steps in s would put the fewest samples where most heads cross
+    s = np.tan(np.linspace(-np.arctan(LINE_HALF_LENGTH), np.arctan(LINE_HALF_LENGTH), LINE_SAMPLES))
+    Z = magnification * scale * (z0[None] + s[:, None] * z1[None])
     t = SATURATING * scale
     answers = boundary.ask([np.stack([z + t * e, z]) for z in Z], "saturated lines", whole=True)
     R = (answers - values(Z)) / t
@@ -137,10 +145,9 @@ def direction_labels(boundary, values: ValueMap, rng, e: np.ndarray, heads: int,
     total = values.V @ e
     clusters: list[list] = []  # [sum of members, count]
     for line in range(1, MOST_LINES + 1):
-        # a head whose score bias outweighs W_h z on these lines crosses beyond them: longer lines,
-        # in turn with the base length (long lines round their query tokens' own scores more)
-        plateaus = line_plateaus(boundary, values, rng, e, scale,
-                                 LINE_HALF_LENGTH * 2.0 ** ((line - 1) % LINE_LENGTHS))
+        # a head whose score bias outweighs W_h z on these lines crosses far out on them: lines of
+        # larger tokens (the bias's share shrinks as 1 / scale), in turn with the base scale
+        plateaus = line_plateaus(boundary, values, rng, e, scale, 2.0 ** ((line - 1) % LINE_SCALES))
         for before, after in zip(plateaus, plateaus[1:]):
             jump = after - before
             jump = jump * np.sign(jump[np.argmax(np.abs(jump))])  # +-w_h: one sign for the clustering
@@ -154,9 +161,15 @@ def direction_labels(boundary, values: ValueMap, rng, e: np.ndarray, heads: int,
                 clusters.append([jump.copy(), 1])
         recurring = sorted((c for c in clusters if c[1] >= 2), key=lambda c: -c[1])
         if len(recurring) >= heads:
-            labels, misfit = _signed(np.stack([c[0] / c[1] for c in recurring[:heads]]), total)
-            if misfit < SUM_MISFIT:
-                return labels, line
+            # the H most frequent jumps; should their signed sum miss V e (two heads that often
+            # cross together recur as their sum), the other H of the SPARE_CLUSTERS more, most
+            # frequent first
+            counts = np.array([c[1] for c in recurring])
+            pool = range(min(len(recurring), heads + SPARE_CLUSTERS))
+            for subset in sorted(itertools.combinations(pool, heads), key=lambda chosen: -counts[list(chosen)].sum()):
+                labels, misfit = _signed(np.stack([recurring[i][0] / recurring[i][1] for i in subset]), total)
+                if misfit < SUM_MISFIT:
+                    return labels, line
     raise LabelsNotFound(f"the {heads} labels of a direction did not show on {MOST_LINES} lines of saturated "
                          f"queries ({len(clusters)} jumps seen, {sum(c[1] >= 2 for c in clusters)} recurring): the "
                          "heads are not resolved at these answers' precision (heads that switch together on every "
