@@ -146,7 +146,7 @@ def fit_whole(start: MultiHeadAttention, design: Design, iterations: int = FIT_I
     """L-BFGS on every parameter from ``start``, each block scaled by its RMS size in the start, for
     at most ``iterations`` and until the misfit stalls (``STALL_WINDOW``, ``STALL_FRACTION``);
     ``warm_up``: first ``WARM_UP_ITERATIONS`` on every ``WARM_UP_STEP``-th query (most of the way
-    from a start 1e-2 off, at a quarter of the cost). ``on_iteration(iteration, misfit)``: called
+    from a start 1e-2..0.3 off, at a quarter of the cost). ``on_iteration(iteration, misfit)``: called
     after each iteration (a progress bar), misfit as ``sum |f - y|^2 / (2 scale^2)``."""
     if warm_up:
         first = fit_whole(start, design.subset(WARM_UP_STEP), WARM_UP_ITERATIONS, on_iteration=on_iteration)

@@ -22,7 +22,7 @@ Three stages, each well conditioned at a few significant bits:
   ``u_h = E beta_h``, ``V_h = L_h E^T``; the heads of direction ``e_k`` are matched to those of
   ``e_1`` by the labels of the bridge ``(e_1 + e_k) / sqrt 2``, ``w(b) = (w(e_1) + w(e_k)) / sqrt 2``.
 
-The start is about 1e-2 off at 8 bits; :mod:`mhaextract.lowprecision.fit` takes it to the answers'
+The start is 1e-2..0.3 off (docs/algorithm.md §23); :mod:`mhaextract.lowprecision.fit` takes it to the answers'
 noise.
 """
 
