@@ -183,3 +183,18 @@ def test_the_fit_stops_where_its_misfit_stalls_and_is_as_close_as_one_run_to_its
     assert stalled.iterations < capped.iterations
     error, floor = (mx.compare(f.model, truth).max_rel for f in (stalled, capped))
     assert error <= 1.1 * floor and error < mx.compare(start, truth).max_rel / 3
+
+
+def test_a_fit_larger_than_the_memory_available_is_refused_before_the_start(monkeypatch):
+    """The fit's queries and answers are held at once; where they would not fit the machine's
+    available memory the run fails loudly, naming the size, before the start asks its queries."""
+    import mhaextract.lowprecision.learn as learn
+    from mhaextract.lowprecision.fit import fit_memory
+    monkeypatch.setattr(learn, "available_memory", lambda: 10**5)
+    oracle = RoundedLayer(4, 2, 8, seed=4)
+    with pytest.raises(mx.ExtractionError, match="fit_memory.*GiB.*more memory") as caught:
+        mx.extract(oracle, 4, heads=2, seed=1)
+    result = caught.value.extraction
+    assert result.model is None and [c.name for c in result.failed_checks] == ["fit_memory"]
+    assert result.failed_checks[0].value == fit_memory(2, 4, 4, learn.FIT_LONGEST) > 10**5
+    assert result.start is None and result.queries == oracle.sequences < 200  # the calibration's probes only

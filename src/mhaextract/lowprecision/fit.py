@@ -49,6 +49,27 @@ def fit_query_count(heads: int, d: int, d_out: int) -> int:
     return int(np.ceil(FIT_NUMBERS_PER_PARAMETER * parameters / max(d_out, 1)))
 
 
+def fit_memory(heads: int, d: int, d_out: int, longest: int) -> int:
+    """Bytes the fit holds at once, about: its queries' tokens (``n`` queries of ``(2 + longest) / 2``
+    tokens on average), four copies of the whole answers (answers, predictions, residuals, the
+    bootstrap's), and the largest length's intermediates ``q``, ``z``, ``dq`` (H d numbers per query,
+    about a third of the queries)."""
+    count = fit_query_count(heads, d, d_out)
+    return 8 * count * ((2 + longest) * d // 2 + 4 * d_out + heads * d)
+
+
+def available_memory() -> int | None:
+    """Bytes the operating system can give this process now (Linux's ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return 1024 * int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 class Design:
     """Queries grouped by length (one dense (n_L, L, d) block per length L) and their answers."""
 

@@ -21,7 +21,7 @@ from ..oracle.progress import note_progress
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
-from .fit import Design, WholeFit, bootstrap_error, fit_query_count, fit_whole
+from .fit import Design, WholeFit, available_memory, bootstrap_error, fit_memory, fit_query_count, fit_whole
 from .start import LabelsNotFound, SaturatedStart, saturated_start
 
 #: The fit's queries have 2 .. FIT_LONGEST tokens at the start's token scale times ``2^U``, U
@@ -38,6 +38,10 @@ ESTIMATE_UNITS = 8.0
 #: own error estimate).
 VERIFY_LONGEST = 64
 VERIFY_ROUNDING_UNITS = 8.0
+
+
+class FitTooLarge(RuntimeError):
+    """The fit would need more memory than the machine has: ``(message, bytes needed, bytes available)``."""
 
 
 @dataclass
@@ -124,12 +128,20 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
             raise LabelsNotFound(f"the oracle answers one number per query at {answer_dtype}: the heads' labels are "
                                  "vectors of the layer's outputs; answer the whole output (TorchOracle(layer) "
                                  "without readout)")
+        need, have = fit_memory(heads, d, vectors.d_out, FIT_LONGEST), available_memory()
+        if have is not None and need > have:  # refused before the start's queries are spent
+            raise FitTooLarge(f"the least-squares fit of the whole model would hold {fit_query_count(heads, d, vectors.d_out):,} "
+                              f"queries and their answers, about {need / 2**30:.1f} GiB, beside {have / 2**30:.1f} GiB "
+                              "available; its cost grows as H^2 d^3 (docs/algorithm.md §23): run on a machine with "
+                              "more memory, or extract the layer at float32 (layer.float())", need, have)
         start = saturated_start(boundary, spawn_rng(seed, 31), d, heads, token_scale,
                                 on_direction=lambda done, total: note_progress(
                                     progress, f"saturated lines: direction {done} of {total}"))
         checks.append(Check("start", True, 0.0, 0.0, "every direction's labels found on saturated lines"))
     except LabelsNotFound as error:
         checks.append(Check("start", False, 1.0, 0.0, str(error)))
+    except FitTooLarge as error:
+        checks.append(Check("fit_memory", False, float(error.args[1]), float(error.args[2]), str(error.args[0])))
     design = None
     if start is not None:
         count = fit_query_count(heads, d, vectors.d_out or 1)
