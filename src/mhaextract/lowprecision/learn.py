@@ -132,8 +132,9 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
         if have is not None and need > have:  # refused before the start's queries are spent
             raise FitTooLarge(f"the least-squares fit of the whole model would hold {fit_query_count(heads, d, vectors.d_out):,} "
                               f"queries and their answers, about {need / 2**30:.1f} GiB, beside {have / 2**30:.1f} GiB "
-                              "available; its cost grows as H^2 d^3 (docs/algorithm.md §23): run on a machine with "
-                              "more memory, or extract the layer at float32 (layer.float())", need, have)
+                              "available; its work grows as H^2 d^3 (docs/algorithm.md §23): run on a machine with "
+                              "more memory, or, where you hold the module, extract layer.float() (the same weights, "
+                              "answered with 24 bits)", need, have)
         start = saturated_start(boundary, spawn_rng(seed, 31), d, heads, token_scale,
                                 on_direction=lambda done, total: note_progress(
                                     progress, f"saturated lines: direction {done} of {total}"))
