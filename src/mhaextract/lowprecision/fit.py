@@ -52,8 +52,8 @@ def fit_query_count(heads: int, d: int, d_out: int) -> int:
 def fit_memory(heads: int, d: int, d_out: int, longest: int) -> int:
     """Bytes the fit holds at once, about: its queries' tokens (``n`` queries of ``(2 + longest) / 2``
     tokens on average), four copies of the whole answers (answers, predictions, residuals, the
-    bootstrap's), and the largest length's intermediates ``q``, ``z``, ``dq`` (H d numbers per query,
-    about a third of the queries)."""
+    bootstrap's), and ``H d`` numbers per query for the intermediates ``q``, ``z``, ``dq`` (one
+    length's block at a time, with room to spare)."""
     count = fit_query_count(heads, d, d_out)
     return 8 * count * ((2 + longest) * d // 2 + 4 * d_out + heads * d)
 
