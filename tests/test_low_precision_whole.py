@@ -196,5 +196,5 @@ def test_a_fit_larger_than_the_memory_available_is_refused_before_the_start(monk
         mx.extract(oracle, 4, heads=2, seed=1)
     result = caught.value.extraction
     assert result.model is None and [c.name for c in result.failed_checks] == ["fit_memory"]
-    assert result.failed_checks[0].value == fit_memory(2, 4, 4, learn.FIT_LONGEST) > 10**5
+    assert result.failed_checks[0].value == fit_memory(learn.fit_query_count(2, 4, 4), 2, 4, 4, learn.FIT_LONGEST) > 10**5
     assert result.start is None and result.queries == oracle.sequences < 200  # the calibration's probes only

@@ -49,12 +49,11 @@ def fit_query_count(heads: int, d: int, d_out: int) -> int:
     return int(np.ceil(FIT_NUMBERS_PER_PARAMETER * parameters / max(d_out, 1)))
 
 
-def fit_memory(heads: int, d: int, d_out: int, longest: int) -> int:
-    """Bytes the fit holds at once, about: its queries' tokens (``n`` queries of ``(2 + longest) / 2``
+def fit_memory(count: int, heads: int, d: int, d_out: int, longest: int) -> int:
+    """Bytes the fit holds at once, about: its queries' tokens (``count`` queries of ``(2 + longest) / 2``
     tokens on average), four copies of the whole answers (answers, predictions, residuals, the
     bootstrap's), and ``H d`` numbers per query for the intermediates ``q``, ``z``, ``dq`` (one
     length's block at a time, with room to spare)."""
-    count = fit_query_count(heads, d, d_out)
     return 8 * count * ((2 + longest) * d // 2 + 4 * d_out + heads * d)
 
 

@@ -41,7 +41,11 @@ VERIFY_ROUNDING_UNITS = 8.0
 
 
 class FitTooLarge(RuntimeError):
-    """The fit would need more memory than the machine has: ``(message, bytes needed, bytes available)``."""
+    """The fit would need ``needed`` bytes, more than the ``available`` the machine has."""
+
+    def __init__(self, message: str, needed: int, available: int):
+        super().__init__(message)
+        self.needed, self.available = needed, available
 
 
 @dataclass
@@ -128,9 +132,10 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
             raise LabelsNotFound(f"the oracle answers one number per query at {answer_dtype}: the heads' labels are "
                                  "vectors of the layer's outputs; answer the whole output (TorchOracle(layer) "
                                  "without readout)")
-        need, have = fit_memory(heads, d, vectors.d_out, FIT_LONGEST), available_memory()
+        count = fit_query_count(heads, d, vectors.d_out)
+        need, have = fit_memory(count, heads, d, vectors.d_out, FIT_LONGEST), available_memory()
         if have is not None and need > have:  # refused before the start's queries are spent
-            raise FitTooLarge(f"the least-squares fit of the whole model would hold {fit_query_count(heads, d, vectors.d_out):,} "
+            raise FitTooLarge(f"the least-squares fit of the whole model would hold {count:,} "
                               f"queries and their answers, about {need / 2**30:.1f} GiB, beside {have / 2**30:.1f} GiB "
                               "available; its work grows as H^2 d^3 (docs/algorithm.md §23): run on a machine with "
                               "more memory, or, where you hold the module, extract layer.float() (the same weights, "
@@ -142,10 +147,9 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
     except LabelsNotFound as error:
         checks.append(Check("start", False, 1.0, 0.0, str(error)))
     except FitTooLarge as error:
-        checks.append(Check("fit_memory", False, float(error.args[1]), float(error.args[2]), str(error.args[0])))
+        checks.append(Check("fit_memory", False, float(error.needed), float(error.available), str(error)))
     design = None
     if start is not None:
-        count = fit_query_count(heads, d, vectors.d_out or 1)
         sequences = random_queries(spawn_rng(seed, 32), count, d, FIT_SCALE * start.scale, (2, FIT_LONGEST), FIT_SPREAD)
         design = Design(sequences, boundary.ask(sequences, "fitting on fresh queries", whole=True))
         fit = fit_whole(start.model, design, warm_up=True, on_iteration=lambda step, value: note_progress(
