@@ -198,3 +198,56 @@ def test_a_fit_larger_than_the_memory_available_is_refused_before_the_start(monk
     assert result.model is None and [c.name for c in result.failed_checks] == ["fit_memory"]
     assert result.failed_checks[0].value == fit_memory(learn.fit_query_count(2, 4, 4), 2, 4, 4, learn.FIT_LONGEST) > 10**5
     assert result.start is None and result.queries == oracle.sequences < 200  # the calibration's probes only
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+class StopsAfter:
+    """``layer``'s answers, raising (a Ctrl-C, a lost connection) on the call that would pass
+    ``stop_after`` answers; counts what it computed."""
+
+    def __init__(self, layer, stop_after=None):
+        self.layer, self.stop_after, self.paid = layer, stop_after, 0
+
+    def __call__(self, batch):
+        answers = self.layer(batch)
+        self.paid += len(batch)
+        if self.stop_after is not None and self.paid > self.stop_after:
+            raise Interrupted(f"stopped after {self.paid} answers")
+        return answers
+
+
+@pytest.mark.parametrize("stop_after", [100, 1500])  # in the calibration; in the fit's queries
+def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_path, stop_after):
+    """With ``transcript=``, a run stopped part way loses at most the batch in flight: the re-run
+    reads the answers back, asks the oracle only for the rest (and the resume check's probes), and
+    returns the uninterrupted run's model bit for bit."""
+    plain = mx.extract(RoundedLayer(4, 2, 8, seed=5), 4, heads=2, seed=2, batch_size=64)
+    path = tmp_path / "run.sqlite"
+    first = StopsAfter(RoundedLayer(4, 2, 8, seed=5), stop_after)
+    with pytest.raises(Interrupted):
+        mx.extract(first, 4, heads=2, seed=2, batch_size=64, transcript=path)
+    again = StopsAfter(RoundedLayer(4, 2, 8, seed=5))
+    resumed = mx.extract(again, 4, heads=2, seed=2, batch_size=64, transcript=path, resume_check=3)
+    assert resumed.schedule == "saturated" and resumed.ok
+    for name in ("W", "V", "u", "c"):
+        assert np.array_equal(getattr(resumed.model, name), getattr(plain.model, name)), name
+    assert resumed.error_estimate == plain.error_estimate
+    saved = first.paid - 64  # all but the batch in flight
+    # the resume check's 3 probes are asked and counted beside the answers read back
+    assert resumed.queries == plain.queries + 3 == resumed.queries_asked + resumed.queries_replayed
+    assert resumed.queries_replayed >= saved and again.paid == resumed.queries_asked
+    assert again.paid <= plain.queries - saved + 3
+    # a complete transcript: only the resume check's probes are asked
+    last = StopsAfter(RoundedLayer(4, 2, 8, seed=5))
+    replayed = mx.extract(last, 4, heads=2, seed=2, batch_size=64, transcript=path, resume_check=3)
+    assert last.paid == 3 and np.array_equal(replayed.model.W, plain.model.W)
+
+
+def test_a_transcript_of_another_layer_is_refused_on_resume(tmp_path):
+    path = tmp_path / "run.sqlite"
+    mx.extract(RoundedLayer(4, 2, 8, seed=5), 4, heads=2, seed=2, transcript=path)
+    with pytest.raises(mx.TranscriptError, match="different oracle"):
+        mx.extract(RoundedLayer(4, 2, 8, seed=6), 4, heads=2, seed=2, transcript=path)

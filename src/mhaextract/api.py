@@ -212,11 +212,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         answer_format = answer_dtype if answer_dtype in COARSE_FORMATS else (
             calibration.answer_precision if calibration is not None else None)
         if low_precision_run(schedule, answer_format, vectors.d_out):
-            if record is not None:
-                record.close()
-                record = None
             return _extract_low_precision(oracle, settings, answer_format, scale_option, vectors, batch_size, progress,
-                                          on_failure, transcript, max_queries, verify_length, probes)
+                                          on_failure, record, check, max_queries, verify_length, probes, plan,
+                                          calibration)
         if record is not None:
             record.start_run(run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
     except BaseException:
@@ -298,29 +296,42 @@ def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias
 
 
 def _extract_low_precision(oracle, settings: RunSettings, answer_format: str, scale_option, vectors, batch_size,
-                           progress, on_failure, transcript, max_queries, verify_length, probes):
+                           progress, on_failure, record, resume_check, max_queries, verify_length, probes, plan,
+                           calibration):
     """Answers of 8 or 11 bits, whole: the low-precision learner (docs/algorithm.md §23) with the
-    options it takes; the others refused."""
+    options it takes; the others refused. ``record``: the run's transcript (closed here), whose run
+    section then belongs to this learner; ``resume_check`` recorded probes are re-asked first (its
+    queries depend on earlier answers, so the calibration's fixed probes are the ones re-asked)."""
     from .lowprecision.learn import extract_low_precision
 
-    given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
-                               "rank", "backend", "repair") if settings.given(name)]
-    if settings.heads is None:
-        given.append("max_heads")
-    if transcript is not None:
-        given.append("transcript")
-    if given:
-        raise ValueError(f"the answers carry {answer_format}'s few bits: the low-precision learner runs "
-                         f"(docs/algorithm.md §23), which does not take {', '.join(given)}; it needs heads=H")
-    result = extract_low_precision(oracle, settings.d, settings.heads, settings.seed, unit=COARSE_FORMATS[answer_format],
-                                   answer_dtype=answer_format,
-                                   token_scale=None if scale_option in (None, "auto") else scale_option,
-                                   batch_size=batch_size, progress=progress, max_queries=max_queries,
-                                   verify_length=verify_length, vectors=vectors)
+    try:
+        given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
+                                   "rank", "backend", "repair") if settings.given(name)]
+        if settings.heads is None:
+            given.append("max_heads")
+        if given:
+            raise ValueError(f"the answers carry {answer_format}'s few bits: the low-precision learner runs "
+                             f"(docs/algorithm.md §23), which does not take {', '.join(given)}; it needs heads=H")
+        section = None
+        if record is not None:
+            fingerprint = run_fingerprint(plan, int(settings.seed), None, [])
+            record.start_run(fingerprint | {"schedule": "saturated", "answers": answer_format})
+            section = record.section(RUN)
+            if resume_check and probes is not None:
+                _recheck_probes(probes, record.section(CALIBRATION), settings, resume_check, calibration.answer_noise)
+        result = extract_low_precision(oracle, settings.d, settings.heads, settings.seed,
+                                       unit=COARSE_FORMATS[answer_format], answer_dtype=answer_format,
+                                       token_scale=None if scale_option in (None, "auto") else scale_option,
+                                       batch_size=batch_size, progress=progress, max_queries=max_queries,
+                                       verify_length=verify_length, vectors=vectors, transcript=section)
+    finally:
+        if record is not None:
+            record.close()
     if probes is not None:
-        result.calibration_queries = probes.queries
-        result.queries += probes.queries
+        result.calibration_queries = probes.queries + probes.replayed
+        result.queries += probes.queries + probes.replayed
         result.queries_asked += probes.queries
+        result.queries_replayed += probes.replayed
     report_failure(result, f"low-precision extraction ({answer_format} answers)", on_failure)
     return result
 
@@ -335,10 +346,16 @@ def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries,
     probes = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
                             progress=progress, max_queries=max_queries, transcript=section, vectors=vectors)
     if resume_check and section.answered:
-        queries = [sequence for group in probe_queries(settings.d, spawn_rng(settings.seed, 3)) for sequence in group]
-        # from 1: the zero query answers the constant c alone (0 for a bias-free layer, whatever its heads)
-        check_same_oracle(probes, section, queries, resume_check, first=1)
+        _recheck_probes(probes, section, settings, resume_check)
     return calibrate(probes, settings.d, spawn_rng(settings.seed, 3)), probes
+
+
+def _recheck_probes(probes, section, settings: RunSettings, count: int, noise: float | None = None) -> None:
+    """Re-ask ``count`` of the calibration's recorded probes through their boundary ``probes``
+    (:mod:`.oracle.resume_check`); TranscriptError when the oracle answers differently."""
+    queries = [sequence for group in probe_queries(settings.d, spawn_rng(settings.seed, 3)) for sequence in group]
+    # from 1: the zero query answers the constant c alone (0 for a bias-free layer, whatever its heads)
+    check_same_oracle(probes, section, queries, count, first=1, noise=noise)
 
 
 def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,

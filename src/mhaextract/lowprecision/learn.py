@@ -56,8 +56,9 @@ class LowPrecisionExtraction(CheckedResult):
     ----------
     model : MultiHeadAttention (whole: ``V`` (H, d_out, d), ``c`` (d_out,)) or None.
     heads : heads in the model.
-    queries, queries_asked : answers used, measured at the oracle boundary (the calibration's
-        probes, when ``extract`` ran them, in ``calibration_queries``).
+    queries : answers used, measured at the oracle boundary: ``queries_asked`` of the oracle in this
+        run plus ``queries_replayed`` read back from a transcript (the calibration's probes, when
+        ``extract`` ran them, counted in both and in ``calibration_queries``).
     max_query_length : longest query asked.
     answer_dtype : the answers' precision, ``"bfloat16"`` or ``"float16"``.
     token_scale : the token norm the start found (scores of order one).
@@ -95,6 +96,7 @@ class LowPrecisionExtraction(CheckedResult):
     start: SaturatedStart | None = None
     fit: WholeFit | None = None
     calibration_queries: int = 0
+    queries_replayed: int = 0
     schedule: str = "saturated"
     #: float64 arithmetic, the whole layer: no high-precision model, no read-out (as ``Extraction``'s)
     precision: int | None = None
@@ -104,6 +106,7 @@ class LowPrecisionExtraction(CheckedResult):
         return {"schedule": self.schedule, "answer_dtype": self.answer_dtype,
                 "d": None if self.model is None else self.model.d, "heads": self.heads,
                 "d_out": None if self.model is None else self.model.d_out, "queries": self.queries,
+                "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
                 "calibration_queries": self.calibration_queries, "max_query_length": self.max_query_length,
                 "token_scale": self.token_scale, "error_estimate": self.error_estimate,
                 "answers_residual": self.answers_residual, "ok": self.ok, "seconds": self.seconds}
@@ -116,13 +119,15 @@ class LowPrecisionExtraction(CheckedResult):
 def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float, answer_dtype: str,
                           token_scale: float | None = None, batch_size: int = 1024, progress=None,
                           max_queries=None, verify_length: int | None = None,
-                          vectors: VectorAnswers | None = None) -> LowPrecisionExtraction:
+                          vectors: VectorAnswers | None = None, transcript=None) -> LowPrecisionExtraction:
     """The run of the module docstring (its checks unreported: ``extract`` raises or warns).
-    ``unit``: the answers' unit roundoff (``2^-8`` bfloat16, ``2^-11`` float16)."""
+    ``unit``: the answers' unit roundoff (``2^-8`` bfloat16, ``2^-11`` float16). ``transcript``: a
+    transcript section (:mod:`mhaextract.oracle.transcript`) that records every answer as it arrives
+    and gives back those an interrupted run already paid for."""
     started = time.perf_counter()
     vectors = VectorAnswers(seed, answer_dtype) if vectors is None else vectors
     boundary = OracleBoundary(oracle, d, batch_size=batch_size, progress=progress, max_queries=max_queries,
-                              vectors=vectors)
+                              vectors=vectors, transcript=transcript)
     checks, start, fit, model = [], None, None, None
     estimate = residual = np.inf
     try:
@@ -174,8 +179,9 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
                                                  seed=seed, rounding=VERIFY_ROUNDING_UNITS * unit)
         checks.append(check)
     return LowPrecisionExtraction(
-        model=model, heads=0 if model is None else model.heads, queries=boundary.queries,
-        queries_asked=boundary.queries, max_query_length=boundary.max_query_length, answer_dtype=answer_dtype,
+        model=model, heads=0 if model is None else model.heads, queries=boundary.queries + boundary.replayed,
+        queries_asked=boundary.queries, queries_replayed=boundary.replayed,
+        max_query_length=boundary.max_query_length, answer_dtype=answer_dtype,
         token_scale=float(start.scale) if start is not None else float("nan"), error_estimate=float(estimate),
         answers_residual=float(residual), seconds=time.perf_counter() - started, checks=checks,
         verification=verification, start=start, fit=fit)
