@@ -4,8 +4,8 @@ float32, mixed-precision (float32 softmax in a float64 layer) and bfloat16 targe
     python benchmarks/bench_low_precision.py [--sizes 8x2 16x4 32x4 64x8] [--seeds 10]
         [--oracles float32 mixed bfloat16]
     python benchmarks/bench_low_precision.py --bfloat16-oversampling [--sizes 4x1 4x2] [--seeds 2]
-    python benchmarks/bench_low_precision.py --whole [--sizes 64x4 128x8] [--dtypes bfloat16 float16]
-        [--kinds GPT2Attention BertSelfAttention] [--seeds 1]
+    python benchmarks/bench_low_precision.py --whole [--sizes 64x4 128x8] [--dtypes bfloat16 float16 float32]
+        [--kinds GPT2Attention BertSelfAttention nn.MultiheadAttention ViTAttention] [--seeds 1]
 
 Per oracle, size and seed: target ``MultiHeadAttention.random(d, H, seed=s)``, run
 ``extract(oracle, d, heads=H, seed=1000 + s, on_failure="warn")`` (library defaults: schedule
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--oracles", nargs="+", default=list(ORACLES))
     parser.add_argument("--bfloat16-oversampling", action="store_true")
-    parser.add_argument("--whole", action="store_true", help="torch layers in bfloat16/float16, whole outputs")
+    parser.add_argument("--whole", action="store_true", help="torch layers in bfloat16/float16/float32, whole outputs")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
     parser.add_argument("--kinds", nargs="+", default=["GPT2Attention", "BertSelfAttention"])
     args = parser.parse_args()
