@@ -251,3 +251,15 @@ def test_a_transcript_of_another_layer_is_refused_on_resume(tmp_path):
     mx.extract(RoundedLayer(4, 2, 8, seed=5), 4, heads=2, seed=2, transcript=path)
     with pytest.raises(mx.TranscriptError, match="different oracle"):
         mx.extract(RoundedLayer(4, 2, 8, seed=6), 4, heads=2, seed=2, transcript=path)
+
+
+def test_a_window_beyond_the_fits_queries_fails_the_long_verification():
+    """A layer that attends to its last 10 tokens only answers the fit's queries (up to 8 tokens)
+    as one without a window; the verification's longer queries, at the fit's token scale and half
+    of it, show the difference and the run fails loudly, naming the lengths."""
+    layer = RoundedLayer(4, 2, 8, seed=7)
+
+    def windowed(batch):
+        return layer([X[-10:] for X in batch])
+    with pytest.raises(mx.ExtractionError, match="long_verification.*fits every query up to"):
+        mx.extract(windowed, 4, heads=2, seed=0)

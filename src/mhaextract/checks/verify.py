@@ -207,11 +207,12 @@ class LongVerification:
 
 
 def ask_long_verification(boundary: OracleBoundary, rng: np.random.Generator, token_scale: float,
-                          longest: int, count: int = VERIFY_QUERIES) -> LongVerification:
+                          longest: int, count: int = VERIFY_QUERIES,
+                          scales: tuple[float, ...] = TOKEN_SCALES) -> LongVerification:
     """Ask ``count`` fresh queries of lengths :func:`spread_lengths` up to ``longest`` (tokens at
-    ``TOKEN_SCALES`` x ``token_scale``) through the run's ``boundary`` (counted, recorded in its
+    ``scales`` x ``token_scale``) through the run's ``boundary`` (counted, recorded in its
     transcript like every other answer)."""
-    sequences = fresh_queries(rng, spread_lengths(count, longest), boundary.d, token_scale)
+    sequences = fresh_queries(rng, spread_lengths(count, longest), boundary.d, token_scale, scales)
     try:
         answers = boundary.ask(sequences, description="verifying on fresh long queries", whole=True)
     except OracleError as error:  # the budget, or a bad answer: say which queries these were
@@ -224,10 +225,10 @@ def ask_long_verification(boundary: OracleBoundary, rng: np.random.Generator, to
             error.add_note(f"mhaextract: the oracle raised on the run's own verification queries (up to {longest} "
                            "tokens); pass verify_length=L (its longest query) or 0 to turn it off")
         raise
-    scales = tuple(s * token_scale for s in TOKEN_SCALES)
+    asked = tuple(s * token_scale for s in scales)
     if np.ndim(answers) == 2:  # whole vector answers: the scalar model is judged on their read-out first
-        return LongVerification(sequences, boundary.vectors.scalars(answers), scales, whole=answers)
-    return LongVerification(sequences, answers, scales)
+        return LongVerification(sequences, boundary.vectors.scalars(answers), asked, whole=answers)
+    return LongVerification(sequences, answers, asked)
 
 
 def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
