@@ -301,7 +301,8 @@ def _extract_low_precision(oracle, settings: RunSettings, answer_format: str, sc
     """Answers of 8 or 11 bits, whole: the low-precision learner (docs/algorithm.md §23) with the
     options it takes; the others refused. ``record``: the run's transcript (closed here), whose run
     section then belongs to this learner; ``resume_check`` recorded probes are re-asked first (its
-    queries depend on earlier answers, so the calibration's fixed probes are the ones re-asked)."""
+    queries depend on earlier answers, so the calibration's fixed probes are the ones re-asked; a
+    run with a given token scale has none, and its transcript is resumed unchecked)."""
     from .lowprecision.learn import extract_low_precision
 
     try:
