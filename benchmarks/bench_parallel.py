@@ -2,12 +2,12 @@
 extraction answered by 1 and by 2 Ray workers, each holding a float64 torch
 ``nn.MultiheadAttention`` (d = 256, H = 8, batch_first) in ``mx.TorchOracle``, torch threads = 1.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_parallel.py [--every 5] [--workers 1 2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_parallel.py [--every 5] [--workers 1 2] [--batch-size 1024]
 
 1. The extraction ``mx.extract(oracle, d=256, heads=8, seed=0)`` runs once in this process with the
    vectorised numpy oracle of bench_scale.py (a random target, seed 0), the batches the boundary
    sends recorded: every ``--every``-th one is kept (all of them would take ~10 GB), a sample of the
-   run's batches in its order, each as sent (up to ``batch_size`` = 1024 sequences).
+   run's batches in its order, each as sent (up to ``--batch-size``, default 1024, sequences).
 2. The kept batches are asked again of a ParallelOracle of each worker count in turn, the layer
    built in every worker by the factory; only the calls are timed (starting Ray and the workers is
    shown apart), on one local Ray instance of as many CPUs as the most workers.
@@ -103,11 +103,11 @@ class Recorder:
         return self.oracle(batch)
 
 
-def record(d: int, H: int, every: int) -> tuple[Recorder, float, mx.Extraction]:
+def record(d: int, H: int, every: int, batch_size: int) -> tuple[Recorder, float, mx.Extraction]:
     target = mx.MultiHeadAttention.random(d, H, seed=0)
     recorder = Recorder(NumpyOracle(target), every)
     started = time.perf_counter()
-    result = mx.extract(recorder, d=d, heads=H, seed=0, progress=False)
+    result = mx.extract(recorder, d=d, heads=H, seed=0, progress=False, batch_size=batch_size)
     return recorder, time.perf_counter() - started, result
 
 
@@ -135,11 +135,12 @@ def main():
     parser.add_argument("--d", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--every", type=int, default=5, help="keep every k-th batch of the run")
+    parser.add_argument("--batch-size", type=int, default=1024, help="the extraction's batch_size")
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--check-batches", type=int, default=3, help="batches checked against the layer in-process")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    recorder, seconds, result = record(args.d, args.heads, args.every)
+    recorder, seconds, result = record(args.d, args.heads, args.every, args.batch_size)
     batches = recorder.batches
     kept = sum(len(b) for b in batches)
     print(f"extraction d = {args.d}, H = {args.heads}, seed 0: {result.queries:,} queries in {recorder.calls:,} "
