@@ -219,7 +219,7 @@ class StopsAfter:
         return answers
 
 
-@pytest.mark.parametrize("stop_after", [100, 1500])  # in the calibration; in the fit's queries
+@pytest.mark.parametrize("stop_after", [100, 1000, 3000])  # in the calibration, the start, the fit
 def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_path, stop_after):
     """With ``transcript=``, a run stopped part way loses at most the batch in flight: the re-run
     reads the answers back, asks the oracle only for the rest (and the resume check's probes), and
