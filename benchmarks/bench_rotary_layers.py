@@ -75,7 +75,8 @@ def extraction(name, attention, heads, angles):
         print(f"| {name} | {angles} | {failed} | {oracle.sequences} | | | | {time.perf_counter() - start:.1f} |")
         return
     seconds = time.perf_counter() - start
-    truth = to_rotary(attention).readout(result.readout)
+    exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
+    truth = exact if result.model.is_vector else exact.readout(result.readout)
     rng = np.random.default_rng(11)
     fresh = [rng.normal(size=(int(n), 16)) * 16 ** -0.25 for n in rng.integers(1, 257, 100)]
     print(f"| {name} | {angles} | ok | {result.queries} | {result.error_estimate:.1e} | "
