@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
+from test_resume import PaidOracle, Stop  # counts what it answers; raises as a batch in flight
 
 
 def round_bits(values: np.ndarray, bits: int) -> np.ndarray:
@@ -200,25 +201,6 @@ def test_a_fit_larger_than_the_memory_available_is_refused_before_the_start(monk
     assert result.start is None and result.queries == oracle.sequences < 200  # the calibration's probes only
 
 
-class Interrupted(RuntimeError):
-    pass
-
-
-class StopsAfter:
-    """``layer``'s answers, raising (a Ctrl-C, a lost connection) on the call that would pass
-    ``stop_after`` answers; counts what it computed."""
-
-    def __init__(self, layer, stop_after=None):
-        self.layer, self.stop_after, self.paid = layer, stop_after, 0
-
-    def __call__(self, batch):
-        answers = self.layer(batch)
-        self.paid += len(batch)
-        if self.stop_after is not None and self.paid > self.stop_after:
-            raise Interrupted(f"stopped after {self.paid} answers")
-        return answers
-
-
 @pytest.mark.parametrize("stop_after", [100, 1000, 3000])  # in the calibration, the start, the fit
 def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_path, stop_after):
     """With ``transcript=``, a run stopped part way loses at most the batch in flight: the re-run
@@ -226,10 +208,10 @@ def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_pa
     returns the uninterrupted run's model bit for bit."""
     plain = mx.extract(RoundedLayer(4, 2, 8, seed=5), 4, heads=2, seed=2, batch_size=64)
     path = tmp_path / "run.sqlite"
-    first = StopsAfter(RoundedLayer(4, 2, 8, seed=5), stop_after)
-    with pytest.raises(Interrupted):
+    first = PaidOracle(RoundedLayer(4, 2, 8, seed=5), stop_after)
+    with pytest.raises(Stop):
         mx.extract(first, 4, heads=2, seed=2, batch_size=64, transcript=path)
-    again = StopsAfter(RoundedLayer(4, 2, 8, seed=5))
+    again = PaidOracle(RoundedLayer(4, 2, 8, seed=5))
     resumed = mx.extract(again, 4, heads=2, seed=2, batch_size=64, transcript=path, resume_check=3)
     assert resumed.schedule == "saturated" and resumed.ok
     for name in ("W", "V", "u", "c"):
@@ -241,7 +223,7 @@ def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_pa
     assert resumed.queries_replayed >= saved and again.paid == resumed.queries_asked
     assert again.paid <= plain.queries - saved + 3
     # a complete transcript: only the resume check's probes are asked
-    last = StopsAfter(RoundedLayer(4, 2, 8, seed=5))
+    last = PaidOracle(RoundedLayer(4, 2, 8, seed=5))
     replayed = mx.extract(last, 4, heads=2, seed=2, batch_size=64, transcript=path, resume_check=3)
     assert last.paid == 3 and np.array_equal(replayed.model.W, plain.model.W)
 

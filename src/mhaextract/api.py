@@ -299,35 +299,34 @@ def _extract_low_precision(oracle, settings: RunSettings, answer_format: str, sc
                            progress, on_failure, record, resume_check, max_queries, verify_length, probes, plan,
                            calibration):
     """Answers of 8 or 11 bits, whole: the low-precision learner (docs/algorithm.md §23) with the
-    options it takes; the others refused. ``record``: the run's transcript (closed here), whose run
-    section then belongs to this learner; ``resume_check`` recorded probes are re-asked first (its
-    queries depend on earlier answers, so the calibration's fixed probes are the ones re-asked; a
-    run with a given token scale has none, and its transcript is resumed unchecked)."""
+    options it takes; the others refused. ``record``: the run's transcript, whose run section
+    belongs to this learner (closed here when the run returns; ``extract`` closes it on an
+    exception); ``resume_check`` recorded probes are re-asked first (its queries depend on earlier
+    answers, so the calibration's fixed probes are the ones re-asked; a run with a given token
+    scale has none, and its transcript is resumed unchecked)."""
     from .lowprecision.learn import extract_low_precision
 
-    try:
-        given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
-                                   "rank", "backend", "repair") if settings.given(name)]
-        if settings.heads is None:
-            given.append("max_heads")
-        if given:
-            raise ValueError(f"the answers carry {answer_format}'s few bits: the low-precision learner runs "
-                             f"(docs/algorithm.md §23), which does not take {', '.join(given)}; it needs heads=H")
-        section = None
-        if record is not None:
-            fingerprint = run_fingerprint(plan, int(settings.seed), None, [])
-            record.start_run(fingerprint | {"schedule": "saturated", "answers": answer_format})
-            section = record.section(RUN)
-            if resume_check and probes is not None:
-                _recheck_probes(probes, record.section(CALIBRATION), settings, resume_check, calibration.answer_noise)
-        result = extract_low_precision(oracle, settings.d, settings.heads, settings.seed,
-                                       unit=COARSE_FORMATS[answer_format], answer_dtype=answer_format,
-                                       token_scale=None if scale_option in (None, "auto") else scale_option,
-                                       batch_size=batch_size, progress=progress, max_queries=max_queries,
-                                       verify_length=verify_length, vectors=vectors, transcript=section)
-    finally:
-        if record is not None:
-            record.close()
+    given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
+                               "rank", "backend", "repair") if settings.given(name)]
+    if settings.heads is None:
+        given.append("max_heads")
+    if given:
+        raise ValueError(f"the answers carry {answer_format}'s few bits: the low-precision learner runs "
+                         f"(docs/algorithm.md §23), which does not take {', '.join(given)}; it needs heads=H")
+    section = None
+    if record is not None:
+        fingerprint = run_fingerprint(plan, int(settings.seed), None, [])
+        record.start_run(fingerprint | {"schedule": "saturated", "answers": answer_format})
+        section = record.section(RUN)
+        if resume_check and probes is not None:
+            _recheck_probes(probes, record.section(CALIBRATION), settings, resume_check, calibration.answer_noise)
+    result = extract_low_precision(oracle, settings.d, settings.heads, settings.seed,
+                                   unit=COARSE_FORMATS[answer_format], answer_dtype=answer_format,
+                                   token_scale=None if scale_option in (None, "auto") else scale_option,
+                                   batch_size=batch_size, progress=progress, max_queries=max_queries,
+                                   verify_length=verify_length, vectors=vectors, transcript=section)
+    if record is not None:
+        record.close()
     if probes is not None:
         result.calibration_queries = probes.queries + probes.replayed
         result.queries += probes.queries + probes.replayed
