@@ -323,3 +323,60 @@ def test_compare_aligns_rotary_heads_whatever_their_order():
     comparison = mx.compare(shuffled, layer)
     assert comparison.max_rel == 0.0
     assert [order[k] for k in comparison.permutation] == [0, 1, 2]  # b's head k is a's permutation[k]
+
+
+def test_the_completion_finds_the_head_width_through_missing_entries_and_outliers():
+    """A rank-8 grid of log-scores with 10% of its entries missing, a fifth off by 1e-6..1e-4 and
+    one in a hundred by up to 1e-2 (instances whose poles were fitted poorly or wrongly, as in a
+    d = 64 Llama run): the rank is the head width, and the completed grid matches the truth at
+    the missing and the outlying entries."""
+    from mhaextract.rotary.learn import complete_low_rank, completion_rank
+    rng = np.random.default_rng(7)
+    truth = rng.normal(size=(40, 8)) @ rng.normal(size=(8, 41))
+    grid = truth + 1e-9 * rng.normal(size=truth.shape)
+    missing, poor, outlying = (rng.random(truth.shape) < fraction for fraction in (0.1, 0.2, 0.01))
+    grid[poor] += 10 ** rng.uniform(-6, -4, poor.sum()) * rng.choice([-1, 1], poor.sum())
+    grid[outlying] += rng.uniform(-1e-2, 1e-2, outlying.sum())
+    grid[missing] = np.nan
+    assert completion_rank(grid) == 8
+    completed = complete_low_rank(grid[None], np.array([8]))[0]
+    # within a tenth of the poor entries' largest error, on the scale of the grid
+    assert np.abs(completed - truth)[missing].max() <= 1e-5 * np.abs(truth).max()
+    assert np.abs(completed - truth)[outlying & ~missing].max() <= 1e-5 * np.abs(truth).max()
+
+
+def test_the_refinement_sums_the_normal_equations_of_the_whole_jacobian(monkeypatch):
+    """J^T J and J^T r summed over blocks of a few rows equal those of the whole Jacobian."""
+    from mhaextract.rotary import refine
+    layer = mx.RotaryAttention.random(d=5, heads=2, head_width=4, seed=3, bias=True)
+    rng = np.random.default_rng(0)
+    sequences = [rng.normal(size=(int(n), 5)) for n in rng.integers(1, 9, 60)]
+    answers = layer(sequences) + 1e-3 * rng.normal(size=60)
+    parameters = len(refine.pack(layer))
+    whole = refine.length_groups(sequences, parameters)
+    monkeypatch.setattr(refine, "BLOCK_ENTRIES", 3 * parameters)
+    blocks = refine.length_groups(sequences, parameters)
+    assert len(blocks) > len(whole) and max(len(index) for index, _ in blocks) == 3
+    rows = np.concatenate([index for index, _ in whole])
+    J = np.vstack([refine.jacobian(layer, X)[1] for _, X in whole])[np.argsort(rows)]
+    residual, normal, gradient, _ = refine.normal_equations(layer, blocks, answers)
+    assert np.allclose(residual, layer(sequences) - answers, rtol=0, atol=1e-12)
+    assert np.allclose(normal, J.T @ J, rtol=1e-12, atol=1e-12 * np.abs(normal).max())
+    assert np.allclose(gradient, J.T @ residual, rtol=1e-12, atol=1e-12 * np.abs(gradient).max())
+
+
+def test_a_refinement_larger_than_the_memory_available_is_refused_before_its_queries(monkeypatch):
+    """The refinement holds its normal equations (P^2 numbers); where they would not fit the
+    machine's available memory the run fails loudly, naming the size and the head width, before
+    the polish queries are asked."""
+    import mhaextract.rotary.learn as learn
+    monkeypatch.setattr(learn, "available_memory", lambda: 10**5)
+    layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=0)
+    counted = CountingOracle(layer)
+    with pytest.raises(mx.ExtractionError, match="(?s)refinement_memory.*head width 4.*GiB.*rank=") as caught:
+        mx.extract(counted, d=6, heads=2, positions="rotary", seed=1, verify_length=0)
+    assert caught.value.extraction.model is None
+    monkeypatch.undo()
+    full = CountingOracle(layer)
+    result = mx.extract(full, d=6, heads=2, positions="rotary", seed=1, verify_length=0)
+    assert result.ok and counted.queries == full.queries - result.refinement.queries  # no polish query asked

@@ -15,6 +15,18 @@ import numpy as np
 FLOAT64_MAX_RELIABLE_HEADS = 4
 
 
+def available_memory() -> int | None:
+    """Bytes the operating system can give this process now (Linux's ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return 1024 * int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 class ExtractionError(RuntimeError):
     """The extraction failed its own checks. ``.extraction`` holds the result and diagnostics.
 

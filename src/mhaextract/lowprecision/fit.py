@@ -57,18 +57,6 @@ def fit_memory(count: int, heads: int, d: int, d_out: int, longest: int) -> int:
     return 8 * count * ((2 + longest) * d // 2 + 4 * d_out + heads * d)
 
 
-def available_memory() -> int | None:
-    """Bytes the operating system can give this process now (Linux's ``MemAvailable``), or None."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return 1024 * int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 class Design:
     """Queries grouped by length (one dense (n_L, L, d) block per length L) and their answers."""
 

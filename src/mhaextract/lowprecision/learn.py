@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..checks.base import Check, CheckedResult
+from ..checks.base import Check, CheckedResult, available_memory
 from ..checks.verify import ask_long_verification
 from ..model import MultiHeadAttention
 from ..oracle.boundary import OracleBoundary
@@ -21,7 +21,7 @@ from ..oracle.progress import note_progress
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
-from .fit import Design, WholeFit, available_memory, bootstrap_error, fit_memory, fit_query_count, fit_whole
+from .fit import Design, WholeFit, bootstrap_error, fit_memory, fit_query_count, fit_whole
 from .start import LabelsNotFound, SaturatedStart, saturated_start
 
 #: The fit's queries have 2 .. FIT_LONGEST tokens at the start's token scale times ``2^U``, U

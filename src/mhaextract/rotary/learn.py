@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from ..checks.base import Check, CheckedResult
+from ..checks.base import Check, CheckedResult, available_memory
 from ..checks.verify import ask_long_verification
 from ..numerics.float64 import fit
 from ..oracle.boundary import OracleBoundary
@@ -38,7 +38,7 @@ from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
 from .model import RotaryAttention
-from .refine import pack, refine
+from .refine import pack, refine, refinement_memory
 from .structure import rotary_head
 from .window import WindowSearch, find_window
 
@@ -51,14 +51,18 @@ ESTIMATE_FLOOR = 1e-14
 INSTANCE_LIMIT = 1e-7
 #: An offset instance whose numerator misfit (relative to its key's labels) exceeds this is left out.
 MATCH_OUTLIER = 1e-2
-#: Relative misfit (of the grid's largest entry) within which a completion's rank explains the entries.
-COMPLETION_LIMIT = 1e-6
-#: Cost of a pairing whose implied label could not be formed (a failed fit, E <= 0).
-MISSING = 1e6
+#: The two offsets of the offset instances, minus one: E = P - tau - (delta - 1).
+OFFSETS = (0.0, 1.0)
 #: More missing log-score entries than this fraction leave no start.
 MOST_MISSING = 0.2
-#: Singular-value drop that marks the head width of a start model's W(1) (its error is ~1e-4 at H = 4).
-START_RANK_GAP = 10.0
+#: A key or final token keeps its row or column of the log-score grids with this fraction observed.
+HELD = 0.5
+#: An entry off the completion's fit by more than this many times its median misfit is an outlier
+#: (replaced by the fit); Huber's constant of the fit's weights, in the same units.
+OUTLIER_FACTOR = 100.0
+HUBER = 3.0
+#: The head width is the rank at which the completion's median misfit drops by this factor.
+RANK_DROP = 100.0
 #: Samples per instance beyond the 2H that determine it (least squares: fewer failed fits at H >= 3).
 SAMPLES_OVER = 2
 #: The largest count of leading zeros is this many times the samples per instance (``zero_counts``).
@@ -204,6 +208,14 @@ def implied_labels(P, N, tau, label, offset):
     return np.where(E > 0, value, np.nan), E
 
 
+def _label_misfit(implied: np.ndarray, E: np.ndarray, labels: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``min_p ((implied[j, a, p] - labels[j, b]) E[j, a, p])^2 / scale_j^2``, shape (j, a, b),
+    capped at 1 (a label off by its own size is simply wrong, and a failed instance, NaN, is
+    no worse: a few bad instances cannot outvote the many that hold)."""
+    misfit = ((implied[:, :, :, None] - labels[:, None, None, :]) * E[..., None]) ** 2 / scale[:, None, None, None] ** 2
+    return np.minimum(np.nan_to_num(misfit, nan=1.0, posinf=1.0), 1.0).min(axis=2)
+
+
 class RotaryLearner:
     """One rotary run: the queries from the seed, the fits, the matching and the assembly."""
 
@@ -254,11 +266,70 @@ class RotaryLearner:
     def longest_instance(self) -> int:
         return int(self.ks[-1]) + 3
 
+    def _order_keys(self, key_labels, offset_P, offset_N, tau, label_x, order, finals) -> np.ndarray:
+        """Each key token's labels (j, l) put in head order: the permutation whose labels best match
+        what the offset instances of the given final tokens (heads in ``order``) imply; NaN rows
+        for keys whose own instance failed."""
+        n_key, H = key_labels.shape
+        cost = np.zeros((n_key, H, H))
+        key_scale = np.maximum(np.nan_to_num(np.abs(key_labels)).max(axis=1), 1e-300)
+        for i in finals:
+            tau_i, label_i = tau[i][order[i]], label_x[i][order[i]]
+            for t, offset in enumerate(OFFSETS):
+                implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau_i, label_i, offset)  # (j, h, p)
+                cost += _label_misfit(implied, E, key_labels, key_scale)
+        label_z = np.full((n_key, H), np.nan)
+        for j in np.flatnonzero(np.isfinite(key_labels).all(axis=1)):
+            label_z[j] = key_labels[j][_assign(cost[j])]
+        return label_z
+
+    def _order_finals(self, label_z, known_z, offset_P, offset_N, tau, label_x, usable) -> np.ndarray:
+        """Every final token's self heads ordered (``order[i, h]`` is the fitted head that is head
+        h) by the key labels its offset instances imply; x_1 is the reference."""
+        n_final, H = tau.shape
+        order = np.tile(np.arange(H), (n_final, 1))
+        labels, scale = label_z[known_z], np.maximum(np.abs(label_z[known_z]).max(axis=1), 1e-300)
+        for i in np.flatnonzero(usable):
+            if i == 0:
+                continue
+            cost = np.zeros((H, H))
+            for t, offset in enumerate(OFFSETS):
+                implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau[i], label_x[i], offset)  # (j, g, p)
+                cost += _label_misfit(implied[known_z], E[known_z], labels, scale).sum(axis=0)  # (g, h)
+            order[i] = _assign(cost.T)
+        return order
+
+    def _assign_poles(self, label_z, known_z, offset_P, offset_N, tau, label_x, usable) -> tuple:
+        """Every offset instance's poles assigned to the heads (``tau``, ``label_x`` in head order)
+        by the key labels: ``(log_E (2, H, n_key, n_final), implied (2, n_final, n_key, H) labels,
+        misfits)``, log_E NaN where the instance failed or its best assignment misses its key's
+        labels by more than ``MATCH_OUTLIER`` (implied labels are kept for every assignment)."""
+        H, n_final, n_key = self.H, tau.shape[0], label_z.shape[0]
+        z_scale = np.maximum(np.nan_to_num(np.abs(label_z)).max(axis=1), 1e-300)
+        log_E = np.full((2, H, n_key, n_final), np.nan)
+        implied_chosen = np.full((2, n_final, n_key, H), np.nan)
+        misfits = []
+        for t, offset in enumerate(OFFSETS):
+            for i in np.flatnonzero(usable):
+                implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau[i], label_x[i], offset)  # (j, h, p)
+                misfit = np.abs((implied - label_z[:, :, None]) * E) / z_scale[:, None, None]
+                for j in np.flatnonzero(known_z & np.isfinite(offset_P[t, i]).all(axis=1)):
+                    pole = _assign(misfit[j] ** 2)
+                    chosen = misfit[j, np.arange(H), pole]
+                    if not np.isfinite(chosen).all():
+                        continue
+                    implied_chosen[t, i, j] = implied[j, np.arange(H), pole]
+                    misfits.append(float(chosen.max()))
+                    if chosen.max() <= MATCH_OUTLIER:  # else an ambiguous or poorly fitted instance: left out
+                        log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
+        return log_E, implied_chosen, misfits
+
     def learn(self, answers: np.ndarray, c: float) -> tuple:
         """The start model from the instances' answers: ``(model or None, diagnostics dict)``.
 
         Instances whose fit failed (a pole not positive, ``E <= 0``) leave their entry of the
-        log-score grid missing; each head's grid (rank r) is completed by iterated truncated SVDs.
+        log-score grid missing; each head's grids (rank r, the head width) are completed by
+        alternating least squares, outliers dropped (:func:`complete_low_rank`).
         """
         d, H = self.d, self.H
         fitted = fit_instances(answers, c, self.ks, H)
@@ -270,66 +341,46 @@ class RotaryLearner:
         offset_P = fitted.P[n_final + n_key:].reshape(2, n_final, n_key, H)   # (delta, i, j, p)
         offset_N = fitted.N[n_final + n_key:].reshape(2, n_final, n_key, H)
         key_labels = key_N / key_P                                # (j, g) unordered
-        offsets = np.array([0.0, 1.0])
         diagnostics = {"failed_instances": int((~np.isfinite(fitted.P).all(axis=1)).sum()),
                        "fit_residual": float(fitted.residual[np.isfinite(fitted.residual)].max(initial=0.0))}
         if not (np.isfinite(tau[0]).all() and np.isfinite(label_x[0]).all()):
             return None, diagnostics  # the reference instance itself failed
-        # Row order: the first final token's heads are the reference; each key token's labels are
-        # ordered by what its two offset instances with x_1 imply.
-        label_z = np.full((n_key, H), np.nan)
-        for j in range(n_key):
-            if not np.isfinite(key_labels[j]).all():
-                continue
-            scale = max(np.abs(key_labels[j]).max(), 1e-300)
-            cost = np.zeros((H, H))
-            for t in range(2):
-                implied, E = implied_labels(offset_P[t, 0, j], offset_N[t, 0, j], tau[0], label_x[0], offsets[t])
-                misfit = ((implied[:, :, None] - key_labels[j][None, None, :]) * E[:, :, None]) ** 2 / scale ** 2
-                cost += np.min(np.where(np.isfinite(misfit), misfit, MISSING), axis=1)
-            label_z[j] = key_labels[j][_assign(cost)]
-        known_z = np.isfinite(label_z).all(axis=1)
-        if known_z.sum() < d:
-            return None, diagnostics
-        # Every final token's self heads ordered against the key labels over its offset instances.
-        order = np.tile(np.arange(H), (n_final, 1))
+        # Head order: the first final token's self heads are the reference. Each key token's labels
+        # are ordered by what its offset instances with x_1 imply, every final token's heads by the
+        # key labels over its offset instances, then the keys again over all final tokens (a key
+        # ordered wrongly by x_1's two instances alone is set right by the majority), and the
+        # final tokens once more.
         usable = np.isfinite(tau).all(axis=1) & np.isfinite(label_x).all(axis=1)
-        z_scale = np.maximum(np.abs(label_z).max(axis=1), 1e-300)
-        for i in range(1, n_final):
-            if not usable[i]:
-                continue
-            cost = np.zeros((H, H))
-            for t in range(2):
-                implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau[i], label_x[i], offsets[t])  # (j, g, p)
-                misfit = ((implied[:, None, :, :] - label_z[:, :, None, None]) * E[:, None]) ** 2 \
-                    / z_scale[:, None, None, None] ** 2
-                misfit = np.min(np.where(np.isfinite(misfit), misfit, MISSING), axis=3)   # (j, h, g)
-                cost += misfit[known_z].sum(axis=0)
-            order[i] = _assign(cost)
+        order = np.tile(np.arange(H), (n_final, 1))
+        label_z = self._order_keys(key_labels, offset_P, offset_N, tau, label_x, order, [0])
+        for finals_used in (np.flatnonzero(usable), None):
+            known_z = np.isfinite(label_z).all(axis=1)
+            if known_z.sum() < d:
+                return None, diagnostics
+            order = self._order_finals(label_z, known_z, offset_P, offset_N, tau, label_x, usable)
+            if finals_used is not None:
+                label_z = self._order_keys(key_labels, offset_P, offset_N, tau, label_x, order, finals_used)
         tau_ordered = np.take_along_axis(tau, order, axis=1)
         label_x_ordered = np.take_along_axis(label_x, order, axis=1)
-        # Each offset instance: its poles assigned to the ordered heads by the key labels.
-        log_E = np.full((2, H, n_key, n_final), np.nan)
-        worst_match, misfits = 0.0, []
-        for t in range(2):
-            for i in np.flatnonzero(usable):
-                implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau_ordered[i], label_x_ordered[i],
-                                            offsets[t])           # (j, h, p)
-                misfit = np.abs((implied - label_z[:, :, None]) * E) / z_scale[:, None, None]
-                for j in np.flatnonzero(known_z & np.isfinite(offset_P[t, i]).all(axis=1)):
-                    pole = _assign(np.where(np.isfinite(misfit[j]), misfit[j] ** 2, MISSING))
-                    chosen = misfit[j, np.arange(H), pole]
-                    if not np.isfinite(chosen).all():
-                        continue
-                    misfits.append(float(chosen.max()))
-                    if chosen.max() > MATCH_OUTLIER:  # an ambiguous or poorly fitted instance: its entry is left out
-                        continue
-                    worst_match = max(worst_match, float(chosen.max()))
-                    log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
-        # the rows and columns that held: keys with labels, finals with their self instance
-        rows, columns = np.flatnonzero(known_z), np.flatnonzero(usable)
+        ordered = (offset_P, offset_N, tau_ordered, label_x_ordered, usable)
+        # Each offset instance's poles assigned to the ordered heads by the key labels; then each
+        # key's labels re-measured as the median of what its offset instances imply (a key
+        # instance whose heads' poles nearly coincide fits those labels poorly), and assigned again.
+        log_E, implied, misfits = self._assign_poles(label_z, known_z, *ordered)
+        counted = np.isfinite(implied).sum(axis=(0, 1)) >= 3
+        with np.errstate(all="ignore"):
+            label_z = np.where(counted, np.nanmedian(implied.reshape(-1, n_key, H), axis=0), label_z)
+        log_E, implied, misfits = self._assign_poles(label_z, known_z, *ordered)
+        worst_match = float(max((m for m in misfits if m <= MATCH_OUTLIER), default=0.0))
+        # the rows and columns that held: keys with labels, finals with their self instance, each
+        # with at least half its entries in every grid (a row of r entries or fewer is not
+        # determined by the others, and one mostly missing is a token whose order went wrong)
+        observed = np.isfinite(log_E)
+        rows = np.flatnonzero(known_z & (observed[..., usable].mean(axis=3) >= HELD).all(axis=(0, 1)))
+        columns = np.flatnonzero(usable & (observed[:, :, known_z].mean(axis=2) >= HELD).all(axis=(0, 1)))
         augmented = np.vstack([self.finals, np.ones((1, n_final))]) if self.bias else self.finals
-        if len(columns) < augmented.shape[0]:
+        diagnostics.update(dropped_keys=int(n_key - len(rows)), dropped_finals=int(n_final - len(columns)))
+        if len(columns) < augmented.shape[0] or len(rows) < d:
             return None, diagnostics
         log_E = log_E[:, :, rows][:, :, :, columns]
         missing = ~np.isfinite(log_E)
@@ -337,7 +388,9 @@ class RotaryLearner:
                            match_quantiles=np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist() if misfits else [])
         if missing.mean() > MOST_MISSING:
             return None, diagnostics
-        log_E = complete_low_rank(log_E, self.rank)
+        # one rank per head: the score matrices of both offsets share it (the head width)
+        widths = [self.rank or completion_rank(log_E[0, h]) for h in range(H)]
+        log_E = complete_low_rank(log_E, np.array([widths, widths]))
         # Assembly by least squares over what held: Z_r^T [W(delta) | u(delta)] X_c = L,
         # Z_r^T v = l_z and X_c^T v = l_x (X_c without the augmenting 1).
         Z_rows, X_columns = self.keys[:, rows], augmented[:, columns]
@@ -345,7 +398,7 @@ class RotaryLearner:
         finals_used = self.finals[:, columns]
         v = np.linalg.lstsq(np.hstack([Z_rows, finals_used]).T,
                             np.vstack([label_z[rows], label_x_ordered[columns]]), rcond=None)[0].T
-        heads = [rotary_head(W[0, h], W[1, h], self.rank, START_RANK_GAP) for h in range(H)]
+        heads = [rotary_head(W[0, h], W[1, h], widths[h]) for h in range(H)]
         width = max(max(head.Q.shape[0] for head in heads), 2)
         Q, K, b = np.zeros((H, width, d)), np.zeros((H, width, d)), np.zeros((H, width))
         theta = np.zeros((H, width // 2))
@@ -360,49 +413,82 @@ class RotaryLearner:
         return RotaryAttention(Q, K, theta, v, c, b=b), diagnostics
 
 
-def complete_low_rank(grids: np.ndarray, rank: int | None, sweeps: int = 30) -> np.ndarray:
-    """Each (..., d, n) grid of log-scores (rank r: ``L = Z^T [W | u] [X; 1]``) with its missing
-    (NaN) entries filled and its outliers replaced, by alternating least squares on the observed
-    entries at rank r (given, or the smallest whose fit leaves the observed entries within
-    ``COMPLETION_LIMIT`` of their scale, outliers aside: entries off the fit by more than 100
-    times its median misfit are dropped and refitted)."""
+def complete_low_rank(grids: np.ndarray, ranks: np.ndarray, sweeps: int = 60) -> np.ndarray:
+    """Each (..., m, n) grid of log-scores (rank r: ``L = Z^T [W | u] [X; 1]``) with its missing
+    (NaN) entries filled and its outliers replaced by a rank-``ranks[...]`` fit of the entries
+    that agree with it (robust alternating least squares: :func:`_alternating_fit`)."""
     grids = grids.copy()
     for index in np.ndindex(grids.shape[:-2]):
         grid = grids[index]
-        observed = np.isfinite(grid)
-        if observed.all() and rank is None:
-            continue
-        scale = float(np.abs(grid[observed]).max()) if observed.any() else 1.0
-        candidates = [rank] if rank is not None else range(1, min(grid.shape))
-        for r in candidates:
-            fitted, kept = _alternating_fit(grid, observed, r, sweeps)
-            misfit = np.abs(fitted - grid)[kept]
-            if rank is not None or (kept.sum() >= 0.7 * observed.sum() and misfit.max() <= COMPLETION_LIMIT * scale):
-                break
+        fitted, kept = _alternating_fit(grid, np.isfinite(grid), int(ranks[index]), sweeps)
         grids[index] = np.where(kept, grid, fitted)
     return grids
 
 
-def _alternating_fit(grid: np.ndarray, observed: np.ndarray, r: int, sweeps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rank-r fit ``A B`` of the entries of ``grid`` marked ``observed``; returns (fit, kept mask)."""
-    kept = observed.copy()
-    filled = np.where(kept, grid, np.nanmean(np.where(kept, grid, np.nan)))
+def completion_rank(grid: np.ndarray, sweeps: int = 20) -> int:
+    """The rank of a log-score grid with missing entries and outliers: the smallest r at which the
+    median misfit of the rank-r least-squares fit falls by ``RANK_DROP`` from rank r - 1 (the
+    median, not the largest misfit: an instance whose poles were fitted wrongly is an outlier at
+    every rank), or
+    reaches rounding; the full rank when there is no such drop."""
+    observed = np.isfinite(grid)
+    values = grid[observed]
+    scale = max(float(np.abs(values).max()), 1e-300) if values.size else 1.0
+    previous = float(np.median(np.abs(values - np.median(values)))) if values.size else 0.0
+    full = min(grid.shape)
+    for r in range(1, full):
+        fitted, kept = _alternating_fit(grid, observed, r, sweeps, robust=False)
+        median = float(np.median(np.abs(fitted - grid)[kept]))
+        if median <= 1e-13 * scale or median * RANK_DROP <= previous:
+            return r
+        previous = median
+    return full
+
+
+def _alternating_fit(grid: np.ndarray, observed: np.ndarray, r: int, sweeps: int,
+                     robust: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Rank-r fit ``A B`` of the entries of ``grid`` marked ``observed``; returns (fit, kept mask:
+    the entries within ``OUTLIER_FACTOR`` median misfits of the fit).
+
+    Each sweep solves every row of A, then every column of B, from the observed entries, as
+    batched normal equations (a start for the refinement, not its accuracy). ``robust``: the
+    entries weighted by Huber's ``min(1, HUBER * median misfit / misfit)`` (iteratively reweighted
+    least squares: an outlier loses its pull without a row or column losing its entries); else
+    plain least squares with the entries beyond ``OUTLIER_FACTOR`` median misfits dropped twice,
+    which is what the rank search measures: a robust fit of too low a rank interpolates most
+    entries once its parameters ``r (m + n - r)`` near their count, and its median misfit says
+    nothing."""
+    filled = np.where(observed, grid, np.nanmean(np.where(observed, grid, np.nan)))
     U, s, Vt = np.linalg.svd(filled, full_matrices=False)
     A, B = U[:, :r] * s[:r], Vt[:r]
+    values = np.where(observed, grid, 0.0)
+    scale = max(float(np.abs(values).max()), 1e-300)
+    ridge = 1e-14 * np.eye(r)
+    weights = observed.astype(np.float64)
     for sweep in range(sweeps):
-        for i in range(grid.shape[0]):
-            columns = kept[i]
-            if columns.sum() >= r:
-                A[i] = np.linalg.lstsq(B[:, columns].T, grid[i, columns], rcond=None)[0]
-        for j in range(grid.shape[1]):
-            rows = kept[:, j]
-            if rows.sum() >= r:
-                B[:, j] = np.linalg.lstsq(A[rows], grid[rows, j], rcond=None)[0]
-        if sweep in (sweeps // 3, 2 * sweeps // 3):  # drop outliers, refit
-            misfit = np.abs(A @ B - grid)
-            typical = np.median(misfit[kept]) if kept.any() else 0.0
-            kept &= ~(misfit > 100 * max(typical, 1e-15 * float(np.abs(grid[observed]).max())))
-    return A @ B, kept
+        A = _solve_rows(np.einsum("ij,aj,bj->iab", weights, B, B), np.einsum("ij,aj,ij->ia", weights, B, values),
+                        ridge, A)
+        B = _solve_rows(np.einsum("ij,ia,ib->jab", weights, A, A), np.einsum("ij,ia,ij->ja", weights, A, values),
+                        ridge, B.T).T
+        misfit = np.abs(A @ B - values)
+        typical = max(float(np.median(misfit[weights > 0])), 1e-15 * scale)
+        if robust:
+            weights = np.where(observed, np.minimum(1.0, HUBER * typical / np.maximum(misfit, 1e-300)), 0.0)
+        elif sweep in (sweeps // 3, 2 * sweeps // 3):
+            weights = np.where(misfit > OUTLIER_FACTOR * typical, 0.0, weights)
+    misfit = np.abs(A @ B - values)
+    typical = max(float(np.median(misfit[observed if robust else weights > 0])), 1e-15 * scale)
+    return A @ B, observed & (misfit <= OUTLIER_FACTOR * typical)
+
+
+def _solve_rows(normal: np.ndarray, rhs: np.ndarray, ridge: np.ndarray, previous: np.ndarray) -> np.ndarray:
+    """``normal[i] x_i = rhs[i]`` for every i (scaled ridge against a row with too few entries,
+    which keeps its previous value where the system is singular)."""
+    size = np.maximum(np.trace(normal, axis1=1, axis2=2), 1e-300)[:, None, None]
+    try:
+        return np.linalg.solve(normal + ridge * size, rhs[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        return previous
 
 
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, bias: bool = True,
@@ -438,6 +524,17 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
             checks.append(Check("start", False, float(diagnostics.get("failed_instances", 0)), 0.0,
                                 "the instances gave no start model (too many failed fits or unmatched heads): "
                                 f"{diagnostics}"))
+    if start is not None:
+        parameters = len(pack(start))
+        need, have = refinement_memory(parameters, POLISH_FACTOR * parameters), available_memory()
+        if have is not None and need > have:  # refused before the polish queries are spent
+            checks.append(Check("refinement_memory", False, float(need), float(have),
+                                f"the refinement's normal equations in {parameters:,} parameters (head width "
+                                f"{start.head_width}) would hold about {need / 2**30:.1f} GiB, beside "
+                                f"{have / 2**30:.1f} GiB available: run on a machine with more memory; a head width "
+                                "above the layer's (diagnostics['widths']) says the start misjudged it: pass "
+                                "rank= the layer's head width"))
+            start = None
     if start is not None:
         polish = random_queries(spawn_rng(seed, 22), POLISH_FACTOR * len(pack(start)), d, learner.token_scale,
                                 POLISH_LENGTHS)

@@ -94,21 +94,55 @@ def jacobian(model: RotaryAttention, X: np.ndarray) -> tuple[np.ndarray, np.ndar
     return f, J
 
 
-def evaluate(model: RotaryAttention, groups, with_jacobian: bool = True):
-    """``(f, J)`` over length groups ``[(index, X)]``, rows in the order of the queries (J None
-    without ``with_jacobian``)."""
-    total = sum(len(index) for index, _ in groups)
-    f = np.empty(total)
-    J = None
+#: Rows of the Jacobian formed at once (the normal equations are summed block by block, so the
+#: refinement holds P^2 numbers and one block, never the whole (queries, P) Jacobian).
+BLOCK_ENTRIES = 2 ** 24
+
+
+def length_groups(sequences, parameters: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The queries as ``[(index, X (B, N, d))]`` blocks of one length, at most ``BLOCK_ENTRIES /
+    parameters`` rows each, in the order of the queries within each length."""
+    lengths = np.array([len(X) for X in sequences])
+    rows = max(1, BLOCK_ENTRIES // max(parameters, 1))
+    groups = []
+    for n in np.unique(lengths):
+        index = np.flatnonzero(lengths == n)
+        for part in range(0, len(index), rows):
+            chunk = index[part:part + rows]
+            groups.append((chunk, np.stack([sequences[i] for i in chunk])))
+    return groups
+
+
+def predict(model: RotaryAttention, groups) -> np.ndarray:
+    """The model's answers over length groups, in the order of the queries."""
+    f = np.empty(sum(len(index) for index, _ in groups))
     for index, X in groups:
-        if not with_jacobian:
-            f[index] = model(list(X))
-            continue
-        f_group, J_group = jacobian(model, X)
-        if J is None:
-            J = np.empty((total, J_group.shape[1]))
-        f[index], J[index] = f_group, J_group
-    return f, J
+        f[index] = model(list(X))
+    return f
+
+
+def normal_equations(model: RotaryAttention, groups, answers: np.ndarray, probes: np.ndarray | None = None):
+    """``(residual, J^T J, J^T residual, J^T probes)`` summed over the blocks (residual ``f - answers``
+    in the order of the queries; ``probes`` (queries, k) or None)."""
+    residual = np.empty(len(answers))
+    normal = gradient = projected = None
+    for index, X in groups:
+        f, J = jacobian(model, X)
+        residual[index] = f - answers[index]
+        if normal is None:
+            normal, gradient = np.zeros((J.shape[1], J.shape[1])), np.zeros(J.shape[1])
+            projected = None if probes is None else np.zeros((J.shape[1], probes.shape[1]))
+        normal += J.T @ J
+        gradient += J.T @ residual[index]
+        if probes is not None:
+            projected += J.T @ probes[index]
+    return residual, normal, gradient, projected
+
+
+def refinement_memory(parameters: int, queries: int) -> int:
+    """Bytes the refinement holds at once, about: J^T J, its damped copy and Cholesky factor, and
+    one block of the Jacobian with the einsum intermediates beside it."""
+    return 8 * (3 * parameters ** 2 + 4 * min(BLOCK_ENTRIES, queries * parameters))
 
 
 def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
@@ -116,20 +150,15 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     """Levenberg-Marquardt on ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
     ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display)."""
     answers = np.asarray(answers, dtype=np.float64)
-    lengths = np.array([len(X) for X in sequences])
-    groups = [(index, np.stack([sequences[i] for i in index])) for index in
-              (np.flatnonzero(lengths == n) for n in np.unique(lengths))]
-    scale = max(float(np.abs(answers).max()), 1e-300)
     vector = pack(model)
-    f, J = evaluate(model, groups)
-    residual = f - answers
+    groups = length_groups(sequences, len(vector))
+    scale = max(float(np.abs(answers).max()), 1e-300)
+    residual, normal, gradient, _ = normal_equations(model, groups, answers)
     before = float(np.abs(residual).max()) / scale
     cost = float(residual @ residual)
     damping = 1e-3
     taken = 0
     for _ in range(iterations):
-        normal = J.T @ J
-        gradient = J.T @ residual
         diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
         improved = False
         for _ in range(12):
@@ -139,7 +168,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
                 damping *= 10
                 continue
             trial = unpack(vector - step, model)
-            trial_residual = evaluate(trial, groups, with_jacobian=False)[0] - answers
+            trial_residual = predict(trial, groups) - answers
             trial_cost = float(trial_residual @ trial_residual)
             if np.isfinite(trial_cost) and trial_cost < cost:
                 relative = (cost - trial_cost) / max(cost, 1e-300)
@@ -155,31 +184,34 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
             on_step(taken, float(np.abs(residual).max()) / scale)
         if relative < 1e-6 and float(np.abs(residual).max()) / scale < 1e-13:
             break
-        f, J = evaluate(model, groups)
-    f, J = evaluate(model, groups)
-    residual = f - answers
-    noise_error = _noise_error(model, J, residual, seed)
+        residual, normal, gradient, _ = normal_equations(model, groups, answers)
+    draws = np.random.default_rng(seed).standard_normal((len(answers), NOISE_DRAWS))
+    residual, normal, _, projected = normal_equations(model, groups, answers, draws)
+    noise_error = _noise_error(model, normal, projected, residual)
     return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, noise_error)
 
 
-def _noise_error(model: RotaryAttention, J: np.ndarray, residual: np.ndarray, seed, draws: int = 8) -> float:
+#: Parameter-error draws of the first-order error estimate.
+NOISE_DRAWS = 8
+
+
+def _noise_error(model: RotaryAttention, normal: np.ndarray, projected: np.ndarray, residual: np.ndarray) -> float:
     """Relative error of ``W_h(0..2)`` and ``v`` from parameter errors drawn from
-    ``sigma^2 (J^T J + eps)^{-1}`` (the gauge directions damped: they move no score matrix)."""
-    rows, columns = J.shape
-    sigma = float(np.sqrt(residual @ residual / max(1, rows - columns)))
-    normal = J.T @ J
+    ``sigma^2 (J^T J + eps)^{-1}`` (the gauge directions damped: they move no score matrix);
+    ``projected = J^T Z`` for standard normal Z (queries, draws)."""
+    columns = normal.shape[0]
+    sigma = float(np.sqrt(residual @ residual / max(1, len(residual) - columns)))
     ridge = 1e-10 * np.diag(normal).max()
     try:
         factor = cho_factor(normal + ridge * np.eye(columns))
     except np.linalg.LinAlgError:
         return np.inf
-    rng = np.random.default_rng(seed)
     base_W, base_v = model.identifying_matrices(), model.v
     W_scale, v_scale = max(float(np.abs(base_W).max()), 1e-300), max(float(np.abs(base_v).max()), 1e-300)
     worst = 0.0
     vector = pack(model)
-    for _ in range(draws):  # J^T z ~ N(0, J^T J): (J^T J)^{-1} J^T z ~ N(0, (J^T J)^{-1})
-        error = cho_solve(factor, J.T @ rng.standard_normal(rows)) * sigma
+    for draw in projected.T:  # J^T z ~ N(0, J^T J): (J^T J)^{-1} J^T z ~ N(0, (J^T J)^{-1})
+        error = cho_solve(factor, draw) * sigma
         moved = unpack(vector + error, model)
         worst = max(worst, float(np.abs(moved.identifying_matrices() - base_W).max()) / W_scale,
                     float(np.abs(moved.v - base_v).max()) / v_scale)
