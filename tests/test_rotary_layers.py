@@ -346,6 +346,21 @@ def test_the_float32_angles_of_a_layer_in_its_model_fail_loudly():
     assert mx.compare(result.model, truth).max_rel <= 10 * result.error_estimate
 
 
+@pytest.mark.slow
+def test_a_float32_grouped_layer_is_extracted_within_its_precision():
+    """Issue 40, acceptance 2 in float32: the layer's float32 answers (its own float32 angles), its
+    truth the exact layer in float64 from its float32 weights; outputs within 1e-5, every check
+    passing with limits in units of the answers' rounding, and an estimate that does not understate."""
+    layer = attention("llama", seed=0, d=16, H=2, H_kv=1, r=8, dtype=torch.float32)
+    oracle = TorchOracle(RotaryLayer(layer))
+    result = mx.extract(oracle, d=16, heads=2, positions="rotary", seed=0)
+    assert result.ok and result.queries == oracle.sequences
+    truth = to_rotary(layer)
+    error = mx.compare(result.model, truth).max_rel
+    assert error <= 1e-5 and error <= result.error_estimate
+    assert fresh_error(result, truth) <= 1e-5
+
+
 def test_to_torch_names_the_rotary_export():
     from mhaextract.adapters.torch import to_torch
 

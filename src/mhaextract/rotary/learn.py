@@ -42,13 +42,18 @@ from .refine import pack, refine, refinement_memory
 from .structure import rotary_head
 from .window import WindowSearch, find_window
 
-#: Float64 limits of the checks (relative): the answers' misfit and the error estimate.
+#: Float64 limits of the checks (relative): the answers' misfit and the error estimate; for coarser
+#: answers (float32) these many units of their rounding, where that is larger.
 RESIDUAL_LIMIT = 1e-9
 ESTIMATE_LIMIT = 1e-8
+RESIDUAL_UNITS = 30.0
+ESTIMATE_UNITS = 300.0
 #: The smallest error estimate claimed: float64 rounding through the scores and the softmax.
 ESTIMATE_FLOOR = 1e-14
-#: An instance whose rational fit misses its samples by more than this (relative) is not used.
+#: An instance whose rational fit misses its samples by more than this (relative), or by more than
+#: ``INSTANCE_UNITS`` units of the answers' rounding, is not used.
 INSTANCE_LIMIT = 1e-7
+INSTANCE_UNITS = 100.0
 #: An offset instance whose numerator misfit (relative to its key's labels) exceeds this is left out.
 MATCH_OUTLIER = 1e-2
 #: The two offsets of the offset instances, minus one: E = P - tau - (delta - 1).
@@ -71,7 +76,7 @@ ZEROS_PER_SAMPLE = 9
 SPARE_TOKENS = 2
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
-POLISH_LENGTHS = (2, 16)
+POLISH_LENGTHS = (2, 64)
 #: The token scale makes the self-scores of the basis tokens this large (root mean square).
 SCORE_TARGET = 1.5
 
@@ -324,7 +329,7 @@ class RotaryLearner:
                         log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
         return log_E, implied_chosen, misfits
 
-    def learn(self, answers: np.ndarray, c: float) -> tuple:
+    def learn(self, answers: np.ndarray, c: float, unit: float = 2.0 ** -53) -> tuple:
         """The start model from the instances' answers: ``(model or None, diagnostics dict)``.
 
         Instances whose fit failed (a pole not positive, ``E <= 0``) leave their entry of the
@@ -334,7 +339,7 @@ class RotaryLearner:
         d, H = self.d, self.H
         fitted = fit_instances(answers, c, self.ks, H)
         # an instance whose fit misses its own samples found other poles than its heads': unused
-        fitted.P[~(fitted.residual <= INSTANCE_LIMIT)] = np.nan
+        fitted.P[~(fitted.residual <= max(INSTANCE_LIMIT, INSTANCE_UNITS * unit))] = np.nan
         n_final, n_key = self.finals.shape[1], self.keys.shape[1]
         tau, label_x = fitted.P[:n_final], fitted.N[:n_final] / fitted.P[:n_final]
         key_P, key_N = fitted.P[n_final:n_final + n_key], fitted.N[n_final:n_final + n_key]
@@ -517,7 +522,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
                 learner.set_scale(scale * float(np.clip(np.sqrt(SCORE_TARGET / typical), 1e-3, 1e3)))
         sequences = instance_queries(learner.patterns(), learner.ks)
         answers = boundary.ask(sequences, "rotary instances")
-        start, diagnostics = learner.learn(answers, c)
+        unit = max(vectors.unit, boundary.stats.unit_roundoff)  # declared, or seen in the answers
+        start, diagnostics = learner.learn(answers, c, unit)
         if start is not None and window.window is not None:
             start = RotaryAttention(start.Q, start.K, start.theta, start.v, start.c, window.window, start.b)
         if start is None:
@@ -539,16 +545,18 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         polish = random_queries(spawn_rng(seed, 22), POLISH_FACTOR * len(pack(start)), d, learner.token_scale,
                                 POLISH_LENGTHS)
         polish_answers = boundary.ask(polish, "refining on fresh queries")
-        model, refinement = refine(start, polish, polish_answers, seed=seed, on_step=lambda step, misfit: note_progress(
-            progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
+        model, refinement = refine(start, polish, polish_answers, seed=seed, floor=max(1e-13, 3 * unit),
+                                   on_step=lambda step, misfit: note_progress(
+                                       progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
         sequences, answers = list(sequences) + polish, np.concatenate([answers, polish_answers])
     residual = estimate = np.inf
     if model is not None:
         scale_answers = max(float(np.abs(answers).max()), 1e-300)
         residual = float(np.abs(model(sequences) - answers).max()) / scale_answers
         estimate = max(refinement.noise_error, ESTIMATE_FLOOR)
+        residual_limit, estimate_limit = max(RESIDUAL_LIMIT, RESIDUAL_UNITS * unit), max(ESTIMATE_LIMIT, ESTIMATE_UNITS * unit)
         checks += [
-            Check("answers_residual", residual <= RESIDUAL_LIMIT, residual, RESIDUAL_LIMIT,
+            Check("answers_residual", residual <= residual_limit, residual, residual_limit,
                   f"max misfit of the model on the {len(sequences)} queries asked (instances and fresh polish "
                   "queries), relative to the largest answer"),
         ]
@@ -559,11 +567,11 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         whole = boundary.ask(value_queries, "value read-outs", whole=True)
         value_fit = fit_values(model, value_queries, whole, bias=True, readout=vectors.readout,
                                score_error=(estimate, estimate), seed=seed)
-        checks += value_fit.checks(RESIDUAL_LIMIT, estimate)
+        checks += value_fit.checks(residual_limit, estimate)
         scalar_model, model = model, value_fit.model
         estimate = max(estimate, value_fit.error_estimate)
     if model is not None:
-        checks.append(Check("error_estimate", estimate <= ESTIMATE_LIMIT, estimate, ESTIMATE_LIMIT,
+        checks.append(Check("error_estimate", estimate <= estimate_limit, estimate, estimate_limit,
                             "first-order error of W_h(0..2), u_h(0..2) and the values, from the refinement's "
                             "residual (and the value fit's for a whole layer)"))
     verification = None
