@@ -13,6 +13,12 @@ grouped-query Llama layers (two query heads, one key/value head), seeds 0..5. Pe
 first failed check, queries measured at the oracle, the error estimate, the model's error against
 ``to_rotary(layer).readout(result.readout)`` (``mx.compare``'s max_rel) and on 100 fresh sequences
 of lengths 1..256, and seconds.
+
+    python benchmarks/bench_rotary_layers.py --large
+
+Part 2 only, at the issue's size: a Llama attention with d = 64, H = 4, two key/value heads, head
+width 16, in float64 (``angles="float64"``) and in float32 (the layer's own float32 angles; the
+truth ``to_rotary`` of its float32 weights in float64). About 15 and 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -67,9 +73,10 @@ def exactness():
 
 def extraction(name, attention, heads, angles):
     oracle = TorchOracle(RotaryLayer(attention, angles=angles))
+    d = attention.config.hidden_size
     start = time.perf_counter()
     try:
-        result = mx.extract(oracle, d=16, heads=heads, positions="rotary", seed=0)
+        result = mx.extract(oracle, d=d, heads=heads, positions="rotary", seed=0)
     except mx.ExtractionError as error:
         failed = str(error).splitlines()[1].strip().split(" (")[0]
         print(f"| {name} | {angles} | {failed} | {oracle.sequences} | | | | {time.perf_counter() - start:.1f} |")
@@ -78,18 +85,24 @@ def extraction(name, attention, heads, angles):
     exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
     truth = exact if result.model.is_vector else exact.readout(result.readout)
     rng = np.random.default_rng(11)
-    fresh = [rng.normal(size=(int(n), 16)) * 16 ** -0.25 for n in rng.integers(1, 257, 100)]
+    fresh = [rng.normal(size=(int(n), d)) * d ** -0.25 for n in rng.integers(1, 257, 100)]
     print(f"| {name} | {angles} | ok | {result.queries} | {result.error_estimate:.1e} | "
           f"{mx.compare(result.model, truth).max_rel:.1e} | {relative(result.model(fresh), truth(fresh)):.1e} | "
           f"{seconds:.1f} |")
 
 
-def main():
+def main(large: bool = False):
     warnings.simplefilter("ignore")
-    exactness()
-    print()
+    if not large:
+        exactness()
+        print()
     print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds |")
     print("|---|---|---|---|---|---|---|---|")
+    if large:
+        extraction("Llama, d = 64, H = 4, two kv heads", layer("llama", 64, 4, 2, 16, seed=0), 4, "float64")
+        extraction("Llama, d = 64, H = 4, two kv heads, float32", layer("llama", 64, 4, 2, 16, seed=0).float(), 4,
+                   "model")
+        return
     extraction("Llama, H = 1", layer("llama", 16, 1, 1, 8, seed=0), 1, "float64")
     extraction("Llama, H = 1", layer("llama", 16, 1, 1, 8, seed=0), 1, "model")
     extraction("Mistral, H = 1, window 16", layer("mistral", 16, 1, 1, 8, seed=0, window=16), 1, "float64")
@@ -98,4 +111,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(large="--large" in sys.argv[1:])

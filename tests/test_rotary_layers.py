@@ -366,3 +366,14 @@ def test_to_torch_names_the_rotary_export():
 
     with pytest.raises(TypeError, match="to_torch_rotary"):
         to_torch(mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_answers_coarser_than_float32_are_refused_before_the_instances(dtype):
+    """At 8 or 11 bits the instances give no start: the run says so, naming the precision and what
+    to try, before it asks the instances' queries."""
+    layer = attention("llama", seed=0, d=16, H=2, H_kv=1, r=8, dtype=dtype)
+    oracle = TorchOracle(RotaryLayer(layer))
+    with pytest.raises(mx.ExtractionError, match="(?s)answer_precision.*too coarse.*float32") as caught:
+        mx.extract(oracle, d=16, heads=2, positions="rotary", seed=0)
+    assert caught.value.extraction.model is None and oracle.sequences < 100  # c and the window search only

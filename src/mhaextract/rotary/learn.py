@@ -42,6 +42,8 @@ from .refine import pack, refine, refinement_memory
 from .structure import rotary_head
 from .window import WindowSearch, find_window
 
+#: The coarsest answers the rotary schedule takes: float32's unit roundoff.
+COARSEST_UNIT = 2.0 ** -24
 #: Float64 limits of the checks (relative): the answers' misfit and the error estimate; for coarser
 #: answers (float32) these many units of their rounding, where that is larger.
 RESIDUAL_LIMIT = 1e-9
@@ -496,6 +498,18 @@ def _solve_rows(normal: np.ndarray, rhs: np.ndarray, ridge: np.ndarray, previous
         return previous
 
 
+def answer_precision(unit: float) -> Check:
+    """Answers coarser than float32 (bfloat16, float16) are refused: one rational fit per instance
+    separates H poles only to a few units of the answers' rounding (§11), and at 8 or 11 bits no
+    start comes out that the refinement could take to the layer."""
+    name = {2.0 ** -8: "bfloat16", 2.0 ** -11: "float16"}.get(unit, f"a unit roundoff of {unit:.1e}")
+    return Check("answer_precision", unit <= COARSEST_UNIT, unit, COARSEST_UNIT,
+                 "the answers' rounding unit (declared by the oracle or read from their bits)"
+                 + ("" if unit <= COARSEST_UNIT else
+                    f": {name} answers are too coarse for the rotary schedule; run the layer in float32 or "
+                    "float64 (layer.float(), the same weights)"))
+
+
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, bias: bool = True,
                    rank: int | None = None, batch_size: int = 1024, progress=None, max_queries=None,
                    verify_length: int | None = None, window_limit: int = 4096) -> RotaryExtraction:
@@ -509,10 +523,13 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
     scale = d ** 0.25 if token_scale is None else float(token_scale)
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
     learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window)
-    checks = [window.check(learner.samples + 3)]
+    # at coarser answers than float32 the window search reads rounding as a window: not reported
+    checks = [answer_precision(max(vectors.unit, boundary.stats.unit_roundoff))]
+    if checks[0].passed:
+        checks.append(window.check(learner.samples + 3))
     start, model, refinement, diagnostics = None, None, None, {}
     sequences, answers = [], np.zeros(0)
-    if checks[0].passed:
+    if all(check.passed for check in checks):
         if token_scale is None:  # scores of order one: measured on d self instances at d^(1/4)
             calibration = boundary.ask(instance_queries([x[None] for x in learner.X.T], learner.ks),
                                        "choosing the token scale")
@@ -523,10 +540,13 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         sequences = instance_queries(learner.patterns(), learner.ks)
         answers = boundary.ask(sequences, "rotary instances")
         unit = max(vectors.unit, boundary.stats.unit_roundoff)  # declared, or seen in the answers
-        start, diagnostics = learner.learn(answers, c, unit)
+        if unit > COARSEST_UNIT:  # seen only now in the answers' bits
+            checks.append(answer_precision(unit))
+        else:
+            start, diagnostics = learner.learn(answers, c, unit)
         if start is not None and window.window is not None:
             start = RotaryAttention(start.Q, start.K, start.theta, start.v, start.c, window.window, start.b)
-        if start is None:
+        if start is None and unit <= COARSEST_UNIT:
             checks.append(Check("start", False, float(diagnostics.get("failed_instances", 0)), 0.0,
                                 "the instances gave no start model (too many failed fits or unmatched heads): "
                                 f"{diagnostics}"))
