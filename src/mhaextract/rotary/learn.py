@@ -336,7 +336,7 @@ class RotaryLearner:
 
         Instances whose fit failed (a pole not positive, ``E <= 0``) leave their entry of the
         log-score grid missing; each head's grids (rank r, the head width) are completed by
-        alternating least squares, outliers dropped (:func:`complete_low_rank`).
+        robust alternating least squares, outliers replaced (:func:`complete_low_rank`).
         """
         d, H = self.d, self.H
         fitted = fit_instances(answers, c, self.ks, H)
@@ -436,8 +436,7 @@ def completion_rank(grid: np.ndarray, sweeps: int = 20) -> int:
     """The rank of a log-score grid with missing entries and outliers: the smallest r at which the
     median misfit of the rank-r least-squares fit falls by ``RANK_DROP`` from rank r - 1 (the
     median, not the largest misfit: an instance whose poles were fitted wrongly is an outlier at
-    every rank), or
-    reaches rounding; the full rank when there is no such drop."""
+    every rank), or reaches rounding; the full rank when there is no such drop."""
     observed = np.isfinite(grid)
     values = grid[observed]
     scale = max(float(np.abs(values).max()), 1e-300) if values.size else 1.0
@@ -574,7 +573,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         scale_answers = max(float(np.abs(answers).max()), 1e-300)
         residual = float(np.abs(model(sequences) - answers).max()) / scale_answers
         estimate = max(refinement.noise_error, ESTIMATE_FLOOR)
-        residual_limit, estimate_limit = max(RESIDUAL_LIMIT, RESIDUAL_UNITS * unit), max(ESTIMATE_LIMIT, ESTIMATE_UNITS * unit)
+        residual_limit = max(RESIDUAL_LIMIT, RESIDUAL_UNITS * unit)
+        estimate_limit = max(ESTIMATE_LIMIT, ESTIMATE_UNITS * unit)
         checks += [
             Check("answers_residual", residual <= residual_limit, residual, residual_limit,
                   f"max misfit of the model on the {len(sequences)} queries asked (instances and fresh polish "

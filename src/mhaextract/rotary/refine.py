@@ -94,7 +94,7 @@ def jacobian(model: RotaryAttention, X: np.ndarray) -> tuple[np.ndarray, np.ndar
     return f, J
 
 
-#: Rows of the Jacobian formed at once (the normal equations are summed block by block, so the
+#: Entries of the Jacobian formed at once (the normal equations are summed block by block, so the
 #: refinement holds P^2 numbers and one block, never the whole (queries, P) Jacobian).
 BLOCK_ENTRIES = 2 ** 24
 
@@ -195,10 +195,10 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
             except np.linalg.LinAlgError:
                 damping *= 10
                 continue
-            # the step bent along the valley: without it the steps crawl (a float32 layer's start at
-            # 8e-3 took more than 60 steps to 7e-4, and 13 with it to its rounding); an acceleration
-            # large beside the step (at the answers' rounding: a difference of rounding errors) is
-            # not taken, and the step is the plain one
+            # the step bent along the valley: along the curved valleys of nearly equal or nearly zero
+            # frequencies plain steps crawl at a damping the quadratic model allows but the valley
+            # does not; an acceleration large beside the step (at the answers' rounding: a
+            # difference of rounding errors) is not taken, and the step is the plain one
             bend = acceleration(model, vector, step, residual, groups, answers, factor)
             size = np.sqrt(diagonal)
             if 2 * np.linalg.norm(size * bend) <= ACCELERATION_RATIO * np.linalg.norm(size * step):
