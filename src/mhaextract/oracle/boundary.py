@@ -133,6 +133,12 @@ class OracleBoundary:
         if int(self.batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
+    @property
+    def answer_unit(self) -> float:
+        """The answers' relative rounding unit: the one the oracle declares (``answer_dtype``, via
+        :class:`VectorAnswers`) or the one their bits show so far, whichever is coarser."""
+        return max(self.vectors.unit, self.stats.unit_roundoff)
+
     def ask(self, sequences: Sequence[np.ndarray], description: str = "querying oracle",
             whole: bool = False) -> np.ndarray:
         """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision): a

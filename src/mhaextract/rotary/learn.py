@@ -523,7 +523,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
     learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window)
     # at coarser answers than float32 the window search reads rounding as a window: not reported
-    checks = [answer_precision(max(vectors.unit, boundary.stats.unit_roundoff))]
+    checks = [answer_precision(boundary.answer_unit)]
     if checks[0].passed:
         checks.append(window.check(learner.samples + 3))
     start, model, refinement, diagnostics = None, None, None, {}
@@ -538,7 +538,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
                 learner.set_scale(scale * float(np.clip(np.sqrt(SCORE_TARGET / typical), 1e-3, 1e3)))
         sequences = instance_queries(learner.patterns(), learner.ks)
         answers = boundary.ask(sequences, "rotary instances")
-        unit = max(vectors.unit, boundary.stats.unit_roundoff)  # declared, or seen in the answers
+        unit = boundary.answer_unit
         if unit > COARSEST_UNIT:  # seen only now in the answers' bits
             checks.append(answer_precision(unit))
         else:
@@ -599,8 +599,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         longest = verify_length or max(256, 4 * (window.window or 0))
         long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), learner.token_scale, longest)
         scale_long = float(np.abs(whole).max()) if value_fit is not None else float(np.abs(answers).max())
-        unit = max(2.0 ** -53, boundary.stats.unit_roundoff)
-        check, verification = long_queries.judge(model, estimate, residual, 0.0, max(scale_long, 1e-300), unit,
+        check, verification = long_queries.judge(model, estimate, residual, 0.0, max(scale_long, 1e-300),
+                                                 boundary.answer_unit,
                                                  max(POLISH_LENGTHS[1], learner.longest_instance), seed=seed)
         checks.append(check)
     return RotaryExtraction(model=model, heads=0 if model is None else model.heads, queries=boundary.queries,

@@ -58,7 +58,7 @@ def find_window(boundary, rng: np.random.Generator, token_scale: float, c: float
     d = boundary.d
     y = rng.standard_normal(d) * token_scale / np.sqrt(d)
     base = abs(float(boundary.ask([y[None]], "window search")[0]) - c)
-    unit = max(boundary.vectors.unit, boundary.stats.unit_roundoff)  # declared, or seen in the answers
+    unit = boundary.answer_unit
     floor = 64 * unit * max(abs(c), base, 1e-300)  # the answers' rounding, with room
     lengths, deviations = [], []
 
