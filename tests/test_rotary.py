@@ -179,7 +179,7 @@ def test_a_window_shorter_than_the_instances_fails_loudly():
 @pytest.mark.parametrize("options,message", [
     ({"positions": "alibi"}, "positions must be"),
     ({"positions": "rotary", "heads": None, "max_heads": 2}, "does not take max_heads"),
-    ({"positions": "rotary", "precision": 128}, "does not take precision"),
+    ({"positions": "rotary", "precision": 32}, "precision must be"),
     ({"positions": "rotary", "schedule": "paper"}, "does not take schedule"),
 ])
 def test_bad_rotary_options_are_named(options, message):

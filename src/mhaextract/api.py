@@ -130,11 +130,12 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
 
     positions : ``"none"`` (default: the model of docs/algorithm.md §1, no positions) or
         ``"rotary"``: rotary position embeddings (Llama-style RoPE, grouped-query heads, a sliding
-        window found by queries; §22), learned with the rotary schedule in float64; returns a
+        window found by queries; §22), learned with the rotary schedule in float64, or taken on to
+        ``precision`` bits for an oracle answering ``mpf``; returns a
         :class:`~mhaextract.rotary.learn.RotaryExtraction` whose ``model`` is a
-        :class:`~mhaextract.RotaryAttention`. It takes ``heads``, ``seed``, ``token_scale``,
-        ``bias`` (the query bias; default True), ``rank`` (the head width), ``batch_size``,
-        ``progress``, ``on_failure``, ``max_queries`` and ``verify_length``.
+        :class:`~mhaextract.RotaryAttention`. It takes ``heads``, ``precision``, ``seed``,
+        ``token_scale``, ``bias`` (the query bias; default True), ``rank`` (the head width),
+        ``batch_size``, ``progress``, ``on_failure``, ``max_queries`` and ``verify_length``.
 
     Returns
     -------
@@ -270,15 +271,21 @@ def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias
     """``positions="rotary"``: the options the rotary schedule takes validated, the rest refused."""
     from .rotary.learn import extract_rotary
 
-    others = {"max_heads": max_heads, "precision": precision, "transcript": transcript,
+    others = {"max_heads": max_heads, "transcript": transcript,
               "samples_per_instance": samples_per_instance, "refine": refine, "refine_queries": refine_queries,
               "answer_error": answer_error, "backend": backend, "repair": repair}
     given = [name for name, value in others.items() if value is not None]
     if schedule != "auto":
         given.append("schedule")
     if given:
-        raise ValueError(f"positions='rotary' does not take {', '.join(given)}: the rotary schedule runs in float64 "
-                         "with the number of heads given (heads=H)")
+        raise ValueError(f"positions='rotary' does not take {', '.join(given)}: the rotary schedule runs with the "
+                         "number of heads given (heads=H), in float64 or at precision=bits")
+    if precision is not None:
+        precision = positive_int("precision", precision, minimum=64)
+        answer_dtype = getattr(oracle, "answer_dtype", None)
+        if answer_dtype not in (None, "mpf"):
+            raise ValueError(f"precision={precision} needs an oracle answering mpmath.mpf; this one answers "
+                             f"{answer_dtype} (a torch layer computes in its own dtype): run it with precision=None")
     d = positive_int("d", d)
     heads = positive_int("heads", heads) if heads is not None else None
     if heads is None:
@@ -288,7 +295,8 @@ def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias
     if rank is not None:
         rank = positive_int("rank", rank)
     on_failure = on_failure_mode(on_failure)
-    result = extract_rotary(oracle, d, heads, seed, token_scale=None if scale in (None, "auto") else scale,
+    result = extract_rotary(oracle, d, heads, seed, precision=precision,
+                            token_scale=None if scale in (None, "auto") else scale,
                             bias=True if bias is None else bool(bias), rank=rank, batch_size=batch_size,
                             progress=progress, max_queries=max_queries, verify_length=verify_length)
     report_failure(result, "rotary extraction", on_failure)

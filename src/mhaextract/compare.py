@@ -146,10 +146,16 @@ def compare_rotary(a: RotaryAttention, b: RotaryAttention) -> Comparison:
     """Errors of ``a`` against the reference ``b`` (a :class:`~mhaextract.Comparison`): heads
     aligned by an assignment on ``(W_h(0), W_h(1), W_h(2), V_h)``; ``W_abs`` is the largest entry
     error of those score matrices, ``v_abs`` of ``V_h``, ``c_abs`` of the constant."""
-    a, b = a.canonical(), b.canonical()
-    Wa, Wb = a.identifying_matrices(), b.identifying_matrices()
-    cost = (np.abs(Wa[:, None] - Wb[None]).max(axis=(2, 3, 4)) / max(np.abs(Wb).max(), 1e-300)
-            + np.abs(a.V[:, None] - b.V[None]).max(axis=(2, 3)) / max(np.abs(b.V).max(), 1e-300))
+    bits = 53
+    if a.is_high_precision or b.is_high_precision:  # both in mpf: float64 would hide errors below its rounding
+        a, b = a.to_mpf(), b.to_mpf()
+        bits = max(a.precision, b.precision)  # a float64 model's exact parameters at the other's precision
+    with mpmath.workprec(bits):
+        a, b = a.canonical(), b.canonical()
+        Wa, Wb = a.identifying_matrices(), b.identifying_matrices()
+    cost = (np.abs(Wa[:, None] - Wb[None]).max(axis=(2, 3, 4)) / max(float(np.abs(Wb).max()), 1e-300)
+            + np.abs(a.V[:, None] - b.V[None]).max(axis=(2, 3)) / max(float(np.abs(b.V).max()), 1e-300))
+    cost = cost.astype(np.float64)
     rows, columns = linear_sum_assignment(cost)
     order = np.argsort(columns)
     aligned, shared = rows[order], columns[order]  # head shared[k] of b is aligned with head aligned[k] of a

@@ -373,12 +373,17 @@ def _save_rotary(extraction, json_path: Path, npz_path: Path) -> tuple[Path, Pat
                 "checks": [check.as_dict() for check in extraction.checks], "model": None, "arrays": npz_path.name}
     arrays = {}
     if model is not None:
+        exact, model = model, model.to_float64()
         values = {"V": model.V.tolist()} if model.is_vector else {"v": model.v.tolist()}
         document["model"] = {"kind": "rotary", "d": model.d, "heads": model.heads, "Q": model.Q.tolist(),
                              "K": model.K.tolist(), "b": model.b.tolist(), "theta": model.theta.tolist(), **values,
                              "c": np.asarray(model.c).tolist(), "window": model.window}
         arrays.update(Q=model.Q, K=model.K, b=model.b, theta=model.theta, c=np.array(model.c),
                       **({"V": model.V} if model.is_vector else {"v": model.v}))
+        if exact.is_high_precision:  # every bit of the mpf parameters, as exact hex floats
+            to_hex = np.vectorize(mpf_to_hex, otypes=[object])
+            document["model_exact"] = {name: to_hex(np.asarray(getattr(exact, name), dtype=object)).tolist()
+                                       for name in ("Q", "K", "b", "theta", "V", "c")}
     json_path.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False))
     np.savez_compressed(npz_path, **arrays)
     return json_path, npz_path
@@ -417,7 +422,14 @@ def load_model(path, exact: bool = False) -> MultiHeadAttention | RotaryAttentio
     part = document.get("model") or {}
     if part.get("kind") == "rotary":  # a rotary result (docs/algorithm.md §22)
         if exact:
-            raise ValueError(f"{str(path)!r} is a float64 rotary extraction: it has no exact (high-precision) model")
+            if "model_exact" not in document:
+                raise ValueError(f"{str(path)!r} is a float64 rotary extraction: it has no exact (high-precision) "
+                                 "model")
+            from_hex = np.vectorize(mpf_from_hex, otypes=[object])
+            numbers = {name: from_hex(np.array(value, dtype=object)) for name, value in document["model_exact"].items()}
+            V = numbers["V"] if "V" in part else numbers["V"][:, 0, :]
+            c = numbers["c"] if "V" in part else numbers["c"][()]
+            return RotaryAttention(numbers["Q"], numbers["K"], numbers["theta"], V, c, part["window"], numbers["b"])
         values = np.array(part["V"] if "V" in part else part["v"], dtype=np.float64)
         c = np.array(part["c"], dtype=np.float64) if "V" in part else float(part["c"])
         return RotaryAttention(np.array(part["Q"], dtype=np.float64), np.array(part["K"], dtype=np.float64),

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mpmath
 import numpy as np
 
 from ..numerics.float64 import root_mean_square
-from ..numerics.highprec import mid_float
+from ..numerics.highprec import GUARD_BITS, mid_float, mpf_array
 from ..oracle.boundary import OracleBoundary, OracleError
 from ..oracle.queries import random_queries
 from ..validation import positive_int, positive_number
@@ -82,10 +83,17 @@ def fresh_queries(rng: np.random.Generator, lengths, d: int, token_scale: float,
             for q, n in enumerate(lengths)]
 
 
-def output_errors(model, sequences, answers) -> np.ndarray:
-    """``|f_hat(X_q) - answer_q|`` per query, absolute, in float64 (answers as the boundary returns
+def output_errors(model, sequences, answers, precision: int | None = None) -> np.ndarray:
+    """``|f_hat(X_q) - answer_q|`` per query, absolute, as float64 (answers as the boundary returns
     them: floats, or balls whose midpoints are compared; an answer of several entries counts by
-    its largest difference)."""
+    its largest difference). The model is evaluated in float64, or with ``precision=bits`` at
+    ``bits + GUARD_BITS`` and the difference taken there (errors far below float64's rounding
+    show)."""
+    if precision is not None:
+        predicted = model(sequences, precision=int(precision) + GUARD_BITS)
+        observed = mpf_array(answers)
+        with mpmath.workprec(int(precision) + GUARD_BITS):
+            return np.array([float(abs(p - o)) for p, o in zip(predicted, observed)])
     predicted = np.asarray(model(sequences), dtype=np.float64).reshape(len(sequences), -1)
     observed = mid_float(answers).reshape(len(sequences), -1)
     if predicted.shape != observed.shape:
@@ -174,13 +182,15 @@ class LongVerification:
         return min(LIMIT_CAP, LIMIT_FACTOR * claimed) + rounding
 
     def judge(self, model, error_estimate: float, residual: float, noise: float, scale: float, unit: float,
-              schedule_longest: int, seed=None, rounding: float | None = None) -> tuple[Check, Verification]:
+              schedule_longest: int, seed=None, rounding: float | None = None,
+              precision: int | None = None) -> tuple[Check, Verification]:
         """The ``long_verification`` check of ``model`` and its :class:`Verification`. ``noise``:
         the answers' absolute error the run measured or was told; ``scale``: its largest answer;
-        ``rounding``: see :meth:`limit`."""
+        ``rounding``: see :meth:`limit`; ``precision``: bits at which the model's outputs are
+        compared (:func:`output_errors`; None: float64)."""
         tolerance = self.limit(error_estimate, residual, noise, scale, unit, rounding)
         answers = self.whole if self.whole is not None and getattr(model, "is_vector", False) else self.answers
-        errors = output_errors(model, self.sequences, answers) / scale
+        errors = output_errors(model, self.sequences, answers, precision) / scale
         lengths = np.array([len(sequence) for sequence in self.sequences])
         missed = ~(errors <= tolerance)  # NaN misses
         worst = float(np.nan_to_num(errors, nan=np.inf).max(initial=0.0))

@@ -29,8 +29,9 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from ..checks.base import Check, CheckedResult, available_memory
-from ..checks.verify import ask_long_verification
+from ..checks.verify import ask_long_verification, output_errors
 from ..numerics.float64 import fit
+from ..numerics.highprec import mid_float, mpf_array
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import note_progress
 from ..outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
@@ -38,7 +39,7 @@ from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
 from .model import RotaryAttention
-from .refine import pack, refine, refinement_memory
+from .refine import pack, polish_high_precision, refine, refinement_memory
 from .structure import rotary_head
 from .window import WindowSearch, find_window
 
@@ -107,6 +108,9 @@ class RotaryExtraction(CheckedResult):
     refinement : :class:`~mhaextract.rotary.refine.RotaryRefinement` (queries, steps, residuals).
     diagnostics : the instances' fits and matching (failed instances, missing grid entries, widths).
     readout, scalar_model, value_fit : as in :class:`~mhaextract.Extraction` for vector answers.
+    precision : None (float64), or the bits of a high-precision run, whose model has ``mpf``
+        parameters and whose estimate, residual and verification are computed at those bits (a
+        first-order estimate, as in float64: no ball proves a least-squares fit).
     seconds : float.
 
     Examples
@@ -137,6 +141,7 @@ class RotaryExtraction(CheckedResult):
     readout: np.ndarray | None = None
     scalar_model: RotaryAttention | None = None
     value_fit: object = None
+    precision: int | None = None
     schedule: str = "rotary"
 
     @property
@@ -153,7 +158,7 @@ class RotaryExtraction(CheckedResult):
                 "d": None if self.model is None else self.model.d, "heads": self.heads, "queries": self.queries,
                 "max_query_length": self.max_query_length, "window": self.window, "token_scale": self.token_scale,
                 "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
-                "ok": self.ok, "seconds": self.seconds}
+                "precision": self.precision, "ok": self.ok, "seconds": self.seconds}
 
 
 @dataclass
@@ -509,35 +514,40 @@ def answer_precision(unit: float) -> Check:
                     "float64 (layer.float(), the same weights)"))
 
 
-def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, bias: bool = True,
-                   rank: int | None = None, batch_size: int = 1024, progress=None, max_queries=None,
-                   verify_length: int | None = None, window_limit: int = 4096) -> RotaryExtraction:
+def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | None = None, token_scale=None,
+                   bias: bool = True, rank: int | None = None, batch_size: int = 1024, progress=None,
+                   max_queries=None, verify_length: int | None = None,
+                   window_limit: int = 4096) -> RotaryExtraction:
     """The rotary extraction behind ``extract(..., positions="rotary")`` (its checks unreported:
-    ``extract`` raises or warns on failure)."""
+    ``extract`` raises or warns on failure). ``precision=bits``: an oracle answering ``mpf`` at
+    ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`."""
     started = time.perf_counter()
     vectors = VectorAnswers(seed, getattr(oracle, "answer_dtype", None))
-    boundary = OracleBoundary(oracle, d, batch_size=batch_size, progress=progress, max_queries=max_queries,
-                              vectors=vectors)
+    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
+                              max_queries=max_queries, vectors=vectors)
+    # the limits of a high-precision run: the float64 ones in units of its answers' rounding
+    units = 1.0 if precision is None else 2.0 ** (53 - precision)
     c = float(boundary.ask([np.zeros((1, d))], "the output constant")[0])
     scale = d ** 0.25 if token_scale is None else float(token_scale)
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
     learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window)
     # at coarser answers than float32 the window search reads rounding as a window: not reported
-    checks = [answer_precision(boundary.answer_unit)]
+    checks = [answer_precision(boundary.answer_unit if precision is None else 2.0 ** -precision)]
     if checks[0].passed:
         checks.append(window.check(learner.samples + 3))
     start, model, refinement, diagnostics = None, None, None, {}
-    sequences, answers = [], np.zeros(0)
+    sequences, answers, exact = [], np.zeros(0), np.zeros(0)
     if all(check.passed for check in checks):
         if token_scale is None:  # scores of order one: measured on d self instances at d^(1/4)
-            calibration = boundary.ask(instance_queries([x[None] for x in learner.X.T], learner.ks),
-                                       "choosing the token scale")
+            calibration = mid_float(boundary.ask(instance_queries([x[None] for x in learner.X.T], learner.ks),
+                                                 "choosing the token scale"))
             fitted = fit_instances(calibration, c, learner.ks, heads)
             typical = float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2)))
             if np.isfinite(typical) and typical > 0:
                 learner.set_scale(scale * float(np.clip(np.sqrt(SCORE_TARGET / typical), 1e-3, 1e3)))
         sequences = instance_queries(learner.patterns(), learner.ks)
-        answers = boundary.ask(sequences, "rotary instances")
+        exact = boundary.ask(sequences, "rotary instances")
+        answers = mid_float(exact)
         unit = boundary.answer_unit
         if unit > COARSEST_UNIT:  # seen only now in the answers' bits
             checks.append(answer_precision(unit))
@@ -563,18 +573,25 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
     if start is not None:
         polish = random_queries(spawn_rng(seed, 22), POLISH_FACTOR * len(pack(start)), d, learner.token_scale,
                                 POLISH_LENGTHS)
-        polish_answers = boundary.ask(polish, "refining on fresh queries")
+        polish_exact = boundary.ask(polish, "refining on fresh queries")
+        polish_answers = mid_float(polish_exact)
         model, refinement = refine(start, polish, polish_answers, seed=seed, floor=max(1e-13, 3 * unit),
                                    on_step=lambda step, misfit: note_progress(
                                        progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
+        if precision is not None:
+            model, refinement = polish_high_precision(
+                model, polish, mpf_array(polish_exact), precision, seed=seed,
+                on_step=lambda step, misfit: note_progress(
+                    progress, f"refining at {precision} bits: step {step}, max misfit {misfit:.1e}"))
         sequences, answers = list(sequences) + polish, np.concatenate([answers, polish_answers])
+        exact = np.concatenate([exact, polish_exact])
     residual = estimate = np.inf
     if model is not None:
         scale_answers = max(float(np.abs(answers).max()), 1e-300)
-        residual = float(np.abs(model(sequences) - answers).max()) / scale_answers
-        estimate = max(refinement.noise_error, ESTIMATE_FLOOR)
-        residual_limit = max(RESIDUAL_LIMIT, RESIDUAL_UNITS * unit)
-        estimate_limit = max(ESTIMATE_LIMIT, ESTIMATE_UNITS * unit)
+        residual = float(output_errors(model, sequences, exact, precision).max()) / scale_answers
+        estimate = max(refinement.noise_error, ESTIMATE_FLOOR * units)
+        residual_limit = max(RESIDUAL_LIMIT, RESIDUAL_UNITS * unit) * units
+        estimate_limit = max(ESTIMATE_LIMIT, ESTIMATE_UNITS * unit) * units
         checks += [
             Check("answers_residual", residual <= residual_limit, residual, residual_limit,
                   f"max misfit of the model on the {len(sequences)} queries asked (instances and fresh polish "
@@ -600,8 +617,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
         long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), learner.token_scale, longest)
         scale_long = float(np.abs(whole).max()) if value_fit is not None else float(np.abs(answers).max())
         check, verification = long_queries.judge(model, estimate, residual, 0.0, max(scale_long, 1e-300),
-                                                 boundary.answer_unit,
-                                                 max(POLISH_LENGTHS[1], learner.longest_instance), seed=seed)
+                                                 boundary.answer_unit * units,
+                                                 max(POLISH_LENGTHS[1], learner.longest_instance), seed=seed,
+                                                 precision=precision)
         checks.append(check)
     return RotaryExtraction(model=model, heads=0 if model is None else model.heads, queries=boundary.queries,
                             queries_asked=boundary.queries, max_query_length=boundary.max_query_length,
@@ -610,4 +628,4 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, token_scale=None, b
                             seconds=time.perf_counter() - started, checks=checks, verification=verification,
                             start=start, refinement=refinement, diagnostics=diagnostics,
                             scalar_model=scalar_model, value_fit=value_fit,
-                            readout=vectors.readout if (vectors.d_out or 1) > 1 else None)
+                            readout=vectors.readout if (vectors.d_out or 1) > 1 else None, precision=precision)

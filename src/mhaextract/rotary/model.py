@@ -17,15 +17,37 @@ permutation of rows, which the canonical form is free to choose). The output is
 
 from __future__ import annotations
 
+from functools import cached_property
+
+import mpmath
 import numpy as np
 
 from ..model import as_batch
+from ..numerics.highprec import GUARD_BITS, arb_array, arb_to_mpf, mid_float, mpf_array, working_precision
+
+_mp_cos = np.vectorize(mpmath.cos, otypes=[object])
+_mp_sin = np.vectorize(mpmath.sin, otypes=[object])
 
 
 def rotation_blocks(angles: np.ndarray) -> np.ndarray:
-    """``rot(phi)`` for an array of angles: shape ``angles.shape + (2, 2)``."""
-    cos, sin = np.cos(angles), np.sin(angles)
+    """``rot(phi)`` for an array of angles: shape ``angles.shape + (2, 2)`` (float64, or ``mpf`` at
+    mpmath's working precision for an object array)."""
+    if angles.dtype == object:
+        cos, sin = _mp_cos(angles), _mp_sin(angles)
+    else:
+        cos, sin = np.cos(angles), np.sin(angles)
     return np.stack([np.stack([cos, -sin], axis=-1), np.stack([sin, cos], axis=-1)], axis=-2)
+
+
+def _numbers(values, high: bool) -> np.ndarray:
+    """float64, or exact ``mpf`` (object arrays) for a high-precision model."""
+    return mpf_array(values) if high else np.asarray(values, dtype=np.float64)
+
+
+def _finite(values: np.ndarray) -> bool:
+    if values.dtype == object:
+        return all(mpmath.isfinite(value) for value in values.ravel())
+    return bool(np.isfinite(values).all())
 
 
 class RotaryAttention:
@@ -48,11 +70,15 @@ class RotaryAttention:
         Sliding window: the final token attends to the last ``window`` positions (itself
         included). None: every position.
 
+    All parameters are float64, or ``mpmath.mpf`` (object arrays, any of them given so) for a
+    high-precision model, which ``model(batch, precision=bits)`` evaluates in ball arithmetic.
+
     Attributes
     ----------
-    Q, K, theta, V, b, c, window : the parameters (float64).
+    Q, K, theta, V, b, c, window : the parameters (float64, or ``mpf`` object arrays).
     d, d_out, heads, head_width : sizes.
     is_vector : bool, ``model(batch)`` has shape (B, d_out).
+    is_high_precision : bool, the parameters are ``mpf``.
 
     Examples
     --------
@@ -69,7 +95,8 @@ class RotaryAttention:
     """
 
     def __init__(self, Q, K, theta, V, c=None, window: int | None = None, b=None):
-        Q, K, theta, V = (np.asarray(a, dtype=np.float64) for a in (Q, K, theta, V))
+        high = any(np.asarray(a).dtype == object for a in (Q, K, theta, V, c, b) if a is not None)
+        Q, K, theta, V = (_numbers(a, high) for a in (Q, K, theta, V))
         if Q.ndim != 3 or K.shape != Q.shape or Q.shape[1] % 2:
             raise ValueError(f"Q and K must have one shape (H, r, d) with r even, got {Q.shape} and {K.shape}")
         H, r, d = Q.shape
@@ -79,14 +106,13 @@ class RotaryAttention:
         if (vector and (V.shape[0], V.shape[2]) != (H, d)) or (not vector and V.shape != (H, d)):
             raise ValueError(f"V must have shape (H, d) = ({H}, {d}) or (H, d_out, d), got {V.shape}")
         d_out = V.shape[1] if vector else 1
-        c = (np.zeros(d_out) if vector else 0.0) if c is None else c
-        c = np.asarray(c, dtype=np.float64)
+        c = _numbers((np.zeros(d_out) if vector else 0.0) if c is None else c, high)
         if c.shape != ((d_out,) if vector else ()):
             raise ValueError(f"c must have shape {(d_out,) if vector else ()}, got {c.shape}")
-        b = np.zeros((H, r)) if b is None else np.asarray(b, dtype=np.float64)
+        b = _numbers(np.zeros((H, r)) if b is None else b, high)
         if b.shape != (H, r):
             raise ValueError(f"b must have shape (H, r) = ({H}, {r}), got {b.shape}")
-        if not all(np.isfinite(a).all() for a in (Q, K, theta, V, c, b)):
+        if not all(_finite(a) for a in (Q, K, theta, V, c, b)):
             raise ValueError("Q, K, theta, V, b and c must be finite")
         if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
             raise ValueError(f"window must be a positive integer (tokens attended, the final one included) or "
@@ -94,7 +120,7 @@ class RotaryAttention:
         self.Q, self.K, self.theta, self.b = Q, K, theta, b
         self.V = V if vector else V[:, None, :]
         self.is_vector = vector
-        self.c = c if vector else float(c)
+        self.c = c if vector else (c[()] if high else float(c))
         self.window = None if window is None else int(window)
 
     @property
@@ -114,6 +140,10 @@ class RotaryAttention:
         return self.V.shape[1]
 
     @property
+    def is_high_precision(self) -> bool:
+        return self.Q.dtype == object
+
+    @property
     def v(self) -> np.ndarray:
         """The scalar model's value vectors (H, d)."""
         if self.is_vector:
@@ -123,7 +153,9 @@ class RotaryAttention:
     def __repr__(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
         outputs = f", d_out={self.d_out}" if self.is_vector else ""
-        return f"RotaryAttention(d={self.d}, heads={self.heads}, head_width={self.head_width}{outputs}{window})"
+        kind = ", mpf" if self.is_high_precision else ""
+        return (f"RotaryAttention(d={self.d}, heads={self.heads}, head_width={self.head_width}{outputs}{window}"
+                f"{kind})")
 
     @classmethod
     def random(cls, d: int, heads: int, head_width: int, seed=None, base: float = 10000.0, kv_heads=None,
@@ -148,12 +180,31 @@ class RotaryAttention:
         b = rng.normal(size=(heads, head_width)) * np.sqrt(scale) * d ** 0.25 if bias else None
         return cls(Q, K, theta, V, c, window=window, b=b)
 
+    @cached_property
+    def precision(self) -> int:
+        """Bits the parameters carry: 53 for float64, the longest ``mpf`` mantissa (at least 53)
+        for a high-precision model, which computes its score matrices at that many bits and more."""
+        if not self.is_high_precision:
+            return 53
+        arrays = (self.Q, self.K, self.theta, self.V, self.b, np.asarray(self.c, dtype=object))
+        return max([53] + [int(value._mpf_[3]) for a in arrays for value in a.ravel()])
+
+    def to_mpf(self) -> "RotaryAttention":
+        """The same model with exact ``mpf`` parameters (itself when it has them)."""
+        if self.is_high_precision:
+            return self
+        return RotaryAttention(mpf_array(self.Q), self.K, self.theta, self.V if self.is_vector else self.v,
+                               self.c, self.window, self.b)
+
     def score_matrices(self, delta: int, bias: bool = False) -> np.ndarray:
         """``W_h(delta) = K_h^T R_h(delta) Q_h`` for every head, shape (H, d, d); ``bias=True``:
-        ``[W_h(delta) | u_h(delta)]`` with ``u_h(delta) = K_h^T R_h(delta) b_h``, shape (H, d, d + 1)."""
+        ``[W_h(delta) | u_h(delta)]`` with ``u_h(delta) = K_h^T R_h(delta) b_h``, shape (H, d, d + 1).
+        A high-precision model's are ``mpf``, computed with ``GUARD_BITS`` beyond its ``precision`` or
+        mpmath's working precision, whichever is higher."""
         query = np.concatenate([self.Q, self.b[:, :, None]], axis=2) if bias else self.Q
-        rotated = self._rotate(query, np.asarray(delta, dtype=np.float64))
-        return np.einsum("hrd,hre->hde", self.K, rotated)
+        with mpmath.workprec(max(self.precision, mpmath.mp.prec) + GUARD_BITS):
+            rotated = self._rotate(query, np.asarray(delta, dtype=np.float64))
+            return np.einsum("hrd,hre->hde", self.K, rotated)
 
     def _rotate(self, rows: np.ndarray, delta: np.ndarray) -> np.ndarray:
         """``R_h(delta)`` applied to (..., H, r, *) row blocks, delta broadcast against (...)."""
@@ -164,44 +215,87 @@ class RotaryAttention:
 
     def scores(self, X: np.ndarray) -> np.ndarray:
         """Scores of every key of one sequence X (N, d) from its final token, shape (H, N)
-        (``-inf`` outside the window)."""
-        return self._scores(np.asarray(X, dtype=np.float64)[None])[0]
+        (``-inf`` outside the window), in float64."""
+        X = np.asarray(X, dtype=np.float64)[None]
+        N = X.shape[1]
+        scores = np.full((self.heads, N), -np.inf)
+        inside = N if self.window is None else min(N, self.window)
+        scores[:, N - inside:] = self._float64._scores(X[:, N - inside:], self._float64._parameters)[0]
+        return scores
 
-    def _scores(self, X: np.ndarray) -> np.ndarray:
-        """(B, N, d) sequences of one length -> (B, H, N) scores from the final token."""
+    @cached_property
+    def _float64(self) -> "RotaryAttention":
+        return self.to_float64()
+
+    @property
+    def _parameters(self) -> tuple:
+        return self.Q, self.K, self.b, self.theta
+
+    def _scores(self, X: np.ndarray, parameters: tuple) -> np.ndarray:
+        """(B, N, d) sequences of one length, every key inside the window -> (B, H, N) scores
+        from the final token. Written once for float64 and for ``arb`` balls (object arrays:
+        ``X`` and ``parameters = (Q, K, b, theta)``, numpy calling the balls' own operations)."""
+        Q, K, b, theta = parameters
         B, N, _ = X.shape
-        keys = np.einsum("hrd,bnd->bnhr", self.K, X)                    # K_h x_j
-        query = np.einsum("hrd,bd->bhr", self.Q, X[:, -1]) + self.b      # Q_h x_N + b_h
-        offsets = np.arange(N - 1, -1, -1, dtype=np.float64)             # N - j
-        angles = offsets[:, None, None] * self.theta[None]               # (N, H, r/2)
+        keys = np.einsum("hrd,bnd->bnhr", K, X)                         # K_h x_j
+        query = np.einsum("hrd,bd->bhr", Q, X[:, -1]) + b                # Q_h x_N + b_h
+        offsets = np.arange(N - 1, -1, -1)                               # N - j
+        offsets = offsets.astype(object) if theta.dtype == object else offsets.astype(np.float64)
+        angles = offsets[:, None, None] * theta[None]                    # (N, H, r/2)
         cos, sin = np.cos(angles), np.sin(angles)
         q = query.reshape(B, 1, self.heads, -1, 2)
         rotated = np.stack([cos * q[..., 0] - sin * q[..., 1], sin * q[..., 0] + cos * q[..., 1]], axis=-1)
-        scores = np.einsum("bnhr,bnhr->bhn", keys, rotated.reshape(B, N, self.heads, -1))
-        if self.window is not None and N > self.window:
-            scores[:, :, : N - self.window] = -np.inf
-        return scores
+        return np.einsum("bnhr,bnhr->bhn", keys, rotated.reshape(B, N, self.heads, -1))
 
-    def head_means(self, batch) -> np.ndarray:
-        """``m_h(X) = sum_j a_{h,j} x_j`` for every sequence and head, shape (B, H, d)."""
+    def _weights(self, X: np.ndarray, parameters: tuple) -> np.ndarray:
+        """Attention weights ``a_{h,j}`` (B, H, N) of sequences inside the window."""
+        scores = self._scores(X, parameters)
+        # the largest score (its float64 midpoint for balls) taken out before the exponential
+        scores = scores - mid_float(scores).max(axis=2, keepdims=True)
+        weights = np.exp(scores)
+        return weights / weights.sum(axis=2, keepdims=True)
+
+    def _groups(self, batch, high: bool):
+        """``(index, X)`` per sequence length, X (B, n, d) the tokens inside the window (float64,
+        or balls when ``high``)."""
         sequences = as_batch(batch, self.d)
-        means = np.empty((len(sequences), self.heads, self.d))
         lengths = np.array([len(X) for X in sequences])
         for length in np.unique(lengths):
             index = np.flatnonzero(lengths == length)
-            X = np.stack([sequences[i] for i in index]).astype(np.float64)
-            scores = self._scores(X)
-            scores -= scores.max(axis=2, keepdims=True)
-            weights = np.exp(scores)
-            weights /= weights.sum(axis=2, keepdims=True)
-            means[index] = np.einsum("bhn,bnd->bhd", weights, X)
+            inside = length if self.window is None else min(length, self.window)
+            X = np.stack([np.asarray(sequences[i])[length - inside:] for i in index])
+            yield index, (arb_array(X) if high else X.astype(np.float64))
+
+    def head_means(self, batch, precision: int | None = None) -> np.ndarray:
+        """``m_h(X) = sum_j a_{h,j} x_j`` for every sequence and head, shape (B, H, d): float64, or
+        with ``precision=bits`` an object array of ``arb`` balls computed at ``bits + GUARD_BITS``."""
+        if precision is None:
+            model = self._float64
+            means = np.empty((len(as_batch(batch, self.d)), self.heads, self.d))
+            for index, X in self._groups(batch, False):
+                means[index] = np.einsum("bhn,bnd->bhd", model._weights(X, model._parameters), X)
+            return means
+        with working_precision(int(precision) + GUARD_BITS):
+            parameters = tuple(arb_array(a) for a in self._parameters)
+            means = np.empty((len(as_batch(batch, self.d)), self.heads, self.d), dtype=object)
+            for index, X in self._groups(batch, True):
+                means[index] = np.einsum("bhn,bnd->bhd", self._weights(X, parameters), X)
         return means
 
     def __call__(self, batch, precision: int | None = None) -> np.ndarray:
-        """``f(X)`` for a batch of sequences (any lengths): (B,) or (B, d_out), in float64."""
-        if precision is not None:
-            raise ValueError("RotaryAttention evaluates in float64 (precision=None)")
-        out = np.einsum("hod,bhd->bo", self.V, self.head_means(batch)) + self.c
+        """``f(X)`` for a batch of sequences (any lengths): (B,) or (B, d_out). In float64, or with
+        ``precision=bits`` (tokens float64 or ``mpf``) computed in ball arithmetic and returned as
+        ``mpf`` rounded to ``bits`` (object arrays)."""
+        if precision is None:
+            model = self._float64
+            out = np.einsum("hod,bhd->bo", model.V, model.head_means(batch)) + model.c
+            return out if self.is_vector else out[:, 0]
+        precision = int(precision)
+        means = self.head_means(batch, precision)
+        with working_precision(precision + GUARD_BITS):
+            out = np.einsum("hod,bhd->bo", arb_array(self.V), means) + arb_array(self.c)
+            with mpmath.workprec(precision):
+                out = np.vectorize(lambda ball: +arb_to_mpf(ball), otypes=[object])(out)  # + rounds to bits
         return out if self.is_vector else out[:, 0]
 
     def readout(self, r) -> "RotaryAttention":
@@ -238,7 +332,12 @@ class RotaryAttention:
                                self.b[first])
 
     def to_float64(self) -> "RotaryAttention":
-        return self
+        """The model in float64 (itself when it is float64)."""
+        if not self.is_high_precision:
+            return self
+        return RotaryAttention(*(mid_float(a) for a in (self.Q, self.K, self.theta, self.V if self.is_vector else self.v,
+                                                          np.asarray(self.c, dtype=object))),
+                               self.window, mid_float(self.b))
 
     def scores_moved(self, rng: np.random.Generator, relative: float, bias_relative: float) -> "RotaryAttention":
         """The model with Gaussian score errors: Q, K, b moved by entries of a sixth of ``relative``

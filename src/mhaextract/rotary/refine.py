@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mpmath
 import numpy as np
 from scipy.linalg import cho_factor, cho_solve
 
+from ..numerics.highprec import GUARD_BITS, mpf_array
 from .model import RotaryAttention
 
 
@@ -52,11 +54,12 @@ def pack(model: RotaryAttention) -> np.ndarray:
 
 
 def unpack(vector: np.ndarray, like: RotaryAttention) -> RotaryAttention:
+    """The model of a parameter vector (float64, or ``mpf`` for a high-precision model)."""
     H, r, d = like.Q.shape
     sizes = [H * r * d, H * r * d, H * r, H * (r // 2), H * d, 1]
     parts = np.split(vector, np.cumsum(sizes)[:-1])
     return RotaryAttention(parts[0].reshape(H, r, d), parts[1].reshape(H, r, d), parts[3].reshape(H, r // 2),
-                           parts[4].reshape(H, d), float(parts[5][0]), like.window, parts[2].reshape(H, r))
+                           parts[4].reshape(H, d), parts[5][0], like.window, parts[2].reshape(H, r))
 
 
 def jacobian(model: RotaryAttention, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -227,6 +230,61 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, noise_error)
 
 
+def polish_high_precision(model: RotaryAttention, sequences, answers: np.ndarray, precision: int,
+                          iterations: int = 40, seed=0, on_step=None):
+    """Newton steps at ``precision`` bits from a float64 fit (docs/algorithm.md §22, "High
+    precision"); returns ``(model, RotaryRefinement)`` with an ``mpf`` model.
+
+    Iterative refinement: the residual ``r = f(X_q; theta) - answer_q`` of the high-precision
+    parameters is computed in ball arithmetic, the step ``J^+ r`` in float64 with the pseudo-inverse
+    of the Jacobian at the float64 fit (its gauge directions, singular values below
+    ``PSEUDO_INVERSE_CUT`` of the largest, left out: they move no answer). A step divides the error
+    by about ``cond(J) u`` (``u = 2^-53``), until the residual reaches the answers' rounding at
+    ``precision`` bits; the steps stop once one fails to halve the largest misfit. ``answers``:
+    ``mpf`` (the oracle's, exact). The whole Jacobian (queries x parameters, float64) is held: a
+    high-precision run is for layers whose evaluation in ball arithmetic is affordable, far below
+    that size."""
+    float_model = model.to_float64()
+    parameters = len(pack(float_model))
+    groups = length_groups(sequences, parameters)
+    J = np.empty((len(sequences), parameters))
+    for index, X in groups:
+        J[index] = jacobian(float_model, X)[1]
+    U, S, Vt = np.linalg.svd(J, full_matrices=False)
+    keep = S > PSEUDO_INVERSE_CUT * S[0]
+    scale = max(float(np.abs(np.asarray(answers, dtype=np.float64)).max()), 1e-300)
+    working = int(precision) + GUARD_BITS
+
+    def misfit(vector: np.ndarray) -> np.ndarray:
+        predicted = unpack(vector, model)(sequences, precision=working)
+        with mpmath.workprec(working):
+            return np.array([float(p - a) for p, a in zip(predicted, answers)])
+
+    with mpmath.workprec(working):
+        vector = mpf_array(pack(model))
+    residual = misfit(vector)
+    before = best = float(np.abs(residual).max())
+    taken = 0
+    for _ in range(iterations):
+        step = Vt[keep].T @ ((U[:, keep].T @ residual) / S[keep])
+        with mpmath.workprec(working):
+            trial = vector - mpf_array(step)
+        trial_residual = misfit(trial)
+        worst = float(np.abs(trial_residual).max())
+        if not worst <= best / 2:  # at the answers' rounding, or beyond the float64 step's reach
+            break
+        vector, residual, best = trial, trial_residual, worst
+        taken += 1
+        if on_step is not None:
+            on_step(taken, best / scale)
+    draws = np.random.default_rng(seed).standard_normal((len(sequences), NOISE_DRAWS))
+    noise_error = _noise_error(float_model, J.T @ J, J.T @ draws, residual)
+    return unpack(vector, model), RotaryRefinement(len(sequences), taken, before / scale, best / scale, noise_error)
+
+
+#: Singular values of the Jacobian below this fraction of the largest are its gauge directions (the
+#: rotation and scale of each block, zero but for rounding) in :func:`polish_high_precision`.
+PSEUDO_INVERSE_CUT = 1e-12
 #: The largest ratio ``2 |a| / |v|`` (scaled norms) of a step's acceleration to its velocity.
 ACCELERATION_RATIO = 0.75
 #: Parameter-error draws of the first-order error estimate.
@@ -250,7 +308,19 @@ def _noise_error(model: RotaryAttention, normal: np.ndarray, projected: np.ndarr
     vector = pack(model)
     for draw in projected.T:  # J^T z ~ N(0, J^T J): (J^T J)^{-1} J^T z ~ N(0, (J^T J)^{-1})
         error = cho_solve(factor, draw) * sigma
-        moved = unpack(vector + error, model)
-        worst = max(worst, float(np.abs(moved.identifying_matrices() - base_W).max()) / W_scale,
-                    float(np.abs(moved.v - base_v).max()) / v_scale)
+        size = float(np.abs(error).max())
+        if not np.isfinite(size):
+            return np.inf
+        if size == 0:
+            continue
+        # first order: the error stretched to a move of 1e-6 of the parameters, the change scaled back
+        # (an error below float64's rounding of the parameters, as in a high-precision run, still shows)
+        stretch = LINEARISATION_STEP * max(float(np.abs(vector).max()), 1e-300) / size
+        moved = unpack(vector + stretch * error, model)
+        worst = max(worst, float(np.abs(moved.identifying_matrices() - base_W).max()) / W_scale / stretch,
+                    float(np.abs(moved.v - base_v).max()) / v_scale / stretch)
     return 3.0 * worst
+
+
+#: Relative size of the parameter move through which the first-order error is mapped.
+LINEARISATION_STEP = 1e-6
