@@ -87,7 +87,8 @@ def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
     seconds = time.perf_counter() - started
     label = kind if rank is None else f"r={rank}" + (", biases" if kind == "lowb" else "")
     return dict(d=d, H=H, kind=label, queries=result.queries, oracle_count=oracle.count,
-                paper=4 * H * d * d - 2 * H + 1, seconds=seconds, oracle_s=oracle.seconds,
+                paper=4 * H * d * d - 2 * H + 1, bound=information_bound(d, H, rank, kind in ("default", "lowb")),
+                seconds=seconds, oracle_s=oracle.seconds,
                 learner_s=seconds - oracle.seconds, ratio=(seconds - oracle.seconds) / oracle.seconds,
                 estimate=float(result.error_estimate),
                 peak_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -95,11 +96,23 @@ def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
                 ok=result.ok)
 
 
+def information_bound(d: int, H: int, rank: int | None, bias: bool) -> int:
+    """The numbers that determine the model: per head ``W_h`` (``d^2``, or ``2dr - r^2`` at rank r),
+    ``v_h`` (d) and with biases ``u_h`` (d), and the constant c: one answer cannot carry more than
+    one of them, so no schedule asks fewer queries."""
+    scores = d * d if rank is None else 2 * d * rank - rank * rank
+    return H * (scores + (2 if bias else 1) * d) + int(bias)
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| d | H | heads | queries (measured) | / paper | seconds | oracle s | learner / oracle | peak memory | "
-             "rel. error | checks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| d | H | heads | queries (measured) | / paper | / bound | seconds | oracle s | learner / oracle | "
+             "peak memory | rel. error | checks |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        bound = r.get("bound") or information_bound(r["d"], r["H"], None if "r=" not in r["kind"] else
+                                                    int(r["kind"].split("=")[1].split(",")[0]),
+                                                    r["kind"] == "default" or "biases" in r["kind"])
         lines.append(f"| {r['d']} | {r['H']} | {r['kind']} | {r['queries']:,} | {r['queries'] / r['paper']:.3f} | "
+                     f"{r['queries'] / bound:.2f} | "
                      f"{r['seconds']:.1f} | {r['oracle_s']:.1f} | {r['ratio']:.2f} | {r['peak_gb']:.2f} GB | "
                      f"{r['error']:.1e} | {'ok' if r['ok'] else 'FAILED'} |")
     return "\n".join(lines)

@@ -41,7 +41,7 @@ from .linesearch import MAX_READING_LOG_POLE
 from .bases import balanced_basis, bias_balanced_scale
 from .designs import final_copies, final_unit_queries, first_copies, FullDesign
 from .diagnostics import final_error_estimate, instance_diagnostics, targeted_checks, TargetedDetails
-from .measure import all_heads_at, measure_units, shared_estimates
+from .measure import HeadsAt, measure_units, shared_estimates
 from .patterns import (
     design_tokens, draw_patterns, draw_patterns_per_head, MinimumNormCorrection, NullSpace, other_heads_frame,
 )
@@ -240,9 +240,8 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
         scale = bias_balanced_scale(W_rough, Z, scale)
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale, W_rough, h)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
-    estimates = all_heads_at(W_rough, differences)  # a~_f(z) for every unit
-    final = measure_units(prober, differences, estimates, rng, bridge=False, W_score=W_rough,
-                     designer=AffineFinalDesign)
+    final = measure_units(prober, differences, HeadsAt(W_rough, differences), rng, bridge=False,  # a~_f(z)
+                          W_score=W_rough, designer=AffineFinalDesign)
     stages.append(("final", final))
     a_final, labels_final = final.solve(), final.consensus_labels()[0]  # (d, H, d + 1), (d, H)
     if not (np.isfinite(a_final).all() and np.isfinite(labels_final).all()):

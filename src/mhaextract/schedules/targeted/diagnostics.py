@@ -11,7 +11,7 @@ import numpy as np
 from ...checks.base import Check, heads_found_check
 from ..base import ScheduleDetails
 from .linesearch import LineSearchReport
-from .measure import GroupMeasurements, all_heads_at
+from .measure import CHUNK_BYTES, GroupMeasurements, all_heads_at
 from .tolerances import EPS, RESIDUAL_LIMIT, agreement_tolerance, prior_saturation_margin, saturation_margin
 
 
@@ -105,21 +105,26 @@ def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
                 z_norm = np.linalg.norm(data.differences, axis=2)  # (G, H)
                 reading = reading + W_error[None, :, None] * z_norm[:, :, None] * data.x_norm
             tolerance = np.maximum(tolerance, 10.0 * reading)
-        if model is not None:
+        if model is not None and data.finals is not None:  # exact: the model's log-poles at every instance
             model_a = all_heads_at(model.W, data.differences)  # a_f(z) of the model, every unit
-            own_a = model_a[:, np.arange(H), np.arange(H)]  # (G, H, d)
-            if data.finals is not None:  # exact: the model's log-poles at every instance
-                poles = np.einsum("ghfd,ghnd->ghnf", model_a, data.finals)
-                own = poles[:, np.arange(H), :, np.arange(H)].transpose(1, 0, 2)  # (G, H, rounds)
-                poles[:, np.arange(H), :, np.arange(H)] = np.inf
-                margin = poles.min(axis=3) if H > 1 else np.full((G, H, rounds), np.inf)
-                agrees = np.abs(own - data.log_pole) <= tolerance
-            else:
-                drift = np.linalg.norm(model_a - data.estimates, axis=3)  # (G, H, H)
-                drift[:, np.arange(H), np.arange(H)] = 0.0
-                margin = data.margin - drift.max(axis=2)[:, :, None] * data.x_norm
-                own = np.linalg.norm(data.a - own_a, axis=2)
-                agrees = data.misfit + own[:, :, None] * data.x_norm <= tolerance
+            poles = np.einsum("ghfd,ghnd->ghnf", model_a, data.finals)
+            own = poles[:, np.arange(H), :, np.arange(H)].transpose(1, 0, 2)  # (G, H, rounds)
+            poles[:, np.arange(H), :, np.arange(H)] = np.inf
+            margin = poles.min(axis=3) if H > 1 else np.full((G, H, rounds), np.inf)
+            agrees = np.abs(own - data.log_pole) <= tolerance
+        elif model is not None:
+            drift, own = np.empty((G, H, H)), np.empty((G, H))
+            # a slice of groups at a time: the model's and the design's a_f(z) at every unit are
+            # H times the model's size each
+            step = max(1, CHUNK_BYTES // (16 * H * H * data.differences.shape[2]))
+            for start in range(0, G, step):
+                groups = slice(start, start + step)
+                model_a = all_heads_at(model.W, data.differences[groups])  # a_f(z) of the model
+                drift[groups] = np.linalg.norm(model_a - data.estimates[groups], axis=3)
+                own[groups] = np.linalg.norm(data.a[groups] - model_a[:, np.arange(H), np.arange(H)], axis=2)
+            drift[:, np.arange(H), np.arange(H)] = 0.0
+            margin = data.margin - drift.max(axis=2)[:, :, None] * data.x_norm
+            agrees = data.misfit + own[:, :, None] * data.x_norm <= tolerance
         finite = np.isfinite(data.log_pole)
         held = agrees if stage == "bridge" else data.residual <= RESIDUAL_LIMIT
         least = saturation_margin(unit) if stage == "final" else prior_saturation_margin(unit)

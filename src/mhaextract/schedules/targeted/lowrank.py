@@ -40,7 +40,7 @@ from .biased import AffineDesign, AffineProber, lift, lifted_scores
 from .bases import balanced_basis, bias_balanced_scale
 from .designs import SubspaceDesign
 from .diagnostics import first_order_estimate, instance_diagnostics, targeted_checks, TargetedDetails
-from .measure import all_heads_at, measure_units, shared_estimates
+from .measure import HeadsAt, measure_units, shared_estimates
 from .patterns import draw_patterns
 from .prober import Prober
 from .schedule import bridge_step, targeted_first_group, TargetedSchedule
@@ -345,16 +345,15 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
         scale = bias_balanced_scale(W_lift, Z, scale)
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d, H, d + 1)
-    estimates = all_heads_at(W_lift, differences)
-    final = measure_units(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_lift, copies=FINAL_COPIES,
-                     designer=AffineDesign)
+    final = measure_units(prober, differences[:R], HeadsAt(W_lift, differences[:R]), rng, bridge=False, W_score=W_lift,
+                          copies=FINAL_COPIES, designer=AffineDesign)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
         return search, stages, None, np.inf, None, (rank, measured)
     spans, ratio, factors = _span(final.a[..., :d], rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
-        low = measure_units(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_lift,
+        low = measure_units(prober, differences[R:], HeadsAt(W_lift, differences[R:]), rng, bridge=False, W_score=W_lift,
                        copies=FINAL_COPIES, bases=_per_unit(_lifted_bases(spans), d - R),
                        designer=AffineSubspaceDesign, basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
@@ -425,15 +424,16 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     scale = GROUP_SCALE * token_scale
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = bases.transpose(2, 0, 1)  # (d, H, d)
-    estimates = all_heads_at(W_rough, differences)
-    final = measure_units(prober, differences[:R], estimates[:R], rng, bridge=False, W_score=W_rough, copies=FINAL_COPIES)
+    final = measure_units(prober, differences[:R], HeadsAt(W_rough, differences[:R]), rng, bridge=False,
+                          W_score=W_rough, copies=FINAL_COPIES)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
         return search, stages, None, np.inf, (rank, measured)
     spans, ratio, factors = _span(final.a, rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
-        low = measure_units(prober, differences[R:], estimates[R:], rng, bridge=False, W_score=W_rough,
+        low = measure_units(prober, differences[R:], HeadsAt(W_rough, differences[R:]), rng, bridge=False,
+                            W_score=W_rough,
                        copies=FINAL_COPIES, bases=_per_unit(spans, d - R), basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
         a_final = np.concatenate([a_final, low.a])

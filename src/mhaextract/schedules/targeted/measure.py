@@ -36,7 +36,9 @@ class GroupMeasurements:
     the checks need of them is reduced per chunk of units (``a``, ``misfit``, ``margin``, ``x_norm``)."""
 
     differences: np.ndarray  # (G, H, d)
-    estimates: np.ndarray  # (G, H, H, d) the a_f of every head used for the design (the target's before correction)
+    #: (G, H, H, d) the a_f of every head used for the design (the target's before correction): an
+    #: array, a broadcast view or :class:`HeadsAt`, read a slice of groups at a time
+    estimates: object
     log_pole: np.ndarray
     label: np.ndarray
     designed: np.ndarray
@@ -90,9 +92,11 @@ class GroupMeasurements:
         return self.a
 
     @classmethod
-    def concatenate(cls, parts: list["GroupMeasurements"]) -> "GroupMeasurements":
-        return cls(*(np.concatenate([getattr(part, f.name) for part in parts]) for f in fields(cls)
-                     if f.name != "finals"))
+    def concatenate(cls, parts: list["GroupMeasurements"], estimates) -> "GroupMeasurements":
+        """The parts of one stage as one, with its ``estimates`` (the stage's own source: the
+        parts' slices of it are not kept)."""
+        return cls(*(estimates if f.name == "estimates" else np.concatenate([getattr(part, f.name) for part in parts])
+                     for f in fields(cls) if f.name != "finals"))
 
 
 def measure_units(prober: Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
@@ -157,8 +161,9 @@ def measure_units(prober: Prober, differences: np.ndarray, estimates: np.ndarray
             part.finals = None
         if basis_buffer is None:
             basis_buffer = design.correction.basis
+        part.estimates = None  # the chunk's slice: read again from the source when needed
         parts.append(part)
-    out = GroupMeasurements.concatenate(parts)
+    out = GroupMeasurements.concatenate(parts, estimates)
     if keep:
         out.finals = np.concatenate([part.finals for part in parts])
     return out
@@ -410,8 +415,40 @@ def all_heads_at(W: np.ndarray, differences: np.ndarray) -> np.ndarray:
     return rows.reshape(differences.shape[:-1] + (H, D))
 
 
+class HeadsAt:
+    """``a_f(z) = W_f^T z`` of every head f (W (H, D, D)) at every unit's difference (G, H', D),
+    as :func:`all_heads_at` gives them, but computed for a slice of groups when it is read
+    (``heads_at[start:stop]``): all at once they are ``G H' H D`` numbers, H times the model's
+    (137 GB at d = 4096, H = 32), while a stage reads them a chunk of groups at a time.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> W, z = np.ones((2, 3, 3)), np.ones((4, 2, 3))
+    >>> lazy = HeadsAt(W, z)
+    >>> lazy.shape, bool(np.array_equal(lazy[1:3], all_heads_at(W, z)[1:3]))
+    ((4, 2, 2, 3), True)
+    """
+
+    def __init__(self, W: np.ndarray, differences: np.ndarray):
+        self.W, self.differences = W, differences
+
+    @property
+    def shape(self) -> tuple:
+        return self.differences.shape[:-1] + self.W.shape[:1] + self.differences.shape[-1:]
+
+    def __len__(self) -> int:
+        return len(self.differences)
+
+    def __getitem__(self, groups: slice) -> np.ndarray:
+        if not isinstance(groups, slice):
+            raise TypeError("HeadsAt is read by slices of groups")
+        return all_heads_at(self.W, self.differences[groups])
+
+
 def shared_estimates(differences: np.ndarray, estimates: np.ndarray):
-    """Units of groups shared by all heads: differences (G, d) and a's (G, H, d) broadcast per unit."""
+    """Units of groups shared by all heads: differences (G, d) and a's (G, H, d) broadcast per
+    unit (read-only views: nothing is copied H times)."""
     G, H, d = estimates.shape
-    return (np.repeat(differences[:, None], H, axis=1),
-            np.repeat(estimates[:, None], H, axis=1))
+    return (np.broadcast_to(differences[:, None], (G, H, d)),
+            np.broadcast_to(estimates[:, None], (G, H, H, d)))

@@ -73,7 +73,7 @@ from .bases import balanced_basis
 from .designs import FinalDesign, final_unit_queries, first_copies
 from .diagnostics import TargetedDetails, final_error_estimate, instance_diagnostics, targeted_checks
 from .linesearch import CENTER_COPIES, locate_heads
-from .measure import GroupMeasurements, all_heads_at, measure_units, shared_estimates
+from .measure import GroupMeasurements, HeadsAt, measure_units, shared_estimates
 from .prober import Prober
 from .tolerances import EPS, GROUP_SCALE, RESIDUAL_LIMIT, answer_unit, limits, score_unit
 
@@ -300,8 +300,8 @@ def _run(prober: Prober, d: int, max_heads: int, rng, token_scale: float):
         bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale, W_rough, h))
                           for h in range(H)])  # (H, d, d)
         differences = bases.transpose(2, 0, 1)  # (d groups, H, d): differences[g, h] = column g of head h's basis
-        estimates = all_heads_at(W_rough, differences)  # a_f(z) = W_f^T z for every unit
-        final = measure_units(prober, differences, estimates, rng, bridge=False, W_score=W_rough, designer=FinalDesign)
+        final = measure_units(prober, differences, HeadsAt(W_rough, differences), rng, bridge=False,  # a_f(z) = W_f^T z
+                              W_score=W_rough, designer=FinalDesign)
         stages.append(("final", final))
         a_final = final.solve()  # (d, H, d)
         labels_final = final.consensus_labels()[0]  # (d, H)
