@@ -3,7 +3,8 @@ against d, for full-rank heads (schedule="targeted"; kind "default": the library
 schedule="auto" with calibration and biases; kinds "paper" and "lean": the grid schedules, float64)
 and heads of rank r = d / H (schedule="lowrank", rank=r).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --d 64 128 --heads 2 4 8 [--rank-only] [--cells d:H:kind ...]
+    OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --d 64 128 --heads 2 4 8 [--kinds full low] [--cells d:H:kind ...]
+        [--json rows.json] [--rows earlier.json ...] [--project 4096:32:128 ...]
 
 Each cell runs in its own process (peak memory = that process's max resident set, ru_maxrss).
 The oracle is a plain vectorised numpy oracle (BLAS matmuls, grouped by length) timed inside the
@@ -133,6 +134,37 @@ def exponents(rows: list[dict]) -> list[str]:
     return out
 
 
+def projection(rows: list[dict], cells: list[str]) -> list[str]:
+    """Queries, seconds and peak memory of larger cells ``d:H:r`` (with biases) projected from the
+    measured rank-d/H cells: least squares of ``log(y) = a + b log d + c log H`` for y = queries /
+    information bound, learner and oracle seconds per query, and peak memory (this benchmark's
+    numpy oracle: a real layer's own cost per query differs)."""
+    measured = [r for r in rows if r["kind"].startswith("r=")]
+    if len({r["d"] for r in measured}) < 3 or len({r["H"] for r in measured}) < 2:
+        return ["(a projection needs rank-d/H cells at 3 or more d and 2 or more H)"]
+    design = np.array([[1.0, np.log(r["d"]), np.log(r["H"])] for r in measured])
+    columns = {"queries / bound": [r["queries"] / r.get("bound", information_bound(r["d"], r["H"], r["d"] // r["H"],
+                                                                                  "biases" in r["kind"]))
+                                   for r in measured],
+               "learner s / query": [r["learner_s"] / r["queries"] for r in measured],
+               "oracle s / query": [r["oracle_s"] / r["queries"] for r in measured],
+               "peak GB": [r["peak_gb"] for r in measured]}
+    fits = {name: np.linalg.lstsq(design, np.log(values), rcond=None)[0] for name, values in columns.items()}
+    out = [f"fitted on {len(measured)} rank-d/H cells (d {min(r['d'] for r in measured)}..{max(r['d'] for r in measured)}): "
+           + "; ".join(f"{name} ~ d^{fit[1]:.2f} H^{fit[2]:.2f}" for name, fit in fits.items()), "",
+           "| d | H | r | information bound | queries | learner s | oracle s | learner / oracle | peak memory |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        d, H, r = (int(value) for value in cell.split(":"))
+        at = {name: float(np.exp(fit @ [1.0, np.log(d), np.log(H)])) for name, fit in fits.items()}
+        bound = information_bound(d, H, r, True)
+        queries = bound * at["queries / bound"]
+        learner, oracle = queries * at["learner s / query"], queries * at["oracle s / query"]
+        out.append(f"| {d} | {H} | {r} | {bound:,} | {queries:.2e} | {learner:,.0f} | {oracle:,.0f} | "
+                   f"{learner / oracle:.2f} | {at['peak GB']:.1f} GB |")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--d", type=int, nargs="*", default=[64, 128])
@@ -142,13 +174,16 @@ def main():
                         help="extra cells d:H:kind (kind full, low, lowb, default, paper or lean)")
     parser.add_argument("--cell", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--rows", nargs="*", default=[], help="rows of earlier runs (their --json files) to table "
+                        "and project with this run's")
+    parser.add_argument("--project", nargs="*", default=[], help="cells d:H:r to project from the rank-d/H rows")
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(cell(int(args.cell[0]), int(args.cell[1]), args.cell[2])))
         return
     plan = [(d, H, kind) for d in args.d for H in args.heads for kind in args.kinds]
     plan += [(int(d), int(H), kind) for d, H, kind in (c.split(":") for c in args.cells)]
-    rows = []
+    rows = [row for path in args.rows for row in json.load(open(path))]
     for d, H, kind in plan:
         done = subprocess.run([sys.executable, __file__, "--cell", str(d), str(H), kind], capture_output=True, text=True)
         if done.returncode:
@@ -159,6 +194,9 @@ def main():
     print(table(rows))
     print()
     print("\n".join(exponents(rows)))
+    if args.project:
+        print()
+        print("\n".join(projection(rows, args.project)))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

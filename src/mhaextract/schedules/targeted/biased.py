@@ -226,7 +226,7 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     if d > 1 and np.isfinite(a1).all():
         eps_bridge = bridge_step(first)
         bridge_z = lift(prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T), 0.0)
-        bridges = measure_units(prober, *shared_estimates(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True,
+        bridges = measure_units(prober, *shared_estimates(bridge_z, np.broadcast_to(a1, (d - 1,) + a1.shape)), rng, bridge=True,
                            designer=AffineDesign)
         stages.append(("bridge", bridges))
         rough_a = np.concatenate([rough_a, (bridges.solve() - a1[None]) / eps_bridge])

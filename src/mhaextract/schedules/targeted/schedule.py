@@ -286,7 +286,7 @@ def _run(prober: Prober, d: int, max_heads: int, rng, token_scale: float):
     if d > 1 and np.isfinite(a1).all():
         eps_bridge = bridge_step(first)
         bridge_z = prober.quantize(Z[:, :1].T + eps_bridge * Z[:, 1:].T)  # (d - 1, d)
-        bridges = measure_units(prober, *shared_estimates(bridge_z, np.repeat(a1[None], d - 1, axis=0)), rng, bridge=True)
+        bridges = measure_units(prober, *shared_estimates(bridge_z, np.broadcast_to(a1, (d - 1,) + a1.shape)), rng, bridge=True)
         stages.append(("bridge", bridges))
         # a_h(z_1 + eps z_j) - a_h(z_1) = eps a_h(z_j) (+ the rounding of the bridge difference, 2^-40 relative)
         rough_a = np.concatenate([rough_a, (bridges.solve() - a1[None]) / eps_bridge])
