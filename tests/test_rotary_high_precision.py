@@ -141,3 +141,10 @@ def test_a_float32_layer_cannot_be_asked_for_high_precision():
 
     with pytest.raises(ValueError, match="needs an oracle answering mpmath.mpf"):
         mx.extract(Float32Layer(), d=4, heads=1, positions="rotary", precision=128)
+
+
+def test_answers_of_fewer_bits_than_the_precision_asked_are_named():
+    layer = mx.RotaryAttention.random(d=6, heads=1, head_width=2, seed=4, bias=True)
+    with pytest.raises(mx.ExtractionError, match="fit only to about 2\\^-1[23][0-9], as an oracle computing at about"):
+        mx.extract(mx.SimulatedOracle(layer, precision=128), d=6, heads=1, positions="rotary", precision=256,
+                   seed=0, verify_length=32)

@@ -514,6 +514,16 @@ def answer_precision(unit: float) -> Check:
                     "float64 (layer.float(), the same weights)"))
 
 
+def _fewer_bits(precision: int | None, residual: float, limit: float) -> str:
+    """A high-precision run whose model fits its answers only to about 2^-b, b < precision: what
+    an oracle computing at about b bits gives (its answers carry no more, whatever their type)."""
+    if precision is None or not residual > limit or not 0 < residual < 2.0 ** -40:
+        return ""
+    bits = int(-np.log2(residual))
+    return (f": the answers fit only to about 2^-{bits}, as an oracle computing at about {bits} bits, not "
+            f"precision={precision}, would give: run at the oracle's own precision")
+
+
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | None = None, token_scale=None,
                    bias: bool = True, rank: int | None = None, batch_size: int = 1024, progress=None,
                    max_queries=None, verify_length: int | None = None,
@@ -595,7 +605,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         checks += [
             Check("answers_residual", residual <= residual_limit, residual, residual_limit,
                   f"max misfit of the model on the {len(sequences)} queries asked (instances and fresh polish "
-                  "queries), relative to the largest answer"),
+                  "queries), relative to the largest answer" + _fewer_bits(precision, residual, residual_limit)),
         ]
     value_fit, scalar_model = None, None
     if model is not None and (vectors.d_out or 1) > 1:  # the whole layer: V_h and c fitted to whole answers (§21)
