@@ -571,10 +571,11 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                 f"{diagnostics}"))
     if start is not None:
         parameters = len(pack(start))
-        need, have = refinement_memory(parameters, POLISH_FACTOR * parameters), available_memory()
+        need, have = refinement_memory(parameters, POLISH_FACTOR * parameters, precision), available_memory()
         if have is not None and need > have:  # refused before the polish queries are spent
             checks.append(Check("refinement_memory", False, float(need), float(have),
-                                f"the refinement's normal equations in {parameters:,} parameters (head width "
+                                f"the refinement's {'normal equations' if precision is None else 'Jacobian'} in "
+                                f"{parameters:,} parameters (head width "
                                 f"{start.head_width}) would hold about {need / 2**30:.1f} GiB, beside "
                                 f"{have / 2**30:.1f} GiB available: run on a machine with more memory; a head width "
                                 "above the layer's (diagnostics['widths']) says the start misjudged it: pass "

@@ -17,8 +17,6 @@ permutation of rows, which the canonical form is free to choose). The output is
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import mpmath
 import numpy as np
 
@@ -180,7 +178,7 @@ class RotaryAttention:
         b = rng.normal(size=(heads, head_width)) * np.sqrt(scale) * d ** 0.25 if bias else None
         return cls(Q, K, theta, V, c, window=window, b=b)
 
-    @cached_property
+    @property
     def precision(self) -> int:
         """Bits the parameters carry: 53 for float64, the longest ``mpf`` mantissa (at least 53)
         for a high-precision model, which computes its score matrices at that many bits and more."""
@@ -220,10 +218,11 @@ class RotaryAttention:
         N = X.shape[1]
         scores = np.full((self.heads, N), -np.inf)
         inside = N if self.window is None else min(N, self.window)
-        scores[:, N - inside:] = self._float64._scores(X[:, N - inside:], self._float64._parameters)[0]
+        model = self._float64
+        scores[:, N - inside:] = model._scores(X[:, N - inside:], model._parameters)[0]
         return scores
 
-    @cached_property
+    @property
     def _float64(self) -> "RotaryAttention":
         return self.to_float64()
 

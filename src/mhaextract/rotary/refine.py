@@ -165,10 +165,14 @@ def acceleration(model: RotaryAttention, vector: np.ndarray, step: np.ndarray, r
     return -cho_solve(factor, transpose_product(model, groups, curvature))
 
 
-def refinement_memory(parameters: int, queries: int) -> int:
+def refinement_memory(parameters: int, queries: int, precision: int | None = None) -> int:
     """Bytes the refinement holds at once, about: J^T J, its damped copy and Cholesky factor, and
-    one block of the Jacobian with the einsum intermediates beside it."""
-    return 8 * (3 * parameters ** 2 + 4 * min(BLOCK_ENTRIES, queries * parameters))
+    one block of the Jacobian with the einsum intermediates beside it; at ``precision`` bits, the
+    larger of that and :func:`polish_high_precision`'s whole Jacobian with its SVD (J, U, V^T)."""
+    levenberg = 8 * (3 * parameters ** 2 + 4 * min(BLOCK_ENTRIES, queries * parameters))
+    if precision is None:
+        return levenberg
+    return max(levenberg, 8 * (2 * queries * parameters + parameters ** 2))
 
 
 def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
