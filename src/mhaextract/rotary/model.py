@@ -68,15 +68,18 @@ class RotaryAttention:
         Sliding window: the final token attends to the last ``window`` positions (itself
         included). None: every position.
 
-    All parameters are float64, or ``mpmath.mpf`` (object arrays, any of them given so) for a
-    high-precision model, which ``model(batch, precision=bits)`` evaluates in ball arithmetic.
-
     Attributes
     ----------
     Q, K, theta, V, b, c, window : the parameters (float64, or ``mpf`` object arrays).
     d, d_out, heads, head_width : sizes.
     is_vector : bool, ``model(batch)`` has shape (B, d_out).
     is_high_precision : bool, the parameters are ``mpf``.
+
+    Notes
+    -----
+    The parameters are float64, or ``mpmath.mpf`` (object arrays; any one given so makes them all
+    so) for a high-precision model, which ``model(batch, precision=bits)`` evaluates in ball
+    arithmetic.
 
     Examples
     --------
