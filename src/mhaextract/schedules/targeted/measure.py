@@ -99,12 +99,13 @@ class GroupMeasurements:
                      for f in fields(cls) if f.name != "finals"))
 
 
-def measure_units(prober: Prober, differences: np.ndarray, estimates: np.ndarray, rng, bridge: bool,
+def measure_units(prober: Prober, differences: np.ndarray, estimates, rng, bridge: bool,
              W_score: np.ndarray | None = None, copies=None, bases: np.ndarray | None = None,
              designer=None, block: int = CORRECTION_BLOCK, basis_error=None) -> GroupMeasurements:
     """Targeted instances for every unit ``(g, h)``: head h with difference ``differences[g, h]``.
 
-    ``differences`` (G, H, d); ``estimates`` (G, H, H, d): for unit ``(g, h)`` the ``a_f`` of all
+    ``differences`` (G, H, d); ``estimates`` (G, H, H, d), an array, a broadcast view or
+    :class:`HeadsAt` read a chunk of groups at a time: for unit ``(g, h)`` the ``a_f`` of all
     heads f at its difference, used for the design. The target's own row is corrected after every
     block of rounds to fit its measured log-poles (:func:`correction_blocks`; not at all while the
     prior aims within ``AIM_TOLERANCE``, for bridges ``BRIDGE_AIM_TOLERANCE``). ``copies``: the copy
@@ -436,9 +437,6 @@ class HeadsAt:
     @property
     def shape(self) -> tuple:
         return self.differences.shape[:-1] + self.W.shape[:1] + self.differences.shape[-1:]
-
-    def __len__(self) -> int:
-        return len(self.differences)
 
     def __getitem__(self, groups: slice) -> np.ndarray:
         if not isinstance(groups, slice):
