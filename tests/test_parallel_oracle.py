@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.oracle.parallel import driver_path, pack_sequences, plain_answers, share_bounds, unpack_sequences
+from mhaextract.oracle.parallel import (
+    driver_path, pack_sequences, pack_share, plain_answers, share_bounds, unpack_sequences,
+)
+from mhaextract.oracle.queries import CopiesBatch, RoundQueries
 
 TARGET = mx.MultiHeadAttention.random(d=3, heads=2, seed=4)
 
@@ -130,6 +133,33 @@ def test_packing_round_trips_and_copies():
                       [np.array([[1, 2]], dtype=object)]):
         assert pack_sequences(irregular)[0] == "list"
         assert all(a is b for a, b in zip(unpack_sequences(pack_sequences(irregular)), irregular))
+
+
+def test_a_copies_batch_travels_as_its_rows_and_arrives_bit_for_bit():
+    """The targeted schedule's batches (a CopiesBatch from RoundQueries) go to the workers as two rows
+    a query (final token, difference) instead of its k + 1 tokens, and are built again there: the
+    same sequences to the bit, whatever share boundaries cut the segments."""
+    rng = np.random.default_rng(3)
+    finals, differences = rng.standard_normal((5, 2, 4)), rng.standard_normal((5, 4))  # 5 units, 2 rounds
+    queries = RoundQueries(finals, differences, [(1, 2), (4,)])  # (round, k): (0, 1), (0, 2), (1, 4)
+    batch = queries[2:14]  # cuts the first and last segments
+    assert isinstance(batch, CopiesBatch) and batch.intact() and len(batch) == 12
+    expected = [np.array(queries[i]) for i in range(2, 14)]
+    assert all(np.array_equal(a, b) for a, b in zip(batch, expected))
+    for start, stop in [(0, 12), (0, 5), (5, 12), (3, 4)]:
+        packed = pack_share(batch, start, stop)
+        assert packed[0] == "copies"
+        assert sum(len(f) for f, _, _ in packed[1]) == stop - start  # two rows a query, not k + 1
+        for f, z, _ in packed[1]:
+            f.flags.writeable = z.flags.writeable = False  # as Ray hands them over
+        unpacked = unpack_sequences(packed)
+        assert [s.shape for s in unpacked] == [s.shape for s in expected[start:stop]]
+        assert all(np.array_equal(a, b) for a, b in zip(unpacked, expected[start:stop]))
+        unpacked[0][0, 0] = 99.0  # the oracle may write to its arrays
+    assert finals[0, 0, 0] != 99.0 and batch[0][0, 0] != 99.0
+    # a list changed after it was built is no longer its segments': it travels as rows
+    batch.append(np.ones((2, 4)))
+    assert not batch.intact() and pack_share(batch, 0, 13)[0] == "rows"
 
 
 def test_answers_convert_as_the_boundary_accepts_them():

@@ -260,7 +260,7 @@ class OracleBoundary:
         ``rebuild``: ``chunk`` is new float64 arrays no one else holds, handed over without a copy;
         ``rebuild()`` builds them again for the messages."""
         if rebuild is not None:
-            batch = list(chunk)
+            batch = chunk if isinstance(chunk, list) else list(chunk)  # a CopiesBatch stays one
             longest = max(map(len, batch), default=0)  # before the oracle has them
             chunk = _Rebuilt(rebuild, len(chunk))
         else:

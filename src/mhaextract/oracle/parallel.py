@@ -21,6 +21,7 @@ import numpy as np
 
 from ..validation import nonnegative_number, positive_int, positive_number
 from .boundary import OracleError, plain_numbers
+from .queries import CopiesBatch
 
 #: How to install the optional dependency (said by every error about it).
 INSTALL_HINT = "pip install 'mhaextract[ray]'"
@@ -76,8 +77,19 @@ def pack_sequences(sequences: list) -> tuple:
     return "list", list(sequences)
 
 
+def pack_share(batch: list, start: int, stop: int) -> tuple:
+    """Sequences ``start .. stop - 1`` of ``batch`` for the trip to a worker: a
+    :class:`~mhaextract.oracle.queries.CopiesBatch`'s as its segments (two rows per query instead
+    of its ``k + 1`` tokens), any other batch's by :func:`pack_sequences`."""
+    if isinstance(batch, CopiesBatch) and batch.intact():
+        return "copies", batch.share(start, stop)
+    return pack_sequences(batch[start:stop])
+
+
 def unpack_sequences(packed: tuple) -> list:
-    """The sequences :func:`pack_sequences` packed, as new writable arrays the oracle may keep."""
+    """The sequences :func:`pack_share` packed, as new writable arrays the oracle may keep."""
+    if packed[0] == "copies":
+        return CopiesBatch([(np.array(finals), np.array(differences), k) for finals, differences, k in packed[1]])
     if packed[0] == "rows":
         _, rows, lengths = packed
         return np.split(np.array(rows), np.cumsum(lengths)[:-1])  # one copy: Ray's buffers are read-only
@@ -328,12 +340,12 @@ class ParallelOracle:
     def __call__(self, batch):
         if not self._actors:
             raise OracleError("this ParallelOracle is closed: build a new one")
-        sequences = list(batch)
+        sequences = batch if isinstance(batch, list) else list(batch)
         if not sequences:
             return np.empty(0)
         bounds = share_bounds(np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences)),
                               self.workers)
-        shares = [pack_sequences(sequences[start:stop]) for start, stop in bounds]
+        shares = [pack_share(sequences, start, stop) for start, stop in bounds]
         asked = [self._actors[worker].answer.remote(share) for worker, share in enumerate(shares)]
         answers = [self._gather(worker, asked[worker], shares[worker], bounds[worker], len(sequences))
                    for worker in range(len(shares))]

@@ -102,6 +102,44 @@ def copies_block(finals: np.ndarray, differences: np.ndarray, k: int) -> np.ndar
     return block
 
 
+class CopiesBatch(list):
+    """A batch of copies-instance queries as the oracle receives it: a list of (k + 1, d) arrays,
+    :func:`copies_block`'s sequences of ``segments`` in order, each segment ``(finals, differences,
+    k)`` (rows (n, d), (n, d)).
+
+    To the oracle it is a list like any other. It also keeps what it was built from, two rows per
+    query where the tokens are ``k + 1``: :class:`~mhaextract.oracle.parallel.ParallelOracle` sends
+    the segments to its workers, which build the same sequences bit for bit (the same
+    :func:`copies_block` on the same rows).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> batch = CopiesBatch([(np.ones((2, 3)), np.zeros((2, 3)), 2)])
+    >>> len(batch), batch[0].shape
+    (2, (3, 3))
+    """
+
+    def __init__(self, segments):
+        self.segments = [(finals, differences, int(k)) for finals, differences, k in segments]
+        super().__init__(sequence for finals, differences, k in self.segments
+                         for sequence in copies_block(finals, differences, k))
+
+    def share(self, start: int, stop: int) -> list:
+        """The segments of sequences ``start .. stop - 1``, their rows as new contiguous arrays."""
+        out, offset = [], 0
+        for finals, differences, k in self.segments:
+            first, last = max(start - offset, 0), min(stop - offset, len(finals))
+            if first < last:
+                out.append((np.array(finals[first:last]), np.array(differences[first:last]), k))
+            offset += len(finals)
+        return out
+
+    def intact(self) -> bool:
+        """Whether the list still holds exactly its segments' sequences (no one appended or removed)."""
+        return len(self) == sum(len(finals) for finals, _, _ in self.segments)
+
+
 def copies_sequences(finals: np.ndarray, differences: np.ndarray, which, copies) -> list[np.ndarray]:
     """Query ``q`` is ``(y, ..., y, x)`` with ``copies[q]`` copies of ``y = x - difference``,
     ``x = finals[which[q]]``, ``difference = differences[which[q]]`` (rows): the sequences of
@@ -212,9 +250,9 @@ class RoundQueries(Sequence):
     def __len__(self) -> int:
         return len(self.segments) * self.units
 
-    def _build(self, start: int, stop: int, step: int = 1) -> list[np.ndarray]:
+    def _build(self, start: int, stop: int, step: int = 1) -> CopiesBatch:
         """Queries ``start, start + step, ..`` below ``stop`` (step > 0), a block per (round, k)."""
-        out: list[np.ndarray] = []
+        segments = []
         U = self.units
         for segment in range(start // U, (stop - 1) // U + 1):
             n, k = self.segments[segment]
@@ -222,8 +260,8 @@ class RoundQueries(Sequence):
             first = max(start, base)
             first += (start - first) % step  # the next query of the slice in this segment
             rows = slice(first - base, min(stop, base + U) - base, step)
-            out.extend(copies_block(self.finals[rows, n], self.differences[rows], k))
-        return out
+            segments.append((self.finals[rows, n], self.differences[rows], k))
+        return CopiesBatch(segments)
 
     def __getitem__(self, key):
         if isinstance(key, slice):
