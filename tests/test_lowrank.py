@@ -23,9 +23,15 @@ def test_random_low_rank_targets_have_the_rank_asked():
             mx.MultiHeadAttention.random(12, 3, seed=0, rank=rank)
 
 
+def final_unit(D):
+    """A final unit of D rounds in float64: one query a round, two in every eighth (from round 0)."""
+    return D + -(-D // 8)
+
+
 def formula(d, H, r):
     R = min(d, r + 2)
-    return d + 3 * H * d + (d + 1) * H * (R - 1) + (r + 1) * H * (d - R) + 2 * H * R * d + 2 * H * r * (d - R)
+    return (d + 3 * H * d + (d + 1) * H * (R - 1) + (r + 1) * H * (d - R)
+            + H * R * final_unit(d) + H * (d - R) * final_unit(r))
 
 
 @pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (16, 4, 2, 1), (10, 2, 5, 2), (8, 3, 8, 3)])
@@ -51,7 +57,7 @@ def biased_low_rank_target(d, H, r, seed):
 def biased_formula(d, H, r):
     R = min(d, r + 2)
     return ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * (R - 1) + (r + 2) * H * (d - R)
-            + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
+            + H * R * final_unit(d + 1) + H * (d - R) * final_unit(r + 1))
 
 
 @pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (10, 2, 5, 2)])
@@ -124,7 +130,8 @@ def test_rank_is_required_by_lowrank_and_refused_by_the_others():
 def auto_formula(d, H, r, n):
     """The count with rank r found after n full bridges (n = R - 1 for a given bound)."""
     R = min(d, r + 2)
-    return d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n) + 2 * H * R * d + 2 * H * r * (d - R)
+    return (d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n)
+            + H * R * final_unit(d) + H * (d - R) * final_unit(r))
 
 
 @pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (16, 4, 2, 1), (10, 2, 5, 2), (8, 3, 8, 3), (20, 2, 1, 4)])
@@ -184,7 +191,7 @@ def test_auto_rank_with_biases():
     assert result.ok and result.bias and result.details.rank == r, [str(check) for check in result.failed_checks]
     n, R = result.details.full_bridges, min(d, r + 2)
     expected = ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * n + (r + 2) * H * (d - 1 - n)
-                + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
+                + H * R * final_unit(d + 1) + H * (d - R) * final_unit(r + 1))
     assert oracle.count == result.queries == expected + result.details.phase1.queries + PROBE_QUERIES + VERIFY_QUERIES
     assert mx.compare(result.model, target).max_rel <= 1e-11
 

@@ -104,7 +104,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
     answer_error : a bound on every answer's absolute error, if known (float64).
     rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
-        ``3H (2dr - r^2)`` queries instead of ``4 H d^2``), or ``"auto"``: the schedule finds r from
+        ``2.1 H (2dr - r^2)`` queries instead of ``4 H d^2``), or ``"auto"``: the schedule finds r from
         its bridges first (at most twice the full bridges r needs; ``details.rank``). With
         ``schedule="auto"`` a rank selects the low-rank schedule (float64, H0 <= d, with biases and
         calibration as the other defaults); the other schedules refuse it.

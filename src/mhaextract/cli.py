@@ -62,7 +62,7 @@ def _int_or_text(value: str):
 
 
 RANK_HELP = ("a bound r on every head's rank, or 'auto' to find it: the float64 low-rank schedule, about "
-             "3H(2dr - r^2) queries (docs/algorithm.md §17)")
+             "2.1H(2dr - r^2) queries (docs/algorithm.md §17)")
 
 
 def _rank_option(value: str | None):

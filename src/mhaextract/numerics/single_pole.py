@@ -134,10 +134,10 @@ def fit_with_constant(gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
         return constant, label, np.log(tau)
 
 
-def reading(gap_one: np.ndarray, constant, label) -> np.ndarray:
-    """``m`` from the one sample ``G(1) = P + l / (1 + tau)`` when ``P`` and ``l`` are known."""
+def reading(gap: np.ndarray, constant, label, k: int = 1) -> np.ndarray:
+    """``m`` from the one sample ``G(k) = P + k l / (k + tau)`` when ``P`` and ``l`` are known."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        tau = np.asarray(label) / (np.asarray(gap_one) - np.asarray(constant)) - 1.0
+        tau = k * (np.asarray(label) / (np.asarray(gap) - np.asarray(constant)) - 1.0)
         return np.where(tau > 0, np.log(np.where(tau > 0, tau, 1.0)), np.nan)
 
 

@@ -83,7 +83,7 @@ def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
         if rank is not None and precision is None and max_heads <= d:
             cls, reason = SCHEDULES["lowrank"], (
                 f"auto: rank={rank!r} given, float64 and H0 = {max_heads} <= d = {d}: the low-rank schedule, "
-                "targeted instances in each head's row space, about 3H(2dr - r^2) queries (docs/algorithm.md §17)")
+                "targeted instances in each head's row space, about 2.1H(2dr - r^2) queries (docs/algorithm.md §17)")
         elif rank is not None:
             raise ValueError(f"rank={rank!r} is for the float64 low-rank schedule (docs/algorithm.md §17), which "
                              f"needs precision=None and H0 <= d (got precision={precision}, H0 = {max_heads}, "

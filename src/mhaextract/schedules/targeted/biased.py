@@ -39,7 +39,7 @@ from ...oracle.queries import one_token_queries
 from ..base import Outcome
 from .linesearch import MAX_READING_LOG_POLE
 from .bases import balanced_basis, bias_balanced_scale
-from .designs import final_copies, final_unit_queries, first_copies, FullDesign
+from .designs import FinalRounds, final_unit_queries, first_copies, FullDesign
 from .diagnostics import final_error_estimate, instance_diagnostics, targeted_checks, TargetedDetails
 from .measure import HeadsAt, measure_units, shared_estimates
 from .patterns import (
@@ -48,7 +48,7 @@ from .patterns import (
 from .prober import Prober
 from .schedule import bridge_step, first_group, TargetedSchedule
 from .tolerances import (
-    EPS, FINAL_TARGET, GROUP_SCALE, NOISY_FINAL_TARGET, SATURATION_SPREAD, answer_unit, score_unit,
+    EPS, GROUP_SCALE, SATURATION_SPREAD, answer_unit, score_unit,
 )
 
 
@@ -131,21 +131,14 @@ class AffineDesign(FullDesign):
         return out
 
 
-class AffineFinalDesign(AffineDesign):
-    """The final stage's lifted units (:class:`.designs.FinalDesign` in the coordinates of §16): the
-    target's row of every pattern is :func:`.patterns.final_sides` (``d + 1`` rounds, the centre
-    first), its log-poles ``TARGET_CENTER + FINAL_TARGET p_n``, each round asked at its side's two
-    copy counts."""
-
-    halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
+class AffineFinalDesign(FinalRounds, AffineDesign):
+    """The final stage's lifted units (:class:`.designs.FinalRounds` in the coordinates of §16):
+    ``d + 1`` rounds, the centre first."""
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         """(groups, H, D, D), D = ``d`` the lifted dimension: row H constant, row h the target's sides."""
         return draw_patterns_per_head(rng, d, groups, [H] * H, range(H), out)
-
-    def copies(self, n: int, default):
-        return final_copies(self.rounds, n)
 
 
 def lift(vectors: np.ndarray, last: float) -> np.ndarray:
@@ -259,17 +252,18 @@ class BiasedTargetedSchedule(TargetedSchedule):
 
     @property
     def promised_queries(self) -> int:
-        """After phase 1, with H0 heads: ``(d + 1) + 2H(d + 1) + (d + 2)H(d - 1) + 2Hd(d + 1)`` (first
-        group: ``3H(d + 1)`` on answers noisier than float64, :func:`.designs.first_copies`; final:
-        d units per head of ``d + 1`` rounds, 2 queries each)."""
+        """After phase 1, with H0 heads: ``(d + 1) + 2H(d + 1) + (d + 2)H(d - 1) + Hd(D + ceil(D / 8))``,
+        ``D = d + 1`` (first group: ``3H(d + 1)`` on answers noisier than float64,
+        :func:`.designs.first_copies`; final: d units per head of D rounds, 1 query each and 2 in
+        every eighth, :func:`.designs.final_copies`; ``2HdD`` on noisier answers)."""
         d, H = self.d, self.max_heads
         first = len(first_copies(self.unit)[0])
-        return (d + 1) + first * H * (d + 1) + (d + 2) * H * (d - 1) + H * d * final_unit_queries(d + 1)
+        return (d + 1) + first * H * (d + 1) + (d + 2) * H * (d - 1) + H * d * final_unit_queries(d + 1, self.unit <= EPS)
 
     @property
     def count_formula(self) -> str:
-        return ("targeted with biases (d+1) + 2H(d+1) (3H(d+1) on noisy answers) + (d+2)H(d-1) + 2Hd(d+1) "
-                "after the adaptive phase 1")
+        return ("targeted with biases (d+1) + 2H(d+1) (3H(d+1) on noisy answers) + (d+2)H(d-1) + Hd(D + ceil(D/8)), "
+                "D = d+1 (2HdD on noisy answers) after the adaptive phase 1")
 
     def fixed_queries(self) -> list[np.ndarray]:
         return [np.zeros((1, self.d))] + one_token_queries(self.vbar_basis)

@@ -11,7 +11,7 @@ from .patterns import (
     other_heads_frame,
 )
 from .tolerances import (
-    EPS, FINAL_COPIES, FINAL_SIDE_COPIES, FINAL_TARGET, INVERSE_BLOCK_BYTES, NOISY_FINAL_TARGET, SATURATION_MID,
+    EPS, FINAL_COPIES, FINAL_ONE_COPY, FINAL_PAIR_EVERY, FINAL_SIDE_COPIES, FINAL_TARGET, INVERSE_BLOCK_BYTES, NOISY_FINAL_TARGET, SATURATION_MID,
     SATURATION_SPREAD, TARGET, TARGET_CENTER,
 )
 
@@ -149,26 +149,49 @@ class FullDesign:
         return inverse
 
 
-class FinalDesign(FullDesign):
-    """The final stage's units in R^d (docs/algorithm.md §13, "The final instances"): the target's row
-    of every pattern is :func:`final_sides`, its log-poles ``TARGET_CENTER + halfwidth p_n``
-    (``FINAL_TARGET`` in float64, set by :func:`measure_units`), and round n asks the two copy counts of
-    its side, ``FINAL_SIDE_COPIES``."""
+class FinalRounds:
+    """What the final stage's units share (:class:`FinalDesign`, :class:`.biased.AffineFinalDesign`;
+    docs/algorithm.md §13, "The final instances"): the target's row of every pattern is
+    :func:`final_sides`, its log-poles ``TARGET_CENTER + halfwidth p_n``, and the copy counts of each
+    round (:func:`final_copies`). Float64 answers: ``halfwidth = FINAL_TARGET``, one copy count a
+    round and two in every ``FINAL_PAIR_EVERY``-th; noisier answers (:meth:`for_noisy_answers`, set by
+    :func:`measure_units`): ``NOISY_FINAL_TARGET``, two in every round."""
 
-    halfwidth, noisy_halfwidth = FINAL_TARGET, NOISY_FINAL_TARGET
+    halfwidth, one_copy = FINAL_TARGET, True
+    #: whether the target's log-poles alternate sides (units in R^D); a subspace unit's (§17) keep the centre
+    sided = True
+
+    def for_noisy_answers(self) -> None:
+        """Answers noisier than float64: their sampling error dominates, and every instance's label
+        and single-pole test come from its own two samples."""
+        self.halfwidth, self.one_copy = NOISY_FINAL_TARGET, False
+
+    def copies(self, n: int, default):
+        return final_copies(self.rounds, n, self.one_copy, None if self.sided else 0)
+
+
+class FinalDesign(FinalRounds, FullDesign):
+    """The final stage's units in R^d (:class:`FinalRounds`)."""
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
         return draw_patterns_per_head(rng, d, groups, [(h + 1) % d for h in range(H)], range(H), out)
 
-    def copies(self, n: int, default):
-        return final_copies(self.rounds, n)
 
+def final_copies(rounds: int, n: int, one_copy: bool = True, side: int | None = None) -> tuple:
+    """Round n's copy counts in a final unit of ``rounds`` rounds (:class:`FinalRounds`): with
+    ``one_copy`` (float64 answers) the one that reads its side best alone, ``FINAL_ONE_COPY``, and
+    its side's two, ``FINAL_SIDE_COPIES``, in the rounds ``n % FINAL_PAIR_EVERY == 0`` (the unit's
+    label, and the single-pole test of a sample of its instances); else its side's two in every round.
+    ``side``: the target's side in every round (-1, 0, +1), else :func:`final_sides`'s.
 
-def final_copies(rounds: int, n: int) -> tuple:
-    """Round n's copy counts in a final unit of ``rounds`` rounds (:class:`FinalDesign`)."""
-    side = int(final_sides(rounds)[n])
-    return FINAL_SIDE_COPIES[side]
+    Examples
+    --------
+    >>> [final_copies(9, n) for n in range(3)], final_copies(9, 1, one_copy=False)
+    ([(1, 2), (1,), (4,)], (1, 2))
+    """
+    side = int(final_sides(rounds)[n]) if side is None else side
+    return FINAL_ONE_COPY[side] if one_copy and n % FINAL_PAIR_EVERY else FINAL_SIDE_COPIES[side]
 
 
 def first_copies(unit: float) -> tuple:
@@ -179,9 +202,10 @@ def first_copies(unit: float) -> tuple:
     return (FIRST_COPIES, FIRST_COPIES) if unit <= EPS else (FINAL_COPIES, FINAL_COPIES)
 
 
-def final_unit_queries(rounds: int) -> int:
-    """Queries of one final unit of ``rounds`` rounds: 2 in each."""
-    return sum(len(final_copies(rounds, n)) for n in range(rounds))
+def final_unit_queries(rounds: int, one_copy: bool = True) -> int:
+    """Queries of one final unit of ``rounds`` rounds (:func:`final_copies`): 1 in each round and 2
+    in every ``FINAL_PAIR_EVERY``-th, or without ``one_copy`` 2 in each."""
+    return sum(len(final_copies(rounds, n, one_copy)) for n in range(rounds))
 
 
 class SubspaceDesign(FullDesign):
@@ -309,3 +333,11 @@ class SubspaceDesign(FullDesign):
     def approximate_inverse(self, part: slice = slice(None)) -> None:
         """No structured inverse here (:meth:`FullDesign.approximate_inverse`): one LU of the r x r ``X Q``."""
         return None
+
+
+class FinalSubspaceDesign(FinalRounds, SubspaceDesign):
+    """The final stage's units in a head's row space (:class:`SubspaceDesign`, §17): every round's
+    target at ``TARGET_CENTER`` (``tau = 2``), in float64 read with one copy count, ``k = 2``, and
+    every ``FINAL_PAIR_EVERY``-th round with ``k = 1, 2`` (:class:`FinalRounds`)."""
+
+    sided = False

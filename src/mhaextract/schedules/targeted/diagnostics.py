@@ -29,8 +29,9 @@ class TargetedInstances:
     head : the head the instance was designed for (index into the extracted model).
     log_pole, label : measured ``m_h`` and ``l_h`` (label NaN for one-sample bridge readings).
     designed : the log-pole the design aimed at (``t``).
-    residual : misfit of the third sample to the single-pole form, in rounding units (final
-        instances; NaN for bridges).
+    residual : misfit of the samples to the single-pole form, in rounding units (first group and
+        final instances of two or more samples; NaN for bridges and one-sample final rounds, whose
+        single-pole form rests on the margin and on the paired rounds' test).
     margin : smallest log-pole of the other heads at this instance, from the extracted model.
     saturated : the instance held its assumption: margin >= :func:`saturation_margin` (final
         instances; the first group's and the bridges', which only aim the final stage:
@@ -126,7 +127,10 @@ def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
             margin = data.margin - drift.max(axis=2)[:, :, None] * data.x_norm
             agrees = data.misfit + own[:, :, None] * data.x_norm <= tolerance
         finite = np.isfinite(data.log_pole)
-        held = agrees if stage == "bridge" else data.residual <= RESIDUAL_LIMIT
+        # a one-sample final round has no residual: its single-pole form rests on the margin (the
+        # other heads' log-poles from their own units) and on the paired rounds' test
+        one_sample = np.isfinite(data.gaps).sum(axis=3) == 1
+        held = agrees if stage == "bridge" else (data.residual <= RESIDUAL_LIMIT) | (one_sample & (stage == "final"))
         least = saturation_margin(unit) if stage == "final" else prior_saturation_margin(unit)
         ok = (margin >= least) & finite & held
         g, h, _ = np.meshgrid(np.arange(G), np.arange(H), np.arange(rounds), indexing="ij")

@@ -15,12 +15,14 @@ Stages (R = min(d, r + RANK_EXTRA) "full" differences per head):
 3. Final, each head in its balanced basis ``Z_h``: R columns in R^d (d instances each), whose
    precise ``a_h`` give Q_h (the top r right singular vectors; the (r+1)-th singular value, relative,
    is the ``rank_bound`` check), then the other ``d - R`` columns in ``S_h`` (r instances each).
-   Every final instance asks ``k = 1, 2``: with the label fixed at its unit's consensus the two
-   samples test the single-pole form (``residual``), in place of §13's third sample.
+   The final rounds are §13's (:class:`.designs.FinalRounds`): in float64 one copy count a round
+   and two in every eighth, whose fits give the unit's label and test the single-pole form
+   (``residual``); two in every round on noisier answers.
 
 Queries after phase 1, with H heads found:
-``d + 3Hd + (d + 1) H (R - 1) + (r + 1) H (d - R) + 2 H R d + 2 H r (d - R)``, about
-``3H (2dr - r^2)``: three queries per unknown of a rank-r matrix. Measured at the boundary.
+``d + 3Hd + (d + 1) H (R - 1) + (r + 1) H (d - R) + H R q(d) + H (d - R) q(r)``,
+``q(D) = D + ceil(D / 8)`` (``2D`` on noisier answers), about ``2.1 H (2dr - r^2)``: two queries per
+unknown of a rank-r matrix. Measured at the boundary.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from ...model import MultiHeadAttention
 from ...numerics import float64 as float64_kernel
 from . import biased
 from ..base import Outcome
-from .biased import AffineDesign, AffineProber, lift, lifted_scores
+from .biased import AffineDesign, AffineFinalDesign, AffineProber, lift, lifted_scores
 from .bases import balanced_basis, bias_balanced_scale
-from .designs import SubspaceDesign
+from .designs import FinalDesign, FinalRounds, FinalSubspaceDesign, final_unit_queries, SubspaceDesign
 from .diagnostics import first_order_estimate, instance_diagnostics, targeted_checks, TargetedDetails
 from .measure import HeadsAt, measure_units, shared_estimates
 from .patterns import draw_patterns
@@ -60,7 +62,6 @@ def rank_limit(unit: float) -> float:
     """The ``rank_bound`` check's limit for answers of relative unit ``unit`` (the rank is told from
     noise only above it: a head of higher rank whose extra singular values are below it passes)."""
     return max(RANK_LIMIT, min(RANK_UNITS * unit, LOOSEST_RANK_LIMIT))
-FINAL_COPIES = ((1, 2), (1, 2))
 
 
 #: ``rank="auto"``: the value of ``rank`` that asks the schedule to find the rank itself.
@@ -171,12 +172,14 @@ class LowRankSchedule(TargetedSchedule):
         """After the adaptive phase 1, H0 heads found (module docstring; with n full bridges)."""
         d, H = self.d, self.max_heads
         r, R, n = self._counts()
+        one = self.unit <= EPS
         return (d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n)
-                + 2 * H * R * d + 2 * H * r * (d - R))
+                + H * R * final_unit_queries(d, one) + H * (d - R) * final_unit_queries(r, one))
 
     #: The count in words: with a bound (R - 1 full bridges) and with ``rank="auto"`` (n of them).
-    bound_formula = "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + 2HRd + 2Hr(d-R)"
-    auto_formula = "lowrank rank='auto' d + 3Hd + (d+1)Hn + (r+1)H(d-1-n) + 2HRd + 2Hr(d-R)"
+    bound_formula = "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + HRq(d) + H(d-R)q(r), q(D) = D + ceil(D/8) (2D noisy)"
+    auto_formula = ("lowrank rank='auto' d + 3Hd + (d+1)Hn + (r+1)H(d-1-n) + HRq(d) + H(d-R)q(r), "
+                    "q(D) = D + ceil(D/8) (2D noisy)")
 
     @property
     def count_formula(self) -> str:
@@ -220,19 +223,21 @@ class BiasedLowRankSchedule(LowRankSchedule):
     §16 ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in ``S_h x R`` (r + 1 dimensions): the subspace units
     ask ``r + 1`` instances (:class:`AffineSubspaceDesign`), the full ones ``d + 1`` (:class:`~.biased.AffineDesign`).
     Queries after phase 1 (module docstring, lifted, n full bridges): ``(d + 1) + 3H(d + 1) + (d + 2)Hn
-    + (r + 2)H(d - 1 - n) + 2HR(d + 1) + 2H(r + 1)(d - R)``."""
+    + (r + 2)H(d - 1 - n) + HRq(d + 1) + H(d - R)q(r + 1)``, ``q(D) = D + ceil(D / 8)`` (``2D`` on
+    noisier answers)."""
 
     @property
     def promised_queries(self) -> int:
         d, H = self.d, self.max_heads
         r, R, n = self._counts()
+        one = self.unit <= EPS
         return ((d + 1) + 3 * H * (d + 1) + (d + 2) * H * n + (r + 2) * H * (d - 1 - n)
-                + 2 * H * R * (d + 1) + 2 * H * (r + 1) * (d - R))
+                + H * R * final_unit_queries(d + 1, one) + H * (d - R) * final_unit_queries(r + 1, one))
 
-    bound_formula = ("lowrank with biases (d+1) + 3H(d+1) + (d+2)H(R-1) + (r+2)H(d-R) + 2HR(d+1) "
-                     "+ 2H(r+1)(d-R)")
-    auto_formula = ("lowrank with biases rank='auto' (d+1) + 3H(d+1) + (d+2)Hn + (r+2)H(d-1-n) + 2HR(d+1) "
-                    "+ 2H(r+1)(d-R)")
+    bound_formula = ("lowrank with biases (d+1) + 3H(d+1) + (d+2)H(R-1) + (r+2)H(d-R) + HRq(d+1) "
+                     "+ H(d-R)q(r+1), q(D) = D + ceil(D/8) (2D noisy)")
+    auto_formula = ("lowrank with biases rank='auto' (d+1) + 3H(d+1) + (d+2)Hn + (r+2)H(d-1-n) + HRq(d+1) "
+                    "+ H(d-R)q(r+1), q(D) = D + ceil(D/8) (2D noisy)")
 
     fixed_queries = biased.BiasedTargetedSchedule.fixed_queries
 
@@ -291,6 +296,15 @@ class AffineSubspaceDesign(SubspaceDesign):
         return x
 
 
+class AffineFinalSubspaceDesign(FinalRounds, AffineSubspaceDesign):
+    """The final stage's lifted units in ``S_h x R`` (:class:`AffineSubspaceDesign`): the target's
+    log-poles spread over ``TARGET_CENTER +- TARGET`` (``tau`` 0.16..24), in float64 read with one copy
+    count, ``k = 2`` (4 units of the sample's rounding at ``tau = 2``, 15 at the ends), and every
+    ``FINAL_PAIR_EVERY``-th round with ``k = 1, 2`` (:class:`.designs.FinalRounds`)."""
+
+    sided = False
+
+
 def _lifted_bases(spans: np.ndarray) -> np.ndarray:
     """``Q~ = [[Q, 0], [0, 1]]`` (H, d + 1, r + 1) from the row-space bases Q (H, d, r)."""
     H, d, r = spans.shape
@@ -346,7 +360,7 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d, H, d + 1)
     final = measure_units(prober, differences[:R], HeadsAt(W_lift, differences[:R]), rng, bridge=False, W_score=W_lift,
-                          copies=FINAL_COPIES, designer=AffineDesign)
+                          designer=AffineFinalDesign)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
         return search, stages, None, np.inf, None, (rank, measured)
@@ -354,8 +368,8 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
         low = measure_units(prober, differences[R:], HeadsAt(W_lift, differences[R:]), rng, bridge=False, W_score=W_lift,
-                       copies=FINAL_COPIES, bases=_per_unit(_lifted_bases(spans), d - R),
-                       designer=AffineSubspaceDesign, basis_error=_basis_error(final, factors, d, rank))
+                       bases=_per_unit(_lifted_bases(spans), d - R),
+                       designer=AffineFinalSubspaceDesign, basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
         a_final = np.concatenate([a_final, low.a])
         labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])
@@ -427,7 +441,7 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = bases.transpose(2, 0, 1)  # (d, H, d)
     final = measure_units(prober, differences[:R], HeadsAt(W_rough, differences[:R]), rng, bridge=False,
-                          W_score=W_rough, copies=FINAL_COPIES)
+                          W_score=W_rough, designer=FinalDesign)
     stages.append(("final", final))
     if not np.isfinite(final.a).all():
         return search, stages, None, np.inf, (rank, measured)
@@ -436,7 +450,8 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     if R < d:
         low = measure_units(prober, differences[R:], HeadsAt(W_rough, differences[R:]), rng, bridge=False,
                             W_score=W_rough,
-                       copies=FINAL_COPIES, bases=_per_unit(spans, d - R), basis_error=_basis_error(final, factors, d, rank))
+                       bases=_per_unit(spans, d - R), designer=FinalSubspaceDesign,
+                       basis_error=_basis_error(final, factors, d, rank))
         stages.append(("final", low))
         a_final = np.concatenate([a_final, low.a])
         labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])

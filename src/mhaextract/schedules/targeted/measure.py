@@ -151,8 +151,8 @@ def measure_units(prober: Prober, differences: np.ndarray, estimates, rng, bridg
             design.correction.spare = basis_buffer[:len(heads)]
         if bridge:
             design.correction.tolerance = BRIDGE_AIM_TOLERANCE
-        if getattr(design, "noisy_halfwidth", None) is not None and prober.unit > EPS:
-            design.halfwidth = design.noisy_halfwidth  # noisy answers: their sampling error dominates
+        if prober.unit > EPS and hasattr(design, "for_noisy_answers"):
+            design.for_noisy_answers()
         part = _measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
                               not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
                               f"{start + 1}..{stop} of {G}", block,
@@ -196,7 +196,7 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
             gaps_all[:, n, :len(ks)], rounding_all[:, n, :len(ks)], ks_all[:, n, :len(ks)] = gaps, rounding, ks
         # the rounds fitted with the same copy counts in one batched fit (each row's fit is its own:
         # the same numbers as round by round), before the one-sample readings, which read round 0's label
-        for ks in dict.fromkeys(ks for ks in block_copies if ks != (1,)):
+        for ks in dict.fromkeys(ks for ks in block_copies if len(ks) > 1):
             fitted = [n for n, each in zip(range(rounds_block.start, rounds_block.stop), block_copies) if each == ks]
             count = len(ks)
             fits = single_pole.fit(gaps_all[:, fitted, :count].transpose(1, 0, 2).reshape(-1, count), ks,
@@ -205,13 +205,15 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
             log_pole[:, fitted], label[:, fitted] = per_round(fits.log_pole), per_round(fits.label)
             sigma_m[:, fitted], sigma_l[:, fitted] = per_round(fits.sigma_m), per_round(fits.sigma_l)
             residual[:, fitted] = per_round(fits.residual) if count > 2 else np.nan
-        for n in (n for n, ks in zip(range(rounds_block.start, rounds_block.stop), block_copies) if ks == (1,)):
-            gap, rounding = gaps_all[:, n, 0], rounding_all[:, n, 0]
-            m = single_pole.reading(gap, 0.0, label[:, 0])
+        for n, ks in zip(range(rounds_block.start, rounds_block.stop), block_copies):
+            if len(ks) > 1:
+                continue
+            gap, rounding, k = gaps_all[:, n, 0], rounding_all[:, n, 0], ks[0]
+            m = single_pole.reading(gap, 0.0, label[:, 0], k)
             log_pole[:, n] = m
-            # One sample: the error of m from the rounding of G(1) (dm = dG (1 + tau)^2 / (l tau)).
+            # One sample: the error of m from the rounding of G(k) (dm = dG (k + tau)^2 / (l k tau)).
             tau = np.exp(m)
-            sigma_m[:, n] = rounding * (1 + tau) ** 2 / np.abs(label[:, 0] * tau)
+            sigma_m[:, n] = rounding * (k + tau) ** 2 / np.abs(label[:, 0] * k * tau)
         designed[:, rounds_block] = design.update(rounds_block, finals[:, rounds_block], log_pole[:, rounds_block])
     shape = lambda array: array.reshape((G, H) + array.shape[1:])  # noqa: E731
     out = GroupMeasurements(differences, estimates, *(shape(a) for a in (

@@ -47,14 +47,18 @@ final unit ask two (:func:`first_copies`, :class:`FinalDesign`).
    orthogonal to ``v_h`` would make ``l_h`` small next to the oracle's rounding of ``v_h^T y``.
    The other heads' ``a_g(z) = W_g^T z`` come from the rough model; the basis is the candidate
    with the least predicted score rounding (:func:`_least_score_rounding`). The target's log-poles
-   sit at both edges of its window, ``log 2 +- 4``, each side read at its best copy counts
-   (:class:`FinalDesign`, docs/algorithm.md §13, "The final instances"): what the d instances
-   determine least well is the scale of ``a_h`` itself, and the spread of the target's log-poles
-   is what fixes it.
+   sit at both edges of its window, ``log 2 +- ln 16``: what the d instances determine least well
+   is the scale of ``a_h`` itself, and the spread of the target's log-poles is what fixes it. In
+   float64 each instance asks the one copy count that reads its side best (``k = 1, 2, 4``) and
+   every eighth two, whose fits give the unit's label and test the single-pole form; every
+   instance is read with the label fixed (:class:`FinalDesign`, docs/algorithm.md §13, "The final
+   instances"). Noisier answers: ``log 2 +- 2``, two copy counts in every instance.
 
 Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``2 H d`` (first; ``3 H d`` on
-answers noisier than float64, :func:`first_copies`) + ``(d + 1) H (d - 1)`` (bridges) + ``2 H d^2``
-(final): about ``3 H d^2 + 2 H d``, 0.8 to 1.2 times the paper's ``4 H d^2 - 2 H + 1``. Every count reported is measured at the oracle boundary.
+answers noisier than float64, :func:`first_copies`) + ``(d + 1) H (d - 1)`` (bridges) +
+``H d (d + ceil(d / 8))`` (final; ``2 H d^2`` on noisier answers): about ``2.1 H d^2``, 0.65 to 0.95
+times the paper's ``4 H d^2 - 2 H + 1`` at d >= 8. Every count reported is measured at the oracle
+boundary.
 
 H > d is refused: the H conditions on x need H <= d (saturating some heads towards ``y``
 instead would lift that, at one more unknown per instance; not implemented).
@@ -114,11 +118,12 @@ class TargetedSchedule(Schedule):
     def promised_queries(self) -> int:
         """The stages after phase 1, with H0 heads found: ``d`` one-token queries + ``2 H d``
         (first group; ``3 H d`` on answers noisier than float64, :func:`first_copies`, known once
-        the run has read them) + ``(d + 1) H (d - 1)`` (bridges) + ``2 H d^2`` (final: d units per
-        head of d rounds, 2 queries each). Phase 1 (the line search, about ``H (d + 15)`` plus line
-        grids) is adaptive and comes on top."""
+        the run has read them) + ``(d + 1) H (d - 1)`` (bridges) + ``H d (d + ceil(d / 8))`` (final:
+        d units per head of d rounds, 1 query each and 2 in every eighth; 2 in each on noisier
+        answers). Phase 1 (the line search, about ``H (d + 15)`` plus line grids) is adaptive and
+        comes on top."""
         d, H = self.d, self.max_heads
-        return d + len(first_copies(self.unit)[0]) * H * d + (d + 1) * H * (d - 1) + H * d * final_unit_queries(d)
+        return d + len(first_copies(self.unit)[0]) * H * d + (d + 1) * H * (d - 1) + H * d * final_unit_queries(d, self.unit <= EPS)
 
     @property
     def promised_max_length(self) -> int:
@@ -126,7 +131,8 @@ class TargetedSchedule(Schedule):
 
     @property
     def count_formula(self) -> str:
-        return ("targeted d + 2Hd (3Hd on noisy answers) + (d+1)H(d-1) + 2Hd^2 after the adaptive phase 1")
+        return ("targeted d + 2Hd (3Hd on noisy answers) + (d+1)H(d-1) + Hd(d + ceil(d/8)) (2Hd^2 on noisy "
+                "answers) after the adaptive phase 1")
 
     def fixed_queries(self) -> list[np.ndarray]:
         # The one-token queries are fixed; the rest is adaptive and replays query by query.

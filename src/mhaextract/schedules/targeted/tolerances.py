@@ -14,13 +14,18 @@ GROUP_SCALE = 64.0
 #: Designed log-poles: the target head in TARGET_CENTER +- TARGET (tau near the copy counts
 #: 1..3, where the three-sample fit is best conditioned), the others in MID +- SPREAD.
 TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
-#: The final stage (:class:`FinalDesign`): the target head's log-poles at ``TARGET_CENTER`` and
-#: ``TARGET_CENTER +- FINAL_TARGET`` (float64 answers; ``NOISY_FINAL_TARGET`` for noisier ones), each
-#: side asked at the copy counts that read it best (``FINAL_SIDE_COPIES``: ``k = 1, 2`` where tau is
-#: small and at the centre, ``k = 3, 4`` where it is large), the label fixed at the unit's consensus.
-#: docs/algorithm.md §13, "The final instances".
-FINAL_TARGET, NOISY_FINAL_TARGET = 4.0, 2.0
+#: The final stage (:class:`FinalDesign`, docs/algorithm.md §13, "The final instances"): the target's
+#: log-poles at ``TARGET_CENTER`` and ``TARGET_CENTER +- halfwidth``, ``tau = 2, 2 e^-T, 2 e^T``. Float64
+#: answers (``FINAL_TARGET``, ``T = ln 4``: ``tau = 2, 1/2, 8``): a round asks the one copy count that
+#: reads its side best alone (``FINAL_ONE_COPY``; a one-sample reading errs by
+#: ``dG (k + tau)^2 / (|l| k tau)``, 4.5 units of the sample's rounding on both sides, 4 at the centre),
+#: and every ``FINAL_PAIR_EVERY``-th round its side's two (``FINAL_SIDE_COPIES``: the unit's label and
+#: the single-pole test of a sample of its instances). Noisier answers (``NOISY_FINAL_TARGET``): every
+#: round its side's two, the label the consensus of all.
+FINAL_TARGET, NOISY_FINAL_TARGET = float(np.log(16.0)), 2.0
+FINAL_ONE_COPY = {-1: (1,), 0: (2,), 1: (4,)}
 FINAL_SIDE_COPIES = {-1: (1, 2), 0: (1, 2), 1: (3, 4)}
+FINAL_PAIR_EVERY = 8
 SATURATION_MID, SATURATION_SPREAD = 70.0, 30.0
 #: A head counts as saturated when its log-pole (from the final model) is at least this
 #: (float64: e^-36 ~ 2^-52, below the answers' rounding; see :func:`saturation_margin`).
