@@ -243,6 +243,29 @@ def test_vector_answers_come_back_whole_and_each_share_from_one_worker(local):
 
 
 @pytest.mark.slow
+def test_local_workers_share_memory_blocks_that_grow_and_are_unlinked_at_close(local):
+    """Workers on this machine take their shares and give their answers through the driver's
+    blocks of shared memory: the same answers to the bit, a block replaced when a larger batch
+    needs more (the worker lets the old one go), every block gone from /dev/shm after close."""
+    oracle = mx.ParallelOracle(functools.partial(WhoAnswered, TARGET), workers=2)
+    try:
+        assert oracle._local == [True, True]
+        for lengths in ([2, 3, 1], [2, 3, 1], [5] * 40, [1]):  # the second call answers into shared memory
+            batch = batch_of(lengths, seed=len(lengths))
+            answers = oracle(batch)
+            assert answers.shape == (len(batch), 2) and np.array_equal(answers[:, 0], mx.SimulatedOracle(TARGET)(batch))
+        rng = np.random.default_rng(5)
+        copies = RoundQueries(rng.standard_normal((30, 1, 3)), rng.standard_normal((30, 3)), [(1, 2)])[:]
+        assert np.array_equal(oracle(copies)[:, 0], mx.SimulatedOracle(TARGET)(list(copies)))
+        names = [block.name for block in oracle._shared.blocks.values()]
+        assert {direction for _, direction in oracle._shared.blocks} == {"in", "out"}
+        assert all(os.path.exists(f"/dev/shm/{name}") for name in names)
+    finally:
+        oracle.close()
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in names)
+
+
+@pytest.mark.slow
 def test_high_precision_tokens_and_answers_pass_through(local):
     batch = [np.vectorize(__import__("mpmath").mpf, otypes=[object])(X) for X in batch_of([2, 3, 1])]
     with mx.ParallelOracle(functools.partial(simulated, TARGET, 80), workers=2) as oracle:

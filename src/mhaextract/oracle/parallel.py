@@ -8,6 +8,11 @@ counts, validates and records every query exactly as for the oracle itself, so t
 counts are unchanged; where the oracle's answer to a sequence does not depend on what else is in
 its batch, the model is bit-for-bit the single-process one.
 
+Workers on the driver's own machine take their shares and give their answers through blocks of
+shared memory the driver owns (:class:`SharedBlocks`): one copy each way, where Ray's object store
+costs a serialisation, a store and a fetch per share. Workers on other machines (and a share asked
+again after a failure) go through Ray.
+
 Ray is an optional extra (``pip install 'mhaextract[ray]'``), imported only when a
 :class:`ParallelOracle` is built.
 """
@@ -15,7 +20,10 @@ Ray is an optional extra (``pip install 'mhaextract[ray]'``), imported only when
 from __future__ import annotations
 
 import os
+import secrets
 import sys
+import weakref
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -112,6 +120,101 @@ def plain_answers(raw):
     return raw
 
 
+#: Arrays in a shared block start at multiples of this many bytes.
+ALIGNMENT = 64
+
+
+def attach_block(name: str) -> shared_memory.SharedMemory:
+    """A block another process created, attached without taking ownership: Python before 3.13
+    registers an attached block with this process's resource tracker, which would unlink it when
+    this process ends; the driver that created it unlinks it."""
+    block = shared_memory.SharedMemory(name=name)
+    try:
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 (the tracker's own key)
+    except Exception:  # a Python that does not track attached blocks
+        pass
+    return block
+
+
+def write_arrays(block: shared_memory.SharedMemory, arrays: list) -> list:
+    """Write float64 ``arrays`` into ``block`` one after another; their ``(offset, shape)``."""
+    layout, offset = [], 0
+    for array in arrays:
+        view = np.ndarray(array.shape, np.float64, block.buf, offset)
+        view[...] = array
+        layout.append((offset, array.shape))
+        offset += -(-array.nbytes // ALIGNMENT) * ALIGNMENT
+    return layout
+
+
+def read_arrays(block: shared_memory.SharedMemory, layout: list) -> list:
+    """New arrays (the reader may keep them) from ``block`` at ``layout`` (:func:`write_arrays`)."""
+    return [np.array(np.ndarray(shape, np.float64, block.buf, offset)) for offset, shape in layout]
+
+
+def packed_arrays(packed: tuple):
+    """The float64 arrays of a packed share (:func:`pack_share`) and what rebuilds it from them, or
+    None where it holds something else (object arrays of high precision, other dtypes)."""
+    if packed[0] == "copies" and all(f.dtype == np.float64 and z.dtype == np.float64 for f, z, _ in packed[1]):
+        arrays = [array for f, z, _ in packed[1] for array in (f, z)]
+        return arrays, ("copies", [k for _, _, k in packed[1]])
+    if packed[0] == "rows" and packed[1].dtype == np.float64:
+        return [packed[1], packed[2].astype(np.float64)], ("rows", None)
+    return None
+
+
+def repacked(arrays: list, recipe: tuple) -> tuple:
+    """The packed share :func:`packed_arrays` took apart, from its arrays."""
+    kind, ks = recipe
+    if kind == "copies":
+        return "copies", [(arrays[2 * i], arrays[2 * i + 1], k) for i, k in enumerate(ks)]
+    return "rows", arrays[0], arrays[1].astype(np.int64)
+
+
+class SharedBlocks:
+    """The driver's blocks of shared memory, one per worker and direction (its share in, its answers
+    out), grown as needed and unlinked by :meth:`close` (or when the driver's process ends)."""
+
+    def __init__(self):
+        self.blocks: dict[tuple[int, str], shared_memory.SharedMemory] = {}
+        self._finalizer = weakref.finalize(self, SharedBlocks._unlink_all, self.blocks)
+
+    def block(self, worker: int, direction: str, nbytes: int) -> shared_memory.SharedMemory:
+        """Worker's block for ``direction`` ("in", "out") of at least ``nbytes`` bytes."""
+        key = (worker, direction)
+        block = self.blocks.get(key)
+        if block is None or block.size < nbytes:
+            if block is not None:
+                SharedBlocks._unlink(block)
+            size = max(nbytes + nbytes // 2, 1 << 16)  # room to grow before the next new block
+            name = f"mhx{os.getpid()}_{worker}_{direction}_{secrets.token_hex(6)}"  # the worker lets a replaced one go
+            block = shared_memory.SharedMemory(name=name, create=True, size=size)
+            self.blocks[key] = block
+        return block
+
+    def capacity(self, worker: int, direction: str) -> int:
+        block = self.blocks.get((worker, direction))
+        return 0 if block is None else block.size
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _unlink(block) -> None:
+        try:
+            block.close()
+            block.unlink()
+        except (FileNotFoundError, BufferError):  # gone already, or a view of it still alive
+            pass
+
+    @staticmethod
+    def _unlink_all(blocks: dict) -> None:
+        for block in blocks.values():
+            SharedBlocks._unlink(block)
+        blocks.clear()
+
+
 class OracleWorker:
     """What runs in each Ray actor: one copy of the user's oracle, built by ``factory()``.
 
@@ -143,6 +246,37 @@ class OracleWorker:
         if self.error is not None:
             raise self.error
         return plain_answers(self.oracle(unpack_sequences(packed)))
+
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
+    def answer_shared(self, share_in: tuple, answers_out: tuple):
+        """:meth:`answer` for a share the driver wrote into shared memory, ``(block name, layout,
+        recipe)`` (:func:`write_arrays`, :func:`packed_arrays`); float64 answers that fit the driver's
+        block ``answers_out = (name, capacity)`` are written there (``("shared", shape)`` comes back),
+        others come back themselves (``("value", answers)``)."""
+        if self.error is not None:
+            raise self.error
+        name, layout, recipe = share_in
+        answers = plain_answers(self.oracle(unpack_sequences(repacked(read_arrays(self._block(name), layout), recipe))))
+        out_name, capacity = answers_out
+        if (out_name is not None and isinstance(answers, np.ndarray) and answers.dtype == np.float64
+                and answers.nbytes <= capacity):
+            write_arrays(self._block(out_name), [answers])
+            return "shared", answers.shape
+        return "value", answers
+
+    def _block(self, name: str) -> shared_memory.SharedMemory:
+        """The driver's block ``name``, attached once (a block it replaced is let go)."""
+        blocks = self.__dict__.setdefault("_blocks", {})
+        if name not in blocks:
+            prefix = name.rsplit("_", 1)[0]
+            for old in [key for key in blocks if key.rsplit("_", 1)[0] == prefix]:
+                blocks.pop(old).close()
+            blocks[name] = attach_block(name)
+        return blocks[name]
 
 
 class ParallelOracle:
@@ -227,6 +361,7 @@ class ParallelOracle:
         self.factory, self.address = factory, address
         self.failures: list[tuple[int, BaseException]] = []
         self._actors: list = []
+        self._shared, self._local = SharedBlocks(), []
         self._owns_instance = False
         ray = self._ray = import_ray()
         self._connect(address)
@@ -242,6 +377,8 @@ class ParallelOracle:
                 raise TypeError(f"factory must be picklable (a module-level function, a functools.partial of "
                                 f"one, or a class): {error}") from error
             dtypes = self._start(start_timeout)
+            here = ray.get_runtime_context().get_node_id()
+            self._local = [node == here for node in ray.get([actor.node.remote() for actor in self._actors])]
         except BaseException:
             self.close()
             raise
@@ -318,6 +455,7 @@ class ParallelOracle:
             except Exception:  # already gone with its Ray instance: nothing to stop
                 pass
         self._actors = []
+        self._shared.close()
         if self._owns_instance:
             self._owns_instance = False
             _opened_here["users"] -= 1
@@ -346,19 +484,35 @@ class ParallelOracle:
         bounds = share_bounds(np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences)),
                               self.workers)
         shares = [pack_share(sequences, start, stop) for start, stop in bounds]
-        asked = [self._actors[worker].answer.remote(share) for worker, share in enumerate(shares)]
+        asked = [self._ask(worker, share) for worker, share in enumerate(shares)]
         answers = [self._gather(worker, asked[worker], shares[worker], bounds[worker], len(sequences))
                    for worker in range(len(shares))]
         return _concatenated(answers)
 
-    def _gather(self, worker: int, reference, share: tuple, bounds: tuple[int, int], total: int):
+    def _ask(self, worker: int, share: tuple):
+        """Send ``share`` to ``worker``: through shared memory where it runs on this machine and the
+        share is float64 arrays, else through Ray. Returns ``(reference, shared)``."""
+        parts = packed_arrays(share) if self._local[worker] else None
+        if parts is None:
+            return self._actors[worker].answer.remote(share), False
+        arrays, recipe = parts
+        block = self._shared.block(worker, "in", sum(-(-a.nbytes // ALIGNMENT) * ALIGNMENT for a in arrays))
+        layout = write_arrays(block, arrays)
+        out = self._shared.blocks.get((worker, "out"))
+        answers_out = (None, 0) if out is None else (out.name, out.size)
+        return self._actors[worker].answer_shared.remote((block.name, layout, recipe), answers_out), True
+
+    def _gather(self, worker: int, asked: tuple, share: tuple, bounds: tuple[int, int], total: int):
         """One share's answers, asking again on the next worker (a dead one replaced) when it fails."""
         ray = self._ray
         start, stop = bounds
+        reference, shared = asked
         tried = []
         while True:
             try:
                 answers = ray.get(reference)
+                if shared:
+                    answers = self._received(worker, answers)
             except ray.exceptions.RayError as error:
                 cause = self._cause(error)
                 tried.append((worker, cause))
@@ -371,7 +525,7 @@ class ParallelOracle:
                         f"ParallelOracle: the share of sequences {start}..{stop - 1} of a batch of {total} failed "
                         f"{len(tried)} times (retries={self.retries}): {what}") from cause
                 worker = (worker + 1) % len(self._actors)
-                reference = self._actors[worker].answer.remote(share)
+                reference, shared = self._actors[worker].answer.remote(share), False  # through Ray
                 continue
             try:
                 count = len(answers)
@@ -385,12 +539,23 @@ class ParallelOracle:
                     "sequence is needed")
             return answers
 
+    def _received(self, worker: int, reply: tuple):
+        """The answers of a share sent through shared memory (:meth:`OracleWorker.answer_shared`);
+        the worker's block for answers made large enough for the next ones."""
+        how, value = reply
+        if how == "shared":
+            return read_arrays(self._shared.blocks[(worker, "out")], [(0, value)])[0]
+        if isinstance(value, np.ndarray) and value.dtype == np.float64:
+            self._shared.block(worker, "out", value.nbytes)
+        return value
+
     def _replace(self, worker: int) -> None:
         try:
             self._ray.kill(self._actors[worker])
         except Exception:  # it is dead already
             pass
         self._actors[worker] = self._start_worker()
+        self._local[worker] = False  # wherever Ray placed it: its shares go through Ray
 
     def _cause(self, error):
         """The oracle's own exception inside a Ray error, where Ray kept it."""
