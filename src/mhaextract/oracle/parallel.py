@@ -193,10 +193,6 @@ class SharedBlocks:
             self.blocks[key] = block
         return block
 
-    def capacity(self, worker: int, direction: str) -> int:
-        block = self.blocks.get((worker, direction))
-        return 0 if block is None else block.size
-
     def close(self) -> None:
         self._finalizer()
 

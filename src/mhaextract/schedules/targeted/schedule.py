@@ -56,8 +56,8 @@ final unit ask two (:func:`first_copies`, :class:`FinalDesign`).
 
 Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``2 H d`` (first; ``3 H d`` on
 answers noisier than float64, :func:`first_copies`) + ``(d + 1) H (d - 1)`` (bridges) +
-``H d (d + ceil(d / 8))`` (final; ``2 H d^2`` on noisier answers): about ``2.1 H d^2``, 0.65 to 0.95
-times the paper's ``4 H d^2 - 2 H + 1`` at d >= 8. Every count reported is measured at the oracle
+``H d (d + ceil(d / 8))`` (final; ``2 H d^2`` on noisier answers): about ``2.1 H d^2``, 0.55 to 0.7
+times the paper's ``4 H d^2 - 2 H + 1`` at d >= 16. Every count reported is measured at the oracle
 boundary.
 
 H > d is refused: the H conditions on x need H <= d (saturating some heads towards ``y``
