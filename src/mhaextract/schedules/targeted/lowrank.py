@@ -220,8 +220,9 @@ class LowRankSchedule(TargetedSchedule):
 class BiasedLowRankSchedule(LowRankSchedule):
     """``extract(..., schedule="lowrank", rank=r, bias=True)``: heads of rank <= r with score biases
     ``u_h`` and the output constant ``c`` (§16, §17), float64, H <= d. In the lifted coordinates of
-    §16 ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in ``S_h x R`` (r + 1 dimensions): the subspace units
-    ask ``r + 1`` instances (:class:`AffineSubspaceDesign`), the full ones ``d + 1`` (:class:`~.biased.AffineDesign`).
+    §16 ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in ``S_h x R`` (r + 1 dimensions): the final subspace
+    units ask ``r + 1`` rounds (:class:`AffineFinalSubspaceDesign`), the full ones ``d + 1``
+    (:class:`~.biased.AffineFinalDesign`).
     Queries after phase 1 (module docstring, lifted, n full bridges): ``(d + 1) + 3H(d + 1) + (d + 2)Hn
     + (r + 2)H(d - 1 - n) + HRq(d + 1) + H(d - R)q(r + 1)``, ``q(D) = D + ceil(D / 8)`` (``2D`` on
     noisier answers)."""
