@@ -453,7 +453,7 @@ def test_final_patterns_put_the_target_at_both_sides_and_stay_orthogonal():
         two = [targeted_designs.final_copies(rounds, n, one_copy=False) for n in range(rounds)]
         assert all(two[n] == ((3, 4) if sides[n] > 0 else (1, 2)) for n in range(rounds))
         assert targeted_designs.final_unit_queries(rounds, one_copy=False) == 2 * rounds
-        one = [targeted_designs.final_copies(rounds, n) for n in range(rounds)]  # float64: k = 1, 2, 4 at tau = 1/2, 2, 8
+        one = [targeted_designs.final_copies(rounds, n) for n in range(rounds)]  # float64: k = 1, 2, 4 at tau = 1/8, 2, 32
         assert all(one[n] == (two[n] if n % 8 == 0 else ((4,) if sides[n] > 0 else (1,) if sides[n] < 0 else (2,)))
                    for n in range(rounds))
         assert targeted_designs.final_unit_queries(rounds) == rounds + (rounds + 7) // 8

@@ -149,8 +149,9 @@ def write_arrays(block: shared_memory.SharedMemory, arrays: list) -> list:
 
 
 def read_arrays(block: shared_memory.SharedMemory, layout: list) -> list:
-    """New arrays (the reader may keep them) from ``block`` at ``layout`` (:func:`write_arrays`)."""
-    return [np.array(np.ndarray(shape, np.float64, block.buf, offset)) for offset, shape in layout]
+    """Views of ``block`` at ``layout`` (:func:`write_arrays`): the block is written again by the next
+    call, so a reader copies what it keeps (:func:`unpack_sequences` does)."""
+    return [np.ndarray(shape, np.float64, block.buf, offset) for offset, shape in layout]
 
 
 def packed_arrays(packed: tuple):
@@ -270,7 +271,10 @@ class OracleWorker:
         if name not in blocks:
             prefix = name.rsplit("_", 1)[0]
             for old in [key for key in blocks if key.rsplit("_", 1)[0] == prefix]:
-                blocks.pop(old).close()
+                try:
+                    blocks.pop(old).close()
+                except BufferError:  # a view still held (an oracle's exception keeps its frames): the driver unlinks it
+                    pass
             blocks[name] = attach_block(name)
         return blocks[name]
 
@@ -540,7 +544,7 @@ class ParallelOracle:
         the worker's block for answers made large enough for the next ones."""
         how, value = reply
         if how == "shared":
-            return read_arrays(self._shared.blocks[(worker, "out")], [(0, value)])[0]
+            return np.array(read_arrays(self._shared.blocks[(worker, "out")], [(0, value)])[0])
         if isinstance(value, np.ndarray) and value.dtype == np.float64:
             self._shared.block(worker, "out", value.nbytes)
         return value

@@ -126,12 +126,13 @@ class CopiesBatch(list):
                          for sequence in copies_block(finals, differences, k))
 
     def share(self, start: int, stop: int) -> list:
-        """The segments of sequences ``start .. stop - 1``, their rows as new contiguous arrays."""
+        """The segments of sequences ``start .. stop - 1``: views of their rows (whoever sends them
+        copies them once, into Ray's store or a shared block)."""
         out, offset = [], 0
         for finals, differences, k in self.segments:
             first, last = max(start - offset, 0), min(stop - offset, len(finals))
             if first < last:
-                out.append((np.array(finals[first:last]), np.array(differences[first:last]), k))
+                out.append((finals[first:last], differences[first:last], k))
             offset += len(finals)
         return out
 

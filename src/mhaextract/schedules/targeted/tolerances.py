@@ -16,9 +16,10 @@ GROUP_SCALE = 64.0
 TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
 #: The final stage (:class:`FinalDesign`, docs/algorithm.md §13, "The final instances"): the target's
 #: log-poles at ``TARGET_CENTER`` and ``TARGET_CENTER +- halfwidth``, ``tau = 2, 2 e^-T, 2 e^T``. Float64
-#: answers (``FINAL_TARGET``, ``T = ln 4``: ``tau = 2, 1/2, 8``): a round asks the one copy count that
-#: reads its side best alone (``FINAL_ONE_COPY``; a one-sample reading errs by
-#: ``dG (k + tau)^2 / (|l| k tau)``, 4.5 units of the sample's rounding on both sides, 4 at the centre),
+#: answers (``FINAL_TARGET``, ``T = ln 16``: ``tau = 2, 1/8, 32``): a round asks the one copy count of
+#: at most 4 that reads its side best alone (``FINAL_ONE_COPY``: a one-sample reading errs by
+#: ``dG (k + tau)^2 / (|l| k tau)``, 10 units of the sample's rounding on both sides with ``k = 1, 4``, 4
+#: at the centre with ``k = 2``; nearer sides read better but fix ``a_h``'s scale worse, §13),
 #: and every ``FINAL_PAIR_EVERY``-th round its side's two (``FINAL_SIDE_COPIES``: the unit's label and
 #: the single-pole test of a sample of its instances). Noisier answers (``NOISY_FINAL_TARGET``): every
 #: round its side's two, the label the consensus of all.
