@@ -31,7 +31,7 @@ def final_unit(D):
 def formula(d, H, r):
     R = min(d, r + 2)
     return (d + 3 * H * d + (d + 1) * H * (R - 1) + (r + 1) * H * (d - R)
-            + H * R * final_unit(d) + H * (d - R) * final_unit(r))
+            + H * R * final_unit(d) + H * (d - R) * final_unit(r + 1))
 
 
 @pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (16, 4, 2, 1), (10, 2, 5, 2), (8, 3, 8, 3)])
@@ -131,7 +131,7 @@ def auto_formula(d, H, r, n):
     """The count with rank r found after n full bridges (n = R - 1 for a given bound)."""
     R = min(d, r + 2)
     return (d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n)
-            + H * R * final_unit(d) + H * (d - R) * final_unit(r))
+            + H * R * final_unit(d) + H * (d - R) * final_unit(r + 1))
 
 
 @pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (16, 4, 2, 1), (10, 2, 5, 2), (8, 3, 8, 3), (20, 2, 1, 4)])

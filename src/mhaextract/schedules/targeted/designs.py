@@ -333,11 +333,3 @@ class SubspaceDesign(FullDesign):
     def approximate_inverse(self, part: slice = slice(None)) -> None:
         """No structured inverse here (:meth:`FullDesign.approximate_inverse`): one LU of the r x r ``X Q``."""
         return None
-
-
-class FinalSubspaceDesign(FinalRounds, SubspaceDesign):
-    """The final stage's units in a head's row space (:class:`SubspaceDesign`, §17): every round's
-    target at ``TARGET_CENTER`` (``tau = 2``), in float64 read with one copy count, ``k = 2``, and
-    every ``FINAL_PAIR_EVERY``-th round with ``k = 1, 2`` (:class:`FinalRounds`)."""
-
-    sided = False

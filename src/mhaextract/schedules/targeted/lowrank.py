@@ -14,13 +14,14 @@ Stages (R = min(d, r + RANK_EXTRA) "full" differences per head):
    ``r + 1`` queries per head). Rough W, v as in §13.
 3. Final, each head in its balanced basis ``Z_h``: R columns in R^d (d instances each), whose
    precise ``a_h`` give Q_h (the top r right singular vectors; the (r+1)-th singular value, relative,
-   is the ``rank_bound`` check), then the other ``d - R`` columns in ``S_h`` (r instances each).
+   is the ``rank_bound`` check), then the other ``d - R`` columns in ``S_h`` (r + 1 instances each:
+   the lifted design of the biased model with a free offset, :func:`_offset_subspace_units`).
    The final rounds are §13's (:class:`.designs.FinalRounds`): in float64 one copy count a round
    and two in every eighth, whose fits give the unit's label and test the single-pole form
    (``residual``); two in every round on noisier answers.
 
 Queries after phase 1, with H heads found:
-``d + 3Hd + (d + 1) H (R - 1) + (r + 1) H (d - R) + H R q(d) + H (d - R) q(r)``,
+``d + 3Hd + (d + 1) H (R - 1) + (r + 1) H (d - R) + H R q(d) + H (d - R) q(r + 1)``,
 ``q(D) = D + ceil(D / 8)`` (``2D`` on noisier answers), about ``2.1 H (2dr - r^2)``: two queries per
 unknown of a rank-r matrix. Measured at the boundary.
 """
@@ -40,9 +41,9 @@ from . import biased
 from ..base import Outcome
 from .biased import AffineDesign, AffineFinalDesign, AffineProber, lift, lifted_scores
 from .bases import balanced_basis, bias_balanced_scale
-from .designs import FinalDesign, FinalRounds, FinalSubspaceDesign, final_unit_queries, SubspaceDesign
+from .designs import FinalDesign, FinalRounds, final_unit_queries, SubspaceDesign
 from .diagnostics import first_order_estimate, instance_diagnostics, targeted_checks, TargetedDetails
-from .measure import HeadsAt, measure_units, shared_estimates
+from .measure import GroupMeasurements, HeadsAt, measure_units, shared_estimates
 from .patterns import draw_patterns
 from .prober import Prober
 from .schedule import bridge_step, targeted_first_group, TargetedSchedule
@@ -174,11 +175,11 @@ class LowRankSchedule(TargetedSchedule):
         r, R, n = self._counts()
         one = self.unit <= EPS
         return (d + 3 * H * d + (d + 1) * H * n + (r + 1) * H * (d - 1 - n)
-                + H * R * final_unit_queries(d, one) + H * (d - R) * final_unit_queries(r, one))
+                + H * R * final_unit_queries(d, one) + H * (d - R) * final_unit_queries(r + 1, one))
 
     #: The count in words: with a bound (R - 1 full bridges) and with ``rank="auto"`` (n of them).
-    bound_formula = "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + HRq(d) + H(d-R)q(r), q(D) = D + ceil(D/8) (2D noisy)"
-    auto_formula = ("lowrank rank='auto' d + 3Hd + (d+1)Hn + (r+1)H(d-1-n) + HRq(d) + H(d-R)q(r), "
+    bound_formula = "lowrank d + 3Hd + (d+1)H(R-1) + (r+1)H(d-R) + HRq(d) + H(d-R)q(r+1), q(D) = D + ceil(D/8) (2D noisy)"
+    auto_formula = ("lowrank rank='auto' d + 3Hd + (d+1)Hn + (r+1)H(d-1-n) + HRq(d) + H(d-R)q(r+1), "
                     "q(D) = D + ceil(D/8) (2D noisy)")
 
     @property
@@ -210,7 +211,7 @@ class LowRankSchedule(TargetedSchedule):
                        bias_error=bias_error)
 
     def run(self, boundary, arithmetic) -> Outcome:
-        prober = Prober(boundary, self.d, self.token_scale, self.promised_queries)
+        prober = LiftingProber(boundary, self.d, self.token_scale, self.promised_queries)
         prober.learn_vbar(self.vbar_basis)
         search, stages, model, rank_ratio, found = _run(prober, self.d, self.max_heads, self.rank, self.rng,
                                                        self.token_scale)
@@ -399,6 +400,45 @@ def _per_unit(bases: np.ndarray, groups: int) -> np.ndarray:
     return np.broadcast_to(bases[None], (groups,) + bases.shape)
 
 
+class LiftingProber(AffineProber):
+    """The bias-free schedule's prober (``c = 0``, vbar as :class:`~.prober.Prober` learns it) that also
+    takes lifted tokens ``(x, 1)`` and differences ``(z, 0)``: its subspace units
+    (:func:`_offset_subspace_units`) are the biased model's lifted ones."""
+
+    learn_vbar = Prober.learn_vbar
+
+
+def _offset_subspace_units(prober, differences: np.ndarray, W_rough: np.ndarray, spans: np.ndarray, rng,
+                           basis_error) -> GroupMeasurements:
+    """The bias-free final units in the heads' row spaces (docs/algorithm.md §17), r + 1 rounds each: the
+    lifted design of the biased model (:class:`AffineFinalSubspaceDesign`, ``u = 0``) solves
+    ``a^T x_n + b = m_n`` for ``a`` in span(Q) and a free offset b, which is dropped (0 for this model).
+
+    With r rounds and ``a = Q c`` alone, every round's target log-pole sits at ``TARGET_CENTER``, so an
+    error common to the rounds moves ``c`` along itself by ``|c| / TARGET_CENTER`` times it, and the
+    measured Q carries one: the true ``a`` sticks out of it by ``g`` (the SVD's rounding, ~1e-15 |a|),
+    which the tokens' large parts off the subspace (the other heads' saturation, ``SATURATION_MID``, the
+    same in every round) read as ``x_n^T g``, nearly constant over n. The offset absorbs that common
+    part, for one query more a unit. Returns the
+    stage in R^d as the other stages (``a``, differences, variances, tokens and norms without the lifted
+    coordinate)."""
+    G, H, d = differences.shape
+    lifted = lift(differences, 0.0)
+    W_lift = lifted_scores(W_rough, np.zeros((H, d)))
+    to_weights, variance = basis_error
+    lifted_error = (np.concatenate([to_weights, np.zeros((H, 1, to_weights.shape[2]))], axis=1),
+                    np.concatenate([variance, np.zeros(variance.shape[:2] + (1,))], axis=2))  # the 1: exact
+    low = measure_units(prober, lifted, HeadsAt(W_lift, lifted), rng, bridge=False, W_score=W_lift,
+                        bases=_per_unit(_lifted_bases(spans), G), designer=AffineFinalSubspaceDesign,
+                        basis_error=lifted_error)
+    low.differences, low.estimates = differences, HeadsAt(W_rough, differences)
+    low.a, low.variance = low.a[..., :d], low.variance[:, :, :d]
+    low.x_norm = np.sqrt(np.maximum(low.x_norm**2 - 1.0, 0.0))  # |x|, not |(x, 1)|
+    if low.finals is not None:
+        low.finals = low.finals[..., :d]
+    return low
+
+
 def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     """Returns ``(line search report, [(stage, measurements)], model or None, rank ratio, (rank, full
     bridges))``: the bound given or the rank found for ``rank="auto"``, and the bridge units measured
@@ -449,10 +489,8 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     spans, ratio, factors = _span(final.a, rank)
     a_final, labels_final = final.a, final.consensus_labels()[0]
     if R < d:
-        low = measure_units(prober, differences[R:], HeadsAt(W_rough, differences[R:]), rng, bridge=False,
-                            W_score=W_rough,
-                       bases=_per_unit(spans, d - R), designer=FinalSubspaceDesign,
-                       basis_error=_basis_error(final, factors, d, rank))
+        low = _offset_subspace_units(prober, differences[R:], W_rough, spans, rng,
+                                     _basis_error(final, factors, d, rank))
         stages.append(("final", low))
         a_final = np.concatenate([a_final, low.a])
         labels_final = np.concatenate([labels_final, low.consensus_labels()[0]])
