@@ -19,6 +19,13 @@ of lengths 1..256, and seconds.
 Part 2 only, on a larger layer: a Llama attention with d = 64, H = 4, two key/value heads, head
 width 16, in float64 (``angles="float64"``) and in float32 (the layer's own float32 angles; the
 truth ``to_rotary`` of its float32 weights in float64). About 14 minutes on 2 cores.
+
+    python benchmarks/bench_rotary_layers.py --instances
+
+Part 3 only: the instances of one run on that layer (float64 with ``angles="float64"``, and
+float32), fitted from the scalar read-out alone and with the whole answers' channels
+(docs/algorithm.md §22): failed fits, log-pole and numerator errors against the layer's true poles
+(the fits that held), and the start model's error against the read-out's exact model. About 3 minutes.
 """
 
 from __future__ import annotations
@@ -91,8 +98,73 @@ def extraction(name, attention, heads, angles):
           f"{seconds:.1f} |")
 
 
-def main(large: bool = False):
+def true_poles(truth, readout, patterns):
+    """Each instance pattern's poles P_h and read-out numerators N_h from the layer's exact model,
+    sorted by pole: (n, H) each."""
+    v = np.einsum("o,hod->hd", readout, truth.V)
+    P, N = [], []
+    for pattern in patterns:
+        keys = np.abs(pattern).sum(axis=1) > 0
+        weights = np.exp(truth.scores(pattern)) * keys
+        P.append(weights.sum(axis=1) + (~keys).sum())
+        N.append((weights * (pattern @ v.T).T).sum(axis=1))
+    order = np.argsort(P, axis=1)
+    return np.take_along_axis(np.array(P), order, 1), np.take_along_axis(np.array(N), order, 1)
+
+
+def instance_precision():
+    """Part 3: one run's instances fitted from the read-out alone and with the whole answers'
+    channels, against the layer's true poles; and the start model from each."""
+    from mhaextract.oracle.boundary import OracleBoundary
+    from mhaextract.oracle.vector_answers import VectorAnswers
+    from mhaextract.rotary import learn
+    from mhaextract.validation import spawn_rng
+
+    print("| layer | fit | failed fits | log-pole error median | 90th pct | numerator error median | "
+          "start model error |")
+    print("|---|---|---|---|---|---|---|")
+    d, H = 64, 4
+    for dtype in ("float64", "float32"):
+        attention = layer("llama", d, H, 2, 16, seed=0)
+        if dtype == "float32":
+            attention = attention.float()
+        oracle = TorchOracle(RotaryLayer(attention, angles="float64" if dtype == "float64" else "model"))
+        vectors = VectorAnswers(0, getattr(oracle, "answer_dtype", None))
+        boundary = OracleBoundary(oracle, d, vectors=vectors)
+        c_whole = boundary.ask([np.zeros((1, d))], "c", whole=True)[0]
+        c = float(vectors.scalars(c_whole[None])[0])
+        projection = learn.channel_projection(spawn_rng(0, 23), len(c_whole), H)
+        learner = learn.RotaryLearner(d, H, 0, d ** 0.25, True, None)
+        # the token scale as the extraction chooses it (the channels' fit of d self instances)
+        whole = boundary.ask(learn.instance_queries([x[None] for x in learner.X.T], learner.ks), "scale", whole=True)
+        fitted = learn.fit_instances(vectors.scalars(whole), c, learner.ks, H, whole @ projection, c_whole @ projection)
+        typical = float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2)))
+        learner.set_scale(d ** 0.25 * np.sqrt(learn.SCORE_TARGET / typical))
+        patterns = learner.patterns()
+        whole = boundary.ask(learn.instance_queries(patterns, learner.ks), "instances", whole=True)
+        answers, unit = vectors.scalars(whole), boundary.answer_unit
+        P, N = true_poles(to_rotary(attention), vectors.readout, patterns)
+        truth = to_rotary(attention).readout(vectors.readout)
+        for name, channels in (("read-out alone", None), ("read-out and channels", (whole @ projection, c_whole @ projection))):
+            fits = learn.fit_instances(answers, c, learner.ks, H, *(channels or (None, None)))
+            failed = ~np.isfinite(fits.P).all(axis=1) | ~(fits.residual <= max(learn.INSTANCE_LIMIT, learn.INSTANCE_UNITS * unit))
+            order = np.argsort(np.nan_to_num(fits.P, nan=np.inf), axis=1)
+            pole_error = np.abs(np.log(np.take_along_axis(fits.P, order, 1) / P)).max(axis=1)
+            numerator_error = (np.abs(np.take_along_axis(fits.N, order, 1) - N).max(axis=1)
+                               / np.abs(N).max(axis=1))
+            start, _ = learner.learn(answers, c, unit, *(channels or (None, None)))
+            start_error = f"{mx.compare(start, truth).max_rel:.1e}" if start is not None else "no start"
+            quantiles = np.nanquantile(np.where(failed, np.nan, pole_error), [0.5, 0.9])
+            print(f"| Llama d = 64, H = 4, {dtype} | {name} | {failed.mean():.1%} | {quantiles[0]:.1e} | "
+                  f"{quantiles[1]:.1e} | {np.nanmedian(np.where(failed, np.nan, numerator_error)):.1e} | "
+                  f"{start_error} |")
+
+
+def main(large: bool = False, instances: bool = False):
     warnings.simplefilter("ignore")
+    if instances:
+        instance_precision()
+        return
     if not large:
         exactness()
         print()
@@ -113,4 +185,4 @@ def main(large: bool = False):
 if __name__ == "__main__":
     import sys
 
-    main(large="--large" in sys.argv[1:])
+    main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:])

@@ -108,6 +108,66 @@ def test_oversampled_fit_is_the_least_squares_optimum_on_noisy_samples():
     assert np.abs(fits.log_poles - ms).max() < 1e-2
 
 
+def channel_instances(rng, n, H, m, ks, gap=0.05):
+    """n instances of H log-poles in [0, 4], two of them ``gap`` apart, sharing them over a read-out
+    and m channels whose residue vectors are random: (log-poles, read-out samples, channels, labels)."""
+    log_poles = np.sort(rng.uniform(0.0, 4.0, (n, H)), axis=1)
+    log_poles[:, 1] = log_poles[:, 0] + gap
+    log_poles = np.sort(log_poles, axis=1)
+    residues = rng.standard_normal((n, H, m + 1)) * np.exp(log_poles)[:, :, None]
+    cauchy = 1.0 / (ks[None, :, None] + np.exp(log_poles)[:, None, :])
+    values = np.einsum("nkh,nhm->nkm", cauchy, residues)
+    return log_poles, values[:, :, 0], values[:, :, 1:], residues[:, :, 0] / np.exp(log_poles)
+
+
+def test_channels_place_poles_that_one_read_out_blurs():
+    """Answers rounded at float32's unit share their poles over m channels (a whole layer's
+    outputs): with the channels every fit's poles are real and close, without them the same
+    read-out's fits give complex, negative or far poles; the residues stay the read-out's own."""
+    rng = np.random.default_rng(7)
+    ks = np.array([0, 1, 2, 3, 5, 9, 17, 29, 51, 90])
+    n, H, m = 200, 4, 8
+    log_poles, samples, channels, labels = channel_instances(rng, n, H, m, ks)
+    noisy = samples * (1 + 2.0**-24 * rng.standard_normal(samples.shape))
+    noisy_channels = channels * (1 + 2.0**-24 * rng.standard_normal(channels.shape))
+    alone = kf.fit(noisy, ks, H, constant=np.zeros(n))
+    joint = kf.fit(noisy, ks, H, constant=np.zeros(n), channels=noisy_channels, channel_constants=np.zeros((n, m)))
+    error_alone = np.nan_to_num(np.abs(alone.log_poles - log_poles).max(axis=1), nan=np.inf)
+    error_joint = np.abs(joint.log_poles - log_poles).max(axis=1)
+    assert np.isfinite(joint.log_poles).all() and not joint.nonpositive.any()
+    assert np.median(error_joint) < 1e-3 and np.median(error_alone) > 30 * np.median(error_joint)
+    # exact answers: the joint fit is exact too, residues included
+    exact = kf.fit(samples, ks, H, constant=np.zeros(n), channels=channels, channel_constants=np.zeros((n, m)))
+    assert np.abs(exact.log_poles - log_poles).max() < 1e-8
+    assert np.abs(exact.labels - labels).max() < 1e-6 * np.abs(labels).max()
+    # constants unknown: fitted with the poles, every channel its own
+    shifted = kf.fit(samples + 0.5, ks, H, channels=channels - 0.25)
+    assert np.abs(shifted.log_poles - log_poles).max() < 1e-7 and np.abs(shifted.c - 0.5).max() < 1e-9
+
+
+def test_common_pole_polish_never_raises_the_misfit_and_parts_conjugate_starts():
+    """The polish keeps a step only where it lowers the projected misfit; a conjugate pair of
+    Loewner poles starts as two distinct real values, which the polish then moves apart to the
+    true ones."""
+    rng = np.random.default_rng(8)
+    ks = np.array([0, 1, 2, 3, 5, 9, 17, 29, 51, 90], dtype=float)
+    log_poles, samples, channels, _ = channel_instances(rng, 50, 3, 6, ks, gap=0.2)
+    targets = np.concatenate([samples[:, :, None], channels], axis=2)
+    targets = targets / np.abs(targets).max(axis=1, keepdims=True)
+    start = log_poles + rng.normal(0.0, 0.3, log_poles.shape)
+    before = (kf.projected_misfit(targets, ks, start) ** 2).sum(axis=(1, 2))
+    polished = kf.common_pole_polish(targets, ks, start)
+    after = (kf.projected_misfit(targets, ks, polished) ** 2).sum(axis=(1, 2))
+    assert (after <= before).all()
+    assert np.median(np.abs(np.sort(polished, axis=1) - log_poles).max(axis=1)) < 1e-8
+    pair = np.array([[-(2.0 + 0.5j), -(2.0 - 0.5j), -7.0 + 0j]])
+    started = kf.pole_start(pair, ks)
+    assert started[0, 0] != started[0, 1] and np.allclose(sorted(started[0, :2]), [1.5, 2.5])
+    # a pole that is not finite or not negative (tau <= 0) starts on the spread 1..ks[-1] + 1
+    started = kf.pole_start(np.array([[-1.0 + 0j, np.nan + 0j, 3.0 + 0j]]), ks)
+    assert np.allclose(started, [[1.0, np.sqrt(91.0), 91.0]])
+
+
 # ------------------------------------------------------------------ rank detection
 def test_detect_ranks_counts_distinct_poles_with_nonzero_label():
     ks = np.arange(7)  # H0 = 3

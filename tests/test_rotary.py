@@ -77,6 +77,15 @@ def test_two_score_matrices_give_the_head_at_every_offset(kind):
         assert np.allclose(np.sort(head.theta), np.sort(layer.theta[h]), atol=1e-12)
 
 
+def test_a_width_beyond_the_score_matrix_is_its_full_rank():
+    """A grid of more tokens than d whose rank search finds no drop asks for a width above d (the
+    augmented W(1) is d x (d + 1)): the head is then of full width, not a broadcasting error."""
+    layer = mx.RotaryAttention.random(d=6, heads=1, head_width=6, seed=4, bias=True)
+    W1, W2 = layer.score_matrices(1, bias=True)[0], layer.score_matrices(2, bias=True)[0]
+    head = rotary_head(W1, W2, width=9)
+    assert head.width == 6 and head.K.shape[0] <= 6
+
+
 class CountingOracle:
     def __init__(self, model):
         self.model, self.queries, self.longest = model, 0, 0

@@ -75,6 +75,8 @@ RANK_DROP = 100.0
 SAMPLES_OVER = 2
 #: The largest count of leading zeros is this many times the samples per instance (``zero_counts``).
 ZEROS_PER_SAMPLE = 9
+#: Channels of a whole layer's answers per head that join the instances' fits (``channel_projection``).
+CHANNELS_PER_HEAD = 2
 #: Spare final and key tokens beyond the d (+1) the assembly needs.
 SPARE_TOKENS = 2
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
@@ -170,6 +172,14 @@ class Instances:
     residual: np.ndarray  # (n,) fit misfit relative to the instance's largest sample
 
 
+def channel_projection(rng: np.random.Generator, d_out: int, heads: int) -> np.ndarray:
+    """A random orthonormal (d_out, m) map of a layer's whole answers onto ``m = min(d_out,
+    CHANNELS_PER_HEAD H)`` channels: m >= H generic read-outs of the heads' value vectors tell the
+    heads of an instance apart, and the fit's memory stays ``m`` numbers an answer at any d_out."""
+    m = min(d_out, CHANNELS_PER_HEAD * heads)
+    return np.linalg.qr(rng.standard_normal((d_out, m)))[0]
+
+
 def _zeros(count: int, d: int) -> np.ndarray:
     return np.zeros((count, d))
 
@@ -193,10 +203,19 @@ def instance_queries(patterns: list[np.ndarray], ks: np.ndarray) -> list[np.ndar
     return [np.vstack([_zeros(int(k), d), pattern]) for pattern in patterns for k in ks]
 
 
-def fit_instances(answers: np.ndarray, c: float, ks: np.ndarray, heads: int) -> Instances:
-    """Fit ``F(k) = c + sum_h N_h / (k + P_h)`` to each instance's answers at the counts ``ks``."""
+def fit_instances(answers: np.ndarray, c: float, ks: np.ndarray, heads: int, channels=None,
+                  channels_c=None) -> Instances:
+    """Fit ``F(k) = c + sum_h N_h / (k + P_h)`` to each instance's answers at the counts ``ks``.
+    ``channels`` (B, m) and ``channels_c`` (m,): more read-outs of a whole layer's answers and of
+    its constant (:func:`channel_projection`); they share the instances' poles and place them with
+    the read-out's answers (their residue vectors ``V_h (...)`` tell the heads apart where one
+    read-out's residues do not)."""
     table = answers.reshape(-1, len(ks))
-    fits = fit(table, np.asarray(ks), heads, constant=np.full(len(table), c))
+    if channels is not None:
+        channels = np.asarray(channels, dtype=np.float64).reshape(len(table), len(ks), -1)
+        channels_c = np.broadcast_to(np.asarray(channels_c, dtype=np.float64), (len(table), channels.shape[2]))
+    fits = fit(table, np.asarray(ks), heads, constant=np.full(len(table), c), channels=channels,
+               channel_constants=channels_c)
     P = np.exp(fits.log_poles)
     return Instances(P, P * fits.labels, fits.residual)
 
@@ -336,7 +355,7 @@ class RotaryLearner:
                         log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
         return log_E, implied_chosen, misfits
 
-    def learn(self, answers: np.ndarray, c: float, unit: float = 2.0 ** -53) -> tuple:
+    def learn(self, answers: np.ndarray, c: float, unit: float = 2.0 ** -53, channels=None, channels_c=None) -> tuple:
         """The start model from the instances' answers: ``(model or None, diagnostics dict)``.
 
         Instances whose fit failed (a pole not positive, ``E <= 0``) leave their entry of the
@@ -344,7 +363,7 @@ class RotaryLearner:
         robust alternating least squares, outliers replaced (:func:`complete_low_rank`).
         """
         d, H = self.d, self.H
-        fitted = fit_instances(answers, c, self.ks, H)
+        fitted = fit_instances(answers, c, self.ks, H, channels, channels_c)
         # an instance whose fit misses its own samples found other poles than its heads': unused
         fitted.P[~(fitted.residual <= max(INSTANCE_LIMIT, INSTANCE_UNITS * unit))] = np.nan
         n_final, n_key = self.finals.shape[1], self.keys.shape[1]
@@ -537,7 +556,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                               max_queries=max_queries, vectors=vectors)
     # the limits of a high-precision run: the float64 ones in units of its answers' rounding
     units = 1.0 if precision is None else 2.0 ** (53 - precision)
-    c = float(boundary.ask([np.zeros((1, d))], "the output constant")[0])
+    constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=precision is None)
+    c_whole = constant[0] if np.ndim(constant) == 2 else None  # a whole layer's output constant
+    c = float(vectors.scalars(constant)[0] if c_whole is not None else constant[0])
     scale = d ** 0.25 if token_scale is None else float(token_scale)
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
     learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window)
@@ -548,21 +569,32 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     start, model, refinement, diagnostics = None, None, None, {}
     sequences, answers, exact = [], np.zeros(0), np.zeros(0)
     if all(check.passed for check in checks):
+        # a whole layer: its outputs, read out on a few channels, place the instances' poles too
+        projection = (channel_projection(spawn_rng(seed, 23), len(c_whole), heads)
+                      if c_whole is not None and len(c_whole) > 1 else None)
+
+        def ask_instances(patterns, description):
+            """The instances' read-out answers, and their channels (or None)."""
+            queries = instance_queries(patterns, learner.ks)
+            if projection is None:
+                return queries, boundary.ask(queries, description), None
+            whole = boundary.ask(queries, description, whole=True)
+            return queries, vectors.scalars(whole), whole @ projection
+
+        channels_c = None if projection is None else c_whole @ projection
         if token_scale is None:  # scores of order one: measured on d self instances at d^(1/4)
-            calibration = mid_float(boundary.ask(instance_queries([x[None] for x in learner.X.T], learner.ks),
-                                                 "choosing the token scale"))
-            fitted = fit_instances(calibration, c, learner.ks, heads)
+            _, calibration, channels = ask_instances([x[None] for x in learner.X.T], "choosing the token scale")
+            fitted = fit_instances(mid_float(calibration), c, learner.ks, heads, channels, channels_c)
             typical = float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2)))
             if np.isfinite(typical) and typical > 0:
                 learner.set_scale(scale * float(np.clip(np.sqrt(SCORE_TARGET / typical), 1e-3, 1e3)))
-        sequences = instance_queries(learner.patterns(), learner.ks)
-        exact = boundary.ask(sequences, "rotary instances")
+        sequences, exact, channels = ask_instances(learner.patterns(), "rotary instances")
         answers = mid_float(exact)
         unit = boundary.answer_unit
         if unit > COARSEST_UNIT:  # seen only now in the answers' bits
             checks.append(answer_precision(unit))
         else:
-            start, diagnostics = learner.learn(answers, c, unit)
+            start, diagnostics = learner.learn(answers, c, unit, channels, channels_c)
         if start is not None and window.window is not None:
             start = RotaryAttention(start.Q, start.K, start.theta, start.v, start.c, window.window, start.b)
         if start is None and unit <= COARSEST_UNIT:

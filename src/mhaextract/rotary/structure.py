@@ -72,7 +72,9 @@ def rotary_head(W1: np.ndarray, W2: np.ndarray, width: int | None = None, gap: f
     (4, True)
     """
     d = W1.shape[0]
-    r = head_width(W1, gap) if width is None else int(width)
+    # a width beyond W(1)'s dimensions (a grid of more tokens than d whose rank search found no
+    # drop) is its full rank
+    r = head_width(W1, gap) if width is None else min(int(width), min(W1.shape))
     if r == 0:
         return RotaryHead(np.zeros((0, W1.shape[1])), np.zeros((0, d)), np.zeros(0), 0, 0.0, 0.0)
     U, s, Vt = np.linalg.svd(W1)
