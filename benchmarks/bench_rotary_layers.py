@@ -135,11 +135,14 @@ def instance_precision():
         c = float(vectors.scalars(c_whole[None])[0])
         projection = learn.channel_projection(spawn_rng(0, 23), len(c_whole), H)
         learner = learn.RotaryLearner(d, H, 0, d ** 0.25, True, None)
-        # the token scale as the extraction chooses it (the channels' fit of d self instances)
-        whole = boundary.ask(learn.instance_queries([x[None] for x in learner.X.T], learner.ks), "scale", whole=True)
-        fitted = learn.fit_instances(vectors.scalars(whole), c, learner.ks, H, whole @ projection, c_whole @ projection)
-        typical = float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2)))
-        learner.set_scale(d ** 0.25 * np.sqrt(learn.SCORE_TARGET / typical))
+
+        def ask(patterns, description):
+            queries = learn.instance_queries(patterns, learner.ks)
+            whole = boundary.ask(queries, description, whole=True)
+            return queries, vectors.scalars(whole), whole @ projection
+
+        # the token scale as the extraction chooses it
+        learn.choose_token_scale(learner, ask, c, c_whole @ projection, boundary.answer_unit > learn.FIRST_LOOK_UNIT)
         patterns = learner.patterns()
         whole = boundary.ask(learn.instance_queries(patterns, learner.ks), "instances", whole=True)
         answers, unit = vectors.scalars(whole), boundary.answer_unit

@@ -86,6 +86,48 @@ def test_a_width_beyond_the_score_matrix_is_its_full_rank():
     assert head.width == 6 and head.K.shape[0] <= 6
 
 
+@pytest.mark.parametrize("size", [0.05, 0.12, 0.3])
+def test_the_scores_are_sized_to_first_order_without_separating_poles(size):
+    """score_spread reads the self-scores' root mean square from self instances whose poles are
+    too crowded for a rational fit: within a fifth for scores this small, read-out and channels,
+    and from the read-out alone (one number a token) within a third over 64 tokens."""
+    from mhaextract.rotary.learn import score_spread
+
+    rng = np.random.default_rng(5)
+    tokens, H, m = 64, 4, 8
+    ks = np.array([0, 1, 2, 3, 5, 9, 17, 29, 51, 90], dtype=float)
+    scores = rng.normal(0.0, size, (tokens, H))
+    values = rng.standard_normal((tokens, H, m + 1))      # V_h x on the read-out and m channels
+    answers = 0.3 + (values[:, None] / (1.0 + ks[None, :, None, None] * np.exp(-scores)[:, None, :, None])).sum(2)
+    truth = np.sqrt(np.mean(scores**2))
+    both = score_spread(answers[..., 0].ravel(), 0.3, ks, answers[..., 1:].reshape(-1, m), np.full(m, 0.3))
+    alone = score_spread(answers[..., 0].ravel(), 0.3, ks)
+    assert abs(both / truth - 1) < 0.2 and abs(alone / truth - 1) < 0.35
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_the_token_scale_gives_self_scores_of_the_target_size(coarse):
+    """choose_token_scale asks the basis tokens at each scale it tries (the first-order sizing of
+    coarse answers, then the rational fits): the self-scores at the scale it settles on have the
+    target root mean square, measured here from the layer's own scores."""
+    from mhaextract.rotary import learn
+
+    layer = mx.RotaryAttention.random(d=16, heads=2, head_width=8, seed=2)
+    layer.Q *= 0.05  # scores of a few hundredths at the first scale, as in a Hugging Face layer
+    learner = learn.RotaryLearner(16, 2, 0, 16 ** 0.25, True, None)
+    asked = []
+
+    def ask(patterns, description):
+        queries = learn.instance_queries(patterns, learner.ks)
+        asked.append(np.abs(patterns[0]).max())
+        return queries, layer(queries), None
+
+    learn.choose_token_scale(learner, ask, float(layer([np.zeros((1, 16))])[0]), None, coarse)
+    self_scores = np.array([layer.scores(x[None])[:, 0] for x in learner.X.T])
+    assert len(asked) == 1 + coarse and (not coarse or asked[1] > 2 * asked[0])
+    assert abs(np.sqrt(np.mean(self_scores**2)) / learn.SCORE_TARGET - 1) < 0.1
+
+
 class CountingOracle:
     def __init__(self, model):
         self.model, self.queries, self.longest = model, 0, 0

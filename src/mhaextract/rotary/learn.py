@@ -84,6 +84,9 @@ POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 64)
 #: The token scale makes the self-scores of the basis tokens this large (root mean square).
 SCORE_TARGET = 1.5
+#: Answers coarser than this (float32) first size the scores to first order (``score_spread``):
+#: the rational fit of crowded poles that sizes them in float64 is wrong at their rounding.
+FIRST_LOOK_UNIT = 2.0 ** -40
 
 
 @dataclass
@@ -178,6 +181,49 @@ def channel_projection(rng: np.random.Generator, d_out: int, heads: int) -> np.n
     heads of an instance apart, and the fit's memory stays ``m`` numbers an answer at any d_out."""
     m = min(d_out, CHANNELS_PER_HEAD * heads)
     return np.linalg.qr(rng.standard_normal((d_out, m)))[0]
+
+
+def score_spread(answers: np.ndarray, c: float, ks: np.ndarray, channels=None, channels_c=None) -> float:
+    """The root mean square of the self-scores of self instances ``(0^k, x)`` to first order in
+    them, without separating their poles. Per head the answer is ``V_h x / (1 + k e^{-s_h})``, so
+    ``F(k) - c = a / (1 + k) + b k / (1 + k)^2 + O(s^2)`` with ``a = sum_h V_h x`` and
+    ``b = sum_h s_h V_h x``, linear in (a, b); ``|b| / |a|`` (over the read-out, the channels and the
+    tokens) is the scores' size where the heads' value vectors are of like size and independent. It
+    reads small scores right (0.124 for a root mean square of 0.125: the Llama layer of
+    docs/rotary.md at d^(1/4), float32) where H poles crowded within a few hundredths defeat a
+    rational fit of coarse answers, and grows with larger ones (2.0 for 3)."""
+    ks = np.asarray(ks, dtype=np.float64)
+    columns = [np.asarray(answers, dtype=np.float64)[:, None] - c]
+    if channels is not None:
+        columns.append(np.asarray(channels, dtype=np.float64) - np.asarray(channels_c, dtype=np.float64))
+    G = np.concatenate(columns, axis=1).reshape(-1, len(ks), sum(column.shape[1] for column in columns))
+    basis = np.stack([1.0 / (1.0 + ks), ks / (1.0 + ks) ** 2], axis=1)
+    coefficients = np.linalg.lstsq(basis, G.transpose(1, 0, 2).reshape(len(ks), -1), rcond=None)[0]
+    a, b = coefficients.reshape(2, G.shape[0], G.shape[2])
+    size = float((a**2).sum())  # summed over the tokens: one read-out's a can be near zero
+    return float(np.sqrt((b**2).sum() / size)) if size > 0 else np.nan
+
+
+def choose_token_scale(learner: "RotaryLearner", ask, c: float, channels_c=None, coarse: bool = False) -> None:
+    """Scale the learner's tokens so that the self-scores of its d basis tokens have a root mean
+    square of ``SCORE_TARGET``, measured on their self instances ``(0^k, x_i)`` (d K queries) by the
+    rational fit of each; ``coarse`` answers (float32) first size the scores to first order
+    (:func:`score_spread`, d K queries more), since at the first scale ``d^(1/4)`` the heads' poles
+    may crowd within a few hundredths, where a rational fit of coarse answers is wrong.
+    ``ask(patterns, description)`` returns the instances' ``(queries, read-out answers, channels)``."""
+    def basis():  # the basis tokens at the learner's current scale
+        return [x[None] for x in learner.X.T]
+
+    def rescale(size: float):
+        if np.isfinite(size) and size > 0:
+            learner.set_scale(learner.token_scale * float(np.clip(np.sqrt(SCORE_TARGET / size), 1e-3, 1e3)))
+
+    if coarse:
+        _, first, channels = ask(basis(), "sizing the scores")
+        rescale(score_spread(mid_float(first), c, learner.ks, channels, channels_c))
+    _, answers, channels = ask(basis(), "choosing the token scale")
+    fitted = fit_instances(mid_float(answers), c, learner.ks, learner.H, channels, channels_c)
+    rescale(float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2))))
 
 
 def _zeros(count: int, d: int) -> np.ndarray:
@@ -582,12 +628,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
             return queries, vectors.scalars(whole), whole @ projection
 
         channels_c = None if projection is None else c_whole @ projection
-        if token_scale is None:  # scores of order one: measured on d self instances at d^(1/4)
-            _, calibration, channels = ask_instances([x[None] for x in learner.X.T], "choosing the token scale")
-            fitted = fit_instances(mid_float(calibration), c, learner.ks, heads, channels, channels_c)
-            typical = float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2)))
-            if np.isfinite(typical) and typical > 0:
-                learner.set_scale(scale * float(np.clip(np.sqrt(SCORE_TARGET / typical), 1e-3, 1e3)))
+        if token_scale is None:
+            choose_token_scale(learner, ask_instances, c, channels_c, boundary.answer_unit > FIRST_LOOK_UNIT)
         sequences, exact, channels = ask_instances(learner.patterns(), "rotary instances")
         answers = mid_float(exact)
         unit = boundary.answer_unit
