@@ -419,9 +419,8 @@ def _offset_subspace_units(prober, differences: np.ndarray, W_rough: np.ndarray,
     measured Q carries one: the true ``a`` sticks out of it by ``g`` (the SVD's rounding, ~1e-15 |a|),
     which the tokens' large parts off the subspace (the other heads' saturation, ``SATURATION_MID``, the
     same in every round) read as ``x_n^T g``, nearly constant over n. The offset absorbs that common
-    part, for one query more a unit. Returns the
-    stage in R^d as the other stages (``a``, differences, variances, tokens and norms without the lifted
-    coordinate)."""
+    part, for one query more a unit. Returns the stage in R^d as the other stages (``a``, differences,
+    variances, tokens and norms without the lifted coordinate)."""
     G, H, d = differences.shape
     lifted = lift(differences, 0.0)
     W_lift = lifted_scores(W_rough, np.zeros((H, d)))
