@@ -25,7 +25,7 @@ truth ``to_rotary`` of its float32 weights in float64). About 12 minutes on 2 co
 Part 3 only: the instances of one run on that layer (float64 with ``angles="float64"``, and
 float32), fitted from the scalar read-out alone and with the whole answers' channels
 (docs/algorithm.md §22): failed fits, log-pole and numerator errors against the layer's true poles
-(the fits that held), and the start model's error against the read-out's exact model. About 3 minutes.
+(the fits that held), and the start model's error against the read-out's exact model. About a minute.
 """
 
 from __future__ import annotations
@@ -142,20 +142,23 @@ def instance_precision():
             return queries, vectors.scalars(whole), whole @ projection
 
         # the token scale as the extraction chooses it
-        learn.choose_token_scale(learner, ask, c, c_whole @ projection, boundary.answer_unit > learn.FIRST_LOOK_UNIT)
+        learn.choose_token_scale(learner, ask, c, c_whole @ projection,
+                                 boundary.answer_unit > learn.FIRST_LOOK_UNIT)
         patterns = learner.patterns()
         whole = boundary.ask(learn.instance_queries(patterns, learner.ks), "instances", whole=True)
         answers, unit = vectors.scalars(whole), boundary.answer_unit
         P, N = true_poles(to_rotary(attention), vectors.readout, patterns)
         truth = to_rotary(attention).readout(vectors.readout)
-        for name, channels in (("read-out alone", None), ("read-out and channels", (whole @ projection, c_whole @ projection))):
-            fits = learn.fit_instances(answers, c, learner.ks, H, *(channels or (None, None)))
-            failed = ~np.isfinite(fits.P).all(axis=1) | ~(fits.residual <= max(learn.INSTANCE_LIMIT, learn.INSTANCE_UNITS * unit))
+        limit = max(learn.INSTANCE_LIMIT, learn.INSTANCE_UNITS * unit)  # the run's own limit on a fit
+        for name, channels in (("read-out alone", (None, None)),
+                               ("read-out and channels", (whole @ projection, c_whole @ projection))):
+            fits = learn.fit_instances(answers, c, learner.ks, H, *channels)
+            failed = ~np.isfinite(fits.P).all(axis=1) | ~(fits.residual <= limit)
             order = np.argsort(np.nan_to_num(fits.P, nan=np.inf), axis=1)
             pole_error = np.abs(np.log(np.take_along_axis(fits.P, order, 1) / P)).max(axis=1)
             numerator_error = (np.abs(np.take_along_axis(fits.N, order, 1) - N).max(axis=1)
                                / np.abs(N).max(axis=1))
-            start, _ = learner.learn(answers, c, unit, *(channels or (None, None)))
+            start, _ = learner.learn(answers, c, unit, *channels)
             start_error = f"{mx.compare(start, truth).max_rel:.1e}" if start is not None else "no start"
             quantiles = np.nanquantile(np.where(failed, np.nan, pole_error), [0.5, 0.9])
             print(f"| Llama d = 64, H = 4, {dtype} | {name} | {failed.mean():.1%} | {quantiles[0]:.1e} | "
