@@ -137,21 +137,19 @@ def instance_precision():
         learner = learn.RotaryLearner(d, H, 0, d ** 0.25, True, None)
 
         def ask(patterns, description):
-            queries = learn.instance_queries(patterns, learner.ks)
-            whole = boundary.ask(queries, description, whole=True)
-            return queries, vectors.scalars(whole), whole @ projection
+            return learn.ask_instances(boundary, vectors, projection, patterns, learner.ks, description)
 
         # the token scale as the extraction chooses it
         learn.choose_token_scale(learner, ask, c, c_whole @ projection,
                                  boundary.answer_unit > learn.FIRST_LOOK_UNIT)
         patterns = learner.patterns()
-        whole = boundary.ask(learn.instance_queries(patterns, learner.ks), "instances", whole=True)
-        answers, unit = vectors.scalars(whole), boundary.answer_unit
+        _, answers, channels_asked = ask(patterns, "instances")
+        unit = boundary.answer_unit
         P, N = true_poles(to_rotary(attention), vectors.readout, patterns)
         truth = to_rotary(attention).readout(vectors.readout)
         limit = max(learn.INSTANCE_LIMIT, learn.INSTANCE_UNITS * unit)  # the run's own limit on a fit
         for name, channels in (("read-out alone", (None, None)),
-                               ("read-out and channels", (whole @ projection, c_whole @ projection))):
+                               ("read-out and channels", (channels_asked, c_whole @ projection))):
             fits = learn.fit_instances(answers, c, learner.ks, H, *channels)
             failed = ~np.isfinite(fits.P).all(axis=1) | ~(fits.residual <= limit)
             order = np.argsort(np.nan_to_num(fits.P, nan=np.inf), axis=1)

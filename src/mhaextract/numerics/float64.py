@@ -51,25 +51,19 @@ def loewner(samples: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.n
     return (F_test - F_support) / gaps
 
 
-def whitened_channels(channels: np.ndarray, constants=None) -> np.ndarray:
-    """Channels (n, K, m) less their known constants (n, m), each divided by its largest answer
-    (the scale of its rounding), so that every channel's noise weighs alike."""
-    channels = np.asarray(channels, dtype=np.float64)
-    scale = np.maximum(np.abs(channels).max(axis=1), np.finfo(float).tiny)  # (n, m)
-    target = channels if constants is None else channels - np.asarray(constants, dtype=np.float64)[:, None, :]
-    return target / scale[:, None, :]
-
-
-def channel_rows(targets: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.ndarray,
+def loewner_rows(targets: np.ndarray, scales: np.ndarray, ks: np.ndarray, support: np.ndarray, test: np.ndarray,
                  known: bool) -> np.ndarray:
-    """The Loewner rows (n, m |test| (+ m |support|), |support|) of whitened channels (n, K, m);
-    ``known``: their constants were subtracted, and ``sum_a w_a G(s_a) = 0`` joins them."""
+    """The Loewner rows (n, m (|test| + known), |support|) of m channels (n, K, m) of each instance
+    that share its poles, each channel's rows divided by its ``scales`` (n, m) (its largest answer:
+    samples of very different size weigh alike); ``known``: the targets are ``G = F - c``, and
+    ``sum_a w_a G(s_a) = 0`` joins each channel's rows."""
     n, K, m = targets.shape
     flat = targets.transpose(0, 2, 1).reshape(n * m, K)
-    rows = loewner(flat, ks, support, test).reshape(n, m * len(test), len(support))
-    if known:
-        rows = np.concatenate([rows, flat[:, support].reshape(n, m, len(support))], axis=1)
-    return rows
+    rows = loewner(flat, ks, support, test)
+    if known:  # G = F - c vanishes at infinity
+        rows = np.concatenate([rows, flat[:, None, support]], axis=1)
+    rows = rows / scales.reshape(n * m)[:, None, None]
+    return rows.reshape(n, m * rows.shape[1], len(support))
 
 
 def pole_start(poles: np.ndarray, ks: np.ndarray) -> np.ndarray:
@@ -221,9 +215,10 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None, channels
     (both anchors known: then ``2 poles`` samples suffice), or None to fit c too.
     ``channels`` (n, K, m): other read-outs of the same answers (a layer's whole outputs), with
     the same poles and their own residues; their Loewner rows join the samples' in the null vector
-    that places the poles (``channel_constants`` (n, m): their known c, with ``constant``). Where
-    the heads' residue vectors differ, m channels separate poles that one read-out blurs; the
-    residues and the residual are still the samples' own.
+    that starts the poles, and a least-squares polish of all of them (:func:`common_pole_polish`)
+    places them (``channel_constants`` (n, m): their known c, with ``constant``). Where the heads'
+    residue vectors differ, m channels separate poles that one read-out blurs; the residues and the
+    residual are still the samples' own.
     Returns :class:`InstanceFits` with float64 arrays.
     """
     samples = np.asarray(samples, dtype=np.float64)
@@ -238,23 +233,23 @@ def fit(samples: np.ndarray, ks: np.ndarray, poles: int, constant=None, channels
         empty = np.zeros((n, 0))
         return InstanceFits(c, empty, empty, np.full(n, np.inf), np.zeros(n), np.zeros(n, bool), residual,
                             np.full(n, 1.0 / np.sqrt(K)), empty, empty, np.zeros(n, bool))
-    target = samples - constant[:, None] if known else samples
-    support, test = support_split(K, poles)
-    L = loewner(target, ks, support, test)
-    if known:  # G = F - c vanishes at infinity: sum_a w_a G(s_a) = 0
-        L = np.concatenate([L, target[:, None, support]], axis=1)
-    # Normalise rows so that samples of very different size weigh alike.
-    L = L / scale[:, None, None]
+    # the samples, then any channels: one Loewner block each, one null vector for them all
+    columns, offsets = samples[:, :, None], (constant[:, None] if known else None)
     if channels is not None:
-        channels = whitened_channels(channels, channel_constants if known else None)
-        L = np.concatenate([L, channel_rows(channels, ks, support, test, known)], axis=1)
-    weights = null_vectors(L)  # (n, r + 1)
+        columns = np.concatenate([columns, np.asarray(channels, dtype=np.float64)], axis=2)
+        if known:
+            offsets = np.concatenate([offsets, np.asarray(channel_constants, dtype=np.float64)], axis=1)
+    scales = np.maximum(np.abs(columns).max(axis=1), np.finfo(float).tiny)  # (n, 1 + m); scales[:, 0] = scale
+    targets = columns if offsets is None else columns - offsets[:, None, :]
+    target = targets[:, :, 0]
+    support, test = support_split(K, poles)
+    weights = null_vectors(loewner_rows(targets, scales, ks, support, test, known))  # (n, r + 1)
     p = poles_from_weights(weights, ks[support])
     imaginary = (np.abs(p.imag) / np.maximum(np.abs(p), 1e-300)).max(axis=1)
     tau = -p.real
     if channels is not None:  # least squares over all channels from the Loewner start: real, positive
-        targets = np.concatenate([(target / scale[:, None])[:, :, None], channels], axis=2)
-        tau = np.exp(common_pole_polish(targets, ks, np.log(pole_start(p, ks)), free_constant=not known))
+        tau = np.exp(common_pole_polish(targets / scales[:, None, :], ks, np.log(pole_start(p, ks)),
+                                        free_constant=not known))
         imaginary = np.zeros(n)
     nonpositive = (tau <= 0).any(axis=1)
     tau = np.where(tau > 0, tau, np.nan)

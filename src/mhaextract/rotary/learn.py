@@ -196,12 +196,25 @@ def score_spread(answers: np.ndarray, c: float, ks: np.ndarray, channels=None, c
     columns = [np.asarray(answers, dtype=np.float64)[:, None] - c]
     if channels is not None:
         columns.append(np.asarray(channels, dtype=np.float64) - np.asarray(channels_c, dtype=np.float64))
-    G = np.concatenate(columns, axis=1).reshape(-1, len(ks), sum(column.shape[1] for column in columns))
+    G = np.concatenate(columns, axis=1)
+    G = G.reshape(-1, len(ks), G.shape[1])
     basis = np.stack([1.0 / (1.0 + ks), ks / (1.0 + ks) ** 2], axis=1)
     coefficients = np.linalg.lstsq(basis, G.transpose(1, 0, 2).reshape(len(ks), -1), rcond=None)[0]
     a, b = coefficients.reshape(2, G.shape[0], G.shape[2])
     size = float((a**2).sum())  # summed over the tokens: one read-out's a can be near zero
     return float(np.sqrt((b**2).sum() / size)) if size > 0 else np.nan
+
+
+def ask_instances(boundary, vectors, projection, patterns: list[np.ndarray], ks: np.ndarray,
+                  description: str) -> tuple:
+    """The instances ``(0^k, S)`` of ``patterns`` asked at ``boundary``: ``(queries, read-out
+    answers, channels)``; the channels are the whole answers through ``projection``
+    (:func:`channel_projection`), or None without one (a scalar oracle, or ``mpf`` answers)."""
+    queries = instance_queries(patterns, ks)
+    if projection is None:
+        return queries, boundary.ask(queries, description), None
+    whole = boundary.ask(queries, description, whole=True)
+    return queries, vectors.scalars(whole), whole @ projection
 
 
 def choose_token_scale(learner: "RotaryLearner", ask, c: float, channels_c=None, coarse: bool = False) -> None:
@@ -619,18 +632,13 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         projection = (channel_projection(spawn_rng(seed, 23), len(c_whole), heads)
                       if c_whole is not None and len(c_whole) > 1 else None)
 
-        def ask_instances(patterns, description):
-            """The instances' read-out answers, and their channels (or None)."""
-            queries = instance_queries(patterns, learner.ks)
-            if projection is None:
-                return queries, boundary.ask(queries, description), None
-            whole = boundary.ask(queries, description, whole=True)
-            return queries, vectors.scalars(whole), whole @ projection
+        def ask(patterns, description):
+            return ask_instances(boundary, vectors, projection, patterns, learner.ks, description)
 
         channels_c = None if projection is None else c_whole @ projection
         if token_scale is None:
-            choose_token_scale(learner, ask_instances, c, channels_c, boundary.answer_unit > FIRST_LOOK_UNIT)
-        sequences, exact, channels = ask_instances(learner.patterns(), "rotary instances")
+            choose_token_scale(learner, ask, c, channels_c, boundary.answer_unit > FIRST_LOOK_UNIT)
+        sequences, exact, channels = ask(learner.patterns(), "rotary instances")
         answers = mid_float(exact)
         unit = boundary.answer_unit
         if unit > COARSEST_UNIT:  # seen only now in the answers' bits
