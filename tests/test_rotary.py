@@ -398,6 +398,27 @@ def test_the_completion_finds_the_head_width_through_missing_entries_and_outlier
     assert np.abs(completed - truth)[outlying & ~missing].max() <= 1e-5 * np.abs(truth).max()
 
 
+@pytest.mark.parametrize("width", [4, 12])
+def test_a_noisy_grid_has_the_rank_of_its_largest_drop(width):
+    """Log-scores from float32 answers carry noise of about 1e-3 of their size: the completion's
+    misfit falls from the signal to the noise (at d = 64 by 7..30, less than RANK_DROP) and then
+    keeps falling as the fit takes in the noise, down to interpolation near the entries' count: the
+    rank is the largest drop's, the head width."""
+    from mhaextract.rotary.learn import completion_rank
+    rng = np.random.default_rng(width)
+    truth = rng.normal(size=(44, width)) @ rng.normal(size=(width, 43)) / np.sqrt(width)
+    grid = truth + 1e-2 * rng.standard_t(3, size=truth.shape)
+    grid[rng.random(truth.shape) < 0.1] = np.nan
+    assert completion_rank(grid, noisy=True) == width
+    assert completion_rank(grid) > width  # the float64 criterion stops where the fit interpolates
+
+
+def test_a_noisy_grid_without_a_drop_keeps_the_full_rank():
+    from mhaextract.rotary.learn import completion_rank
+    grid = np.random.default_rng(3).normal(size=(30, 31))
+    assert completion_rank(grid, noisy=True) == 30
+
+
 def test_the_refinement_sums_the_normal_equations_of_the_whole_jacobian(monkeypatch):
     """J^T J and J^T r summed over blocks of a few rows equal those of the whole Jacobian."""
     from mhaextract.rotary import refine

@@ -387,6 +387,24 @@ def test_a_float32_grouped_layer_is_extracted_within_its_precision():
     assert fresh_error(result, truth) <= 1e-5
 
 
+@pytest.mark.slow
+def test_a_float32_layer_of_four_grouped_heads_is_extracted_within_its_precision():
+    """Acceptance 1's shape (d = 32, four heads of width 8 in two key/value groups) in float32: the
+    instances' log-scores carry noise of about 1e-3, so the matching's limit follows their median
+    misfit, the head width is the largest fall of the completion's misfit, and spare tokens stand
+    in for those that lose too many entries; the refinement takes the start to the answers'
+    rounding."""
+    layer = attention("llama", seed=0, d=32, H=4, H_kv=2, r=8, dtype=torch.float32)
+    oracle = TorchOracle(RotaryLayer(layer))
+    result = mx.extract(oracle, d=32, heads=4, positions="rotary", seed=0)
+    assert result.ok and result.queries == oracle.sequences
+    assert result.diagnostics["widths"] == [8] * 4
+    truth = to_rotary(layer)
+    error = mx.compare(result.model, truth).max_rel
+    assert error <= 1e-5 and error <= result.error_estimate
+    assert fresh_error(result, truth) <= 1e-5
+
+
 def test_to_torch_names_the_rotary_export():
     from mhaextract.adapters.torch import to_torch
 

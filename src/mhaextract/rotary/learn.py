@@ -57,8 +57,12 @@ ESTIMATE_FLOOR = 1e-14
 #: ``INSTANCE_UNITS`` units of the answers' rounding, is not used.
 INSTANCE_LIMIT = 1e-7
 INSTANCE_UNITS = 100.0
-#: An offset instance whose numerator misfit (relative to its key's labels) exceeds this is left out.
+#: An offset instance whose numerator misfit (relative to its key's labels) exceeds this, or
+#: ``MATCH_SPREAD`` times the median misfit where that is larger (float32 answers), but at most
+#: ``MATCH_WRONG`` (a wrongly assigned pole misses by about its label's size), is left out.
 MATCH_OUTLIER = 1e-2
+MATCH_SPREAD = 20.0
+MATCH_WRONG = 0.25
 #: The two offsets of the offset instances, minus one: E = P - tau - (delta - 1).
 OFFSETS = (0.0, 1.0)
 #: More missing log-score entries than this fraction leave no start.
@@ -69,16 +73,20 @@ HELD = 0.5
 #: (replaced by the fit); Huber's constant of the fit's weights, in the same units.
 OUTLIER_FACTOR = 100.0
 HUBER = 3.0
-#: The head width is the rank at which the completion's median misfit drops by this factor.
+#: The head width is the rank at which the completion's median misfit drops by this factor; with
+#: float32 answers, the rank of the largest drop if it is this large and twice any other.
 RANK_DROP = 100.0
+NOISY_RANK_DROP = 5.0
 #: Samples per instance beyond the 2H that determine it (least squares: fewer failed fits at H >= 3).
 SAMPLES_OVER = 2
 #: The largest count of leading zeros is this many times the samples per instance (``zero_counts``).
 ZEROS_PER_SAMPLE = 9
 #: Channels of a whole layer's answers per head that join the instances' fits (``channel_projection``).
 CHANNELS_PER_HEAD = 2
-#: Spare final and key tokens beyond the d (+1) the assembly needs.
+#: Spare final and key tokens beyond the d (+1) the assembly needs; with float32 answers, where a few
+#: more tokens lose too many entries to be kept (d = 32, H = 4: three finals with two spares).
 SPARE_TOKENS = 2
+NOISY_SPARE_TOKENS = 6
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 64)
@@ -310,8 +318,8 @@ class RotaryLearner:
     """One rotary run: the queries from the seed, the fits, the matching and the assembly."""
 
     def __init__(self, d: int, heads: int, seed, token_scale: float, bias: bool, rank: int | None,
-                 window: int | None = None):
-        self.d, self.H, self.seed, self.bias, self.rank = d, heads, seed, bias, rank
+                 window: int | None = None, spares: int = SPARE_TOKENS):
+        self.d, self.H, self.seed, self.bias, self.rank, self.spares = d, heads, seed, bias, rank, spares
         self.samples = 2 * heads + SAMPLES_OVER
         longest = ZEROS_PER_SAMPLE * self.samples if window is None else min(ZEROS_PER_SAMPLE * self.samples,
                                                                                window - 3)
@@ -328,8 +336,8 @@ class RotaryLearner:
         # spare tokens: a final or key token whose instances failed leaves its whole column or row
         # of the log-score grid unknown, which no completion recovers; the spares keep the
         # assembly (least squares over the tokens that held) determined
-        spare = random_basis(rng, self.d, token_scale)
-        self.spare_finals, self.spare_keys = spare[:, :SPARE_TOKENS], spare[:, SPARE_TOKENS:2 * SPARE_TOKENS]
+        spare = np.hstack([random_basis(rng, self.d, token_scale) for _ in range(-(-2 * self.spares // self.d))])
+        self.spare_finals, self.spare_keys = spare[:, :self.spares], spare[:, self.spares:2 * self.spares]
 
     @property
     def finals(self) -> np.ndarray:
@@ -392,13 +400,14 @@ class RotaryLearner:
     def _assign_poles(self, label_z, known_z, offset_P, offset_N, tau, label_x, usable) -> tuple:
         """Every offset instance's poles assigned to the heads (``tau``, ``label_x`` in head order)
         by the key labels: ``(log_E (2, H, n_key, n_final), implied (2, n_final, n_key, H) labels,
-        misfits)``, log_E NaN where the instance failed or its best assignment misses its key's
-        labels by more than ``MATCH_OUTLIER`` (implied labels are kept for every assignment)."""
+        misfits, limit)``, log_E NaN where the instance failed or its best assignment misses its key's
+        labels by more than the limit (``MATCH_OUTLIER``, or ``MATCH_SPREAD`` median misfits up to
+        ``MATCH_WRONG``; implied labels are kept for every assignment), and the limit."""
         H, n_final, n_key = self.H, tau.shape[0], label_z.shape[0]
         z_scale = np.maximum(np.nan_to_num(np.abs(label_z)).max(axis=1), 1e-300)
         log_E = np.full((2, H, n_key, n_final), np.nan)
         implied_chosen = np.full((2, n_final, n_key, H), np.nan)
-        misfits = []
+        worst = np.full((2, n_key, n_final), np.inf)  # each instance's largest misfit
         for t, offset in enumerate(OFFSETS):
             for i in np.flatnonzero(usable):
                 implied, E = implied_labels(offset_P[t, i], offset_N[t, i], tau[i], label_x[i], offset)  # (j, h, p)
@@ -409,10 +418,15 @@ class RotaryLearner:
                     if not np.isfinite(chosen).all():
                         continue
                     implied_chosen[t, i, j] = implied[j, np.arange(H), pole]
-                    misfits.append(float(chosen.max()))
-                    if chosen.max() <= MATCH_OUTLIER:  # else an ambiguous or poorly fitted instance: left out
+                    worst[t, j, i] = chosen.max()
+                    with np.errstate(all="ignore"):
                         log_E[t, :, j, i] = np.log(E[j, np.arange(H), pole])
-        return log_E, implied_chosen, misfits
+        misfits = worst[np.isfinite(worst)]
+        limit = min(max(MATCH_OUTLIER, MATCH_SPREAD * float(np.median(misfits))), MATCH_WRONG) if misfits.size \
+            else MATCH_OUTLIER
+        # an ambiguous or poorly fitted instance: left out
+        log_E = np.where((worst <= limit)[:, None], log_E, np.nan)
+        return log_E, implied_chosen, misfits, limit
 
     def learn(self, answers: np.ndarray, c: float, unit: float = 2.0 ** -53, channels=None, channels_c=None) -> tuple:
         """The start model from the instances' answers: ``(model or None, diagnostics dict)``.
@@ -456,12 +470,12 @@ class RotaryLearner:
         # Each offset instance's poles assigned to the ordered heads by the key labels; then each
         # key's labels re-measured as the median of what its offset instances imply (a key
         # instance whose heads' poles nearly coincide fits those labels poorly), and assigned again.
-        log_E, implied, misfits = self._assign_poles(label_z, known_z, *ordered)
+        log_E, implied, misfits, limit = self._assign_poles(label_z, known_z, *ordered)
         counted = np.isfinite(implied).sum(axis=(0, 1)) >= 3
         with np.errstate(all="ignore"):
             label_z = np.where(counted, np.nanmedian(implied.reshape(-1, n_key, H), axis=0), label_z)
-        log_E, implied, misfits = self._assign_poles(label_z, known_z, *ordered)
-        worst_match = float(max((m for m in misfits if m <= MATCH_OUTLIER), default=0.0))
+        log_E, implied, misfits, limit = self._assign_poles(label_z, known_z, *ordered)
+        worst_match = float(misfits[misfits <= limit].max(initial=0.0))
         # the rows and columns that held: keys with labels, finals with their self instance, each
         # with at least half its entries in every grid (a row of r entries or fewer is not
         # determined by the others, and one mostly missing is a token whose order went wrong)
@@ -474,12 +488,12 @@ class RotaryLearner:
             return None, diagnostics
         log_E = log_E[:, :, rows][:, :, :, columns]
         missing = ~np.isfinite(log_E)
-        diagnostics.update(match_misfit=worst_match, missing_entries=int(missing.sum() // H),
-                           match_quantiles=np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist() if misfits else [])
+        diagnostics.update(match_misfit=worst_match, match_limit=limit, missing_entries=int(missing.sum() // H),
+                           match_quantiles=np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist() if misfits.size else [])
         if missing.mean() > MOST_MISSING:
             return None, diagnostics
         # one rank per head: the score matrices of both offsets share it (the head width)
-        widths = [self.rank or completion_rank(log_E[0, h]) for h in range(H)]
+        widths = [self.rank or completion_rank(log_E[0, h], noisy=unit > FIRST_LOOK_UNIT) for h in range(H)]
         log_E = complete_low_rank(log_E, np.array([widths, widths]))
         # Assembly by least squares over what held: Z_r^T [W(delta) | u(delta)] X_c = L,
         # Z_r^T v = l_z and X_c^T v = l_x (X_c without the augmenting 1).
@@ -515,22 +529,35 @@ def complete_low_rank(grids: np.ndarray, ranks: np.ndarray, sweeps: int = 60) ->
     return grids
 
 
-def completion_rank(grid: np.ndarray, sweeps: int = 20) -> int:
+def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False) -> int:
     """The rank of a log-score grid with missing entries and outliers: the smallest r at which the
     median misfit of the rank-r least-squares fit falls by ``RANK_DROP`` from rank r - 1 (the
     median, not the largest misfit: an instance whose poles were fitted wrongly is an outlier at
-    every rank), or reaches rounding; the full rank when there is no such drop."""
+    every rank), or reaches rounding; the full rank when there is no such drop.
+
+    ``noisy`` (log-scores from float32 answers, where the misfit falls from the signal to the
+    noise, by 7..30 at d = 64, not to rounding): the rank of the largest drop, if it is at least
+    ``NOISY_RANK_DROP`` and twice every other, among the ranks whose fit has at most 2/3 as many
+    parameters ``r (m + n - r)`` as there are entries (nearer their count a fit interpolates the
+    noise, and its misfit falls whatever the rank); the full rank when there is none."""
     observed = np.isfinite(grid)
     values = grid[observed]
     scale = max(float(np.abs(values).max()), 1e-300) if values.size else 1.0
     previous = float(np.median(np.abs(values - np.median(values)))) if values.size else 0.0
     full = min(grid.shape)
-    for r in range(1, full):
+    highest = full - 1 if not noisy else max(
+        (r for r in range(1, full) if r * (sum(grid.shape) - r) <= 2 * observed.sum() / 3), default=0)
+    drops = np.ones(highest + 1)
+    for r in range(1, highest + 1):
         fitted, kept = _alternating_fit(grid, observed, r, sweeps, robust=False)
         median = float(np.median(np.abs(fitted - grid)[kept]))
         if median <= 1e-13 * scale or median * RANK_DROP <= previous:
             return r
+        drops[r] = previous / max(median, 1e-300)
         previous = median
+    largest = int(np.argmax(drops))
+    if noisy and drops[largest] >= max(NOISY_RANK_DROP, 2 * np.delete(drops, largest).max(initial=1.0)):
+        return largest
     return full
 
 
@@ -620,7 +647,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     c = float(vectors.scalars(constant)[0] if c_whole is not None else constant[0])
     scale = d ** 0.25 if token_scale is None else float(token_scale)
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
-    learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window)
+    coarse = boundary.answer_unit > FIRST_LOOK_UNIT  # float32 answers
+    learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window,
+                            NOISY_SPARE_TOKENS if coarse else SPARE_TOKENS)
     # at coarser answers than float32 the window search reads rounding as a window: not reported
     checks = [answer_precision(boundary.answer_unit if precision is None else 2.0 ** -precision)]
     if checks[0].passed:
@@ -637,7 +666,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
 
         channels_c = None if projection is None else c_whole @ projection
         if token_scale is None:
-            choose_token_scale(learner, ask, c, channels_c, boundary.answer_unit > FIRST_LOOK_UNIT)
+            choose_token_scale(learner, ask, c, channels_c, coarse)
         sequences, exact, channels = ask(learner.patterns(), "rotary instances")
         answers = mid_float(exact)
         unit = boundary.answer_unit
