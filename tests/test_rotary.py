@@ -439,6 +439,39 @@ def test_the_refinement_sums_the_normal_equations_of_the_whole_jacobian(monkeypa
     assert np.allclose(gradient, J.T @ residual, rtol=1e-12, atol=1e-12 * np.abs(gradient).max())
 
 
+def _slow_blocks_in_a_wrong_basis(layer, seed):
+    """The layer with every block turning less than 8e-3 per position set to angle 0 in a random
+    basis: the same scores at offset 0, a start the eigenvalues of a noisy M give."""
+    rng = np.random.default_rng(seed)
+    Q, K, theta, b = layer.Q.copy(), layer.K.copy(), layer.theta.copy(), layer.b.copy()
+    for h, m in zip(*np.nonzero(theta < 8e-3)):
+        rows, S = slice(2 * m, 2 * m + 2), rng.normal(size=(2, 2))
+        K[h, rows], Q[h, rows], b[h, rows] = S @ K[h, rows], np.linalg.inv(S).T @ Q[h, rows], np.linalg.inv(S).T @ b[h, rows]
+        theta[h, m] = 0.0
+    return mx.RotaryAttention(Q, K, theta, layer.v, layer.c, layer.window, b)
+
+
+def test_slow_blocks_are_seeded_again_from_their_generator():
+    """A block at angle 0 in a wrong basis learns its basis only through terms of order theta delta
+    (the refinement crawls there); one Gauss-Newton step on the generator Omega_h gives the angles
+    of the slow blocks (1e-3 here, from 0) to about ten percent and the planes with them."""
+    from mhaextract.rotary import refine
+    layer = mx.RotaryAttention.random(d=16, heads=2, head_width=8, seed=0, bias=True)
+    truth = layer.readout(np.random.default_rng(5).normal(size=layer.d_out)) if layer.d_out > 1 else layer
+    start = _slow_blocks_in_a_wrong_basis(truth, 1)
+    rng = np.random.default_rng(2)
+    sequences = [rng.normal(size=(int(n), 16)) * 16 ** -0.25 * 2 for n in rng.integers(2, 65, 1700)]
+    answers = truth(sequences)
+    seeded, blocks = refine.seed_low_frequencies(start, sequences, answers, limit=8e-3)
+    assert blocks == 2 and np.allclose(np.sort(seeded.theta, axis=1), np.sort(truth.theta, axis=1), rtol=0.15)
+    assert np.abs(seeded(sequences) - answers).max() < np.abs(start(sequences) - answers).max()
+    # the blocks at 1e-2 too, exact in the start: a step that does not lower the cost is not taken
+    kept, _ = refine.seed_low_frequencies(start, sequences, answers, limit=2e-2)
+    assert np.sum((kept(sequences) - answers) ** 2) <= np.sum((start(sequences) - answers) ** 2)
+    unchanged, none = refine.seed_low_frequencies(truth, sequences[:50], truth(sequences[:50]), limit=1e-4)
+    assert none == 0 and unchanged is truth
+
+
 def test_a_refinement_larger_than_the_memory_available_is_refused_before_its_queries(monkeypatch):
     """The refinement holds its normal equations (P^2 numbers); where they would not fit the
     machine's available memory the run fails loudly, naming the size and the head width, before

@@ -39,7 +39,7 @@ from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
 from .model import RotaryAttention
-from .refine import pack, polish_high_precision, refine, refinement_memory
+from .refine import pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
 from .structure import rotary_head
 from .window import WindowSearch, find_window
 
@@ -697,7 +697,11 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                 POLISH_LENGTHS)
         polish_exact = boundary.ask(polish, "refining on fresh queries")
         polish_answers = mid_float(polish_exact)
-        model, refinement = refine(start, polish, polish_answers, seed=seed, floor=max(1e-13, 3 * unit),
+        model = start
+        if coarse:  # float32: the slow blocks' angles and planes from M's eigenvalues are noise
+            note_progress(progress, "seeding the slow rotary blocks")
+            model, diagnostics["seeded_blocks"] = seed_low_frequencies(start, polish, polish_answers)
+        model, refinement = refine(model, polish, polish_answers, seed=seed, floor=max(1e-13, 3 * unit),
                                    on_step=lambda step, misfit: note_progress(
                                        progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
         if precision is not None:
