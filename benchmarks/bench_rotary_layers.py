@@ -164,16 +164,20 @@ def instance_precision():
                   f"{start_error} |")
 
 
-def main(large: bool = False, instances: bool = False):
+def main(large: bool = False, instances: bool = False, float32: bool = False):
     warnings.simplefilter("ignore")
     if instances:
         instance_precision()
         return
-    if not large:
+    if not (large or float32):
         exactness()
         print()
     print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds |")
     print("|---|---|---|---|---|---|---|---|")
+    if float32:  # four grouped heads in float32, at the size of acceptance 1 (about a minute)
+        extraction("Llama, d = 32, H = 4, two kv heads, r = 8, float32", layer("llama", 32, 4, 2, 8, seed=0).float(),
+                   4, "model")
+        return
     if large:
         extraction("Llama, d = 64, H = 4, two kv heads", layer("llama", 64, 4, 2, 16, seed=0), 4, "float64")
         extraction("Llama, d = 64, H = 4, two kv heads, float32", layer("llama", 64, 4, 2, 16, seed=0).float(), 4,
@@ -189,4 +193,4 @@ def main(large: bool = False, instances: bool = False):
 if __name__ == "__main__":
     import sys
 
-    main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:])
+    main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:], float32="--float32" in sys.argv[1:])
