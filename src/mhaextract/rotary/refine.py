@@ -191,8 +191,7 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
     At ``theta = 0`` a block's factors are determined only up to ``(K_m, Q_m) -> (S K_m, S^{-T}
     Q_m)`` for any invertible S, not only the scaled rotations that commute with ``R``: a block
     whose angle starts at or near 0 in a wrong basis is told its basis only through terms of order
-    ``theta delta``, and Levenberg-Marquardt crawls (measured at d = 64, H = 4, float32: max misfit
-    1.3e-3, 1.2e-3, 9.6e-4 over three steps from a start 3.4e-4 off in one block). The slow blocks
+    ``theta delta``, and Levenberg-Marquardt crawls (docs/algorithm.md §22, "Slow blocks"). The slow blocks
     of a head (rows c) are taken together at ``theta = 0`` with a generator ``Omega_h`` (|c| x |c|)
     in their place, ``k_c^T (I + delta Omega_h) q_c``, which enters linearly: one damped
     Gauss-Newton step fits ``Omega_h`` with every other parameter. Its real form
@@ -213,6 +212,7 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
     before = predict(model, groups) - answers
     best, best_cost = model, float(before @ before)
     # the slow blocks' angles are in the generator now: their own columns are left out of the step
+    # (pack's order: Q, K, b, theta, v, c)
     theta_index = 2 * H * r * d + H * r + np.arange(H * (r // 2)).reshape(H, r // 2)
     free = np.setdiff1d(np.arange(P + extra), theta_index[slow])
     normal, gradient = normal[np.ix_(free, free)], gradient[free]
