@@ -489,7 +489,8 @@ class RotaryLearner:
         log_E = log_E[:, :, rows][:, :, :, columns]
         missing = ~np.isfinite(log_E)
         diagnostics.update(match_misfit=worst_match, match_limit=limit, missing_entries=int(missing.sum() // H),
-                           match_quantiles=np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist() if misfits.size else [])
+                           match_quantiles=(np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist()
+                                            if misfits.size else []))
         if missing.mean() > MOST_MISSING:
             return None, diagnostics
         # one rank per head: the score matrices of both offsets share it (the head width)
