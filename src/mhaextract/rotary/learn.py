@@ -701,9 +701,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                 POLISH_LENGTHS)
         polish_exact = boundary.ask(polish, "refining on fresh queries")
         polish_answers = mid_float(polish_exact)
-        def steps(model, iterations=60):
+        def steps(model, iterations=60, estimate=True):
             return refine(model, polish, polish_answers, iterations=iterations, seed=seed, floor=max(1e-13, 3 * unit),
-                          on_step=lambda step, misfit: note_progress(
+                          estimate=estimate, on_step=lambda step, misfit: note_progress(
                               progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
 
         model, first = start, None
@@ -712,7 +712,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
             model, seeded = seed_low_frequencies(start, polish, polish_answers)
             # seeded again once a few steps have settled the other parameters, which the first
             # seeding fitted beside the generators from a start about 1e-2 off
-            model, first = steps(model, SEEDING_STEPS)
+            model, first = steps(model, SEEDING_STEPS, estimate=False)
             model, seeded_again = seed_low_frequencies(model, polish, polish_answers)
             diagnostics["seeded_blocks"] = [seeded, seeded_again]
         model, refinement = steps(model)

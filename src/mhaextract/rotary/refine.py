@@ -270,13 +270,14 @@ def refinement_memory(parameters: int, queries: int, precision: int | None = Non
 
 
 def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
-           on_step=None, floor: float = 1e-13):
+           on_step=None, floor: float = 1e-13, estimate: bool = True):
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
     ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). The
     steps stop once the max misfit (relative to the largest answer) is below ``floor``, the
     answers' rounding, and a step gains less than a tenth of the cost, or any step gains less than
-    1e-9 of it."""
+    1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
+    the caller continues."""
     answers = np.asarray(answers, dtype=np.float64)
     vector = pack(model)
     groups = length_groups(sequences, len(vector))
@@ -322,6 +323,8 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         if relative < 1e-9 or (relative < 0.1 and float(np.abs(residual).max()) / scale < floor):
             break
         residual, normal, gradient, _ = normal_equations(model, groups, answers)
+    if not estimate:  # a first stretch of steps, continued by the caller: no estimate of it is used
+        return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, np.nan)
     draws = np.random.default_rng(seed).standard_normal((len(answers), NOISE_DRAWS))
     residual, normal, _, projected = normal_equations(model, groups, answers, draws)
     noise_error = _noise_error(model, normal, projected, residual)
