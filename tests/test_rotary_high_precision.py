@@ -113,6 +113,7 @@ def test_a_rotary_layer_is_recovered_at_256_bits():
     assert result.verification.passed and result.verification.max_relative_error <= 1e-70
 
 
+@pytest.mark.slow
 def test_a_high_precision_rotary_result_is_saved_bit_for_bit(tmp_path):
     layer = mx.RotaryAttention.random(d=6, heads=1, head_width=2, seed=4, bias=True)
     result = mx.extract(mx.SimulatedOracle(layer, precision=128), d=6, heads=1, positions="rotary",
@@ -143,6 +144,7 @@ def test_a_float32_layer_cannot_be_asked_for_high_precision():
         mx.extract(Float32Layer(), d=4, heads=1, positions="rotary", precision=128)
 
 
+@pytest.mark.slow
 def test_answers_of_fewer_bits_than_the_precision_asked_are_named():
     layer = mx.RotaryAttention.random(d=6, heads=1, head_width=2, seed=4, bias=True)
     with pytest.raises(mx.ExtractionError, match="fit only to about 2\\^-1[23][0-9], as an oracle computing at about"):
