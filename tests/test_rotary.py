@@ -398,6 +398,7 @@ def test_the_completion_finds_the_head_width_through_missing_entries_and_outlier
     assert np.abs(completed - truth)[outlying & ~missing].max() <= 1e-5 * np.abs(truth).max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [4, 12])
 def test_a_noisy_grid_has_the_rank_of_its_largest_drop(width):
     """Log-scores from float32 answers carry noise (about 1e-3 of their size at d = 64; here 1e-2,
