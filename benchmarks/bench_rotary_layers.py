@@ -84,16 +84,21 @@ def extraction(name, attention, heads, angles):
     start = time.perf_counter()
     try:
         result = mx.extract(oracle, d=d, heads=heads, positions="rotary", seed=0)
+        outcome = "ok"
     except mx.ExtractionError as error:
-        failed = str(error).splitlines()[1].strip().split(" (")[0]
-        print(f"| {name} | {angles} | {failed} | {oracle.sequences} | | | | {time.perf_counter() - start:.1f} |")
-        return
+        # A failed run's model is still measured: its error says whether the model or the
+        # estimate is what failed.
+        result = error.extraction
+        outcome = str(error).splitlines()[1].strip().split(" (")[0]
     seconds = time.perf_counter() - start
+    if result.model is None:
+        print(f"| {name} | {angles} | {outcome} | {oracle.sequences} | | | | {seconds:.1f} |")
+        return
     exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
     truth = exact if result.model.is_vector else exact.readout(result.readout)
     rng = np.random.default_rng(11)
     fresh = [rng.normal(size=(int(n), d)) * d ** -0.25 for n in rng.integers(1, 257, 100)]
-    print(f"| {name} | {angles} | ok | {result.queries} | {result.error_estimate:.1e} | "
+    print(f"| {name} | {angles} | {outcome} | {result.queries} | {result.error_estimate:.1e} | "
           f"{mx.compare(result.model, truth).max_rel:.1e} | {relative(result.model(fresh), truth(fresh)):.1e} | "
           f"{seconds:.1f} |")
 
