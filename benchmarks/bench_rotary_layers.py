@@ -18,7 +18,7 @@ of lengths 1..256, and seconds.
 
 Part 2 only, on a larger layer: a Llama attention with d = 64, H = 4, two key/value heads, head
 width 16, in float64 (``angles="float64"``) and in float32 (the layer's own float32 angles; the
-truth ``to_rotary`` of its float32 weights in float64). About 12 minutes on 2 cores.
+truth ``to_rotary`` of its float32 weights in float64). About 33 minutes on one core (11 and 22).
 
     python benchmarks/bench_rotary_layers.py --instances
 

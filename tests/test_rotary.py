@@ -489,3 +489,26 @@ def test_a_refinement_larger_than_the_memory_available_is_refused_before_its_que
     full = CountingOracle(layer)
     result = mx.extract(full, d=6, heads=2, positions="rotary", seed=1, verify_length=0)
     assert result.ok and counted.queries == full.queries - result.refinement.queries  # no polish query asked
+
+
+def test_a_value_fit_maps_the_refinements_own_error_draws_to_first_order():
+    """The value fit's score part from error draws: a score error e moves the fitted V by the
+    fit's first-order response to e, which the fit measures from e stretched and scaled back. With
+    e itself as the only draw the score part is DRAW_SAFETY times the V change measured against a
+    fit on the exact scores (the same answers, the truth's own read-out model)."""
+    from mhaextract.outputs import DRAW_SAFETY, fit_values
+    from mhaextract.rotary.refine import error_moves, pack, unpack
+    layer = mx.RotaryAttention.random(d=8, heads=2, head_width=4, seed=3, kv_heads=1, d_out=5, bias=True)
+    r = np.random.default_rng(4).normal(size=5)
+    exact = layer.readout(r)
+    rng = np.random.default_rng(6)
+    queries = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(2, 9, 60)]
+    answers = layer(queries)
+    vector = pack(exact)
+    error = 1e-7 * np.abs(vector).max() * rng.standard_normal(len(vector))
+    moved = unpack(vector + error, exact)
+    on_exact = fit_values(exact, queries, answers, bias=True, readout=r)
+    on_moved = fit_values(moved, queries, answers, bias=True, readout=r, score_moves=error_moves(moved, error[None]))
+    change = float(np.abs(on_moved.model.V - on_exact.model.V).max())
+    assert on_exact.score_error == 0 and change > 1e-12
+    assert on_moved.score_error == pytest.approx(DRAW_SAFETY * change, rel=1e-3)

@@ -15,8 +15,12 @@ tokens. :func:`value_query_count` asks ``p + max(32, p / 4)`` of them.
 
 The estimate has two parts: the answers' noise through the fit (the residual's size times the
 rows of ``A^+``, probed with random vectors), and the first-order response of the fit to an error
-in the scores of the size the schedule estimated for ``W`` and ``u`` (the design moved by that
-error, the fit solved again for the moved right-hand side). The check ``readout_consistency``
+in the scores (the design moved by that error, the fit solved again for the moved right-hand
+side). Where the schedule drew its own parameter errors (the rotary refinement's
+``sigma^2 (J^T J)^{-1}``) the scores are moved by those draws, ``DRAW_SAFETY`` times the largest
+response; else by a Gaussian error of every entry at the size it estimated for ``W`` and ``u``,
+which moves directions the schedule's queries pin down as much as those they leave loose and so
+overstates. The check ``readout_consistency``
 compares ``V_h^T r`` with the ``v_h`` the schedule found independently.
 """
 
@@ -42,6 +46,8 @@ CHUNK = 2048
 DESIGN_CACHE_BYTES = 2**30
 #: Random vectors probing the rows of A^+ for the noise part of the estimate.
 PROBES = 8
+#: An estimate from a few error draws is this many times the largest change they make.
+DRAW_SAFETY = 3.0
 
 
 #: Lengths of the value fit's queries (inclusive).
@@ -106,7 +112,7 @@ def _design(model: MultiHeadAttention, sequences, bias: bool) -> np.ndarray:
 
 
 def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: bool, readout: np.ndarray,
-               score_error: tuple[float, float] = (0.0, 0.0), seed=0) -> ValueFit:
+               score_error: tuple[float, float] = (0.0, 0.0), seed=0, score_moves=None) -> ValueFit:
     """Fit ``V_h`` and ``c`` to whole answers under ``model``'s scores.
 
     Parameters
@@ -120,6 +126,10 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     readout : (d_out,) the read-out the schedule's answers were taken through.
     score_error : the relative errors estimated for ``W`` and ``u`` (each of its own largest entry).
     seed : seeds the probes of the estimate.
+    score_moves : ``(moved, stretch)`` pairs, ``model`` moved by draws of its parameters' error each
+        stretched by ``stretch`` (:func:`~mhaextract.rotary.refine.error_moves`), or None. Given,
+        the scores' part of the estimate is ``DRAW_SAFETY`` times the largest response to them
+        scaled back, and ``score_error`` is not used.
 
     Examples
     --------
@@ -154,7 +164,10 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     # The scores' error: the design moved by a random perturbation of W and u of the estimated size.
     W_error, u_error = score_error
     score_part = 0.0
-    if W_error > 0 or u_error > 0:
+    if score_moves is not None:
+        score_part = DRAW_SAFETY * max((float(np.abs(solver.response(moved)).max()) / stretch
+                                        for moved, stretch in score_moves), default=0.0)
+    elif W_error > 0 or u_error > 0:
         score_part = float(np.abs(solver.response(model.scores_moved(rng, W_error, u_error))).max())
     V = X[:heads * d].T.reshape(answers.shape[1], heads, d).transpose(1, 0, 2)
     c = X[heads * d] if bias else np.zeros(answers.shape[1])

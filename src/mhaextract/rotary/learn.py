@@ -39,7 +39,7 @@ from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
 from .model import RotaryAttention
-from .refine import pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
+from .refine import error_moves, pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
 from .structure import rotary_head
 from .window import WindowSearch, find_window
 
@@ -744,7 +744,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                        VALUE_QUERY_LENGTHS)
         whole = boundary.ask(value_queries, "value read-outs", whole=True)
         value_fit = fit_values(model, value_queries, whole, bias=True, readout=vectors.readout,
-                               score_error=(estimate, estimate), seed=seed)
+                               score_error=(estimate, estimate), seed=seed,
+                               score_moves=None if refinement.error_draws is None
+                               else error_moves(model, refinement.error_draws))
         checks += value_fit.checks(residual_limit, estimate)
         scalar_model, model = model, value_fit.model
         estimate = max(estimate, value_fit.error_estimate)

@@ -20,13 +20,14 @@ matrices and values is measured by drawing parameter errors from ``sigma^2 (J^T 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mpmath
 import numpy as np
 from scipy.linalg import cho_factor, cho_solve
 
 from ..numerics.highprec import GUARD_BITS, mpf_array
+from ..outputs import DRAW_SAFETY
 from .model import RotaryAttention
 
 
@@ -39,6 +40,9 @@ class RotaryRefinement:
     queries : fresh queries fitted. iterations : Gauss-Newton steps taken.
     residual_before, residual_after : max misfit on the fresh queries, relative to the largest answer.
     noise_error : the first-order error of ``W_h(0..2)`` and ``v`` from the residual's size (relative).
+    error_draws : (draws, parameters) parameter errors drawn from ``sigma^2 (J^T J + eps)^{-1}`` at
+        the refined model (:func:`error_draws`), or None where no estimate was made; a whole
+        layer's value fit maps them through its own fit (:func:`error_moves`).
     """
 
     queries: int
@@ -46,6 +50,7 @@ class RotaryRefinement:
     residual_before: float
     residual_after: float
     noise_error: float
+    error_draws: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def pack(model: RotaryAttention) -> np.ndarray:
@@ -327,8 +332,9 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, np.nan)
     draws = np.random.default_rng(seed).standard_normal((len(answers), NOISE_DRAWS))
     residual, normal, _, projected = normal_equations(model, groups, answers, draws)
-    noise_error = _noise_error(model, normal, projected, residual)
-    return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, noise_error)
+    errors = error_draws(normal, projected, residual)
+    return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale,
+                                   _noise_error(model, errors), errors)
 
 
 def polish_high_precision(model: RotaryAttention, sequences, answers: np.ndarray, precision: int,
@@ -379,8 +385,9 @@ def polish_high_precision(model: RotaryAttention, sequences, answers: np.ndarray
         if on_step is not None:
             on_step(taken, best / scale)
     draws = np.random.default_rng(seed).standard_normal((len(sequences), NOISE_DRAWS))
-    noise_error = _noise_error(float_model, J.T @ J, J.T @ draws, residual)
-    return unpack(vector, model), RotaryRefinement(len(sequences), taken, before / scale, best / scale, noise_error)
+    errors = error_draws(J.T @ J, J.T @ draws, residual)
+    return unpack(vector, model), RotaryRefinement(len(sequences), taken, before / scale, best / scale,
+                                                   _noise_error(float_model, errors), errors)
 
 
 #: Singular values of the Jacobian below this fraction of the largest are its gauge directions (the
@@ -392,35 +399,49 @@ ACCELERATION_RATIO = 0.75
 NOISE_DRAWS = 8
 
 
-def _noise_error(model: RotaryAttention, normal: np.ndarray, projected: np.ndarray, residual: np.ndarray) -> float:
-    """Relative error of ``W_h(0..2)`` and ``v`` from parameter errors drawn from
-    ``sigma^2 (J^T J + eps)^{-1}`` (the gauge directions damped: they move no score matrix);
-    ``projected = J^T Z`` for standard normal Z (queries, draws)."""
+def error_draws(normal: np.ndarray, projected: np.ndarray, residual: np.ndarray) -> np.ndarray | None:
+    """Parameter errors drawn from ``sigma^2 (J^T J + eps)^{-1}``, (draws, parameters): ``sigma`` the
+    residual's root mean square, the gauge directions damped by ``eps`` (they move no score matrix),
+    ``projected = J^T Z`` for standard normal Z (queries, draws), since ``(J^T J)^{-1} J^T z`` is
+    distributed as ``N(0, (J^T J)^{-1})``. None where ``J^T J`` is not positive definite."""
     columns = normal.shape[0]
     sigma = float(np.sqrt(residual @ residual / max(1, len(residual) - columns)))
     ridge = 1e-10 * np.diag(normal).max()
     try:
         factor = cho_factor(normal + ridge * np.eye(columns))
     except np.linalg.LinAlgError:
+        return None
+    return cho_solve(factor, projected).T * sigma
+
+
+def error_moves(model: RotaryAttention, errors: np.ndarray) -> list[tuple[RotaryAttention, float]]:
+    """The model moved by each drawn parameter error stretched to a move of ``LINEARISATION_STEP``
+    of its largest parameter, with the stretch: ``(moved, stretch)`` pairs, through which any map of
+    the parameters is taken to first order (its change divided by the stretch). An error below
+    float64's rounding of the parameters, as in a high-precision run, is stretched up and so still
+    shows; draws of zero are left out."""
+    vector = pack(model)
+    reach = LINEARISATION_STEP * max(float(np.abs(vector).max()), 1e-300)
+    moves = []
+    for error in errors:
+        size = float(np.abs(error).max())
+        if size > 0 and np.isfinite(size):
+            moves.append((unpack(vector + (reach / size) * error, model), reach / size))
+    return moves
+
+
+def _noise_error(model: RotaryAttention, errors: np.ndarray | None) -> float:
+    """Relative error of ``W_h(0..2)`` and ``v``: ``DRAW_SAFETY`` times the largest first-order
+    change of either under the drawn parameter errors (:func:`error_draws`)."""
+    if errors is None or not np.isfinite(errors).all():
         return np.inf
     base_W, base_v = model.identifying_matrices(), model.v
     W_scale, v_scale = max(float(np.abs(base_W).max()), 1e-300), max(float(np.abs(base_v).max()), 1e-300)
     worst = 0.0
-    vector = pack(model)
-    for draw in projected.T:  # J^T z ~ N(0, J^T J): (J^T J)^{-1} J^T z ~ N(0, (J^T J)^{-1})
-        error = cho_solve(factor, draw) * sigma
-        size = float(np.abs(error).max())
-        if not np.isfinite(size):
-            return np.inf
-        if size == 0:
-            continue
-        # first order: the error stretched to a move of 1e-6 of the parameters, the change scaled back
-        # (an error below float64's rounding of the parameters, as in a high-precision run, still shows)
-        stretch = LINEARISATION_STEP * max(float(np.abs(vector).max()), 1e-300) / size
-        moved = unpack(vector + stretch * error, model)
+    for moved, stretch in error_moves(model, errors):
         worst = max(worst, float(np.abs(moved.identifying_matrices() - base_W).max()) / W_scale / stretch,
                     float(np.abs(moved.v - base_v).max()) / v_scale / stretch)
-    return 3.0 * worst
+    return DRAW_SAFETY * worst
 
 
 #: Relative size of the parameter move through which the first-order error is mapped.
