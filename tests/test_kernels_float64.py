@@ -120,6 +120,7 @@ def channel_instances(rng, n, H, m, ks, gap=0.05):
     return log_poles, values[:, :, 0], values[:, :, 1:], residues[:, :, 0] / np.exp(log_poles)
 
 
+@pytest.mark.slow
 def test_channels_place_poles_that_one_read_out_blurs():
     """Answers rounded at float32's unit share their poles over m channels (a whole layer's
     outputs): with the channels every fit's poles are real and close, without them the same

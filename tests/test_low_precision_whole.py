@@ -54,7 +54,7 @@ class RoundedLayer:
         return mx.MultiHeadAttention(self.W, self.V, self.u, self.c)
 
 
-@pytest.mark.parametrize("bits, name, limit", [(8, "bfloat16", 2e-2), (11, "float16", 3e-3)])
+@pytest.mark.parametrize("bits, name, limit", [(8, "bfloat16", 2e-2), pytest.param(11, "float16", 3e-3, marks=pytest.mark.slow)])
 def test_a_layer_answering_few_bits_is_extracted_whole(bits, name, limit):
     oracle = RoundedLayer(6, 2, bits, seed=1)
     result = mx.extract(oracle, 6, heads=2, seed=3)
@@ -76,6 +76,7 @@ def test_the_start_alone_is_near_and_the_fit_reaches_the_answers_noise():
     assert result.answers_residual <= 4 * 2.0**-8
 
 
+@pytest.mark.slow
 def test_a_result_is_saved_and_loaded(tmp_path):
     oracle = RoundedLayer(4, 2, 11, seed=4)
     result = mx.extract(oracle, 4, heads=2, seed=1)
@@ -201,7 +202,7 @@ def test_a_fit_larger_than_the_memory_available_is_refused_before_the_start(monk
     assert result.start is None and result.queries == oracle.sequences < 200  # the calibration's probes only
 
 
-@pytest.mark.parametrize("stop_after", [100, 1000, 3000])  # in the calibration, the start, the fit
+@pytest.mark.parametrize("stop_after", [100] + [pytest.param(n, marks=pytest.mark.slow) for n in (1000, 3000)])  # in the calibration, the start, the fit
 def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_path, stop_after):
     """With ``transcript=``, a run stopped part way loses at most the batch in flight: the re-run
     reads the answers back, asks the oracle only for the rest (and the resume check's probes), and
@@ -228,6 +229,7 @@ def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_pa
     assert last.paid == 3 and np.array_equal(replayed.model.W, plain.model.W)
 
 
+@pytest.mark.slow
 def test_a_transcript_of_another_layer_is_refused_on_resume(tmp_path):
     path = tmp_path / "run.sqlite"
     mx.extract(RoundedLayer(4, 2, 8, seed=5), 4, heads=2, seed=2, transcript=path)

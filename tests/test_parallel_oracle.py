@@ -192,6 +192,7 @@ def test_without_ray_the_error_says_how_to_install(monkeypatch):
         mx.ParallelOracle(simulated, workers=2)
 
 
+@pytest.mark.slow
 def test_importing_mhaextract_does_not_import_ray():
     code = "import sys, mhaextract; print('ray' in sys.modules, hasattr(mhaextract, 'ParallelOracle'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -159,7 +159,7 @@ def fresh_outputs_error(model, layer, longest, count=200, seed=7):
     return float(np.abs(model(sequences) - truth).max() / np.abs(truth).max())
 
 
-@pytest.mark.parametrize("bias,window", [(False, None), (True, None), (True, 16)])
+@pytest.mark.parametrize("bias,window", [pytest.param(False, None, marks=pytest.mark.slow), (True, None), (True, 16)])
 def test_a_single_rotary_head_is_extracted_to_machine_precision(bias, window):
     layer = mx.RotaryAttention.random(d=8, heads=1, head_width=4, seed=5, bias=bias, window=window)
     oracle = CountingOracle(layer)
@@ -172,7 +172,7 @@ def test_a_single_rotary_head_is_extracted_to_machine_precision(bias, window):
     assert np.allclose(np.sort(result.frequencies[0]), np.sort(layer.theta[0]), atol=1e-8)
 
 
-@pytest.mark.parametrize("d,heads,width,groups,seed", [(8, 2, 4, 2, 0), (8, 2, 4, 1, 1),
+@pytest.mark.parametrize("d,heads,width,groups,seed", [(8, 2, 4, 2, 0), pytest.param(8, 2, 4, 1, 1, marks=pytest.mark.slow),
                                                      pytest.param(12, 3, 4, 3, 2, marks=pytest.mark.slow)])
 def test_several_heads_are_refined_to_machine_precision(d, heads, width, groups, seed):
     layer = mx.RotaryAttention.random(d=d, heads=heads, head_width=width, seed=seed, kv_heads=groups,
@@ -300,6 +300,7 @@ def test_a_grouped_rotary_layer_written_here_is_extracted_to_1e_10_at_every_leng
     assert np.allclose(np.sort(result.frequencies, axis=1), np.sort(oracle.inv_freq), rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_a_rotary_result_is_saved_and_loaded_back_exactly(tmp_path):
     layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=2, bias=True, window=20)
     result = mx.extract(mx.SimulatedOracle(layer), d=6, heads=2, positions="rotary", seed=0)
@@ -339,7 +340,7 @@ class WindowedAttention:
         return np.array(out)
 
 
-@pytest.mark.parametrize("heads,window", [(1, 8), (2, 16)])
+@pytest.mark.parametrize("heads,window", [(1, 8), pytest.param(2, 16, marks=pytest.mark.slow)])
 def test_a_windowed_layer_without_positions_is_extracted_with_its_window(heads, window):
     """GPT-2-style windows: no rotation is the rotary model with M = I (docs/algorithm.md §22)."""
     layer = WindowedAttention(d=8, heads=heads, width=4, window=window, seed=heads)
@@ -453,6 +454,7 @@ def _slow_blocks_in_a_wrong_basis(layer, seed):
     return mx.RotaryAttention(Q, K, theta, layer.v, layer.c, layer.window, b)
 
 
+@pytest.mark.slow
 def test_slow_blocks_are_seeded_again_from_their_generator():
     """A block at angle 0 in a wrong basis learns its basis only through terms of order theta delta
     (the refinement crawls there); one Gauss-Newton step on the generator Omega_h gives the angles
@@ -474,6 +476,7 @@ def test_slow_blocks_are_seeded_again_from_their_generator():
     assert none == 0 and unchanged is truth
 
 
+@pytest.mark.slow
 def test_a_refinement_larger_than_the_memory_available_is_refused_before_its_queries(monkeypatch):
     """The refinement holds its normal equations (P^2 numbers); where they would not fit the
     machine's available memory the run fails loudly, naming the size and the head width, before

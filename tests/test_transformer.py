@@ -283,7 +283,7 @@ def _orient_by_brute_force(C, V, tolerance):
     return len(good), signs[good[0]] if len(good) == 1 else None, residual.min()
 
 
-@pytest.mark.parametrize("seed", [0, 1] + [pytest.param(seed, marks=pytest.mark.slow) for seed in range(2, 6)])
+@pytest.mark.parametrize("seed", [1] + [pytest.param(seed, marks=pytest.mark.slow) for seed in (0, 2, 3, 4, 5)])
 def test_orientation_matches_trying_every_sign_vector(seed):
     """orient rules most sign choices out without their residual: it must agree with the plain
     enumeration on the solution count, the solution and the smallest residual (also when the
