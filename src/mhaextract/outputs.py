@@ -20,8 +20,8 @@ side). Where the schedule drew its own parameter errors (the rotary refinement's
 ``sigma^2 (J^T J)^{-1}``) the scores are moved by those draws, ``DRAW_SAFETY`` times the largest
 response; else by a Gaussian error of every entry at the size it estimated for ``W`` and ``u``,
 which moves directions the schedule's queries pin down as much as those they leave loose and so
-overstates. The check ``readout_consistency``
-compares ``V_h^T r`` with the ``v_h`` the schedule found independently.
+overstates. The check ``readout_consistency`` compares ``V_h^T r`` with the ``v_h`` the schedule
+found independently.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     row_norms = np.sqrt(np.mean(solver.pinv_times(rng.standard_normal((rows, PROBES))) ** 2, axis=1))
     z = np.sqrt(2 * np.log(2 * unknowns * answers.shape[1]))
     noise_error = float(z * row_norms.max() * residual_rms.max())
-    # The scores' error: the design moved by a random perturbation of W and u of the estimated size.
+    # The scores' error: the design moved by the schedule's own error draws, else by a random
+    # perturbation of W and u of the estimated size.
     W_error, u_error = score_error
     score_part = 0.0
     if score_moves is not None:
