@@ -421,6 +421,22 @@ def test_a_noisy_grid_without_a_drop_keeps_the_full_rank():
     assert completion_rank(grid, noisy=True) == 30
 
 
+@pytest.mark.slow
+def test_a_noisy_head_without_a_clear_fall_takes_the_width_of_the_others():
+    """Float32 grids of one layer: a head whose grid is too noisy to show its fall (the full rank
+    on its own) takes the width the other heads found, since they share one; a layer where no head
+    shows a fall keeps the full rank, and float64 grids are each their own."""
+    from mhaextract.rotary.learn import completion_rank, head_widths
+    rng = np.random.default_rng(0)
+    grids = np.array([rng.normal(size=(24, 4)) @ rng.normal(size=(4, 23)) / 2 + noise * rng.standard_t(3, size=(24, 23))
+                      for noise in (1e-3, 1e-3, 0.3)])
+    assert completion_rank(grids[2], noisy=True) == 23
+    assert head_widths(grids, noisy=True) == ([4, 4, 4], 1)
+    assert head_widths(rng.normal(size=(2, 24, 23)), noisy=True) == ([23, 23], 0)
+    exact = np.array([rng.normal(size=(24, r)) @ rng.normal(size=(r, 23)) for r in (4, 6)])
+    assert head_widths(exact) == ([4, 6], 0)
+
+
 def test_the_refinement_sums_the_normal_equations_of_the_whole_jacobian(monkeypatch):
     """J^T J and J^T r summed over blocks of a few rows equal those of the whole Jacobian."""
     from mhaextract.rotary import refine

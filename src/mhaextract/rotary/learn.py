@@ -497,7 +497,11 @@ class RotaryLearner:
         if missing.mean() > MOST_MISSING:
             return None, diagnostics
         # one rank per head: the score matrices of both offsets share it (the head width)
-        widths = [self.rank or completion_rank(log_E[0, h], noisy=unit > FIRST_LOOK_UNIT) for h in range(H)]
+        if self.rank:
+            widths = [self.rank] * H
+        else:
+            widths, borrowed = head_widths(log_E[0], noisy=unit > FIRST_LOOK_UNIT)
+            diagnostics.update(widths_from_other_heads=borrowed)
         log_E = complete_low_rank(log_E, np.array([widths, widths]))
         # Assembly by least squares over what held: Z_r^T [W(delta) | u(delta)] X_c = L,
         # Z_r^T v = l_z and X_c^T v = l_x (X_c without the augmenting 1).
@@ -531,6 +535,20 @@ def complete_low_rank(grids: np.ndarray, ranks: np.ndarray, sweeps: int = 60) ->
         fitted, kept = _alternating_fit(grid, np.isfinite(grid), int(ranks[index]), sweeps)
         grids[index] = np.where(kept, grid, fitted)
     return grids
+
+
+def head_widths(grids: np.ndarray, noisy: bool = False) -> tuple[list[int], int]:
+    """Each head's width from its (H, m, n) log-score grids (:func:`completion_rank`), and how many
+    heads took theirs from the others: with ``noisy`` grids a head whose grid shows no clear fall
+    (float32 answers: a fall of 4 where the other heads fall by 20) takes the largest width the
+    other heads found, since the heads of a layer share one width r (``Q`` is (H, r, d)) and a
+    full-rank head would widen every head to it."""
+    widths = [completion_rank(grid, noisy=noisy) for grid in grids]
+    full = min(grids.shape[-2:])
+    found = [width for width in widths if width < full]
+    if not noisy or not found:
+        return widths, 0
+    return [width if width < full else max(found) for width in widths], len(widths) - len(found)
 
 
 def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False) -> int:
