@@ -20,6 +20,11 @@ Part 2 only, on a larger layer: a Llama attention with d = 64, H = 4, two key/va
 width 16, in float64 (``angles="float64"``) and in float32 (the layer's own float32 angles; the
 truth ``to_rotary`` of its float32 weights in float64). About 33 minutes on one core (11 and 22).
 
+    python benchmarks/bench_rotary_layers.py --float32
+
+Part 2 only, in float32 (the layer's own float32 angles): Llama attentions with d = 32, H = 4, two
+key/value heads, head width 8, seeds 0..3. About 3 minutes on one core.
+
     python benchmarks/bench_rotary_layers.py --instances
 
 Part 3 only: the instances of one run on that layer (float64 with ``angles="float64"``, and
@@ -179,9 +184,10 @@ def main(large: bool = False, instances: bool = False, float32: bool = False):
         print()
     print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds |")
     print("|---|---|---|---|---|---|---|---|")
-    if float32:  # four grouped heads in float32, at the size of acceptance 1 (about a minute)
-        extraction("Llama, d = 32, H = 4, two kv heads, r = 8, float32", layer("llama", 32, 4, 2, 8, seed=0).float(),
-                   4, "model")
+    if float32:  # four grouped heads in float32, at the size of acceptance 1 (about 40 s a seed)
+        for seed in range(4):
+            extraction(f"Llama, d = 32, H = 4, two kv heads, r = 8, float32, seed {seed}",
+                       layer("llama", 32, 4, 2, 8, seed=seed).float(), 4, "model")
         return
     if large:
         extraction("Llama, d = 64, H = 4, two kv heads", layer("llama", 64, 4, 2, 16, seed=0), 4, "float64")
