@@ -104,8 +104,9 @@ def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.nd
     columns = [dQ.reshape(B, -1), dK.reshape(B, -1), db.reshape(B, -1), dtheta.reshape(B, -1),
                dv.reshape(B, -1), np.ones((B, 1))]
     for h, rows in enumerate(cluster or []):
-        columns.append(np.einsum("bn,n,bna,bc->bac", g[:, h], offsets, keys[:, h][..., rows],
-                                 query[:, h][:, rows]).reshape(B, -1))
+        # sum_j g delta k_a, then the outer product with q: a four-operand einsum would loop over b, n, a, a'
+        moment = np.einsum("bn,bna->ba", g[:, h] * offsets, keys[:, h][..., rows])
+        columns.append((moment[:, :, None] * query[:, h][:, None, rows]).reshape(B, -1))
     return f, np.concatenate(columns, axis=1)
 
 
