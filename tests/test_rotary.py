@@ -403,9 +403,9 @@ def test_the_completion_finds_the_head_width_through_missing_entries_and_outlier
 @pytest.mark.parametrize("width", [4, 12])
 def test_a_noisy_grid_has_the_rank_of_its_largest_drop(width):
     """Log-scores from float32 answers carry noise (about 1e-3 of their size at d = 64; here 1e-2,
-    heavy-tailed, on a smaller grid): the completion's misfit falls from the signal to the noise (at d = 64 by 7..30, less than RANK_DROP) and then
-    keeps falling as the fit takes in the noise, down to interpolation near the entries' count: the
-    rank is the largest drop's, the head width."""
+    heavy-tailed, on a smaller grid): the completion's misfit falls from the signal to the noise
+    (at d = 64 by 7..30, less than RANK_DROP) and then keeps falling as the fit takes in the noise,
+    down to interpolation near the entries' count: the rank is the largest drop's, the head width."""
     from mhaextract.rotary.learn import completion_rank
     rng = np.random.default_rng(width)
     truth = rng.normal(size=(44, width)) @ rng.normal(size=(width, 43)) / np.sqrt(width)
@@ -476,8 +476,7 @@ def test_slow_blocks_are_seeded_again_from_their_generator():
     (the refinement crawls there); one Gauss-Newton step on the generator Omega_h gives the angles
     of the slow blocks (1e-3 here, from 0) to about ten percent and the planes with them."""
     from mhaextract.rotary import refine
-    layer = mx.RotaryAttention.random(d=16, heads=2, head_width=8, seed=0, bias=True)
-    truth = layer.readout(np.random.default_rng(5).normal(size=layer.d_out)) if layer.d_out > 1 else layer
+    truth = mx.RotaryAttention.random(d=16, heads=2, head_width=8, seed=0, bias=True)  # a scalar model
     start = _slow_blocks_in_a_wrong_basis(truth, 1)
     rng = np.random.default_rng(2)
     sequences = [rng.normal(size=(int(n), 16)) * 16 ** -0.25 * 2 for n in rng.integers(2, 65, 1700)]

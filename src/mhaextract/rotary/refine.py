@@ -58,11 +58,16 @@ def pack(model: RotaryAttention) -> np.ndarray:
                            [model.c]])
 
 
+def _offsets(like: RotaryAttention) -> np.ndarray:
+    """Where each part of :func:`pack`'s vector starts, in its order (Q, K, b, theta, v, c), and its end."""
+    H, r, d = like.Q.shape
+    return np.cumsum([0, H * r * d, H * r * d, H * r, H * (r // 2), H * d, 1])
+
+
 def unpack(vector: np.ndarray, like: RotaryAttention) -> RotaryAttention:
     """The model of a parameter vector (float64, or ``mpf`` for a high-precision model)."""
     H, r, d = like.Q.shape
-    sizes = [H * r * d, H * r * d, H * r, H * (r // 2), H * d, 1]
-    parts = np.split(vector, np.cumsum(sizes)[:-1])
+    parts = np.split(vector, _offsets(like)[1:-1])
     return RotaryAttention(parts[0].reshape(H, r, d), parts[1].reshape(H, r, d), parts[3].reshape(H, r // 2),
                            parts[4].reshape(H, d), parts[5][0], like.window, parts[2].reshape(H, r))
 
@@ -211,15 +216,15 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
         return model, 0
     flat = RotaryAttention(model.Q, model.K, np.where(slow, 0.0, model.theta), model.v, model.c, model.window,
                            model.b)
-    vector, P = pack(flat), len(pack(flat))
+    vector = pack(flat)
+    P = len(vector)
     extra = sum(len(rows) ** 2 for rows in cluster)
     groups = length_groups(sequences, P + extra)
     _, normal, gradient, _ = normal_equations(flat, groups, np.asarray(answers, np.float64), cluster=cluster)
     before = predict(model, groups) - answers
     best, best_cost = model, float(before @ before)
     # the slow blocks' angles are in the generator now: their own columns are left out of the step
-    # (pack's order: Q, K, b, theta, v, c)
-    theta_index = 2 * H * r * d + H * r + np.arange(H * (r // 2)).reshape(H, r // 2)
+    theta_index = _offsets(flat)[3] + np.arange(H * (r // 2)).reshape(H, r // 2)
     free = np.setdiff1d(np.arange(P + extra), theta_index[slow])
     normal, gradient = normal[np.ix_(free, free)], gradient[free]
     diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
