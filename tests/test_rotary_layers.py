@@ -171,15 +171,16 @@ def test_the_attention_scaling_of_the_rotary_embedding_scales_every_score():
     assert relative(to_rotary(layer)(batch), TorchOracle(exact)(batch)) <= 1e-12
 
 
-def test_a_key_bias_is_refused_and_the_float64_copy_is_the_truth():
+def test_a_key_bias_is_read_into_the_model_and_matters():
     layer = attention("qwen2", seed=1, key_bias=True)
-    with pytest.raises(UnsupportedLayerError, match="non-zero key bias"):
-        to_rotary(layer)
+    truth = to_rotary(layer)
+    assert truth.key_bias is not None and np.array_equal(truth.key_bias[0], truth.key_bias[1])  # one per group
     batch = sequences(64, count=10)
     written = np.array([reference(layer, X) for X in batch])
+    assert relative(truth(batch), written) <= 1e-12
     assert relative(TorchOracle(float64_layer(layer))(batch), written) <= 1e-12
-    without = attention("qwen2", seed=1, key_bias=False)
-    assert relative(TorchOracle(float64_layer(without))(batch), written) > 1e-3  # the key bias matters
+    assert relative(truth.replaced(key_bias=None)(batch), written) > 1e-3  # the key bias matters
+    assert to_rotary(attention("qwen2", seed=1)).key_bias is None         # none where it is zero
 
 
 def test_qwen2_slides_only_on_its_sliding_layers():
@@ -319,6 +320,20 @@ def test_a_one_head_layer_is_extracted_through_the_adapter(kind, options):
     assert mx.compare(result.model, truth).max_rel <= 1e-10
     assert mx.compare(result.scalar_model, truth.readout(result.readout)).max_rel <= 1e-10
     assert fresh_error(result, truth) <= 1e-10
+
+
+@pytest.mark.slow
+def test_a_qwen2_layer_with_its_key_bias_is_extracted_whole():
+    layer = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8)
+    oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
+    result = mx.extract(oracle, d=16, heads=2, positions="rotary", key_bias=True, seed=0)
+    assert result.ok and result.queries == oracle.sequences
+    truth = to_rotary(layer)
+    error = mx.compare(result.model, truth).max_rel
+    assert error <= 1e-10 and error <= 10 * result.error_estimate
+    assert fresh_error(result, truth) <= 1e-10
+    with pytest.raises(mx.ExtractionError, match="key_bias=True"):  # without the option: loudly wrong
+        mx.extract(oracle, d=16, heads=2, positions="rotary", seed=0)
 
 
 @pytest.mark.slow

@@ -367,7 +367,8 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
 
 
 def _save_rotary(extraction, json_path: Path, npz_path: Path) -> tuple[Path, Path]:
-    """A rotary result: the factors ``Q, K, b, theta`` with ``V`` (or ``v``), ``c`` and the window."""
+    """A rotary result: the factors ``Q, K, b, theta`` with ``V`` (or ``v``), ``c``, the window and
+    the key bias where the model has one."""
     model = extraction.model
     document = {"format": FORMAT, "summary": extraction.summary(),
                 "checks": [check.as_dict() for check in extraction.checks], "model": None, "arrays": npz_path.name}
@@ -377,13 +378,16 @@ def _save_rotary(extraction, json_path: Path, npz_path: Path) -> tuple[Path, Pat
         values = {"V": model.V.tolist()} if model.is_vector else {"v": model.v.tolist()}
         document["model"] = {"kind": "rotary", "d": model.d, "heads": model.heads, "Q": model.Q.tolist(),
                              "K": model.K.tolist(), "b": model.b.tolist(), "theta": model.theta.tolist(), **values,
-                             "c": np.asarray(model.c).tolist(), "window": model.window}
+                             "c": np.asarray(model.c).tolist(), "window": model.window,
+                             "key_bias": None if model.key_bias is None else model.key_bias.tolist()}
         arrays.update(Q=model.Q, K=model.K, b=model.b, theta=model.theta, c=np.array(model.c),
-                      **({"V": model.V} if model.is_vector else {"v": model.v}))
+                      **({"V": model.V} if model.is_vector else {"v": model.v}),
+                      **({} if model.key_bias is None else {"key_bias": model.key_bias}))
         if exact.is_high_precision:  # every bit of the mpf parameters, as exact hex floats
             to_hex = np.vectorize(mpf_to_hex, otypes=[object])
             document["model_exact"] = {name: to_hex(np.asarray(getattr(exact, name), dtype=object)).tolist()
-                                       for name in ("Q", "K", "b", "theta", "V", "c")}
+                                       for name in ("Q", "K", "b", "theta", "V", "c")
+                                       + (() if exact.key_bias is None else ("key_bias",))}
     json_path.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False))
     np.savez_compressed(npz_path, **arrays)
     return json_path, npz_path
@@ -429,12 +433,14 @@ def load_model(path, exact: bool = False) -> MultiHeadAttention | RotaryAttentio
             numbers = {name: from_hex(np.array(value, dtype=object)) for name, value in document["model_exact"].items()}
             V = numbers["V"] if "V" in part else numbers["V"][:, 0, :]
             c = numbers["c"] if "V" in part else numbers["c"][()]
-            return RotaryAttention(numbers["Q"], numbers["K"], numbers["theta"], V, c, part["window"], numbers["b"])
+            return RotaryAttention(numbers["Q"], numbers["K"], numbers["theta"], V, c, part["window"], numbers["b"],
+                                   numbers.get("key_bias"))
         values = np.array(part["V"] if "V" in part else part["v"], dtype=np.float64)
         c = np.array(part["c"], dtype=np.float64) if "V" in part else float(part["c"])
         return RotaryAttention(np.array(part["Q"], dtype=np.float64), np.array(part["K"], dtype=np.float64),
                                np.array(part["theta"], dtype=np.float64), values, c, part["window"],
-                               np.array(part["b"], dtype=np.float64))
+                               np.array(part["b"], dtype=np.float64),
+                               None if part.get("key_bias") is None else np.array(part["key_bias"], dtype=np.float64))
     if exact:
         if "model_exact" not in document:
             raise ValueError(f"{str(path)!r} is a float64 extraction: it has no exact (high-precision) model")

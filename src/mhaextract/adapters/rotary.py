@@ -276,9 +276,9 @@ def to_rotary(attention, rotary_embedding=None, window: int | None = None) -> Ro
     Raises
     ------
     UnsupportedLayerError
-        A non-zero key bias (Qwen2): its score depends on the offset alone, outside the model class
-        (docs/algorithm.md §22); frequencies that change with the length (``rope_type`` dynamic or
-        longrope); a rotary embedding whose frequencies do not cover the head width.
+        Frequencies that change with the length (``rope_type`` dynamic or longrope); a rotary
+        embedding whose frequencies do not cover the head width. (A key bias, as Qwen2's, is the
+        model's ``key_bias``.)
     TypeError
         Another kind of module.
 
@@ -308,12 +308,7 @@ def to_rotary(attention, rotary_embedding=None, window: int | None = None) -> Ro
     if r % 2 or len(inv_freq) != r // 2:
         raise UnsupportedLayerError(f"{family}'s rotary embedding has {len(inv_freq)} frequencies for heads of "
                                     f"width {r}: a partial rotation is not read here (expected r / 2 = {r // 2})")
-    bk = _bias(attention.k_proj, H_kv * r)
-    if np.any(bk != 0):
-        raise UnsupportedLayerError(
-            f"{family} has a non-zero key bias (k_proj.bias, max |b_K| = {np.abs(bk).max():.3g}): under rotation it adds "
-            "b_K^T R(N - j) q to key j's score, a term that depends on the offset and not on the token, outside the "
-            "rotary model (docs/algorithm.md §22); float64_layer(attention) is its float64 truth")
+    bk = _bias(attention.k_proj, H_kv * r).reshape(H_kv, r)
     d = attention.q_proj.weight.shape[1]
     Wq = _numpy(attention.q_proj.weight).reshape(H, r, d)
     Wk = _numpy(attention.k_proj.weight).reshape(H_kv, r, d)
@@ -333,18 +328,20 @@ def to_rotary(attention, rotary_embedding=None, window: int | None = None) -> Ro
     V = np.einsum("hor,hrd->hod", Wo, Wv[group])
     c = _bias(attention.o_proj, d_out) + np.einsum("hor,hr->o", Wo, bv[group])
     theta = np.tile(inv_freq, (H, 1))
-    return RotaryAttention(Q, K, theta, V, c, window=_layer_window(attention, window), b=b)
+    key_bias = bk[group][:, pairs] if np.any(bk != 0) else None
+    return RotaryAttention(Q, K, theta, V, c, window=_layer_window(attention, window), b=b, key_bias=key_bias)
 
 
 class ExtractedRotaryAttention(nn.Module):
     """A :class:`~mhaextract.rotary.model.RotaryAttention` as a torch layer: (B, N, d) -> (B, N, d_out).
 
-    Head h scores key j from position i as ``(K_h x_j)^T R_h(i - j) (Q_h x_i + b_h)``, computed as
+    Head h scores key j from position i as ``(K_h x_j + k_h)^T R_h(i - j) (Q_h x_i + b_h)``, computed as
     Llama does with absolute positions (query rotated by ``i theta_h``, key by ``j theta_h``, on
     consecutive pairs), over the keys ``j <= i`` with ``i - j < window`` (``causal=True``), or over
     every key (``causal=False``, no window). The output at i is ``c + sum_h V_h`` times the
     attention-weighted mean of the tokens: with ``causal=True``, the model on the prefix ending at i.
-    Parameters Q, K (H, r, d), theta (H, r/2), b (H, r), V (H, d_out, d), c (d_out,), float64 by default;
+    Parameters Q, K (H, r, d), theta (H, r/2), b and key_bias (H, r), V (H, d_out, d), c (d_out,), float64
+    by default;
     a scalar model has d_out = 1.
 
     Examples
@@ -371,7 +368,8 @@ class ExtractedRotaryAttention(nn.Module):
         self.window = model.window
         self.vector = model.is_vector
         values = {"Q": model.Q, "K": model.K, "theta": model.theta, "b": model.b, "V": model.V,
-                  "c": np.reshape(np.asarray(model.c, dtype=np.float64), -1)}
+                  "c": np.reshape(np.asarray(model.c, dtype=np.float64), -1),
+                  "key_bias": model._key_bias_or_zero}
         for name, value in values.items():
             setattr(self, name, nn.Parameter(torch.as_tensor(value, dtype=dtype)))
 
@@ -396,7 +394,7 @@ class ExtractedRotaryAttention(nn.Module):
         N = X.shape[1]
         positions = torch.arange(N, dtype=self.Q.dtype, device=X.device)
         queries = self._rotate(torch.einsum("hrd,bnd->bhnr", self.Q, X) + self.b[None, :, None, :], positions)
-        keys = self._rotate(torch.einsum("hrd,bnd->bhnr", self.K, X), positions)
+        keys = self._rotate(torch.einsum("hrd,bnd->bhnr", self.K, X) + self.key_bias[None, :, None, :], positions)
         scores = queries @ keys.transpose(-1, -2)  # (B, H, N, N): (R(j) k_j)^T R(i) q_i = k_j^T R(i - j) q_i
         if self.causal:
             scores = scores + causal_mask(N, self.window, scores.dtype, X.device)

@@ -5,8 +5,8 @@ frequencies ``theta_h`` (r / 2 of them). Rows ``2m, 2m + 1`` of both factors for
 position rotates by ``theta_h[m]`` per token. From the final position N the key at position j
 scores
 
-    s_h(j) = (K_h x_j)^T R_h(N - j) (Q_h x_N) = x_j^T W_h(N - j) x_N,
-    W_h(delta) = K_h^T R_h(delta) Q_h,     R_h(delta) = blockdiag_m rot(delta theta_h[m]),
+    s_h(j) = (K_h x_j + k_h)^T R_h(N - j) (Q_h x_N + b_h) = [x_j; 1]^T W_h(N - j) [x_N; 1],
+    W_h(delta) = [K_h | k_h]^T R_h(delta) [Q_h | b_h],     R_h(delta) = blockdiag_m rot(delta theta_h[m]),
 
 with ``rot(phi) = [[cos phi, -sin phi], [sin phi, cos phi]]``: the rotation convention of
 Llama's ``rotate_half`` on the pairs ``(m, m + r/2)``, written here on consecutive pairs (a
@@ -62,15 +62,19 @@ class RotaryAttention:
     c : scalar, or (d_out,) for the vector model, optional
         Output constant. Default zero.
     b : array of shape (H, r), optional
-        Query biases: the query is ``Q_h x_N + b_h`` (a key bias is outside the model: it makes a
-        zero token score differently at each offset). Default zero.
+        Query biases: the query is ``Q_h x_N + b_h``. Default zero.
     window : int, optional
         Sliding window: the final token attends to the last ``window`` positions (itself
         included). None: every position.
+    key_bias : array of shape (H, r), optional
+        Key biases ``k_h`` (Qwen2): the key is ``K_h x_j + k_h``. Unlike a key bias without
+        positions it does not cancel in the softmax: ``k_h^T R_h(delta) q_h`` changes with the
+        offset. None (default): no key bias, and none among the parameters a refinement fits.
 
     Attributes
     ----------
-    Q, K, theta, V, b, c, window : the parameters (float64, or ``mpf`` object arrays).
+    Q, K, theta, V, b, c, window, key_bias : the parameters (float64, or ``mpf`` object arrays;
+        ``key_bias`` None where the model has none).
     d, d_out, heads, head_width : sizes.
     is_vector : bool, ``model(batch)`` has shape (B, d_out).
     is_high_precision : bool, the parameters are ``mpf``.
@@ -95,8 +99,8 @@ class RotaryAttention:
     True
     """
 
-    def __init__(self, Q, K, theta, V, c=None, window: int | None = None, b=None):
-        high = any(np.asarray(a).dtype == object for a in (Q, K, theta, V, c, b) if a is not None)
+    def __init__(self, Q, K, theta, V, c=None, window: int | None = None, b=None, key_bias=None):
+        high = any(np.asarray(a).dtype == object for a in (Q, K, theta, V, c, b, key_bias) if a is not None)
         Q, K, theta, V = (_numbers(a, high) for a in (Q, K, theta, V))
         if Q.ndim != 3 or K.shape != Q.shape or Q.shape[1] % 2:
             raise ValueError(f"Q and K must have one shape (H, r, d) with r even, got {Q.shape} and {K.shape}")
@@ -113,12 +117,16 @@ class RotaryAttention:
         b = _numbers(np.zeros((H, r)) if b is None else b, high)
         if b.shape != (H, r):
             raise ValueError(f"b must have shape (H, r) = ({H}, {r}), got {b.shape}")
-        if not all(_finite(a) for a in (Q, K, theta, V, c, b)):
-            raise ValueError("Q, K, theta, V, b and c must be finite")
+        if key_bias is not None:
+            key_bias = _numbers(key_bias, high)
+            if key_bias.shape != (H, r):
+                raise ValueError(f"key_bias must have shape (H, r) = ({H}, {r}), got {key_bias.shape}")
+        if not all(_finite(a) for a in (Q, K, theta, V, c, b, key_bias) if a is not None):
+            raise ValueError("Q, K, theta, V, b, key_bias and c must be finite")
         if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
             raise ValueError(f"window must be a positive integer (tokens attended, the final one included) or "
                              f"None, got {window!r}")
-        self.Q, self.K, self.theta, self.b = Q, K, theta, b
+        self.Q, self.K, self.theta, self.b, self.key_bias = Q, K, theta, b, key_bias
         self.V = V if vector else V[:, None, :]
         self.is_vector = vector
         self.c = c if vector else (c[()] if high else float(c))
@@ -187,15 +195,51 @@ class RotaryAttention:
         for a high-precision model, which computes its score matrices at that many bits and more."""
         if not self.is_high_precision:
             return 53
-        arrays = (self.Q, self.K, self.theta, self.V, self.b, np.asarray(self.c, dtype=object))
+        arrays = (self.Q, self.K, self.theta, self.V, self.b, np.asarray(self.c, dtype=object), self._key_bias_or_zero)
         return max([53] + [int(value._mpf_[3]) for a in arrays for value in a.ravel()])
+
+    @property
+    def _key_bias_or_zero(self) -> np.ndarray:
+        """The key biases (H, r): ``key_bias``, or zeros where the model has none."""
+        return self.key_bias if self.key_bias is not None else np.zeros_like(self.b)
+
+    def replaced(self, **changes) -> "RotaryAttention":
+        """The model with some parameters replaced (``Q``, ``K``, ``theta``, ``V``, ``c``, ``window``,
+        ``b``, ``key_bias``), the others kept."""
+        fields = dict(Q=self.Q, K=self.K, theta=self.theta, V=self.V if self.is_vector else self.v, c=self.c,
+                      window=self.window, b=self.b, key_bias=self.key_bias)
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"RotaryAttention has no parameter {', '.join(sorted(unknown))}")
+        return RotaryAttention(**{**fields, **changes})
+
+    def with_token_shift(self, shift) -> "RotaryAttention":
+        """The model of ``X -> f(X + shift)``, every token moved by ``shift`` (d,): keys ``K_h x +
+        (K_h s + k_h)``, queries ``Q_h x + (Q_h s + b_h)``, constant ``c + sum_h V_h s`` (the value
+        shifts, weighted by attention weights summing to one, are constants).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mhaextract as mx
+        >>> model = mx.RotaryAttention.random(d=6, heads=2, head_width=2, seed=0)
+        >>> s, X = np.full(6, 0.3), np.random.default_rng(1).normal(size=(2, 5, 6))
+        >>> bool(np.allclose(model.with_token_shift(s)(X), model(X + s)))
+        True
+        """
+        shift = np.asarray(shift, dtype=object if self.is_high_precision else np.float64)
+        if shift.shape != (self.d,):
+            raise ValueError(f"shift must have shape (d,) = ({self.d},), got {shift.shape}")
+        moved = np.einsum("hod,d->o", self.V, shift)
+        return self.replaced(b=self.b + np.einsum("hrd,d->hr", self.Q, shift),
+                             key_bias=self._key_bias_or_zero + np.einsum("hrd,d->hr", self.K, shift),
+                             c=self.c + (moved if self.is_vector else moved[0]))
 
     def to_mpf(self) -> "RotaryAttention":
         """The same model with exact ``mpf`` parameters (itself when it has them)."""
         if self.is_high_precision:
             return self
-        return RotaryAttention(mpf_array(self.Q), self.K, self.theta, self.V if self.is_vector else self.v,
-                               self.c, self.window, self.b)
+        return self.replaced(Q=mpf_array(self.Q))
 
     def score_matrices(self, delta: int, bias: bool = False) -> np.ndarray:
         """``W_h(delta) = K_h^T R_h(delta) Q_h`` for every head, shape (H, d, d); ``bias=True``:
@@ -231,15 +275,15 @@ class RotaryAttention:
 
     @property
     def _parameters(self) -> tuple:
-        return self.Q, self.K, self.b, self.theta
+        return self.Q, self.K, self.b, self.theta, self._key_bias_or_zero
 
     def _scores(self, X: np.ndarray, parameters: tuple) -> np.ndarray:
         """(B, N, d) sequences of one length, every key inside the window -> (B, H, N) scores
         from the final token. Written once for float64 and for ``arb`` balls (object arrays:
-        ``X`` and ``parameters = (Q, K, b, theta)``, numpy calling the balls' own operations)."""
-        Q, K, b, theta = parameters
+        ``X`` and ``parameters = (Q, K, b, theta, key_bias)``, numpy calling the balls' own operations)."""
+        Q, K, b, theta, key_bias = parameters
         B, N, _ = X.shape
-        keys = np.einsum("hrd,bnd->bnhr", K, X)                         # K_h x_j
+        keys = np.einsum("hrd,bnd->bnhr", K, X) + key_bias              # K_h x_j + k_h
         query = np.einsum("hrd,bd->bhr", Q, X[:, -1]) + b                # Q_h x_N + b_h
         offsets = np.arange(N - 1, -1, -1)                               # N - j
         offsets = offsets.astype(object) if theta.dtype == object else offsets.astype(np.float64)
@@ -305,17 +349,30 @@ class RotaryAttention:
         r = np.asarray(r, dtype=np.float64)
         if r.shape != (self.d_out,):
             raise ValueError(f"r must have shape (d_out,) = ({self.d_out},), got {r.shape}")
-        return RotaryAttention(self.Q, self.K, self.theta, np.einsum("hod,o->hd", self.V, r),
-                               float(np.dot(r, np.atleast_1d(self.c))), self.window, self.b)
+        return self.replaced(V=np.einsum("hod,o->hd", self.V, r), c=float(np.dot(r, np.atleast_1d(self.c))))
 
     def identifying_matrices(self) -> np.ndarray:
-        """``[W_h(delta) | u_h(delta)]`` at delta = 0, 1, 2, shape (H, 3, d, d + 1): together they determine
-        ``W_h(delta)`` at every offset (docs/algorithm.md §22), so two models with equal ones and
-        equal values compute the same function."""
-        return np.stack([self.score_matrices(delta, bias=True) for delta in range(3)], axis=1)
+        """The scores' bilinear forms on tokens augmented by a 1, ``[K_h | k_h]^T R_h(delta) [Q_h |
+        b_h]`` at delta = 0, 1, 2, shape (H, 3, d + 1, d + 1) (``[W_h(delta) | u_h(delta)]`` above a
+        last row that only a key bias fills): together they determine the scores at every offset
+        (docs/algorithm.md §22), so two models with equal ones and equal values compute the same
+        function."""
+        query = np.concatenate([self.Q, self.b[:, :, None]], axis=2)
+        key = np.concatenate([self.K, self._key_bias_or_zero[:, :, None]], axis=2)
+        with mpmath.workprec(max(self.precision, mpmath.mp.prec) + GUARD_BITS):
+            rotated = self._rotate(np.stack([query] * 3), np.arange(3, dtype=np.float64))  # (3, H, r, d + 1)
+            return np.einsum("hrd,thre->htde", key, rotated)
 
     def canonical(self, rtol: float = 1e-9) -> "RotaryAttention":
-        """Heads with equal score functions merged (their V summed), heads whose V is zero dropped."""
+        """Heads with equal score functions merged (their V summed), heads whose V is zero dropped;
+        a key bias in blocks that do not rotate (``theta = 0``) is dropped, since it adds the same
+        score to every key."""
+        if self.key_bias is not None:
+            still = np.repeat(self.theta == 0, 2, axis=1)                # rows of blocks at theta = 0
+            return self.replaced(key_bias=np.where(still, 0 * self.key_bias, self.key_bias))._merged(rtol)
+        return self._merged(rtol)
+
+    def _merged(self, rtol: float) -> "RotaryAttention":
         W = self.identifying_matrices()
         scale = max(float(np.abs(W).max()), np.finfo(float).tiny)
         groups: list[list[int]] = []
@@ -330,8 +387,8 @@ class RotaryAttention:
         keep = [k for k, group in enumerate(groups) if np.abs(V[k]).max() > 0]
         first = [groups[k][0] for k in keep]
         values = V[keep] if self.is_vector else V[keep][:, 0, :]
-        return RotaryAttention(self.Q[first], self.K[first], self.theta[first], values, self.c, self.window,
-                               self.b[first])
+        return self.replaced(Q=self.Q[first], K=self.K[first], theta=self.theta[first], V=values, b=self.b[first],
+                             key_bias=None if self.key_bias is None else self.key_bias[first])
 
     def to_float64(self) -> "RotaryAttention":
         """The model in float64 (itself when it is float64)."""
@@ -339,7 +396,8 @@ class RotaryAttention:
             return self
         return RotaryAttention(*(mid_float(a) for a in (self.Q, self.K, self.theta, self.V if self.is_vector else self.v,
                                                           np.asarray(self.c, dtype=object))),
-                               self.window, mid_float(self.b))
+                               self.window, mid_float(self.b),
+                               None if self.key_bias is None else mid_float(self.key_bias))
 
     def scores_moved(self, rng: np.random.Generator, relative: float, bias_relative: float) -> "RotaryAttention":
         """The model with Gaussian score errors: Q, K, b moved by entries of a sixth of ``relative``
@@ -347,13 +405,16 @@ class RotaryAttention:
         theta by ``relative / 3`` radians (the value fit's score-error probe)."""
         Q_size, K_size = float(np.abs(self.Q).max()), float(np.abs(self.K).max())
         b_size = float(np.abs(self.b).max())
-        return RotaryAttention(self.Q + relative * Q_size * rng.standard_normal(self.Q.shape) / 6,
-                               self.K + relative * K_size * rng.standard_normal(self.K.shape) / 6,
-                               self.theta + relative * rng.standard_normal(self.theta.shape) / 3,
-                               self.V if self.is_vector else self.v, self.c, self.window,
-                               self.b + bias_relative * b_size * rng.standard_normal(self.b.shape) / 3)
+        key_bias = self.key_bias
+        if key_bias is not None:
+            key_bias = key_bias + bias_relative * float(np.abs(key_bias).max()) * rng.standard_normal(key_bias.shape) / 3
+        return self.replaced(Q=self.Q + relative * Q_size * rng.standard_normal(self.Q.shape) / 6,
+                             K=self.K + relative * K_size * rng.standard_normal(self.K.shape) / 6,
+                             theta=self.theta + relative * rng.standard_normal(self.theta.shape) / 3,
+                             b=self.b + bias_relative * b_size * rng.standard_normal(self.b.shape) / 3,
+                             key_bias=key_bias)
 
     def with_values(self, V, c) -> "RotaryAttention":
         """The same scores with value read-outs ``V`` (H, d_out, d) and constant ``c`` (d_out,)."""
-        return RotaryAttention(self.Q, self.K, self.theta, V, c, self.window, self.b)
+        return self.replaced(V=V, c=c)
 

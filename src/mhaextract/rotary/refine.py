@@ -1,12 +1,14 @@
 """Refinement of a rotary model by damped Gauss-Newton on fresh queries (docs/algorithm.md §22,
 "Refinement").
 
-The parameters ``theta_vec = (Q, K, b, theta, v, c)`` of a scalar :class:`RotaryAttention` enter
+The parameters ``theta_vec = (Q, K, b, theta, v, c)`` (and the key bias k, where the model has
+one) of a scalar :class:`RotaryAttention` enter
 the answer of a query X through its scores; with ``a_{h,j}`` the attention weights, ``m_h`` the
 head means and ``g_{h,j} = a_{h,j} (v_h^T x_j - v_h^T m_h)`` the sensitivity of f to the score of
 key j,
 
     df/dK_h = sum_j g_{h,j} (R_h(delta_j) q_h) x_j^T,     q_h = Q_h x_N + b_h,
+    df/dk_h = sum_j g_{h,j} R_h(delta_j) q_h,           k_{h,j} = K_h x_j + k_h,
     df/dQ_h = (sum_j g_{h,j} R_h(delta_j)^T k_{h,j}) x_N^T,  df/db_h = sum_j g_{h,j} R_h(delta_j)^T k_{h,j},
     df/dtheta_{h,m} = sum_j g_{h,j} delta_j k_{h,j,m}^T rot'(delta_j theta_{h,m}) q_{h,m},
     df/dv_h = m_h,   df/dc = 1.
@@ -54,14 +56,17 @@ class RotaryRefinement:
 
 
 def pack(model: RotaryAttention) -> np.ndarray:
-    return np.concatenate([model.Q.ravel(), model.K.ravel(), model.b.ravel(), model.theta.ravel(), model.v.ravel(),
-                           [model.c]])
+    """The parameters as one vector: Q, K, b, theta, v, c, and the key bias where the model has one."""
+    parts = [model.Q.ravel(), model.K.ravel(), model.b.ravel(), model.theta.ravel(), model.v.ravel(), [model.c]]
+    return np.concatenate(parts + ([] if model.key_bias is None else [model.key_bias.ravel()]))
 
 
 def _offsets(like: RotaryAttention) -> np.ndarray:
-    """Where each part of :func:`pack`'s vector starts, in its order (Q, K, b, theta, v, c), and its end."""
+    """Where each part of :func:`pack`'s vector starts, in its order (Q, K, b, theta, v, c, key bias),
+    and its end."""
     H, r, d = like.Q.shape
-    return np.cumsum([0, H * r * d, H * r * d, H * r, H * (r // 2), H * d, 1])
+    return np.cumsum([0, H * r * d, H * r * d, H * r, H * (r // 2), H * d, 1]
+                     + ([] if like.key_bias is None else [H * r]))
 
 
 def unpack(vector: np.ndarray, like: RotaryAttention) -> RotaryAttention:
@@ -69,7 +74,8 @@ def unpack(vector: np.ndarray, like: RotaryAttention) -> RotaryAttention:
     H, r, d = like.Q.shape
     parts = np.split(vector, _offsets(like)[1:-1])
     return RotaryAttention(parts[0].reshape(H, r, d), parts[1].reshape(H, r, d), parts[3].reshape(H, r // 2),
-                           parts[4].reshape(H, d), parts[5][0], like.window, parts[2].reshape(H, r))
+                           parts[4].reshape(H, d), parts[5][0], like.window, parts[2].reshape(H, r),
+                           None if like.key_bias is None else parts[6].reshape(H, r))
 
 
 def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +88,7 @@ def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.nd
     H, r, _ = model.Q.shape
     offsets = np.arange(N - 1, -1, -1, dtype=np.float64)
     window = np.ones(N, bool) if model.window is None else offsets < model.window
-    keys = np.einsum("hrd,bnd->bhnr", model.K, X)                         # k_{h,j}
+    keys = np.einsum("hrd,bnd->bhnr", model.K, X) + model._key_bias_or_zero[None, :, None]  # k_{h,j}
     query = np.einsum("hrd,bd->bhr", model.Q, X[:, -1]) + model.b          # q_h
     angles = offsets[:, None, None] * model.theta[None]                    # (N, H, r/2)
     cos, sin = np.cos(angles).transpose(1, 0, 2), np.sin(angles).transpose(1, 0, 2)  # (H, N, r/2)
@@ -108,6 +114,8 @@ def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.nd
     dv = np.einsum("bhn,bnd->bhd", weights, X)
     columns = [dQ.reshape(B, -1), dK.reshape(B, -1), db.reshape(B, -1), dtheta.reshape(B, -1),
                dv.reshape(B, -1), np.ones((B, 1))]
+    if model.key_bias is not None:
+        columns.append(np.einsum("bhn,bhnr->bhr", g, rotated_q.reshape(B, H, N, r)).reshape(B, -1))
     for h, rows in enumerate(cluster or []):
         # sum_j g delta k_a, then the outer product with q: a four-operand einsum would loop over b, n, a, a'
         moment = np.einsum("bn,bna->ba", g[:, h] * offsets, keys[:, h][..., rows])
@@ -214,8 +222,7 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
     cluster = [np.flatnonzero(np.repeat(slow[h], 2)) for h in range(H)]
     if not any(len(rows) for rows in cluster):
         return model, 0
-    flat = RotaryAttention(model.Q, model.K, np.where(slow, 0.0, model.theta), model.v, model.c, model.window,
-                           model.b)
+    flat = model.replaced(theta=np.where(slow, 0.0, model.theta))
     vector = pack(flat)
     P = len(vector)
     extra = sum(len(rows) ** 2 for rows in cluster)
@@ -245,7 +252,7 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
 def _from_generators(model: RotaryAttention, generators: np.ndarray, cluster) -> RotaryAttention:
     """The model with each head's slow rows turned into rotation blocks by the real form of its
     generator (:func:`seed_low_frequencies`)."""
-    Q, K, b, theta = model.Q.copy(), model.K.copy(), model.b.copy(), model.theta.copy()
+    Q, K, b, theta, key_bias = model.Q.copy(), model.K.copy(), model.b.copy(), model.theta.copy(), model.key_bias
     start = 0
     for h, rows in enumerate(cluster):
         k = len(rows)
@@ -266,8 +273,11 @@ def _from_generators(model: RotaryAttention, generators: np.ndarray, cluster) ->
             continue
         inverse = np.linalg.inv(T)
         K[h, rows], Q[h, rows], b[h, rows] = T.T @ K[h, rows], inverse @ Q[h, rows], inverse @ b[h, rows]
+        if key_bias is not None:  # a key row's bias turns with it
+            key_bias = key_bias.copy()
+            key_bias[h, rows] = T.T @ key_bias[h, rows]
         theta[h, rows[::2] // 2] = angles
-    return RotaryAttention(Q, K, theta, model.v, model.c, model.window, b)
+    return model.replaced(Q=Q, K=K, theta=theta, b=b, key_bias=key_bias)
 
 
 def refinement_memory(parameters: int, queries: int, precision: int | None = None) -> int:
@@ -281,14 +291,15 @@ def refinement_memory(parameters: int, queries: int, precision: int | None = Non
 
 
 def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
-           on_step=None, floor: float = 1e-13, estimate: bool = True):
+           on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None):
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
     ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). The
     steps stop once the max misfit (relative to the largest answer) is below ``floor``, the
     answers' rounding, and a step gains less than a tenth of the cost, or any step gains less than
     1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
-    the caller continues."""
+    the caller continues. ``frame_shift``: the estimate is of the score matrices of the model seen
+    through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md §22)."""
     answers = np.asarray(answers, dtype=np.float64)
     vector = pack(model)
     groups = length_groups(sequences, len(vector))
@@ -340,7 +351,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     residual, normal, _, projected = normal_equations(model, groups, answers, draws)
     errors = error_draws(normal, projected, residual)
     return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale,
-                                   _noise_error(model, errors), errors)
+                                   _noise_error(model, errors, frame_shift), errors)
 
 
 def polish_high_precision(model: RotaryAttention, sequences, answers: np.ndarray, precision: int,
@@ -436,16 +447,21 @@ def error_moves(model: RotaryAttention, errors: np.ndarray) -> list[tuple[Rotary
     return moves
 
 
-def _noise_error(model: RotaryAttention, errors: np.ndarray | None) -> float:
+def _noise_error(model: RotaryAttention, errors: np.ndarray | None, frame_shift=None) -> float:
     """Relative error of ``W_h(0..2)`` and ``v``: ``DRAW_SAFETY`` times the largest first-order
-    change of either under the drawn parameter errors (:func:`error_draws`)."""
+    change of either under the drawn parameter errors (:func:`error_draws`); with ``frame_shift``,
+    of the score matrices of the models seen through ``x -> x + frame_shift``."""
     if errors is None or not np.isfinite(errors).all():
         return np.inf
-    base_W, base_v = model.identifying_matrices(), model.v
+
+    def matrices(m: RotaryAttention) -> np.ndarray:
+        return (m if frame_shift is None else m.with_token_shift(frame_shift)).identifying_matrices()
+
+    base_W, base_v = matrices(model), model.v
     W_scale, v_scale = max(float(np.abs(base_W).max()), 1e-300), max(float(np.abs(base_v).max()), 1e-300)
     worst = 0.0
     for moved, stretch in error_moves(model, errors):
-        worst = max(worst, float(np.abs(moved.identifying_matrices() - base_W).max()) / W_scale / stretch,
+        worst = max(worst, float(np.abs(matrices(moved) - base_W).max()) / W_scale / stretch,
                     float(np.abs(moved.v - base_v).max()) / v_scale / stretch)
     return DRAW_SAFETY * worst
 
