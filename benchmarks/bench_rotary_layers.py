@@ -25,6 +25,14 @@ truth ``to_rotary`` of its float32 weights in float64). About 33 minutes on one 
 Part 2 only, in float32 (the layer's own float32 angles): Llama attentions with d = 32, H = 4, two
 key/value heads, head width 8, seeds 0..3. About 3 minutes on one core.
 
+    python benchmarks/bench_rotary_layers.py --key-bias
+
+Part 2 only, on Qwen2 attentions with query, key and value biases (every parameter N(0, 1/d)),
+extracted with ``key_bias=True`` (docs/algorithm.md §22, "A key bias"): d = 16, H = 2, one
+key/value head, seeds 0..2, and d = 64, H = 4, two key/value heads, head width 16, in float64 and in
+float32. The queries include the key-neutral search's (its share in the last column). About 40
+minutes on one core.
+
     python benchmarks/bench_rotary_layers.py --instances
 
 Part 3 only: the instances of one run on that layer (float64 with ``angles="float64"``, and
@@ -47,13 +55,16 @@ from mhaextract.adapters.torch import TorchOracle
 
 
 def layer(kind, d, H, H_kv, r, seed, implementation="sdpa", window=None):
-    from transformers import LlamaConfig, MistralConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
     from transformers.models.llama.modeling_llama import LlamaAttention
     from transformers.models.mistral.modeling_mistral import MistralAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     options = dict(hidden_size=d, num_attention_heads=H, num_key_value_heads=H_kv, head_dim=r,
                    attn_implementation=implementation)
     if kind == "mistral":
         attention = MistralAttention(MistralConfig(sliding_window=window, **options), layer_idx=0)
+    elif kind == "qwen2":  # query, key and value biases
+        attention = Qwen2Attention(Qwen2Config(**options), layer_idx=0)
     else:
         attention = LlamaAttention(LlamaConfig(**options), layer_idx=0)
     generator = torch.Generator().manual_seed(seed)
@@ -83,12 +94,12 @@ def exactness():
             print(f"| {implementation} | {angles} | {errors[0]:.1e} | {errors[1]:.1e} |")
 
 
-def extraction(name, attention, heads, angles):
+def extraction(name, attention, heads, angles, key_bias=False):
     oracle = TorchOracle(RotaryLayer(attention, angles=angles))
     d = attention.config.hidden_size
     start = time.perf_counter()
     try:
-        result = mx.extract(oracle, d=d, heads=heads, positions="rotary", seed=0)
+        result = mx.extract(oracle, d=d, heads=heads, positions="rotary", seed=0, key_bias=key_bias)
         outcome = "ok"
     except mx.ExtractionError as error:
         # A failed run's model is still measured: its error says whether the model or the
@@ -96,8 +107,9 @@ def extraction(name, attention, heads, angles):
         result = error.extraction
         outcome = str(error).splitlines()[1].strip().split(" (")[0]
     seconds = time.perf_counter() - start
+    searched = "" if result.neutral is None else f" | {result.neutral.queries}"
     if result.model is None:
-        print(f"| {name} | {angles} | {outcome} | {oracle.sequences} | | | | {seconds:.1f} |")
+        print(f"| {name} | {angles} | {outcome} | {oracle.sequences} | | | | {seconds:.1f}{searched} |")
         return
     exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
     truth = exact if result.model.is_vector else exact.readout(result.readout)
@@ -105,7 +117,7 @@ def extraction(name, attention, heads, angles):
     fresh = [rng.normal(size=(int(n), d)) * d ** -0.25 for n in rng.integers(1, 257, 100)]
     print(f"| {name} | {angles} | {outcome} | {result.queries} | {result.error_estimate:.1e} | "
           f"{mx.compare(result.model, truth).max_rel:.1e} | {relative(result.model(fresh), truth(fresh)):.1e} | "
-          f"{seconds:.1f} |")
+          f"{seconds:.1f}{searched} |")
 
 
 def true_poles(truth, readout, patterns):
@@ -174,10 +186,22 @@ def instance_precision():
                   f"{start_error} |")
 
 
-def main(large: bool = False, instances: bool = False, float32: bool = False):
+def main(large: bool = False, instances: bool = False, float32: bool = False, key_bias: bool = False):
     warnings.simplefilter("ignore")
     if instances:
         instance_precision()
+        return
+    if key_bias:
+        print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds | "
+              "key-neutral search queries |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for seed in range(3):
+            extraction(f"Qwen2, d = 16, H = 2, one kv head, seed {seed}", layer("qwen2", 16, 2, 1, 8, seed=seed), 2,
+                       "float64", key_bias=True)
+        extraction("Qwen2, d = 64, H = 4, two kv heads", layer("qwen2", 64, 4, 2, 16, seed=0), 4, "float64",
+                   key_bias=True)
+        extraction("Qwen2, d = 64, H = 4, two kv heads, float32", layer("qwen2", 64, 4, 2, 16, seed=0).float(), 4,
+                   "model", key_bias=True)
         return
     if not (large or float32):
         exactness()
@@ -204,4 +228,5 @@ def main(large: bool = False, instances: bool = False, float32: bool = False):
 if __name__ == "__main__":
     import sys
 
-    main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:], float32="--float32" in sys.argv[1:])
+    main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:], float32="--float32" in sys.argv[1:],
+         key_bias="--key-bias" in sys.argv[1:])

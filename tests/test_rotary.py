@@ -530,3 +530,121 @@ def test_a_value_fit_maps_the_refinements_own_error_draws_to_first_order():
     change = float(np.abs(on_moved.model.V - on_exact.model.V).max())
     assert on_exact.score_error == 0 and change > 1e-12
     assert on_moved.score_error == pytest.approx(DRAW_SAFETY * change, rel=1e-3)
+
+
+# -- a key bias (Qwen2): the key-neutral token and the shifted oracle ----------------------------
+
+class KeyBiasedLayer:
+    """A whole rotary layer with query, key and value biases written here from its weights (the
+    reference oracle, independent of RotaryAttention): Q (H, r, d), K and W_V (H_kv, r, d) shared
+    by the groups, W_O (d_out, H r), rotation on consecutive pairs, outputs at the final token."""
+
+    def __init__(self, d=8, heads=2, kv_heads=1, width=4, seed=0, key_bias_size=0.5):
+        rng = np.random.default_rng(seed)
+        self.d, self.H, self.kv, self.r = d, heads, kv_heads, width
+        self.Wq = rng.normal(size=(heads, width, d)) / np.sqrt(d)
+        self.bq = rng.normal(size=(heads, width)) * 0.3
+        self.Wk = rng.normal(size=(kv_heads, width, d)) / np.sqrt(d)
+        self.bk = rng.normal(size=(kv_heads, width)) * key_bias_size
+        self.Wv = rng.normal(size=(kv_heads, width, d)) / np.sqrt(d)
+        self.bv = rng.normal(size=(kv_heads, width)) * 0.3
+        self.Wo = rng.normal(size=(d, heads * width)) / np.sqrt(heads * width)
+        self.bo = rng.normal(size=d) * 0.1
+        self.theta = 10000.0 ** (-np.arange(0, width, 2) / width)
+        self.queries = 0
+
+    def rotate(self, v, angle):  # v (..., r) rotated by angle * theta on consecutive pairs
+        pairs = v.reshape(v.shape[:-1] + (-1, 2))
+        cos, sin = np.cos(angle * self.theta), np.sin(angle * self.theta)
+        return np.stack([cos * pairs[..., 0] - sin * pairs[..., 1], sin * pairs[..., 0] + cos * pairs[..., 1]],
+                        axis=-1).reshape(v.shape)
+
+    def output(self, X):
+        N = len(X)
+        heads = []
+        for h in range(self.H):
+            g = h // (self.H // self.kv)
+            query = self.Wq[h] @ X[-1] + self.bq[h]
+            scores = np.array([(self.Wk[g] @ X[j] + self.bk[g]) @ self.rotate(query, N - 1 - j) for j in range(N)])
+            a = np.exp(scores - scores.max())
+            heads.append((a / a.sum()) @ (X @ self.Wv[g].T + self.bv[g]))
+        return self.Wo @ np.concatenate(heads) + self.bo
+
+    def __call__(self, batch):
+        self.queries += len(batch)
+        return np.array([self.output(np.asarray(X, dtype=np.float64)) for X in batch])
+
+    def key_of(self, z):
+        return np.einsum("grd,d->gr", self.Wk, z) + self.bk
+
+
+def test_a_model_with_a_key_bias_is_the_layer_written_from_its_weights():
+    layer = KeyBiasedLayer(seed=1)
+    groups = np.arange(layer.H) // (layer.H // layer.kv)
+    V = np.einsum("ohr,hrd->hod", layer.Wo.reshape(layer.d, layer.H, layer.r), layer.Wv[groups])
+    c = layer.bo + layer.Wo @ layer.bv[groups].ravel()
+    model = mx.RotaryAttention(layer.Wq, layer.Wk[groups], np.tile(layer.theta, (layer.H, 1)), V, c, b=layer.bq,
+                               key_bias=layer.bk[groups])
+    rng = np.random.default_rng(2)
+    batch = [rng.normal(size=(int(n), layer.d)) for n in rng.integers(1, 40, 20)]
+    assert np.abs(model(batch) - layer(batch)).max() <= 1e-12 * np.abs(layer(batch)).max()
+    shift = rng.normal(size=layer.d)
+    moved = [X + shift for X in batch]
+    assert np.abs(model.with_token_shift(shift)(batch) - model(moved)).max() <= 1e-12 * np.abs(model(moved)).max()
+    assert mx.compare(model.with_token_shift(shift).with_token_shift(-shift), model).max_rel <= 1e-12
+    without = model.replaced(key_bias=None)
+    assert np.abs(without(batch) - model(batch)).max() > 1e-3   # under rotation the key bias matters
+    # a key bias in a block that does not rotate adds one score to every key: dropped, same function
+    still = model.replaced(theta=np.where(np.arange(2) == 1, 0.0, model.theta))
+    canonical = still.canonical()
+    assert np.all(canonical.key_bias[:, 2:] == 0) and np.any(still.key_bias[:, 2:] != 0)
+    assert np.abs(canonical(batch) - still(batch)).max() <= 1e-12 * np.abs(still(batch)).max()
+
+
+def test_the_refinements_jacobian_has_the_key_bias_columns():
+    from mhaextract.rotary.refine import jacobian, pack, unpack
+    model = mx.RotaryAttention.random(d=5, heads=2, head_width=4, seed=0, bias=True)
+    model = model.replaced(key_bias=np.random.default_rng(0).normal(size=(2, 4)) * 0.3)
+    X = np.random.default_rng(1).normal(size=(3, 6, 5))
+    f, J = jacobian(model, X)
+    vector = pack(model)
+    assert len(vector) == len(pack(model.replaced(key_bias=None))) + 8
+    numeric = np.stack([(unpack(vector + 1e-6 * e, model)(X) - unpack(vector - 1e-6 * e, model)(X)) / 2e-6
+                        for e in np.eye(len(vector))], axis=1)
+    assert np.abs(f - model(X)).max() <= 1e-14 and np.abs(J - numeric).max() <= 1e-8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed):
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=seed)
+    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    assert result.ok and result.queries == layer.queries
+    assert np.abs(layer.key_of(result.neutral.token)).max() <= 1e-8 * np.abs(layer.bk).max()
+    assert result.neutral.queries < result.queries
+    rng = np.random.default_rng(7)
+    fresh = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(1, 257, 200)]
+    truth = layer(fresh)
+    assert np.abs(result.model(fresh) - truth).max() <= 1e-10 * np.abs(truth).max()
+    assert result.error_estimate <= 1e-8
+
+
+def test_a_key_bias_needs_whole_answers_and_grouped_heads():
+    scalar = KeyBiasedRotary(mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=3, bias=True),
+                             np.array([[0.8, -0.6]]))
+    with pytest.raises(mx.ExtractionError, match="from whole answers"):
+        mx.extract(scalar, d=4, heads=1, positions="rotary", key_bias=True, seed=0)
+    every_head = KeyBiasedLayer(d=4, heads=2, kv_heads=2, width=2, seed=0)   # n_kv r = d: no invisible token
+    with pytest.raises(mx.ExtractionError, match="value_null_space"):
+        mx.extract(every_head, d=4, heads=2, positions="rotary", key_bias=True, seed=0)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"positions": "none", "key_bias": True}, "is for positions='rotary'"),
+    ({"positions": "rotary", "key_bias": "yes"}, "key_bias must be True or False"),
+    ({"positions": "rotary", "key_bias": True, "precision": 128}, "runs in float64"),
+])
+def test_bad_key_bias_options_are_named(options, message):
+    layer = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0)
+    with pytest.raises(ValueError, match=message):
+        mx.extract(mx.SimulatedOracle(layer), d=4, heads=1, **options)

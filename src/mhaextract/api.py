@@ -50,7 +50,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
-            verify_length=None, positions="none") -> Extraction | RotaryExtraction | LowPrecisionExtraction:
+            verify_length=None, positions="none", key_bias=False) -> Extraction | RotaryExtraction | LowPrecisionExtraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -135,7 +135,13 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         :class:`~mhaextract.rotary.learn.RotaryExtraction` whose ``model`` is a
         :class:`~mhaextract.RotaryAttention`. It takes ``heads``, ``precision``, ``seed``,
         ``token_scale``, ``bias`` (the query bias; default True), ``rank`` (the head width),
-        ``batch_size``, ``progress``, ``on_failure``, ``max_queries`` and ``verify_length``.
+        ``batch_size``, ``progress``, ``on_failure``, ``max_queries``, ``verify_length`` and
+        ``key_bias``.
+    key_bias : ``positions="rotary"`` only: the keys carry a bias (Qwen2), which under rotation
+        does not cancel in the softmax. The run first finds a token whose key is zero from whole
+        answers (float64; grouped-query heads with ``n_kv r < d`` and ``H r <= d``; §22, "A key
+        bias"), asks everything else at tokens shifted by it and fits the key bias in the
+        refinement (``result.neutral``). Default False: a key-biased layer then fails its checks.
 
     Returns
     -------
@@ -167,7 +173,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     if positions == "rotary":
         return _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size,
                                progress, on_failure, transcript, max_queries, samples_per_instance, refine,
-                               refine_queries, answer_error, rank, backend, repair, verify_length)
+                               refine_queries, answer_error, rank, backend, repair, verify_length, key_bias)
+    if key_bias is not False:
+        raise ValueError(f"key_bias={key_bias!r} is for positions='rotary' (without positions a key bias cancels "
+                         "in the softmax and needs no option)")
     if positions != "none":
         raise ValueError(f"positions must be 'none' (no position dependence) or 'rotary' (rotary embeddings, "
                          f"docs/algorithm.md §22), got {positions!r}")
@@ -267,7 +276,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
 
 def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size, progress,
                     on_failure, transcript, max_queries, samples_per_instance, refine, refine_queries, answer_error,
-                    rank, backend, repair, verify_length):
+                    rank, backend, repair, verify_length, key_bias):
     """``positions="rotary"``: the options the rotary schedule takes validated, the rest refused."""
     from .rotary.learn import extract_rotary
 
@@ -280,6 +289,11 @@ def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias
     if given:
         raise ValueError(f"positions='rotary' does not take {', '.join(given)}: the rotary schedule runs with the "
                          "number of heads given (heads=H), in float64 or at precision=bits")
+    if not isinstance(key_bias, (bool, np.bool_)):
+        raise ValueError(f"key_bias must be True or False, got {key_bias!r}")
+    if key_bias and precision is not None:
+        raise ValueError(f"key_bias=True runs in float64 (its search shifts every token by a float64 token); "
+                         f"precision={precision} is not available for it")
     if precision is not None:
         precision = positive_int("precision", precision, minimum=64)
         answer_dtype = getattr(oracle, "answer_dtype", None)
@@ -298,7 +312,8 @@ def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias
     result = extract_rotary(oracle, d, heads, seed, precision=precision,
                             token_scale=None if scale in (None, "auto") else scale,
                             bias=True if bias is None else bool(bias), rank=rank, batch_size=batch_size,
-                            progress=progress, max_queries=max_queries, verify_length=verify_length)
+                            progress=progress, max_queries=max_queries, verify_length=verify_length,
+                            key_bias=bool(key_bias))
     report_failure(result, "rotary extraction", on_failure)
     return result
 

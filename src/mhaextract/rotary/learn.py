@@ -39,6 +39,7 @@ from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
 from .model import RotaryAttention
+from .neutral import NeutralToken, ShiftedBoundary, find_neutral_token
 from .refine import error_moves, pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
 from .structure import rotary_head
 from .window import WindowSearch, find_window
@@ -127,6 +128,9 @@ class RotaryExtraction(CheckedResult):
     precision : None (float64), or the bits of a high-precision run, whose model has ``mpf``
         parameters and whose estimate, residual and verification are computed at those bits (a
         first-order estimate, as in float64: no ball proves a least-squares fit).
+    neutral : with ``key_bias=True``, the search for the key-neutral token
+        (:class:`~mhaextract.rotary.neutral.NeutralToken`); the instances, refinement and
+        verification were asked of the tokens shifted by it, and ``model`` is shifted back.
     seconds : float.
 
     Examples
@@ -158,6 +162,7 @@ class RotaryExtraction(CheckedResult):
     scalar_model: RotaryAttention | None = None
     value_fit: object = None
     precision: int | None = None
+    neutral: NeutralToken | None = None
     schedule: str = "rotary"
 
     @property
@@ -654,10 +659,13 @@ def _fewer_bits(precision: int | None, residual: float, limit: float) -> str:
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | None = None, token_scale=None,
                    bias: bool = True, rank: int | None = None, batch_size: int = 1024, progress=None,
                    max_queries=None, verify_length: int | None = None,
-                   window_limit: int = 4096) -> RotaryExtraction:
+                   window_limit: int = 4096, key_bias: bool = False) -> RotaryExtraction:
     """The rotary extraction behind ``extract(..., positions="rotary")`` (its checks unreported:
     ``extract`` raises or warns on failure). ``precision=bits``: an oracle answering ``mpf`` at
-    ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`."""
+    ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`.
+    ``key_bias=True`` (float64, whole answers): the layer's keys carry a bias; every query after the
+    search for a key-neutral token z* (:mod:`~mhaextract.rotary.neutral`) is asked at tokens shifted
+    by z*, the refinement fits a key bias too, and the model is shifted back."""
     started = time.perf_counter()
     vectors = VectorAnswers(seed, getattr(oracle, "answer_dtype", None))
     boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
@@ -666,15 +674,32 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     units = 1.0 if precision is None else 2.0 ** (53 - precision)
     constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=precision is None)
     c_whole = constant[0] if np.ndim(constant) == 2 else None  # a whole layer's output constant
-    c = float(vectors.scalars(constant)[0] if c_whole is not None else constant[0])
     scale = d ** 0.25 if token_scale is None else float(token_scale)
+    neutral, checks = None, []
+    if key_bias:
+        if c_whole is None:
+            checks.append(Check("key_bias", False, 1.0, 2.0, "a key bias is sought from whole answers (a vector "
+                                "a query): this oracle answers one number; ask the whole layer"))
+        else:
+            neutral = find_neutral_token(boundary, c_whole, spawn_rng(seed, 24), scale, progress)
+            checks = neutral.checks()
+        if not all(check.passed for check in checks):
+            return RotaryExtraction(model=None, heads=0, queries=boundary.queries, queries_asked=boundary.queries,
+                                    max_query_length=boundary.max_query_length, window=None, window_search=None,
+                                    token_scale=scale, error_estimate=np.inf, answers_residual=np.inf,
+                                    seconds=time.perf_counter() - started, checks=checks, neutral=neutral)
+        # from here on the layer is seen without its key bias; the zero token is z*
+        boundary = ShiftedBoundary(boundary, neutral.token)
+        constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=True)
+        c_whole = constant[0]
+    c = float(vectors.scalars(constant)[0] if c_whole is not None else constant[0])
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
     coarse = boundary.answer_unit > FIRST_LOOK_UNIT  # float32 answers
     learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window,
                             NOISY_SPARE_TOKENS if coarse else SPARE_TOKENS)
     # at coarser answers than float32 the window search reads rounding as a window: not reported
-    checks = [answer_precision(boundary.answer_unit if precision is None else 2.0 ** -precision)]
-    if checks[0].passed:
+    checks.append(answer_precision(boundary.answer_unit if precision is None else 2.0 ** -precision))
+    if checks[-1].passed:
         checks.append(window.check(learner.samples + 3))
     start, model, refinement, diagnostics = None, None, None, {}
     sequences, answers, exact = [], np.zeros(0), np.zeros(0)
@@ -697,11 +722,14 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         else:
             start, diagnostics = learner.learn(answers, c, unit, channels, channels_c)
         if start is not None and window.window is not None:
-            start = RotaryAttention(start.Q, start.K, start.theta, start.v, start.c, window.window, start.b)
+            start = start.replaced(window=window.window)
+        if start is not None and key_bias:  # what is left of the key bias after the shift, fitted from 0
+            start = start.replaced(key_bias=np.zeros_like(start.b))
         if start is None and unit <= COARSEST_UNIT:
             checks.append(Check("start", False, float(diagnostics.get("failed_instances", 0)), 0.0,
                                 "the instances gave no start model (too many failed fits or unmatched heads): "
-                                f"{diagnostics}"))
+                                f"{diagnostics}" + ("" if key_bias else "; a key bias (Qwen2's k_proj.bias) makes "
+                                                    "the zero token no counter: try key_bias=True")))
     if start is not None:
         parameters = len(pack(start))
         need, have = refinement_memory(parameters, POLISH_FACTOR * parameters, precision), available_memory()
@@ -721,7 +749,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         polish_answers = mid_float(polish_exact)
         def steps(model, iterations=60, estimate=True):
             return refine(model, polish, polish_answers, iterations=iterations, seed=seed, floor=max(1e-13, 3 * unit),
-                          estimate=estimate, on_step=lambda step, misfit: note_progress(
+                          estimate=estimate, frame_shift=None if neutral is None else -neutral.token, on_step=lambda step, misfit: note_progress(
                               progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
 
         model, first = start, None
@@ -782,6 +810,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                                  max(POLISH_LENGTHS[1], learner.longest_instance), seed=seed,
                                                  precision=precision)
         checks.append(check)
+    if neutral is not None:  # the models seen through the original tokens: x' = x - z*
+        model, start, scalar_model = (None if m is None else m.with_token_shift(-neutral.token)
+                                      for m in (model, start, scalar_model))
     return RotaryExtraction(model=model, heads=0 if model is None else model.heads, queries=boundary.queries,
                             queries_asked=boundary.queries, max_query_length=boundary.max_query_length,
                             window=window.window, window_search=window, token_scale=learner.token_scale,
@@ -789,4 +820,5 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                             seconds=time.perf_counter() - started, checks=checks, verification=verification,
                             start=start, refinement=refinement, diagnostics=diagnostics,
                             scalar_model=scalar_model, value_fit=value_fit,
-                            readout=vectors.readout if (vectors.d_out or 1) > 1 else None, precision=precision)
+                            readout=vectors.readout if (vectors.d_out or 1) > 1 else None, precision=precision,
+                            neutral=neutral)

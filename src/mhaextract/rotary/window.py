@@ -43,7 +43,8 @@ class WindowSearch:
         if self.undetermined is not None:
             return Check("window", False, float(self.undetermined), float(self.limit),
                          f"the answer at {self.undetermined} tokens is neither the output constant nor clearly away "
-                         "from it: the window cannot be determined (the zero token is not neutral: a key bias?)")
+                         "from it: the window cannot be determined (the zero token is not neutral: a key bias? "
+                         "extract(..., key_bias=True) seeks a token that is)")
         if self.window is not None and self.window < shortest:
             return Check("window", False, float(self.window), float(shortest),
                          f"the sliding window of {self.window} tokens is shorter than the schedule's instances "

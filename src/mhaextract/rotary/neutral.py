@@ -1,0 +1,226 @@
+"""A key-neutral token for rotary attention with a key bias (docs/algorithm.md §22, "A key bias").
+
+With key biases ``k_h`` (Qwen2) a zero token scores ``k_h^T R_h(delta) q_h`` at offset delta: it is
+no counter. A token ``z*`` with ``K_h z* + k_h = 0`` in every head scores 0 from every final token
+at every offset, and shifting every token by it gives a layer without key bias
+(:class:`ShiftedBoundary`). It is found from whole answers in two steps:
+
+1. A final token ``x_q`` whose query is zero (``Q_h x_q + b_h = 0`` in every head; one exists where
+   ``H r <= d``): every key then scores 0, the attention is uniform and
+   ``f(t_1, .., t_{n-1}, x_q) = c + V (t_1 + .. + t_{n-1} + x_q) / n`` with ``V = sum_h V_h``.
+   Levenberg-Marquardt (``scipy.optimize.least_squares``) on the misfit from that mean over a few
+   probe sequences finds it.
+2. With the final token ``x_q + eps e`` the queries are ``eps Q_h e``: to first order in eps the
+   answers are linear in the scores, and the scores linear in the keys. In ``(z^(N-2), y, x_q +
+   eps e)``, z value-invisible (``z = x_q + n``, n in the null space of V, so that z carries the
+   value of x_q in every head), the first-order term ``D_N`` gives ``T_N = N^2 D_N - N V e``, which
+   is affine in N for a neutral z, and otherwise has the second difference
+   ``T_{N+1} - 2 T_N + T_{N-1} = -sum_h V_h (y - x_q) (K_h z + k_h)^T (R_h(N) - R_h(N - 1)) Q_h e``:
+   linear in ``K_h z + k_h``, so a least-squares solve over n for the part of ``T_N`` not affine in N
+   finds z.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from ..checks.base import Check
+from ..oracle.progress import note_progress
+
+#: Tokens of each probe sequence of the query-neutral search before its final token.
+PROBE_TOKENS = 16
+#: The first-order term ``D_N`` by a central difference of eight points, ``+-eps, .., +-4 eps``:
+#: ``D = sum_k STENCIL[k] (f(+k eps) - f(-k eps)) / eps`` (error of order ``eps^8``).
+STENCIL = np.array([672.0, -168.0, 32.0, -3.0]) / 840.0
+#: The step ``eps`` of the final token with float64 answers, relative to the token scale at ``d = 1``
+#: (``eps = EPSILON token_scale / d^(1/4)``): queries of about 1e-3 of the tokens', where rounding
+#: (amplified by ``N^2 / eps``) and the stencil's error balance.
+EPSILON = 1e-3
+#: Lengths N of the key-neutral search's sequences ``(z^(N-2), y, x_q + eps e)``.
+LENGTHS = (2, 3, 4, 5, 6, 8, 11, 16, 23, 32, 45, 64, 90, 128, 181, 256)
+#: Lengths of the search for the smallest neutral token (a Jacobian over all d directions).
+NULL_SPACE_LENGTHS = (2, 3, 4, 6, 11, 23, 64, 128, 256)
+#: Query changes ``e`` asked at every length.
+DIRECTIONS = 2
+#: Newton steps of the key-neutral search (the criterion is affine in the key to first order in
+#: eps; the second step takes out what the first left of the higher orders).
+NEWTON_STEPS = 2
+#: Singular values of ``V`` below this fraction of the largest span the value-invisible directions
+#: (or ``VALUE_RANK_UNITS`` units of the answers' rounding, where that is larger).
+VALUE_RANK_CUT, VALUE_RANK_UNITS = 1e-9, 1e3
+#: Largest misfit (relative to the answers) of the uniform attention at the query-neutral token
+#: (or ``QUERY_UNITS`` units of the answers' rounding).
+QUERY_LIMIT, QUERY_UNITS = 1e-9, 30.0
+#: Largest part of ``T_N`` not affine in N left at the key-neutral token, relative to its size at
+#: ``x_q`` (or ``KEY_UNITS`` units of the answers' rounding).
+KEY_LIMIT, KEY_UNITS = 1e-6, 1e4
+
+
+@dataclass
+class NeutralToken:
+    """What the search for a key-neutral token asked and found.
+
+    Attributes
+    ----------
+    token : the key-neutral token ``z*`` (d,), or None where the search stopped.
+    query_neutral : the final token ``x_q`` whose query is zero (d,), or None.
+    value_rank : the rank of ``V = sum_h V_h`` (the value rows, ``n_kv r`` for grouped heads).
+    query_misfit : the uniform attention's misfit at ``x_q``, relative to the answers.
+    key_misfit : the part of ``T_N`` not affine in N at ``z*``, relative to its size at ``x_q``.
+    queries : queries the search asked.
+    unit : the answers' rounding unit, which scales the limits.
+    key_gap : the criterion Jacobian's singular value past K's rank over the one at it (the gap
+        that tells K's row space from its null space).
+    invisible_token : the key-neutral token among the value-invisible ones (``x_q + n``), before
+        the smallest was taken.
+    """
+
+    token: np.ndarray | None
+    query_neutral: np.ndarray | None
+    value_rank: int
+    query_misfit: float
+    key_misfit: float
+    queries: int
+    unit: float = 2.0 ** -53
+    key_gap: float = np.nan
+    invisible_token: np.ndarray | None = None
+
+    def checks(self) -> list[Check]:
+        """``value_null_space``, then ``query_neutral`` and ``key_neutral`` as far as the search went."""
+        d = len(self.query_neutral) if self.query_neutral is not None else self.value_rank
+        checks = [Check("value_null_space", self.value_rank < d, float(self.value_rank), float(d),
+                        "rank of the summed value maps below d: the key-neutral token is sought among tokens "
+                        "that carry the final token's value in every head (grouped-query heads, n_kv r < d)")]
+        if not checks[0].passed:
+            return checks
+        query_limit, key_limit = max(QUERY_LIMIT, QUERY_UNITS * self.unit), max(KEY_LIMIT, KEY_UNITS * self.unit)
+        checks.append(Check("query_neutral", self.query_misfit <= query_limit, self.query_misfit, query_limit,
+                            "misfit of uniform attention at the final token found to have zero query, relative "
+                            "to the answers (none exists where H r > d)"))
+        if checks[-1].passed:
+            checks.append(Check("key_neutral", self.key_misfit <= key_limit, self.key_misfit, key_limit,
+                                "the part of the first-order answers not affine in the count left at the "
+                                "key-neutral token, relative to its size at the query-neutral token"))
+        return checks
+
+
+class ShiftedBoundary:
+    """A query boundary seen through ``x' -> x' + shift``: every sequence asked has every token moved
+    by ``shift``, so a layer with key bias ``k_h`` and a key-neutral shift ``z*`` answers as a layer
+    with keys ``K_h x'`` (no key bias), queries ``Q_h x' + (Q_h z* + b_h)`` and a constant moved by
+    ``sum_h V_h z*``. Everything else (counts, the answers' unit, vectors) is the boundary's own."""
+
+    def __init__(self, boundary, shift: np.ndarray):
+        self.boundary, self.shift = boundary, np.asarray(shift, dtype=np.float64)
+
+    def ask(self, sequences, description: str = "querying oracle", whole: bool = False):
+        return self.boundary.ask([np.asarray(X, dtype=np.float64) + self.shift for X in sequences], description,
+                                 whole=whole)
+
+    def __getattr__(self, name):
+        return getattr(self.boundary, name)
+
+
+def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_scale: float,
+                       progress=None) -> NeutralToken:
+    """The key-neutral token ``z*`` of a layer answering whole outputs (c its answer to one zero
+    token), through ``boundary``; see the module's notes."""
+    d = boundary.d
+    asked = boundary.queries
+
+    def whole(sequences, description):
+        return np.asarray(boundary.ask(sequences, description, whole=True), dtype=np.float64)
+
+    basis = np.eye(d) * token_scale
+    V = (whole([row[None] for row in basis], "key bias: summed values") - c).T / token_scale  # (d_out, d)
+    _, singular, right = np.linalg.svd(V)
+    unit = boundary.answer_unit
+    rank = int((singular > max(VALUE_RANK_CUT, VALUE_RANK_UNITS * unit) * singular[0]).sum())
+    if rank >= d:
+        return NeutralToken(None, None, rank, np.inf, np.inf, boundary.queries - asked, unit)
+    invisible = right[rank:].T                                              # (d, d - rank)
+
+    probes = [rng.standard_normal((PROBE_TOKENS, d)) * token_scale / np.sqrt(d)
+              for _ in range(-(-d // PROBE_TOKENS) + 1)]
+    scale = [1.0]
+
+    def uniform_misfit(x):
+        sequences = [np.vstack([probe, x]) for probe in probes]
+        answers = whole(sequences, "key bias: the query-neutral token")
+        mean = np.array([c + V @ sequence.mean(axis=0) for sequence in sequences])
+        return (answers - mean).ravel() / scale[0]
+
+    note_progress(progress, "key bias: seeking the final token whose query is zero")
+    scale[0] = max(float(np.abs(whole([np.vstack([probe, np.zeros(d)]) for probe in probes],
+                                      "key bias: the query-neutral token")).max()), 1e-300)
+    # difference steps of the answers' unit's fourth root (1e-4 in float64, 1.6e-2 in float32): at
+    # its square root a float32 Jacobian is noise enough to stop the steps (measured: 4e-2 misfit)
+    fit = least_squares(uniform_misfit, np.zeros(d), method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15,
+                        max_nfev=60 * (d + 1), diff_step=max(unit, 2.0 ** -53) ** 0.25)
+    query_neutral = fit.x
+    query_misfit = float(np.abs(uniform_misfit(query_neutral)).max())
+    if not query_misfit <= max(QUERY_LIMIT, QUERY_UNITS * unit):
+        return NeutralToken(None, query_neutral, rank, query_misfit, np.inf, boundary.queries - asked, unit)
+
+    note_progress(progress, "key bias: seeking the key-neutral token")
+    y = rng.standard_normal(d) * token_scale / np.sqrt(d)
+    directions = rng.standard_normal((DIRECTIONS, d))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    # rounding amplified by 1 / eps against the stencil's error of order eps^8: the best eps grows as
+    # the unit's ninth root (9 times float64's for float32 answers)
+    eps = EPSILON * (unit / 2.0 ** -53) ** (1 / 9) * token_scale / d ** 0.25
+    steps = np.arange(1, len(STENCIL) + 1)
+
+    def criteria(tokens, lengths):
+        """The part of ``T_N`` not affine in N in ``(z^(N-2), y, x_q + eps e)``, one row per z in
+        ``tokens``, over the ``lengths`` N."""
+        lengths = np.asarray(lengths)
+        affine = np.stack([np.ones(len(lengths)), lengths], axis=1)
+        not_affine = np.eye(len(lengths)) - affine @ np.linalg.pinv(affine)
+        sequences = []
+        for z in tokens:
+            for e in directions:
+                for N in lengths:
+                    base = np.vstack([np.tile(z, (N - 2, 1)), y])
+                    sequences += [np.vstack([base, query_neutral + sign * k * eps * e])
+                                  for k in steps for sign in (1, -1)]
+        answers = whole(sequences, "key bias: the key-neutral token").reshape(
+            len(tokens), DIRECTIONS, len(lengths), len(steps), 2, -1)
+        first_order = np.einsum("k,sdnko->sdno", STENCIL, answers[..., 0, :] - answers[..., 1, :]) / eps
+        counts = lengths[None, None, :, None]
+        T = counts ** 2 * first_order - counts * (directions @ V.T)[None, :, None, :]     # N^2 D_N - N V e
+        return np.einsum("mn,sdno->sdmo", not_affine, T).reshape(len(tokens), -1)
+
+    # 1. the key-neutral token among the value-invisible z = x_q + n: the criterion is affine in n
+    token, reference = query_neutral, None
+    for _ in range(NEWTON_STEPS):
+        rows = criteria([token] + [token + token_scale * column for column in invisible.T], LENGTHS)
+        if reference is None:
+            reference = max(float(np.abs(rows[0]).max()), 1e-300)
+        columns = (rows[1:] - rows[0]).T / token_scale
+        token = token + invisible @ np.linalg.lstsq(columns, -rows[0], rcond=None)[0]
+    # 2. the smallest neutral token. The criterion vanishes on all of z* + null(K) (neutral copies
+    # with any value leave T_N affine in N) and, at z*, moves with K m alone (the copies' value
+    # change multiplies their zero scores): its Jacobian's row space is K's. Central differences
+    # are exact, the criterion being quadratic in the token at first order in eps.
+    note_progress(progress, "key bias: the smallest key-neutral token")
+    moves = np.eye(d) * token_scale
+    jacobian = (criteria(token + moves, NULL_SPACE_LENGTHS)
+                - criteria(token - moves, NULL_SPACE_LENGTHS)).T / (2 * token_scale)
+    _, key_singular, key_rows = np.linalg.svd(jacobian, full_matrices=False)
+    key_rows = key_rows[:rank].T                          # K's row space: n_kv r = the values' rank
+    smallest = key_rows @ (key_rows.T @ token)
+    # Newton steps inside K's row space against the noise of that projection; the copies of the
+    # smallest token carry another value than x_q, so the Jacobian is taken again there
+    for _ in range(NEWTON_STEPS):
+        moves = key_rows.T * token_scale
+        rows = criteria([smallest] + list(smallest + moves) + list(smallest - moves), NULL_SPACE_LENGTHS)
+        columns = (rows[1:rank + 1] - rows[rank + 1:]).T / (2 * token_scale)
+        smallest = smallest - key_rows @ np.linalg.lstsq(columns, rows[0], rcond=None)[0]
+    key_misfit = float(np.abs(criteria([smallest], LENGTHS)[0]).max()) / reference
+    return NeutralToken(smallest, query_neutral, rank, query_misfit, key_misfit, boundary.queries - asked, unit,
+                        key_gap=float(key_singular[rank] / key_singular[rank - 1]) if rank < len(key_singular) else 0.0,
+                        invisible_token=token)
