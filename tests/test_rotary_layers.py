@@ -337,6 +337,14 @@ def test_a_qwen2_layer_with_its_key_bias_is_extracted_whole():
 
 
 @pytest.mark.slow
+def test_a_float32_layer_with_a_key_bias_fails_loudly():
+    """From float32 answers the key-neutral search's first-order term is rounding (docs §22)."""
+    layer = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8, dtype=torch.float32)
+    with pytest.raises(mx.ExtractionError, match="query_neutral|key_neutral"):
+        mx.extract(TorchOracle(RotaryLayer(layer)), d=16, heads=2, positions="rotary", key_bias=True, seed=0)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_a_grouped_two_head_layer_is_extracted_whole(seed):
     layer = attention("llama", seed=seed, d=16, H=2, H_kv=1, r=8)
