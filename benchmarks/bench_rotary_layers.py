@@ -33,6 +33,13 @@ key/value head, seeds 0..2, and d = 64, H = 4, two key/value heads, head width 1
 float32. The queries include the key-neutral search's (its share in the last column). About 40
 minutes on one core.
 
+    python benchmarks/bench_rotary_layers.py --probe-scales
+
+The key-neutral search's first step alone (``rotary/neutral.py``): Levenberg-Marquardt from 0 to the
+final token whose query is zero, with probe tokens at 1, 3 and 10 times the token scale, on Qwen2
+attentions with biases (d = 16, H = 2, one key/value head, seeds 0..5; d = 64, H = 4, two, seeds
+0..2): the misfit reached and the distance to the true token (from the weights). About 5 minutes.
+
     python benchmarks/bench_rotary_layers.py --instances
 
 Part 3 only: the instances of one run on that layer (float64 with ``angles="float64"``, and
@@ -186,10 +193,40 @@ def instance_precision():
                   f"{start_error} |")
 
 
-def main(large: bool = False, instances: bool = False, float32: bool = False, key_bias: bool = False):
+def probe_scales():
+    from mhaextract.oracle.boundary import OracleBoundary
+    from mhaextract.rotary.neutral import _query_neutral
+    print("| layer | distance of x_q from 0 | probes at 1 | at 3 | at 10 |")
+    print("|---|---|---|---|---|")
+    for d, H, H_kv, r, seeds in ((16, 2, 1, 8, 6), (64, 4, 2, 16, 3)):
+        for seed in range(seeds):
+            attention = layer("qwen2", d, H, H_kv, r, seed=seed)
+            truth = to_rotary(attention)
+            x_q = np.linalg.lstsq(truth.Q.reshape(-1, d), -truth.b.ravel(), rcond=None)[0]
+            boundary = OracleBoundary(TorchOracle(RotaryLayer(attention, angles="float64")), d)
+            c = boundary.ask([np.zeros((1, d))], whole=True)[0]
+            scale = d ** 0.25
+            V = (boundary.ask([row[None] for row in np.eye(d) * scale], whole=True) - c).T / scale
+
+            def whole(sequences, description):
+                return boundary.ask(sequences, description, whole=True)
+
+            cells = []
+            for size in (1.0, 3.0, 10.0):
+                found, misfit = _query_neutral(whole, c, V, np.random.default_rng(0), d, size * scale, 2.0 ** -53)
+                cells.append(f"misfit {misfit:.0e}, {np.linalg.norm(found - x_q):.0e} from x_q")
+            print(f"| Qwen2, d = {d}, H = {H}, seed {seed} | {np.linalg.norm(x_q):.1f} | " + " | ".join(cells) + " |",
+                  flush=True)
+
+
+def main(large: bool = False, instances: bool = False, float32: bool = False, key_bias: bool = False,
+         scales: bool = False):
     warnings.simplefilter("ignore")
     if instances:
         instance_precision()
+        return
+    if scales:
+        probe_scales()
         return
     if key_bias:
         print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds | "
@@ -229,4 +266,4 @@ if __name__ == "__main__":
     import sys
 
     main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:], float32="--float32" in sys.argv[1:],
-         key_bias="--key-bias" in sys.argv[1:])
+         key_bias="--key-bias" in sys.argv[1:], scales="--probe-scales" in sys.argv[1:])

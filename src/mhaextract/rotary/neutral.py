@@ -3,7 +3,7 @@
 With key biases ``k_h`` (Qwen2) a zero token scores ``k_h^T R_h(delta) q_h`` at offset delta: it is
 no counter. A token ``z*`` with ``K_h z* + k_h = 0`` in every head scores 0 from every final token
 at every offset, and shifting every token by it gives a layer without key bias
-(:class:`ShiftedBoundary`). It is found from whole answers in two steps:
+(:class:`ShiftedBoundary`). It is found from whole answers in three steps:
 
 1. A final token ``x_q`` whose query is zero (``Q_h x_q + b_h = 0`` in every head; one exists where
    ``H r <= d``): every key then scores 0, the attention is uniform and
@@ -18,6 +18,10 @@ at every offset, and shifting every token by it gives a layer without key bias
    ``T_{N+1} - 2 T_N + T_{N-1} = -sum_h V_h (y - x_q) (K_h z + k_h)^T (R_h(N) - R_h(N - 1)) Q_h e``:
    linear in ``K_h z + k_h``, so a least-squares solve over n for the part of ``T_N`` not affine in N
    finds z.
+3. That token can be far out, and its query is then the shifted layer's large query bias. The
+   criterion vanishes on every neutral token ``z + null(K)`` and, at z, moves with ``K m`` alone:
+   its Jacobian's row space is K's, and z projected on it is the smallest neutral token, polished
+   by Newton steps within that row space.
 """
 
 from __future__ import annotations
@@ -32,11 +36,9 @@ from ..oracle.progress import note_progress
 
 #: Tokens of each probe sequence of the query-neutral search before its final token.
 PROBE_TOKENS = 16
-#: Norms of the probe tokens tried in turn, in units of the token scale. Measured on float64 Qwen2
-#: layers with every parameter N(0, 1/d): at d = 16, H = 2 (seeds 0..5, the query-neutral token 2.7
-#: to 30 from 0) the steps from 0 reached it at 3 on all six, at 1 on five (one stopped at a misfit
-#: of 1e-2), at 10 on two (the attention saturates); at d = 64, H = 4 (seeds 0..2, 39 to 265 from 0)
-#: at 3 and 10 on all three, at 1 on two.
+#: Norms of the probe tokens tried in turn, in units of the token scale: the steps from 0 stop at
+#: other minima of the misfit on some layers at each size, never at all three (docs/algorithm.md
+#: §22; ``benchmarks/bench_rotary_layers.py --probe-scales``).
 PROBE_SCALES = (3.0, 1.0, 10.0)
 #: The first-order term ``D_N`` by a central difference of eight points, ``+-eps, .., +-4 eps``:
 #: ``D = sum_k STENCIL[k] (f(+k eps) - f(-k eps)) / eps`` (error of order ``eps^8``).
@@ -194,23 +196,21 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
 
     def criteria(tokens, lengths):
         """The part of ``T_N`` not affine in N in ``(z^(N-2), y, x_q + eps e)``, one row per z in
-        ``tokens``, over the ``lengths`` N."""
+        ``tokens``, over the ``lengths`` N (asked one z at a time: memory of one z's queries)."""
         lengths = np.asarray(lengths)
         affine = np.stack([np.ones(len(lengths)), lengths], axis=1)
         not_affine = np.eye(len(lengths)) - affine @ np.linalg.pinv(affine)
-        sequences = []
+        counts = lengths[None, :, None]
+        rows = []
         for z in tokens:
-            for e in directions:
-                for N in lengths:
-                    base = np.vstack([np.tile(z, (N - 2, 1)), y])
-                    sequences += [np.vstack([base, query_neutral + sign * k * eps * e])
-                                  for k in steps for sign in (1, -1)]
-        answers = whole(sequences, "key bias: the key-neutral token").reshape(
-            len(tokens), DIRECTIONS, len(lengths), len(steps), 2, -1)
-        first_order = np.einsum("k,sdnko->sdno", STENCIL, answers[..., 0, :] - answers[..., 1, :]) / eps
-        counts = lengths[None, None, :, None]
-        T = counts ** 2 * first_order - counts * (directions @ V.T)[None, :, None, :]     # N^2 D_N - N V e
-        return np.einsum("mn,sdno->sdmo", not_affine, T).reshape(len(tokens), -1)
+            sequences = [np.vstack([np.tile(z, (N - 2, 1)), y, query_neutral + sign * k * eps * e])
+                         for e in directions for N in lengths for k in steps for sign in (1, -1)]
+            answers = whole(sequences, "key bias: the key-neutral token").reshape(
+                DIRECTIONS, len(lengths), len(steps), 2, -1)
+            first_order = np.einsum("k,dnko->dno", STENCIL, answers[..., 0, :] - answers[..., 1, :]) / eps
+            T = counts ** 2 * first_order - counts * (directions @ V.T)[:, None, :]   # N^2 D_N - N V e
+            rows.append(np.einsum("mn,dno->dmo", not_affine, T).ravel())
+        return np.array(rows)
 
     # 1. the key-neutral token among the value-invisible z = x_q + n: the criterion is affine in n
     token, reference = query_neutral, None
