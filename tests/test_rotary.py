@@ -616,7 +616,7 @@ def test_the_refinements_jacobian_has_the_key_bias_columns():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed):
+def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed, tmp_path):
     layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=seed)
     result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
     assert result.ok and result.queries == layer.queries
@@ -627,6 +627,10 @@ def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed):
     truth = layer(fresh)
     assert np.abs(result.model(fresh) - truth).max() <= 1e-10 * np.abs(truth).max()
     assert result.error_estimate <= 1e-8
+    assert result.summary()["key_neutral_queries"] == result.neutral.queries
+    loaded = mx.load_model(mx.save_extraction(result, tmp_path / "key_bias.json")[0])
+    assert all(np.array_equal(getattr(loaded, name), getattr(result.model, name))
+               for name in ("Q", "K", "b", "key_bias", "theta", "V", "c"))
 
 
 def test_a_key_bias_needs_whole_answers_and_grouped_heads():

@@ -179,7 +179,8 @@ class RotaryExtraction(CheckedResult):
                 "d": None if self.model is None else self.model.d, "heads": self.heads, "queries": self.queries,
                 "max_query_length": self.max_query_length, "window": self.window, "token_scale": self.token_scale,
                 "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
-                "precision": self.precision, "ok": self.ok, "seconds": self.seconds}
+                "precision": self.precision, "ok": self.ok, "seconds": self.seconds,
+                "key_neutral_queries": None if self.neutral is None else self.neutral.queries}
 
 
 @dataclass
@@ -749,7 +750,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         polish_answers = mid_float(polish_exact)
         def steps(model, iterations=60, estimate=True):
             return refine(model, polish, polish_answers, iterations=iterations, seed=seed, floor=max(1e-13, 3 * unit),
-                          estimate=estimate, frame_shift=None if neutral is None else -neutral.token, on_step=lambda step, misfit: note_progress(
+                          estimate=estimate, frame_shift=None if neutral is None else -neutral.token,
+                          on_step=lambda step, misfit: note_progress(
                               progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
 
         model, first = start, None
