@@ -114,11 +114,15 @@ def extraction(name, attention, heads, angles, key_bias=False):
         result = error.extraction
         outcome = str(error).splitlines()[1].strip().split(" (")[0]
     seconds = time.perf_counter() - start
-    searched = "" if result.neutral is None else f" | {result.neutral.queries}"
+    exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
+    searched = ""
+    if result.neutral is not None:  # the search's queries, and the found token's key from the weights
+        key = ("" if result.neutral.token is None or exact.key_bias is None else
+               f"{np.abs(np.einsum('hrd,d->hr', exact.K, result.neutral.token) + exact.key_bias).max():.1e}")
+        searched = f" | {result.neutral.queries} | {key}"
     if result.model is None:
         print(f"| {name} | {angles} | {outcome} | {oracle.sequences} | | | | {seconds:.1f}{searched} |")
         return
-    exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
     truth = exact if result.model.is_vector else exact.readout(result.readout)
     rng = np.random.default_rng(11)
     fresh = [rng.normal(size=(int(n), d)) * d ** -0.25 for n in rng.integers(1, 257, 100)]
@@ -230,8 +234,8 @@ def main(large: bool = False, instances: bool = False, float32: bool = False, ke
         return
     if key_bias:
         print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds | "
-              "key-neutral search queries |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "key-neutral search queries | max key of the token found |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for seed in range(3):
             extraction(f"Qwen2, d = 16, H = 2, one kv head, seed {seed}", layer("qwen2", 16, 2, 1, 8, seed=seed), 2,
                        "float64", key_bias=True)
