@@ -275,7 +275,8 @@ def test_the_exported_layer_is_the_model_on_every_prefix(d_out, window, bias):
         assert relative(out[:, i] if d_out else out[:, i, 0], expected) <= 1e-12
 
 
-@pytest.mark.parametrize("kind, options", [("llama", {}), ("mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize("kind, options", [("llama", {}), ("mistral", {"sliding_window": 8}),
+                                           ("qwen2", {"key_bias": True})])
 def test_the_exported_truth_is_the_hugging_face_layer_at_every_position(kind, options):
     layer = attention(kind, seed=7, **options)
     X = torch.as_tensor(np.random.default_rng(3).normal(size=(4, 40, 64)))

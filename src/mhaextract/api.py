@@ -50,7 +50,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
-            verify_length=None, positions="none", key_bias=False) -> Extraction | RotaryExtraction | LowPrecisionExtraction:
+            verify_length=None, positions="none",
+            key_bias=False) -> Extraction | RotaryExtraction | LowPrecisionExtraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters

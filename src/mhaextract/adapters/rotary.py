@@ -369,7 +369,7 @@ class ExtractedRotaryAttention(nn.Module):
         self.vector = model.is_vector
         values = {"Q": model.Q, "K": model.K, "theta": model.theta, "b": model.b, "V": model.V,
                   "c": np.reshape(np.asarray(model.c, dtype=np.float64), -1),
-                  "key_bias": model._key_bias_or_zero}
+                  "key_bias": model.key_bias_or_zero}
         for name, value in values.items():
             setattr(self, name, nn.Parameter(torch.as_tensor(value, dtype=dtype)))
 

@@ -5,10 +5,11 @@ frequencies ``theta_h`` (r / 2 of them). Rows ``2m, 2m + 1`` of both factors for
 position rotates by ``theta_h[m]`` per token. From the final position N the key at position j
 scores
 
-    s_h(j) = (K_h x_j + k_h)^T R_h(N - j) (Q_h x_N + b_h) = [x_j; 1]^T W_h(N - j) [x_N; 1],
-    W_h(delta) = [K_h | k_h]^T R_h(delta) [Q_h | b_h],     R_h(delta) = blockdiag_m rot(delta theta_h[m]),
+    s_h(j) = (K_h x_j + k_h)^T R_h(N - j) (Q_h x_N + b_h),     R_h(delta) = blockdiag_m rot(delta theta_h[m]),
 
-with ``rot(phi) = [[cos phi, -sin phi], [sin phi, cos phi]]``: the rotation convention of
+with query biases ``b_h`` and key biases ``k_h`` (Qwen2's; zero in most layers); without biases
+``s_h(j) = x_j^T W_h(N - j) x_N`` with ``W_h(delta) = K_h^T R_h(delta) Q_h``. The rotation
+``rot(phi) = [[cos phi, -sin phi], [sin phi, cos phi]]`` is the rotation convention of
 Llama's ``rotate_half`` on the pairs ``(m, m + r/2)``, written here on consecutive pairs (a
 permutation of rows, which the canonical form is free to choose). The output is
 ``f(X) = c + sum_h V_h sum_j a_{h,j} x_j`` with the softmax over the keys in the window (the last
@@ -195,11 +196,11 @@ class RotaryAttention:
         for a high-precision model, which computes its score matrices at that many bits and more."""
         if not self.is_high_precision:
             return 53
-        arrays = (self.Q, self.K, self.theta, self.V, self.b, np.asarray(self.c, dtype=object), self._key_bias_or_zero)
+        arrays = (self.Q, self.K, self.theta, self.V, self.b, np.asarray(self.c, dtype=object), self.key_bias_or_zero)
         return max([53] + [int(value._mpf_[3]) for a in arrays for value in a.ravel()])
 
     @property
-    def _key_bias_or_zero(self) -> np.ndarray:
+    def key_bias_or_zero(self) -> np.ndarray:
         """The key biases (H, r): ``key_bias``, or zeros where the model has none."""
         return self.key_bias if self.key_bias is not None else np.zeros_like(self.b)
 
@@ -232,7 +233,7 @@ class RotaryAttention:
             raise ValueError(f"shift must have shape (d,) = ({self.d},), got {shift.shape}")
         moved = np.einsum("hod,d->o", self.V, shift)
         return self.replaced(b=self.b + np.einsum("hrd,d->hr", self.Q, shift),
-                             key_bias=self._key_bias_or_zero + np.einsum("hrd,d->hr", self.K, shift),
+                             key_bias=self.key_bias_or_zero + np.einsum("hrd,d->hr", self.K, shift),
                              c=self.c + (moved if self.is_vector else moved[0]))
 
     def to_mpf(self) -> "RotaryAttention":
@@ -275,7 +276,7 @@ class RotaryAttention:
 
     @property
     def _parameters(self) -> tuple:
-        return self.Q, self.K, self.b, self.theta, self._key_bias_or_zero
+        return self.Q, self.K, self.b, self.theta, self.key_bias_or_zero
 
     def _scores(self, X: np.ndarray, parameters: tuple) -> np.ndarray:
         """(B, N, d) sequences of one length, every key inside the window -> (B, H, N) scores
@@ -358,7 +359,7 @@ class RotaryAttention:
         (docs/algorithm.md §22), so two models with equal ones and equal values compute the same
         function."""
         query = np.concatenate([self.Q, self.b[:, :, None]], axis=2)
-        key = np.concatenate([self.K, self._key_bias_or_zero[:, :, None]], axis=2)
+        key = np.concatenate([self.K, self.key_bias_or_zero[:, :, None]], axis=2)
         with mpmath.workprec(max(self.precision, mpmath.mp.prec) + GUARD_BITS):
             rotated = self._rotate(np.stack([query] * 3), np.arange(3, dtype=np.float64))  # (3, H, r, d + 1)
             return np.einsum("hrd,thre->htde", key, rotated)

@@ -88,7 +88,7 @@ def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.nd
     H, r, _ = model.Q.shape
     offsets = np.arange(N - 1, -1, -1, dtype=np.float64)
     window = np.ones(N, bool) if model.window is None else offsets < model.window
-    keys = np.einsum("hrd,bnd->bhnr", model.K, X) + model._key_bias_or_zero[None, :, None]  # k_{h,j}
+    keys = np.einsum("hrd,bnd->bhnr", model.K, X) + model.key_bias_or_zero[None, :, None]  # k_{h,j}
     query = np.einsum("hrd,bd->bhr", model.Q, X[:, -1]) + model.b          # q_h
     angles = offsets[:, None, None] * model.theta[None]                    # (N, H, r/2)
     cos, sin = np.cos(angles).transpose(1, 0, 2), np.sin(angles).transpose(1, 0, 2)  # (H, N, r/2)
