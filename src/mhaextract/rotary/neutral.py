@@ -58,9 +58,8 @@ DIRECTIONS = 2
 NEWTON_STEPS = 2
 #: Evaluations of the query-neutral search's Levenberg-Marquardt besides its Jacobians.
 LM_EVALUATIONS = 100
-#: Newton steps within K's row space from the projection of z* on it (the smallest neutral token):
-#: on the d = 64 Qwen2 layer of docs/algorithm.md §22 the projection left keys of 3.4e-4, one step
-#: 1.9e-8 (of a key bias of 0.21).
+#: Newton steps within K's row space from the projection of z* on it (the smallest neutral token;
+#: the key it leaves: docs/rotary.md, "A key bias").
 SMALLEST_STEPS = 1
 #: Singular values of ``V`` below this fraction of the largest span the value-invisible directions
 #: (or ``VALUE_RANK_UNITS`` units of the answers' rounding, where that is larger).
