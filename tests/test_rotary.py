@@ -652,3 +652,14 @@ def test_bad_key_bias_options_are_named(options, message):
     layer = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0)
     with pytest.raises(ValueError, match=message):
         mx.extract(mx.SimulatedOracle(layer), d=4, heads=1, **options)
+
+
+def test_a_key_bias_in_high_precision_is_evaluated_in_balls():
+    model = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=1, bias=True)
+    model = model.replaced(key_bias=np.array([[0.4, -0.3]]))
+    exact = model.to_mpf()
+    assert exact.is_high_precision and exact.key_bias.dtype == object and exact.precision == 53
+    X = np.random.default_rng(0).normal(size=(2, 5, 4))
+    high = np.array(exact(X, precision=128), dtype=np.float64)
+    assert np.abs(high - model(X)).max() <= 1e-14 * np.abs(model(X)).max()
+    assert mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=1).to_mpf().precision == 53  # no key bias

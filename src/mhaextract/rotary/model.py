@@ -196,13 +196,14 @@ class RotaryAttention:
         for a high-precision model, which computes its score matrices at that many bits and more."""
         if not self.is_high_precision:
             return 53
-        arrays = (self.Q, self.K, self.theta, self.V, self.b, np.asarray(self.c, dtype=object), self.key_bias_or_zero)
+        arrays = (self.Q, self.K, self.theta, self.V, self.b, np.asarray(self.c, dtype=object))
+        arrays += () if self.key_bias is None else (self.key_bias,)
         return max([53] + [int(value._mpf_[3]) for a in arrays for value in a.ravel()])
 
     @property
     def key_bias_or_zero(self) -> np.ndarray:
         """The key biases (H, r): ``key_bias``, or zeros where the model has none."""
-        return self.key_bias if self.key_bias is not None else np.zeros_like(self.b)
+        return self.key_bias if self.key_bias is not None else _numbers(np.zeros(self.b.shape), self.is_high_precision)
 
     def replaced(self, **changes) -> "RotaryAttention":
         """The model with some parameters replaced (``Q``, ``K``, ``theta``, ``V``, ``c``, ``window``,
