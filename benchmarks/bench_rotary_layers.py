@@ -117,9 +117,13 @@ def extraction(name, attention, heads, angles, key_bias=False):
     exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
     searched = ""
     if result.neutral is not None:  # the search's queries, and the found token's key from the weights
-        key = ("" if result.neutral.token is None or exact.key_bias is None else
-               f"{np.abs(np.einsum('hrd,d->hr', exact.K, result.neutral.token) + exact.key_bias).max():.1e}")
-        searched = f" | {result.neutral.queries} | {key}"
+        found = result.neutral.token
+        key = ("" if found is None or exact.key_bias is None else
+               f"{np.abs(np.einsum('hrd,d->hr', exact.K, found) + exact.key_bias).max():.1e}")
+        sizes = ("" if found is None else  # |z| and its query, first among the value-invisible tokens
+                 " / ".join(f"{np.linalg.norm(z):.2g}, {np.abs(np.einsum('hrd,d->hr', exact.Q, z) + exact.b).max():.2g}"
+                            for z in (result.neutral.invisible_token, found)) + f" / {np.abs(exact.b).max():.2g}")
+        searched = f" | {result.neutral.queries} | {key} | {sizes}"
     if result.model is None:
         print(f"| {name} | {angles} | {outcome} | {oracle.sequences} | | | | {seconds:.1f}{searched} |")
         return
@@ -234,8 +238,9 @@ def main(large: bool = False, instances: bool = False, float32: bool = False, ke
         return
     if key_bias:
         print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds | "
-              "key-neutral search queries | max key of the token found |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "key-neutral search queries | max key of the token found | "
+              "its norm, max query: first / smallest / the layer's query bias |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for seed in range(3):
             extraction(f"Qwen2, d = 16, H = 2, one kv head, seed {seed}", layer("qwen2", 16, 2, 1, 8, seed=seed), 2,
                        "float64", key_bias=True)
