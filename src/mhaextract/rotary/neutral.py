@@ -67,8 +67,8 @@ VALUE_RANK_CUT, VALUE_RANK_UNITS = 1e-9, 1e3
 #: Largest misfit (relative to the answers) of the uniform attention at the query-neutral token
 #: (or ``QUERY_UNITS`` units of the answers' rounding).
 QUERY_LIMIT, QUERY_UNITS = 1e-9, 30.0
-#: Largest part of ``T_N`` not affine in N left at the key-neutral token, relative to its size at
-#: ``x_q`` (or ``KEY_UNITS`` units of the answers' rounding).
+#: Largest part of ``T_N`` not affine in N left at the key-neutral token, relative to its change
+#: under a move of the token by the token scale (or ``KEY_UNITS`` units of the answers' rounding).
 KEY_LIMIT, KEY_UNITS = 1e-6, 1e4
 
 
@@ -82,7 +82,8 @@ class NeutralToken:
     query_neutral : the final token ``x_q`` whose query is zero (d,), or None.
     value_rank : the rank of ``V = sum_h V_h`` (the value rows, ``n_kv r`` for grouped heads).
     query_misfit : the uniform attention's misfit at ``x_q``, relative to the answers.
-    key_misfit : the part of ``T_N`` not affine in N at ``z*``, relative to its size at ``x_q``.
+    key_misfit : the part of ``T_N`` not affine in N at ``z*``, relative to its change under a move
+        of the token by the token scale.
     queries : queries the search asked.
     unit : the answers' rounding unit, which scales the limits.
     key_gap : the criterion Jacobian's singular value past K's rank over the one at it (the gap
@@ -116,7 +117,8 @@ class NeutralToken:
         if checks[-1].passed:
             checks.append(Check("key_neutral", self.key_misfit <= key_limit, self.key_misfit, key_limit,
                                 "the part of the first-order answers not affine in the count left at the "
-                                "key-neutral token, relative to its size at the query-neutral token"))
+                                "key-neutral token, relative to its change under a move of the token by the "
+                                "token scale"))
         return checks
 
 
@@ -217,9 +219,9 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     token, reference = query_neutral, None
     for _ in range(NEWTON_STEPS):
         rows = criteria([token] + [token + token_scale * column for column in invisible.T], LENGTHS)
-        if reference is None:
-            reference = max(float(np.abs(rows[0]).max()), 1e-300)
         columns = (rows[1:] - rows[0]).T / token_scale
+        if reference is None:  # the criterion's change under a move of the token by the token scale
+            reference = max(float(np.abs(columns).max()) * token_scale, 1e-300)
         token = token + invisible @ np.linalg.lstsq(columns, -rows[0], rcond=None)[0]
     # 2. the smallest neutral token. The criterion vanishes on all of z* + null(K) (neutral copies
     # with any value leave T_N affine in N) and, at z*, moves with K m alone (the copies' value
