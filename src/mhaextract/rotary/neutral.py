@@ -80,6 +80,7 @@ class NeutralToken:
     ----------
     token : the key-neutral token ``z*`` (d,), or None where the search stopped.
     query_neutral : the final token ``x_q`` whose query is zero (d,), or None.
+    d : the token dimension.
     value_rank : the rank of ``V = sum_h V_h`` (the value rows, ``n_kv r`` for grouped heads).
     query_misfit : the uniform attention's misfit at ``x_q``, relative to the answers.
     key_misfit : the part of ``T_N`` not affine in N at ``z*``, relative to its change under a move
@@ -94,6 +95,7 @@ class NeutralToken:
 
     token: np.ndarray | None
     query_neutral: np.ndarray | None
+    d: int
     value_rank: int
     query_misfit: float
     key_misfit: float
@@ -104,13 +106,12 @@ class NeutralToken:
 
     def checks(self) -> list[Check]:
         """``value_null_space``, then ``query_neutral`` and ``key_neutral`` as far as the search went."""
-        d = len(self.query_neutral) if self.query_neutral is not None else self.value_rank
-        checks = [Check("value_null_space", self.value_rank < d, float(self.value_rank), float(d),
+        checks = [Check("value_null_space", self.value_rank < self.d, float(self.value_rank), float(self.d),
                         "rank of the summed value maps below d: the key-neutral token is sought among tokens "
                         "that carry the final token's value in every head (grouped-query heads, n_kv r < d)")]
         if not checks[0].passed:
             return checks
-        query_limit, key_limit = max(QUERY_LIMIT, QUERY_UNITS * self.unit), max(KEY_LIMIT, KEY_UNITS * self.unit)
+        query_limit, key_limit = _query_limit(self.unit), max(KEY_LIMIT, KEY_UNITS * self.unit)
         checks.append(Check("query_neutral", self.query_misfit <= query_limit, self.query_misfit, query_limit,
                             "misfit of uniform attention at the final token found to have zero query, relative "
                             "to the answers (none exists where H r > d)"))
@@ -120,6 +121,10 @@ class NeutralToken:
                                 "key-neutral token, relative to its change under a move of the token by the "
                                 "token scale"))
         return checks
+
+
+def _query_limit(unit: float) -> float:
+    return max(QUERY_LIMIT, QUERY_UNITS * unit)
 
 
 class ShiftedBoundary:
@@ -143,16 +148,14 @@ def _query_neutral(whole, c, V, rng, d, size, unit) -> tuple[np.ndarray, float]:
     """Levenberg-Marquardt from 0 on the misfit from uniform attention over ``ceil(d / 16) + 1``
     probe sequences of tokens of norm about ``size``: ``(x_q, misfit relative to the answers)``."""
     probes = [rng.standard_normal((PROBE_TOKENS, d)) * size / np.sqrt(d) for _ in range(-(-d // PROBE_TOKENS) + 1)]
-    scale = [1.0]
+    scale = max(float(np.abs(whole([np.vstack([probe, np.zeros(d)]) for probe in probes],
+                                   "key bias: the query-neutral token")).max()), 1e-300)
 
     def uniform_misfit(x):
         sequences = [np.vstack([probe, x]) for probe in probes]
         answers = whole(sequences, "key bias: the query-neutral token")
         mean = np.array([c + V @ sequence.mean(axis=0) for sequence in sequences])
-        return (answers - mean).ravel() / scale[0]
-
-    scale[0] = max(float(np.abs(whole([np.vstack([probe, np.zeros(d)]) for probe in probes],
-                                      "key bias: the query-neutral token")).max()), 1e-300)
+        return (answers - mean).ravel() / scale
     # difference steps of the square root of the answers' unit (float64's own in float64); 'lm'
     # counts no Jacobian in max_nfev, so the queries are at most about LM_EVALUATIONS (d + 1) p
     fit = least_squares(uniform_misfit, np.zeros(d), method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15,
@@ -176,17 +179,16 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     unit = boundary.answer_unit
     rank = int((singular > max(VALUE_RANK_CUT, VALUE_RANK_UNITS * unit) * singular[0]).sum())
     if rank >= d:
-        return NeutralToken(None, None, rank, np.inf, np.inf, boundary.queries - asked, unit)
+        return NeutralToken(None, None, d, rank, np.inf, np.inf, boundary.queries - asked, unit)
     invisible = right[rank:].T                                              # (d, d - rank)
 
     note_progress(progress, "key bias: seeking the final token whose query is zero")
-    query_limit = max(QUERY_LIMIT, QUERY_UNITS * unit)
     for probe_scale in PROBE_SCALES:
         query_neutral, query_misfit = _query_neutral(whole, c, V, rng, d, probe_scale * token_scale, unit)
-        if query_misfit <= query_limit:
+        if query_misfit <= _query_limit(unit):
             break
     else:
-        return NeutralToken(None, query_neutral, rank, query_misfit, np.inf, boundary.queries - asked, unit)
+        return NeutralToken(None, query_neutral, d, rank, query_misfit, np.inf, boundary.queries - asked, unit)
 
     note_progress(progress, "key bias: seeking the key-neutral token")
     y = rng.standard_normal(d) * token_scale / np.sqrt(d)
@@ -242,6 +244,6 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
         columns = (rows[1:rank + 1] - rows[rank + 1:]).T / (2 * token_scale)
         smallest = smallest - key_rows @ np.linalg.lstsq(columns, rows[0], rcond=None)[0]
     key_misfit = float(np.abs(criteria([smallest], LENGTHS)[0]).max()) / reference
-    return NeutralToken(smallest, query_neutral, rank, query_misfit, key_misfit, boundary.queries - asked, unit,
+    return NeutralToken(smallest, query_neutral, d, rank, query_misfit, key_misfit, boundary.queries - asked, unit,
                         key_gap=float(key_singular[rank] / key_singular[rank - 1]) if rank < len(key_singular) else 0.0,
                         invisible_token=token)
