@@ -231,8 +231,14 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
     before = predict(model, groups) - answers
     best, best_cost = model, float(before @ before)
     # the slow blocks' angles are in the generator now: their own columns are left out of the step
-    theta_index = _offsets(flat)[3] + np.arange(H * (r // 2)).reshape(H, r // 2)
-    free = np.setdiff1d(np.arange(P + extra), theta_index[slow])
+    offsets = _offsets(flat)
+    theta_index = offsets[3] + np.arange(H * (r // 2)).reshape(H, r // 2)
+    fixed = theta_index[slow]
+    if flat.key_bias is not None:
+        # a key bias scores every key alike at theta = 0: its slow rows' columns are zero there
+        key_index = offsets[6] + np.arange(H * r).reshape(H, r)
+        fixed = np.concatenate([fixed, key_index[np.repeat(slow, 2, axis=1)]])
+    free = np.setdiff1d(np.arange(P + extra), fixed)
     normal, gradient = normal[np.ix_(free, free)], gradient[free]
     diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
     for damping in (1e-9, 1e-7, 1e-5, 1e-3, 1e-1):
