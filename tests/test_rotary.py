@@ -606,6 +606,12 @@ def test_a_model_with_a_key_bias_is_the_layer_written_from_its_weights():
     canonical = still.canonical()
     assert np.all(canonical.key_bias[:, 2:] == 0) and np.any(still.key_bias[:, 2:] != 0)
     assert np.abs(canonical(batch) - still(batch)).max() <= 1e-12 * np.abs(still(batch)).max()
+    # the score matrices see that too, without the canonical form: their key-bias row is taken
+    # relative to offset 0, so only the key bias of turning blocks shows, and it does
+    W = still.identifying_matrices()
+    assert np.all(W[:, 0, -1] == 0) and np.abs(W - canonical.identifying_matrices()).max() <= 1e-15 * np.abs(W).max()
+    turned = still.replaced(key_bias=still.key_bias + np.where(np.arange(4) < 2, 1e-3, 0.0))
+    assert np.abs(turned.identifying_matrices() - W).max() > 1e-5 * np.abs(W).max()
 
 
 def test_the_refinements_jacobian_has_the_key_bias_columns():

@@ -358,12 +358,19 @@ class RotaryAttention:
         b_h]`` at delta = 0, 1, 2, shape (H, 3, d + 1, d + 1) (``[W_h(delta) | u_h(delta)]`` above a
         last row that only a key bias fills): together they determine the scores at every offset
         (docs/algorithm.md §22), so two models with equal ones and equal values compute the same
-        function."""
+        function.
+
+        The last row is taken relative to its value at delta = 0, ``k_h^T (R_h(delta) - I) [Q_h |
+        b_h]``: the same functional of the final token added to every key's score leaves the
+        attention unchanged, so only the key bias's change with the offset is seen, and that part
+        of a slowly turning block is known only as well as its turn."""
         query = np.concatenate([self.Q, self.b[:, :, None]], axis=2)
         key = np.concatenate([self.K, self.key_bias_or_zero[:, :, None]], axis=2)
         with mpmath.workprec(max(self.precision, mpmath.mp.prec) + GUARD_BITS):
             rotated = self._rotate(np.stack([query] * 3), np.arange(3, dtype=np.float64))  # (3, H, r, d + 1)
-            return np.einsum("hrd,thre->htde", key, rotated)
+            matrices = np.einsum("hrd,thre->htde", key, rotated)
+            matrices[:, :, -1, :] = matrices[:, :, -1, :] - matrices[:, :1, -1, :]
+            return matrices
 
     def canonical(self, rtol: float = 1e-9) -> "RotaryAttention":
         """Heads with equal score functions merged (their V summed), heads whose V is zero dropped;
