@@ -646,6 +646,23 @@ def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed, 
                for name in ("Q", "K", "b", "key_bias", "theta", "V", "c"))
 
 
+@pytest.mark.slow
+def test_key_bias_on_a_layer_without_biases_is_no_false_alarm():
+    """``key_bias=True`` on a Llama-like layer (no biases at all): the neutral token is 0 to the
+    search's precision, the constant of the shifted frame is that token's value alone, and the
+    constant reported (zero) is judged, not the shifted one relative to its own tiny size."""
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0)
+    for bias in (layer.bq, layer.bk, layer.bv, layer.bo):
+        bias[...] = 0.0
+    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    assert result.ok and np.linalg.norm(result.neutral.token) <= 1e-6
+    rng = np.random.default_rng(7)
+    fresh = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(1, 257, 100)]
+    truth = layer(fresh)
+    assert np.abs(result.model(fresh) - truth).max() <= 1e-10 * np.abs(truth).max()
+    assert result.error_estimate <= 1e-8 and np.abs(result.model.c).max() <= 1e-8
+
+
 def test_a_key_bias_needs_whole_answers_and_grouped_heads():
     scalar = KeyBiasedRotary(mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=3, bias=True),
                              np.array([[0.8, -0.6]]))

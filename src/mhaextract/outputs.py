@@ -112,7 +112,8 @@ def _design(model: MultiHeadAttention, sequences, bias: bool) -> np.ndarray:
 
 
 def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: bool, readout: np.ndarray,
-               score_error: tuple[float, float] = (0.0, 0.0), seed=0, score_moves=None) -> ValueFit:
+               score_error: tuple[float, float] = (0.0, 0.0), seed=0, score_moves=None,
+               frame_shift: np.ndarray | None = None) -> ValueFit:
     """Fit ``V_h`` and ``c`` to whole answers under ``model``'s scores.
 
     Parameters
@@ -130,6 +131,9 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
         stretched by ``stretch`` (:func:`~mhaextract.rotary.refine.error_moves`), or None. Given,
         the scores' part of the estimate is ``DRAW_SAFETY`` times the largest response to them
         scaled back, and ``score_error`` is not used.
+    frame_shift : (d,) or None: the constant is judged as reported, that of the model seen through
+        ``x -> x + frame_shift`` (``c + sum_h V_h frame_shift``), with the values' error carried
+        into it; a run that asked every query at shifted tokens reports the model shifted back.
 
     Examples
     --------
@@ -178,6 +182,10 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     if bias:  # c's error relative to its own largest entry, as compare() measures it; absolute for a c
         # within RESOLVED errors of zero (a bias-free layer's c reads as noise, compare() reports it absolute)
         c_size, c_error = float(np.abs(c).max()), noise_error + score_part
+        if frame_shift is not None:  # the constant reported: every head mean moves by the shift
+            shift = np.asarray(frame_shift, dtype=np.float64)
+            c_size = float(np.abs(c + np.einsum("hod,d->o", V, shift)).max())
+            c_error *= 1.0 + heads * float(np.abs(shift).sum())
         error_estimate = max(error_estimate, c_error / c_size if c_size > RESOLVED * c_error else c_error)
     v_scale = float(np.abs(model.v).max()) or 1.0
     gap = float(np.abs(np.einsum("hod,o->hd", V, readout) - model.v).max()) / v_scale

@@ -794,7 +794,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         value_fit = fit_values(model, value_queries, whole, bias=True, readout=vectors.readout,
                                score_error=(estimate, estimate), seed=seed,
                                score_moves=None if refinement.error_draws is None
-                               else error_moves(model, refinement.error_draws))
+                               else error_moves(model, refinement.error_draws),
+                               frame_shift=None if neutral is None else -neutral.token)
         checks += value_fit.checks(residual_limit, estimate)
         scalar_model, model = model, value_fit.model
         estimate = max(estimate, value_fit.error_estimate)
