@@ -539,6 +539,27 @@ def test_a_value_fit_maps_the_refinements_own_error_draws_to_first_order():
     assert on_moved.score_error == pytest.approx(DRAW_SAFETY * change, rel=1e-3)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_value_fit_judges_the_shifted_back_constant_by_its_own_error(seed):
+    """With ``frame_shift`` s the constant reported is ``c + sum_h V_h s``, a linear functional of
+    the fit: its estimate covers its error against the truth's own shifted-back constant (answers
+    with noise 1e-9 of their size) without the slack of bounding it through |s|_1 times c's."""
+    from mhaextract.outputs import fit_values
+    layer = mx.RotaryAttention.random(d=8, heads=2, head_width=4, seed=3 + seed, kv_heads=1, d_out=5, bias=True)
+    r = np.random.default_rng(4).normal(size=5)
+    rng = np.random.default_rng(6 + seed)
+    queries = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(2, 9, 80)]
+    answers = layer(queries)
+    answers = answers + 1e-9 * np.abs(answers).max() * rng.standard_normal(answers.shape)
+    shift = 2 * rng.normal(size=8)
+    fit = fit_values(layer.readout(r), queries, answers, bias=True, readout=r, frame_shift=shift)
+    reported = fit.model.c + np.einsum("hod,d->o", fit.model.V, shift)
+    truth = layer.c + np.einsum("hod,d->o", layer.V, shift)
+    constant_error = np.abs(reported - truth).max() / np.abs(truth).max()
+    value_error = np.abs(fit.model.V - layer.V).max() / np.abs(layer.V).max()
+    assert constant_error <= fit.error_estimate <= 6 * max(constant_error, value_error)
+
+
 # -- a key bias (Qwen2): the key-neutral token and the shifted oracle ----------------------------
 
 class KeyBiasedLayer:

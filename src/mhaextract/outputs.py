@@ -162,18 +162,19 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     residual_rms = np.sqrt(solver.residual_squares / max(1, rows - unknowns))  # per output
     rng = np.random.default_rng(seed)
     # The answers' noise through the fit: std of coefficient i is sigma_o * ||row i of A^+||.
-    row_norms = np.sqrt(np.mean(solver.pinv_times(rng.standard_normal((rows, PROBES))) ** 2, axis=1))
+    probed = solver.pinv_times(rng.standard_normal((rows, PROBES)))        # A^+ G: (unknowns, PROBES)
+    row_norms = np.sqrt(np.mean(probed ** 2, axis=1))
     z = np.sqrt(2 * np.log(2 * unknowns * answers.shape[1]))
     noise_error = float(z * row_norms.max() * residual_rms.max())
     # The scores' error: the design moved by the schedule's own error draws, else by a random
     # perturbation of W and u of the estimated size.
     W_error, u_error = score_error
-    score_part = 0.0
+    responses, safety = [], 1.0  # first-order changes of the solution, (unknowns, d_out) each
     if score_moves is not None:
-        score_part = DRAW_SAFETY * max((float(np.abs(solver.response(moved)).max()) / stretch
-                                        for moved, stretch in score_moves), default=0.0)
+        responses, safety = [solver.response(moved) / stretch for moved, stretch in score_moves], DRAW_SAFETY
     elif W_error > 0 or u_error > 0:
-        score_part = float(np.abs(solver.response(model.scores_moved(rng, W_error, u_error))).max())
+        responses = [solver.response(model.scores_moved(rng, W_error, u_error))]
+    score_part = safety * max((float(np.abs(response).max()) for response in responses), default=0.0)
     V = X[:heads * d].T.reshape(answers.shape[1], heads, d).transpose(1, 0, 2)
     c = X[heads * d] if bias else np.zeros(answers.shape[1])
     fitted = model.with_values(V, c)
@@ -182,10 +183,14 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     if bias:  # c's error relative to its own largest entry, as compare() measures it; absolute for a c
         # within RESOLVED errors of zero (a bias-free layer's c reads as noise, compare() reports it absolute)
         c_size, c_error = float(np.abs(c).max()), noise_error + score_part
-        if frame_shift is not None:  # the constant reported: every head mean moves by the shift
-            shift = np.asarray(frame_shift, dtype=np.float64)
-            c_size = float(np.abs(c + np.einsum("hod,d->o", V, shift)).max())
-            c_error *= 1.0 + heads * float(np.abs(shift).sum())
+        if frame_shift is not None:
+            # the constant reported, c + sum_h V_h s, is the linear functional a^T X of the solution
+            # (every head mean moves by the shift): its noise through ||a^T A^+||, its response to
+            # the scores' error as a^T times the solution's
+            functional = np.append(np.tile(np.asarray(frame_shift, dtype=np.float64), heads), 1.0)
+            c_size = float(np.abs(functional @ X).max())
+            c_error = float(z * np.sqrt(np.mean((functional @ probed) ** 2)) * residual_rms.max()) + safety * max(
+                (float(np.abs(functional @ response).max()) for response in responses), default=0.0)
         error_estimate = max(error_estimate, c_error / c_size if c_size > RESOLVED * c_error else c_error)
     v_scale = float(np.abs(model.v).max()) or 1.0
     gap = float(np.abs(np.einsum("hod,o->hd", V, readout) - model.v).max()) / v_scale
