@@ -30,7 +30,8 @@ key/value heads, head width 8, seeds 0..3. About 3 minutes on one core.
 Part 2 only, on Qwen2 attentions with query, key and value biases (every parameter N(0, 1/d)),
 extracted with ``key_bias=True`` (docs/algorithm.md §22, "A key bias"): d = 16, H = 2, one
 key/value head, seeds 0..2, and d = 64, H = 4, two key/value heads, head width 16, in float64 and in
-float32. The queries include the key-neutral search's (its share in the last column). About 40
+float32; then under sliding windows of 8, 9 and 16 tokens (d = 16 with H = 1 and 2, d = 32 with
+H = 4). The queries include the key-neutral search's (its share in the last column). About 20
 minutes on one core.
 
     python benchmarks/bench_rotary_layers.py --probe-scales
@@ -101,8 +102,8 @@ def exactness():
             print(f"| {implementation} | {angles} | {errors[0]:.1e} | {errors[1]:.1e} |")
 
 
-def extraction(name, attention, heads, angles, key_bias=False):
-    oracle = TorchOracle(RotaryLayer(attention, angles=angles))
+def extraction(name, attention, heads, angles, key_bias=False, window=None):
+    oracle = TorchOracle(RotaryLayer(attention, angles=angles, window=window))
     d = attention.config.hidden_size
     start = time.perf_counter()
     try:
@@ -114,7 +115,7 @@ def extraction(name, attention, heads, angles, key_bias=False):
         result = error.extraction
         outcome = str(error).splitlines()[1].strip().split(" (")[0]
     seconds = time.perf_counter() - start
-    exact = to_rotary(attention)  # whole outputs; a scalar model is its read-out's
+    exact = to_rotary(attention, window=window)  # whole outputs; a scalar model is its read-out's
     searched = ""
     if result.neutral is not None:  # the search's queries, and the found token's key from the weights
         found = result.neutral.token
@@ -246,6 +247,13 @@ def main(large: bool = False, instances: bool = False, float32: bool = False, ke
                        "float64", key_bias=True)
         extraction("Qwen2, d = 64, H = 4, two kv heads", layer("qwen2", 64, 4, 2, 16, seed=0), 4, "float64",
                    key_bias=True)
+        # sliding windows: the shortest the instances allow at H = 1 and H = 2, and a grouped layer
+        extraction("Qwen2, d = 16, H = 1, window 8", layer("qwen2", 16, 1, 1, 8, seed=0), 1, "float64",
+                   key_bias=True, window=8)
+        extraction("Qwen2, d = 16, H = 2, one kv head, window 9", layer("qwen2", 16, 2, 1, 8, seed=0), 2,
+                   "float64", key_bias=True, window=9)
+        extraction("Qwen2, d = 32, H = 4, two kv heads, r = 8, window 16", layer("qwen2", 32, 4, 2, 8, seed=0), 4,
+                   "float64", key_bias=True, window=16)
         extraction("Qwen2, d = 64, H = 4, two kv heads, float32", layer("qwen2", 64, 4, 2, 16, seed=0).float(), 4,
                    "model", key_bias=True)
         return

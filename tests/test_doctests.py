@@ -22,6 +22,7 @@ MODULES = [
     "mhaextract.oracle.simulated", "mhaextract.oracle.noise", "mhaextract.oracle.boundary",
     "mhaextract.oracle.transcript", "mhaextract.oracle.parallel", "mhaextract.transformer", "mhaextract.outputs",
     "mhaextract.oracle.vector_answers", "mhaextract.rotary.model", "mhaextract.rotary.learn",
+    "mhaextract.rotary.neutral",
     "mhaextract.rotary.structure",
 ]
 TORCH_MODULES = ["mhaextract.adapters.torch", "mhaextract.adapters.rotary"]

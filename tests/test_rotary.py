@@ -565,9 +565,10 @@ def test_a_value_fit_judges_the_shifted_back_constant_by_its_own_error(seed):
 class KeyBiasedLayer:
     """A whole rotary layer with query, key and value biases written here from its weights (the
     reference oracle, independent of RotaryAttention): Q (H, r, d), K and W_V (H_kv, r, d) shared
-    by the groups, W_O (d_out, H r), rotation on consecutive pairs, outputs at the final token."""
+    by the groups, W_O (d_out, H r), rotation on consecutive pairs, outputs at the final token
+    attending its last ``window`` tokens (all without one)."""
 
-    def __init__(self, d=8, heads=2, kv_heads=1, width=4, seed=0, key_bias_size=0.5):
+    def __init__(self, d=8, heads=2, kv_heads=1, width=4, seed=0, key_bias_size=0.5, window=None):
         rng = np.random.default_rng(seed)
         self.d, self.H, self.kv, self.r = d, heads, kv_heads, width
         self.Wq = rng.normal(size=(heads, width, d)) / np.sqrt(d)
@@ -579,6 +580,7 @@ class KeyBiasedLayer:
         self.Wo = rng.normal(size=(d, heads * width)) / np.sqrt(heads * width)
         self.bo = rng.normal(size=d) * 0.1
         self.theta = 10000.0 ** (-np.arange(0, width, 2) / width)
+        self.window = window
         self.queries = 0
 
     def rotate(self, v, angle):  # v (..., r) rotated by angle * theta on consecutive pairs
@@ -588,6 +590,7 @@ class KeyBiasedLayer:
                         axis=-1).reshape(v.shape)
 
     def output(self, X):
+        X = X if self.window is None else X[-self.window:]
         N = len(X)
         heads = []
         for h in range(self.H):
@@ -665,6 +668,30 @@ def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed, 
     loaded = mx.load_model(mx.save_extraction(result, tmp_path / "key_bias.json")[0])
     assert all(np.array_equal(getattr(loaded, name), getattr(result.model, name))
                for name in ("Q", "K", "b", "key_bias", "theta", "V", "c"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [9, 16])
+def test_a_key_bias_under_a_sliding_window_is_found_within_it(window):
+    """The window is found before the key-neutral token ((y, 0^(L-1)) answers c once y left it,
+    key bias or not) and the search keeps every sequence in it: at 9 tokens (the instances'
+    shortest for two heads) its lengths are 2..9, its query changes four times as many."""
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0, window=window)
+    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    assert result.ok and result.window == window and result.queries == layer.queries
+    assert np.abs(layer.key_of(result.neutral.token)).max() <= 1e-8 * np.abs(layer.bk).max()
+    rng = np.random.default_rng(7)
+    fresh = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(1, 4 * window + 1, 200)]
+    truth = layer(fresh)
+    assert np.abs(result.model(fresh) - truth).max() <= 1e-10 * np.abs(truth).max()
+
+
+def test_a_window_too_short_for_the_instances_stops_before_the_key_neutral_search():
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0, window=8)
+    with pytest.raises(mx.ExtractionError, match="window") as failure:
+        mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    result = failure.value.extraction
+    assert result.window == 8 and result.neutral is None and result.queries == layer.queries < 30
 
 
 @pytest.mark.slow

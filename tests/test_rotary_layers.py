@@ -324,11 +324,13 @@ def test_a_one_head_layer_is_extracted_through_the_adapter(kind, options):
 
 
 @pytest.mark.slow
-def test_a_qwen2_layer_with_its_key_bias_is_extracted_whole():
-    layer = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8)
+@pytest.mark.parametrize("options", [{}, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}],
+                         ids=["full", "sliding-16"])
+def test_a_qwen2_layer_with_its_key_bias_is_extracted_whole(options):
+    layer = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8, **options)
     oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
     result = mx.extract(oracle, d=16, heads=2, positions="rotary", key_bias=True, seed=0)
-    assert result.ok and result.queries == oracle.sequences
+    assert result.ok and result.queries == oracle.sequences and result.window == options.get("sliding_window")
     truth = to_rotary(layer)
     error = mx.compare(result.model, truth).max_rel
     assert error <= 1e-10 and error <= 10 * result.error_estimate

@@ -676,32 +676,36 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=precision is None)
     c_whole = constant[0] if np.ndim(constant) == 2 else None  # a whole layer's output constant
     scale = d ** 0.25 if token_scale is None else float(token_scale)
-    neutral, checks = None, []
-    if key_bias:
-        if c_whole is None:
-            checks.append(Check("key_bias", False, 1.0, 2.0, "a key bias is sought from whole answers (a vector "
-                                "a query): this oracle answers one number; ask the whole layer"))
-        else:
-            neutral = find_neutral_token(boundary, c_whole, spawn_rng(seed, 24), scale, progress)
-            checks = neutral.checks()
-        if not all(check.passed for check in checks):
-            return RotaryExtraction(model=None, heads=0, queries=boundary.queries, queries_asked=boundary.queries,
-                                    max_query_length=boundary.max_query_length, window=None, window_search=None,
-                                    token_scale=scale, error_estimate=np.inf, answers_residual=np.inf,
-                                    seconds=time.perf_counter() - started, checks=checks, neutral=neutral)
-        # from here on the layer is seen without its key bias; the zero token is z*
-        boundary = ShiftedBoundary(boundary, neutral.token)
-        constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=True)
-        c_whole = constant[0]
     c = float(vectors.scalars(constant)[0] if c_whole is not None else constant[0])
+    # (y, 0^(L-1)) answers c once y left the window, key bias or not (every token attended is 0 and
+    # carries the same value whatever it scores): the window is found before any key-neutral token
     window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
     coarse = boundary.answer_unit > FIRST_LOOK_UNIT  # float32 answers
     learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window,
                             NOISY_SPARE_TOKENS if coarse else SPARE_TOKENS)
     # at coarser answers than float32 the window search reads rounding as a window: not reported
-    checks.append(answer_precision(boundary.answer_unit if precision is None else 2.0 ** -precision))
+    checks = [answer_precision(boundary.answer_unit if precision is None else 2.0 ** -precision)]
     if checks[-1].passed:
         checks.append(window.check(learner.samples + 3))
+    neutral = None
+    if key_bias and all(check.passed for check in checks):  # the search's sequences need the window's tokens
+        if c_whole is None:
+            checks.append(Check("key_bias", False, 1.0, 2.0, "a key bias is sought from whole answers (a vector "
+                                "a query): this oracle answers one number; ask the whole layer"))
+        else:
+            neutral = find_neutral_token(boundary, c_whole, spawn_rng(seed, 24), scale, progress, window.window)
+            checks += neutral.checks()
+        if not all(check.passed for check in checks):
+            return RotaryExtraction(model=None, heads=0, queries=boundary.queries, queries_asked=boundary.queries,
+                                    max_query_length=boundary.max_query_length, window=window.window,
+                                    window_search=window, token_scale=scale, error_estimate=np.inf,
+                                    answers_residual=np.inf, seconds=time.perf_counter() - started, checks=checks,
+                                    neutral=neutral)
+        # from here on the layer is seen without its key bias; the zero token is z*
+        boundary = ShiftedBoundary(boundary, neutral.token)
+        constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=True)
+        c_whole = constant[0]
+        c = float(vectors.scalars(constant)[0])
     start, model, refinement, diagnostics = None, None, None, {}
     sequences, answers, exact = [], np.zeros(0), np.zeros(0)
     if all(check.passed for check in checks):

@@ -51,7 +51,8 @@ EPSILON = 1e-3
 LENGTHS = (2, 3, 4, 5, 6, 8, 11, 16, 23, 32, 45, 64, 90, 128, 181, 256)
 #: Lengths of the search for the smallest neutral token (a Jacobian over all d directions).
 NULL_SPACE_LENGTHS = (2, 3, 4, 6, 11, 23, 64, 128, 256)
-#: Query changes ``e`` asked at every length.
+#: Query changes ``e`` asked at every length (more within a short window: as many criterion rows
+#: as at all of ``LENGTHS``, each length giving one score per head and direction).
 DIRECTIONS = 2
 #: Newton steps of the key-neutral search (the criterion is affine in the key to first order in
 #: eps; the second step takes out what the first left of the higher orders).
@@ -144,10 +145,11 @@ class ShiftedBoundary:
         return getattr(self.boundary, name)
 
 
-def _query_neutral(whole, c, V, rng, d, size, unit) -> tuple[np.ndarray, float]:
-    """Levenberg-Marquardt from 0 on the misfit from uniform attention over ``ceil(d / 16) + 1``
-    probe sequences of tokens of norm about ``size``: ``(x_q, misfit relative to the answers)``."""
-    probes = [rng.standard_normal((PROBE_TOKENS, d)) * size / np.sqrt(d) for _ in range(-(-d // PROBE_TOKENS) + 1)]
+def _query_neutral(whole, c, V, rng, d, size, unit, tokens=PROBE_TOKENS) -> tuple[np.ndarray, float]:
+    """Levenberg-Marquardt from 0 on the misfit from uniform attention over ``ceil(d / tokens) + 1``
+    probe sequences of ``tokens`` tokens of norm about ``size`` before the final one:
+    ``(x_q, misfit relative to the answers)``."""
+    probes = [rng.standard_normal((tokens, d)) * size / np.sqrt(d) for _ in range(-(-d // tokens) + 1)]
     scale = max(float(np.abs(whole([np.vstack([probe, np.zeros(d)]) for probe in probes],
                                    "key bias: the query-neutral token")).max()), 1e-300)
 
@@ -163,11 +165,29 @@ def _query_neutral(whole, c, V, rng, d, size, unit) -> tuple[np.ndarray, float]:
     return fit.x, float(np.abs(uniform_misfit(fit.x)).max())
 
 
+def within_window(lengths, window: int | None) -> tuple[int, ...]:
+    """The lengths that fit a sliding window of ``window`` tokens, the window itself added as the
+    longest (all of them where the window holds the longest).
+
+    >>> from mhaextract.rotary.neutral import within_window
+    >>> within_window((2, 3, 4, 6, 11, 23), 16)
+    (2, 3, 4, 6, 11, 16)
+    """
+    if window is None or window >= max(lengths):
+        return tuple(lengths)
+    return tuple(N for N in lengths if N < window) + (window,)
+
+
 def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_scale: float,
-                       progress=None) -> NeutralToken:
+                       progress=None, window: int | None = None) -> NeutralToken:
     """The key-neutral token ``z*`` of a layer answering whole outputs (c its answer to one zero
-    token), through ``boundary``; see the module's notes."""
+    token), through ``boundary``; see the module's notes. With a sliding ``window`` every sequence
+    of the search fits in it: a token that left it would leave the count."""
     d = boundary.d
+    if window is not None and window < 5:  # two lengths beyond the affine part's two
+        raise ValueError(f"the key-neutral search needs a window of at least 5 tokens, got {window}")
+    lengths, null_space_lengths = within_window(LENGTHS, window), within_window(NULL_SPACE_LENGTHS, window)
+    probe_tokens = PROBE_TOKENS if window is None else min(PROBE_TOKENS, window - 1)
     asked = boundary.queries
 
     def whole(sequences, description):
@@ -184,7 +204,8 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
 
     note_progress(progress, "key bias: seeking the final token whose query is zero")
     for probe_scale in PROBE_SCALES:
-        query_neutral, query_misfit = _query_neutral(whole, c, V, rng, d, probe_scale * token_scale, unit)
+        query_neutral, query_misfit = _query_neutral(whole, c, V, rng, d, probe_scale * token_scale, unit,
+                                                     probe_tokens)
         if query_misfit <= _query_limit(unit):
             break
     else:
@@ -192,7 +213,9 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
 
     note_progress(progress, "key bias: seeking the key-neutral token")
     y = rng.standard_normal(d) * token_scale / np.sqrt(d)
-    directions = rng.standard_normal((DIRECTIONS, d))
+    # the part not affine in N keeps len(lengths) - 2 of them
+    count = DIRECTIONS * -(-(len(LENGTHS) - 2) // (len(lengths) - 2))
+    directions = rng.standard_normal((count, d))
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     # rounding amplified by 1 / eps against the stencil's error of order eps^8: the best eps grows as
     # the unit's ninth root (9 times float64's for float32 answers)
@@ -211,7 +234,7 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
             sequences = [np.vstack([np.tile(z, (N - 2, 1)), y, query_neutral + sign * k * eps * e])
                          for e in directions for N in lengths for k in steps for sign in (1, -1)]
             answers = whole(sequences, "key bias: the key-neutral token").reshape(
-                DIRECTIONS, len(lengths), len(steps), 2, -1)
+                count, len(lengths), len(steps), 2, -1)
             first_order = np.einsum("k,dnko->dno", STENCIL, answers[..., 0, :] - answers[..., 1, :]) / eps
             T = counts ** 2 * first_order - counts * (directions @ V.T)[:, None, :]   # N^2 D_N - N V e
             rows.append(np.einsum("mn,dno->dmo", not_affine, T).ravel())
@@ -220,7 +243,7 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     # 1. the key-neutral token among the value-invisible z = x_q + n: the criterion is affine in n
     token, reference = query_neutral, None
     for _ in range(NEWTON_STEPS):
-        rows = criteria([token] + [token + token_scale * column for column in invisible.T], LENGTHS)
+        rows = criteria([token] + [token + token_scale * column for column in invisible.T], lengths)
         columns = (rows[1:] - rows[0]).T / token_scale
         if reference is None:  # the criterion's change under a move of the token by the token scale
             reference = max(float(np.abs(columns).max()) * token_scale, 1e-300)
@@ -231,8 +254,8 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     # are exact, the criterion being quadratic in the token at first order in eps.
     note_progress(progress, "key bias: the smallest key-neutral token")
     moves = np.eye(d) * token_scale
-    jacobian = (criteria(token + moves, NULL_SPACE_LENGTHS)
-                - criteria(token - moves, NULL_SPACE_LENGTHS)).T / (2 * token_scale)
+    jacobian = (criteria(token + moves, null_space_lengths)
+                - criteria(token - moves, null_space_lengths)).T / (2 * token_scale)
     _, key_singular, key_rows = np.linalg.svd(jacobian, full_matrices=False)
     key_rows = key_rows[:rank].T                          # K's row space: n_kv r = the values' rank
     smallest = key_rows @ (key_rows.T @ token)
@@ -240,10 +263,10 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     # smallest token carry another value than x_q, so the Jacobian is taken again there
     for _ in range(SMALLEST_STEPS):
         moves = key_rows.T * token_scale
-        rows = criteria([smallest] + list(smallest + moves) + list(smallest - moves), NULL_SPACE_LENGTHS)
+        rows = criteria([smallest] + list(smallest + moves) + list(smallest - moves), null_space_lengths)
         columns = (rows[1:rank + 1] - rows[rank + 1:]).T / (2 * token_scale)
         smallest = smallest - key_rows @ np.linalg.lstsq(columns, rows[0], rcond=None)[0]
-    key_misfit = float(np.abs(criteria([smallest], LENGTHS)[0]).max()) / reference
+    key_misfit = float(np.abs(criteria([smallest], lengths)[0]).max()) / reference
     return NeutralToken(smallest, query_neutral, d, rank, query_misfit, key_misfit, boundary.queries - asked, unit,
                         key_gap=float(key_singular[rank] / key_singular[rank - 1]) if rank < len(key_singular) else 0.0,
                         invisible_token=token)
