@@ -366,27 +366,31 @@ def test_a_grouped_two_head_layer_is_extracted_whole(seed):
 @pytest.mark.slow
 def test_a_whole_layers_outputs_place_the_instances_poles():
     """Four heads at d = 32: the instances' poles fitted to the read-out and 2H channels of the
-    whole answers give a start model a hundred times closer to the layer than the read-out alone
-    (measured: 7e-7 against 6e-4 on this layer); the same queries either way."""
+    whole answers give a start model much closer to the layer than the read-out alone (measured on
+    layers 0, 1, 2: 4e-6, 5e-8, 2e-8 against 2e-4, 8e-4, 9e-5); the same queries either way."""
     from mhaextract.oracle.boundary import OracleBoundary
     from mhaextract.oracle.vector_answers import VectorAnswers
     from mhaextract.rotary import learn
 
     d, H = 32, 4
-    layer = attention("llama", seed=0, d=d, H=H, H_kv=2, r=8)
-    oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
-    vectors = VectorAnswers(0)
-    boundary = OracleBoundary(oracle, d, vectors=vectors)
-    learner = learn.RotaryLearner(d, H, 0, token_scale=6.0, bias=True, rank=8)
-    whole = boundary.ask(learn.instance_queries(learner.patterns(), learner.ks), whole=True)
-    answers = vectors.scalars(whole)
-    projection = learn.channel_projection(np.random.default_rng(0), whole.shape[1], H)
-    assert projection.shape == (d, 2 * H) and np.allclose(projection.T @ projection, np.eye(2 * H))
-    truth = to_rotary(layer).readout(vectors.readout)
-    alone, _ = learner.learn(answers, 0.0)
-    joint, _ = learner.learn(answers, 0.0, 2.0 ** -53, whole @ projection, np.zeros(2 * H))
-    error_alone, error_joint = mx.compare(alone, truth).max_rel, mx.compare(joint, truth).max_rel
-    assert error_joint <= 1e-4 and error_joint * 100 <= error_alone
+    ratios = []
+    for seed in range(3):
+        layer = attention("llama", seed=seed, d=d, H=H, H_kv=2, r=8)
+        oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
+        vectors = VectorAnswers(0)
+        boundary = OracleBoundary(oracle, d, vectors=vectors)
+        learner = learn.RotaryLearner(d, H, 0, token_scale=6.0, bias=True, rank=8)
+        whole = boundary.ask(learn.instance_queries(learner.patterns(), learner.ks), whole=True)
+        answers = vectors.scalars(whole)
+        projection = learn.channel_projection(np.random.default_rng(0), whole.shape[1], H)
+        assert projection.shape == (d, 2 * H) and np.allclose(projection.T @ projection, np.eye(2 * H))
+        truth = to_rotary(layer).readout(vectors.readout)
+        alone, _ = learner.learn(answers, 0.0)
+        joint, _ = learner.learn(answers, 0.0, 2.0 ** -53, whole @ projection, np.zeros(2 * H))
+        error_alone, error_joint = mx.compare(alone, truth).max_rel, mx.compare(joint, truth).max_rel
+        assert error_joint <= 1e-5 and error_joint * 10 <= error_alone
+        ratios.append(error_alone / error_joint)
+    assert np.median(ratios) >= 1000
 
 
 @pytest.mark.slow
