@@ -31,7 +31,7 @@ Part 2 only, on Qwen2 attentions with query, key and value biases (every paramet
 extracted with ``key_bias=True`` (docs/algorithm.md §22, "A key bias"): d = 16, H = 2, one
 key/value head, seeds 0..2, and d = 64, H = 4, two key/value heads, head width 16, in float64 and in
 float32; then under sliding windows of 8, 9 and 16 tokens (d = 16 with H = 1 and 2, d = 32 with
-H = 4). The queries include the key-neutral search's (its share in the last column). About 20
+H = 4). The queries include the key-neutral search's (its share in the last column). About 15
 minutes on one core.
 
     python benchmarks/bench_rotary_layers.py --probe-scales
