@@ -692,7 +692,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         if c_whole is None:
             checks.append(Check("key_bias", False, 1.0, 2.0, "a key bias is sought from whole answers (a vector "
                                 "a query): this oracle answers one number; ask the whole layer"))
-        elif boundary.answer_unit > FIRST_LOOK_UNIT:  # refused before the search spends its queries
+        elif coarse:  # refused before the search spends its queries
             checks.append(Check("key_bias", False, boundary.answer_unit, FIRST_LOOK_UNIT,
                                 "the answers' rounding unit: the key-neutral search differences the answers to "
                                 "first order in a small query, which float32 rounding swamps; run the layer in "

@@ -22,6 +22,8 @@ at every offset, and shifting every token by it gives a layer without key bias
    criterion vanishes on every neutral token ``z + null(K)`` and, at z, moves with ``K m`` alone:
    its Jacobian's row space is K's, and z projected on it is the smallest neutral token, polished
    by Newton steps within that row space.
+
+Under a sliding window every sequence of the search stays within it (:func:`within_window`).
 """
 
 from __future__ import annotations
@@ -185,7 +187,8 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     of the search fits in it: a token that left it would leave the count."""
     d = boundary.d
     if window is not None and window < 5:  # two lengths beyond the affine part's two
-        raise ValueError(f"the key-neutral search needs a window of at least 5 tokens, got {window}")
+        raise ValueError(f"the key-neutral search needs a window of at least 5 tokens, got {window}: a layer "
+                         "with a shorter window has no key-neutral token this search can find")
     lengths, null_space_lengths = within_window(LENGTHS, window), within_window(NULL_SPACE_LENGTHS, window)
     probe_tokens = PROBE_TOKENS if window is None else min(PROBE_TOKENS, window - 1)
     asked = boundary.queries
@@ -213,9 +216,9 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
 
     note_progress(progress, "key bias: seeking the key-neutral token")
     y = rng.standard_normal(d) * token_scale / np.sqrt(d)
-    # the part not affine in N keeps len(lengths) - 2 of them
-    count = DIRECTIONS * -(-(len(LENGTHS) - 2) // (len(lengths) - 2))
-    directions = rng.standard_normal((count, d))
+    # as many criterion rows as at all of LENGTHS: the part not affine in N keeps all lengths but two
+    direction_count = DIRECTIONS * -(-(len(LENGTHS) - 2) // (len(lengths) - 2))
+    directions = rng.standard_normal((direction_count, d))
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     # rounding amplified by 1 / eps against the stencil's error of order eps^8: the best eps grows as
     # the unit's ninth root (9 times float64's for float32 answers)
@@ -234,7 +237,7 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
             sequences = [np.vstack([np.tile(z, (N - 2, 1)), y, query_neutral + sign * k * eps * e])
                          for e in directions for N in lengths for k in steps for sign in (1, -1)]
             answers = whole(sequences, "key bias: the key-neutral token").reshape(
-                count, len(lengths), len(steps), 2, -1)
+                direction_count, len(lengths), len(steps), 2, -1)
             first_order = np.einsum("k,dnko->dno", STENCIL, answers[..., 0, :] - answers[..., 1, :]) / eps
             T = counts ** 2 * first_order - counts * (directions @ V.T)[:, None, :]   # N^2 D_N - N V e
             rows.append(np.einsum("mn,dno->dmo", not_affine, T).ravel())
