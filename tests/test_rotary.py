@@ -694,6 +694,15 @@ def test_a_window_too_short_for_the_instances_stops_before_the_key_neutral_searc
     assert result.window == 8 and result.neutral is None and result.queries == layer.queries < 30
 
 
+def test_the_key_neutral_search_refuses_a_window_without_lengths_to_spare():
+    from mhaextract.rotary.neutral import find_neutral_token
+    layer = KeyBiasedLayer(d=8, heads=1, kv_heads=1, width=4, seed=0, window=4)
+    boundary = OracleBoundary(layer, 8)
+    with pytest.raises(ValueError, match="window of at least 5 tokens, got 4"):
+        find_neutral_token(boundary, np.zeros(8), np.random.default_rng(0), 1.0, window=4)
+    assert layer.queries == 0
+
+
 @pytest.mark.slow
 def test_key_bias_on_a_layer_without_biases_is_no_false_alarm():
     """``key_bias=True`` on a Llama-like layer (no biases at all): the neutral token is 0 to the
