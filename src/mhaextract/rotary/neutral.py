@@ -45,6 +45,9 @@ PROBE_SCALES = (3.0, 1.0, 10.0)
 #: The first-order term ``D_N`` by a central difference of eight points, ``+-eps, .., +-4 eps``:
 #: ``D = sum_k STENCIL[k] (f(+k eps) - f(-k eps)) / eps`` (error of order ``eps^8``).
 STENCIL = np.array([672.0, -168.0, 32.0, -3.0]) / 840.0
+#: The four-point stencil (``+-eps, +-2 eps``, error of order ``eps^4``) of the Jacobian over all d
+#: directions, which only has to show K's row space.
+JACOBIAN_STENCIL = np.array([8.0, -1.0]) / 12.0
 #: The step ``eps`` of the final token with float64 answers, relative to the token scale at ``d = 1``
 #: (``eps = EPSILON token_scale / d^(1/4)``): queries of about 1e-3 of the tokens', where rounding
 #: (amplified by ``N^2 / eps``) and the stencil's error balance.
@@ -223,22 +226,22 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     # rounding amplified by 1 / eps against the stencil's error of order eps^8: the best eps grows as
     # the unit's ninth root (9 times float64's for float32 answers)
     eps = EPSILON * (unit / 2.0 ** -53) ** (1 / 9) * token_scale / d ** 0.25
-    steps = np.arange(1, len(STENCIL) + 1)
 
-    def criteria(tokens, lengths):
+    def criteria(tokens, lengths, stencil=STENCIL):
         """The part of ``T_N`` not affine in N in ``(z^(N-2), y, x_q + eps e)``, one row per z in
         ``tokens``, over the ``lengths`` N (asked one z at a time: memory of one z's queries)."""
         lengths = np.asarray(lengths)
         affine = np.stack([np.ones(len(lengths)), lengths], axis=1)
         not_affine = np.eye(len(lengths)) - affine @ np.linalg.pinv(affine)
         counts = lengths[None, :, None]
+        steps = np.arange(1, len(stencil) + 1)
         rows = []
         for z in tokens:
             sequences = [np.vstack([np.tile(z, (N - 2, 1)), y, query_neutral + sign * k * eps * e])
                          for e in directions for N in lengths for k in steps for sign in (1, -1)]
             answers = whole(sequences, "key bias: the key-neutral token").reshape(
                 direction_count, len(lengths), len(steps), 2, -1)
-            first_order = np.einsum("k,dnko->dno", STENCIL, answers[..., 0, :] - answers[..., 1, :]) / eps
+            first_order = np.einsum("k,dnko->dno", stencil, answers[..., 0, :] - answers[..., 1, :]) / eps
             T = counts ** 2 * first_order - counts * (directions @ V.T)[:, None, :]   # N^2 D_N - N V e
             rows.append(np.einsum("mn,dno->dmo", not_affine, T).ravel())
         return np.array(rows)
@@ -257,8 +260,8 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     # are exact, the criterion being quadratic in the token at first order in eps.
     note_progress(progress, "key bias: the smallest key-neutral token")
     moves = np.eye(d) * token_scale
-    jacobian = (criteria(token + moves, null_space_lengths)
-                - criteria(token - moves, null_space_lengths)).T / (2 * token_scale)
+    jacobian = (criteria(token + moves, null_space_lengths, JACOBIAN_STENCIL)
+                - criteria(token - moves, null_space_lengths, JACOBIAN_STENCIL)).T / (2 * token_scale)
     _, key_singular, key_rows = np.linalg.svd(jacobian, full_matrices=False)
     key_rows = key_rows[:rank].T                          # K's row space: n_kv r = the values' rank
     smallest = key_rows @ (key_rows.T @ token)
