@@ -45,8 +45,9 @@ PROBE_SCALES = (3.0, 1.0, 10.0)
 #: The first-order term ``D_N`` by a central difference of eight points, ``+-eps, .., +-4 eps``:
 #: ``D = sum_k STENCIL[k] (f(+k eps) - f(-k eps)) / eps`` (error of order ``eps^8``).
 STENCIL = np.array([672.0, -168.0, 32.0, -3.0]) / 840.0
-#: The four-point stencil (``+-eps, +-2 eps``, error of order ``eps^4``) of the Jacobian over all d
-#: directions, which only has to show K's row space.
+#: The four-point stencil (``+-eps, +-2 eps``, error of order ``eps^4``) of the search's Jacobians,
+#: which steer its Newton steps and show K's row space; a criterion a step solves, or the check
+#: reads, is at ``STENCIL``'s eight points.
 JACOBIAN_STENCIL = np.array([8.0, -1.0]) / 12.0
 #: The step ``eps`` of the final token with float64 answers, relative to the token scale at ``d = 1``
 #: (``eps = EPSILON token_scale / d^(1/4)``): queries of about 1e-3 of the tokens', where rounding
@@ -59,8 +60,8 @@ NULL_SPACE_LENGTHS = (2, 3, 4, 6, 11, 23, 64, 128, 256)
 #: Query changes ``e`` asked at every length (more within a short window: as many criterion rows
 #: as at all of ``LENGTHS``, each length giving one score per head and direction).
 DIRECTIONS = 2
-#: Newton steps of the key-neutral search (the criterion is affine in the key to first order in
-#: eps; the second step takes out what the first left of the higher orders).
+#: Newton steps of the key-neutral search, on one Jacobian (the criterion is affine in the key to
+#: first order in eps; the second step takes out what the first left of the higher orders).
 NEWTON_STEPS = 2
 #: Evaluations of the query-neutral search's Levenberg-Marquardt besides its Jacobians.
 LM_EVALUATIONS = 100
@@ -247,13 +248,13 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
         return np.array(rows)
 
     # 1. the key-neutral token among the value-invisible z = x_q + n: the criterion is affine in n
-    token, reference = query_neutral, None
+    token = query_neutral
+    rows = criteria([token] + [token + token_scale * column for column in invisible.T], lengths, JACOBIAN_STENCIL)
+    columns = (rows[1:] - rows[0]).T / token_scale
+    # the criterion's change under a move of the token by the token scale
+    reference = max(float(np.abs(columns).max()) * token_scale, 1e-300)
     for _ in range(NEWTON_STEPS):
-        rows = criteria([token] + [token + token_scale * column for column in invisible.T], lengths)
-        columns = (rows[1:] - rows[0]).T / token_scale
-        if reference is None:  # the criterion's change under a move of the token by the token scale
-            reference = max(float(np.abs(columns).max()) * token_scale, 1e-300)
-        token = token + invisible @ np.linalg.lstsq(columns, -rows[0], rcond=None)[0]
+        token = token + invisible @ np.linalg.lstsq(columns, -criteria([token], lengths)[0], rcond=None)[0]
     # 2. the smallest neutral token. The criterion vanishes on all of z* + null(K) (neutral copies
     # with any value leave T_N affine in N) and, at z*, moves with K m alone (the copies' value
     # change multiplies their zero scores): its Jacobian's row space is K's. Central differences
@@ -269,9 +270,10 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     # smallest token carry another value than x_q, so the Jacobian is taken again there
     for _ in range(SMALLEST_STEPS):
         moves = key_rows.T * token_scale
-        rows = criteria([smallest] + list(smallest + moves) + list(smallest - moves), null_space_lengths)
-        columns = (rows[1:rank + 1] - rows[rank + 1:]).T / (2 * token_scale)
-        smallest = smallest - key_rows @ np.linalg.lstsq(columns, rows[0], rcond=None)[0]
+        here = criteria([smallest], null_space_lengths)[0]
+        rows = criteria(list(smallest + moves) + list(smallest - moves), null_space_lengths, JACOBIAN_STENCIL)
+        columns = (rows[:rank] - rows[rank:]).T / (2 * token_scale)
+        smallest = smallest - key_rows @ np.linalg.lstsq(columns, here, rcond=None)[0]
     key_misfit = float(np.abs(criteria([smallest], lengths)[0]).max()) / reference
     return NeutralToken(smallest, query_neutral, d, rank, query_misfit, key_misfit, boundary.queries - asked, unit,
                         key_gap=float(key_singular[rank] / key_singular[rank - 1]) if rank < len(key_singular) else 0.0,
