@@ -675,7 +675,7 @@ def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed, 
 def test_a_key_bias_under_a_sliding_window_is_found_within_it(window):
     """The window is found before the key-neutral token ((y, 0^(L-1)) answers c once y left it,
     key bias or not) and the search keeps every sequence in it: at 9 tokens (the instances'
-    shortest for two heads) its lengths are 2..9, its query changes four times as many."""
+    shortest for two heads) its lengths are 2, 3, 4, 5, 6, 8, 9 and its query changes three times as many."""
     layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0, window=window)
     result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
     assert result.ok and result.window == window and result.queries == layer.queries

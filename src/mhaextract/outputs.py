@@ -182,8 +182,9 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     error_estimate = (noise_error + score_part) / V_scale
     if bias:  # c's error relative to its own largest entry, as compare() measures it; absolute for a c
         # within RESOLVED errors of zero (a bias-free layer's c reads as noise, compare() reports it absolute)
-        c_size, c_error = float(np.abs(c).max()), noise_error + score_part
-        if frame_shift is not None:
+        if frame_shift is None:
+            c_size, c_error = float(np.abs(c).max()), noise_error + score_part
+        else:
             # the constant reported, c + sum_h V_h s, is the linear functional a^T X of the solution
             # (every head mean moves by the shift): its noise through ||a^T A^+||, its response to
             # the scores' error as a^T times the solution's
