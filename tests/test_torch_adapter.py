@@ -92,6 +92,43 @@ def test_the_callers_module_is_left_as_it_was_and_answers_in_its_own_dtype():
     assert oracle.answer_dtype == "float32" and oracle(sequences(16)).dtype == np.float32
 
 
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("whole", [True, False], ids=["whole outputs", "read out"])
+def test_copies_instances_built_on_the_device_answer_as_their_sequences_do(dtype, whole):
+    """The targeted schedules' CopiesBatch crosses as two rows a query and is built where the module
+    runs: bit for bit the answers of the same sequences stacked on the host, in the batch's order
+    (copy counts interleaved), one pass per length, and the counts of a plain batch."""
+    from mhaextract.oracle.queries import CopiesBatch, copies_block
+
+    rng = np.random.default_rng(0)
+    d = 8
+    segments = [(rng.standard_normal((n, d)), rng.standard_normal((n, d)), k) for n, k in [(5, 2), (3, 1), (4, 2), (6, 4)]]
+    batch = CopiesBatch(segments)
+    layer = multihead(d, 2, bias=True, batch_first=True).to(getattr(torch, dtype))
+    oracle = TorchOracle(layer, None if whole else readout(d))
+    built = oracle(batch)
+    assert (oracle.calls, oracle.sequences) == (3, 18)  # lengths 2, 3 and 5
+    plain = oracle(list(batch))
+    np.testing.assert_array_equal(built, plain)
+    assert built.dtype == plain.dtype and built.shape == ((18, d) if whole else (18,))
+    reference = to_reduced(layer.double(), None if whole else readout(d))(
+        [sequence for segment in segments for sequence in copies_block(*segment)])
+    assert relative(built, reference) < {"float64": 1e-13, "float32": 1e-5, "bfloat16": 5e-2}[dtype]
+
+
+def test_a_copies_batch_changed_after_it_was_built_is_asked_as_the_sequences_it_holds():
+    """Only an intact CopiesBatch is built from its rows: one whose list was changed answers what
+    it holds."""
+    from mhaextract.oracle.queries import CopiesBatch
+
+    rng = np.random.default_rng(1)
+    batch = CopiesBatch([(rng.standard_normal((3, 4)), rng.standard_normal((3, 4)), 2)])
+    batch.append(rng.standard_normal((7, 4)))
+    oracle = TorchOracle(multihead(4, 2, bias=False, batch_first=True))
+    np.testing.assert_array_equal(oracle(batch), oracle(list(batch)))
+    assert oracle(batch).shape == (4, 4)
+
 # ---------------------------------------------------------------------- acceptance 1: real extractions
 
 @pytest.mark.parametrize("seed", [0, 1])

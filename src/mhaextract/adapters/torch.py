@@ -44,6 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mhaextract.adapters.torch needs PyTorch: pip install 'mhaextract[torch]'") from error
 
 from ..model import MultiHeadAttention, as_batch
+from ..oracle.queries import CopiesBatch
 from ..oracle.vector_answers import read_out
 from ..rotary.model import RotaryAttention
 
@@ -257,8 +258,14 @@ class TorchOracle:
         float64 accuracy). Answers cross as float64, converted exactly.
     calls, sequences : forward passes run and sequences answered.
 
-    Sequences of equal length are stacked into one forward pass. Tokens must be float arrays (a
-    torch layer serves float64 extractions, ``precision=None``).
+    Sequences of equal length are stacked into one forward pass, in the module's dtype, on its
+    device. The targeted schedules' copies-instances (a
+    :class:`~mhaextract.oracle.queries.CopiesBatch`) cross as two rows a query, ``(x, z)``, and are
+    built there (``(y, .., y, x)``, ``y = x - z`` in float64): the same tokens and the same passes
+    as their sequences stacked on the host, without the host's copy of every token (the cost that
+    bounds a GPU's rate, docs/scale.md "GPU oracles"). Tokens must be float arrays (a torch layer
+    serves float64 extractions, ``precision=None``); the size of a pass is the extraction's
+    ``batch_size``.
 
     Examples
     --------
@@ -304,17 +311,15 @@ class TorchOracle:
         return f"TorchOracle({type(self._original).__name__}, {self.answer_dtype}, {outputs})"
 
     def __call__(self, batch) -> np.ndarray:
-        sequences = as_batch(batch)
-        for index, sequence in enumerate(sequences):
-            if sequence.dtype == object:
-                raise TypeError(f"sequence {index} holds Python objects (high-precision tokens?): a torch layer "
-                                "answers in its own float dtype, run the extraction with precision=None")
+        groups, count = self._copies_groups(batch), None
+        if groups is None:
+            groups, count = self._length_groups(batch)
+        else:
+            count = sum(len(finals) for finals, _, _ in batch.segments)
         out = None
-        lengths = np.array([len(s) for s in sequences])
         with torch.inference_mode():
-            for length in np.unique(lengths):
-                index = np.flatnonzero(lengths == length)
-                X = torch.as_tensor(np.stack([sequences[i] for i in index]), dtype=self.dtype, device=self.device)
+            for index, build in groups:
+                X = build()
                 last = self._last_position(X)
                 if self.readout is not None and last.shape != (len(index), len(self.readout)):
                     raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}, "
@@ -328,13 +333,62 @@ class TorchOracle:
                 else:
                     answers = read_out(answers, self.readout, self._single)
                 if out is None:
-                    out = np.empty((len(sequences),) + answers.shape[1:], dtype=np.float64)
+                    out = np.empty((count,) + answers.shape[1:], dtype=np.float64)
                 out[index] = answers
                 self.calls += 1
-        self.sequences += len(sequences)
+        self.sequences += count
+        if out is None:
+            out = np.empty((0,) if self.readout is not None else (0, self.d_out or 0))
         if self.readout is not None and self._single:
             return out.astype(np.float32)  # float32 numbers: the answers' precision shows in their type
         return out
+
+    def _tokens(self, array) -> torch.Tensor:
+        """Host tokens onto the module's device, then into its dtype (the one cast every path makes)."""
+        return torch.as_tensor(array, device=self.device).to(self.dtype)
+
+    def _length_groups(self, batch):
+        """Any batch: the sequences of each length stacked into one forward pass."""
+        sequences = as_batch(batch)
+        for index, sequence in enumerate(sequences):
+            if sequence.dtype == object:
+                raise TypeError(f"sequence {index} holds Python objects (high-precision tokens?): a torch layer "
+                                "answers in its own float dtype, run the extraction with precision=None")
+        lengths = np.array([len(s) for s in sequences])
+        groups = [(index, lambda index=index: self._tokens(np.stack([sequences[i] for i in index])))
+                  for index in (np.flatnonzero(lengths == length) for length in np.unique(lengths))]
+        return groups, len(sequences)
+
+    def _copies_groups(self, batch):
+        """A :class:`~mhaextract.oracle.queries.CopiesBatch` (the targeted schedules' queries): the
+        queries of each copy count built on the module's device from their two rows ``(x, z)``,
+        ``(y, .., y, x)`` with ``y = x - z`` in float64 as :func:`~mhaextract.oracle.queries.copies_block`
+        forms it, without stacking the batch's sequences one by one on the host (or sending ``k + 1``
+        rows a query to a GPU instead of two). The same tokens, so the same answers, as any batch of
+        those sequences. None for any other batch."""
+        if not (isinstance(batch, CopiesBatch) and batch.intact()):
+            return None
+        segments = batch.segments
+        if not all(np.issubdtype(np.asarray(part).dtype, np.floating) for finals, differences, _ in segments
+                   for part in (finals, differences)):
+            return None
+        starts = np.cumsum([0] + [len(finals) for finals, _, _ in segments])
+        groups = []
+        for k in sorted({k for _, _, k in segments}):
+            picked = [n for n, segment in enumerate(segments) if segment[2] == k]
+            index = np.concatenate([np.arange(starts[n], starts[n + 1]) for n in picked])
+
+            def build(picked=picked, k=k):
+                finals = torch.as_tensor(np.concatenate([segments[n][0] for n in picked]), device=self.device)
+                differences = torch.as_tensor(np.concatenate([segments[n][1] for n in picked]), device=self.device)
+                block = torch.empty((len(finals), k + 1, finals.shape[-1]),
+                                    dtype=torch.promote_types(finals.dtype, differences.dtype), device=self.device)
+                torch.sub(finals, differences, out=block[:, 0])
+                block[:, 1:k] = block[:, :1]
+                block[:, k] = finals
+                return block.to(self.dtype)
+            groups.append((index, build))
+        return groups
 
     def _last_position(self, X: torch.Tensor) -> torch.Tensor:
         """The module's output at the last position for a batch (B, N, d) -> (B, d_out)."""
