@@ -11,8 +11,8 @@ queries, against the same layer on the CPU in the same run (docs/scale.md, "GPU 
    Llama-2-7B). Queries per second on the GPU, handed over as the schedule hands them (two rows a
    query, the sequences built on the GPU) and as plain sequences stacked on the host (the ratio of
    the two is what building on the device saves), against the CPU (torch, all cores; the
-   baseline of the row's ratio) at the same size, where one CPU batch fits ``--cpu-budget``
-   seconds.
+   baseline of the row's ratio) at the same size, in batches of ``--cpu-batch`` queries, where one
+   fits ``--cpu-budget`` seconds.
 2. **Extraction.** ``mx.extract(TorchOracle(layer), d, heads=H, seed=0, batch_size=--batch)`` with
    the float64 layer on the GPU, whole outputs (the layer as a replacement): queries at the
    oracle's boundary, oracle and learner seconds, learner / oracle, the relative error against the
@@ -91,11 +91,12 @@ def throughput(args, device: str) -> dict:
             cpu_rate = "-"
             ratio = "-"
             cpu_oracle = TorchOracle(layer(d, heads, dtype, "cpu"))
+            cpu_batch = copies_batch(rng, d, args.cpu_batch, scale=d ** 0.25)
             started = time.perf_counter()
-            cpu_oracle(batch)  # one batch: does the CPU fit the budget at this size?
+            cpu_oracle(cpu_batch)  # one batch: does the CPU fit the budget at this size?
             once = time.perf_counter() - started
             if once <= args.cpu_budget:
-                measured = rate(cpu_oracle, batch, 1)
+                measured = rate(cpu_oracle, cpu_batch, 1)
                 cpu_rate, ratio = f"{measured:,.0f}", f"{built / measured:.1f}"
             per_query[(d, heads, name)] = 1.0 / built
             print(f"| {d} | {heads} | {name} | {device} | {built:,.0f} | {stacked:,.0f} | {built / stacked:.2f} | "
@@ -170,13 +171,14 @@ def main() -> None:
     parser.add_argument("--cells", type=pairs, nargs="+", default=[(64, 4), (128, 8), (256, 8)])
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu-batch", type=int, default=1024, help="queries of the CPU's batches")
     parser.add_argument("--cpu-budget", type=float, default=20.0, help="seconds one CPU batch may take")
     parser.add_argument("--cpu-cell-d", type=int, default=128, help="largest d whose extraction also runs on the CPU")
     parser.add_argument("--project-queries", type=float, default=7.10e7)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
-        args.sizes, args.cells, args.batch, args.repeats = [(64, 4), (256, 8)], [(32, 2)], 1024, 2
+        args.sizes, args.cells, args.batch, args.repeats, args.cpu_batch = [(64, 4), (256, 8)], [(32, 2)], 1024, 2, 256
     elif device == "cpu":
         parser.error("no CUDA device: run on a machine with a GPU, or --quick for a smoke run on the CPU")
     name = torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU only)"
