@@ -311,3 +311,47 @@ def test_an_instance_table_is_its_instances_as_arrays_and_asks_what_each_instanc
     assert len(sequences) == len(expected) and all(np.array_equal(a, b) for a, b in zip(sequences, expected))
     empty, no_owners, no_copies = table.queries([])
     assert len(empty) == len(no_owners) == len(no_copies) == 0
+
+
+class RowsTaking:
+    """An oracle that takes copies-instances as their rows (as TorchOracle does): it answers the
+    sequences it builds from what it is handed, and records what that was."""
+
+    takes_copies_rows = True
+
+    def __init__(self, target):
+        self.target, self.kinds, self.asked = target, set(), []
+
+    def __call__(self, batch):
+        self.kinds.add(type(batch).__name__)
+        sequences = list(batch)
+        self.asked.extend(np.array(X) for X in sequences)
+        return self.target(sequences)
+
+
+def test_copies_instances_go_as_rows_to_an_oracle_that_takes_them_and_are_the_same_queries(tmp_path):
+    """The targeted schedule's queries reach an oracle with ``takes_copies_rows`` as CopiesRows (no
+    sequence built by the boundary) and any other oracle as sequences: the same queries in the same
+    order, the same counts and longest query, the same model to the bit; the transcript holds them
+    as asked, and a resumed run replays every answer."""
+    target = mx.MultiHeadAttention.random(8, 2, seed=0)
+    plain_asked = []
+
+    def plain(batch):
+        plain_asked.extend(np.array(X) for X in batch)
+        return target(batch)
+
+    run = dict(heads=2, seed=3, schedule="targeted", batch_size=64, progress=False)
+    expected = mx.extract(plain, 8, **run)
+    rows = RowsTaking(target)
+    result = mx.extract(rows, 8, transcript=tmp_path / "rows.sqlite", **run)
+    assert "CopiesRows" in rows.kinds and "CopiesBatch" not in rows.kinds
+    assert len(rows.asked) == len(plain_asked) == result.queries == expected.queries
+    assert all(np.array_equal(a, b) for a, b in zip(rows.asked, plain_asked))
+    assert result.max_query_length == expected.max_query_length == max(map(len, rows.asked))
+    np.testing.assert_array_equal(result.model.W, expected.model.W)
+    np.testing.assert_array_equal(result.model.v, expected.model.v)
+    again = RowsTaking(target)
+    replay = mx.extract(again, 8, transcript=tmp_path / "rows.sqlite", resume_check=0, **run)
+    assert not again.asked and replay.queries_replayed == result.queries
+    np.testing.assert_array_equal(replay.model.W, result.model.W)

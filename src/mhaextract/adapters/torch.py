@@ -44,7 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mhaextract.adapters.torch needs PyTorch: pip install 'mhaextract[torch]'") from error
 
 from ..model import MultiHeadAttention, as_batch
-from ..oracle.queries import CopiesBatch
+from ..oracle.queries import copies_rows
 from ..oracle.vector_answers import read_out
 from ..rotary.model import RotaryAttention
 
@@ -259,11 +259,11 @@ class TorchOracle:
     calls, sequences : forward passes run and sequences answered.
 
     Sequences of equal length are stacked into one forward pass, in the module's dtype, on its
-    device. The targeted schedules' copies-instances (a
-    :class:`~mhaextract.oracle.queries.CopiesBatch`) cross as two rows a query, ``(x, z)``, and are
-    built there (``(y, .., y, x)``, ``y = x - z`` in float64): the same tokens and the same passes
-    as their sequences stacked on the host, without the host's copy of every token (the cost that
-    bounds a GPU's rate, docs/scale.md "GPU oracles"). Tokens must be float arrays (a torch layer
+    device. The targeted schedules' copies-instances cross as two rows a query, ``(x, z)`` (the
+    boundary hands them as :class:`~mhaextract.oracle.queries.CopiesRows`), and are built there
+    (``(y, .., y, x)``, ``y = x - z`` in float64): the same tokens and the same passes as their
+    sequences stacked on the host, without writing every token on the host (docs/scale.md, "GPU
+    oracles"). Tokens must be float arrays (a torch layer
     serves float64 extractions, ``precision=None``); the size of a pass is the extraction's
     ``batch_size``.
 
@@ -277,6 +277,10 @@ class TorchOracle:
     >>> TorchOracle(layer, readout=np.ones(8))([np.ones((3, 8))]).shape   # one read-out
     (1,)
     """
+
+    #: Handed copies-instances as their rows (:class:`~mhaextract.oracle.queries.CopiesRows`): it
+    #: builds their sequences where the module runs.
+    takes_copies_rows = True
 
     def __init__(self, module, readout=None):
         if not callable(module):
@@ -315,7 +319,7 @@ class TorchOracle:
         if groups is None:
             groups, count = self._length_groups(batch)
         else:
-            count = sum(len(finals) for finals, _, _ in batch.segments)
+            count = len(copies_rows(batch))
         out = None
         with torch.inference_mode():
             for index, build in groups:
@@ -360,15 +364,16 @@ class TorchOracle:
         return groups, len(sequences)
 
     def _copies_groups(self, batch):
-        """A :class:`~mhaextract.oracle.queries.CopiesBatch` (the targeted schedules' queries): the
-        queries of each copy count built on the module's device from their two rows ``(x, z)``,
+        """Copies-instances (the targeted schedules' queries, :func:`~mhaextract.oracle.queries.copies_rows`):
+        the queries of each copy count built on the module's device from their two rows ``(x, z)``,
         ``(y, .., y, x)`` with ``y = x - z`` in float64 as :func:`~mhaextract.oracle.queries.copies_block`
         forms it, without stacking the batch's sequences one by one on the host (or sending ``k + 1``
         rows a query to a GPU instead of two). The same tokens, so the same answers, as any batch of
         those sequences. None for any other batch."""
-        if not (isinstance(batch, CopiesBatch) and batch.intact()):
+        rows = copies_rows(batch)
+        if rows is None:
             return None
-        segments = batch.segments
+        segments = rows.segments
         if not all(np.issubdtype(np.asarray(part).dtype, np.floating) for finals, differences, _ in segments
                    for part in (finals, differences)):
             return None

@@ -25,6 +25,7 @@ from ..numerics.highprec import mpf_to_arb
 from .answer_stats import AnswerStats
 from .vector_answers import VectorAnswers
 from .progress import progress_bar
+from .queries import CopiesRows
 
 
 class OracleError(RuntimeError):
@@ -143,7 +144,9 @@ class OracleBoundary:
             whole: bool = False) -> np.ndarray:
         """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision): a
         list of (N_i, d) arrays, or any sequence of them (one (n, N, d) array; a source that builds
-        new arrays on every access, ``fresh_on_access``, whose batches go to the oracle uncopied).
+        new arrays on every access, ``fresh_on_access``, whose batches go to the oracle uncopied; one
+        that also gives its queries as rows, ``copies_rows``, hands them so to an oracle with
+        ``takes_copies_rows``: :class:`~mhaextract.oracle.queries.CopiesRows`).
 
         Returns a float64 array in float64 mode, an object array of ``arb`` balls in
         high-precision mode: the answer as midpoint and one ulp at ``precision`` bits as radius
@@ -189,6 +192,9 @@ class OracleBoundary:
         # to the oracle as they are, and what the boundary keeps (transcript hashes, error messages)
         # is built again, so that nothing the oracle does to its arrays reaches them.
         fresh = self.precision is None and getattr(sequences, "fresh_on_access", False)
+        # Copies-instances go as their rows to an oracle that builds their sequences itself.
+        as_rows = (fresh and getattr(self.oracle, "takes_copies_rows", False)
+                   and callable(getattr(sequences, "copies_rows", None)))
         with progress_bar(self.progress, description, total, completed=len(replayed)) as advance:
             for start in range(0, allowed, self.batch_size):
                 positions = missing[start:min(start + self.batch_size, allowed)]
@@ -196,7 +202,8 @@ class OracleBoundary:
                 def take(positions=positions):
                     return (sequences[positions.start:positions.stop] if isinstance(positions, range)
                             else [sequences[p] for p in positions])
-                chunk = take()
+                chunk = (sequences.copies_rows(positions.start, positions.stop)
+                         if as_rows and isinstance(positions, range) else take())
                 values = self._ask_batch(chunk, [first + p for p in positions], rebuild=take if fresh else None)
                 if self.transcript is not None:
                     # What the learner uses is what reads back from the file: a resumed run sees
@@ -260,8 +267,11 @@ class OracleBoundary:
         ``rebuild``: ``chunk`` is new float64 arrays no one else holds, handed over without a copy;
         ``rebuild()`` builds them again for the messages."""
         if rebuild is not None:
-            batch = chunk if isinstance(chunk, list) else list(chunk)  # a CopiesBatch stays one
-            longest = max(map(len, batch), default=0)  # before the oracle has them
+            if isinstance(chunk, CopiesRows):
+                batch, longest = chunk, int(chunk.lengths().max(initial=0))
+            else:
+                batch = chunk if isinstance(chunk, list) else list(chunk)  # a CopiesBatch stays one
+                longest = max(map(len, batch), default=0)  # before the oracle has them
             chunk = _Rebuilt(rebuild, len(chunk))
         else:
             batch = [self._to_oracle_tokens(sequence) for sequence in chunk]

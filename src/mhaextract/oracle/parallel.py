@@ -29,7 +29,7 @@ import numpy as np
 
 from ..validation import nonnegative_number, positive_int, positive_number
 from .boundary import OracleError, plain_numbers
-from .queries import CopiesBatch
+from .queries import CopiesRows, copies_rows
 
 #: How to install the optional dependency (said by every error about it).
 INSTALL_HINT = "pip install 'mhaextract[ray]'"
@@ -85,19 +85,23 @@ def pack_sequences(sequences: list) -> tuple:
     return "list", list(sequences)
 
 
-def pack_share(batch: list, start: int, stop: int) -> tuple:
-    """Sequences ``start .. stop - 1`` of ``batch`` for the trip to a worker: a
-    :class:`~mhaextract.oracle.queries.CopiesBatch`'s as its segments (two rows per query instead
+def pack_share(batch, start: int, stop: int) -> tuple:
+    """Sequences ``start .. stop - 1`` of ``batch`` for the trip to a worker: copies-instances
+    (:func:`~mhaextract.oracle.queries.copies_rows`) as their segments (two rows per query instead
     of its ``k + 1`` tokens), any other batch's by :func:`pack_sequences`."""
-    if isinstance(batch, CopiesBatch) and batch.intact():
-        return "copies", batch.share(start, stop)
+    rows = copies_rows(batch)
+    if rows is not None:
+        return "copies", rows.share(start, stop)
     return pack_sequences(batch[start:stop])
 
 
-def unpack_sequences(packed: tuple) -> list:
-    """The sequences :func:`pack_share` packed, as new writable arrays the oracle may keep."""
+def unpack_sequences(packed: tuple, rows: bool = False):
+    """The sequences :func:`pack_share` packed, as new writable arrays the oracle may keep;
+    copies-instances as :class:`~mhaextract.oracle.queries.CopiesRows` with ``rows`` (for an oracle
+    with ``takes_copies_rows``), else as their sequences."""
     if packed[0] == "copies":
-        return CopiesBatch([(np.array(finals), np.array(differences), k) for finals, differences, k in packed[1]])
+        copies = CopiesRows([(np.array(finals), np.array(differences), k) for finals, differences, k in packed[1]])
+        return copies if rows else copies.sequences()
     if packed[0] == "rows":
         _, rows, lengths = packed
         return np.split(np.array(rows), np.cumsum(lengths)[:-1])  # one copy: Ray's buffers are read-only
@@ -231,6 +235,8 @@ class OracleWorker:
             self.error = error
         if "torch" in sys.modules:  # torch keeps its own pool, sized at import from the machine's cores
             sys.modules["torch"].set_num_threads(threads)
+        #: whether the oracle is handed copies-instances as their rows (it builds their sequences)
+        self.takes_rows = bool(getattr(self.oracle, "takes_copies_rows", False))
 
     def answer_dtype(self):
         """The oracle's ``answer_dtype`` (None when it has none)."""
@@ -242,7 +248,7 @@ class OracleWorker:
         """The oracle's answers to one share (see :func:`plain_answers`)."""
         if self.error is not None:
             raise self.error
-        return plain_answers(self.oracle(unpack_sequences(packed)))
+        return plain_answers(self.oracle(unpack_sequences(packed, self.takes_rows)))
 
     def node(self) -> str:
         """The Ray node this worker runs on."""
@@ -257,7 +263,8 @@ class OracleWorker:
         if self.error is not None:
             raise self.error
         name, layout, recipe = share_in
-        answers = plain_answers(self.oracle(unpack_sequences(repacked(read_arrays(self._block(name), layout), recipe))))
+        answers = plain_answers(self.oracle(unpack_sequences(repacked(read_arrays(self._block(name), layout), recipe),
+                                                             self.takes_rows)))
         out_name, capacity = answers_out
         if (out_name is not None and isinstance(answers, np.ndarray) and answers.dtype == np.float64
                 and answers.nbytes <= capacity):
@@ -343,6 +350,11 @@ class ParallelOracle:
     ...
     ValueError: workers must be an integer >= 1, got 0
     """
+
+    #: Handed copies-instances as their rows (:class:`~mhaextract.oracle.queries.CopiesRows`): the
+    #: workers are sent two rows a query whatever their oracle, and build the sequences only for an
+    #: oracle that does not take the rows itself.
+    takes_copies_rows = True
 
     def __init__(self, factory, workers: int, address: str | None = None, *, threads_per_worker: int = 1,
                  gpus_per_worker: float = 0, retries: int = 2, start_timeout: float = 300.0):
@@ -478,11 +490,13 @@ class ParallelOracle:
     def __call__(self, batch):
         if not self._actors:
             raise OracleError("this ParallelOracle is closed: build a new one")
-        sequences = batch if isinstance(batch, list) else list(batch)
-        if not sequences:
+        rows = copies_rows(batch)
+        sequences = rows if rows is not None else batch if isinstance(batch, list) else list(batch)
+        if not len(sequences):
             return np.empty(0)
-        bounds = share_bounds(np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences)),
-                              self.workers)
+        lengths = (rows.lengths() if rows is not None
+                   else np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences)))
+        bounds = share_bounds(lengths, self.workers)
         shares = [pack_share(sequences, start, stop) for start, stop in bounds]
         asked = [self._ask(worker, share) for worker, share in enumerate(shares)]
         answers = [self._gather(worker, asked[worker], shares[worker], bounds[worker], len(sequences))

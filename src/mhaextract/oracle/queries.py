@@ -102,31 +102,39 @@ def copies_block(finals: np.ndarray, differences: np.ndarray, k: int) -> np.ndar
     return block
 
 
-class CopiesBatch(list):
-    """A batch of copies-instance queries as the oracle receives it: a list of (k + 1, d) arrays,
-    :func:`copies_block`'s sequences of ``segments`` in order, each segment ``(finals, differences,
-    k)`` (rows (n, d), (n, d)).
+class CopiesRows:
+    """Copies-instance queries as their rows: query ``(y, .., y, x)`` held as ``(x, z)`` and its copy
+    count k, not as its ``k + 1`` tokens. ``segments``: ``(finals, differences, k)`` (rows (n, d),
+    (n, d)), in order.
 
-    To the oracle it is a list like any other. It also keeps what it was built from, two rows per
-    query where the tokens are ``k + 1``: :class:`~mhaextract.oracle.parallel.ParallelOracle` sends
-    the segments to its workers, which build the same sequences bit for bit (the same
-    :func:`copies_block` on the same rows).
+    What the boundary hands an oracle that builds the sequences itself (``takes_copies_rows`` true:
+    :class:`~mhaextract.adapters.torch.TorchOracle` on its device,
+    :class:`~mhaextract.oracle.parallel.ParallelOracle` for its workers), so that no one writes a
+    batch's tokens on the host only to read two rows a query back. Iterating it builds the
+    sequences (:func:`copies_block`'s, bit for bit). The rows may be views of the learner's
+    arrays: an oracle reads them and keeps or changes nothing of them.
 
     Examples
     --------
     >>> import numpy as np
-    >>> batch = CopiesBatch([(np.ones((2, 3)), np.zeros((2, 3)), 2)])
-    >>> len(batch), batch[0].shape
-    (2, (3, 3))
+    >>> rows = CopiesRows([(np.ones((2, 3)), np.zeros((2, 3)), 2), (np.ones((1, 3)), np.ones((1, 3)), 0)])
+    >>> len(rows), rows.lengths(), [sequence.shape for sequence in rows]
+    (3, array([3, 3, 1]), [(3, 3), (3, 3), (1, 3)])
     """
 
     def __init__(self, segments):
         self.segments = [(finals, differences, int(k)) for finals, differences, k in segments]
-        super().__init__(sequence for finals, differences, k in self.segments
-                         for sequence in copies_block(finals, differences, k))
+
+    def __len__(self) -> int:
+        return sum(len(finals) for finals, _, _ in self.segments)
+
+    def lengths(self) -> np.ndarray:
+        """Tokens of each query, ``k + 1``, in order."""
+        return np.concatenate([np.full(len(finals), k + 1, dtype=np.int64) for finals, _, k in self.segments]
+                              or [np.empty(0, dtype=np.int64)])
 
     def share(self, start: int, stop: int) -> list:
-        """The segments of sequences ``start .. stop - 1``: views of their rows (whoever sends them
+        """The segments of queries ``start .. stop - 1``: views of their rows (whoever sends them
         copies them once, into Ray's store or a shared block)."""
         out, offset = [], 0
         for finals, differences, k in self.segments:
@@ -136,9 +144,51 @@ class CopiesBatch(list):
             offset += len(finals)
         return out
 
+    def sequences(self) -> "CopiesBatch":
+        """The queries' sequences, as a list (:class:`CopiesBatch`)."""
+        return CopiesBatch(self.segments)
+
+    def __iter__(self):
+        return iter(self.sequences())
+
+
+class CopiesBatch(list):
+    """A batch of copies-instance queries as the oracle receives it: a list of (k + 1, d) arrays,
+    :func:`copies_block`'s sequences of ``segments`` in order, each segment ``(finals, differences,
+    k)`` (rows (n, d), (n, d)).
+
+    To the oracle it is a list like any other. It also keeps what it was built from, two rows per
+    query where the tokens are ``k + 1`` (``rows``, a :class:`CopiesRows`):
+    :class:`~mhaextract.oracle.parallel.ParallelOracle` sends those to its workers, which build the
+    same sequences bit for bit (the same :func:`copies_block` on the same rows).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> batch = CopiesBatch([(np.ones((2, 3)), np.zeros((2, 3)), 2)])
+    >>> len(batch), batch[0].shape, len(batch.rows)
+    (2, (3, 3), 2)
+    """
+
+    def __init__(self, segments):
+        self.rows = segments if isinstance(segments, CopiesRows) else CopiesRows(segments)
+        self.segments = self.rows.segments
+        super().__init__(sequence for finals, differences, k in self.segments
+                         for sequence in copies_block(finals, differences, k))
+
     def intact(self) -> bool:
         """Whether the list still holds exactly its segments' sequences (no one appended or removed)."""
-        return len(self) == sum(len(finals) for finals, _, _ in self.segments)
+        return len(self) == len(self.rows)
+
+
+def copies_rows(batch) -> CopiesRows | None:
+    """The rows of a batch of copies-instances: a :class:`CopiesRows` itself, an intact
+    :class:`CopiesBatch`'s; None for any other batch (whose sequences are what it holds)."""
+    if isinstance(batch, CopiesRows):
+        return batch
+    if isinstance(batch, CopiesBatch) and batch.intact():
+        return batch.rows
+    return None
 
 
 def copies_sequences(finals: np.ndarray, differences: np.ndarray, which, copies) -> list[np.ndarray]:
@@ -253,6 +303,11 @@ class RoundQueries(Sequence):
 
     def _build(self, start: int, stop: int, step: int = 1) -> CopiesBatch:
         """Queries ``start, start + step, ..`` below ``stop`` (step > 0), a block per (round, k)."""
+        return CopiesBatch(self.copies_rows(start, stop, step))
+
+    def copies_rows(self, start: int, stop: int, step: int = 1) -> CopiesRows:
+        """:meth:`_build`'s queries as their rows, no sequence built (:class:`CopiesRows`; the boundary
+        hands them so to an oracle with ``takes_copies_rows``)."""
         segments = []
         U = self.units
         for segment in range(start // U, (stop - 1) // U + 1):
@@ -262,7 +317,7 @@ class RoundQueries(Sequence):
             first += (start - first) % step  # the next query of the slice in this segment
             rows = slice(first - base, min(stop, base + U) - base, step)
             segments.append((self.finals[rows, n], self.differences[rows], k))
-        return CopiesBatch(segments)
+        return CopiesRows(segments)
 
     def __getitem__(self, key):
         if isinstance(key, slice):
