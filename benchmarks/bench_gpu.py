@@ -1,7 +1,7 @@
 """GPU oracles (issue 41, "GPU"): a torch attention layer on CUDA answering the targeted schedule's
 queries, against the same layer on the CPU in the same run (docs/scale.md, "GPU oracles").
 
-    python benchmarks/bench_gpu.py            # on a machine with a GPU: about 5 minutes on one H200
+    python benchmarks/bench_gpu.py            # on a machine with a GPU
     python benchmarks/bench_gpu.py --quick    # the same parts on the CPU at small sizes (a smoke run)
 
 1. **Throughput.** ``nn.MultiheadAttention(d, H, batch_first=True)`` in float32, bfloat16 and

@@ -59,6 +59,10 @@ class ZeroAnswers:
     def __init__(self, d: int):
         self.d = d
 
+    #: Handed copies-instances as their rows, as the layer's TorchOracle is: the null calls carry
+    #: what the layer's calls carry, less the layer's work.
+    takes_copies_rows = True
+
     def __call__(self, batch):
         return np.zeros((len(batch), self.d))
 
