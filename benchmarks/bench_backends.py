@@ -23,8 +23,14 @@ from mhaextract.oracle.simulated import TorchSimulatedOracle
 
 
 class Timed:
+    """The oracle with its calls timed (the learner's time is the rest of the run); what the
+    boundary reads of an oracle (``answer_dtype``, ``takes_copies_rows``) is the wrapped one's."""
+
     def __init__(self, oracle):
         self.oracle, self.seconds = oracle, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.oracle, name)
 
     def __call__(self, batch):
         started = time.perf_counter()

@@ -39,6 +39,8 @@ import mhaextract as mx
 from mhaextract.adapters.torch import TorchOracle, to_reduced
 from mhaextract.oracle.queries import CopiesBatch
 
+from bench_backends import Timed  # the oracle with its calls timed
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -131,21 +133,6 @@ def extraction(args, device: str) -> None:
         print(f"| {d} | {heads} | {device} | {result.queries:,} | {seconds:.1f} | {oracle_s:.1f} | "
               f"{(seconds - oracle_s) / oracle_s:.2f} | {cpu_s} | {ratio} | {error:.1e} | "
               f"{'ok' if result.ok else 'FAILED'} | {peak_gb(device)} |", flush=True)
-
-
-class Timed:
-    """The oracle with its calls timed (the learner's time is the rest of the run)."""
-
-    def __init__(self, oracle):
-        self.oracle, self.seconds = oracle, 0.0
-        self.answer_dtype = oracle.answer_dtype
-
-    def __call__(self, batch):
-        started = time.perf_counter()
-        try:
-            return self.oracle(batch)
-        finally:
-            self.seconds += time.perf_counter() - started
 
 
 def projection(args, per_query: dict) -> None:
