@@ -21,7 +21,7 @@ import mhaextract as mx
 from mhaextract.oracle.parallel import (
     driver_path, pack_sequences, pack_share, plain_answers, share_bounds, unpack_sequences,
 )
-from mhaextract.oracle.queries import CopiesBatch, RoundQueries
+from mhaextract.oracle.queries import CopiesBatch, CopiesRows, RoundQueries
 
 TARGET = mx.MultiHeadAttention.random(d=3, heads=2, seed=4)
 
@@ -156,6 +156,11 @@ def test_a_copies_batch_travels_as_its_rows_and_arrives_bit_for_bit():
         assert [s.shape for s in unpacked] == [s.shape for s in expected[start:stop]]
         assert all(np.array_equal(a, b) for a, b in zip(unpacked, expected[start:stop]))
         unpacked[0][0, 0] = 99.0  # the oracle may write to its arrays
+        # an oracle that takes copies-instances as rows is handed the rows, copied, whole
+        rows = unpack_sequences(pack_share(queries.copies_rows(2, 14), start, stop), rows=True)
+        assert isinstance(rows, CopiesRows) and len(rows) == stop - start
+        assert all(np.array_equal(a, b) for a, b in zip(rows, expected[start:stop]))
+        rows.segments[0][0][0, 0] = 99.0
     assert finals[0, 0, 0] != 99.0 and batch[0][0, 0] != 99.0
     # a list changed after it was built is no longer its segments': it travels as rows
     batch.append(np.ones((2, 4)))

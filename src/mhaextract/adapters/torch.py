@@ -348,7 +348,7 @@ class TorchOracle:
         return out
 
     def _tokens(self, array) -> torch.Tensor:
-        """Host tokens onto the module's device, then into its dtype (the one cast every path makes)."""
+        """Host tokens onto the module's device, then into its dtype (there, as the copies' blocks are)."""
         return torch.as_tensor(array, device=self.device).to(self.dtype)
 
     def _length_groups(self, batch):
