@@ -140,8 +140,9 @@ def projection(args, per_query: dict) -> None:
           "queries (docs/scale.md's projection)\n")
     print("| dtype | measured at | GPU seconds per query | oracle hours on one GPU |")
     print("|---|---|---|---|")
+    largest = max(d for d, _, _ in per_query)
     for (d, heads, name), seconds in per_query.items():
-        if (d, heads) == max(per_query)[:2]:
+        if d == largest:
             print(f"| {name} | d = {d}, H = {heads} | {seconds:.2e} | {seconds * args.project_queries / 3600:.2f} |")
 
 

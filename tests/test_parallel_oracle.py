@@ -157,7 +157,7 @@ def test_a_copies_batch_travels_as_its_rows_and_arrives_bit_for_bit():
         assert all(np.array_equal(a, b) for a, b in zip(unpacked, expected[start:stop]))
         unpacked[0][0, 0] = 99.0  # the oracle may write to its arrays
         # an oracle that takes copies-instances as rows is handed the rows, copied, whole
-        rows = unpack_sequences(pack_share(queries.copies_rows(2, 14), start, stop), rows=True)
+        rows = unpack_sequences(pack_share(queries.copies_rows(2, 14), start, stop), as_rows=True)
         assert isinstance(rows, CopiesRows) and len(rows) == stop - start
         assert all(np.array_equal(a, b) for a, b in zip(rows, expected[start:stop]))
         rows.segments[0][0][0, 0] = 99.0

@@ -44,7 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("mhaextract.adapters.torch needs PyTorch: pip install 'mhaextract[torch]'") from error
 
 from ..model import MultiHeadAttention, as_batch
-from ..oracle.queries import copies_rows
+from ..oracle.queries import rows_of
 from ..oracle.vector_answers import read_out
 from ..rotary.model import RotaryAttention
 
@@ -263,9 +263,8 @@ class TorchOracle:
     boundary hands them as :class:`~mhaextract.oracle.queries.CopiesRows`), and are built there
     (``(y, .., y, x)``, ``y = x - z`` in float64): the same tokens and the same passes as their
     sequences stacked on the host, without writing every token on the host (docs/scale.md, "GPU
-    oracles"). Tokens must be float arrays (a torch layer
-    serves float64 extractions, ``precision=None``); the size of a pass is the extraction's
-    ``batch_size``.
+    oracles"). Tokens must be float arrays (a torch layer serves float64 extractions,
+    ``precision=None``); the size of a pass is the extraction's ``batch_size``.
 
     Examples
     --------
@@ -315,11 +314,7 @@ class TorchOracle:
         return f"TorchOracle({type(self._original).__name__}, {self.answer_dtype}, {outputs})"
 
     def __call__(self, batch) -> np.ndarray:
-        groups, count = self._copies_groups(batch), None
-        if groups is None:
-            groups, count = self._length_groups(batch)
-        else:
-            count = len(copies_rows(batch))
+        groups, count = self._copies_groups(batch) or self._length_groups(batch)
         out = None
         with torch.inference_mode():
             for index, build in groups:
@@ -347,30 +342,28 @@ class TorchOracle:
             return out.astype(np.float32)  # float32 numbers: the answers' precision shows in their type
         return out
 
-    def _tokens(self, array) -> torch.Tensor:
-        """Host tokens onto the module's device, then into its dtype (there, as the copies' blocks are)."""
-        return torch.as_tensor(array, device=self.device).to(self.dtype)
-
     def _length_groups(self, batch):
-        """Any batch: the sequences of each length stacked into one forward pass."""
+        """Any batch: the sequences of each length stacked into one forward pass, ``(groups, count)``;
+        the tokens go to the module's device and are cast there, as the copies' blocks are."""
         sequences = as_batch(batch)
         for index, sequence in enumerate(sequences):
             if sequence.dtype == object:
                 raise TypeError(f"sequence {index} holds Python objects (high-precision tokens?): a torch layer "
                                 "answers in its own float dtype, run the extraction with precision=None")
         lengths = np.array([len(s) for s in sequences])
-        groups = [(index, lambda index=index: self._tokens(np.stack([sequences[i] for i in index])))
+        groups = [(index, lambda index=index: torch.as_tensor(np.stack([sequences[i] for i in index]),
+                                                     device=self.device).to(self.dtype))
                   for index in (np.flatnonzero(lengths == length) for length in np.unique(lengths))]
         return groups, len(sequences)
 
     def _copies_groups(self, batch):
-        """Copies-instances (the targeted schedules' queries, :func:`~mhaextract.oracle.queries.copies_rows`):
+        """Copies-instances (the targeted schedules' queries, :func:`~mhaextract.oracle.queries.rows_of`):
         the queries of each copy count built on the module's device from their two rows ``(x, z)``,
         ``(y, .., y, x)`` with ``y = x - z`` in float64 as :func:`~mhaextract.oracle.queries.copies_block`
         forms it, without stacking the batch's sequences one by one on the host (or sending ``k + 1``
         rows a query to a GPU instead of two). The same tokens, so the same answers, as any batch of
-        those sequences. None for any other batch."""
-        rows = copies_rows(batch)
+        those sequences. ``(groups, count)``, or None for any other batch."""
+        rows = rows_of(batch)
         if rows is None:
             return None
         segments = rows.segments
@@ -393,7 +386,7 @@ class TorchOracle:
                 block[:, k] = finals
                 return block.to(self.dtype)
             groups.append((index, build))
-        return groups
+        return groups, len(rows)
 
     def _last_position(self, X: torch.Tensor) -> torch.Tensor:
         """The module's output at the last position for a batch (B, N, d) -> (B, d_out)."""

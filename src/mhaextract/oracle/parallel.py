@@ -29,7 +29,7 @@ import numpy as np
 
 from ..validation import nonnegative_number, positive_int, positive_number
 from .boundary import OracleError, plain_numbers
-from .queries import CopiesRows, copies_rows
+from .queries import CopiesRows, rows_of
 
 #: How to install the optional dependency (said by every error about it).
 INSTALL_HINT = "pip install 'mhaextract[ray]'"
@@ -87,21 +87,21 @@ def pack_sequences(sequences: list) -> tuple:
 
 def pack_share(batch, start: int, stop: int) -> tuple:
     """Sequences ``start .. stop - 1`` of ``batch`` for the trip to a worker: copies-instances
-    (:func:`~mhaextract.oracle.queries.copies_rows`) as their segments (two rows per query instead
+    (:func:`~mhaextract.oracle.queries.rows_of`) as their segments (two rows per query instead
     of its ``k + 1`` tokens), any other batch's by :func:`pack_sequences`."""
-    rows = copies_rows(batch)
+    rows = rows_of(batch)
     if rows is not None:
         return "copies", rows.share(start, stop)
     return pack_sequences(batch[start:stop])
 
 
-def unpack_sequences(packed: tuple, rows: bool = False):
+def unpack_sequences(packed: tuple, as_rows: bool = False):
     """The sequences :func:`pack_share` packed, as new writable arrays the oracle may keep;
-    copies-instances as :class:`~mhaextract.oracle.queries.CopiesRows` with ``rows`` (for an oracle
-    with ``takes_copies_rows``), else as their sequences."""
+    copies-instances as :class:`~mhaextract.oracle.queries.CopiesRows` with ``as_rows`` (for an
+    oracle with ``takes_copies_rows``), else as their sequences."""
     if packed[0] == "copies":
         copies = CopiesRows([(np.array(finals), np.array(differences), k) for finals, differences, k in packed[1]])
-        return copies if rows else copies.sequences()
+        return copies if as_rows else copies.sequences()
     if packed[0] == "rows":
         _, rows, lengths = packed
         return np.split(np.array(rows), np.cumsum(lengths)[:-1])  # one copy: Ray's buffers are read-only
@@ -490,7 +490,7 @@ class ParallelOracle:
     def __call__(self, batch):
         if not self._actors:
             raise OracleError("this ParallelOracle is closed: build a new one")
-        rows = copies_rows(batch)
+        rows = rows_of(batch)
         sequences = rows if rows is not None else batch if isinstance(batch, list) else list(batch)
         if not len(sequences):
             return np.empty(0)

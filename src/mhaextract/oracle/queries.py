@@ -181,7 +181,7 @@ class CopiesBatch(list):
         return len(self) == len(self.rows)
 
 
-def copies_rows(batch) -> CopiesRows | None:
+def rows_of(batch) -> CopiesRows | None:
     """The rows of a batch of copies-instances: a :class:`CopiesRows` itself, an intact
     :class:`CopiesBatch`'s; None for any other batch (whose sequences are what it holds)."""
     if isinstance(batch, CopiesRows):
