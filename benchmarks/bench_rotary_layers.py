@@ -29,10 +29,16 @@ key/value heads, head width 8, seeds 0..3. About 3 minutes on one core.
 
 Part 2 only, on Qwen2 attentions with query, key and value biases (every parameter N(0, 1/d)),
 extracted with ``key_bias=True`` (docs/algorithm.md §22, "A key bias"): d = 16, H = 2, one
-key/value head, seeds 0..2, and d = 64, H = 4, two key/value heads, head width 16, in float64 and in
-float32; then under sliding windows of 8, 9 and 16 tokens (d = 16 with H = 1 and 2, d = 32 with
-H = 4). The queries include the key-neutral search's (its share in the last column). About 15
-minutes on one core.
+key/value head, seeds 0..2, and d = 64, H = 4, two key/value heads, head width 16, in float64;
+then under sliding windows of 8, 9 and 16 tokens (d = 16 with H = 1 and 2, d = 32 with H = 4). The
+queries include the key-neutral search's (its share in the last column). About 15 minutes on one
+core.
+
+    python benchmarks/bench_rotary_layers.py --key-bias-float32
+
+The same layers in float32 (their own float32 angles), where the key-neutral token comes from the
+large-query search (docs/algorithm.md §22, "From float32 answers"): d = 16, seeds 0..2, d = 32
+(H = 4, two key/value heads, width 8) and d = 64 (H = 4, two key/value heads, width 16).
 
     python benchmarks/bench_rotary_layers.py --probe-scales
 
@@ -122,7 +128,8 @@ def extraction(name, attention, heads, angles, key_bias=False, window=None):
         key = ("" if found is None or exact.key_bias is None else
                f"{np.abs(np.einsum('hrd,d->hr', exact.K, found) + exact.key_bias).max():.1e}")
         sizes = ("" if found is None else  # |z| and its query, first among the value-invisible tokens
-                 " / ".join(f"{np.linalg.norm(z):.2g}, {np.abs(np.einsum('hrd,d->hr', exact.Q, z) + exact.b).max():.2g}"
+                 " / ".join("-" if z is None else
+                            f"{np.linalg.norm(z):.2g}, {np.abs(np.einsum('hrd,d->hr', exact.Q, z) + exact.b).max():.2g}"
                             for z in (result.neutral.invisible_token, found)) + f" / {np.abs(exact.b).max():.2g}")
         searched = f" | {result.neutral.queries} | {key} | {sizes}"
     if result.model is None:
@@ -229,7 +236,7 @@ def probe_scales():
 
 
 def main(large: bool = False, instances: bool = False, float32: bool = False, key_bias: bool = False,
-         scales: bool = False):
+         scales: bool = False, key_bias_float32: bool = False):
     warnings.simplefilter("ignore")
     if instances:
         instance_precision()
@@ -254,6 +261,17 @@ def main(large: bool = False, instances: bool = False, float32: bool = False, ke
                    "float64", key_bias=True, window=9)
         extraction("Qwen2, d = 32, H = 4, two kv heads, r = 8, window 16", layer("qwen2", 32, 4, 2, 8, seed=0), 4,
                    "float64", key_bias=True, window=16)
+        return
+    if key_bias_float32:  # the large-query search: float32 answers (the layer's own float32 angles)
+        print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds | "
+              "key-neutral search queries | max key of the token found | "
+              "its norm, max query: - / found / the layer's query bias |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for seed in range(3):
+            extraction(f"Qwen2, d = 16, H = 2, one kv head, float32, seed {seed}",
+                       layer("qwen2", 16, 2, 1, 8, seed=seed).float(), 2, "model", key_bias=True)
+        extraction("Qwen2, d = 32, H = 4, two kv heads, r = 8, float32", layer("qwen2", 32, 4, 2, 8, seed=0).float(),
+                   4, "model", key_bias=True)
         extraction("Qwen2, d = 64, H = 4, two kv heads, float32", layer("qwen2", 64, 4, 2, 16, seed=0).float(), 4,
                    "model", key_bias=True)
         return
@@ -283,4 +301,5 @@ if __name__ == "__main__":
     import sys
 
     main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:], float32="--float32" in sys.argv[1:],
-         key_bias="--key-bias" in sys.argv[1:], scales="--probe-scales" in sys.argv[1:])
+         key_bias="--key-bias" in sys.argv[1:], scales="--probe-scales" in sys.argv[1:],
+         key_bias_float32="--key-bias-float32" in sys.argv[1:])

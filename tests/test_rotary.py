@@ -694,6 +694,83 @@ def test_a_window_too_short_for_the_instances_stops_before_the_key_neutral_searc
     assert result.window == 8 and result.neutral is None and result.queries == layer.queries < 30
 
 
+class Float32Answers:
+    """A reference layer's answers rounded to float32, declared so (as a float32 torch layer's)."""
+    answer_dtype = "float32"
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, batch):
+        return self.layer(batch).astype(np.float32)
+
+
+def test_the_large_query_criterion_vanishes_at_a_neutral_token_whatever_the_self_scores():
+    """docs §22, "From float32 answers": with finals z* + w the answers' part off the shapes
+    (N - 1) / N^(k+2) is zero at the key-neutral token although the finals' self-scores (0.3 here)
+    move the answers by a tenth, and a key of 1e-4 left in z stands out of it."""
+    from mhaextract.rotary.neutral import off_shape_misfit, pair_misfit
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0)
+    Wk, bk = layer.Wk.reshape(-1, 8), layer.bk.ravel()
+    neutral = -np.linalg.lstsq(Wk, bk, rcond=None)[0]      # from the weights: the test's own truth
+    rng = np.random.default_rng(1)
+    offsets = rng.normal(size=(2, 8))
+    offsets *= 0.3 / np.linalg.norm(offsets, axis=1, keepdims=True)
+
+    def whole(sequences, description):
+        return layer(sequences)
+    lengths = (2, 3, 5, 8, 13, 20, 32, 51)
+    self_scores = [(layer.Wq[h] @ (neutral + w) + layer.bq[h]) @ (Wk @ (neutral + w) + bk) for w in offsets
+                   for h in range(2)]
+    at_neutral = np.abs(off_shape_misfit(whole, neutral, offsets, lengths)).max()
+    keyed = neutral + np.linalg.lstsq(Wk, rng.normal(size=4) * 1e-4, rcond=None)[0]
+    assert np.abs(self_scores).max() >= 0.2 and np.abs(pair_misfit(whole, neutral, offsets)).max() >= 0.1
+    assert at_neutral <= 1e-7
+    assert np.abs(off_shape_misfit(whole, keyed, offsets, lengths)).max() >= 10 * at_neutral
+
+
+def test_the_pair_misfit_is_zero_exactly_where_the_finals_self_scores_are():
+    from mhaextract.rotary.neutral import pair_misfit
+    layer = KeyBiasedLayer(d=8, heads=1, kv_heads=1, width=4, seed=2)
+    Wk, bk = layer.Wk.reshape(-1, 8), layer.bk.ravel()
+    neutral = -np.linalg.lstsq(Wk, bk, rcond=None)[0]
+    # an offset in null(K) leaves the final's key zero: self-score zero, uniform attention
+    null_offset = np.linalg.svd(Wk)[2][-1] * 2.0
+    whole = lambda sequences, description: layer(sequences)
+    assert np.abs(pair_misfit(whole, neutral, [null_offset])).max() <= 1e-12
+    assert np.abs(pair_misfit(whole, neutral, [np.linalg.svd(Wk)[2][0]])).max() >= 1e-3
+
+
+def test_a_float32_run_under_a_window_too_short_for_the_large_query_search_is_refused():
+    """Float32 answers take the key-neutral token from counts up to 2048; a window of 16 leaves
+    five of them: the run stops at its key_bias check after the window search, naming the window."""
+    from mhaextract.rotary.neutral import LARGE_QUERY_MIN_WINDOW
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0, window=16)
+    with pytest.raises(mx.ExtractionError, match=r"key_bias.*sliding window") as failure:
+        mx.extract(Float32Answers(layer), d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    result = failure.value.extraction
+    assert result.window == 16 < LARGE_QUERY_MIN_WINDOW and result.neutral is None
+    assert result.queries == layer.queries < 100
+
+
+def test_the_refinements_key_prior_holds_the_key_bias_to_its_size():
+    """Without a prior the refinement fits a key bias of 0.3 from 0 (to 1%: the other parameters
+    nearly take up one combination of it, the walk a float32 run must not take); with a prior whose
+    size is far below it (key_prior = noise / size, docs §22) the fitted key bias stays near 0."""
+    from mhaextract.rotary.refine import refine
+    truth = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=1, bias=True)
+    truth = truth.replaced(key_bias=np.array([[0.3, -0.2]]))
+    rng = np.random.default_rng(3)
+    sequences = [rng.normal(size=(int(n), 4)) * 4 ** -0.25 for n in rng.integers(2, 12, 120)]
+    answers = truth(sequences)
+    start = truth.replaced(key_bias=np.zeros((1, 2)))
+    free, fitted = refine(start, sequences, answers, iterations=40, estimate=False)
+    held, _ = refine(start, sequences, answers, iterations=40, estimate=False, key_prior=30.0)
+    assert fitted.residual_after <= 1e-12
+    assert np.linalg.norm(free.key_bias - truth.key_bias) <= 1e-2 * np.linalg.norm(truth.key_bias)
+    assert np.linalg.norm(held.key_bias) <= 1e-2 * np.linalg.norm(truth.key_bias)
+
+
 def test_the_key_neutral_search_refuses_a_window_without_lengths_to_spare():
     from mhaextract.rotary.neutral import find_neutral_token
     layer = KeyBiasedLayer(d=8, heads=1, kv_heads=1, width=4, seed=0, window=4)

@@ -140,9 +140,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         ``key_bias``.
     key_bias : ``positions="rotary"`` only: the keys carry a bias (Qwen2), which under rotation
         does not cancel in the softmax. The run first finds a token whose key is zero from whole
-        answers (float64; grouped-query heads with ``n_kv r < d`` and ``H r <= d``; §22, "A key
-        bias"), asks everything else at tokens shifted by it and fits the key bias in the
-        refinement (``result.neutral``). Default False: a key-biased layer then fails its checks.
+        answers (float64: grouped-query heads with ``n_kv r < d`` and ``H r <= d``, §22, "A key
+        bias"; float32: by large-query finals, counts up to 2048, "From float32 answers"), asks
+        everything else at tokens shifted by it and fits the key bias in the refinement
+        (``result.neutral``). Default False: a key-biased layer then fails its checks.
 
     Returns
     -------

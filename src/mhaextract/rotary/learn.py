@@ -39,7 +39,8 @@ from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..validation import spawn_rng
 from .model import RotaryAttention
-from .neutral import NeutralToken, ShiftedBoundary, find_neutral_token
+from .neutral import (LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary,
+                      find_neutral_token)
 from .refine import error_moves, pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
 from .structure import rotary_head
 from .window import WindowSearch, find_window
@@ -91,6 +92,9 @@ NOISY_SPARE_TOKENS = 6
 #: With float32 answers the slow blocks are seeded before the refinement and again after this many
 #: of its steps (``seed_low_frequencies``).
 SEEDING_STEPS = 4
+#: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
+#: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
+SEARCH_KEY_SIZE = 1e-4
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 64)
@@ -664,9 +668,11 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     """The rotary extraction behind ``extract(..., positions="rotary")`` (its checks unreported:
     ``extract`` raises or warns on failure). ``precision=bits``: an oracle answering ``mpf`` at
     ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`.
-    ``key_bias=True`` (float64, whole answers): the layer's keys carry a bias; every query after the
-    search for a key-neutral token z* (:mod:`~mhaextract.rotary.neutral`) is asked at tokens shifted
-    by z*, the refinement fits a key bias too, and the model is shifted back."""
+    ``key_bias=True`` (float64 or float32 whole answers): the layer's keys carry a bias; every query
+    after the search for a key-neutral token z* (:mod:`~mhaextract.rotary.neutral`; from float32
+    answers by :func:`~mhaextract.rotary.neutral.large_query_search`) is asked at tokens shifted by
+    z*, the refinement fits a key bias too (after the large-query search with a prior of the size
+    it leaves), and the model is shifted back."""
     started = time.perf_counter()
     vectors = VectorAnswers(seed, getattr(oracle, "answer_dtype", None))
     boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
@@ -692,14 +698,15 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         if c_whole is None:
             checks.append(Check("key_bias", False, 1.0, 2.0, "a key bias is sought from whole answers (a vector "
                                 "a query): this oracle answers one number; ask the whole layer"))
-        elif coarse:  # refused before the search spends its queries
-            checks.append(Check("key_bias", False, boundary.answer_unit, FIRST_LOOK_UNIT,
-                                "the answers' rounding unit: the key-neutral search differences the answers to "
-                                "first order in a small query, which float32 rounding swamps; run the layer in "
-                                "float64 (layer.double(), the same weights) and compare the model with the "
-                                "float32 layer's outputs"))
+        elif coarse and window.window is not None and window.window < LARGE_QUERY_MIN_WINDOW:
+            checks.append(Check("key_bias", False, float(window.window), float(LARGE_QUERY_MIN_WINDOW),
+                                "the sliding window: from float32 answers the key-neutral token is sought over "
+                                f"counts up to {LARGE_QUERY_LENGTHS[-1]}, and a window this short leaves too few "
+                                "of them; run the layer in float64 (layer.double(), the same weights) and "
+                                "compare the model with the float32 layer's outputs"))
         else:
-            neutral = find_neutral_token(boundary, c_whole, spawn_rng(seed, 24), scale, progress, window.window)
+            neutral = find_neutral_token(boundary, c_whole, spawn_rng(seed, 24), scale, progress, window.window,
+                                         heads=heads, coarse=coarse)
             checks += neutral.checks()
         if not all(check.passed for check in checks):
             return RotaryExtraction(model=None, heads=0, queries=boundary.queries, queries_asked=boundary.queries,
@@ -758,9 +765,14 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                 POLISH_LENGTHS)
         polish_exact = boundary.ask(polish, "refining on fresh queries")
         polish_answers = mid_float(polish_exact)
+        # the key bias left by the large-query search: a Gaussian prior of its size against the
+        # answers' rounding, or the steps trade it for the slowest angle (theta -> 0, k -> large)
+        key_prior = (unit * float(np.abs(polish_answers).max()) / SEARCH_KEY_SIZE
+                     if neutral is not None and neutral.large_queries else 0.0)
         def steps(model, iterations=60, estimate=True):
             return refine(model, polish, polish_answers, iterations=iterations, seed=seed, floor=max(1e-13, 3 * unit),
                           estimate=estimate, frame_shift=None if neutral is None else -neutral.token,
+                          key_prior=key_prior,
                           on_step=lambda step, misfit: note_progress(
                               progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
 

@@ -3,7 +3,7 @@
 With key biases ``k_h`` (Qwen2) a zero token scores ``k_h^T R_h(delta) q_h`` at offset delta: it is
 no counter. A token ``z*`` with ``K_h z* + k_h = 0`` in every head scores 0 from every final token
 at every offset, and shifting every token by it gives a layer without key bias
-(:class:`ShiftedBoundary`). It is found from whole answers in three steps:
+(:class:`ShiftedBoundary`). From whole float64 answers it is found in three steps:
 
 1. A final token ``x_q`` whose query is zero (``Q_h x_q + b_h = 0`` in every head; one exists where
    ``H r <= d``): every key then scores 0, the attention is uniform and
@@ -24,6 +24,11 @@ at every offset, and shifting every token by it gives a layer without key bias
    by Newton steps within that row space.
 
 Under a sliding window every sequence of the search stays within it (:func:`within_window`).
+
+From float32 answers the first-order differences of steps 1 and 2 are the layer's rounding, and
+the search is another (:func:`large_query_search`): Newton steps on ``z`` from 0 over the misfit
+of ``(z^(N-1), z + w)`` from uniform attention, the finals' offsets ``w`` grown to give large
+queries while their self-scores are held at zero.
 """
 
 from __future__ import annotations
@@ -71,6 +76,30 @@ SMALLEST_STEPS = 1
 #: Singular values of ``V`` below this fraction of the largest span the value-invisible directions
 #: (or ``VALUE_RANK_UNITS`` units of the answers' rounding, where that is larger).
 VALUE_RANK_CUT, VALUE_RANK_UNITS = 1e-9, 1e3
+#: The large-query search (float32 answers): final tokens ``z + w_j``, their offsets' norms in units
+#: of the token scale, grown in turn (the criterion's response to a key grows with the final's
+#: query), Newton steps at each size and at most ``EXTRA_STEPS`` more at the last while each cuts
+#: the criterion to ``EXTRA_GAIN`` of what it was.
+LARGE_QUERY_FINALS = 4
+FINAL_SIZES = (1.0, 3.0, 10.0)
+STEPS_PER_SIZE, EXTRA_STEPS, EXTRA_GAIN = 2, 6, 0.5
+#: Lengths N of ``(z^(N-1), z + w)``: long enough that the slowest blocks turn (theta = 3e-4 by
+#: 0.65 rad at 2048).
+LARGE_QUERY_LENGTHS = (2, 3, 5, 8, 13, 20, 32, 51, 81, 128, 203, 323, 512, 813, 1290, 2048)
+#: Shapes ``(N - 1) / N^(k + 1)``, k below this, projected out: a final's self-score to that order.
+SELF_SCORE_SHAPES = 4
+#: Gauss-Newton steps that zero a final's self-scores (the two-token test), in an H-dimensional
+#: subspace of moves of ``SELF_SCORE_MOVE`` times the offset's norm.
+SELF_SCORE_STEPS, SELF_SCORE_MOVE = 6, 1e-2
+#: The offsets grow from one size to the next by at most this factor at a time.
+GROWTH = 1.5
+#: The difference step of the Newton steps' Jacobians over z, relative to the token scale.
+TOKEN_STEP = 1e-3
+#: Largest two-token misfit (relative) left at the finals whose self-scores were zeroed: about
+#: half the largest self-score, whose fifth power the shapes leave.
+SELF_SCORE_LIMIT = 1e-3
+#: The shortest sliding window the large-query search takes: ``SELF_SCORE_SHAPES + 4`` lengths in it.
+LARGE_QUERY_MIN_WINDOW = LARGE_QUERY_LENGTHS[SELF_SCORE_SHAPES + 2] + 1
 #: Largest misfit (relative to the answers) of the uniform attention at the query-neutral token
 #: (or ``QUERY_UNITS`` units of the answers' rounding).
 QUERY_LIMIT, QUERY_UNITS = 1e-9, 30.0
@@ -88,7 +117,8 @@ class NeutralToken:
     token : the key-neutral token ``z*`` (d,), or None where the search stopped.
     query_neutral : the final token ``x_q`` whose query is zero (d,), or None.
     d : the token dimension.
-    value_rank : the rank of ``V = sum_h V_h`` (the value rows, ``n_kv r`` for grouped heads).
+    value_rank : the rank of ``V = sum_h V_h`` (the value rows, ``n_kv r`` for grouped heads); -1
+        after the large-query search, which does not read it.
     query_misfit : the uniform attention's misfit at ``x_q``, relative to the answers.
     key_misfit : the part of ``T_N`` not affine in N at ``z*``, relative to its change under a move
         of the token by the token scale.
@@ -98,6 +128,10 @@ class NeutralToken:
         that tells K's row space from its null space).
     invisible_token : the key-neutral token among the value-invisible ones (``x_q + n``), before
         the smallest was taken.
+    large_queries : whether the token came from :func:`large_query_search` (float32 answers),
+        which has no query-neutral token and no value-invisible step.
+    self_score_misfit : with ``large_queries``, the largest two-token misfit from uniform attention
+        left at the last finals (their self-scores held at zero), relative to the answers.
     """
 
     token: np.ndarray | None
@@ -110,23 +144,34 @@ class NeutralToken:
     unit: float = 2.0 ** -53
     key_gap: float = np.nan
     invisible_token: np.ndarray | None = None
+    large_queries: bool = False
+    self_score_misfit: float = np.nan
 
     def checks(self) -> list[Check]:
-        """``value_null_space``, then ``query_neutral`` and ``key_neutral`` as far as the search went."""
+        """``value_null_space``, then ``query_neutral`` and ``key_neutral`` as far as the search went;
+        after the large-query search, ``self_scores`` and ``key_neutral``."""
+        key_limit = max(KEY_LIMIT, KEY_UNITS * self.unit)
+        left = ("the answers' part off the self-score shapes" if self.large_queries
+                else "the part of the first-order answers not affine in the count")
+        key_check = Check("key_neutral", self.key_misfit <= key_limit, self.key_misfit, key_limit,
+                          f"{left} left at the key-neutral token, relative to its change under a move of the "
+                          "token by the token scale")
+        if self.large_queries:
+            checks = [Check("self_scores", self.self_score_misfit <= SELF_SCORE_LIMIT, self.self_score_misfit,
+                            SELF_SCORE_LIMIT, "the final tokens' two-token misfit from uniform attention after "
+                            "their self-scores were zeroed, relative to the answers")]
+            return checks + [key_check] if checks[0].passed else checks
         checks = [Check("value_null_space", self.value_rank < self.d, float(self.value_rank), float(self.d),
                         "rank of the summed value maps below d: the key-neutral token is sought among tokens "
                         "that carry the final token's value in every head (grouped-query heads, n_kv r < d)")]
         if not checks[0].passed:
             return checks
-        query_limit, key_limit = _query_limit(self.unit), max(KEY_LIMIT, KEY_UNITS * self.unit)
+        query_limit = _query_limit(self.unit)
         checks.append(Check("query_neutral", self.query_misfit <= query_limit, self.query_misfit, query_limit,
                             "misfit of uniform attention at the final token found to have zero query, relative "
                             "to the answers (none exists where H r > d)"))
         if checks[-1].passed:
-            checks.append(Check("key_neutral", self.key_misfit <= key_limit, self.key_misfit, key_limit,
-                                "the part of the first-order answers not affine in the count left at the "
-                                "key-neutral token, relative to its change under a move of the token by the "
-                                "token scale"))
+            checks.append(key_check)
         return checks
 
 
@@ -185,11 +230,27 @@ def within_window(lengths, window: int | None) -> tuple[int, ...]:
 
 
 def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_scale: float,
-                       progress=None, window: int | None = None) -> NeutralToken:
+                       progress=None, window: int | None = None, heads: int | None = None,
+                       coarse: bool = False) -> NeutralToken:
     """The key-neutral token ``z*`` of a layer answering whole outputs (c its answer to one zero
     token), through ``boundary``; see the module's notes. With a sliding ``window`` every sequence
-    of the search fits in it: a token that left it would leave the count."""
+    of the search fits in it: a token that left it would leave the count. ``coarse`` (float32
+    answers): by :func:`large_query_search`, which needs the query ``heads`` and a window of at
+    least ``LARGE_QUERY_MIN_WINDOW`` tokens."""
     d = boundary.d
+    if coarse:
+        if heads is None:
+            raise ValueError("the large-query search needs the number of query heads: pass heads=")
+        if window is not None and window < LARGE_QUERY_MIN_WINDOW:
+            raise ValueError(f"the large-query key-neutral search needs a window of at least "
+                             f"{LARGE_QUERY_MIN_WINDOW} tokens, got {window}")
+        asked = boundary.queries
+        token, key_misfit, self_misfit, _ = large_query_search(
+            lambda sequences, description: np.asarray(boundary.ask(sequences, description, whole=True),
+                                                      dtype=np.float64),
+            d, heads, rng, token_scale, within_window(LARGE_QUERY_LENGTHS, window), progress)
+        return NeutralToken(token, None, d, -1, np.nan, key_misfit, boundary.queries - asked, boundary.answer_unit,
+                            large_queries=True, self_score_misfit=self_misfit)
     if window is not None and window < 5:  # two lengths beyond the affine part's two
         raise ValueError(f"the key-neutral search needs a window of at least 5 tokens, got {window}: a layer "
                          "with a shorter window has no key-neutral token this search can find")
@@ -278,3 +339,121 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     return NeutralToken(smallest, query_neutral, d, rank, query_misfit, key_misfit, boundary.queries - asked, unit,
                         key_gap=float(key_singular[rank] / key_singular[rank - 1]) if rank < len(key_singular) else 0.0,
                         invisible_token=token)
+
+
+def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, token_scale: float,
+                       lengths=LARGE_QUERY_LENGTHS, progress=None) -> tuple[np.ndarray, float, float, float]:
+    """The key-neutral token from coarse (float32) answers: ``(z, key misfit, self-score misfit,
+    reference)``; docs/algorithm.md §22, "From float32 answers".
+
+    With a final token ``x = z + w`` the answers ``Y_N = f(z^(N-1), x) - f(z)`` give
+    ``C_N = N Y_N - Y_1 = sum_h V_h w (N a_h(N) - 1)``, a_h(N) the final's weight in head h. For a
+    key-neutral z every copy scores 0, ``a_h(N) = E_h / (E_h + N - 1)`` (``E_h`` the final's
+    self-score exponentiated) and ``N a_h - 1 = (1 - 1/N) eps_h sum_k (-eps_h / N)^k``
+    (``eps_h = E_h - 1``): C lies in the span of ``(N - 1) / N^(k+1)`` over N, whatever the
+    self-scores. The part of ``C_N / N`` (rounding alike at every N) off the first
+    ``SELF_SCORE_SHAPES`` of those shapes over N is the criterion, zero at a
+    neutral z up to the self-scores' order ``SELF_SCORE_SHAPES + 1`` (held small: each offset is
+    moved in an H-dimensional subspace until ``f(z, x)`` is the mean of ``f(z)`` and ``f(x)``). A
+    key ``kappa_h`` left in z scores ``q_h(x)^T R_h(delta) kappa_h`` at offset delta: a response
+    proportional to the final's query, which grows with ``|w|`` (``FINAL_SIZES``). Newton steps on
+    z (central differences over all d directions, least squares of least norm: the criterion is flat
+    along ``null(K)``, so z stays near the smallest neutral token) take it to the neutral set.
+    """
+    lengths = np.asarray(lengths)
+
+    def criterion(z, offsets):
+        return off_shape_misfit(whole, z, offsets, lengths)
+
+    def zero_self_scores(z, w):
+        moves = np.linalg.qr(rng.standard_normal((d, heads)))[0] * (SELF_SCORE_MOVE * np.linalg.norm(w))
+        misfit = pair_misfit(whole, z, [w])[0]
+        for _ in range(SELF_SCORE_STEPS):
+            sides = pair_misfit(whole, z, list(w + moves.T) + list(w - moves.T))
+            step = np.linalg.lstsq((sides[:heads] - sides[heads:]).T / 2, -misfit, rcond=None)[0]
+            for length in 0.5 ** np.arange(10):  # the first shorter step that lowers the misfit
+                trial = pair_misfit(whole, z, [w + length * moves @ step])[0]
+                if np.linalg.norm(trial) < np.linalg.norm(misfit):
+                    w, misfit = w + length * moves @ step, trial
+                    break
+        return w, float(np.abs(misfit).max())
+
+    directions = rng.standard_normal((LARGE_QUERY_FINALS, d))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    z, offsets, h = np.zeros(d), directions * token_scale, TOKEN_STEP * token_scale
+    misfit, self_misfit, reference = np.inf, np.inf, 1e-300
+    grown = FINAL_SIZES[0]
+    for stage, size in enumerate(FINAL_SIZES):
+        # grown by at most GROWTH at a time, the self-scores zeroed at each: s_h(t w) = t a_h + t^2 b_h
+        # is zero at t = 1, and t = GROWTH leaves (GROWTH^2 - GROWTH) b_h, which the zeroing's steps
+        # still take from (all at once, 3x would leave 6 b_h, past where the pair test saturates)
+        while grown < size:
+            grown = min(size, grown * GROWTH)
+            offsets = offsets / np.linalg.norm(offsets, axis=1, keepdims=True) * (grown * token_scale)
+            offsets = np.array([zero_self_scores(z, w)[0] for w in offsets])
+        last = stage == len(FINAL_SIZES) - 1
+        for step in range(STEPS_PER_SIZE + (EXTRA_STEPS if last else 0)):
+            note_progress(progress, f"key bias: large-query finals of {size:g} token scales, step {step + 1}")
+            zeroed = [zero_self_scores(z, w) for w in offsets]
+            offsets, self_misfit = np.array([w for w, _ in zeroed]), max(m for _, m in zeroed)
+            here = criterion(z, offsets)
+            jacobian = np.column_stack([(criterion(z + h * e, offsets) - criterion(z - h * e, offsets)) / (2 * h)
+                                        for e in np.eye(d)])
+            reference = max(float(np.abs(jacobian).max()) * token_scale, 1e-300)
+            move = np.linalg.lstsq(jacobian, -here, rcond=1e-7)[0]
+            before, misfit = np.linalg.norm(here), float(np.abs(here).max())
+            for length in 0.5 ** np.arange(10):  # the first shorter step that lowers the criterion
+                trial = criterion(z + length * move, offsets)
+                if np.linalg.norm(trial) < before:
+                    z, misfit = z + length * move, float(np.abs(trial).max())
+                    break
+            # past the last size's own steps, the extra ones go on while each halves the criterion
+            if last and step + 1 >= STEPS_PER_SIZE and not np.linalg.norm(trial) < EXTRA_GAIN * before:
+                break
+    return z, misfit / reference, self_misfit, reference
+
+
+def off_shape_misfit(whole, z: np.ndarray, offsets, lengths=LARGE_QUERY_LENGTHS) -> np.ndarray:
+    """The large-query search's criterion at the token z with finals ``z + w`` (``w`` in
+    ``offsets``): the part of ``Y_N - Y_1 / N`` over ``lengths`` N off the self-score shapes
+    ``(N - 1) / N^(k+2)``, ``k < SELF_SCORE_SHAPES``, each final's relative to its ``|Y_1|``;
+    ``whole(sequences, description)`` answers whole outputs. Zero at a key-neutral z, whatever the
+    finals' self-scores, up to their order ``SELF_SCORE_SHAPES + 1`` (:func:`large_query_search`).
+
+    Examples
+    --------
+    A layer whose keys have no bias and no offset part (``K = 0``) scores every token 0, so every
+    token is neutral:
+
+    >>> import numpy as np
+    >>> from mhaextract.rotary.neutral import off_shape_misfit
+    >>> V = np.random.default_rng(0).normal(size=(3, 3))
+    >>> def uniform(sequences, description):  # equal scores: the mean of the values
+    ...     return np.array([V @ np.mean(X, axis=0) for X in sequences])
+    >>> misfit = off_shape_misfit(uniform, np.ones(3), [np.array([1.0, 0.0, 2.0])])
+    >>> bool(np.abs(misfit).max() < 1e-14)
+    True
+    """
+    lengths = np.asarray(lengths)
+    # Y_N - Y_1 / N = C_N / N: its rounding is about the same at every N (that of C_N grows as N)
+    shapes = np.column_stack([(lengths - 1.0) / lengths ** (k + 2) for k in range(SELF_SCORE_SHAPES)])
+    off_shapes = np.eye(len(lengths)) - shapes @ np.linalg.pinv(shapes)
+    sequences = [z[None]]
+    for w in offsets:
+        sequences += [(z + w)[None]] + [np.vstack([np.tile(z, (N - 1, 1)), z + w]) for N in lengths]
+    answers = np.asarray(whole(sequences, "key bias: large-query finals"), dtype=np.float64)
+    per_final = (answers[1:] - answers[0]).reshape(len(offsets), len(lengths) + 1, -1)
+    single, copies = per_final[:, 0], per_final[:, 1:]
+    misfit = copies - single[:, None, :] / lengths[None, :, None]
+    scale = np.maximum(np.abs(single).max(axis=1), 1e-300)
+    return (np.einsum("mn,jno->jmo", off_shapes, misfit) / scale[:, None, None]).ravel()
+
+
+def pair_misfit(whole, z: np.ndarray, offsets) -> np.ndarray:
+    """``2 f(z, z + w) - f(z) - f(z + w)`` for each ``w`` in ``offsets``, relative to
+    ``|f(z + w) - f(z)|``: zero where ``z + w``'s self-scores are z's scores at offset 1 (every
+    self-score, for a key-neutral z), the two tokens' attention then being uniform."""
+    sequences = [z[None]] + [s for w in offsets for s in ((z + w)[None], np.vstack([z, z + w]))]
+    answers = np.asarray(whole(sequences, "key bias: the finals' self-scores"), dtype=np.float64)
+    single, pair = answers[1::2] - answers[0], answers[2::2] - answers[0]
+    return (2 * pair - single) / np.maximum(np.abs(single).max(axis=1, keepdims=True), 1e-300)

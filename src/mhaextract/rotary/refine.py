@@ -297,7 +297,7 @@ def refinement_memory(parameters: int, queries: int, precision: int | None = Non
 
 
 def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
-           on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None):
+           on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None, key_prior: float = 0.0):
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
     ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). The
@@ -305,14 +305,28 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     answers' rounding, and a step gains less than a tenth of the cost, or any step gains less than
     1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
     the caller continues. ``frame_shift``: the estimate is of the score matrices of the model seen
-    through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md §22)."""
+    through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md §22).
+    ``key_prior``: ``key_prior^2 |k|^2`` joins the cost, k the model's key bias (a Gaussian prior
+    of size sigma_k against answers' noise sigma: ``key_prior = sigma / sigma_k``)."""
     answers = np.asarray(answers, dtype=np.float64)
     vector = pack(model)
     groups = length_groups(sequences, len(vector))
     scale = max(float(np.abs(answers).max()), 1e-300)
+    # a Gaussian prior on the key bias: key_prior^2 |k|^2 added to the cost (key_prior the answers'
+    # noise over the prior's size), and to the normal matrix of the estimate
+    prior = (np.arange(_offsets(model)[6], len(vector)) if model.key_bias is not None and key_prior > 0
+             else np.arange(0))
+    weight = key_prior ** 2
+
+    def with_prior(normal, gradient, vector):
+        normal[prior, prior] += weight
+        gradient[prior] += weight * vector[prior]
+        return normal, gradient
+
     residual, normal, gradient, _ = normal_equations(model, groups, answers)
+    normal, gradient = with_prior(normal, gradient, vector)
     before = float(np.abs(residual).max()) / scale
-    cost = float(residual @ residual)
+    cost = float(residual @ residual) + weight * float(vector[prior] @ vector[prior])
     damping = 1e-3
     taken = 0
     for _ in range(iterations):
@@ -335,7 +349,8 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
                 step = step - 0.5 * bend
             trial = unpack(vector - step, model)
             trial_residual = predict(trial, groups) - answers
-            trial_cost = float(trial_residual @ trial_residual)
+            trial_cost = float(trial_residual @ trial_residual) + weight * float(
+                (vector - step)[prior] @ (vector - step)[prior])
             if np.isfinite(trial_cost) and trial_cost < cost:
                 relative = (cost - trial_cost) / max(cost, 1e-300)
                 vector, model, residual, cost = vector - step, trial, trial_residual, trial_cost
@@ -351,10 +366,12 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         if relative < 1e-9 or (relative < 0.1 and float(np.abs(residual).max()) / scale < floor):
             break
         residual, normal, gradient, _ = normal_equations(model, groups, answers)
+        normal, gradient = with_prior(normal, gradient, vector)
     if not estimate:  # a first stretch of steps, continued by the caller: no estimate of it is used
         return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, np.nan)
     draws = np.random.default_rng(seed).standard_normal((len(answers), NOISE_DRAWS))
     residual, normal, _, projected = normal_equations(model, groups, answers, draws)
+    normal[prior, prior] += weight
     errors = error_draws(normal, projected, residual)
     return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale,
                                    _noise_error(model, errors, frame_shift), errors)
