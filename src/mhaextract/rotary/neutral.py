@@ -79,8 +79,9 @@ VALUE_RANK_CUT, VALUE_RANK_UNITS = 1e-9, 1e3
 #: The large-query search (float32 answers): final tokens ``z + w_j``, their offsets' norms in units
 #: of the token scale, grown in turn (the criterion's response to a key grows with the final's
 #: query), Newton steps at each size and at most ``EXTRA_STEPS`` more at the last while each cuts
-#: the criterion to ``EXTRA_GAIN`` of what it was.
-LARGE_QUERY_FINALS = 4
+#: the criterion to ``EXTRA_GAIN`` of what it was. Eight finals leave keys 2-3x smaller than four
+#: (the start needs them: docs/rotary.md, "From float32 answers").
+LARGE_QUERY_FINALS = 8
 FINAL_SIZES = (1.0, 3.0, 10.0)
 STEPS_PER_SIZE, EXTRA_STEPS, EXTRA_GAIN = 2, 6, 0.5
 #: Lengths N of ``(z^(N-1), z + w)``: long enough that the slowest blocks turn (theta = 3e-4 by
