@@ -90,8 +90,9 @@ LARGE_QUERY_LENGTHS = (2, 3, 5, 8, 13, 20, 32, 51, 81, 128, 203, 323, 512, 813, 
 #: Shapes ``(N - 1) / N^(k + 1)``, k below this, projected out: a final's self-score to that order.
 SELF_SCORE_SHAPES = 4
 #: Gauss-Newton steps that zero a final's self-scores (the two-token test), in an H-dimensional
-#: subspace of moves of ``SELF_SCORE_MOVE`` times the offset's norm.
-SELF_SCORE_STEPS, SELF_SCORE_MOVE = 6, 1e-2
+#: subspace of moves of ``SELF_SCORE_MOVE`` times the offset's norm; another subspace is tried
+#: where one leaves them above ``SELF_SCORE_LIMIT`` (``SELF_SCORE_TRIES`` in all).
+SELF_SCORE_STEPS, SELF_SCORE_MOVE, SELF_SCORE_TRIES = 6, 1e-2, 2
 #: The offsets grow from one size to the next by at most this factor at a time.
 GROWTH = 1.5
 #: The difference step of the Newton steps' Jacobians over z, relative to the token scale.
@@ -367,16 +368,19 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
         return off_shape_misfit(whole, z, offsets, lengths)
 
     def zero_self_scores(z, w):
-        moves = np.linalg.qr(rng.standard_normal((d, heads)))[0] * (SELF_SCORE_MOVE * np.linalg.norm(w))
         misfit = pair_misfit(whole, z, [w])[0]
-        for _ in range(SELF_SCORE_STEPS):
-            sides = pair_misfit(whole, z, list(w + moves.T) + list(w - moves.T))
-            step = np.linalg.lstsq((sides[:heads] - sides[heads:]).T / 2, -misfit, rcond=None)[0]
-            for length in 0.5 ** np.arange(10):  # the first shorter step that lowers the misfit
-                trial = pair_misfit(whole, z, [w + length * moves @ step])[0]
-                if np.linalg.norm(trial) < np.linalg.norm(misfit):
-                    w, misfit = w + length * moves @ step, trial
-                    break
+        for _ in range(SELF_SCORE_TRIES):  # a subspace that cannot zero them is replaced once
+            moves = np.linalg.qr(rng.standard_normal((d, heads)))[0] * (SELF_SCORE_MOVE * np.linalg.norm(w))
+            for _ in range(SELF_SCORE_STEPS):
+                sides = pair_misfit(whole, z, list(w + moves.T) + list(w - moves.T))
+                step = np.linalg.lstsq((sides[:heads] - sides[heads:]).T / 2, -misfit, rcond=None)[0]
+                for length in 0.5 ** np.arange(10):  # the first shorter step that lowers the misfit
+                    trial = pair_misfit(whole, z, [w + length * moves @ step])[0]
+                    if np.linalg.norm(trial) < np.linalg.norm(misfit):
+                        w, misfit = w + length * moves @ step, trial
+                        break
+            if np.abs(misfit).max() <= SELF_SCORE_LIMIT:
+                break
         return w, float(np.abs(misfit).max())
 
     directions = rng.standard_normal((LARGE_QUERY_FINALS, d))
@@ -396,15 +400,20 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
         for step in range(STEPS_PER_SIZE + (EXTRA_STEPS if last else 0)):
             note_progress(progress, f"key bias: large-query finals of {size:g} token scales, step {step + 1}")
             zeroed = [zero_self_scores(z, w) for w in offsets]
-            offsets, self_misfit = np.array([w for w, _ in zeroed]), max(m for _, m in zeroed)
-            here = criterion(z, offsets)
-            jacobian = np.column_stack([(criterion(z + h * e, offsets) - criterion(z - h * e, offsets)) / (2 * h)
+            offsets, misfits = np.array([w for w, _ in zeroed]), np.array([m for _, m in zeroed])
+            # a final whose self-scores stayed large sits this step out (tried again at the next),
+            # while at least half of them are left
+            held = misfits <= SELF_SCORE_LIMIT
+            used = offsets[held] if 2 * held.sum() >= len(offsets) else offsets
+            self_misfit = float(misfits[held].max() if 2 * held.sum() >= len(offsets) else misfits.max())
+            here = criterion(z, used)
+            jacobian = np.column_stack([(criterion(z + h * e, used) - criterion(z - h * e, used)) / (2 * h)
                                         for e in np.eye(d)])
             reference = max(float(np.abs(jacobian).max()) * token_scale, 1e-300)
             move = np.linalg.lstsq(jacobian, -here, rcond=1e-7)[0]
             before, misfit = np.linalg.norm(here), float(np.abs(here).max())
             for length in 0.5 ** np.arange(10):  # the first shorter step that lowers the criterion
-                trial = criterion(z + length * move, offsets)
+                trial = criterion(z + length * move, used)
                 if np.linalg.norm(trial) < before:
                     z, misfit = z + length * move, float(np.abs(trial).max())
                     break
