@@ -247,7 +247,7 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
             raise ValueError(f"the large-query key-neutral search needs a window of at least "
                              f"{LARGE_QUERY_MIN_WINDOW} tokens, got {window}")
         asked = boundary.queries
-        token, key_misfit, self_misfit, _ = large_query_search(
+        token, key_misfit, self_misfit = large_query_search(
             lambda sequences, description: np.asarray(boundary.ask(sequences, description, whole=True),
                                                       dtype=np.float64),
             d, heads, rng, token_scale, within_window(LARGE_QUERY_LENGTHS, window), progress)
@@ -344,9 +344,10 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
 
 
 def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, token_scale: float,
-                       lengths=LARGE_QUERY_LENGTHS, progress=None) -> tuple[np.ndarray, float, float, float]:
-    """The key-neutral token from coarse (float32) answers: ``(z, key misfit, self-score misfit,
-    reference)``; docs/algorithm.md §22, "From float32 answers".
+                       lengths=LARGE_QUERY_LENGTHS, progress=None) -> tuple[np.ndarray, float, float]:
+    """The key-neutral token from coarse (float32) answers: ``(z, key misfit, self-score misfit)``
+    (the ``key_neutral`` and ``self_scores`` checks' values); docs/algorithm.md §22, "From float32
+    answers".
 
     With a final token ``x = z + w`` the answers ``Y_N = f(z^(N-1), x) - f(z)`` give
     ``C_N = N Y_N - Y_1 = sum_h V_h w (N a_h(N) - 1)``, a_h(N) the final's weight in head h. For a
@@ -354,8 +355,8 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
     self-score exponentiated) and ``N a_h - 1 = (1 - 1/N) eps_h sum_k (-eps_h / N)^k``
     (``eps_h = E_h - 1``): C lies in the span of ``(N - 1) / N^(k+1)`` over N, whatever the
     self-scores. The part of ``C_N / N`` (rounding alike at every N) off the first
-    ``SELF_SCORE_SHAPES`` of those shapes over N is the criterion, zero at a
-    neutral z up to the self-scores' order ``SELF_SCORE_SHAPES + 1`` (held small: each offset is
+    ``SELF_SCORE_SHAPES`` of those shapes divided by N is the criterion (:func:`off_shape_misfit`),
+    zero at a neutral z up to the self-scores' order ``SELF_SCORE_SHAPES + 1`` (held small: each offset is
     moved in an H-dimensional subspace until ``f(z, x)`` is the mean of ``f(z)`` and ``f(x)``). A
     key ``kappa_h`` left in z scores ``q_h(x)^T R_h(delta) kappa_h`` at offset delta: a response
     proportional to the final's query, which grows with ``|w|`` (``FINAL_SIZES``). Newton steps on
@@ -404,8 +405,9 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
             # a final whose self-scores stayed large sits this step out (tried again at the next),
             # while at least half of them are left
             held = misfits <= SELF_SCORE_LIMIT
-            used = offsets[held] if 2 * held.sum() >= len(offsets) else offsets
-            self_misfit = float(misfits[held].max() if 2 * held.sum() >= len(offsets) else misfits.max())
+            if 2 * held.sum() < len(offsets):
+                held[:] = True
+            used, self_misfit = offsets[held], float(misfits[held].max())
             here = criterion(z, used)
             jacobian = np.column_stack([(criterion(z + h * e, used) - criterion(z - h * e, used)) / (2 * h)
                                         for e in np.eye(d)])
@@ -420,7 +422,7 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
             # past the last size's own steps, the extra ones go on while each halves the criterion
             if last and step + 1 >= STEPS_PER_SIZE and not np.linalg.norm(trial) < EXTRA_GAIN * before:
                 break
-    return z, misfit / reference, self_misfit, reference
+    return z, misfit / reference, self_misfit
 
 
 def off_shape_misfit(whole, z: np.ndarray, offsets, lengths=LARGE_QUERY_LENGTHS) -> np.ndarray:
