@@ -777,6 +777,10 @@ def test_the_key_neutral_search_refuses_a_window_without_lengths_to_spare():
     boundary = OracleBoundary(layer, 8)
     with pytest.raises(ValueError, match="window of at least 5 tokens, got 4"):
         find_neutral_token(boundary, np.zeros(8), np.random.default_rng(0), 1.0, window=4)
+    with pytest.raises(ValueError, match="window of at least 33 tokens, got 32"):
+        find_neutral_token(boundary, np.zeros(8), np.random.default_rng(0), 1.0, window=32, heads=1, coarse=True)
+    with pytest.raises(ValueError, match="pass heads="):
+        find_neutral_token(boundary, np.zeros(8), np.random.default_rng(0), 1.0, coarse=True)
     assert layer.queries == 0
 
 

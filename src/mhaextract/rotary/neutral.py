@@ -79,15 +79,16 @@ VALUE_RANK_CUT, VALUE_RANK_UNITS = 1e-9, 1e3
 #: The large-query search (float32 answers): final tokens ``z + w_j``, their offsets' norms in units
 #: of the token scale, grown in turn (the criterion's response to a key grows with the final's
 #: query), Newton steps at each size and at most ``EXTRA_STEPS`` more at the last while each cuts
-#: the criterion to ``EXTRA_GAIN`` of what it was. Eight finals leave keys 2-3x smaller than four
-#: (the start needs them: docs/rotary.md, "From float32 answers").
+#: the criterion to ``EXTRA_GAIN`` of what it was. Eight finals: the start needs keys of a few 1e-6
+#: (docs/rotary.md, "From float32 answers").
 LARGE_QUERY_FINALS = 8
 FINAL_SIZES = (1.0, 3.0, 10.0)
 STEPS_PER_SIZE, EXTRA_STEPS, EXTRA_GAIN = 2, 6, 0.5
 #: Lengths N of ``(z^(N-1), z + w)``: long enough that the slowest blocks turn (theta = 3e-4 by
 #: 0.65 rad at 2048).
 LARGE_QUERY_LENGTHS = (2, 3, 5, 8, 13, 20, 32, 51, 81, 128, 203, 323, 512, 813, 1290, 2048)
-#: Shapes ``(N - 1) / N^(k + 1)``, k below this, projected out: a final's self-score to that order.
+#: Shapes ``(N - 1) / N^(k + 2)`` of ``Y_N - Y_1 / N``, k below this, projected out: a final's
+#: self-score to that order.
 SELF_SCORE_SHAPES = 4
 #: Gauss-Newton steps that zero a final's self-scores (the two-token test), in an H-dimensional
 #: subspace of moves of ``SELF_SCORE_MOVE`` times the offset's norm; another subspace is tried
