@@ -79,7 +79,7 @@ VALUE_RANK_CUT, VALUE_RANK_UNITS = 1e-9, 1e3
 #: The large-query search (float32 answers): final tokens ``z + w_j``, their offsets' norms in units
 #: of the token scale, grown in turn (the criterion's response to a key grows with the final's
 #: query), Newton steps at each size and at most ``EXTRA_STEPS`` more at the last while each cuts
-#: the criterion to ``EXTRA_GAIN`` of what it was. Eight finals: the start needs keys of a few 1e-6
+#: the criterion to ``EXTRA_GAIN`` of what it was. Eight finals: the start needs keys of 1e-6
 #: (docs/rotary.md, "From float32 answers").
 LARGE_QUERY_FINALS = 8
 FINAL_SIZES = (1.0, 3.0, 10.0)
