@@ -241,17 +241,19 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     answers): by :func:`large_query_search`, which needs the query ``heads`` and a window of at
     least ``LARGE_QUERY_MIN_WINDOW`` tokens."""
     d = boundary.d
+    asked = boundary.queries
+
+    def whole(sequences, description):
+        return np.asarray(boundary.ask(sequences, description, whole=True), dtype=np.float64)
+
     if coarse:
         if heads is None:
             raise ValueError("the large-query search needs the number of query heads: pass heads=")
         if window is not None and window < LARGE_QUERY_MIN_WINDOW:
             raise ValueError(f"the large-query key-neutral search needs a window of at least "
                              f"{LARGE_QUERY_MIN_WINDOW} tokens, got {window}")
-        asked = boundary.queries
         token, key_misfit, self_misfit = large_query_search(
-            lambda sequences, description: np.asarray(boundary.ask(sequences, description, whole=True),
-                                                      dtype=np.float64),
-            d, heads, rng, token_scale, within_window(LARGE_QUERY_LENGTHS, window), progress)
+            whole, d, heads, rng, token_scale, within_window(LARGE_QUERY_LENGTHS, window), progress)
         return NeutralToken(token, None, d, -1, np.nan, key_misfit, boundary.queries - asked, boundary.answer_unit,
                             large_queries=True, self_score_misfit=self_misfit)
     if window is not None and window < 5:  # two lengths beyond the affine part's two
@@ -259,11 +261,6 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
                          "with a shorter window has no key-neutral token this search can find")
     lengths, null_space_lengths = within_window(LENGTHS, window), within_window(NULL_SPACE_LENGTHS, window)
     probe_tokens = PROBE_TOKENS if window is None else min(PROBE_TOKENS, window - 1)
-    asked = boundary.queries
-
-    def whole(sequences, description):
-        return np.asarray(boundary.ask(sequences, description, whole=True), dtype=np.float64)
-
     basis = np.eye(d) * token_scale
     V = (whole([row[None] for row in basis], "key bias: summed values") - c).T / token_scale  # (d_out, d)
     _, singular, right = np.linalg.svd(V)
