@@ -358,7 +358,7 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
     moved in an H-dimensional subspace until ``f(z, x)`` is the mean of ``f(z)`` and ``f(x)``). A
     key ``kappa_h`` left in z scores ``q_h(x)^T R_h(delta) kappa_h`` at offset delta: a response
     proportional to the final's query, which grows with ``|w|`` (``FINAL_SIZES``). Newton steps on
-    z (central differences over all d directions, least squares of least norm: the criterion is flat
+    z (forward differences over all d directions, least squares of least norm: the criterion is flat
     along ``null(K)``, so z stays near the smallest neutral token) take it to the neutral set.
     """
     lengths = np.asarray(lengths)
@@ -407,8 +407,7 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
                 held[:] = True
             used, self_misfit = offsets[held], float(misfits[held].max())
             here = criterion(z, used)
-            jacobian = np.column_stack([(criterion(z + h * e, used) - criterion(z - h * e, used)) / (2 * h)
-                                        for e in np.eye(d)])
+            jacobian = np.column_stack([(criterion(z + h * e, used) - here) / h for e in np.eye(d)])
             reference = max(float(np.abs(jacobian).max()) * token_scale, 1e-300)
             move = np.linalg.lstsq(jacobian, -here, rcond=1e-7)[0]
             before, misfit = np.linalg.norm(here), float(np.abs(here).max())
