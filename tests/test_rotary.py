@@ -186,6 +186,33 @@ def test_several_heads_are_refined_to_machine_precision(d, heads, width, groups,
     assert result.refinement.residual_after <= 1e-13
 
 
+def test_a_start_whose_heads_were_matched_wrongly_is_drawn_again(monkeypatch):
+    """A draw of instances whose start fails its structure (W(2) outside W(1)'s spaces, or M's
+    eigenvalues off the unit circle) is asked again with fresh instances, the better start kept and every query counted; a good first draw
+    asks no second."""
+    import mhaextract.rotary.learn as learn
+    layer = mx.RotaryAttention.random(d=8, heads=1, head_width=4, seed=5, bias=True)
+    baseline = mx.extract(CountingOracle(layer), d=8, heads=1, positions="rotary", seed=1)
+    assert len(baseline.diagnostics["start_structure_errors"]) == 1
+    learned, draws = learn.RotaryLearner.learn, []
+
+    def first_draw_wrong(self, answers, *args, **kwargs):
+        start, diagnostics = learned(self, answers, *args, **kwargs)
+        draws.append((self.seed, len(answers)))
+        if len(draws) == 1:  # as if its heads had been matched wrongly
+            diagnostics = dict(diagnostics, subspace_residual=0.9)
+        return start, diagnostics
+
+    monkeypatch.setattr(learn.RotaryLearner, "learn", first_draw_wrong)
+    oracle = CountingOracle(layer)
+    result = mx.extract(oracle, d=8, heads=1, positions="rotary", seed=1)
+    assert len(draws) == 2 and draws[0][0] != draws[1][0]
+    first, second = result.diagnostics["start_structure_errors"]
+    assert first == 0.9 and second <= 1e-6
+    assert result.ok and result.queries == oracle.queries == baseline.queries + draws[1][1]
+    assert mx.compare(result.model, layer).max_rel <= 1e-10
+
+
 class KeyBiasedRotary:
     """A rotary layer with a key bias (Qwen2-style): a zero token is no longer neutral, so the
     layer is outside the rotary model (docs/algorithm.md §22)."""

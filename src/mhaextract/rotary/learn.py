@@ -95,6 +95,12 @@ SEEDING_STEPS = 4
 #: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
 #: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
 SEARCH_KEY_SIZE = 1e-4
+#: A start whose W(2) lies this far outside W(1)'s row and column spaces (``subspace_residual``,
+#: relative), or whose M has an eigenvalue this far off the unit circle (``modulus_error``), had
+#: its heads matched wrongly across instances (float32 good starts: 1e-4 at d = 16, 0.02 at
+#: d = 32); its instances are drawn again, at most ``START_DRAWS`` times in all, the best kept.
+STRUCTURE_LIMIT = 0.1
+START_DRAWS = 3
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 64)
@@ -127,7 +133,8 @@ class RotaryExtraction(CheckedResult):
     checks : list of Check. verification : the long verification, or None.
     start : the model the instances gave, before the refinement.
     refinement : :class:`~mhaextract.rotary.refine.RotaryRefinement` (queries, steps, residuals).
-    diagnostics : the instances' fits and matching (failed instances, missing grid entries, widths).
+    diagnostics : the instances' fits and matching (failed instances, missing grid entries, widths;
+        ``start_structure_errors``: each draw's larger of the subspace residual and modulus error).
     readout, scalar_model, value_fit : as in :class:`~mhaextract.Extraction` for vector answers.
     precision : None (float64), or the bits of a high-precision run, whose model has ``mpf``
         parameters and whose estimate, residual and verification are computed at those bits (a
@@ -298,6 +305,12 @@ def fit_instances(answers: np.ndarray, c: float, ks: np.ndarray, heads: int, cha
                channel_constants=channels_c)
     P = np.exp(fits.log_poles)
     return Instances(P, P * fits.labels, fits.residual)
+
+
+def start_structure_error(diagnostics: dict) -> float:
+    """The larger of a start's ``subspace_residual`` and ``modulus_error`` (its heads' worst), from
+    :meth:`RotaryLearner.learn`'s diagnostics; inf where the draw gave no start."""
+    return max(diagnostics.get("subspace_residual", np.inf), diagnostics.get("modulus_error", np.inf))
 
 
 def _assign(cost: np.ndarray) -> np.ndarray:
@@ -733,12 +746,27 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         if token_scale is None:
             choose_token_scale(learner, ask, c, channels_c, coarse)
         sequences, exact, channels = ask(learner.patterns(), "rotary instances")
-        answers = mid_float(exact)
         unit = boundary.answer_unit
         if unit > COARSEST_UNIT:  # seen only now in the answers' bits
             checks.append(answer_precision(unit))
         else:
-            start, diagnostics = learner.learn(answers, c, unit, channels, channels_c)
+            start, diagnostics = learner.learn(mid_float(exact), c, unit, channels, channels_c)
+            drawn = [start_structure_error(diagnostics)]
+            # heads matched wrongly across the instances (at float32 one draw in a few): fresh
+            # instances at the same token scale, every answer kept for the residual check
+            for draw in range(1, START_DRAWS):
+                if drawn[-1] <= STRUCTURE_LIMIT:
+                    break
+                again = RotaryLearner(d, heads, int(spawn_rng(seed, 25 + draw).integers(2 ** 63)),
+                                      learner.token_scale, bias, rank, window.window, learner.spares)
+                more, more_exact, more_channels = ask(again.patterns(), f"rotary instances, draw {draw + 1}")
+                sequences, exact = list(sequences) + list(more), np.concatenate([exact, more_exact])
+                trial, trial_diagnostics = again.learn(mid_float(more_exact), c, unit, more_channels, channels_c)
+                drawn.append(start_structure_error(trial_diagnostics))
+                if drawn[-1] < min(drawn[:-1]):
+                    start, diagnostics = trial, trial_diagnostics
+            diagnostics["start_structure_errors"] = drawn
+        answers = mid_float(exact)
         if start is not None and window.window is not None:
             start = start.replaced(window=window.window)
         if start is not None and key_bias:  # what is left of the key bias after the shift, fitted from 0
