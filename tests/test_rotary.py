@@ -188,8 +188,8 @@ def test_several_heads_are_refined_to_machine_precision(d, heads, width, groups,
 
 def test_a_start_whose_heads_were_matched_wrongly_is_drawn_again(monkeypatch):
     """A draw of instances whose start fails its structure (W(2) outside W(1)'s spaces, or M's
-    eigenvalues off the unit circle) is asked again with fresh instances, the better start kept and every query counted; a good first draw
-    asks no second."""
+    eigenvalues off the unit circle) is asked again with fresh instances, the better start kept
+    and every query counted; a good first draw asks no second."""
     import mhaextract.rotary.learn as learn
     layer = mx.RotaryAttention.random(d=8, heads=1, head_width=4, seed=5, bias=True)
     baseline = mx.extract(CountingOracle(layer), d=8, heads=1, positions="rotary", seed=1)
