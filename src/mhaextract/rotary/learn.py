@@ -22,6 +22,7 @@ Every instance takes ``k = 0..2H - 1`` (c is measured once, by the query of one 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 
@@ -364,6 +365,13 @@ class RotaryLearner:
         # assembly (least squares over the tokens that held) determined
         spare = np.hstack([random_basis(rng, self.d, token_scale) for _ in range(-(-2 * self.spares // self.d))])
         self.spare_finals, self.spare_keys = spare[:, :self.spares], spare[:, self.spares:2 * self.spares]
+
+    def drawn_again(self, seed) -> "RotaryLearner":
+        """The same learner (heads, counts, token scale, spares) with its tokens drawn from ``seed``."""
+        again = copy.copy(self)
+        again.seed = seed
+        again.set_scale(self.token_scale)
+        return again
 
     @property
     def finals(self) -> np.ndarray:
@@ -757,8 +765,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
             for draw in range(1, START_DRAWS):
                 if drawn[-1] <= STRUCTURE_LIMIT:
                     break
-                again = RotaryLearner(d, heads, int(spawn_rng(seed, 25 + draw).integers(2 ** 63)),
-                                      learner.token_scale, bias, rank, window.window, learner.spares)
+                again = learner.drawn_again(int(spawn_rng(seed, 25 + draw).integers(2 ** 63)))
                 more, more_exact, more_channels = ask(again.patterns(), f"rotary instances, draw {draw + 1}")
                 sequences, exact = list(sequences) + list(more), np.concatenate([exact, more_exact])
                 trial, trial_diagnostics = again.learn(mid_float(more_exact), c, unit, more_channels, channels_c)
