@@ -780,10 +780,12 @@ def test_a_float32_run_under_a_window_too_short_for_the_large_query_search_is_re
     assert result.queries == layer.queries < 100
 
 
-def test_the_refinements_key_prior_holds_the_key_bias_to_its_size():
-    """Without a prior the refinement fits a key bias of 0.3 from 0 (to 1%: the other parameters
-    nearly take up one combination of it, the walk a float32 run must not take); with a prior whose
-    size is far below it (key_prior = noise / size, docs §22) the fitted key bias stays near 0."""
+def test_the_refinements_key_prior_is_weighed_against_the_misfit():
+    """The key bias's prior is ``(sigma / key_size)^2 |k|^2`` with sigma the misfit's root mean
+    square at each step (docs §22). Without a prior the refinement fits a key bias of 0.3 from 0
+    (to 1%: the other parameters nearly take up one combination of it, the walk a float32 run must
+    not take); a prior of the key's size leaves the fit to the answers; a prior far below the key
+    holds it near 0 whatever the misfit, which stays large: a residual check a run fails loudly."""
     from mhaextract.rotary.refine import refine
     truth = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=1, bias=True)
     truth = truth.replaced(key_bias=np.array([[0.3, -0.2]]))
@@ -792,10 +794,13 @@ def test_the_refinements_key_prior_holds_the_key_bias_to_its_size():
     answers = truth(sequences)
     start = truth.replaced(key_bias=np.zeros((1, 2)))
     free, fitted = refine(start, sequences, answers, iterations=40, estimate=False)
-    held, _ = refine(start, sequences, answers, iterations=40, estimate=False, key_prior=30.0)
-    assert fitted.residual_after <= 1e-12
+    sized, sized_fit = refine(start, sequences, answers, iterations=40, estimate=False, key_size=0.3)
+    held, held_fit = refine(start, sequences, answers, iterations=40, estimate=False, key_size=1e-4)
+    assert fitted.residual_after <= 1e-12 and sized_fit.residual_after <= 1e-12
     assert np.linalg.norm(free.key_bias - truth.key_bias) <= 1e-2 * np.linalg.norm(truth.key_bias)
+    assert np.linalg.norm(sized.key_bias - truth.key_bias) <= 5e-2 * np.linalg.norm(truth.key_bias)
     assert np.linalg.norm(held.key_bias) <= 1e-2 * np.linalg.norm(truth.key_bias)
+    assert held_fit.residual_after >= 1e-2
 
 
 def test_the_key_neutral_search_refuses_a_window_without_lengths_to_spare():

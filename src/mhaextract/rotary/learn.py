@@ -90,9 +90,11 @@ CHANNELS_PER_HEAD = 2
 #: more tokens lose too many entries to be kept (d = 32, H = 4: three finals with two spares).
 SPARE_TOKENS = 2
 NOISY_SPARE_TOKENS = 6
-#: With float32 answers the slow blocks are seeded before the refinement and again after this many
-#: of its steps (``seed_low_frequencies``).
+#: With float32 answers the slow blocks are seeded before the refinement and again after every
+#: stretch of this many of its steps (``seed_low_frequencies``), at most ``SEEDINGS`` times in all,
+#: until a seeding no longer lowers the misfit.
 SEEDING_STEPS = 4
+SEEDINGS = 8
 #: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
 #: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
 SEARCH_KEY_SIZE = 1e-4
@@ -800,14 +802,13 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                 POLISH_LENGTHS)
         polish_exact = boundary.ask(polish, "refining on fresh queries")
         polish_answers = mid_float(polish_exact)
-        # the key bias left by the large-query search: a Gaussian prior of its size against the
-        # answers' rounding, or the steps trade it for the slowest angle (theta -> 0, k -> large)
-        key_prior = (unit * float(np.abs(polish_answers).max()) / SEARCH_KEY_SIZE
-                     if neutral is not None and neutral.large_queries else 0.0)
+        # the key bias left by the large-query search: a Gaussian prior of its size, or the steps
+        # trade it for the slowest angle (theta -> 0, k -> large)
+        key_size = SEARCH_KEY_SIZE if neutral is not None and neutral.large_queries else None
         def steps(model, iterations=60, estimate=True):
             return refine(model, polish, polish_answers, iterations=iterations, seed=seed, floor=max(1e-13, 3 * unit),
                           estimate=estimate, frame_shift=None if neutral is None else -neutral.token,
-                          key_prior=key_prior,
+                          key_size=key_size,
                           on_step=lambda step, misfit: note_progress(
                               progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
 
@@ -815,11 +816,20 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         if coarse:  # float32: the slow blocks' angles and planes from M's eigenvalues are noise
             note_progress(progress, "seeding the slow rotary blocks")
             model, seeded = seed_low_frequencies(start, polish, polish_answers)
-            # seeded again once a few steps have settled the other parameters, which the first
-            # seeding fitted beside the generators from a start about 1e-2 off
-            model, first = steps(model, SEEDING_STEPS, estimate=False)
-            model, seeded_again = seed_low_frequencies(model, polish, polish_answers)
-            diagnostics["seeded_blocks"] = [seeded, seeded_again]
+            seedings = [seeded]
+            # seeded again each time a few steps have settled the other parameters, which each
+            # seeding fits beside the generators (a start 1e-2..5e-2 off leaves the first
+            # generators' angles small by a factor of 2..5): until a seeding gains nothing, or
+            # its stretch of steps reached the answers' rounding
+            while seedings[-1] and len(seedings) < SEEDINGS:
+                model, stretch = steps(model, SEEDING_STEPS, estimate=False)
+                first = stretch if first is None else replace(first, iterations=first.iterations
+                                                              + stretch.iterations)
+                if stretch.iterations < SEEDING_STEPS:
+                    break
+                model, seeded = seed_low_frequencies(model, polish, polish_answers)
+                seedings.append(seeded)
+            diagnostics["seeded_blocks"] = seedings
         model, refinement = steps(model)
         if first is not None:
             refinement = replace(refinement, iterations=first.iterations + refinement.iterations,

@@ -235,9 +235,10 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
     theta_index = offsets[3] + np.arange(H * (r // 2)).reshape(H, r // 2)
     fixed = theta_index[slow]
     if flat.key_bias is not None:
-        # a key bias scores every key alike at theta = 0: its slow rows' columns are zero there
-        key_index = offsets[6] + np.arange(H * r).reshape(H, r)
-        fixed = np.concatenate([fixed, key_index[np.repeat(slow, 2, axis=1)]])
+        # a key bias scores every key alike at theta = 0, so its slow rows' columns are zero there;
+        # its other rows are the refinement's to fit, under its prior (:func:`refine`): unweighed
+        # here, they take up the start's error in a few keys of order 0.1
+        fixed = np.concatenate([fixed, np.arange(offsets[6], P)])
     free = np.setdiff1d(np.arange(P + extra), fixed)
     normal, gradient = normal[np.ix_(free, free)], gradient[free]
     diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
@@ -297,7 +298,7 @@ def refinement_memory(parameters: int, queries: int, precision: int | None = Non
 
 
 def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
-           on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None, key_prior: float = 0.0):
+           on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None, key_size: float | None = None):
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
     ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). The
@@ -306,17 +307,22 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
     the caller continues. ``frame_shift``: the estimate is of the score matrices of the model seen
     through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md §22).
-    ``key_prior``: ``key_prior^2 |k|^2`` joins the cost, k the model's key bias (a Gaussian prior
-    of size sigma_k against answers' noise sigma: ``key_prior = sigma / sigma_k``)."""
+    ``key_size``: the model's key bias k has a Gaussian prior of this size sigma_k against the
+    misfit's root mean square sigma, ``(sigma / sigma_k)^2 |k|^2`` joining the cost, sigma taken
+    afresh at every step: far from the answers the misfit is the model's error, and a prior weighed
+    against the answers' rounding alone would let the first steps trade a slow block's angle for a
+    key (theta -> 0, k large) that the later steps cannot undo."""
     answers = np.asarray(answers, dtype=np.float64)
     vector = pack(model)
     groups = length_groups(sequences, len(vector))
     scale = max(float(np.abs(answers).max()), 1e-300)
-    # a Gaussian prior on the key bias: key_prior^2 |k|^2 added to the cost (key_prior the answers'
-    # noise over the prior's size), and to the normal matrix of the estimate
-    prior = (np.arange(_offsets(model)[6], len(vector)) if model.key_bias is not None and key_prior > 0
+    # a Gaussian prior on the key bias: (sigma / key_size)^2 |k|^2 added to the cost, sigma the
+    # misfit's root mean square at the step, and to the normal matrix of the estimate
+    prior = (np.arange(_offsets(model)[6], len(vector)) if model.key_bias is not None and key_size
              else np.arange(0))
-    weight = key_prior ** 2
+
+    def prior_weight(residual):
+        return float(residual @ residual) / len(residual) / key_size ** 2 if len(prior) else 0.0
 
     def with_prior(normal, gradient, vector):
         normal[prior, prior] += weight
@@ -324,6 +330,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         return normal, gradient
 
     residual, normal, gradient, _ = normal_equations(model, groups, answers)
+    weight = prior_weight(residual)
     normal, gradient = with_prior(normal, gradient, vector)
     before = float(np.abs(residual).max()) / scale
     cost = float(residual @ residual) + weight * float(vector[prior] @ vector[prior])
@@ -366,12 +373,14 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         if relative < 1e-9 or (relative < 0.1 and float(np.abs(residual).max()) / scale < floor):
             break
         residual, normal, gradient, _ = normal_equations(model, groups, answers)
+        weight = prior_weight(residual)
         normal, gradient = with_prior(normal, gradient, vector)
+        cost = float(residual @ residual) + weight * float(vector[prior] @ vector[prior])
     if not estimate:  # a first stretch of steps, continued by the caller: no estimate of it is used
         return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, np.nan)
     draws = np.random.default_rng(seed).standard_normal((len(answers), NOISE_DRAWS))
     residual, normal, _, projected = normal_equations(model, groups, answers, draws)
-    normal[prior, prior] += weight
+    normal[prior, prior] += prior_weight(residual)
     errors = error_draws(normal, projected, residual)
     return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale,
                                    _noise_error(model, errors, frame_shift), errors)
