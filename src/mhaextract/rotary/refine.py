@@ -237,7 +237,7 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
     if flat.key_bias is not None:
         # a key bias scores every key alike at theta = 0, so its slow rows' columns are zero there;
         # its other rows are the refinement's to fit, under its prior (:func:`refine`): unweighed
-        # here, they take up the start's error in a few keys of order 0.1
+        # here, they took up a d = 64 start's error in keys of up to 0.09
         fixed = np.concatenate([fixed, np.arange(offsets[6], P)])
     free = np.setdiff1d(np.arange(P + extra), fixed)
     normal, gradient = normal[np.ix_(free, free)], gradient[free]
