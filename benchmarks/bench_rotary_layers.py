@@ -39,7 +39,7 @@ core.
 The same layers in float32 (their own float32 angles), where the key-neutral token comes from the
 large-query search (docs/algorithm.md §22, "From float32 answers"): d = 16, seeds 0..2, d = 32
 (H = 4, two key/value heads, width 8) and d = 64 (H = 4, two key/value heads, width 16). About 5
-minutes on one core up to d = 32; the d = 64 row alone runs over an hour.
+minutes on one core up to d = 32; the d = 64 row alone runs about 45 minutes.
 
     python benchmarks/bench_rotary_layers.py --probe-scales
 
