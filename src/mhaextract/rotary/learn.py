@@ -818,9 +818,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
             model, seeded = seed_low_frequencies(start, polish, polish_answers)
             seedings = [seeded]
             # seeded again each time a few steps have settled the other parameters, which each
-            # seeding fits beside the generators (a start 1e-2..5e-2 off leaves the first
-            # generators' angles small by a factor of 2..5): until a seeding gains nothing, or
-            # its stretch of steps reached the answers' rounding
+            # seeding fits beside the generators (a start 4e-2..8e-2 off left the second
+            # seeding's angles small by a factor of 2..5): until a seeding gains nothing, or a
+            # stretch stops early (the answers' rounding reached, or no step gaining)
             while seedings[-1] and len(seedings) < SEEDINGS:
                 model, stretch = steps(model, SEEDING_STEPS, estimate=False)
                 first = stretch if first is None else replace(first, iterations=first.iterations
