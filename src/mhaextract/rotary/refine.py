@@ -329,11 +329,14 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         gradient[prior] += weight * vector[prior]
         return normal, gradient
 
+    def penalised(residual, vector):  # the cost: squared misfit and the prior at this step's weight
+        return float(residual @ residual) + weight * float(vector[prior] @ vector[prior])
+
     residual, normal, gradient, _ = normal_equations(model, groups, answers)
     weight = prior_weight(residual)
     normal, gradient = with_prior(normal, gradient, vector)
     before = float(np.abs(residual).max()) / scale
-    cost = float(residual @ residual) + weight * float(vector[prior] @ vector[prior])
+    cost = penalised(residual, vector)
     damping = 1e-3
     taken = 0
     for _ in range(iterations):
@@ -356,8 +359,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
                 step = step - 0.5 * bend
             trial = unpack(vector - step, model)
             trial_residual = predict(trial, groups) - answers
-            trial_cost = float(trial_residual @ trial_residual) + weight * float(
-                (vector - step)[prior] @ (vector - step)[prior])
+            trial_cost = penalised(trial_residual, vector - step)
             if np.isfinite(trial_cost) and trial_cost < cost:
                 relative = (cost - trial_cost) / max(cost, 1e-300)
                 vector, model, residual, cost = vector - step, trial, trial_residual, trial_cost
@@ -375,7 +377,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         residual, normal, gradient, _ = normal_equations(model, groups, answers)
         weight = prior_weight(residual)
         normal, gradient = with_prior(normal, gradient, vector)
-        cost = float(residual @ residual) + weight * float(vector[prior] @ vector[prior])
+        cost = penalised(residual, vector)
     if not estimate:  # a first stretch of steps, continued by the caller: no estimate of it is used
         return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, np.nan)
     draws = np.random.default_rng(seed).standard_normal((len(answers), NOISE_DRAWS))
