@@ -48,6 +48,8 @@ def _fails_on_third_call(error):
 
 
 key_error = _fails_on_third_call(KeyError("token 7"))
+exits = _fails_on_third_call(SystemExit(3))
+interrupted = _fails_on_third_call(KeyboardInterrupt())
 connection_error = _fails_on_third_call(ConnectionError("the server closed the connection"))
 memory_error = _fails_on_third_call(MemoryError())
 
@@ -207,3 +209,45 @@ def test_report_noise_keeps_a_finished_sweep_whose_folder_went_away(tmp_path, mo
     assert "could not write --output 'figures/noise.png'" in text
     written = text.split("wrote the figure to ")[1].split(" instead")[0]
     assert open(written, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_oracle_that_calls_sys_exit_gets_one_line_and_exit_code_2(oracle_file):
+    """``sys.exit(3)`` inside the oracle is its failure, named, not a silent end of the command."""
+    result = _extract("exits")
+    assert result.exit_code == 2, result.output
+    lines = _error_lines(result.output)
+    assert len(lines) == 1 and "remote.py:exits raised SystemExit" in lines[0] and "sys.exit(3)" in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_ctrl_c_says_how_to_resume_and_the_rerun_finishes(oracle_file):
+    """An interrupted run (Ctrl-C while the oracle answers) exits 130 and says how to resume; the
+    same command with the same transcript then finishes with the right heads."""
+    folder, truth = oracle_file
+    result = _extract("interrupted", "--transcript", "run.sqlite")
+    assert result.exit_code == 130, result.output
+    text = " ".join(result.output.split())
+    assert "Interrupted" in text and "'run.sqlite'" in text and "resume" in text
+    result = _extract("oracle", "--transcript", "run.sqlite", "--out", "done.json")
+    assert result.exit_code == 0, result.output
+    assert mx.compare(load_model(folder / "done.json"), truth).max_rel < 1e-6
+
+
+def test_ctrl_c_without_a_transcript_names_the_option_that_would_have_kept_the_answers(oracle_file):
+    result = _extract("interrupted")
+    assert result.exit_code == 130, result.output
+    assert "--transcript" in " ".join(result.output.split())
+
+
+def test_a_failed_run_prints_what_to_try_as_the_python_error_does(oracle_file):
+    """Two heads declared as one: the command prints the failed checks and the hint that
+    ``ExtractionError`` carries in Python (more heads than declared, and which option to pass)."""
+    result = runner.invoke(app, ["extract", "--oracle", "remote.py:oracle", "--d", "3", "--heads", "1"])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    with pytest.raises(mx.ExtractionError) as raised:
+        namespace = {}
+        exec(ORACLE_MODULE, namespace)
+        mx.extract(namespace["oracle"], 3, heads=1, seed=0)
+    hint = str(raised.value).splitlines()[-1]
+    assert "more heads than declared" in hint and " ".join(hint.split()) in text

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -140,7 +141,10 @@ def _oracle_failure(error: Exception, spec: str) -> str | None:
     where = next((note.splitlines()[0] for note in getattr(error, "__notes__", [])
                   if note.startswith("mhaextract: raised by the oracle")), "")
     where = where.removeprefix("mhaextract: raised by the oracle ").split("; the first sequence", 1)[0]
-    message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    if isinstance(error, SystemExit):  # sys.exit inside the oracle ends its answers, not the command silently
+        message = f"SystemExit (it called sys.exit({error.code!r}))"
+    else:
+        message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     return f"the oracle {spec} raised {message}" + (f" {where}" if where else "")
 
 
@@ -161,6 +165,49 @@ def _failure_code(console: Console, error: Exception, spec: str) -> int:
         console.print(f"[bold red]ExtractionError:[/] {error}", highlight=False)
         return 1
     raise error
+
+
+def _interrupted(console: Console, transcript: Path | None) -> int:
+    """Print what a Ctrl-C left behind and how to go on; the exit code of an interrupted command (130)."""
+    if transcript is not None:
+        console.print(f"Interrupted. Every answer received is in the transcript {str(transcript)!r}: run the same "
+                      "command again (same --seed and --transcript) to resume; it re-asks only the batch that was "
+                      "in flight and the few queries of its check that the oracle is the same.", highlight=False,
+                      soft_wrap=True)
+    else:
+        console.print("Interrupted; the answers received are lost, since no transcript was kept. Pass --transcript "
+                      "run.sqlite to make a run resumable after an interruption.", highlight=False, soft_wrap=True)
+    return 130
+
+
+@contextmanager
+def _failed_check_messages():
+    """Collect the messages of ``UnreliableExtractionWarning`` (the failed checks with the hints of
+    what to try that ``ExtractionError`` carries in Python) instead of showing them; every other
+    warning is shown as usual. Yields the list the messages are appended to."""
+    messages: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnreliableExtractionWarning)
+        try:
+            yield messages
+        finally:
+            for warning in caught:
+                if issubclass(warning.category, UnreliableExtractionWarning):
+                    messages.append(str(warning.message))
+                else:
+                    warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+def _print_failed(console: Console, result, messages: list[str], headline: str) -> None:
+    """The run's failed checks with what to try (the collected warning messages), else its failed checks."""
+    console.print(f"[bold red]{headline}[/]")
+    if messages:
+        for message in messages:
+            for line in message.splitlines()[1:]:  # the first line restates the headline
+                console.print(line, highlight=False, soft_wrap=True)
+        return
+    for check in result.failed_checks:
+        console.print(f"  {check}", highlight=False)
 
 
 def _save_safely(console: Console, result, out: Path) -> bool:
@@ -233,8 +280,7 @@ def demo(
     if noise is not None:
         oracle = AdditiveNoise(oracle, noise, seed=seed + 2)
     try:
-        with warnings.catch_warnings():  # failed checks are printed below, in full
-            warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        with _failed_check_messages() as failure_messages:  # printed below, in full, with what to try
             result = extract(oracle, d, heads=heads, precision=precision, seed=seed + 1, schedule=schedule,
                              progress=True, on_failure="warn", **robust)
     except ValueError as error:  # the simulated oracle is sound: a ValueError is about the options
@@ -245,9 +291,8 @@ def demo(
         result = result.with_verification(verify(result, oracle, n=256, seed=seed + 3))
     console.print(extraction_table(result, comparison, title=f"mhaextract demo (seed {seed})"))
     if not result.ok:
-        console.print("[bold red]The extraction failed its own checks; the heads above are not reliable.[/]")
-        for check in result.failed_checks:
-            console.print(f"  {check}")
+        _print_failed(console, result, failure_messages,
+                      "The extraction failed its own checks; the heads above are not reliable.")
         raise typer.Exit(code=1)
 
 
@@ -323,13 +368,14 @@ def extract_command(
     _writable_folder(transcript, "--transcript")
     function = load_oracle(oracle)
     try:
-        with warnings.catch_warnings():  # failed checks are printed below, in full
-            warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        with _failed_check_messages() as failure_messages:  # printed below, in full, with what to try
             result = extract(function, d, heads=heads, max_heads=max_heads, precision=precision, seed=seed,
                              schedule=schedule, token_scale=token_scale, batch_size=batch_size, progress=True,
                              on_failure="warn", transcript=transcript, max_queries=max_queries,
                              verify_length=verify_length, **robust)
-    except Exception as error:
+    except KeyboardInterrupt:
+        raise typer.Exit(code=_interrupted(console, transcript)) from None
+    except (Exception, SystemExit) as error:  # SystemExit: the oracle's own sys.exit (re-raised if not)
         raise typer.Exit(code=_failure_code(console, error, oracle)) from None
     verification_error = None
     if verify_queries and result.model is not None:
@@ -348,10 +394,8 @@ def extract_command(
         raise typer.Exit(code=_failure_code(console, verification_error, oracle))
     verification_failed = result.verification is not None and not result.verification.passed
     if not result.ok or verification_failed:
-        console.print("[bold red]The extraction failed its own checks or its verification; the heads are not "
-                      "reliable.[/]")
-        for check in result.failed_checks:
-            console.print(f"  {check}")
+        _print_failed(console, result, failure_messages,
+                      "The extraction failed its own checks or its verification; the heads are not reliable.")
         raise typer.Exit(code=1)
 
 

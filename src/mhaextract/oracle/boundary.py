@@ -278,7 +278,9 @@ class OracleBoundary:
         where = f"query {indices[0]}" if len(chunk) == 1 else f"queries {indices[0]}..{indices[-1]}"
         try:
             raw = self.oracle(batch)
-        except Exception as error:  # propagate unchanged, but say which queries were being asked
+        except KeyboardInterrupt:  # the user's Ctrl-C, not the oracle's failure
+            raise
+        except (Exception, SystemExit) as error:  # propagate unchanged, but say which queries were being asked
             error.add_note(
                 f"mhaextract: raised by the oracle while answering {where} "
                 f"(lengths {sorted({len(s) for s in chunk})}); the first sequence was\n{chunk[0]!r}"
