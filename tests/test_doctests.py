@@ -10,22 +10,33 @@ from __future__ import annotations
 import doctest
 import importlib
 import inspect
+import pkgutil
 
 import pytest
 
 import mhaextract
 
-#: Modules whose docstrings hold the public API's examples.
-MODULES = [
-    "mhaextract.api", "mhaextract.results", "mhaextract.compare", "mhaextract.model",
-    "mhaextract.checks.base", "mhaextract.checks.verify",
-    "mhaextract.oracle.simulated", "mhaextract.oracle.noise", "mhaextract.oracle.boundary",
-    "mhaextract.oracle.transcript", "mhaextract.oracle.parallel", "mhaextract.transformer", "mhaextract.outputs",
-    "mhaextract.oracle.vector_answers", "mhaextract.rotary.model", "mhaextract.rotary.learn",
-    "mhaextract.rotary.neutral",
-    "mhaextract.rotary.structure",
-]
+#: Modules that need torch (and, for rotary layers, transformers) to import: the torch examples.
 TORCH_MODULES = ["mhaextract.adapters.torch", "mhaextract.adapters.rotary"]
+
+
+def _modules_with_examples() -> list[str]:
+    """Every module of the package whose docstrings hold ``>>>`` examples, found by walking the
+    package (a new module's examples run without being listed here), torch's adapters apart."""
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    found = []
+    for info in pkgutil.walk_packages(mhaextract.__path__, "mhaextract."):
+        if info.name in TORCH_MODULES:
+            continue
+        module = importlib.import_module(info.name)
+        if any(test.examples for test in finder.find(module, info.name, globs={})):
+            found.append(info.name)
+    return found
+
+
+MODULES = _modules_with_examples()
+#: Modules whose examples run a whole extraction of a second or more: the slow tier runs them.
+SLOW_EXAMPLES = {"mhaextract.lowprecision.learn"}
 TORCH_PUBLIC = ["TorchOracle", "to_reduced", "to_torch", "to_state_dict", "suggested_token_scale", "ReducedAttention",
                 "ExtractedAttention", "head_factors", "numerical_rank", "UnsupportedLayerError"]
 ROTARY_PUBLIC = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]
@@ -39,12 +50,13 @@ def _run(module_name: str) -> doctest.TestResults:
     module = importlib.import_module(module_name)
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=FLAGS)
-    for test in finder.find(module, module_name, globs={}):
+    for test in finder.find(module, module_name):  # in the module's namespace, as doctest runs them
         runner.run(test)
     return runner.summarize(verbose=False)
 
 
-@pytest.mark.parametrize("module_name", MODULES)
+@pytest.mark.parametrize("module_name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_EXAMPLES else [])
+                                         for name in MODULES])
 def test_examples_run(module_name):
     results = _run(module_name)
     assert results.failed == 0, f"{results.failed} of {results.attempted} examples of {module_name} failed (see stdout)"

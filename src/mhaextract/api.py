@@ -20,6 +20,7 @@ import numpy as np
 from .calibration import calibrate, probe_queries
 from .checks.base import report_failure
 from .checks.diagnosis import KERNEL_ERRORS, failure_hints, kernel_failure
+from .checks.model_class import probe_model_class
 from .checks.noise_probe import probe_misfit
 from .checks.verify import VERIFY_LENGTH, ask_long_verification, verify_length_option
 from .finish import (
@@ -262,6 +263,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
                                  force_refine=True)
         if vectors.d_out is not None:
             extraction = with_values(extraction, vectors, value_queries, plan, boundary, spent)
+        evidence = None
+        if not extraction.ok and settings.precision is None:  # a failed run: is the oracle in the model class?
+            extraction, evidence = _probe_model_class(boundary, settings, extraction)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
@@ -271,9 +275,20 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             record.close()
     failed = {check.name for check in extraction.failed_checks}
     hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
-                          float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf")
+                          float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf", model_class=evidence)
     report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
     return extraction
+
+
+def _probe_model_class(boundary, settings: RunSettings, extraction: Extraction):
+    """After a failed float64 run: the order and scale probes (stream 41, counted in the result's
+    queries and recorded in the transcript), ``(extraction with the counts, evidence)``."""
+    asked, replayed = boundary.queries, boundary.replayed
+    evidence = probe_model_class(boundary, settings.d, spawn_rng(settings.seed, 41), settings.token_scale)
+    asked, replayed = boundary.queries - asked, boundary.replayed - replayed
+    return dataclasses.replace(extraction, queries=extraction.queries + asked + replayed,
+                               queries_asked=extraction.queries_asked + asked,
+                               queries_replayed=extraction.queries_replayed + replayed), evidence
 
 
 def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size, progress,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Check, ExtractionError
+from .model_class import model_class_hints
 
 #: Exceptions of the numerical kernels (numpy, scipy, python-flint, mpmath) that mean "this
 #: computation broke", as opposed to a bug in the arguments or an oracle's own exception.
@@ -118,16 +119,22 @@ def _cause_hints(failed: set[str], settings, stats, extraction, float_only: bool
     return hints
 
 
-def failure_hints(failed: set[str], settings, stats, extraction, schedule_hints=(), float_only: bool = False
-                  ) -> list[str]:
+def failure_hints(failed: set[str], settings, stats, extraction, schedule_hints=(), float_only: bool = False,
+                  model_class=None) -> list[str]:
     """Hints for failed checks: first the likely cause the run's evidence names (not this model class,
     more heads than declared, heads merged), then the schedule's own ``schedule_hints`` (noise), which
     are dropped when the evidence names another cause. ``float_only``: the oracle answers in a float
-    dtype only (``answer_dtype`` not ``"mpf"``, a torch layer), so ``precision=BITS`` is not offered."""
+    dtype only (``answer_dtype`` not ``"mpf"``, a torch layer), so ``precision=BITS`` is not offered.
+    ``model_class``: the :class:`~.model_class.ModelClassEvidence` of the failed run's probes; an
+    invariant of attention it found broken (positions, a norm before the attention) is the cause
+    named, and the guesses from the run's own evidence (noise, head counts, token scale) are dropped."""
     hints = []
     problem = stats.problem()
     if problem is not None:
         hints.append("The answers: " + problem + ".")
+    outside = model_class_hints(model_class) if problem is None else []
+    if outside:
+        return hints + outside
     heads_found = extraction.heads
     causes = _cause_hints(failed, settings, stats, extraction, float_only) if problem is None else []
     merged = "heads_found" in failed and 0 < heads_found < settings.max_heads

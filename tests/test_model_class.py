@@ -1,0 +1,105 @@
+"""A failed run probes the model class's invariants and names what it found broken: positions
+(a rotary layer run without positions="rotary") or a norm before the attention (a GPT-2 or Llama
+sublayer), never a cause the answers do not show; the probes are counted at the oracle."""
+
+import numpy as np
+import pytest
+
+import mhaextract as mx
+from mhaextract.checks.model_class import model_class_hints, probe_model_class
+from mhaextract.oracle.boundary import OracleBoundary
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mhaextract.adapters.torch import TorchOracle  # noqa: E402
+
+
+class Counted:
+    """The sequences an oracle is handed, counted independently of the library's boundary."""
+
+    def __init__(self, oracle):
+        self.oracle, self.count = oracle, 0
+
+    def __call__(self, batch):
+        self.count += len(batch)
+        return self.oracle(batch)
+
+
+class NormedSublayer(torch.nn.Module):
+    """``x + attention(norm(x))`` (or without the residual): a pre-norm block's attention half."""
+
+    def __init__(self, norm, d=16, heads=2, residual=True, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.norm, self.residual = norm, residual
+        self.attention = torch.nn.MultiheadAttention(d, heads, batch_first=True, dtype=torch.float64)
+
+    def forward(self, X):
+        Y = self.norm(X)
+        return (X if self.residual else 0.0) + self.attention(Y, Y, Y, need_weights=False)[0]
+
+
+def _probe(oracle, d=16, scale=1.0):
+    return probe_model_class(OracleBoundary(oracle, d), d, np.random.default_rng(3), scale)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_attention_breaks_neither_invariant(bias):
+    target = mx.MultiHeadAttention.random(d=6, heads=3, seed=1, bias=bias)
+    for scale in (0.1, 1.0, 30.0):
+        evidence = _probe(mx.SimulatedOracle(target), d=6, scale=scale)
+        assert not evidence.positions and not evidence.norm_before, evidence
+        assert evidence.order < 1e-13 and evidence.curvature < 1e-12
+        assert model_class_hints(evidence) == []
+
+
+def test_an_oracles_own_noise_is_not_taken_for_positions_or_a_norm():
+    target = mx.MultiHeadAttention.random(d=6, heads=2, seed=2, bias=True)
+    noisy = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-2, seed=0)
+    evidence = _probe(noisy, d=6)
+    assert evidence.order > 1e-4  # the noise moves the swapped answers ...
+    assert not evidence.positions and not evidence.norm_before  # ... as much as repeating them does
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("residual", [True, False])
+def test_a_norm_before_the_attention_is_found_whatever_the_probes_scale(norm, residual):
+    layer = torch.nn.LayerNorm(16, dtype=torch.float64) if norm == "layer" else torch.nn.RMSNorm(
+        16, eps=1e-6, dtype=torch.float64)
+    oracle = TorchOracle(NormedSublayer(layer, residual=residual).eval())
+    for scale in (0.02, 1.0):  # a norm misleads the calibration: the probes' scale does not rely on it
+        evidence = _probe(oracle, scale=scale)
+        assert evidence.norm_before and not evidence.positions, evidence
+        assert "LayerNorm or RMSNorm" in " ".join(model_class_hints(evidence))
+
+
+@pytest.mark.slow
+def test_a_failed_run_on_a_normed_sublayer_says_so_and_counts_its_probes():
+    oracle = Counted(TorchOracle(NormedSublayer(torch.nn.LayerNorm(16, dtype=torch.float64)).eval()))
+    with pytest.raises(mx.ExtractionError) as raised:
+        mx.extract(oracle, 16, heads=2, seed=0)
+    message = str(raised.value)
+    assert "LayerNorm or RMSNorm" in message and "attention module itself" in message
+    assert "noise of about" not in message and "more heads than declared" not in message
+    assert raised.value.extraction.queries == oracle.count  # the probes are in the measured count
+
+
+@pytest.mark.slow
+def test_a_rotary_layer_run_without_positions_is_told_to_pass_them():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from mhaextract.adapters.rotary import RotaryLayer
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                         intermediate_size=8, attn_implementation="eager")
+    torch.manual_seed(0)
+    layer = LlamaAttention(config, layer_idx=0).double().eval()
+    oracle = Counted(TorchOracle(RotaryLayer(layer)))
+    with pytest.raises(mx.ExtractionError) as raised:
+        mx.extract(oracle, 16, heads=2, seed=0)
+    message = str(raised.value)
+    assert "positions='rotary'" in message and "order of the earlier tokens" in message
+    assert "noise of about" not in message  # the calibration took the positions for 2-bit noise
+    assert raised.value.extraction.queries == oracle.count
