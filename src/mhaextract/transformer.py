@@ -15,7 +15,7 @@ import mpmath
 import numpy as np
 
 from .api import extract
-from .checks.base import Check, CheckedResult, UnreliableExtractionWarning, report_failure
+from .checks.base import Check, CheckedResult, ExtractionError, UnreliableExtractionWarning, report_failure
 from .numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, working_precision
 from .oracle.boundary import OracleBoundary
 from .oracle.queries import random_basis
@@ -35,8 +35,10 @@ ODD_PART_MARGIN_BITS = 32
 
 
 # ---------------------------------------------------------------------- extraction
-class TransformerExtractionError(RuntimeError):
-    """The Transformer extraction failed its checks. ``.extraction`` holds the result.
+class TransformerExtractionError(ExtractionError):
+    """The Transformer extraction failed its checks. ``.extraction`` holds the result. An
+    :class:`~mhaextract.checks.base.ExtractionError`, so ``except mx.ExtractionError`` catches
+    every family's failed run.
 
     Examples
     --------
@@ -53,10 +55,6 @@ class TransformerExtractionError(RuntimeError):
     ...     print(str(error).splitlines()[0], error.extraction.ok)
     Transformer extraction failed its checks: False
     """
-
-    def __init__(self, message: str, extraction: "TransformerExtraction"):
-        super().__init__(message)
-        self.extraction = extraction
 
 
 def _key(sequence: np.ndarray):
