@@ -18,6 +18,8 @@ from .oracle.simulated import SimulatedOracle
 from .rotary.model import RotaryAttention
 from .oracle.transcript import TranscriptError
 from .results import Extraction, load_model, save_extraction
+from .lowprecision.learn import LowPrecisionExtraction
+from .rotary.learn import RotaryExtraction
 from .transformer import TransformerExtraction, TransformerExtractionError, extract_transformer
 from .transformer_model import Transformer1L, TransformerComparison, compare_transformers
 
@@ -28,6 +30,22 @@ __all__ = [
     "ParallelOracle", "SimulatedOracle", "TranscriptError",
     "Transformer1L", "TransformerComparison", "TransformerExtraction", "TransformerExtractionError",
     "UnreliableExtractionWarning", "Verification", "compare", "compare_transformers", "extract",
-    "extract_transformer", "load_model", "save_extraction", "verify",
+    "extract_transformer", "load_model", "save_extraction", "verify", "RotaryExtraction", "LowPrecisionExtraction",
 ]
 __version__ = "0.1.0"
+
+#: Names that need the ``[torch]`` extra, imported on first use (``from mhaextract import TorchOracle``)
+#: so that ``import mhaextract`` works without torch.
+TORCH_NAMES = {name: "mhaextract.adapters.torch" for name in ("TorchOracle", "to_torch", "to_state_dict")}
+
+
+def __getattr__(name):
+    if name in TORCH_NAMES:
+        import importlib
+
+        try:
+            module = importlib.import_module(TORCH_NAMES[name])
+        except ImportError as error:
+            raise ImportError(f"mhaextract.{name} needs torch: pip install 'mhaextract[torch]' ({error})") from error
+        return getattr(module, name)
+    raise AttributeError(f"module 'mhaextract' has no attribute {name!r}")
