@@ -33,6 +33,7 @@ def test_the_torch_adapter_is_importable_from_the_package():
         mx.TorchOracles  # noqa: B018
 
 
+@pytest.mark.slow  # a fresh interpreter (about 2 s)
 def test_importing_the_package_does_not_import_torch():
     code = "import sys, mhaextract; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
