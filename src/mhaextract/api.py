@@ -264,7 +264,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if vectors.d_out is not None:
             extraction = with_values(extraction, vectors, value_queries, plan, boundary, spent)
         evidence = None
-        if not extraction.ok and settings.precision is None:  # a failed run: is the oracle in the model class?
+        if not extraction.ok and settings.precision is None and plan.probes_noise:  # is the oracle in the class?
             extraction, evidence = _probe_model_class(boundary, settings, extraction)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
@@ -281,14 +281,16 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
 
 
 def _probe_model_class(boundary, settings: RunSettings, extraction: Extraction):
-    """After a failed float64 run: the order and scale probes (stream 41, counted in the result's
-    queries and recorded in the transcript), ``(extraction with the counts, evidence)``."""
+    """After a failed float64 run of a schedule that may ask beyond its own count (``probes_noise``):
+    the order and scale probes (stream 41, counted in the result's queries and recorded in the
+    transcript), ``(extraction with the counts, evidence)``."""
     asked, replayed = boundary.queries, boundary.replayed
     evidence = probe_model_class(boundary, settings.d, spawn_rng(settings.seed, 41), settings.token_scale)
     asked, replayed = boundary.queries - asked, boundary.replayed - replayed
     return dataclasses.replace(extraction, queries=extraction.queries + asked + replayed,
                                queries_asked=extraction.queries_asked + asked,
-                               queries_replayed=extraction.queries_replayed + replayed), evidence
+                               queries_replayed=extraction.queries_replayed + replayed,
+                               model_class_queries=asked + replayed), evidence
 
 
 def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size, progress,

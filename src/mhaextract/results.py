@@ -109,6 +109,10 @@ class Extraction(CheckedResult):
         alone, or no model).
     verification_length : int
         The longest of them, in tokens (included in ``max_query_length``; 0 when none).
+    model_class_queries : int
+        Probes of the model class's invariants (order of the earlier tokens, scale of a lone token:
+        :mod:`mhaextract.checks.model_class`) asked after a failed float64 run to name its cause;
+        included in ``queries`` (0 for a run that passed, or that keeps its schedule's exact count).
     answer_error : float or None
         The bound on the answers' absolute error the run was told (None: not told).
     transcript : path of the run's transcript, or None.
@@ -188,6 +192,7 @@ class Extraction(CheckedResult):
     queries_replayed: int = 0
     verification_queries: int = 0
     verification_length: int = 0
+    model_class_queries: int = 0
     transcript: str | None = None
     certificate: Certificate | None = None
     refinement: Refinement | None = None
@@ -281,6 +286,7 @@ class Extraction(CheckedResult):
             "refinement": None if self.refinement is None else str(self.refinement),
             "verification": None if self.verification is None else str(self.verification),
             "verification_queries": self.verification_queries, "verification_length": self.verification_length,
+            "model_class_queries": self.model_class_queries,
             **self.details.summary(),
         }
 
