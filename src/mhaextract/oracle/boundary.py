@@ -14,6 +14,7 @@ floats are refused there, since they would silently cap the precision at 53 bits
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -299,19 +300,27 @@ class OracleBoundary:
         return np.vectorize(mpmath.mpf, otypes=[object])(sequence)
 
     def _validate(self, raw, chunk, indices, where: str):
+        raw = plain_numbers(raw)
+        if isinstance(raw, (str, bytes, Mapping, AbstractSet)):  # iterable, but not answers in the batch's order
+            raise OracleError(
+                f"the oracle returned a {type(raw).__name__} for a batch of {len(chunk)} ({where}): {ANSWER_FORMS}",
+                indices[0], chunk[0])
         try:
             count = len(raw)
         except TypeError:
             raise OracleError(
                 f"the oracle must return one answer per sequence; got {type(raw).__name__} for a "
-                f"batch of {len(chunk)} ({where})", indices[0], chunk[0]
+                f"batch of {len(chunk)} ({where}): {ANSWER_FORMS}", indices[0], chunk[0]
             ) from None
         if count != len(chunk):
             raise OracleError(
                 f"the oracle returned {count} answers for a batch of {len(chunk)} sequences "
                 f"({where}); missing answers", indices[0], chunk[0]
             )
-        raw = plain_numbers(raw)
+        if np.ma.isMaskedArray(raw) and np.ma.getmaskarray(raw).any():
+            n = int(np.argwhere(np.ma.getmaskarray(raw))[0][0])
+            raise OracleError(f"answer to query {indices[n]} is masked (a numpy masked array with masked entries, "
+                              f"{where}): every answer is a number", indices[n], chunk[n])
         vector = self._vector_answers(raw, count, indices, chunk)
         if vector is not None:
             if self.precision:
@@ -335,36 +344,54 @@ class OracleBoundary:
 
     @staticmethod
     def _vector_answers(raw, count: int, indices, chunk) -> np.ndarray | None:
-        """The answers as a float64 (count, d_out) array when the oracle answered vectors, else None."""
+        """The answers as a float64 (count, d_out) array when the oracle answered vectors, else None;
+        an OracleError for every other shape, naming what was wrong (:func:`_shape_hint`)."""
         if isinstance(raw, np.ndarray) and raw.dtype != object:
             if raw.ndim == 1:
                 return None
             if raw.ndim != 2 or raw.dtype.kind not in "fiu":
                 raise OracleError(
                     f"the oracle returned an array of shape {raw.shape} and dtype {raw.dtype} for a batch of "
-                    f"{count}: answers are one number per sequence (B,) or one vector per sequence (B, d_out)",
-                    indices[0], chunk[0])
+                    f"{count}: answers are one number per sequence (B,) or one vector per sequence (B, d_out)"
+                    f"{_shape_hint(raw.shape[1:], chunk)}", indices[0], chunk[0])
             return raw.astype(np.float64)
         rows = [plain_numbers(value) for value in raw]
-        shapes = {np.shape(row) for row in rows}
+        shapes = []
+        for n, row in enumerate(rows):
+            try:
+                shapes.append(np.shape(row))
+            except ValueError:  # nested sequences of unequal lengths
+                raise OracleError(f"answer to query {indices[n]} is ragged (nested sequences of unequal lengths): "
+                                  f"{_short(row)}; every answer is one number or a vector of d_out numbers",
+                                  indices[n], chunk[n]) from None
         if all(len(shape) == 0 for shape in shapes):
             return None
-        if len(shapes) > 1 or any(len(shape) != 1 for shape in shapes):
-            n = next(n for n, row in enumerate(rows) if np.shape(row) != np.shape(rows[0]))
+        deep = next((n for n, shape in enumerate(shapes) if len(shape) > 1), None)
+        if deep is not None:
             raise OracleError(
-                f"answer to query {indices[n]} has shape {np.shape(rows[n])} while answer {indices[0]} has "
-                f"shape {np.shape(rows[0])}: every answer is one number or a vector of the same d_out numbers",
+                f"answer to query {indices[deep]} has shape {shapes[deep]}: every answer is one number or a vector "
+                f"of d_out numbers{_shape_hint(shapes[deep], [chunk[deep]])}", indices[deep], chunk[deep])
+        if len(set(shapes)) > 1:
+            n = next(n for n, shape in enumerate(shapes) if shape != shapes[0])
+            raise OracleError(
+                f"answer to query {indices[n]} has shape {shapes[n]} while answer {indices[0]} has "
+                f"shape {shapes[0]}: every answer is one number or a vector of the same d_out numbers",
                 indices[n], chunk[n])
+        if any(np.asarray(row).dtype.kind == "b" for row in rows):
+            raise OracleError(f"the answers to queries {indices[0]}..{indices[-1]} are vectors of booleans: the "
+                              "oracle must return the real-valued attention output, not a decision",
+                              indices[0], chunk[0])
         try:
             return np.array(rows, dtype=np.float64)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise OracleError(f"the answers to queries {indices[0]}..{indices[-1]} are vectors that are not "
-                              f"numbers: {rows[0]!r}", indices[0], chunk[0]) from None
+                              f"float64 numbers: {_short(rows[0])}", indices[0], chunk[0]) from None
 
     def _check_vectors(self, values: np.ndarray, indices, how: str, chunk=None) -> None:
         """Vector answers: finite in every coordinate, of the run's d_out, no mix with scalar answers."""
         if values.shape[1] < 1:
-            raise OracleError(f"the oracle {how} vectors of 0 numbers", indices[0])
+            raise OracleError(f"the oracle {how} vectors of 0 numbers: every answer is one number or a vector of "
+                              "d_out >= 1 numbers", indices[0])
         bad = np.argwhere(~np.isfinite(values))
         if len(bad):
             n, o = bad[0]
@@ -374,7 +401,9 @@ class OracleBoundary:
         if self.vectors.d_out is not None and values.shape[1] != self.vectors.d_out:
             raise OracleError(
                 f"the oracle {how} vectors of {values.shape[1]} numbers after vectors of {self.vectors.d_out}: "
-                "an oracle answers the same d_out throughout", indices[0], None if chunk is None else chunk[0])
+                "an oracle answers the same d_out throughout"
+                f"{'' if chunk is None else _shape_hint(values.shape[1:], chunk)}",
+                indices[0], None if chunk is None else chunk[0])
         if self.vectors.d_out is None and self.stats.count and values.shape[1] > 1:
             raise OracleError(f"the oracle {how} vectors of {values.shape[1]} numbers after answering one "
                               "number per query; an oracle answers the same shape throughout", indices[0])
@@ -390,9 +419,12 @@ class OracleBoundary:
                 "return the real-valued attention output (a float per sequence), not a decision", query, sequence)
         try:
             number = float(np.asarray(value).reshape(()))
+        except OverflowError:
+            raise OracleError(f"answer to query {query} (length {len(sequence)}) is beyond float64's range: "
+                              f"{_short(value)}", query, sequence) from None
         except (TypeError, ValueError):
             raise OracleError(
-                f"answer to query {query} (length {len(sequence)}) is not a scalar number: {value!r}",
+                f"answer to query {query} (length {len(sequence)}) is not a scalar number: {_short(value)}",
                 query, sequence,
             ) from None
         if not np.isfinite(number):
@@ -427,6 +459,28 @@ class OracleBoundary:
         # The ball says so, and everything computed from it inherits a certified radius.
         ball = mpf_to_arb(value)
         return arb(ball.mid(), abs(ball).upper() * arb(2) ** (1 - self.precision))
+
+
+#: What an oracle may return for a batch, said in the messages that refuse anything else.
+ANSWER_FORMS = ("return one answer per sequence, in the batch's order: a list, a numpy array or a torch tensor of "
+                "shape (B,) (one number per sequence) or (B, d_out) (a layer's whole output at the final token)")
+
+
+def _shape_hint(shape, sequences) -> str:
+    """What to try for an answer of ``shape`` (per sequence) whose first axis runs over the tokens of
+    ``sequences``: the outputs at every position, of which the model is the one at the final token."""
+    shape = tuple(shape)
+    if len(shape) in (1, 2) and len(sequences) and all(len(sequence) == shape[0] for sequence in sequences):
+        return (f"; each answer's first axis runs over its sequence's {shape[0]} tokens (the outputs at every "
+                "position?): return the output at the final token only: out[-1] per sequence, out[:, -1, :] for a "
+                "(B, N, d_out) batch")
+    return ""
+
+
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a message names what came back, not all of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def plain_numbers(value):
