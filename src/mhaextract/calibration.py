@@ -158,11 +158,14 @@ def probe_queries(d: int, rng) -> list[list[np.ndarray]]:
     return [one_token, two_token, permuted_probes(tokens)]
 
 
-def probe_responses(boundary, d: int, queries) -> tuple[np.ndarray, np.ndarray, float]:
+def probe_responses(boundary, d: int, queries, on_first=None) -> tuple[np.ndarray, np.ndarray, float]:
     """``(scales, A(s), noise level of A)`` from the one- and two-token probes of ``queries``
-    (:func:`probe_queries`), asked through ``boundary``."""
+    (:func:`probe_queries`), asked through ``boundary``; ``on_first(boundary)`` is called once the
+    one-token probes are answered (:func:`calibrate`)."""
     one_token, sequences = queries[0], queries[1]
     first = _floats(boundary.ask(one_token, description="calibration: one-token probes"))
+    if on_first is not None:
+        on_first(boundary)
     c0, fx, fy = first[0], first[1:PAIRS + 1], first[PAIRS + 1:]
     factors = 2.0 ** LADDER
     pairs = _floats(boundary.ask(sequences, description="calibration: two-token probes")).reshape(len(factors), PAIRS)
@@ -226,12 +229,14 @@ def answer_noise(boundary, permuted: float, repeated: float = 0.0) -> tuple[floa
     return float(noise), precision if precision != "float64" else "float64 with noise", arithmetic, random
 
 
-def calibrate(boundary, d: int, rng) -> Calibration:
-    """Probe the oracle through ``boundary`` and choose the token scale (module docstring)."""
+def calibrate(boundary, d: int, rng, on_first=None) -> Calibration:
+    """Probe the oracle through ``boundary`` and choose the token scale (module docstring).
+    ``on_first(boundary)``: called once the ``1 + 2P`` one-token probes are answered, before the
+    rest are asked (a run refuses there the options that the answers' format rules out)."""
     base = default_token_scale(d)
     before = boundary.position
     queries = probe_queries(d, rng)
-    scales, response, noise = probe_responses(boundary, d, queries)
+    scales, response, noise = probe_responses(boundary, d, queries, on_first)
     noisy = None
     if boundary.precision is None:
         noisy, precision, arithmetic, random = answer_noise(boundary, *permutation_noise(boundary, queries[2]))
