@@ -126,6 +126,7 @@ class OracleBoundary:
     position: int = 0
     stats: AnswerStats = field(default_factory=AnswerStats)  # float64 answers used so far
     vectors: VectorAnswers | None = None  # the read-out of vector answers
+    overflowed: int = 0  # answers that came back non-finite where the caller allowed it (ask's ``overflow``)
 
     def __post_init__(self):
         if self.vectors is None:
@@ -142,7 +143,7 @@ class OracleBoundary:
         return max(self.vectors.unit, self.stats.unit_roundoff)
 
     def ask(self, sequences: Sequence[np.ndarray], description: str = "querying oracle",
-            whole: bool = False) -> np.ndarray:
+            whole: bool = False, overflow: bool = False) -> np.ndarray:
         """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision): a
         list of (N_i, d) arrays, or any sequence of them (one (n, N, d) array; a source that builds
         new arrays on every access, ``fresh_on_access``, whose batches go to the oracle uncopied; one
@@ -162,6 +163,13 @@ class OracleBoundary:
         Vector answers (B, d_out) reach the schedules read out through ``vectors.readout``;
         ``whole=True`` returns them whole, float64 (B, d_out), when the oracle answers vectors (the
         value fit's queries, docs/algorithm.md §21).
+
+        ``overflow=True`` (float64 mode; queries whose tokens are large by design): an answer that
+        is not finite, in any of its numbers, is evidence that the layer's own dtype overflowed at
+        these tokens (a float16 layer's scores beyond 65504), not of a broken oracle. It comes back
+        as NaN (the whole vector) instead of raising OracleError, counted in ``queries`` and
+        ``overflowed``, left out of the answers' statistics, and not recorded in the transcript (a
+        resumed run asks it again, counted again); the caller lowers its tokens and asks again.
         """
         total = len(sequences)
         whole = {} if whole and not self.precision else None  # position -> whole vector answer
@@ -205,14 +213,15 @@ class OracleBoundary:
                             else [sequences[p] for p in positions])
                 chunk = (sequences.copies_rows(positions.start, positions.stop)
                          if as_rows and isinstance(positions, range) else take())
-                values = self._ask_batch(chunk, [first + p for p in positions], rebuild=take if fresh else None)
+                values = self._ask_batch(chunk, [first + p for p in positions], rebuild=take if fresh else None,
+                                         overflow=overflow and not self.precision)
                 if self.transcript is not None:
                     # What the learner uses is what reads back from the file: a resumed run sees
                     # exactly the values an uninterrupted one saw.
-                    values = self.transcript.record(first, positions, take() if fresh else chunk, values)
+                    values = self._record(first, positions, take() if fresh else chunk, values)
                 if np.ndim(values) == 2:  # vector answers: read out for the schedule
                     values = np.asarray(values, dtype=np.float64)
-                    self.stats.add_vectors(values)
+                    self.stats.add_vectors(values[np.isfinite(values).all(axis=1)])
                     if whole is not None:
                         whole.update(zip(positions, values))
                     values = self.vectors.scalars(values)
@@ -227,7 +236,7 @@ class OracleBoundary:
         if allowed < len(missing):
             raise self._over_budget(len(missing) - allowed, total - len(missing) + allowed)
         if not self.precision:
-            self.stats.add(exact)
+            self.stats.add(exact[np.isfinite(exact)])
             if whole is not None and len(whole) == total and total:
                 return np.stack([whole[position] for position in range(total)])
             return exact
@@ -251,6 +260,20 @@ class OracleBoundary:
         values = self._ask_batch(list(sequences), list(indices))
         return self.vectors.scalars(values) if np.ndim(values) == 2 and not whole else values
 
+    def _record(self, first: int, positions, sequences, values):
+        """Record the finite answers of one batch in the transcript; the answers as read back, with
+        the non-finite ones (``ask``'s ``overflow``) left NaN and unrecorded."""
+        finite = np.isfinite(np.asarray(values, dtype=np.float64))
+        finite = finite if finite.ndim == 1 else finite.all(axis=1)
+        if finite.all():
+            return self.transcript.record(first, positions, sequences, values)
+        kept = np.flatnonzero(finite)
+        read = np.array(values, dtype=np.float64)
+        if len(kept):
+            read[kept] = np.asarray(self.transcript.record(first, [positions[k] for k in kept],
+                                                           [sequences[k] for k in kept], read[kept]))
+        return read
+
     def _over_budget(self, needed: int, answered: int) -> BudgetExceeded:
         if self.transcript is not None:
             kept = (f"the {answered} answers so far are saved in the transcript {self.transcript.path!r}; "
@@ -263,10 +286,10 @@ class OracleBoundary:
             f"the run still needs {needed} more queries ({kept})", needed, answered,
         )
 
-    def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int], rebuild=None):
+    def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int], rebuild=None, overflow: bool = False):
         """Ask the oracle for one batch; ``indices`` are the run's query numbers (for messages).
         ``rebuild``: ``chunk`` is new float64 arrays no one else holds, handed over without a copy;
-        ``rebuild()`` builds them again for the messages."""
+        ``rebuild()`` builds them again for the messages. ``overflow``: :meth:`ask`'s."""
         if rebuild is not None:
             if isinstance(chunk, CopiesRows):
                 batch, longest = chunk, int(chunk.lengths().max(initial=0))
@@ -291,7 +314,11 @@ class OracleBoundary:
         if rebuild is None:
             longest = max(map(len, chunk))
         self.max_query_length = max(self.max_query_length, longest)
-        return self._validate(raw, chunk, indices, where)
+        values = self._validate(raw, chunk, indices, where, overflow)
+        if overflow:
+            finite = np.isfinite(np.asarray(values, dtype=np.float64))
+            self.overflowed += int((~(finite if finite.ndim == 1 else finite.all(axis=1))).sum())
+        return values
 
     def _to_oracle_tokens(self, sequence: np.ndarray):
         if self.precision is None:
@@ -299,7 +326,7 @@ class OracleBoundary:
         # float64 -> mpf is exact; the schedule's tokens are chosen to be exactly representable.
         return np.vectorize(mpmath.mpf, otypes=[object])(sequence)
 
-    def _validate(self, raw, chunk, indices, where: str):
+    def _validate(self, raw, chunk, indices, where: str, overflow: bool = False):
         raw = plain_numbers(raw)
         if isinstance(raw, (str, bytes, Mapping, AbstractSet)):  # iterable, but not answers in the batch's order
             raise OracleError(
@@ -328,7 +355,7 @@ class OracleBoundary:
                     f"the oracle answered vectors of {vector.shape[1]} numbers per query ({where}); in high "
                     f"precision (precision={self.precision}) answers are one mpmath.mpf per query: read out "
                     "one output (a scalar per sequence)", indices[0], chunk[0])
-            self._check_vectors(vector, indices, f"answered ({where})", chunk)
+            self._check_vectors(vector, indices, f"answered ({where})", chunk, overflow)
             return vector
         if self.vectors.d_out is not None and self.vectors.d_out > 1:
             raise OracleError(
@@ -339,7 +366,7 @@ class OracleBoundary:
                 values = raw.astype(np.float64)
                 if np.isfinite(values).all():  # the common case, checked as one array
                     return values
-            return [self._float_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
+            return [self._float_answer(value, indices[n], chunk[n], overflow) for n, value in enumerate(raw)]
         return [self._mpf_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
 
     @staticmethod
@@ -387,13 +414,16 @@ class OracleBoundary:
             raise OracleError(f"the answers to queries {indices[0]}..{indices[-1]} are vectors that are not "
                               f"float64 numbers: {_short(rows[0])}", indices[0], chunk[0]) from None
 
-    def _check_vectors(self, values: np.ndarray, indices, how: str, chunk=None) -> None:
-        """Vector answers: finite in every coordinate, of the run's d_out, no mix with scalar answers."""
+    def _check_vectors(self, values: np.ndarray, indices, how: str, chunk=None, overflow: bool = False) -> None:
+        """Vector answers: finite in every coordinate (``overflow``: a vector with a non-finite
+        number is set NaN whole, :meth:`ask`), of the run's d_out, no mix with scalar answers."""
         if values.shape[1] < 1:
             raise OracleError(f"the oracle {how} vectors of 0 numbers: every answer is one number or a vector of "
                               "d_out >= 1 numbers", indices[0])
         bad = np.argwhere(~np.isfinite(values))
-        if len(bad):
+        if len(bad) and overflow:
+            values[np.unique(bad[:, 0])] = np.nan
+        elif len(bad):
             n, o = bad[0]
             raise OracleError(
                 f"answer to query {indices[n]}, output {o} of {values.shape[1]}, is {values[n, o]} "
@@ -411,7 +441,7 @@ class OracleBoundary:
             self.vectors.start(values.shape[1])
 
     @staticmethod
-    def _float_answer(value, query: int, sequence) -> float:
+    def _float_answer(value, query: int, sequence, overflow: bool = False) -> float:
         value = plain_numbers(value)
         if isinstance(value, (bool, np.bool_)):
             raise OracleError(
@@ -428,6 +458,8 @@ class OracleBoundary:
                 query, sequence,
             ) from None
         if not np.isfinite(number):
+            if overflow:
+                return np.nan
             raise OracleError(f"answer to query {query} (length {len(sequence)}) is {number}", query, sequence)
         return number
 
