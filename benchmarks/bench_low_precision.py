@@ -6,6 +6,7 @@ float32, mixed-precision (float32 softmax in a float64 layer) and bfloat16 targe
     python benchmarks/bench_low_precision.py --bfloat16-oversampling [--sizes 4x1 4x2] [--seeds 2]
     python benchmarks/bench_low_precision.py --whole [--sizes 64x4 128x8] [--dtypes bfloat16 float16 float32]
         [--kinds GPT2Attention BertSelfAttention nn.MultiheadAttention ViTAttention] [--seeds 1]
+        [--std 0.1 0.2] [--implementation eager] [--no-reference]
 
 Per oracle, size and seed: target ``MultiHeadAttention.random(d, H, seed=s)``, run
 ``extract(oracle, d, heads=H, seed=1000 + s, on_failure="warn")`` (library defaults: schedule
@@ -72,12 +73,26 @@ def oversampling_table(sizes, seeds) -> None:
                   f"{np.median([row['seconds'] for row in rows]):.1f} |", flush=True)
 
 
-def whole_row(kind: str, dtype: str, d: int, H: int, seed: int) -> str:
-    """A torch layer in ``dtype`` (biases at its weights' std, ``tests/test_real_layers.build``), whole
+class NonFiniteCount:
+    """An oracle passed through, counting the answers with a non-finite number (overflow)."""
+
+    def __init__(self, oracle):
+        self.oracle, self.answer_dtype, self.readout, self.nonfinite = oracle, oracle.answer_dtype, None, 0
+
+    def __call__(self, batch):
+        answers = self.oracle(batch)
+        self.nonfinite += int((~np.isfinite(np.asarray(answers, dtype=np.float64))).any(axis=1).sum())
+        return answers
+
+
+def whole_row(kind: str, dtype: str, d: int, H: int, seed: int, std: float | None = None,
+              implementation: str = "sdpa", reference: bool = True) -> str:
+    """A torch layer in ``dtype`` (biases at its weights' std, ``tests/test_real_layers.build``; with
+    ``std``, every weight and bias drawn N(0, std^2) instead, as trained layers' larger weights), whole
     outputs, library defaults (docs/algorithm.md §23). Truth: the same layer in float64 from its own
     rounded weights (``to_reduced``, white-box, here only). Output errors at every position of 200
     fresh sequences of 1..32 tokens (unit-variance tokens) relative to the exact layer's largest
-    output; the float64 run is the default extraction of that exact layer."""
+    output; the float64 run is the default extraction of that exact layer (``reference``)."""
     import sys
     from pathlib import Path
 
@@ -88,22 +103,33 @@ def whole_row(kind: str, dtype: str, d: int, H: int, seed: int) -> str:
     from test_real_layers import build
     from bench_full_layer import outputs
 
-    low = build(kind, d, H, seed=seed, implementation="sdpa").eval().to(getattr(torch, dtype))
-    exact = build(kind, d, H, seed=seed, implementation="sdpa").eval().double()
+    low = build(kind, d, H, seed=seed, implementation=implementation).eval()
+    if std is not None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter in low.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
+    low = low.to(getattr(torch, dtype))
+    exact = build(kind, d, H, seed=seed, implementation=implementation).eval().double()
     exact.load_state_dict({key: value.double() for key, value in low.state_dict().items()})
+    oracle = NonFiniteCount(TorchOracle(low))
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = mx.extract(TorchOracle(low), d, heads=H, seed=0, on_failure="warn", progress=False)
+        result = mx.extract(oracle, d, heads=H, seed=0, on_failure="warn", progress=False)
         seconds = time.perf_counter() - started
         # the float64 run for the query ratio, where there is a model to compare
         reference = mx.extract(TorchOracle(exact), d, heads=H, seed=0, on_failure="warn", progress=False) \
-            if result.model is not None else None
+            if result.model is not None and reference else None
     truth = to_reduced(exact)
     error = mx.compare(result.model, truth).max_rel if result.model is not None else np.inf
     rng = np.random.default_rng(11)
     own = mine = top = 0.0
-    replacement = to_torch(result.model, causal=kind in ("GPT2Attention",)) if result.model is not None else None
+    # causal as the exact layer is (a bare GPT2Attention is causal on the sdpa path, not on eager)
+    probe = torch.as_tensor(np.random.default_rng(0).standard_normal((1, 3, d)))
+    with torch.no_grad():
+        causal = bool(torch.allclose(outputs(exact, probe)[:, :1], outputs(exact, probe[:, :1]), rtol=0, atol=1e-12))
+    replacement = to_torch(result.model, causal=causal) if result.model is not None else None
     for n in rng.integers(1, 33, size=200):
         X = torch.as_tensor(rng.standard_normal((1, int(n), d)))
         with torch.no_grad():
@@ -117,7 +143,8 @@ def whole_row(kind: str, dtype: str, d: int, H: int, seed: int) -> str:
     for check in result.failed_checks:  # the reasons, beside the table
         print(f"{kind} {dtype} d = {d}, H = {H}: {check}", file=sys.stderr)
     ratio = f"{result.queries / reference.queries:.2f}" if reference is not None else "-"
-    return (f"| {kind} | {dtype} | {d} | {H} | {result.queries:,} | {ratio} | "
+    weights = "" if std is None else f"{std:g} | {oracle.nonfinite} | "
+    return (f"| {kind} | {dtype} | {d} | {H} | {weights}{result.queries:,} | {ratio} | "
             f"{error:.2g} | {mine:.2g} | {own / top:.2g} | {result.error_estimate / error:.2g} | {seconds:.0f} | "
             f"{checks} |")
 
@@ -135,17 +162,24 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true", help="torch layers in bfloat16/float16/float32, whole outputs")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
     parser.add_argument("--kinds", nargs="+", default=["GPT2Attention", "BertSelfAttention"])
+    parser.add_argument("--std", nargs="+", type=float, default=[None],
+                        help="--whole: every weight and bias N(0, std^2) (one row per std)")
+    parser.add_argument("--implementation", default="sdpa", help="--whole: the layers' attention implementation")
+    parser.add_argument("--no-reference", action="store_true", help="--whole: skip the float64 run (query ratio)")
     args = parser.parse_args()
     if args.whole:
-        print("| layer | dtype | d | H | queries | / float64 run | parameter error | output error | the layer's own "
-              "output error | estimate / error | seconds | checks |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        weights = "" if args.std == [None] else " weight std | answers not finite |"
+        print(f"| layer | dtype | d | H |{weights} queries | / float64 run | parameter error | output error | the "
+              "layer's own output error | estimate / error | seconds | checks |")
+        print("|---" * (12 + 2 * bool(weights)) + "|")
         for size in args.sizes:
             d, H = (int(part) for part in size.split("x"))
             for kind in args.kinds:
                 for dtype in args.dtypes:
-                    for seed in range(args.seeds):
-                        print(whole_row(kind, dtype, d, H, d + H + seed), flush=True)
+                    for std in args.std:
+                        for seed in range(args.seeds):
+                            print(whole_row(kind, dtype, d, H, d + H + seed, std, args.implementation,
+                                            not args.no_reference), flush=True)
         return
     if args.bfloat16_oversampling:
         oversampling_table(args.sizes, args.seeds)

@@ -96,3 +96,15 @@ def test_merged_heads_offer_more_bits_only_to_an_oracle_that_has_them(float_only
     assert "Found 2 of 4 heads" in hints and "max_heads=4" in hints
     assert ("precision=BITS" in hints) is (not float_only)
     assert "float64 copy" not in hints
+
+
+def test_too_many_heads_declared_is_said_from_the_pole_count():
+    """Issue 61: heads=20 declared for a 4-head layer at d = 8 (the grid schedule, H0 > d) was told
+    the count 'may be smaller than its canonical head count'. The instances' majority pole count (4)
+    says the opposite: too many heads declared."""
+    target = mx.MultiHeadAttention.random(d=8, heads=4, seed=0, bias=True)
+    with pytest.raises(mx.ExtractionError) as caught:
+        mx.extract(mx.SimulatedOracle(target), d=8, heads=20, seed=0, progress=False)
+    message = str(caught.value)
+    assert "The instances show 4 heads, fewer than heads/max_heads = 20" in message
+    assert "declare heads=4" in message and "may be smaller" not in message

@@ -112,12 +112,31 @@ def test_a_declared_format_with_a_given_token_scale_and_scalar_answers():
         mx.extract(scalar, 4, heads=2, seed=0, token_scale=3.0)
 
 
-def test_options_the_low_precision_run_does_not_take_are_refused():
+@pytest.mark.parametrize("options, named", [
+    ({"max_heads": 3}, "max_heads"), ({"heads": 2, "rank": 2}, "rank"), ({"heads": 2, "bias": False}, "bias=False"),
+    ({"heads": 2, "refine": True}, "refine"), ({"heads": 2, "answer_error": 1e-3}, "answer_error"),
+])
+def test_options_the_low_precision_run_does_not_take_are_refused_before_queries_are_paid(options, named):
+    """Counted at the oracle: a declared format refuses before any query; a format read from the
+    answers' bits refuses after the calibration's 1 + 2P = 17 one-token probes, not its 147."""
     oracle = RoundedLayer(4, 2, 8, seed=0)
+    with pytest.raises(ValueError, match=f"bfloat16.*calibration's first 17 answers.*{named}"):
+        mx.extract(oracle, 4, seed=0, **options)
+    assert oracle.sequences == 17
+    declared = RoundedLayer(4, 2, 11, seed=0)
+    declared.answer_dtype = "float16"
+    with pytest.raises(ValueError, match=f"float16.*declares answer_dtype='float16'.*{named}"):
+        mx.extract(declared, 4, seed=0, **options)
+    assert declared.sequences == 0
+
+
+def test_a_torch_layer_in_bfloat16_refuses_max_heads_before_any_query():
+    torch = pytest.importorskip("torch")
+    from mhaextract.adapters.torch import TorchOracle
+    oracle = TorchOracle(torch.nn.MultiheadAttention(4, 2, batch_first=True).to(torch.bfloat16))
     with pytest.raises(ValueError, match="max_heads"):
-        mx.extract(oracle, 4, max_heads=3, seed=0)
-    with pytest.raises(ValueError, match="rank"):
-        mx.extract(oracle, 4, heads=2, rank=2, seed=0)
+        mx.extract(oracle, 4, max_heads=2, seed=0)
+    assert oracle.sequences == 0
 
 
 @pytest.mark.slow

@@ -437,4 +437,40 @@ def test_the_docs_local_example_runs_as_written(tmp_path):
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     cpus, queries, ok, dtype, running = out.stdout.split()[-5:]
-    assert cpus == "2.0" and int(queries) > 0 and ok == "True" and dtype == "float64" and running == "False"
+    assert float(cpus) == max(2, os.cpu_count()) and int(queries) > 0 and ok == "True" and dtype == "float64"
+    assert running == "False"
+
+
+UNCLOSED = """
+import functools
+import mhaextract as mx
+import ray
+
+target = mx.MultiHeadAttention.random(d=3, heads=2, seed=4)
+factory = functools.partial(mx.SimulatedOracle, target)
+
+if __name__ == "__main__":
+    result = mx.extract(mx.ParallelOracle(factory, workers=1), d=3, heads=2, seed=1)  # never closed
+    print(result.ok, ray.is_initialized())
+    kept = mx.ParallelOracle(factory, workers=1)  # open, not closed
+    print(ray.cluster_resources()["CPU"])
+    del kept
+    print(ray.is_initialized())
+    with mx.ParallelOracle(factory, workers=2) as oracle:
+        print(mx.extract(oracle, d=3, heads=2, seed=1).ok)
+"""
+
+
+@pytest.mark.slow
+def test_a_local_instance_takes_the_machines_cpus_and_ends_with_an_oracle_never_closed(tmp_path):
+    """Issue 64: extract(ParallelOracle(factory, workers=1)) outside a with block left its 1-CPU
+    local instance running, and a later 2-worker oracle was refused. Now the instance the library
+    starts has the machine's CPUs and is shut down when its last oracle is garbage-collected."""
+    pytest.importorskip("ray")
+    (tmp_path / "unclosed.py").write_text(UNCLOSED)
+    out = subprocess.run([sys.executable, "unclosed.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    ok, running, cpus, running_after, second_ok = out.stdout.split()[-5:]
+    assert (ok, running, running_after, second_ok) == ("True", "False", "False", "True")
+    assert float(cpus) == os.cpu_count()

@@ -250,6 +250,24 @@ def test_bad_arguments_are_clear_errors():
         mx.extract_transformer(oracle, 2, heads=1, on_failure="ignore")
 
 
+def test_the_positional_prefix_is_extracts_and_family_options_are_keyword_only():
+    """Issue 61: extract_transformer(oracle, d, heads, max_heads, hidden, precision, seed) took a
+    positional precision for hidden. Now its positional parameters are extract's, and a call in the
+    old order is refused loudly (4 hidden units read as precision=4)."""
+    import inspect
+    positional = {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
+
+    def prefix(function):
+        return [p.name for p in inspect.signature(function).parameters.values() if p.kind in positional]
+    assert prefix(mx.extract_transformer) == prefix(mx.extract) == [
+        "oracle", "d", "heads", "max_heads", "precision", "seed"]
+    kinds = {p.name: p.kind for p in inspect.signature(mx.extract_transformer).parameters.values()}
+    assert kinds["hidden"] == kinds["residual"] == inspect.Parameter.KEYWORD_ONLY
+    oracle = mx.SimulatedOracle(mx.Transformer1L.random(2, 1, 2, seed=0))
+    with pytest.raises(ValueError, match="precision"):
+        mx.extract_transformer(oracle, 2, 1, None, 4)
+
+
 def test_orientation_is_unique_or_says_how_many():
     rng = np.random.default_rng(0)
     C = rng.standard_normal((7, 4))  # more units than dimensions: 2^3 candidates enumerated

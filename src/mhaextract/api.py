@@ -199,6 +199,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     resume_check = positive_int("resume_check", resume_check, minimum=0)
     verify_length = verify_length_option(verify_length)
     choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
+    # options the low-precision learner does not take: refused before any query where the oracle
+    # declares its format, else as soon as the calibration's first answers show it
+    refuse_low_precision = _low_precision_refusal(schedule, settings, bias)
+    if getattr(oracle, "readout", None) is None:  # whole answers, unless the oracle declares a read-out
+        refuse_low_precision(answer_dtype, None, "the oracle declares answer_dtype=" + repr(answer_dtype))
     started = time.perf_counter()
     calibration, probes = None, None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
@@ -215,7 +220,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         if calibrating:  # its probes are recorded too (section "calibration"): a resumed run decides the same
             early = check if record is not None and record.answered_in(RUN) == 0 else 0
             calibration, probes = _calibrate(oracle, settings, batch_size, progress, max_queries, record, early,
-                                              vectors)
+                                              vectors, on_first=lambda probes: refuse_low_precision(
+                                                  probes.stats.precision_name, vectors.d_out,
+                                                  f"the calibration's first {probes.queries + probes.replayed} "
+                                                  "answers are that format's numbers"))
             check -= early
             max_queries = None if max_queries is None else max(0, max_queries - probes.queries)
             settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
@@ -225,6 +233,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         answer_format = answer_dtype if answer_dtype in COARSE_FORMATS else (
             calibration.answer_precision if calibration is not None else None)
         if low_precision_run(schedule, answer_format, vectors.d_out):
+            refuse_low_precision(answer_format, vectors.d_out, "the calibration's answers are that format's numbers")
             return _extract_low_precision(oracle, settings, answer_format, scale_option, vectors, batch_size, progress,
                                           on_failure, record, check, max_queries, verify_length, probes, plan,
                                           calibration)
@@ -348,13 +357,6 @@ def _extract_low_precision(oracle, settings: RunSettings, answer_format: str, sc
     scale has none, and its transcript is resumed unchecked)."""
     from .lowprecision.learn import extract_low_precision
 
-    given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
-                               "rank", "backend", "repair") if settings.given(name)]
-    if settings.heads is None:
-        given.append("max_heads")
-    if given:
-        raise ValueError(f"the answers carry {answer_format}'s few bits: the low-precision learner runs "
-                         f"(docs/algorithm.md §23), which does not take {', '.join(given)}; it needs heads=H")
     section = None
     if record is not None:
         fingerprint = run_fingerprint(plan, int(settings.seed), None, [])
@@ -378,18 +380,41 @@ def _extract_low_precision(oracle, settings: RunSettings, answer_format: str, sc
     return result
 
 
+def _low_precision_refusal(schedule, settings: RunSettings, bias):
+    """``refuse(answer_format, d_out, evidence)``: raises ValueError when answers of ``answer_format``
+    with ``d_out`` numbers each (None: not yet seen) route the run to the low-precision learner
+    (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least squares') and
+    the run was given options that learner does not take; ``evidence`` says how the format is
+    known. Called before the first query (a declared format) and after the calibration's first
+    answers, so no refusal waits for answers paid in vain."""
+    given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
+                               "rank", "backend", "repair") if settings.given(name)]
+    if settings.heads is None:
+        given.append("max_heads (it needs heads=H)")
+    if bias is False:  # its start and fit learn u_h and c: a bias-free layer gets them near zero
+        given.append("bias=False (it always fits the score biases and the output constant; drop the option)")
+
+    def refuse(answer_format, d_out, evidence: str) -> None:
+        if given and low_precision_run(schedule, answer_format, d_out):
+            raise ValueError(f"the answers carry {answer_format}'s few bits ({evidence}): the low-precision learner "
+                             "runs (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least "
+                             f"squares'), which does not take {', '.join(given)}")
+    return refuse
+
+
 def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries, record, resume_check: int,
-               vectors=None):
+               vectors=None, on_first=None):
     """The token scale from counted probe queries (§18), on a stream of the seed of its own, asked
     through a boundary of their own and recorded in the transcript's calibration section.
     ``resume_check``: re-ask this many recorded probes first (a resumed transcript whose run section
-    is empty: :mod:`.oracle.resume_check`). Returns ``(calibration, its boundary)``."""
+    is empty: :mod:`.oracle.resume_check`); ``on_first``: :func:`~.calibration.calibrate`'s. Returns
+    ``(calibration, its boundary)``."""
     section = None if record is None else record.section(CALIBRATION)
     probes = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
                             progress=progress, max_queries=max_queries, transcript=section, vectors=vectors)
     if resume_check and section.answered:
         _recheck_probes(probes, section, settings, resume_check)
-    return calibrate(probes, settings.d, spawn_rng(settings.seed, 3)), probes
+    return calibrate(probes, settings.d, spawn_rng(settings.seed, 3), on_first), probes
 
 
 def _recheck_probes(probes, section, settings: RunSettings, count: int, noise: float | None = None) -> None:

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .oracle.boundary import OracleError
 from .oracle.queries import quantize
 from .validation import default_token_scale
 
@@ -106,6 +107,8 @@ class Calibration:
         scores too (module docstring): ``answer_noise`` for deterministic noise; for random noise
         None (float64) below ``HIDDEN_FLOAT32``, else ``min(answer_noise, 2^-24)``; None without noise.
     random_noise : the repeated probes answered differently (noise added at random to the outputs).
+    overflow_scale : the smallest probe token norm at which an answer was not finite (the layer's
+        dtype overflowed: :func:`probe_responses`), or None.
     """
 
     token_scale: float
@@ -119,6 +122,7 @@ class Calibration:
     answer_precision: str = "float64"
     arithmetic_noise: float | None = None
     random_noise: bool = False
+    overflow_scale: float | None = None
 
     def __str__(self) -> str:
         noise = "" if self.answer_noise is None else f"; answers {self.answer_precision}, noise {self.answer_noise:.2g}"
@@ -158,20 +162,41 @@ def probe_queries(d: int, rng) -> list[list[np.ndarray]]:
     return [one_token, two_token, permuted_probes(tokens)]
 
 
-def probe_responses(boundary, d: int, queries) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(scales, A(s), noise level of A)`` from the one- and two-token probes of ``queries``
-    (:func:`probe_queries`), asked through ``boundary``."""
+def probe_responses(boundary, d: int, queries, on_first=None) -> tuple[np.ndarray, np.ndarray, float, float | None]:
+    """``(scales, A(s), noise level of A, overflow scale)`` from the one- and two-token probes of
+    ``queries`` (:func:`probe_queries`), asked through ``boundary``; ``on_first(boundary)`` is
+    called once the one-token probes are answered (:func:`calibrate`).
+
+    The two-token probes reach ``2^8`` times the default token norm, where a float16 layer's scores
+    may overflow: a pair's non-finite answer leaves that rung and every larger one of the pair out
+    (``A`` NaN there, read as noise), and the overflow scale is the smallest rung with one (None
+    without). A non-finite answer at the smallest rung is no overflow: an OracleError."""
     one_token, sequences = queries[0], queries[1]
     first = _floats(boundary.ask(one_token, description="calibration: one-token probes"))
+    if on_first is not None:
+        on_first(boundary)
     c0, fx, fy = first[0], first[1:PAIRS + 1], first[PAIRS + 1:]
     factors = 2.0 ** LADDER
-    pairs = _floats(boundary.ask(sequences, description="calibration: two-token probes")).reshape(len(factors), PAIRS)
+    asked = boundary.position
+    pairs = _floats(boundary.ask(sequences, description="calibration: two-token probes",
+                                 overflow=True)).reshape(len(factors), PAIRS)
+    overflow = None
+    beyond = np.cumsum(~np.isfinite(pairs), axis=0) > 0  # per pair: from its first non-finite answer on
+    if beyond.any():
+        if beyond[0].any():
+            p = int(np.flatnonzero(beyond[0])[0])
+            raise OracleError(
+                f"answer to query {asked + p} (length 2) is not finite: the calibration's two-token probe at its "
+                f"smallest token norm {default_token_scale(d) * factors[0]:.3g}, where no dtype's scores overflow; the "
+                "oracle cannot answer it", asked + p, sequences[p])
+        overflow = float(default_token_scale(d) * factors[int(np.flatnonzero(beyond.any(axis=1))[0])])
+        pairs = np.where(beyond, np.nan, pairs)
     linear = c0 + factors[:, None] * ((fx - c0) + (fy - c0))[None] / 2  # (f((x)) + f((y))) / 2 at every rung
     D = pairs - linear
     scales = default_token_scale(d) * factors
     magnitude = np.abs(pairs) + np.abs(linear)
     noise = NOISE_UNITS * np.finfo(np.float64).eps * magnitude / scales[:, None]
-    return scales, np.abs(D) / scales[:, None], noise
+    return scales, np.abs(D) / scales[:, None], noise, overflow
 
 
 def _knee(scales: np.ndarray, relative: np.ndarray) -> float | None:
@@ -226,12 +251,14 @@ def answer_noise(boundary, permuted: float, repeated: float = 0.0) -> tuple[floa
     return float(noise), precision if precision != "float64" else "float64 with noise", arithmetic, random
 
 
-def calibrate(boundary, d: int, rng) -> Calibration:
-    """Probe the oracle through ``boundary`` and choose the token scale (module docstring)."""
+def calibrate(boundary, d: int, rng, on_first=None) -> Calibration:
+    """Probe the oracle through ``boundary`` and choose the token scale (module docstring).
+    ``on_first(boundary)``: called once the ``1 + 2P`` one-token probes are answered, before the
+    rest are asked (a run refuses there the options that the answers' format rules out)."""
     base = default_token_scale(d)
     before = boundary.position
     queries = probe_queries(d, rng)
-    scales, response, noise = probe_responses(boundary, d, queries)
+    scales, response, noise, overflow = probe_responses(boundary, d, queries, on_first)
     noisy = None
     if boundary.precision is None:
         noisy, precision, arithmetic, random = answer_noise(boundary, *permutation_noise(boundary, queries[2]))
@@ -240,6 +267,9 @@ def calibrate(boundary, d: int, rng) -> Calibration:
     queries = boundary.position - before
     extra = {} if noisy is None else {"answer_noise": noisy, "answer_precision": precision,
                                       "arithmetic_noise": arithmetic, "random_noise": random}
+    extra["overflow_scale"] = overflow
+    beyond = ("" if overflow is None else f"; answers not finite from token norm {overflow:.4g} on (the layer's dtype "
+              f"overflowed): {boundary.overflowed} probes left out")
     response = np.where(response > noise, response, np.nan)
     peak = np.nanmax(np.where(np.isfinite(response), response, -np.inf), axis=0)
     relative = response / np.where(peak > 0, peak, np.inf)[None]
@@ -247,10 +277,11 @@ def calibrate(boundary, d: int, rng) -> Calibration:
     if not knees:
         return Calibration(base, queries, boundary.max_query_length, scales, relative, None,
                            "no probe moved the answers beyond their rounding (scores independent of the tokens?): "
-                           f"kept the default d ** 0.25 = {base:.4g}", **extra)
+                           f"kept the default d ** 0.25 = {base:.4g}{beyond}", **extra)
     knee = float(np.exp(np.median(np.log(knees))))
     edge = (" (at the edge of the ladder: the weights may be outside 1e-4..1e4 times the random model's)"
             if knee <= scales[0] or knee >= scales[-1] else "")
     return Calibration(KNEE_TO_SCALE * knee, queries, boundary.max_query_length, scales, relative, knee,
-                       f"knee of the two-token response at {knee:.4g} ({len(knees)} of {PAIRS} probe pairs){edge}",
+                       f"knee of the two-token response at {knee:.4g} ({len(knees)} of {PAIRS} probe pairs){edge}"
+                       f"{beyond}",
                        **extra)

@@ -329,7 +329,7 @@ def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, tok
                           _flag("residual", residual))
 
 
-def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, precision=None, seed=None, *,
+def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, hidden=None,
                         residual=False, token_scale=None, max_segments=32, quiet_segments=8,
                         verification_queries=None, batch_size=1024, progress=None,
                         on_failure="raise", transcript=None, max_queries=None) -> TransformerExtraction:
@@ -345,9 +345,10 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, hidden=None, prec
     Parameters
     ----------
     oracle, d, heads, max_heads, precision, seed, token_scale, batch_size, progress : as in
-        :func:`mhaextract.extract` (``seed`` also seeds step 2's segments and perturbations;
-        ``precision`` at least ``64 + ODD_PART_MARGIN_BITS``, since step 1 runs the core on g at
-        that many bits fewer).
+        :func:`mhaextract.extract`, the same positional prefix (``seed`` also seeds step 2's
+        segments and perturbations; ``precision`` at least ``64 + ODD_PART_MARGIN_BITS``, since step
+        1 runs the core on g at that many bits fewer). The options of this family, from ``hidden``
+        on, are keyword-only.
     hidden : the number of hidden units, if known: step 2 stops when it has found this many.
         Without it, step 2 stops after ``quiet_segments`` segment pairs in a row found nothing new.
     residual : the FFN reads ``o(X) + x_N`` (``f(X) = w^T ReLU(A (o(X) + x_N))``): d more queries of g

@@ -38,6 +38,11 @@ from ..model import MultiHeadAttention
 
 #: Saturating key length, in token scales: ``|t alpha_h|`` of order 100 away from a crossing.
 SATURATING = 400.0
+#: A saturated query the layer's dtype cannot answer (a float16 layer's scores overflow: the answer
+#: is not finite) is asked again with its key length divided by this, down to SATURATED_FLOOR token
+#: scales (``|t alpha_h|`` still of order 5 there), and left out of its line beyond.
+BACK_OFF = 4.0
+SATURATED_FLOOR = 25.0 / 4
 #: Samples per line of query tokens, and the line's half-length (in token scales).
 LINE_SAMPLES = 64
 LINE_HALF_LENGTH = 3.0
@@ -98,8 +103,9 @@ def line_plateaus(boundary, values: ValueMap, rng, e: np.ndarray, scale: float,
     ``z(s) = magnification scale (z0 + s z1)`` (``LINE_SAMPLES`` queries, ``s`` in
     ``[-LINE_HALF_LENGTH, LINE_HALF_LENGTH]`` at equal steps of ``arctan s``; keys ``z + t e`` with
     ``t = SATURATING scale`` whatever the magnification, which a float16 layer's scores could not
-    carry): runs of samples whose consecutive differences stay below 20
-    times their median (the answers' rounding) and 1% of the largest R."""
+    carry, or shorter where the layer overflowed: ``key``, :func:`saturated_answers`): runs of
+    samples whose consecutive differences stay below 20 times their median (the answers' rounding)
+    and 1% of the largest R."""
     d = len(e)
     z1 = _unit(rng.standard_normal(d))
     z0 = rng.standard_normal(d)
@@ -109,9 +115,11 @@ def line_plateaus(boundary, values: ValueMap, rng, e: np.ndarray, scale: float,
     # arctangent is about uniform; equal steps in s would put the fewest samples where most heads cross
     s = np.tan(np.linspace(-np.arctan(LINE_HALF_LENGTH), np.arctan(LINE_HALF_LENGTH), LINE_SAMPLES))
     Z = magnification * scale * (z0[None] + s[:, None] * z1[None])
-    t = SATURATING * scale
-    answers = boundary.ask([np.stack([z + t * e, z]) for z in Z], "saturated lines", whole=True)
-    R = (answers - values(Z)) / t
+    t, answers = saturated_answers(boundary, Z, e, scale)
+    kept = np.isfinite(answers).all(axis=1)
+    R = ((answers - values(Z)) / t[:, None])[kept]
+    if len(R) < 2:
+        return []
     steps = np.linalg.norm(np.diff(R, axis=0), axis=1)
     threshold = max(20.0 * float(np.median(steps)), 1e-2 * float(np.linalg.norm(R, axis=1).max()))
     runs, current = [], [0]
@@ -123,6 +131,27 @@ def line_plateaus(boundary, values: ValueMap, rng, e: np.ndarray, scale: float,
             current = [m + 1]
     runs.append(current)
     return [R[run].mean(axis=0) for run in runs if len(run) >= 2]
+
+
+def saturated_answers(boundary, Z: np.ndarray, e: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(t, answers)``: the whole answers to ``[z + t e, z]`` for each row z of ``Z``, with
+    ``t = SATURATING scale`` where the layer answers it; a query whose answer is not finite (the
+    layer's dtype overflowed at that key) asked again at ``t / BACK_OFF``, counted, down to
+    ``SATURATED_FLOOR scale`` (still saturated: ``R`` is the same subset sum of labels), and left NaN
+    beyond (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least
+    squares'). Every line starts again at ``SATURATING``: a key shortened for all its samples
+    leaves too many unsaturated (a simulated layer whose scores overflow above 200 then found no
+    labels)."""
+    t = np.full(len(Z), SATURATING * scale)
+    answers = boundary.ask([np.stack([z + key * e, z]) for z, key in zip(Z, t)], "saturated lines", whole=True,
+                           overflow=True)
+    while True:
+        again = np.flatnonzero(~np.isfinite(answers).all(axis=1) & (t / BACK_OFF >= SATURATED_FLOOR * scale))
+        if not len(again):
+            return t, answers
+        t[again] /= BACK_OFF
+        answers[again] = boundary.ask([np.stack([Z[n] + t[n] * e, Z[n]]) for n in again],
+                                      "saturated lines, nearer keys (the layer overflowed)", whole=True, overflow=True)
 
 
 def _signed(labels: np.ndarray, total: np.ndarray) -> tuple[np.ndarray, float]:
@@ -185,11 +214,14 @@ def direction_rates(boundary, values: ValueMap, rng, e: np.ndarray, labels: np.n
     Z = rng.standard_normal((count, d)) * (scale / np.sqrt(d))
     lengths = scale * np.asarray(RATE_LENGTHS)
     sequences = [np.stack([z + t * e, z]) for z in Z for t in lengths]
-    answers = boundary.ask(sequences, "rates", whole=True).reshape(count, len(lengths), -1)
+    # a key the layer's dtype overflowed at answers NaN (the boundary's overflow): no reading there
+    answers = boundary.ask(sequences, "rates", whole=True, overflow=True).reshape(count, len(lengths), -1)
     R = (answers - values(Z)[:, None, :]) / lengths[None, :, None]
     sigmoids = np.einsum("hk,ntk->nth", np.linalg.pinv(labels.T), R)
     low, high = SIGMOID_RANGE
-    usable = (sigmoids > low) & (sigmoids < high)
+    with np.errstate(invalid="ignore"):
+        usable = (sigmoids > low) & (sigmoids < high)
+    sigmoids = np.where(np.isfinite(sigmoids), sigmoids, 0.5)
     clipped = np.clip(sigmoids, low, high)
     # d alpha = d sigma / (sigma (1 - sigma) t): the weight of a reading is its inverse
     weights = np.where(usable, clipped * (1 - clipped) * lengths[None, :, None], 0.0)
@@ -218,6 +250,7 @@ NOISE_MARGIN = 30.0
 
 def order_one_scale(boundary, values: ValueMap, rng, d: int, first: float) -> float:
     """A token norm rho at which scores ``z^T W_h x`` are of order one, found by queries.
+    (Where the layer's dtype overflows before, its answers not finite, the last rho it answered.)
 
     For tokens of norm rho, ``R = (y([rho (z + e), rho z]) - V rho z - c) / rho`` is ``V e / 2`` while
     the scores are small and moves by a fraction of ``|V e|`` once they are of order one (the
@@ -234,7 +267,9 @@ def order_one_scale(boundary, values: ValueMap, rng, d: int, first: float) -> fl
         rho = first * 2.0 ** step
         Z = np.stack([rho * z for z, _ in pairs])
         answers = boundary.ask([np.stack([rho * (z + e), rho * z]) for z, e in pairs], "choosing the token scale",
-                               whole=True)
+                               whole=True, overflow=True)
+        if not np.isfinite(answers).all():
+            return rho / 2 if step > SCALE_STEPS[0] else rho
         departure = np.linalg.norm((answers - values(Z)) / rho - half, axis=1)
         rounding = NOISE_MARGIN * unit * np.linalg.norm(answers, axis=1) / rho
         if np.median(departure) >= ORDER_ONE * 2 * np.median(np.linalg.norm(half, axis=1)) and \

@@ -14,6 +14,7 @@ floats are refused there, since they would silently cap the precision at 53 bits
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -125,6 +126,7 @@ class OracleBoundary:
     position: int = 0
     stats: AnswerStats = field(default_factory=AnswerStats)  # float64 answers used so far
     vectors: VectorAnswers | None = None  # the read-out of vector answers
+    overflowed: int = 0  # answers that came back non-finite where the caller allowed it (ask's ``overflow``)
 
     def __post_init__(self):
         if self.vectors is None:
@@ -141,7 +143,7 @@ class OracleBoundary:
         return max(self.vectors.unit, self.stats.unit_roundoff)
 
     def ask(self, sequences: Sequence[np.ndarray], description: str = "querying oracle",
-            whole: bool = False) -> np.ndarray:
+            whole: bool = False, overflow: bool = False) -> np.ndarray:
         """Answers for ``sequences`` (float64 arrays whose entries are exact in any precision): a
         list of (N_i, d) arrays, or any sequence of them (one (n, N, d) array; a source that builds
         new arrays on every access, ``fresh_on_access``, whose batches go to the oracle uncopied; one
@@ -161,6 +163,13 @@ class OracleBoundary:
         Vector answers (B, d_out) reach the schedules read out through ``vectors.readout``;
         ``whole=True`` returns them whole, float64 (B, d_out), when the oracle answers vectors (the
         value fit's queries, docs/algorithm.md §21).
+
+        ``overflow=True`` (float64 mode; queries whose tokens are large by design): an answer that
+        is not finite, in any of its numbers, is evidence that the layer's own dtype overflowed at
+        these tokens (a float16 layer's scores beyond 65504), not of a broken oracle. It comes back
+        as NaN (the whole vector) instead of raising OracleError, counted in ``queries`` and
+        ``overflowed``, left out of the answers' statistics, and not recorded in the transcript (a
+        resumed run asks it again, counted again); the caller lowers its tokens and asks again.
         """
         total = len(sequences)
         whole = {} if whole and not self.precision else None  # position -> whole vector answer
@@ -204,14 +213,15 @@ class OracleBoundary:
                             else [sequences[p] for p in positions])
                 chunk = (sequences.copies_rows(positions.start, positions.stop)
                          if as_rows and isinstance(positions, range) else take())
-                values = self._ask_batch(chunk, [first + p for p in positions], rebuild=take if fresh else None)
+                values = self._ask_batch(chunk, [first + p for p in positions], rebuild=take if fresh else None,
+                                         overflow=overflow and not self.precision)
                 if self.transcript is not None:
                     # What the learner uses is what reads back from the file: a resumed run sees
                     # exactly the values an uninterrupted one saw.
-                    values = self.transcript.record(first, positions, take() if fresh else chunk, values)
+                    values = self._record(first, positions, take() if fresh else chunk, values)
                 if np.ndim(values) == 2:  # vector answers: read out for the schedule
                     values = np.asarray(values, dtype=np.float64)
-                    self.stats.add_vectors(values)
+                    self.stats.add_vectors(values[np.isfinite(values).all(axis=1)])
                     if whole is not None:
                         whole.update(zip(positions, values))
                     values = self.vectors.scalars(values)
@@ -226,7 +236,7 @@ class OracleBoundary:
         if allowed < len(missing):
             raise self._over_budget(len(missing) - allowed, total - len(missing) + allowed)
         if not self.precision:
-            self.stats.add(exact)
+            self.stats.add(exact[np.isfinite(exact)])
             if whole is not None and len(whole) == total and total:
                 return np.stack([whole[position] for position in range(total)])
             return exact
@@ -250,6 +260,20 @@ class OracleBoundary:
         values = self._ask_batch(list(sequences), list(indices))
         return self.vectors.scalars(values) if np.ndim(values) == 2 and not whole else values
 
+    def _record(self, first: int, positions, sequences, values):
+        """Record the finite answers of one batch in the transcript; the answers as read back, with
+        the non-finite ones (``ask``'s ``overflow``) left NaN and unrecorded."""
+        finite = np.isfinite(np.asarray(values, dtype=np.float64))
+        finite = finite if finite.ndim == 1 else finite.all(axis=1)
+        if finite.all():
+            return self.transcript.record(first, positions, sequences, values)
+        kept = np.flatnonzero(finite)
+        read = np.array(values, dtype=np.float64)
+        if len(kept):
+            read[kept] = np.asarray(self.transcript.record(first, [positions[k] for k in kept],
+                                                           [sequences[k] for k in kept], read[kept]))
+        return read
+
     def _over_budget(self, needed: int, answered: int) -> BudgetExceeded:
         if self.transcript is not None:
             kept = (f"the {answered} answers so far are saved in the transcript {self.transcript.path!r}; "
@@ -262,10 +286,10 @@ class OracleBoundary:
             f"the run still needs {needed} more queries ({kept})", needed, answered,
         )
 
-    def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int], rebuild=None):
+    def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int], rebuild=None, overflow: bool = False):
         """Ask the oracle for one batch; ``indices`` are the run's query numbers (for messages).
         ``rebuild``: ``chunk`` is new float64 arrays no one else holds, handed over without a copy;
-        ``rebuild()`` builds them again for the messages."""
+        ``rebuild()`` builds them again for the messages. ``overflow``: :meth:`ask`'s."""
         if rebuild is not None:
             if isinstance(chunk, CopiesRows):
                 batch, longest = chunk, int(chunk.lengths().max(initial=0))
@@ -292,7 +316,11 @@ class OracleBoundary:
         if rebuild is None:
             longest = max(map(len, chunk))
         self.max_query_length = max(self.max_query_length, longest)
-        return self._validate(raw, chunk, indices, where)
+        values = self._validate(raw, chunk, indices, where, overflow)
+        if overflow:
+            finite = np.isfinite(np.asarray(values, dtype=np.float64))
+            self.overflowed += int((~(finite if finite.ndim == 1 else finite.all(axis=1))).sum())
+        return values
 
     def _to_oracle_tokens(self, sequence: np.ndarray):
         if self.precision is None:
@@ -300,20 +328,28 @@ class OracleBoundary:
         # float64 -> mpf is exact; the schedule's tokens are chosen to be exactly representable.
         return np.vectorize(mpmath.mpf, otypes=[object])(sequence)
 
-    def _validate(self, raw, chunk, indices, where: str):
+    def _validate(self, raw, chunk, indices, where: str, overflow: bool = False):
+        raw = plain_numbers(raw)
+        if isinstance(raw, (str, bytes, Mapping, AbstractSet)):  # iterable, but not answers in the batch's order
+            raise OracleError(
+                f"the oracle returned a {type(raw).__name__} for a batch of {len(chunk)} ({where}): {ANSWER_FORMS}",
+                indices[0], chunk[0])
         try:
             count = len(raw)
         except TypeError:
             raise OracleError(
                 f"the oracle must return one answer per sequence; got {type(raw).__name__} for a "
-                f"batch of {len(chunk)} ({where})", indices[0], chunk[0]
+                f"batch of {len(chunk)} ({where}): {ANSWER_FORMS}", indices[0], chunk[0]
             ) from None
         if count != len(chunk):
             raise OracleError(
                 f"the oracle returned {count} answers for a batch of {len(chunk)} sequences "
                 f"({where}); missing answers", indices[0], chunk[0]
             )
-        raw = plain_numbers(raw)
+        if np.ma.isMaskedArray(raw) and np.ma.getmaskarray(raw).any():
+            n = int(np.argwhere(np.ma.getmaskarray(raw))[0][0])
+            raise OracleError(f"answer to query {indices[n]} is masked (a numpy masked array with masked entries, "
+                              f"{where}): every answer is a number", indices[n], chunk[n])
         vector = self._vector_answers(raw, count, indices, chunk)
         if vector is not None:
             if self.precision:
@@ -321,7 +357,7 @@ class OracleBoundary:
                     f"the oracle answered vectors of {vector.shape[1]} numbers per query ({where}); in high "
                     f"precision (precision={self.precision}) answers are one mpmath.mpf per query: read out "
                     "one output (a scalar per sequence)", indices[0], chunk[0])
-            self._check_vectors(vector, indices, f"answered ({where})", chunk)
+            self._check_vectors(vector, indices, f"answered ({where})", chunk, overflow)
             return vector
         if self.vectors.d_out is not None and self.vectors.d_out > 1:
             raise OracleError(
@@ -332,43 +368,64 @@ class OracleBoundary:
                 values = raw.astype(np.float64)
                 if np.isfinite(values).all():  # the common case, checked as one array
                     return values
-            return [self._float_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
+            return [self._float_answer(value, indices[n], chunk[n], overflow) for n, value in enumerate(raw)]
         return [self._mpf_answer(value, indices[n], chunk[n]) for n, value in enumerate(raw)]
 
     @staticmethod
     def _vector_answers(raw, count: int, indices, chunk) -> np.ndarray | None:
-        """The answers as a float64 (count, d_out) array when the oracle answered vectors, else None."""
+        """The answers as a float64 (count, d_out) array when the oracle answered vectors, else None;
+        an OracleError for every other shape, naming what was wrong (:func:`_shape_hint`)."""
         if isinstance(raw, np.ndarray) and raw.dtype != object:
             if raw.ndim == 1:
                 return None
             if raw.ndim != 2 or raw.dtype.kind not in "fiu":
                 raise OracleError(
                     f"the oracle returned an array of shape {raw.shape} and dtype {raw.dtype} for a batch of "
-                    f"{count}: answers are one number per sequence (B,) or one vector per sequence (B, d_out)",
-                    indices[0], chunk[0])
+                    f"{count}: answers are one number per sequence (B,) or one vector per sequence (B, d_out)"
+                    f"{_shape_hint(raw.shape[1:], chunk)}", indices[0], chunk[0])
             return raw.astype(np.float64)
         rows = [plain_numbers(value) for value in raw]
-        shapes = {np.shape(row) for row in rows}
+        shapes = []
+        for n, row in enumerate(rows):
+            try:
+                shapes.append(np.shape(row))
+            except ValueError:  # nested sequences of unequal lengths
+                raise OracleError(f"answer to query {indices[n]} is ragged (nested sequences of unequal lengths): "
+                                  f"{_short(row)}; every answer is one number or a vector of d_out numbers",
+                                  indices[n], chunk[n]) from None
         if all(len(shape) == 0 for shape in shapes):
             return None
-        if len(shapes) > 1 or any(len(shape) != 1 for shape in shapes):
-            n = next(n for n, row in enumerate(rows) if np.shape(row) != np.shape(rows[0]))
+        deep = next((n for n, shape in enumerate(shapes) if len(shape) > 1), None)
+        if deep is not None:
             raise OracleError(
-                f"answer to query {indices[n]} has shape {np.shape(rows[n])} while answer {indices[0]} has "
-                f"shape {np.shape(rows[0])}: every answer is one number or a vector of the same d_out numbers",
+                f"answer to query {indices[deep]} has shape {shapes[deep]}: every answer is one number or a vector "
+                f"of d_out numbers{_shape_hint(shapes[deep], [chunk[deep]])}", indices[deep], chunk[deep])
+        if len(set(shapes)) > 1:
+            n = next(n for n, shape in enumerate(shapes) if shape != shapes[0])
+            raise OracleError(
+                f"answer to query {indices[n]} has shape {shapes[n]} while answer {indices[0]} has "
+                f"shape {shapes[0]}: every answer is one number or a vector of the same d_out numbers",
                 indices[n], chunk[n])
+        if any(np.asarray(row).dtype.kind == "b" for row in rows):
+            raise OracleError(f"the answers to queries {indices[0]}..{indices[-1]} are vectors of booleans: the "
+                              "oracle must return the real-valued attention output, not a decision",
+                              indices[0], chunk[0])
         try:
             return np.array(rows, dtype=np.float64)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise OracleError(f"the answers to queries {indices[0]}..{indices[-1]} are vectors that are not "
-                              f"numbers: {rows[0]!r}", indices[0], chunk[0]) from None
+                              f"float64 numbers: {_short(rows[0])}", indices[0], chunk[0]) from None
 
-    def _check_vectors(self, values: np.ndarray, indices, how: str, chunk=None) -> None:
-        """Vector answers: finite in every coordinate, of the run's d_out, no mix with scalar answers."""
+    def _check_vectors(self, values: np.ndarray, indices, how: str, chunk=None, overflow: bool = False) -> None:
+        """Vector answers: finite in every coordinate (``overflow``: a vector with a non-finite
+        number is set NaN whole, :meth:`ask`), of the run's d_out, no mix with scalar answers."""
         if values.shape[1] < 1:
-            raise OracleError(f"the oracle {how} vectors of 0 numbers", indices[0])
+            raise OracleError(f"the oracle {how} vectors of 0 numbers: every answer is one number or a vector of "
+                              "d_out >= 1 numbers", indices[0])
         bad = np.argwhere(~np.isfinite(values))
-        if len(bad):
+        if len(bad) and overflow:
+            values[np.unique(bad[:, 0])] = np.nan
+        elif len(bad):
             n, o = bad[0]
             raise OracleError(
                 f"answer to query {indices[n]}, output {o} of {values.shape[1]}, is {values[n, o]} "
@@ -376,7 +433,9 @@ class OracleBoundary:
         if self.vectors.d_out is not None and values.shape[1] != self.vectors.d_out:
             raise OracleError(
                 f"the oracle {how} vectors of {values.shape[1]} numbers after vectors of {self.vectors.d_out}: "
-                "an oracle answers the same d_out throughout", indices[0], None if chunk is None else chunk[0])
+                "an oracle answers the same d_out throughout"
+                f"{'' if chunk is None else _shape_hint(values.shape[1:], chunk)}",
+                indices[0], None if chunk is None else chunk[0])
         if self.vectors.d_out is None and self.stats.count and values.shape[1] > 1:
             raise OracleError(f"the oracle {how} vectors of {values.shape[1]} numbers after answering one "
                               "number per query; an oracle answers the same shape throughout", indices[0])
@@ -384,7 +443,7 @@ class OracleBoundary:
             self.vectors.start(values.shape[1])
 
     @staticmethod
-    def _float_answer(value, query: int, sequence) -> float:
+    def _float_answer(value, query: int, sequence, overflow: bool = False) -> float:
         value = plain_numbers(value)
         if isinstance(value, (bool, np.bool_)):
             raise OracleError(
@@ -392,12 +451,17 @@ class OracleBoundary:
                 "return the real-valued attention output (a float per sequence), not a decision", query, sequence)
         try:
             number = float(np.asarray(value).reshape(()))
+        except OverflowError:
+            raise OracleError(f"answer to query {query} (length {len(sequence)}) is beyond float64's range: "
+                              f"{_short(value)}", query, sequence) from None
         except (TypeError, ValueError):
             raise OracleError(
-                f"answer to query {query} (length {len(sequence)}) is not a scalar number: {value!r}",
+                f"answer to query {query} (length {len(sequence)}) is not a scalar number: {_short(value)}",
                 query, sequence,
             ) from None
         if not np.isfinite(number):
+            if overflow:
+                return np.nan
             raise OracleError(f"answer to query {query} (length {len(sequence)}) is {number}", query, sequence)
         return number
 
@@ -429,6 +493,28 @@ class OracleBoundary:
         # The ball says so, and everything computed from it inherits a certified radius.
         ball = mpf_to_arb(value)
         return arb(ball.mid(), abs(ball).upper() * arb(2) ** (1 - self.precision))
+
+
+#: What an oracle may return for a batch, said in the messages that refuse anything else.
+ANSWER_FORMS = ("return one answer per sequence, in the batch's order: a list, a numpy array or a torch tensor of "
+                "shape (B,) (one number per sequence) or (B, d_out) (a layer's whole output at the final token)")
+
+
+def _shape_hint(shape, sequences) -> str:
+    """What to try for an answer of ``shape`` (per sequence) whose first axis runs over the tokens of
+    ``sequences``: the outputs at every position, of which the model is the one at the final token."""
+    shape = tuple(shape)
+    if len(shape) in (1, 2) and len(sequences) and all(len(sequence) == shape[0] for sequence in sequences):
+        return (f"; each answer's first axis runs over its sequence's {shape[0]} tokens (the outputs at every "
+                "position?): return the output at the final token only: out[-1] per sequence, out[:, -1, :] for a "
+                "(B, N, d_out) batch")
+    return ""
+
+
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a message names what came back, not all of it)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def plain_numbers(value):

@@ -37,7 +37,8 @@ INSTALL_HINT = "pip install 'mhaextract[ray]'"
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 # The Ray connection a ParallelOracle opened (a local instance it started, or a cluster it connected
-# to) is closed when the last ParallelOracle using it closes; one the user opened is never closed here.
+# to) is closed when the last ParallelOracle using it closes (or is garbage-collected); one the user
+# opened is never closed here.
 _opened_here = {"users": 0}
 
 
@@ -303,8 +304,9 @@ class ParallelOracle:
         in :class:`~mhaextract.adapters.torch.TorchOracle`, a client of a remote API, ...
     workers : int >= 1, the number of Ray actors (each reserves ``threads_per_worker`` CPUs).
     address : None (default): the Ray instance this process is connected to, or else a new local
-        one of ``workers * threads_per_worker`` CPUs (shut down when the last ParallelOracle
-        using it closes). ``"auto"`` or ``"ray://host:10001"``: an existing cluster (``ray start``),
+        one of the machine's CPUs (at least ``workers * threads_per_worker``), shut down when the
+        last ParallelOracle using it closes or is garbage-collected (an oracle passed to ``extract``
+        outside a ``with`` block ends with it). ``"auto"`` or ``"ray://host:10001"``: an existing cluster (``ray start``),
         disconnected from when the last ParallelOracle using the connection closes. A process
         already connected to Ray uses that connection.
     threads_per_worker : int >= 1, CPUs each actor reserves and the size of its OpenMP, BLAS and
@@ -374,15 +376,18 @@ class ParallelOracle:
         self.failures: list[tuple[int, BaseException]] = []
         self._actors: list = []
         self._shared, self._local = SharedBlocks(), []
-        self._owns_instance = False
+        self._ownership = {"owns": False}  # this oracle counts among the users of a connection it opened
         ray = self._ray = import_ray()
+        # close() runs it; so does the garbage collector (or the interpreter's exit) for an oracle
+        # never closed: its workers stop and a Ray instance it started ends with its last user
+        self._release = weakref.finalize(self, _release, ray, self._actors, self._shared, self._ownership)
         self._connect(address)
         try:
             self._check_room()
             self._worker_class = ray.remote(num_cpus=self.threads_per_worker, num_gpus=self.gpus_per_worker)(
                 OracleWorker)
             try:
-                self._actors = [self._start_worker() for _ in range(self.workers)]
+                self._actors.extend(self._start_worker() for _ in range(self.workers))
             except (TypeError, ValueError) as error:  # serialising the factory
                 if "pickl" not in str(error).lower() and "serializ" not in str(error).lower():
                     raise
@@ -412,16 +417,17 @@ class ParallelOracle:
         options = dict(log_to_driver=False, logging_level="ERROR")
         if address is None:
             # The workers on this machine import what this process imports, from where it found it
-            # (mhaextract from a checkout as well as installed; the factory's own module).
-            ray.init(num_cpus=self.workers * self.threads_per_worker, include_dashboard=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": driver_path()}}, **options)
+            # (mhaextract from a checkout as well as installed; the factory's own module). The
+            # machine's CPUs: a later ParallelOracle of more workers, while this one is open, fits.
+            ray.init(num_cpus=max(self.workers * self.threads_per_worker, os.cpu_count() or 1),
+                     include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": driver_path()}}, **options)
         else:  # closing disconnects; the cluster goes on
             ray.init(address=address, **options)
         self._use_connection()
 
     def _use_connection(self) -> None:
         _opened_here["users"] += 1
-        self._owns_instance = True
+        self._ownership["owns"] = True
 
     def _check_room(self) -> None:
         """Refuse workers the Ray instance can never place (they would wait forever)."""
@@ -459,20 +465,9 @@ class ParallelOracle:
     def close(self) -> None:
         """Stop the workers; close the Ray connection this oracle opened (a local instance it
         started is shut down, a cluster disconnected from) once no other ParallelOracle uses it. A
-        Ray instance or connection the caller opened stays."""
-        ray = self._ray
-        for actor in self._actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # already gone with its Ray instance: nothing to stop
-                pass
-        self._actors = []
-        self._shared.close()
-        if self._owns_instance:
-            self._owns_instance = False
-            _opened_here["users"] -= 1
-            if _opened_here["users"] == 0 and ray.is_initialized():
-                ray.shutdown()
+        Ray instance or connection the caller opened stays. An oracle never closed is closed so
+        when it is garbage-collected."""
+        self._release()
 
     def __enter__(self) -> "ParallelOracle":
         return self
@@ -578,6 +573,23 @@ class ParallelOracle:
             if isinstance(cause, BaseException):
                 return cause
         return error
+
+
+def _release(ray, actors: list, shared: SharedBlocks, ownership: dict) -> None:
+    """:meth:`ParallelOracle.close`, on what the oracle holds (not on the oracle: the garbage
+    collector runs it for an oracle never closed)."""
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone with its Ray instance: nothing to stop
+            pass
+    actors.clear()
+    shared.close()
+    if ownership["owns"]:
+        ownership["owns"] = False
+        _opened_here["users"] -= 1
+        if _opened_here["users"] == 0 and ray.is_initialized():
+            ray.shutdown()
 
 
 def _describe(error: BaseException) -> str:

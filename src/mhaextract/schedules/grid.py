@@ -256,6 +256,7 @@ class GridSchedule(Schedule):
         answers (``label_noise`` above that unit) widen the unit to the noise."""
         policy = CheckPolicy.for_precision(self.settings.precision)
         diag, H_star = outcome.details.instances, outcome.heads
+        self.heads_shown = H_star  # the evidence the hints speak from
         # Declared heads=H: fewer canonical heads is a failure (max_heads accepts fewer, down to none).
         checks = [] if self.settings.heads is None else [
             heads_found_check(H_star, self.settings.heads, "by the majority pole count of row 0")]
@@ -297,11 +298,16 @@ class GridSchedule(Schedule):
         return checks + list(outcome.checks)
 
     def hints(self, failed: set[str]) -> list[str]:
-        if failed & {"matching", "poles_real_positive", "labels_consistent", "answers_residual"}:
-            return [f"If the oracle is multi-head attention, heads/max_heads = {self.max_heads} may be smaller than "
-                    "its canonical head count, the precision too low for it, or token_scale unsuited to its W "
-                    "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale)."]
-        return []
+        if not failed & {"matching", "poles_real_positive", "labels_consistent", "answers_residual"}:
+            return []
+        shown = getattr(self, "heads_shown", None)
+        if shown is not None and shown < self.max_heads:  # the majority pole count is below the declared one
+            return [f"The instances show {shown} heads, fewer than heads/max_heads = {self.max_heads}: if the layer "
+                    f"has {shown}, too many heads were declared (declare heads={shown}); a count below the layer's "
+                    "means heads that merge at this precision (precision=BITS resolves closer heads)."]
+        return [f"If the oracle is multi-head attention, heads/max_heads = {self.max_heads} may be smaller than "
+                "its canonical head count, the precision too low for it, or token_scale unsuited to its W "
+                "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale)."]
 
 
 def _concatenate(parts, indices, n) -> InstanceFits:
