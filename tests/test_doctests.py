@@ -25,7 +25,8 @@ MODULES = [
     "mhaextract.rotary.neutral",
     "mhaextract.rotary.structure",
 ]
-TORCH_MODULES = ["mhaextract.adapters.torch", "mhaextract.adapters.rotary"]
+TORCH_MODULES = ["mhaextract.adapters.torch", "mhaextract.adapters.export", "mhaextract.adapters.attention",
+                 "mhaextract.adapters.rotary"]
 TORCH_PUBLIC = ["TorchOracle", "to_reduced", "to_torch", "to_state_dict", "suggested_token_scale", "ReducedAttention",
                 "ExtractedAttention", "head_factors", "numerical_rank", "UnsupportedLayerError"]
 ROTARY_PUBLIC = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]
