@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import (  # noqa: E402
-    RoundedExportWarning, UnsupportedLayerError, to_reduced, to_state_dict, to_torch,
+    RoundedExportWarning, TorchOracle, UnsupportedLayerError, to_reduced, to_state_dict, to_torch,
 )
 from test_real_layers import build  # noqa: E402
 from test_replacement_layers import outputs  # noqa: E402
@@ -153,3 +153,33 @@ def test_the_sizes_must_match():
         to_state_dict(to_reduced(layer), like=wide)
     with pytest.raises(TypeError, match="take a model"):
         to_state_dict(np.zeros(3), like=layer)
+
+
+@pytest.mark.slow  # 6 s
+def test_a_bfloat16_gpt2_result_goes_into_its_class_no_further_from_the_exact_layer_than_itself():
+    """Issue 61, acceptance 5: a bfloat16 GPT-2 layer (d = 16, two heads of width 8) extracted with
+    the defaults has heads of numerical rank 16 (its error has no gap); its result goes into a fresh
+    float64 GPT2Attention cut to width 8 within its error estimate, with a warning carrying the
+    measured error, and the loaded layer is at least as close to the exact layer (its own bfloat16
+    weights in float64) as the bfloat16 layer is, at every position of fresh sequences of 1..64 tokens."""
+    d, H = 16, 2
+    layer = build("GPT2Attention", d, H, seed=5, implementation="sdpa").to(torch.bfloat16).eval()
+    exact = build("GPT2Attention", d, H, seed=5, implementation="sdpa").eval()
+    exact.load_state_dict({key: value.double() for key, value in layer.state_dict().items()})
+    result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, progress=False)
+    assert result.ok and result.answer_dtype == "bfloat16"
+    fresh = build("GPT2Attention", d, H, seed=11, implementation="sdpa").eval()
+    with pytest.raises(UnsupportedLayerError, match="rank 16 > the head width 8.*tolerance="):
+        to_state_dict(result.model, like=fresh)  # a bare model: no error estimate to round within
+    with pytest.warns(RoundedExportWarning, match="in outputs") as caught:
+        state = to_state_dict(result, like=fresh)
+    assert caught[0].message.report.rounded and state.report.output_error < result.error_estimate
+    fresh.load_state_dict(state)
+    rng = np.random.default_rng(9)
+    own = mine = 0.0
+    for n in rng.integers(1, 65, size=60):
+        X = torch.as_tensor(rng.standard_normal((1, int(n), d)))
+        truth = outputs(exact, X)
+        own = max(own, float((outputs(layer, X.to(torch.bfloat16)).double() - truth).abs().max()))
+        mine = max(mine, float((outputs(fresh, X) - truth).abs().max()))
+    assert mine <= own, (mine, own)

@@ -43,6 +43,11 @@ ADAPTERS = {
 #: singular values fall far more gently).
 RANK_GAP = 1e3
 
+#: A relative misfit this small is the float64 arithmetic's (or a float64 extraction's): recorded in
+#: the report, not warned about (frequencies, shared keys and dropped biases have no singular values
+#: to show a gap).
+ARITHMETIC = 1e-9
+
 #: What to try when a class's heads are too narrow for a factor.
 CLASS_REMEDY = ("export into a class whose heads are at least {rank} wide, or use to_torch(result) (every head at "
                 "its own rank)")
@@ -112,7 +117,8 @@ class ExportReport:
         value dropped over the largest (a rank cut) or the dropped entries' largest over their
         weight's (a bias); zero cuts are not listed.
     beyond_gap : the cuts larger than the numerical gap allows (those that warn).
-    parameter_error : ``compare(exported, model).max_rel`` of the exported layer read back.
+    parameter_error : the larger of ``W_rel`` and ``v_rel`` of ``compare(exported, model)``, the
+        exported layer read back (score and value matrices; the biases show in ``output_error``).
     output_error : max over fresh sequences (unit-variance tokens, seeded) of the largest output
         difference at the final token, over the largest output.
     """
@@ -176,7 +182,8 @@ def factor_at_width(matrix: np.ndarray, width: int, tolerance: float, what: str,
         raise UnsupportedLayerError(
             f"{what} has rank {rank} > the head width {width} of {target} (singular value {width + 1} is "
             f"{size:.1e} of the largest, above the tolerance {tolerance:.1e}): {remedy.format(rank=rank)}; "
-            f"rounding to width {width} adds about {size:.1e} relative error: pass tolerance={size:.1e} to accept it")
+            f"rounding to width {width} adds about {size:.1e} relative error: pass tolerance={size:.1e} (or the "
+            "extraction's result, whose error estimate is the default tolerance) to accept it")
     report.cut(what, size, beyond_gap=not within_gap)
     root = np.sqrt(S[:keep])
     left, right = np.zeros((matrix.shape[0], width)), np.zeros((width, matrix.shape[1]))
@@ -187,14 +194,15 @@ def factor_at_width(matrix: np.ndarray, width: int, tolerance: float, what: str,
 def dropped(values: np.ndarray, reference: np.ndarray, tolerance: float, what: str, target: str,
             report: ExportReport) -> None:
     """A part of the model the class has no parameter for (a bias it was built without): refused
-    unless its largest entry over ``reference``'s largest is within ``tolerance``, else recorded."""
+    unless its largest entry over ``reference``'s largest is within ``tolerance`` (or the float64
+    arithmetic's :data:`ARITHMETIC`), else recorded."""
     size = float(np.abs(values).max(initial=0.0)) / max(float(np.abs(reference).max(initial=0.0)), 1e-300)
-    if size > tolerance:
+    if size > max(tolerance, ARITHMETIC):
         raise UnsupportedLayerError(
             f"{target} has no parameter for {what} (built without biases?) and the model needs it "
             f"({size:.1e} of its weights, above the tolerance {tolerance:.1e}): build the class with biases "
             f"(bias=True, attention_bias=True, ...), or pass tolerance={size:.1e} to drop it")
-    report.cut(what, size, beyond_gap=size > 0)
+    report.cut(what, size, beyond_gap=size > ARITHMETIC)
 
 
 def measure_export(report: ExportReport, exported, model, longest: int = 32, count: int = 32) -> ExportReport:
@@ -210,7 +218,8 @@ def measure_export(report: ExportReport, exported, model, longest: int = 32, cou
     sequences.append(rng.standard_normal((longest, model.d)))
     expected, got = model(sequences), exported(sequences)
     output_error = float(np.abs(got - expected).max()) / max(float(np.abs(expected).max()), 1e-300)
-    return report.measured(float(compare(exported, model).max_rel), output_error)
+    comparison = compare(exported, model)  # biases near zero have no relative error: the outputs show theirs
+    return report.measured(max(float(comparison.W_rel), float(comparison.v_rel)), output_error)
 
 
 def _model_of(model_or_result, tolerance):
