@@ -168,6 +168,7 @@ def test_a_bfloat16_gpt2_result_goes_into_its_class_no_further_from_the_exact_la
     exact.load_state_dict({key: value.double() for key, value in layer.state_dict().items()})
     result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, progress=False)
     assert result.ok and result.answer_dtype == "bfloat16"
+    assert result.causal.verdict == "causal"  # the sdpa path masks the future: recorded from its bfloat16 outputs
     fresh = build("GPT2Attention", d, H, seed=11, implementation="sdpa").eval()
     with pytest.raises(UnsupportedLayerError, match="rank 16 > the head width 8.*tolerance="):
         to_state_dict(result.model, like=fresh)  # a bare model: no error estimate to round within

@@ -109,7 +109,7 @@ def test_an_extracted_grouped_llama_layer_loads_into_a_fresh_class():
     layer = attention("llama", seed=0, d=16, H=2, H_kv=1, r=8)
     result = mx.extract(TorchOracle(RotaryLayer(layer, angles="float64")), d=16, heads=2, positions="rotary",
                         seed=0, progress=False)
-    assert result.ok
+    assert result.ok and result.causal.verdict == "causal" and result.causal.all_tokens_error is None
     fresh = attention("llama", seed=9, d=16, H=2, H_kv=1, r=8)
     state = to_state_dict(result, like=fresh)
     fresh.load_state_dict(state)

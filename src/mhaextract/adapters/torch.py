@@ -32,6 +32,7 @@ width, ``W_h = K_h^T Q_h`` and ``V_h = O_h P_h``, causal or not as the run's cau
 
 from __future__ import annotations
 
+import collections
 import copy
 from dataclasses import dataclass
 
@@ -208,6 +209,10 @@ def suggested_token_scale(module, readout=None) -> float:
     return to_reduced(module, readout).suggested_token_scale()
 
 
+#: Sequences whose outputs at every position TorchOracle keeps for the causal record.
+EVIDENCE_SEQUENCES = 8
+
+
 def _floating_dtype(module) -> torch.dtype:
     for tensor in list(module.parameters()) + list(module.buffers()) if isinstance(module, nn.Module) else []:
         if tensor.is_floating_point():
@@ -286,6 +291,7 @@ class TorchOracle:
         self.calls = 0
         self.sequences = 0
         self._original = module
+        self._evidence = collections.deque(maxlen=EVIDENCE_SEQUENCES)
 
     @property
     def reduced(self) -> MultiHeadAttention:
@@ -307,13 +313,15 @@ class TorchOracle:
         with torch.inference_mode():
             for index, build in groups:
                 X = build()
-                last = self._last_position(X)
+                every = self._every_position(X)
+                last = every[:, -1]
                 if self.readout is not None and last.shape != (len(index), len(self.readout)):
                     raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}, "
                                      f"expected (B, {len(self.readout)}) for a readout of length {len(self.readout)}")
                 if last.dim() != 2:
                     raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}; "
                                      "expected (B, d_out)")
+                self._keep_evidence(X, every)
                 answers = last.to(torch.float64).cpu().numpy()  # exact: every float dtype widens
                 if self.readout is None:
                     self.d_out = answers.shape[1]
@@ -376,8 +384,25 @@ class TorchOracle:
             groups.append((index, build))
         return groups, len(rows)
 
-    def _last_position(self, X: torch.Tensor) -> torch.Tensor:
-        """The module's output at the last position for a batch (B, N, d) -> (B, d_out)."""
+    @property
+    def position_evidence(self) -> list:
+        """The module's outputs at every position of a few of the last sequences it answered (at least
+        three tokens, the first two different: not the copies-instances' repeated tokens), as pairs
+        ``(X (N, d), outputs (N, d_out))`` (``(N,)`` read out), float64: what ``extract`` judges the
+        layer's causality from (:mod:`mhaextract.checks.causality`), without a query more."""
+        return list(self._evidence)
+
+    def _keep_evidence(self, X: torch.Tensor, every: torch.Tensor) -> None:
+        """The group's last sequence, if it can tell a causal layer from a bidirectional one."""
+        if X.shape[1] < 3 or torch.equal(X[-1, 0], X[-1, 1]):
+            return
+        outputs = every[-1].to(torch.float64).cpu().numpy()
+        if self.readout is not None:
+            outputs = read_out(outputs, self.readout, self._single)
+        self._evidence.append((X[-1].to(torch.float64).cpu().numpy(), outputs))
+
+    def _every_position(self, X: torch.Tensor) -> torch.Tensor:
+        """The module's outputs at every position for a batch (B, N, d) -> (B, N, d_out)."""
         try:
             return self._call_module(X)
         except (RuntimeError, TypeError, IndexError) as error:
@@ -393,14 +418,14 @@ class TorchOracle:
             if not self.module.batch_first:
                 X = X.transpose(0, 1)  # (N, B, d)
             output = self.module(X, X, X, need_weights=False)[0]
-            return output[:, -1] if self.module.batch_first else output[-1]
+            return output if self.module.batch_first else output.transpose(0, 1)
         output = self.module(X)
         if isinstance(output, (tuple, list)):
             output = output[0]
         if not isinstance(output, torch.Tensor) or output.dim() != 3:
             shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
             raise ValueError(f"the module must map (B, N, d) to (B, N, d_out); it returned {shape}")
-        return output[:, -1]
+        return output
 
 
 class ReducedAttention(nn.Module):
