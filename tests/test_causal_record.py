@@ -70,8 +70,13 @@ def test_gpt2_standalone_is_recorded_as_its_path_computes(implementation, verdic
 def test_a_read_out_run_is_recorded_too():
     d, H = 8, 2
     layer = CausalSelfAttention(torch.nn.MultiheadAttention(d, H, batch_first=True, dtype=torch.float64).eval())
-    result = extracted(layer, d, H, readout=np.linspace(-1, 1, d))
+    readout = np.linspace(-1, 1, d)
+    result = extracted(layer, d, H, readout=readout)
     assert result.causal.verdict == "causal" and result.causal.prefix_error <= 1e-12
+    X = torch.as_tensor(np.random.default_rng(2).standard_normal((1, 20, d)))
+    expected = outputs(layer, X) @ torch.as_tensor(readout)
+    with torch.no_grad():
+        assert float((to_torch(result)(X)[..., 0] - expected).abs().max() / expected.abs().max()) <= 1e-12
 
 
 def test_without_evidence_there_is_no_record_and_the_default_is_the_final_token_function():

@@ -148,7 +148,7 @@ def test_biases_the_class_lacks_are_refused_unless_the_model_has_none():
 
 def test_the_sizes_must_match():
     layer = build("nn.MultiheadAttention", 8, 2, seed=0).eval()
-    wide = build("GPT2Attention", 12, 2, seed=0, implementation="sdpa").eval()
+    wide = build("nn.MultiheadAttention", 12, 2, seed=0).eval()
     with pytest.raises(UnsupportedLayerError, match="d = 12"):
         to_state_dict(to_reduced(layer), like=wide)
     with pytest.raises(TypeError, match="take a model"):

@@ -36,7 +36,9 @@ def layer(model: MultiHeadAttention, causal: bool | None, width: int | None, dty
         return ReducedAttention(model)
     factors = head_factors(model, width, tolerance)
     module = ExtractedAttention(factors, causal, torch.float64 if dtype is None else dtype)
-    module.export_report = measure_export(factors.report, factors.model(), model)
+    exported = factors.model()  # a scalar model's factors have one output row: read it out
+    module.export_report = measure_export(factors.report, exported if model.is_vector else exported.readout(np.ones(1)),
+                                          model)
     return module
 
 

@@ -250,6 +250,8 @@ class TorchOracle:
         answers (reported as ``Extraction.answer_dtype``; a float32 layer cannot be extracted to
         float64 accuracy). Answers cross as float64, converted exactly.
     calls, sequences : forward passes run and sequences answered.
+    position_evidence : the module's outputs at every position of a few answered sequences, which
+        ``extract`` judges the layer's causality from (``result.causal``).
 
     Sequences of equal length are stacked into one forward pass, in the module's dtype, on its
     device. The targeted schedules' copies-instances cross as two rows a query, ``(x, z)`` (the
@@ -540,8 +542,9 @@ class ExtractedAttention(nn.Module):
     Head h scores key j from position i as ``(Q_h x_i + b_h)^T (K_h x_j)`` and adds ``O_h P_h`` times
     the attention-weighted mean of the tokens; ``causal=True`` lets position i see tokens j <= i
     (a decoder's layer: the output at i is the final-token model on the prefix), ``causal=False``
-    all tokens (an encoder's). The final-token answers an oracle gives cannot tell the two apart:
-    say which the original layer is. Parameters (float64 by default): Q, K, P (H, r, d), b (H, r),
+    all tokens (an encoder's). The final-token answers an oracle gives cannot tell the two apart;
+    the layer's outputs at earlier positions can (``result.causal``, which ``to_torch(result)``
+    follows). Parameters (float64 by default): Q, K, P (H, r, d), b (H, r),
     O (H, d_out, r), c (d_out,).
 
     Examples
