@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import mhaextract as mx  # noqa: E402
-from mhaextract.adapters.torch import CausalityWarning, TorchOracle, to_torch  # noqa: E402
+from mhaextract.adapters.torch import CausalityWarning, TorchOracle, to_state_dict, to_torch  # noqa: E402
 from mhaextract.adapters.torch import ExtractedAttention, ReducedAttention  # noqa: E402
 from test_real_layers import build  # noqa: E402
 from test_replacement_layers import outputs, worst_relative_error  # noqa: E402
@@ -65,6 +65,13 @@ def test_gpt2_standalone_is_recorded_as_its_path_computes(implementation, verdic
     result = extracted(layer, d, H)
     assert result.causal.verdict == verdict
     assert worst_relative_error(to_torch(result), layer, d) <= 1e-12
+    fresh = build("GPT2Attention", d, H, seed=2, implementation=implementation).eval()
+    assert fresh.is_causal  # inside GPT2Model: causal on both paths
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.load_state_dict(to_state_dict(result, like=fresh))
+    told = [w for w in caught if issubclass(w.category, CausalityWarning)]
+    assert len(told) == (verdict == "bidirectional")  # the stolen layer attended to every token
 
 
 def test_a_read_out_run_is_recorded_too():

@@ -297,7 +297,9 @@ def to_state_dict(model, like, tolerance: float | None = None) -> StateDict:
     ``like``, for its ``load_state_dict``: the class and configuration to put the stolen layer back
     into, its weights only overwritten. Every mismatch the class cannot carry (head count, a head's
     scores or values of rank above its head width, a bias it lacks, d, d_out, frequencies, grouped
-    heads) is refused with :class:`UnsupportedLayerError` naming it and what to try; a cut within
+    heads) is refused with :class:`UnsupportedLayerError` naming it and what to try (a result
+    recorded causal put into a class whose ``is_causal`` says otherwise, or the reverse, warns:
+    :class:`CausalityWarning`); a cut within
     the numerical gap or ``tolerance`` (default: a result's error estimate, else 0) is made and
     measured (``state.report``, an :class:`ExportReport`; beyond the gap it also warns).
 
@@ -317,5 +319,10 @@ def to_state_dict(model, like, tolerance: float | None = None) -> StateDict:
     >>> bool(torch.allclose(fresh(X, X, X)[0], layer(X, X, X)[0], atol=1e-12)), state.report.output_error < 1e-14
     (True, True)
     """
-    model, tolerance, _ = _model_of(model, tolerance)
+    model, tolerance, record = _model_of(model, tolerance)
+    found, attends = getattr(record, "causal", None), getattr(like, "is_causal", None)
+    if found is not None and isinstance(attends, bool) and attends != found:
+        warnings.warn(f"the run recorded the layer as {record.verdict} ({record}); {type(like).__name__} has "
+                      f"is_causal={attends}: inside its model it attends {'causally' if attends else 'to every token'}",
+                      CausalityWarning, stacklevel=2)
     return _adapter(model, "state_dict")(model, like, tolerance)
