@@ -451,13 +451,6 @@ def test_a_float32_layer_of_four_grouped_heads_is_extracted_within_its_precision
     assert fresh_error(result, truth) <= 1e-5
 
 
-def test_to_torch_names_the_rotary_export():
-    from mhaextract.adapters.torch import to_torch
-
-    with pytest.raises(TypeError, match="to_torch_rotary"):
-        to_torch(mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0), causal=True)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_answers_coarser_than_float32_are_refused_before_the_instances(dtype):
     """At 8 or 11 bits the instances give no start: the run says so, naming the precision and what

@@ -19,6 +19,7 @@ import numpy as np
 
 from .calibration import calibrate, probe_queries
 from .checks.base import report_failure
+from .checks.causality import records_causality
 from .checks.diagnosis import KERNEL_ERRORS, failure_hints, kernel_failure
 from .checks.model_class import probe_model_class
 from .checks.noise_probe import probe_misfit
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 
 @one_bar_per_run
+@records_causality
 def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
             bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,

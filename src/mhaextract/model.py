@@ -298,6 +298,29 @@ class MultiHeadAttention:
         r = r.astype(np.float64)
         return MultiHeadAttention(self.W, np.einsum("hod,o->hd", self.V, r), self.u, float(np.ravel(self.c) @ r))
 
+    def at_position(self, X, i: int, causal: bool) -> np.ndarray:
+        """The output at position ``i`` (from 0) of sequence X of a layer whose final-token function is
+        this model, in float64: ``causal=True`` (a decoder's) the model on the prefix ``x_0..x_i``;
+        ``causal=False`` (an encoder's) ``x_i`` the query token and every token a key, which,
+        attention without positions not seeing the keys' order, is the model of X with ``x_i`` moved
+        last. (The causal record compares a layer's own outputs at earlier positions with both,
+        docs/algorithm.md, "The whole layer: vector outputs and a replacement module".)
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mhaextract as mx
+        >>> model = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
+        >>> X = np.random.default_rng(1).normal(size=(5, 3))
+        >>> bool(np.isclose(model.at_position(X, 4, causal=False), model([X])[0]))  # the final position
+        True
+        >>> bool(np.isclose(model.at_position(X, 1, causal=True), model([X[:2]])[0]))
+        True
+        """
+        X = np.asarray(X, dtype=np.float64)
+        sequence = X[:i + 1] if causal else np.concatenate([np.delete(X, i, axis=0), X[i:i + 1]])
+        return np.asarray(self.to_float64()([sequence]))[0]
+
     # ------------------------------------------------------------------ evaluation
     def __call__(self, batch, precision: int | None = None, dtype=np.float64):
         """Outputs f(X) for a batch of sequences.

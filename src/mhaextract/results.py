@@ -126,6 +126,9 @@ class Extraction(CheckedResult):
         None where no vector model could be fitted (a failed check says why).
     value_fit : :class:`~mhaextract.outputs.ValueFit` or None
         For vector answers: the fit of ``V_h`` and ``c``, its queries, residual and estimate.
+    causal : :class:`~mhaextract.checks.causality.CausalRecord` or None
+        Whether the layer is causal, judged from its outputs at earlier positions of queries the
+        run asked, for an oracle that shows them (``TorchOracle``); ``to_torch(result)`` follows it.
 
 
     Schedule-specific parts are None where the run has none, never an error: ``certificate`` and its
@@ -201,6 +204,7 @@ class Extraction(CheckedResult):
     readout: np.ndarray | None = None
     scalar_model: MultiHeadAttention | None = None
     value_fit: object = None
+    causal: object = None
 
     @property
     def d_out(self) -> int | None:
@@ -287,6 +291,7 @@ class Extraction(CheckedResult):
             "verification": None if self.verification is None else str(self.verification),
             "verification_queries": self.verification_queries, "verification_length": self.verification_length,
             "model_class_queries": self.model_class_queries,
+            "causal": None if self.causal is None else self.causal.verdict,
             **self.details.summary(),
         }
 

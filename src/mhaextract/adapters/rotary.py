@@ -45,8 +45,12 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("mhaextract.adapters.rotary needs PyTorch: pip install 'mhaextract[torch]'") from error
 
+from scipy.optimize import linear_sum_assignment
+
 from ..rotary.model import RotaryAttention
-from .torch import UnsupportedLayerError
+from .export import (
+    ARITHMETIC, ExportReport, StateDict, UnsupportedLayerError, dropped, factor_at_width, measure_export,
+)
 
 __all__ = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]
 
@@ -424,3 +428,145 @@ def to_torch_rotary(model: RotaryAttention, causal: bool = True, dtype=torch.flo
     True
     """
     return ExtractedRotaryAttention(model, causal, dtype)
+
+
+# -- back into the layer's own class ---------------------------------------------------------------
+
+
+def layer(model: RotaryAttention, causal: bool | None, width: int | None, dtype, tolerance: float):
+    """The adapter :func:`~mhaextract.adapters.export.to_torch` dispatches to for a rotary model:
+    :class:`ExtractedRotaryAttention`, causal unless ``causal=False`` (every supported rotary family
+    is a decoder's; a result's causal record decides where there is one)."""
+    if width is not None and width != model.head_width:
+        raise ValueError(f"width={width}: a rotary model's heads keep their width {model.head_width} (each rotary "
+                         "block pairs two rows of it); pass width=None")
+    return ExtractedRotaryAttention(model, True if causal is None else causal, torch.float64 if dtype is None else dtype)
+
+
+def _shared_gauge(head: np.ndarray, reference: np.ndarray) -> tuple[np.ndarray, float]:
+    """Per block m, the scaled rotation ``G_m = [[a, -b], [b, a]]`` (it commutes with every R) with
+    ``head[m] ~= G_m reference[m]`` for (r, d + 1) rows ``[K | k]``, by least squares; and the
+    misfit relative to ``head``'s largest row norm. Shape (r/2, 2, 2)."""
+    blocks = head.reshape(-1, 2, head.shape[-1])
+    basis = reference.reshape(-1, 2, head.shape[-1])
+    gauges = np.zeros((len(blocks), 2, 2))
+    misfit = 0.0
+    for m, (target, rows) in enumerate(zip(blocks, basis)):
+        columns = np.stack([rows.reshape(-1), np.concatenate([-rows[1], rows[0]])], axis=1)  # a, b
+        (a, b), *_ = np.linalg.lstsq(columns, target.reshape(-1), rcond=None)
+        gauges[m] = [[a, -b], [b, a]]
+        misfit = max(misfit, float(np.abs(columns @ [a, b] - target.reshape(-1)).max()))
+    return gauges, misfit / max(float(np.abs(head).max()), 1e-300)
+
+
+def _placed_blocks(model: RotaryAttention, inv_freq: np.ndarray, tolerance: float, family: str, report) -> list:
+    """Each head's rows permuted so that its block m turns at the class's frequency ``inv_freq[m]``
+    (blocks assigned by their frequencies): ``(query [Q | b], key [K | k])`` of (r, d + 1) each."""
+    r = 2 * len(inv_freq)
+    placed = []
+    for h in range(model.heads):
+        if model.head_width > r:
+            raise UnsupportedLayerError(f"head {h} has {model.head_width // 2} rotary blocks; {family}'s heads have {r // 2} "
+                          f"(head_dim {r}): build the class with head_dim >= {model.head_width}")
+        cost = np.abs(model.theta[h][:, None] - inv_freq[None, :])
+        rows, columns = linear_sum_assignment(cost)
+        off = float(cost[rows, columns].max(initial=0.0))
+        if off > max(tolerance, 1e-12):
+            raise UnsupportedLayerError(f"head {h}'s blocks turn at frequencies {off:.1e} radians per position from {family}'s "
+                          f"(rope_theta, head_dim and rope_scaling fix them): build the class with the model's "
+                          f"frequencies, or pass tolerance={off:.1e} to round them")
+        report.cut(f"head {h}'s frequencies", off, beyond_gap=off > ARITHMETIC)
+        query = np.zeros((r, model.d + 1))
+        key = np.zeros((r, model.d + 1))
+        for m, k in zip(rows, columns):
+            query[2 * k:2 * k + 2] = np.column_stack([model.Q[h, 2 * m:2 * m + 2], model.b[h, 2 * m:2 * m + 2]])
+            key[2 * k:2 * k + 2] = np.column_stack([model.K[h, 2 * m:2 * m + 2],
+                                                    model.key_bias_or_zero[h, 2 * m:2 * m + 2]])
+        placed.append((query, key))
+    return placed
+
+
+def _groups(placed: list, H: int, H_kv: int, tolerance: float, family: str, report) -> list[list[int]]:
+    """Heads sharing their keys up to a per-block scaled rotation, at most ``H / H_kv`` to a group and
+    at most ``H_kv`` groups (grouped-query attention's key/value heads); refused otherwise."""
+    per_group = H // H_kv
+    groups: list[list[int]] = []
+    for h, (_, key) in enumerate(placed):
+        for group in groups:
+            _, misfit = _shared_gauge(key, placed[group[0]][1])
+            if len(group) < per_group and misfit <= max(tolerance, 1e-12):
+                report.cut(f"head {h}'s keys shared with head {group[0]}'s", misfit, beyond_gap=misfit > ARITHMETIC)
+                group.append(h)
+                break
+        else:
+            if len(groups) == H_kv:
+                raise UnsupportedLayerError(f"the model's heads need more than {family}'s {H_kv} key/value heads of {per_group} "
+                              f"query heads each (head {h} shares its keys with no group that has room): build the "
+                              f"class with more num_key_value_heads (or num_attention_heads)")
+            groups.append([h])
+    return groups
+
+
+def state_dict(model: RotaryAttention, like, tolerance: float):
+    """A rotary model in the layout of ``like`` (``LlamaAttention``, ``MistralAttention``,
+    ``Qwen2Attention``), the inverse of :func:`to_rotary`: each head's blocks placed at the class's
+    frequencies, heads grouped onto the key/value heads (a group's keys one ``[K | k]`` up to a
+    per-block scaled rotation G, absorbed as ``G^T`` into its queries: ``(G K x + G k)^T R q =
+    (K x + k)^T R G^T q``), a group's values ``[V_h; ...] = [Wo_h; ...] Wv_g`` factored at the head
+    width, and ``c`` carried by the output bias, else the value bias, else refused. Measured by
+    reading the loaded copy back with :func:`to_rotary`."""
+    if not isinstance(model, RotaryAttention):
+        raise TypeError(f"expected a RotaryAttention, got {type(model).__name__}")
+    family = _family(like)
+    report = ExportReport(family, tolerance)
+    inv_freq, attention_scaling = _frequencies(_default_rotary_embedding(like, family))
+    config = like.config
+    H, H_kv, r = int(config.num_attention_heads), int(config.num_key_value_heads), int(like.head_dim)
+    d, d_out = like.q_proj.in_features, like.o_proj.out_features
+    if not model.is_vector or model.d != d or model.d_out != d_out:
+        raise UnsupportedLayerError(f"{family} maps d = {d} to d_out = {d_out}; the model has d = {model.d}, d_out = "
+                      f"{model.d_out if model.is_vector else 'scalar'} (a read-out's model is one number per "
+                      "sequence: extract with TorchOracle(RotaryLayer(layer)))")
+    if model.window != _layer_window(like, None):
+        raise UnsupportedLayerError(f"the model attends a window of {model.window} tokens, {family} (layer {like.layer_idx}) "
+                      f"{_layer_window(like, None)}: set its config's sliding_window to the model's")
+    model = model.to_float64().canonical()
+    if model.heads > H:
+        raise UnsupportedLayerError(f"the model has {model.heads} canonical heads; {family} holds {H}: build it with at least "
+                      f"{model.heads} num_attention_heads")
+    placed = _placed_blocks(model, inv_freq, tolerance, family, report)
+    groups = _groups(placed, H, H_kv, tolerance, family, report)
+    score_scale = float(like.scaling) * attention_scaling ** 2
+    pairs = np.stack([np.arange(r // 2), np.arange(r // 2) + r // 2], axis=1).reshape(-1)  # as in to_rotary
+    query, key = np.zeros((H, r, d + 1)), np.zeros((H_kv, r, d + 1))
+    Wv, Wo = np.zeros((H_kv, r, d)), np.zeros((H, d_out, r))
+    for g, members in enumerate(groups):
+        key[g, pairs] = placed[members[0]][1]
+        values = np.vstack([model.V[h] for h in members])
+        outputs, Wv[g] = factor_at_width(values, r, tolerance, f"the values of heads {members}", family, report,
+                                         "build the class with head_dim >= {rank} or more key/value heads")
+        for n, h in enumerate(members):
+            gauges, _ = _shared_gauge(placed[h][1], placed[members[0]][1])
+            turned = np.einsum("mba,mbe->mae", gauges, placed[h][0].reshape(-1, 2, d + 1)).reshape(r, d + 1)
+            slot = g * (H // H_kv) + n
+            query[slot, pairs] = turned / score_scale
+            Wo[slot] = outputs[n * d_out:(n + 1) * d_out]
+    c = np.reshape(model.c, -1)
+    weights = {"q_proj.weight": query[..., :d].reshape(H * r, d), "k_proj.weight": key[..., :d].reshape(H_kv * r, d),
+               "v_proj.weight": Wv.reshape(H_kv * r, d), "o_proj.weight": Wo.transpose(1, 0, 2).reshape(d_out, H * r)}
+    biases = {"q_proj.bias": query[..., d].reshape(-1), "k_proj.bias": key[..., d].reshape(-1),
+              "v_proj.bias": np.zeros(H_kv * r), "o_proj.bias": c}
+    state = {name: tensor.detach().clone() for name, tensor in like.state_dict().items()}
+    if "o_proj.bias" not in state and "v_proj.bias" in state:  # c = sum_h Wo_h bv_g (Qwen2)
+        carriers = np.hstack([Wo[g * (H // H_kv):(g + 1) * (H // H_kv)].sum(axis=0) for g in range(H_kv)])
+        bv, *_ = np.linalg.lstsq(carriers, c, rcond=None)
+        biases["v_proj.bias"], biases["o_proj.bias"] = bv, c - carriers @ bv
+    for name, value in {**weights, **biases}.items():
+        if name not in state:
+            dropped(value, weights[name.replace("bias", "weight")], tolerance, repr(name), family, report)
+            continue
+        state[name] = torch.as_tensor(value, dtype=state[name].dtype, device=state[name].device)
+    loaded = copy.deepcopy(like)
+    loaded.load_state_dict(state)
+    measure_export(report, to_rotary(loaded), model, longest=64)
+    return StateDict(state, report)

@@ -7,7 +7,7 @@ is called as self-attention), answering its whole output at the last position (B
 knows nothing of the layer's class.
 
 Layer-specific code lives only in :func:`to_reduced` (the ground truth, from the weights) and
-:func:`to_state_dict` (export into the layer's own class). A layer with H heads of width r has per
+:mod:`mhaextract.adapters.attention` (export into the layer's own class). A layer with H heads of width r has per
 head ``r x d`` query, key and value blocks ``Wq_h, Wk_h, Wv_h``, a ``d_out x r`` output block
 ``Wo_h`` (the identity's block for BERT's self-attention, which has none), biases
 ``b_Q, b_K, b_V, b_O`` and a score scale sigma (``1/sqrt(r)`` by default). It is the model of
@@ -24,18 +24,19 @@ Settings outside the model class are refused by :func:`to_reduced` with the reas
 rotary or relative position embeddings. Extraction against such a layer fails its checks rather
 than returning heads (the oracle cannot know to refuse it).
 
-:func:`to_torch` turns an extracted model back into a module: the final-token function f, or with
-``causal=`` a whole attention layer (B, N, d) -> (B, N, d_out) whose heads are factored at their
-width, ``W_h = K_h^T Q_h`` and ``V_h = O_h P_h``.
+:func:`to_torch` (:mod:`mhaextract.adapters.export`, for every model type) turns an extracted model
+back into a module: the final-token function f (:class:`ReducedAttention`), or a whole attention
+layer (B, N, d) -> (B, N, d_out) (:class:`ExtractedAttention`) whose heads are factored at their
+width, ``W_h = K_h^T Q_h`` and ``V_h = O_h P_h``, causal or not as the run's causal record found.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 try:
     import torch
@@ -46,22 +47,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from ..model import MultiHeadAttention, as_batch
 from ..oracle.queries import rows_of
 from ..oracle.vector_answers import read_out
-from ..rotary.model import RotaryAttention
-
-
-class UnsupportedLayerError(ValueError):
-    """The layer is not (reducible to) the model class the extractor learns; the message names why.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from mhaextract.adapters.torch import UnsupportedLayerError, to_reduced
-    >>> try:
-    ...     to_reduced(torch.nn.MultiheadAttention(4, 2, add_zero_attn=True))
-    ... except UnsupportedLayerError as error:
-    ...     print("add_zero_attn" in str(error))
-    True
-    """
+from .export import (  # noqa: F401 - the public names of the way back, importable from here as before
+    CLASS_REMEDY, RANK_GAP, CausalityWarning, ExportReport, RoundedExportWarning, UnsupportedLayerError, factor_at_width,
+    numerical_rank, to_state_dict, to_torch,
+)
 
 
 @dataclass
@@ -220,6 +209,10 @@ def suggested_token_scale(module, readout=None) -> float:
     return to_reduced(module, readout).suggested_token_scale()
 
 
+#: Sequences whose outputs at every position TorchOracle keeps for the causal record.
+EVIDENCE_SEQUENCES = 8
+
+
 def _floating_dtype(module) -> torch.dtype:
     for tensor in list(module.parameters()) + list(module.buffers()) if isinstance(module, nn.Module) else []:
         if tensor.is_floating_point():
@@ -257,6 +250,8 @@ class TorchOracle:
         answers (reported as ``Extraction.answer_dtype``; a float32 layer cannot be extracted to
         float64 accuracy). Answers cross as float64, converted exactly.
     calls, sequences : forward passes run and sequences answered.
+    position_evidence : the module's outputs at every position of a few answered sequences, which
+        ``extract`` judges the layer's causality from (``result.causal``).
 
     Sequences of equal length are stacked into one forward pass, in the module's dtype, on its
     device. The targeted schedules' copies-instances cross as two rows a query, ``(x, z)`` (the
@@ -298,6 +293,7 @@ class TorchOracle:
         self.calls = 0
         self.sequences = 0
         self._original = module
+        self._evidence = collections.deque(maxlen=EVIDENCE_SEQUENCES)
 
     @property
     def reduced(self) -> MultiHeadAttention:
@@ -319,13 +315,15 @@ class TorchOracle:
         with torch.inference_mode():
             for index, build in groups:
                 X = build()
-                last = self._last_position(X)
+                every = self._every_position(X)
+                last = every[:, -1]
                 if self.readout is not None and last.shape != (len(index), len(self.readout)):
                     raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}, "
                                      f"expected (B, {len(self.readout)}) for a readout of length {len(self.readout)}")
                 if last.dim() != 2:
                     raise ValueError(f"the module's output at the last position has shape {tuple(last.shape)}; "
                                      "expected (B, d_out)")
+                self._keep_evidence(X, every)
                 answers = last.to(torch.float64).cpu().numpy()  # exact: every float dtype widens
                 if self.readout is None:
                     self.d_out = answers.shape[1]
@@ -388,8 +386,25 @@ class TorchOracle:
             groups.append((index, build))
         return groups, len(rows)
 
-    def _last_position(self, X: torch.Tensor) -> torch.Tensor:
-        """The module's output at the last position for a batch (B, N, d) -> (B, d_out)."""
+    @property
+    def position_evidence(self) -> list:
+        """The module's outputs at every position of a few of the last sequences it answered (at least
+        three tokens, the first two different: not the copies-instances' repeated tokens), as pairs
+        ``(X (N, d), outputs (N, d_out))`` (``(N,)`` read out), float64: what ``extract`` judges the
+        layer's causality from (:mod:`mhaextract.checks.causality`), without a query more."""
+        return list(self._evidence)
+
+    def _keep_evidence(self, X: torch.Tensor, every: torch.Tensor) -> None:
+        """The group's last sequence, if it can tell a causal layer from a bidirectional one."""
+        if X.shape[1] < 3 or torch.equal(X[-1, 0], X[-1, 1]):
+            return
+        outputs = every[-1].to(torch.float64).cpu().numpy()
+        if self.readout is not None:
+            outputs = read_out(outputs, self.readout, self._single)
+        self._evidence.append((X[-1].to(torch.float64).cpu().numpy(), outputs))
+
+    def _every_position(self, X: torch.Tensor) -> torch.Tensor:
+        """The module's outputs at every position for a batch (B, N, d) -> (B, N, d_out)."""
         try:
             return self._call_module(X)
         except (RuntimeError, TypeError, IndexError) as error:
@@ -405,14 +420,14 @@ class TorchOracle:
             if not self.module.batch_first:
                 X = X.transpose(0, 1)  # (N, B, d)
             output = self.module(X, X, X, need_weights=False)[0]
-            return output[:, -1] if self.module.batch_first else output[-1]
+            return output if self.module.batch_first else output.transpose(0, 1)
         output = self.module(X)
         if isinstance(output, (tuple, list)):
             output = output[0]
         if not isinstance(output, torch.Tensor) or output.dim() != 3:
             shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
             raise ValueError(f"the module must map (B, N, d) to (B, N, d_out); it returned {shape}")
-        return output[:, -1]
+        return output
 
 
 class ReducedAttention(nn.Module):
@@ -458,48 +473,11 @@ class ReducedAttention(nn.Module):
         return f[0] if single else f
 
 
-def _factor(matrix: np.ndarray, width: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """``matrix = left @ right`` with ``width`` columns in ``left`` (None: the numerical rank, the
-    number of singular values before the largest drop of at least RANK_GAP, else all of them)."""
-    U, S, Vt = np.linalg.svd(matrix, full_matrices=False)
-    rank = width if width is not None else numerical_rank(S)
-    root = np.sqrt(S[:rank])
-    return U[:, :rank] * root, root[:, None] * Vt[:rank]
-
-
-#: A drop of this factor between consecutive singular values separates a head's rank from the
-#: extraction's error (float64 layers drop by ~1e13, float32 ones by ~1e4; trained heads' own
-#: singular values fall far more gently).
-RANK_GAP = 1e3
-
-
-def numerical_rank(singular_values: np.ndarray) -> int:
-    """The rank of a matrix whose singular values (descending) carry an extraction's error: the
-    count before the largest drop of at least :data:`RANK_GAP`, or all the non-zero ones.
-
-    Examples
-    --------
-    >>> from mhaextract.adapters.torch import numerical_rank
-    >>> numerical_rank([3.0, 1.0, 0.5, 2e-14, 1e-15])
-    3
-    >>> numerical_rank([3.0, 1.0, 0.5])
-    3
-    """
-    S = np.asarray(singular_values, dtype=np.float64)
-    if not len(S) or S[0] == 0:
-        return 0
-    positive = S[S > 0]
-    if len(positive) < 2:
-        return len(positive)
-    ratios = positive[:-1] / positive[1:]
-    largest = int(np.argmax(ratios))
-    return largest + 1 if ratios[largest] >= RANK_GAP else len(positive)
-
-
 @dataclass
 class HeadFactors:
     """A model's heads factored at a common width r: scores ``(Q_h x_N + b_h)^T (K_h x_i)`` and
-    values ``O_h P_h x_i``. Q, K, P (H, r, d), b (H, r), O (H, d_out, r), c (d_out,)."""
+    values ``O_h P_h x_i``. Q, K, P (H, r, d), b (H, r), O (H, d_out, r), c (d_out,); ``report``:
+    what the factoring cut (:class:`~mhaextract.adapters.export.ExportReport`, errors not measured)."""
 
     Q: np.ndarray
     b: np.ndarray
@@ -507,15 +485,25 @@ class HeadFactors:
     P: np.ndarray
     O: np.ndarray
     c: np.ndarray
+    report: ExportReport | None = None
 
     @property
     def width(self) -> int:
         return self.Q.shape[1]
 
+    def model(self) -> MultiHeadAttention:
+        """The vector model the factors compute: ``W_h = K_h^T Q_h``, ``u_h = K_h^T b_h``, ``V_h = O_h P_h``."""
+        return MultiHeadAttention(np.einsum("hrd,hre->hde", self.K, self.Q), np.einsum("hor,hrd->hod", self.O, self.P),
+                                  np.einsum("hrd,hr->hd", self.K, self.b), self.c)
 
-def head_factors(model: MultiHeadAttention, width: int | None = None) -> HeadFactors:
+
+def head_factors(model: MultiHeadAttention, width: int | None = None, tolerance: float = 0.0,
+                 target: str | None = None) -> HeadFactors:
     """Factor every head: ``[W_h | u_h] = K_h^T [Q_h | b_h]`` and ``V_h = O_h P_h`` by SVD, at ``width``
-    (None: each head's numerical rank, :func:`numerical_rank`, padded with zeros to the largest).
+    (None: the largest numerical rank of any head's factors, :func:`numerical_rank`). A factor of
+    rank above ``width`` is cut only where the cut is below the numerical gap or within
+    ``tolerance`` (docs/algorithm.md, "The whole layer: vector outputs and a replacement module");
+    otherwise :class:`UnsupportedLayerError` names the head, the factor and its rank.
 
     Examples
     --------
@@ -531,16 +519,21 @@ def head_factors(model: MultiHeadAttention, width: int | None = None) -> HeadFac
     """
     model = model.to_float64()
     H, d, d_out = model.heads, model.d, model.d_out
-    scores = [_factor(np.hstack([model.W[h], model.u[h][:, None]]), width) for h in range(H)]
-    values = [_factor(model.V[h], width) for h in range(H)]
-    r = width if width is not None else max([1] + [f[0].shape[1] for f in scores + values])
-    Q, K, P = (np.zeros((H, r, d)) for _ in range(3))
-    b, O = np.zeros((H, r)), np.zeros((H, d_out, r))
-    for h, ((K_t, Q_b), (O_h, P_h)) in enumerate(zip(scores, values)):
-        k, j = K_t.shape[1], O_h.shape[1]
-        K[h, :k], Q[h, :k], b[h, :k] = K_t.T, Q_b[:, :d], Q_b[:, d]
-        O[h, :, :j], P[h, :j] = O_h, P_h
-    return HeadFactors(Q, b, K, P, O, np.reshape(np.asarray(model.c, dtype=np.float64), -1).copy())
+    scores = [np.hstack([model.W[h], model.u[h][:, None]]) for h in range(H)]
+    values = [model.V[h] for h in range(H)]
+    if width is None:
+        width = max([1] + [numerical_rank(np.linalg.svd(m, compute_uv=False)) for m in scores + values])
+    remedy = CLASS_REMEDY if target else "pass a width of at least {rank}, or width=None (each head at its rank)"
+    target = target or "the layer to_torch builds"
+    report = ExportReport(target, tolerance)
+    Q, K, P = (np.zeros((H, width, d)) for _ in range(3))
+    b, O = np.zeros((H, width)), np.zeros((H, d_out, width))
+    for h in range(H):
+        K_t, Q_b = factor_at_width(scores[h], width, tolerance, f"head {h}'s scores [W_h | u_h]", target, report,
+                                   remedy)
+        O[h], P[h] = factor_at_width(values[h], width, tolerance, f"head {h}'s values V_h", target, report, remedy)
+        K[h], Q[h], b[h] = K_t.T, Q_b[:, :d], Q_b[:, d]
+    return HeadFactors(Q, b, K, P, O, np.reshape(np.asarray(model.c, dtype=np.float64), -1).copy(), report)
 
 
 class ExtractedAttention(nn.Module):
@@ -549,8 +542,9 @@ class ExtractedAttention(nn.Module):
     Head h scores key j from position i as ``(Q_h x_i + b_h)^T (K_h x_j)`` and adds ``O_h P_h`` times
     the attention-weighted mean of the tokens; ``causal=True`` lets position i see tokens j <= i
     (a decoder's layer: the output at i is the final-token model on the prefix), ``causal=False``
-    all tokens (an encoder's). The final-token answers an oracle gives cannot tell the two apart:
-    say which the original layer is. Parameters (float64 by default): Q, K, P (H, r, d), b (H, r),
+    all tokens (an encoder's). The final-token answers an oracle gives cannot tell the two apart;
+    the layer's outputs at earlier positions can (``result.causal``, which ``to_torch(result)``
+    follows). Parameters (float64 by default): Q, K, P (H, r, d), b (H, r),
     O (H, d_out, r), c (d_out,).
 
     Examples
@@ -589,140 +583,3 @@ class ExtractedAttention(nn.Module):
         values = torch.einsum("hrd,bnd->bhnr", self.P, X)
         out = torch.einsum("hor,bhnr->bno", self.O, weights @ values) + self.c
         return out[0] if single else out
-
-
-def to_torch(model: MultiHeadAttention, causal: bool | None = None, width: int | None = None, dtype=torch.float64):
-    """An extracted (or any) :class:`~mhaextract.MultiHeadAttention` as a torch module.
-
-    ``causal=None`` (default): :class:`ReducedAttention`, the final-token function f ((B, N, d) to
-    (B,) or (B, d_out)). ``causal=True`` or ``False``: :class:`ExtractedAttention`, a drop-in
-    attention layer mapping (B, N, d) to (B, N, d_out) at every position, heads factored at
-    ``width`` (None: their numerical rank, :func:`head_factors`); a decoder's layer is causal, an
-    encoder's is not (the oracle's final-token answers cannot say which).
-
-    Examples
-    --------
-    >>> import numpy as np, torch
-    >>> import mhaextract as mx
-    >>> from mhaextract.adapters.torch import to_torch
-    >>> layer = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, d_out=4, bias=True)
-    >>> module = to_torch(layer, causal=True)
-    >>> X = torch.randn(2, 5, 4, dtype=torch.float64)
-    >>> out = module(X).detach()              # (B, N, d_out): every position
-    >>> out.shape
-    torch.Size([2, 5, 4])
-    >>> bool(np.allclose(out[:, 2].numpy(), layer(X[:, :3].numpy())))   # position 2 sees tokens 0..2
-    True
-    """
-    if isinstance(model, RotaryAttention):
-        raise TypeError("to_torch takes attention without positions; a RotaryAttention becomes a layer with "
-                        "mhaextract.adapters.rotary.to_torch_rotary(model, causal=True)")
-    if not isinstance(model, MultiHeadAttention):
-        raise TypeError(f"to_torch expects a MultiHeadAttention, got {type(model).__name__}")
-    if causal is None:
-        return ReducedAttention(model)
-    if width is not None and (isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1):
-        raise ValueError(f"width must be a positive integer (the head width) or None, got {width!r}")
-    return ExtractedAttention(head_factors(model, width), causal, dtype)
-
-
-def _template_blocks(model: MultiHeadAttention, like) -> _Blocks:
-    """The model's heads in the per-head layout of the layer ``like`` (its H, head width r, score
-    scale sigma): Wq, Wk, Wv (H, r, d), Wo (H, d_out, r), bq, bv (H, r), bo (d_out,) (b_K is zero)."""
-    template = _blocks(like)
-    H, r, d = template.Wq.shape
-    d_out = template.Wo.shape[1]
-    if not model.is_vector or model.d != d or model.d_out != d_out:
-        shape = f"d = {model.d}, d_out = {model.d_out if model.is_vector else 'scalar'}"
-        raise ValueError(f"{template.kind} maps d = {d} to d_out = {d_out}; the model has {shape} (a model "
-                         "extracted from a read-out is one number per sequence: extract with TorchOracle(layer))")
-    model = model.to_float64().canonical()
-    if model.heads > H:
-        raise UnsupportedLayerError(f"the model has {model.heads} canonical heads; {template.kind} holds {H}")
-    ranks = [numerical_rank(np.linalg.svd(np.hstack([model.W[h], model.u[h][:, None]]), compute_uv=False))
-             for h in range(model.heads)]
-    if max(ranks, default=0) > r:
-        raise UnsupportedLayerError(f"a head's scores have rank {max(ranks)} > the head width {r} of {template.kind}")
-    factors = head_factors(model, width=r)
-    blocks = _Blocks(template.kind, np.zeros((H, r, d)), np.zeros((H, r, d)), np.zeros((H, r, d)),
-                     np.zeros((H, d_out, r)), np.zeros((H, r)), np.zeros((H, r)), np.zeros(d_out), template.sigma)
-    found = slice(0, model.heads)
-    blocks.Wq[found], blocks.bq[found] = factors.Q / template.sigma, factors.b / template.sigma
-    blocks.Wk[found] = factors.K
-    if template.kind == "BertSelfAttention":  # no output projection: head g writes output rows g*r..(g+1)*r
-        blocks.Wo = template.Wo
-        mass = np.array([[np.linalg.norm(model.V[h, g * r:(g + 1) * r]) for g in range(H)] for h in range(model.heads)])
-        rows, groups = linear_sum_assignment(-mass) if model.heads else (np.zeros(0, int), np.zeros(0, int))
-        outside = [np.sqrt(max(0.0, np.linalg.norm(model.V[h]) ** 2 - mass[h, g] ** 2)) / np.linalg.norm(model.V[h])
-                   for h, g in zip(rows, groups)]
-        if max(outside, default=0.0) > 1e-6:
-            raise UnsupportedLayerError(f"a head's values reach {max(outside):.1e} of their size outside one head's "
-                                        "block of outputs: BertSelfAttention has no output projection to carry them")
-        blocks.Wq[:], blocks.Wk[:], blocks.bq[:] = 0.0, 0.0, 0.0  # heads go to their groups' slots
-        for h, g in zip(rows, groups):
-            blocks.Wq[g], blocks.bq[g] = factors.Q[h] / template.sigma, factors.b[h] / template.sigma
-            blocks.Wk[g], blocks.Wv[g] = factors.K[h], model.V[h, g * r:(g + 1) * r]
-        blocks.bv = np.asarray(model.c, dtype=np.float64).reshape(H, r)
-    else:
-        blocks.Wv[found], blocks.Wo[found] = factors.P, factors.O
-        blocks.bo = factors.c
-    return blocks
-
-
-def to_state_dict(model: MultiHeadAttention, like) -> dict:
-    """Weights of an extracted vector model in the layout of the layer ``like``, for its ``load_state_dict``.
-
-    ``like`` is a layer of the class and configuration to put the stolen layer back into
-    (``nn.MultiheadAttention``, ``GPT2Attention``, ``BertSelfAttention``, ``OPTAttention``,
-    ``ViTAttention``): its head count H, head width r and score scale sigma are read from it (its
-    weights are only overwritten). Every canonical head is factored at width r, ``W_h = sigma
-    Wk_h^T Wq_h`` and ``u_h = sigma Wk_h^T b_Q_h`` (``b_K = 0``), and ``V_h = Wo_h Wv_h`` with
-    ``b_V = 0`` and ``b_O = c`` (BERT, with no output projection: ``Wv_h`` is ``V_h``'s block of
-    rows and ``b_V = c``); missing heads are zero. Raises :class:`UnsupportedLayerError` when the
-    class cannot carry the model (more heads than H, a head of rank above r, a bias the class
-    lacks), naming which.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from mhaextract.adapters.torch import to_reduced, to_state_dict
-    >>> layer = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
-    >>> fresh = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
-    >>> _ = fresh.load_state_dict(to_state_dict(to_reduced(layer), like=fresh))
-    >>> X = torch.randn(1, 5, 8, dtype=torch.float64)
-    >>> bool(torch.allclose(fresh(X, X, X)[0], layer(X, X, X)[0], atol=1e-12))
-    True
-    """
-    blocks = _template_blocks(model, like)
-    H, r, d = blocks.Wq.shape
-    stacked = {name: getattr(blocks, name).reshape(H * r, d) for name in ("Wq", "Wk", "Wv")}
-    out_weight = blocks.Wo.transpose(1, 0, 2).reshape(blocks.Wo.shape[1], H * r)  # (d_out, H r)
-    bq, bk, bv = blocks.bq.reshape(-1), np.zeros(H * r), blocks.bv.reshape(-1)
-    kind = blocks.kind
-    if kind == "nn.MultiheadAttention":
-        values = {"in_proj_weight": np.vstack([stacked["Wq"], stacked["Wk"], stacked["Wv"]]),
-                  "in_proj_bias": np.concatenate([bq, bk, bv]), "out_proj.weight": out_weight,
-                  "out_proj.bias": blocks.bo}
-    elif kind == "GPT2Attention":  # Conv1D weights are (in, out)
-        values = {"c_attn.weight": np.vstack([stacked["Wq"], stacked["Wk"], stacked["Wv"]]).T,
-                  "c_attn.bias": np.concatenate([bq, bk, bv]), "c_proj.weight": out_weight.T,
-                  "c_proj.bias": blocks.bo}
-    else:
-        names = {"BertSelfAttention": ("query", "key", "value", None)}.get(
-            kind, ("q_proj", "k_proj", "v_proj", "out_proj" if hasattr(like, "out_proj") else "o_proj"))
-        values = {}
-        for name, weight, bias in zip(names, (stacked["Wq"], stacked["Wk"], stacked["Wv"], out_weight),
-                                      (bq, bk, bv, blocks.bo)):
-            if name is not None:
-                values.update({f"{name}.weight": weight, f"{name}.bias": bias})
-    state = {key: tensor.detach().clone() for key, tensor in like.state_dict().items()}
-    for key, value in values.items():
-        if key not in state:
-            if np.any(value != 0):
-                raise UnsupportedLayerError(f"{kind} has no parameter {key!r} (built without biases?) and the model "
-                                            f"needs it non-zero (max |{key}| = {np.abs(value).max():.3g})")
-            continue
-        if tuple(state[key].shape) != value.shape:
-            raise UnsupportedLayerError(f"{kind}'s {key} has shape {tuple(state[key].shape)}, the model gives {value.shape}")
-        state[key] = torch.as_tensor(value, dtype=state[key].dtype, device=state[key].device)
-    return state

@@ -73,6 +73,7 @@ class LowPrecisionExtraction(CheckedResult):
     start : :class:`~mhaextract.lowprecision.start.SaturatedStart` (the start model, the value map,
         lines per direction). fit : :class:`~mhaextract.lowprecision.fit.WholeFit`.
     checks : list of Check. verification : the long verification, or None. seconds : float.
+    causal : :class:`~mhaextract.checks.causality.CausalRecord` or None (as ``Extraction.causal``).
 
     Examples
     --------
@@ -106,6 +107,7 @@ class LowPrecisionExtraction(CheckedResult):
     #: float64 arithmetic, the whole layer: no high-precision model, no read-out (as ``Extraction``'s)
     precision: int | None = None
     readout: np.ndarray | None = None
+    causal: object = None
 
     def summary(self) -> dict:
         return {"schedule": self.schedule, "answer_dtype": self.answer_dtype,
@@ -114,7 +116,8 @@ class LowPrecisionExtraction(CheckedResult):
                 "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
                 "calibration_queries": self.calibration_queries, "max_query_length": self.max_query_length,
                 "token_scale": self.token_scale, "error_estimate": self.error_estimate,
-                "answers_residual": self.answers_residual, "ok": self.ok, "seconds": self.seconds}
+                "answers_residual": self.answers_residual, "ok": self.ok, "seconds": self.seconds,
+                "causal": None if self.causal is None else self.causal.verdict}
 
     def __repr__(self) -> str:
         return (f"LowPrecisionExtraction(heads={self.heads}, answers={self.answer_dtype}, queries={self.queries}, "

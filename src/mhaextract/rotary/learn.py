@@ -145,6 +145,7 @@ class RotaryExtraction(CheckedResult):
     neutral : with ``key_bias=True``, the search for the key-neutral token
         (:class:`~mhaextract.rotary.neutral.NeutralToken`); the instances, refinement and
         verification were asked of the tokens shifted by it, and ``model`` is shifted back.
+    causal : :class:`~mhaextract.checks.causality.CausalRecord` or None (as ``Extraction.causal``).
     seconds : float.
 
     Examples
@@ -178,6 +179,7 @@ class RotaryExtraction(CheckedResult):
     precision: int | None = None
     neutral: NeutralToken | None = None
     schedule: str = "rotary"
+    causal: object = None
 
     @property
     def frequencies(self) -> np.ndarray | None:
@@ -194,7 +196,8 @@ class RotaryExtraction(CheckedResult):
                 "max_query_length": self.max_query_length, "window": self.window, "token_scale": self.token_scale,
                 "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
                 "precision": self.precision, "ok": self.ok, "seconds": self.seconds,
-                "key_neutral_queries": None if self.neutral is None else self.neutral.queries}
+                "key_neutral_queries": None if self.neutral is None else self.neutral.queries,
+                "causal": None if self.causal is None else self.causal.verdict}
 
 
 @dataclass

@@ -346,6 +346,15 @@ class RotaryAttention:
                 out = np.vectorize(lambda ball: +arb_to_mpf(ball), otypes=[object])(out)  # + rounds to bits
         return out if self.is_vector else out[:, 0]
 
+    def at_position(self, X, i: int, causal: bool) -> np.ndarray | None:
+        """The output at position ``i`` (from 0) of sequence X of a causal layer with this final-token
+        model: the model on the prefix ``x_0..x_i`` (float64). ``causal=False``: None, a layer whose
+        earlier positions attend to later tokens at negative offsets is not read from this model's
+        final-token answers (the causal record then judges the prefixes alone)."""
+        if not causal:
+            return None
+        return np.asarray(self(np.asarray(X, dtype=np.float64)[None, :i + 1]))[0]
+
     def readout(self, r) -> "RotaryAttention":
         """The scalar model ``r^T f`` (``v_h = V_h^T r``)."""
         r = np.asarray(r, dtype=np.float64)
