@@ -110,7 +110,7 @@ def batches_and_answers(draw):
     return batch, np.ma.masked_array(values[:, 0], mask=[n == 0 for n in range(B)]), None  # masked
 
 
-@settings(derandomize=True, max_examples=200, deadline=None)
+@settings(derandomize=True, max_examples=120, deadline=None)
 @given(batches_and_answers())
 def test_every_answer_is_read_or_refused_with_an_oracle_error(case):
     batch, answer, expected = case
@@ -133,7 +133,7 @@ def test_every_answer_is_read_or_refused_with_an_oracle_error(case):
         np.testing.assert_array_equal(OracleBoundary(lambda sequences: answer, D).ask(batch, whole=True), expected)
 
 
-@settings(derandomize=True, max_examples=80, deadline=None)
+@settings(derandomize=True, max_examples=50, deadline=None)
 @given(batches_and_answers())
 def test_high_precision_answers_are_read_or_refused(case):
     """At ``precision=bits`` only mpf and decimal strings are answers; the rest is an OracleError."""

@@ -101,10 +101,11 @@ def test_merged_heads_offer_more_bits_only_to_an_oracle_that_has_them(float_only
 def test_too_many_heads_declared_is_said_from_the_pole_count():
     """Issue 61: heads=20 declared for a 4-head layer at d = 8 (the grid schedule, H0 > d) was told
     the count 'may be smaller than its canonical head count'. The instances' majority pole count (4)
-    says the opposite: too many heads declared."""
+    says the opposite: too many heads declared (or merged heads, or a token scale that saturates
+    some: the same evidence, all named)."""
     target = mx.MultiHeadAttention.random(d=8, heads=4, seed=0, bias=True)
     with pytest.raises(mx.ExtractionError) as caught:
         mx.extract(mx.SimulatedOracle(target), d=8, heads=20, seed=0, progress=False)
     message = str(caught.value)
-    assert "The instances show 4 heads, fewer than heads/max_heads = 20" in message
+    assert "The instances show 4 heads, fewer than heads/max_heads = 20: too many heads declared" in message
     assert "declare heads=4" in message and "may be smaller" not in message

@@ -302,9 +302,10 @@ class GridSchedule(Schedule):
             return []
         shown = getattr(self, "heads_shown", None)
         if shown is not None and shown < self.max_heads:  # the majority pole count is below the declared one
-            return [f"The instances show {shown} heads, fewer than heads/max_heads = {self.max_heads}: if the layer "
-                    f"has {shown}, too many heads were declared (declare heads={shown}); a count below the layer's "
-                    "means heads that merge at this precision (precision=BITS resolves closer heads)."]
+            return [f"The instances show {shown} heads, fewer than heads/max_heads = {self.max_heads}: too many "
+                    f"heads declared (if the layer has {shown}, declare heads={shown}), heads that merge at this "
+                    "precision (precision=BITS resolves closer heads), or a token_scale that saturates some "
+                    "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale)."]
         return [f"If the oracle is multi-head attention, heads/max_heads = {self.max_heads} may be smaller than "
                 "its canonical head count, the precision too low for it, or token_scale unsuited to its W "
                 "(|z^T W_h x| should be of order one; see MultiHeadAttention.suggested_token_scale)."]
