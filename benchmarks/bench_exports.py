@@ -38,7 +38,8 @@ def relative(a, b) -> float:
 
 
 def causal_rows() -> None:
-    print("| layer | dtype | record | prefix reading | every token a key | model at final positions | to_torch(result) error |")
+    print("| layer | dtype | record | prefix reading | every token a key | model at final positions "
+          "| to_torch(result) error |")
     print("|---|---|---|---|---|---|---|")
     d, H = 16, 2
     X = torch.as_tensor(np.random.default_rng(0).standard_normal((1, 30, d)))

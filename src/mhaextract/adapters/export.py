@@ -151,7 +151,7 @@ class ExportReport:
         rounded beyond the numerical gap."""
         self.parameter_error, self.output_error = float(parameter_error), float(output_error)
         if self.rounded:
-            warnings.warn(RoundedExportWarning(str(self), self), stacklevel=4)
+            warnings.warn(RoundedExportWarning(str(self), self), stacklevel=5)  # the caller of to_state_dict / to_torch
         return self
 
 

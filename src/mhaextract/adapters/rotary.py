@@ -24,6 +24,12 @@ depends on the offset and not on the token, outside the model class, so it is re
 exact) into a causal layer (B, N, d) -> (B, N, d_out) whose output at every position is the model on
 the prefix that ends there.
 
+:func:`state_dict` (behind :func:`~mhaextract.adapters.export.to_state_dict`) is :func:`to_rotary`
+inverted: a rotary model in the layout of a ``LlamaAttention``, ``MistralAttention`` or
+``Qwen2Attention`` of the user's configuration, every mismatch refused by name, the loaded copy
+read back and measured; :func:`layer` is what :func:`~mhaextract.adapters.export.to_torch` gives
+for a rotary model.
+
 Two details of transformers make a float64 layer less than float64-exact inside its model: the
 rotary embedding computes its angles ``position * inv_freq`` and their cos and sin in float32
 whatever the layer's dtype, and the eager attention takes its softmax in float32. ``RotaryLayer``
@@ -440,7 +446,8 @@ def layer(model: RotaryAttention, causal: bool | None, width: int | None, dtype,
     if width is not None and width != model.head_width:
         raise ValueError(f"width={width}: a rotary model's heads keep their width {model.head_width} (each rotary "
                          "block pairs two rows of it); pass width=None")
-    return ExtractedRotaryAttention(model, True if causal is None else causal, torch.float64 if dtype is None else dtype)
+    dtype = torch.float64 if dtype is None else dtype
+    return ExtractedRotaryAttention(model, True if causal is None else causal, dtype)
 
 
 def _shared_gauge(head: np.ndarray, reference: np.ndarray) -> tuple[np.ndarray, float]:
@@ -466,15 +473,15 @@ def _placed_blocks(model: RotaryAttention, inv_freq: np.ndarray, tolerance: floa
     placed = []
     for h in range(model.heads):
         if model.head_width > r:
-            raise UnsupportedLayerError(f"head {h} has {model.head_width // 2} rotary blocks; {family}'s heads have {r // 2} "
-                          f"(head_dim {r}): build the class with head_dim >= {model.head_width}")
+            raise UnsupportedLayerError(f"head {h} has {model.head_width // 2} rotary blocks; {family}'s heads have "
+                                        f"{r // 2} (head_dim {r}): build the class with head_dim >= {model.head_width}")
         cost = np.abs(model.theta[h][:, None] - inv_freq[None, :])
         rows, columns = linear_sum_assignment(cost)
         off = float(cost[rows, columns].max(initial=0.0))
         if off > max(tolerance, 1e-12):
-            raise UnsupportedLayerError(f"head {h}'s blocks turn at frequencies {off:.1e} radians per position from {family}'s "
-                          f"(rope_theta, head_dim and rope_scaling fix them): build the class with the model's "
-                          f"frequencies, or pass tolerance={off:.1e} to round them")
+            raise UnsupportedLayerError(f"head {h}'s blocks turn at frequencies {off:.1e} radians per position from "
+                                        f"{family}'s (rope_theta, head_dim and rope_scaling fix them): build the class "
+                                        f"with the model's frequencies, or pass tolerance={off:.1e} to round them")
         report.cut(f"head {h}'s frequencies", off, beyond_gap=off > ARITHMETIC)
         query = np.zeros((r, model.d + 1))
         key = np.zeros((r, model.d + 1))
@@ -500,9 +507,10 @@ def _groups(placed: list, H: int, H_kv: int, tolerance: float, family: str, repo
                 break
         else:
             if len(groups) == H_kv:
-                raise UnsupportedLayerError(f"the model's heads need more than {family}'s {H_kv} key/value heads of {per_group} "
-                              f"query heads each (head {h} shares its keys with no group that has room): build the "
-                              f"class with more num_key_value_heads (or num_attention_heads)")
+                raise UnsupportedLayerError(
+                    f"the model's heads need more than {family}'s {H_kv} key/value heads of {per_group} query heads "
+                    f"each (head {h} shares its keys with no group that has room): build the class with more "
+                    "num_key_value_heads (or num_attention_heads)")
             groups.append([h])
     return groups
 
@@ -524,16 +532,17 @@ def state_dict(model: RotaryAttention, like, tolerance: float):
     H, H_kv, r = int(config.num_attention_heads), int(config.num_key_value_heads), int(like.head_dim)
     d, d_out = like.q_proj.in_features, like.o_proj.out_features
     if not model.is_vector or model.d != d or model.d_out != d_out:
-        raise UnsupportedLayerError(f"{family} maps d = {d} to d_out = {d_out}; the model has d = {model.d}, d_out = "
-                      f"{model.d_out if model.is_vector else 'scalar'} (a read-out's model is one number per "
-                      "sequence: extract with TorchOracle(RotaryLayer(layer)))")
+        raise UnsupportedLayerError(f"{family} maps d = {d} to d_out = {d_out}; the model has d = {model.d}, d_out "
+                                    f"= {model.d_out if model.is_vector else 'scalar'} (a read-out's model is one "
+                                    "number per sequence: extract with TorchOracle(RotaryLayer(layer)))")
     if model.window != _layer_window(like, None):
-        raise UnsupportedLayerError(f"the model attends a window of {model.window} tokens, {family} (layer {like.layer_idx}) "
-                      f"{_layer_window(like, None)}: set its config's sliding_window to the model's")
+        raise UnsupportedLayerError(f"the model attends a window of {model.window} tokens, {family} (layer "
+                                    f"{like.layer_idx}) {_layer_window(like, None)}: set its config's sliding_window "
+                                    "to the model's")
     model = model.to_float64().canonical()
     if model.heads > H:
-        raise UnsupportedLayerError(f"the model has {model.heads} canonical heads; {family} holds {H}: build it with at least "
-                      f"{model.heads} num_attention_heads")
+        raise UnsupportedLayerError(f"the model has {model.heads} canonical heads; {family} holds {H}: build it with "
+                                    f"at least {model.heads} num_attention_heads")
     placed = _placed_blocks(model, inv_freq, tolerance, family, report)
     groups = _groups(placed, H, H_kv, tolerance, family, report)
     score_scale = float(like.scaling) * attention_scaling ** 2

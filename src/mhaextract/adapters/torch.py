@@ -48,8 +48,8 @@ from ..model import MultiHeadAttention, as_batch
 from ..oracle.queries import rows_of
 from ..oracle.vector_answers import read_out
 from .export import (  # noqa: F401 - the public names of the way back, importable from here as before
-    CLASS_REMEDY, RANK_GAP, CausalityWarning, ExportReport, RoundedExportWarning, UnsupportedLayerError, factor_at_width,
-    numerical_rank, to_state_dict, to_torch,
+    CLASS_REMEDY, RANK_GAP, CausalityWarning, ExportReport, RoundedExportWarning, UnsupportedLayerError,
+    factor_at_width, numerical_rank, to_state_dict, to_torch,
 )
 
 
