@@ -49,6 +49,10 @@ REJECTED_PER_CENTRE = 4
 #: they do not fit the declared model. (Oracles that add noise stay below the floor.)
 MISFIT_ROUNDING, MISFIT_FLOOR = 1e4, 1e-4
 
+#: Redundant measurements disagreeing by more than this many largest answers: no head the run missed
+#: moves an answer by more than the answers' own size, so the fits themselves broke down.
+BROKEN_FITS = 10.0
+
 #: Answers coarser than this (relative unit, 20 bits) can hide heads by themselves: the schedule's
 #: noise hint then comes first (docs/algorithm.md §19).
 COARSE_ANSWERS = 2.0 ** -20
@@ -111,7 +115,11 @@ def _cause_hints(failed: set[str], settings, stats, extraction, float_only: bool
                      + " Otherwise it is not this model class: " + NOT_ATTENTION)
     if "noise_within_validity" in failed and settings.answer_error is None and stats.largest > 0:
         noise = getattr(extraction.certificate, "noise_estimate", 0.0) / stats.largest
-        if noise > max(MISFIT_FLOOR, MISFIT_ROUNDING * stats.unit_roundoff, 1e3 * (settings.answer_noise or 0.0)):
+        if noise > BROKEN_FITS:
+            hints.append(f"The redundant measurements disagree by {noise:.2g} of the largest answer, more than "
+                         "the answers themselves could: the instances' fits broke down rather than met an extra "
+                         "head, as they do where " + _scale_hint(settings) + ".")
+        elif noise > max(MISFIT_FLOOR, MISFIT_ROUNDING * stats.unit_roundoff, 1e3 * (settings.answer_noise or 0.0)):
             hints.append(f"Found evidence of more heads than declared: the redundant measurements disagree by "
                          f"{noise:.2g} of the largest answer, far above the answers' {stats.precision_name} "
                          f"rounding, so the answers do not fit {_heads(settings.max_heads)}: "
