@@ -21,7 +21,7 @@ def with_biases(module, seed):
         for name, parameter in module.named_parameters():
             if name.endswith("bias"):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
-    return module.double()
+    return module.double().eval()  # no dropout in a reference computed from the module
 
 
 def build(kind, d, H, seed, implementation="eager"):
