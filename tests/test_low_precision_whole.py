@@ -133,10 +133,11 @@ def test_options_the_low_precision_run_does_not_take_are_refused_before_queries_
 def test_a_torch_layer_in_bfloat16_refuses_max_heads_before_any_query():
     torch = pytest.importorskip("torch")
     from mhaextract.adapters.torch import TorchOracle
-    oracle = TorchOracle(torch.nn.MultiheadAttention(4, 2, batch_first=True).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="max_heads"):
-        mx.extract(oracle, 4, max_heads=2, seed=0)
-    assert oracle.sequences == 0
+    layer = torch.nn.MultiheadAttention(4, 2, batch_first=True).to(torch.bfloat16)
+    for oracle in (TorchOracle(layer), TorchOracle(layer, np.ones(4))):  # a read-out runs the same learner
+        with pytest.raises(ValueError, match="max_heads"):
+            mx.extract(oracle, 4, max_heads=2, seed=0)
+        assert oracle.sequences == 0
 
 
 @pytest.mark.slow

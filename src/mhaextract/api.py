@@ -204,8 +204,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     # options the low-precision learner does not take: refused before any query where the oracle
     # declares its format, else as soon as the calibration's first answers show it
     refuse_low_precision = _low_precision_refusal(schedule, settings, bias)
-    if getattr(oracle, "readout", None) is None:  # whole answers, unless the oracle declares a read-out
-        refuse_low_precision(answer_dtype, None, "the oracle declares answer_dtype=" + repr(answer_dtype))
+    refuse_low_precision(answer_dtype, None, "the oracle declares answer_dtype=" + repr(answer_dtype))
     started = time.perf_counter()
     calibration, probes = None, None
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query

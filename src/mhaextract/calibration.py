@@ -269,7 +269,7 @@ def calibrate(boundary, d: int, rng, on_first=None) -> Calibration:
                                       "arithmetic_noise": arithmetic, "random_noise": random}
     extra["overflow_scale"] = overflow
     beyond = ("" if overflow is None else f"; answers not finite from token norm {overflow:.4g} on (the layer's dtype "
-              f"overflowed): {boundary.overflowed} probes left out")
+              f"overflowed): {boundary.overflowed} probes, left out with the larger ones of their pairs")
     response = np.where(response > noise, response, np.nan)
     peak = np.nanmax(np.where(np.isfinite(response), response, -np.inf), axis=0)
     relative = response / np.where(peak > 0, peak, np.inf)[None]

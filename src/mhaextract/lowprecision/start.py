@@ -103,7 +103,7 @@ def line_plateaus(boundary, values: ValueMap, rng, e: np.ndarray, scale: float,
     ``z(s) = magnification scale (z0 + s z1)`` (``LINE_SAMPLES`` queries, ``s`` in
     ``[-LINE_HALF_LENGTH, LINE_HALF_LENGTH]`` at equal steps of ``arctan s``; keys ``z + t e`` with
     ``t = SATURATING scale`` whatever the magnification, which a float16 layer's scores could not
-    carry, or shorter where the layer overflowed: ``key``, :func:`saturated_answers`): runs of
+    carry, or shorter where the layer overflowed: :func:`saturated_answers`): runs of
     samples whose consecutive differences stay below 20 times their median (the answers' rounding)
     and 1% of the largest R."""
     d = len(e)

@@ -221,7 +221,7 @@ class OracleBoundary:
                     values = self._record(first, positions, take() if fresh else chunk, values)
                 if np.ndim(values) == 2:  # vector answers: read out for the schedule
                     values = np.asarray(values, dtype=np.float64)
-                    self.stats.add_vectors(values[np.isfinite(values).all(axis=1)])
+                    self.stats.add_vectors(values[finite_answers(values)])
                     if whole is not None:
                         whole.update(zip(positions, values))
                     values = self.vectors.scalars(values)
@@ -263,8 +263,7 @@ class OracleBoundary:
     def _record(self, first: int, positions, sequences, values):
         """Record the finite answers of one batch in the transcript; the answers as read back, with
         the non-finite ones (``ask``'s ``overflow``) left NaN and unrecorded."""
-        finite = np.isfinite(np.asarray(values, dtype=np.float64))
-        finite = finite if finite.ndim == 1 else finite.all(axis=1)
+        finite = finite_answers(values)
         if finite.all():
             return self.transcript.record(first, positions, sequences, values)
         kept = np.flatnonzero(finite)
@@ -318,8 +317,7 @@ class OracleBoundary:
         self.max_query_length = max(self.max_query_length, longest)
         values = self._validate(raw, chunk, indices, where, overflow)
         if overflow:
-            finite = np.isfinite(np.asarray(values, dtype=np.float64))
-            self.overflowed += int((~(finite if finite.ndim == 1 else finite.all(axis=1))).sum())
+            self.overflowed += int((~finite_answers(values)).sum())
         return values
 
     def _to_oracle_tokens(self, sequence: np.ndarray):
@@ -344,7 +342,7 @@ class OracleBoundary:
         if count != len(chunk):
             raise OracleError(
                 f"the oracle returned {count} answers for a batch of {len(chunk)} sequences "
-                f"({where}); missing answers", indices[0], chunk[0]
+                f"({where}); {'missing' if count < len(chunk) else 'extra'} answers", indices[0], chunk[0]
             )
         if np.ma.isMaskedArray(raw) and np.ma.getmaskarray(raw).any():
             n = int(np.argwhere(np.ma.getmaskarray(raw))[0][0])
@@ -509,6 +507,12 @@ def _shape_hint(shape, sequences) -> str:
                 "position?): return the output at the final token only: out[-1] per sequence, out[:, -1, :] for a "
                 "(B, N, d_out) batch")
     return ""
+
+
+def finite_answers(values) -> np.ndarray:
+    """Per answer (scalars (n,) or vectors (n, d_out), float64): every number of it finite."""
+    finite = np.isfinite(np.asarray(values, dtype=np.float64))
+    return finite if finite.ndim == 1 else finite.all(axis=1)
 
 
 def _short(value, limit: int = 80) -> str:
