@@ -2,6 +2,7 @@
 
     python benchmarks/train_zoo.py                 # every model of tests/zoo.py's SPECS
     python benchmarks/train_zoo.py --only gpt2-d64-h4 --steps 50   # a quick look (not cached)
+    python benchmarks/train_zoo.py --verify vit-d64-h4              # trains again, compares with the cache
 
 One thread, seeded, deterministic algorithms, a fixed number of steps (no time limit, so the same
 machine and versions give the same weights). Text models read random windows of LENGTH characters
@@ -87,10 +88,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="+", choices=list(zoo.SPECS), help="train these only (nothing cached)")
     parser.add_argument("--steps", type=int, help="override the steps (nothing cached)")
+    parser.add_argument("--verify", nargs="+", choices=list(zoo.SPECS),
+                        help="train these again and compare their weights with the cache (nothing written)")
     arguments = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     text = zoo.corpus()
+    if arguments.verify:
+        for name in arguments.verify:
+            layers = train(name, None, text)[0]
+            with np.load(zoo.CACHE / f"{name}.npz") as stored:
+                same = sorted(stored.files) == sorted(layers) and all(np.array_equal(stored[k], layers[k]) for k in layers)
+            print(f"{name}: {'the same weights as the cache' if same else 'NOT the cached weights'}")
+        return
     cache = arguments.only is None and arguments.steps is None
     models = {}
     for name in arguments.only or zoo.SPECS:
