@@ -38,11 +38,14 @@ def fresh_sequences(d, count=40, longest=64, seed=11):
     return [torch.as_tensor(rng.standard_normal((1, int(n), d))) for n in rng.integers(1, longest + 1, size=count)]
 
 
-def worst_relative_error(replacement, original, d):
+def worst_relative_error(replacement, original, d, count=40, longest=64):
+    """Max |replacement - original| over max |original| at every position of fresh sequences; the
+    replacement takes them in its own dtype (its first parameter's), the original in float64."""
+    dtype = next(iter(replacement.parameters()), torch.empty(0, dtype=torch.float64)).dtype
     worst, largest = 0.0, 0.0
-    for X in fresh_sequences(d):
+    for X in fresh_sequences(d, count, longest):
         with torch.no_grad():
-            expected, got = outputs(original, X), outputs(replacement, X).to(torch.float64)
+            expected, got = outputs(original, X), outputs(replacement, X.to(dtype)).to(torch.float64)
         worst, largest = max(worst, float((got - expected).abs().max())), max(largest, float(expected.abs().max()))
     return worst / largest
 

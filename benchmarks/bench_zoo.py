@@ -1,0 +1,106 @@
+"""The trained zoo (issue 64, tests/zoo.py): every attention layer extracted with the library's
+defaults (plus ``positions="rotary"``, and ``key_bias=True`` for Qwen2, as docs/rotary.md says),
+its replacement judged against the exact float64 layer at every position.
+
+    python benchmarks/train_zoo.py       # once: the cache in tests/data/zoo (already committed)
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py                       # the whole table
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --layers gpt2-d64-h8/0 --dtypes float32
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --rotary --cpu-limit 900
+
+One row per layer and dtype (bfloat16 and float16 for the non-rotary families only: rotary runs
+refuse answers coarser than float32). Each row runs in a child process with a limit on its CPU
+time (``--cpu-limit``, seconds; on a shared machine wall time says little): a row that does not
+finish within it says so. Columns (``zoo.run_and_judge``):
+
+* queries: measured at the oracle, the calibration included; seconds: the extraction's wall time
+  and CPU time (one thread);
+* output error: the replacement (``to_torch`` / ``to_torch_rotary``) against the exact layer (float64,
+  the dtype layer's own rounded weights; rotary: ``float64_layer``) at every position of 100 fresh
+  sequences of lengths 1..128, max absolute difference over max |output|;
+* layer's own error: the dtype layer (as its model runs it) against the same exact layer;
+* parameter error: ``compare(result.model, truth)``, the truth from the weights; the estimate is
+  ``result.error_estimate`` and its ratio to the parameter error;
+* verdict: ``zoo.verdicts`` (acceptance 1 of issue 64), or the first line of the run's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import queue as queue_module
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import zoo  # noqa: E402
+
+LOW = ("bfloat16", "float16")
+
+
+def measure(layer_id, dtype, queue, cpu_limit=None):
+    torch.set_num_threads(1)
+    if cpu_limit is not None:  # SIGXCPU ends the child
+        resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
+    try:
+        row = zoo.run_and_judge(layer_id, getattr(torch, dtype))
+        failures = zoo.verdicts(row)
+        row["verdict"] = "pass" if not failures else "FAIL: " + "; ".join(failures)
+        row.pop("result")
+    except Exception as failure:  # the table records what a user would have seen
+        row = dict(layer=layer_id, dtype=dtype, verdict=f"FAIL: {type(failure).__name__}: {str(failure).splitlines()[0]}")
+    queue.put(row)
+
+
+def line(row):
+    if "queries" not in row:
+        return f"| {row['layer']} | {row['dtype']} | - | {row.get('seconds', '-')} | - | - | - | - | - | {row['verdict']} |"
+    ratio = row["estimate"] / row["parameter_error"] if row["parameter_error"] else float("nan")
+    return (f"| {row['layer']} | {row['dtype']} | {row['queries']:,} | {row['seconds']:.1f} / {row['cpu_seconds']:.1f} | {row['output_error']:.1e} | "
+            f"{row['own_error']:.1e} | {row['parameter_error']:.1e} | {row['estimate']:.1e} | {ratio:.3g} | {row['verdict']} |")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", nargs="+", help='"<model>/<layer>" ids (default: the whole zoo)')
+    parser.add_argument("--rotary", action=argparse.BooleanOptionalAction, default=None,
+                        help="only the rotary (--rotary) or the other (--no-rotary) families")
+    parser.add_argument("--dtypes", nargs="+", choices=["float64", "float32", *LOW], default=["float64", "float32", *LOW])
+    parser.add_argument("--cpu-limit", type=float, default=1800.0, help="seconds of CPU a row may take")
+    arguments = parser.parse_args()
+    stale = zoo.stale_reasons()
+    if stale:
+        sys.exit("the zoo's cache is stale: " + "; ".join(stale))
+    print("| layer | dtype | queries | seconds wall / CPU | output error | layer's own error | parameter error | estimate | "
+          "estimate / error | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    context = multiprocessing.get_context("fork")
+    for dtype in arguments.dtypes:
+        for layer_id in arguments.layers or zoo.layer_ids(arguments.rotary):
+            if dtype in LOW and zoo.SPECS[layer_id.split("/")[0]]["family"] in zoo.ROTARY:
+                continue
+            queue = context.Queue()
+            child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit))
+            started = time.perf_counter()
+            child.start()
+            row = None
+            while row is None and (child.is_alive() or not queue.empty()):
+                try:
+                    row = queue.get(timeout=5)
+                except queue_module.Empty:  # still running
+                    pass
+            child.join()
+            if row is None:
+                row = dict(layer=layer_id, dtype=dtype, seconds="-", verdict=(
+                    f"not finished in {arguments.cpu_limit:.0f} s of CPU" if child.exitcode == -signal.SIGXCPU
+                    else f"FAIL: the child exited with {child.exitcode}"))
+            print(line(row), flush=True)
+            print(f"{layer_id} {dtype}: {time.perf_counter() - started:.0f} s in all", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Issue 64's trained zoo (tests/zoo.py, trained by benchmarks/train_zoo.py): every attention layer
+of small GPT-2, BERT, ViT, Llama, Mistral and Qwen2 models trained on this machine, extracted with
+the library's defaults (plus ``positions="rotary"``, and ``key_bias=True`` for Qwen2) and judged
+against the exact float64 layer of its own weights at every position of 100 fresh sequences of
+1..128 tokens (``zoo.run_and_judge``, ``zoo.verdicts``). The fast tier checks the cache and runs one float64 layer; the
+rest are slow, and the full table is ``benchmarks/bench_zoo.py`` (docs/trained-layers.md). Cases
+the library fails are strict xfails naming the measured cause: they turn red when fixed."""
+
+import functools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+
+
+def test_the_cache_is_the_zoo_this_code_trains():
+    assert zoo.stale_reasons() == []
+    stored = zoo.manifest()
+    for name, entry in stored["models"].items():
+        assert entry["final_loss"] < 0.8 * entry["first_loss"], name  # trained, not initial weights
+    assert sum(entry["bytes"] for entry in stored["models"].values()) < 2 ** 20
+
+
+@pytest.mark.slow
+def test_a_cached_layer_loads_in_every_dtype_and_answers_as_its_model_runs_it():
+    """The cached weights are float32; every dtype is their conversion, the exact layer their float64 copy."""
+    X = torch.as_tensor(np.random.default_rng(0).standard_normal((2, 9, 32)))
+    exact = zoo.exact_layer("qwen2-d32-h4/1", torch.float32)
+    for dtype, tolerance in [(torch.float64, 1e-6), (torch.float32, 1e-5), (torch.bfloat16, 5e-2)]:
+        layer = zoo.layer_as_run("qwen2-d32-h4/1", dtype)
+        with torch.no_grad():
+            got, expected = layer(X.to(dtype)).double(), exact(X)
+        assert float((got - expected).abs().max() / expected.abs().max()) <= tolerance
+    assert zoo.attention("qwen2-d32-h4/1").k_proj.bias.abs().max() > 0.01  # Qwen2's key bias is trained
+
+
+@functools.cache
+def judged(layer_id, dtype):
+    """One run per layer and dtype, shared by the tests below (``zoo.run_and_judge``)."""
+    return zoo.run_and_judge(layer_id, getattr(torch, dtype))
+
+
+def xfail(reason):
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+#: Layer and dtype, each replaced at every position within acceptance 1's limits, its estimate not
+#: below the model's error; one float64 layer in the fast tier, the rest slow (about 60 s).
+REPLACED = [
+    pytest.param("gpt2-d32-h2/0", "float64", id="gpt2-d32-h2/0-float64"),
+    pytest.param("bert-d64-h4/1", "float64", id="bert-d64-h4/1-float64", marks=pytest.mark.slow),
+    pytest.param("gpt2-d64-h8/1", "float64", id="gpt2-d64-h8/1-float64", marks=pytest.mark.slow),
+    pytest.param("bert-d64-h4/0", "float32", id="bert-d64-h4/0-float32", marks=pytest.mark.slow),
+    pytest.param("vit-d64-h4/0", "float32", id="vit-d64-h4/0-float32", marks=pytest.mark.slow),
+    pytest.param("gpt2-d32-h2/1", "bfloat16", id="gpt2-d32-h2/1-bfloat16", marks=pytest.mark.slow),
+    pytest.param("vit-d64-h4/0", "bfloat16", id="vit-d64-h4/0-bfloat16", marks=[pytest.mark.slow, xfail(
+        "no model: the low-precision start fails, the 4 labels of a direction did not show on 16 lines "
+        "of saturated queries (9 jumps seen, 3 recurring) on this trained ViT layer in bfloat16")]),
+    pytest.param("gpt2-d64-h8/0", "float32", id="gpt2-d64-h8/0-float32", marks=[pytest.mark.slow, xfail(
+        "the saturation check fails: 1 of 66,560 targeted instances (final group 38, head 0) has its "
+        "nearest other head at log-pole 16.3, below the 16.4 the float32 answers' noise asks, on this "
+        "trained 8-head layer of width 8; the model is within 1.2e-6 of the layer (docs/trained-layers.md)")]),
+]
+
+
+@pytest.mark.parametrize("layer_id, dtype", REPLACED)
+def test_a_trained_layer_is_replaced_at_every_position(layer_id, dtype):
+    row = judged(layer_id, dtype)
+    assert row["queries"] > 0 and row["result"].queries == row["queries"]  # measured at the oracle
+    assert zoo.failures(row) == []
+
+
+#: The estimate within 100 times the model's error (acceptance 1): float64 estimates have a floor
+#: far above trained layers' errors of 5e-15, and some float32 ones are thousands of times the error.
+TIGHT = [
+    pytest.param("bert-d64-h4/1", "float64", id="bert-d64-h4/1-float64", marks=[pytest.mark.slow, xfail(
+        "float64 estimate 8.4e-12 for an error of 5.3e-15 (1,600 x)")]),
+    pytest.param("gpt2-d64-h4/0", "float32", id="gpt2-d64-h4/0-float32", marks=pytest.mark.slow),
+    pytest.param("vit-d64-h4/1", "float64", id="vit-d64-h4/1-float64", marks=[pytest.mark.slow, xfail(
+        "float64 estimate 1.7e-11 for an error of 2.2e-14 (770 x)")]),
+    pytest.param("bert-d64-h4/0", "float32", id="bert-d64-h4/0-float32", marks=[pytest.mark.slow, xfail(
+        "float32 estimate 1.6e-2 for an error of 1.9e-6 (8,300 x)")]),
+]
+
+
+@pytest.mark.parametrize("layer_id, dtype", TIGHT)
+def test_the_estimate_of_a_trained_layer_is_within_100_times_its_error(layer_id, dtype):
+    row = judged(layer_id, dtype)
+    assert zoo.failures(row) == [] and zoo.loose(row) is None
