@@ -285,6 +285,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         extraction.queries += attempt.boundary.queries + attempt.boundary.replayed
         extraction.queries_asked += attempt.boundary.queries
         extraction.queries_replayed += attempt.boundary.replayed
+        extraction.split_queries = attempt.boundary.queries + attempt.boundary.replayed
         extraction.schedule_reason += (f"; whole answers could not be split by head ({attempt.result}), after "
                                        f"{attempt.boundary.queries + attempt.boundary.replayed} queries")
     failed = {check.name for check in extraction.failed_checks}

@@ -206,7 +206,8 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
             for h in range(heads):
                 columns[h].append((moved_labels[:, h] - labels[:, h]) / PERTURBATION)
         ranks = [_rank(np.stack(column, axis=1), unit) for column in columns]
-        if all(rank + 2 < len(column) for rank, column in zip(ranks, columns)) or len(columns[0]) > most + 2:
+        if (all(rank + 2 < len(column) for rank, column in zip(ranks, columns)) or len(columns[0]) > most + 2
+                or sum(ranks) > d_out):  # (the last: they cannot be independent, said at once)
             break
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
     projectors = [O @ P for O, P in zip(first.O, first.P)]
