@@ -63,7 +63,7 @@ def test_a_float64_layer_is_replaced_at_every_position(kind, implementation):
     d, H = 16, 2
     layer = build(kind, d, H, seed=1, implementation=implementation).eval()
     oracle = TorchOracle(layer)
-    result = mx.extract(oracle, d, heads=H, seed=0)
+    result = mx.extract(oracle, d, heads=H, seed=0, schedule="targeted")  # "auto" splits whole answers
     assert result.ok and result.model.is_vector and result.d_out == d
     assert oracle.sequences == result.queries  # measured at the oracle
     assert mx.compare(result.model, to_reduced(layer)).max_rel <= 1e-11
@@ -75,8 +75,8 @@ def test_a_float64_layer_is_replaced_at_every_position(kind, implementation):
 def test_the_float64_layer_needs_about_one_percent_more_queries_than_its_read_out():
     d, H = 32, 2
     layer = build("nn.MultiheadAttention", d, H, seed=3).eval()
-    whole = mx.extract(TorchOracle(layer), d, heads=H, seed=0)
-    scalar = mx.extract(TorchOracle(layer, whole.readout), d, heads=H, seed=0)
+    whole = mx.extract(TorchOracle(layer), d, heads=H, seed=0, schedule="targeted")
+    scalar = mx.extract(TorchOracle(layer, whole.readout), d, heads=H, seed=0, schedule="targeted")
     assert whole.queries - scalar.queries == whole.value_fit.rows
     assert whole.queries <= 1.02 * scalar.queries
 
@@ -86,7 +86,7 @@ def test_a_float32_layer_is_replaced_within_its_own_precision():
     d, H = 32, 4
     exact = build("GPT2Attention", d, H, seed=0, implementation="eager").eval()
     layer = build("GPT2Attention", d, H, seed=0, implementation="eager").eval().float()
-    result = mx.extract(TorchOracle(layer), d, heads=H, seed=0)
+    result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, schedule="targeted")
     assert result.ok and result.answer_dtype == "float32"
     replacement = to_torch(result.model, causal=False)
     assert worst_relative_error(replacement, exact, d) <= 1e-5
@@ -97,7 +97,7 @@ def test_the_gpt2_state_dict_loads_into_a_fresh_gpt2_attention():
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Config
     d, H = 32, 4
     layer = build("GPT2Attention", d, H, seed=2, implementation="eager").eval()
-    result = mx.extract(TorchOracle(layer), d, heads=H, seed=0)
+    result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, schedule="targeted")
     fresh = GPT2Attention(GPT2Config(n_embd=d, n_head=H, attn_implementation="eager"), layer_idx=0).double().eval()
     fresh.load_state_dict(to_state_dict(result.model, like=fresh))
     assert worst_relative_error(fresh, layer, d) <= 1e-12
@@ -159,9 +159,9 @@ def test_a_layers_scalar_oracle_of_the_whole_runs_readout_asks_the_same_queries(
         layer.in_proj_bias.normal_(0, 0.2)
         layer.out_proj.bias.normal_(0, 0.2)
     whole_oracle = TorchOracle(layer)
-    result = mx.extract(whole_oracle, 8, heads=2, seed=4)
+    result = mx.extract(whole_oracle, 8, heads=2, seed=4, schedule="targeted")
     scalar_oracle = TorchOracle(layer, result.readout)
-    scalar = mx.extract(scalar_oracle, 8, heads=2, seed=4)
+    scalar = mx.extract(scalar_oracle, 8, heads=2, seed=4, schedule="targeted")
     assert result.ok and scalar.ok
     assert whole_oracle.sequences == result.queries == scalar_oracle.sequences + result.value_fit.rows
     np.testing.assert_array_equal(result.scalar_model.W, scalar.model.W)

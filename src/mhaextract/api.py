@@ -31,12 +31,14 @@ from .numerics.arithmetic import BACKENDS, arithmetic_for
 from .oracle.boundary import OracleBoundary
 from .oracle.progress import expect_queries, one_bar_per_run
 from .oracle.resume_check import check_same_oracle
-from .oracle.transcript import CALIBRATION, RUN, Transcript, check_directory, run_fingerprint, run_header
+from .oracle.answer_stats import FORMAT_UNITS
+from .oracle.transcript import CALIBRATION, RUN, VECTOR, Transcript, check_directory, run_fingerprint, run_header
 from .oracle.vector_answers import VectorAnswers
 from .results import Extraction
 from .schedules.base import RunSettings
 from .schedules.registry import COARSE_FORMATS, choose, low_precision_run
 from .schedules.targeted.lowrank import AUTO as AUTO_RANK
+from .schedules.vector import SplitUnavailable, VectorExtraction, extract_vector
 from .validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
     token_scale_for, token_scale_option,
@@ -54,7 +56,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
             answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
             verify_length=None, positions="none",
-            key_bias=False) -> Extraction | RotaryExtraction | LowPrecisionExtraction:
+            key_bias=False) -> Extraction | RotaryExtraction | LowPrecisionExtraction | VectorExtraction:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -238,6 +240,16 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
             return _extract_low_precision(oracle, settings, answer_format, scale_option, vectors, batch_size, progress,
                                           on_failure, record, check, max_queries, verify_length, probes, plan,
                                           calibration)
+        attempt = None
+        if choice.bias and vector_run(schedule, settings, vectors.d_out, calibration):
+            attempt = _extract_whole(oracle, settings, vectors, calibration, probes, batch_size, progress, max_queries,
+                                     record, verify_length)
+            if isinstance(attempt.result, VectorExtraction):
+                if record is not None:
+                    record.close()
+                report_failure(attempt.result, "vector extraction (whole answers split by head)", on_failure)
+                return attempt.result
+            max_queries = None if max_queries is None else max(0, max_queries - attempt.boundary.queries)
         if record is not None:
             record.start_run(run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
     except BaseException:
@@ -283,6 +295,13 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     finally:
         if record is not None:
             record.close()
+    if attempt is not None:  # the split was tried first: its queries count, and the reason says why it fell back
+        extraction.queries += attempt.boundary.queries + attempt.boundary.replayed
+        extraction.queries_asked += attempt.boundary.queries
+        extraction.queries_replayed += attempt.boundary.replayed
+        extraction.split_queries = attempt.boundary.queries + attempt.boundary.replayed
+        extraction.schedule_reason += (f"; whole answers could not be split by head ({attempt.result}), after "
+                                       f"{attempt.boundary.queries + attempt.boundary.replayed} queries")
     failed = {check.name for check in extraction.failed_checks}
     hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
                           float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf", model_class=evidence)
@@ -301,6 +320,53 @@ def _probe_model_class(boundary, settings: RunSettings, extraction: Extraction):
                                queries_asked=extraction.queries_asked + asked,
                                queries_replayed=extraction.queries_replayed + replayed,
                                model_class_queries=asked + replayed), evidence
+
+
+@dataclasses.dataclass
+class _WholeAttempt:
+    """The split of whole answers tried before the scalar schedules: its boundary (the queries it
+    asked) and its result, a VectorExtraction or the reason it could not split (a string)."""
+
+    boundary: OracleBoundary
+    result: object
+
+
+def vector_run(schedule, settings: RunSettings, d_out, calibration) -> bool:
+    """Whether ``schedule="auto"`` tries the split of whole answers (docs/algorithm.md, 'Whole answers
+    near the vector bound'): float64 arithmetic, whole answers (``d_out > 1``, known from the
+    calibration's probes) of float32 or float64 precision, H declared and none of the scalar
+    schedules' options given."""
+    scalar_options = ("samples_per_instance", "refine", "refine_queries", "answer_error", "rank", "backend", "repair")
+    return (schedule == "auto" and settings.precision is None and settings.heads is not None
+            and (d_out or 1) > 1 and calibration is not None
+            and calibration.answer_precision in ("float64", "float32")
+            and not any(settings.given(option) for option in scalar_options))
+
+
+def _extract_whole(oracle, settings: RunSettings, vectors, calibration, probes, batch_size, progress, max_queries,
+                   record, verify_length) -> _WholeAttempt:
+    """The split of whole answers on a boundary of its own (recorded in the transcript's ``"vector"``
+    section); SplitUnavailable comes back as its reason."""
+    unit = max(vectors.unit, FORMAT_UNITS.get(calibration.answer_precision, 2.0 ** -53))
+    boundary = OracleBoundary(oracle, settings.d, batch_size=batch_size, progress=progress, max_queries=max_queries,
+                              transcript=None if record is None else record.section(VECTOR), vectors=vectors)
+    try:
+        result = extract_vector(boundary, settings.seed, settings.d, settings.heads, settings.token_scale, unit,
+                                calibration.answer_precision, verify_length, progress)
+    except SplitUnavailable as why:
+        return _WholeAttempt(boundary, str(why))
+    except np.linalg.LinAlgError as why:  # a factorisation of the split failed: it cannot work here
+        return _WholeAttempt(boundary, f"a factorisation of the split failed ({why})")
+    result.calibration_queries = probes.queries + probes.replayed
+    result.queries += probes.queries + probes.replayed
+    result.queries_asked += probes.queries
+    result.queries_replayed += probes.replayed
+    result.schedule_reason = (
+        f"auto: whole answers of d_out = {vectors.d_out} numbers ({calibration.answer_precision}) and H = "
+        f"{settings.heads} declared: the heads' output subspaces split the answers (ranks {result.value_ranks}, "
+        f"condition number {result.split_conditioning:.3g}), every query answers every head (docs/algorithm.md, "
+        f"'Whole answers near the vector bound'); model with biases (u_h, c)")
+    return _WholeAttempt(boundary, result)
 
 
 def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size, progress,

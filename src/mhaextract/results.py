@@ -205,6 +205,9 @@ class Extraction(CheckedResult):
     scalar_model: MultiHeadAttention | None = None
     value_fit: object = None
     causal: object = None
+    #: Whole answers that could not be split by head (docs/algorithm.md, 'Whole answers near the vector
+    #: bound'): the queries the split asked before this schedule ran (counted in ``queries``).
+    split_queries: int = 0
 
     @property
     def d_out(self) -> int | None:

@@ -16,7 +16,9 @@ are asked:
 * ``"calibration"``: the token-scale probes (:mod:`mhaextract.calibration`), which depend only on
   ``d``, the seed and the precision, so they are recorded before the run's plan exists;
 * ``"run"``: the schedule's queries and every query after them (noise probe, polish, repair),
-  whose plan depends on the calibrated scale.
+  whose plan depends on the calibrated scale;
+* ``"vector"``: the queries of the split of whole answers (:mod:`mhaextract.schedules.vector`),
+  tried before the schedule when the answers are whole vectors.
 
 What makes that safe:
 
@@ -58,8 +60,8 @@ from ..numerics.highprec import mpf_from_hex, mpf_to_hex
 #: Version of the file layout; a transcript of another version is refused.
 FORMAT = 2
 #: The sections of a transcript (module docstring).
-CALIBRATION, RUN = "calibration", "run"
-SECTIONS = (CALIBRATION, RUN)
+CALIBRATION, RUN, VECTOR = "calibration", "run", "vector"
+SECTIONS = (CALIBRATION, RUN, VECTOR)
 
 
 class TranscriptError(RuntimeError):

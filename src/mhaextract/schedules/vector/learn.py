@@ -1,0 +1,182 @@
+"""The run on whole answers near the vector bound (docs/algorithm.md, 'Whole answers near the vector
+bound'): the value map, the split, the scores, the refinement, the error estimate and the checks.
+
+:func:`extract_vector` is what :func:`mhaextract.extract` runs for ``schedule="auto"`` when the
+answers are whole float32 or float64 vectors and H is declared; :class:`SplitUnavailable` (raised
+before any model exists) sends the run back to the scalar schedules, with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...checks.base import Check, CheckedResult
+from ...checks.verify import ask_long_verification, fresh_queries, spread_lengths
+from ...model import MultiHeadAttention
+from ...oracle.progress import note_progress
+from ...validation import spawn_rng
+from .factored import FactoredLayer
+from .refine import refine
+from .scores import learn_scores, tokens_per_query
+from .split import _Saturated, output_subspaces
+from .values import SplitUnavailable, value_map
+
+#: The refinement runs when one Jacobian product costs at most this many multiply-adds
+#: (n H N (k + r) d): about d = 48 on the defaults; larger layers keep the start (see the docs).
+REFINE_WORK = 2e8
+#: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST at 0.5, 1 and 2 token scales.
+HOLDOUT_QUERIES, HOLDOUT_LONGEST = 32, 64
+#: The estimate is this many times the held-out queries' largest relative misfit.
+ESTIMATE_FACTOR = 10.0
+#: Random streams of the run's seed (:func:`mhaextract.validation.spawn_rng`), apart from the others'.
+STREAMS = {"values": 41, "split": 42, "scores": 43, "holdout": 44, "refine": 45}
+
+
+def vector_bound(d: int, heads: int, rank: int, d_out: int) -> int:
+    """``ceil(P / d_out)``, P the canonical layer's real parameters with heads of width r:
+    ``H (2 d r - r^2 + d + (d + d_out) r - r^2) + d_out`` (the information bound of whole answers)."""
+    parameters = heads * (2 * d * rank - rank ** 2 + d + (d + d_out) * rank - rank ** 2) + d_out
+    return -(-parameters // d_out)
+
+
+@dataclass
+class VectorExtraction(CheckedResult):
+    """Result of :func:`mhaextract.extract` on whole answers split by head (``schedule == "vector"``).
+
+    Attributes
+    ----------
+    model : MultiHeadAttention (whole: ``V`` (H, d_out, d), ``c`` (d_out,)).
+    heads : heads in the model. queries, queries_asked, queries_replayed, calibration_queries : as
+        :class:`~mhaextract.results.Extraction`'s, measured at the oracle boundary.
+    vector_bound : ``ceil(P / d_out)`` for the heads' measured widths (:func:`vector_bound`).
+    error_estimate : the largest output error expected on fresh queries of up to 64 tokens, relative
+        to each query's largest output: ``ESTIMATE_FACTOR`` times the largest misfit on held-out
+        queries (docs/algorithm.md, 'Whole answers near the vector bound').
+    answers_residual : RMS misfit on the fitted answers, relative to their RMS.
+    value_ranks, score_ranks : per head, rank V_h and rank [W_h | u_h].
+    split_conditioning : the condition number of [O_1 .. O_H].
+    refined : whether the Gauss-Newton refinement ran.
+    """
+
+    model: MultiHeadAttention | None
+    heads: int
+    queries: int
+    queries_asked: int
+    max_query_length: int
+    answer_dtype: str
+    token_scale: float
+    error_estimate: float
+    answers_residual: float
+    seconds: float
+    checks: list = field(default_factory=list)
+    verification: object = None
+    vector_bound: int = 0
+    value_ranks: list = field(default_factory=list)
+    score_ranks: list = field(default_factory=list)
+    split_conditioning: float = float("nan")
+    refined: bool = False
+    calibration_queries: int = 0
+    queries_replayed: int = 0
+    schedule: str = "vector"
+    schedule_reason: str = ""
+    precision: int | None = None
+    readout: np.ndarray | None = None
+
+    def summary(self) -> dict:
+        return {"schedule": self.schedule, "answer_dtype": self.answer_dtype, "heads": self.heads,
+                "queries": self.queries, "vector_bound": self.vector_bound, "queries_asked": self.queries_asked,
+                "queries_replayed": self.queries_replayed, "calibration_queries": self.calibration_queries,
+                "max_query_length": self.max_query_length, "token_scale": self.token_scale,
+                "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
+                "split_conditioning": self.split_conditioning, "refined": self.refined, "ok": self.ok,
+                "seconds": self.seconds}
+
+    def __repr__(self) -> str:
+        return (f"VectorExtraction(heads={self.heads}, queries={self.queries}, bound={self.vector_bound}, "
+                f"ok={self.ok}, error_estimate={self.error_estimate:.2g})")
+
+
+def _padded(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    out = np.zeros((len(arrays),) + shape)
+    for index, array in enumerate(arrays):
+        out[(index,) + tuple(slice(0, size) for size in array.shape)] = array
+    return out
+
+
+def _start(split, K, G, beta, c, d: int, d_out: int) -> FactoredLayer:
+    k, r = max(basis.shape[1] for basis in K), max(split.ranks)
+    return FactoredLayer(_padded(K, (d, k)), _padded(G, (k, d)), _padded(beta, (k,)), _padded(split.O, (d_out, r)),
+                         _padded(split.P, (r, d)), np.array(c, dtype=np.float64))
+
+
+def _relative_misfits(model: MultiHeadAttention, sequences, answers: np.ndarray) -> np.ndarray:
+    """Per query, the largest output error relative to the query's largest answer."""
+    predicted = model(sequences)
+    return np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)
+
+
+def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
+    """The start: ``(layer, sequences, answers, split, score ranks)`` (the unsaturated queries and
+    their whole answers, which the refinement fits). SplitUnavailable when the split cannot work."""
+    values = value_map(boundary, spawn_rng(seed, STREAMS["values"]), d, scale)
+    d_out = values.c.shape[0]
+    if heads > d_out:
+        raise SplitUnavailable(f"H = {heads} heads cannot have independent output subspaces in d_out = {d_out}")
+    note_progress(progress, "whole answers: saturated queries for the heads' output subspaces")
+    split = output_subspaces(_Saturated(boundary, values, unit), spawn_rng(seed, STREAMS["split"]), d, d_out,
+                             scale, heads, values, unit)
+    note_progress(progress, "whole answers: every head's attention weights")
+    K, G, beta, batches = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c, unit)
+    sequences = values.sequences + [X for batch in batches for X in batch.X]
+    answers = np.concatenate([values.answers] + [batch.answers for batch in batches])
+    return _start(split, K, G, beta, values.c, d, d_out), sequences, answers, split, [k.shape[1] for k in K]
+
+
+def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float, answer_dtype: str,
+                   verify_length: int | None = None, progress=None) -> VectorExtraction:
+    """The run of the module docstring on ``boundary`` (whole answers; its checks unreported:
+    ``extract`` raises or warns). ``unit``: the answers' relative rounding."""
+    started = time.perf_counter()
+    layer, sequences, answers, split, score_ranks = learn_split(boundary, seed, d, heads, scale, unit, progress)
+    m = tokens_per_query(split.ranks)
+    work = len(sequences) * heads * (m + 1) * d * (layer.K.shape[2] + layer.O.shape[2])
+    refined = work <= REFINE_WORK
+    if refined:
+        result = refine(layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit:
+                        note_progress(progress, f"whole answers: Gauss-Newton step {step}, misfit {misfit:.3g}"))
+        layer = result.layer
+    model = layer.model()
+    residual = float(np.sqrt(np.mean((model(sequences) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
+    holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
+                            scale, (0.5, 1.0, 2.0))
+    held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))
+    estimate = ESTIMATE_FACTOR * max(float(_relative_misfits(model, holdout, held).max()), unit)
+    limit = float(np.sqrt(unit))
+    checks = [
+        Check("split", True, split.conditioning, np.inf,
+              f"heads' output subspaces of ranks {split.ranks}, [O_1 .. O_H] of condition number "
+              f"{split.conditioning:.3g}"),
+        Check("answers_residual", residual <= 1e3 * unit, residual, 1e3 * unit,
+              "RMS misfit of the model on the unsaturated answers, relative to their RMS"),
+        Check("error_estimate", estimate <= limit, estimate, limit,
+              f"largest output error on fresh queries expected from {HOLDOUT_QUERIES} held-out queries "
+              f"(x {ESTIMATE_FACTOR:g}), relative to each query's largest output"),
+    ]
+    verification = None
+    if verify_length is None or verify_length > 0:
+        long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), scale, verify_length or 256)
+        largest = float(np.abs(long_queries.whole).max())
+        check, verification = long_queries.judge(model, estimate, residual, 0.0, largest, unit, m + 1, seed=seed)
+        checks.append(check)
+    d_out = answers.shape[1]
+    return VectorExtraction(
+        model=model, heads=model.heads, queries=boundary.queries + boundary.replayed,
+        queries_asked=boundary.queries, queries_replayed=boundary.replayed,
+        max_query_length=boundary.max_query_length, answer_dtype=answer_dtype, token_scale=float(scale),
+        error_estimate=float(estimate), answers_residual=residual, seconds=time.perf_counter() - started,
+        checks=checks, verification=verification,
+        vector_bound=vector_bound(d, heads, max(split.ranks), d_out), value_ranks=list(split.ranks),
+        score_ranks=score_ranks, split_conditioning=split.conditioning, refined=refined)

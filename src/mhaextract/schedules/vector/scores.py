@@ -1,0 +1,160 @@
+"""Every head's scores from the split (docs/algorithm.md, 'Whole answers near the vector bound').
+
+With the split, a query ``X = (x_1 .. x_m, t)`` gives head h's coordinates ``z_h = P_h X^T a_h``
+(r_h numbers) and so its weights: ``[P_h X^T; 1^T] a_h = [z_h; 1]``, ``m + 1 <= r_h + 1`` unknowns
+(least squares; ``m`` about ``r/2`` keeps it well conditioned). Then ``log(a_i / a_N) =
+(x_i - t)^T q_h(t)`` with ``q_h(t) = W_h t + u_h``: m equations for every head at once. Phase 1
+asks ``d / m`` (oversampled) queries per final token until the span of the ``q_h(t)`` stops
+growing: it is ``K_h``, of dimension ``k_h = rank [W_h | u_h]``. Phase 2 asks about
+``k_h / m`` queries per further final token, ``q_h(t) = K_h g_h(t)``. Over ``d + 1`` and more
+final tokens the affine map ``g_h(t) = G_h t + beta_h`` is a least-squares fit:
+``W_h = K_h G_h``, ``u_h = K_h beta_h``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .split import Split, exact_tokens
+from .values import SplitUnavailable
+
+#: Oversampling of the equations per final token (phase 1: d unknowns, phase 2: k_h).
+OVERSAMPLE = 1.5
+#: Final tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning).
+EXTRA_FINALS = 0.125
+#: Final tokens added per round of phase 1.
+FINALS_PER_ROUND = 8
+
+
+@dataclass
+class ScoreBatch:
+    """One batch of this step's queries: ``per_final`` queries of m random tokens before each of
+    ``finals`` (F, d), the tokens ``X`` (F per_final, m + 1, d) and their whole answers; ``full``:
+    phase 1 (``q_h`` in full) or phase 2 (its coordinates in ``K_h``)."""
+
+    X: np.ndarray
+    answers: np.ndarray
+    finals: np.ndarray
+    per_final: int
+    full: bool
+
+
+def tokens_per_query(ranks: list[int]) -> int:
+    """m: about half the narrowest head's value rank (the weights' solve stays well conditioned)."""
+    return max(1, (min(ranks) + 1) // 2)
+
+
+def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
+    """Per head, the attention weights (B, N) the split coordinates imply."""
+    z = split.coordinates(outputs - c)
+    weights = []
+    for P, z_h in zip(split.P, z):
+        A = np.einsum("rd,bnd->brn", P, X)
+        A = np.concatenate([A, np.ones((len(X), 1, X.shape[1]))], axis=1)
+        rhs = np.concatenate([z_h, np.ones((len(X), 1))], axis=1)
+        weights.append(np.einsum("bnr,br->bn", np.linalg.pinv(A), rhs))
+    return weights
+
+
+def _equations(X: np.ndarray, a: np.ndarray):
+    """Rows ``x_i - t`` (B, m, d), log-ratios (B, m) and their weights (B, m) (the inverse of the
+    log-ratios' sensitivity to the weights' error, 0 where a weight is not positive)."""
+    rows = X[:, :-1] - X[:, -1:]
+    positive = (a > 0).all(axis=1)
+    safe = np.where(a > 0, a, 1.0)
+    ratios = np.log(safe[:, :-1]) - np.log(safe[:, -1:])
+    weight = 1.0 / np.sqrt(1.0 / safe[:, :-1] ** 2 + 1.0 / safe[:, -1:] ** 2)
+    return rows, ratios, weight * positive[:, None]
+
+
+def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
+    """Per head the equations (rows, ratios, weights), each (F, per_final m, ...), of one batch."""
+    F, d, m = len(batch.finals), batch.X.shape[2], batch.X.shape[1] - 1
+    per_head = []
+    for a in _weights(split, batch.X, batch.answers, c):
+        rows, ratios, weight = _equations(batch.X, a)
+        per_head.append((rows.reshape(F, batch.per_final * m, d), ratios.reshape(F, -1), weight.reshape(F, -1)))
+    return per_head
+
+
+def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float, unit: float, full: bool,
+         description: str) -> ScoreBatch:
+    F, d = finals.shape
+    others = rng.standard_normal((F, per_final, m, d)) * scale / np.sqrt(d)
+    X = exact_tokens(np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2),
+                     unit).reshape(F * per_final, m + 1, d)
+    answers = np.asarray(boundary.ask(list(X), description, whole=True))
+    return ScoreBatch(X, answers, finals, per_final, full)
+
+
+def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Weighted least squares per final token: (F, n, p) rows -> (F, p) solutions."""
+    A = rows * weight[..., None]
+    b = ratios * weight
+    return np.stack([np.linalg.lstsq(A_f, b_f, rcond=None)[0] for A_f, b_f in zip(A, b)])
+
+
+def _rank(vectors: np.ndarray, unit: float) -> int:
+    s = np.linalg.svd(vectors, compute_uv=False)
+    return int((s > max(1e-8, 1e5 * unit) * s[0]).sum())
+
+
+def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Phase 1: the final tokens and per head ``q_h(t)`` in full (F, d)."""
+    heads = len(split.ranks)
+    finals = np.concatenate([batch.finals for batch in batches])
+    full = [[] for _ in range(heads)]
+    for batch in batches:
+        for h, equations in enumerate(_batch_equations(split, c, batch)):
+            full[h].append(_solve(*equations))
+    return finals, [np.concatenate(q) for q in full]
+
+
+def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: float, ranks=None):
+    """``(K, G, beta, ranks)`` from the recorded batches (module docstring); ``ranks``: the k_h found
+    before (None: from the phase-1 vectors' singular values)."""
+    first = [batch for batch in batches if batch.full]
+    finals, full = _full_vectors(split, c, first)
+    ranks = [_rank(q, unit) for q in full] if ranks is None else ranks
+    bases = [np.linalg.svd(q.T, full_matrices=False)[0][:, :rank] for q, rank in zip(full, ranks)]
+    coordinates = [q @ K for q, K in zip(full, bases)]
+    for batch in batches:
+        if batch.full:
+            continue
+        finals = np.concatenate([finals, batch.finals])
+        coordinates = [np.concatenate([g, _solve(rows @ K, ratios, weight)])
+                       for g, K, (rows, ratios, weight) in zip(coordinates, bases, _batch_equations(split, c, batch))]
+    d = finals.shape[1]
+    design = np.concatenate([finals, np.ones((len(finals), 1))], axis=1)
+    G, beta = [], []
+    for g in coordinates:
+        solution = np.linalg.lstsq(design, g, rcond=None)[0]  # (d + 1, k)
+        G.append(solution[:d].T)
+        beta.append(solution[d])
+    if not all(np.isfinite(x).all() for x in G + beta):
+        raise SplitUnavailable("the heads' attention weights could not be read from the split answers")
+    return bases, G, beta, ranks
+
+
+def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float):
+    """``(K, G, beta, batches)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h`` (k_h),
+    and the batches asked (:class:`ScoreBatch`)."""
+    heads, m = len(split.ranks), tokens_per_query(split.ranks)
+    finals_needed = d + 1 + max(4, int(EXTRA_FINALS * d))
+    new_finals = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
+    batches, asked = [], 0
+    while True:  # phase 1: q_h(t) in full, until every head's span stopped growing
+        count = min(FINALS_PER_ROUND, finals_needed - asked)
+        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(OVERSAMPLE * d / m)), m, scale, unit,
+                            True, "weights: whole score vectors"))
+        asked += count
+        ranks = [_rank(q, unit) for q in _full_vectors(split, c, batches)[1]]
+        if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
+            break
+    if finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
+        batches.append(_ask(boundary, rng, new_finals(finals_needed - asked), int(np.ceil(OVERSAMPLE * max(ranks) / m)),
+                            m, scale, unit, False, "weights: score coordinates"))
+    K, G, beta, ranks = solve_scores(split, c, batches, unit, ranks)
+    return K, G, beta, batches

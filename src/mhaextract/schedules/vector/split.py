@@ -1,0 +1,265 @@
+"""The heads' output subspaces from saturated two-token queries, and the oblique split
+(docs/algorithm.md, 'Whole answers near the vector bound').
+
+A query ``(lam (x + delta), lam x)`` with large ``lam`` makes every head choose one token: the
+answer less ``c + lam V_tot x``, divided by ``lam``, is ``R = sum_{h in S} V_h delta``, a subset
+sum of the labels ``w_h = V_h delta``. Along the half circle ``x(theta) = rho (cos theta a +
+sin theta b)`` head h's choice flips where ``delta^T (lam W_h x + u_h)`` changes sign; bisection
+finds each flip, and the jump of R there is ``+-w_h``. Jumps seen on two half circles (a sum of two
+heads' labels recurs with probability zero) are the labels, their signs fixed by
+``sum_h w_h = V_tot delta``. Random ``x_k`` then give 0/1 patterns ``B`` (rounded from
+``[w]^+ R_k``), and for directions ``delta_j = delta + eps zeta_j`` the same patterns (rounded
+again, few flip) give ``V_h zeta_j`` for every head at once by least squares: the span of
+``V_h zeta_j`` over j is ``col(V_h) = col(O_h)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .values import SplitUnavailable, ValueMap
+
+#: Keys are ``SATURATION`` times the token scale: scores about ``SATURATION^2`` (a head's choice is
+#: then 0 or 1 to exp(-40) except within ``40 / SATURATION^2`` of its flip).
+SATURATION = 1000.0
+#: Half circles start with ``4 H + 1`` samples and bisect to this many bits of the half turn.
+BISECTION_BITS = 18
+#: Half circles tried before the labels are declared not found.
+MOST_CIRCLES = 6
+#: The perturbation of the base difference for the further directions.
+PERTURBATION = 0.02
+#: Directions per round (rounds continue until every head's rank stopped growing).
+DIRECTIONS_PER_ROUND = 8
+
+
+@dataclass
+class Split:
+    O: list[np.ndarray]          # per head, an orthonormal basis of col(V_h) (d_out x r_h)
+    P: list[np.ndarray]          # per head, r_h x d: V_h = O_h P_h
+    ranks: list[int]
+    conditioning: float          # cond([O_1 .. O_H])
+    queries: int
+
+    def coordinates(self, outputs: np.ndarray) -> list[np.ndarray]:
+        """Each head's r_h coordinates of ``outputs - c`` (n, d_out): ``z_h = [O^+]_h y``."""
+        stacked = np.linalg.pinv(np.concatenate(self.O, axis=1))
+        z, start = [], 0
+        for rank in self.ranks:
+            z.append(outputs @ stacked[start:start + rank].T)
+            start += rank
+        return z
+
+
+def _tolerance(unit: float) -> float:
+    """Relative size below which two subset sums count as equal (their rounding, with room)."""
+    return max(1e-9, 3e3 * unit)
+
+
+class _Saturated:
+    """Asks saturated pairs and returns their subset sums ``R``."""
+
+    def __init__(self, boundary, values: ValueMap, unit: float):
+        self.boundary, self.values, self.unit = boundary, values, unit
+        self.asked = 0
+
+    def sums(self, finals: np.ndarray, deltas: np.ndarray, description: str) -> np.ndarray:
+        """R for final tokens ``finals`` (n, d) and differences ``deltas`` (n, d)."""
+        keys = exact_tokens(SATURATION * (finals + deltas), self.unit)
+        queries = exact_tokens(SATURATION * finals, self.unit)
+        sequences = [np.stack([k, q]) for k, q in zip(keys, queries)]
+        answers = np.asarray(self.boundary.ask(sequences, description, whole=True))
+        self.asked += len(sequences)
+        return (answers - self.values.c - queries @ self.values.V_total.T) / SATURATION
+
+
+def exact_tokens(tokens: np.ndarray, unit: float) -> np.ndarray:
+    """Tokens the layer sees exactly: rounded to float32 for answers of float32 precision or coarser
+    (its own rounding of the tokens would otherwise move every key), as they are for float64."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    return tokens.astype(np.float32).astype(np.float64) if unit >= 2.0 ** -25 else tokens
+
+
+def _half_circle_jumps(saturated: _Saturated, rng, d: int, scale: float, delta: np.ndarray, heads: int,
+                       tolerance: float) -> list[np.ndarray]:
+    """The jumps of R along one half circle of final tokens: each head's label, up to sign."""
+    a, b = np.linalg.qr(rng.standard_normal((d, 2)))[0].T * scale
+
+    def ask(thetas):
+        finals = np.cos(thetas)[:, None] * a + np.sin(thetas)[:, None] * b
+        return saturated.sums(finals, np.broadcast_to(delta, finals.shape), "saturated half circles")
+
+    thetas = np.linspace(0.0, np.pi, 4 * heads + 1)
+    sums = ask(thetas)
+    size = max(float(np.abs(sums).max()), 1e-300)
+    smallest = np.pi * 2.0 ** -BISECTION_BITS
+    while True:
+        if len(thetas) > 64 * (heads + 1) * BISECTION_BITS:
+            raise SplitUnavailable("a saturated half circle kept changing between every two samples: its answers "
+                                   "are not subset sums (noise above the answers' rounding, or no saturation)")
+        differ = np.abs(np.diff(sums, axis=0)).max(axis=1) > tolerance * size
+        open_ = differ & (np.diff(thetas) > smallest)
+        if not open_.any():
+            break
+        middles = (thetas[:-1][open_] + thetas[1:][open_]) / 2
+        thetas = np.concatenate([thetas, middles])
+        sums = np.concatenate([sums, ask(middles)])
+        order = np.argsort(thetas)
+        thetas, sums = thetas[order], sums[order]
+    pieces = np.diff(sums, axis=0)[np.abs(np.diff(sums, axis=0)).max(axis=1) > tolerance * size]
+    return _merge_parallel(pieces, tolerance)
+
+
+def _merge_parallel(pieces: np.ndarray, tolerance: float) -> list[np.ndarray]:
+    """Consecutive pieces along one direction are one head passing through its flip (its weight
+    between 0 and 1 at the samples inside): summed into one jump."""
+    jumps = []
+    for piece in pieces:
+        if jumps:
+            last = jumps[-1]
+            cosine = float(last @ piece) / (np.linalg.norm(last) * np.linalg.norm(piece))
+            if cosine > 1 - 1e2 * tolerance:
+                jumps[-1] = last + piece
+                continue
+        jumps.append(piece)
+    return jumps
+
+
+def _cluster(jumps: list[tuple[int, np.ndarray]], tolerance: float) -> list[tuple[np.ndarray, set]]:
+    """Jumps equal up to sign (within the tolerance), with the half circles that showed each."""
+    clusters: list[tuple[np.ndarray, set]] = []
+    for circle, jump in jumps:
+        norm = np.linalg.norm(jump)
+        for index, (vector, circles) in enumerate(clusters):
+            sign = 1.0 if vector @ jump >= 0 else -1.0
+            if np.linalg.norm(vector - sign * jump) <= 1e2 * tolerance * max(norm, np.linalg.norm(vector)):
+                circles.add(circle)
+                break
+        else:
+            clusters.append((jump, {circle}))
+    return clusters
+
+
+def base_labels(saturated: _Saturated, rng, d: int, scale: float, heads: int, values: ValueMap,
+                tolerance: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(delta, w)``: a base difference and its H labels ``w_h = V_h delta`` (d_out x H)."""
+    delta = exact_tokens(rng.standard_normal(d) * scale / np.sqrt(d), saturated.unit)
+    target = values.V_total @ delta
+    jumps = []
+    for circle in range(MOST_CIRCLES):
+        jumps += [(circle, jump) for jump in _half_circle_jumps(saturated, rng, d, scale, delta, heads, tolerance)]
+        recurring = [vector for vector, circles in _cluster(jumps, tolerance) if len(circles) >= 2]
+        if len(recurring) == heads:
+            labels = np.stack(recurring, axis=1)
+            signs = np.linalg.lstsq(labels, target, rcond=None)[0]
+            if (np.abs(np.abs(signs) - 1) < 1e-3).all():
+                labels = labels * np.sign(signs)
+                if np.linalg.norm(labels.sum(axis=1) - target) <= 1e2 * tolerance * np.linalg.norm(target):
+                    return delta, labels
+    raise SplitUnavailable(
+        f"saturated half circles did not show {heads} separate heads whose labels sum to V_tot delta "
+        f"({len(_cluster(jumps, tolerance))} distinct jumps over {MOST_CIRCLES} half circles): merged or near-equal "
+        "heads, heads whose output subspaces overlap (H r > d_out), or a layer that cannot be saturated")
+
+
+def _patterns(labels: np.ndarray, sums: np.ndarray, tolerance: float) -> tuple[np.ndarray, np.ndarray]:
+    """0/1 patterns (n, H) rounded from ``[w]^+ R``, and which queries decoded cleanly."""
+    coefficients = np.linalg.lstsq(labels, sums.T, rcond=None)[0].T
+    patterns = np.rint(coefficients)
+    clean = (np.abs(coefficients - patterns).max(axis=1) < 0.25) & ((patterns == 0) | (patterns == 1)).all(axis=1)
+    return patterns, clean
+
+
+def _fit_labels(patterns: np.ndarray, keep: np.ndarray, sums: np.ndarray, heads: int, tolerance: float) -> np.ndarray:
+    """Labels (d_out x H) by least squares on the cleanly decoded queries; a query that misfits (a head
+    not quite saturated there) is dropped, the worst first, while H + 2 remain."""
+    keep = keep.copy()
+    size = float(np.abs(sums).max())
+    while keep.sum() >= heads + 2 and np.linalg.matrix_rank(patterns[keep]) == heads:
+        labels = np.linalg.lstsq(patterns[keep], sums[keep], rcond=None)[0]
+        misfit = np.abs(patterns @ labels - sums).max(axis=1)
+        misfit[~keep] = 0.0
+        if misfit.max() <= tolerance * size:
+            return labels.T
+        keep[np.argmax(misfit)] = False
+    raise SplitUnavailable("the saturated answers do not decode into 0/1 head choices (too few clean queries)")
+
+
+def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: float, heads: int,
+                     values: ValueMap, unit: float) -> Split:
+    """The split of the module docstring, or SplitUnavailable saying why it cannot work. Two rounds:
+    perturbed directions (labels decoded from the base's) give the subspaces to about
+    ``unit / PERTURBATION`` times their conditioning; independent directions, their labels
+    decoded from the first split's prediction ``Pi_h V_tot delta``, give them to the answers' rounding."""
+    tolerance = _tolerance(unit)
+    random_tokens = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
+    delta, labels = base_labels(saturated, rng, d, scale, heads, values, tolerance)
+    finals = random_tokens(2 * heads + 6)
+    base = saturated.sums(finals, np.broadcast_to(delta, finals.shape), "saturated patterns")
+    labels = _fit_labels(*_patterns(labels, base, tolerance), base, heads, tolerance)
+    columns = [[labels[:, h] / np.linalg.norm(labels[:, h])] for h in range(heads)]
+    most = min(d, d_out)
+    while True:
+        moved = exact_tokens(delta + PERTURBATION * random_tokens(DIRECTIONS_PER_ROUND), unit)
+        for moved_labels in _labels_along(saturated, finals, moved, lambda _: labels, heads, tolerance):
+            for h in range(heads):
+                columns[h].append((moved_labels[:, h] - labels[:, h]) / PERTURBATION)
+        ranks = [_rank(np.stack(column, axis=1), unit) for column in columns]
+        if (all(rank + 2 < len(column) for rank, column in zip(ranks, columns)) or len(columns[0]) > most + 2
+                or sum(ranks) > d_out):  # (the last: they cannot be independent, said at once)
+            break
+    first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
+    projectors = [O @ P for O, P in zip(first.O, first.P)]
+    deltas = random_tokens(max(ranks) + 2)
+    finals = random_tokens(2 * heads + 6)
+    exact = [[] for _ in range(heads)]
+    predicted = lambda delta: np.stack([V @ delta for V in projectors], axis=1)  # noqa: E731
+    for found in _labels_along(saturated, finals, deltas, predicted, heads, tolerance):
+        for h in range(heads):
+            exact[h].append(found[:, h])
+    return _oblique(exact, ranks, values, d_out, unit, saturated.asked)
+
+
+def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray, guess, heads: int,
+                  tolerance: float) -> list[np.ndarray]:
+    """For each difference in ``deltas``: the labels (d_out x H) from saturated queries at ``finals``,
+    their 0/1 patterns rounded from ``guess(delta)`` (labels near the true ones)."""
+    count = len(finals)
+    sums = saturated.sums(np.tile(finals, (len(deltas), 1)), np.repeat(deltas, count, axis=0),
+                          "saturated directions")
+    found = []
+    for index, delta in enumerate(deltas):
+        part = sums[index * count:(index + 1) * count]
+        found.append(_fit_labels(*_patterns(guess(delta), part, tolerance), part, heads, tolerance))
+    return found
+
+
+def _rank(vectors: np.ndarray, unit: float) -> int:
+    s = np.linalg.svd(vectors / np.linalg.norm(vectors, axis=0), compute_uv=False)
+    return int((s > max(1e-9, 1e5 * unit) * s[0]).sum())
+
+
+def _oblique(columns, ranks, values: ValueMap, d_out: int, unit: float, queries: int) -> Split:
+    if sum(ranks) > d_out:
+        raise SplitUnavailable(f"the heads' output subspaces have dimensions {ranks}, {sum(ranks)} in all, more "
+                               f"than d_out = {d_out}: they cannot be independent (H r > d_out)")
+    bases = []
+    for column, rank in zip(columns, ranks):
+        vectors = np.stack(column, axis=1)
+        bases.append(np.linalg.svd(vectors / np.linalg.norm(vectors, axis=0), full_matrices=False)[0][:, :rank])
+    stacked = np.concatenate(bases, axis=1)
+    conditioning = float(np.linalg.cond(stacked))
+    if not conditioning < 1.0 / max(unit, 2.0 ** -53) ** 0.5:
+        raise SplitUnavailable(f"the heads' output subspaces are nearly dependent (condition number "
+                               f"{conditioning:.3g} of [O_1 .. O_H]): the split would amplify the answers' rounding")
+    P_all = np.linalg.lstsq(stacked, values.V_total, rcond=None)[0]
+    misfit = np.linalg.norm(stacked @ P_all - values.V_total) / np.linalg.norm(values.V_total)
+    if misfit > max(1e-8, 1e5 * unit):
+        raise SplitUnavailable(f"V_tot is not in the span of the heads' output subspaces (misfit {misfit:.2g}): "
+                               "a head was missed")
+    P, start = [], 0
+    for rank in ranks:
+        P.append(P_all[start:start + rank])
+        start += rank
+    return Split(bases, P, ranks, conditioning, queries)

@@ -1,0 +1,41 @@
+"""The constant and the summed value map from one-token queries (docs/algorithm.md, 'Whole answers
+near the vector bound').
+
+A one-token query ``(w)`` gives every head all its attention: ``f((w)) = c + V_tot w`` with
+``V_tot = sum_h V_h``, exactly. The zero token answers ``c``; ``rho e_j`` for the columns of a
+random orthogonal basis answer ``c + rho V_tot e_j``: ``d + 1`` queries, each number to the
+answers' rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...oracle.queries import random_basis
+
+
+class SplitUnavailable(RuntimeError):
+    """The heads' output subspaces cannot be split from whole answers here; the message says why
+    (``extract`` then runs the scalar schedules)."""
+
+
+@dataclass
+class ValueMap:
+    c: np.ndarray        # (d_out,)
+    V_total: np.ndarray  # (d_out, d)
+    sequences: list      # the one-token queries asked
+    answers: np.ndarray  # (d + 1, d_out)
+
+
+def value_map(boundary, rng: np.random.Generator, d: int, scale: float) -> ValueMap:
+    """``c`` and ``V_tot`` from ``d + 1`` one-token queries at token norm ``scale``."""
+    basis = random_basis(rng, d, scale)
+    sequences = [np.zeros((1, d))] + [column[None, :].copy() for column in basis.T]
+    answers = np.asarray(boundary.ask(sequences, "one-token queries: the summed value map", whole=True))
+    if answers.ndim != 2 or answers.shape[1] < 2:
+        raise SplitUnavailable("the oracle answers one number per query: the split needs whole outputs")
+    c = answers[0]
+    V_total = np.linalg.solve(basis.T, answers[1:] - c).T
+    return ValueMap(c, V_total, sequences, answers)

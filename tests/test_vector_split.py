@@ -1,0 +1,98 @@
+"""Whole answers split by head (docs/algorithm.md, 'Whole answers near the vector bound').
+
+The truth is the target's own parameters (a MultiHeadAttention with low-rank values, or a torch
+layer's weights through ``to_reduced``), evaluated at every position of fresh sequences longer
+than any query the run asked.
+"""
+
+import numpy as np
+import pytest
+
+import mhaextract as mx
+from mhaextract.schedules.vector import VectorExtraction, vector_bound
+
+
+def low_rank_layer(d, heads, rank, seed=1):
+    """Heads of width ``rank`` on both sides, biases, whole outputs (d_out = d)."""
+    scores = mx.MultiHeadAttention.random(d=d, heads=heads, seed=seed, bias=True, rank=rank, d_out=d)
+    rng = np.random.default_rng(seed + 100)
+    V = np.einsum("hor,hrd->hod", rng.standard_normal((heads, d, rank)), rng.standard_normal((heads, rank, d)))
+    return mx.MultiHeadAttention(scores.W, V / np.sqrt(rank), scores.u, scores.c)
+
+
+def worst_position_error(model, truth, d, seed=7, longest=64):
+    """Largest error over every position of fresh sequences of up to ``longest`` tokens, each relative
+    to the largest output of its prefix."""
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for n in (1, 2, 5, 16, longest):
+        X = rng.standard_normal((n, d)) * d ** 0.25 / np.sqrt(d)
+        prefixes = [X[:i] for i in range(1, n + 1)]
+        expected, got = truth(prefixes), model(prefixes)
+        worst = max(worst, float((np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)).max()))
+    return worst
+
+
+def test_a_low_rank_layer_is_split_by_head_to_machine_precision():
+    d, heads, rank = 8, 2, 4
+    target = low_rank_layer(d, heads, rank)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=heads, seed=0)
+    assert isinstance(result, VectorExtraction) and result.ok and result.schedule == "vector"
+    assert "split the answers" in result.schedule_reason
+    assert result.value_ranks == [rank, rank] and result.refined
+    error = worst_position_error(result.model, target, d)
+    assert error <= 1e-12 and result.error_estimate >= error
+    assert result.vector_bound == vector_bound(d, heads, rank, d)
+    assert result.queries <= 25 * result.vector_bound  # at d = 8 the fixed costs dominate (calibration, holdout)
+
+
+def test_whole_answers_that_cannot_split_run_todays_schedule_with_the_reason():
+    """Full-rank values (H rank V_h > d_out): the split says so and the targeted schedule runs, its model
+    the same bits as the targeted schedule named, its count the same plus the split's queries."""
+    target = mx.MultiHeadAttention.random(6, 2, seed=3, bias=True, d_out=6)
+    result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0)
+    named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
+    assert result.schedule == "targeted" and "could not be split" in result.schedule_reason
+    np.testing.assert_array_equal(result.model.W, named.model.W)
+    np.testing.assert_array_equal(result.model.V, named.model.V)
+    assert result.queries == named.queries + result.split_queries and result.split_queries > 0
+
+
+def test_scalar_answers_never_try_the_split():
+    target = low_rank_layer(6, 2, 3).readout(np.arange(1.0, 7.0))
+    result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0)
+    assert result.schedule == "targeted" and result.split_queries == 0 and "split" not in result.schedule_reason
+
+
+def test_a_resumed_vector_run_replays_its_answers(tmp_path):
+    target = low_rank_layer(6, 2, 3, seed=4)
+    path = tmp_path / "run.sqlite"
+    first = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path)
+    again = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path)
+    # nothing asked again but the resume check's re-asked calibration probes (3 by default)
+    assert isinstance(again, VectorExtraction) and again.queries_asked <= 3
+    assert again.queries == first.queries + again.queries_asked
+    np.testing.assert_array_equal(again.model.W, first.model.W)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_layers_are_split_by_head(dtype):
+    torch = pytest.importorskip("torch")
+    from mhaextract.adapters.torch import TorchOracle, to_reduced
+
+    torch.manual_seed(0)
+    d, heads = 16, 4
+    exact = torch.nn.MultiheadAttention(d, heads, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        exact.in_proj_bias.normal_(0, 0.2)
+        exact.out_proj.bias.normal_(0, 0.2)
+    layer = exact if dtype == "float64" else torch.nn.MultiheadAttention(d, heads, batch_first=True).float()
+    if dtype == "float32":
+        layer.load_state_dict({k: v.float() for k, v in exact.state_dict().items()})
+    result = mx.extract(TorchOracle(layer.eval()), d, heads=heads, seed=0)
+    assert isinstance(result, VectorExtraction) and result.ok and result.answer_dtype == dtype
+    error = worst_position_error(result.model, to_reduced(exact.eval()), d)
+    assert error <= (1e-12 if dtype == "float64" else 1e-5) and result.error_estimate >= error
+    # at d = 16 the calibration's probes and the 64 held-out and verification queries are a third of it
+    assert result.queries <= 15 * result.vector_bound
