@@ -84,6 +84,8 @@ class VectorExtraction(CheckedResult):
     schedule_reason: str = ""
     precision: int | None = None
     readout: np.ndarray | None = None
+    #: Whether the layer is causal, from its outputs at earlier positions (:mod:`mhaextract.checks.causality`).
+    causal: object = None
 
     def summary(self) -> dict:
         return {"schedule": self.schedule, "answer_dtype": self.answer_dtype, "heads": self.heads,
