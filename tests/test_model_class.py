@@ -103,3 +103,15 @@ def test_a_rotary_layer_run_without_positions_is_told_to_pass_them():
     assert "positions='rotary'" in message and "order of the earlier tokens" in message
     assert "noise of about" not in message  # the calibration took the positions for 2-bit noise
     assert raised.value.extraction.queries == oracle.count
+
+
+def test_a_wrong_d_is_named_before_token_ids():
+    """A GPT-2 layer of hidden size 16 asked with d = 12: the message says to pass the hidden size."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Config
+
+    layer = GPT2Attention(GPT2Config(n_embd=16, n_head=2), layer_idx=0).double().eval()
+    with pytest.raises(TypeError) as raised:
+        mx.extract(TorchOracle(layer), 12, heads=2, seed=0)
+    message = str(raised.value)
+    assert "pass its hidden size as d" in message and "d = 12" in message
+    assert message.index("hidden size") < message.index("token ids")

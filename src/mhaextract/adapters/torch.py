@@ -409,11 +409,15 @@ class TorchOracle:
             return self._call_module(X)
         except (RuntimeError, TypeError, IndexError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            # a shape error names the token dimension first: a wrong d is the commonest cause of it
+            shape = any(word in first for word in ("shape", "size", "dimension", "mat1", "mat2"))
+            cause = (f"if the layer's hidden size is not d = {X.shape[-1]}, pass its hidden size as d (extract(oracle, "
+                     "d=hidden_size, ...)); else " if shape else "")
             raise TypeError(
                 f"{type(self._original).__name__} raised {type(error).__name__} ({first}) when called on a batch of "
-                f"token vectors of shape {tuple(X.shape)} and dtype {X.dtype}: TorchOracle calls the attention module "
-                "itself on token vectors (B, N, d), not a model that takes token ids (for GPT-2 pass model.h[i].attn, "
-                "for BERT model.encoder.layer[i].attention.self)") from error
+                f"token vectors of shape {tuple(X.shape)} and dtype {X.dtype}: {cause}TorchOracle calls the attention "
+                "module itself on token vectors (B, N, d), not a model that takes token ids (for GPT-2 pass "
+                "model.h[i].attn, for BERT model.encoder.layer[i].attention.self)") from error
 
     def _call_module(self, X: torch.Tensor) -> torch.Tensor:
         if isinstance(self.module, nn.MultiheadAttention):
