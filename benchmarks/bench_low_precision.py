@@ -6,7 +6,7 @@ float32, mixed-precision (float32 softmax in a float64 layer) and bfloat16 targe
     python benchmarks/bench_low_precision.py --bfloat16-oversampling [--sizes 4x1 4x2] [--seeds 2]
     python benchmarks/bench_low_precision.py --whole [--sizes 64x4 128x8] [--dtypes bfloat16 float16 float32]
         [--kinds GPT2Attention BertSelfAttention nn.MultiheadAttention ViTAttention] [--seeds 1]
-        [--std 0.1 0.2] [--implementation eager] [--no-reference]
+        [--std 0.1 0.2] [--implementation eager] [--no-reference] [--start-only]
 
 Per oracle, size and seed: target ``MultiHeadAttention.random(d, H, seed=s)``, run
 ``extract(oracle, d, heads=H, seed=1000 + s, on_failure="warn")`` (library defaults: schedule
@@ -85,6 +85,49 @@ class NonFiniteCount:
         return answers
 
 
+def layers(kind: str, dtype: str, d: int, H: int, seed: int, std: float | None, implementation: str):
+    """``(layer in dtype, its exact float64 copy)``: ``tests/test_real_layers.build`` (biases at the
+    weights' std), or with ``std`` every weight and bias N(0, std^2) (``with_std``)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_real_layers import build, with_std
+
+    low = build(kind, d, H, seed=seed, implementation=implementation).eval()
+    low = (low if std is None else with_std(low, std, seed)).to(getattr(torch, dtype))
+    exact = build(kind, d, H, seed=seed, implementation=implementation).eval().double()
+    exact.load_state_dict({key: value.double() for key, value in low.state_dict().items()})
+    return low, exact
+
+
+def start_row(kind: str, dtype: str, d: int, H: int, seed: int, std: float | None, implementation: str) -> str:
+    """The queries that are large by design alone (docs/algorithm.md, 'Whole answers at 8 or 11
+    bits: saturated lines, then least squares'): the calibration and the saturated start of the
+    library's low-precision run, through one counting boundary, on the layer of :func:`layers`;
+    the start model's parameter error against the exact layer (white-box, here only)."""
+    from mhaextract.adapters.torch import TorchOracle, to_reduced
+    from mhaextract.calibration import calibrate
+    from mhaextract.lowprecision.start import saturated_start
+    from mhaextract.oracle.boundary import OracleBoundary
+    from mhaextract.oracle.vector_answers import VectorAnswers
+    from mhaextract.validation import spawn_rng
+
+    low, exact = layers(kind, dtype, d, H, seed, std, implementation)
+    oracle = NonFiniteCount(TorchOracle(low))
+    boundary = OracleBoundary(oracle, d, vectors=VectorAnswers(0, oracle.answer_dtype))
+    started = time.perf_counter()
+    calibration = calibrate(boundary, d, spawn_rng(0, 3))
+    start = saturated_start(boundary, spawn_rng(0, 31), d, H)
+    seconds = time.perf_counter() - started
+    error = mx.compare(start.model, to_reduced(exact)).max_rel
+    overflow = "-" if calibration.overflow_scale is None else f"{calibration.overflow_scale:.3g}"
+    return (f"| {kind} | {dtype} | {d} | {H} | {std} | {oracle.nonfinite} | {overflow} | {start.scale:.3g} | "
+            f"{boundary.queries:,} | {error:.2g} | {seconds:.0f} |")
+
+
 def whole_row(kind: str, dtype: str, d: int, H: int, seed: int, std: float | None = None,
               implementation: str = "sdpa", reference: bool = True) -> str:
     """A torch layer in ``dtype`` (biases at its weights' std, ``tests/test_real_layers.build``; with
@@ -100,18 +143,9 @@ def whole_row(kind: str, dtype: str, d: int, H: int, seed: int, std: float | Non
 
     from mhaextract.adapters.torch import TorchOracle, to_reduced, to_torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_real_layers import build
     from bench_full_layer import outputs
 
-    low = build(kind, d, H, seed=seed, implementation=implementation).eval()
-    if std is not None:
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for parameter in low.parameters():
-                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
-    low = low.to(getattr(torch, dtype))
-    exact = build(kind, d, H, seed=seed, implementation=implementation).eval().double()
-    exact.load_state_dict({key: value.double() for key, value in low.state_dict().items()})
+    low, exact = layers(kind, dtype, d, H, seed, std, implementation)
     oracle = NonFiniteCount(TorchOracle(low))
     started = time.perf_counter()
     with warnings.catch_warnings():
@@ -166,19 +200,28 @@ def main() -> None:
                         help="--whole: every weight and bias N(0, std^2) (one row per std)")
     parser.add_argument("--implementation", default="sdpa", help="--whole: the layers' attention implementation")
     parser.add_argument("--no-reference", action="store_true", help="--whole: skip the float64 run (query ratio)")
+    parser.add_argument("--start-only", action="store_true",
+                        help="--whole: the calibration and the saturated start alone (the queries large by design)")
     args = parser.parse_args()
     if args.whole:
         weights = "" if args.std == [None] else " weight std | answers not finite |"
-        print(f"| layer | dtype | d | H |{weights} queries | / float64 run | parameter error | output error | the "
-              "layer's own output error | estimate / error | seconds | checks |")
-        print("|---" * (12 + 2 * bool(weights)) + "|")
+        if args.start_only:
+            print("| layer | dtype | d | H | weight std | answers not finite | calibration overflow scale | start "
+                  "token scale | queries | start parameter error | seconds |")
+            print("|---" * 11 + "|")
+        else:
+            print(f"| layer | dtype | d | H |{weights} queries | / float64 run | parameter error | output error | the "
+                  "layer's own output error | estimate / error | seconds | checks |")
+            print("|---" * (12 + 2 * bool(weights)) + "|")
         for size in args.sizes:
             d, H = (int(part) for part in size.split("x"))
             for kind in args.kinds:
                 for dtype in args.dtypes:
                     for std in args.std:
                         for seed in range(args.seeds):
-                            print(whole_row(kind, dtype, d, H, d + H + seed, std, args.implementation,
+                            print(start_row(kind, dtype, d, H, d + H + seed, std, args.implementation)
+                                  if args.start_only else
+                                  whole_row(kind, dtype, d, H, d + H + seed, std, args.implementation,
                                             not args.no_reference), flush=True)
         return
     if args.bfloat16_oversampling:

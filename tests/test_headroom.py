@@ -106,13 +106,8 @@ def float16_layer(kind, d, heads, std, seed):
     and its exact float64 copy (the same rounded weights)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_real_layers import build
-    layer = build(kind, d, heads, seed=seed, implementation="eager").eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in layer.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
-    low = layer.to(torch.float16)
+    from test_real_layers import build, with_std
+    low = with_std(build(kind, d, heads, seed=seed, implementation="eager").eval(), std, seed).to(torch.float16)
     exact = build(kind, d, heads, seed=seed, implementation="eager").eval().double()
     exact.load_state_dict({key: value.double() for key, value in low.state_dict().items()})
     return low, exact

@@ -24,6 +24,15 @@ def with_biases(module, seed):
     return module.double().eval()  # no dropout in a reference computed from the module
 
 
+def with_std(module, std, seed):
+    """Every weight and bias drawn N(0, std^2) (seeded): a layer with weights of trained size."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
+    return module
+
+
 def build(kind, d, H, seed, implementation="eager"):
     # Each Hugging Face model module is imported when first built (importing all four cost the
     # fast tier 5 s of collection).
