@@ -85,6 +85,10 @@ class VectorExtraction(CheckedResult):
     precision: int | None = None
     readout: np.ndarray | None = None
 
+    @property
+    def d_out(self) -> int:
+        return 0 if self.model is None else self.model.d_out
+
     def summary(self) -> dict:
         return {"schedule": self.schedule, "answer_dtype": self.answer_dtype, "heads": self.heads,
                 "queries": self.queries, "vector_bound": self.vector_bound, "queries_asked": self.queries_asked,
