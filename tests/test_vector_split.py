@@ -96,3 +96,17 @@ def test_torch_layers_are_split_by_head(dtype):
     assert error <= (1e-12 if dtype == "float64" else 1e-5) and result.error_estimate >= error
     # at d = 16 the calibration's probes and the 64 held-out and verification queries are a third of it
     assert result.queries <= 15 * result.vector_bound
+
+
+def test_a_split_whose_model_fails_its_checks_gives_way_to_the_scalar_schedule(monkeypatch):
+    """Never a guess: a vector model failing a check (here the estimate inflated past its limit) is
+    dropped, the targeted schedule runs, and the reason names the failed check."""
+    import mhaextract.schedules.vector.learn as learn
+
+    monkeypatch.setattr(learn, "ESTIMATE_FACTOR", 1e30)
+    target = low_rank_layer(6, 2, 3, seed=6)
+    result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0)
+    named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
+    assert result.schedule == "targeted" and "error_estimate" in result.schedule_reason and result.ok
+    np.testing.assert_array_equal(result.model.W, named.model.W)
+    assert result.queries == named.queries + result.split_queries

@@ -330,6 +330,9 @@ def _extract_whole(oracle, settings: RunSettings, vectors, calibration, probes, 
         return _WholeAttempt(boundary, str(why))
     except np.linalg.LinAlgError as why:  # a factorisation of the split failed: it cannot work here
         return _WholeAttempt(boundary, f"a factorisation of the split failed ({why})")
+    if not result.ok:  # never a guess: a split whose model fails its checks gives way to the scalar schedules
+        failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}" for check in result.failed_checks)
+        return _WholeAttempt(boundary, f"its model failed its checks: {failed}")
     result.calibration_queries = probes.queries + probes.replayed
     result.queries += probes.queries + probes.replayed
     result.queries_asked += probes.queries
