@@ -295,6 +295,11 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     return extraction
 
 
+#: A split of whole answers whose model fails a check gives way to the scalar schedules (True), or is
+#: returned failed (False: what ``benchmarks/bench_vector.py --split-only`` measures).
+SPLIT_FAILURE_FALLS_BACK = True
+
+
 @dataclasses.dataclass
 class _WholeAttempt:
     """The split of whole answers tried before the scalar schedules: its boundary (the queries it
@@ -330,7 +335,7 @@ def _extract_whole(oracle, settings: RunSettings, vectors, calibration, probes, 
         return _WholeAttempt(boundary, str(why))
     except np.linalg.LinAlgError as why:  # a factorisation of the split failed: it cannot work here
         return _WholeAttempt(boundary, f"a factorisation of the split failed ({why})")
-    if not result.ok:  # never a guess: a split whose model fails its checks gives way to the scalar schedules
+    if not result.ok and SPLIT_FAILURE_FALLS_BACK:  # never a guess: the scalar schedules run instead
         failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}" for check in result.failed_checks)
         return _WholeAttempt(boundary, f"its model failed its checks: {failed}")
     result.calibration_queries = probes.queries + probes.replayed
