@@ -25,8 +25,9 @@ from .split import _Saturated, output_subspaces
 from .values import SplitUnavailable, value_map
 
 #: The refinement runs when one Jacobian product costs at most this many multiply-adds
-#: (n H N (k + r) d): about d = 48 on the defaults; larger layers keep the start (see the docs).
-REFINE_WORK = 2e8
+#: (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8 (8e8, 11 minutes on one core);
+#: larger layers keep the start (see the docs).
+REFINE_WORK = 1e9
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST at 0.5, 1 and 2 token scales.
 HOLDOUT_QUERIES, HOLDOUT_LONGEST = 32, 64
 #: The estimate is this many times the held-out queries' largest relative misfit.
