@@ -110,3 +110,13 @@ def test_a_split_whose_model_fails_its_checks_gives_way_to_the_scalar_schedule(m
     assert result.schedule == "targeted" and "error_estimate" in result.schedule_reason and result.ok
     np.testing.assert_array_equal(result.model.W, named.model.W)
     assert result.queries == named.queries + result.split_queries
+
+
+def test_full_rank_heads_with_room_in_the_outputs_are_split():
+    """H heads of full rank d (W_h and V_h) with d_out = H d: the split works and reaches the rounding."""
+    d, heads = 6, 2
+    target = mx.MultiHeadAttention.random(d=d, heads=heads, seed=2, bias=True, d_out=heads * d)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=heads, seed=0)
+    assert result.schedule == "vector" and result.ok and result.value_ranks == [d, d] and result.score_ranks == [d, d]
+    error = worst_position_error(result.model, target, d)
+    assert error <= 1e-12 and result.error_estimate >= error
