@@ -36,7 +36,7 @@ def worst_position_error(model, truth, d, seed=7, longest=64):
 def test_a_low_rank_layer_is_split_by_head_to_machine_precision():
     d, heads, rank = 8, 2, 4
     target = low_rank_layer(d, heads, rank)
-    result = mx.extract(mx.SimulatedOracle(target), d, heads=heads, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=heads, seed=0, schedule="vector")
     assert isinstance(result, VectorExtraction) and result.ok and result.schedule == "vector"
     assert "split the answers" in result.schedule_reason
     assert result.value_ranks == [rank, rank] and result.refined
@@ -50,7 +50,7 @@ def test_whole_answers_that_cannot_split_run_todays_schedule_with_the_reason():
     """Full-rank values (H rank V_h > d_out): the split says so and the targeted schedule runs, its model
     the same bits as the targeted schedule named, its count the same plus the split's queries."""
     target = mx.MultiHeadAttention.random(6, 2, seed=3, bias=True, d_out=6)
-    result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0)
+    result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector")
     named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
     assert result.schedule == "targeted" and "could not be split" in result.schedule_reason
     np.testing.assert_array_equal(result.model.W, named.model.W)
@@ -60,15 +60,34 @@ def test_whole_answers_that_cannot_split_run_todays_schedule_with_the_reason():
 
 def test_scalar_answers_never_try_the_split():
     target = low_rank_layer(6, 2, 3).readout(np.arange(1.0, 7.0))
+    result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector")
+    named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
+    assert result.schedule == "targeted" and result.split_queries == 0 and "could not be split" not in result.schedule_reason
+    np.testing.assert_array_equal(result.model.W, named.model.W)
+    assert result.queries == named.queries
+
+
+def test_auto_keeps_todays_schedule_on_whole_answers():
+    """The split is named, not chosen: auto on whole answers runs today's schedule, bit for bit."""
+    target = low_rank_layer(6, 2, 3, seed=5)
     result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0)
-    assert result.schedule == "targeted" and result.split_queries == 0 and "split" not in result.schedule_reason
+    named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
+    assert result.schedule == "targeted" and result.split_queries == 0 and result.queries == named.queries
+    np.testing.assert_array_equal(result.model.V, named.model.V)
+
+
+def test_the_split_takes_no_option_it_does_not_use():
+    target = low_rank_layer(6, 2, 3, seed=5)
+    for option in ({"bias": False}, {"rank": 3}, {"precision": 128}):
+        with pytest.raises(ValueError, match="schedule='vector'"):
+            mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector", **option)
 
 
 def test_a_resumed_vector_run_replays_its_answers(tmp_path):
     target = low_rank_layer(6, 2, 3, seed=4)
     path = tmp_path / "run.sqlite"
-    first = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path)
-    again = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path)
+    first = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path, schedule="vector")
+    again = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path, schedule="vector")
     # nothing asked again but the resume check's re-asked calibration probes (3 by default)
     assert isinstance(again, VectorExtraction) and again.queries_asked <= 3
     assert again.queries == first.queries + again.queries_asked
@@ -90,9 +109,33 @@ def test_torch_layers_are_split_by_head(dtype):
     layer = exact if dtype == "float64" else torch.nn.MultiheadAttention(d, heads, batch_first=True).float()
     if dtype == "float32":
         layer.load_state_dict({k: v.float() for k, v in exact.state_dict().items()})
-    result = mx.extract(TorchOracle(layer.eval()), d, heads=heads, seed=0)
+    result = mx.extract(TorchOracle(layer.eval()), d, heads=heads, seed=0, schedule="vector")
     assert isinstance(result, VectorExtraction) and result.ok and result.answer_dtype == dtype
     error = worst_position_error(result.model, to_reduced(exact.eval()), d)
     assert error <= (1e-12 if dtype == "float64" else 1e-5) and result.error_estimate >= error
     # at d = 16 the calibration's probes and the 64 held-out and verification queries are a third of it
     assert result.queries <= 15 * result.vector_bound
+
+
+def test_a_split_whose_model_fails_its_checks_gives_way_to_the_scalar_schedule(monkeypatch):
+    """Never a guess: a vector model failing a check (here the estimate inflated past its limit) is
+    dropped, the targeted schedule runs, and the reason names the failed check."""
+    import mhaextract.schedules.vector.learn as learn
+
+    monkeypatch.setattr(learn, "ESTIMATE_FACTOR", 1e30)
+    target = low_rank_layer(6, 2, 3, seed=6)
+    result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector")
+    named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
+    assert result.schedule == "targeted" and "error_estimate" in result.schedule_reason and result.ok
+    np.testing.assert_array_equal(result.model.W, named.model.W)
+    assert result.queries == named.queries + result.split_queries
+
+
+def test_full_rank_heads_with_room_in_the_outputs_are_split():
+    """H heads of full rank d (W_h and V_h) with d_out = H d: the split works and reaches the rounding."""
+    d, heads = 6, 2
+    target = mx.MultiHeadAttention.random(d=d, heads=heads, seed=2, bias=True, d_out=heads * d)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=heads, seed=0, schedule="vector")
+    assert result.schedule == "vector" and result.ok and result.value_ranks == [d, d] and result.score_ranks == [d, d]
+    error = worst_position_error(result.model, target, d)
+    assert error <= 1e-12 and result.error_estimate >= error

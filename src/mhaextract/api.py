@@ -36,7 +36,7 @@ from .oracle.transcript import CALIBRATION, RUN, VECTOR, Transcript, check_direc
 from .oracle.vector_answers import VectorAnswers
 from .results import Extraction
 from .schedules.base import RunSettings
-from .schedules.registry import COARSE_FORMATS, choose, low_precision_run
+from .schedules.registry import COARSE_FORMATS, VECTOR, choose, low_precision_run
 from .schedules.targeted.lowrank import AUTO as AUTO_RANK
 from .schedules.vector import SplitUnavailable, VectorExtraction, extract_vector
 from .validation import (
@@ -322,6 +322,11 @@ def _probe_model_class(boundary, settings: RunSettings, extraction: Extraction):
                                model_class_queries=asked + replayed), evidence
 
 
+#: A split of whole answers whose model fails a check gives way to the scalar schedules (True), or is
+#: returned failed (False: what ``benchmarks/bench_vector.py --split-only`` measures).
+SPLIT_FAILURE_FALLS_BACK = True
+
+
 @dataclasses.dataclass
 class _WholeAttempt:
     """The split of whole answers tried before the scalar schedules: its boundary (the queries it
@@ -332,12 +337,13 @@ class _WholeAttempt:
 
 
 def vector_run(schedule, settings: RunSettings, d_out, calibration) -> bool:
-    """Whether ``schedule="auto"`` tries the split of whole answers (docs/algorithm.md, 'Whole answers
+    """Whether ``schedule="vector"`` tries the split of whole answers (docs/algorithm.md, 'Whole answers
     near the vector bound'): float64 arithmetic, whole answers (``d_out > 1``, known from the
     calibration's probes) of float32 or float64 precision, H declared and none of the scalar
-    schedules' options given."""
+    schedules' options given. (Not ``"auto"``'s choice yet: past d = 128 its model is not refined,
+    fails its checks and gives way to the targeted schedule after its queries and time.)"""
     scalar_options = ("samples_per_instance", "refine", "refine_queries", "answer_error", "rank", "backend", "repair")
-    return (schedule == "auto" and settings.precision is None and settings.heads is not None
+    return (schedule == VECTOR and settings.precision is None and settings.heads is not None
             and (d_out or 1) > 1 and calibration is not None
             and calibration.answer_precision in ("float64", "float32")
             and not any(settings.given(option) for option in scalar_options))
@@ -357,6 +363,9 @@ def _extract_whole(oracle, settings: RunSettings, vectors, calibration, probes, 
         return _WholeAttempt(boundary, str(why))
     except np.linalg.LinAlgError as why:  # a factorisation of the split failed: it cannot work here
         return _WholeAttempt(boundary, f"a factorisation of the split failed ({why})")
+    if not result.ok and SPLIT_FAILURE_FALLS_BACK:  # never a guess: the scalar schedules run instead
+        failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}" for check in result.failed_checks)
+        return _WholeAttempt(boundary, f"its model failed its checks: {failed}")
     result.calibration_queries = probes.queries + probes.replayed
     result.queries += probes.queries + probes.replayed
     result.queries_asked += probes.queries

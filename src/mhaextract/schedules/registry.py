@@ -33,6 +33,10 @@ def register(schedule: type[Schedule]) -> type[Schedule]:
 
 #: The name that lets the registry choose (:func:`choose`).
 AUTO = "auto"
+#: Whole answers split by head (docs/algorithm.md, 'Whole answers near the vector bound'): a learner
+#: outside the Schedule seam, named like a schedule; where the answers cannot be split (scalar
+#: answers, H r > d_out, a model that fails a check) the biased targeted schedule runs, with the reason.
+VECTOR = "vector"
 #: The class that learns the biased model (§16) in place of a registered schedule, where there is one.
 BIASED: dict[type[Schedule], type[Schedule]] = {}
 #: Schedules that, named explicitly, learn biases and calibrate the token scale by default (the
@@ -53,12 +57,12 @@ def low_precision_run(name, answer_format, d_out) -> bool:
 
 
 def schedule_names() -> list[str]:
-    return list(SCHEDULES) + [AUTO]
+    return list(SCHEDULES) + [VECTOR, AUTO]
 
 
 def known_schedule(name) -> str:
-    """``name`` if it is a schedule name or ``"auto"``, else a ValueError listing the names there are."""
-    if name != AUTO:
+    """``name`` if it is a schedule name, ``"vector"`` or ``"auto"``, else a ValueError listing the names."""
+    if name not in (AUTO, VECTOR):
         schedule_class(name)
     return name
 
@@ -78,6 +82,14 @@ def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
     """Resolve ``schedule=name`` and ``bias`` (None: the schedule's default) for a run; ``rank`` (a
     bound, or ``"auto"``) sends ``schedule="auto"`` to the low-rank schedule."""
     known_schedule(name)
+    if name == VECTOR:
+        if bias is not None and not bias or precision is not None or rank is not None:
+            raise ValueError(f"schedule='vector' learns the model with biases in float64 from whole answers, its "
+                             f"heads' widths found by queries; it does not take bias=False, precision or rank "
+                             f"(got bias={bias!r}, precision={precision!r}, rank={rank!r})")
+        return Choice(BIASED[SCHEDULES["targeted"]], True, True,
+                      "schedule='vector' given: whole answers split by head where they allow it (docs/algorithm.md, "
+                      "'Whole answers near the vector bound'), else the targeted schedule; model with biases (u_h, c)")
     if name == AUTO:
         learns = True if bias is None else bool(bias)
         if rank is not None and precision is None and max_heads <= d:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...checks.base import Check, CheckedResult
-from ...checks.verify import ask_long_verification, fresh_queries, spread_lengths
+from ...checks.verify import ROUNDING_PER_TOKEN, ask_long_verification, fresh_queries, spread_lengths
 from ...model import MultiHeadAttention
 from ...oracle.progress import note_progress
 from ...validation import spawn_rng
@@ -25,8 +25,9 @@ from .split import _Saturated, output_subspaces
 from .values import SplitUnavailable, value_map
 
 #: The refinement runs when one Jacobian product costs at most this many multiply-adds
-#: (n H N (k + r) d): about d = 48 on the defaults; larger layers keep the start (see the docs).
-REFINE_WORK = 2e8
+#: (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8 (8e8, 11 minutes on one core);
+#: larger layers keep the start (see the docs).
+REFINE_WORK = 1e9
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST at 0.5, 1 and 2 token scales.
 HOLDOUT_QUERIES, HOLDOUT_LONGEST = 32, 64
 #: The estimate is this many times the held-out queries' largest relative misfit.
@@ -86,6 +87,10 @@ class VectorExtraction(CheckedResult):
     readout: np.ndarray | None = None
     #: Whether the layer is causal, from its outputs at earlier positions (:mod:`mhaextract.checks.causality`).
     causal: object = None
+
+    @property
+    def d_out(self) -> int:
+        return 0 if self.model is None else self.model.d_out
 
     def summary(self) -> dict:
         return {"schedule": self.schedule, "answer_dtype": self.answer_dtype, "heads": self.heads,
@@ -155,8 +160,13 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
                             scale, (0.5, 1.0, 2.0))
     held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))
-    estimate = ESTIMATE_FACTOR * max(float(_relative_misfits(model, holdout, held).max()), unit)
-    limit = float(np.sqrt(unit))
+    # plus the rounding of evaluating the layer itself over the longest sequences the claim covers: at
+    # the rounding level the misfit is a sample of it, not a bound (d = 6, full rank: 1.3e-14 at 64 tokens)
+    estimate = (ESTIMATE_FACTOR * max(float(_relative_misfits(model, holdout, held).max()), unit)
+                + ROUNDING_PER_TOKEN * HOLDOUT_LONGEST * unit)
+    # the held-out answers carry the layer's own rounding of its scores at up to twice the token scale,
+    # which a float32 layer's small outputs show at 1e-4 relative: unit^(1/3) (5e-6 float64, 4e-3 float32)
+    limit = float(unit ** (1 / 3))
     checks = [
         Check("split", True, split.conditioning, np.inf,
               f"heads' output subspaces of ranks {split.ranks}, [O_1 .. O_H] of condition number "

@@ -101,22 +101,27 @@ def _rank(vectors: np.ndarray, unit: float) -> int:
     return int((s > max(1e-8, 1e5 * unit) * s[0]).sum())
 
 
-def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Phase 1: the final tokens and per head ``q_h(t)`` in full (F, d)."""
+def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch], solved: dict | None = None):
+    """Phase 1: the final tokens and per head ``q_h(t)`` in full (F, d). ``solved``: the batches
+    solved before (by position), kept between phase 1's rounds so that each is solved once."""
+    solved = {} if solved is None else solved
     heads = len(split.ranks)
     finals = np.concatenate([batch.finals for batch in batches])
     full = [[] for _ in range(heads)]
-    for batch in batches:
-        for h, equations in enumerate(_batch_equations(split, c, batch)):
-            full[h].append(_solve(*equations))
+    for index, batch in enumerate(batches):
+        if index not in solved:
+            solved[index] = [_solve(*equations) for equations in _batch_equations(split, c, batch)]
+        for h in range(heads):
+            full[h].append(solved[index][h])
     return finals, [np.concatenate(q) for q in full]
 
 
-def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: float, ranks=None):
+def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: float, ranks=None,
+                 solved: dict | None = None):
     """``(K, G, beta, ranks)`` from the recorded batches (module docstring); ``ranks``: the k_h found
-    before (None: from the phase-1 vectors' singular values)."""
+    before (None: from the phase-1 vectors' singular values); ``solved``: see :func:`_full_vectors`."""
     first = [batch for batch in batches if batch.full]
-    finals, full = _full_vectors(split, c, first)
+    finals, full = _full_vectors(split, c, first, solved)
     ranks = [_rank(q, unit) for q in full] if ranks is None else ranks
     bases = [np.linalg.svd(q.T, full_matrices=False)[0][:, :rank] for q, rank in zip(full, ranks)]
     coordinates = [q @ K for q, K in zip(full, bases)]
@@ -144,17 +149,17 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
     heads, m = len(split.ranks), tokens_per_query(split.ranks)
     finals_needed = d + 1 + max(4, int(EXTRA_FINALS * d))
     new_finals = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
-    batches, asked = [], 0
+    batches, asked, solved = [], 0, {}
     while True:  # phase 1: q_h(t) in full, until every head's span stopped growing
         count = min(FINALS_PER_ROUND, finals_needed - asked)
         batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(OVERSAMPLE * d / m)), m, scale, unit,
                             True, "weights: whole score vectors"))
         asked += count
-        ranks = [_rank(q, unit) for q in _full_vectors(split, c, batches)[1]]
+        ranks = [_rank(q, unit) for q in _full_vectors(split, c, batches, solved)[1]]
         if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
             break
     if finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
         batches.append(_ask(boundary, rng, new_finals(finals_needed - asked), int(np.ceil(OVERSAMPLE * max(ranks) / m)),
                             m, scale, unit, False, "weights: score coordinates"))
-    K, G, beta, ranks = solve_scores(split, c, batches, unit, ranks)
+    K, G, beta, ranks = solve_scores(split, c, batches, unit, ranks, solved)
     return K, G, beta, batches
