@@ -6,7 +6,7 @@ Python standard library's own source, read as characters; the images are synthet
 seeded, deterministic, and writes each model's attention weights (float32, ``<name>.npz``) and
 ``manifest.json`` (the zoo's :data:`VERSION`, :data:`SEED`, each model's config, steps, final loss,
 training seconds and the file's sha256). The tests read only the cache; ``stale_reasons()`` says
-why a cache no longer matches this module (another version, seed or config, or a changed file).
+why a cache no longer matches this module (another version, seed or spec, or a changed file).
 
 Families:
 
