@@ -6,7 +6,7 @@ Python standard library's own source, read as characters; the images are synthet
 seeded, deterministic, and writes each model's attention weights (float32, ``<name>.npz``) and
 ``manifest.json`` (the zoo's :data:`VERSION`, :data:`SEED`, each model's config, steps, final loss,
 training seconds and the file's sha256). The tests read only the cache; ``stale_reasons()`` says
-why a cache no longer matches this module (another version, seed or config, or a changed file).
+why a cache no longer matches this module (another version, seed or spec, or a changed file).
 
 Families:
 
@@ -188,11 +188,16 @@ def attention(layer_id: str, dtype=None, implementation: str = "sdpa"):
 
 def layer_as_run(layer_id: str, dtype, implementation: str = "sdpa"):
     """The module an oracle runs: the attention layer, or for the rotary families the layer as its
-    model runs it (``RotaryLayer``, the model's own angles)."""
+    model runs it (``RotaryLayer``, the model's own angles, computed in float32 by transformers),
+    but in float64 with float64 angles (``angles="float64"``): the float64 layer of acceptance 1,
+    whose answers are exact to float64 (the model's float32 angles in a float64 layer are
+    acceptance 2's case)."""
     module = attention(layer_id, dtype, implementation)
     if SPECS[layer_id.split("/")[0]]["family"] in ROTARY:
+        import torch
+
         from mhaextract.adapters.rotary import RotaryLayer
-        return RotaryLayer(module)
+        return RotaryLayer(module, angles="float64" if dtype == torch.float64 else "model")
     return module
 
 
