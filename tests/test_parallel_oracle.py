@@ -443,6 +443,7 @@ def test_the_docs_local_example_runs_as_written(tmp_path):
 
 UNCLOSED = """
 import functools
+import gc
 import mhaextract as mx
 import ray
 
@@ -455,6 +456,7 @@ if __name__ == "__main__":
     kept = mx.ParallelOracle(factory, workers=1)  # open, not closed
     print(ray.cluster_resources()["CPU"])
     del kept
+    gc.collect()  # the oracle's last reference may sit in a cycle: collected, not freed by its refcount
     print(ray.is_initialized())
     with mx.ParallelOracle(factory, workers=2) as oracle:
         print(mx.extract(oracle, d=3, heads=2, seed=1).ok)
