@@ -1,0 +1,120 @@
+"""The grids of an instance's log-labels completed at low rank: the head widths and the missing or
+outlying entries of the rotary start (docs/algorithm.md, 'Rotary attention: positions, grouped
+heads and sliding windows'), by robust alternating least squares."""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: An entry off the completion's fit by more than this many times its median misfit is an outlier
+#: (replaced by the fit); Huber's constant of the fit's weights, in the same units.
+OUTLIER_FACTOR = 100.0
+HUBER = 3.0
+#: The head width is the rank at which the completion's median misfit drops by this factor; with
+#: float32 answers, the rank of the largest drop if it is this large and twice any other.
+RANK_DROP = 100.0
+NOISY_RANK_DROP = 5.0
+
+
+def complete_low_rank(grids: np.ndarray, ranks: np.ndarray, sweeps: int = 60) -> np.ndarray:
+    """Each (..., m, n) grid of log-scores (rank r: ``L = Z^T [W | u] [X; 1]``) with its missing
+    (NaN) entries filled and its outliers replaced by a rank-``ranks[...]`` fit of the entries
+    that agree with it (robust alternating least squares: :func:`_alternating_fit`)."""
+    grids = grids.copy()
+    for index in np.ndindex(grids.shape[:-2]):
+        grid = grids[index]
+        fitted, kept = _alternating_fit(grid, np.isfinite(grid), int(ranks[index]), sweeps)
+        grids[index] = np.where(kept, grid, fitted)
+    return grids
+
+
+def head_widths(grids: np.ndarray, noisy: bool = False) -> tuple[list[int], int]:
+    """Each head's width from its (H, m, n) log-score grids (:func:`completion_rank`), and how many
+    heads took theirs from the others: with ``noisy`` grids a head whose grid shows no clear fall
+    (float32 answers: a fall of 4 where the other heads fall by 20) takes the largest width the
+    other heads found, since the heads of a layer share one width r (``Q`` is (H, r, d)) and a
+    full-rank head would widen every head to it."""
+    widths = [completion_rank(grid, noisy=noisy) for grid in grids]
+    full = min(grids.shape[-2:])
+    found = [width for width in widths if width < full]
+    if not noisy or not found:
+        return widths, 0
+    return [width if width < full else max(found) for width in widths], len(widths) - len(found)
+
+
+def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False) -> int:
+    """The rank of a log-score grid with missing entries and outliers: the smallest r at which the
+    median misfit of the rank-r least-squares fit falls by ``RANK_DROP`` from rank r - 1 (the
+    median, not the largest misfit: an instance whose poles were fitted wrongly is an outlier at
+    every rank), or reaches rounding; the full rank when there is no such drop.
+
+    ``noisy`` (log-scores from float32 answers, where the misfit falls from the signal to the
+    noise, by 7..30 at d = 64, not to rounding): the rank of the largest drop, if it is at least
+    ``NOISY_RANK_DROP`` and twice every other, among the ranks whose fit has at most 2/3 as many
+    parameters ``r (m + n - r)`` as there are entries (nearer their count a fit interpolates the
+    noise, and its misfit falls whatever the rank); the full rank when there is none."""
+    observed = np.isfinite(grid)
+    values = grid[observed]
+    scale = max(float(np.abs(values).max()), 1e-300) if values.size else 1.0
+    previous = float(np.median(np.abs(values - np.median(values)))) if values.size else 0.0
+    full = min(grid.shape)
+    highest = full - 1 if not noisy else max(
+        (r for r in range(1, full) if r * (sum(grid.shape) - r) <= 2 * observed.sum() / 3), default=0)
+    drops = np.ones(highest + 1)
+    for r in range(1, highest + 1):
+        fitted, kept = _alternating_fit(grid, observed, r, sweeps, robust=False)
+        median = float(np.median(np.abs(fitted - grid)[kept]))
+        if median <= 1e-13 * scale or median * RANK_DROP <= previous:
+            return r
+        drops[r] = previous / max(median, 1e-300)
+        previous = median
+    largest = int(np.argmax(drops))
+    if noisy and drops[largest] >= max(NOISY_RANK_DROP, 2 * np.delete(drops, largest).max(initial=1.0)):
+        return largest
+    return full
+
+
+def _alternating_fit(grid: np.ndarray, observed: np.ndarray, r: int, sweeps: int,
+                     robust: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Rank-r fit ``A B`` of the entries of ``grid`` marked ``observed``; returns (fit, kept mask:
+    the entries within ``OUTLIER_FACTOR`` median misfits of the fit).
+
+    Each sweep solves every row of A, then every column of B, from the observed entries, as
+    batched normal equations (a start for the refinement, not its accuracy). ``robust``: the
+    entries weighted by Huber's ``min(1, HUBER * median misfit / misfit)`` (iteratively reweighted
+    least squares: an outlier loses its pull without a row or column losing its entries); else
+    plain least squares with the entries beyond ``OUTLIER_FACTOR`` median misfits dropped twice,
+    which is what the rank search measures: a robust fit of too low a rank interpolates most
+    entries once its parameters ``r (m + n - r)`` near their count, and its median misfit says
+    nothing."""
+    filled = np.where(observed, grid, np.nanmean(np.where(observed, grid, np.nan)))
+    U, s, Vt = np.linalg.svd(filled, full_matrices=False)
+    A, B = U[:, :r] * s[:r], Vt[:r]
+    values = np.where(observed, grid, 0.0)
+    scale = max(float(np.abs(values).max()), 1e-300)
+    ridge = 1e-14 * np.eye(r)
+    weights = observed.astype(np.float64)
+    for sweep in range(sweeps):
+        A = _solve_rows(np.einsum("ij,aj,bj->iab", weights, B, B), np.einsum("ij,aj,ij->ia", weights, B, values),
+                        ridge, A)
+        B = _solve_rows(np.einsum("ij,ia,ib->jab", weights, A, A), np.einsum("ij,ia,ij->ja", weights, A, values),
+                        ridge, B.T).T
+        misfit = np.abs(A @ B - values)
+        typical = max(float(np.median(misfit[weights > 0])), 1e-15 * scale)
+        if robust:
+            weights = np.where(observed, np.minimum(1.0, HUBER * typical / np.maximum(misfit, 1e-300)), 0.0)
+        elif sweep in (sweeps // 3, 2 * sweeps // 3):
+            weights = np.where(misfit > OUTLIER_FACTOR * typical, 0.0, weights)
+    misfit = np.abs(A @ B - values)
+    typical = max(float(np.median(misfit[observed if robust else weights > 0])), 1e-15 * scale)
+    return A @ B, observed & (misfit <= OUTLIER_FACTOR * typical)
+
+
+def _solve_rows(normal: np.ndarray, rhs: np.ndarray, ridge: np.ndarray, previous: np.ndarray) -> np.ndarray:
+    """``normal[i] x_i = rhs[i]`` for every i (scaled ridge against a row with too few entries,
+    which keeps its previous value where the system is singular)."""
+    size = np.maximum(np.trace(normal, axis1=1, axis2=2), 1e-300)[:, None, None]
+    try:
+        return np.linalg.solve(normal + ridge * size, rhs[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        return previous
