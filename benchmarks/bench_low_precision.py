@@ -109,11 +109,11 @@ def start_row(kind: str, dtype: str, d: int, H: int, seed: int, std: float | Non
     library's low-precision run, through one counting boundary, on the layer of :func:`layers`;
     the start model's parameter error against the exact layer (white-box, here only)."""
     from mhaextract.adapters.torch import TorchOracle, to_reduced
-    from mhaextract.calibration import calibrate
+    from mhaextract.run.calibration import calibrate
     from mhaextract.lowprecision.start import saturated_start
     from mhaextract.oracle.boundary import OracleBoundary
     from mhaextract.oracle.vector_answers import VectorAnswers
-    from mhaextract.validation import spawn_rng
+    from mhaextract.run.validation import spawn_rng
 
     low, exact = layers(kind, dtype, d, H, seed, std, implementation)
     oracle = NonFiniteCount(TorchOracle(low))

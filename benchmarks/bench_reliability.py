@@ -9,7 +9,7 @@ low-precision and autograd oracles (torch layers in float32, bfloat16, float16; 
 the command line's output paths and oracle exceptions, and the default verification's share of
 the queries at d = 32, 64 (``cost``).
 
-Every run is judged against an independent reference (the target, mhaextract.compare) at the
+Every run is judged against an independent reference (the target, mhaextract.models.compare) at the
 user's side, counts as measured at the oracle boundary:
 
 * correct : ok, the heads agree and the true error <= 100 x the error estimate (the ratio
@@ -49,7 +49,7 @@ from mhaextract.adapters.torch import TorchOracle, to_reduced
 from mhaextract.checks.base import ExtractionError
 from mhaextract.oracle.boundary import OracleError
 from mhaextract.oracle.transcript import TranscriptError
-from mhaextract.schedules.registry import AUTO, low_precision_run
+from mhaextract.attention.registry import AUTO, low_precision_run
 
 MODES = {"auto (default)": dict(), "paper": dict(schedule="paper"), "lean": dict(schedule="lean"), "targeted": dict(schedule="targeted"),
          "paper 256 bits": dict(schedule="paper", precision=256), "auto 256 bits": dict(precision=256)}
@@ -439,7 +439,7 @@ def cli_run(arguments, prepare=None):
     error (raised as ValueError); anything else raises CliCrash."""
     from typer.testing import CliRunner
 
-    from mhaextract.cli import app
+    from mhaextract.tools.cli import app
 
     here = os.getcwd()
     with tempfile.TemporaryDirectory() as folder:

@@ -164,7 +164,7 @@ def instance_precision():
     from mhaextract.oracle.boundary import OracleBoundary
     from mhaextract.oracle.vector_answers import VectorAnswers
     from mhaextract.rotary import learn
-    from mhaextract.validation import spawn_rng
+    from mhaextract.run.validation import spawn_rng
 
     print("| layer | fit | failed fits | log-pole error median | 90th pct | numerator error median | "
           "start model error |")

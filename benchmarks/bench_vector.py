@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, to_reduced  # noqa: E402
-from mhaextract.schedules.vector import vector_bound  # noqa: E402
+from mhaextract.vector import vector_bound  # noqa: E402
 
 #: The defaults' counts on main before the split, whole answers (issue 62).
 TODAY = {(64, 4): 36_997, (128, 8): 286_381, (768, 12): 3_847_746}

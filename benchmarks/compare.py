@@ -9,7 +9,7 @@ table; see ``mhaextract bench --help`` for every option.
 
 import sys
 
-from mhaextract.cli import app
+from mhaextract.tools.cli import app
 
 if __name__ == "__main__":
     app(["bench", *sys.argv[1:]])

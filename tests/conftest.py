@@ -3,8 +3,8 @@ import importlib.util
 import pytest
 
 import mhaextract as mx
-from mhaextract.schedules.base import RunSettings
-from mhaextract.validation import default_token_scale
+from mhaextract.attention.base import RunSettings
+from mhaextract.run.validation import default_token_scale
 
 
 if importlib.util.find_spec("torch") is not None:

@@ -2,7 +2,7 @@
 
 ``combine_poles`` / ``combine_labels`` (mhaextract.numerics.assembly, float64 assembly); they
 are tested here through their current names. Per-instance values are built in the test from a
-known model, following the schedule's index conventions (mhaextract.schedules.paper, 0-based):
+known model, following the schedule's index conventions (mhaextract.attention.paper, 0-based):
 
 * grid (i, j): pole M[j, i], label l[j];
 * row link j: pole M[0, 0] + M[j, 0] (labels l[0] + l[j], not combined);
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_settings
 from mhaextract.numerics.assembly import combine_labels, combine_poles
-from mhaextract.schedules.paper import PaperSchedule
+from mhaextract.attention.paper import PaperSchedule
 
 D, H = 3, 2
 

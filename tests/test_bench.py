@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mhaextract.bench import BenchSettings, orthogonal_target, run_bench
-from mhaextract.cli import app
+from mhaextract.tools.bench import BenchSettings, orthogonal_target, run_bench
+from mhaextract.tools.cli import app
 
 pytest.importorskip("torch")
 

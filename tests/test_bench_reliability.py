@@ -66,7 +66,7 @@ def test_an_oracle_exception_through_the_command_line_is_a_clean_error():
 
 
 def test_a_traceback_through_the_command_line_is_a_crash(monkeypatch):
-    import mhaextract.cli as cli
+    import mhaextract.tools.cli as cli
 
     def broken(*arguments, **keywords):
         raise RuntimeError("internal")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.schedules.biased_grid import BiasedGridSchedule
-from mhaextract.schedules.paper import PaperSchedule
-from mhaextract.schedules.registry import choose
+from mhaextract.attention.biased_grid import BiasedGridSchedule
+from mhaextract.attention.paper import PaperSchedule
+from mhaextract.attention.registry import choose
 
 from conftest import paper_count, run_settings
 from mhaextract.checks.verify import VERIFY_QUERIES

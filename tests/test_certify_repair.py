@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.schedules.biased_grid import BiasedGridSchedule
-from mhaextract.schedules.paper import PaperSchedule
+from mhaextract.attention.biased_grid import BiasedGridSchedule
+from mhaextract.attention.paper import PaperSchedule
 
 from conftest import paper_count, run_settings
 from mhaextract.checks.verify import VERIFY_QUERIES

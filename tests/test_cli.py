@@ -3,8 +3,8 @@
 import pytest
 from typer.testing import CliRunner
 
-from mhaextract.cli import app
-from mhaextract.schedules.registry import schedule_names
+from mhaextract.tools.cli import app
+from mhaextract.attention.registry import schedule_names
 
 runner = CliRunner()
 
@@ -75,7 +75,7 @@ def test_the_report_shows_every_parameter_the_estimate_covers_when_biases_are_le
     """The error estimate covers W, v, u and c (compare's max_rel); with biases learned the table
     shows u's and c's errors beside W's and v's, and without them it does not."""
     import mhaextract as mx
-    from mhaextract.report import extraction_table
+    from mhaextract.tools.report import extraction_table
     from rich.console import Console
 
     rows = {}

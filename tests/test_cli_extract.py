@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 import mhaextract as mx
-from mhaextract.cli import app
-from mhaextract.results import load_model, save_extraction
+from mhaextract.tools.cli import app
+from mhaextract.run.result import load_model, save_extraction
 
 runner = CliRunner()
 

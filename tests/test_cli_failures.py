@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 import mhaextract as mx
-from mhaextract.cli import app
-from mhaextract.results import load_model
+from mhaextract.tools.cli import app
+from mhaextract.run.result import load_model
 
 runner = CliRunner()
 
@@ -189,7 +189,7 @@ def test_report_noise_keeps_a_finished_sweep_whose_folder_went_away(tmp_path, mo
     import shutil
     import tempfile
 
-    import mhaextract.noise_sweep as sweep_module
+    import mhaextract.tools.noise_sweep as sweep_module
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the fallback's temporary folder, cleaned up

@@ -3,7 +3,7 @@
 import pytest
 from typer.testing import CliRunner
 
-from mhaextract.cli import app
+from mhaextract.tools.cli import app
 
 runner = CliRunner()
 

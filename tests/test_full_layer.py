@@ -222,7 +222,7 @@ def oracle(batch):
 def test_cli_extract_writes_the_whole_layer(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from mhaextract.cli import app
+    from mhaextract.tools.cli import app
     (tmp_path / "layer_oracle.py").write_text(VECTOR_MODULE)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "layer.json"
@@ -274,7 +274,7 @@ def test_noisy_and_float32_whole_answers_are_extracted_within_their_estimate(wra
 def test_the_chunked_normal_equations_agree_with_the_dense_fit(monkeypatch):
     """Large fits form normal equations in chunks and refine them (memory O(p^2)); on a small fit
     forced down that path they give the dense QR's values, and the same estimate to within its probes."""
-    import mhaextract.outputs as outputs
+    import mhaextract.run.value_fit as outputs
     layer = vector_target(d=5, heads=3, d_out=4, seed=8)
     rng = np.random.default_rng(0)
     queries = [rng.standard_normal((int(n), 5)) for n in rng.integers(2, 9, size=300)]

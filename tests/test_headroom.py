@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.calibration import calibrate
+from mhaextract.run.calibration import calibrate
 from mhaextract.oracle.boundary import OracleBoundary, OracleError
 from mhaextract.oracle.transcript import RUN, Transcript
 from test_low_precision_whole import RoundedLayer

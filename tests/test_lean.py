@@ -9,8 +9,8 @@ import mhaextract as mx
 from conftest import run_settings
 from mhaextract.checks.noise_probe import PROBE_QUERIES
 from mhaextract.checks.verify import VERIFY_QUERIES
-from mhaextract.schedules.lean import LeanSchedule
-from mhaextract.schedules.paper import PaperSchedule
+from mhaextract.attention.lean import LeanSchedule
+from mhaextract.attention.paper import PaperSchedule
 
 from conftest import hp_error
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.calibration import calibrate
+from mhaextract.run.calibration import calibrate
 from mhaextract.oracle.answer_stats import AnswerStats
 from mhaextract.oracle.boundary import OracleBoundary
 from mhaextract.oracle.noise import round_bfloat16

@@ -233,8 +233,8 @@ def test_the_basis_term_of_a_subspace_unit_equals_its_dense_form(lifted):
     """``basis_variance`` works in the (H - 1)-dimensional span of the tokens' parts off the subspace
     (docs/algorithm.md §17, "Error estimate"); here against ``diag(M B diag(t) B^T M^T) + t`` formed
     densely, ``B = X (I - Q Q^T)``, ``M = Q (X Q)^-1``, on tokens the design itself makes."""
-    from mhaextract.schedules.targeted.lowrank import AffineSubspaceDesign, _lifted_bases
-    from mhaextract.schedules.targeted.designs import SubspaceDesign
+    from mhaextract.attention.targeted.lowrank import AffineSubspaceDesign, _lifted_bases
+    from mhaextract.attention.targeted.designs import SubspaceDesign
 
     rng = np.random.default_rng(3)
     d, H, r, groups, R = 12, 3, 3, 4, 5

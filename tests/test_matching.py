@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mhaextract.numerics.highprec import working_precision
-from mhaextract.schedules.matching import Side, match_labels, match_links
+from mhaextract.attention.matching import Side, match_labels, match_links
 
 FLOAT64_AMBIGUITY, HIGHPREC_AMBIGUITY, LABEL_AMBIGUITY = 0.5, 0.1, 0.01
 SIGMA = 1e-9  # first-order sensitivity given to every pole and label
@@ -191,7 +191,7 @@ def test_all_rows_at_once_assign_what_linear_sum_assignment_assigns_row_by_row(r
     handed to scipy) against scipy's per-row solution, on random costs with ties and infinities."""
     from scipy.optimize import linear_sum_assignment
 
-    from mhaextract.schedules.matching import _assign
+    from mhaextract.attention.matching import _assign
 
     rng = np.random.default_rng(r)
     cost = rng.exponential(size=(400, r, r)) * 10.0 ** rng.integers(-12, 12, size=(400, 1, 1))

@@ -228,7 +228,7 @@ def test_kept_queries_hold_round_rows_and_arrays_in_the_order_kept_and_evaluate_
 
 def test_a_block_of_rounds_asked_at_once_measures_what_its_rounds_asked_one_by_one_do():
     from mhaextract.oracle.boundary import OracleBoundary
-    from mhaextract.schedules.targeted.prober import Prober
+    from mhaextract.attention.targeted.prober import Prober
 
     d, U = 6, 9
     target = mx.MultiHeadAttention.random(d, 2, seed=3)

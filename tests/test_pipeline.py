@@ -17,13 +17,13 @@ import pytest
 
 import mhaextract as mx
 from conftest import CountingOracle
-from mhaextract.model import MultiHeadAttention
+from mhaextract.models.attention import MultiHeadAttention
 from mhaextract.checks.noise_probe import PROBE_QUERIES
 from mhaextract.numerics import float64 as kernel
 from mhaextract.oracle.queries import one_token_queries, random_basis
-from mhaextract.schedules import registry
-from mhaextract.schedules.base import Outcome, Schedule, ScheduleDetails
-from mhaextract.validation import default_token_scale
+from mhaextract.attention import registry
+from mhaextract.attention.base import Outcome, Schedule, ScheduleDetails
+from mhaextract.run.validation import default_token_scale
 
 PACKAGE = Path(mx.__file__).parent
 
@@ -191,7 +191,7 @@ def test_the_package_has_no_import_cycle():
     for module in graph:
         if module not in state:
             visit(module, [])
-    assert "mhaextract.api" in graph and graph["mhaextract.schedules.registry"]
+    assert "mhaextract.api" in graph and graph["mhaextract.attention.registry"]
 
 
 def test_no_module_compares_schedule_names_outside_the_registry():
@@ -206,7 +206,7 @@ def test_no_module_compares_schedule_names_outside_the_registry():
 def test_plotting_is_imported_only_when_a_plot_is_asked_for():
     code = ("import sys, mhaextract as mx; t = mx.MultiHeadAttention.random(3, 1, seed=0); "
             "mx.extract(mx.SimulatedOracle(t), 3, heads=1); "
-            "import mhaextract.cli, mhaextract.report, mhaextract.bench, mhaextract.noise_sweep; "
+            "import mhaextract.tools.cli, mhaextract.tools.report, mhaextract.tools.bench, mhaextract.tools.noise_sweep; "
             "print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.finish import polish_count
+from mhaextract.attention.finish import polish_count
 from mhaextract.checks.refine import (
     answer_scales, output_jacobian, pack, parameter_count, refine_least_squares, residuals, unpack,
 )
@@ -93,7 +93,7 @@ def test_counted_polish_queries_are_exactly_the_documented_ones():
 
 
 def test_polish_count_default():
-    from mhaextract.schedules.base import RunSettings
+    from mhaextract.attention.base import RunSettings
 
     settings = RunSettings(8, 6, 6, None, 0, 1.0, refine=True, bias=True)
     assert polish_count(settings) == 6 * (6 * (64 + 16) + 1) == 2886

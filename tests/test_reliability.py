@@ -250,7 +250,7 @@ def test_the_targeted_estimate_covers_an_ill_conditioned_design(monkeypatch):
     # the vector of error sizes, whose signed sum cancelled: 4e-14 against a true 3e-11. The final
     # bases are now chosen for well-conditioned designs (docs/algorithm.md §13); one candidate
     # basis per head gives the ill-conditioned design back.
-    from mhaextract.schedules.targeted import bases
+    from mhaextract.attention.targeted import bases
 
     target = mx.MultiHeadAttention.random(4, 4, seed=1057)
     chosen = mx.extract(mx.SimulatedOracle(target), 4, heads=4, seed=57, schedule="targeted", on_failure="warn")
@@ -375,8 +375,8 @@ def test_answer_noise_scales_the_sample_terms_of_an_estimate_not_the_score_round
     """The targeted estimate's score-rounding part (the oracle's own arithmetic, Outcome.unscaled_estimate)
     is not scaled by measured or declared answer noise; the rest is (seed 57, d = H = 4, Gaussian
     1e-10: 3.7e-6 -> 1.35e-6 against a true 1.6e-10)."""
-    from mhaextract.finish import _undeclared_noise
-    from mhaextract.schedules.base import RunSettings
+    from mhaextract.attention.finish import _undeclared_noise
+    from mhaextract.attention.base import RunSettings
 
     settings = RunSettings(d=4, heads=2, max_heads=2, precision=None, seed=0, token_scale=1.0, answer_error=1e-8)
     eps = np.finfo(float).eps
@@ -476,7 +476,7 @@ def test_targeted_labels_are_judged_against_their_inverse_variance_mean():
     # with one label far off its target's centre, -3.07 +- 320, among three at -18.945 +- 1e-5..1.5e-2:
     # its plain mean sat 4 away from the good labels, 3.5e5 of their errors, and failed a model
     # within its estimate (seeds 281, 387: labels_consistent 3.5e3, 1.1e5 against 1e3).
-    from mhaextract.schedules.targeted.diagnostics import label_deviation
+    from mhaextract.attention.targeted.diagnostics import label_deviation
 
     labels = np.array([[[-3.06820438, -18.94490588, -18.94491967, -18.94484769]]])
     sigma = np.array([[[319.6, 4.04e-3, 1.09e-5, 1.52e-2]]])
@@ -576,9 +576,9 @@ def test_a_failed_exact_lean_run_is_refined_with_counted_polish_queries(seed, fa
     assert truth < 1e-8 and truth <= result.error_estimate <= 1e-4
 
 def test_a_refinement_supersedes_outvoted_instance_fits_but_not_extra_poles():
-    from mhaextract.finish import _superseded_by_fit
+    from mhaextract.attention.finish import _superseded_by_fit
     from mhaextract.checks.base import Check
-    from mhaextract.schedules.grid import MORE_POLES
+    from mhaextract.attention.grid import MORE_POLES
 
     passed = [Check("error_estimate", True, 1e-9, 1e-4, ""), Check("answers_residual", True, 1e-9, 1e-4, "")]
     failed = [Check("poles_real_positive", False, 0.1, 0.05, "2 of 17"), Check("pole_count", False, 0.1, 0.05, "2 of 17"),
@@ -681,7 +681,7 @@ def test_a_competing_order_that_fits_as_well_is_not_refuted():
     # The decision alone, against refits chosen here: an order whose fit is as good and elsewhere
     # stands (two models the answers cannot tell apart: the run keeps failing); one whose fit
     # misfits REFUTING_MISFIT times more, or that lands on the run's fit, is refuted.
-    from mhaextract.finish import REFUTING_MISFIT, _refuted_links
+    from mhaextract.attention.finish import REFUTING_MISFIT, _refuted_links
     from mhaextract.checks.refine import Refinement
 
     target, oracle, d, H, extra = _random_case(6, "uniform")
@@ -709,8 +709,8 @@ def test_a_competing_order_that_fits_as_well_is_not_refuted():
 
 def test_an_alternative_start_exchanges_two_heads_where_one_instance_decided_them():
     # Independent of the schedule's code: M_h = Z^T W_h X and labels Z^T v_h computed here.
-    from mhaextract.schedules.paper import PaperSchedule
-    from mhaextract.schedules.base import RunSettings
+    from mhaextract.attention.paper import PaperSchedule
+    from mhaextract.attention.base import RunSettings
 
     target = mx.MultiHeadAttention.random(4, 3, seed=5)
     plan = PaperSchedule(RunSettings(d=4, max_heads=3, heads=3, precision=None, seed=0, token_scale=1.0))

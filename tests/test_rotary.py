@@ -548,7 +548,7 @@ def test_a_value_fit_maps_the_refinements_own_error_draws_to_first_order():
     fit's first-order response to e, which the fit measures from e stretched and scaled back. With
     e itself as the only draw the score part is DRAW_SAFETY times the V change measured against a
     fit on the exact scores (the same answers, the truth's own read-out model)."""
-    from mhaextract.outputs import DRAW_SAFETY, fit_values
+    from mhaextract.run.value_fit import DRAW_SAFETY, fit_values
     from mhaextract.rotary.refine import error_moves, pack, unpack
     layer = mx.RotaryAttention.random(d=8, heads=2, head_width=4, seed=3, kv_heads=1, d_out=5, bias=True)
     r = np.random.default_rng(4).normal(size=5)
@@ -571,7 +571,7 @@ def test_a_value_fit_judges_the_shifted_back_constant_by_its_own_error(seed):
     """With ``frame_shift`` s the constant reported is ``c + sum_h V_h s``, a linear functional of
     the fit: its estimate covers its error against the truth's own shifted-back constant (answers
     with noise 1e-9 of their size) without the slack of bounding it through |s|_1 times c's."""
-    from mhaextract.outputs import fit_values
+    from mhaextract.run.value_fit import fit_values
     layer = mx.RotaryAttention.random(d=8, heads=2, head_width=4, seed=3 + seed, kv_heads=1, d_out=5, bias=True)
     r = np.random.default_rng(4).normal(size=5)
     rng = np.random.default_rng(6 + seed)

@@ -9,20 +9,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhaextract as mx
-import mhaextract.schedules.targeted.biased as biased
-import mhaextract.schedules.targeted.linesearch as linesearch
-from mhaextract.schedules.targeted import bases as targeted_bases
-from mhaextract.schedules.targeted import designs as targeted_designs
-from mhaextract.schedules.targeted import diagnostics as targeted_diagnostics
-from mhaextract.schedules.targeted import measure as targeted_measure
-from mhaextract.schedules.targeted import patterns as targeted_patterns
-from mhaextract.schedules.targeted import schedule as targeted_schedule
-from mhaextract.schedules.targeted import tolerances as targeted_tolerances
-from mhaextract.finish import _bias_error, _constant_error
+import mhaextract.attention.targeted.biased as biased
+import mhaextract.attention.targeted.linesearch as linesearch
+from mhaextract.attention.targeted import bases as targeted_bases
+from mhaextract.attention.targeted import designs as targeted_designs
+from mhaextract.attention.targeted import diagnostics as targeted_diagnostics
+from mhaextract.attention.targeted import measure as targeted_measure
+from mhaextract.attention.targeted import patterns as targeted_patterns
+from mhaextract.attention.targeted import schedule as targeted_schedule
+from mhaextract.attention.targeted import tolerances as targeted_tolerances
+from mhaextract.attention.finish import _bias_error, _constant_error
 from mhaextract.checks.noise_probe import PROBE_QUERIES
 from mhaextract.numerics import single_pole
 from mhaextract.oracle.queries import quantize, random_basis
-from mhaextract.schedules.targeted.biased import AffineFinalDesign
+from mhaextract.attention.targeted.biased import AffineFinalDesign
 
 from conftest import CountingOracle, paper_count
 
@@ -168,7 +168,7 @@ def test_at_h_equal_d_the_final_bases_are_chosen_for_well_conditioned_designs(sc
 
 
 def test_balanced_bases_keep_every_label_alike_and_minimise_the_worst_design_condition():
-    from mhaextract.schedules.targeted.bases import balanced_basis
+    from mhaextract.attention.targeted.bases import balanced_basis
 
     rng = np.random.default_rng(0)
     d = 6
@@ -191,7 +191,7 @@ def test_balanced_bases_keep_every_label_alike_and_minimise_the_worst_design_con
 def test_the_best_conditioned_candidate_is_the_one_every_svd_names():
     """The Gram-matrix shortcut (SVD only where its bounds cannot decide) picks the very candidate an
     SVD of every candidate does: ill-conditioned, exactly singular and tied candidates included."""
-    from mhaextract.schedules.targeted.bases import _best_conditioned
+    from mhaextract.attention.targeted.bases import _best_conditioned
 
     def every_svd(designs):
         singular = np.linalg.svd(designs, compute_uv=False)

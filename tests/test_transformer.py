@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 import mhaextract as mx
-from mhaextract.cli import app
-from mhaextract.relu_units import _polish, orient
-from mhaextract.transformer import residual_queries
+from mhaextract.tools.cli import app
+from mhaextract.transformer.relu_units import _polish, orient
+from mhaextract.transformer.learn import residual_queries
 
 from conftest import CountingOracle, paper_count
 
@@ -283,7 +283,7 @@ def test_orientation_is_unique_or_says_how_many():
 def test_orientation_beyond_the_enumeration_limit_says_it_did_not_search():
     """More than MAX_ENUMERATED units outside the span (docs/transformer.md condition 6): the run
     must say the choices were not searched, not that no sign vector fits."""
-    from mhaextract.relu_units import MAX_ENUMERATED
+    from mhaextract.transformer.relu_units import MAX_ENUMERATED
 
     rng = np.random.default_rng(1)
     C = rng.standard_normal((4 + MAX_ENUMERATED + 1, 4))
@@ -500,7 +500,7 @@ def test_float64_step_2_asks_random_rows_for_the_polish_and_counts_them(residual
     """float64 step 2 asks ``SPREAD_PER_DIMENSION x D`` random sequences (D = H* d, + d with the
     residual) for the polish, counted at the boundary under step 2 with its other queries; 256 bits
     (no polish) asks none."""
-    from mhaextract.relu_units import SPREAD_PER_DIMENSION
+    from mhaextract.transformer.relu_units import SPREAD_PER_DIMENSION
     d, H, n = 6, 2, 8
     target = mx.Transformer1L.random(d, H, n, seed=5, residual=residual)
     result = extract_counted(target, H, n, seed=3)

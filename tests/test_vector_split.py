@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.schedules.vector import VectorExtraction, vector_bound
+from mhaextract.vector import VectorExtraction, vector_bound
 
 
 def low_rank_layer(d, heads, rank, seed=1):
@@ -120,7 +120,7 @@ def test_torch_layers_are_split_by_head(dtype):
 def test_a_split_whose_model_fails_its_checks_gives_way_to_the_scalar_schedule(monkeypatch):
     """Never a guess: a vector model failing a check (here the estimate inflated past its limit) is
     dropped, the targeted schedule runs, and the reason names the failed check."""
-    import mhaextract.schedules.vector.learn as learn
+    import mhaextract.vector.learn as learn
 
     monkeypatch.setattr(learn, "ESTIMATE_FACTOR", 1e30)
     target = low_rank_layer(6, 2, 3, seed=6)

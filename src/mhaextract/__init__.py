@@ -7,21 +7,21 @@ mathematics and the query schedules are in docs/algorithm.md.
 from .api import extract
 from .checks.base import Check, ExtractionError, UnreliableExtractionWarning
 from .checks.verify import Verification, verify
-from .compare import Comparison, compare
-from .model import MultiHeadAttention
+from .models.compare import Comparison, compare
+from .models.attention import MultiHeadAttention
 from .oracle.boundary import BudgetExceeded, OracleError
 from .oracle.noise import (
     AdditiveNoise, BFloat16Oracle, Float32Oracle, GaussianNoise, MixedPrecisionOracle, RoundedAnswers,
 )
 from .oracle.parallel import ParallelOracle
 from .oracle.simulated import SimulatedOracle
-from .rotary.model import RotaryAttention
+from .models.rotary import RotaryAttention
 from .oracle.transcript import TranscriptError
-from .results import Extraction, load_model, save_extraction
+from .run.result import Extraction, load_model, save_extraction
 from .lowprecision.learn import LowPrecisionExtraction
 from .rotary.learn import RotaryExtraction
-from .transformer import TransformerExtraction, TransformerExtractionError, extract_transformer
-from .transformer_model import Transformer1L, TransformerComparison, compare_transformers
+from .transformer.learn import TransformerExtraction, TransformerExtractionError, extract_transformer
+from .models.transformer import Transformer1L, TransformerComparison, compare_transformers
 
 __all__ = [
     "RotaryAttention",

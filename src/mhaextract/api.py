@@ -4,7 +4,7 @@ The data flow of one extraction (docs/algorithm.md §5-§13)::
 
     parameters -> RunSettings -> schedule (registry) -> boundary (+ transcript)
         -> schedule.run: answers -> fits -> matching -> assembly -> Outcome
-        -> finish (mhaextract.finish): certificate, refinement, error estimate, checks -> Extraction
+        -> finish (mhaextract.attention.finish): certificate, refinement, error estimate, checks -> Extraction
         -> (vector answers) value fit -> the whole model
 """
 
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .calibration import calibrate, probe_queries
+from .run.calibration import calibrate, probe_queries
 from .checks.base import report_failure
 from .checks.causality import records_causality
 from .checks.diagnosis import KERNEL_ERRORS, failure_hints, kernel_failure
 from .checks.model_class import probe_model_class
 from .checks.noise_probe import probe_misfit
 from .checks.verify import VERIFY_LENGTH, ask_long_verification, verify_length_option
-from .finish import (
+from .attention.finish import (
     Spent, arithmetic_noise, ask_value_queries, finish, refinement_queries, rescued_by_refinement, with_values,
 )
 from .numerics.arithmetic import BACKENDS, arithmetic_for
@@ -34,12 +34,12 @@ from .oracle.resume_check import check_same_oracle
 from .oracle.answer_stats import FORMAT_UNITS
 from .oracle.transcript import CALIBRATION, RUN, VECTOR, Transcript, check_directory, run_fingerprint, run_header
 from .oracle.vector_answers import VectorAnswers
-from .results import Extraction
-from .schedules.base import RunSettings
-from .schedules.registry import COARSE_FORMATS, VECTOR, choose, low_precision_run
-from .schedules.targeted.lowrank import AUTO as AUTO_RANK
-from .schedules.vector import SplitUnavailable, VectorExtraction, extract_vector
-from .validation import (
+from .run.result import Extraction
+from .attention.base import RunSettings
+from .attention.registry import COARSE_FORMATS, VECTOR, choose, low_precision_run
+from .attention.targeted.lowrank import AUTO as AUTO_RANK
+from .vector import SplitUnavailable, VectorExtraction, extract_vector
+from .run.validation import (
     bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
     token_scale_for, token_scale_option,
 )
@@ -71,7 +71,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     schedule : ``"auto"`` (default: the registry chooses from the arithmetic and H0, and
         ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, else the
         paper's grid, with biases the biased grid of §16: ``4 H0 d^2 + 4 H0 d - 2 H0 + 1`` queries
-        of length at most ``2 H0 + 1``) or a name from :mod:`mhaextract.schedules.registry`: ``"paper"`` (exactly
+        of length at most ``2 H0 + 1``) or a name from :mod:`mhaextract.attention.registry`: ``"paper"`` (exactly
         ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, docs/algorithm.md §5; named
         alone it reproduces the paper: bias-free model, token scale ``d ** 0.25``, no probes),
         ``"lean"`` (§10: about ``(2 H0 - 1) d^2`` queries, heads matched by residue labels),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 from .export import ExportReport, StateDict, UnsupportedLayerError, dropped, measure_export
 from .torch import ExtractedAttention, ReducedAttention, _blocks, _Blocks, head_factors, to_reduced
 

@@ -210,7 +210,7 @@ def measure_export(report: ExportReport, exported, model, longest: int = 32, cou
     largest final-token output difference over ``count`` seeded sequences of 1..``longest``
     unit-variance tokens (a LayerNorm's output), relative to the largest output; warns where the
     report has a cut beyond the numerical gap."""
-    from ..compare import compare
+    from ..models.compare import compare
 
     model = model.to_float64()
     rng = np.random.default_rng(0)

@@ -7,7 +7,7 @@ states to outputs on its own: its model hands it the rotary position embeddings 
 ``mhaextract.adapters.torch.TorchOracle(RotaryLayer(attention))`` answers the layer's output at the
 final token of any sequence.
 
-:func:`to_rotary` reads the weights into the exact :class:`~mhaextract.rotary.model.RotaryAttention`
+:func:`to_rotary` reads the weights into the exact :class:`~mhaextract.models.rotary.RotaryAttention`
 (docs/algorithm.md §22): white-box ground truth for tests and benchmarks, never on the extraction
 path. Head h of group ``g = h // (H / H_kv)`` (``H_kv`` key/value heads) has
 
@@ -20,7 +20,7 @@ rows taking ``rotate_half``'s pairs ``(m, m + r/2)`` to the consecutive pairs ``
 A key bias ``bk`` adds ``bk_g^T R(N - j) (Q_h x_N + b_h)`` to the score of key j: a score that
 depends on the offset and not on the token, outside the model class, so it is refused.
 
-:func:`to_torch_rotary` turns a :class:`~mhaextract.rotary.model.RotaryAttention` (extracted or
+:func:`to_torch_rotary` turns a :class:`~mhaextract.models.rotary.RotaryAttention` (extracted or
 exact) into a causal layer (B, N, d) -> (B, N, d_out) whose output at every position is the model on
 the prefix that ends there.
 
@@ -53,7 +53,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from scipy.optimize import linear_sum_assignment
 
-from ..rotary.model import RotaryAttention
+from ..models.rotary import RotaryAttention
 from .export import (
     ARITHMETIC, ExportReport, StateDict, UnsupportedLayerError, dropped, factor_at_width, measure_export,
 )
@@ -269,7 +269,7 @@ def _bias(linear, rows: int) -> np.ndarray:
 
 
 def to_rotary(attention, rotary_embedding=None, window: int | None = None) -> RotaryAttention:
-    """The exact :class:`~mhaextract.rotary.model.RotaryAttention` of a layer, from its weights, in float64.
+    """The exact :class:`~mhaextract.models.rotary.RotaryAttention` of a layer, from its weights, in float64.
 
     One head per query head of the layer (grouped heads share K and the value block), the vector
     model of the whole output (``V`` of shape (H, d_out, d); ``.readout(r)`` gives a read-out's
@@ -343,7 +343,7 @@ def to_rotary(attention, rotary_embedding=None, window: int | None = None) -> Ro
 
 
 class ExtractedRotaryAttention(nn.Module):
-    """A :class:`~mhaextract.rotary.model.RotaryAttention` as a torch layer: (B, N, d) -> (B, N, d_out).
+    """A :class:`~mhaextract.models.rotary.RotaryAttention` as a torch layer: (B, N, d) -> (B, N, d_out).
 
     Head h scores key j from position i as ``(K_h x_j + k_h)^T R_h(i - j) (Q_h x_i + b_h)``, computed as
     Llama does with absolute positions (query rotated by ``i theta_h``, key by ``j theta_h``, on
@@ -414,7 +414,7 @@ class ExtractedRotaryAttention(nn.Module):
 
 
 def to_torch_rotary(model: RotaryAttention, causal: bool = True, dtype=torch.float64) -> ExtractedRotaryAttention:
-    """A :class:`~mhaextract.rotary.model.RotaryAttention` (extracted, or :func:`to_rotary`'s truth) as
+    """A :class:`~mhaextract.models.rotary.RotaryAttention` (extracted, or :func:`to_rotary`'s truth) as
     a torch layer mapping (B, N, d) to (B, N, d_out): with ``causal=True`` the output at every
     position i is ``model`` on the prefix ``x_0..x_i`` (its window respected); a scalar model gives
     d_out = 1. See :class:`ExtractedRotaryAttention`.

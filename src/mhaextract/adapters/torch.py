@@ -44,7 +44,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("mhaextract.adapters.torch needs PyTorch: pip install 'mhaextract[torch]'") from error
 
-from ..model import MultiHeadAttention, as_batch
+from ..models.attention import MultiHeadAttention, as_batch
 from ..oracle.queries import rows_of
 from ..oracle.vector_answers import read_out
 from .export import (  # noqa: F401 - the public names of the way back, importable from here as before

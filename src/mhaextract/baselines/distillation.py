@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..checks.base import Check, CheckedResult, report_failure
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import ProgressBar, shown
 from ..oracle.queries import padded, random_queries
-from ..validation import on_failure_mode, positive_int, positive_number, token_scale_for
+from ..run.validation import on_failure_mode, positive_int, positive_number, token_scale_for
 
 
 def paper_budget(d: int, heads: int) -> int:

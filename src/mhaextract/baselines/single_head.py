@@ -61,10 +61,10 @@ from ..numerics.highprec import GUARD_BITS, arb_array, magnitude_float, mid_floa
 from ..numerics import arb as arb_kernel
 from ..numerics import float64 as float64_kernel
 from ..checks.base import Check, CheckedResult, CheckPolicy, report_failure
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 from ..oracle.boundary import BudgetExceeded, OracleBoundary
 from ..oracle.queries import quantize, random_basis, random_queries
-from ..validation import on_failure_mode, positive_int, token_scale_for
+from ..run.validation import on_failure_mode, positive_int, token_scale_for
 
 
 @dataclass

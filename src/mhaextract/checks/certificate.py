@@ -66,8 +66,8 @@ from functools import cached_property
 import numpy as np
 
 from ..numerics.float64 import root_mean_square
-from ..model import MultiHeadAttention
-from ..validation import nonnegative_number
+from ..models.attention import MultiHeadAttention
+from ..run.validation import nonnegative_number
 from .linearisation import CHUNK, PipelineOperator, PipelineRun
 
 #: error_bound = (1 + s) * C * (eps + rounding floor), s = SECOND_ORDER_SLACK (least squares:

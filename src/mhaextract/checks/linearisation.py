@@ -13,7 +13,7 @@ import numpy as np
 from scipy.sparse import csr_matrix, diags
 from scipy.sparse.linalg import splu
 
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 from ..numerics.assembly import label_columns
 from ..numerics.rational import instance_jacobian, lu_inverses
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..oracle.queries import quantize
-from ..validation import spawn_rng
+from ..run.validation import spawn_rng
 
 #: The answer error a schedule's own estimate assumes, relative to the largest answer.
 ASSUMED_RELATIVE_ERROR = 2.0**-52

@@ -49,7 +49,7 @@ import numpy as np
 
 from scipy.sparse.linalg import LinearOperator, lsmr
 
-from ..model import MultiHeadAttention, as_batch
+from ..models.attention import MultiHeadAttention, as_batch
 from ..oracle.queries import padded
 from ..numerics.float64 import root_mean_square
 

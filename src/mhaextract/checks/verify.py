@@ -32,7 +32,7 @@ from ..numerics.float64 import root_mean_square
 from ..numerics.highprec import GUARD_BITS, mid_float, mpf_array
 from ..oracle.boundary import OracleBoundary, OracleError
 from ..oracle.queries import random_queries
-from ..validation import positive_int, positive_number
+from ..run.validation import positive_int, positive_number
 from .base import Check
 
 #: The default verification's longest query (``extract(..., verify_length=None)``), in tokens.

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import minimize
 
-from ..compare import compare
-from ..model import MultiHeadAttention
+from ..models.compare import compare
+from ..models.attention import MultiHeadAttention
 
 #: Fit queries per parameter and d_out numbers (``n d_out >= FIT_NUMBERS_PER_PARAMETER P``).
 FIT_NUMBERS_PER_PARAMETER = 120

@@ -15,12 +15,12 @@ import numpy as np
 
 from ..checks.base import Check, CheckedResult, available_memory
 from ..checks.verify import ask_long_verification
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import note_progress
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
-from ..validation import spawn_rng
+from ..run.validation import spawn_rng
 from .fit import Design, WholeFit, bootstrap_error, fit_memory, fit_query_count, fit_whole
 from .start import LabelsNotFound, SaturatedStart, saturated_start
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 
 #: Saturating key length, in token scales: ``|t alpha_h|`` of order 100 away from a crossing.
 SATURATING = 400.0

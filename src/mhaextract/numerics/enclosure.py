@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from flint import arb
 
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 from .highprec import mpf_array, to_arb, working_precision
 
 

@@ -23,8 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..model import MultiHeadAttention
-from ..validation import nonnegative_number
+from ..models.attention import MultiHeadAttention
+from ..run.validation import nonnegative_number
 
 
 def _callable(oracle) -> Callable:
@@ -201,7 +201,7 @@ def round_bfloat16(values) -> np.ndarray:
 def _evaluate(model: MultiHeadAttention, batch, stage) -> np.ndarray:
     """The layer with ``stage(name, array)`` applied to every intermediate: tokens, parameters,
     scores, softmax weights, values and the output (each stage rounds to its precision)."""
-    from ..model import as_batch
+    from ..models.attention import as_batch
 
     model = model.to_float64()
     sequences = as_batch(batch, model.d)

@@ -27,7 +27,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from ..validation import nonnegative_number, positive_int, positive_number
+from ..run.validation import nonnegative_number, positive_int, positive_number
 from .boundary import OracleError, plain_numbers
 from .queries import CopiesRows, rows_of
 

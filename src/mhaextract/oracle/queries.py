@@ -347,7 +347,7 @@ class KeptQueries(Sequence):
     docs/algorithm.md §13, "Memory"), in the order asked: copies-instances as their rows
     ``(final, difference, k)`` (:meth:`RoundQueries.rows`), other queries as arrays. Indexing builds
     the sequences (those of :func:`copies_block`, bit for bit); :meth:`outputs` evaluates a model on
-    the copies rows from the rows (:meth:`~mhaextract.model.MultiHeadAttention.copies_outputs`,
+    the copies rows from the rows (:meth:`~mhaextract.models.attention.MultiHeadAttention.copies_outputs`,
     O(H d) a query, a fifth of a model call's time per query at d = 64)."""
 
     def __init__(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 
 
 class SimulatedOracle:

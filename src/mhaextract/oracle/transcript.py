@@ -13,11 +13,11 @@ noise.
 **Sections.** The answers are kept in sections, each numbered from 0 in the order its queries
 are asked:
 
-* ``"calibration"``: the token-scale probes (:mod:`mhaextract.calibration`), which depend only on
+* ``"calibration"``: the token-scale probes (:mod:`mhaextract.run.calibration`), which depend only on
   ``d``, the seed and the precision, so they are recorded before the run's plan exists;
 * ``"run"``: the schedule's queries and every query after them (noise probe, polish, repair),
   whose plan depends on the calibrated scale;
-* ``"vector"``: the queries of the split of whole answers (:mod:`mhaextract.schedules.vector`),
+* ``"vector"``: the queries of the split of whole answers (:mod:`mhaextract.vector`),
   tried before the schedule when the answers are whole vectors.
 
 What makes that safe:

@@ -4,7 +4,7 @@ A real layer answers ``d_out`` numbers per query. The coordinates share the scor
 ``(W_h, u_h)``; every schedule learns those from the scalar ``r^T f(X)`` for one read-out ``r`` (a
 random unit vector drawn from the run's seed; ``r = (1,)`` when ``d_out = 1``), asking exactly the
 queries of a scalar run. The value read-outs ``V_h`` and ``c`` are then fitted to whole answers
-(:mod:`mhaextract.outputs`).
+(:mod:`mhaextract.run.value_fit`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from .answer_stats import FORMAT_UNITS
 
-#: The stream of the run's seed (:func:`mhaextract.validation.spawn_rng`) the read-out is drawn
+#: The stream of the run's seed (:func:`mhaextract.run.validation.spawn_rng`) the read-out is drawn
 #: from: independent of the schedule's queries and of every other stream.
 STREAM = 11
 

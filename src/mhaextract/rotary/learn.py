@@ -35,12 +35,12 @@ from ..numerics.float64 import fit
 from ..numerics.highprec import mid_float, mpf_array
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import note_progress
-from ..outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
+from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
 from .completion import complete_low_rank, completion_rank, head_widths  # noqa: F401 (re-exported)
-from ..validation import spawn_rng
-from .model import RotaryAttention
+from ..run.validation import spawn_rng
+from ..models.rotary import RotaryAttention
 from .neutral import (LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary,
                       find_neutral_token)
 from .refine import error_moves, pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies

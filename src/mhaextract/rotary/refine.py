@@ -29,8 +29,8 @@ import numpy as np
 from scipy.linalg import cho_factor, cho_solve
 
 from ..numerics.highprec import GUARD_BITS, mpf_array
-from ..outputs import DRAW_SAFETY
-from .model import RotaryAttention
+from ..run.value_fit import DRAW_SAFETY
+from ..models.rotary import RotaryAttention
 
 
 @dataclass

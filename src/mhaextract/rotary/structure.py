@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.linalg import schur, solve_sylvester
 
-from .model import rotation_blocks
+from ..models.rotary import rotation_blocks
 
 #: Eigenvalues of M within this distance of 1 are a block the layer does not rotate.
 UNROTATED = 1e-6

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ...model import MultiHeadAttention
+from ...models.attention import MultiHeadAttention
 from ...numerics import float64 as float64_kernel
 from ...numerics import single_pole
 from ...oracle.queries import one_token_queries

@@ -29,14 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks.base import Check, CheckedResult
-from .checks.certificate import Certificate
-from .checks.refine import Refinement
-from .model import MultiHeadAttention
-from .rotary.model import RotaryAttention
-from .numerics.enclosure import exact_model
-from .numerics.highprec import mpf_from_hex, mpf_to_hex, radius_float
-from .schedules.base import ScheduleDetails
+from ..checks.base import Check, CheckedResult
+from ..checks.certificate import Certificate
+from ..checks.refine import Refinement
+from ..models.attention import MultiHeadAttention
+from ..models.rotary import RotaryAttention
+from ..numerics.enclosure import exact_model
+from ..numerics.highprec import mpf_from_hex, mpf_to_hex, radius_float
+from ..attention.base import ScheduleDetails
 
 
 @dataclass
@@ -78,8 +78,8 @@ class Extraction(CheckedResult):
         Max relative misfit of the extracted model on the queries asked.
     checks : list of Check
     details : ScheduleDetails
-        Schedule-specific diagnostics (:class:`~mhaextract.schedules.grid.GridDetails` for paper
-        and lean, :class:`~mhaextract.schedules.targeted.diagnostics.TargetedDetails` for targeted).
+        Schedule-specific diagnostics (:class:`~mhaextract.attention.grid.GridDetails` for paper
+        and lean, :class:`~mhaextract.attention.targeted.diagnostics.TargetedDetails` for targeted).
     W_balls, v_balls : object arrays of flint ``arb`` (high precision only), shapes (H*, d, d), (H*, d).
     u_balls, c_ball : the score biases (H*, d) and the output constant as balls (high-precision runs
         that learned biases, ``bias=True``: the biased grid, docs/algorithm.md §16); None otherwise.
@@ -88,7 +88,7 @@ class Extraction(CheckedResult):
     calibration_queries : int
         Queries spent choosing the token scale (``token_scale="auto"``, docs/algorithm.md §18);
         included in ``queries``. 0 when the scale was given.
-    calibration : the calibration's report (:class:`~mhaextract.calibration.Calibration`) or None.
+    calibration : the calibration's report (:class:`~mhaextract.run.calibration.Calibration`) or None.
     bias : whether the run learned score biases and the output constant (docs/algorithm.md §16).
     schedule_reason : why this schedule ran (``schedule="auto"`` says what it chose and why).
     answer_dtype : the dtype the oracle answered in (``"float64"``, ``"float32"`` for a float32
@@ -124,7 +124,7 @@ class Extraction(CheckedResult):
         For vector answers: the schedule's scalar model of ``r^T f``; ``model`` is then the vector
         model (``V_h`` (d_out, d) and ``c`` (d_out,) fitted to the answers, docs/algorithm.md §21), or
         None where no vector model could be fitted (a failed check says why).
-    value_fit : :class:`~mhaextract.outputs.ValueFit` or None
+    value_fit : :class:`~mhaextract.run.value_fit.ValueFit` or None
         For vector answers: the fit of ``V_h`` and ``c``, its queries, residual and estimate.
     causal : :class:`~mhaextract.checks.causality.CausalRecord` or None
         Whether the layer is causal, judged from its outputs at earlier positions of queries the
@@ -145,7 +145,7 @@ class Extraction(CheckedResult):
     with_verification(verification) : a copy carrying a :func:`mhaextract.verify` result.
 
     ``repr(result)`` (and ``print(result)``) is one line: schedule, heads, d, queries, ok and the
-    error estimate; :func:`mhaextract.report` or ``summary()`` gives the rest.
+    error estimate; :func:`mhaextract.tools.report` or ``summary()`` gives the rest.
 
     Examples
     --------
@@ -334,8 +334,8 @@ def save_extraction(extraction: Extraction, path) -> tuple[Path, Path]:
     >>> json_path.name, npz_path.name
     ('result.json', 'result.npz')
     """
-    from .lowprecision.learn import LowPrecisionExtraction
-    from .rotary.learn import RotaryExtraction  # (the rotary module imports this one's neighbours)
+    from ..lowprecision.learn import LowPrecisionExtraction
+    from ..rotary.learn import RotaryExtraction  # (the rotary module imports this one's neighbours)
 
     if not isinstance(extraction, (Extraction, RotaryExtraction, LowPrecisionExtraction)):
         raise TypeError(f"save_extraction expects an Extraction, got {type(extraction).__name__}")

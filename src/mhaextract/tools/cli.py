@@ -15,19 +15,19 @@ import numpy as np
 import typer
 from rich.console import Console
 
-from .api import extract
-from .checks.base import ExtractionError, UnreliableExtractionWarning
-from .checks.verify import verify, verify_length_option
-from .compare import compare
-from .model import MultiHeadAttention
-from .oracle.boundary import OracleError
-from .oracle.noise import AdditiveNoise
-from .oracle.simulated import SimulatedOracle
-from .oracle.transcript import TranscriptError
+from ..api import extract
+from ..checks.base import ExtractionError, UnreliableExtractionWarning
+from ..checks.verify import verify, verify_length_option
+from ..models.compare import compare
+from ..models.attention import MultiHeadAttention
+from ..oracle.boundary import OracleError
+from ..oracle.noise import AdditiveNoise
+from ..oracle.simulated import SimulatedOracle
+from ..oracle.transcript import TranscriptError
 from .report import extraction_table
-from .results import save_extraction
-from .schedules.registry import known_schedule, schedule_names
-from .validation import head_count, nonnegative_number, positive_int, token_scale_option
+from ..run.result import save_extraction
+from ..attention.registry import known_schedule, schedule_names
+from ..run.validation import head_count, nonnegative_number, positive_int, token_scale_option
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
 
@@ -38,7 +38,7 @@ FLOAT64_ONLY = "--noise, --samples, --refine, --answer-error and --verify are fl
 
 
 def _checked(hint: str, rule, *args):
-    """``rule(*args)`` (a :mod:`mhaextract.validation` rule or the schedule registry's lookup), its
+    """``rule(*args)`` (a :mod:`mhaextract.run.validation` rule or the schedule registry's lookup), its
     ValueError turned into a usage error naming the option ``hint`` (exit code 2, no traceback)."""
     try:
         return rule(*args)
@@ -270,7 +270,7 @@ def demo(
         raise typer.BadParameter("--noise, --samples, --refine and --rank apply to the attention demo, "
                                  "not --transformer")
     if transformer:
-        from .transformer import transformer_demo
+        from ..transformer.learn import transformer_demo
         raise typer.Exit(code=transformer_demo(console, d, heads, hidden, precision, seed))
     target_rank = None if rank is None else max(1, d // heads) if rank == "auto" else rank
     target = _checked("--rank", MultiHeadAttention.random, d, heads, seed, False, target_rank)

@@ -24,7 +24,7 @@ scaling (``w_j -> w_j / c``, ``A_j -> c A_j``). :meth:`Transformer1L.canonical` 
 
 :func:`compare_transformers` aligns heads and units of two canonical forms with
 :func:`scipy.optimize.linear_sum_assignment` and reports the max errors of ``W_h`` and of the
-``c_{h,j}`` (with their signs); :func:`~mhaextract.transformer.extract_transformer` learns f from value queries.
+``c_{h,j}`` (with their signs); :func:`~mhaextract.transformer.learn.extract_transformer` learns f from value queries.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import numpy as np
 from flint import arb
 from scipy.optimize import linear_sum_assignment
 
-from .model import MultiHeadAttention, as_batch, group_equal_heads
-from .numerics.highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
+from .attention import MultiHeadAttention, as_batch, group_equal_heads
+from ..numerics.highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
 
 #: mpmath bits for exact products and sums of the parameters (doubles and few-hundred-bit mpf).
 EXACT_BITS = 2200

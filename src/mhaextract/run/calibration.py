@@ -61,8 +61,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .oracle.boundary import OracleError
-from .oracle.queries import quantize
+from ..oracle.boundary import OracleError
+from ..oracle.queries import quantize
 from .validation import default_token_scale
 
 #: Rungs of the ladder: token norms ``2^j d^(1/4)``.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 
-from ..model import as_batch
+from .attention import as_batch
 from ..numerics.highprec import GUARD_BITS, arb_array, arb_to_mpf, mid_float, mpf_array, working_precision
 
 _mp_cos = np.vectorize(mpmath.cos, otypes=[object])

@@ -1,8 +1,8 @@
-"""Learning a one-layer Transformer (:class:`~mhaextract.transformer_model.Transformer1L`) from value
+"""Learning a one-layer Transformer (:class:`~mhaextract.models.transformer.Transformer1L`) from value
 queries (docs/algorithm.md §14, docs/transformer.md): the odd part ``f(X) - f(-X)`` handed to the
-attention core for the heads, then the ReLU units (:mod:`mhaextract.relu_units`), assembled and
+attention core for the heads, then the ReLU units (:mod:`mhaextract.transformer.relu_units`), assembled and
 verified on fresh queries. The model, its canonical form and :func:`compare_transformers` are in
-:mod:`mhaextract.transformer_model`.
+:mod:`mhaextract.models.transformer`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 import mpmath
 import numpy as np
 
-from .api import extract
-from .checks.base import Check, CheckedResult, ExtractionError, UnreliableExtractionWarning, report_failure
-from .numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, working_precision
-from .oracle.boundary import OracleBoundary
-from .oracle.queries import random_basis
-from .oracle.simulated import SimulatedOracle
-from .oracle.transcript import RUN, Transcript, run_fingerprint
+from ..api import extract
+from ..checks.base import Check, CheckedResult, ExtractionError, UnreliableExtractionWarning, report_failure
+from ..numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, working_precision
+from ..oracle.boundary import OracleBoundary
+from ..oracle.queries import random_basis
+from ..oracle.simulated import SimulatedOracle
+from ..oracle.transcript import RUN, Transcript, run_fingerprint
 from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orient, random_sequences, refine
-from .report import transformer_table
-from .results import Extraction
-from .schedules.base import RunSettings
-from .schedules.registry import schedule_for
-from .transformer_model import EXACT_BITS, Transformer1L, block_embedding, compare_transformers, residual_embedding
-from .validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for
+from ..tools.report import transformer_table
+from ..run.result import Extraction
+from ..attention.base import RunSettings
+from ..attention.registry import schedule_for
+from ..models.transformer import EXACT_BITS, Transformer1L, block_embedding, compare_transformers, residual_embedding
+from ..run.validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for
 
 #: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
 #: so that its certificate covers cancellation up to that much (checked: odd_part_precision).
@@ -270,7 +270,7 @@ class TransformerRun:
     @property
     def core_schedule(self):
         """The schedule class step 1 runs on g: the one the core would choose for float64 / ball
-        arithmetic and H0 heads (:func:`mhaextract.schedules.registry.schedule_for`): targeted in
+        arithmetic and H0 heads (:func:`mhaextract.attention.registry.schedule_for`): targeted in
         float64 when H0 <= d (docs/algorithm.md §13), else the paper schedule (§5)."""
         return schedule_for(self.d, self.max_heads, self.precision)
 
@@ -337,7 +337,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
 
     Step 1 runs :func:`mhaextract.extract` on the odd part ``g(X) = f(X) - f(-X)``, an attention
     model with ``v_h = sum_j w_j p_{h,j}``: the canonical ``W_h`` (two f-queries per g-query).
-    Step 2 finds the hidden units through the known attention (:mod:`mhaextract.relu_units`):
+    Step 2 finds the hidden units through the known attention (:mod:`mhaextract.transformer.relu_units`):
     segments on which f is exactly piecewise linear, one unit per confirmed kink from the region
     gradients on either side, orientations from the odd part. The result is then checked on
     fresh random queries.
@@ -370,7 +370,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
 
     Notes
     -----
-    The conditions step 2 needs are listed in :mod:`mhaextract.relu_units`; a target that violates
+    The conditions step 2 needs are listed in :mod:`mhaextract.transformer.relu_units`; a target that violates
     one fails a check (it is not returned as a wrong Transformer).
 
     Examples

@@ -8,9 +8,9 @@ import mpmath
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from .numerics.highprec import mpf_array
-from .model import MultiHeadAttention
-from .rotary.model import RotaryAttention
+from ..numerics.highprec import mpf_array
+from .attention import MultiHeadAttention
+from .rotary import RotaryAttention
 
 
 @dataclass

@@ -25,7 +25,7 @@ import mpmath
 import numpy as np
 from flint import arb, arb_mat
 
-from .numerics.highprec import arb_to_mpf, mpf_array, to_arb, working_precision
+from ..numerics.highprec import arb_to_mpf, mpf_array, to_arb, working_precision
 
 
 def as_batch(batch, d: int | None = None) -> list[np.ndarray]:

@@ -32,15 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .baselines import distill, extract_single_head
-from .baselines.distillation import paper_budget
-from .oracle.queries import random_queries
-from .validation import default_token_scale
-from .compare import compare
-from .api import extract
-from .checks.base import UnreliableExtractionWarning
-from .model import MultiHeadAttention
-from .oracle.simulated import SimulatedOracle
+from ..baselines import distill, extract_single_head
+from ..baselines.distillation import paper_budget
+from ..oracle.queries import random_queries
+from ..run.validation import default_token_scale
+from ..models.compare import compare
+from ..api import extract
+from ..checks.base import UnreliableExtractionWarning
+from ..models.attention import MultiHeadAttention
+from ..oracle.simulated import SimulatedOracle
 
 #: Fresh queries for the output fidelity (lengths 1..FIDELITY_MAX_LENGTH).
 FIDELITY_QUERIES = 1000

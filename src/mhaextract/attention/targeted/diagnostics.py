@@ -62,7 +62,7 @@ class TargetedDetails(ScheduleDetails):
     Attributes
     ----------
     instances : TargetedInstances, one entry per targeted instance (first group, bridges, final).
-    phase1 : :class:`~mhaextract.schedules.targeted.linesearch.LineSearchReport` of the line search in group
+    phase1 : :class:`~mhaextract.attention.targeted.linesearch.LineSearchReport` of the line search in group
         ``z_1`` (lines drawn, centres accepted and rejected, the heads found with their rough estimates).
     """
 

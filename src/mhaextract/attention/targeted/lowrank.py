@@ -35,7 +35,7 @@ import numpy as np
 from scipy.special import gammaincinv
 
 from ...checks.base import Check
-from ...model import MultiHeadAttention
+from ...models.attention import MultiHeadAttention
 from ...numerics import float64 as float64_kernel
 from . import biased
 from ..base import Outcome

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...oracle.queries import random_basis
+from ..oracle.queries import random_basis
 
 
 class SplitUnavailable(RuntimeError):

@@ -1,6 +1,6 @@
 """The finishing step every schedule shares (docs/algorithm.md §10-§13, §16, §21).
 
-After a schedule's :class:`~mhaextract.schedules.base.Outcome`: the certificate, the refinement
+After a schedule's :class:`~mhaextract.attention.base.Outcome`: the certificate, the refinement
 (least squares on the schedule's and fresh polish answers), the answers' noise and the error
 estimate, the common checks, the default verification's judgement (§12.2) and, for an oracle
 answering vectors, the whole model (§21)::
@@ -17,31 +17,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .calibration import Calibration
-from .checks.base import (
+from ..run.calibration import Calibration
+from ..checks.base import (
     Check, CheckPolicy, answers_residual_check, error_estimate_check, finite_check, uncertified_error_limit,
 )
-from .checks.certificate import Certificate, least_squares_certificate
-from .checks.diagnosis import answers_check
-from .checks.noise_probe import redundancy_estimate, scaled_estimate
-from .checks.refine import (
+from ..checks.certificate import Certificate, least_squares_certificate
+from ..checks.diagnosis import answers_check
+from ..checks.noise_probe import redundancy_estimate, scaled_estimate
+from ..checks.refine import (
     POLISH_FACTOR, POLISH_LONGEST, POLISH_SCALE, answer_scales, jacobian_solver, parameter_count,
     refine_least_squares, residuals,
 )
-from .checks.verify import LongVerification
-from .compare import compare
-from .model import MultiHeadAttention
-from .numerics.enclosure import balls_reproduce_answers, exact_model
-from .numerics.float64 import root_mean_square
-from .oracle.boundary import OracleBoundary
-from .oracle.queries import random_queries
-from .oracle.vector_answers import VectorAnswers
-from .outputs import VALUE_QUERY_LENGTHS, fit_values, value_query_count
-from .results import Extraction
-from .schedules.base import RESOLVED, Outcome, RunSettings, Schedule
-from .schedules.grid import MORE_POLES
-from .schedules.registry import Choice
-from .validation import spawn_rng
+from ..checks.verify import LongVerification
+from ..models.compare import compare
+from ..models.attention import MultiHeadAttention
+from ..numerics.enclosure import balls_reproduce_answers, exact_model
+from ..numerics.float64 import root_mean_square
+from ..oracle.boundary import OracleBoundary
+from ..oracle.queries import random_queries
+from ..oracle.vector_answers import VectorAnswers
+from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
+from ..run.result import Extraction
+from .base import RESOLVED, Outcome, RunSettings, Schedule
+from .grid import MORE_POLES
+from .registry import Choice
+from ..run.validation import spawn_rng
 
 
 #: Estimated answer noise below this fraction of the largest answer (1e3 units of float64 rounding)

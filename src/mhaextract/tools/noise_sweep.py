@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .api import extract
-from .checks.base import UnreliableExtractionWarning
-from .compare import compare
-from .model import MultiHeadAttention
-from .oracle.progress import ProgressBar
-from .oracle.noise import AdditiveNoise
-from .oracle.simulated import SimulatedOracle
+from ..api import extract
+from ..checks.base import UnreliableExtractionWarning
+from ..models.compare import compare
+from ..models.attention import MultiHeadAttention
+from ..oracle.progress import ProgressBar
+from ..oracle.noise import AdditiveNoise
+from ..oracle.simulated import SimulatedOracle
 
 
 @dataclass

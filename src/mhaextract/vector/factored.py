@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 
 BLOCKS = ("K", "G", "beta", "O", "P", "c")
 
@@ -52,7 +52,7 @@ class FactoredLayer:
         return slices
 
     def model(self) -> MultiHeadAttention:
-        """The layer as a :class:`~mhaextract.model.MultiHeadAttention` (W_h = K_h G_h, ...)."""
+        """The layer as a :class:`~mhaextract.models.attention.MultiHeadAttention` (W_h = K_h G_h, ...)."""
         W = np.einsum("hdk,hke->hde", self.K, self.G)
         u = np.einsum("hdk,hk->hd", self.K, self.beta)
         V = np.einsum("hor,hrd->hod", self.O, self.P)

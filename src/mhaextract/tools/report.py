@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from .compare import Comparison
-from .results import Extraction
+from ..models.compare import Comparison
+from ..run.result import Extraction
 
 
 def _fmt(value) -> str:

@@ -25,12 +25,12 @@ import numpy as np
 
 from ..checks.base import FLOAT64_MAX_RELIABLE_HEADS, Check, CheckPolicy, heads_found_check
 from ..checks.linearisation import PipelineRun
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 from ..numerics import float64 as float64_kernel
 from ..numerics.assembly import inverse_variance_weights, pole_design
 from ..numerics.rational import InstanceFits, anchor_sigmas, constant_sigmas
 from ..oracle.queries import CopiesQueries, InstanceTable, random_basis
-from ..validation import positive_int
+from ..run.validation import positive_int
 from .base import Outcome, Schedule, ScheduleDetails
 from .matching import LinkMatches, Side, match_links
 from .repair import Repairer

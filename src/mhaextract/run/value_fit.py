@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.linalg
 
-from .checks.base import Check
-from .model import MultiHeadAttention
-from .schedules.base import RESOLVED
+from ..checks.base import Check
+from ..models.attention import MultiHeadAttention
+from ..attention.base import RESOLVED
 
 #: Above this many design entries (rows x unknowns) the fit is formed as normal equations in
 #: chunks (memory O(unknowns^2)) and refined twice on the residual; below, a dense QR.
@@ -139,7 +139,7 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     --------
     >>> import numpy as np
     >>> import mhaextract as mx
-    >>> from mhaextract.outputs import fit_values
+    >>> from mhaextract.run.value_fit import fit_values
     >>> layer = mx.MultiHeadAttention.random(d=3, heads=2, seed=0, d_out=4, bias=True)
     >>> queries = [np.random.default_rng(n).standard_normal((2 + n % 4, 3)) for n in range(40)]
     >>> r = np.ones(4) / 2

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from flint import arb, arb_mat
 
-from .numerics.highprec import GUARD_BITS, magnitude_float, mid_float, working_precision
-from .model import MultiHeadAttention
-from .oracle.boundary import OracleBoundary
+from ..numerics.highprec import GUARD_BITS, magnitude_float, mid_float, working_precision
+from ..models.attention import MultiHeadAttention
+from ..oracle.boundary import OracleBoundary
 
 #: Ends of the segment parameter s (the scale lam ranges over sqrt((1 - s) / s) / kappa).
 S_RANGE = (0.02, 0.98)

@@ -68,8 +68,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...calibration import PERMUTED, permutation_spread, permuted_probes
-from ...model import MultiHeadAttention
+from ...run.calibration import PERMUTED, permutation_spread, permuted_probes
+from ...models.attention import MultiHeadAttention
 from ...numerics import float64 as float64_kernel
 from ...oracle.queries import one_token_queries, random_basis
 from ..base import Outcome, Schedule

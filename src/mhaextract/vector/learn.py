@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...checks.base import Check, CheckedResult
-from ...checks.verify import ROUNDING_PER_TOKEN, ask_long_verification, fresh_queries, spread_lengths
-from ...model import MultiHeadAttention
-from ...oracle.progress import note_progress
-from ...validation import spawn_rng
+from ..checks.base import Check, CheckedResult
+from ..checks.verify import ROUNDING_PER_TOKEN, ask_long_verification, fresh_queries, spread_lengths
+from ..models.attention import MultiHeadAttention
+from ..oracle.progress import note_progress
+from ..run.validation import spawn_rng
 from .factored import FactoredLayer
 from .refine import refine
 from .scores import learn_scores, tokens_per_query
@@ -32,7 +32,7 @@ REFINE_WORK = 1e9
 HOLDOUT_QUERIES, HOLDOUT_LONGEST = 32, 64
 #: The estimate is this many times the held-out queries' largest relative misfit.
 ESTIMATE_FACTOR = 10.0
-#: Random streams of the run's seed (:func:`mhaextract.validation.spawn_rng`), apart from the others'.
+#: Random streams of the run's seed (:func:`mhaextract.run.validation.spawn_rng`), apart from the others'.
 STREAMS = {"values": 41, "split": 42, "scores": 43, "holdout": 44, "refine": 45}
 
 
@@ -51,7 +51,7 @@ class VectorExtraction(CheckedResult):
     ----------
     model : MultiHeadAttention (whole: ``V`` (H, d_out, d), ``c`` (d_out,)).
     heads : heads in the model. queries, queries_asked, queries_replayed, calibration_queries : as
-        :class:`~mhaextract.results.Extraction`'s, measured at the oracle boundary.
+        :class:`~mhaextract.run.result.Extraction`'s, measured at the oracle boundary.
     vector_bound : ``ceil(P / d_out)`` for the heads' measured widths (:func:`vector_bound`).
     error_estimate : the largest output error expected on fresh queries of up to 64 tokens, relative
         to each query's largest output: ``ESTIMATE_FACTOR`` times the largest misfit on held-out

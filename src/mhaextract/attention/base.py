@@ -16,7 +16,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from ..checks.base import Check
-from ..model import MultiHeadAttention
+from ..models.attention import MultiHeadAttention
 
 #: A parameter within this many of its estimated errors of zero (the output constant c, a head's
 #: score bias u_h) is not resolved from zero: its error is then claimed absolute, not relative to it
