@@ -149,7 +149,7 @@ def test_acceptance_high_precision_30_random_targets_to_1e_30():
         assert result.queries == oracle.count
         assert result.max_query_length == oracle.longest
         assert result.queries_odd_part == 2 * result.attention.queries == 2 * paper_count(d, H)
-        assert result.queries == result.queries_odd_part + result.queries_units + result.queries_verification
+        assert result.queries == result.queries_odd_part + result.queries_units + result.verification_queries
         comparison = mx.compare_transformers(result.model_hp, target)
         assert comparison.heads_agree and comparison.units_agree and comparison.signs_agree
         worst = max(worst, float(comparison.max_rel))
@@ -354,7 +354,7 @@ def test_cli_demo_transformer():
     # The demo's run (target seed 0, extraction seed 1), repeated through the API: same counts.
     again = mx.extract_transformer(mx.SimulatedOracle(mx.Transformer1L.random(3, 2, 4, seed=0)), 3, heads=2, hidden=4,
                                    seed=1)
-    assert "queries of f (measured)" in result.output and f" {again.queries} " in result.output
+    assert "queries (measured)" in result.output and f" {again.queries} " in result.output
     assert f"2 x {again.attention.queries} queries of g, targeted schedule" in result.output
     assert again.queries_odd_part == 2 * again.attention.queries
     assert "hidden units found" in result.output and "ok" in result.output
@@ -424,8 +424,8 @@ def test_an_interrupted_transformer_run_resumes_without_asking_twice(tmp_path, p
     assert len(both) == plain.queries == resumed.queries
     assert (resumed.queries_asked, resumed.queries_replayed) == (plain.queries - committed, committed)
     assert resumed.transcript == str(path) and plain.transcript is None
-    assert (resumed.queries_odd_part, resumed.queries_units, resumed.queries_verification) == (
-        plain.queries_odd_part, plain.queries_units, plain.queries_verification)
+    assert (resumed.queries_odd_part, resumed.queries_units, resumed.verification_queries) == (
+        plain.queries_odd_part, plain.queries_units, plain.verification_queries)
     assert resumed.ok and plain.ok
     for a, b in ((resumed.model, plain.model), (resumed.model_hp, plain.model_hp)):
         if b is None:
@@ -491,7 +491,7 @@ def extract_counted(target, heads, hidden, seed, **options):
     result = mx.extract_transformer(oracle, target.d, heads=heads, hidden=hidden, seed=seed, residual=target.residual,
                                     **options)
     assert result.queries == oracle.count and result.max_query_length == oracle.longest
-    assert result.queries == result.queries_odd_part + result.queries_units + result.queries_verification
+    assert result.queries == result.queries_odd_part + result.queries_units + result.verification_queries
     return result
 
 

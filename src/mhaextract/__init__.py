@@ -17,7 +17,9 @@ from .oracle.parallel import ParallelOracle
 from .oracle.simulated import SimulatedOracle
 from .models.rotary import RotaryAttention
 from .oracle.transcript import TranscriptError
-from .run.result import Extraction, load_model, save_extraction
+from .run.result import Result, SavedResult, load_extraction, load_model, save_extraction
+from .attention.result import Extraction
+from .vector.learn import VectorExtraction
 from .lowprecision.learn import LowPrecisionExtraction
 from .rotary.learn import RotaryExtraction
 from .transformer.learn import TransformerExtraction, TransformerExtractionError, extract_transformer
@@ -31,6 +33,7 @@ __all__ = [
     "Transformer1L", "TransformerComparison", "TransformerExtraction", "TransformerExtractionError",
     "UnreliableExtractionWarning", "Verification", "compare", "compare_transformers", "extract",
     "extract_transformer", "load_model", "save_extraction", "verify", "RotaryExtraction", "LowPrecisionExtraction",
+    "Result", "SavedResult", "VectorExtraction", "load_extraction",
 ]
 __version__ = "0.1.0"
 

@@ -37,7 +37,7 @@ from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
-from ..run.result import Extraction
+from .result import Extraction
 from .base import RESOLVED, Outcome, RunSettings, Schedule
 from .grid import MORE_POLES
 from .registry import Choice

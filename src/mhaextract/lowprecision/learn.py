@@ -9,17 +9,18 @@ as whole vectors: the saturated start (:mod:`.start`), least squares on fresh sh
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..checks.base import Check, CheckedResult, available_memory
+from ..checks.base import Check, available_memory
 from ..checks.verify import ask_long_verification
 from ..models.attention import MultiHeadAttention
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import note_progress
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
+from ..run.result import Result
 from ..run.validation import spawn_rng
 from .fit import Design, WholeFit, bootstrap_error, fit_memory, fit_query_count, fit_whole
 from .start import LabelsNotFound, SaturatedStart, saturated_start
@@ -53,27 +54,21 @@ class FitTooLarge(RuntimeError):
         self.needed, self.available = needed, available
 
 
-@dataclass
-class LowPrecisionExtraction(CheckedResult):
-    """Result of :func:`mhaextract.extract` on a layer answering in bfloat16 or float16.
+@dataclass(kw_only=True, repr=False)  # Result's one-line repr
+class LowPrecisionExtraction(Result):
+    """Result of :func:`mhaextract.extract` on a layer answering in bfloat16 or float16
+    (``schedule == "saturated"``): the common fields of :class:`~mhaextract.Result` (``model`` a
+    whole :class:`~mhaextract.MultiHeadAttention`, ``V`` (H, d_out, d) and ``c`` (d_out,);
+    ``answer_dtype`` ``"bfloat16"`` or ``"float16"``; ``token_scale`` the token norm the start found,
+    scores of order one; ``error_estimate`` the relative parameter error in the sense of
+    ``compare(...).max_rel``, from the residual bootstrap; ``answers_residual`` the RMS misfit of the
+    fit's answers, relative to the largest), and:
 
     Attributes
     ----------
-    model : MultiHeadAttention (whole: ``V`` (H, d_out, d), ``c`` (d_out,)) or None.
-    heads : heads in the model.
-    queries : answers used, measured at the oracle boundary: ``queries_asked`` of the oracle in this
-        run plus ``queries_replayed`` read back from a transcript (the calibration's probes, when
-        ``extract`` ran them, counted in both and in ``calibration_queries``).
-    max_query_length : longest query asked.
-    answer_dtype : the answers' precision, ``"bfloat16"`` or ``"float16"``.
-    token_scale : the token norm the start found (scores of order one).
-    error_estimate : relative parameter error in the sense of ``compare(...).max_rel``, from the
-        residual bootstrap (docs/algorithm.md §23).
-    answers_residual : RMS misfit of the fit's answers, relative to the largest.
     start : :class:`~mhaextract.lowprecision.start.SaturatedStart` (the start model, the value map,
-        lines per direction). fit : :class:`~mhaextract.lowprecision.fit.WholeFit`.
-    checks : list of Check. verification : the long verification, or None. seconds : float.
-    causal : :class:`~mhaextract.checks.causality.CausalRecord` or None (as ``Extraction.causal``).
+        lines per direction).
+    fit : :class:`~mhaextract.lowprecision.fit.WholeFit`.
 
     Examples
     --------
@@ -87,41 +82,11 @@ class LowPrecisionExtraction(CheckedResult):
     ('bfloat16', True, True)
     """
 
-    model: MultiHeadAttention | None
-    heads: int
-    queries: int
-    queries_asked: int
-    max_query_length: int
-    answer_dtype: str
-    token_scale: float
-    error_estimate: float
-    answers_residual: float
-    seconds: float
-    checks: list = field(default_factory=list)
-    verification: object = None
     start: SaturatedStart | None = None
     fit: WholeFit | None = None
-    calibration_queries: int = 0
-    queries_replayed: int = 0
-    schedule: str = "saturated"
-    #: float64 arithmetic, the whole layer: no high-precision model, no read-out (as ``Extraction``'s)
-    precision: int | None = None
-    readout: np.ndarray | None = None
-    causal: object = None
 
-    def summary(self) -> dict:
-        return {"schedule": self.schedule, "answer_dtype": self.answer_dtype,
-                "d": None if self.model is None else self.model.d, "heads": self.heads,
-                "d_out": None if self.model is None else self.model.d_out, "queries": self.queries,
-                "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
-                "calibration_queries": self.calibration_queries, "max_query_length": self.max_query_length,
-                "token_scale": self.token_scale, "error_estimate": self.error_estimate,
-                "answers_residual": self.answers_residual, "ok": self.ok, "seconds": self.seconds,
-                "causal": None if self.causal is None else self.causal.verdict}
-
-    def __repr__(self) -> str:
-        return (f"LowPrecisionExtraction(heads={self.heads}, answers={self.answer_dtype}, queries={self.queries}, "
-                f"ok={self.ok}, error_estimate={self.error_estimate:.2g})")
+    def _summary_extra(self) -> dict:
+        return {"d_out": None if self.model is None else self.model.d_out}
 
 
 def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float, answer_dtype: str,
@@ -187,7 +152,10 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
                                                  seed=seed, rounding=VERIFY_ROUNDING_UNITS * unit)
         checks.append(check)
     return LowPrecisionExtraction(
-        model=model, heads=0 if model is None else model.heads, queries=boundary.queries + boundary.replayed,
+        model=model, heads=0 if model is None else model.heads, d=d, seed=seed, schedule="saturated",
+        verification_queries=0 if verification is None else verification.queries,
+        verification_length=0 if verification is None else verification.lengths[1],
+        queries=boundary.queries + boundary.replayed,
         queries_asked=boundary.queries, queries_replayed=boundary.replayed,
         max_query_length=boundary.max_query_length, answer_dtype=answer_dtype,
         token_scale=float(start.scale) if start is not None else float("nan"), error_estimate=float(estimate),

@@ -26,6 +26,7 @@ import numpy as np
 from flint import arb, arb_mat
 
 from ..numerics.highprec import arb_to_mpf, mpf_array, to_arb, working_precision
+from .kinds import document_numbers, read_numbers, register_model_kind
 
 
 def as_batch(batch, d: int | None = None) -> list[np.ndarray]:
@@ -77,6 +78,7 @@ def group_equal_heads(W: np.ndarray, rtol: float = 0.0, u: np.ndarray | None = N
     return groups
 
 
+@register_model_kind
 class MultiHeadAttention:
     """Multi-head softmax attention read out at the final token: a scalar or a vector of d_out outputs.
 
@@ -266,6 +268,32 @@ class MultiHeadAttention:
     def with_values(self, V, c) -> "MultiHeadAttention":
         """The same scores with value read-outs ``V`` (H, d_out, d) and constant ``c`` (d_out,)."""
         return MultiHeadAttention(self.W, V, self.u, c)
+
+    #: The name of this model class in a saved result (:mod:`mhaextract.models.kinds`).
+    kind = "attention"
+
+    def to_document(self, exact: bool = False) -> tuple[dict, dict]:
+        """``(json_part, arrays)`` for a saved result: ``kind``, ``d``, ``heads`` and ``W``, ``v``
+        (``V`` (H, d_out, d) for the vector model), ``u``, ``c``; float64 numbers and arrays, or
+        with ``exact`` every bit as hex strings (and no arrays)."""
+        model = self if exact else self.to_float64()
+        values = ("V", model.V) if model.is_vector else ("v", model.v)
+        numbers = {"W": model.W, values[0]: values[1], "u": model.u, "c": np.asarray(model.c, dtype=model.W.dtype)}
+        part = {"kind": self.kind, "d": model.d, "heads": model.heads,
+                **{name: document_numbers(array, exact) for name, array in numbers.items()}}
+        return part, ({} if exact else numbers)
+
+    @classmethod
+    def from_document(cls, part: dict, exact: bool = False) -> "MultiHeadAttention":
+        """Inverse of :meth:`to_document`. A run with no head stored empty lists; parts written
+        before biases existed (docs/algorithm.md, 'Biases: affine scores and an output constant') have no ``u`` and ``c``: zero."""
+        d = part["d"]
+        W = read_numbers(part["W"], exact).reshape(-1, d, d)
+        u = None if part.get("u") is None else read_numbers(part["u"], exact).reshape(-1, d)
+        c = read_numbers(part.get("c", 0.0), exact)
+        if "V" in part:  # the vector model: V (H, d_out, d) and c (d_out,)
+            return cls(W, read_numbers(part["V"], exact).reshape(-1, len(c), d), u, c)
+        return cls(W, read_numbers(part["v"], exact).reshape(-1, d), u, c[()])
 
     def scores_moved(self, rng: np.random.Generator, relative: float, bias_relative: float) -> "MultiHeadAttention":
         """The model with Gaussian score errors: W and u moved by entries of a third of ``relative``

@@ -1,8 +1,15 @@
-"""Comparing two attention models up to the symmetries of the canonical form."""
+"""Comparing two models up to the symmetries of their canonical form.
+
+:func:`compare` dispatches on the model's type through :data:`COMPARISONS`, which each model module
+fills when it is imported (:func:`register_comparison`): :func:`compare_attention` here for
+:class:`~mhaextract.MultiHeadAttention`, the rotary and the Transformer comparisons beside their
+models.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import mpmath
 import numpy as np
@@ -10,7 +17,27 @@ from scipy.optimize import linear_sum_assignment
 
 from ..numerics.highprec import mpf_array
 from .attention import MultiHeadAttention
-from .rotary import RotaryAttention
+
+#: The comparison of each model type: ``function(a, b, rtol=...)`` -> an object with ``max_rel``.
+COMPARISONS: dict[type, Callable] = {}
+
+
+def register_comparison(model_type: type):
+    """Decorator: ``compare(a, b)`` of two ``model_type`` models runs the decorated function."""
+
+    def register(function: Callable) -> Callable:
+        COMPARISONS[model_type] = function
+        return function
+
+    return register
+
+
+def _registered_type(model) -> type:
+    for cls in type(model).__mro__:
+        if cls in COMPARISONS:
+            return cls
+    raise TypeError(f"compare takes models of the kinds mhaextract knows ("
+                    f"{', '.join(sorted(cls.__name__ for cls in COMPARISONS))}); got {type(model).__name__}")
 
 
 @dataclass
@@ -71,7 +98,34 @@ def _float(array: np.ndarray) -> np.ndarray:
     return np.vectorize(float, otypes=[np.float64])(array) if array.dtype == object else array
 
 
-def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> Comparison:
+def compare(a, b, rtol: float | None = None):
+    """Errors of model ``a`` against the reference ``b``, both of one kind, after canonicalising
+    and aligning them: :func:`compare_attention` for :class:`~mhaextract.MultiHeadAttention` (a
+    :class:`Comparison`), :func:`~mhaextract.models.rotary.compare_rotary` for
+    :class:`~mhaextract.RotaryAttention`, :func:`~mhaextract.compare_transformers` for
+    :class:`~mhaextract.Transformer1L` (a :class:`~mhaextract.TransformerComparison`). ``rtol``:
+    as in the model's ``canonical`` (None: its default). Every result has ``max_rel``.
+
+    Examples
+    --------
+    >>> import mhaextract as mx
+    >>> T = mx.Transformer1L.random(d=3, heads=2, hidden=4, seed=0)
+    >>> float(mx.compare(mx.Transformer1L(T.W[::-1], T.O[::-1], T.A, T.w), T).max_rel) < 1e-14
+    True
+    >>> mx.compare(T, mx.MultiHeadAttention.random(d=3, heads=2, seed=0))
+    Traceback (most recent call last):
+    ...
+    ValueError: compare a Transformer1L with a Transformer1L: got a Transformer1L and a MultiHeadAttention
+    """
+    kind_a, kind_b = _registered_type(a), _registered_type(b)
+    if kind_a is not kind_b:
+        raise ValueError(f"compare a {kind_a.__name__} with a {kind_a.__name__}: got a {kind_a.__name__} and a "
+                         f"{kind_b.__name__}")
+    return COMPARISONS[kind_a](a, b) if rtol is None else COMPARISONS[kind_a](a, b, rtol=rtol)
+
+
+@register_comparison(MultiHeadAttention)
+def compare_attention(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> Comparison:
     """Canonicalise ``a`` and ``b`` (``rtol`` as in :meth:`MultiHeadAttention.canonical`), align their
     heads with :func:`scipy.optimize.linear_sum_assignment` on the distance of (W_h, V_h, u_h), and
     report max absolute and relative errors of ``a`` against the reference ``b``.
@@ -94,10 +148,6 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
     """
     if a.d != b.d:
         raise ValueError(f"models have different token dimensions: {a.d} and {b.d}")
-    if isinstance(a, RotaryAttention) or isinstance(b, RotaryAttention):
-        if not (isinstance(a, RotaryAttention) and isinstance(b, RotaryAttention)):
-            raise ValueError("compare a RotaryAttention with a RotaryAttention (positions change the function)")
-        return compare_rotary(a, b)
     if a.is_vector != b.is_vector or a.d_out != b.d_out:
         raise ValueError(f"models have different outputs: d_out = {a.d_out if a.is_vector else 'scalar'} and "
                          f"{b.d_out if b.is_vector else 'scalar'} (compare a vector model's readout(r) with a scalar one)")
@@ -140,33 +190,3 @@ def compare(a: MultiHeadAttention, b: MultiHeadAttention, rtol: float = 0.0) -> 
         c_abs, c_rel = float(c_abs), float(c_rel)
     return Comparison(a.heads == b.heads, a.heads, b.heads, cols, W_abs, v_abs, W_rel, v_rel, u_abs, u_rel,
                       c_abs, c_rel)
-
-
-def compare_rotary(a: RotaryAttention, b: RotaryAttention) -> Comparison:
-    """Errors of ``a`` against the reference ``b`` (a :class:`~mhaextract.Comparison`): heads
-    aligned by an assignment on ``(W_h(0), W_h(1), W_h(2), V_h)``; ``W_abs`` is the largest entry
-    error of those score matrices, ``v_abs`` of ``V_h``, ``c_abs`` of the constant."""
-    bits = 53
-    if a.is_high_precision or b.is_high_precision:  # both in mpf: float64 would hide errors below its rounding
-        a, b = a.to_mpf(), b.to_mpf()
-        bits = max(a.precision, b.precision)  # a float64 model's exact parameters at the other's precision
-    with mpmath.workprec(bits):
-        a, b = a.canonical(), b.canonical()
-        Wa, Wb = a.identifying_matrices(), b.identifying_matrices()
-    cost = (np.abs(Wa[:, None] - Wb[None]).max(axis=(2, 3, 4)) / max(float(np.abs(Wb).max()), 1e-300)
-            + np.abs(a.V[:, None] - b.V[None]).max(axis=(2, 3)) / max(float(np.abs(b.V).max()), 1e-300))
-    cost = cost.astype(np.float64)
-    rows, columns = linear_sum_assignment(cost)
-    order = np.argsort(columns)
-    aligned, shared = rows[order], columns[order]  # head shared[k] of b is aligned with head aligned[k] of a
-    permutation = aligned
-    W_abs = float(np.abs(Wa[aligned] - Wb[shared]).max()) if len(shared) else 0.0
-    v_abs = float(np.abs(a.V[aligned] - b.V[shared]).max()) if len(shared) else 0.0
-    c_abs = float(np.abs(np.atleast_1d(a.c) - np.atleast_1d(b.c)).max())
-    c_scale = float(np.abs(np.atleast_1d(b.c)).max())
-    return Comparison(heads_agree=a.heads == b.heads and a.window == b.window, heads_a=a.heads, heads_b=b.heads,
-                      permutation=permutation, W_abs=W_abs, v_abs=v_abs,
-                      W_rel=W_abs / max(float(np.abs(Wb).max()), 1e-300),
-                      v_rel=v_abs / max(float(np.abs(b.V).max()), 1e-300),
-                      c_abs=c_abs, c_rel=c_abs / c_scale if c_scale > 0 else c_abs)
-

@@ -21,7 +21,11 @@ from __future__ import annotations
 import mpmath
 import numpy as np
 
+from scipy.optimize import linear_sum_assignment
+
 from .attention import as_batch
+from .compare import Comparison, register_comparison
+from .kinds import document_numbers, read_numbers, register_model_kind
 from ..numerics.highprec import GUARD_BITS, arb_array, arb_to_mpf, mid_float, mpf_array, working_precision
 
 _mp_cos = np.vectorize(mpmath.cos, otypes=[object])
@@ -49,6 +53,7 @@ def _finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(values).all())
 
 
+@register_model_kind
 class RotaryAttention:
     """Multi-head attention with rotary position embeddings, read out at the final token.
 
@@ -436,3 +441,65 @@ class RotaryAttention:
         """The same scores with value read-outs ``V`` (H, d_out, d) and constant ``c`` (d_out,)."""
         return self.replaced(V=V, c=c)
 
+    #: The name of this model class in a saved result (:mod:`mhaextract.models.kinds`).
+    kind = "rotary"
+
+    def to_document(self, exact: bool = False) -> tuple[dict, dict]:
+        """``(json_part, arrays)`` for a saved result: ``kind``, ``d``, ``heads``, ``window`` and the
+        factors ``Q``, ``K``, ``b``, ``theta``, ``v`` (``V`` (H, d_out, d) for a whole layer), ``c``
+        and ``key_bias`` (None where the model has none); float64 numbers and arrays, or with
+        ``exact`` every bit of the ``mpf`` parameters as hex strings (and no arrays)."""
+        model = self if exact else self.to_float64()
+        values = ("V", model.V) if model.is_vector else ("v", model.v)
+        numbers = {"Q": model.Q, "K": model.K, "b": model.b, "theta": model.theta, values[0]: values[1],
+                   "c": np.asarray(model.c, dtype=model.Q.dtype)}
+        if model.key_bias is not None:
+            numbers["key_bias"] = model.key_bias
+        part = {"kind": self.kind, "d": model.d, "heads": model.heads, "window": model.window, "key_bias": None,
+                **{name: document_numbers(array, exact) for name, array in numbers.items()}}
+        return part, ({} if exact else numbers)
+
+    @classmethod
+    def from_document(cls, part: dict, exact: bool = False) -> "RotaryAttention":
+        """Inverse of :meth:`to_document`. A part of format 1 read exactly holds the float64 part's
+        entries overwritten by the exact ones, whose values were ``V`` (H, 1, d) for a scalar model."""
+        numbers = {name: read_numbers(part[name], exact) for name in ("Q", "K", "theta", "b")}
+        values = read_numbers(part["V"] if "V" in part else part["v"], exact)
+        c = read_numbers(part["c"], exact)
+        if "v" in part:  # the scalar model
+            values = values[:, 0, :] if values.ndim == 3 else values
+            c = c.reshape(())[()]
+        key_bias = None if part.get("key_bias") is None else read_numbers(part["key_bias"], exact)
+        return cls(numbers["Q"], numbers["K"], numbers["theta"], values, c, part["window"], numbers["b"], key_bias)
+
+
+@register_comparison(RotaryAttention)
+def compare_rotary(a: RotaryAttention, b: RotaryAttention, rtol: float | None = None) -> Comparison:
+    """Errors of ``a`` against the reference ``b`` (a :class:`~mhaextract.Comparison`): heads
+    aligned by an assignment on ``(W_h(0), W_h(1), W_h(2), V_h)``; ``W_abs`` is the largest entry
+    error of those score matrices, ``v_abs`` of ``V_h``, ``c_abs`` of the constant. ``rtol``: as in
+    :meth:`RotaryAttention.canonical` (None: its default). ``mhaextract.compare`` of two rotary
+    models runs this."""
+    bits = 53
+    if a.is_high_precision or b.is_high_precision:  # both in mpf: float64 would hide errors below its rounding
+        a, b = a.to_mpf(), b.to_mpf()
+        bits = max(a.precision, b.precision)  # a float64 model's exact parameters at the other's precision
+    with mpmath.workprec(bits):
+        a, b = (a.canonical(), b.canonical()) if rtol is None else (a.canonical(rtol), b.canonical(rtol))
+        Wa, Wb = a.identifying_matrices(), b.identifying_matrices()
+    cost = (np.abs(Wa[:, None] - Wb[None]).max(axis=(2, 3, 4)) / max(float(np.abs(Wb).max()), 1e-300)
+            + np.abs(a.V[:, None] - b.V[None]).max(axis=(2, 3)) / max(float(np.abs(b.V).max()), 1e-300))
+    cost = cost.astype(np.float64)
+    rows, columns = linear_sum_assignment(cost)
+    order = np.argsort(columns)
+    aligned, shared = rows[order], columns[order]  # head shared[k] of b is aligned with head aligned[k] of a
+    permutation = aligned
+    W_abs = float(np.abs(Wa[aligned] - Wb[shared]).max()) if len(shared) else 0.0
+    v_abs = float(np.abs(a.V[aligned] - b.V[shared]).max()) if len(shared) else 0.0
+    c_abs = float(np.abs(np.atleast_1d(a.c) - np.atleast_1d(b.c)).max())
+    c_scale = float(np.abs(np.atleast_1d(b.c)).max())
+    return Comparison(heads_agree=a.heads == b.heads and a.window == b.window, heads_a=a.heads, heads_b=b.heads,
+                      permutation=permutation, W_abs=W_abs, v_abs=v_abs,
+                      W_rel=W_abs / max(float(np.abs(Wb).max()), 1e-300),
+                      v_rel=v_abs / max(float(np.abs(b.V).max()), 1e-300),
+                      c_abs=c_abs, c_rel=c_abs / c_scale if c_scale > 0 else c_abs)

@@ -37,6 +37,8 @@ from flint import arb
 from scipy.optimize import linear_sum_assignment
 
 from .attention import MultiHeadAttention, as_batch, group_equal_heads
+from .compare import register_comparison
+from .kinds import document_numbers, read_numbers, register_model_kind
 from ..numerics.highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
 
 #: mpmath bits for exact products and sums of the parameters (doubles and few-hundred-bit mpf).
@@ -58,6 +60,7 @@ def _as_parameter(array, name: str, ndim: int) -> np.ndarray:
     return array
 
 
+@register_model_kind
 class Transformer1L:
     """Multi-head attention followed by a bias-free ReLU feed-forward network, read at x_N.
 
@@ -132,6 +135,36 @@ class Transformer1L:
     heads = property(lambda self: self.W.shape[0])
     hidden = property(lambda self: self.A.shape[0])
     is_high_precision = property(lambda self: self.W.dtype == object)
+    #: One number per sequence (what :func:`mhaextract.verify` and the outputs' comparison read).
+    is_vector = False
+    d_out = 1
+    #: The name of this model class in a saved result (:mod:`mhaextract.models.kinds`).
+    kind = "transformer"
+
+    def to_document(self, exact: bool = False) -> tuple[dict, dict]:
+        """``(json_part, arrays)`` for a saved result: ``kind``, the sizes, ``residual`` and ``W``,
+        ``O``, ``A``, ``w``, ``R`` (None without the residual); float64 numbers and arrays, or with
+        ``exact`` every bit as hex strings (and no arrays)."""
+        model = self if exact or not self.is_high_precision else Transformer1L(
+            *(mid_float(x) for x in (self.W, self.O, self.A, self.w)), residual=self.residual,
+            R=None if self.R is None else mid_float(self.R))
+        numbers = {"W": model.W, "O": model.O, "A": model.A, "w": model.w}
+        if model.R is not None:
+            numbers["R"] = model.R
+        part = {"kind": self.kind, "d": model.d, "heads": model.heads, "hidden": model.hidden, "p": model.p,
+                "residual": model.residual, "R": None,
+                **{name: document_numbers(array, exact) for name, array in numbers.items()}}
+        return part, ({} if exact else numbers)
+
+    @classmethod
+    def from_document(cls, part: dict, exact: bool = False) -> "Transformer1L":
+        """Inverse of :meth:`to_document` (empty lists of a model with no head or unit reshaped)."""
+        d, p = part["d"], part["p"]
+        W = read_numbers(part["W"], exact).reshape(-1, d, d)
+        O = read_numbers(part["O"], exact).reshape(-1, p, d)
+        A = read_numbers(part["A"], exact).reshape(-1, p)
+        R = None if part.get("R") is None else read_numbers(part["R"], exact).reshape(p, d)
+        return cls(W, O, A, read_numbers(part["w"], exact).reshape(-1), residual=bool(part["residual"]), R=R)
 
     def __repr__(self) -> str:
         kind = "mpf" if self.is_high_precision else "float64"
@@ -392,6 +425,7 @@ def _abs_max(array):
     return np.abs(array).max()
 
 
+@register_comparison(Transformer1L)
 def compare_transformers(a: Transformer1L, b: Transformer1L, rtol: float = 0.0) -> TransformerComparison:
     """Canonicalise ``a`` and ``b`` (``rtol`` as in :meth:`Transformer1L.canonical`), align heads on
     ``W_h`` and then units on their vectors (in the aligned head order) with

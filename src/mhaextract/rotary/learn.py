@@ -25,16 +25,18 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from ..checks.base import Check, CheckedResult, available_memory
+from ..checks.base import Check, available_memory
 from ..checks.verify import ask_long_verification, output_errors
 from ..numerics.float64 import fit
 from ..numerics.highprec import mid_float, mpf_array
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import note_progress
+from ..run.result import Result
 from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from ..oracle.queries import random_basis, random_queries
 from ..oracle.vector_answers import VectorAnswers
@@ -107,39 +109,32 @@ SCORE_TARGET = 1.5
 FIRST_LOOK_UNIT = 2.0 ** -40
 
 
-@dataclass
-class RotaryExtraction(CheckedResult):
-    """Result of ``extract(..., positions="rotary")``.
+@dataclass(kw_only=True, repr=False)  # Result's one-line repr
+class RotaryExtraction(Result):
+    """Result of ``extract(..., positions="rotary")`` (``schedule == "rotary"``): the common fields
+    of :class:`~mhaextract.Result` (``model`` a :class:`~mhaextract.RotaryAttention`, the whole
+    layer for an oracle answering vectors; ``max_query_length`` with the window search and the
+    verification; ``token_scale`` the norm of the basis tokens; ``error_estimate`` the relative
+    error of the score matrices ``[W_h(delta) | u_h(delta)]``, delta = 0..2, and of the values, in
+    the sense of ``compare(...).max_rel``: first order from the refinement's residual, and the value
+    fit's for a whole layer; ``answers_residual`` the max misfit on every query of the instances and
+    the refinement, relative to the largest answer; ``precision`` None (float64) or the bits of a
+    high-precision run, whose model has ``mpf`` parameters and whose estimate, residual and
+    verification are computed at those bits, a first-order estimate as in float64), and:
 
     Attributes
     ----------
-    model : RotaryAttention or None (the whole layer for an oracle answering vectors).
-    heads : canonical heads found.
-    queries, queries_asked : answers used, measured at the oracle boundary.
-    max_query_length : longest query asked (window search and verification included).
     window : the sliding window found (tokens attended, the final one included), or None.
     window_search : how it was found (:class:`~mhaextract.rotary.window.WindowSearch`).
-    token_scale : the norm of the basis tokens.
     frequencies : (H*, r / 2) the rotation angles per position of every head, ascending.
-    error_estimate : relative error of the score matrices ``[W_h(delta) | u_h(delta)]``,
-        delta = 0..2, and of the values, in the sense of ``compare(...).max_rel``: first order
-        from the refinement's residual (docs/algorithm.md §22), and the value fit's for a whole layer.
-    answers_residual : max misfit on every query of the instances and the refinement, relative to
-        the largest answer.
-    checks : list of Check. verification : the long verification, or None.
     start : the model the instances gave, before the refinement.
     refinement : :class:`~mhaextract.rotary.refine.RotaryRefinement` (queries, steps, residuals).
     diagnostics : the instances' fits and matching (failed instances, missing grid entries, widths;
         ``start_structure_errors``: each draw's larger of the subspace residual and modulus error).
-    readout, scalar_model, value_fit : as in :class:`~mhaextract.Extraction` for vector answers.
-    precision : None (float64), or the bits of a high-precision run, whose model has ``mpf``
-        parameters and whose estimate, residual and verification are computed at those bits (a
-        first-order estimate, as in float64: no ball proves a least-squares fit).
+    scalar_model, value_fit : as in :class:`~mhaextract.Extraction` for vector answers.
     neutral : with ``key_bias=True``, the search for the key-neutral token
         (:class:`~mhaextract.rotary.neutral.NeutralToken`); the instances, refinement and
         verification were asked of the tokens shifted by it, and ``model`` is shifted back.
-    causal : :class:`~mhaextract.checks.causality.CausalRecord` or None (as ``Extraction.causal``).
-    seconds : float.
 
     Examples
     --------
@@ -150,47 +145,24 @@ class RotaryExtraction(CheckedResult):
     (True, None, True)
     """
 
-    model: RotaryAttention | None
-    heads: int
-    queries: int
-    queries_asked: int
-    max_query_length: int
-    window: int | None
-    window_search: WindowSearch
-    token_scale: float
-    error_estimate: float
-    answers_residual: float
-    seconds: float
-    checks: list = field(default_factory=list)
-    verification: object = None
+    window: int | None = None
+    window_search: WindowSearch | None = None
     start: RotaryAttention | None = None
     refinement: object = None
     diagnostics: dict = field(default_factory=dict)
-    readout: np.ndarray | None = None
     scalar_model: RotaryAttention | None = None
     value_fit: object = None
-    precision: int | None = None
     neutral: NeutralToken | None = None
-    schedule: str = "rotary"
-    causal: object = None
+
+    _repr_fields: ClassVar[tuple[str, ...]] = ("window",)
 
     @property
     def frequencies(self) -> np.ndarray | None:
         return None if self.model is None else np.sort(self.model.theta, axis=1)
 
-    def __repr__(self) -> str:
-        return (f"RotaryExtraction(heads={self.heads}, d={None if self.model is None else self.model.d}, "
-                f"window={self.window}, queries={self.queries}, ok={self.ok}, "
-                f"error_estimate={self.error_estimate:.2g})")
-
-    def summary(self) -> dict:
-        return {"schedule": self.schedule, "positions": "rotary",
-                "d": None if self.model is None else self.model.d, "heads": self.heads, "queries": self.queries,
-                "max_query_length": self.max_query_length, "window": self.window, "token_scale": self.token_scale,
-                "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
-                "precision": self.precision, "ok": self.ok, "seconds": self.seconds,
-                "key_neutral_queries": None if self.neutral is None else self.neutral.queries,
-                "causal": None if self.causal is None else self.causal.verdict}
+    def _summary_extra(self) -> dict:
+        return {"positions": "rotary", "window": self.window,
+                "key_neutral_queries": None if self.neutral is None else self.neutral.queries}
 
 
 @dataclass
@@ -589,6 +561,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     z*, the refinement fits a key bias too (after the large-query search with a prior of the size
     it leaves), and the model is shifted back."""
     started = time.perf_counter()
+    answer_dtype = str(getattr(oracle, "answer_dtype", "float64" if precision is None else "mpf"))
     vectors = VectorAnswers(seed, getattr(oracle, "answer_dtype", None))
     boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
                               max_queries=max_queries, vectors=vectors)
@@ -624,7 +597,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                                          heads=heads, coarse=coarse)
             checks += neutral.checks()
         if not all(check.passed for check in checks):
-            return RotaryExtraction(model=None, heads=0, queries=boundary.queries, queries_asked=boundary.queries,
+            return RotaryExtraction(model=None, heads=0, d=d, seed=seed, schedule="rotary", answer_dtype=answer_dtype,
+                                    queries=boundary.queries, queries_asked=boundary.queries,
                                     max_query_length=boundary.max_query_length, window=window.window,
                                     window_search=window, token_scale=scale, error_estimate=np.inf,
                                     answers_residual=np.inf, seconds=time.perf_counter() - started, checks=checks,
@@ -775,7 +749,10 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     if neutral is not None:  # the models seen through the original tokens: x' = x - z*
         model, start, scalar_model = (None if m is None else m.with_token_shift(-neutral.token)
                                       for m in (model, start, scalar_model))
-    return RotaryExtraction(model=model, heads=0 if model is None else model.heads, queries=boundary.queries,
+    return RotaryExtraction(model=model, heads=0 if model is None else model.heads, d=d, seed=seed, schedule="rotary",
+                            answer_dtype=answer_dtype, queries=boundary.queries,
+                            verification_queries=0 if verification is None else verification.queries,
+                            verification_length=0 if verification is None else verification.lengths[1],
                             queries_asked=boundary.queries, max_query_length=boundary.max_query_length,
                             window=window.window, window_search=window, token_scale=learner.token_scale,
                             error_estimate=float(estimate), answers_residual=float(residual),

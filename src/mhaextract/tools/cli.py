@@ -11,7 +11,6 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import typer
 from rich.console import Console
 
@@ -230,8 +229,7 @@ def _save_safely(console: Console, result, out: Path) -> bool:
         model = result.model
         console.print(f"nor to a temporary folder ({error}); the model, in full precision:", highlight=False)
         if model is not None:
-            console.print(json.dumps({"W": model.W.tolist(), "v": model.v.tolist(), "u": model.u.tolist(),
-                                      "c": np.asarray(model.c).tolist()}), highlight=False, soft_wrap=True)
+            console.print(json.dumps(model.to_document(exact=False)[0]), highlight=False, soft_wrap=True)
     return False
 
 

@@ -10,20 +10,22 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import mpmath
 import numpy as np
 
 from ..api import extract
-from ..checks.base import Check, CheckedResult, ExtractionError, UnreliableExtractionWarning, report_failure
+from ..checks.base import Check, ExtractionError, UnreliableExtractionWarning, report_failure
 from ..numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, working_precision
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import random_basis
 from ..oracle.simulated import SimulatedOracle
 from ..oracle.transcript import RUN, Transcript, run_fingerprint
 from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orient, random_sequences, refine
-from ..tools.report import transformer_table
-from ..run.result import Extraction
+from ..tools.report import extraction_table
+from ..attention.result import Extraction
+from ..run.result import Result
 from ..attention.base import RunSettings
 from ..attention.registry import schedule_for
 from ..models.transformer import EXACT_BITS, Transformer1L, block_embedding, compare_transformers, residual_embedding
@@ -162,84 +164,102 @@ class OddPartOracle:
         return self.linear
 
 
-@dataclass
-class TransformerExtraction(CheckedResult):
-    """Result of :func:`extract_transformer`.
+@dataclass(kw_only=True, repr=False)  # Result's one-line repr
+class TransformerExtraction(Result):
+    """Result of :func:`extract_transformer` (``schedule == "transformer"``): the common fields of
+    :class:`~mhaextract.Result` (``model`` the canonical :class:`~mhaextract.Transformer1L` found,
+    float64 midpoints, None when a check failed before assembly; ``heads`` the canonical heads;
+    ``queries`` the queries of f whose answers the run used, measured at the oracle boundary:
+    ``queries_odd_part + queries_units + verification_queries``, of them ``queries_asked`` asked in
+    this run and ``queries_replayed`` read back from a transcript; ``verification_queries`` and
+    ``verification_length`` the fresh random queries of the ``verification`` check;
+    ``error_estimate`` and ``answers_residual`` ``inf``: the run makes no estimate, its model is
+    judged on the fresh queries, ``verification_misfit``), and:
 
     Attributes
     ----------
-    model : Transformer1L or None
-        The canonical form found (float64 midpoints); None when a check failed before assembly.
     model_hp : Transformer1L or None
         High precision: the same with exact mpf midpoints.
     attention : Extraction
         Step 1: the core extraction run on the odd part g (its ``queries`` count g-queries).
-    heads, hidden : canonical head and unit counts found.
-    queries : int
-        Total queries of f whose answers the run used, measured at the oracle boundary:
-        ``queries_odd_part`` (two per query of g asked of f; with the residual it includes the
+    hidden : canonical units found.
+    queries_odd_part : int
+        Two queries of f per query of g asked of f; with the residual it includes the
         ``queries_residual_term`` that measured q, and the core's one-token queries answered again
-        from them, ``odd_part_queries_reused`` queries of g, are not asked twice) + ``queries_units`` (segments, kink
-        confirmations, region fits) + ``queries_verification`` (fresh random queries the result
-        is checked on). With a transcript, ``queries_asked`` of them were asked in this run and
-        ``queries_replayed`` read back from the file (``transcript``); without one all were asked.
-    max_query_length : int, measured.
+        from them (``odd_part_queries_reused`` queries of g) are not asked twice.
+    queries_units : segments, kink confirmations, region fits (step 2).
+    queries_residual_term, odd_part_queries_reused : int
+    residual : whether the FFN reads the final token too.
     segments : segments explored in step 2.
     verification_misfit : max |model - f| / max |f| on the verification queries.
-    seconds, seconds_units : wall time of the run, and of step 2 (its queries, search,
-        orientation, assembly and polish).
-    checks : list of Check; ok : all passed.
+    search : step 2's search (its query counts by kind).
+    seconds_units : wall time of step 2 (its queries, search, orientation, assembly and polish).
 
     Examples
     --------
     >>> import mhaextract as mx
     >>> T = mx.Transformer1L.random(d=3, heads=1, hidden=4, seed=0)
     >>> result = mx.extract_transformer(mx.SimulatedOracle(T), d=3, heads=1, hidden=4, seed=1)
-    >>> result.ok, result.heads, result.hidden
-    (True, 1, 4)
-    >>> result.queries == result.queries_odd_part + result.queries_units + result.queries_verification
+    >>> result.ok, result.heads, result.hidden, result.schedule
+    (True, 1, 4, 'transformer')
+    >>> result.queries == result.queries_odd_part + result.queries_units + result.verification_queries
     True
     """
 
-    model: Transformer1L | None
-    model_hp: Transformer1L | None
-    attention: Extraction
-    heads: int
-    hidden: int
-    queries: int
-    queries_odd_part: int
-    queries_units: int
-    queries_verification: int
-    queries_residual_term: int
-    odd_part_queries_reused: int
-    residual: bool
-    max_query_length: int
-    segments: int
-    verification_misfit: float
-    precision: int | None
-    d: int
-    seed: object
-    checks: list[Check] = field(default_factory=list)
+    model_hp: Transformer1L | None = None
+    attention: Extraction | None = None
+    hidden: int = 0
+    queries_odd_part: int = 0
+    queries_units: int = 0
+    queries_residual_term: int = 0
+    odd_part_queries_reused: int = 0
+    residual: bool = False
+    segments: int = 0
+    verification_misfit: float = np.inf
     search: object = None
-    seconds: float = 0.0
     seconds_units: float = 0.0
-    queries_asked: int = 0
-    queries_replayed: int = 0
-    transcript: str | None = None
 
-    def summary(self) -> dict:
+    _repr_fields: ClassVar[tuple[str, ...]] = ("hidden",)
+
+    def _summary_extra(self) -> dict:
         return {
-            "d": self.d, "heads": self.heads, "hidden": self.hidden, "queries": self.queries,
-            "queries_asked": self.queries_asked, "queries_replayed": self.queries_replayed,
-            "transcript": self.transcript,
-            "queries_odd_part": self.queries_odd_part, "queries_units": self.queries_units,
-            "queries_verification": self.queries_verification, "queries_residual_term": self.queries_residual_term,
-            "odd_part_queries_reused": self.odd_part_queries_reused, "residual": self.residual,
-            "max_query_length": self.max_query_length,
-            "segments": self.segments, "verification_misfit": self.verification_misfit,
-            "precision": self.precision, "seed": self.seed, "ok": self.ok,
-            "failed_checks": [str(check) for check in self.failed_checks], "seconds": self.seconds,
+            "hidden": self.hidden, "queries_odd_part": self.queries_odd_part, "queries_units": self.queries_units,
+            "queries_residual_term": self.queries_residual_term, "odd_part_queries_reused": self.odd_part_queries_reused,
+            "residual": self.residual, "segments": self.segments, "verification_misfit": self.verification_misfit,
         }
+
+    def report_rows(self, comparison=None) -> list[tuple[str, str, str]]:
+        """The queries of f by step (against step 1's formula), the units found, and the errors of W
+        and of the units against the truth."""
+        def shown(value) -> str:
+            return f"{float(value):.2e}" if value else "0"
+
+        a = self.attention
+        rows = [("H (bound H0)", str(a.max_heads), "queries of f: odd part + units + verification"),
+                ("  odd part g", str(self.queries_odd_part),
+                 f"2 x {a.queries - self.odd_part_queries_reused} queries of g, {a.schedule} schedule "
+                 f"({a.promised_formula})" + (f", of them {self.queries_residual_term} measuring the residual term"
+                                              if self.residual else ""))]
+        if self.search is not None:
+            search = self.search
+            rows.append(("  units", str(self.queries_units),
+                         f"{search.segments} segments: grid {search.queries_grid}, kink probes "
+                         f"{search.queries_confirm}, region fits {search.queries_regions}"
+                         + (f", random rows for the polish {search.queries_spread}" if search.queries_spread else "")))
+        rows += [("  verification", str(self.verification_queries), "fresh random queries"),
+                 ("hidden units found", str(self.hidden), "")]
+        if comparison is not None:
+            agree = [text for flag, text in ((comparison.heads_agree, f"truth has {comparison.heads_b} heads"),
+                                             (comparison.units_agree, f"truth has {comparison.units_b} units"),
+                                             (comparison.signs_agree, "unit signs differ")) if not flag]
+            rows += [("max rel. error W", shown(comparison.W_rel), "normwise, against the truth"),
+                     ("max rel. error units", shown(comparison.units_rel), "|w_j| A_j O_h, aligned; " + ", ".join(agree))]
+        rows.append(("verification misfit", shown(self.verification_misfit), "max |model - f| / max |f|, fresh queries"))
+        return rows
+
+    def _saved_extra(self) -> tuple[dict | None, dict]:
+        """The exact model of a high-precision run (``model_hp``) beside the float64 one."""
+        return (None if self.model_hp is None else self.model_hp.to_document(exact=True)[0]), {}
 
 
 @dataclass(frozen=True)
@@ -429,14 +449,14 @@ def _extract_transformer(boundary: OracleBoundary, run: TransformerRun, batch_si
                                    hidden_found=len(units), seconds_units=time.perf_counter() - step2)
     model, model_hp = _assemble(run, step1, learner, orientation)
     seconds_units = time.perf_counter() - step2
-    misfit = _verify_transformer(boundary, run, step1.heads, model, model_hp, rng, checks)
+    misfit, longest = _verify_transformer(boundary, run, step1.heads, model, model_hp, rng, checks)
     if run.precision is not None:
         checks.append(Check("odd_part_precision", odd.cancellation_bits < ODD_PART_MARGIN_BITS, odd.cancellation_bits,
                             ODD_PART_MARGIN_BITS, "bits lost to cancellation in g(X) = f(X) - f(-X) (the core "
                             "was told g is good to precision minus the threshold)"))
     return _transformer_result(run, boundary, step1, checks, counts, started, model=model, model_hp=model_hp,
                                search=learner.search, hidden_found=len(units), misfit=misfit,
-                               seconds_units=seconds_units)
+                               seconds_units=seconds_units, verification_length=longest)
 
 
 def _used(boundary: OracleBoundary) -> int:
@@ -533,8 +553,9 @@ def _assemble(run: TransformerRun, step1: Extraction, learner, orientation):
 
 
 def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, model, model_hp, rng,
-                        checks: list) -> float:
-    """The misfit on fresh random queries of f (counted); the ``verification`` check appended."""
+                        checks: list) -> tuple[float, int]:
+    """The misfit on fresh random queries of f (counted) and their longest; the ``verification``
+    check appended."""
     d, scale, precision = run.d, run.token_scale, run.precision
     count = run.verification_queries if run.verification_queries is not None else 4 * H * d + 32
     sequences = random_sequences(rng, count, d, 2 * H + 1, scale)  # no longer than the core schedule's 2H + 1
@@ -550,19 +571,21 @@ def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, m
         tolerance = 2.0 ** (-precision / 4)
     checks.append(Check("verification", misfit <= tolerance, misfit, tolerance,
                         f"max misfit on {count} fresh random queries, relative to the largest answer"))
-    return misfit
+    return misfit, max((len(X) for X in sequences), default=0)
 
 
 def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Extraction, checks: list, counts,
                         started, model=None, model_hp=None, search=None, hidden_found=0,
-                        misfit=np.inf, seconds_units=0.0) -> TransformerExtraction:
+                        misfit=np.inf, seconds_units=0.0, verification_length=0) -> TransformerExtraction:
     queries_odd, queries_units, queries_residual, reused = counts
     used = _used(boundary)
     return TransformerExtraction(
         model=model, model_hp=model_hp, attention=step1, heads=step1.heads, hidden=hidden_found,
+        schedule="transformer", token_scale=run.token_scale, answer_dtype=str(getattr(boundary.oracle, "answer_dtype", "float64" if run.precision is None else "mpf")),
+        verification_length=verification_length,
         queries=used, queries_odd_part=queries_odd, queries_units=queries_units,
         queries_residual_term=queries_residual, odd_part_queries_reused=reused, residual=run.residual,
-        queries_verification=used - queries_odd - queries_units, max_query_length=boundary.max_query_length,
+        verification_queries=used - queries_odd - queries_units, max_query_length=boundary.max_query_length,
         segments=search.segments if search else 0, verification_misfit=misfit, precision=run.precision, d=run.d,
         seed=run.seed, checks=checks, search=search, seconds=time.perf_counter() - started, seconds_units=seconds_units,
         queries_asked=boundary.queries, queries_replayed=boundary.replayed,
@@ -582,7 +605,7 @@ def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: 
                                      precision=precision, seed=seed + 1, progress=True, on_failure="warn")
     found = result.model_hp if result.model_hp is not None else result.model
     comparison = compare_transformers(found, target) if found is not None else None
-    console.print(transformer_table(result, comparison, title=f"mhaextract demo --transformer (seed {seed})"))
+    console.print(extraction_table(result, comparison, title=f"mhaextract demo --transformer (seed {seed})"))
     if not result.ok:
         console.print("[bold red]The extraction failed its own checks; no Transformer is returned as reliable.[/]")
         for check in result.failed_checks:

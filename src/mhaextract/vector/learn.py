@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
-from ..checks.base import Check, CheckedResult
+from ..checks.base import Check
 from ..checks.verify import ROUNDING_PER_TOKEN, ask_long_verification, fresh_queries, spread_lengths
 from ..models.attention import MultiHeadAttention
 from ..oracle.progress import note_progress
+from ..run.result import Result
 from ..run.validation import spawn_rng
 from .factored import FactoredLayer
 from .refine import refine
@@ -43,67 +45,51 @@ def vector_bound(d: int, heads: int, rank: int, d_out: int) -> int:
     return -(-parameters // d_out)
 
 
-@dataclass
-class VectorExtraction(CheckedResult):
-    """Result of :func:`mhaextract.extract` on whole answers split by head (``schedule == "vector"``).
+@dataclass(kw_only=True, repr=False)  # Result's one-line repr
+class VectorExtraction(Result):
+    """Result of :func:`mhaextract.extract` on whole answers split by head (``schedule == "vector"``):
+    the common fields of :class:`~mhaextract.Result` (``model`` a whole
+    :class:`~mhaextract.MultiHeadAttention`, ``V`` (H, d_out, d) and ``c`` (d_out,);
+    ``error_estimate`` the largest output error expected on fresh queries of up to 64 tokens,
+    relative to each query's largest output: ``ESTIMATE_FACTOR`` times the largest misfit on
+    held-out queries (docs/algorithm.md, 'Whole answers near the vector bound');
+    ``answers_residual`` the RMS misfit on the fitted answers, relative to their RMS), and:
 
     Attributes
     ----------
-    model : MultiHeadAttention (whole: ``V`` (H, d_out, d), ``c`` (d_out,)).
-    heads : heads in the model. queries, queries_asked, queries_replayed, calibration_queries : as
-        :class:`~mhaextract.run.result.Extraction`'s, measured at the oracle boundary.
     vector_bound : ``ceil(P / d_out)`` for the heads' measured widths (:func:`vector_bound`).
-    error_estimate : the largest output error expected on fresh queries of up to 64 tokens, relative
-        to each query's largest output: ``ESTIMATE_FACTOR`` times the largest misfit on held-out
-        queries (docs/algorithm.md, 'Whole answers near the vector bound').
-    answers_residual : RMS misfit on the fitted answers, relative to their RMS.
     value_ranks, score_ranks : per head, rank V_h and rank [W_h | u_h].
     split_conditioning : the condition number of [O_1 .. O_H].
     refined : whether the Gauss-Newton refinement ran.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> scores = mx.MultiHeadAttention.random(d=6, heads=2, seed=4, bias=True, rank=3, d_out=6)
+    >>> rng = np.random.default_rng(104)  # values of rank 3 too: the outputs have room for both heads
+    >>> V = np.einsum("hor,hrd->hod", rng.standard_normal((2, 6, 3)), rng.standard_normal((2, 3, 6)))
+    >>> layer = mx.MultiHeadAttention(scores.W, V / np.sqrt(3), scores.u, scores.c)
+    >>> result = mx.extract(mx.SimulatedOracle(layer), 6, heads=2, seed=2, schedule="vector")
+    >>> result.schedule, result.value_ranks, result.ok, bool(mx.compare(result.model, layer).max_rel < 1e-12)
+    ('vector', [3, 3], True, True)
     """
 
-    model: MultiHeadAttention | None
-    heads: int
-    queries: int
-    queries_asked: int
-    max_query_length: int
-    answer_dtype: str
-    token_scale: float
-    error_estimate: float
-    answers_residual: float
-    seconds: float
-    checks: list = field(default_factory=list)
-    verification: object = None
     vector_bound: int = 0
     value_ranks: list = field(default_factory=list)
     score_ranks: list = field(default_factory=list)
     split_conditioning: float = float("nan")
     refined: bool = False
-    calibration_queries: int = 0
-    queries_replayed: int = 0
-    schedule: str = "vector"
-    schedule_reason: str = ""
-    precision: int | None = None
-    readout: np.ndarray | None = None
-    #: Whether the layer is causal, from its outputs at earlier positions (:mod:`mhaextract.checks.causality`).
-    causal: object = None
+
+    _repr_fields: ClassVar[tuple[str, ...]] = ("vector_bound",)
 
     @property
     def d_out(self) -> int:
         return 0 if self.model is None else self.model.d_out
 
-    def summary(self) -> dict:
-        return {"schedule": self.schedule, "answer_dtype": self.answer_dtype, "heads": self.heads,
-                "queries": self.queries, "vector_bound": self.vector_bound, "queries_asked": self.queries_asked,
-                "queries_replayed": self.queries_replayed, "calibration_queries": self.calibration_queries,
-                "max_query_length": self.max_query_length, "token_scale": self.token_scale,
-                "error_estimate": self.error_estimate, "answers_residual": self.answers_residual,
-                "split_conditioning": self.split_conditioning, "refined": self.refined, "ok": self.ok,
-                "seconds": self.seconds}
-
-    def __repr__(self) -> str:
-        return (f"VectorExtraction(heads={self.heads}, queries={self.queries}, bound={self.vector_bound}, "
-                f"ok={self.ok}, error_estimate={self.error_estimate:.2g})")
+    def _summary_extra(self) -> dict:
+        return {"d_out": self.d_out, "vector_bound": self.vector_bound, "split_conditioning": self.split_conditioning,
+                "refined": self.refined}
 
 
 def _padded(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -185,7 +171,10 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
         checks.append(check)
     d_out = answers.shape[1]
     return VectorExtraction(
-        model=model, heads=model.heads, queries=boundary.queries + boundary.replayed,
+        model=model, heads=model.heads, d=d, seed=seed, schedule="vector",
+        verification_queries=0 if verification is None else verification.queries,
+        verification_length=0 if verification is None else verification.lengths[1],
+        queries=boundary.queries + boundary.replayed,
         queries_asked=boundary.queries, queries_replayed=boundary.replayed,
         max_query_length=boundary.max_query_length, answer_dtype=answer_dtype, token_scale=float(scale),
         error_estimate=float(estimate), answers_residual=residual, seconds=time.perf_counter() - started,
