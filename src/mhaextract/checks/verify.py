@@ -49,6 +49,10 @@ LIMIT_FACTOR = 100.0
 #: ... plus this many units of the answers' rounding per token of the query (a float32 oracle's
 #: softmax over N tokens rounds by up to about N units; float64's is far below the rest).
 ROUNDING_PER_TOKEN = 4.0
+#: :func:`verify`'s default tolerance covers this many units of the answers' own rounding (times
+#: the largest answer over their root mean square): an oracle answering in bfloat16 or float16
+#: misses the exact layer by about a unit, and a correct model cannot come closer to it.
+ANSWER_ROUNDING_UNITS = 8.0
 #: The limit never exceeds this fraction of the largest answer: a run whose own estimate is larger
 #: has failed ``error_estimate`` already, and a looser limit would let a windowed layer pass.
 LIMIT_CAP = 1e-2
@@ -252,14 +256,17 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
 
     Parameters
     ----------
-    extraction : an :class:`~mhaextract.Extraction` with a model.
+    extraction : the result of any family (:class:`~mhaextract.Result`) with a model that
+        evaluates sequences (``model(sequences)``, ``model.d``, ``model.is_vector``).
     oracle : the oracle it was extracted from (or any float64 oracle for the same d).
     n : number of fresh queries (>= 1), split evenly over ``scales``.
     seed : seeds the queries. max_length : longest query (lengths uniform in 1..max_length).
     scales : token scales, as multiples of the extraction's own ``token_scale`` (the regime it was
         extracted in; ``d ** 0.25`` unless the run chose another).
     tolerance : the max relative output error that counts as passing; default
-        ``max(1e-6, 10 answer_error / output scale)`` (``extraction.answer_error``, 0 if not given).
+        ``max(1e-6, 10 answer_error / output scale, ANSWER_ROUNDING_UNITS x unit x max|answer| /
+        output scale)`` (``extraction.answer_error``, 0 if not given; ``unit`` the answers' rounding,
+        declared by the oracle or read from their bits: 2^-8 for bfloat16, 2^-53 for float64).
 
     Returns
     -------
@@ -303,7 +310,8 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
     output_scale = root_mean_square(answers) or 1.0  # scaled: huge answers do not overflow
     errors = output_errors(model, sequences, answers) / output_scale
     if tolerance is None:
-        tolerance = max(1e-6, 10.0 * float(getattr(extraction, "answer_error", None) or 0.0) / output_scale)
+        rounding = ANSWER_ROUNDING_UNITS * boundary.answer_unit * float(np.abs(mid_float(answers)).max()) / output_scale
+        tolerance = max(1e-6, 10.0 * float(getattr(extraction, "answer_error", None) or 0.0) / output_scale, rounding)
     tolerance = float(tolerance)
     lengths = [len(sequence) for sequence in sequences]
     passed = bool(errors.max() <= tolerance)

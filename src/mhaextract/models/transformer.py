@@ -141,13 +141,18 @@ class Transformer1L:
     #: The name of this model class in a saved result (:mod:`mhaextract.models.kinds`).
     kind = "transformer"
 
+    def to_float64(self) -> "Transformer1L":
+        """The model in float64 (itself when it is float64)."""
+        if not self.is_high_precision:
+            return self
+        return Transformer1L(*(mid_float(x) for x in (self.W, self.O, self.A, self.w)), residual=self.residual,
+                             R=None if self.R is None else mid_float(self.R))
+
     def to_document(self, exact: bool = False) -> tuple[dict, dict]:
         """``(json_part, arrays)`` for a saved result: ``kind``, the sizes, ``residual`` and ``W``,
         ``O``, ``A``, ``w``, ``R`` (None without the residual); float64 numbers and arrays, or with
         ``exact`` every bit as hex strings (and no arrays)."""
-        model = self if exact or not self.is_high_precision else Transformer1L(
-            *(mid_float(x) for x in (self.W, self.O, self.A, self.w)), residual=self.residual,
-            R=None if self.R is None else mid_float(self.R))
+        model = self if exact else self.to_float64()
         numbers = {"W": model.W, "O": model.O, "A": model.A, "w": model.w}
         if model.R is not None:
             numbers["R"] = model.R

@@ -172,9 +172,12 @@ class Result(CheckedResult):
         return dataclasses.replace(self, verification=verification)
 
     def __repr__(self) -> str:
-        extra = "".join(f", {name}={getattr(self, name)!r}" for name in self._repr_fields)
+        extra = "".join(f", {name}={value!r}" for name, value in self._repr_items())
         return (f"{self.result_type}(schedule={self.schedule!r}, heads={self.heads}, d={self.d}, "
                 f"queries={self.queries}{extra}, ok={self.ok}, error_estimate={self.error_estimate:.3g})")
+
+    def _repr_items(self) -> list[tuple[str, object]]:
+        return [(name, getattr(self, name)) for name in self._repr_fields]
 
     def summary(self) -> dict:
         """The common scalars (the attributes above; ``verification`` and ``causal`` as text), then
@@ -225,7 +228,7 @@ class Result(CheckedResult):
             "checks": [check.as_dict() for check in self.checks],
             "verification": None if self.verification is None else dataclasses.asdict(self.verification),
             "causal": None if self.causal is None else dataclasses.asdict(self.causal),
-            "model": model_part, "arrays": npz_path.name,
+            "model": model_part, "arrays": npz_path.name, "repr_fields": [name for name, _ in self._repr_items()],
         }
         if exact_part is not None:
             document["model_exact"] = exact_part
@@ -249,6 +252,7 @@ class SavedResult(Result):
     ----------
     saved_as : the class of the result that was saved (``result_type`` reports it).
     family_summary : dict, the family's entries of the saved summary.
+    repr_fields : the family's entries its one-line repr showed (shown again).
     model_exact : the exact model (``load_extraction(path, exact=True)`` of a file that has one), or None.
 
     Examples
@@ -267,6 +271,10 @@ class SavedResult(Result):
     saved_as: str = "Result"
     family_summary: dict = field(default_factory=dict)
     model_exact: object = None
+    repr_fields: tuple[str, ...] = ()
+
+    def _repr_items(self) -> list[tuple[str, object]]:
+        return [(name, self.family_summary.get(name)) for name in self.repr_fields]
 
     @property
     def result_type(self) -> str:
@@ -430,6 +438,7 @@ def load_extraction(path, exact: bool = False) -> SavedResult:
     family = {name: value for name, value in summary.items() if name not in COMMON_SCALARS + DERIVED}
     return SavedResult(model=model, checks=checks, verification=verification, causal=causal,
                        saved_as=document.get("result") or "Result", family_summary=family,
+                       repr_fields=tuple(document.get("repr_fields", ())),
                        model_exact=_model(document, path, True) if exact else None, **common)
 
 
