@@ -121,6 +121,7 @@ def test_every_family_saves_and_loads_its_result(family, tmp_path):
                    "verification_queries", "verification_length", "calibration_queries", "seconds",
                    "schedule_reason", "precision", "seed", "answer_dtype", "transcript", "causal"}
     assert common_keys <= set(summary) and set(saved) == set(summary)
+    assert not set(result._summary_extra()) & common_keys  # the family's entries add, never replace
     for key in common_keys:
         assert _same(saved[key], summary[key]), key
     assert saved == {**json.loads(json.dumps(_jsonable(summary))), **{key: saved[key] for key in common_keys}}
@@ -207,3 +208,36 @@ def test_compare_dispatches_on_the_model_type():
 def test_save_refuses_what_is_not_a_result(tmp_path):
     with pytest.raises(TypeError, match="a mhaextract.Result"):
         mx.save_extraction(mx.MultiHeadAttention.random(d=3, heads=1, seed=0), tmp_path / "x.json")
+
+
+BFLOAT16_MODULE = '''
+import numpy as np
+import mhaextract as mx
+from mhaextract.oracle.noise import round_bfloat16
+
+LAYER = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, bias=True, d_out=4)
+
+
+def oracle(batch):
+    return round_bfloat16(LAYER(batch).astype(np.float32)).astype(np.float64)
+'''
+
+
+def test_the_cli_prints_and_saves_a_low_precision_result(tmp_path, monkeypatch):
+    """``mhaextract extract`` on a bfloat16 layer (the low-precision family): the table from the
+    common fields, the file, and the model read back (as close to the layer as the run's own)."""
+    from typer.testing import CliRunner
+
+    from mhaextract.tools.cli import app
+
+    (tmp_path / "bf16_layer.py").write_text(BFLOAT16_MODULE)
+    monkeypatch.chdir(tmp_path)
+    outcome = CliRunner().invoke(app, ["extract", "--oracle", "bf16_layer.py:oracle", "--d", "4", "--heads", "2",
+                                       "--out", "bf16.json"])
+    assert outcome.exit_code == 0, outcome.output
+    text = " ".join(outcome.output.split())
+    assert "saturated" in text and "answers in bfloat16" in text and "queries (measured)" in text
+    loaded = mx.load_extraction(tmp_path / "bf16.json")
+    assert loaded.result_type == "LowPrecisionExtraction" and loaded.ok and loaded.answer_dtype == "bfloat16"
+    layer = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, bias=True, d_out=4)
+    assert mx.compare(mx.load_model(tmp_path / "bf16.json"), layer).max_rel < 2e-2
