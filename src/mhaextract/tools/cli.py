@@ -26,13 +26,14 @@ from ..oracle.simulated import SimulatedOracle
 from ..oracle.transcript import TranscriptError
 from .report import extraction_table
 from ..run.result import save_extraction
-from ..attention.registry import known_schedule, schedule_names
+from .. import families  # noqa: F401  (the learners registered, for their names)
+from ..run.learner import learner_class, learner_names
 from ..run.validation import head_count, nonnegative_number, positive_int, token_scale_option
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
 
 #: The --schedule help of every command: the registry's names, never a list kept here.
-SCHEDULE_HELP = ("query schedule, one of " + ", ".join(repr(name) for name in schedule_names())
+SCHEDULE_HELP = ("query schedule, one of " + ", ".join(repr(name) for name in learner_names())
                  + " (see docs/algorithm.md)")
 FLOAT64_ONLY = "--noise, --samples, --refine, --answer-error and --verify are float64 options (omit --precision)"
 
@@ -82,7 +83,8 @@ def _common_options(d, precision, seed, schedule) -> None:
     if precision is not None:
         _checked("--precision", positive_int, "precision", precision, 64)
     _checked("--seed", positive_int, "seed", seed, 0)
-    _checked("--schedule", known_schedule, schedule)
+    if schedule != "auto":
+        _checked("--schedule", learner_class, schedule)
 
 
 def _robust_options(precision, samples, answer_error, refine, verify_queries=0) -> dict:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import mpmath
 import numpy as np
 
-from ..api import extract
 from ..checks.base import Check, CheckedResult, ExtractionError, UnreliableExtractionWarning, report_failure
 from ..numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, working_precision
 from ..oracle.boundary import OracleBoundary
@@ -383,23 +382,32 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
     >>> bool(mx.compare_transformers(result.model, T).max_rel < 1e-10)
     True
     """
-    run = _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, token_scale, max_segments,
-                           quiet_segments, verification_queries, on_failure, transcript, max_queries)
-    started = time.perf_counter()
-    record = None
+    from ..api import extract  # (the entry point imports every family, this one included)
+
+    return extract(oracle, d, heads, max_heads, precision, seed, schedule="transformer", hidden=hidden,
+                   residual=residual, token_scale=token_scale, max_segments=max_segments,
+                   quiet_segments=quiet_segments, verification_queries=verification_queries, batch_size=batch_size,
+                   progress=progress, on_failure=on_failure, transcript=transcript, max_queries=max_queries)
+
+
+def run_transformer(session, options) -> "TransformerExtraction":
+    """The Transformer's run in ``session`` (:class:`~mhaextract.transformer.learner.TransformerLearner`)."""
+    request = session.request
+    run = _transformer_run(request.d, request.heads, None if request.heads is not None else request.max_heads,
+                           options.get("hidden"), request.precision, request.seed, options.get("residual", False),
+                           request.token_scale, options.get("max_segments", 32), options.get("quiet_segments", 8),
+                           options.get("verification_queries"), session.on_failure, session.transcript,
+                           session.max_queries)
+    if session.transcript is not None:
+        fingerprint = run_fingerprint(run, run.seed, run.precision, run.fixed_queries())
+        session.open_transcript(fingerprint)  # no calibration: the fingerprint is known before any query
+        session.record.start_run(fingerprint)
     try:
-        if transcript is not None:
-            fingerprint = run_fingerprint(run, run.seed, run.precision, run.fixed_queries())
-            record = Transcript(transcript, fingerprint)  # no calibration: the fingerprint is known before any query
-            record.start_run(fingerprint)
-        boundary = OracleBoundary(oracle, run.d, precision=run.precision, batch_size=batch_size, progress=progress,
-                                  max_queries=run.max_queries, transcript=None if record is None else record.section(RUN))
-        result = _extract_transformer(boundary, run, batch_size, progress, started)
+        boundary = session.boundary(RUN, precision=run.precision)
+        result = _extract_transformer(boundary, run, session.batch_size, session.progress, session.started)
     finally:
-        if record is not None:
-            record.close()
-    report_failure(result, "Transformer extraction", run.on_failure, TransformerExtractionError)
-    return result
+        session.close()
+    return session.finish(result, "Transformer extraction", error_type=TransformerExtractionError)
 
 
 def _extract_transformer(boundary: OracleBoundary, run: TransformerRun, batch_size, progress,
@@ -446,6 +454,8 @@ def _used(boundary: OracleBoundary) -> int:
 
 def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progress) -> Extraction:
     """Step 1: the core extraction on g (its failed checks become the Transformer's)."""
+    from ..api import extract  # (the entry point imports every family, this one included)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
         return extract(odd, run.d, heads=run.heads, max_heads=None if run.heads is not None else run.max_heads,
