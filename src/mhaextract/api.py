@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from . import families  # noqa: F401  (every family registers its learners on import)
 from .checks.causality import records_causality
 from .oracle.progress import one_bar_per_run
-from .run.learner import COMMON, AUTO, FallBack, family_options, learner_class, learner_names, pick
-from .run.session import Request, Session
+from .run.learner import COMMON, family_options
+from .run.session import Request, run_learner
 
 if TYPE_CHECKING:
     from .run.result import Result
@@ -152,23 +152,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     :func:`mhaextract.run.learner.options_table` (``mhaextract schedules`` prints it).
     """
     request = Request.validated(d, heads, max_heads, precision, seed, token_scale)
-    options = _family_options(options)
-    if schedule != AUTO and (not isinstance(schedule, str) or schedule not in learner_names()):
-        learner_class(schedule)  # the ValueError listing the names there are
-    learner = pick(schedule, options, request)
-    learner.refuse(options)
-    options = learner.validate(options, request)
-    session = Session(oracle, request, batch_size=batch_size, progress=progress, on_failure=on_failure,
-                      transcript=transcript, max_queries=max_queries, resume_check=resume_check,
-                      verify_length=verify_length)
-    session.requested, session.options = schedule, options
-    while True:
-        try:
-            return learner(session, options).run()
-        except FallBack as fallback:  # the learner gave way: the one it names runs in the same session
-            session.fall_back(learner.name, fallback.reason, fallback.boundary)
-            learner = learner_class(learner.falls_back_to)
-            options = learner.validate(options, request)
+    return run_learner(oracle, request, schedule, _family_options(options), batch_size=batch_size, progress=progress,
+                       on_failure=on_failure, transcript=transcript, max_queries=max_queries,
+                       resume_check=resume_check, verify_length=verify_length)
 
 
 def _family_options(options: dict) -> dict:

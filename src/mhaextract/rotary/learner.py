@@ -32,7 +32,7 @@ class RotaryLearner(Learner):
     @classmethod
     def claims(cls, options, common) -> bool:
         # any positions but "none" is this learner's option: a wrong value is told so by validate
-        return options.get("positions", "none") not in ("none", None) or options.get("key_bias") not in (None, False)
+        return options.get("positions", "none") not in ("none", None)
 
     @classmethod
     def validate(cls, options, common) -> dict:

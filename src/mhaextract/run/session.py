@@ -22,6 +22,7 @@ from ..oracle.resume_check import check_same_oracle
 from ..oracle.transcript import CALIBRATION, RUN, Transcript, check_directory
 from ..oracle.vector_answers import VectorAnswers
 from .calibration import calibrate, probe_queries
+from .learner import AUTO, FallBack, learner_class, learner_names, pick
 from .validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_option
 
 
@@ -186,3 +187,24 @@ class Session:
             result.queries_replayed += spent.replayed
         report_failure(result, what, self.on_failure, error_type=error_type, hints=hints, stacklevel=4)
         return result
+
+
+def run_learner(oracle, request: Request, schedule, options: dict, **common):
+    """Pick the learner for ``schedule`` (a name, or ``"auto"``), refuse the options it does not
+    take, and run it in a new :class:`Session` of ``oracle`` with the ``common`` options; a learner
+    that falls back hands the session to the one it names. What :func:`mhaextract.extract` runs
+    after validating its parameters."""
+    if schedule != AUTO and (not isinstance(schedule, str) or schedule not in learner_names()):
+        learner_class(schedule)  # the ValueError listing the names there are
+    learner = pick(schedule, options, request)
+    learner.refuse(options)
+    options = learner.validate(options, request)
+    session = Session(oracle, request, **common)
+    session.requested, session.options = schedule, options
+    while True:
+        try:
+            return learner(session, options).run()
+        except FallBack as fallback:  # the learner gave way: the one it names runs in the same session
+            session.fall_back(learner.name, fallback.reason, fallback.boundary)
+            learner = learner_class(learner.falls_back_to)
+            options = learner.validate(options, request)

@@ -19,7 +19,8 @@ from ..numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, 
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import random_basis
 from ..oracle.simulated import SimulatedOracle
-from ..oracle.transcript import RUN, Transcript, run_fingerprint
+from ..oracle.transcript import RUN, run_fingerprint
+from ..run.session import Request, run_learner
 from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orient, random_sequences, refine
 from ..tools.report import transformer_table
 from ..run.result import Extraction
@@ -382,12 +383,11 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
     >>> bool(mx.compare_transformers(result.model, T).max_rel < 1e-10)
     True
     """
-    from ..api import extract  # (the entry point imports every family, this one included)
-
-    return extract(oracle, d, heads, max_heads, precision, seed, schedule="transformer", hidden=hidden,
-                   residual=residual, token_scale=token_scale, max_segments=max_segments,
-                   quiet_segments=quiet_segments, verification_queries=verification_queries, batch_size=batch_size,
-                   progress=progress, on_failure=on_failure, transcript=transcript, max_queries=max_queries)
+    request = Request.validated(d, heads, max_heads, precision, seed, token_scale)
+    options = {"hidden": hidden, "residual": residual, "max_segments": max_segments, "quiet_segments": quiet_segments,
+               "verification_queries": verification_queries}
+    return run_learner(oracle, request, "transformer", options, batch_size=batch_size, progress=progress,
+                       on_failure=on_failure, transcript=transcript, max_queries=max_queries)
 
 
 def run_transformer(session, options) -> "TransformerExtraction":
@@ -454,14 +454,14 @@ def _used(boundary: OracleBoundary) -> int:
 
 def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progress) -> Extraction:
     """Step 1: the core extraction on g (its failed checks become the Transformer's)."""
-    from ..api import extract  # (the entry point imports every family, this one included)
-
+    request = Request.validated(run.d, run.heads, None if run.heads is not None else run.max_heads,
+                                run.core_precision, run.seed, run.token_scale)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        return extract(odd, run.d, heads=run.heads, max_heads=None if run.heads is not None else run.max_heads,
-                       precision=run.core_precision, seed=run.seed, schedule=run.core_schedule.name,
-                       token_scale=run.token_scale, batch_size=batch_size, progress=progress, on_failure="warn",
-                       refine=False)  # the core as measured in §14: no refinement of noisy answers (§10) here
+        # the attention family's learner, by its registry name: the core as measured in §14, no
+        # refinement of noisy answers (§10) here
+        return run_learner(odd, request, run.core_schedule.name, {"refine": False}, batch_size=batch_size,
+                           progress=progress, on_failure="warn")
 
 
 def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, linear, rng, checks: list):
