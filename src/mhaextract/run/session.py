@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..checks.base import report_failure
 from ..oracle.boundary import OracleBoundary
-from ..oracle.resume_check import check_same_oracle
+from ..oracle.resume_check import check_replayed, check_same_oracle
 from ..oracle.transcript import CALIBRATION, RUN, Transcript, check_directory
 from ..oracle.vector_answers import VectorAnswers
 from .calibration import calibrate, probe_queries
@@ -94,6 +94,7 @@ class Session:
         self.probes: OracleBoundary | None = None
         self.pending_check = 0
         self.requested = None  # the schedule name the user gave ("auto" or a learner's)
+        self.boundaries: list[OracleBoundary] = []  # those whose replayed queries the resume check may re-ask
         self.fallbacks: list[tuple[str, OracleBoundary]] = []
         self.started = time.perf_counter()
 
@@ -114,13 +115,21 @@ class Session:
             self.record.close()
 
     # -- boundaries ------------------------------------------------------------------------------
-    def boundary(self, section: str = RUN, precision=None, max_queries="left") -> OracleBoundary:
+    def boundary(self, section: str = RUN, precision=None, max_queries="left", resume_check=True) -> OracleBoundary:
         """A counted boundary to the oracle recording in the transcript's ``section``; the budget
-        is what is left of ``max_queries`` after the session's earlier boundaries."""
-        return OracleBoundary(self.oracle, self.request.d, precision=precision, batch_size=self.batch_size,
-                              progress=self.progress,
-                              max_queries=self.max_queries if max_queries == "left" else max_queries,
-                              transcript=self.section(section), vectors=self.vectors)
+        is what is left of ``max_queries`` after the session's earlier boundaries. ``resume_check``: a
+        resumed transcript's check, if still due, re-asks a few of this boundary's replayed queries
+        before its first fresh one (or when the run ends, :meth:`finish`)."""
+        boundary = OracleBoundary(self.oracle, self.request.d, precision=precision, batch_size=self.batch_size,
+                                  progress=self.progress,
+                                  max_queries=self.max_queries if max_queries == "left" else max_queries,
+                                  transcript=self.section(section), vectors=self.vectors)
+        if resume_check and self.pending_check and boundary.transcript is not None:
+            # a learner that does not re-ask its fixed queries first (check_resumed): before its first
+            # fresh query, or at the end of a run read back whole, a few of its replayed ones are re-asked
+            boundary.before_fresh = self._check_replayed
+            self.boundaries.append(boundary)
+        return boundary
 
     def spend(self, boundary) -> None:
         """Take ``boundary``'s fresh queries off the budget left to later boundaries."""
@@ -136,7 +145,7 @@ class Session:
         if self.calibration is not None:
             return self.calibration
         early = self.pending_check if self.record is not None and self.record.answered_in(RUN) == 0 else 0
-        probes = self.boundary(CALIBRATION, precision=self.request.precision)
+        probes = self.boundary(CALIBRATION, precision=self.request.precision, resume_check=False)
         section = self.section(CALIBRATION)
         if early and section.answered:
             self.recheck_probes(probes, early)
@@ -161,6 +170,11 @@ class Session:
             check_same_oracle(boundary, boundary.transcript, fixed_queries, self.pending_check, noise=noise)
             self.pending_check = 0
 
+    def _check_replayed(self, boundary) -> None:
+        if self.pending_check and boundary.replayed_samples:
+            check_replayed(boundary, boundary.transcript, boundary.replayed_samples, self.pending_check)
+            self.pending_check = 0
+
     # -- the end of a run ------------------------------------------------------------------------
     def fall_back(self, learner_name: str, reason: str, boundary) -> None:
         """Record a learner that gave way (its queries count in the final result)."""
@@ -171,6 +185,13 @@ class Session:
     def finish(self, result, what: str, hints=(), error_type=None, probes_counted: bool = False):
         """Add the queries the session asked for ``result`` (calibration probes, learners that fell
         back), then raise or warn if a check failed (``on_failure``), with ``hints``."""
+        for boundary in self.boundaries:  # a run read back whole: its resume check is still due
+            if boundary.before_fresh is not None:
+                boundary.before_fresh = None
+                asked = boundary.queries
+                self._check_replayed(boundary)
+                result.queries += boundary.queries - asked
+                result.queries_asked += boundary.queries - asked
         spent = Spent()
         if self.probes is not None and not probes_counted:
             spent.add(self.probes)
