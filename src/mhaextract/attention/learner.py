@@ -51,8 +51,10 @@ class ScheduleLearner(Learner):
 
 def learner_for(schedule) -> type[ScheduleLearner]:
     """The learner that runs ``schedule`` (a registered :class:`~.base.Schedule` subclass)."""
+    # every option of the family: each value is checked first (settings_for), then the schedule
+    # refuses those it does not support (Schedule.accepts), with its reason
     return type(f"{schedule.__name__}Learner", (ScheduleLearner,), {
-        "name": schedule.name, "__module__": schedule.__module__,
+        "name": schedule.name, "__module__": schedule.__module__, "refusal": schedule.refusal,
         "__doc__": f"The {schedule.name!r} schedule of the attention family as a learner."})
 
 
