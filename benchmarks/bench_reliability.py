@@ -49,7 +49,7 @@ from mhaextract.adapters.torch import TorchOracle, to_reduced
 from mhaextract.checks.base import ExtractionError
 from mhaextract.oracle.boundary import OracleError
 from mhaextract.oracle.transcript import TranscriptError
-from mhaextract.attention.registry import AUTO, low_precision_run
+from mhaextract.run.learner import AUTO, takeover
 
 MODES = {"auto (default)": dict(), "paper": dict(schedule="paper"), "lean": dict(schedule="lean"), "targeted": dict(schedule="targeted"),
          "paper 256 bits": dict(schedule="paper", precision=256), "auto 256 bits": dict(precision=256)}
@@ -385,8 +385,8 @@ def low_precision_cases(mode, options, seeds):
                                         ("read-out", TorchOracle(layer, readout), to_reduced(layer, readout))):
                 yield mode, f"{name} layer: {kind} (d={d} H={H} seed={seed})", (
                     lambda o=oracle, d=d: mx.extract(o, d, heads=H, seed=seed, on_failure="warn", **options)), \
-                    truth, float64 and (dtype == torch.float32 or (kind == "whole" and low_precision_run(
-                        options.get("schedule", AUTO), name, d)))
+                    truth, float64 and (dtype == torch.float32 or (kind == "whole" and options.get("schedule", AUTO) == AUTO
+                                                              and takeover(options, None, name, d) is not None))
         target = mx.MultiHeadAttention.random(4, 2, seed=6000 + seed, bias=bias)
         exact = mx.SimulatedOracle(target)
         answers = (("autograd", lambda batch: torch.tensor(np.asarray(exact(batch)), requires_grad=True), float64),

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
+from mhaextract.run.learner import LEARNERS
 from conftest import CountingOracle
 from mhaextract.models.attention import MultiHeadAttention
 from mhaextract.checks.noise_probe import PROBE_QUERIES
@@ -86,6 +87,7 @@ def pairs_registered():
     registry.register(PairSchedule)  # the one registry line a new schedule needs
     yield
     del registry.SCHEDULES[PairSchedule.name]
+    LEARNERS.pop(PairSchedule.name)
 
 
 def test_a_new_schedule_is_one_class_and_one_registry_line(pairs_registered, tmp_path):

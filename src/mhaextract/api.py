@@ -1,62 +1,33 @@
-"""``extract``: validate once, run the schedule from the registry, finish every schedule alike.
+"""``extract``: validate the common parameters once, pick a learner from the registry, run it in a session.
 
-The data flow of one extraction (docs/algorithm.md §5-§13)::
+The data flow of one extraction::
 
-    parameters -> RunSettings -> schedule (registry) -> boundary (+ transcript)
-        -> schedule.run: answers -> fits -> matching -> assembly -> Outcome
-        -> finish (mhaextract.attention.finish): certificate, refinement, error estimate, checks -> Extraction
-        -> (vector answers) value fit -> the whole model
+    parameters -> Request (common) + family options -> learner (mhaextract.run.learner: named, or
+        "auto": claimed) -> Session (boundaries, transcript, calibration, resume check)
+        -> learner.run: answers -> heads -> Result -> session.finish: counts, raise or warn
+
+Nothing here names a family: every family registers its learners (docs/adding-a-learner.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import time
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from .run.calibration import calibrate, probe_queries
-from .checks.base import report_failure
+from . import families  # noqa: F401  (every family registers its learners on import)
 from .checks.causality import records_causality
-from .checks.diagnosis import KERNEL_ERRORS, failure_hints, kernel_failure
-from .checks.model_class import probe_model_class
-from .checks.noise_probe import probe_misfit
-from .checks.verify import VERIFY_LENGTH, ask_long_verification, verify_length_option
-from .attention.finish import (
-    Spent, arithmetic_noise, ask_value_queries, finish, refinement_queries, rescued_by_refinement, with_values,
-)
-from .numerics.arithmetic import BACKENDS, arithmetic_for
-from .oracle.boundary import OracleBoundary
-from .oracle.progress import expect_queries, one_bar_per_run
-from .oracle.resume_check import check_same_oracle
-from .oracle.answer_stats import FORMAT_UNITS
-from .oracle.transcript import CALIBRATION, RUN, VECTOR, Transcript, check_directory, run_fingerprint, run_header
-from .oracle.vector_answers import VectorAnswers
-from .run.result import Extraction
-from .attention.base import RunSettings
-from .attention.registry import COARSE_FORMATS, VECTOR, choose, low_precision_run
-from .attention.targeted.lowrank import AUTO as AUTO_RANK
-from .vector import SplitUnavailable, VectorExtraction, extract_vector
-from .run.validation import (
-    bias_option, head_count, nonnegative_number, on_failure_mode, positive_int, resumable_seed, spawn_rng,
-    token_scale_for, token_scale_option,
-)
+from .oracle.progress import one_bar_per_run
+from .run.learner import COMMON, family_options
+from .run.session import Request, run_learner
 
 if TYPE_CHECKING:
-    from .lowprecision.learn import LowPrecisionExtraction
-    from .rotary.learn import RotaryExtraction
+    from .run.result import Result
 
 
 @one_bar_per_run
 @records_causality
-def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto",
-            bias=None, token_scale=None, batch_size=1024, progress=None, on_failure="raise", transcript=None,
-            max_queries=None, samples_per_instance=None, refine=None, refine_queries=None,
-            answer_error=None, rank=None, backend=None, resume_check=3, repair=None,
-            verify_length=None, positions="none",
-            key_bias=False) -> Extraction | RotaryExtraction | LowPrecisionExtraction | VectorExtraction:
+def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, schedule="auto", token_scale=None,
+            batch_size=1024, progress=None, on_failure="raise", transcript=None, max_queries=None, resume_check=3,
+            verify_length=None, **options) -> Result:
     """Learn the canonical heads of multi-head attention from value queries.
 
     Parameters
@@ -176,379 +147,21 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     >>> result = mx.extract(mx.SimulatedOracle(target), d=3, heads=2, seed=1, schedule="paper")
     >>> result.queries, 4 * 2 * 3**2 - 2 * 2 + 1, result.max_query_length
     (69, 69, 5)
+
+    Every learner of the registry, its family and the options it takes:
+    :func:`mhaextract.run.learner.options_table` (``mhaextract schedules`` prints it).
     """
-    if positions == "rotary":
-        return _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size,
-                               progress, on_failure, transcript, max_queries, samples_per_instance, refine,
-                               refine_queries, answer_error, rank, backend, repair, verify_length, key_bias)
-    if key_bias is not False:
-        raise ValueError(f"key_bias={key_bias!r} is for positions='rotary' (without positions a key bias cancels "
-                         "in the softmax and needs no option)")
-    if positions != "none":
-        raise ValueError(f"positions must be 'none' (no position dependence) or 'rotary' (rotary embeddings, "
-                         f"docs/algorithm.md §22), got {positions!r}")
-    scale_option, bias = token_scale_option(token_scale), bias_option(bias)
-    settings = _settings(d, heads, max_heads, precision, seed, None if scale_option == "auto" else scale_option,
-                         samples_per_instance, refine, refine_queries, answer_error, rank, backend, repair)
-    on_failure = on_failure_mode(on_failure)
-    answer_dtype = getattr(oracle, "answer_dtype", None)
-    if settings.precision is not None and answer_dtype not in (None, "mpf"):
-        raise ValueError(f"precision={settings.precision} needs an oracle answering mpmath.mpf; this one answers "
-                         f"{answer_dtype} (a torch layer computes in its own dtype): run it with precision=None")
-    if max_queries is not None:
-        positive_int("max_queries", max_queries, minimum=0)
-    if transcript is not None:
-        resumable_seed(seed)
-        check_directory(transcript)  # before the calibration's probes: nothing is asked for a run that cannot record
-    resume_check = positive_int("resume_check", resume_check, minimum=0)
-    verify_length = verify_length_option(verify_length)
-    choice = choose(schedule, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
-    # options the low-precision learner does not take: refused before any query where the oracle
-    # declares its format, else as soon as the calibration's first answers show it
-    refuse_low_precision = _low_precision_refusal(schedule, settings, bias)
-    refuse_low_precision(answer_dtype, None, "the oracle declares answer_dtype=" + repr(answer_dtype))
-    started = time.perf_counter()
-    calibration, probes = None, None
-    plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
-    # answers of d_out numbers: one read-out for every boundary of the run
-    vectors = VectorAnswers(settings.seed, getattr(oracle, "answer_dtype", None))
-    calibrating = scale_option == "auto" or (scale_option is None and choice.calibrate)
-    record = None
-    if transcript is not None:  # before any query: a transcript that cannot be written fails here
-        record = Transcript(transcript, run_header(plan, int(seed), settings.precision, calibrating))
-    # a resumed transcript: is it the same oracle? Checked on the run's recorded queries, or on the
-    # calibration's before it asks anything new where the run section is still empty
-    check = 0 if record is None or not record.resumed else resume_check
-    try:
-        if calibrating:  # its probes are recorded too (section "calibration"): a resumed run decides the same
-            early = check if record is not None and record.answered_in(RUN) == 0 else 0
-            calibration, probes = _calibrate(oracle, settings, batch_size, progress, max_queries, record, early,
-                                              vectors, on_first=lambda probes: refuse_low_precision(
-                                                  probes.stats.precision_name, vectors.d_out,
-                                                  f"the calibration's first {probes.queries + probes.replayed} "
-                                                  "answers are that format's numbers"))
-            check -= early
-            max_queries = None if max_queries is None else max(0, max_queries - probes.queries)
-            settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
-                                           answer_noise=calibration.answer_noise,
-                                           arithmetic_noise=arithmetic_noise(calibration, settings))
-            plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
-        answer_format = answer_dtype if answer_dtype in COARSE_FORMATS else (
-            calibration.answer_precision if calibration is not None else None)
-        if low_precision_run(schedule, answer_format, vectors.d_out):
-            refuse_low_precision(answer_format, vectors.d_out, "the calibration's answers are that format's numbers")
-            return _extract_low_precision(oracle, settings, answer_format, scale_option, vectors, batch_size, progress,
-                                          on_failure, record, check, max_queries, verify_length, probes, plan,
-                                          calibration)
-        attempt = None
-        if choice.bias and vector_run(schedule, settings, vectors.d_out, calibration):
-            attempt = _extract_whole(oracle, settings, vectors, calibration, probes, batch_size, progress, max_queries,
-                                     record, verify_length)
-            if isinstance(attempt.result, VectorExtraction):
-                if record is not None:
-                    record.close()
-                report_failure(attempt.result, "vector extraction (whole answers split by head)", on_failure)
-                return attempt.result
-            max_queries = None if max_queries is None else max(0, max_queries - attempt.boundary.queries)
-        if record is not None:
-            record.start_run(run_fingerprint(plan, int(seed), settings.precision, plan.fixed_queries()))
-    except BaseException:
-        if record is not None:
-            record.close()
-        raise
-    arithmetic = arithmetic_for(settings.precision, settings.backend)
-    expect_queries(progress, plan.promised_queries)
-    boundary = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                              progress=progress, max_queries=max_queries,
-                              transcript=None if record is None else record.section(RUN), vectors=vectors)
-    try:
-        if check:  # (fixed_queries costs O(queries))
-            check_same_oracle(boundary, boundary.transcript, plan.fixed_queries(), check,
-                              noise=None if calibration is None else calibration.answer_noise)
-        with arithmetic.working():
-            outcome = plan.run(boundary, arithmetic)
-        value_queries = ask_value_queries(boundary, settings, outcome) if (vectors.d_out or 1) > 1 else None
-        extra = refinement_queries(boundary, plan.settings, plan, outcome)
-        probe = None
-        if settings.precision is None and plan.probes_noise and outcome.model is not None:
-            probe = probe_misfit(boundary, plan, outcome.model)
-        length = verify_length if verify_length is not None else VERIFY_LENGTH * plan.verifies_by_default
-        long_queries = None  # asked once, before finish: judged for whichever model the run keeps
-        if length and outcome.model is not None:
-            long_queries = ask_long_verification(boundary, spawn_rng(settings.seed, 5), settings.token_scale, length)
-        spent = Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
-                                                      "mpf" if settings.precision else "float64")), probes,
-                       long_queries)
-        extraction = finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe)
-        if rescued_by_refinement(plan, outcome, extraction):
-            extraction = finish(plan, arithmetic, outcome, extra, boundary, record, started, spent, probe,
-                                 force_refine=True)
-        if vectors.d_out is not None:
-            extraction = with_values(extraction, vectors, value_queries, plan, boundary, spent)
-        evidence = None
-        if not extraction.ok and settings.precision is None and plan.probes_noise:  # is the oracle in the class?
-            extraction, evidence = _probe_model_class(boundary, settings, extraction)
-    except KERNEL_ERRORS as error:
-        if getattr(error, "raised_by_oracle", False):
-            raise
-        raise kernel_failure(error, plan, boundary.stats, boundary.queries + boundary.replayed) from error
-    finally:
-        if record is not None:
-            record.close()
-    if attempt is not None:  # the split was tried first: its queries count, and the reason says why it fell back
-        extraction.queries += attempt.boundary.queries + attempt.boundary.replayed
-        extraction.queries_asked += attempt.boundary.queries
-        extraction.queries_replayed += attempt.boundary.replayed
-        extraction.split_queries = attempt.boundary.queries + attempt.boundary.replayed
-        extraction.schedule_reason += (f"; whole answers could not be split by head ({attempt.result}), after "
-                                       f"{attempt.boundary.queries + attempt.boundary.replayed} queries")
-    failed = {check.name for check in extraction.failed_checks}
-    hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
-                          float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf", model_class=evidence)
-    report_failure(extraction, f"{plan.name} extraction", on_failure, hints=hints)
-    return extraction
+    request = Request.validated(d, heads, max_heads, precision, seed, token_scale)
+    return run_learner(oracle, request, schedule, _family_options(options), batch_size=batch_size, progress=progress,
+                       on_failure=on_failure, transcript=transcript, max_queries=max_queries,
+                       resume_check=resume_check, verify_length=verify_length)
 
 
-def _probe_model_class(boundary, settings: RunSettings, extraction: Extraction):
-    """After a failed float64 run of a schedule that may ask beyond its own count (``probes_noise``):
-    the order and scale probes (stream 41, counted in the result's queries and recorded in the
-    transcript), ``(extraction with the counts, evidence)``."""
-    asked, replayed = boundary.queries, boundary.replayed
-    evidence = probe_model_class(boundary, settings.d, spawn_rng(settings.seed, 41), settings.token_scale)
-    asked, replayed = boundary.queries - asked, boundary.replayed - replayed
-    return dataclasses.replace(extraction, queries=extraction.queries + asked + replayed,
-                               queries_asked=extraction.queries_asked + asked,
-                               queries_replayed=extraction.queries_replayed + replayed,
-                               model_class_queries=asked + replayed), evidence
-
-
-#: A split of whole answers whose model fails a check gives way to the scalar schedules (True), or is
-#: returned failed (False: what ``benchmarks/bench_vector.py --split-only`` measures).
-SPLIT_FAILURE_FALLS_BACK = True
-
-
-@dataclasses.dataclass
-class _WholeAttempt:
-    """The split of whole answers tried before the scalar schedules: its boundary (the queries it
-    asked) and its result, a VectorExtraction or the reason it could not split (a string)."""
-
-    boundary: OracleBoundary
-    result: object
-
-
-def vector_run(schedule, settings: RunSettings, d_out, calibration) -> bool:
-    """Whether ``schedule="vector"`` tries the split of whole answers (docs/algorithm.md, 'Whole answers
-    near the vector bound'): float64 arithmetic, whole answers (``d_out > 1``, known from the
-    calibration's probes) of float32 or float64 precision, H declared and none of the scalar
-    schedules' options given. (Not ``"auto"``'s choice yet: past d = 128 its model is not refined,
-    fails its checks and gives way to the targeted schedule after its queries and time.)"""
-    scalar_options = ("samples_per_instance", "refine", "refine_queries", "answer_error", "rank", "backend", "repair")
-    return (schedule == VECTOR and settings.precision is None and settings.heads is not None
-            and (d_out or 1) > 1 and calibration is not None
-            and calibration.answer_precision in ("float64", "float32")
-            and not any(settings.given(option) for option in scalar_options))
-
-
-def _extract_whole(oracle, settings: RunSettings, vectors, calibration, probes, batch_size, progress, max_queries,
-                   record, verify_length) -> _WholeAttempt:
-    """The split of whole answers on a boundary of its own (recorded in the transcript's ``"vector"``
-    section); SplitUnavailable comes back as its reason."""
-    unit = max(vectors.unit, FORMAT_UNITS.get(calibration.answer_precision, 2.0 ** -53))
-    boundary = OracleBoundary(oracle, settings.d, batch_size=batch_size, progress=progress, max_queries=max_queries,
-                              transcript=None if record is None else record.section(VECTOR), vectors=vectors)
-    try:
-        result = extract_vector(boundary, settings.seed, settings.d, settings.heads, settings.token_scale, unit,
-                                calibration.answer_precision, verify_length, progress)
-    except SplitUnavailable as why:
-        return _WholeAttempt(boundary, str(why))
-    except np.linalg.LinAlgError as why:  # a factorisation of the split failed: it cannot work here
-        return _WholeAttempt(boundary, f"a factorisation of the split failed ({why})")
-    if not result.ok and SPLIT_FAILURE_FALLS_BACK:  # never a guess: the scalar schedules run instead
-        failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}" for check in result.failed_checks)
-        return _WholeAttempt(boundary, f"its model failed its checks: {failed}")
-    result.calibration_queries = probes.queries + probes.replayed
-    result.queries += probes.queries + probes.replayed
-    result.queries_asked += probes.queries
-    result.queries_replayed += probes.replayed
-    result.schedule_reason = (
-        f"auto: whole answers of d_out = {vectors.d_out} numbers ({calibration.answer_precision}) and H = "
-        f"{settings.heads} declared: the heads' output subspaces split the answers (ranks {result.value_ranks}, "
-        f"condition number {result.split_conditioning:.3g}), every query answers every head (docs/algorithm.md, "
-        f"'Whole answers near the vector bound'); model with biases (u_h, c)")
-    return _WholeAttempt(boundary, result)
-
-
-def _extract_rotary(oracle, d, heads, max_heads, precision, seed, schedule, bias, token_scale, batch_size, progress,
-                    on_failure, transcript, max_queries, samples_per_instance, refine, refine_queries, answer_error,
-                    rank, backend, repair, verify_length, key_bias):
-    """``positions="rotary"``: the options the rotary schedule takes validated, the rest refused."""
-    from .rotary.learn import extract_rotary
-
-    others = {"max_heads": max_heads, "transcript": transcript,
-              "samples_per_instance": samples_per_instance, "refine": refine, "refine_queries": refine_queries,
-              "answer_error": answer_error, "backend": backend, "repair": repair}
-    given = [name for name, value in others.items() if value is not None]
-    if schedule != "auto":
-        given.append("schedule")
-    if given:
-        raise ValueError(f"positions='rotary' does not take {', '.join(given)}: the rotary schedule runs with the "
-                         "number of heads given (heads=H), in float64 or at precision=bits")
-    if not isinstance(key_bias, (bool, np.bool_)):
-        raise ValueError(f"key_bias must be True or False, got {key_bias!r}")
-    if key_bias and precision is not None:
-        raise ValueError(f"key_bias=True runs in float64 (its search shifts every token by a float64 token); "
-                         f"precision={precision} is not available for it")
-    if precision is not None:
-        precision = positive_int("precision", precision, minimum=64)
-        answer_dtype = getattr(oracle, "answer_dtype", None)
-        if answer_dtype not in (None, "mpf"):
-            raise ValueError(f"precision={precision} needs an oracle answering mpmath.mpf; this one answers "
-                             f"{answer_dtype} (a torch layer computes in its own dtype): run it with precision=None")
-    d = positive_int("d", d)
-    heads = positive_int("heads", heads) if heads is not None else None
-    if heads is None:
-        raise ValueError("positions='rotary' needs heads=H, the number of query heads")
-    scale = token_scale_option(token_scale)
-    verify_length = verify_length_option(verify_length)
-    if rank is not None:
-        rank = positive_int("rank", rank)
-    on_failure = on_failure_mode(on_failure)
-    result = extract_rotary(oracle, d, heads, seed, precision=precision,
-                            token_scale=None if scale in (None, "auto") else scale,
-                            bias=True if bias is None else bool(bias), rank=rank, batch_size=batch_size,
-                            progress=progress, max_queries=max_queries, verify_length=verify_length,
-                            key_bias=bool(key_bias))
-    report_failure(result, "rotary extraction", on_failure)
-    return result
-
-
-def _extract_low_precision(oracle, settings: RunSettings, answer_format: str, scale_option, vectors, batch_size,
-                           progress, on_failure, record, resume_check, max_queries, verify_length, probes, plan,
-                           calibration):
-    """Answers of 8 or 11 bits, whole: the low-precision learner (docs/algorithm.md §23) with the
-    options it takes; the others refused. ``record``: the run's transcript, whose run section
-    belongs to this learner (closed here when the run returns; ``extract`` closes it on an
-    exception); ``resume_check`` recorded probes are re-asked first (its queries depend on earlier
-    answers, so the calibration's fixed probes are the ones re-asked; a run with a given token
-    scale has none, and its transcript is resumed unchecked)."""
-    from .lowprecision.learn import extract_low_precision
-
-    section = None
-    if record is not None:
-        fingerprint = run_fingerprint(plan, int(settings.seed), None, [])
-        record.start_run(fingerprint | {"schedule": "saturated", "answers": answer_format})
-        section = record.section(RUN)
-        if resume_check and probes is not None:
-            _recheck_probes(probes, record.section(CALIBRATION), settings, resume_check, calibration.answer_noise)
-    result = extract_low_precision(oracle, settings.d, settings.heads, settings.seed,
-                                   unit=COARSE_FORMATS[answer_format], answer_dtype=answer_format,
-                                   token_scale=None if scale_option in (None, "auto") else scale_option,
-                                   batch_size=batch_size, progress=progress, max_queries=max_queries,
-                                   verify_length=verify_length, vectors=vectors, transcript=section)
-    if record is not None:
-        record.close()
-    if probes is not None:
-        result.calibration_queries = probes.queries + probes.replayed
-        result.queries += probes.queries + probes.replayed
-        result.queries_asked += probes.queries
-        result.queries_replayed += probes.replayed
-    report_failure(result, f"low-precision extraction ({answer_format} answers)", on_failure)
-    return result
-
-
-def _low_precision_refusal(schedule, settings: RunSettings, bias):
-    """``refuse(answer_format, d_out, evidence)``: raises ValueError when answers of ``answer_format``
-    with ``d_out`` numbers each (None: not yet seen) route the run to the low-precision learner
-    (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least squares') and
-    the run was given options that learner does not take; ``evidence`` says how the format is
-    known. Called before the first query (a declared format) and after the calibration's first
-    answers, so no refusal waits for answers paid in vain."""
-    given = [name for name in ("precision", "samples_per_instance", "refine", "refine_queries", "answer_error",
-                               "rank", "backend", "repair") if settings.given(name)]
-    if settings.heads is None:
-        given.append("max_heads (it needs heads=H)")
-    if bias is False:  # its start and fit learn u_h and c: a bias-free layer gets them near zero
-        given.append("bias=False (it always fits the score biases and the output constant; drop the option)")
-
-    def refuse(answer_format, d_out, evidence: str) -> None:
-        if given and low_precision_run(schedule, answer_format, d_out):
-            raise ValueError(f"the answers carry {answer_format}'s few bits ({evidence}): the low-precision learner "
-                             "runs (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least "
-                             f"squares'), which does not take {', '.join(given)}")
-    return refuse
-
-
-def _calibrate(oracle, settings: RunSettings, batch_size, progress, max_queries, record, resume_check: int,
-               vectors=None, on_first=None):
-    """The token scale from counted probe queries (§18), on a stream of the seed of its own, asked
-    through a boundary of their own and recorded in the transcript's calibration section.
-    ``resume_check``: re-ask this many recorded probes first (a resumed transcript whose run section
-    is empty: :mod:`.oracle.resume_check`); ``on_first``: :func:`~.calibration.calibrate`'s. Returns
-    ``(calibration, its boundary)``."""
-    section = None if record is None else record.section(CALIBRATION)
-    probes = OracleBoundary(oracle, settings.d, precision=settings.precision, batch_size=batch_size,
-                            progress=progress, max_queries=max_queries, transcript=section, vectors=vectors)
-    if resume_check and section.answered:
-        _recheck_probes(probes, section, settings, resume_check)
-    return calibrate(probes, settings.d, spawn_rng(settings.seed, 3), on_first), probes
-
-
-def _recheck_probes(probes, section, settings: RunSettings, count: int, noise: float | None = None) -> None:
-    """Re-ask ``count`` of the calibration's recorded probes through their boundary ``probes``
-    (:mod:`.oracle.resume_check`); TranscriptError when the oracle answers differently."""
-    queries = [sequence for group in probe_queries(settings.d, spawn_rng(settings.seed, 3)) for sequence in group]
-    # from 1: the zero query answers the constant c alone (0 for a bias-free layer, whatever its heads)
-    check_same_oracle(probes, section, queries, count, first=1, noise=noise)
-
-
-def _settings(d, heads, max_heads, precision, seed, token_scale, samples_per_instance, refine, refine_queries,
-              answer_error, rank=None, backend=None, repair=None) -> RunSettings:
-    """Every parameter checked once, with the option that fixes a bad one named."""
-    d = positive_int("d", d)
-    H0, declared = head_count(heads, max_heads)
-    if precision is not None:
-        precision = positive_int("precision", precision, minimum=64)
-        if samples_per_instance is not None or refine or answer_error is not None:
-            raise ValueError("samples_per_instance, refine and answer_error are float64 options; with precision=bits "
-                             "the answers are exact to one ulp and the balls certify the result")
-    if refine is not None and not isinstance(refine, (bool, np.bool_)):
-        raise ValueError(f"refine must be None, True or False, got {refine!r}")
-    if repair is not None and not isinstance(repair, (bool, np.bool_)):
-        raise ValueError(f"repair must be None, True or False, got {repair!r}")
-    if repair and precision is None:
-        raise ValueError("repair=True is a high-precision option (it re-proves failed Krawczyk tests, "
-                         "docs/algorithm.md §20): give precision=bits")
-    if refine_queries is not None:
-        refine_queries = positive_int("refine_queries", refine_queries, minimum=0)
-    if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
-        answer_error = nonnegative_number("answer_error", answer_error, "a bound on |answer - truth|", ValueError)
-    if isinstance(rank, str):
-        if rank != AUTO_RANK:
-            raise ValueError(f"rank must be an integer 1 <= r <= d = {d} or {AUTO_RANK!r}, got {rank!r}")
-    elif rank is not None:
-        rank = positive_int("rank", rank)
-        if rank > d:
-            raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
-    return RunSettings(d, H0, declared, precision, seed, token_scale_for(d, token_scale), samples_per_instance,
-                       None if refine is None else bool(refine), refine_queries, answer_error, rank,
-                       _backend(backend, precision),
-                       repair=None if repair is None else bool(repair))
-
-
-def _backend(backend, precision) -> str | None:
-    """None for numpy; a torch backend only where torch can run it (the ``[torch]`` extra)."""
-    if backend is None or backend == "numpy":
-        return None
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if precision is not None:
-        raise ValueError(f"backend={backend!r} computes in float64; with precision=bits the ball arithmetic is used")
-    if importlib.util.find_spec("torch") is None:
-        raise ValueError(f"backend={backend!r} needs torch: pip install 'mhaextract[torch]' (or backend='numpy')")
-    if backend == "torch-cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("backend='torch-cuda' needs a CUDA GPU visible to torch; use backend='torch' (CUDA "
-                             "when present, else CPU) or 'torch-cpu'")
-    return backend
+def _family_options(options: dict) -> dict:
+    """``options`` checked against every option some learner takes (a TypeError naming an unknown one)."""
+    known = family_options()
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"extract() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the options "
+                        f"learners take are {', '.join(sorted(known | set(COMMON)))}")
+    return options

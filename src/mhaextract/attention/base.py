@@ -17,11 +17,8 @@ import numpy as np
 
 from ..checks.base import Check
 from ..models.attention import MultiHeadAttention
+from ..run.value_fit import RESOLVED  # noqa: F401  (the schedules' and finish's: one definition)
 
-#: A parameter within this many of its estimated errors of zero (the output constant c, a head's
-#: score bias u_h) is not resolved from zero: its error is then claimed absolute, not relative to it
-#: (a bias-free target's c and u read as noise), as ``compare`` reports a reference without them.
-RESOLVED = 10.0
 #: Options of ``extract`` that not every schedule supports (the others every schedule takes).
 OPTIONAL = ("precision", "samples_per_instance", "refine", "answer_error", "rank", "backend", "repair")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..oracle.answer_stats import FORMAT_UNITS
 from .base import Schedule
 from .biased_grid import BiasedGridSchedule
 from .lean import LeanSchedule
@@ -28,15 +27,17 @@ def register(schedule: type[Schedule]) -> type[Schedule]:
     if schedule.name in SCHEDULES and SCHEDULES[schedule.name] is not schedule:
         raise ValueError(f"a schedule named {schedule.name!r} is already registered")
     SCHEDULES[schedule.name] = schedule
+    for hook in ON_REGISTER:
+        hook(schedule)
     return schedule
+
+
+#: Called with each schedule registered (:mod:`.learner` makes it a learner of the run's registry).
+ON_REGISTER: list = []
 
 
 #: The name that lets the registry choose (:func:`choose`).
 AUTO = "auto"
-#: Whole answers split by head (docs/algorithm.md, 'Whole answers near the vector bound'): a learner
-#: outside the Schedule seam, named like a schedule; where the answers cannot be split (scalar
-#: answers, H r > d_out, a model that fails a check) the biased targeted schedule runs, with the reason.
-VECTOR = "vector"
 #: The class that learns the biased model (§16) in place of a registered schedule, where there is one.
 BIASED: dict[type[Schedule], type[Schedule]] = {}
 #: Schedules that, named explicitly, learn biases and calibrate the token scale by default (the
@@ -44,25 +45,13 @@ BIASED: dict[type[Schedule], type[Schedule]] = {}
 REAL_LAYER_DEFAULTS: set[type[Schedule]] = set()
 
 
-#: Answer formats whose few significant bits the algebraic schedules cannot resolve: with whole
-#: answers, ``schedule="auto"`` runs the low-precision learner there (docs/algorithm.md §23).
-COARSE_FORMATS = {name: FORMAT_UNITS[name] for name in ("bfloat16", "float16")}
-
-
-def low_precision_run(name, answer_format, d_out) -> bool:
-    """Whether ``schedule=name`` on answers of ``answer_format`` with ``d_out`` numbers each (None:
-    none asked yet) runs the low-precision learner (:mod:`mhaextract.lowprecision`) instead of a
-    schedule."""
-    return name == AUTO and answer_format in COARSE_FORMATS and (d_out is None or d_out > 1)
-
-
 def schedule_names() -> list[str]:
-    return list(SCHEDULES) + [VECTOR, AUTO]
+    return list(SCHEDULES) + [AUTO]
 
 
 def known_schedule(name) -> str:
-    """``name`` if it is a schedule name, ``"vector"`` or ``"auto"``, else a ValueError listing the names."""
-    if name not in (AUTO, VECTOR):
+    """``name`` if it is a schedule name or ``"auto"``, else a ValueError listing the names."""
+    if name != AUTO:
         schedule_class(name)
     return name
 
@@ -82,14 +71,6 @@ def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
     """Resolve ``schedule=name`` and ``bias`` (None: the schedule's default) for a run; ``rank`` (a
     bound, or ``"auto"``) sends ``schedule="auto"`` to the low-rank schedule."""
     known_schedule(name)
-    if name == VECTOR:
-        if bias is not None and not bias or precision is not None or rank is not None:
-            raise ValueError(f"schedule='vector' learns the model with biases in float64 from whole answers, its "
-                             f"heads' widths found by queries; it does not take bias=False, precision or rank "
-                             f"(got bias={bias!r}, precision={precision!r}, rank={rank!r})")
-        return Choice(BIASED[SCHEDULES["targeted"]], True, True,
-                      "schedule='vector' given: whole answers split by head where they allow it (docs/algorithm.md, "
-                      "'Whole answers near the vector bound'), else the targeted schedule; model with biases (u_h, c)")
     if name == AUTO:
         learns = True if bias is None else bool(bias)
         if rank is not None and precision is None and max_heads <= d:

@@ -102,6 +102,9 @@ class _Rebuilt(Sequence):
         return self._items[index]
 
 
+#: Queries read back from a transcript that a boundary keeps for the resume check.
+REPLAYED_SAMPLES = 16
+
 @dataclass
 class OracleBoundary:
     """Wraps a user's oracle: converts tokens, validates answers, counts and batches queries.
@@ -127,6 +130,12 @@ class OracleBoundary:
     stats: AnswerStats = field(default_factory=AnswerStats)  # float64 answers used so far
     vectors: VectorAnswers | None = None  # the read-out of vector answers
     overflowed: int = 0  # answers that came back non-finite where the caller allowed it (ask's ``overflow``)
+    #: The first ``REPLAYED_SAMPLES`` queries read back from the transcript (run index -> sequence):
+    #: what a resume check re-asks for a learner whose queries depend on earlier answers.
+    replayed_samples: dict = field(default_factory=dict)
+    #: Called once with this boundary before its first query that is not in the transcript (the
+    #: session's resume check), or None.
+    before_fresh: Callable | None = None
 
     def __post_init__(self):
         if self.vectors is None:
@@ -190,8 +199,13 @@ class OracleBoundary:
         if replayed:
             self.replayed += len(replayed)
             self.max_query_length = max(self.max_query_length, max(len(sequences[p]) for p in replayed))
+            for p in sorted(replayed)[:max(0, REPLAYED_SAMPLES - len(self.replayed_samples))]:
+                self.replayed_samples[first + p] = np.array(sequences[p], dtype=np.float64)
         missing = ([position for position in range(total) if position not in replayed] if replayed
                    else range(total))  # a range slices to a range: chunks are then slices of `sequences`
+        if len(missing) and self.before_fresh is not None:
+            hook, self.before_fresh = self.before_fresh, None
+            hook(self)
         allowed = len(missing)
         if self.max_queries is not None:
             allowed = max(0, min(allowed, self.max_queries - self.queries))

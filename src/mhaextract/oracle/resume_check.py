@@ -73,7 +73,23 @@ def check_same_oracle(boundary, section, fixed_queries, count: int, first: int =
     positions = _positions(section, len(fixed_queries), count, first)
     if not positions:
         return 0
-    sequences = [fixed_queries[index] for index in positions]
+    return _compare(boundary, section, positions, [fixed_queries[index] for index in positions], noise)
+
+
+def check_replayed(boundary, section, samples: dict, count: int, noise: float | None = None) -> int:
+    """The resume check of a learner whose queries depend on earlier answers: re-ask up to ``count``
+    of ``samples`` (run index -> sequence, the queries ``boundary`` read back from ``section``,
+    spread over them) and raise TranscriptError on a different oracle. Returns the number re-asked."""
+    if section is None or count <= 0 or not samples:
+        return 0
+    indices = sorted(samples)
+    picks = np.unique(np.linspace(0, len(indices) - 1, min(count, len(indices))).round().astype(int))
+    positions = [indices[p] for p in picks]
+    return _compare(boundary, section, positions, [samples[index] for index in positions], noise)
+
+
+def _compare(boundary, section, positions, sequences, noise) -> int:
+    """Re-ask ``sequences`` (the recorded queries ``positions`` of ``section``) and compare."""
     answers = boundary.probe(sequences, positions, description="re-asking recorded queries (resume check)",
                              whole=True)  # vector answers were recorded whole: compared whole
     precision = boundary.precision

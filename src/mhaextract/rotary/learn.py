@@ -551,7 +551,7 @@ def _fewer_bits(precision: int | None, residual: float, limit: float) -> str:
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | None = None, token_scale=None,
                    bias: bool = True, rank: int | None = None, batch_size: int = 1024, progress=None,
                    max_queries=None, verify_length: int | None = None,
-                   window_limit: int = 4096, key_bias: bool = False) -> RotaryExtraction:
+                   window_limit: int = 4096, key_bias: bool = False, transcript=None) -> RotaryExtraction:
     """The rotary extraction behind ``extract(..., positions="rotary")`` (its checks unreported:
     ``extract`` raises or warns on failure). ``precision=bits``: an oracle answering ``mpf`` at
     ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`.
@@ -559,12 +559,14 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     after the search for a key-neutral token z* (:mod:`~mhaextract.rotary.neutral`; from float32
     answers by :func:`~mhaextract.rotary.neutral.large_query_search`) is asked at tokens shifted by
     z*, the refinement fits a key bias too (after the large-query search with a prior of the size
-    it leaves), and the model is shifted back."""
+    it leaves), and the model is shifted back. ``transcript``: a transcript section recording every
+    answer (the run's queries depend on earlier answers, each the same given them: a resumed run
+    asks the same queries and reads back those already answered)."""
     started = time.perf_counter()
     answer_dtype = str(getattr(oracle, "answer_dtype", "float64" if precision is None else "mpf"))
     vectors = VectorAnswers(seed, getattr(oracle, "answer_dtype", None))
     boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
-                              max_queries=max_queries, vectors=vectors)
+                              max_queries=max_queries, vectors=vectors, transcript=transcript)
     # the limits of a high-precision run: the float64 ones in units of its answers' rounding
     units = 1.0 if precision is None else 2.0 ** (53 - precision)
     constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=precision is None)
@@ -598,7 +600,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
             checks += neutral.checks()
         if not all(check.passed for check in checks):
             return RotaryExtraction(model=None, heads=0, d=d, seed=seed, schedule="rotary", answer_dtype=answer_dtype,
-                                    queries=boundary.queries, queries_asked=boundary.queries,
+                                    queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
+                                    queries_replayed=boundary.replayed,
                                     max_query_length=boundary.max_query_length, window=window.window,
                                     window_search=window, token_scale=scale, error_estimate=np.inf,
                                     answers_residual=np.inf, seconds=time.perf_counter() - started, checks=checks,
@@ -750,7 +753,8 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         model, start, scalar_model = (None if m is None else m.with_token_shift(-neutral.token)
                                       for m in (model, start, scalar_model))
     return RotaryExtraction(model=model, heads=0 if model is None else model.heads, d=d, seed=seed, schedule="rotary",
-                            answer_dtype=answer_dtype, queries=boundary.queries,
+                            answer_dtype=answer_dtype, queries=boundary.queries + boundary.replayed,
+                            queries_replayed=boundary.replayed,
                             verification_queries=0 if verification is None else verification.queries,
                             verification_length=0 if verification is None else verification.lengths[1],
                             queries_asked=boundary.queries, max_query_length=boundary.max_query_length,

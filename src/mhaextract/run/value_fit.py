@@ -33,7 +33,11 @@ import scipy.linalg
 
 from ..checks.base import Check
 from ..models.attention import MultiHeadAttention
-from ..attention.base import RESOLVED
+
+#: A parameter within this many of its estimated errors of zero (the output constant c, a head's
+#: score bias u_h) is not resolved from zero: its error is then claimed absolute, not relative to it
+#: (a bias-free target's c and u read as noise), as ``compare`` reports a reference without them.
+RESOLVED = 10.0
 
 #: Above this many design entries (rows x unknowns) the fit is formed as normal equations in
 #: chunks (memory O(unknowns^2)) and refined twice on the residual; below, a dense QR.

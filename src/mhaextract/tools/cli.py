@@ -25,13 +25,14 @@ from ..oracle.simulated import SimulatedOracle
 from ..oracle.transcript import TranscriptError
 from .report import extraction_table
 from ..run.result import save_extraction
-from ..attention.registry import known_schedule, schedule_names
+from .. import families  # noqa: F401  (the learners registered, for their names)
+from ..run.learner import family_options, learner_class, learner_names, options_table
 from ..run.validation import head_count, nonnegative_number, positive_int, token_scale_option
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
 
 #: The --schedule help of every command: the registry's names, never a list kept here.
-SCHEDULE_HELP = ("query schedule, one of " + ", ".join(repr(name) for name in schedule_names())
+SCHEDULE_HELP = ("query schedule, one of " + ", ".join(repr(name) for name in learner_names())
                  + " (see docs/algorithm.md)")
 FLOAT64_ONLY = "--noise, --samples, --refine, --answer-error and --verify are float64 options (omit --precision)"
 
@@ -81,7 +82,24 @@ def _common_options(d, precision, seed, schedule) -> None:
     if precision is not None:
         _checked("--precision", positive_int, "precision", precision, 64)
     _checked("--seed", positive_int, "seed", seed, 0)
-    _checked("--schedule", known_schedule, schedule)
+    if schedule != "auto":
+        _checked("--schedule", learner_class, schedule)
+
+
+def _family_options(pairs: list[str]) -> dict:
+    """``--option NAME=VALUE`` pairs as keywords of :func:`mhaextract.extract`: true/false/none as
+    Python's, numbers as numbers, the rest as text; a name no learner takes is refused."""
+    known, options = family_options(), {}
+    for pair in pairs:
+        name, equals, text = pair.partition("=")
+        if not equals or not name:
+            raise typer.BadParameter(f"expected NAME=VALUE, got {pair!r}", param_hint="--option")
+        if name not in known:
+            raise typer.BadParameter(f"no learner takes {name!r}; the family options are {', '.join(sorted(known))} "
+                                     "(mhaextract schedules lists them by learner)", param_hint="--option")
+        words = {"true": True, "false": False, "none": None}
+        options[name] = words[text.lower()] if text.lower() in words and name != "positions" else _number_or_text(text)
+    return options
 
 
 def _robust_options(precision, samples, answer_error, refine, verify_queries=0) -> dict:
@@ -323,6 +341,19 @@ def load_oracle(spec: str):
     return oracle
 
 
+@app.command("schedules")
+def schedules_command() -> None:
+    """List the learners of the registry: name, family, what it learns and the options it takes."""
+    from rich.table import Table
+
+    table = Table(title="learners (extract --schedule NAME; family options with --option NAME=VALUE)")
+    for column in ("name", "family", "learns", "options"):
+        table.add_column(column)
+    for row in options_table():
+        table.add_row(*row)
+    Console().print(table)
+
+
 @app.command("extract")
 def extract_command(
     oracle: str = typer.Option(..., "--oracle", help="the oracle: package.module:callable or file.py:callable"),
@@ -347,6 +378,9 @@ def extract_command(
     batch_size: int = typer.Option(1024, "--batch-size", help="sequences per oracle call"),
     out: Path = typer.Option(None, "--out", help="write the result as JSON (and .npz arrays beside it)"),
     rank: str = typer.Option(None, "--rank", help=RANK_HELP),
+    option: list[str] = typer.Option([], "--option", "-o", help="a family option of the learner as NAME=VALUE "
+                                     "(repeatable; e.g. -o positions=rotary -o key_bias=true; see `mhaextract "
+                                     "schedules`)"),
 ) -> None:
     """Extract the heads of a user's oracle and print (and save) what it took."""
     console = Console()
@@ -362,6 +396,7 @@ def extract_command(
     rank = _rank_option(rank)
     if rank is not None:
         robust["rank"] = rank
+    robust.update(_family_options(option))
     _writable_folder(out, "--out", ".json")
     _writable_folder(transcript, "--transcript")
     function = load_oracle(oracle)

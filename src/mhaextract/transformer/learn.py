@@ -15,13 +15,13 @@ from typing import ClassVar
 import mpmath
 import numpy as np
 
-from ..api import extract
 from ..checks.base import Check, ExtractionError, UnreliableExtractionWarning, report_failure
 from ..numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, working_precision
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import random_basis
 from ..oracle.simulated import SimulatedOracle
-from ..oracle.transcript import RUN, Transcript, run_fingerprint
+from ..oracle.transcript import RUN, run_fingerprint
+from ..run.session import Request, run_learner
 from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orient, random_sequences, refine
 from ..tools.report import extraction_table
 from ..attention.result import Extraction
@@ -403,23 +403,31 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
     >>> bool(mx.compare_transformers(result.model, T).max_rel < 1e-10)
     True
     """
-    run = _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, token_scale, max_segments,
-                           quiet_segments, verification_queries, on_failure, transcript, max_queries)
-    started = time.perf_counter()
-    record = None
+    request = Request.validated(d, heads, max_heads, precision, seed, token_scale)
+    options = {"hidden": hidden, "residual": residual, "max_segments": max_segments, "quiet_segments": quiet_segments,
+               "verification_queries": verification_queries}
+    return run_learner(oracle, request, "transformer", options, batch_size=batch_size, progress=progress,
+                       on_failure=on_failure, transcript=transcript, max_queries=max_queries)
+
+
+def run_transformer(session, options) -> "TransformerExtraction":
+    """The Transformer's run in ``session`` (:class:`~mhaextract.transformer.learner.TransformerLearner`)."""
+    request = session.request
+    run = _transformer_run(request.d, request.heads, None if request.heads is not None else request.max_heads,
+                           options.get("hidden"), request.precision, request.seed, options.get("residual", False),
+                           request.token_scale, options.get("max_segments", 32), options.get("quiet_segments", 8),
+                           options.get("verification_queries"), session.on_failure, session.transcript,
+                           session.max_queries)
+    if session.transcript is not None:
+        fingerprint = run_fingerprint(run, run.seed, run.precision, run.fixed_queries())
+        session.open_transcript(fingerprint)  # no calibration: the fingerprint is known before any query
+        session.record.start_run(fingerprint)
     try:
-        if transcript is not None:
-            fingerprint = run_fingerprint(run, run.seed, run.precision, run.fixed_queries())
-            record = Transcript(transcript, fingerprint)  # no calibration: the fingerprint is known before any query
-            record.start_run(fingerprint)
-        boundary = OracleBoundary(oracle, run.d, precision=run.precision, batch_size=batch_size, progress=progress,
-                                  max_queries=run.max_queries, transcript=None if record is None else record.section(RUN))
-        result = _extract_transformer(boundary, run, batch_size, progress, started)
+        boundary = session.boundary(RUN, precision=run.precision)
+        result = _extract_transformer(boundary, run, session.batch_size, session.progress, session.started)
     finally:
-        if record is not None:
-            record.close()
-    report_failure(result, "Transformer extraction", run.on_failure, TransformerExtractionError)
-    return result
+        session.close()
+    return session.finish(result, "Transformer extraction", error_type=TransformerExtractionError)
 
 
 def _extract_transformer(boundary: OracleBoundary, run: TransformerRun, batch_size, progress,
@@ -466,12 +474,14 @@ def _used(boundary: OracleBoundary) -> int:
 
 def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progress) -> Extraction:
     """Step 1: the core extraction on g (its failed checks become the Transformer's)."""
+    request = Request.validated(run.d, run.heads, None if run.heads is not None else run.max_heads,
+                                run.core_precision, run.seed, run.token_scale)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        return extract(odd, run.d, heads=run.heads, max_heads=None if run.heads is not None else run.max_heads,
-                       precision=run.core_precision, seed=run.seed, schedule=run.core_schedule.name,
-                       token_scale=run.token_scale, batch_size=batch_size, progress=progress, on_failure="warn",
-                       refine=False)  # the core as measured in §14: no refinement of noisy answers (§10) here
+        # the attention family's learner, by its registry name: the core as measured in §14, no
+        # refinement of noisy answers (§10) here
+        return run_learner(odd, request, run.core_schedule.name, {"refine": False}, batch_size=batch_size,
+                           progress=progress, on_failure="warn")
 
 
 def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, linear, rng, checks: list):

@@ -1,0 +1,201 @@
+"""The attention family's run in a session (:class:`~mhaextract.attention.learner.ScheduleLearner`):
+
+    options -> RunSettings -> schedule (attention.registry, biases resolved) -> calibration
+        -> (answers of 8 or 11 bits: handed to the learner that takes them over)
+        -> schedule.run: answers -> fits -> matching -> assembly -> Outcome
+        -> finish: certificate, refinement, error estimate, checks -> Extraction
+        -> (whole answers) value fit -> the whole model -> (failed) model-class probes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import numpy as np
+
+from ..checks.diagnosis import KERNEL_ERRORS, failure_hints, kernel_failure
+from ..checks.model_class import probe_model_class
+from ..checks.noise_probe import probe_misfit
+from ..checks.verify import VERIFY_LENGTH, ask_long_verification
+from ..numerics.arithmetic import BACKENDS, arithmetic_for
+from ..oracle.progress import expect_queries
+from ..oracle.transcript import RUN, run_fingerprint, run_header
+from ..run.learner import AUTO, takeover
+from ..run.validation import nonnegative_number, positive_int, spawn_rng, token_scale_for
+from .base import RunSettings
+from .finish import (
+    Spent, arithmetic_noise, ask_value_queries, finish, refinement_queries, rescued_by_refinement, with_values,
+)
+from .targeted.lowrank import AUTO as AUTO_RANK
+from .registry import choose
+
+
+def settings_for(request, options, token_scale) -> RunSettings:
+    """Every attention option checked once, with the option that fixes a bad one named."""
+    precision = request.precision
+    samples, refine, refine_queries = (options.get(name) for name in ("samples_per_instance", "refine",
+                                                                        "refine_queries"))
+    answer_error, rank, backend, repair = (options.get(name) for name in ("answer_error", "rank", "backend", "repair"))
+    if precision is not None and (samples is not None or refine or answer_error is not None):
+        raise ValueError("samples_per_instance, refine and answer_error are float64 options; with precision=bits "
+                         "the answers are exact to one ulp and the balls certify the result")
+    if refine is not None and not isinstance(refine, (bool, np.bool_)):
+        raise ValueError(f"refine must be None, True or False, got {refine!r}")
+    if repair is not None and not isinstance(repair, (bool, np.bool_)):
+        raise ValueError(f"repair must be None, True or False, got {repair!r}")
+    if repair and precision is None:
+        raise ValueError("repair=True is a high-precision option (it re-proves failed Krawczyk tests, "
+                         "docs/algorithm.md, 'Certificate repair: failed instances measured again with their poles "
+                         "pulled apart'): give precision=bits")
+    if refine_queries is not None:
+        refine_queries = positive_int("refine_queries", refine_queries, minimum=0)
+    if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
+        answer_error = nonnegative_number("answer_error", answer_error, "a bound on |answer - truth|", ValueError)
+    d = request.d
+    if isinstance(rank, str):
+        if rank != AUTO_RANK:
+            raise ValueError(f"rank must be an integer 1 <= r <= d = {d} or {AUTO_RANK!r}, got {rank!r}")
+    elif rank is not None:
+        rank = positive_int("rank", rank)
+        if rank > d:
+            raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
+    return RunSettings(d, request.max_heads, request.heads, precision, request.seed, token_scale_for(d, token_scale),
+                       samples, None if refine is None else bool(refine), refine_queries, answer_error, rank,
+                       _backend(backend, precision), repair=None if repair is None else bool(repair))
+
+
+def _backend(backend, precision) -> str | None:
+    """None for numpy; a torch backend only where torch can run it (the ``[torch]`` extra)."""
+    if backend is None or backend == "numpy":
+        return None
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if precision is not None:
+        raise ValueError(f"backend={backend!r} computes in float64; with precision=bits the ball arithmetic is used")
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(f"backend={backend!r} needs torch: pip install 'mhaextract[torch]' (or backend='numpy')")
+    if backend == "torch-cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("backend='torch-cuda' needs a CUDA GPU visible to torch; use backend='torch' (CUDA "
+                             "when present, else CPU) or 'torch-cpu'")
+    return backend
+
+
+def refuse_takeover(session, name, answer_format, d_out, evidence: str) -> None:
+    """Answers of ``answer_format`` with ``d_out`` numbers (None: not seen yet) that another learner
+    takes over (``Learner.takes_over``): a ValueError when the run was given options that learner
+    does not take, before any query where the format is declared, else after the first probes."""
+    if name != AUTO:
+        return
+    learner = takeover(session.options, session.request, answer_format, d_out)
+    if learner is None:
+        return
+    refused = [option for option, value in session.options.items()
+               if option not in learner.options and value is not None and value is not False and option != "bias"]
+    refused += [reason for reason in learner.refused_settings(session.options, session.request)]
+    if refused:
+        raise ValueError(f"the answers carry {answer_format}'s few bits ({evidence}): the {learner.name!r} learner "
+                         f"runs ({learner.model}), which does not take {', '.join(refused)}")
+
+
+def run_attention(session, options, name):
+    """The attention family's run in ``session`` for ``schedule=name`` (a schedule name or
+    ``"auto"``, already resolved to this family)."""
+    request, oracle = session.request, session.oracle
+    scale_option = request.token_scale
+    settings = settings_for(request, options, None if scale_option == "auto" else scale_option)
+    answer_dtype = session.answer_dtype
+    if settings.precision is not None and answer_dtype not in (None, "mpf"):
+        raise ValueError(f"precision={settings.precision} needs an oracle answering mpmath.mpf; this one answers "
+                         f"{answer_dtype} (a torch layer computes in its own dtype): run it with precision=None")
+    bias = options.get("bias")
+    choice = choose(name, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
+    refuse_takeover(session, name, answer_dtype, None, "the oracle declares answer_dtype=" + repr(answer_dtype))
+    plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
+    calibrating = scale_option == "auto" or (scale_option is None and choice.calibrate)
+    session.open_transcript(run_header(plan, None if request.seed is None else int(request.seed), settings.precision,
+                                       calibrating))
+    vectors, calibration = session.vectors, None
+    try:
+        if calibrating:  # its probes are recorded too (section "calibration"): a resumed run decides the same
+            calibration = session.calibrate(on_first=lambda probes: refuse_takeover(
+                session, name, probes.stats.precision_name, vectors.d_out,
+                f"the calibration's first {probes.queries + probes.replayed} answers are that format's numbers"))
+            settings = dataclasses.replace(settings, token_scale=calibration.token_scale,
+                                           answer_noise=calibration.answer_noise,
+                                           arithmetic_noise=arithmetic_noise(calibration, settings))
+            plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
+        answer_format = answer_dtype if answer_dtype in ("bfloat16", "float16") else (
+            calibration.answer_precision if calibration is not None else None)
+        successor = takeover(options, request, answer_format, vectors.d_out) if name == AUTO else None
+        if successor is not None:
+            refuse_takeover(session, name, answer_format, vectors.d_out,
+                            "the calibration's answers are that format's numbers")
+            return successor(session, successor.validate(options, request)).run()
+        if session.record is not None:
+            session.record.start_run(run_fingerprint(plan, int(request.seed), settings.precision,
+                                                     plan.fixed_queries()))
+    except BaseException:
+        session.close()
+        raise
+    return _run_plan(session, plan, choice, settings, calibration)
+
+
+def _run_plan(session, plan, choice, settings, calibration):
+    """The schedule's queries, the shared finish, the value fit and, after a failure, the model-class probes."""
+    oracle, vectors, seed = session.oracle, session.vectors, settings.seed
+    arithmetic = arithmetic_for(settings.precision, settings.backend)
+    expect_queries(session.progress, plan.promised_queries)
+    boundary = session.boundary(RUN, precision=settings.precision)
+    try:
+        session.check_resumed(boundary, plan.fixed_queries() if session.pending_check else [],
+                              noise=None if calibration is None else calibration.answer_noise)
+        with arithmetic.working():
+            outcome = plan.run(boundary, arithmetic)
+        value_queries = ask_value_queries(boundary, settings, outcome) if (vectors.d_out or 1) > 1 else None
+        extra = refinement_queries(boundary, plan.settings, plan, outcome)
+        probe = None
+        if settings.precision is None and plan.probes_noise and outcome.model is not None:
+            probe = probe_misfit(boundary, plan, outcome.model)
+        length = session.verify_length if session.verify_length is not None else VERIFY_LENGTH * plan.verifies_by_default
+        long_queries = None  # asked once, before finish: judged for whichever model the run keeps
+        if length and outcome.model is not None:
+            long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), settings.token_scale, length)
+        spent = Spent(choice, calibration, str(getattr(oracle, "answer_dtype",
+                                                      "mpf" if settings.precision else "float64")), session.probes,
+                      long_queries)
+        extraction = finish(plan, arithmetic, outcome, extra, boundary, session.record, session.started, spent, probe)
+        if rescued_by_refinement(plan, outcome, extraction):
+            extraction = finish(plan, arithmetic, outcome, extra, boundary, session.record, session.started, spent,
+                                probe, force_refine=True)
+        if vectors.d_out is not None:
+            extraction = with_values(extraction, vectors, value_queries, plan, boundary, spent)
+        evidence = None
+        if not extraction.ok and settings.precision is None and plan.probes_noise:  # is the oracle in the class?
+            extraction, evidence = _probe_model_class(boundary, settings, extraction)
+    except KERNEL_ERRORS as error:
+        if getattr(error, "raised_by_oracle", False):
+            raise
+        raise kernel_failure(error, plan, boundary.stats, boundary.queries + boundary.replayed) from error
+    finally:
+        session.close()
+    failed = {check.name for check in extraction.failed_checks}
+    hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
+                          float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf", model_class=evidence)
+    return session.finish(extraction, f"{plan.name} extraction", hints=hints, probes_counted=True)
+
+
+def _probe_model_class(boundary, settings: RunSettings, extraction):
+    """After a failed float64 run of a schedule that may ask beyond its own count (``probes_noise``):
+    the order and scale probes (stream 41, counted in the result's queries and recorded in the
+    transcript), ``(extraction with the counts, evidence)``."""
+    asked, replayed = boundary.queries, boundary.replayed
+    evidence = probe_model_class(boundary, settings.d, spawn_rng(settings.seed, 41), settings.token_scale)
+    asked, replayed = boundary.queries - asked, boundary.replayed - replayed
+    return dataclasses.replace(extraction, queries=extraction.queries + asked + replayed,
+                               queries_asked=extraction.queries_asked + asked,
+                               queries_replayed=extraction.queries_replayed + replayed,
+                               model_class_queries=asked + replayed), evidence

@@ -1,0 +1,79 @@
+"""Rotary attention as a learner ("rotary", docs/algorithm.md, 'Rotary attention: positions,
+grouped heads and sliding windows'): claimed by ``schedule="auto"`` when ``positions="rotary"``
+is given, or named."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..oracle.transcript import RUN
+from ..run.learner import Learner, register_learner
+from ..run.validation import positive_int
+from .learn import extract_rotary
+
+
+@register_learner
+class RotaryLearner(Learner):
+    """Instances of copies at positions, the rotation from two score matrices, matching and
+    assembly, the window found by queries, a refinement (:mod:`mhaextract.rotary.learn`)."""
+
+    name = "rotary"
+    family = "rotary"
+    model = "rotary attention (Q_h, K_g, theta, V_h, c; grouped heads, a sliding window)"
+    options = {
+        "positions": "'rotary': rotary position embeddings (the option that picks this learner under 'auto')",
+        "bias": "the query bias (default True)",
+        "rank": "the head width r",
+        "key_bias": "the keys carry a bias (Qwen2): found from whole answers first",
+    }
+    refusal = "the rotary schedule runs with the number of heads given (heads=H), in float64 or at precision=bits"
+    priority = 0
+
+    @classmethod
+    def claims(cls, options, common) -> bool:
+        # any positions but "none" is this learner's option: a wrong value is told so by validate
+        return options.get("positions", "none") not in ("none", None)
+
+    @classmethod
+    def validate(cls, options, common) -> dict:
+        positions, key_bias = options.get("positions", "rotary"), options.get("key_bias", False)
+        if positions not in ("rotary", "none", None):
+            raise ValueError(f"positions must be 'none' (no position dependence) or 'rotary' (rotary embeddings, "
+                             f"docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'), "
+                             f"got {positions!r}")
+        if common.heads is None:
+            raise ValueError("positions='rotary' does not take max_heads: it needs heads=H, the number of query heads")
+        if not isinstance(key_bias, (bool, np.bool_)):
+            raise ValueError(f"key_bias must be True or False, got {key_bias!r}")
+        if key_bias and common.precision is not None:
+            raise ValueError(f"key_bias=True runs in float64 (its search shifts every token by a float64 token); "
+                             f"precision={common.precision} is not available for it")
+        rank = options.get("rank")
+        bias = options.get("bias")
+        return {"positions": "rotary", "key_bias": bool(key_bias), "bias": True if bias is None else bool(bias),
+                "rank": None if rank is None else positive_int("rank", rank)}
+
+    def run(self):
+        session, request, options = self.session, self.session.request, self.options
+        if request.precision is not None and session.answer_dtype not in (None, "mpf"):
+            raise ValueError(f"precision={request.precision} needs an oracle answering mpmath.mpf; this one answers "
+                             f"{session.answer_dtype} (a torch layer computes in its own dtype): run it with "
+                             "precision=None")
+        scale = request.token_scale
+        session.open_transcript({"d": request.d, "heads": request.heads, "seed": request.seed,
+                                 "precision": request.precision, "schedule": self.name,
+                                 "bias": options["bias"], "rank": options["rank"], "key_bias": options["key_bias"],
+                                 "token_scale": "auto" if scale in (None, "auto") else float(scale).hex()})
+        if session.record is not None:
+            session.record.start_run({"schedule": self.name, "d": request.d, "heads": request.heads})
+        try:
+            result = extract_rotary(session.oracle, request.d, request.heads, request.seed,
+                                    precision=request.precision, token_scale=None if scale in (None, "auto") else scale,
+                                    bias=options["bias"], rank=options["rank"], batch_size=session.batch_size,
+                                    progress=session.progress, max_queries=session.max_queries,
+                                    verify_length=session.verify_length, key_bias=options["key_bias"],
+                                    transcript=session.section(RUN))
+        finally:
+            session.close()
+        result.transcript = session.transcript
+        return session.finish(result, "rotary extraction")
