@@ -110,6 +110,12 @@ class Learner:
         return False
 
     @classmethod
+    def fixed_queries(cls, request, options: dict):
+        """The queries this learner asks before any answer, in order (None: every query depends on
+        earlier answers). What a run built on this learner fingerprints (the Transformer's step 1)."""
+        return None
+
+    @classmethod
     def refused_settings(cls, options: dict, common) -> list[str]:
         """Common parameters or option values this learner cannot run with, each with why (for
         the refusal when it takes over answers, :meth:`takes_over`); none by default."""

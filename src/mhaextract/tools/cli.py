@@ -288,8 +288,7 @@ def demo(
         raise typer.BadParameter("--noise, --samples, --refine and --rank apply to the attention demo, "
                                  "not --transformer")
     if transformer:
-        from ..transformer.learn import transformer_demo
-        raise typer.Exit(code=transformer_demo(console, d, heads, hidden, precision, seed))
+        raise typer.Exit(code=_transformer_demo(console, d, heads, hidden, precision, seed))
     target_rank = None if rank is None else max(1, d // heads) if rank == "auto" else rank
     target = _checked("--rank", MultiHeadAttention.random, d, heads, seed, False, target_rank)
     if rank is not None:
@@ -312,6 +311,33 @@ def demo(
         _print_failed(console, result, failure_messages,
                       "The extraction failed its own checks; the heads above are not reliable.")
         raise typer.Exit(code=1)
+
+
+def _transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
+    """``mhaextract demo --transformer``: a random target through a simulated oracle; returns the
+    exit code (1 when the extraction failed its checks)."""
+    import warnings
+
+    from ..checks.base import UnreliableExtractionWarning
+    from ..models.transformer import Transformer1L, compare_transformers
+    from ..transformer.learn import extract_transformer
+    from .report import transformer_table
+
+    hidden = positive_int("hidden", hidden)
+    target = Transformer1L.random(d, heads, hidden, seed=seed)
+    with warnings.catch_warnings():  # failed checks are printed below, in full
+        warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        result = extract_transformer(SimulatedOracle(target, precision=precision), d, heads=heads, hidden=hidden,
+                                     precision=precision, seed=seed + 1, progress=True, on_failure="warn")
+    found = result.model_hp if result.model_hp is not None else result.model
+    comparison = compare_transformers(found, target) if found is not None else None
+    console.print(transformer_table(result, comparison, title=f"mhaextract demo --transformer (seed {seed})"))
+    if not result.ok:
+        console.print("[bold red]The extraction failed its own checks; no Transformer is returned as reliable.[/]")
+        for check in result.failed_checks:
+            console.print(f"  {check}")
+        return 1
+    return 0
 
 
 def load_oracle(spec: str):
