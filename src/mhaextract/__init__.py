@@ -20,6 +20,7 @@ from .oracle.transcript import TranscriptError
 from .run.result import Extraction, load_model, save_extraction
 from .lowprecision.learn import LowPrecisionExtraction
 from .rotary.learn import RotaryExtraction
+from .vector.learn import VectorExtraction
 from .transformer.learn import TransformerExtraction, TransformerExtractionError, extract_transformer
 from .models.transformer import Transformer1L, TransformerComparison, compare_transformers
 
@@ -30,7 +31,7 @@ __all__ = [
     "ParallelOracle", "SimulatedOracle", "TranscriptError",
     "Transformer1L", "TransformerComparison", "TransformerExtraction", "TransformerExtractionError",
     "UnreliableExtractionWarning", "Verification", "compare", "compare_transformers", "extract",
-    "extract_transformer", "load_model", "save_extraction", "verify", "RotaryExtraction", "LowPrecisionExtraction",
+    "extract_transformer", "load_model", "save_extraction", "verify", "RotaryExtraction", "LowPrecisionExtraction", "VectorExtraction",
 ]
 __version__ = "0.1.0"
 

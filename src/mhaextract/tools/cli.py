@@ -27,7 +27,7 @@ from ..oracle.transcript import TranscriptError
 from .report import extraction_table
 from ..run.result import save_extraction
 from .. import families  # noqa: F401  (the learners registered, for their names)
-from ..run.learner import family_options, learner_class, learner_names, options_table
+from ..run.learner import family_options, learner_class, learner_names, option_meanings, options_table
 from ..run.validation import head_count, nonnegative_number, positive_int, token_scale_option
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
@@ -379,7 +379,14 @@ def schedules_command() -> None:
         table.add_column(column)
     for row in options_table():
         table.add_row(*row)
-    Console().print(table)
+    meanings = Table(title="family options: what each means to the learners that take it")
+    for column in ("option", "learners", "meaning"):
+        meanings.add_column(column)
+    for row in option_meanings():
+        meanings.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print(meanings)
 
 
 @app.command("extract")
