@@ -42,6 +42,21 @@ class ScheduleLearner(Learner):
     def validate(cls, options, common) -> dict:
         return dict(options, bias=bias_option(options.get("bias")))
 
+    @classmethod
+    def fixed_queries(cls, request, options):
+        """The queries of the schedule (bias-free unless ``options["bias"]``) known before any answer."""
+        from ..run.validation import token_scale_for
+        from .base import RunSettings
+        from .registry import BIASED
+
+        schedule = cls.schedule_class
+        if options.get("bias"):
+            schedule = BIASED[schedule]
+        scale = None if request.token_scale == "auto" else request.token_scale
+        settings = RunSettings(request.d, request.max_heads, request.heads, request.precision, request.seed,
+                               token_scale_for(request.d, scale), bias=bool(options.get("bias")))
+        return schedule(settings).fixed_queries()
+
     def run(self):
         from .extraction import run_attention
 

@@ -6,6 +6,8 @@ A result that fails a check is never returned silently: :func:`report_failure` r
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -112,15 +114,28 @@ class CheckedResult:
         return [check for check in self.checks if not check.passed]
 
 
-def report_failure(result: CheckedResult, what: str, on_failure: str, error_type=None, hints=(), stacklevel=3):
-    """Raise ``error_type(message, result)`` (default :class:`ExtractionError`) or warn, when a check failed."""
+def report_failure(result: CheckedResult, what: str, on_failure: str, error_type=None, hints=(), stacklevel=None):
+    """Raise ``error_type(message, result)`` (default :class:`ExtractionError`) or warn, when a check
+    failed. The warning points at the user's line that called into the package (``stacklevel``
+    None: the first frame outside it), however deep the learner that failed."""
     if result.ok:
         return
     message = f"{what} failed its checks:\n  " + "\n  ".join(str(check) for check in result.failed_checks)
     message += "".join("\n" + hint for hint in hints)
     if on_failure == "raise":
         raise (error_type or ExtractionError)(message, result)
-    warnings.warn(message, UnreliableExtractionWarning, stacklevel=stacklevel)
+    warnings.warn(message, UnreliableExtractionWarning,
+                  stacklevel=_outside_the_package() if stacklevel is None else stacklevel)
+
+
+def _outside_the_package() -> int:
+    """The ``stacklevel`` of :func:`warnings.warn` called from :func:`report_failure` that names the
+    first frame outside this package."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(2), 2  # report_failure's caller is level 2 of warn's count
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,12 @@ class Learner:
         return False
 
     @classmethod
+    def fixed_queries(cls, request, options: dict):
+        """The queries this learner asks before any answer, in order (None: every query depends on
+        earlier answers). What a run built on this learner fingerprints (the Transformer's step 1)."""
+        return None
+
+    @classmethod
     def refused_settings(cls, options: dict, common) -> list[str]:
         """Common parameters or option values this learner cannot run with, each with why (for
         the refusal when it takes over answers, :meth:`takes_over`); none by default."""
@@ -183,3 +189,14 @@ def options_table() -> list[tuple[str, str, str, str]]:
     """``(name, family, model, options)`` per learner: what the docs and ``mhaextract schedules`` show."""
     return [(learner.name, learner.family, learner.model, ", ".join(sorted(learner.options)) or "-")
             for learner in LEARNERS.values()]
+
+
+def option_meanings() -> list[tuple[str, str, str]]:
+    """``(option, learners, meaning)``: each family option with what it means to the learners that
+    take it (one row per distinct meaning: ``rank`` bounds every W_h for the attention schedules
+    and is the head width for rotary)."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for learner in LEARNERS.values():
+        for option, meaning in learner.options.items():
+            rows.setdefault((option, meaning), []).append(learner.name)
+    return [(option, ", ".join(names), meaning) for (option, meaning), names in sorted(rows.items())]

@@ -440,15 +440,3 @@ def load_extraction(path, exact: bool = False) -> SavedResult:
                        saved_as=document.get("result") or "Result", family_summary=family,
                        repr_fields=tuple(document.get("repr_fields", ())),
                        model_exact=_model(document, path, True) if exact else None, **common)
-
-
-
-def __getattr__(name):
-    # Compatibility for ``from mhaextract.run.result import Extraction`` (api.py's import, which
-    # this branch may not edit): the attention family's result, looked up on first use. Delete
-    # once api.py imports it from mhaextract.attention.result (run/ does not depend on a family).
-    if name == "Extraction":
-        import importlib
-
-        return importlib.import_module("mhaextract.attention.result").Extraction
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -206,7 +206,7 @@ class Session:
             result.queries += spent.asked + spent.replayed
             result.queries_asked += spent.asked
             result.queries_replayed += spent.replayed
-        report_failure(result, what, self.on_failure, error_type=error_type, hints=hints, stacklevel=4)
+        report_failure(result, what, self.on_failure, error_type=error_type, hints=hints)
         return result
 
 

@@ -26,7 +26,7 @@ from ..oracle.transcript import TranscriptError
 from .report import extraction_table
 from ..run.result import save_extraction
 from .. import families  # noqa: F401  (the learners registered, for their names)
-from ..run.learner import family_options, learner_class, learner_names, options_table
+from ..run.learner import family_options, learner_class, learner_names, option_meanings, options_table
 from ..run.validation import head_count, nonnegative_number, positive_int, token_scale_option
 
 app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention from black-box value queries.")
@@ -286,8 +286,7 @@ def demo(
         raise typer.BadParameter("--noise, --samples, --refine and --rank apply to the attention demo, "
                                  "not --transformer")
     if transformer:
-        from ..transformer.learn import transformer_demo
-        raise typer.Exit(code=transformer_demo(console, d, heads, hidden, precision, seed))
+        raise typer.Exit(code=_transformer_demo(console, d, heads, hidden, precision, seed))
     target_rank = None if rank is None else max(1, d // heads) if rank == "auto" else rank
     target = _checked("--rank", MultiHeadAttention.random, d, heads, seed, False, target_rank)
     if rank is not None:
@@ -310,6 +309,32 @@ def demo(
         _print_failed(console, result, failure_messages,
                       "The extraction failed its own checks; the heads above are not reliable.")
         raise typer.Exit(code=1)
+
+
+def _transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
+    """``mhaextract demo --transformer``: a random target through a simulated oracle; returns the
+    exit code (1 when the extraction failed its checks)."""
+    import warnings
+
+    from ..checks.base import UnreliableExtractionWarning
+    from ..models.transformer import Transformer1L
+    from ..transformer.learn import extract_transformer
+
+    hidden = positive_int("hidden", hidden)
+    target = Transformer1L.random(d, heads, hidden, seed=seed)
+    with warnings.catch_warnings():  # failed checks are printed below, in full
+        warnings.simplefilter("ignore", UnreliableExtractionWarning)
+        result = extract_transformer(SimulatedOracle(target, precision=precision), d, heads=heads, hidden=hidden,
+                                     precision=precision, seed=seed + 1, progress=True, on_failure="warn")
+    found = result.model_hp if result.model_hp is not None else result.model
+    comparison = compare(found, target) if found is not None else None
+    console.print(extraction_table(result, comparison, title=f"mhaextract demo --transformer (seed {seed})"))
+    if not result.ok:
+        console.print("[bold red]The extraction failed its own checks; no Transformer is returned as reliable.[/]")
+        for check in result.failed_checks:
+            console.print(f"  {check}")
+        return 1
+    return 0
 
 
 def load_oracle(spec: str):
@@ -351,7 +376,14 @@ def schedules_command() -> None:
         table.add_column(column)
     for row in options_table():
         table.add_row(*row)
-    Console().print(table)
+    meanings = Table(title="family options: what each means to the learners that take it")
+    for column in ("option", "learners", "meaning"):
+        meanings.add_column(column)
+    for row in option_meanings():
+        meanings.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print(meanings)
 
 
 @app.command("extract")

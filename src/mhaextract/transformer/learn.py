@@ -19,15 +19,11 @@ from ..checks.base import Check, ExtractionError, UnreliableExtractionWarning, r
 from ..numerics.highprec import arb_to_mpf, magnitude_float, mid_float, to_arb, working_precision
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import random_basis
-from ..oracle.simulated import SimulatedOracle
 from ..oracle.transcript import RUN, run_fingerprint
 from ..run.session import Request, run_learner
 from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orient, random_sequences, refine
-from ..tools.report import extraction_table
-from ..attention.result import Extraction
 from ..run.result import Result
-from ..attention.base import RunSettings
-from ..attention.registry import schedule_for
+from ..run.learner import AUTO, pick
 from ..models.transformer import EXACT_BITS, Transformer1L, block_embedding, compare_transformers, residual_embedding
 from ..run.validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for
 
@@ -180,7 +176,7 @@ class TransformerExtraction(Result):
     ----------
     model_hp : Transformer1L or None
         High precision: the same with exact mpf midpoints.
-    attention : Extraction
+    attention : Result (the attention family's :class:`~mhaextract.Extraction`)
         Step 1: the core extraction run on the odd part g (its ``queries`` count g-queries).
     hidden : canonical units found.
     queries_odd_part : int
@@ -207,7 +203,7 @@ class TransformerExtraction(Result):
     """
 
     model_hp: Transformer1L | None = None
-    attention: Extraction | None = None
+    attention: Result | None = None
     hidden: int = 0
     queries_odd_part: int = 0
     queries_units: int = 0
@@ -289,25 +285,26 @@ class TransformerRun:
 
     @property
     def core_schedule(self):
-        """The schedule class step 1 runs on g: the one the core would choose for float64 / ball
-        arithmetic and H0 heads (:func:`mhaextract.attention.registry.schedule_for`): targeted in
-        float64 when H0 <= d (docs/algorithm.md §13), else the paper schedule (§5)."""
-        return schedule_for(self.d, self.max_heads, self.precision)
+        """The learner step 1 runs on g: the bias-free one ``schedule="auto"`` picks for float64 /
+        ball arithmetic and H0 heads (:func:`mhaextract.run.learner.pick`): targeted in float64 when
+        H0 <= d (docs/algorithm.md §13), else the paper schedule (§5)."""
+        return pick(AUTO, {"bias": False}, Request(self.d, self.heads, self.max_heads, self.precision, self.seed))
 
     @property
     def core_precision(self) -> int | None:
         """What step 1 tells the core about g: ODD_PART_MARGIN_BITS fewer bits than f."""
         return None if self.precision is None else self.precision - ODD_PART_MARGIN_BITS
 
-    def _core(self):
-        return self.core_schedule(RunSettings(self.d, self.max_heads, self.heads, self.core_precision, self.seed,
-                                              self.token_scale))
+    def _core_queries(self) -> list[np.ndarray]:
+        """The core's queries of g known before any answer (its learner's ``fixed_queries``)."""
+        request = Request(self.d, self.heads, self.max_heads, self.core_precision, self.seed, self.token_scale)
+        return self.core_schedule.fixed_queries(request, {"bias": False})
 
-    def residual_basis(self, core=None) -> np.ndarray:
+    def residual_basis(self, core_queries=None) -> np.ndarray:
         """Columns b for :func:`residual_queries`: the core schedule's own one-token queries (so
         their answers are reused, docs/algorithm.md §14), completed by random directions."""
-        core = self._core() if core is None else core
-        tokens = [X[0] for X in core.fixed_queries() if len(X) == 1][:self.d]
+        core_queries = self._core_queries() if core_queries is None else core_queries
+        tokens = [X[0] for X in core_queries if len(X) == 1][:self.d]
         extra = random_basis(spawn_rng(self.seed, 4), self.d, self.token_scale)
         return np.column_stack(tokens + list(extra.T[:self.d - len(tokens)]))
 
@@ -315,10 +312,10 @@ class TransformerRun:
         """The queries of f known before any answer: with the residual, the queries of g that
         measure it; then the core schedule's fixed queries of g not already asked; each query of g
         followed by its negation (the order :class:`OddPartOracle` asks them in)."""
-        core = self._core()
-        first = residual_queries(self.residual_basis(core)) if self.residual else []
+        core_queries = self._core_queries()
+        first = residual_queries(self.residual_basis(core_queries)) if self.residual else []
         kept = {_key(X) for X in first if len(X) == 1}
-        queries = first + [X for X in core.fixed_queries() if len(X) != 1 or _key(X) not in kept]
+        queries = first + [X for X in core_queries if len(X) != 1 or _key(X) not in kept]
         return [sequence for X in queries for sequence in (X, -X)]
 
 
@@ -472,7 +469,7 @@ def _used(boundary: OracleBoundary) -> int:
     return boundary.queries + boundary.replayed
 
 
-def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progress) -> Extraction:
+def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progress) -> Result:
     """Step 1: the core extraction on g (its failed checks become the Transformer's)."""
     request = Request.validated(run.d, run.heads, None if run.heads is not None else run.max_heads,
                                 run.core_precision, run.seed, run.token_scale)
@@ -484,7 +481,7 @@ def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progres
                            progress=progress, on_failure="warn")
 
 
-def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, linear, rng, checks: list):
+def _units(boundary: OracleBoundary, run: TransformerRun, step1: Result, linear, rng, checks: list):
     """Step 2: hidden units through the heads of step 1, and their orientation (checks appended).
     With the residual, M has x_N as one more block and V the residual term q (``linear``) as one
     more block: ``sum_j w_j (P_j, R^T A_j^T) = (v_1, .., v_H, q)`` (docs/algorithm.md §14)."""
@@ -534,7 +531,7 @@ def _units(boundary: OracleBoundary, run: TransformerRun, step1: Extraction, lin
     return learner, orientation
 
 
-def _assemble(run: TransformerRun, step1: Extraction, learner, orientation):
+def _assemble(run: TransformerRun, step1: Result, learner, orientation):
     """``w_j = sign``, ``A_j = sign * sigma_j * c_j`` in the block coordinates of M: (model, model_hp)."""
 
     units = learner.search.units
@@ -584,7 +581,7 @@ def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, m
     return misfit, max((len(X) for X in sequences), default=0)
 
 
-def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Extraction, checks: list, counts,
+def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Result, checks: list, counts,
                         started, model=None, model_hp=None, search=None, hidden_found=0,
                         misfit=np.inf, seconds_units=0.0, verification_length=0) -> TransformerExtraction:
     queries_odd, queries_units, queries_residual, reused = counts
@@ -601,24 +598,3 @@ def _transformer_result(run: TransformerRun, boundary: OracleBoundary, step1: Ex
         queries_asked=boundary.queries, queries_replayed=boundary.replayed,
         transcript=None if boundary.transcript is None else boundary.transcript.path,
     )
-
-
-def transformer_demo(console, d: int, heads: int, hidden: int, precision, seed: int) -> int:
-    """``mhaextract demo --transformer``: a random target through a simulated oracle; returns the
-    exit code (1 when the extraction failed its checks)."""
-
-    hidden = positive_int("hidden", hidden)
-    target = Transformer1L.random(d, heads, hidden, seed=seed)
-    with warnings.catch_warnings():  # failed checks are printed below, in full
-        warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        result = extract_transformer(SimulatedOracle(target, precision=precision), d, heads=heads, hidden=hidden,
-                                     precision=precision, seed=seed + 1, progress=True, on_failure="warn")
-    found = result.model_hp if result.model_hp is not None else result.model
-    comparison = compare_transformers(found, target) if found is not None else None
-    console.print(extraction_table(result, comparison, title=f"mhaextract demo --transformer (seed {seed})"))
-    if not result.ok:
-        console.print("[bold red]The extraction failed its own checks; no Transformer is returned as reliable.[/]")
-        for check in result.failed_checks:
-            console.print(f"  {check}")
-        return 1
-    return 0
