@@ -20,6 +20,7 @@ from rich.console import Console
 import mhaextract as mx
 from mhaextract.numerics.highprec import mpf_to_hex
 from mhaextract.oracle.noise import round_bfloat16
+from mhaextract.run.learner import learner_names
 from mhaextract.run.result import _jsonable
 from mhaextract.tools.report import extraction_table
 
@@ -92,6 +93,7 @@ def test_every_family_saves_and_loads_its_result(family, tmp_path):
     run, cls, schedule = FAMILIES[family]
     result, oracle, target = run()
     assert type(result) is cls and result.ok and result.schedule == schedule
+    assert schedule in learner_names()  # the registry's own name for what ran
     assert result.d == result.model.d and result.heads == result.model.heads
     json_path, npz_path = mx.save_extraction(result, tmp_path / "result.json")
     assert npz_path.exists()
