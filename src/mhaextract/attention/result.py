@@ -148,7 +148,7 @@ class Extraction(Result):
         heads merged below the answers' resolution). False in high precision: ``error_estimate`` rests
         partly on first-order radii, judged against ``max(2^-53, 2^(-precision/4))`` (docs/algorithm.md, 'Kernels in ball arithmetic and certification')."""
         disproved = any(check.name == "balls_reproduce_answers" and not check.passed for check in self.checks)
-        return self.precision is not None and self.details.certified and not disproved
+        return self.precision is not None and self.details is not None and self.details.certified and not disproved
 
     @property
     def model_hp(self) -> MultiHeadAttention | None:
