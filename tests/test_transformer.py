@@ -414,7 +414,8 @@ def test_an_interrupted_transformer_run_resumes_without_asking_twice(tmp_path, p
     assert 0 < committed <= fail_after  # every batch answered is committed (queries_replayed below)
 
     second = FlakyOracle(target, precision)
-    resumed = mx.extract_transformer(second, 3, **run)
+    resumed = mx.extract_transformer(second, 3, **run, resume_check=0)  # (the check re-asks: below)
+    checked = mx.extract_transformer(FlakyOracle(target, precision), 3, **run)  # all read back but the check's
     uninterrupted = FlakyOracle(target, precision)
     plain = mx.extract_transformer(uninterrupted, 3, heads=2, hidden=4, precision=precision, seed=1,
                                    batch_size=batch_size)
@@ -424,6 +425,7 @@ def test_an_interrupted_transformer_run_resumes_without_asking_twice(tmp_path, p
     assert len(both) == plain.queries == resumed.queries
     assert (resumed.queries_asked, resumed.queries_replayed) == (plain.queries - committed, committed)
     assert resumed.transcript == str(path) and plain.transcript is None
+    assert (checked.queries_asked, checked.queries_replayed) == (3, plain.queries)  # the resume check's 3
     assert (resumed.queries_odd_part, resumed.queries_units, resumed.verification_queries) == (
         plain.queries_odd_part, plain.queries_units, plain.verification_queries)
     assert resumed.ok and plain.ok
@@ -435,7 +437,8 @@ def test_an_interrupted_transformer_run_resumes_without_asking_twice(tmp_path, p
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert resumed.verification_misfit == plain.verification_misfit
 
-    offline = mx.extract_transformer(FlakyOracle(target, precision, fail_after=0), 3, **run)
+    # read offline (the oracle down): without the resume check, nothing is asked
+    offline = mx.extract_transformer(FlakyOracle(target, precision, fail_after=0), 3, **run, resume_check=0)
     assert (offline.queries_asked, offline.queries_replayed) == (0, plain.queries)
 
 

@@ -551,7 +551,7 @@ def _fewer_bits(precision: int | None, residual: float, limit: float) -> str:
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | None = None, token_scale=None,
                    bias: bool = True, rank: int | None = None, batch_size: int = 1024, progress=None,
                    max_queries=None, verify_length: int | None = None,
-                   window_limit: int = 4096, key_bias: bool = False, transcript=None) -> RotaryExtraction:
+                   window_limit: int = 4096, key_bias: bool = False, boundary=None) -> RotaryExtraction:
     """The rotary extraction behind ``extract(..., positions="rotary")`` (its checks unreported:
     ``extract`` raises or warns on failure). ``precision=bits``: an oracle answering ``mpf`` at
     ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`.
@@ -559,14 +559,16 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     after the search for a key-neutral token z* (:mod:`~mhaextract.rotary.neutral`; from float32
     answers by :func:`~mhaextract.rotary.neutral.large_query_search`) is asked at tokens shifted by
     z*, the refinement fits a key bias too (after the large-query search with a prior of the size
-    it leaves), and the model is shifted back. ``transcript``: a transcript section recording every
-    answer (the run's queries depend on earlier answers, each the same given them: a resumed run
-    asks the same queries and reads back those already answered)."""
+    it leaves), and the model is shifted back. ``boundary``: the session's (counting, budget, a
+    transcript section recording every answer: the run's queries depend on earlier answers, each
+    the same given them, so a resumed run asks the same queries and reads back those answered)."""
     started = time.perf_counter()
     answer_dtype = str(getattr(oracle, "answer_dtype", "float64" if precision is None else "mpf"))
-    vectors = VectorAnswers(seed, getattr(oracle, "answer_dtype", None))
-    boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
-                              max_queries=max_queries, vectors=vectors, transcript=transcript)
+    if boundary is None:
+        boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
+                                  max_queries=max_queries, vectors=VectorAnswers(seed, getattr(oracle, "answer_dtype",
+                                                                                               None)))
+    vectors = boundary.vectors
     # the limits of a high-precision run: the float64 ones in units of its answers' rounding
     units = 1.0 if precision is None else 2.0 ** (53 - precision)
     constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=precision is None)

@@ -72,7 +72,7 @@ class RotaryLearner(Learner):
                                     bias=options["bias"], rank=options["rank"], batch_size=session.batch_size,
                                     progress=session.progress, max_queries=session.max_queries,
                                     verify_length=session.verify_length, key_bias=options["key_bias"],
-                                    transcript=session.section(RUN))
+                                    boundary=session.boundary(RUN, precision=request.precision))
         finally:
             session.close()
         result.transcript = session.transcript

@@ -349,7 +349,8 @@ def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, tok
 def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, hidden=None,
                         residual=False, token_scale=None, max_segments=32, quiet_segments=8,
                         verification_queries=None, batch_size=1024, progress=None,
-                        on_failure="raise", transcript=None, max_queries=None) -> TransformerExtraction:
+                        on_failure="raise", transcript=None, max_queries=None,
+                        resume_check=3) -> TransformerExtraction:
     """Learn a one-layer Transformer (attention, then a bias-free ReLU FFN) from value queries.
 
     Step 1 runs :func:`mhaextract.extract` on the odd part ``g(X) = f(X) - f(-X)``, an attention
@@ -374,7 +375,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
     max_segments : at most this many segment pairs in step 2.
     verification_queries : fresh random queries to check the result on (default ``4 H d + 32``).
     on_failure : "raise" a :class:`TransformerExtractionError` or "warn" and return.
-    transcript, max_queries : as in :func:`mhaextract.extract`, for every query of f (steps 1, 2
+    transcript, max_queries, resume_check : as in :func:`mhaextract.extract`, for every query of f (steps 1, 2
         and the verification): answers are committed to the SQLite transcript as they arrive and
         a re-run with the same transcript and seed asks only the missing ones; a run needing more
         than ``max_queries`` queries of f raises :class:`~mhaextract.BudgetExceeded`.
@@ -404,7 +405,8 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
     options = {"hidden": hidden, "residual": residual, "max_segments": max_segments, "quiet_segments": quiet_segments,
                "verification_queries": verification_queries}
     return run_learner(oracle, request, "transformer", options, batch_size=batch_size, progress=progress,
-                       on_failure=on_failure, transcript=transcript, max_queries=max_queries)
+                       on_failure=on_failure, transcript=transcript, max_queries=max_queries,
+                       resume_check=resume_check)
 
 
 def run_transformer(session, options) -> "TransformerExtraction":
