@@ -1,4 +1,5 @@
-"""Whole layers extracted and replaced (docs/algorithm.md §21): the replacement module against the layer.
+"""Whole layers extracted and replaced (docs/algorithm.md, 'The whole layer: vector outputs and a replacement module'):
+the replacement module against the layer.
 
     python benchmarks/bench_full_layer.py                                   # the acceptance table
     python benchmarks/bench_full_layer.py --cells 32:2 --dtypes float64 --kinds GPT2Attention

@@ -1,5 +1,5 @@
-"""The grid schedules' float64 error estimate against the truth (docs/algorithm.md §10, "The
-anchors' error"), random targets and two stressed kinds, exact answers:
+"""The grid schedules' float64 error estimate against the truth (docs/algorithm.md, "The anchors' error"), random
+targets and two stressed kinds, exact answers:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_grid_estimate.py [--schedule lean] [--seeds 50]
 

@@ -1,5 +1,6 @@
-"""Low-precision oracles (issue 15 item 2, docs/algorithm.md §19): the default extraction against
-float32, mixed-precision (float32 softmax in a float64 layer) and bfloat16 targets.
+"""Low-precision oracles (issue 15 item 2, docs/algorithm.md, 'Low-precision oracles: float32, mixed precision,
+bfloat16'): the default extraction against float32, mixed-precision (float32 softmax in a float64 layer) and bfloat16
+targets.
 
     python benchmarks/bench_low_precision.py [--sizes 8x2 16x4 32x4 64x8] [--seeds 10]
         [--oracles float32 mixed bfloat16]
@@ -132,10 +133,10 @@ def whole_row(kind: str, dtype: str, d: int, H: int, seed: int, std: float | Non
               implementation: str = "sdpa", reference: bool = True) -> str:
     """A torch layer in ``dtype`` (biases at its weights' std, ``tests/test_real_layers.build``; with
     ``std``, every weight and bias drawn N(0, std^2) instead, as trained layers' larger weights), whole
-    outputs, library defaults (docs/algorithm.md §23). Truth: the same layer in float64 from its own
-    rounded weights (``to_reduced``, white-box, here only). Output errors at every position of 200
-    fresh sequences of 1..32 tokens (unit-variance tokens) relative to the exact layer's largest
-    output; the float64 run is the default extraction of that exact layer (``reference``)."""
+    outputs, library defaults (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least squares').
+    Truth: the same layer in float64 from its own rounded weights (``to_reduced``, white-box, here only). Output errors
+    at every position of 200 fresh sequences of 1..32 tokens (unit-variance tokens) relative to the exact layer's
+    largest output; the float64 run is the default extraction of that exact layer (``reference``)."""
     import sys
     from pathlib import Path
 

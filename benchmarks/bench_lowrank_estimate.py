@@ -1,4 +1,4 @@
-"""The low-rank schedule's error estimate against the truth (docs/algorithm.md §17, "Error estimate"),
+"""The low-rank schedule's error estimate against the truth (docs/algorithm.md, 'Low-rank heads', 'Error estimate'),
 float64 simulated targets of rank d / H, with and without biases:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_lowrank_estimate.py [--d 16 32 64] [--heads 2 4 8] [--seeds 4]

@@ -10,10 +10,10 @@
     python benchmarks/bench_precision.py --sizes 32x4 32x8 64x4 --seeds 3   # chosen cells, both runs
 
 For every oracle precision, (d, H) and run (``default``: ``extract(oracle, d, heads=H)``;
-``refine``: the same with ``refine=True``, the least-squares polish of §12 on
-``6 (H (d^2 + 2d) + 1)`` fresh queries): the measured queries (median over seeds, every query the
-oracle saw: calibration, schedule, noise probe, polish) and their ratio to the paper's count
-``4 H d^2 - 2 H + 1``; the worst max-absolute parameter error over the seeds (W, v, u, c against
+``refine``: the same with ``refine=True``, the least-squares polish of docs/algorithm.md, 'Approximate answers:
+certificate, oversampling, refinement, verification' on ``6 (H (d^2 + 2d) + 1)`` fresh queries): the measured queries
+(median over seeds, every query the oracle saw: calibration, schedule, noise probe, polish) and their ratio to the
+paper's count ``4 H d^2 - 2 H + 1``; the worst max-absolute parameter error over the seeds (W, v, u, c against
 the known target, :func:`mhaextract.compare`) as bits ``-log2``; the worst relative error
 (``max_rel``), both over the seeds whose run found the canonical heads (``heads found / seeds``
 counts them); the smallest ratio ``error_estimate / max_rel`` over the seeds (>= 1: the estimate
@@ -21,7 +21,7 @@ held on every seed); median seconds; the largest peak resident memory of a run (
 fresh child process: its ``ru_maxrss``, interpreter and libraries included) and the refinement's
 path (``dense``: SVD of the formed Jacobian; ``matrix-free``: LSMR on Jacobian products where
 the dense Jacobian, queries x parameters, exceeds ``mhaextract.checks.refine.MAX_JACOBIAN_ENTRIES``,
-docs/algorithm.md §12.1). Targets are
+docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian'). Targets are
 ``MultiHeadAttention.random(d, H, seed)`` (bias-free; the runs learn u and c as well), extraction
 seed ``1000 + seed``.
 """

@@ -11,7 +11,7 @@ through a random vector, extracted with ``mx.extract(TorchOracle(layer, r), d, h
 (ground truth from the weights, computed here). ``--sweep``: simulated biased targets with weights
 scaled 1e-3..1e3, ``token_scale="auto"``; every run must pass or fail loudly. ``--rank dH`` or
 ``--rank auto``: ``schedule="lowrank", rank=d // H`` (the heads' rank) or ``rank="auto"``, with
-``bias=True, token_scale="auto"`` (docs/algorithm.md §17).
+``bias=True, token_scale="auto"`` (docs/algorithm.md, 'Low-rank heads').
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def layer_rows(ds, heads, dtype="float64", seeds=(None,), rank=None, kinds=KINDS
                     print(f"| {kind} | {result.answer_dtype} | {d} | {H} | {layer_seed} | {result.queries:,} | "
                           f"{result.calibration_queries} | {seconds:.1f} | {error:.1e} | {ratio:.2g} | {found} | "
                           f"{checks} |", flush=True)
-    # one process for every row: the peak is the largest row's (run one row for its own, as §17's GPT-2-sized rows)
+    # one process for every row: the peak is the largest row's (run one row for its own, as the GPT-2-sized rows of
+    # docs/algorithm.md, 'Low-rank heads')
     print(f"\npeak memory of this process (ru_maxrss): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GB")
 
 

@@ -371,8 +371,9 @@ def low_precision_cases(mode, options, seeds):
     """float32, bfloat16 and float16 torch layers (whole outputs and one read-out) through TorchOracle,
     judged against to_reduced of their weights; answers as torch tensors requiring grad, and as
     bfloat16 tensors. float32 and float64 answers are expected to pass; bfloat16 and float16 whole
-    outputs too where the mode runs the low-precision path (docs/algorithm.md §23), else to fail
-    loudly (or pass within their estimate); scalar read-outs at 8 or 11 bits to fail loudly."""
+    outputs too where the mode runs the low-precision path (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated
+    lines, then least squares'), else to fail loudly (or pass within their estimate); scalar read-outs at 8 or 11 bits
+    to fail loudly."""
     bias = options.get("schedule", "auto") in ("auto", "targeted")
     float64 = options.get("precision") is None  # a torch layer or float answers cannot serve a high-precision run
     for seed in range(seeds):
@@ -683,9 +684,9 @@ worst ratio of true error to estimate.
 FOOTER = """
 What is measured where: answer noise that nobody declared is measured by 12 fresh probe queries
 (lean, targeted, auto; `mhaextract.checks.noise_probe`) and by the calibration's permutation probes
-(docs/algorithm.md §19), or by the links' redundancy (paper, which keeps its exact count); a
-resumed transcript re-asks 3 recorded queries (`mhaextract.oracle.resume_check`); at 256 bits
-certified balls must reproduce the answers (`mhaextract.numerics.enclosure`).
+(docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'), or by the links' redundancy (paper,
+which keeps its exact count); a resumed transcript re-asks 3 recorded queries (`mhaextract.oracle.resume_check`); at 256
+bits certified balls must reproduce the answers (`mhaextract.numerics.enclosure`).
 
 Reading it: no silent failure and no crash in any mode, and no mode above 0.5% false alarms. The
 default (auto) and targeted modes pass every random target, exact and under each noise (the designs
@@ -693,19 +694,18 @@ before commit e4c2e97 had one loud failure: auto, declared uniform 1e-8, d = H =
 passing run of theirs has an error above 1.8 times its estimate (targeted; auto 1.4), all of those
 under Gaussian noise and all in the output constant c: it is one answer, `c = f((0))`, whose error
 is claimed as the noise the 12 probe queries measured (4 triples), and a Gaussian sample can exceed
-that estimate. Before the error estimate of commits d3fb013 and the next (docs/algorithm.md §13,
-"Error estimate": per entry of W, u and v; u relative only where resolved from zero; an unresolved
-c's error claimed absolute, not left out; the table's models are otherwise the same) targeted's
-noisy runs reached 18 and 20 times their estimates: a bias-free target learned with biases has a c
-of noise, 1e-10 under Gaussian noise 1e-10, which `compare` reports absolute and the estimate did
-not claim.
+that estimate. Before the error estimate of commits d3fb013 and the next (docs/algorithm.md, 'The targeted schedule',
+'Error estimate': per entry of W, u and v; u relative only where resolved from zero; an unresolved c's error claimed
+absolute, not left out; the table's models are otherwise the same) targeted's noisy runs reached 18 and 20 times their
+estimates: a bias-free target learned with biases has a c of noise, 1e-10 under Gaussian noise 1e-10, which `compare`
+reports absolute and the estimate did not claim.
 Paper and lean in float64 are the paper's algebra
 with `2H + 1` samples per instance, refined by least squares when their answers are noisy (paper
 on its own answers, its exact count kept; lean with `H0 (d^2 + d)` counted polish queries) and when
-their algebraic result fails a check a refinement can answer (docs/algorithm.md §10, §12; H0 <= 3),
-and paper's refits of the competing head orders its links could not exclude at the answers' error
-(docs/algorithm.md §12, "Refuted alternatives"). Lean has no false alarm; paper 0 / 2 / 2 of 400
-(exact / Gaussian / declared uniform: 0.5% each; see below). Almost every loud
+their algebraic result fails a check a refinement can answer (docs/algorithm.md, 'The lean schedule' and 'Approximate
+answers: certificate, oversampling, refinement, verification'; H0 <= 3), and paper's refits of the competing head orders
+its links could not exclude at the answers' error (docs/algorithm.md, 'Refuted alternatives'). Lean has no false alarm;
+paper 0 / 2 / 2 of 400 (exact / Gaussian / declared uniform: 0.5% each; see below). Almost every loud
 failure is at H = 3, the float64 algebra's envelope: they return no model or fail their checks
 with errors far above their limit. One passing lean run of 400 (exact) is 30 times above its
 estimate; no other passing paper or lean run is 30 times above.
@@ -727,13 +727,14 @@ What the second round changed:
   estimates (1.5e-6, 6.5e-5) explained them (true 1.2e-5, 8.9e-5). The residual is now judged
   against `max(1e-6, the model's own estimate)` with exact answers too, as it was under noise,
   and the estimate is raised to at least the residual, a first-order lower bound of the relative
-  error (docs/algorithm.md §11): the worst lean truth / estimate went from 26 to 9.7.
+  error (docs/algorithm.md, 'Numerics in float64 and the token scale'): the worst lean truth / estimate went from 26 to
+  9.7.
 * paper, noisy (10 + 16: `error_estimate` 1.1e-4..1.5e-3 on models 5e-6..1e-4 off, the estimate
   honest, the algebra's models not better): paper refines on its own answers (no query); its
   passing models are 1e-10..4e-8 (Gaussian) and 7e-9..1e-5 (uniform) off, and its loud failures
   went from 25 / 46 to 19 / 25. The refined fit inherits from its algebraic start only the matching
   (which decides its basin), with instances verified against the refined model; its first order
-  is the least-squares fit's (docs/algorithm.md §12, "Refined under noise").
+  is the least-squares fit's (docs/algorithm.md, 'Refined under noise').
 * paper, exact (3, H = 3: `error_estimate` 2.6e-4 on a true 5.4e-5, one ambiguous link of 15, one
   of 17 instances with another pole count): a failed algebraic result is refined on the same
   answers (no query) and judged again; the three pass within 1e-12. A kept refinement supersedes the
@@ -769,7 +770,7 @@ The fourth round. Those bounds carried the certificate's factor 2 for second-ord
 error, while the refined fit's first order is trusted up to a movement of 1e-3 of the parameters'
 scale, where the factor 2 is by that definition what the second order may add; below, the second
 order relative to the first shrinks with the movement, so the least-squares fit's slack is now
-`min(1, movement / 1e-3)` (docs/algorithm.md §12, "Second order"): 1.1 at the 1e-4 limit. Four of
+`min(1, movement / 1e-3)` (docs/algorithm.md, 'Second order'): 1.1 at the 1e-4 limit. Four of
 the six (114, 138, 233, 385) and Gaussian seed 190 pass; the worst passing paper truth / estimate
 went from 0.4 to 0.8 (declared uniform) and 0.15 to 0.3 (Gaussian), lean's from 0.3 to 0.6 and
 0.15 to 0.3, still below 1. The default

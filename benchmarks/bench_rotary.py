@@ -1,4 +1,5 @@
-"""Rotary schedule (docs/algorithm.md §22): what it recovers from random Llama-like layers.
+"""Rotary schedule (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'): what it
+recovers from random Llama-like layers.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_rotary.py [--seeds 4] [--cells d:H:r:kv ...] [--precision BITS]
 

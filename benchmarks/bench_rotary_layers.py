@@ -28,7 +28,7 @@ key/value heads, head width 8, seeds 0..3. About 3 minutes on one core.
     python benchmarks/bench_rotary_layers.py --key-bias
 
 Part 2 only, on Qwen2 attentions with query, key and value biases (every parameter N(0, 1/d)),
-extracted with ``key_bias=True`` (docs/algorithm.md §22, "A key bias"): d = 16, H = 2, one
+extracted with ``key_bias=True`` (docs/algorithm.md, 'A key bias'): d = 16, H = 2, one
 key/value head, seeds 0..2, and d = 64, H = 4, two key/value heads, head width 16, in float64;
 then under sliding windows of 8, 9 and 16 tokens (d = 16 with H = 1 and 2, d = 32 with H = 4). The
 queries include the key-neutral search's (its share in the last column). About 15 minutes on one
@@ -37,7 +37,7 @@ core.
     python benchmarks/bench_rotary_layers.py --key-bias-float32
 
 The same layers in float32 (their own float32 angles), where the key-neutral token comes from the
-large-query search (docs/algorithm.md §22, "From float32 answers"): d = 16, seeds 0..2, d = 32
+large-query search (docs/algorithm.md, 'From float32 answers'): d = 16, seeds 0..2, d = 32
 (H = 4, two key/value heads, width 8) and d = 64 (H = 4, two key/value heads, width 16). About 5
 minutes on one core up to d = 32; the d = 64 row alone runs about 45 minutes.
 
@@ -52,8 +52,9 @@ attentions with biases (d = 16, H = 2, one key/value head, seeds 0..5; d = 64, H
 
 Part 3 only: the instances of one run on that layer (float64 with ``angles="float64"``, and
 float32), fitted from the scalar read-out alone and with the whole answers' channels
-(docs/algorithm.md §22): failed fits, log-pole and numerator errors against the layer's true poles
-(the fits that held), and the start model's error against the read-out's exact model. About a minute.
+(docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'): failed fits, log-pole and
+numerator errors against the layer's true poles (the fits that held), and the start model's error against the read-out's
+exact model. About a minute.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class NumpyOracle:
 
 def target(d: int, H: int, rank: int | None, seed: int, bias: bool = False) -> mx.MultiHeadAttention:
     """``MultiHeadAttention.random``; ``bias``: with score biases and an output constant (the "lowb"
-    cells, docs/algorithm.md §16, §17)."""
+    cells, docs/algorithm.md, 'Biases: affine scores and an output constant' and 'Low-rank heads')."""
     model = mx.MultiHeadAttention.random(d, H, seed=seed, rank=rank)
     if not bias:
         return model

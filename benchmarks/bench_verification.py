@@ -1,4 +1,4 @@
-"""What the default verification costs (docs/algorithm.md §12, "Verification").
+"""What the default verification costs (docs/algorithm.md, 'Verification').
 
 Default runs (``extract(oracle, d, heads=H, seed=...)``: schedule ``auto``, biases, calibrated
 token scale) on random biased targets through a simulated float64 oracle. Measured at the oracle:

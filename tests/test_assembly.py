@@ -1,4 +1,4 @@
-"""Combining redundant per-instance measurements into M and the labels (docs/algorithm.md §9).
+"""Combining redundant per-instance measurements into M and the labels (docs/algorithm.md, 'Assembly').
 
 ``combine_poles`` / ``combine_labels`` (mhaextract.numerics.assembly, float64 assembly); they
 are tested here through their current names. Per-instance values are built in the test from a

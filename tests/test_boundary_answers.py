@@ -1,5 +1,5 @@
 """Every answer shape at the oracle boundary is a valid answer or a clear OracleError
-(docs/algorithm.md, 'Whole answers'): never an internal exception.
+(docs/algorithm.md, 'The whole layer: vector outputs and a replacement module'): never an internal exception.
 
 Hypothesis (seeded, derandomized) draws a batch and an answer built from one of many forms
 (scalars, 0-d, 1-d and 2-d arrays per sequence, stacked arrays, lists, wrong lengths, nan and

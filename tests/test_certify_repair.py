@@ -1,10 +1,11 @@
-"""Issue 12: the certificate repair of the biased grid (docs/algorithm.md §20).
+"""Issue 12: the certificate repair of the biased grid (docs/algorithm.md, 'Certificate repair: failed instances
+measured again with their poles pulled apart').
 
 Targets are drawn here and given, for one instance of the schedule's layout, two heads whose
-log-poles differ by rounding only (the Krawczyk test fails there, §7). The oracle is the mpmath
-one of test_biased_grid (it counts every query on its side of the boundary); the truth the balls
-must contain is the target's weights. Without the repair (``repair=False``: the code before §20)
-the same run is uncertified.
+log-poles differ by rounding only (the Krawczyk test fails there, 'Kernels in ball arithmetic and certification'). The
+oracle is the mpmath one of test_biased_grid (it counts every query on its side of the boundary); the truth the balls
+must contain is the target's weights. Without the repair (``repair=False``: the code before 'Certificate repair: failed
+instances measured again with their poles pulled apart') the same run is uncertified.
 """
 
 import flint
@@ -104,8 +105,8 @@ def test_a_column_where_two_heads_coincide_stays_uncertified_and_says_why():
 
 
 def test_the_paper_schedule_keeps_its_exact_count_unless_asked_to_repair():
-    """``schedule="paper"`` (bias-free, §5) does not repair by default: a failed instance leaves
-    the run uncertified and the count is the paper's, measured at the oracle. ``repair=True``
+    """``schedule="paper"`` (bias-free, docs/algorithm.md, 'The paper schedule') does not repair by default: a failed
+    instance leaves the run uncertified and the count is the paper's, measured at the oracle. ``repair=True``
     repairs it (grid (1, 1): its mix with grid (0, 1) is asked, K queries; the bias-free column
     link (1, 1) has final token ``x_0 + x_1``, not the mix)."""
     schedule = PaperSchedule(run_settings(D, H, SEED, precision=BITS))
@@ -158,8 +159,9 @@ class CountingOracle:
 @pytest.mark.slow
 def test_a_drawn_target_whose_column_link_failed_is_certified():
     """d = H = 8, ``MultiHeadAttention.random(8, 8, seed=2)``, extraction seed 1002 (the precision
-    benchmark's convention), defaults: column link (3, 1) fails the Krawczyk test (without §20 the
-    run is uncertified); its repair asks one mix instance, K = 17 queries (~1 minute)."""
+    benchmark's convention), defaults: column link (3, 1) fails the Krawczyk test (without docs/algorithm.md,
+    'Certificate repair: failed instances measured again with their poles pulled apart' the run is uncertified); its
+    repair asks one mix instance, K = 17 queries (~1 minute)."""
     d, H = 8, 8
     target = mx.MultiHeadAttention.random(d, H, seed=2)
     oracle = CountingOracle(target)

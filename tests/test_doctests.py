@@ -10,34 +10,33 @@ from __future__ import annotations
 import doctest
 import importlib
 import inspect
-import pkgutil
+from pathlib import Path
 
 import pytest
 
 import mhaextract
 
-#: Modules that need torch (and, for rotary layers, transformers) to import: the torch examples.
-TORCH_MODULES = ["mhaextract.adapters.torch", "mhaextract.adapters.export", "mhaextract.adapters.attention",
-                 "mhaextract.adapters.rotary"]
+#: Optional dependencies: a module that needs one the environment lacks is skipped, not failed.
+OPTIONAL = ("torch", "transformers")
 
 
 def _modules_with_examples() -> list[str]:
-    """Every module of the package whose docstrings hold ``>>>`` examples, found by walking the
-    package (a new module's examples run without being listed here), torch's adapters apart."""
-    finder = doctest.DocTestFinder(exclude_empty=True)
+    """Every module of the package whose source holds ``>>>``, found from the files (nothing is
+    imported to find them, so torch's adapters are collected without importing torch): a new or
+    moved module's examples run without being listed here."""
     found = []
-    for info in pkgutil.walk_packages(mhaextract.__path__, "mhaextract."):
-        if info.name.startswith("mhaextract.adapters"):  # torch's: TORCH_MODULES
-            continue
-        module = importlib.import_module(info.name)
-        if any(test.examples for test in finder.find(module, info.name, globs={})):
-            found.append(info.name)
+    for root in mhaextract.__path__:
+        for path in sorted(Path(root).rglob("*.py")):
+            if ">>>" in path.read_text(encoding="utf-8"):
+                parts = path.relative_to(root).with_suffix("").parts
+                found.append(".".join(("mhaextract",) + parts[:-1] + (() if parts[-1] == "__init__" else parts[-1:])))
     return found
 
 
 MODULES = _modules_with_examples()
-#: Modules whose examples run a whole extraction of a second or more: the slow tier runs them.
-SLOW_EXAMPLES = {"mhaextract.lowprecision.learn"}
+#: Modules whose examples run a whole extraction (or load transformers) for a second or more: the
+#: slow tier runs them.
+SLOW_EXAMPLES = {"mhaextract.lowprecision.learn", "mhaextract.adapters.export", "mhaextract.adapters.rotary"}
 TORCH_PUBLIC = ["TorchOracle", "to_reduced", "to_torch", "to_state_dict", "suggested_token_scale", "ReducedAttention",
                 "ExtractedAttention", "head_factors", "numerical_rank", "UnsupportedLayerError"]
 ROTARY_PUBLIC = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]
@@ -48,7 +47,14 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
 def _run(module_name: str) -> doctest.TestResults:
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        if error.name and error.name.split(".")[0] in OPTIONAL:
+            pytest.skip(f"{module_name} needs {error.name}")
+        raise
+    if module_name == "mhaextract.adapters.rotary":
+        pytest.importorskip("transformers")  # its examples build Hugging Face layers
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=FLAGS)
     for test in finder.find(module, module_name):  # in the module's namespace, as doctest runs them
@@ -60,17 +66,13 @@ def _run(module_name: str) -> doctest.TestResults:
                                          for name in MODULES])
 def test_examples_run(module_name):
     results = _run(module_name)
+    assert results.attempted > 0, f"{module_name} holds '>>>' but doctest finds no example in it"
     assert results.failed == 0, f"{results.failed} of {results.attempted} examples of {module_name} failed (see stdout)"
 
 
-@pytest.mark.parametrize("module_name", [TORCH_MODULES[0]] + [pytest.param(name, marks=pytest.mark.slow)
-                                                               for name in TORCH_MODULES[1:]])
-def test_torch_examples_run(module_name):
-    pytest.importorskip("torch")
-    if module_name == "mhaextract.adapters.rotary":
-        pytest.importorskip("transformers")
-    results = _run(module_name)
-    assert results.failed == 0, f"{results.failed} of {results.attempted} examples of {module_name} failed (see stdout)"
+def test_slow_examples_are_modules_with_examples():
+    """A module moved or renamed leaves no stale name here (its examples would run in the fast tier)."""
+    assert SLOW_EXAMPLES <= set(MODULES), sorted(SLOW_EXAMPLES - set(MODULES))
 
 
 def _public():

@@ -137,8 +137,8 @@ def test_d1_is_one_instance():
     assert hp_error(result, target) < 1e-40
 
 
-# float64: per-instance interpolation loses ~3 digits per head (docs/algorithm.md §11). The
-# targets of the issue are H=1 <= 1e-12, H=2 <= 1e-10, H=3 <= 1e-7; the benchmark reports the
+# float64: per-instance interpolation loses ~3 digits per head (docs/algorithm.md, 'Numerics in float64 and the token
+# scale'). The targets of the issue are H=1 <= 1e-12, H=2 <= 1e-10, H=3 <= 1e-7; the benchmark reports the
 # distribution (README). Here: every run is either accurate to its own error estimate or says it
 # failed, and the median over seeds meets a bound where the paper's count allows one (H = 3 at
 # d = 32 does not: a single row link per column decides that column's head order, and at 2047
@@ -172,7 +172,7 @@ def test_float64_accuracy(d, H):
 def test_a_link_whose_poles_coincide_costs_its_measurement_not_the_run(d, H, seed):
     """These paper runs each meet one column link that gives one pole to two heads (its two poles
     coincide) while the labels decide the order of the instance it links: they failed `matching`
-    on that alone with true errors 8e-8..3e-7 (docs/algorithm.md §8). The link is now dropped
+    on that alone with true errors 8e-8..3e-7 (docs/algorithm.md, 'Matching'). The link is now dropped
     from the combination, counted as ambiguous, and the run passes with its true error (from the
     target's weights) under its estimate."""
     target = mx.MultiHeadAttention.random(d, H, seed=seed)

@@ -1,4 +1,5 @@
-"""The whole layer: vector answers in, a drop-in replacement module out (docs/algorithm.md §21).
+"""The whole layer: vector answers in, a drop-in replacement module out (docs/algorithm.md, 'The whole layer: vector
+outputs and a replacement module').
 
 Truth is computed here, independently of the library: a numpy vector attention written in this file,
 and real torch / Hugging Face layers run as themselves (their outputs at every position, float64).

@@ -1,7 +1,7 @@
-"""High precision with instances that stay uncertified (docs/algorithm.md §7, "Not every instance
-certified"): the run is judged by a limit meaningful to users, float64's unit roundoff, not by the
-proven radii's 2^(-precision/4); it says what was proven and what was estimated; results that are
-wrong still fail loudly. Truth: mhaextract.models.compare against the target written in the test."""
+"""High precision with instances that stay uncertified (docs/algorithm.md, 'Not every instance certified'): the run is
+judged by a limit meaningful to users, float64's unit roundoff, not by the proven radii's 2^(-precision/4); it says what
+was proven and what was estimated; results that are wrong still fail loudly. Truth: mhaextract.models.compare against
+the target written in the test."""
 
 import warnings
 

@@ -1,4 +1,4 @@
-"""The lean schedule (docs/algorithm.md §10)."""
+"""The lean schedule (docs/algorithm.md, 'The lean schedule')."""
 
 import warnings
 

@@ -1,8 +1,8 @@
 """The lean schedule's error estimate against the truth on targets that stress its anchors: v scaled
 by 1e4, and two heads with collinear W (W_2 = 2 W_1). Lean takes both anchors of every later
 instance (F(0) and c) from vbar, which row 0's fitted constants give; the estimate must carry their
-error (docs/algorithm.md §10). Each passing run's true error (mhaextract.models.compare against the target
-written here) is at most 30 times its estimate; a failing run must say so (``ok`` False)."""
+error (docs/algorithm.md, 'The lean schedule'). Each passing run's true error (mhaextract.models.compare against the
+target written here) is at most 30 times its estimate; a failing run must say so (``ok`` False)."""
 
 import warnings
 

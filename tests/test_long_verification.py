@@ -1,4 +1,5 @@
-"""The default verification on fresh long queries (docs/algorithm.md §12, ``long_verification``).
+"""The default verification on fresh long queries (docs/algorithm.md, 'Approximate answers: certificate, oversampling,
+refinement, verification', ``long_verification``).
 
 Every schedule asks queries of at most ``2 H0 + 1`` tokens; a layer that is one model on short
 sequences and another beyond (a sliding window, a model that changes after 5 tokens) fits them

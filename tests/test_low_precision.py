@@ -1,5 +1,5 @@
-"""Low-precision oracles (docs/algorithm.md §19): the answers' precision is measured before the
-schedule runs, and the targeted schedule sizes its tolerances to it."""
+"""Low-precision oracles (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'): the answers'
+precision is measured before the schedule runs, and the targeted schedule sizes its tolerances to it."""
 
 import warnings
 
@@ -94,7 +94,7 @@ def test_calibration_measures_the_answer_noise(wrapper, precision, low, high):
 def test_calibration_tells_rounding_from_random_output_noise(wrapper, kind):
     """Repeated probe queries: a rounding oracle answers them alike (its scores are rounded too),
     an oracle adding random noise does not (its scores are exact unless the noise can hide a
-    float32 arithmetic, docs/algorithm.md §19); 147 queries."""
+    float32 arithmetic, docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'); 147 queries."""
     target = mx.MultiHeadAttention.random(4, 2, seed=3)
     calibration = calibrate(OracleBoundary(wrapper(target), 4), 4, np.random.default_rng(0))
     assert calibration.queries == 147 and calibration.answer_noise is not None
@@ -136,7 +136,8 @@ def test_float32_detected_without_calibration():
 
 
 def test_bfloat16_fails_loudly_with_a_hint():
-    """Scalar answers at 8 bits: the heads' labels need vector answers (docs/algorithm.md §23)."""
+    """Scalar answers at 8 bits: the heads' labels need vector answers (docs/algorithm.md, 'Whole answers at 8 or 11
+    bits: saturated lines, then least squares')."""
     d, H = 4, 2
     target = mx.MultiHeadAttention.random(d, H, seed=2)
     with pytest.raises(mx.ExtractionError, match="answer the whole output"):

@@ -1,5 +1,5 @@
-"""Layers answering whole outputs in bfloat16 or float16 (docs/algorithm.md §23): the saturated
-start and the fit on whole answers, with library defaults.
+"""Layers answering whole outputs in bfloat16 or float16 (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated
+lines, then least squares'): the saturated start and the fit on whole answers, with library defaults.
 
 The oracles are written here: a vector attention computed in float64 from its parameters and
 rounded to bfloat16 (round to nearest even, by bit arithmetic on float32) or float16, and a
@@ -188,8 +188,8 @@ def test_the_fit_design_and_its_subset_predict_every_answer():
 
 def test_the_fit_stops_where_its_misfit_stalls_and_is_as_close_as_one_run_to_its_cap(monkeypatch):
     """L-BFGS stops once ten iterations lower the misfit by less than a thousandth of what the
-    parameters' statistical error adds to it (docs/algorithm.md §23): well before its cap, and the
-    fit run on to the cap is no closer to the truth."""
+    parameters' statistical error adds to it (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then
+    least squares'): well before its cap, and the fit run on to the cap is no closer to the truth."""
     import mhaextract.lowprecision.fit as fit
     from mhaextract.oracle.queries import random_queries
     layer = RoundedLayer(5, 2, 8, seed=6)

@@ -1,4 +1,4 @@
-"""The low-rank schedule (docs/algorithm.md §17): heads of rank <= r in O(H r d) queries."""
+"""The low-rank schedule (docs/algorithm.md, 'Low-rank heads'): heads of rank <= r in O(H r d) queries."""
 
 import numpy as np
 import pytest
@@ -42,13 +42,15 @@ def test_count_at_the_oracle_equals_the_formula_and_heads_are_recovered(d, H, r,
     assert result.ok, [str(check) for check in result.failed_checks]
     assert result.promised_queries == formula(d, H, r)
     # every query counted at the user's side: the formula after the (adaptive, measured) phase 1,
-    # plus the fresh noise-probe queries every float64 schedule but paper asks (docs/algorithm.md §12)
+    # plus the fresh noise-probe queries every float64 schedule but paper asks (docs/algorithm.md, 'Approximate answers:
+    # certificate, oversampling, refinement, verification')
     assert oracle.count == result.queries == formula(d, H, r) + result.details.phase1.queries + PROBE_QUERIES + VERIFY_QUERIES
     assert mx.compare(result.model, target).max_rel <= 1e-11
 
 
 def biased_low_rank_target(d, H, r, seed):
-    """A rank-r target with score biases ``u_h`` and an output constant ``c`` (docs/algorithm.md §16)."""
+    """A rank-r target with score biases ``u_h`` and an output constant ``c`` (docs/algorithm.md, 'Biases: affine scores
+    and an output constant')."""
     base = low_rank_target(d, H, r, seed)
     rng = np.random.default_rng(seed + 100)
     return mx.MultiHeadAttention(base.W, base.v, rng.standard_normal((H, d)) / np.sqrt(d), 0.3)
@@ -63,7 +65,7 @@ def biased_formula(d, H, r):
 @pytest.mark.parametrize("d, H, r, seed", [(12, 3, 3, 0), (10, 2, 5, 2)])
 def test_low_rank_heads_with_biases_are_recovered_with_the_count_at_the_oracle(d, H, r, seed):
     """``bias=True``: a~_h(z) = (W_h^T z, u_h^T z) lies in S_h x R; the subspace units ask r + 1
-    instances in the lifted coordinates (docs/algorithm.md §17)."""
+    instances in the lifted coordinates (docs/algorithm.md, 'Low-rank heads')."""
     target = biased_low_rank_target(d, H, r, seed)
     oracle = CountingOracle(target)
     result = mx.extract(oracle, d, heads=H, seed=seed, schedule="lowrank", rank=r, bias=True)
@@ -126,7 +128,7 @@ def test_rank_is_required_by_lowrank_and_refused_by_the_others():
     assert oracle.count == 0
 
 
-# ------------------------------------------------------------------ rank="auto" (docs/algorithm.md §17)
+# ------------------------------------------------------------------ rank="auto" (docs/algorithm.md, 'Low-rank heads')
 def auto_formula(d, H, r, n):
     """The count with rank r found after n full bridges (n = R - 1 for a given bound)."""
     R = min(d, r + 2)
@@ -231,7 +233,7 @@ def test_a_rank_with_the_default_schedule_runs_the_low_rank_schedule():
 @pytest.mark.parametrize("lifted", [False, True])
 def test_the_basis_term_of_a_subspace_unit_equals_its_dense_form(lifted):
     """``basis_variance`` works in the (H - 1)-dimensional span of the tokens' parts off the subspace
-    (docs/algorithm.md §17, "Error estimate"); here against ``diag(M B diag(t) B^T M^T) + t`` formed
+    (docs/algorithm.md, 'Low-rank heads', 'Error estimate'); here against ``diag(M B diag(t) B^T M^T) + t`` formed
     densely, ``B = X (I - Q Q^T)``, ``M = Q (X Q)^-1``, on tokens the design itself makes."""
     from mhaextract.attention.targeted.lowrank import AffineSubspaceDesign, _lifted_bases
     from mhaextract.attention.targeted.designs import SubspaceDesign
@@ -271,7 +273,7 @@ def test_the_estimate_covers_the_subspace_units_error_from_their_basis(seed):
     saturated), so what its basis misses of ``a`` comes back into its ``c`` amplified: at d = 16,
     H = 4, rank 4 (float64) the units' errors were 4..8 times their own rounds' estimate, all of it
     from the basis, and the estimate stood within 1.01..4.1 of the truth. Measured with the term of
-    docs/algorithm.md §17 (the basis's rounding included): 4.3 and above."""
+    docs/algorithm.md, 'Low-rank heads' (the basis's rounding included): 4.3 and above."""
     d, H, r = 16, 4, 4
     target = low_rank_target(d, H, r, seed)
     result = mx.extract(mx.SimulatedOracle(target), d, heads=H, seed=seed + 1, schedule="lowrank", rank=r)

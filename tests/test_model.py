@@ -8,7 +8,7 @@ import mhaextract as mx
 
 
 def softmax_reference(W, v, X):
-    """f(X) written out term by term, as in docs/algorithm.md §1."""
+    """f(X) written out term by term, as in docs/algorithm.md, 'The model'."""
     total = 0.0
     for h in range(W.shape[0]):
         scores = np.array([X[i] @ W[h] @ X[-1] for i in range(len(X))])

@@ -44,7 +44,7 @@ def test_a_float32_gpt2_layer_with_heads_of_width_8_is_extracted(seed, read_out)
     a coordinate of 1 beside tokens that aim log-poles of 70, and GPT-2's u is small beside
     ``W_h x`` there: at the float64 length of the final differences (64 token scales) u is read
     3e-6..1e-5 off (W 1e-6; seed 11: 9.8e-6 whole, 9.9e-6 read out). Noisy answers lengthen them
-    (docs/algorithm.md §19, "Narrow heads"): 0.9e-6..2.1e-6 over 60 runs. The issue
+    (docs/algorithm.md, 'Narrow heads'): 0.9e-6..2.1e-6 over 60 runs. The issue
     asks 1e-5; 4e-6 is asserted so that the test tells the two apart (float32 rounding moves with
     the machine's kernels). Whole outputs (what users run) and scalar read-outs; read out, seed 1's
     calibration reads the noise at 1.2e-6 (its bias-dominated answers at the default token norm

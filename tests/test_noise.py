@@ -15,7 +15,7 @@ from mhaextract.oracle.queries import random_queries
 
 def quiet_extract(oracle, d, H, seed, **options):
     # The paper's algebraic certificate: unless asked, no refinement (paper refines noisy answers by
-    # default, docs/algorithm.md §12, "Refined under noise"; test_paper_refines_noisy_answers_...).
+    # default, docs/algorithm.md, 'Refined under noise'; test_paper_refines_noisy_answers_...).
     options.setdefault("refine", False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mx.UnreliableExtractionWarning)
@@ -221,7 +221,9 @@ def test_acceptance_1_the_bound_holds_in_200_noisy_runs_and_is_not_vacuous():
             skipped += 1
             assert "finite" in [check.name for check in result.failed_checks]
             continue
-        if not eps < result.certificate.validity_at(eps):  # valid_below, less instances verified at eps (§12)
+        if not eps < result.certificate.validity_at(eps):
+            # valid_below, less instances verified at eps (docs/algorithm.md, 'Approximate answers: certificate,
+            # oversampling, refinement, verification')
             skipped += 1
             assert result.error_bound(eps) == np.inf
             assert "noise_within_validity" in [check.name for check in result.failed_checks]

@@ -1,9 +1,11 @@
-"""The pipeline's architecture: one registry, one result type, no import cycle (docs/algorithm.md §5).
+"""The pipeline's architecture: one registry, one result type, no import cycle (docs/algorithm.md, 'The paper
+schedule').
 
 A schedule is one module plus one registry line: :class:`PairSchedule` below is a complete,
 test-only schedule (one head, float64: ``v`` from d one-token queries, ``W`` from d^2 two-token
-queries, the k = 1 instance of docs/algorithm.md §3). Registered, it runs through ``extract``
-with the same boundary, checks, result, saving and verification as the library's own.
+queries, the k = 1 instance of docs/algorithm.md, 'One instance: copies of a token and a rational function').
+Registered, it runs through ``extract`` with the same boundary, checks, result, saving and verification as the library's
+own.
 """
 
 import ast
@@ -44,7 +46,7 @@ class PairDetails(ScheduleDetails):
 
 class PairSchedule(Schedule):
     """H = 1 in float64: ``F = f((x_i - z_j, x_i))`` gives ``tau = (v^T y - F) / (F - v^T x)`` and
-    ``log tau = z_j^T W x_i``; ``W = Z^{-T} M X^{-1}`` (§9)."""
+    ``log tau = z_j^T W x_i``; ``W = Z^{-T} M X^{-1}`` (docs/algorithm.md, 'Assembly')."""
 
     name = "test-pairs"
 

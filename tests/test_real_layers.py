@@ -94,7 +94,7 @@ def test_larger_biased_layers(kind):
 def test_a_biased_layer_is_extracted_by_the_low_rank_schedule(kind, dtype, d, H):
     """Real heads have rank d / H: ``schedule="lowrank", rank=d // H, bias=True`` learns W, v, u and c
     with O(H r d) queries; float32 layers as well (the rank limit and the estimate sized to the
-    answers' noise, docs/algorithm.md §17)."""
+    answers' noise, docs/algorithm.md, 'Low-rank heads')."""
     layer = build(kind, d, H, seed=d + H, implementation="eager" if dtype == "float32" else "sdpa")
     r = np.random.default_rng(d + H).standard_normal(d)
     truth = to_reduced(layer, r)
@@ -173,7 +173,8 @@ def test_a_layer_outside_the_model_class_fails_its_checks_and_is_refused_by_to_r
 @pytest.mark.slow
 def test_a_float32_biased_layer_is_extracted():
     """A float32 BERT layer whose phase 1 used to read the offsets b_h 10..200 off (no model):
-    ground truth from the float64 copy of the weights (docs/algorithm.md §19)."""
+    ground truth from the float64 copy of the weights (docs/algorithm.md, 'Low-precision oracles: float32, mixed
+    precision, bfloat16')."""
     d, H = 16, 4
     layer = build("BertSelfAttention", d, H, seed=0, implementation="eager").to(torch.float32)
     r = np.random.default_rng(0).standard_normal(d)
@@ -188,7 +189,7 @@ def test_a_float32_layer_whose_first_group_needs_its_aim_corrected_round_by_roun
     """A float32 OPT layer (d = 32, H = 8, seed 3) whose first group, designed from phase 1's rough
     estimates in blocks of 16 rounds, missed its aim by up to 10 log-pole units and left a rough
     model that the final stage missed by 14: it failed loudly, 7e-4 off. The first group is aimed
-    round by round (docs/algorithm.md §13, "Aiming in blocks"); ground truth from the float64 copy."""
+    round by round (docs/algorithm.md, 'Aiming in blocks'); ground truth from the float64 copy."""
     d, H = 32, 8
     layer = build("OPTAttention", d, H, seed=3, implementation="eager").to(torch.float32)
     r = np.random.default_rng(3).standard_normal(d)
@@ -204,8 +205,8 @@ def test_the_error_estimate_of_a_float32_layer_covers_its_small_score_biases(kin
     """GPT-2's score biases are small (max|u| ~ 1e-3 against max|W| ~ 1): their error relative to
     max|u| was up to 1.45x the estimate, which covered W alone (seeds 0, 1: 0.69, 0.71 x the truth);
     ViT seed 0's largest W error is 4.5 times its head's root mean square, above the 3.3 times the
-    head-wise estimate assumed (0.58 x). The estimate is per entry of W, u and v (docs/algorithm.md §13, "Error
-    estimate"); ground truth from the float64 copy of the weights."""
+    head-wise estimate assumed (0.58 x). The estimate is per entry of W, u and v (docs/algorithm.md, 'The targeted
+    schedule', 'Error estimate'); ground truth from the float64 copy of the weights."""
     d, H = 16, 4
     layer = build(kind, d, H, seed=seed, implementation="eager")
     r = np.random.default_rng(seed).standard_normal(d)
@@ -224,7 +225,7 @@ def test_the_low_rank_estimate_of_a_float32_layer_is_above_its_error_and_within_
     truth on this ViT layer (rank 32) and failed ``error_estimate`` on a model 3e-6 off (10 of 15
     float32 layers at d = 64, H = 2, 2e-6..4e-5 off); on the GPT-2 layer (rank 4) the same bound stood 2.6x above it
     while what actually moves those units (the basis's miss read by the tokens' parts off the
-    subspace) went unmodelled. The first-order term of docs/algorithm.md §17 ("Error estimate"),
+    subspace) went unmodelled. The first-order term of docs/algorithm.md, 'Low-rank heads' ("Error estimate"),
     sized to the noise the full units show: 10x and 3.8x here (GPT-2's u, its largest error; the old
     estimate of u alone was 0.87x it, covered by the W part's excess). A float32 layer's rounding
     depends on the machine's vector units and threads (the same layer, seed and code came out 6.5e-6

@@ -1,4 +1,5 @@
-"""Refinement with biases for every float64 schedule, its polish queries and its certificate (§12)."""
+"""Refinement with biases for every float64 schedule, its polish queries and its certificate (docs/algorithm.md,
+'Approximate answers: certificate, oversampling, refinement, verification')."""
 
 import dataclasses
 import warnings
@@ -84,7 +85,9 @@ def test_counted_polish_queries_are_exactly_the_documented_ones():
     polish = 6 * parameter_count(H, d, bias=True)  # 6 (H (d^2 + 2d) + 1) with u_h and c
     assert refined.refinement.queries == polish
     assert refined_oracle.count == refined.queries == plain.queries + polish == plain_oracle.count + polish
-    assert refined.calibration_queries == plain.calibration_queries == 147  # docs/algorithm.md §18-§19
+    # docs/algorithm.md, 'Choosing the token scale from queries' and 'Low-precision oracles: float32, mixed precision,
+    # bfloat16'
+    assert refined.calibration_queries == plain.calibration_queries == 147
     assert refined.max_query_length == plain.max_query_length  # polish queries: 2..4 tokens
     assert refined.certificate.kind == "least squares" and refined.error_estimate < 1e-12
     assert mx.compare(refined.model, target).max_rel <= refined.error_estimate
@@ -198,7 +201,7 @@ def test_least_squares_certificate_is_the_weighted_pseudo_inverse():
     assert certificate.amplification_bias > 0 and certificate.amplification == max(
         certificate.amplification_W, certificate.amplification_v, certificate.amplification_bias)
     assert certificate.valid_below == pytest.approx(1e-3 / certificate.amplification)
-    # docs/algorithm.md §12, "Second order": the fit's slack grows with its first-order movement m,
+    # docs/algorithm.md, 'Second order': the fit's slack grows with its first-order movement m,
     # 1 at the edge of its linear range (m = 1e-3), 0.1 at m = 1e-4, never above 1.
     C, floor = certificate.amplification, certificate.rounding_floor
     for movement, factor in ((1e-4, 1.1), (1e-3, 2.0), (1e-2, 2.0), (1e-8, 1.0 + 1e-5)):
@@ -242,7 +245,7 @@ def test_refining_a_bias_free_float32_target_with_biases_is_not_a_false_alarm():
     assert result.ok and truth <= result.error_estimate < 1e-3
 
 
-# ---------------------------------------------------------------- matrix-free path (docs/algorithm.md §12.1)
+# ---------------------------- matrix-free path (docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian')
 def _polish_problem(d=4, H=3, seed=1, count=None):
     """A biased target, polish-like queries, its correctly rounded answers, and weights."""
     target = mx.MultiHeadAttention.random(d, H, seed=seed, bias=True)
@@ -314,8 +317,8 @@ def test_matrix_free_certificate_bounds_the_dense_one_and_the_truth(monkeypatch)
                                      weights=weights, solver=operator)
     assert dense.method == "exact" and free.method == "matrix-free estimate"
     # The estimated row bounds of G against its exact row l1 norms: a single parameter's bound falls
-    # short with probability about 0.7% (§12.1); each block's largest, which the amplification
-    # takes, is above the exact one, as is the amplification itself.
+    # short with probability about 0.7% (docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian'); each
+    # block's largest, which the amplification takes, is above the exact one, as is the amplification itself.
     l1 = np.abs(sensitivity_matrix(dense)).sum(axis=1)
     bounds = operator.row_l1_bounds(weights)
     assert np.mean(bounds >= l1) >= 0.9

@@ -248,7 +248,7 @@ def test_the_default_and_targeted_schedules_take_a_declared_answer_error(schedul
 def test_the_targeted_estimate_covers_an_ill_conditioned_design(monkeypatch):
     # A silent failure of bench_reliability (d = H = 4): the first-order estimate applied X^{-1} to
     # the vector of error sizes, whose signed sum cancelled: 4e-14 against a true 3e-11. The final
-    # bases are now chosen for well-conditioned designs (docs/algorithm.md §13); one candidate
+    # bases are now chosen for well-conditioned designs (docs/algorithm.md, 'The targeted schedule'); one candidate
     # basis per head gives the ill-conditioned design back.
     from mhaextract.attention.targeted import bases
 
@@ -499,7 +499,8 @@ def test_lean_residual_is_judged_against_the_estimate_with_exact_answers(seed):
     result = mx.extract(oracle, d, heads=H, seed=seed, schedule="lean", on_failure="warn", **extra)
     truth = float(mx.compare(result.model, target.canonical()).max_rel)
     residual = next(check for check in result.checks if check.name == "answers_residual")
-    # judged against what the model's own estimated error explains, as under noise (§11)
+    # judged against what the model's own estimated error explains, as under noise (docs/algorithm.md, 'Numerics in
+    # float64 and the token scale')
     assert 1e-6 < residual.value <= residual.threshold == pytest.approx(result.error_estimate)
     assert result.ok, result.failed_checks
     assert truth <= 10 * result.error_estimate <= 1e-3
@@ -509,7 +510,7 @@ def test_lean_estimate_is_at_least_the_answers_residual():
     # Before: estimate 1.4e-10 below its own residual 3.8e-10 and 26 x below the true error 3.6e-9
     # (exact answers, d = 6, H = 2, bench_reliability seed 24: the table's worst lean ratio).
     target, oracle, d, H, _ = _random_case(24, "exact")
-    # The estimate carries the anchors' error (docs/algorithm.md §10) and is above the residual by
+    # The estimate carries the anchors' error (docs/algorithm.md, 'The lean schedule') and is above the residual by
     # itself; where it is not, the residual raises it (Schedule.residual_evidence).
     result = mx.extract(oracle, d, heads=H, seed=24, schedule="lean")
     truth = float(mx.compare(result.model, target.canonical()).max_rel)
@@ -548,7 +549,7 @@ def test_lean_does_not_refine_exact_answers():
 
 
 # Seeds 58 and 148: the algebra's models are 8.2e-5 and 3.9e-5 off, their estimates (6.1e-4, 2.5e-4,
-# anchors' error included, docs/algorithm.md §10) above the 1e-4 limit.
+# anchors' error included, docs/algorithm.md, 'The lean schedule') above the 1e-4 limit.
 @pytest.mark.parametrize("seed, failed", [(58, "error_estimate"), (148, "error_estimate"), (237, "pole_count"),
                                           (266, "matching")])
 def test_a_failed_exact_lean_run_is_refined_with_counted_polish_queries(seed, failed):
@@ -636,7 +637,7 @@ def test_competing_head_orders_within_the_noise_are_refitted_and_refuted(seed, c
     # error_estimate was inf on refined models 5.7e-9..2.6e-7 off (bench_reliability's paper false
     # alarms). Each competing order is refitted from its own start on the same answers (no query):
     # every one lands on the run's fit or misfits the answers by far more, so the basin is the
-    # answers' (docs/algorithm.md §12, "Refuted alternatives").
+    # answers' (docs/algorithm.md, 'Refuted alternatives').
     target, oracle, d, H, extra = _random_case(seed, condition)
     start = mx.extract(oracle, d, heads=H, seed=seed, schedule="paper", on_failure="warn", refine=False, **extra)
     eps = 1e-8 if condition == "uniform" else 3 * start.certificate.noise_estimate

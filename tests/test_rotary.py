@@ -1,6 +1,6 @@
-"""Rotary attention (docs/algorithm.md §22): the model against a Llama-style reference written
-here, the rotation recovered from two score matrices, the window search, and the rotary schedule
-end to end against layers whose truth is known."""
+"""Rotary attention (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'): the model
+against a Llama-style reference written here, the rotation recovered from two score matrices, the window search, and the
+rotary schedule end to end against layers whose truth is known."""
 
 import numpy as np
 import pytest
@@ -215,7 +215,8 @@ def test_a_start_whose_heads_were_matched_wrongly_is_drawn_again(monkeypatch):
 
 class KeyBiasedRotary:
     """A rotary layer with a key bias (Qwen2-style): a zero token is no longer neutral, so the
-    layer is outside the rotary model (docs/algorithm.md §22)."""
+    layer is outside the rotary model (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding
+    windows')."""
 
     def __init__(self, layer: mx.RotaryAttention, key_bias: np.ndarray):
         self.layer, self.key_bias = layer, key_bias
@@ -369,7 +370,8 @@ class WindowedAttention:
 
 @pytest.mark.parametrize("heads,window", [(1, 8), pytest.param(2, 16, marks=pytest.mark.slow)])
 def test_a_windowed_layer_without_positions_is_extracted_with_its_window(heads, window):
-    """GPT-2-style windows: no rotation is the rotary model with M = I (docs/algorithm.md §22)."""
+    """GPT-2-style windows: no rotation is the rotary model with M = I (docs/algorithm.md, 'Rotary attention: positions,
+    grouped heads and sliding windows')."""
     layer = WindowedAttention(d=8, heads=heads, width=4, window=window, seed=heads)
     result = mx.extract(layer, d=8, heads=heads, positions="rotary", rank=4, seed=0)
     assert result.ok and result.window == window
@@ -733,7 +735,7 @@ class Float32Answers:
 
 
 def test_the_large_query_criterion_vanishes_at_a_neutral_token_whatever_the_self_scores():
-    """docs §22, "From float32 answers": with finals z* + w the answers' part off the shapes
+    """docs/algorithm.md, 'From float32 answers': with finals z* + w the answers' part off the shapes
     (N - 1) / N^(k+2) is zero at the key-neutral token although the finals' self-scores (0.3 here)
     move the answers by a tenth, and a key of 1e-4 left in z stands out of it."""
     from mhaextract.rotary.neutral import off_shape_misfit, pair_misfit
@@ -782,10 +784,10 @@ def test_a_float32_run_under_a_window_too_short_for_the_large_query_search_is_re
 
 def test_the_refinements_key_prior_is_weighed_against_the_misfit():
     """The key bias's prior is ``(sigma / key_size)^2 |k|^2`` with sigma the misfit's root mean
-    square at each step (docs §22). Without a prior the refinement fits a key bias of 0.3 from 0
-    (to 1%: the other parameters nearly take up one combination of it, the walk a float32 run must
-    not take); a prior of the key's size leaves the fit to the answers; a prior far below the key
-    holds it near 0 whatever the misfit, which stays large: a residual check a run fails loudly."""
+    square at each step (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'). Without a
+    prior the refinement fits a key bias of 0.3 from 0 (to 1%: the other parameters nearly take up one combination of
+    it, the walk a float32 run must not take); a prior of the key's size leaves the fit to the answers; a prior far
+    below the key holds it near 0 whatever the misfit, which stays large: a residual check a run fails loudly."""
     from mhaextract.rotary.refine import refine
     truth = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=1, bias=True)
     truth = truth.replaced(key_bias=np.array([[0.3, -0.2]]))

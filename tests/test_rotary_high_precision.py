@@ -1,4 +1,4 @@
-"""Rotary attention at high precision (docs/algorithm.md §22, "High precision"): the model's
+"""Rotary attention at high precision (docs/algorithm.md, 'High precision'): the model's
 ball-arithmetic evaluation against a reference written here in mpmath, and a 256-bit extraction
 whose heads and outputs are judged against the layer's own parameters at 256 bits."""
 

@@ -342,7 +342,7 @@ def test_a_qwen2_layer_with_its_key_bias_is_extracted_whole(options):
 @pytest.mark.slow
 def test_a_float32_layer_with_a_key_bias_is_extracted_through_large_query_finals():
     """Issue 40, acceptance 2's float32 line with Qwen2's biases: from float32 answers the
-    key-neutral token comes from the large-query search (docs §22, "From float32 answers"), whose
+    key-neutral token comes from the large-query search (docs/algorithm.md, 'From float32 answers'), whose
     token leaves keys far below the biases; the run passes every check, within 1e-5 of the exact
     layer (float64, its float32 weights) on fresh sequences, with an estimate that does not
     understate. The first seeding takes the layer's slow blocks (theta = 1e-3 in each head), and

@@ -427,7 +427,7 @@ def test_a_query_budget_stops_the_run():
 
 # ---------------------------------------------------------------- issue 15: the final instances
 def test_final_patterns_put_the_target_at_both_sides_and_stay_orthogonal():
-    """The final units' patterns (docs/algorithm.md §13, "The final instances"): the target's row is
+    """The final units' patterns (docs/algorithm.md, 'The final instances'): the target's row is
     exactly 0, -1, +1, .. (odd counts) or -1, +1, .. (even), zero sum; the constant row constant;
     every other row is zero-sum,
     entries in [-1, 1], and all of them mutually orthogonal (a triangular transform of orthogonal
@@ -550,9 +550,9 @@ def _final_design(designer, d, H, units, seed):
 def test_stages_in_many_chunks_reuse_their_arrays_and_lose_nothing(monkeypatch, schedule, bias):
     """``measure_units`` with every stage cut into chunks of one or two groups (``CHUNK_BYTES`` shrunk) and
     its final tokens too large to keep (``KEEP_BYTES`` 0): the chunks after the first write their
-    patterns, final tokens and Gram-Schmidt bases into the first chunk's arrays (docs/algorithm.md §13,
-    "Fresh memory is not free"), and the run still asks the unchunked run's number of queries and
-    learns the target to the same precision (the patterns are drawn per chunk, so the queries differ)."""
+    patterns, final tokens and Gram-Schmidt bases into the first chunk's arrays (docs/algorithm.md, 'Fresh memory is not
+    free'), and the run still asks the unchunked run's number of queries and learns the target to the same precision
+    (the patterns are drawn per chunk, so the queries differ)."""
     d, H = 8, 2
     target = mx.MultiHeadAttention.random(d, H, seed=4)
     if schedule == "lowrank":
@@ -581,7 +581,7 @@ def test_stages_in_many_chunks_reuse_their_arrays_and_lose_nothing(monkeypatch, 
 @pytest.mark.parametrize("lifted", [False, True])
 @pytest.mark.parametrize("d, H", [(9, 1), (9, 4), (9, 8), (9, 9), (24, 3)])
 def test_the_final_designs_inverse_from_their_structure_is_the_inverse(lifted, d, H):
-    """``_FullDesign.approximate_inverse`` (docs/algorithm.md §13, "The inverse from the design"):
+    """``_FullDesign.approximate_inverse`` (docs/algorithm.md, 'The inverse from the design'):
     the final stage's ``X^{-1}`` from the frame of the estimates, the null space and the pattern,
     with no solve, equals ``np.linalg.inv`` of the designed tokens to rounding (here unrounded
     tokens) for every head's unit: constant rows in a head's slot, in the null space (the last
@@ -736,7 +736,8 @@ def test_a_float64_run_computes_no_gram_schmidt_for_its_bridges(monkeypatch):
         return original_measure(prober, differences, estimates, rng, bridge, *args, **kwargs)
 
     monkeypatch.setattr(targeted_patterns.MinimumNormCorrection, "add", add)
-    monkeypatch.setattr(biased, "measure_units", measure)  # the targeted schedule runs the lifted model (§16)
+    # the targeted schedule runs the lifted model (docs/algorithm.md, 'Biases: affine scores and an output constant')
+    monkeypatch.setattr(biased, "measure_units", measure)
     result = mx.extract(CountingOracle(target), d, heads=H, seed=3, schedule="targeted")
     assert result.ok and mx.compare(result.model, target).max_rel < 1e-13
     assert "bridge" in stage and "bridge" not in corrected
@@ -955,7 +956,7 @@ def test_score_norms_of_a_token_in_a_low_rank_heads_null_space_are_its_rounding(
 def test_the_subspace_designs_map_is_the_pseudo_inverse_of_its_rows(H, r):
     """``_SubspaceDesign``'s map from a round's right-hand side (the other heads' values, the
     coordinates y in the basis) to its token, formed from the basis' orthonormality in ``O(H d r)``
-    (docs/algorithm.md §17), is the minimum-norm solution map of ``[O; Q^T] x = rhs``:
+    (docs/algorithm.md, 'Low-rank heads'), is the minimum-norm solution map of ``[O; Q^T] x = rhs``:
     ``pinv([O; Q^T])^T``, with O the other heads' estimates; other heads nearly inside the
     subspace included."""
     d, units = 12, 2 * H

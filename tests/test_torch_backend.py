@@ -42,7 +42,8 @@ def test_torch_fit_equals_numpy_fit_and_the_truth(H, known, device):
     reference = numpy_kernel.fit(F, ks, H, constant=constant)
     for name in ("c", "log_poles", "labels"):
         np.testing.assert_allclose(getattr(ours, name), getattr(reference, name), rtol=0, atol=1e-9)
-    # Both are the truth to the conditioning of the instance (3 digits per head, section 11).
+    # Both are the truth to the conditioning of the instance (3 digits per head, docs/algorithm.md, 'Numerics in float64
+    # and the token scale').
     assert np.abs(ours.log_poles - m).max() < 10.0 ** (-13 + 3 * H)
     ranks, _ = TorchKernels(device).detect_ranks(F, ks, H, constant=constant)
     assert (ranks == H).all()

@@ -1,4 +1,5 @@
-"""One-layer Transformer (docs/algorithm.md §14): the model, its canonical form, the extraction."""
+"""One-layer Transformer (docs/algorithm.md, 'The one-layer Transformer'): the model, its canonical form, the
+extraction."""
 
 
 import itertools

@@ -41,21 +41,18 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     seed : seeds the random query vectors (same seed, same queries).
     schedule : ``"auto"`` (default: the registry chooses from the arithmetic and H0, and
         ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, else the
-        paper's grid, with biases the biased grid of §16: ``4 H0 d^2 + 4 H0 d - 2 H0 + 1`` queries
-        of length at most ``2 H0 + 1``) or a name from :mod:`mhaextract.attention.registry`: ``"paper"`` (exactly
-        ``4 H0 d^2 - 2 H0 + 1`` queries of length at most ``2 H0 + 1``, docs/algorithm.md §5; named
-        alone it reproduces the paper: bias-free model, token scale ``d ** 0.25``, no probes),
-        ``"lean"`` (§10: about ``(2 H0 - 1) d^2`` queries, heads matched by residue labels),
-        ``"targeted"`` (§13: float64, H <= d, one head in the window per instance; machine
-        precision for many heads, about ``4 H d^2 + 4 H d`` queries) or ``"lowrank"`` (§17).
-    bias : learn score biases ``u_h`` and the output constant ``c`` (§16; real layers have them).
-        None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model schedules;
-        ``schedule="paper", bias=True`` runs the biased grid (high precision: ``result.u_balls``,
-        ``result.c_ball``).
-    token_scale : norm of the query vectors: ``"auto"`` (found by counted probe queries, §18;
-        ``result.calibration_queries``), a number (choose it so that ``|z^T W_h x|`` is of order
-        one, §11), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``, ``d ** 0.25``
-        for the paper-model schedules, suited to W with entries of size ``1/sqrt(d)``).
+        paper's grid, with biases the biased grid of docs/algorithm.md, 'Biases: affine scores and an output constant':
+        ``4 H0 d^2 + 4 H0 d - 2 H0 + 1`` queries of length at most ``2 H0 + 1``) or a name
+        from :mod:`mhaextract.attention.registry`: ``"paper"`` (exactly ``4 H0 d^2 - 2 H0 + 1`` queries of length at
+        most ``2 H0 + 1``, docs/algorithm.md, 'The paper schedule'; named alone it reproduces the paper: bias-free
+        model, token scale ``d ** 0.25``, no probes), ``"lean"`` ('The lean schedule': about ``(2 H0 - 1) d^2`` queries,
+        heads matched by residue labels), ``"targeted"`` ('The targeted schedule': float64, H <= d, one head in the
+        window per instance; machine precision for many heads, about ``4 H d^2 + 4 H d`` queries) or ``"lowrank"``
+        ('Low-rank heads').
+    token_scale : norm of the query vectors: ``"auto"`` (found by counted probe queries, 'Choosing the token scale from
+        queries'; ``result.calibration_queries``), a number (choose it so that ``|z^T W_h x|`` is of order
+        one, 'Numerics in float64 and the token scale'), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``,
+        ``d ** 0.25`` for the paper-model schedules, suited to W with entries of size ``1/sqrt(d)``).
     batch_size : sequences per oracle call.
     progress : draw one progress bar for the run on stderr: True, False, or None (default: only when
         stderr is a terminal, so a redirected log gets no bar lines). Its description names the
@@ -69,65 +66,76 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         queries, so it re-pays at most the batch in flight and the resume check. Needs an integer ``seed``.
     max_queries : cap on the queries asked of the oracle in this run; when the run needs more it
         raises :class:`~mhaextract.oracle.boundary.BudgetExceeded` saying how many.
-    samples_per_instance : K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
-    refine : polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
-        polish queries (and the grid schedules' own answers), then certify the fit (float64, every
-        schedule, §12): ``result.certificate``, ``result.error_estimate`` from ``G = J^+``. None
-        (default): only where the schedule refines by itself (float64 paper and lean, when
-        ``answer_error`` is declared or the answers show noise above rounding, and paper when its
-        algebraic result failed a check; paper on its own answers, its exact count kept; lean
-        with ``H0 (d^2 + d)`` polish queries; H0 <= 3; §10, §12); False: never.
-    refine_queries : fresh polish queries for the refinement (default ``6 P``, P the parameters:
-        ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
-    answer_error : a bound on every answer's absolute error, if known (float64).
-    rank : a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, §17: about
-        ``2.1 H (2dr - r^2)`` queries instead of ``4 H d^2``), or ``"auto"``: the schedule finds r from
-        its bridges first (at most twice the full bridges r needs; ``details.rank``). With
-        ``schedule="auto"`` a rank selects the low-rank schedule (float64, H0 <= d, with biases and
-        calibration as the other defaults); the other schedules refuse it.
-    backend : float64 kernels of the grid schedules (paper, lean): None or ``"numpy"``, or
-        ``"torch"`` (CUDA when present, else CPU), ``"torch-cpu"``, ``"torch-cuda"``: the batched
-        factorisations in torch, the same results to float64 rounding (needs the ``[torch]`` extra).
     resume_check : resuming a transcript, re-ask this many recorded queries (counted in
         ``queries_asked``) and refuse the transcript when the oracle answers differently
         (:mod:`mhaextract.oracle.resume_check`); 0 skips the check.
-    repair : high precision, grid schedules: an instance whose Krawczyk test failed is measured
-        again with its close poles pulled apart, with 0, K or 2K extra counted queries
-        (docs/algorithm.md §20; ``result.details.repair_queries``, ``result.details.repairs``).
-        None (default): on for the biased grid (``"auto"``, ``bias=True``), off for
-        ``schedule="paper"`` named alone, whose count then stays the paper's exactly; True turns
-        it on there; False turns it off.
-    verify_length : the default verification (docs/algorithm.md §12): 32 fresh random queries of
-        lengths spread from 1 to ``verify_length`` tokens, asked after the schedule and counted like
-        every query (``result.verification_queries``, ``result.verification_length``), judged by
-        the ``long_verification`` check against the run's own error estimate and noise; a layer
-        that is another model beyond short sequences (a sliding window, position-dependent scores)
+    verify_length : the default verification (docs/algorithm.md, 'Approximate answers: certificate, oversampling,
+        refinement, verification'): 32 fresh random queries of lengths spread from 1 to ``verify_length`` tokens, asked
+        after the schedule and counted like every query (``result.verification_queries``,
+        ``result.verification_length``), judged by the ``long_verification`` check against the run's own error estimate
+        and noise; a layer that is another model beyond short sequences (a sliding window, position-dependent scores)
         fails it. None (default): 256, except ``schedule="paper"`` named alone (0: the paper's
         exact count); an integer 1..4096; 0 turns it off.
+    **options : the family options, keyword-only; each learner takes its own and refuses the rest
+        before any query, naming the learner that takes it (``mhaextract schedules`` tables them):
 
-    positions : ``"none"`` (default: the model of docs/algorithm.md §1, no positions) or
-        ``"rotary"``: rotary position embeddings (Llama-style RoPE, grouped-query heads, a sliding
-        window found by queries; §22), learned with the rotary schedule in float64, or taken on to
-        ``precision`` bits for an oracle answering ``mpf``; returns a
-        :class:`~mhaextract.rotary.learn.RotaryExtraction` whose ``model`` is a
-        :class:`~mhaextract.RotaryAttention`. It takes ``heads``, ``precision``, ``seed``,
-        ``token_scale``, ``bias`` (the query bias; default True), ``rank`` (the head width),
-        ``batch_size``, ``progress``, ``on_failure``, ``max_queries``, ``verify_length`` and
-        ``key_bias``.
-    key_bias : ``positions="rotary"`` only: the keys carry a bias (Qwen2), which under rotation
-        does not cancel in the softmax. The run first finds a token whose key is zero from whole
-        answers (float64: grouped-query heads with ``n_kv r < d`` and ``H r <= d``, §22, "A key
-        bias"; float32: by large-query finals, counts up to 2048, "From float32 answers"), asks
-        everything else at tokens shifted by it and fits the key bias in the refinement
-        (``result.neutral``). Default False: a key-biased layer then fails its checks.
+        - ``bias``: learn score biases ``u_h`` and the output constant ``c`` ('Biases: affine scores and an output constant';
+          real layers have them). None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model
+          schedules; ``schedule="paper", bias=True`` runs the biased grid (high precision: ``result.u_balls``,
+          ``result.c_ball``).
+        - ``samples_per_instance``: K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
+        - ``refine``: polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
+          polish queries (and the grid schedules' own answers), then certify the fit (float64, every
+          schedule, 'Approximate answers: certificate, oversampling, refinement, verification'): ``result.certificate``,
+          ``result.error_estimate`` from ``G = J^+``. None (default): only where the schedule refines by itself (float64
+          paper and lean, when ``answer_error`` is declared or the answers show noise above rounding, and paper when its
+          algebraic result failed a check; paper on its own answers, its exact count kept; lean
+          with ``H0 (d^2 + d)`` polish queries; H0 <= 3; 'The lean schedule' and 'Approximate answers: certificate,
+          oversampling, refinement, verification'); False: never.
+        - ``refine_queries``: fresh polish queries for the refinement (default ``6 P``, P the parameters:
+          ``6 H0 (d^2 + d)``, with biases ``6 (H0 (d^2 + 2d) + 1)``; at least 32).
+        - ``answer_error``: a bound on every answer's absolute error, if known (float64).
+        - ``rank``: a bound r on the rank of every ``W_h`` (``schedule="lowrank"``, 'Low-rank heads': about
+          ``2.1 H (2dr - r^2)`` queries instead of ``4 H d^2``), or ``"auto"``: the schedule finds r from
+          its bridges first (at most twice the full bridges r needs; ``details.rank``). With
+          ``schedule="auto"`` a rank selects the low-rank schedule (float64, H0 <= d, with biases and
+          calibration as the other defaults); the other schedules refuse it.
+        - ``backend``: float64 kernels of the grid schedules (paper, lean): None or ``"numpy"``, or
+          ``"torch"`` (CUDA when present, else CPU), ``"torch-cpu"``, ``"torch-cuda"``: the batched
+          factorisations in torch, the same results to float64 rounding (needs the ``[torch]`` extra).
+        - ``repair``: high precision, grid schedules: an instance whose Krawczyk test failed is measured
+          again with its close poles pulled apart, with 0, K or 2K extra counted queries
+          (docs/algorithm.md, 'Certificate repair: failed instances measured again with their poles pulled apart';
+          ``result.details.repair_queries``, ``result.details.repairs``). None (default): on for the biased grid
+          (``"auto"``, ``bias=True``), off for ``schedule="paper"`` named alone, whose count then stays the paper's
+          exactly; True turns it on there; False turns it off.
+        - ``positions``: ``"none"`` (default: the model of docs/algorithm.md, 'The model', no positions) or
+          ``"rotary"``: rotary position embeddings (Llama-style RoPE, grouped-query heads, a sliding
+          window found by queries; 'Rotary attention: positions, grouped heads and sliding windows'), learned with the
+          rotary schedule in float64, or taken on to ``precision`` bits for an oracle answering ``mpf``; returns a
+          :class:`~mhaextract.rotary.learn.RotaryExtraction` whose ``model`` is a
+          :class:`~mhaextract.RotaryAttention`. It takes ``heads``, ``precision``, ``seed``,
+          ``token_scale``, ``bias`` (the query bias; default True), ``rank`` (the head width),
+          ``batch_size``, ``progress``, ``on_failure``, ``max_queries``, ``verify_length`` and
+          ``key_bias``.
+        - ``key_bias``: ``positions="rotary"`` only: the keys carry a bias (Qwen2), which under rotation
+          does not cancel in the softmax. The run first finds a token whose key is zero from whole
+          answers (float64: grouped-query heads with ``n_kv r < d`` and ``H r <= d``, 'A key bias'; float32: by
+          large-query finals, counts up to 2048, "From float32 answers"), asks everything else at tokens shifted by it and
+          fits the key bias in the refinement (``result.neutral``). Default False: a key-biased layer then fails its
+          checks.
 
     Returns
     -------
-    Extraction
-        The canonical heads and every measured count, check and error estimate. Every count
-        reported is measured at the oracle boundary. A layer answering whole outputs in bfloat16
-        or float16 (its ``answer_dtype``, or the answers' bits) returns a
-        :class:`~mhaextract.lowprecision.learn.LowPrecisionExtraction` (docs/algorithm.md §23).
+    Result
+        The learner's result (a :class:`~mhaextract.run.result.Result`: the canonical heads and
+        every measured count, check and error estimate, each count measured at the oracle
+        boundary; ``result.schedule`` names the learner that ran). The attention schedules return
+        an :class:`~mhaextract.Extraction`; a layer answering whole outputs in bfloat16 or float16
+        (its ``answer_dtype``, or the answers' bits) a :class:`~mhaextract.LowPrecisionExtraction`
+        (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least squares');
+        ``positions="rotary"`` a :class:`~mhaextract.RotaryExtraction`; ``schedule="vector"`` a
+        :class:`~mhaextract.VectorExtraction` where the answers split by head.
 
     Examples
     --------

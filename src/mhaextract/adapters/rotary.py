@@ -8,8 +8,8 @@ states to outputs on its own: its model hands it the rotary position embeddings 
 final token of any sequence.
 
 :func:`to_rotary` reads the weights into the exact :class:`~mhaextract.models.rotary.RotaryAttention`
-(docs/algorithm.md §22): white-box ground truth for tests and benchmarks, never on the extraction
-path. Head h of group ``g = h // (H / H_kv)`` (``H_kv`` key/value heads) has
+(docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'): white-box ground truth for tests
+and benchmarks, never on the extraction path. Head h of group ``g = h // (H / H_kv)`` (``H_kv`` key/value heads) has
 
     Q_h = s^2 sigma P Wq_h,   b_h = s^2 sigma P bq_h,   K_h = P Wk_g,   theta_h = inv_freq,
     V_h = Wo_h Wv_g,          c = bo + sum_h Wo_h bv_g,
@@ -113,7 +113,8 @@ def _frequencies(rotary_embedding) -> tuple[np.ndarray, float]:
     rope_type = _rope_type(rotary_embedding)
     if rope_type in LENGTH_DEPENDENT_ROPE:
         raise UnsupportedLayerError(f"rope_type {rope_type!r} changes its frequencies with the sequence's length: "
-                                    "not one rotary model (docs/algorithm.md §22)")
+                                    "not one rotary model (docs/algorithm.md, "
+                                    "'Rotary attention: positions, grouped heads and sliding windows')")
     inv_freq = rotary_embedding.inv_freq.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
     return inv_freq, float(getattr(rotary_embedding, "attention_scaling", 1.0))
 

@@ -11,7 +11,8 @@ Layer-specific code lives only in :func:`to_reduced` (the ground truth, from the
 head ``r x d`` query, key and value blocks ``Wq_h, Wk_h, Wv_h``, a ``d_out x r`` output block
 ``Wo_h`` (the identity's block for BERT's self-attention, which has none), biases
 ``b_Q, b_K, b_V, b_O`` and a score scale sigma (``1/sqrt(r)`` by default). It is the model of
-docs/algorithm.md §16 and §21 with
+docs/algorithm.md, 'Biases: affine scores and an output constant' and 'The whole layer: vector outputs and a replacement
+module' with
 
     W_h = sigma Wk_h^T Wq_h,   u_h = sigma Wk_h^T b_Q_h,   V_h = Wo_h Wv_h,
     c   = sum_h Wo_h b_V_h + b_O,
@@ -94,7 +95,8 @@ def _refuse_positions(kind: str, module) -> None:
     position = getattr(config, "position_embedding_type", "absolute") if config is not None else "absolute"
     if position not in (None, "absolute") or hasattr(module, "rotary_emb"):
         raise UnsupportedLayerError(f"{kind} with position embedding {position!r} (rotary or relative) adds "
-                                    "position-dependent scores: not the model class (docs/algorithm.md §16)")
+                                    "position-dependent scores: not the model class (docs/algorithm.md, "
+                                    "'Biases: affine scores and an output constant')")
     if getattr(module, "is_cross_attention", False):
         raise UnsupportedLayerError(f"{kind} with is_cross_attention=True attends to encoder states: "
                                     "not self-attention over the query sequence")

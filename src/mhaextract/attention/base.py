@@ -40,19 +40,23 @@ class RunSettings:
     refine: bool | None = None  # None: the schedule decides (refines_when_noisy); False: never
     refine_queries: int | None = None
     answer_error: float | None = None
-    rank: int | str | None = None  # a bound on the rank of every W_h, or "auto" (docs/algorithm.md §17)
+    rank: int | str | None = None  # a bound on the rank of every W_h, or "auto" (docs/algorithm.md, 'Low-rank heads')
     backend: str | None = None  # float64 kernels: None (numpy) or a torch backend (numerics/arithmetic.py)
-    bias: bool = False  # learn score biases u_h and the output constant c (docs/algorithm.md §16)
+    # learn score biases u_h and the output constant c (docs/algorithm.md, 'Biases: affine scores and an output
+    # constant')
+    bias: bool = False
     #: The answers' relative noise (fraction of the largest answer) measured before the schedule
-    #: runs (the calibration's probes, docs/algorithm.md §19): 2^-24 for float32 answers; None at
-    #: float64 rounding or not measured. The one place a schedule reads the answers' precision from.
+    #: runs (the calibration's probes, docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'):
+    #: 2^-24 for float32 answers; None at float64 rounding or not measured. The one place a schedule reads the answers'
+    #: precision from.
     answer_noise: float | None = None
     #: The part of ``answer_noise`` that is the oracle's own rounding, which rounds its scores too
-    #: (the calibration's repeated probes, docs/algorithm.md §19); None for float64 arithmetic with
-    #: noise added to its outputs, or not measured.
+    #: (the calibration's repeated probes, docs/algorithm.md, 'Low-precision oracles: float32, mixed precision,
+    #: bfloat16'); None for float64 arithmetic with noise added to its outputs, or not measured.
     arithmetic_noise: float | None = None
     #: High precision, grid schedules: repair instances that fail the Krawczyk test with extra
-    #: queries (docs/algorithm.md §20); None: the schedule's default (on for the biased grid).
+    #: queries (docs/algorithm.md, 'Certificate repair: failed instances measured again with their poles pulled apart');
+    #: None: the schedule's default (on for the biased grid).
     repair: bool | None = None
 
     def given(self, option: str) -> bool:
@@ -98,17 +102,18 @@ class Outcome:
     W_balls: np.ndarray | None = None
     v_balls: np.ndarray | None = None
     linearisation: object = None
-    #: Score biases (H*, d) and output constant as balls: high-precision runs of the biased grid (§16).
+    #: Score biases (H*, d) and output constant as balls: high-precision runs of the biased grid (docs/algorithm.md,
+    #: 'Biases: affine scores and an output constant').
     u_balls: np.ndarray | None = None
     c_ball: object = None
     #: The part of ``error_estimate`` that the answers' noise, measured or declared after the run, does
     #: not scale (``finish._undeclared_noise`` scales only the rest): the oracle's rounding of its own
-    #: scores (the targeted schedules, §13) and the low-rank subspace units' basis term, sized to the
-    #: noise the full units showed (§17).
+    #: scores (the targeted schedules, docs/algorithm.md, 'The targeted schedule') and the low-rank subspace units'
+    #: basis term, sized to the noise the full units showed ('Low-rank heads').
     unscaled_estimate: float = 0.0
     #: The estimated absolute error of the score biases' largest entry, and its part from the oracle's
-    #: score rounding (the targeted schedules with biases, §13; zeros otherwise). Not part of
-    #: ``error_estimate``: whether u is resolved from zero, and so whether its error is relative to
+    #: score rounding (the targeted schedules with biases, docs/algorithm.md, 'The targeted schedule'; zeros otherwise).
+    #: Not part of ``error_estimate``: whether u is resolved from zero, and so whether its error is relative to
     #: max|u|, depends on the answers' noise, which ``extract`` measures after the run
     #: (``finish._bias_error``).
     bias_error: tuple[float, float] = (0.0, 0.0)
@@ -128,11 +133,13 @@ class Schedule:
     #: (:mod:`mhaextract.checks.noise_probe`); False keeps the schedule's exact count.
     probes_noise: ClassVar[bool] = True
     #: ``verify_length=None``: verify the model on fresh long queries after the run (the
-    #: ``long_verification`` check, docs/algorithm.md §12); False keeps the schedule's exact count.
+    #: ``long_verification`` check, docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement,
+    #: verification'); False keeps the schedule's exact count.
     verifies_by_default: ClassVar[bool] = True
     accepts: ClassVar[frozenset] = frozenset()
     #: The answers' relative unit the schedule's own error estimate assumed, once it has run (the
-    #: targeted schedules size it to the answers, docs/algorithm.md §19); None: float64 rounding.
+    #: targeted schedules size it to the answers, docs/algorithm.md, 'Low-precision oracles: float32, mixed precision,
+    #: bfloat16'); None: float64 rounding.
     unit: float | None = None
     #: refine=True fits the schedule's own answers too (with the fresh polish queries); False: the
     #: polish queries alone (the targeted schedules keep only a subsample of their saturated,
@@ -140,12 +147,14 @@ class Schedule:
     refines_on_own_answers: ClassVar[bool] = True
     #: float64: the error estimate is at least the answers' residual (relative to the largest answer),
     #: a first-order lower bound of the relative parameter error (``finish._residual_evidence``,
-    #: docs/algorithm.md §11); the grid schedules, whose residual limit is then their error limit.
+    #: docs/algorithm.md, 'Numerics in float64 and the token scale'); the grid schedules, whose residual limit is then
+    #: their error limit.
     residual_evidence: ClassVar[bool] = False
     #: float64, ``refine=None``: refine anyway when the answers are noisy (``answer_error`` declared,
     #: the noise probe's or the links' noise above rounding), and (no polish query only) when the
     #: algebraic result failed a check, with ``noisy_polish_factor`` fresh polish queries per parameter (``finish._refines_when_noisy``,
-    #: ``finish.rescued_by_refinement``, docs/algorithm.md §10, §12).
+    #: ``finish.rescued_by_refinement``, docs/algorithm.md, 'The lean schedule' and 'Approximate answers: certificate,
+    #: oversampling, refinement, verification').
     refines_when_noisy: ClassVar[bool] = False
     noisy_polish_factor: ClassVar[int] = 1
     refusal: ClassVar[str] = ""
@@ -192,14 +201,14 @@ class Schedule:
         return list(outcome.checks)
 
     def certificate(self, outcome: Outcome):
-        """The first-order error certificate (docs/algorithm.md §12), where the schedule has one."""
+        """The first-order error certificate (docs/algorithm.md, 'Approximate answers: certificate, oversampling,
+        refinement, verification'), where the schedule has one."""
         return None
 
     def alternative_start(self, model, instance: int, h: int, g: int):
         """``model`` with heads h and g exchanged where instance ``instance`` decided them: the
-        start of a refit of a competing head order (docs/algorithm.md §12, "Refuted
-        alternatives"). Only schedules whose certificate names link matchings (the grid) have
-        competing orders to refit."""
+        start of a refit of a competing head order (docs/algorithm.md, 'Refuted alternatives'). Only schedules whose
+        certificate names link matchings (the grid) have competing orders to refit."""
         raise NotImplementedError(f"the {self.name} schedule's certificate has no link matchings to refit")
 
     def hints(self, failed: set[str]) -> list[str]:

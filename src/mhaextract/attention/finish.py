@@ -1,9 +1,10 @@
-"""The finishing step every schedule shares (docs/algorithm.md §10-§13, §16, §21).
+"""The finishing step every schedule shares (docs/algorithm.md, 'The lean schedule' to 'The targeted schedule', 'Biases:
+affine scores and an output constant' and 'The whole layer: vector outputs and a replacement module').
 
 After a schedule's :class:`~mhaextract.attention.base.Outcome`: the certificate, the refinement
 (least squares on the schedule's and fresh polish answers), the answers' noise and the error
-estimate, the common checks, the default verification's judgement (§12.2) and, for an oracle
-answering vectors, the whole model (§21)::
+estimate, the common checks, the default verification's judgement ('Default verification on fresh long queries') and,
+for an oracle answering vectors, the whole model ('The whole layer: vector outputs and a replacement module')::
 
     Outcome -> certificate -> refinement -> noise, error estimate -> checks -> Extraction
             -> (vector answers) value fit -> the whole model
@@ -57,7 +58,7 @@ class Spent:
     """What the run chose and spent beyond its schedule: the schedule choice (and its reason), the
     token-scale calibration (its probes count like every other query), the oracle's answer dtype,
     the default verification's queries and answers (asked once, judged by :func:`finish` for the
-    model the run keeps; docs/algorithm.md §12.2)."""
+    model the run keeps; docs/algorithm.md, 'Default verification on fresh long queries')."""
 
     choice: Choice
     calibration: Calibration | None
@@ -103,8 +104,8 @@ def noisy_polish_count(plan: Schedule) -> int:
 
 
 #: The refinement a schedule decides by itself (``refine=None``) runs only within the grid
-#: schedules' float64 envelope, H0 <= 3 (docs/algorithm.md §11), and while its Jacobian stays below
-#: this many entries: outside it the algebra's start is no start (its links' misfit taken
+#: schedules' float64 envelope, H0 <= 3 (docs/algorithm.md, 'Numerics in float64 and the token scale'), and while its
+#: Jacobian stays below this many entries: outside it the algebra's start is no start (its links' misfit taken
 #: for noise, a long refinement to a fit further off).
 SELF_REFINE_MOST_HEADS, SELF_REFINE_ENTRIES = 3, 10_000_000
 
@@ -122,7 +123,8 @@ def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float, outcom
     for nor refused), and noisy answers: ``answer_error`` declared, or noise above
     ``ROUNDING_REGIME`` (1e3 units of rounding of the largest answer): the noise probe's misfit
     (lean; on an exact oracle it can pass its own 16 units) or 3 x the
-    links' noise estimate (paper; docs/algorithm.md §10, §12)."""
+    links' noise estimate (paper; docs/algorithm.md, 'The lean schedule' and 'Approximate answers: certificate,
+    oversampling, refinement, verification')."""
     settings = plan.settings
     if not plan.refines_when_noisy or settings.refine is not None or settings.precision is not None:
         return False
@@ -133,10 +135,10 @@ def _refines_when_noisy(plan: Schedule, certificate, probe, scale: float, outcom
 
 
 def refinement_queries(boundary: OracleBoundary, settings: RunSettings, plan: Schedule, outcome: Outcome):
-    """Fresh random queries for the refinement (§12), counted like every other; a stream of the
-    seed independent of the schedule's. Short (2 to ``min(POLISH_LONGEST, longest)`` tokens, never
-    longer than the schedule's own) and at the run's token scale: small answers, whose float64
-    rounding is small, and a well-conditioned least-squares design."""
+    """Fresh random queries for the refinement (docs/algorithm.md, 'Approximate answers: certificate, oversampling,
+    refinement, verification'), counted like every other; a stream of the seed independent of the schedule's. Short (2
+    to ``min(POLISH_LONGEST, longest)`` tokens, never longer than the schedule's own) and at the run's token scale:
+    small answers, whose float64 rounding is small, and a well-conditioned least-squares design."""
     if not settings.refine or outcome.model is None:
         return [], np.zeros(0)
     count = polish_count(settings)
@@ -160,7 +162,7 @@ def rescued_by_refinement(plan: Schedule, outcome: Outcome, extraction: Extracti
     ``pole_count`` with more poles than H*): the algebraic result is refined (paper on its own
     answers, no query; lean with its ``H0 (d^2 + d)`` counted polish queries, asked only because
     the run failed) and the refined result, judged by the same checks, is the run's
-    (docs/algorithm.md §12, "Refined under noise"). Exact answers at H = 3: the algebra's float64
+    (docs/algorithm.md, 'Refined under noise'). Exact answers at H = 3: the algebra's float64
     estimate (paper: 2.6e-4 on a true 5.4e-5; lean: 5.7e-6 on 4e-5, its residual saying so), one
     ambiguous link of 15 or one of 17 instances with another pole count failed models within 2e-7
     of the truth."""
@@ -211,7 +213,8 @@ def finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record
         answers_residual = arithmetic.answers_residual(exact or model, sequences, answers)
     magnitudes = np.abs(arithmetic.midpoint(answers))  # once: high-precision midpoints cost O(answers)
     scale = float(magnitudes.max(initial=0.0)) or 1.0
-    typical = float(np.median(magnitudes)) if magnitudes.size else 0.0  # the median answer (§11)
+    # the median answer (docs/algorithm.md, 'Numerics in float64 and the token scale')
+    typical = float(np.median(magnitudes)) if magnitudes.size else 0.0
     noise, measured = _noise(certificate, settings, probe)
     if noise is not None:
         error_estimate = (certificate.error_bound(noise) if settings.answer_error is not None
@@ -259,8 +262,8 @@ def finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record
 
 
 def ask_value_queries(boundary: OracleBoundary, settings: RunSettings, outcome: Outcome):
-    """Fresh queries for the value fit (docs/algorithm.md §21), asked whole after the schedule's:
-    (sequences, answers (n, d_out)), or None when the schedule found no model."""
+    """Fresh queries for the value fit (docs/algorithm.md, 'The whole layer: vector outputs and a replacement module'),
+    asked whole after the schedule's: (sequences, answers (n, d_out)), or None when the schedule found no model."""
     if outcome.model is None or outcome.model.heads == 0:
         return None
     count = value_query_count(outcome.model.heads, settings.d)
@@ -271,9 +274,9 @@ def ask_value_queries(boundary: OracleBoundary, settings: RunSettings, outcome: 
 
 def with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, plan: Schedule,
                  boundary: OracleBoundary, spent: Spent) -> Extraction:
-    """The vector model (docs/algorithm.md §21): the schedule's scores with ``V_h`` and ``c`` fitted to
-    whole answers of fresh queries; its estimate and checks join the run's, and the default
-    verification judges it on the whole answers."""
+    """The vector model (docs/algorithm.md, 'The whole layer: vector outputs and a replacement module'): the schedule's
+    scores with ``V_h`` and ``c`` fitted to whole answers of fresh queries; its estimate and checks join the run's, and
+    the default verification judges it on the whole answers."""
     settings = plan.settings
     scalar = extraction.model
     if scalar is not None and vectors.d_out == 1:  # r = (1,): the schedule's v_h is V_h itself
@@ -312,11 +315,10 @@ def _start_validity(certificate, settings: RunSettings, scale: float, refit=None
     (every instance linear too; ``linear`` False). Noisy answers (declared ``answer_error``, or
     3 x the links' noise estimate above ``ROUNDING_REGIME``, for independent errors): the start's
     matching validity at that error, instances verified against the refined model exempt
-    (``Certificate.verified_against``, ``matching_validity_at``; docs/algorithm.md §12, "Refined
-    under noise"), links whose competing head orders ``refit`` refutes exempt too
-    (:func:`_refuted_links`), and ``linear`` True: the refined model's first order is the
-    least-squares fit's, bounded by its own linearisation (``LINEAR_MOVEMENT`` / C), not by the
-    algebra's instances, whose answers it fits like any other.
+    (``Certificate.verified_against``, ``matching_validity_at``; docs/algorithm.md, 'Refined under noise'), links whose
+    competing head orders ``refit`` refutes exempt too (:func:`_refuted_links`), and ``linear`` True: the refined
+    model's first order is the least-squares fit's, bounded by its own linearisation (``LINEAR_MOVEMENT`` / C), not by
+    the algebra's instances, whose answers it fits like any other.
     Otherwise one ill-conditioned instance outside its linear range would void a refined model
     within its estimate of the truth."""
     if settings.answer_error is not None:
@@ -349,12 +351,11 @@ SAME_FIT = 1e-6
 def _refuted_links(certificate, eps: float, statistical: bool, refit, alternative_start):
     """``(links, orders, ratio)``: positions of the links whose every competing head order at
     ``eps`` (``Certificate.matching_alternatives``) the answers refute, how many orders were
-    refuted, and the smallest misfit ratio among them (docs/algorithm.md §12, "Refuted
-    alternatives"). Each order is refitted from the refined model with the two heads exchanged
-    where the link's instance b decided them (``alternative_start``); it is refuted when its fit
-    misfits the answers ``REFUTING_MISFIT`` times more than the run's or lands on the run's fit
-    (``SAME_FIT``). A refit that fits as well elsewhere is a second model the answers cannot tell
-    apart: its link stays, and ``noise_within_validity`` fails as before."""
+    refuted, and the smallest misfit ratio among them (docs/algorithm.md, 'Refuted alternatives'). Each order is
+    refitted from the refined model with the two heads exchanged where the link's instance b decided them
+    (``alternative_start``); it is refuted when its fit misfits the answers ``REFUTING_MISFIT`` times more than the
+    run's or lands on the run's fit (``SAME_FIT``). A refit that fits as well elsewhere is a second model the answers
+    cannot tell apart: its link stays, and ``noise_within_validity`` fails as before."""
     alternatives = certificate.matching_alternatives(eps, statistical, uncertain=True)
     # (h, g) and (g, h) exchange the same two heads: one start, one refit
     starts = {(instance, min(h, g), max(h, g)) for _, _, instance, h, g in alternatives}
@@ -375,10 +376,10 @@ def _refuted_links(certificate, eps: float, statistical: bool, refit, alternativ
 
 
 def _refine(model, sequences, answers, added, bias, certificate, start_validity=None):
-    """Refinement (§12) of all parameters (with ``bias``: u_h and c too) against every answer,
-    weighted by the inverse size of each answer's computation (its float64 rounding), then the
-    least-squares certificate ``G = (D J)^+ D`` of the fit: every schedule that refines has one.
-    ``valid_below``: the algebraic start's where the schedule has a certificate,
+    """Refinement (docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement, verification') of all
+    parameters (with ``bias``: u_h and c too) against every answer, weighted by the inverse size of each answer's
+    computation (its float64 rounding), then the least-squares certificate ``G = (D J)^+ D`` of the fit: every schedule
+    that refines has one. ``valid_below``: the algebraic start's where the schedule has a certificate,
     ``start_validity(refined model, refit)`` (:func:`_start_validity`; ``refit(start)`` runs the
     same weighted least squares from another start, ``refit(None)`` gives the fit and its misfit)."""
     scales = answer_scales(model, sequences)
@@ -440,11 +441,11 @@ def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -
     """``(noise for the error estimate or None, the answers' error the checks judge at)``, absolute.
 
     The answers' error: the declared ``answer_error``; else, with a certificate, 3 x the noise
-    estimated from the redundant measurements or the refined residual (§12); else the misfit of
-    the noise probe's fresh queries (:mod:`.checks.noise_probe`; lean, targeted, auto); else 0
-    (float64 rounding). The
-    label checks and the answers' residual are judged at it (docs/algorithm.md §11): a check that
-    compares a misfit with its rounding-level error would otherwise fail every model of a noisy
+    estimated from the redundant measurements or the refined residual (docs/algorithm.md, 'Approximate answers:
+    certificate, oversampling, refinement, verification'); else the misfit of the noise probe's fresh queries
+    (:mod:`.checks.noise_probe`; lean, targeted, auto); else 0 (float64 rounding). The
+    label checks and the answers' residual are judged at it (docs/algorithm.md, 'Numerics in float64 and the token
+    scale'): a check that compares a misfit with its rounding-level error would otherwise fail every model of a noisy
     oracle, however good. The first value replaces the error estimate only when the noise was
     declared or the model refined (with a certificate)."""
     if settings.answer_error is not None:
@@ -462,9 +463,9 @@ def _noise(certificate: Certificate | None, settings: RunSettings, probe=None) -
 
 
 def arithmetic_noise(calibration: Calibration, settings: RunSettings) -> float | None:
-    """The oracle's arithmetic rounding the schedule assumes (docs/algorithm.md §19): the
-    calibration's, except that random noise under a declared ``answer_error`` is that error (the
-    bound on the answers' total error, which the user states): the scores are then float64's."""
+    """The oracle's arithmetic rounding the schedule assumes (docs/algorithm.md, 'Low-precision oracles: float32, mixed
+    precision, bfloat16'): the calibration's, except that random noise under a declared ``answer_error`` is that error
+    (the bound on the answers' total error, which the user states): the scores are then float64's."""
     if calibration.random_noise and settings.answer_error is not None:
         return None
     return calibration.arithmetic_noise
@@ -474,16 +475,17 @@ def _residual_evidence(answers_residual: float, source: str) -> tuple[float, str
     """The error estimate raised to the answers' residual (``Schedule.residual_evidence``): the
     model misfits the answers it was fitted to by ``r`` relative to the largest answer, and the
     output moves with a relative parameter error ``e`` by at most about ``e`` of the largest
-    answer (linear in v, Lipschitz in W with constants of order one at the token scale, §11), so
-    ``e >= r`` to first order. An estimate below that understates the truth (docs/algorithm.md §11)."""
+    answer (linear in v, Lipschitz in W with constants of order one at the token scale, docs/algorithm.md, 'Numerics in
+    float64 and the token scale'), so ``e >= r`` to first order. An estimate below that understates the truth
+    (docs/algorithm.md, 'Numerics in float64 and the token scale')."""
     return float(answers_residual), (f"{source}; raised to the answers' residual, a first-order lower bound "
                                      "of the relative parameter error")
 
 
 def _constant_error(model, measured: float) -> float:
-    """The relative error of an output constant read from one answer (``c = f((0))``, §16): that
-    answer's error ``measured`` (absolute) over ``|c|``. The schedules' estimates are relative to
-    the answers' sizes; a small c is off by the noise relative to itself, which can be far above
+    """The relative error of an output constant read from one answer (``c = f((0))``, docs/algorithm.md, 'Biases: affine
+    scores and an output constant'): that answer's error ``measured`` (absolute) over ``|c|``. The schedules' estimates
+    are relative to the answers' sizes; a small c is off by the noise relative to itself, which can be far above
     the rest's estimate.
     A c within ``RESOLVED`` times that error of zero is zero at the answers' resolution (a
     bias-free target's c reads as noise): its error is claimed absolute, ``measured``, as
@@ -514,8 +516,8 @@ def _undeclared_noise(settings: RunSettings, error_estimate: float, certificate,
     assumes it, and the certificate's amplification (an operator norm over every answer, the
     slow part of the certificate) is then not needed. ``unscaled_part``: the part of the schedule's
     estimate that answer noise does not scale (``Outcome.unscaled_estimate``: the oracle's rounding
-    of its scores, docs/algorithm.md §13, and the low-rank basis term, already sized to the noise
-    measured, §17)."""
+    of its scores, docs/algorithm.md, 'The targeted schedule', and the low-rank basis term, already sized to the noise
+    measured, 'Low-rank heads')."""
     if settings.precision is not None:
         return error_estimate, "the answers' precision (ball radii)"
 
@@ -563,8 +565,8 @@ def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_res
     """The checks every schedule shares. ``measured``: the answers' error (:func:`_noise`). Noisy
     answers (declared, or measured above ``ROUNDING_REGIME``) cannot be fitted closer than the
     noise, nor than the model's own error moves them: the residual limit becomes
-    ``max(limit, 10 noise / scale, error_estimate)`` (docs/algorithm.md §11). ``explained``: the
-    estimate before the residual raised it (``Schedule.residual_evidence``): the residual limit is
+    ``max(limit, 10 noise / scale, error_estimate)`` (docs/algorithm.md, 'Numerics in float64 and the token scale').
+    ``explained``: the estimate before the residual raised it (``Schedule.residual_evidence``): the residual limit is
     then ``max(limit, explained)`` with any answers (noisy: and ``10 noise / scale``), never the
     raised estimate, which the residual itself set."""
     settings = plan.settings
@@ -577,7 +579,8 @@ def _common_checks(plan: Schedule, outcome: Outcome, error_estimate, answers_res
     elif plan.residual_evidence and settings.precision is None:
         residual_limit = max(residual_limit, own)
     if settings.precision is not None and outcome.model is not None and not outcome.details.certified:
-        error_limit, source = uncertified_error_limit(error_limit, outcome.details)  # §7: says what is proven
+        # docs/algorithm.md, 'Kernels in ball arithmetic and certification': says what is proven
+        error_limit, source = uncertified_error_limit(error_limit, outcome.details)
     checks = [error_estimate_check(error_estimate, error_limit, source),
               answers_residual_check(answers_residual, residual_limit)]
     if certificate is not None and (settings.answer_error is not None
@@ -599,7 +602,9 @@ def _validity_check(certificate: Certificate, answer_error) -> Check:
         valid = certificate.validity_at(noise)
         against = ("valid_below, the bound under which the matching is certified and the first-order certificate "
                    "holds (instances verified against the model at this error exempt from linearisation)")
-    else:  # a measured standard deviation: its movements are l2, not the box's l1 (§12)
+    else:
+        # a measured standard deviation: its movements are l2, not the box's l1 (docs/algorithm.md, 'Approximate
+        # answers: certificate, oversampling, refinement, verification')
         noise, source = 3.0 * certificate.noise_estimate, "3 x the noise estimated from redundant measurements"
         valid = certificate.validity_at(noise, statistical=True)
         against = ("the validity for independent errors of that size (matching margins and linearisation with "

@@ -1,20 +1,23 @@
-"""The grid schedules (paper §5, lean §10): copies-instances on a d x d grid, joined by links.
+"""The grid schedules (docs/algorithm.md, 'The paper schedule' and 'The lean schedule'): copies-instances on a d x d
+grid, joined by links.
 
 An *instance* fixes a final token ``x`` and a difference ``z`` and asks the sequences
-``X_k = (y, ..., y, x)`` with ``k`` copies of ``y = x - z`` (docs/algorithm.md §3). Its answers sample
+``X_k = (y, ..., y, x)`` with ``k`` copies of ``y = x - z`` (docs/algorithm.md, 'One instance: copies of a token and a
+rational function'). Its answers sample
 
     F(k) = c + sum_h rho_h / (k + tau_h),   tau_h = exp(z^T W_h x),  rho_h = tau_h v_h^T z.
 
 Grid instance ``(i, j)`` has final token ``x_i`` and difference ``z_j`` (poles
 ``M_h[j, i] = z_j^T W_h x_i``); row link ``j`` (final ``x_0``, difference ``z_0 + z_j``) and column
-link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``) join grid instances (§5; indices are
-0-based in the code). The biased grid (§16) adds one final token, a score bias ``u_h`` in every
-pole and a constant ``c0`` in every answer; it sets :attr:`GridSchedule.affine`, its column links
+link ``(i, j)`` (final ``x_0 + x_i``, difference ``z_j``) join grid instances ('The paper schedule'; indices are
+0-based in the code). The biased grid ('Biases: affine scores and an output constant') adds one final token, a score
+bias ``u_h`` in every pole and a constant ``c0`` in every answer; it sets :attr:`GridSchedule.affine`, its column links
 use ``(x_0 + x_i) / 2`` (:attr:`GridSchedule.column_link_weight`). :class:`GridSchedule` holds the
 grid and the learner written once for every arithmetic (:mod:`mhaextract.numerics.arithmetic`):
-anchors and fits (§3, §4, §6, §7), matching (§8), assembly (§9). Subclasses lay out their
-instances (``_build``) and may match heads inside a column by their labels
-(:meth:`GridSchedule.match_within_columns`, the lean hook).
+anchors and fits ('One instance: copies of a token and a rational function', 'Anchors', 'Kernels in float64' and
+'Kernels in ball arithmetic and certification'), matching ('Matching'), assembly ('Assembly'). Subclasses lay out their
+instances (``_build``) and may match heads inside a column by their labels (:meth:`GridSchedule.match_within_columns`,
+the lean hook).
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ class GridDetails(ScheduleDetails):
     fallback_links : lean: column links added where residue labels were too close to match
         (``2 H0 - 1`` queries each, included in the measured count); 0 for paper.
     links_bijective : every link matched its poles one to one.
-    repair_queries : queries asked to repair failed certificates (docs/algorithm.md §20; included
-        in the measured count); 0 where the schedule does not repair.
+    repair_queries : queries asked to repair failed certificates (docs/algorithm.md, 'Certificate repair: failed
+        instances measured again with their poles pulled apart'; included in the measured count); 0 where the schedule
+        does not repair.
     repairs : one line per instance that failed the Krawczyk test and was given to the repair:
         repaired or not and why, which partner and mix instances, how many queries.
     repaired : which of those lines are repaired instances (bool per line).
@@ -133,7 +137,8 @@ class GridSchedule(Schedule):
     Attributes
     ----------
     X, Z : (d, F) and (d, d) arrays whose columns are the final tokens ``x_i`` and differences
-        ``z_j`` (F = d, or d + 1 for an affine basis, §16).
+        ``z_j`` (F = d, or d + 1 for an affine basis, docs/algorithm.md, 'Biases: affine scores and an output
+        constant').
     instances : :class:`~mhaextract.oracle.queries.InstanceTable` (a sequence of :class:`Instance`
         records, with their role, i, j as arrays), in query order.
     grid_index : (F, d) int array, instance index of grid ``(i, j)``.
@@ -143,15 +148,17 @@ class GridSchedule(Schedule):
     """
 
     accepts = frozenset({"precision", "refine", "answer_error", "backend"})
-    #: Instances after row 0 know F(0) only (paper) or both anchors F(0) and c (lean), §4.
+    #: Instances after row 0 know F(0) only (paper) or both anchors F(0) and c (lean), docs/algorithm.md, 'Anchors'.
     both_anchors = False
-    #: The model with biases (§16): one-token answers are ``c0 + vbar^T x``, poles affine in the final
-    #: token, assembled against the lifted final tokens :attr:`assembly_basis`.
+    #: The model with biases (docs/algorithm.md, 'Biases: affine scores and an output constant'): one-token answers are
+    #: ``c0 + vbar^T x``, poles affine in the final token, assembled against the lifted final
+    #: tokens :attr:`assembly_basis`.
     affine = False
     #: Column link (i, j) has final token ``w (x_0 + x_i)`` and measures ``w (M[j, 0] + M[j, i])``.
     column_link_weight = 1.0
     #: High precision, ``repair=None``: instances that fail the Krawczyk test are measured again with
-    #: their close poles pulled apart, with extra queries (:mod:`.repair`, docs/algorithm.md §20).
+    #: their close poles pulled apart, with extra queries (:mod:`.repair`, docs/algorithm.md, 'Certificate repair:
+    #: failed instances measured again with their poles pulled apart').
     repairs_certificate = False
 
     def __init__(self, settings):
@@ -171,7 +178,8 @@ class GridSchedule(Schedule):
         self._build()
 
     def _final_tokens(self, rng) -> np.ndarray:
-        """The final tokens as columns: a random orthogonal basis times the token scale (§5)."""
+        """The final tokens as columns: a random orthogonal basis times the token scale (docs/algorithm.md, 'The paper
+        schedule')."""
         return random_basis(rng, self.d, self.token_scale)
 
     @property
@@ -182,16 +190,17 @@ class GridSchedule(Schedule):
 
     @property
     def assembly_basis(self) -> np.ndarray:
-        """X in ``M_h = Z^T W_h X`` (§9); the affine grid overrides it with the lifted tokens (§16)."""
+        """X in ``M_h = Z^T W_h X`` (docs/algorithm.md, 'Assembly'); the affine grid overrides it with the lifted tokens
+        ('Biases: affine scores and an output constant')."""
         return self.X
 
     def alternative_start(self, model: MultiHeadAttention, instance: int, h: int, g: int) -> MultiHeadAttention:
         """``model`` with heads h and g exchanged where instance ``instance`` decided them, in
-        ``M_h = Z^T [W_h | u_h] X`` (§9, §16) and the labels ``v_h^T z_j``: a row-0 grid instance
-        (0, j), whose order names its column's heads (§8), the whole column j and its label; any
-        other grid instance (i, j) the entry (j, i); a link the entries its poles measure (row link
-        (0, j): (0, 0) and (j, 0); column link (i, j): (j, 0) and (j, i)). The start of a refit of
-        a competing head order (docs/algorithm.md §12, "Refuted alternatives")."""
+        ``M_h = Z^T [W_h | u_h] X`` (docs/algorithm.md, 'Assembly' and 'Biases: affine scores and an output constant')
+        and the labels ``v_h^T z_j``: a row-0 grid instance (0, j), whose order names its column's heads ('Matching'),
+        the whole column j and its label; any other grid instance (i, j) the entry (j, i); a link the entries its poles
+        measure (row link (0, j): (0, 0) and (j, 0); column link (i, j): (j, 0) and (j, i)). The start of a refit of
+        a competing head order (docs/algorithm.md, 'Refuted alternatives')."""
         role, i, j = self.instances.role[instance], int(self.instances.i[instance]), int(self.instances.j[instance])
         basis, Z, d = self.assembly_basis, self.Z, self.d
         A = model.W if not self.affine else np.concatenate([model.W, model.u[:, :, None]], axis=2)
@@ -203,7 +212,7 @@ class GridSchedule(Schedule):
             M[[h, g], row, column] = M[[g, h], row, column]
         if role == "grid" and i == 0:
             labels[[h, g], j] = labels[[g, h], j]
-        A, v = float64_kernel.assemble(Z, basis, M, labels)  # the run's own assembly (§9)
+        A, v = float64_kernel.assemble(Z, basis, M, labels)  # the run's own assembly (docs/algorithm.md, 'Assembly')
         return MultiHeadAttention(A[:, :, :d], v, A[:, :, d] if self.affine else model.u, model.c)
 
     def _build(self) -> None:
@@ -250,7 +259,8 @@ class GridSchedule(Schedule):
         return policy.error_estimate, policy.answers_residual
 
     def checks(self, outcome: Outcome, label_noise: float = 0.0) -> list[Check]:
-        """Pole counts, real positive poles, matching, label consistency, float64 head limit (§11).
+        """Pole counts, real positive poles, matching, label consistency, float64 head limit (docs/algorithm.md,
+        'Numerics in float64 and the token scale').
 
         Label deviations are in units of the first-order error at the answers' rounding; noisier
         answers (``label_noise`` above that unit) widen the unit to the noise."""
@@ -325,7 +335,8 @@ def _concatenate(parts, indices, n) -> InstanceFits:
 
 
 class GridLearner:
-    """One grid run in one arithmetic: anchors and fits (§4, §6-§7), matching (§8), assembly (§9).
+    """One grid run in one arithmetic: anchors and fits (docs/algorithm.md, 'Anchors', 'Kernels in float64' and 'Kernels
+    in ball arithmetic and certification'), matching ('Matching'), assembly ('Assembly').
 
     State grows as instances are added (lean fallback links); ``order[n, h]`` is which fitted pole
     of instance n is head h, heads in the order of instance (0, 0).
@@ -359,10 +370,11 @@ class GridLearner:
     # --- anchors and fits -----------------------------------------------------------------
     def fit_instances(self) -> None:
         """Row 0 first: its one-token anchor, its ranks (H* by majority), its fits; then ``vbar``
-        from ``vbar^T z_j = vbar^T x_0 - c_j`` (§4), and every later instance anchored and fitted.
+        from ``vbar^T z_j = vbar^T x_0 - c_j`` (docs/algorithm.md, 'Anchors'), and every later instance anchored and
+        fitted.
 
-        Affine (§16): the anchor is ``c0 + vbar^T x_0``, c0 cancels in ``vbar^T z_j``, and
-        ``c0 = anchor - vbar^T x_0`` makes every final token's one-token answer known."""
+        Affine ('Biases: affine scores and an output constant'): the anchor is ``c0 + vbar^T x_0``, c0 cancels in
+        ``vbar^T z_j``, and ``c0 = anchor - vbar^T x_0`` makes every final token's one-token answer known."""
         schedule, arithmetic = self.schedule, self.arithmetic
         grid = schedule.grid_index
         self.anchor = self.samples[grid[0, 0], 0]  # F(0) of row 0: the one-token answer vbar^T x_0
@@ -375,7 +387,9 @@ class GridLearner:
         counts = np.bincount(self.ranks[row0], minlength=schedule.max_heads + 1)
         self.H_star = min(int(counts.argmax()), schedule.max_heads)  # oversampled instances can show H0 + 1
         fits_row0 = arithmetic.fit(self.samples[row0], schedule.ks, self.H_star)
-        if self.repairer is not None:  # vbar comes from row 0's constants: repaired first (§20)
+        if self.repairer is not None:
+            # vbar comes from row 0's constants: repaired first (docs/algorithm.md, 'Certificate repair: failed
+            # instances measured again with their poles pulled apart')
             self.repairer.repair(fits_row0, row0)
         self.vbar_z = self.anchor - fits_row0.c
         self.vbar_z_sigma = self._anchor_sigma(fits_row0, row0)
@@ -441,8 +455,8 @@ class GridLearner:
 
     def _add_anchor_errors(self, fits, indices, ks) -> None:
         """``anchor_sigma[indices]``: what the anchors' errors do to the later instances' log-poles and
-        labels (docs/algorithm.md §4, §10), in the units of their ``sigma_m``, ``sigma_l``, in fit order;
-        the assembly adds it to theirs (the matching keeps the instances' own). Their F(0) = vbar^T x
+        labels (docs/algorithm.md, 'Anchors' and 'The lean schedule'), in the units of their ``sigma_m``, ``sigma_l``,
+        in fit order; the assembly adds it to theirs (the matching keeps the instances' own). Their F(0) = vbar^T x
         (and, both anchors known, c = vbar^T (x - z)) are computed from ``vbar_z``, not answered: an
         error there moves the later fits alike, and lean's fits, which take c as known, cannot absorb
         it into c. It dominates where the row-0 constants are ill-determined (heads with collinear W)."""
@@ -494,7 +508,8 @@ class GridLearner:
 
     # --- matching -------------------------------------------------------------------------
     def match_links(self, column_matches=None) -> None:
-        """Row links name the heads of row 0; labels (lean) or column links those of each column (§8)."""
+        """Row links name the heads of row 0; labels (lean) or column links those of each column (docs/algorithm.md,
+        'Matching')."""
         schedule, d = self.schedule, self.schedule.d
         grid, row_links, column_links = schedule.grid_index, schedule.row_link_index, schedule.column_link_index
         self.order = np.tile(np.arange(self.H_star), (self.n, 1))
@@ -534,7 +549,7 @@ class GridLearner:
             # A link that gave one of its poles to two heads (its poles nearly coincide: a random grid
             # of 2 d^2 instances has some) while b's order stayed decisive (the labels decide it too):
             # only the link's own measurement is lost. It gets weight 0 in the combination and counts
-            # as an ambiguous link in the matching check's outlier fraction (docs/algorithm.md §8);
+            # as an ambiguous link in the matching check's outlier fraction (docs/algorithm.md, 'Matching');
             # a link that leaves b's order undecided still fails the run.
             lost = ~bijective & (matches.order_ambiguity <= CheckPolicy.for_precision(None).ambiguity)
             if lost.any():
@@ -550,7 +565,8 @@ class GridLearner:
 
     # --- assembly -------------------------------------------------------------------------
     def assemble(self) -> Outcome:
-        """``M_h`` and ``l_h`` from every redundant measurement, then ``W_h``, ``v_h`` (§9)."""
+        """``M_h`` and ``l_h`` from every redundant measurement, then ``W_h``, ``v_h`` (docs/algorithm.md,
+        'Assembly')."""
         schedule, arithmetic, everything = self.schedule, self.arithmetic, np.arange(self.n)
         m, labels = self._ordered(self.fits.log_poles, everything), self._ordered(self.fits.labels, everything)
         sigma_m, sigma_l = self.fits.sigma_m, self.fits.sigma_l
@@ -559,7 +575,8 @@ class GridLearner:
         sigma_m, sigma_l = self._ordered(sigma_m, everything), self._ordered(sigma_l, everything)
         M, consensus, M_std, label_std = arithmetic.combine(schedule, m, labels, sigma_m, sigma_l)
         basis = schedule.assembly_basis
-        A, v = arithmetic.assemble(schedule.Z, basis, M, consensus)  # [W_h | u_h] when affine (§16)
+        # [W_h | u_h] when affine (docs/algorithm.md, 'Biases: affine scores and an output constant')
+        A, v = arithmetic.assemble(schedule.Z, basis, M, consensus)
         W, u = (A[:, :, :schedule.d], A[:, :, schedule.d]) if schedule.affine else (A, None)
         repairer = self.repairer
         details = GridDetails(self._diagnostics(labels, consensus, sigma_l), schedule.samples_per_instance,
@@ -575,7 +592,8 @@ class GridLearner:
         if not (np.isfinite(A_mid).all() and np.isfinite(v_mid).all() and np.isfinite(c_mid)):
             outcome.heads = int(np.bincount(self.ranks).argmax())
             return outcome
-        # W and u together, relative to the largest entry of either (§16); c against max(|c|, max|v|).
+        # W and u together, relative to the largest entry of either (docs/algorithm.md, 'Biases: affine scores and an
+        # output constant'); c against max(|c|, max|v|).
         outcome.error_estimate = arithmetic.error_estimate(schedule.Z, basis, A, v, M_std, label_std)
         if self.c0 is not None:
             outcome.error_estimate = max(outcome.error_estimate, arithmetic.constant_error(

@@ -1,4 +1,4 @@
-"""The lean schedule (docs/algorithm.md §10): fewer queries than the paper's count.
+"""The lean schedule (docs/algorithm.md, 'The lean schedule'): fewer queries than the paper's count.
 
 Row 0 is asked as in the paper (``vbar`` becomes known on R^d). Every later instance then knows
 both anchors, ``F(0) = vbar^T x`` and ``c = vbar^T y``, so ``k = 1..2 H0 - 1`` suffice
@@ -15,7 +15,7 @@ Queries without fallback links::
 
 plus ``2 H0 - 1`` per fallback column link. The information lower bound is ``H (d^2 + d)``.
 Noisy answers add ``H0 (d^2 + d)`` polish queries for a least-squares refinement (``refine=None``,
-H0 <= 3; docs/algorithm.md §10); float64 runs ask 12 noise-probe queries.
+H0 <= 3; docs/algorithm.md, 'The lean schedule'); float64 runs ask 12 noise-probe queries.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class LeanSchedule(GridSchedule):
     #: Noisy answers (declared or measured by the noise probe): the algebra's 2 H0 - 1 samples per
     #: instance amplify the noise up to the error limit (docs/reliability.md: truths 5e-6..1e-4 at
     #: 1e-10..1e-8 noise, estimates above 1e-4); least squares over every answer and
-    #: H0 (d^2 + d) fresh polish queries brings them to 4e-11..1e-7 (docs/algorithm.md §10).
+    #: H0 (d^2 + d) fresh polish queries brings them to 4e-11..1e-7 (docs/algorithm.md, 'The lean schedule').
     refines_when_noisy = True
     refusal = ("oversampling is a feature of the paper schedule; the lean schedule asks the fewest samples "
                "per instance by design")

@@ -1,4 +1,4 @@
-"""Matching the heads of two instances through a link instance (docs/algorithm.md §8).
+"""Matching the heads of two instances through a link instance (docs/algorithm.md, 'Matching').
 
 A link between an instance ``a`` (heads already in the reference order) and a new instance
 ``b`` has, for every head h, the pole ``m^a_h + m^b_{pi(h)}`` and a residue label that is
@@ -168,7 +168,7 @@ def match_links(a: Side, b: Side, link: Side, labels_add: bool) -> LinkMatches:
 def match_labels(a: Side, b: Side) -> LinkMatches:
     """Match heads of instances sharing a difference ``z`` by their residue labels alone.
 
-    Residue labels ``l_h = v_h^T z`` do not depend on the final token (docs/algorithm.md §10):
+    Residue labels ``l_h = v_h^T z`` do not depend on the final token (docs/algorithm.md, 'The lean schedule'):
     instances of one grid column carry the same labels. Cost ``(l^a_h - l^b_g)^2 / (s_a^2 + s_b^2)``;
     ``ambiguity`` as for links: equal labels (equal ``v``'s) give 1 and call for a link.
     """

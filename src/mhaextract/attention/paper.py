@@ -1,14 +1,15 @@
-"""The paper's schedule (docs/algorithm.md §5): exactly ``4 H0 d^2 - 2 H0 + 1`` queries.
+"""The paper's schedule (docs/algorithm.md, 'The paper schedule'): exactly ``4 H0 d^2 - 2 H0 + 1`` queries.
 
 Instance ``(0, 0)`` asks ``k = 0..2 H0`` (``2 H0 + 1`` queries); every other instance gets
-``F(0)`` from the anchors (§4) and asks ``k = 1..2 H0``. With ``d^2`` grid instances and
+``F(0)`` from the anchors ('Anchors') and asks ``k = 1..2 H0``. With ``d^2`` grid instances and
 ``d^2 - 1`` links::
 
     (2 H0 + 1) + 2 H0 (2 d^2 - 2) = 4 H0 d^2 - 2 H0 + 1   queries, the longest of length 2 H0 + 1.
 
-``samples_per_instance=K > 2 H0 + 1`` oversamples every instance (least-squares fits, §12):
-``K + (K - 1)(2 d^2 - 2)`` queries of length at most K. The redundant measurements (every entry
-of ``M_h`` but one is measured twice) make the first-order certificate of §12 possible.
+``samples_per_instance=K > 2 H0 + 1`` oversamples every instance (least-squares fits, 'Approximate answers: certificate,
+oversampling, refinement, verification'): ``K + (K - 1)(2 d^2 - 2)`` queries of length at most K. The redundant
+measurements (every entry of ``M_h`` but one is measured twice) make the first-order certificate of 'Approximate
+answers: certificate, oversampling, refinement, verification' possible.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ class PaperSchedule(GridSchedule):
     verifies_by_default = False
     #: Noisy answers (declared, or the links' noise above rounding): refined on its own answers, no
     #: query added (the exact count kept): least squares over all ``4 H0 d^2 - 2 H0 + 1`` answers,
-    #: whose start is the algebra's model (docs/algorithm.md §12; docs/reliability.md: models 10..100 x
-    #: closer to the truth under 1e-10..1e-8 noise); so is an algebraic result that failed a check.
+    #: whose start is the algebra's model (docs/algorithm.md, 'Approximate answers: certificate, oversampling,
+    #: refinement, verification'; docs/reliability.md: models 10..100 x closer to the truth under 1e-10..1e-8 noise); so
+    #: is an algebraic result that failed a check.
     refines_when_noisy = True
     noisy_polish_factor = 0
     accepts = GridSchedule.accepts | {"samples_per_instance", "repair"}
@@ -46,7 +48,8 @@ class PaperSchedule(GridSchedule):
         self.grid_index[0, 1:] = self._add_many("grid", first, later, Rows(x, first), Rows(z, later), 1)
         # 3. everything else (vbar known on R^d): row links, grid rows 1.., column links.
         self.row_link_index[1:] = self._add_many("row_link", first, later, Rows(x, first), z[0][None, :] + z[1:], 1)
-        # (The biased grid of §16 has one more final token and column links at w (x_0 + x_i), w = 1/2.)
+        # (The biased grid of docs/algorithm.md, 'Biases: affine scores and an output constant' has one more final token
+        # and column links at w (x_0 + x_i), w = 1/2.)
         finals, weight = len(x), self.column_link_weight
         i, j = np.repeat(np.arange(1, finals), d), np.tile(np.arange(d), finals - 1)  # row by row
         self.grid_index[1:] = self._add_many("grid", i, j, Rows(x, i), Rows(z, j), 1).reshape(finals - 1, d)
@@ -59,7 +62,8 @@ class PaperSchedule(GridSchedule):
     later_formula = "2d^2-2"
 
     def later_instances(self) -> int:
-        """The instances after the first, ``K - 1`` queries each: ``2 d^2 - 2`` (§5)."""
+        """The instances after the first, ``K - 1`` queries each: ``2 d^2 - 2`` (docs/algorithm.md, 'The paper
+        schedule')."""
         return 2 * self.d**2 - 2
 
     @property

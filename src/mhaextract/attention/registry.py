@@ -2,9 +2,9 @@
 
 Adding a schedule: one module with a :class:`~.base.Schedule` subclass (or a family of them in a
 subpackage, as :mod:`.targeted`), and one line below.
-``schedule="auto"`` and the model with biases (docs/algorithm.md §16) are resolved here too
-(:func:`choose`): which class runs, whether it learns biases, whether the token scale is
-calibrated by queries (§18), and why.
+``schedule="auto"`` and the model with biases (docs/algorithm.md, 'Biases: affine scores and an output constant') are
+resolved here too (:func:`choose`): which class runs, whether it learns biases, whether the token scale is
+calibrated by queries ('Choosing the token scale from queries'), and why.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ ON_REGISTER: list = []
 
 #: The name that lets the registry choose (:func:`choose`).
 AUTO = "auto"
-#: The class that learns the biased model (§16) in place of a registered schedule, where there is one.
+#: The class that learns the biased model (docs/algorithm.md, 'Biases: affine scores and an output constant') in place
+#: of a registered schedule, where there is one.
 BIASED: dict[type[Schedule], type[Schedule]] = {}
 #: Schedules that, named explicitly, learn biases and calibrate the token scale by default (the
 #: others reproduce the paper's setting: bias-free model, token scale ``d ** 0.25``).
@@ -76,28 +77,33 @@ def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
         if rank is not None and precision is None and max_heads <= d:
             cls, reason = SCHEDULES["lowrank"], (
                 f"auto: rank={rank!r} given, float64 and H0 = {max_heads} <= d = {d}: the low-rank schedule, "
-                "targeted instances in each head's row space, about 2.1H(2dr - r^2) queries (docs/algorithm.md §17)")
+                "targeted instances in each head's row space, about 2.1H(2dr - r^2) queries (docs/algorithm.md, "
+                "'Low-rank heads')")
         elif rank is not None:
-            raise ValueError(f"rank={rank!r} is for the float64 low-rank schedule (docs/algorithm.md §17), which "
+            raise ValueError(f"rank={rank!r} is for the float64 low-rank schedule (docs/algorithm.md, "
+                             "'Low-rank heads'), which "
                              f"needs precision=None and H0 <= d (got precision={precision}, H0 = {max_heads}, "
                              f"d = {d}): drop rank, or precision")
         elif precision is None and max_heads <= d:
             cls, reason = SCHEDULES["targeted"], (
                 f"auto: float64 and H0 = {max_heads} <= d = {d}: targeted single-pole instances keep machine "
-                "precision for any H (docs/algorithm.md §13); the paper schedule loses ~3 digits per head")
+                "precision for any H (docs/algorithm.md, 'The targeted schedule'); the paper schedule loses ~3 digits "
+                "per head")
         elif precision is None:
             cls, reason = SCHEDULES["paper"], (
                 f"auto: float64 with H0 = {max_heads} > d = {d} rules out the targeted schedule; the paper's grid "
-                f"{'(with biases the biased grid, docs/algorithm.md §16) ' if learns else ''}is reliable in float64 "
-                "only for H <= 2: prefer precision=BITS")
+                + ("(with biases the biased grid, docs/algorithm.md, "
+                   "'Biases: affine scores and an output constant') " if learns else "")
+                + "is reliable in float64 only for H <= 2: prefer precision=BITS")
         elif learns:
             cls, reason = SCHEDULES["paper"], (
                 f"auto: precision={precision}: the biased grid (the paper's grid on d + 1 affine final tokens, "
-                "docs/algorithm.md §16), its interpolation certified in ball arithmetic (§7)")
+                "docs/algorithm.md, 'Biases: affine scores and an output constant'), its interpolation certified in "
+                "ball arithmetic ('Kernels in ball arithmetic and certification')")
         else:
             cls, reason = SCHEDULES["paper"], (
                 f"auto: precision={precision}: the paper schedule's interpolation is certified in ball arithmetic "
-                "(docs/algorithm.md §5, §7)")
+                "(docs/algorithm.md, 'The paper schedule' and 'Kernels in ball arithmetic and certification')")
         calibrate = True
     else:
         cls = schedule_class(name)

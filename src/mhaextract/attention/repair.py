@@ -1,7 +1,8 @@
-"""Certificate repair of the grid schedules in high precision (docs/algorithm.md §20).
+"""Certificate repair of the grid schedules in high precision (docs/algorithm.md, 'Certificate repair: failed instances
+measured again with their poles pulled apart').
 
-An instance whose Krawczyk test failed (§7: two poles so close that the answers' one-ulp balls
-admit complex-conjugate poles) is measured again with its close poles pulled apart. Its log-poles
+An instance whose Krawczyk test failed ('Kernels in ball arithmetic and certification': two poles so close that the
+answers' one-ulp balls admit complex-conjugate poles) is measured again with its close poles pulled apart. Its log-poles
 ``m_h(x) = z^T (W_h x + u_h)`` are affine in the final token x (linear without biases), its
 residue labels ``l_h = v_h^T z`` and its constant ``c = c0 + vbar^T (x - z)`` do not depend on x
 or are affine in it. With a *partner* instance r of the same difference z and another final token
@@ -20,8 +21,8 @@ that final token and difference: no query) and asked otherwise, the partner whos
 midpoints predict to have the widest pole gap first (:func:`_predicted_gap`). Asked instances are
 self-anchored (``k = 0..K-1``, K queries): they need no ``vbar``, so instances of row 0 (which
 ``vbar`` is computed from) are repaired before it. Final tokens stay exact: tokens are multiples
-of a power of two with ``TOKEN_BITS`` bits (§11), so the half sum is exact in float64 (checked in
-rational arithmetic).
+of a power of two with ``TOKEN_BITS`` bits ('Numerics in float64 and the token scale'), so the half sum is exact in
+float64 (checked in rational arithmetic).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Ask the oracle ``n_queries`` random queries (by default the paper's count ``4Hd^2 - 2H + 1``; random
 lengths ``1..L`` and random token scales, :func:`random_queries`), then fit a student with the
-same ``H`` and ``d`` (the model of docs/algorithm.md §1, ``f(X) = sum_h sum_i a_{h,i} v_h^T x_i``)
+same ``H`` and ``d`` (the model of docs/algorithm.md, 'The model', ``f(X) = sum_h sum_i a_{h,i} v_h^T x_i``)
 by minimising the relative squared misfit
 
     loss(W, v) = sum_n (f_student(X_n) - f(X_n))^2 / sum_n f(X_n)^2

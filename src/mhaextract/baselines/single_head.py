@@ -1,4 +1,4 @@
-"""The prior single-head algorithm (arXiv 2601.16873; docs/algorithm.md §15) as a baseline.
+"""The prior single-head algorithm (arXiv 2601.16873; docs/algorithm.md, 'The single-head baseline') as a baseline.
 
 One head ``(W, v)`` on R^r (tokens ``x = B c`` for a basis ``B`` of the space, ``c`` in R^r):
 
@@ -9,7 +9,8 @@ One head ``(W, v)`` on R^r (tokens ``x = B c`` for a basis ``B`` of the space, `
    bilinear measurement::
 
        m = log((1 - a) / a) = log((v^T y - f) / (f - v^T x)) = z^T W x      (the k = 1 instance
-                                                                             of docs/algorithm.md §3)
+                                                                             of docs/algorithm.md, 'One instance: copies
+                                                                             of a token and a rational function')
 
    With ``z_j = B Z[:, j]`` and the ``x_i``: ``Z^T A X = M`` for ``A = B^T W B``, so
    ``A = Z^{-T} M X^{-1}`` (the core's assembly, :func:`mhaextract.numerics.float64.assemble`).

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: The float64 kernel with 2H + 1 samples loses about three digits per head (docs/algorithm.md §11).
+#: The float64 kernel with 2H + 1 samples loses about three digits per head (docs/algorithm.md, 'Numerics in float64 and
+#: the token scale').
 FLOAT64_MAX_RELIABLE_HEADS = 4
 
 
@@ -140,7 +141,8 @@ def _outside_the_package() -> int:
 
 @dataclass(frozen=True)
 class CheckPolicy:
-    """Thresholds of the self-checks of the grid schedules (docs/algorithm.md §11).
+    """Thresholds of the self-checks of the grid schedules (docs/algorithm.md, 'Numerics in float64 and the token
+    scale').
 
     High precision: every instance must pass; quantities must sit below ``2^(-precision/4)``,
     far above the rounding of a correct run and far below any O(1) failure.
@@ -168,14 +170,15 @@ class CheckPolicy:
 
 #: float64's unit roundoff: a high-precision result not every part of which is proven passes its
 #: error estimate when the estimate is below this (or below the certified runs' ``2^(-precision/4)``,
-#: if larger): the model is then right to every float64 digit (docs/algorithm.md §7).
+#: if larger): the model is then right to every float64 digit (docs/algorithm.md, 'Kernels in ball arithmetic and
+#: certification').
 FLOAT64_UNIT_ROUNDOFF = 2.0**-53
 
 
 def uncertified_error_limit(limit: float, details) -> tuple[float, str]:
-    """High precision with some instances not certified (Krawczyk, docs/algorithm.md §7): their balls
-    keep first-order radii, so the largest relative radius is an estimate, not a proven bound, and
-    the limit ``2^(-precision/4)`` meant for proven radii does not apply. Returns the limit the
+    """High precision with some instances not certified (Krawczyk, docs/algorithm.md, 'Kernels in ball arithmetic and
+    certification'): their balls keep first-order radii, so the largest relative radius is an estimate, not a proven
+    bound, and the limit ``2^(-precision/4)`` meant for proven radii does not apply. Returns the limit the
     estimate is judged against, ``max(limit, FLOAT64_UNIT_ROUNDOFF)``, and words saying what was
     proven (``details.instances.certified``: instances proven, directly or by repair) and what not."""
     proven = getattr(getattr(details, "instances", None), "certified", None)

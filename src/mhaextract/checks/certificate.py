@@ -1,8 +1,8 @@
 """The error certificate of a float64 run: how far answer errors can move the parameters.
 
-docs/algorithm.md §12: if every answer carries an error ``|e_q| <= eps``, the parameters move
-by ``delta theta = G e + O(eps^2)`` with ``G`` the derivative of the whole run with respect to its
-answers. Worst case over the box ``|e_q| <= eps`` the change of parameter p is exactly
+docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement, verification': if every answer carries
+an error ``|e_q| <= eps``, the parameters move by ``delta theta = G e + O(eps^2)`` with ``G`` the derivative of the
+whole run with respect to its answers. Worst case over the box ``|e_q| <= eps`` the change of parameter p is exactly
 ``eps * ||G_p||_1`` (row p of G, l1 norm), so
 
     C = max_p ||G_p||_1 / scale(p)        (scale: max |W| for W entries, max |v| for v entries)
@@ -11,8 +11,9 @@ is the amplification from answer errors (absolute) to the relative parameter err
 :func:`mhaextract.compare` reports (``max_rel``). G is the product of the run's steps:
 
 1. **samples**: instance t's samples ``F_t(k)`` are answers, except the injected ``F_t(0)``
-   (section 3): ``vbar^T x_0`` (an answer) or ``vbar^T x_i`` with ``vbar = Z^{-T}(F(0) - c_row0)``,
-   which carries the errors of all of row 0's constants ``c_j`` (the anchors' propagation);
+   ('One instance: copies of a token and a rational function'): ``vbar^T x_0`` (an answer) or ``vbar^T x_i`` with
+   ``vbar = Z^{-T}(F(0) - c_row0)``, which carries the errors of all of row 0's constants ``c_j`` (the anchors'
+   propagation);
 2. **instances**: ``(c, m, l)_t = J_t^+ F_t`` to first order, ``J_t[k] = dF(k)/d(c, m, l)`` at
    the fit (:func:`mhaextract.numerics.rational.instance_jacobian`; the exact-count fit
    interpolates, ``J_t^+ = J_t^{-1}``; the oversampled one is polished to the least-squares fit);
@@ -42,7 +43,8 @@ with the u and c columns for a model with biases; D the weights): :func:`least_s
 measured deviation from the assembled model is within its first-order movement at eps is
 *verified* and exempt from the linearisation (and, for a link, from the triples that only move its
 own poles to other heads); ``valid_below_statistical`` is the same with l2 movements for the
-measured noise (a standard deviation). docs/algorithm.md §12.
+measured noise (a standard deviation). docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement,
+verification'.
 
 **Safety.** ``error_bound(eps) = 2 C (eps + rounding_floor)``: a factor 2 for the second-order
 terms and the Jacobians evaluated at the estimate rather than the truth (a least-squares fit's
@@ -78,7 +80,8 @@ ROUNDING_ULPS = 8.0
 #: First order is trusted while no log-pole moves by more than this (nor a pole-gap fraction).
 LINEARIZATION_STEP = 0.05
 POLE_GAP_FRACTION = 0.125
-#: ``Certificate.method`` after a matrix-free refinement (docs/algorithm.md §12.1).
+#: ``Certificate.method`` after a matrix-free refinement (docs/algorithm.md, 'Matrix-free refinement beyond the dense
+#: Jacobian').
 MATRIX_FREE_METHOD = "matrix-free estimate"
 
 
@@ -104,7 +107,8 @@ class Certificate:
         links estimate (undeclared), never a declared bound. Defaults to ``valid_below``.
     method : how G's row norms were found: ``"exact"`` (G formed in chunks: the pipeline's, or the
         dense least squares'), or :data:`MATRIX_FREE_METHOD` (after a matrix-free refinement,
-        §12.1: bounds estimated from LSMR solves on random answer errors, with a safety factor).
+        see docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian': bounds estimated from LSMR solves on
+        random answer errors, with a safety factor).
     linear_movement : the relative parameter movement at which the fit's first order stops being
         trusted (least squares: :data:`LINEAR_MOVEMENT`), where the second-order slack is the full
         ``SECOND_ORDER_SLACK`` and below which it shrinks in proportion (:meth:`second_order`);
@@ -124,9 +128,9 @@ class Certificate:
     #: uncertain start's instances whose fits decide nothing (None: certain); None: no exemption.
     _instances: dict | None = field(repr=False, default=None)
     #: Refined under noise: competing head orders of links whose margins the answer error covered,
-    #: refitted from their own starts and refuted by the answers (docs/algorithm.md §12, "Refuted
-    #: alternatives"); ``refuting_ratio``: the smallest misfit of such a refit over the fit's (inf:
-    #: every refit landed on the fit itself).
+    #: refitted from their own starts and refuted by the answers (docs/algorithm.md, 'Refuted alternatives');
+    #: ``refuting_ratio``: the smallest misfit of such a refit over the fit's (inf: every refit landed on the fit
+    #: itself).
     refuted_orders: int = 0
     refuting_ratio: float = np.inf
     linear_movement: float | None = None
@@ -139,7 +143,7 @@ class Certificate:
         """This certificate with its instances verified against ``model`` (the same heads, in the
         same order) instead of the model the run assembled: after a refinement, whose model is
         closer to the truth, an instance's deviation from it measures the instance's own error
-        with less of the model's (docs/algorithm.md §12, "Verified instances"). The matching
+        with less of the model's (docs/algorithm.md, 'Verified instances'). The matching
         margins, movements and amplifications are the run's; only which instances are verified at
         a given eps changes. Itself where there are no instances to verify."""
         reverify = getattr(self, "_reverify", None)
@@ -186,13 +190,12 @@ class Certificate:
         return min(float(others.min(initial=np.inf)), float(own[~exempt[link]].min(initial=np.inf))) / 2.0
 
     def matching_validity_at(self, eps: float, statistical: bool = False, refuted=(), uncertain: bool = False) -> float:
-        """The matching part of :meth:`validity_at` alone (condition (a), docs/algorithm.md §12):
-        below it the chosen triples are certified, so the heads are the ones the run assembled; the
-        linearisation of the instances (b) is not part of it. 0 where the pole count is uncertain
-        or a fit failed (``uncertain``: judged from the links, those touching such an instance
+        """The matching part of :meth:`validity_at` alone (condition (a), docs/algorithm.md, 'Approximate answers:
+        certificate, oversampling, refinement, verification'): below it the chosen triples are certified, so the heads
+        are the ones the run assembled; the linearisation of the instances (b) is not part of it. 0 where the pole count
+        is uncertain or a fit failed (``uncertain``: judged from the links, those touching such an instance
         excluding nothing); ``valid_below`` where the certificate has no instances. ``refuted``: links
-        whose competing head orders were refitted and refuted by the answers (§12, "Refuted
-        alternatives")."""
+        whose competing head orders were refitted and refuted by the answers ('Refuted alternatives')."""
         matching = self._matching_at(eps, statistical, refuted, uncertain)
         base = self.valid_below_statistical if statistical else self.valid_below
         return base if matching is None else max(0.0, matching)
@@ -200,7 +203,7 @@ class Certificate:
     def matching_alternatives(self, eps: float, statistical: bool = False,
                               uncertain: bool = False) -> list[tuple[int, str, int, int, int]]:
         """``(position, kind, instance, h, g)`` of every triple a link does not exclude at ``eps``
-        (half its exclusion at most eps; docs/algorithm.md §12, "Refuted alternatives"). ``kind``
+        (half its exclusion at most eps; docs/algorithm.md, 'Refuted alternatives'). ``kind``
         ``"order"``: head h of the link's instance ``a`` could be head g of its instance ``b``
         (``instance``, heads in the run's order); ``"own"``: the link's pole of head h could be
         head g's (``instance`` the link; only where the link is not verified at eps). ``position``
@@ -222,7 +225,7 @@ class Certificate:
         ``valid_below_statistical``), except that an instance whose linearisation fails at eps no
         longer lowers it, nor do the link's own pole assignments when it is a link, when its
         measured deviation from the assembled model is within its first-order movement at eps
-        (docs/algorithm.md §12, "Verified instances"). ``eps`` passes when ``eps < validity_at(eps)``."""
+        (docs/algorithm.md, 'Verified instances'). ``eps`` passes when ``eps < validity_at(eps)``."""
         base = self.valid_below_statistical if statistical else self.valid_below
         matching = self._matching_at(eps, statistical) if eps > 0 else None
         if matching is None:
@@ -263,7 +266,8 @@ class Certificate:
         standard deviation ``sigma`` (measured, not declared). Parameter p then errs by
         ``N(0, sigma^2 ||G_p||_2^2)`` to first order, within ``3 sigma ||G_p||_2`` but for a
         fraction 3e-3; the box's worst case ``eps ||G_p||_1`` needs every error at its bound with
-        the sign of G_p (docs/algorithm.md §12)."""
+        the sign of G_p (docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement,
+        verification')."""
         sigma = _validate_eps(sigma)
         return self.second_order(3.0 * sigma * self.amplification_l2 + self.amplification * self.rounding_floor)
 
@@ -286,7 +290,7 @@ class Certificate:
         first order is trusted up to the movement ``linear_movement`` (the second-order terms as
         large as the first there, by that definition), ``s = SECOND_ORDER_SLACK min(1, movement /
         linear_movement)``: the second-order terms relative to the first grow with the movement
-        (docs/algorithm.md §12, "Second order")."""
+        (docs/algorithm.md, 'Second order')."""
         slack = SECOND_ORDER_SLACK
         if self.linear_movement is not None and np.isfinite(movement):
             slack *= min(1.0, movement / self.linear_movement)
@@ -385,7 +389,7 @@ def _margins(exclusion: np.ndarray, link, b, a):
     largest_chosen = float(np.nanmax(np.where(np.isfinite(chosen_ratio), chosen_ratio, np.inf), initial=0.0))
     # Per link: triples that pair a's and b's heads otherwise (h != g), and triples that only give
     # the link's own poles to other heads (h == g, p != h): the latter decide the link's poles alone.
-    # Kept per pair, for refits that can refute one (docs/algorithm.md §12, "Refuted alternatives"):
+    # Kept per pair, for refits that can refute one (docs/algorithm.md, 'Refuted alternatives'):
     # pairwise[n, h, g], h != g, the smallest over the link's poles; own_pairs[n, h, p], p != h,
     # the triple (h, h, p) that gives head h's link pole to head p.
     heads = np.arange(r)
@@ -403,7 +407,8 @@ def _validity(run: PipelineRun, smallest_exclusion: float, links, movement_m: np
     :func:`_matching_margins`) and the linearisation (no log-pole of an instance moves by more than
     min(0.05, gap / 8)), with the movements per unit answer error ``movement_*`` (n, r). Instance t
     is *verified* for ``eps >= verified[t]``: its measured deviations from the model
-    ``deviation_*`` are within its movement ``eps movement_*`` (docs/algorithm.md §12)."""
+    ``deviation_*`` are within its movement ``eps movement_*`` (docs/algorithm.md, 'Approximate answers: certificate,
+    oversampling, refinement, verification')."""
     with np.errstate(all="ignore"):
         gaps = np.diff(np.sort(run.m, axis=1), axis=1).min(axis=1, initial=np.inf)
         allowed = np.minimum(LINEARIZATION_STEP, POLE_GAP_FRACTION * gaps)
@@ -441,7 +446,8 @@ def pipeline_certificate(run: PipelineRun) -> Certificate:
     uncertain = (not operator.finite.all()  # a failed fit: its links were matched on nothing
                  or np.mean(run.ranks != run.m.shape[1]) > RANK_DISAGREEMENT)  # the pole count itself
     # Uncertain: the instances whose fits decide nothing (failed, or another pole count detected);
-    # only a refit of every order they could have decided can stand in for their margins (§12).
+    # only a refit of every order they could have decided can stand in for their margins (docs/algorithm.md,
+    # 'Approximate answers: certificate, oversampling, refinement, verification').
     unreliable = (~operator.finite | (run.ranks != run.m.shape[1])) if uncertain else None
     deviation_m, deviation_l = _deviations(run)
     valid_below, instances_l1 = _validity(run, smallest_exclusion, links_l1, D1m, D1l, deviation_m, deviation_l,
@@ -494,7 +500,8 @@ def sensitivity_matrix(certificate: Certificate) -> np.ndarray:
     if certificate.kind == "least squares":
         if certificate.method == MATRIX_FREE_METHOD:
             raise ValueError("a matrix-free refinement (beyond refine.MAX_JACOBIAN_ENTRIES) forms no Jacobian: no "
-                             "sensitivity matrix; its certificate holds estimated row norms (docs/algorithm.md §12.1)")
+                             "sensitivity matrix; its certificate holds estimated row norms (docs/algorithm.md, "
+                             "'Matrix-free refinement beyond the dense Jacobian')")
         if certificate._factors is None:
             raise ValueError("the least-squares Jacobian is rank deficient: no sensitivity matrix")
         solver, weights = certificate._factors
@@ -537,8 +544,9 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     c columns; D: the weights, default one), the derivative of the fit with respect to the answers.
     ``solver``: the refinement's factorisation of its last ``D J`` (:class:`~.refine.FactoredSolver`), reused
     when given (the last step moved the parameters by about their error: the same G to first order);
-    a matrix-free one (:class:`~.refine.MatrixFreeSolver`, §12.1) replaces the row norms of G by bounds
-    estimated from LSMR solves (``Certificate.method`` says so) and keeps no G.
+    a matrix-free one (:class:`~.refine.MatrixFreeSolver`, docs/algorithm.md, 'Matrix-free refinement beyond the dense
+    Jacobian') replaces the row norms of G by bounds estimated from LSMR solves (``Certificate.method`` says so) and
+    keeps no G.
 
     ``valid_below`` is the algebraic start's where the schedule has a certificate (refinement
     converges to the fit in whose basin the start lies); None: the answer error under which the
@@ -560,7 +568,9 @@ def least_squares_certificate(jacobian: np.ndarray | None, model: MultiHeadAtten
     nW, nv = H * d * d, H * d
     W_scale, v_scale = _relative_scales(model)
     noise = root_mean_square(residuals, max(Q - P, 1))
-    if matrix_free:  # no G to take norms of: estimated bounds from LSMR solves (docs/algorithm.md §12.1)
+    if matrix_free:
+        # no G to take norms of: estimated bounds from LSMR solves (docs/algorithm.md, 'Matrix-free refinement beyond
+        # the dense Jacobian')
         rows = solver.row_l1_bounds(weights)
         rank_ok = bool(np.all(np.isfinite(rows)))
     else:

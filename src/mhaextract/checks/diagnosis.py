@@ -54,7 +54,7 @@ MISFIT_ROUNDING, MISFIT_FLOOR = 1e4, 1e-4
 BROKEN_FITS = 10.0
 
 #: Answers coarser than this (relative unit, 20 bits) can hide heads by themselves: the schedule's
-#: noise hint then comes first (docs/algorithm.md §19).
+#: noise hint then comes first (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16').
 COARSE_ANSWERS = 2.0 ** -20
 
 NOT_ATTENTION = ("mhaextract learns one multi-head softmax attention layer read at the final token "

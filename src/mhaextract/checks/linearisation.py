@@ -1,6 +1,6 @@
-"""The algebraic pipeline's linearisation (docs/algorithm.md §12): what a float64 grid run hands its
-certificate (:class:`PipelineRun`), and the run's derivative as sparse per-instance blocks plus the
-dense combination and assembly (:class:`PipelineOperator`), which
+"""The algebraic pipeline's linearisation (docs/algorithm.md, 'Approximate answers: certificate, oversampling,
+refinement, verification'): what a float64 grid run hands its certificate (:class:`PipelineRun`), and the run's
+derivative as sparse per-instance blocks plus the dense combination and assembly (:class:`PipelineOperator`), which
 :func:`~mhaextract.checks.certificate.pipeline_certificate` bounds.
 """
 

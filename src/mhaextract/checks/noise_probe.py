@@ -12,12 +12,12 @@ orders of magnitude above that estimate. Two sources measure the noise (docs/rel
   fresh queries (``3 x PROBE_TRIPLES = 12`` queries, counted at the boundary like every other,
   stream 2 of the seed) whose exact answers are affinely related whatever the heads: a sequence
   of ``k`` equal tokens ``(b, .., b)`` answers ``c + vbar^T b`` (uniform attention; ``c = 0``
-  without biases, §16), so ``f(b1 x k1) + f(b2 x k2) - 2 f(((b1 + b2) / 2) x k3) = 0`` exactly
-  (tokens on a grid where the half-sum is exact). Its misfit is the answers' noise alone, not the model's error, through the softmax
-  path (lengths 1 to the schedule's longest query). Noise only on sequences of distinct tokens
-  escapes it. When the largest misfit ``r`` exceeds ``ROUNDING_ULPS`` units of rounding of its
-  three answers, the schedule's estimate, linear in the answer error it assumed
-  (``2^-52 x`` the largest answer), is scaled by ``r / (2^-52 x largest answer)``.
+  without biases, docs/algorithm.md, 'Biases: affine scores and an output constant'), so
+  ``f(b1 x k1) + f(b2 x k2) - 2 f(((b1 + b2) / 2) x k3) = 0`` exactly (tokens on a grid where the half-sum is exact).
+  Its misfit is the answers' noise alone, not the model's error, through the softmax path (lengths 1 to the schedule's
+  longest query). Noise only on sequences of distinct tokens escapes it. When the largest misfit ``r`` exceeds
+  ``ROUNDING_ULPS`` units of rounding of its three answers, the schedule's estimate, linear in the answer error it
+  assumed (``2^-52 x`` the largest answer), is scaled by ``r / (2^-52 x largest answer)``.
 """
 
 from __future__ import annotations
@@ -73,5 +73,6 @@ def scaled_estimate(estimate: float, noise: float, answers_scale: float, assumed
 def redundancy_estimate(estimate: float, certificate) -> float:
     """The paper's estimate: at least the first order at the noise its links measured, a standard
     deviation of independent errors: ``certificate.statistical(noise_estimate)``, 3 sigma through
-    the l2 norms of G (docs/algorithm.md §12)."""
+    the l2 norms of G (docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement,
+    verification')."""
     return max(estimate, certificate.statistical(certificate.noise_estimate))

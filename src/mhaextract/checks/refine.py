@@ -1,10 +1,11 @@
-"""Refinement: least squares of all parameters against every answer collected (docs/algorithm.md §12).
+"""Refinement: least squares of all parameters against every answer collected (docs/algorithm.md, 'Approximate answers:
+certificate, oversampling, refinement, verification').
 
 For a query ``X = (x_1, .., x_N)`` with scores ``s_{h,i} = x_i^T (W_h x_N + u_h)``, attention
-weights ``a_{h,i}`` (§1, §16), head outputs ``f_h = sum_i a_{h,i} v_h^T x_i`` and
-``f = c + sum_h f_h``, the Jacobian with respect to ``theta = (W_1..W_H, v_1..v_H[, u_1..u_H, c])``
-is analytic and cheap. With ``d f / d s_{h,i} = a_{h,i} (v_h^T x_i - f_h)`` and
-``d s_{h,i} / d W_h = x_i x_N^T``, ``d s_{h,i} / d u_h = x_i``:
+weights ``a_{h,i}`` ('The model' and 'Biases: affine scores and an output constant'), head outputs
+``f_h = sum_i a_{h,i} v_h^T x_i`` and ``f = c + sum_h f_h``, the Jacobian with respect to
+``theta = (W_1..W_H, v_1..v_H[, u_1..u_H, c])`` is analytic and cheap. With
+``d f / d s_{h,i} = a_{h,i} (v_h^T x_i - f_h)`` and ``d s_{h,i} / d W_h = x_i x_N^T``, ``d s_{h,i} / d u_h = x_i``:
 
     df/dv_h = sum_i a_{h,i} x_i
     df/dW_h = g_h x_N^T,   g_h = sum_i a_{h,i} (v_h^T x_i - f_h) x_i     (rank one per head)
@@ -13,8 +14,8 @@ is analytic and cheap. With ``d f / d s_{h,i} = a_{h,i} (v_h^T x_i - f_h)`` and
 
 (for a copies-query, k copies of ``y = x - z`` then ``x``, with ``a_h = tau_h / (k + tau_h)``
 on ``x``: ``g_h = a_h (1 - a_h) (v_h^T z) z``, the derivative of the pole ``m_h = z^T W_h x``).
-``bias=True`` packs and refines ``u`` and ``c`` too (the model of §16); ``bias=False`` the
-bias-free model, as the paper.
+``bias=True`` packs and refines ``u`` and ``c`` too (the model of 'Biases: affine scores and an output constant');
+``bias=False`` the bias-free model, as the paper.
 
 :func:`refine_least_squares` minimises the (optionally weighted) ``sum_q w_q^2 (f_theta(X_q) -
 answer_q)^2`` by Gauss-Newton steps with Levenberg-Marquardt damping where a step fails, each
@@ -33,9 +34,9 @@ the minimiser moves by ``G e``, ``G = (D J)^+ D`` (D the weights), for answer er
 :mod:`mhaextract.checks.certificate` bounds the refined result with it.
 
 Beyond ``MAX_JACOBIAN_ENTRIES`` (d = 32 from H = 4 on, d = 64) the Jacobian is never formed
-(docs/algorithm.md §12.1): :class:`MatrixFreeSolver` applies ``D J`` and ``J^T D`` from the rank-one
-structure above, query block by query block (``O(Q (H d^2 + N H d))`` per product, memory of the
-order of the queries themselves), and each Gauss-Newton / Levenberg-Marquardt step is an LSMR
+(docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian'): :class:`MatrixFreeSolver` applies ``D J`` and
+``J^T D`` from the rank-one structure above, query block by query block (``O(Q (H d^2 + N H d))`` per product, memory of
+the order of the queries themselves), and each Gauss-Newton / Levenberg-Marquardt step is an LSMR
 solve of the column-scaled problem (``scipy.sparse.linalg.lsmr``, ``damp = sqrt(damping)``: the
 same damped problem the SVD solves). Its certificate estimates the row norms of G by LSMR solves
 on random answer errors (:meth:`MatrixFreeSolver.row_l1_bounds`).
@@ -53,7 +54,8 @@ from ..models.attention import MultiHeadAttention, as_batch
 from ..oracle.queries import padded
 from ..numerics.float64 import root_mean_square
 
-#: Fresh polish queries per refined parameter (default ``refine_queries``; docs/algorithm.md §12).
+#: Fresh polish queries per refined parameter (default ``refine_queries``; docs/algorithm.md, 'Approximate answers:
+#: certificate, oversampling, refinement, verification').
 POLISH_FACTOR = 6
 #: The polish queries have 2 .. POLISH_LONGEST tokens (never more than the schedule's longest).
 POLISH_LONGEST = 5
@@ -63,10 +65,10 @@ POLISH_SCALE = 1.5
 BLOCK = 2048
 #: Largest dense Jacobian (entries, Q x P) the refinement builds: 3e8 float64 = 2.4 GB would be too
 #: much next to an SVD; 6e7 (480 MB) keeps d = 16, H <= 8 and d = 32, H <= 2 (with biases) dense.
-#: Beyond it the refinement is matrix-free (docs/algorithm.md §12.1).
+#: Beyond it the refinement is matrix-free (docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian').
 MAX_JACOBIAN_ENTRIES = 60_000_000
-#: Matrix-free steps (docs/algorithm.md §12.1): LSMR's ``atol = btol`` (the normal-equations
-#: residual relative to ``||A|| ||r||``; the step's relative error is at most about this times the
+#: Matrix-free steps (docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian'): LSMR's ``atol = btol``
+#: (the normal-equations residual relative to ``||A|| ||r||``; the step's relative error is at most about this times the
 #: squared condition number of the scaled Jacobian, and the next Gauss-Newton step corrects it),
 #: its condition limit (the dense path's rank cut-off) and its iteration cap per solve.
 LSMR_TOLERANCE = 1e-8
@@ -189,7 +191,8 @@ class Refinement:
     iterations : Jacobian evaluations; ``status``, ``message`` : the solver's verdict.
     queries : fresh queries asked for the refinement (on top of the schedule's).
     path : ``"dense"`` (SVD of the formed Jacobian) or ``"matrix-free"`` (LSMR on Jacobian
-        products, beyond ``MAX_JACOBIAN_ENTRIES``; docs/algorithm.md §12.1).
+        products, beyond ``MAX_JACOBIAN_ENTRIES``; docs/algorithm.md, 'Matrix-free refinement beyond the dense
+        Jacobian').
     inner_iterations : LSMR iterations over all the steps tried (matrix-free; 0 dense).
     """
 
@@ -244,8 +247,8 @@ class FactoredSolver:
 
 class MatrixFreeSolver:
     """``D J`` (D: the answers' weights, J: the output Jacobian of ``model`` at the queries of
-    ``blocks``) as products, never formed (docs/algorithm.md §12.1). Per query and head J's row is
-    ``g_h x_N^T`` (W_h), ``s_h = sum_i a_{h,i} x_i`` (v_h), ``g_h`` (u_h), 1 (c), and
+    ``blocks``) as products, never formed (docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian'). Per
+    query and head J's row is ``g_h x_N^T`` (W_h), ``s_h = sum_i a_{h,i} x_i`` (v_h), ``g_h`` (u_h), 1 (c), and
     ``g_h = sum_i b_{h,i} x_i`` with ``b_{h,i} = a_{h,i} (v_h^T x_i - f_h)``. g and s (Q, H, d) are
     kept where they fit ``CACHE_BYTES``; beyond, only the coefficients a and b (Q, H, N) next to the
     padded queries, and g, s are rebuilt per block (``O(N H d)`` per query against the ``O(H d^2)``
@@ -338,9 +341,9 @@ class MatrixFreeSolver:
 
     def row_l1_bounds(self, weights: np.ndarray, probes: int = ESTIMATE_PROBES, seed: int = 0) -> np.ndarray:
         """Estimated upper bounds on the row l1 norms ``||G_p||_1`` of ``G = (D J)^+ D``, inf where
-        a solve did not converge (docs/algorithm.md §12.1): ``ESTIMATE_SAFETY sqrt(Q)`` times the
-        root mean square of ``(G e)_p`` over ``probes`` Gaussian e (unit variance: each sample of
-        ``(G e)_p`` is N(0, ||G_p||_2^2)), and ``||G_p||_1 <= sqrt(Q) ||G_p||_2``."""
+        a solve did not converge (docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian'):
+        ``ESTIMATE_SAFETY sqrt(Q)`` times the root mean square of ``(G e)_p`` over ``probes`` Gaussian e (unit variance:
+        each sample of ``(G e)_p`` is N(0, ||G_p||_2^2)), and ``||G_p||_1 <= sqrt(Q) ||G_p||_2``."""
         rng = np.random.default_rng(seed)
         self.converged = True
         squares = np.zeros(self.shape[1])
@@ -371,7 +374,8 @@ def refine_least_squares(model: MultiHeadAttention, sequences, answers: np.ndarr
     two models (smaller weighted misfit) and a :class:`Refinement` record saying which and why
     (``added``: how many of the sequences were asked for the refinement, recorded; ``bias``: refine
     ``u`` and ``c`` too; ``weights``: per-answer weights, default one; ``matrix_free``: None chooses
-    the matrix-free steps of §12.1 exactly where the dense Jacobian exceeds ``MAX_JACOBIAN_ENTRIES``)."""
+    the matrix-free steps of docs/algorithm.md, 'Matrix-free refinement beyond the dense Jacobian' exactly where the
+    dense Jacobian exceeds ``MAX_JACOBIAN_ENTRIES``)."""
     heads, d = model.heads, model.d
     sequences = as_batch(sequences, d)
     answers = np.asarray(answers, dtype=np.float64)

@@ -3,9 +3,9 @@
 Two uses of one comparison (:func:`output_errors`):
 
 * **The default verification** of every run (:func:`ask_long_verification`,
-  :meth:`LongVerification.judge`; ``extract(..., verify_length=...)``, docs/algorithm.md §12):
-  ``VERIFY_QUERIES`` fresh random queries, counted at the run's boundary like every other,
-  whose lengths are spread geometrically from 1 to ``verify_length`` tokens (256 by default),
+  :meth:`LongVerification.judge`; ``extract(..., verify_length=...)``, docs/algorithm.md, 'Approximate answers:
+  certificate, oversampling, refinement, verification'): ``VERIFY_QUERIES`` fresh random queries, counted at the run's
+  boundary like every other, whose lengths are spread geometrically from 1 to ``verify_length`` tokens (256 by default),
   far beyond the schedule's own (at most ``2 H0 + 1``). It is the ``long_verification`` check: a
   layer that agrees with one model on short sequences and not on long ones (a sliding window,
   position-dependent scores, another model beyond a few tokens) fits every query a schedule asks
@@ -39,7 +39,8 @@ from .base import Check
 VERIFY_LENGTH = 256
 #: The longest ``verify_length`` accepted: the model's own evaluation pads every query to it.
 MOST_VERIFY_LENGTH = 4096
-#: Fresh queries of the default verification, whatever the run (docs/algorithm.md §12).
+#: Fresh queries of the default verification, whatever the run (docs/algorithm.md, 'Approximate answers: certificate,
+#: oversampling, refinement, verification').
 VERIFY_QUERIES = 32
 #: Token scales of the fresh queries, as multiples of the run's token scale.
 TOKEN_SCALES = (0.5, 1.0, 2.0)
@@ -231,7 +232,8 @@ def ask_long_verification(boundary: OracleBoundary, rng: np.random.Generator, to
         answers = boundary.ask(sequences, description="verifying on fresh long queries", whole=True)
     except OracleError as error:  # the budget, or a bad answer: say which queries these were
         error.add_note(f"mhaextract: these are the run's own verification queries ({count} fresh queries of 1.."
-                       f"{longest} tokens, docs/algorithm.md §12.2); verify_length sets their longest, 0 turns "
+                       f"{longest} tokens, docs/algorithm.md, 'Default verification on fresh long queries'); "
+                       "verify_length sets their longest, 0 turns "
                        "them off")
         raise
     except Exception as error:

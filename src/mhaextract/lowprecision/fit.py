@@ -1,4 +1,5 @@
-"""Least squares of the whole model on whole answers, to the answers' noise (docs/algorithm.md §23).
+"""Least squares of the whole model on whole answers, to the answers' noise (docs/algorithm.md, 'Whole answers at 8 or
+11 bits: saturated lines, then least squares').
 
 For queries ``X_q`` (short, tokens at the run's scale: scores of order one, no saturation) and
 whole answers ``y_q`` (d_out numbers), minimise ``sum_q |f_theta(X_q) - y_q|^2`` over every
@@ -37,8 +38,8 @@ BOOTSTRAPS = 1
 BOOTSTRAP_SAFETY = 3.0
 #: L-BFGS stops once the misfit fell by less than ``STALL_FRACTION f P / (n d_out)`` over the last
 #: ``STALL_WINDOW`` iterations: about ``f P / (n d_out)`` is what moving the parameters by their
-#: statistical error adds to the misfit ``f`` (docs/algorithm.md §23), so the fit has stopped moving
-#: on that scale.
+#: statistical error adds to the misfit ``f`` (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then
+#: least squares'), so the fit has stopped moving on that scale.
 STALL_WINDOW = 10
 STALL_FRACTION = 1e-3
 

@@ -1,4 +1,5 @@
-"""The run for layers that answer in bfloat16 or float16 (docs/algorithm.md §23).
+"""The run for layers that answer in bfloat16 or float16 (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated
+lines, then least squares').
 
 :func:`extract_low_precision` is what :func:`mhaextract.extract` runs when the answers carry 8 or
 11 significant bits (declared by the oracle's ``answer_dtype`` or read from their bits) and come
@@ -115,7 +116,9 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
         if have is not None and need > have:  # refused before the start's queries are spent
             raise FitTooLarge(f"the least-squares fit of the whole model would hold {count:,} "
                               f"queries and their answers, about {need / 2**30:.1f} GiB, beside {have / 2**30:.1f} GiB "
-                              "available; its work grows as H^2 d^3 (docs/algorithm.md §23): run on a machine with "
+                              "available; its work grows as H^2 d^3 (docs/algorithm.md, "
+                              "'Whole answers at 8 or 11 bits: saturated lines, then least squares'): run on a machine "
+                              "with "
                               "more memory, or, where you hold the module, extract layer.float() (the same weights, "
                               "answered with 24 bits)", need, have)
         start = saturated_start(boundary, spawn_rng(seed, 31), d, heads, token_scale,

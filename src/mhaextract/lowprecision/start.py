@@ -1,4 +1,5 @@
-"""A start model from saturated two-token queries: heads told apart at 8 bits (docs/algorithm.md §23).
+"""A start model from saturated two-token queries: heads told apart at 8 bits (docs/algorithm.md, 'Whole answers at 8 or
+11 bits: saturated lines, then least squares').
 
 For a query token ``z`` and a key ``x = z + t e`` (``e`` a unit direction), the two-token query
 ``[x, z]`` answers, with ``V = sum_h V_h`` and rates ``alpha_h(z) = e^T (W_h z + u_h)``,
@@ -22,8 +23,8 @@ Three stages, each well conditioned at a few significant bits:
   ``u_h = E beta_h``, ``V_h = L_h E^T``; the heads of direction ``e_k`` are matched to those of
   ``e_1`` by the labels of the bridge ``(e_1 + e_k) / sqrt 2``, ``w(b) = (w(e_1) + w(e_k)) / sqrt 2``.
 
-The start is 1e-2..0.3 off (docs/algorithm.md §23); :mod:`mhaextract.lowprecision.fit` takes it to the answers'
-noise.
+The start is 1e-2..0.3 off (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least
+squares'); :mod:`mhaextract.lowprecision.fit` takes it to the answers' noise.
 """
 
 from __future__ import annotations

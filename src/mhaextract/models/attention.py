@@ -1,4 +1,5 @@
-"""The target: multi-head softmax attention read out at the final token (docs/algorithm.md §1, §16, §21).
+"""The target: multi-head softmax attention read out at the final token (docs/algorithm.md, 'The model', 'Biases: affine
+scores and an output constant' and 'The whole layer: vector outputs and a replacement module').
 
 For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, V_h, u_h)``::
 
@@ -9,7 +10,7 @@ For a sequence ``X = (x_1, ..., x_N)`` of tokens in R^d and heads ``(W_h, V_h, u
 ``V_h`` is a ``d_out x d`` value read-out (``W_O,h W_V,h`` of a real layer) and ``c`` a vector of
 ``d_out`` (value and output biases). The paper's scalar model is ``d_out = 1`` with ``v_h = V_h^T``:
 ``f(X) = c + sum_h sum_i a_{h,i} v_h^T x_i``, one number per sequence. ``u_h`` (the query bias
-seen through the keys) and ``c`` are zero in the paper's model (§1) and in a model built without
+seen through the keys) and ``c`` are zero in the paper's model ('The model') and in a model built without
 them.
 
 Canonical form: heads with equal ``(W_h, u_h)`` act as one head with the sum of their ``V_h``; a
@@ -91,7 +92,8 @@ class MultiHeadAttention:
         paper's model; ``f(X)`` is a number). Shape (H, d_out, d): the vector model, one
         ``d_out x d`` matrix ``V_h = W_O,h W_V,h`` per head (a real layer's whole output).
     u : array of shape (H, d), optional
-        Score biases: ``s_{h,i} = x_i^T (W_h x_N + u_h)`` (docs/algorithm.md §16). Default zero.
+        Score biases: ``s_{h,i} = x_i^T (W_h x_N + u_h)`` (docs/algorithm.md, 'Biases: affine scores and an output
+        constant'). Default zero.
     c : scalar, or array of shape (d_out,) for the vector model, optional
         Output constant added to every answer. Default zero. All are float64, or ``mpmath.mpf``
         (object arrays) for a high-precision model.
@@ -204,7 +206,7 @@ class MultiHeadAttention:
         with ``bias=True`` also ``u_h`` with N(0, 1/sqrt(d)) entries and ``c`` N(0, 1) (the same
         draws of W and v as without). ``rank=r``: ``W_h = A_h B_h^T / sqrt(d r)`` with Gaussian
         ``A_h``, ``B_h`` (d x r), of rank r with entries of variance 1/d (the low-rank schedule's
-        targets, docs/algorithm.md §17). ``d_out=n``: the vector model, ``V_h`` (n x d) with N(0, 1)
+        targets, docs/algorithm.md, 'Low-rank heads'). ``d_out=n``: the vector model, ``V_h`` (n x d) with N(0, 1)
         entries in place of ``v_h`` and ``c`` of n N(0, 1) entries (the same draws of W).
 
         The 1/d variance keeps ``z^T W_h x`` of order one for tokens of norm ``d**0.25``, the
@@ -372,8 +374,8 @@ class MultiHeadAttention:
         """The attention-weighted mean token of every head, ``m_h(X) = sum_i a_{h,i} x_i``.
 
         The output is ``f(X) = sum_h v_h^T m_h(X)``; a one-layer Transformer reads the same means
-        through its value-output maps (docs/algorithm.md §14). Returns float64 (B, H, d), or with
-        ``precision=bits`` an object array (B, H, d) of flint ``arb`` balls computed at
+        through its value-output maps (docs/algorithm.md, 'The one-layer Transformer'). Returns float64 (B, H, d), or
+        with ``precision=bits`` an object array (B, H, d) of flint ``arb`` balls computed at
         ``bits + 32`` bits (the caller sets nothing; the balls carry their own precision).
 
         Examples

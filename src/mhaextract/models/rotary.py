@@ -1,4 +1,5 @@
-"""Rotary attention (RoPE) read out at the final token, in its canonical form (docs/algorithm.md §22).
+"""Rotary attention (RoPE) read out at the final token, in its canonical form (docs/algorithm.md, 'Rotary attention:
+positions, grouped heads and sliding windows').
 
 Head h has a query factor ``Q_h`` and a key factor ``K_h`` (both ``r x d``, r even) and
 frequencies ``theta_h`` (r / 2 of them). Rows ``2m, 2m + 1`` of both factors form block m, which
@@ -371,8 +372,8 @@ class RotaryAttention:
         """The scores' bilinear forms on tokens augmented by a 1, ``[K_h | k_h]^T R_h(delta) [Q_h |
         b_h]`` at delta = 0, 1, 2, shape (H, 3, d + 1, d + 1) (``[W_h(delta) | u_h(delta)]`` above a
         last row that only a key bias fills): together they determine the scores at every offset
-        (docs/algorithm.md §22), so two models with equal ones and equal values compute the same
-        function.
+        (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'), so two models with equal
+        ones and equal values compute the same function.
 
         The last row is taken relative to its value at delta = 0, ``k_h^T (R_h(delta) - I) [Q_h |
         b_h]``: the same functional of the final token added to every key's score leaves the

@@ -1,7 +1,7 @@
 """One-layer Transformer: multi-head attention, then a bias-free ReLU feed-forward network.
 
-docs/algorithm.md §14. For a sequence ``X = (x_1, ..., x_N)`` with the heads' attention
-weights ``a_{h,i}`` (section 1) and value-output maps ``O_h`` (p x d)::
+docs/algorithm.md, 'The one-layer Transformer'. For a sequence ``X = (x_1, ..., x_N)`` with the heads' attention
+weights ``a_{h,i}`` ('The model') and value-output maps ``O_h`` (p x d)::
 
     o(X) = sum_h sum_i a_{h,i} O_h x_i                      (in R^p)
     f(X) = w^T ReLU(A o(X))          (A: n x p, w: n)      (+ A R x_N inside the ReLU if residual)
@@ -223,7 +223,7 @@ class Transformer1L:
 
     def residual_term(self) -> np.ndarray:
         """``q = sum_j w_j R^T A_j^T``: with the residual, ``g(X) = f(X) - f(-X)`` is the attention
-        of :meth:`odd_part` plus ``q^T x_N`` (docs/algorithm.md §14); zeros without it."""
+        of :meth:`odd_part` plus ``q^T x_N`` (docs/algorithm.md, 'The one-layer Transformer'); zeros without it."""
         R = self.residual_vectors()
         if not self.is_high_precision:
             return R.T @ self.w
@@ -232,7 +232,7 @@ class Transformer1L:
 
     def odd_part(self) -> MultiHeadAttention:
         """The attention part of ``g(X) = f(X) - f(-X)``: ``v_h = sum_j w_j p_{h,j}`` (docs/algorithm.md
-        §14). With the residual, g is this plus ``q^T x_N`` (:meth:`residual_term`).
+        'The one-layer Transformer'). With the residual, g is this plus ``q^T x_N`` (:meth:`residual_term`).
         """
         C = self.unit_vectors()
         if not self.is_high_precision:

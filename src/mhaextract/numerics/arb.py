@@ -297,8 +297,8 @@ def solve_transposed(Z: np.ndarray, rhs: np.ndarray) -> np.ndarray:
 def assemble(Z: np.ndarray, X: np.ndarray, M: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``W_h = Z^{-T} M_h X^{-1}`` and ``v_h = Z^{-T} l_h`` in balls; M (H, d, F), X (F, F), labels (H, d).
 
-    F = d, or d + 1 with the lifted final tokens of the biased grid (docs/algorithm.md §16): then
-    ``W_h`` is ``[W_h | u_h]``."""
+    F = d, or d + 1 with the lifted final tokens of the biased grid (docs/algorithm.md, 'Biases: affine scores and an
+    output constant'): then ``W_h`` is ``[W_h | u_h]``."""
     Zt = _mat(np.asarray(Z).T)
     Xt = _mat(np.asarray(X).T)
     H, d = labels.shape

@@ -1,13 +1,14 @@
 """One arithmetic interface, two backends: the grid learner is written once against it.
 
 Like mpmath's contexts (``mp``, ``fp``, ``iv``), an :class:`Arithmetic` bundles how numbers are
-stored and how the kernels of docs/algorithm.md §6-§9 compute with them:
+stored and how the kernels of docs/algorithm.md, 'Kernels in float64' to 'Assembly' compute with them:
 
 * :class:`Float64Arithmetic`: numpy float64, batched over instances; redundant measurements are
-  combined by weighted least squares, errors are first-order estimates (§6, §9, §11);
+  combined by weighted least squares, errors are first-order estimates ('Kernels in float64', 'Assembly' and 'Numerics
+  in float64 and the token scale');
 * :class:`BallArithmetic`: python-flint ``arb`` balls at ``precision`` bits; redundant
   measurements keep the tightest enclosure and errors are ball radii, proven when every instance
-  certified (§7, §9).
+  certified ('Kernels in ball arithmetic and certification' and 'Assembly').
 
 * :class:`TorchArithmetic`: float64 with the batched factorisations in torch (:mod:`.torch`), on
   CUDA when present; the same numbers as :class:`Float64Arithmetic` to rounding.
@@ -33,7 +34,8 @@ class Arithmetic:
 
     precision: int | None
     dtype: object
-    #: Relative rounding unit of the answers: the unit of the label deviations (§11).
+    #: Relative rounding unit of the answers: the unit of the label deviations (docs/algorithm.md, 'Numerics in float64
+    #: and the token scale').
     unit: float
     kernel: object
 
@@ -45,7 +47,8 @@ class Arithmetic:
         return np.empty((n, K), dtype=self.dtype)
 
     def detect_ranks(self, samples, ks, max_poles, constant=None, answer_error=0.0):
-        """Pole count per instance and relative Loewner singular values (§6, §7)."""
+        """Pole count per instance and relative Loewner singular values (docs/algorithm.md, 'Kernels in float64' and
+        'Kernels in ball arithmetic and certification')."""
         return self.kernel.detect_ranks(samples, ks, max_poles, constant=constant)
 
     def fit(self, samples, ks, poles, constant=None):
@@ -59,7 +62,7 @@ class Arithmetic:
         return self.kernel.dot(vector, points)
 
     def assemble(self, Z, X, M, labels):
-        """``W_h = Z^{-T} M_h X^{-1}``, ``v_h = Z^{-T} l_h`` (§9)."""
+        """``W_h = Z^{-T} M_h X^{-1}``, ``v_h = Z^{-T} l_h`` (docs/algorithm.md, 'Assembly')."""
         return self.kernel.assemble(Z, X, M, labels)
 
     def combine(self, layout, m, labels, sigma_m, sigma_l):
@@ -79,11 +82,13 @@ class Arithmetic:
         raise NotImplementedError
 
     def error_estimate(self, Z, X, W, v, M_std, label_std) -> float:
-        """Max relative parameter error from the rounding of the answers (§11)."""
+        """Max relative parameter error from the rounding of the answers (docs/algorithm.md, 'Numerics in float64 and
+        the token scale')."""
         raise NotImplementedError
 
     def constant_error(self, c, scale: float) -> float:
-        """Relative error of the output constant c of the biased grid (§16) against ``scale``."""
+        """Relative error of the output constant c of the biased grid (docs/algorithm.md, 'Biases: affine scores and an
+        output constant') against ``scale``."""
         raise NotImplementedError
 
     def answers_residual(self, model, sequences, answers) -> float:

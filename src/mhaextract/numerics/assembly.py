@@ -1,10 +1,10 @@
-"""Assembly of the grid schedules' redundant measurements into ``M_h`` and ``l_h`` (docs/algorithm.md §9).
+"""Assembly of the grid schedules' redundant measurements into ``M_h`` and ``l_h`` (docs/algorithm.md, 'Assembly').
 
 The grid instance ``(i, j)`` measures ``M_h[j, i]``; row link ``j`` measures ``M_h[0, 0] + M_h[j, 0]``;
 column link ``(i, j)`` measures ``w (M_h[j, 0] + M_h[j, i])`` (``w = layout.column_link_weight``: 1 for
-the final token ``x_0 + x_i`` of §5, 1/2 for the affine ``(x_0 + x_i) / 2`` of the biased grid, §16)
-and repeats the labels ``l_h[j]`` of its column. Every entry but ``M_h[0, 0]`` is measured twice.
-Two ways to use that, one per arithmetic:
+the final token ``x_0 + x_i`` of 'The paper schedule', 1/2 for the affine ``(x_0 + x_i) / 2`` of the biased grid,
+'Biases: affine scores and an output constant') and repeats the labels ``l_h[j]`` of its column. Every entry but
+``M_h[0, 0]`` is measured twice. Two ways to use that, one per arithmetic:
 
 * float64 (:func:`weighted_combination`): weighted least squares over every measurement, each
   weighted by its first-order variance, so that an ill-conditioned instance is outvoted by its twin;
@@ -12,9 +12,9 @@ Two ways to use that, one per arithmetic:
   its instance is certified); keep the tightest, which keeps the certificate.
 
 ``layout`` is any object with the grid schedules' index arrays: ``d``, ``grid_index`` (F, d) with
-F the number of final tokens (d, or d + 1 for the biased grid of §16), ``row_link_index`` (d,),
-``column_link_index`` (F, d) (-1 where not asked), ``column_link_weight`` and ``instances`` (each
-with ``role`` and ``j``). ``M_h`` is (d, F): row j a difference, column i a final token.
+F the number of final tokens (d, or d + 1 for the biased grid of 'Biases: affine scores and an output constant'),
+``row_link_index`` (d,), ``column_link_index`` (F, d) (-1 where not asked), ``column_link_weight`` and ``instances``
+(each with ``role`` and ``j``). ``M_h`` is (d, F): row j a difference, column i a final token.
 """
 
 from __future__ import annotations

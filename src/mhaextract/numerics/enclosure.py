@@ -8,7 +8,8 @@ answers expose it: if the balls enclosed the oracle's parameters, the model eval
 arithmetic with those balls would contain the exact output, and so overlap every answer's ball
 (the answer within one ulp). :func:`balls_reproduce_answers` evaluates a few of the queries
 asked that way; a ball that misses its answer disproves the enclosure. With biases (the biased
-grid, docs/algorithm.md §16) the score biases ``u_h`` and the constant ``c`` are evaluated as balls too.
+grid, docs/algorithm.md, 'Biases: affine scores and an output constant') the score biases ``u_h`` and the constant ``c``
+are evaluated as balls too.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ whose rank is r whenever there are at least r test points and r + 1 support poin
 the Loewner matrix of the full even/odd split detects H* from a bound H0. The poles are the
 zeros of D, the residues ``rho_h = N(p_h) / D'(p_h)`` and ``c = sum_a w_a F(s_a) / sum_a w_a``.
 
-When both anchors are known (docs/algorithm.md §4, the lean schedule) c is given: the fit is
+When both anchors are known (docs/algorithm.md, 'Anchors', the lean schedule) c is given: the fit is
 of ``G = F - c``, which vanishes at infinity. That is one more linear condition on the weights,
 ``sum_a w_a G(s_a) = 0`` (the barycentric value at infinity), appended to the Loewner rows, so
 ``2r`` samples suffice.
@@ -174,7 +174,7 @@ def sensitivities(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: np
       the per-parameter change for i.i.d. unit relative sample errors (used as weights).
 
     Shapes: ks (K,), tau and labels (n, r). Rows with non-finite parameters get inf. With
-    ``constant_known`` (both anchors of docs/algorithm.md §4 known) the column of c is dropped.
+    ``constant_known`` (both anchors of docs/algorithm.md, 'Anchors' known) the column of c is dropped.
     Rows whose ``residual`` (n,) is above ``FAILED_FIT_RESIDUAL`` (or NaN) get inf too: the
     linearisation of a fit that does not fit is no error bar. Near such a degenerate fit the SVD's
     rounding can report a sigma far below a huge label's error, which would then outweigh every
@@ -236,8 +236,8 @@ def constant_sigmas(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, scale: 
 def anchor_sigmas(ks: np.ndarray, tau: np.ndarray, labels: np.ndarray, coefficients: np.ndarray,
                   anchor_sigma: np.ndarray, constant_known: bool) -> tuple[np.ndarray, np.ndarray]:
     """First-order standard deviations of the log-poles and labels (n, r) that the errors of computed
-    anchors cause (docs/algorithm.md §4, §10): the fitted samples are ``G = E a + (answers)`` with
-    ``a`` the anchors ``vbar^T z_j``, their errors independent with standard deviations ``anchor_sigma``
+    anchors cause (docs/algorithm.md, 'Anchors' and 'The lean schedule'): the fitted samples are ``G = E a + (answers)``
+    with ``a`` the anchors ``vbar^T z_j``, their errors independent with standard deviations ``anchor_sigma``
     (d,); ``coefficients`` is ``E`` (n, K, d) per instance. A parameter moves by ``J^+ E delta a``,
     so its variance is ``sum_j (J^+ E)[:, j]^2 anchor_sigma_j^2``. The anchors' errors are shared by
     every instance that uses them: summed with :func:`sensitivities`' own, in the same units."""

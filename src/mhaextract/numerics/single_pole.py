@@ -1,6 +1,6 @@
 """float64 fits of a saturated instance: one head in the window, the others constant.
 
-A targeted instance (docs/algorithm.md §13) has final token ``x`` and difference ``z`` chosen
+A targeted instance (docs/algorithm.md, 'The targeted schedule') has final token ``x`` and difference ``z`` chosen
 so that one head h has its log-pole ``m_h = z^T W_h x`` near 0 while every other head is
 saturated. With ``G(k) = vbar^T x - F(k)`` (the gap to the one-token answer ``F(0)``)::
 

@@ -1,4 +1,4 @@
-"""float64 kernels in torch, batched over instances, on CUDA when present (docs/algorithm.md §6).
+"""float64 kernels in torch, batched over instances, on CUDA when present (docs/algorithm.md, 'Kernels in float64').
 
 The same mathematics and the same steps as :mod:`.float64` (Loewner singular values for the
 pole count, the Loewner null vector, poles as eigenvalues of the projected support matrix,

@@ -171,7 +171,7 @@ class OracleBoundary:
 
         Vector answers (B, d_out) reach the schedules read out through ``vectors.readout``;
         ``whole=True`` returns them whole, float64 (B, d_out), when the oracle answers vectors (the
-        value fit's queries, docs/algorithm.md §21).
+        value fit's queries, docs/algorithm.md, 'The whole layer: vector outputs and a replacement module').
 
         ``overflow=True`` (float64 mode; queries whose tokens are large by design): an answer that
         is not finite, in any of its numbers, is evidence that the layer's own dtype overflowed at

@@ -4,7 +4,7 @@ Each wrapper is itself an oracle (``oracle(batch) -> outputs``, float64) and is 
 same seed and the same questions give the same answers.
 
 * :class:`AdditiveNoise`: ``f(X) + e`` with ``e`` uniform in ``[-eps, eps]`` (bounded: the setting
-  of the certificate, docs/algorithm.md §12);
+  of the certificate, docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement, verification');
 * :class:`GaussianNoise`: ``f(X) + e``, ``e ~ N(0, sigma^2)`` (unbounded);
 * :class:`RoundedAnswers`: ``f(X)`` rounded to ``bits`` significant bits (an API that rounds);
 * :class:`Float32Oracle`: the target itself evaluated in float32 (a float32 layer);

@@ -1,6 +1,6 @@
 """Oracle evaluation spread over Ray actors (docs/parallel.md): the learner stays on the driver.
 
-:class:`ParallelOracle` is an oracle (``oracle(batch) -> answers``, docs/algorithm.md §5) that
+:class:`ParallelOracle` is an oracle (``oracle(batch) -> answers``, docs/algorithm.md, 'The paper schedule') that
 splits each batch the boundary sends into contiguous shares, one per worker, answers each share in
 its own Ray actor holding its own copy of the user's oracle (built there by ``factory()``), and
 gathers the answers in the order asked. The boundary (:mod:`mhaextract.oracle.boundary`) still

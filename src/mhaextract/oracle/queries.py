@@ -16,7 +16,8 @@ import numpy as np
 
 #: Query vectors are rounded to this many significant bits, so that every sum and difference a
 #: schedule forms (``x - z``, ``x_0 + x_i``, ``z_0 + z_j``) is exact in float64 and the learner
-#: knows exactly which tokens the oracle saw, in any precision (docs/algorithm.md §11).
+#: knows exactly which tokens the oracle saw, in any precision (docs/algorithm.md, 'Numerics in float64 and the token
+#: scale').
 TOKEN_BITS = 40
 
 
@@ -76,8 +77,9 @@ class Instance:
     """One copies-instance: ``k`` copies of ``y = final - difference``, then ``final``.
 
     ``role`` is ``"grid"``, ``"row_link"`` or ``"column_link"`` (the grid schedules, docs/algorithm.md
-    §3), or ``"repair"`` (asked by the certificate repair, §20); ``(i, j)`` are grid indices (row link
-    ``j`` has ``i = 0``; -1 for a repair). ``ks`` are the copy counts actually queried.
+    'One instance: copies of a token and a rational function'), or ``"repair"`` (asked by the certificate repair,
+    'Certificate repair: failed instances measured again with their poles pulled apart'); ``(i, j)`` are grid indices
+    (row link ``j`` has ``i = 0``; -1 for a repair). ``ks`` are the copy counts actually queried.
     """
 
     role: str
@@ -277,7 +279,7 @@ class CopiesQueries(Sequence):
 
 
 class RoundQueries(Sequence):
-    """The queries of a block of targeted rounds (docs/algorithm.md §13), built on demand: round
+    """The queries of a block of targeted rounds (docs/algorithm.md, 'The targeted schedule'), built on demand: round
     by round, each of the round's copy counts k in turn, unit by unit, the copies-instance
     ``(y, ..., y, x)`` with k copies of ``y = x - differences[u]``, ``x = finals[u, n]``.
 
@@ -344,7 +346,7 @@ class RoundQueries(Sequence):
 
 class KeptQueries(Sequence):
     """A sample of a run's queries kept with their answers (the targeted schedules' residual sample,
-    docs/algorithm.md §13, "Memory"), in the order asked: copies-instances as their rows
+    docs/algorithm.md, 'Memory'), in the order asked: copies-instances as their rows
     ``(final, difference, k)`` (:meth:`RoundQueries.rows`), other queries as arrays. Indexing builds
     the sequences (those of :func:`copies_block`, bit for bit); :meth:`outputs` evaluates a model on
     the copies rows from the rows (:meth:`~mhaextract.models.attention.MultiHeadAttention.copies_outputs`,

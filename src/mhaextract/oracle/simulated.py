@@ -46,7 +46,7 @@ class SimulatedOracle:
 class TorchSimulatedOracle:
     """A float64 oracle for a known model, evaluated with torch on ``device`` (CUDA when present).
 
-    The same ``f(X)`` as :class:`SimulatedOracle` in float64 (docs/algorithm.md §1), batched per
+    The same ``f(X)`` as :class:`SimulatedOracle` in float64 (docs/algorithm.md, 'The model'), batched per
     query length on the device: for simulating large layers fast. torch is imported on construction.
     """
 

@@ -1,4 +1,5 @@
-"""Vector answers at the oracle boundary: the read-out the schedules fit (docs/algorithm.md §21).
+"""Vector answers at the oracle boundary: the read-out the schedules fit (docs/algorithm.md, 'The whole layer: vector
+outputs and a replacement module').
 
 A real layer answers ``d_out`` numbers per query. The coordinates share the scores, so they share
 ``(W_h, u_h)``; every schedule learns those from the scalar ``r^T f(X)`` for one read-out ``r`` (a
@@ -38,7 +39,8 @@ class VectorAnswers:
         ``"float32"``, ``"bfloat16"`` or ``"float16"`` read the answers out to float32, as a scalar
         oracle of such a layer rounds its own read-out (the rounding, ``2^-24`` relative, is below the
         layer's own, and the run sees the answers' precision:
-        :class:`~mhaextract.oracle.answer_stats.AnswerStats`, docs/algorithm.md §19).
+        :class:`~mhaextract.oracle.answer_stats.AnswerStats`, docs/algorithm.md, 'Low-precision oracles: float32, mixed
+        precision, bfloat16').
 
     Attributes
     ----------

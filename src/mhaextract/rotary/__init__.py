@@ -1,1 +1,2 @@
-"""Rotary attention (docs/algorithm.md §22): the model, its queries and its extraction."""
+"""Rotary attention (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'): the model,
+its queries and its extraction."""

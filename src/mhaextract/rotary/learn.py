@@ -1,4 +1,5 @@
-"""Learning rotary attention from value queries (docs/algorithm.md §22).
+"""Learning rotary attention from value queries (docs/algorithm.md, 'Rotary attention: positions, grouped heads and
+sliding windows').
 
 Zero tokens are counters: with no key bias a zero token scores 0 and carries value 0 at every
 offset, so ``k`` leading zeros in front of a pattern S of non-zero tokens give
@@ -528,8 +529,8 @@ class RotaryLearner:
 
 def answer_precision(unit: float) -> Check:
     """Answers coarser than float32 (bfloat16, float16) are refused: one rational fit per instance
-    separates H poles only to a few units of the answers' rounding (§11), and at 8 or 11 bits no
-    start comes out that the refinement could take to the layer."""
+    separates H poles only to a few units of the answers' rounding (docs/algorithm.md, 'Numerics in float64 and the
+    token scale'), and at 8 or 11 bits no start comes out that the refinement could take to the layer."""
     name = {2.0 ** -8: "bfloat16", 2.0 ** -11: "float16"}.get(unit, f"a unit roundoff of {unit:.1e}")
     return Check("answer_precision", unit <= COARSEST_UNIT, unit, COARSEST_UNIT,
                  "the answers' rounding unit (declared by the oracle or read from their bits)"
@@ -725,7 +726,9 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
                   "queries), relative to the largest answer" + _fewer_bits(precision, residual, residual_limit)),
         ]
     value_fit, scalar_model = None, None
-    if model is not None and (vectors.d_out or 1) > 1:  # the whole layer: V_h and c fitted to whole answers (§21)
+    if model is not None and (vectors.d_out or 1) > 1:
+        # the whole layer: V_h and c fitted to whole answers (docs/algorithm.md, 'The whole layer: vector outputs and a
+        # replacement module')
         value_queries = random_queries(spawn_rng(seed, 13), value_query_count(model.heads, d), d, learner.token_scale,
                                        VALUE_QUERY_LENGTHS)
         whole = boundary.ask(value_queries, "value read-outs", whole=True)

@@ -1,4 +1,4 @@
-"""A key-neutral token for rotary attention with a key bias (docs/algorithm.md §22, "A key bias").
+"""A key-neutral token for rotary attention with a key bias (docs/algorithm.md, 'A key bias').
 
 With key biases ``k_h`` (Qwen2) a zero token scores ``k_h^T R_h(delta) q_h`` at offset delta: it is
 no counter. A token ``z*`` with ``K_h z* + k_h = 0`` in every head scores 0 from every final token
@@ -45,7 +45,8 @@ from ..oracle.progress import note_progress
 PROBE_TOKENS = 16
 #: Norms of the probe tokens tried in turn, in units of the token scale: the steps from 0 stop at
 #: other minima of the misfit on some layers at each size, never at all three (docs/algorithm.md
-#: §22; ``benchmarks/bench_rotary_layers.py --probe-scales``).
+#: 'Rotary attention: positions, grouped heads and sliding windows';
+#: ``benchmarks/bench_rotary_layers.py --probe-scales``).
 PROBE_SCALES = (3.0, 1.0, 10.0)
 #: The first-order term ``D_N`` by a central difference of eight points, ``+-eps, .., +-4 eps``:
 #: ``D = sum_k STENCIL[k] (f(+k eps) - f(-k eps)) / eps`` (error of order ``eps^8``).
@@ -344,8 +345,7 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
 def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, token_scale: float,
                        lengths=LARGE_QUERY_LENGTHS, progress=None) -> tuple[np.ndarray, float, float]:
     """The key-neutral token from coarse (float32) answers: ``(z, key misfit, self-score misfit)``
-    (the ``key_neutral`` and ``self_scores`` checks' values); docs/algorithm.md §22, "From float32
-    answers".
+    (the ``key_neutral`` and ``self_scores`` checks' values); docs/algorithm.md, 'From float32 answers'.
 
     With a final token ``x = z + w`` the answers ``Y_N = f(z^(N-1), x) - f(z)`` give
     ``C_N = N Y_N - Y_1 = sum_h V_h w (N a_h(N) - 1)``, a_h(N) the final's weight in head h. For a

@@ -1,5 +1,5 @@
-"""Refinement of a rotary model by damped Gauss-Newton on fresh queries (docs/algorithm.md §22,
-"Refinement").
+"""Refinement of a rotary model by damped Gauss-Newton on fresh queries (docs/algorithm.md, 'Rotary attention:
+positions, grouped heads and sliding windows', 'Refinement').
 
 The parameters ``theta_vec = (Q, K, b, theta, v, c)`` (and the key bias k, where the model has
 one) of a scalar :class:`RotaryAttention` enter
@@ -210,7 +210,7 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
     At ``theta = 0`` a block's factors are determined only up to ``(K_m, Q_m) -> (S K_m, S^{-T}
     Q_m)`` for any invertible S, not only the scaled rotations that commute with ``R``: a block
     whose angle starts at or near 0 in a wrong basis is told its basis only through terms of order
-    ``theta delta``, and Levenberg-Marquardt crawls (docs/algorithm.md §22, "Slow blocks"). The slow blocks
+    ``theta delta``, and Levenberg-Marquardt crawls (docs/algorithm.md, 'Slow blocks'). The slow blocks
     of a head (rows c) are taken together at ``theta = 0`` with a generator ``Omega_h`` (|c| x |c|)
     in their place, ``k_c^T (I + delta Omega_h) q_c``, which enters linearly: one damped
     Gauss-Newton step fits ``Omega_h`` with every other parameter. Its real form
@@ -306,9 +306,9 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     answers' rounding, and a step gains less than a tenth of the cost, or any step gains less than
     1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
     the caller continues. ``frame_shift``: the estimate is of the score matrices of the model seen
-    through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md §22).
-    ``key_size``: the model's key bias k has a Gaussian prior of this size sigma_k against the
-    misfit's root mean square sigma, ``(sigma / sigma_k)^2 |k|^2`` joining the cost, sigma taken
+    through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md, 'Rotary attention: positions,
+    grouped heads and sliding windows'). ``key_size``: the model's key bias k has a Gaussian prior of this size sigma_k
+    against the misfit's root mean square sigma, ``(sigma / sigma_k)^2 |k|^2`` joining the cost, sigma taken
     afresh at every step: far from the answers the misfit is the model's error, and a prior weighed
     against the answers' rounding alone would let the first steps trade a slow block's angle for a
     key (theta -> 0, k large) that the later steps cannot undo."""
@@ -390,8 +390,8 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
 
 def polish_high_precision(model: RotaryAttention, sequences, answers: np.ndarray, precision: int,
                           iterations: int = 40, seed=0, on_step=None):
-    """Newton steps at ``precision`` bits from a float64 fit (docs/algorithm.md §22, "High
-    precision"); returns ``(model, RotaryRefinement)`` with an ``mpf`` model.
+    """Newton steps at ``precision`` bits from a float64 fit (docs/algorithm.md, 'High precision'); returns
+    ``(model, RotaryRefinement)`` with an ``mpf`` model.
 
     Iterative refinement: the residual ``r = f(X_q; theta) - answer_q`` of the high-precision
     parameters is computed in ball arithmetic, the step ``J^+ r`` in float64 with the pseudo-inverse

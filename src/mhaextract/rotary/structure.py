@@ -1,4 +1,4 @@
-"""A rotary head from its score matrices at two offsets (docs/algorithm.md §22, "The rotation").
+"""A rotary head from its score matrices at two offsets (docs/algorithm.md, 'The rotation').
 
 ``W(1) = K^T R Q`` and ``W(2) = K^T R^2 Q`` (R = R(1), r x r block rotations) determine the head:
 any rank-r factorisation ``W(1) = A B`` gives ``M = A^+ W(2) B^+ = G^{-1} R G`` (G invertible), so

@@ -1,4 +1,4 @@
-"""Finding a sliding window by queries of increasing length (docs/algorithm.md §22, "Windows").
+"""Finding a sliding window by queries of increasing length (docs/algorithm.md, 'Windows').
 
 A final zero token has the query ``b_h`` (zero without a query bias); in ``(y, 0^(L - 1))`` the
 zeros score 0 and carry value 0, so the answer is ``c + sum_h e^{s_h(y)} v_h^T y / (e^{s_h(y)} + L - 1)``

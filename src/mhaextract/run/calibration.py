@@ -1,4 +1,5 @@
-"""The token scale from queries (docs/algorithm.md §18): ``extract(..., token_scale="auto")``.
+"""The token scale from queries (docs/algorithm.md, 'Choosing the token scale from queries'):
+``extract(..., token_scale="auto")``.
 
 The schedules need log-poles ``m_h = z^T (W_h x + u_h)`` of order one, and nothing on the
 extraction path may read the weights. A two-token query ``(y, x)`` with ``y = x - z`` answers
@@ -17,8 +18,8 @@ run's knee is the geometric median of the pairs' knees. The token scale is the k
 over d = 4..64, H = 1, 2, 4, 8, with and without biases, 2 seeds (80 targets), default / knee has
 median 0.80, 90% of targets within 0.54..1.26, all within 0.34..1.87.
 
-**The answers' precision** (docs/algorithm.md §19), measured here too, before any schedule runs:
-the bits of the answers (every answer a float32, float16 or bfloat16 number:
+**The answers' precision** (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'), measured
+here too, before any schedule runs: the bits of the answers (every answer a float32, float16 or bfloat16 number:
 :attr:`~mhaextract.oracle.answer_stats.AnswerStats.unit_roundoff`) and ``PERMUTED`` pairs of
 five-token queries that differ only in the order of their first four tokens. Softmax attention is
 invariant under that permutation, so each pair's difference is the oracle's own rounding (the
@@ -27,9 +28,9 @@ a float64 one, ``2^-53`` for float64. ``Calibration.answer_noise`` (relative to 
 answer) is the larger of the two readings, or None at float64 rounding; :func:`mhaextract.extract`
 passes it to the schedule as ``RunSettings.answer_noise``.
 
-**Rounding or random noise** (docs/algorithm.md §19): the first ``REPEATED`` permuted probes' first
-queries are asked a second time, unchanged. An oracle that rounds (float32 arithmetic, a float32
-softmax) answers a repeat exactly as before, and its permuted disagreement is the rounding of its
+**Rounding or random noise** (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'): the first
+``REPEATED`` permuted probes' first queries are asked a second time, unchanged. An oracle that rounds (float32
+arithmetic, a float32 softmax) answers a repeat exactly as before, and its permuted disagreement is the rounding of its
 own scores too; an oracle that adds random noise to its outputs (a defence, a sampled estimate)
 answers a repeat differently, by about as much as the permuted pairs differ
 (``Calibration.random_noise``).

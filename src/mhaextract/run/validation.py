@@ -2,7 +2,7 @@
 
 Every public entry point (``extract``, ``extract_transformer``, the baselines, ``verify``, the CLI)
 checks its parameters here, once, and raises ``ValueError`` naming the parameter, what it must be
-and what it got. The default token scale lives here too (docs/algorithm.md §11).
+and what it got. The default token scale lives here too (docs/algorithm.md, 'Numerics in float64 and the token scale').
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def on_failure_mode(value) -> str:
 
 def default_token_scale(d: int) -> float:
     """``d ** 0.25``: the norm at which ``z^T W x`` is of order one for W with N(0, 1/d) entries
-    (docs/algorithm.md §11)."""
+    (docs/algorithm.md, 'Numerics in float64 and the token scale')."""
     return float(d) ** 0.25
 
 
@@ -69,8 +69,8 @@ def token_scale_for(d: int, token_scale) -> float:
 
 
 def token_scale_option(token_scale):
-    """``extract``'s ``token_scale``: ``"auto"`` (found by probe queries, docs/algorithm.md §18),
-    None (the schedule's default) or a positive number."""
+    """``extract``'s ``token_scale``: ``"auto"`` (found by probe queries, docs/algorithm.md, 'Choosing the token scale
+    from queries'), None (the schedule's default) or a positive number."""
     if isinstance(token_scale, str):
         if token_scale != "auto":
             raise ValueError(f"token_scale must be a positive number, 'auto' or None, got {token_scale!r}")

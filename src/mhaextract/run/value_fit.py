@@ -1,4 +1,5 @@
-"""The value read-outs of a layer's whole output: ``V_h`` and ``c`` from vector answers (docs/algorithm.md §21).
+"""The value read-outs of a layer's whole output: ``V_h`` and ``c`` from vector answers (docs/algorithm.md, 'The whole
+layer: vector outputs and a replacement module').
 
 Once the scores are known (``W_h`` and ``u_h`` from any schedule, learned on the read-out
 ``r^T f``), every answer is linear in the value read-outs::

@@ -63,7 +63,7 @@ def _int_or_text(value: str):
 
 
 RANK_HELP = ("a bound r on every head's rank, or 'auto' to find it: the float64 low-rank schedule, about "
-             "2.1H(2dr - r^2) queries (docs/algorithm.md §17)")
+             "2.1H(2dr - r^2) queries (docs/algorithm.md, 'Low-rank heads')")
 
 
 def _rank_option(value: str | None):
@@ -113,7 +113,8 @@ def _robust_options(precision, samples, answer_error, refine, verify_queries=0) 
         if samples is not None or answer_error is not None or refine or verify_queries:
             raise typer.BadParameter(FLOAT64_ONLY)
         return {}
-    # --refine not given: the schedule decides (paper and lean refine noisy answers, docs/algorithm.md §10)
+    # --refine not given: the schedule decides (paper and lean refine noisy answers, docs/algorithm.md,
+    # 'The lean schedule')
     return {"samples_per_instance": samples, "refine": True if refine else None, "answer_error": answer_error}
 
 
@@ -404,7 +405,8 @@ def extract_command(
     verify_queries: int = typer.Option(0, "--verify", help="float64: fresh random queries to verify the result on "
                                        "after the run (not capped by --max-queries, not in the transcript)"),
     verify_length: int = typer.Option(None, "--verify-length", help="longest fresh query of the run's own "
-                                      "verification, in tokens (default 256; 0 turns it off; docs/algorithm.md §12)"),
+                                      "verification, in tokens (default 256; 0 turns it off; docs/algorithm.md, "
+                                      "'Approximate answers: certificate, oversampling, refinement, verification')"),
     transcript: Path = typer.Option(None, "--transcript", help="SQLite transcript: saves every answer, resumes"),
     max_queries: int = typer.Option(None, "--max-queries", help="cap on the queries asked in this run"),
     batch_size: int = typer.Option(1024, "--batch-size", help="sequences per oracle call"),

@@ -1,6 +1,6 @@
 """Learning a one-layer Transformer (:class:`~mhaextract.models.transformer.Transformer1L`) from value
-queries (docs/algorithm.md §14, docs/transformer.md): the odd part ``f(X) - f(-X)`` handed to the
-attention core for the heads, then the ReLU units (:mod:`mhaextract.transformer.relu_units`), assembled and
+queries (docs/algorithm.md, 'The one-layer Transformer', docs/transformer.md): the odd part ``f(X) - f(-X)`` handed to
+the attention core for the heads, then the ReLU units (:mod:`mhaextract.transformer.relu_units`), assembled and
 verified on fresh queries. The model, its canonical form and :func:`compare_transformers` are in
 :mod:`mhaextract.models.transformer`.
 """
@@ -61,7 +61,7 @@ def _key(sequence: np.ndarray):
 
 
 def residual_queries(basis: np.ndarray) -> list[np.ndarray]:
-    """The queries of g that measure the residual term (docs/algorithm.md §14): the one-token
+    """The queries of g that measure the residual term (docs/algorithm.md, 'The one-layer Transformer'): the one-token
     ``(b)`` and the two-token ``(b, 0)`` for each column b of ``basis``.
 
     ``g((b)) = (vbar + q)^T b``; with the final token 0 every score is 0, the attention is uniform
@@ -72,8 +72,8 @@ def residual_queries(basis: np.ndarray) -> list[np.ndarray]:
 
 
 class OddPartOracle:
-    """The user-protocol oracle for ``g(X) = f(X) - f(-X)`` (docs/algorithm.md §14): each query of
-    g asks the f boundary for X and -X, so both are counted there.
+    """The user-protocol oracle for ``g(X) = f(X) - f(-X)`` (docs/algorithm.md, 'The one-layer Transformer'): each query
+    of g asks the f boundary for X and -X, so both are counted there.
 
     With the residual, g is attention plus ``q^T x_N``: :meth:`measure_residual` measures q and
     every later answer has ``q^T x_N`` subtracted, so the core sees attention alone. The one-token
@@ -287,7 +287,7 @@ class TransformerRun:
     def core_schedule(self):
         """The learner step 1 runs on g: the bias-free one ``schedule="auto"`` picks for float64 /
         ball arithmetic and H0 heads (:func:`mhaextract.run.learner.pick`): targeted in float64 when
-        H0 <= d (docs/algorithm.md §13), else the paper schedule (§5)."""
+        H0 <= d (docs/algorithm.md, 'The targeted schedule'), else the paper schedule ('The paper schedule')."""
         return pick(AUTO, {"bias": False}, Request(self.d, self.heads, self.max_heads, self.precision, self.seed))
 
     @property
@@ -302,7 +302,7 @@ class TransformerRun:
 
     def residual_basis(self, core_queries=None) -> np.ndarray:
         """Columns b for :func:`residual_queries`: the core schedule's own one-token queries (so
-        their answers are reused, docs/algorithm.md §14), completed by random directions."""
+        their answers are reused, docs/algorithm.md, 'The one-layer Transformer'), completed by random directions."""
         core_queries = self._core_queries() if core_queries is None else core_queries
         tokens = [X[0] for X in core_queries if len(X) == 1][:self.d]
         extra = random_basis(spawn_rng(self.seed, 4), self.d, self.token_scale)
@@ -371,7 +371,7 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
         Without it, step 2 stops after ``quiet_segments`` segment pairs in a row found nothing new.
     residual : the FFN reads ``o(X) + x_N`` (``f(X) = w^T ReLU(A (o(X) + x_N))``): d more queries of g
         (``2 d`` of f) measure the linear term ``q^T x_N`` it adds to g, the core then runs on g less
-        that term, and step 2 reads x_N as one more block of M (docs/algorithm.md §14).
+        that term, and step 2 reads x_N as one more block of M (docs/algorithm.md, 'The one-layer Transformer').
     max_segments : at most this many segment pairs in step 2.
     verification_queries : fresh random queries to check the result on (default ``4 H d + 32``).
     on_failure : "raise" a :class:`TransformerExtractionError` or "warn" and return.
@@ -477,8 +477,8 @@ def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progres
                                 run.core_precision, run.seed, run.token_scale)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnreliableExtractionWarning)
-        # the attention family's learner, by its registry name: the core as measured in §14, no
-        # refinement of noisy answers (§10) here
+        # the attention family's learner, by its registry name: the core as measured in docs/algorithm.md, 'The
+        # one-layer Transformer', no refinement of noisy answers ('The lean schedule') here
         return run_learner(odd, request, run.core_schedule.name, {"refine": False}, batch_size=batch_size,
                            progress=progress, on_failure="warn")
 
@@ -486,7 +486,7 @@ def _odd_part_heads(odd: OddPartOracle, run: TransformerRun, batch_size, progres
 def _units(boundary: OracleBoundary, run: TransformerRun, step1: Result, linear, rng, checks: list):
     """Step 2: hidden units through the heads of step 1, and their orientation (checks appended).
     With the residual, M has x_N as one more block and V the residual term q (``linear``) as one
-    more block: ``sum_j w_j (P_j, R^T A_j^T) = (v_1, .., v_H, q)`` (docs/algorithm.md §14)."""
+    more block: ``sum_j w_j (P_j, R^T A_j^T) = (v_1, .., v_H, q)`` (docs/algorithm.md, 'The one-layer Transformer')."""
 
     W = step1.model_hp.W if run.precision is not None else step1.model.W
     V = step1.model.v.reshape(-1)

@@ -2,7 +2,7 @@
 
 With the canonical heads ``W_h`` known (step 1), every query ``X`` has known head means
 ``m_h(X) = sum_i a_{h,i} x_i``. Stack them, ``M(X) = (m_1(X), ..., m_H(X))`` in R^D, D = H d.
-Then (docs/algorithm.md §14)
+Then (docs/algorithm.md, 'The one-layer Transformer')
 
     f(X) = phi(M(X)),     phi(M) = sum_j w_j ReLU(P_j^T M),     P_j = (p_{1,j}, ..., p_{H,j}),
 

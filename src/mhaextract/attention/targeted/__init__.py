@@ -1,5 +1,5 @@
 """The targeted family: one head in the window of every instance, float64, H <= d (docs/algorithm.md
-§13, §16, §17).
+'The targeted schedule', 'Biases: affine scores and an output constant' and 'Low-rank heads').
 
 Modules, in the order a run uses them:
 
@@ -12,7 +12,8 @@ Modules, in the order a run uses them:
 * :mod:`.bases` - the final stage's balanced bases;
 * :mod:`.diagnostics` - per-instance diagnostics, error estimate, checks;
 * :mod:`.tolerances` - the constants and tolerances they share;
-* :mod:`.biased` - the model with biases (§16); :mod:`.lowrank` - heads of rank at most r (§17).
+* :mod:`.biased` - the model with biases ('Biases: affine scores and an output constant'); :mod:`.lowrank` - heads of
+  rank at most r ('Low-rank heads').
 """
 
 from .biased import BiasedTargetedSchedule

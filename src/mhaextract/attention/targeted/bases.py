@@ -1,5 +1,5 @@
 """The final stage's bases: each head's balanced basis, chosen by its predicted score rounding or
-conditioning (docs/algorithm.md §13, step 5).
+conditioning (docs/algorithm.md, 'The targeted schedule', its step 5).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .tolerances import EPS, FINAL_TARGET, SATURATION_MID, SATURATION_SPREAD, TA
 BASIS_CANDIDATES, FEWEST_CANDIDATES, BASIS_BYTES = 128, 4, 2**26
 
 
-#: Noisy answers with score biases (docs/algorithm.md §19, "Narrow heads"): the final stage's
+#: Noisy answers with score biases (docs/algorithm.md, 'Narrow heads'): the final stage's
 #: ``|z|`` grows until the part of the target's query ``W_h x`` that shrinks as ``1 / |z|`` (x aims
 #: fixed log-poles) is about ``SCORE_BALANCE`` times the score bias ``u_h``, by at most
 #: ``LONGEST_FINAL`` times ``GROUP_SCALE`` token scales. A bias below ``1 / UNRESOLVED_BIAS`` of
@@ -78,7 +78,7 @@ def balanced_basis(label_direction: np.ndarray, rng, scale: float, scores: np.nd
     Every rotation ``O`` that fixes ``(1, .., 1)`` keeps that balance. With ``scores`` (H, d', d'),
     the rough score matrices (``d' = d + 1``, lifted, with biases: their d x d part), the basis is the best of
     ``BASIS_CANDIDATES`` such rotations by the worst condition number over its columns z of the
-    design rows ``A(z) = [W_f^T z]_f`` (docs/algorithm.md §13): an instance solves ``A(z) x = m``
+    design rows ``A(z) = [W_f^T z]_f`` (docs/algorithm.md, 'The targeted schedule'): an instance solves ``A(z) x = m``
     with the other heads' log-poles at 40..100, so an ill-conditioned ``A(z)`` makes ``|x|``, the
     answers and their rounding large. With ``head``
     (the targeted schedules' final stage) the choice is finer: the candidate whose largest predicted
@@ -136,9 +136,9 @@ def _least_score_rounding(designs: np.ndarray, candidates: np.ndarray, scores: n
 
     The oracle rounds the scores ``y^T (W_h x + u_h)`` of the copies ``y = x - z`` by about
     ``eps |z| |W_h x + u_h|``, and that error of the target's log-pole, the same at every copy
-    count, dominated the final units' error in float64 (docs/algorithm.md §13, "The final
-    instances"). ``cond A(z)`` (:func:`_best_conditioned`) bounds it only loosely, so the choice is by
-    the prediction itself. A singular Gram matrix falls back to :func:`_best_conditioned`."""
+    count, dominated the final units' error in float64 (docs/algorithm.md, 'The final instances'). ``cond A(z)``
+    (:func:`_best_conditioned`) bounds it only loosely, so the choice is by the prediction itself. A singular Gram
+    matrix falls back to :func:`_best_conditioned`."""
     count, groups, H, d = designs.shape
     lifted = scores.shape[1] > d
     offsets = (np.matmul(candidates.transpose(0, 2, 1), scores[:, :d, d].T) if lifted

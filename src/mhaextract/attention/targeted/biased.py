@@ -1,19 +1,21 @@
-"""The targeted schedule for the model with biases (docs/algorithm.md §16, §13).
+"""The targeted schedule for the model with biases (docs/algorithm.md, 'Biases: affine scores and an output constant'
+and 'The targeted schedule').
 
-With score biases ``u_h`` and an output constant ``c`` (§16) a copies-instance with final token x
-and difference z keeps the form of §3: the one-token query ``(x)`` answers ``c + vbar^T x``, and
+With score biases ``u_h`` and an output constant ``c`` ('Biases: affine scores and an output constant') a
+copies-instance with final token x and difference z keeps the form of 'One instance: copies of a token and a rational
+function': the one-token query ``(x)`` answers ``c + vbar^T x``, and
 
     G(k) = c + vbar^T x - F(k) = sum_h k l_h / (k + tau_h),   log tau_h = m_h = a_h^T x + b_h,
 
 with ``a_h = W_h^T z``, ``b_h = u_h^T z`` and ``l_h = v_h^T z``: the log-pole is *affine* in the
-final token. Everything of §13 carries over in the lifted coordinates ``x~ = (x, 1)``,
+final token. Everything of 'The targeted schedule' carries over in the lifted coordinates ``x~ = (x, 1)``,
 ``a~_h = (a_h, b_h)``, ``m_h = a~_h^T x~``:
 
 * ``c`` and ``vbar`` from ``d + 1`` one-token queries (the zero vector gives c);
 * phase 1 (lines) is unchanged: along a line the log-pole is still affine, and readings around a
   centre measure differences of log-poles, in which ``b_h`` cancels; the centre's own log-pole
   gives the rough ``b_h = m_h - a_h^T x_c``;
-* each unit (head, z) asks ``d + 1`` instances (one more than §13): the designs aim
+* each unit (head, z) asks ``d + 1`` instances (one more than 'The targeted schedule'): the designs aim
   ``a_g^T x = s_g - b_g`` (the offsets measured like the slopes), their lifted final tokens are
   the columns of a pattern whose constant row is the lifted coordinate, and ``a~_h`` solves the
   square system ``X~ a~ = m``;
@@ -114,9 +116,9 @@ class AffineDesign(FullDesign):
         return np.full(len(self.heads), self.current.shape[1])
 
     def design(self, block: slice, out: np.ndarray | None = None) -> np.ndarray:
-        """``a_g^T x = value_g - b_g``: the §13 design in R^d with the offsets moved to the right-hand
-        side (expressed as a shift of the pattern columns), then lifted with an exact 1 (U, b, d + 1);
-        written into ``out`` when given."""
+        """``a_g^T x = value_g - b_g``: the design of docs/algorithm.md, 'The targeted schedule' in R^d with the offsets
+        moved to the right-hand side (expressed as a shift of the pattern columns), then lifted with an exact 1 (U, b,
+        d + 1); written into ``out`` when given."""
         U, H, D = self.current.shape
         slopes, offsets = self.current[:, :, :D - 1], self.current[:, :, D - 1]
         columns = self.pattern[:, :H, block] - offsets[:, :, None] / SATURATION_SPREAD
@@ -132,8 +134,8 @@ class AffineDesign(FullDesign):
 
 
 class AffineFinalDesign(FinalRounds, AffineDesign):
-    """The final stage's lifted units (:class:`.designs.FinalRounds` in the coordinates of §16):
-    ``d + 1`` rounds, the centre first."""
+    """The final stage's lifted units (:class:`.designs.FinalRounds` in the coordinates of docs/algorithm.md, 'Biases:
+    affine scores and an output constant'): ``d + 1`` rounds, the centre first."""
 
     @staticmethod
     def patterns(rng, d: int, H: int, rounds: int, groups: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -229,7 +231,7 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
     W_rough = lifted_scores(*assemble_affine(Z, rough_a, rough_l)[::2])
     v_rough = assemble_affine(Z, rough_a, rough_l)[1]
     scale = GROUP_SCALE * token_scale
-    if prober.unit > EPS:  # noisy answers: u_h read as well as W_h (docs/algorithm.md §19, "Narrow heads")
+    if prober.unit > EPS:  # noisy answers: u_h read as well as W_h (docs/algorithm.md, 'Narrow heads')
         scale = bias_balanced_scale(W_rough, Z, scale)
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale, W_rough, h)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d groups, H, d + 1)
@@ -247,8 +249,9 @@ def run_affine(prober: AffineProber, d: int, max_heads: int, rng, token_scale: f
 
 
 class BiasedTargetedSchedule(TargetedSchedule):
-    """``extract(..., schedule="targeted")`` with ``bias=True``: the model of §16 in float64, H <= d.
-    ``refine=True`` polishes W, v, u and c by least squares on fresh queries (§12)."""
+    """``extract(..., schedule="targeted")`` with ``bias=True``: the model of docs/algorithm.md, 'Biases: affine scores
+    and an output constant' in float64, H <= d. ``refine=True`` polishes W, v, u and c by least squares on fresh queries
+    ('Approximate answers: certificate, oversampling, refinement, verification')."""
 
     @property
     def promised_queries(self) -> int:

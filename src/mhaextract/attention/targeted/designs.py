@@ -1,5 +1,6 @@
 """The design classes of the targeted family: units in all of R^d (:class:`FullDesign`), the final
-stage's (:class:`FinalDesign`) and units in a known subspace (:class:`SubspaceDesign`, §17).
+stage's (:class:`FinalDesign`) and units in a known subspace (:class:`SubspaceDesign`, docs/algorithm.md, 'Low-rank
+heads').
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ FIRST_COPIES = (1, 2)
 
 
 class FullDesign:
-    """Designs of units that measure ``a_h(z)`` in all of R^d: d instances per unit (§13)."""
+    """Designs of units that measure ``a_h(z)`` in all of R^d: d instances per unit (docs/algorithm.md, 'The targeted
+    schedule')."""
 
     def __init__(self, current: np.ndarray, heads: np.ndarray, patterns: np.ndarray):
         U, H, d = current.shape
@@ -88,9 +90,8 @@ class FullDesign:
 
     def approximate_inverse(self, part: slice = slice(None)) -> np.ndarray | None:
         """``X^{-1}`` (U, D, D) of the rounds' final tokens (rows) of the units ``part``, from the
-        design's structure in ``O(H D^2)`` per unit instead of an LU (docs/algorithm.md §13, "The
-        inverse from the design"); None once a correction moved the target's row (rounds designed
-        from different estimates have no common frame).
+        design's structure in ``O(H D^2)`` per unit instead of an LU (docs/algorithm.md, 'The inverse from the design');
+        None once a correction moved the target's row (rounds designed from different estimates have no common frame).
 
         In the frame ``G`` whose rows are the estimates ``E`` (pattern slots ``0 .. H - 1``), ``N0^T``
         (the null slots; lifted, with a 0 against the 1 of ``x~``) and, lifted, ``e_D^T`` (slot H), the
@@ -151,14 +152,15 @@ class FullDesign:
 
 class FinalRounds:
     """What the final stage's units share (:class:`FinalDesign`, :class:`.biased.AffineFinalDesign`;
-    docs/algorithm.md §13, "The final instances"): the target's row of every pattern is
+    docs/algorithm.md, 'The final instances'): the target's row of every pattern is
     :func:`final_sides`, its log-poles ``TARGET_CENTER + halfwidth p_n``, and the copy counts of each
     round (:func:`final_copies`). Float64 answers: ``halfwidth = FINAL_TARGET``, one copy count a
     round and two in every ``FINAL_PAIR_EVERY``-th; noisier answers (:meth:`for_noisy_answers`, set by
     :func:`measure_units`): ``NOISY_FINAL_TARGET``, two in every round."""
 
     halfwidth, one_copy = FINAL_TARGET, True
-    #: whether the target's log-poles alternate sides (units in R^D); a subspace unit's (§17) keep the centre
+    #: whether the target's log-poles alternate sides (units in R^D); a subspace unit's (docs/algorithm.md, 'Low-rank
+    #: heads') keep the centre
     sided = True
 
     def for_noisy_answers(self) -> None:
@@ -197,8 +199,8 @@ def final_copies(rounds: int, n: int, one_copy: bool = True, side: int | None = 
 def first_copies(unit: float) -> tuple:
     """The first group's copy counts (round 0, later rounds): ``k = 1, 2`` in float64, the label
     then fixed at the unit's consensus and the two samples' disagreement its single-pole test (as
-    in the final units and §17); ``k = 1, 2, 3`` on noisier answers (``unit`` above float64's),
-    whose phase 1 leaves rougher estimates (docs/algorithm.md §13)."""
+    in the final units and docs/algorithm.md, 'Low-rank heads'); ``k = 1, 2, 3`` on noisier answers (``unit`` above
+    float64's), whose phase 1 leaves rougher estimates (docs/algorithm.md, 'The targeted schedule')."""
     return (FIRST_COPIES, FIRST_COPIES) if unit <= EPS else (FINAL_COPIES, FINAL_COPIES)
 
 
@@ -210,7 +212,7 @@ def final_unit_queries(rounds: int, one_copy: bool = True) -> int:
 
 class SubspaceDesign(FullDesign):
     """Designs of units whose ``a_h(z) = W_h^T z`` lies in a known r-dimensional subspace (the
-    row space of a rank-r ``W_h``, orthonormal basis Q, docs/algorithm.md §17): r instances per
+    row space of a rank-r ``W_h``, orthonormal basis Q, docs/algorithm.md, 'Low-rank heads'): r instances per
     unit. Instance n has ``Q^T x_n = y_n`` with ``y_n`` = the target's direction scaled to the
     log-pole ``TARGET_CENTER`` plus ``SPREAD p_n / |c|`` across it (p: zero-sum orthogonal pattern
     rows), and the other heads saturated; ``Q^T X`` is then well conditioned and ``a = Q (Q^T X)^{-1} m``."""
@@ -223,8 +225,8 @@ class SubspaceDesign(FullDesign):
         # The map below is made in one array, its last r rows per unit first Q^T itself (the basis
         # rows, contiguous per unit, which the products below read): one fresh (U, r, d) array instead
         # of four (a copy, a product, a difference, a concatenation; fresh memory is mapped and zeroed
-        # by the kernel, docs/algorithm.md §13: they were a sixth of the low-rank learner at d = 256,
-        # H = 2, r = 128)
+        # by the kernel, docs/algorithm.md, 'The targeted schedule': they were a sixth of the low-rank learner at d =
+        # 256, H = 2, r = 128)
         self.frame_map_rows = np.empty((U, H - 1 + self.rounds, d))
         basis_rows = self.frame_map_rows[:, H - 1:]  # (U, r, d)
         np.copyto(basis_rows, basis.transpose(0, 2, 1))
@@ -295,7 +297,7 @@ class SubspaceDesign(FullDesign):
 
     def basis_variance(self, finals: np.ndarray, a: np.ndarray) -> np.ndarray | None:
         """The first-order variance (U, D) of each unit's ``a = Q (X Q)^-1 m`` from the error of its
-        basis Q (docs/algorithm.md §17, "Error estimate"), given ``basis_error`` = (per head h: the map
+        basis Q (docs/algorithm.md, 'Low-rank heads', 'Error estimate'), given ``basis_error`` = (per head h: the map
         (D, R) from a unit's ``a`` to the weights ``w`` of the full units whose errors turned Q, the
         full units' coordinate variances (R, D)); None without it. With ``g = E^T w`` (coordinate
         variances ``t = sum_j w_j^2 var(E_j)``) the true ``a`` sticks out of Q's span by ``g`` (the

@@ -1,5 +1,5 @@
-"""The targeted family's per-instance diagnostics, error estimate and checks (docs/algorithm.md §13,
-"Error estimate").
+"""The targeted family's per-instance diagnostics, error estimate and checks (docs/algorithm.md, 'The targeted
+schedule', 'Error estimate').
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
             reading = np.nan_to_num(data.sigma_m, nan=np.inf) + np.nan_to_num(label_part, nan=np.inf)
             if model is not None and W_error is not None:
                 # the model's own log-pole at the instance is off by its W's error, |dW_h| |z| |x|
-                # (the final stage's first-order error, §13): under declared noise a bridge of a model
-                # within its estimate can disagree by that alone
+                # (the final stage's first-order error, docs/algorithm.md, 'The targeted schedule'): under declared
+                # noise a bridge of a model within its estimate can disagree by that alone
                 z_norm = np.linalg.norm(data.differences, axis=2)  # (G, H)
                 reading = reading + W_error[None, :, None] * z_norm[:, :, None] * data.x_norm
             tolerance = np.maximum(tolerance, 10.0 * reading)
@@ -156,14 +156,14 @@ def largest_of(count: int) -> float:
 
 def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_sigma: np.ndarray,
                          model) -> tuple[float, float, tuple[float, float]]:
-    """The first-order estimate of ``compare``'s ``max(W_rel, v_rel)`` (docs/algorithm.md §13,
-    "Error estimate"), its part from the oracle's score rounding alone, and the estimated absolute
-    error of u's largest entry (with its score part; zeros without biases).
+    """The first-order estimate of ``compare``'s ``max(W_rel, v_rel)`` (docs/algorithm.md, 'The targeted schedule',
+    'Error estimate'), its part from the oracle's score rounding alone, and the estimated absolute error of u's largest
+    entry (with its score part; zeros without biases).
 
     ``variance`` (J, H, D, 2): unit j of head h measured ``a~_h(z_j) = (W_h^T z_j[, u_h^T z_j])``
     (D = d, or d + 1 with biases) with coordinate variances ``sum_n (X^{-1})_{in}^2 sigma_n^2``
     ([..., 1]: the part answer noise does not scale: the score-rounding terms, and a subspace unit's
-    basis term, §17); ``differences`` (J, H, D) the ``z_j`` (the columns
+    basis term, 'Low-rank heads'); ``differences`` (J, H, D) the ``z_j`` (the columns
     of ``Z_h``, orthogonal times ``|z|``); ``label_sigma`` (J, H) the consensus labels' errors.
     ``W_h = Z_h^{-T} A_h^T`` with ``Z_h^{-T} = Z_h / |z|^2``, so entry (k, i) of ``dW_h`` has
     variance ``sum_j (Z_h[k, j] / |z_j|^2)^2 var(a_j[i])``; ``u_h`` and ``v_h`` the same with the

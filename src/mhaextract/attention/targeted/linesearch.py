@@ -1,4 +1,4 @@
-"""Phase 1 of the targeted schedule: heads located along lines (docs/algorithm.md §13).
+"""Phase 1 of the targeted schedule: heads located along lines (docs/algorithm.md, 'The targeted schedule').
 
 Fix a large difference ``z``. The gap of the k-copies instance at final token ``x``,
 
@@ -211,8 +211,8 @@ def _accept(gap, center, P, label, m, quantize, report, step, rng, unit=None):
     for head in report.heads:
         # A known head predicts its own log-pole here; the label agrees up to the contamination of
         # a centre by neighbours that are saturated only to ~e^-10.
-        # Predicted from the head's own centre: the log-pole is affine in x (a score bias, §16,
-        # adds a constant the direction does not carry).
+        # Predicted from the head's own centre: the log-pole is affine in x (a score bias, docs/algorithm.md, 'Biases:
+        # affine scores and an output constant', adds a constant the direction does not carry).
         same_label = abs(head.label - label) <= 1e-2 * max(abs(head.label), abs(label))
         if same_label and abs(head.log_pole + head.direction @ (center - head.center) - m) <= 1.0:
             report.duplicates += 1

@@ -1,23 +1,23 @@
-"""The low-rank schedule: heads of rank at most r in O(H r d) queries (docs/algorithm.md §17).
+"""The low-rank schedule: heads of rank at most r in O(H r d) queries (docs/algorithm.md, 'Low-rank heads').
 
 ``extract(oracle, d, heads=H, schedule="lowrank", rank=r)``, float64, H <= d. It is the
-targeted schedule (§13) with one more fact: for a rank-r ``W_h`` every ``a_h(z) = W_h^T z`` lies
+targeted schedule ('The targeted schedule') with one more fact: for a rank-r ``W_h`` every ``a_h(z) = W_h^T z`` lies
 in the r-dimensional row space ``S_h`` of ``W_h``. Measuring ``a_h(z)`` in all of R^d takes d
 targeted instances; once an orthonormal basis Q_h of ``S_h`` is known, r instances whose final
 tokens have well-conditioned coordinates ``Q_h^T x`` determine ``a_h(z) = Q_h (Q_h^T X)^{-1} m``.
 
 Stages (R = min(d, r + RANK_EXTRA) "full" differences per head):
 
-1. ``vbar`` (d one-token queries), phase 1 and the first group ``z_1`` exactly as §13.
+1. ``vbar`` (d one-token queries), phase 1 and the first group ``z_1`` exactly as 'The targeted schedule'.
 2. Bridges ``z_1 + eps z_j``: for ``j = 2..R`` in R^d (d instances, ``(d + 1)`` queries per head);
    the R vectors ``a_h(z_1), a_h(z_2), ..`` span a rough ``S_h``; for ``j > R`` in it (r instances,
-   ``r + 1`` queries per head). Rough W, v as in §13.
+   ``r + 1`` queries per head). Rough W, v as in 'The targeted schedule'.
 3. Final, each head in its balanced basis ``Z_h``: R columns in R^d (d instances each), whose
    precise ``a_h`` give Q_h (the top r right singular vectors; the (r+1)-th singular value, relative,
    is the ``rank_bound`` check), then the other ``d - R`` columns in ``S_h`` (r + 1 instances each:
    the lifted design of the biased model with a free offset, :func:`_offset_subspace_units`).
-   The final rounds are §13's (:class:`.designs.FinalRounds`): in float64 one copy count a round
-   and two in every eighth, whose fits give the unit's label and test the single-pole form
+   The final rounds are those of 'The targeted schedule' (:class:`.designs.FinalRounds`): in float64 one copy count a
+   round and two in every eighth, whose fits give the unit's label and test the single-pole form
    (``residual``); two in every round on noisier answers.
 
 Queries after phase 1, with H heads found:
@@ -84,7 +84,7 @@ def numerical_ranks(vectors: np.ndarray, tolerance: float) -> np.ndarray:
 
 
 def _full_bridges(measure, rough_of, first_rough: np.ndarray, d: int, rank, unit: float):
-    """The bridges measured in all of R^d (docs/algorithm.md §17): with a bound ``rank`` the first
+    """The bridges measured in all of R^d (docs/algorithm.md, 'Low-rank heads'): with a bound ``rank`` the first
     ``min(d, rank + RANK_EXTRA) - 1`` in one block; with ``rank="auto"`` blocks (``AUTO_FIRST_BRIDGES``,
     doubling while a head's vectors are all independent, then the witnesses missing) until
     :func:`numerical_ranks` of every head's rough ``a_h(z_1), a_h(z_2), ..`` leaves ``AUTO_WITNESSES``
@@ -142,10 +142,12 @@ class LowRankDetails(TargetedDetails):
 
 class LowRankSchedule(TargetedSchedule):
     """``extract(..., schedule="lowrank", rank=r)``: float64, heads of rank <= r, H <= d;
-    ``rank="auto"`` finds r from the bridges first (docs/algorithm.md §17)."""
+    ``rank="auto"`` finds r from the bridges first (docs/algorithm.md, 'Low-rank heads')."""
 
     name = "lowrank"
-    accepts = frozenset({"rank", "answer_error", "refine"})  # refine: full-rank least squares polish (§12), rank not enforced
+    # refine: full-rank least squares polish (docs/algorithm.md, 'Approximate answers: certificate, oversampling,
+    # refinement, verification'), rank not enforced
+    accepts = frozenset({"rank", "answer_error", "refine"})
     refines_on_own_answers = False
     refusal = ("it is a float64 schedule of single-pole fits (precision=None, no oversampling); "
                "use schedule='paper' for those")
@@ -220,10 +222,10 @@ class LowRankSchedule(TargetedSchedule):
 
 class BiasedLowRankSchedule(LowRankSchedule):
     """``extract(..., schedule="lowrank", rank=r, bias=True)``: heads of rank <= r with score biases
-    ``u_h`` and the output constant ``c`` (§16, §17), float64, H <= d. In the lifted coordinates of
-    §16 ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in ``S_h x R`` (r + 1 dimensions): the final subspace
-    units ask ``r + 1`` rounds (:class:`AffineFinalSubspaceDesign`), the full ones ``d + 1``
-    (:class:`~.biased.AffineFinalDesign`).
+    ``u_h`` and the output constant ``c`` (docs/algorithm.md, 'Biases: affine scores and an output constant' and
+    'Low-rank heads'), float64, H <= d. In the lifted coordinates of 'Biases: affine scores and an output constant'
+    ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in ``S_h x R`` (r + 1 dimensions): the final subspace units ask ``r + 1``
+    rounds (:class:`AffineFinalSubspaceDesign`), the full ones ``d + 1`` (:class:`~.biased.AffineFinalDesign`).
     Queries after phase 1 (module docstring, lifted, n full bridges): ``(d + 1) + 3H(d + 1) + (d + 2)Hn
     + (r + 2)H(d - 1 - n) + HRq(d + 1) + H(d - R)q(r + 1)``, ``q(D) = D + ceil(D / 8)`` (``2D`` on
     noisier answers)."""
@@ -260,11 +262,11 @@ def _rank_check(rank_ratio: float, rank: int, unit: float = 0.0, found: bool = F
 
 
 class AffineSubspaceDesign(SubspaceDesign):
-    """The subspace design of §17 in the lifted coordinates of §16: ``a~_h(z) = (W_h^T z, u_h^T z)``
-    lies in the span of ``Q~ = [[Q, 0], [0, 1]]`` (``basis``, (U, d + 1, r + 1)), and a lifted final
-    token ``x~ = (x, 1)`` has coordinates ``Q~^T x~ = (y, 1)``. The r + 1 instances of a unit aim
-    its head at ``m = c^T y + b = TARGET_CENTER + TARGET p_0`` (c, b: its coordinates ``Q~^T a~``),
-    with ``y`` spread by ``SPREAD p_1.. p_{r-1}`` across c, p the zero-sum orthogonal rows of a
+    """The subspace design of docs/algorithm.md, 'Low-rank heads' in the lifted coordinates of 'Biases: affine scores
+    and an output constant': ``a~_h(z) = (W_h^T z, u_h^T z)`` lies in the span of ``Q~ = [[Q, 0], [0, 1]]`` (``basis``,
+    (U, d + 1, r + 1)), and a lifted final token ``x~ = (x, 1)`` has coordinates ``Q~^T x~ = (y, 1)``. The r + 1
+    instances of a unit aim its head at ``m = c^T y + b = TARGET_CENTER + TARGET p_0`` (c, b: its coordinates
+    ``Q~^T a~``), with ``y`` spread by ``SPREAD p_1.. p_{r-1}`` across c, p the zero-sum orthogonal rows of a
     pattern whose constant row is the lifted 1: the (r + 1)-square ``[(y_n, 1)]`` is a triangular
     transform of orthogonal rows (the target's log-pole must vary here: held at one value, as in the
     bias-free design, its component along c would be parallel to the constant 1). The other heads
@@ -316,8 +318,10 @@ def _lifted_bases(spans: np.ndarray) -> np.ndarray:
 
 
 def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_scale: float):
-    """:func:`_run` in the lifted coordinates of §16. Returns ``(line search report, [(stage,
-    measurements)], model or None, rank ratio, lifted W~ or None, (rank, full bridges))``."""
+    """:func:`_run` in the lifted coordinates of docs/algorithm.md, 'Biases: affine scores and an output constant'.
+    Returns
+    ``(line search report, [(stage, measurements)], model or None, rank ratio, lifted W~ or None, (rank, full
+    bridges))``."""
     Z, search, first = biased.affine_first_group(prober, d, max_heads, rng, token_scale)
     if first is None:
         return search, [], None, 0.0, None, (_settled(rank, d), None)
@@ -357,7 +361,7 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     W_lift = lifted_scores(W_rough, u_rough)
     H = len(search.heads)
     scale = GROUP_SCALE * token_scale
-    if prober.unit > EPS:  # noisy answers: u_h read as well as W_h (docs/algorithm.md §19, "Narrow heads")
+    if prober.unit > EPS:  # noisy answers: u_h read as well as W_h (docs/algorithm.md, 'Narrow heads')
         scale = bias_balanced_scale(W_lift, Z, scale)
     bases = np.array([prober.quantize(balanced_basis(v_rough[h], rng, scale)) for h in range(H)])
     differences = lift(bases.transpose(2, 0, 1), 0.0)  # (d, H, d + 1)
@@ -410,7 +414,7 @@ class LiftingProber(AffineProber):
 
 def _offset_subspace_units(prober, differences: np.ndarray, W_rough: np.ndarray, spans: np.ndarray, rng,
                            basis_error) -> GroupMeasurements:
-    """The bias-free final units in the heads' row spaces (docs/algorithm.md §17), r + 1 rounds each: the
+    """The bias-free final units in the heads' row spaces (docs/algorithm.md, 'Low-rank heads'), r + 1 rounds each: the
     lifted design of the biased model (:class:`AffineFinalSubspaceDesign`, ``u = 0``) solves
     ``a^T x_n + b = m_n`` for ``a`` in span(Q) and a free offset b, which is dropped (0 for this model).
 
@@ -568,8 +572,8 @@ def _basis_error(full, factors, d: int, rank: int) -> tuple[np.ndarray, np.ndarr
 
 
 def _error_estimate(finals, model) -> tuple[float, float, tuple[float, float]]:
-    """§13's first-order estimate over every final unit (full and subspace ones, the latter with
-    their bases' error, :func:`_basis_error`), its part answer noise does not scale (the score
+    """The first-order estimate of docs/algorithm.md, 'The targeted schedule' over every final unit (full and subspace
+    ones, the latter with their bases' error, :func:`_basis_error`), its part answer noise does not scale (the score
     rounding and that basis term), and the score biases' error (:func:`.diagnostics.first_order_estimate`)."""
     return first_order_estimate(np.concatenate([data.variance for data in finals]),
                                 np.concatenate([data.differences for data in finals]),

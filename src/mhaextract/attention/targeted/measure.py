@@ -1,5 +1,5 @@
-"""Measuring units of targeted instances (docs/algorithm.md §13): the instances asked chunk by chunk,
-the single-pole fits, and each unit's ``a_h(z)`` with its first-order errors.
+"""Measuring units of targeted instances (docs/algorithm.md, 'The targeted schedule'): the instances asked chunk by
+chunk, the single-pole fits, and each unit's ``a_h(z)`` with its first-order errors.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def measure_units(prober: Prober, differences: np.ndarray, estimates, rng, bridg
     per_chunk = max(1, CHUNK_BYTES // (24 * d * d * H))
     keep = G * H * rounds * d * 8 <= KEEP_BYTES
     # The first (largest) chunk's patterns and final tokens are reused by the later chunks: a large
-    # array made afresh per chunk is mapped and zeroed by the kernel each time (docs/algorithm.md §13,
-    # "Fresh memory is not free"), and the tokens of a stage too large to keep are never all held at once.
+    # array made afresh per chunk is mapped and zeroed by the kernel each time (docs/algorithm.md, 'Fresh memory is not
+    # free'), and the tokens of a stage too large to keep are never all held at once.
     parts, pattern_buffer, finals_buffer, basis_buffer = [], None, None, None
     for start in range(0, G, per_chunk):
         stop = min(G, start + per_chunk)
@@ -247,7 +247,9 @@ def _reduce_chunk(out: GroupMeasurements, finals: np.ndarray, design, W_score, u
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
         score_factor, sample_scale = (NOISY_SCORE_FACTOR if score_unit > EPS else 8.0), 1.0
         common = np.zeros((U, rounds))  # the largest share of a sample's rounding common to its instance's
-        if unit > EPS:  # noisy answers (docs/algorithm.md §19): typical errors rather than float64's bounds
+        if unit > EPS:
+            # noisy answers (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'): typical
+            # errors rather than float64's bounds
             # The samples' rounding model (4 units per magnitude) against what the three-sample fits
             # show: with one degree of freedom each, E[residual^2] = (actual / modelled error)^2.
             residual = out.residual[np.isfinite(out.residual)]
@@ -261,8 +263,8 @@ def _reduce_chunk(out: GroupMeasurements, finals: np.ndarray, design, W_score, u
         score_norms = _score_norms(finals.reshape(G, H, rounds, d), W_score, x_norm.reshape(G, H, rounds))
         score = score_factor * score_unit * z_norm[:, None] * score_norms.reshape(U, rounds)
         # the residuals scale the samples' own errors, not the part common to an instance's
-        # samples (the anchor's: docs/algorithm.md §19; scaled too, the estimate would understate
-        # the truth)
+        # samples (the anchor's: docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'; scaled
+        # too, the estimate would understate the truth)
         scaled = sample_scale * (1.0 - common) + common
         samples = scaled * out.sigma_m.reshape(U, rounds)
         sigma, score_sigma = np.hypot(samples, score), score
@@ -346,11 +348,10 @@ def _solve_units(finals: np.ndarray, design, rhs: np.ndarray, variances: np.ndar
                  row_norms: np.ndarray | None = None):
     """``a`` (U, D) from ``X a = rhs`` for every unit of a chunk and, given the rounds' ``variances``
     (U, D, V), the first-order spread ``(X^{-1})^2 variances`` (U, D, V) (else None), each by the
-    cheapest route the design allows that is as accurate as an LU solve (docs/algorithm.md §13,
-    "The inverse from the design"): a stage whose corrections fitted every round reads ``a`` off its
-    corrected estimate where the residual shows it backward stable,
-    ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; a design never corrected has its inverse from
-    its structure, refined (:func:`_refined_solve`), in blocks of units (``INVERSE_BLOCK_BYTES``); LU
+    cheapest route the design allows that is as accurate as an LU solve (docs/algorithm.md, 'The inverse from the
+    design'): a stage whose corrections fitted every round reads ``a`` off its corrected estimate where the residual
+    shows it backward stable, ``|m_n - x_n^T a| <= 64 eps (|x_n| |a| + |m_n|)``; a design never corrected has its
+    inverse from its structure, refined (:func:`_refined_solve`), in blocks of units (``INVERSE_BLOCK_BYTES``); LU
     for the rest. ``row_norms``: the ``|x_n|`` (U, D) if known."""
     U, D = rhs.shape
     solution = None if variances is not None else design.fitted_solution()

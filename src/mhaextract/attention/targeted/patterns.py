@@ -1,4 +1,4 @@
-"""The designs of targeted instances (docs/algorithm.md §13, "Design"): the pattern columns, the
+"""The designs of targeted instances (docs/algorithm.md, 'The final instances'): the pattern columns, the
 null-space part, the final tokens of a block of rounds, and the corrections of the target's estimate.
 """
 
@@ -172,8 +172,8 @@ class MinimumNormCorrection:
     basis read from memory once per block, not once per round: the per-round update was the largest
     single cost of the targeted learner, memory-bound), then orthogonalised among themselves. One
     classical Gram-Schmidt pass leaves a new basis vector orthogonal to the others to about
-    ``eps |x| / |q|`` (q: the row's part off the basis); the designs of §13 keep ``|q| / |x|`` well
-    above that, so a second pass, which would double the
+    ``eps |x| / |q|`` (q: the row's part off the basis); the designs of docs/algorithm.md, 'The targeted schedule' keep
+    ``|q| / |x|`` well above that, so a second pass, which would double the
     cost, is made only for rows below ``REORTHOGONALISE`` (degenerate designs, repeated rows). The
     correction only aims the next blocks' designs: ``a`` itself is solved from all rounds at the
     end (:func:`_reduce_chunk`)."""

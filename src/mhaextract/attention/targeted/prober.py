@@ -1,5 +1,5 @@
 """The targeted family's access to the oracle: copies-instances asked through the boundary, every
-answer kept and a bounded sample of the queries (docs/algorithm.md §13, "Memory").
+answer kept and a bounded sample of the queries (docs/algorithm.md, 'Memory').
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from ...oracle.queries import KeptQueries, RoundQueries, one_token_queries, quan
 from .tolerances import EPS, GROUP_SCALE
 
 #: Queries kept (evenly spaced, with their answers) for the ``answers_residual`` check; the others
-#: are dropped once answered (docs/algorithm.md §13, "Memory").
+#: are dropped once answered (docs/algorithm.md, 'Memory').
 RESIDUAL_SAMPLE = 4096
 
 
 class Prober:
     """Asks copies-instances through the boundary; keeps every answer and a bounded sample of the
-    queries (docs/algorithm.md §13, "Memory").
+    queries (docs/algorithm.md, 'Memory').
 
     The queries are built per batch from ``(final, difference, k)`` and dropped once answered:
     only every ``stride``-th one is kept (with its answer) for the ``answers_residual`` check, so

@@ -1,4 +1,4 @@
-"""The targeted schedule: one head at a time, in float64 (docs/algorithm.md §13).
+"""The targeted schedule: one head at a time, in float64 (docs/algorithm.md, 'The targeted schedule').
 
 ``extract(oracle, d, heads=H, schedule="targeted")``. Every measurement is a copies-instance
 designed so that only one head is in the window of the copy counts; the others are saturated
@@ -51,8 +51,8 @@ final unit ask two (:func:`first_copies`, :class:`FinalDesign`).
    is the scale of ``a_h`` itself, and the spread of the target's log-poles is what fixes it. In
    float64 each instance asks the one copy count that reads its side best (``k = 1, 2, 4``) and
    every eighth two, whose fits give the unit's label and test the single-pole form; every
-   instance is read with the label fixed (:class:`FinalDesign`, docs/algorithm.md §13, "The final
-   instances"). Noisier answers: ``log 2 +- 2``, two copy counts in every instance.
+   instance is read with the label fixed (:class:`FinalDesign`, docs/algorithm.md, 'The final instances'). Noisier
+   answers: ``log 2 +- 2``, two copy counts in every instance.
 
 Queries: ``d`` + phase 1 (about ``H (d + 15)`` plus line grids) + ``2 H d`` (first; ``3 H d`` on
 answers noisier than float64, :func:`first_copies`) + ``(d + 1) H (d - 1)`` (bridges) +
@@ -85,7 +85,7 @@ from .tolerances import EPS, GROUP_SCALE, RESIDUAL_LIMIT, answer_unit, limits, s
 #: on noisy answers (float32) ``NOISY_GROUP_ATTEMPTS``: a label ``v_h^T z_1`` of a few percent of
 #: the others' hides its step in the answers' rounding there, or a centre blended with a neighbour
 #: passes for a new head; over 30 float32 GPT-2 layers at d = 64, H = 8 read out to a scalar, 8 first
-#: groups failed so, and two layers needed 5 and 7 groups (docs/algorithm.md §19, "Narrow heads").
+#: groups failed so, and two layers needed 5 and 7 groups (docs/algorithm.md, 'Narrow heads').
 GROUP_ATTEMPTS, NOISY_GROUP_ATTEMPTS = 4, 8
 #: :func:`lines_unit`: a calibration noise reading this many times the run-scale probes' is a misreading.
 MISREAD_NOISE = 4.0
@@ -97,7 +97,8 @@ class TargetedSchedule(Schedule):
     name = "targeted"
     accepts = frozenset({"answer_error", "refine"})
     #: its queries are few-sample instances on huge tokens, kept only as a sample: the refinement
-    #: (§12) fits the polish queries alone
+    #: (docs/algorithm.md, 'Approximate answers: certificate, oversampling, refinement, verification') fits the polish
+    #: queries alone
     refines_on_own_answers = False
     refusal = ("it is a float64 schedule whose instances are single-pole fits (precision=None, no "
                "oversampling); use schedule='paper' for those")
@@ -166,15 +167,19 @@ class TargetedSchedule(Schedule):
                 "measured before the run, and the targeted instances sized to it did not hold")
         if bits < 20:
             return [said + ": below about 20 bits the single-pole fits of one read-out cannot see the heads "
-                    "(docs/algorithm.md §19). Answer the layer's whole output (TorchOracle(layer) without readout): "
-                    "at 8 or 11 bits the run then learns it from the vectors (§23); or use a float32 or better copy."]
-        return [said + " (docs/algorithm.md §19: float32 layers pass at d <= 32 with few heads, not every one at "
+                    "(docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'). Answer the "
+                    "layer's whole output (TorchOracle(layer) without readout): "
+                    "at 8 or 11 bits the run then learns it from the vectors (docs/algorithm.md, "
+                    "'Whole answers at 8 or 11 bits: saturated lines, then least squares'); or use a float32 or better "
+                    "copy."]
+        return [said + " (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16': float32 "
+                       "layers pass at d <= 32 with few heads, not every one at "
                 "d = 32, H = 8). A float64 copy of the layer, where you have one, extracts to 1e-14; or try "
                 "another seed."]
 
 
 def lines_unit(prober, d: int, rng, token_scale: float) -> float:
-    """The answers' unit phase 1's lines are sized by (docs/algorithm.md §19, "Narrow heads"):
+    """The answers' unit phase 1's lines are sized by (docs/algorithm.md, 'Narrow heads'):
     ``prober.unit``, or on answers whose bits are below float64 the noise ``PERMUTED`` permutation
     probes show at the run's token scale (never below the bits' unit) where ``prober.unit`` is more
     than ``MISREAD_NOISE`` times that: two maxima over 4 pairs differ by chance by a factor of a
@@ -230,7 +235,7 @@ def first_group(prober, d: int, max_heads: int, rng, token_scale: float, measure
     with the most heads, then the most held
     first-group instances, is kept (the earliest on a tie). A run whose first group holds asks
     one group only; a bound ``max_heads`` above the canonical count pays the extra groups' lines
-    (docs/algorithm.md §13)."""
+    (docs/algorithm.md, 'The targeted schedule')."""
     position = lambda: prober.boundary.position  # noqa: E731
     before = position()
     attempts, lines = [], 0
@@ -256,14 +261,15 @@ def first_group(prober, d: int, max_heads: int, rng, token_scale: float, measure
         first = measure(Z, search)
         kept = position() - start
     search.groups, search.lines = len(attempts), lines
-    # phase 1's queries: every group's lines and the first groups given up, not the kept one (§13)
+    # phase 1's queries: every group's lines and the first groups given up, not the kept one (docs/algorithm.md, 'The
+    # targeted schedule')
     search.queries = position() - before - kept
     return Z, search, first
 
 
 def targeted_first_group(prober: Prober, d: int, max_heads: int, rng, token_scale: float, copies=None):
-    """:func:`first_group` with the targeted instances of §13 in R^d (``copies``: as
-    :func:`measure_units`'s; the targeted schedule's own run passes :func:`first_copies`)."""
+    """:func:`first_group` with the targeted instances of docs/algorithm.md, 'The targeted schedule' in R^d (``copies``:
+    as :func:`measure_units`'s; the targeted schedule's own run passes :func:`first_copies`)."""
     def measure(Z, search):
         rough = np.array([head.direction for head in search.heads])
         return measure_units(prober, *shared_estimates(Z[:, :1].T, rough[None]), rng, bridge=False, copies=copies, block=1)

@@ -1,5 +1,6 @@
-"""Constants and tolerances the targeted family shares (docs/algorithm.md §13, §19): the designed
-log-poles, the saturation margins, and the answers' units that size every tolerance.
+"""Constants and tolerances the targeted family shares (docs/algorithm.md, 'The targeted schedule' and 'Low-precision
+oracles: float32, mixed precision, bfloat16'): the designed log-poles, the saturation margins, and the answers' units
+that size every tolerance.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ GROUP_SCALE = 64.0
 #: Designed log-poles: the target head in TARGET_CENTER +- TARGET (tau near the copy counts
 #: 1..3, where the three-sample fit is best conditioned), the others in MID +- SPREAD.
 TARGET_CENTER, TARGET = float(np.log(2.0)), 2.5
-#: The final stage (:class:`FinalDesign`, docs/algorithm.md §13, "The final instances"): the target's
+#: The final stage (:class:`FinalDesign`, docs/algorithm.md, 'The final instances'): the target's
 #: log-poles at ``TARGET_CENTER`` and ``TARGET_CENTER +- halfwidth``, ``tau = 2, 2 e^-T, 2 e^T``. Float64
 #: answers (``FINAL_TARGET``, ``T = ln 16``: ``tau = 2, 1/8, 32``): a round asks the one copy count of
 #: at most 4 that reads its side best alone (``FINAL_ONE_COPY``: a one-sample reading errs by
 #: ``dG (k + tau)^2 / (|l| k tau)``, 10 units of the sample's rounding on both sides with ``k = 1, 4``, 4
-#: at the centre with ``k = 2``; nearer sides read better but fix ``a_h``'s scale worse, §13),
+#: at the centre with ``k = 2``; nearer sides read better but fix ``a_h``'s scale worse, 'The targeted schedule'),
 #: and every ``FINAL_PAIR_EVERY``-th round its side's two (``FINAL_SIDE_COPIES``: the unit's label and
 #: the single-pole test of a sample of its instances). Noisier answers (``NOISY_FINAL_TARGET``): every
 #: round its side's two, the label the consensus of all.
@@ -50,9 +51,9 @@ def score_unit(settings, stats=None) -> float:
     """The relative rounding unit of the oracle's own arithmetic, which rounds its scores too:
     ``EPS`` for float64, else the larger of the rounding the calibration measured
     (``settings.arithmetic_noise``: not noise added at random to the outputs, which leaves the
-    scores exact, docs/algorithm.md §19) and the unit roundoff the answers' bits show (``stats``, an
-    :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without calibration
-    still recognises float32 answers). A declared ``answer_error`` is not part of it: it bounds
+    scores exact, docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16') and the unit roundoff
+    the answers' bits show (``stats``, an :class:`~mhaextract.oracle.answer_stats.AnswerStats`; free, so a run without
+    calibration still recognises float32 answers). A declared ``answer_error`` is not part of it: it bounds
     the answers' total error, score rounding included, and says nothing of a score's rounding
     growing with ``|z| |W x|`` (a score term sized by a declared error would overstate the
     estimate by orders of magnitude)."""
@@ -65,9 +66,9 @@ def score_unit(settings, stats=None) -> float:
 
 
 def answer_unit(settings, stats=None) -> float:
-    """The answers' relative rounding unit that sizes the run's tolerances (docs/algorithm.md §19):
-    :func:`score_unit`, the answer noise the calibration measured (``settings.answer_noise``), or a
-    declared ``answer_error`` over the largest answer, whichever is largest."""
+    """The answers' relative rounding unit that sizes the run's tolerances (docs/algorithm.md, 'Low-precision oracles:
+    float32, mixed precision, bfloat16'): :func:`score_unit`, the answer noise the calibration measured
+    (``settings.answer_noise``), or a declared ``answer_error`` over the largest answer, whichever is largest."""
     unit = score_unit(settings, stats)
     if settings.answer_noise is not None:
         unit = max(unit, float(settings.answer_noise))
@@ -111,7 +112,7 @@ def limits(unit: float) -> tuple[float, float]:
     never above ``LOOSEST_LIMIT`` (a model off by more is no extraction)."""
     # The answers' misfit gets 3e4 units: a real float32 layer (GPT-2, token scale ~65) rounds the
     # scores of phase 1's tokens (|x| ~ 16 token scales, |z| 64) by ~1e-3 in m, 1.2e4 units of the
-    # largest answer (docs/algorithm.md §19, "Real float32 layers"); float64 limits are unchanged.
+    # largest answer (docs/algorithm.md, 'Real float32 layers'); float64 limits are unchanged.
     return (max(ERROR_ESTIMATE_LIMIT, min(1e4 * unit, LOOSEST_LIMIT)),
             max(ANSWERS_RESIDUAL_LIMIT, min(3e4 * unit, LOOSEST_LIMIT)))
 
