@@ -103,7 +103,7 @@ def table_float32(seeds: int):
         target = mx.MultiHeadAttention.random(d, H, seed=seed)
         oracle = mx.Float32Oracle(target)
         result, error, _ = run(target, oracle, d, H, 100 + seed, refine=True)
-        verification = mx.verify(result, oracle, n=512, seed=seed)
+        verification = mx.verify(result, oracle, verify_queries=512, seed=seed)
         # The floor: the float32 oracle against the exact target on the same fresh queries.
         rng = np.random.default_rng(seed)
         counts = np.diff(np.linspace(0, 512, 4).astype(int))

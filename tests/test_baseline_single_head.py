@@ -88,7 +88,7 @@ def test_orthogonal_subspaces_in_float64_with_permuted_coordinates():
     W = np.array([B @ rng.standard_normal((B.shape[1],) * 2) @ B.T for B in bases]) / np.sqrt(d)
     v = np.array([B @ rng.standard_normal(B.shape[1]) for B in bases])
     target = mx.MultiHeadAttention(W, v)
-    result = extract_single_head(CountingOracle(target), d, subspaces=bases, seed=4, verification_queries=20)
+    result = extract_single_head(CountingOracle(target), d, subspaces=bases, seed=4, verify_queries=20)
     assert result.queries == sum(r * r + r for r in dims) + 20 and result.verification_queries == 20
     assert float(mx.compare(result.model, target).max_rel) < 1e-12
     assert result.verification_residual < 1e-12 and result.ok
@@ -105,9 +105,9 @@ def test_a_head_with_zero_value_vector_is_no_head_and_costs_d_queries():
 def test_several_general_heads_break_the_assumption_and_verification_says_so():
     target = mx.MultiHeadAttention.random(4, 2, seed=0)
     with pytest.raises(mx.ExtractionError, match="verification_residual"):
-        extract_single_head(CountingOracle(target), 4, seed=1, verification_queries=8)
+        extract_single_head(CountingOracle(target), 4, seed=1, verify_queries=8)
     with pytest.warns(mx.UnreliableExtractionWarning):
-        result = extract_single_head(CountingOracle(target), 4, seed=1, verification_queries=8, on_failure="warn")
+        result = extract_single_head(CountingOracle(target), 4, seed=1, verify_queries=8, on_failure="warn")
     assert not result.ok and result.verification_residual > 1e-3
 
 
@@ -125,7 +125,7 @@ def test_an_oracle_no_softmax_head_can_produce_fails_the_weight_range_check():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(d=0), "d must be"),
     (dict(d=3, precision=32), "precision"),
-    (dict(d=3, verification_queries=-1), "verification_queries"),
+    (dict(d=3, verify_queries=-1), "verify_queries"),
     (dict(d=3, on_failure="warn "), "on_failure"),
     (dict(d=3, max_queries=-1), "max_queries"),
     (dict(d=3, max_queries=1.5), "max_queries"),
@@ -149,9 +149,9 @@ def test_max_queries_below_the_count_raises_before_any_query():
     target = mx.MultiHeadAttention.random(3, 1, seed=0)
     oracle = CountingOracle(target)
     with pytest.raises(mx.BudgetExceeded, match="max_queries=13.*needs 14") as info:
-        extract_single_head(oracle, 3, seed=0, verification_queries=2, max_queries=13)
+        extract_single_head(oracle, 3, seed=0, verify_queries=2, max_queries=13)
     assert oracle.count == 0 and (info.value.needed, info.value.answered) == (14, 0)
-    result = extract_single_head(oracle, 3, seed=0, verification_queries=2, max_queries=14)
+    result = extract_single_head(oracle, 3, seed=0, verify_queries=2, max_queries=14)
     assert result.queries == oracle.count == 14 and result.verification_queries == 2 and result.ok
 
 
@@ -162,7 +162,7 @@ def test_verification_in_a_single_subspace():
     rng = np.random.default_rng(3)
     W, v = B @ rng.standard_normal((2, 2)) @ B.T / 2, B @ rng.standard_normal(2)
     target = mx.MultiHeadAttention(W[None], v[None])
-    result = extract_single_head(CountingOracle(target), d, subspaces=[B], seed=1, verification_queries=10)
+    result = extract_single_head(CountingOracle(target), d, subspaces=[B], seed=1, verify_queries=10)
     assert result.queries == 6 + 10 and result.verification_residual < 1e-12 and result.ok
 
 

@@ -191,7 +191,7 @@ def marking_module(tmp_path, monkeypatch):
     (["--seed", "-1"], "--seed"),
     (["--answer-error", "inf"], "--answer-error"),
     (["--answer-error", "-1"], "--answer-error"),
-    (["--verify", "-1"], "--verify"),
+    (["--verify", "-1"], "--verify-queries"),
     (["--verify-length", "-1"], "--verify-length"),
     (["--verify-length", "5000"], "--verify-length"),
     (["--max-queries", "-1"], "--max-queries"),

@@ -89,7 +89,7 @@ def test_a_learner_registered_outside_the_package_runs_through_extract_save_load
     assert np.array_equal(loaded.W, result.model.W) and np.array_equal(loaded.v, result.model.v)
     back = mx.load_extraction(json_path)
     assert back.schedule == "toy-one-by-one" and back.queries == 2 and back.ok
-    verification = mx.verify(result, oracle, n=16, seed=0, max_length=6)
+    verification = mx.verify(result, oracle, verify_queries=16, seed=0, verify_length=6)
     assert verification.passed and verification.max_relative_error < 1e-12
 
 

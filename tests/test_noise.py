@@ -334,7 +334,7 @@ def test_acceptance_3_float32_target():
     result = quiet_extract(oracle, d, H, seed=100, refine=True)  # completes (failed checks are reported)
     measured = mx.compare(result.model, target).max_rel
     assert measured <= result.error_estimate  # the reported estimate is honest (inf when not certified)
-    verification = mx.verify(result, oracle, n=512, seed=0)
+    verification = mx.verify(result, oracle, verify_queries=512, seed=0)
     # The floor: the float32 oracle's own error on the very same fresh queries.
     rng = np.random.default_rng(0)
     sequences = []
@@ -351,18 +351,18 @@ def test_verify_counts_records_and_tells_good_from_bad():
     target = mx.MultiHeadAttention.random(4, 2, seed=9)
     result = mx.extract(mx.SimulatedOracle(target), 4, heads=2, seed=9, schedule="paper")
     oracle = Counting(mx.SimulatedOracle(target))
-    verification = mx.verify(result, oracle, n=90, seed=1, max_length=12)
+    verification = mx.verify(result, oracle, verify_queries=90, seed=1, verify_length=12)
     assert verification.queries == oracle.count == 90 and oracle.longest <= 12
     checked = result.with_verification(verification)
     assert verification.passed and checked.verified and checked.verification is verification
     assert result.verification is None and not result.verified  # verify never modifies its argument
     assert verification.max_relative_error < 1e-9
     other = mx.MultiHeadAttention.random(4, 2, seed=10)
-    failed = mx.verify(result, mx.SimulatedOracle(other), n=30, seed=1)
+    failed = mx.verify(result, mx.SimulatedOracle(other), verify_queries=30, seed=1)
     assert not failed.passed and not result.with_verification(failed).verified
 
 
-@pytest.mark.parametrize("options, message", [({"n": 0}, "n"), ({"max_length": 0}, "max_length"),
+@pytest.mark.parametrize("options, message", [({"verify_queries": 0}, "verify_queries"), ({"verify_length": 0}, "verify_length"),
                                               ({"scales": (1.0, -2.0)}, "scales"), ({"tolerance": 0}, "tolerance")])
 def test_verify_rejects_bad_input(options, message):
     target = mx.MultiHeadAttention.random(2, 1, seed=0)
@@ -395,3 +395,16 @@ def test_instance_pseudo_inverses_by_lu_where_well_conditioned_else_by_the_svd()
     tall = rng.standard_normal((3, 7, 5))  # oversampled instances: the least-squares pseudo-inverse
     assert np.array_equal(_pseudo_inverse(tall), np.linalg.pinv(tall))
     assert _pseudo_inverse(np.zeros((0, 5, 5))).shape == (0, 5, 5)
+
+
+def test_the_former_verification_names_still_work_with_a_warning():
+    """One vocabulary: verify_queries / verify_length (``n`` and ``max_length`` before)."""
+    target = mx.MultiHeadAttention.random(3, 1, seed=0)
+    oracle = mx.SimulatedOracle(target)
+    result = mx.extract(oracle, 3, heads=1, seed=1, schedule="paper")
+    with pytest.warns(FutureWarning, match="verify_queries"):
+        old = mx.verify(result, oracle, n=12, seed=0, max_length=5)
+    new = mx.verify(result, oracle, verify_queries=12, seed=0, verify_length=5)
+    assert (old.queries, old.lengths, old.max_relative_error) == (new.queries, new.lengths, new.max_relative_error)
+    with pytest.raises(ValueError, match="verify_queries= only"):
+        mx.verify(result, oracle, 12, n=12)

@@ -147,7 +147,7 @@ def test_verify_draws_at_the_result_token_scale_and_leaves_the_result_alone():
         norms.extend(np.linalg.norm(X, axis=1).mean() for X in batch)
         return target(batch)
 
-    verification = mx.verify(result, recording, n=300, seed=0, scales=(1.0,))
+    verification = mx.verify(result, recording, verify_queries=300, seed=0, scales=(1.0,))
     assert result.verification is None
     # Gaussian tokens N(0, I/d) times the scale: mean norm close to the result's token scale.
     assert 0.7 * result.token_scale < np.median(norms) < 1.1 * result.token_scale

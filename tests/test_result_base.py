@@ -135,7 +135,7 @@ def test_every_family_saves_and_loads_its_result(family, tmp_path):
 
     # verify, for the run and for the loaded result, asks the oracle and judges the model
     for judged in (result, loaded):
-        verification = mx.verify(judged, oracle, n=24, seed=3)
+        verification = mx.verify(judged, oracle, verify_queries=24, seed=3)
         assert verification.queries == 24 and verification.passed, verification
 
     # the report table of every family

@@ -93,7 +93,7 @@ class Extraction(Result):
     ['heads_found', 'pole_count', 'poles_real_positive']
     >>> bool(result.error_estimate < 1e-6), bool(result.error_bound(1e-12) < 1e-6)
     (True, True)
-    >>> checked = result.with_verification(mx.verify(result, oracle, n=64, seed=0))
+    >>> checked = result.with_verification(mx.verify(result, oracle, verify_queries=64, seed=0))
     >>> checked.verified
     True
     """

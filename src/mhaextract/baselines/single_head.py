@@ -37,7 +37,7 @@ assumption holds, something else (silently, the count leaves no redundancy) when
 
 **No redundancy.** ``r^2 + r`` answers determine ``r^2 + r`` parameters: a target outside the
 model class (more heads, heads outside the subspaces) shows only when an implied attention
-weight leaves (0, 1). ``verification_queries=n`` spends ``n`` further random queries (counted, reported apart)
+weight leaves (0, 1). ``verify_queries=n`` spends ``n`` further random queries (counted, reported apart)
 to check the model against the oracle.
 
 **Numerics.** Everything is an explicit formula; in high precision (``precision=bits``) it runs
@@ -65,7 +65,7 @@ from ..checks.base import Check, CheckedResult, CheckPolicy, report_failure
 from ..models.attention import MultiHeadAttention
 from ..oracle.boundary import BudgetExceeded, OracleBoundary
 from ..oracle.queries import quantize, random_basis, random_queries
-from ..run.validation import on_failure_mode, positive_int, token_scale_for
+from ..run.validation import on_failure_mode, positive_int, renamed, token_scale_for
 
 
 @dataclass
@@ -207,8 +207,8 @@ def _exact_tokens(B: np.ndarray, coefficients: np.ndarray, what: str) -> np.ndar
 
 
 def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None, token_scale=None,
-                        verification_queries=0, batch_size=1024, progress=None, on_failure="raise",
-                        max_queries=None) -> SingleHeadExtraction:
+                        verify_queries=0, batch_size=1024, progress=None, on_failure="raise",
+                        max_queries=None, verification_queries=None) -> SingleHeadExtraction:
     """The prior single-head algorithm: ``d^2 + d`` queries for one head (see the module docstring).
 
     Parameters
@@ -220,19 +220,20 @@ def extract_single_head(oracle, d, *, subspaces=None, precision=None, seed=None,
     precision : None for float64; bits for ball arithmetic (certified).
     seed : seeds the random tokens.
     token_scale : norm of the coefficient tokens (default ``d ** 0.25``, as :func:`mhaextract.extract`).
-    verification_queries : extra random queries (lengths 1..4, tokens in the subspaces' span)
+    verify_queries : extra random queries (lengths 1..4, tokens in the subspaces' span)
         checking the model against the oracle; 0 keeps the count at ``sum_h (r_h^2 + r_h)``.
         (Reported as the result's ``verification_queries``; :func:`mhaextract.verify` is the
         library's verification of a core extraction.)
     batch_size, progress, on_failure : as in :func:`mhaextract.extract`.
     max_queries : cap on the queries asked; the count is known up front
-        (``sum_h (r_h^2 + r_h) + verification_queries``), so a cap below it raises
+        (``sum_h (r_h^2 + r_h) + verify_queries``), so a cap below it raises
         :class:`~mhaextract.BudgetExceeded` before any query is asked.
     """
     d = positive_int("d", d)
     if precision is not None:
         precision = positive_int("precision", precision, minimum=64)
-    verification_queries = positive_int("verification_queries", verification_queries, minimum=0)
+    verification_queries = positive_int("verify_queries", renamed("verification_queries", verification_queries,
+                                                                  "verify_queries", verify_queries, 0), minimum=0)
     on_failure = on_failure_mode(on_failure)
     if max_queries is not None:
         max_queries = positive_int("max_queries", max_queries, minimum=0)

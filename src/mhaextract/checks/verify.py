@@ -32,7 +32,7 @@ from ..numerics.float64 import root_mean_square
 from ..numerics.highprec import GUARD_BITS, mid_float, mpf_array
 from ..oracle.boundary import OracleBoundary, OracleError
 from ..oracle.queries import random_queries
-from ..run.validation import positive_int, positive_number
+from ..run.validation import positive_int, positive_number, renamed
 from .base import Check
 
 #: The default verification's longest query (``extract(..., verify_length=None)``), in tokens.
@@ -129,7 +129,7 @@ class Verification:
     >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
     >>> oracle = mx.SimulatedOracle(target)
     >>> result = mx.extract(oracle, d=3, heads=2, seed=1, schedule="paper")
-    >>> verification = mx.verify(result, oracle, n=60, seed=0)
+    >>> verification = mx.verify(result, oracle, verify_queries=60, seed=0)
     >>> verification.passed, verification.queries, verification.lengths
     (True, 60, (1, 16))
     >>> print(verification)  # doctest: +ELLIPSIS
@@ -247,10 +247,10 @@ def ask_long_verification(boundary: OracleBoundary, rng: np.random.Generator, to
     return LongVerification(sequences, answers, asked)
 
 
-def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
+def verify(extraction, oracle, verify_queries: int = 256, seed=None, *, verify_length: int = 16,
            scales: tuple[float, ...] = TOKEN_SCALES, tolerance: float | None = None, batch_size: int = 1024,
-           progress=None) -> Verification:
-    """Check ``extraction.model`` against ``oracle`` on ``n`` fresh random queries (float64).
+           progress=None, n=None, max_length=None) -> Verification:
+    """Check ``extraction.model`` against ``oracle`` on ``verify_queries`` fresh random queries (float64).
 
     Every run verifies itself by default on fresh queries up to 256 tokens (the
     ``long_verification`` check, ``extraction.verification``); this asks more, as many and as
@@ -261,8 +261,9 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
     extraction : the result of any family (:class:`~mhaextract.Result`) with a model that
         evaluates sequences (``model(sequences)``, ``model.d``, ``model.is_vector``).
     oracle : the oracle it was extracted from (or any float64 oracle for the same d).
-    n : number of fresh queries (>= 1), split evenly over ``scales``.
-    seed : seeds the queries. max_length : longest query (lengths uniform in 1..max_length).
+    verify_queries : number of fresh queries (>= 1), split evenly over ``scales``.
+    seed : seeds the queries.
+    verify_length : longest query (lengths uniform in 1..verify_length).
     scales : token scales, as multiples of the extraction's own ``token_scale`` (the regime it was
         extracted in; ``d ** 0.25`` unless the run chose another).
     tolerance : the max relative output error that counts as passing; default
@@ -276,6 +277,11 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
         A new :class:`Verification`; ``extraction`` is not modified (attach the outcome with
         ``extraction.with_verification(...)``).
 
+    Notes
+    -----
+    ``n`` and ``max_length`` are the former names of ``verify_queries`` and ``verify_length``
+    (accepted with a FutureWarning): one vocabulary in every function, option and CLI flag.
+
     Examples
     --------
     A model that is a little off fails on fresh queries:
@@ -284,16 +290,16 @@ def verify(extraction, oracle, n: int = 256, seed=None, *, max_length: int = 16,
     >>> target = mx.MultiHeadAttention.random(d=3, heads=2, seed=0)
     >>> oracle = mx.SimulatedOracle(target)
     >>> result = mx.extract(oracle, d=3, heads=2, seed=1, schedule="paper")
-    >>> mx.verify(result, oracle, n=30, seed=0).passed
+    >>> mx.verify(result, oracle, 30, seed=0).passed
     True
     >>> wrong = mx.SimulatedOracle(mx.MultiHeadAttention(target.W, 1.001 * target.v))
-    >>> mx.verify(result, wrong, n=30, seed=0).passed
+    >>> mx.verify(result, wrong, 30, seed=0).passed
     False
     """
     if getattr(extraction, "model", None) is None:
         raise ValueError("the extraction has no model to verify (its parameters were not finite)")
-    n = positive_int("n", n)
-    max_length = positive_int("max_length", max_length)
+    n = positive_int("verify_queries", renamed("n", n, "verify_queries", verify_queries, 256))
+    max_length = positive_int("verify_length", renamed("max_length", max_length, "verify_length", verify_length, 16))
     scales = tuple(positive_number("scales", s) for s in scales)
     if not scales:
         raise ValueError(f"scales must be positive numbers, got {scales!r}")

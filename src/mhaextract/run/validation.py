@@ -7,6 +7,8 @@ and what it got. The default token scale lives here too (docs/algorithm.md, 'Num
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 ON_FAILURE = ("raise", "warn")
@@ -111,3 +113,16 @@ def spawn_rng(seed, stream: int) -> np.random.Generator:
     if isinstance(seed, np.random.Generator):
         return seed
     return np.random.default_rng(np.random.SeedSequence(seed).spawn(stream)[stream - 1])
+
+
+def renamed(old: str, old_value, new: str, new_value, default):
+    """The value of option ``new`` where a caller still passes it as ``old`` (a FutureWarning says
+    so; both given is a ValueError). The verification vocabulary is ``verify_queries`` (how many
+    fresh queries) and ``verify_length`` (the longest, in tokens); results report what was asked as
+    ``verification_queries`` and ``verification_length``."""
+    if old_value is None:
+        return new_value
+    if new_value is not default:
+        raise ValueError(f"give {new}= only ({old}= is its former name)")
+    warnings.warn(f"{old}= is now {new}=", FutureWarning, stacklevel=3)
+    return old_value

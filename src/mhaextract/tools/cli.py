@@ -34,7 +34,7 @@ app = typer.Typer(add_completion=False, help="Learn multi-head softmax attention
 #: The --schedule help of every command: the registry's names, never a list kept here.
 SCHEDULE_HELP = ("query schedule, one of " + ", ".join(repr(name) for name in learner_names())
                  + " (see docs/algorithm.md)")
-FLOAT64_ONLY = "--noise, --samples, --refine, --answer-error and --verify are float64 options (omit --precision)"
+FLOAT64_ONLY = "--noise, --samples, --refine, --answer-error and --verify-queries are float64 options (omit --precision)"
 
 
 def _checked(hint: str, rule, *args):
@@ -304,7 +304,7 @@ def demo(
     reference = result.model_hp if result.model_hp is not None else result.model
     comparison = compare(reference, target) if reference is not None else None
     if precision is None and result.model is not None:
-        result = result.with_verification(verify(result, oracle, n=256, seed=seed + 3))
+        result = result.with_verification(verify(result, oracle, verify_queries=256, seed=seed + 3))
     console.print(extraction_table(result, comparison, title=f"mhaextract demo (seed {seed})"))
     if not result.ok:
         _print_failed(console, result, failure_messages,
@@ -402,7 +402,7 @@ def extract_command(
     refine: bool = typer.Option(False, "--refine", help="float64: least-squares refinement of all parameters"),
     answer_error: float = typer.Option(None, "--answer-error",
                                        help="float64: a bound on every answer's absolute error, if known"),
-    verify_queries: int = typer.Option(0, "--verify", help="float64: fresh random queries to verify the result on "
+    verify_queries: int = typer.Option(0, "--verify-queries", "--verify", help="float64: fresh random queries to verify the result on "
                                        "after the run (not capped by --max-queries, not in the transcript)"),
     verify_length: int = typer.Option(None, "--verify-length", help="longest fresh query of the run's own "
                                       "verification, in tokens (default 256; 0 turns it off; docs/algorithm.md, "
@@ -424,7 +424,7 @@ def extract_command(
     if max_queries is not None:
         _checked("--max-queries", positive_int, "max_queries", max_queries, 0)
     _checked("--batch-size", positive_int, "batch_size", batch_size)
-    _checked("--verify", positive_int, "verify", verify_queries, 0)
+    _checked("--verify-queries", positive_int, "verify_queries", verify_queries, 0)
     _checked("--verify-length", verify_length_option, verify_length)
     robust = _robust_options(precision, samples, answer_error, refine, verify_queries)
     rank = _rank_option(rank)
@@ -447,7 +447,7 @@ def extract_command(
     verification_error = None
     if verify_queries and result.model is not None:
         try:  # another stream than the run's (seed): fresh queries
-            result = result.with_verification(verify(result, function, n=verify_queries, seed=seed + 1,
+            result = result.with_verification(verify(result, function, verify_queries=verify_queries, seed=seed + 1,
                                                      batch_size=batch_size, progress=True))
         except Exception as error:  # the finished run is still printed and saved below
             verification_error = error

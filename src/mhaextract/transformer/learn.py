@@ -25,7 +25,9 @@ from .relu_units import MAX_ENUMERATED, SPREAD_PER_DIMENSION, UnitLearner, orien
 from ..run.result import Result
 from ..run.learner import AUTO, pick
 from ..models.transformer import EXACT_BITS, Transformer1L, block_embedding, compare_transformers, residual_embedding
-from ..run.validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_for
+from ..run.validation import (
+    head_count, on_failure_mode, positive_int, renamed, resumable_seed, spawn_rng, token_scale_for,
+)
 
 #: High precision: g = f(X) - f(-X) is handed to the core as good to this many bits fewer than f,
 #: so that its certificate covers cancellation up to that much (checked: odd_part_precision).
@@ -277,7 +279,7 @@ class TransformerRun:
     token_scale: float
     max_segments: int
     quiet_segments: int
-    verification_queries: int | None
+    verify_queries: int | None
     on_failure: str
     max_queries: int | None
     residual: bool = False
@@ -326,7 +328,7 @@ def _flag(name: str, value) -> bool:
 
 
 def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, token_scale, max_segments,
-                     quiet_segments, verification_queries, on_failure, transcript, max_queries) -> TransformerRun:
+                     quiet_segments, verify_queries, on_failure, transcript, max_queries) -> TransformerRun:
     """Every parameter of :func:`extract_transformer` checked once (validation.py's rules)."""
     d = positive_int("d", d)
     H0, declared = head_count(heads, max_heads)
@@ -334,23 +336,23 @@ def _transformer_run(d, heads, max_heads, hidden, precision, seed, residual, tok
         hidden = positive_int("hidden", hidden)
     if precision is not None:
         precision = positive_int("precision", precision, minimum=64 + ODD_PART_MARGIN_BITS)
-    if verification_queries is not None:
-        verification_queries = positive_int("verification_queries", verification_queries, minimum=0)
+    if verify_queries is not None:
+        verify_queries = positive_int("verify_queries", verify_queries, minimum=0)
     if max_queries is not None:
         max_queries = positive_int("max_queries", max_queries, minimum=0)
     if transcript is not None:
         seed = resumable_seed(seed)
     return TransformerRun(d, declared, H0, hidden, precision, seed, token_scale_for(d, token_scale),
                           positive_int("max_segments", max_segments), positive_int("quiet_segments", quiet_segments),
-                          verification_queries, on_failure_mode(on_failure), max_queries,
+                          verify_queries, on_failure_mode(on_failure), max_queries,
                           _flag("residual", residual))
 
 
 def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *, hidden=None,
                         residual=False, token_scale=None, max_segments=32, quiet_segments=8,
-                        verification_queries=None, batch_size=1024, progress=None,
+                        verify_queries=None, batch_size=1024, progress=None,
                         on_failure="raise", transcript=None, max_queries=None,
-                        resume_check=3) -> TransformerExtraction:
+                        resume_check=3, verification_queries=None) -> TransformerExtraction:
     """Learn a one-layer Transformer (attention, then a bias-free ReLU FFN) from value queries.
 
     Step 1 runs :func:`mhaextract.extract` on the odd part ``g(X) = f(X) - f(-X)``, an attention
@@ -373,7 +375,8 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
         (``2 d`` of f) measure the linear term ``q^T x_N`` it adds to g, the core then runs on g less
         that term, and step 2 reads x_N as one more block of M (docs/algorithm.md, 'The one-layer Transformer').
     max_segments : at most this many segment pairs in step 2.
-    verification_queries : fresh random queries to check the result on (default ``4 H d + 32``).
+    verify_queries : fresh random queries to check the result on (default ``4 H d + 32``; its former
+        name ``verification_queries`` is accepted with a FutureWarning).
     on_failure : "raise" a :class:`TransformerExtractionError` or "warn" and return.
     transcript, max_queries, resume_check : as in :func:`mhaextract.extract`, for every query of f (steps 1, 2
         and the verification): answers are committed to the SQLite transcript as they arrive and
@@ -403,7 +406,8 @@ def extract_transformer(oracle, d, heads=None, max_heads=None, precision=None, s
     """
     request = Request.validated(d, heads, max_heads, precision, seed, token_scale)
     options = {"hidden": hidden, "residual": residual, "max_segments": max_segments, "quiet_segments": quiet_segments,
-               "verification_queries": verification_queries}
+               "verify_queries": renamed("verification_queries", verification_queries, "verify_queries",
+                                         verify_queries, None)}
     return run_learner(oracle, request, "transformer", options, batch_size=batch_size, progress=progress,
                        on_failure=on_failure, transcript=transcript, max_queries=max_queries,
                        resume_check=resume_check)
@@ -415,7 +419,7 @@ def run_transformer(session, options) -> "TransformerExtraction":
     run = _transformer_run(request.d, request.heads, None if request.heads is not None else request.max_heads,
                            options.get("hidden"), request.precision, request.seed, options.get("residual", False),
                            request.token_scale, options.get("max_segments", 32), options.get("quiet_segments", 8),
-                           options.get("verification_queries"), session.on_failure, session.transcript,
+                           options.get("verify_queries"), session.on_failure, session.transcript,
                            session.max_queries)
     if session.transcript is not None:
         fingerprint = run_fingerprint(run, run.seed, run.precision, run.fixed_queries())
@@ -566,7 +570,7 @@ def _verify_transformer(boundary: OracleBoundary, run: TransformerRun, H: int, m
     """The misfit on fresh random queries of f (counted) and their longest; the ``verification``
     check appended."""
     d, scale, precision = run.d, run.token_scale, run.precision
-    count = run.verification_queries if run.verification_queries is not None else 4 * H * d + 32
+    count = run.verify_queries if run.verify_queries is not None else 4 * H * d + 32
     sequences = random_sequences(rng, count, d, 2 * H + 1, scale)  # no longer than the core schedule's 2H + 1
     answers = boundary.ask(sequences, description="verification queries")
     if precision is None:

@@ -21,7 +21,7 @@ class TransformerLearner(Learner):
         "residual": "the FFN reads o(X) + x_N",
         "max_segments": "at most this many segment pairs in step 2",
         "quiet_segments": "stop after this many segment pairs in a row found nothing new",
-        "verification_queries": "fresh random queries the result is checked on (default 4 H d + 32)",
+        "verify_queries": "fresh random queries the result is checked on (default 4 H d + 32)",
     }
     refusal = "the Transformer's step 1 runs the attention family's default schedule on the odd part"
 
