@@ -31,12 +31,6 @@ import numpy as np
 
 from ..checks.base import CheckedResult
 
-#: The adapter module of each model type (its class name): one line per family. The module has
-#: ``layer(model, causal, width, dtype, tolerance)`` and ``state_dict(model, like, tolerance)``.
-ADAPTERS = {
-    "MultiHeadAttention": "mhaextract.adapters.attention",
-    "RotaryAttention": "mhaextract.adapters.rotary",
-}
 
 #: A drop of this factor between consecutive singular values separates a head's rank from the
 #: extraction's error (float64 layers drop by ~1e13, float32 ones by ~1e4; trained heads' own
@@ -243,11 +237,15 @@ def _model_of(model_or_result, tolerance):
 
 
 def _adapter(model, function: str):
-    for cls in type(model).__mro__:
-        if cls.__name__ in ADAPTERS:
-            return getattr(importlib.import_module(ADAPTERS[cls.__name__]), function)
-    raise TypeError(f"to_torch and to_state_dict take a model ({', '.join(ADAPTERS)}) or an extraction's "
-                    f"result, got {type(model).__name__}")
+    """The function of the model type's own torch adapter (its ``torch_adapter`` module)."""
+    module = getattr(type(model), "torch_adapter", None)
+    if module is None:
+        from ..models.kinds import MODEL_KINDS
+
+        carried = sorted(kind.__name__ for kind in MODEL_KINDS.values() if getattr(kind, "torch_adapter", None))
+        raise TypeError(f"to_torch and to_state_dict take a model ({', '.join(carried)}) or an extraction's "
+                        f"result with one, got {type(model).__name__}: it has no torch layer to go into")
+    return getattr(importlib.import_module(module), function)
 
 
 def to_torch(model, causal: bool | None = None, width: int | None = None, dtype=None,

@@ -273,6 +273,10 @@ class MultiHeadAttention:
 
     #: The name of this model class in a saved result (:mod:`mhaextract.models.kinds`).
     kind = "attention"
+    #: The module that puts this model into torch (``layer(model, causal, width, dtype, tolerance)``,
+    #: ``state_dict(model, like, tolerance)``): what :func:`mhaextract.to_torch` and
+    #: :func:`mhaextract.to_state_dict` dispatch on (a model type without one is refused).
+    torch_adapter = "mhaextract.adapters.attention"
 
     def to_document(self, exact: bool = False) -> tuple[dict, dict]:
         """``(json_part, arrays)`` for a saved result: ``kind``, ``d``, ``heads`` and ``W``, ``v``
