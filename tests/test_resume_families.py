@@ -13,6 +13,8 @@ import pytest
 
 import mhaextract as mx
 
+pytestmark = pytest.mark.slow  # about 8 s together
+
 
 class Interrupted(RuntimeError):
     pass
