@@ -3,8 +3,9 @@ seed reads back what was answered, asks the rest, and ends with the same model, 
 different oracle behind the transcript is refused by the resume check (docs/real-layers-and-transcripts.md).
 
 The attention schedules and the low-precision learner have their own tests (tests/test_resume.py,
-tests/test_low_precision_whole.py); here the learners whose queries depend on earlier answers and
-which share the session's generic check: rotary and the Transformer."""
+tests/test_low_precision_whole.py); here the learners that share the session's generic check
+(re-asking replayed queries before the first fresh one): the split of whole answers, rotary and
+the Transformer."""
 
 from __future__ import annotations
 
@@ -43,7 +44,20 @@ def transformer_run(oracle, transcript, **options):
                                   **options)
 
 
+def vector_layer():
+    """Heads of width 4 on both sides, whole outputs: a layer the vector learner splits by head."""
+    scores = mx.MultiHeadAttention.random(d=8, heads=2, seed=1, bias=True, rank=4, d_out=8)
+    rng = np.random.default_rng(101)
+    V = np.einsum("hor,hrd->hod", rng.standard_normal((2, 8, 4)), rng.standard_normal((2, 4, 8)))
+    return mx.MultiHeadAttention(scores.W, V / 2.0, scores.u, scores.c)
+
+
+def vector_run(oracle, transcript, **options):
+    return mx.extract(oracle, 8, heads=2, seed=0, schedule="vector", transcript=transcript, batch_size=64, **options)
+
+
 CASES = {
+    "vector": (vector_layer, vector_run),
     "rotary": (lambda: mx.RotaryAttention.random(d=8, heads=2, head_width=4, seed=0, kv_heads=2), rotary_run),
     "transformer": (lambda: mx.Transformer1L.random(d=4, heads=2, hidden=4, seed=0), transformer_run),
 }
@@ -58,7 +72,7 @@ def test_an_interrupted_run_resumes_to_the_same_model(tmp_path, name):
     with pytest.raises(Interrupted):
         run(StopsAfter(target, 6), transcript)
     resumed = run(mx.SimulatedOracle(target), transcript)
-    assert resumed.ok and resumed.queries_replayed > 0
+    assert resumed.ok and resumed.queries_replayed > 0 and resumed.schedule == plain.schedule == name
     assert resumed.queries == resumed.queries_asked + resumed.queries_replayed
     assert resumed.queries_replayed + resumed.queries_asked - 3 <= plain.queries <= (
         resumed.queries_replayed + resumed.queries_asked)  # at most the resume check's 3 re-asked on top
