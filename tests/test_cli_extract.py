@@ -277,3 +277,25 @@ def test_extract_refuses_a_bad_rank(user_module):
     result = runner.invoke(app, ["extract", "--oracle", f"{name}:oracle", "--d", "3", "--heads", "2",
                                  "--rank", "4"])
     assert result.exit_code == 2 and "rank must be at most d = 3" in result.output
+
+
+ROTARY_MODULE = '''
+import mhaextract as mx
+
+oracle = mx.SimulatedOracle(mx.RotaryAttention.random(d=8, heads=2, head_width=4, seed=0, kv_heads=2))
+'''
+
+
+@pytest.mark.slow  # a rotary run, about 2 s
+def test_family_options_reach_their_learner_by_name(tmp_path, monkeypatch):
+    """``--option positions=rotary`` picks the rotary learner (the registry's option, no flag of its own)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rotary_layer.py").write_text(ROTARY_MODULE)
+    outcome = runner.invoke(app, ["extract", "--oracle", "rotary_layer:oracle", "--d", "8", "--heads", "2",
+                                  "--option", "positions=rotary", "--out", "rotary.json"])
+    assert outcome.exit_code == 0, outcome.output
+    assert mx.load_extraction(tmp_path / "rotary.json").schedule == "rotary"
+    assert type(load_model(tmp_path / "rotary.json")).__name__ == "RotaryAttention"
+    refused = runner.invoke(app, ["extract", "--oracle", "rotary_layer:oracle", "--d", "8", "--heads", "2",
+                                  "--option", "windows=3"])
+    assert refused.exit_code == 2 and "no learner takes 'windows'" in refused.output
