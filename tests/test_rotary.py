@@ -532,8 +532,8 @@ def test_a_refinement_larger_than_the_memory_available_is_refused_before_its_que
     """The refinement holds its normal equations (P^2 numbers); where they would not fit the
     machine's available memory the run fails loudly, naming the size and the head width, before
     the polish queries are asked."""
-    import mhaextract.rotary.learn as learn
-    monkeypatch.setattr(learn, "available_memory", lambda: 10**5)
+    import mhaextract.rotary.run as run
+    monkeypatch.setattr(run, "available_memory", lambda: 10**5)
     layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=0)
     counted = CountingOracle(layer)
     with pytest.raises(mx.ExtractionError, match="(?s)refinement_memory.*head width 4.*GiB.*rank=") as caught:

@@ -19,47 +19,31 @@ instances (final tokens ``x_i``, the columns of X; key tokens ``z_j``, the colum
   matches the instance to the heads.
 
 Every instance takes ``k = 0..2H - 1`` (c is measured once, by the query of one zero token).
+
+Here: the instances, their fits and the start (:class:`RotaryLearner`), the token scale, and the
+run's result (:class:`RotaryExtraction`); the run itself, step by step, is :mod:`.run`.
 """
 
 from __future__ import annotations
 
 import copy
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from ..checks.base import Check, available_memory
-from ..checks.verify import ask_long_verification, output_errors
 from ..numerics.float64 import fit
-from ..numerics.highprec import mid_float, mpf_array
-from ..oracle.boundary import OracleBoundary
-from ..oracle.progress import note_progress
+from ..numerics.highprec import mid_float
 from ..run.result import Result
-from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
-from ..oracle.queries import random_basis, random_queries
-from ..oracle.vector_answers import VectorAnswers
+from ..oracle.queries import random_basis
 from .completion import complete_low_rank, completion_rank, head_widths  # noqa: F401 (re-exported)
 from ..run.validation import spawn_rng
 from ..models.rotary import RotaryAttention
-from .neutral import (LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary,
-                      find_neutral_token)
-from .refine import error_moves, pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
+from .neutral import NeutralToken
 from .structure import rotary_head
-from .window import WindowSearch, find_window
+from .window import WindowSearch
 
-#: The coarsest answers the rotary schedule takes: float32's unit roundoff.
-COARSEST_UNIT = 2.0 ** -24
-#: Float64 limits of the checks (relative): the answers' misfit and the error estimate; for coarser
-#: answers (float32) these many units of their rounding, where that is larger.
-RESIDUAL_LIMIT = 1e-9
-ESTIMATE_LIMIT = 1e-8
-RESIDUAL_UNITS = 30.0
-ESTIMATE_UNITS = 300.0
-#: The smallest error estimate claimed: float64 rounding through the scores and the softmax.
-ESTIMATE_FLOOR = 1e-14
 #: An instance whose rational fit misses its samples by more than this (relative), or by more than
 #: ``INSTANCE_UNITS`` units of the answers' rounding, is not used.
 INSTANCE_LIMIT = 1e-7
@@ -86,23 +70,6 @@ CHANNELS_PER_HEAD = 2
 #: more tokens lose too many entries to be kept (d = 32, H = 4: three finals with two spares).
 SPARE_TOKENS = 2
 NOISY_SPARE_TOKENS = 6
-#: With float32 answers the slow blocks are seeded before the refinement and again after every
-#: stretch of this many of its steps (``seed_low_frequencies``), at most ``SEEDINGS`` times in all,
-#: until a seeding no longer lowers the misfit.
-SEEDING_STEPS = 4
-SEEDINGS = 8
-#: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
-#: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
-SEARCH_KEY_SIZE = 1e-4
-#: A start whose W(2) lies this far outside W(1)'s row and column spaces (``subspace_residual``,
-#: relative), or whose M has an eigenvalue this far off the unit circle (``modulus_error``), had
-#: its heads matched wrongly across instances (float32 good starts: 1e-4 at d = 16, 0.02 at
-#: d = 32); its instances are drawn again, at most ``START_DRAWS`` times in all, the best kept.
-STRUCTURE_LIMIT = 0.1
-START_DRAWS = 3
-#: Fresh polish queries per parameter of the model, and their lengths (inclusive).
-POLISH_FACTOR = 3
-POLISH_LENGTHS = (2, 64)
 #: The token scale makes the self-scores of the basis tokens this large (root mean square).
 SCORE_TARGET = 1.5
 #: Answers coarser than this (float32) first size the scores to first order (``score_spread``):
@@ -525,248 +492,3 @@ class RotaryLearner:
                            modulus_error=max(head.modulus_error for head in heads),
                            widths=[head.width for head in heads])
         return RotaryAttention(Q, K, theta, v, c, b=b), diagnostics
-
-
-def answer_precision(unit: float) -> Check:
-    """Answers coarser than float32 (bfloat16, float16) are refused: one rational fit per instance
-    separates H poles only to a few units of the answers' rounding (docs/algorithm.md, 'Numerics in float64 and the
-    token scale'), and at 8 or 11 bits no start comes out that the refinement could take to the layer."""
-    name = {2.0 ** -8: "bfloat16", 2.0 ** -11: "float16"}.get(unit, f"a unit roundoff of {unit:.1e}")
-    return Check("answer_precision", unit <= COARSEST_UNIT, unit, COARSEST_UNIT,
-                 "the answers' rounding unit (declared by the oracle or read from their bits)"
-                 + ("" if unit <= COARSEST_UNIT else
-                    f": {name} answers are too coarse for the rotary schedule; run the layer in float32 or "
-                    "float64 (layer.float(), the same weights)"))
-
-
-def _fewer_bits(precision: int | None, residual: float, limit: float) -> str:
-    """A high-precision run whose model fits its answers only to about 2^-b, b < precision: what
-    an oracle computing at about b bits gives (its answers carry no more, whatever their type)."""
-    if precision is None or not residual > limit or not 0 < residual < 2.0 ** -40:
-        return ""
-    bits = int(-np.log2(residual))
-    return (f": the answers fit only to about 2^-{bits}, as an oracle computing at about {bits} bits, not "
-            f"precision={precision}, would give: run at the oracle's own precision")
-
-
-def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | None = None, token_scale=None,
-                   bias: bool = True, rank: int | None = None, batch_size: int = 1024, progress=None,
-                   max_queries=None, verify_length: int | None = None,
-                   window_limit: int = 4096, key_bias: bool = False, boundary=None) -> RotaryExtraction:
-    """The rotary extraction behind ``extract(..., positions="rotary")`` (its checks unreported:
-    ``extract`` raises or warns on failure). ``precision=bits``: an oracle answering ``mpf`` at
-    ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`.
-    ``key_bias=True`` (float64 or float32 whole answers): the layer's keys carry a bias; every query
-    after the search for a key-neutral token z* (:mod:`~mhaextract.rotary.neutral`; from float32
-    answers by :func:`~mhaextract.rotary.neutral.large_query_search`) is asked at tokens shifted by
-    z*, the refinement fits a key bias too (after the large-query search with a prior of the size
-    it leaves), and the model is shifted back. ``boundary``: the session's (counting, budget, a
-    transcript section recording every answer: the run's queries depend on earlier answers, each
-    the same given them, so a resumed run asks the same queries and reads back those answered)."""
-    started = time.perf_counter()
-    answer_dtype = str(getattr(oracle, "answer_dtype", "float64" if precision is None else "mpf"))
-    if boundary is None:
-        boundary = OracleBoundary(oracle, d, precision=precision, batch_size=batch_size, progress=progress,
-                                  max_queries=max_queries, vectors=VectorAnswers(seed, getattr(oracle, "answer_dtype",
-                                                                                               None)))
-    vectors = boundary.vectors
-    # the limits of a high-precision run: the float64 ones in units of its answers' rounding
-    units = 1.0 if precision is None else 2.0 ** (53 - precision)
-    constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=precision is None)
-    c_whole = constant[0] if np.ndim(constant) == 2 else None  # a whole layer's output constant
-    scale = d ** 0.25 if token_scale is None else float(token_scale)
-    c = float(vectors.scalars(constant)[0] if c_whole is not None else constant[0])
-    # (y, 0^(L-1)) answers c once y left the window, key bias or not (every token attended is 0 and
-    # carries the same value whatever it scores): the window is found before any key-neutral token
-    window = find_window(boundary, spawn_rng(seed, 21), scale, c, window_limit)
-    coarse = boundary.answer_unit > FIRST_LOOK_UNIT  # float32 answers
-    learner = RotaryLearner(d, heads, seed, scale, bias, rank, window.window,
-                            NOISY_SPARE_TOKENS if coarse else SPARE_TOKENS)
-    # at coarser answers than float32 the window search reads rounding as a window: not reported
-    checks = [answer_precision(boundary.answer_unit if precision is None else 2.0 ** -precision)]
-    if checks[-1].passed:
-        checks.append(window.check(learner.samples + 3))
-    neutral = None
-    if key_bias and all(check.passed for check in checks):  # the search's sequences need the window's tokens
-        if c_whole is None:
-            checks.append(Check("key_bias", False, 1.0, 2.0, "a key bias is sought from whole answers (a vector "
-                                "a query): this oracle answers one number; ask the whole layer"))
-        elif coarse and window.window is not None and window.window < LARGE_QUERY_MIN_WINDOW:
-            checks.append(Check("key_bias", False, float(window.window), float(LARGE_QUERY_MIN_WINDOW),
-                                "the sliding window: from float32 answers the key-neutral token is sought over "
-                                f"counts up to {LARGE_QUERY_LENGTHS[-1]}, and a window this short leaves too few "
-                                "of them; run the layer in float64 (layer.double(), the same weights) and "
-                                "compare the model with the float32 layer's outputs"))
-        else:
-            neutral = find_neutral_token(boundary, c_whole, spawn_rng(seed, 24), scale, progress, window.window,
-                                         heads=heads, coarse=coarse)
-            checks += neutral.checks()
-        if not all(check.passed for check in checks):
-            return RotaryExtraction(model=None, heads=0, d=d, seed=seed, schedule="rotary", answer_dtype=answer_dtype,
-                                    queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
-                                    queries_replayed=boundary.replayed,
-                                    max_query_length=boundary.max_query_length, window=window.window,
-                                    window_search=window, token_scale=scale, error_estimate=np.inf,
-                                    answers_residual=np.inf, seconds=time.perf_counter() - started, checks=checks,
-                                    neutral=neutral)
-        # from here on the layer is seen without its key bias; the zero token is z*
-        boundary = ShiftedBoundary(boundary, neutral.token)
-        constant = boundary.ask([np.zeros((1, d))], "the output constant", whole=True)
-        c_whole = constant[0]
-        c = float(vectors.scalars(constant)[0])
-    start, model, refinement, diagnostics = None, None, None, {}
-    sequences, answers, exact = [], np.zeros(0), np.zeros(0)
-    if all(check.passed for check in checks):
-        # a whole layer: its outputs, read out on a few channels, place the instances' poles too
-        projection = (channel_projection(spawn_rng(seed, 23), len(c_whole), heads)
-                      if c_whole is not None and len(c_whole) > 1 else None)
-
-        def ask(patterns, description):
-            return ask_instances(boundary, vectors, projection, patterns, learner.ks, description)
-
-        channels_c = None if projection is None else c_whole @ projection
-        if token_scale is None:
-            choose_token_scale(learner, ask, c, channels_c, coarse)
-        sequences, exact, channels = ask(learner.patterns(), "rotary instances")
-        unit = boundary.answer_unit
-        if unit > COARSEST_UNIT:  # seen only now in the answers' bits
-            checks.append(answer_precision(unit))
-        else:
-            start, diagnostics = learner.learn(mid_float(exact), c, unit, channels, channels_c)
-            drawn = [start_structure_error(diagnostics)]
-            # heads matched wrongly across the instances (at float32 one draw in a few): fresh
-            # instances at the same token scale, every answer kept for the residual check
-            for draw in range(1, START_DRAWS):
-                if drawn[-1] <= STRUCTURE_LIMIT:
-                    break
-                again = learner.drawn_again(int(spawn_rng(seed, 25 + draw).integers(2 ** 63)))
-                more, more_exact, more_channels = ask(again.patterns(), f"rotary instances, draw {draw + 1}")
-                sequences, exact = list(sequences) + list(more), np.concatenate([exact, more_exact])
-                trial, trial_diagnostics = again.learn(mid_float(more_exact), c, unit, more_channels, channels_c)
-                drawn.append(start_structure_error(trial_diagnostics))
-                if drawn[-1] < min(drawn[:-1]):
-                    start, diagnostics = trial, trial_diagnostics
-            diagnostics["start_structure_errors"] = drawn
-        answers = mid_float(exact)
-        if start is not None and window.window is not None:
-            start = start.replaced(window=window.window)
-        if start is not None and key_bias:  # what is left of the key bias after the shift, fitted from 0
-            start = start.replaced(key_bias=np.zeros_like(start.b))
-        if start is None and unit <= COARSEST_UNIT:
-            checks.append(Check("start", False, float(diagnostics.get("failed_instances", 0)), 0.0,
-                                "the instances gave no start model (too many failed fits or unmatched heads): "
-                                f"{diagnostics}" + ("" if key_bias else "; a key bias (Qwen2's k_proj.bias) makes "
-                                                    "the zero token no counter: try key_bias=True")))
-    if start is not None:
-        parameters = len(pack(start))
-        need, have = refinement_memory(parameters, POLISH_FACTOR * parameters, precision), available_memory()
-        if have is not None and need > have:  # refused before the polish queries are spent
-            checks.append(Check("refinement_memory", False, float(need), float(have),
-                                f"the refinement's {'normal equations' if precision is None else 'Jacobian'} in "
-                                f"{parameters:,} parameters (head width "
-                                f"{start.head_width}) would hold about {need / 2**30:.1f} GiB, beside "
-                                f"{have / 2**30:.1f} GiB available: run on a machine with more memory; a head width "
-                                "above the layer's (diagnostics['widths']) says the start misjudged it: pass "
-                                "rank= the layer's head width"))
-            start = None
-    if start is not None:
-        polish = random_queries(spawn_rng(seed, 22), POLISH_FACTOR * len(pack(start)), d, learner.token_scale,
-                                POLISH_LENGTHS)
-        polish_exact = boundary.ask(polish, "refining on fresh queries")
-        polish_answers = mid_float(polish_exact)
-        # the key bias left by the large-query search: a Gaussian prior of its size, or the steps
-        # trade it for the slowest angle (theta -> 0, k -> large)
-        key_size = SEARCH_KEY_SIZE if neutral is not None and neutral.large_queries else None
-        def steps(model, iterations=60, estimate=True):
-            return refine(model, polish, polish_answers, iterations=iterations, seed=seed, floor=max(1e-13, 3 * unit),
-                          estimate=estimate, frame_shift=None if neutral is None else -neutral.token,
-                          key_size=key_size,
-                          on_step=lambda step, misfit: note_progress(
-                              progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
-
-        model, first = start, None
-        if coarse:  # float32: the slow blocks' angles and planes from M's eigenvalues are noise
-            note_progress(progress, "seeding the slow rotary blocks")
-            model, seeded = seed_low_frequencies(start, polish, polish_answers)
-            seedings = [seeded]
-            # seeded again each time a few steps have settled the other parameters, which each
-            # seeding fits beside the generators (a start 4e-2..8e-2 off left the second
-            # seeding's angles small by a factor of 2..5): until a seeding gains nothing, or a
-            # stretch stops early (the answers' rounding reached, or no step gaining)
-            while seedings[-1] and len(seedings) < SEEDINGS:
-                model, stretch = steps(model, SEEDING_STEPS, estimate=False)
-                first = stretch if first is None else replace(first, iterations=first.iterations
-                                                              + stretch.iterations)
-                if stretch.iterations < SEEDING_STEPS:
-                    break
-                model, seeded = seed_low_frequencies(model, polish, polish_answers)
-                seedings.append(seeded)
-            diagnostics["seeded_blocks"] = seedings
-        model, refinement = steps(model)
-        if first is not None:
-            refinement = replace(refinement, iterations=first.iterations + refinement.iterations,
-                                 residual_before=first.residual_before)
-        if precision is not None:
-            model, refinement = polish_high_precision(
-                model, polish, mpf_array(polish_exact), precision, seed=seed,
-                on_step=lambda step, misfit: note_progress(
-                    progress, f"refining at {precision} bits: step {step}, max misfit {misfit:.1e}"))
-        sequences, answers = list(sequences) + polish, np.concatenate([answers, polish_answers])
-        exact = np.concatenate([exact, polish_exact])
-    residual = estimate = np.inf
-    if model is not None:
-        scale_answers = max(float(np.abs(answers).max()), 1e-300)
-        residual = float(output_errors(model, sequences, exact, precision).max()) / scale_answers
-        estimate = max(refinement.noise_error, ESTIMATE_FLOOR * units)
-        residual_limit = max(RESIDUAL_LIMIT, RESIDUAL_UNITS * unit) * units
-        estimate_limit = max(ESTIMATE_LIMIT, ESTIMATE_UNITS * unit) * units
-        checks += [
-            Check("answers_residual", residual <= residual_limit, residual, residual_limit,
-                  f"max misfit of the model on the {len(sequences)} queries asked (instances and fresh polish "
-                  "queries), relative to the largest answer" + _fewer_bits(precision, residual, residual_limit)),
-        ]
-    value_fit, scalar_model = None, None
-    if model is not None and (vectors.d_out or 1) > 1:
-        # the whole layer: V_h and c fitted to whole answers (docs/algorithm.md, 'The whole layer: vector outputs and a
-        # replacement module')
-        value_queries = random_queries(spawn_rng(seed, 13), value_query_count(model.heads, d), d, learner.token_scale,
-                                       VALUE_QUERY_LENGTHS)
-        whole = boundary.ask(value_queries, "value read-outs", whole=True)
-        value_fit = fit_values(model, value_queries, whole, bias=True, readout=vectors.readout,
-                               score_error=(estimate, estimate), seed=seed,
-                               score_moves=None if refinement.error_draws is None
-                               else error_moves(model, refinement.error_draws),
-                               frame_shift=None if neutral is None else -neutral.token)
-        checks += value_fit.checks(residual_limit, estimate)
-        scalar_model, model = model, value_fit.model
-        estimate = max(estimate, value_fit.error_estimate)
-    if model is not None:
-        checks.append(Check("error_estimate", estimate <= estimate_limit, estimate, estimate_limit,
-                            "first-order error of W_h(0..2), u_h(0..2) and the values, from the refinement's "
-                            "residual (and the value fit's for a whole layer)"))
-    verification = None
-    if model is not None and (verify_length is None or verify_length > 0):
-        longest = verify_length or max(256, 4 * (window.window or 0))
-        long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), learner.token_scale, longest)
-        scale_long = float(np.abs(whole).max()) if value_fit is not None else float(np.abs(answers).max())
-        check, verification = long_queries.judge(model, estimate, residual, 0.0, max(scale_long, 1e-300),
-                                                 boundary.answer_unit * units,
-                                                 max(POLISH_LENGTHS[1], learner.longest_instance), seed=seed,
-                                                 precision=precision)
-        checks.append(check)
-    if neutral is not None:  # the models seen through the original tokens: x' = x - z*
-        model, start, scalar_model = (None if m is None else m.with_token_shift(-neutral.token)
-                                      for m in (model, start, scalar_model))
-    return RotaryExtraction(model=model, heads=0 if model is None else model.heads, d=d, seed=seed, schedule="rotary",
-                            answer_dtype=answer_dtype, queries=boundary.queries + boundary.replayed,
-                            queries_replayed=boundary.replayed,
-                            verification_queries=0 if verification is None else verification.queries,
-                            verification_length=0 if verification is None else verification.lengths[1],
-                            queries_asked=boundary.queries, max_query_length=boundary.max_query_length,
-                            window=window.window, window_search=window, token_scale=learner.token_scale,
-                            error_estimate=float(estimate), answers_residual=float(residual),
-                            seconds=time.perf_counter() - started, checks=checks, verification=verification,
-                            start=start, refinement=refinement, diagnostics=diagnostics,
-                            scalar_model=scalar_model, value_fit=value_fit,
-                            readout=vectors.readout if (vectors.d_out or 1) > 1 else None, precision=precision,
-                            neutral=neutral)

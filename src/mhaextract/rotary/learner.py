@@ -9,13 +9,13 @@ import numpy as np
 from ..oracle.transcript import RUN
 from ..run.learner import Learner, register_learner
 from ..run.validation import positive_int
-from .learn import extract_rotary
+from .run import extract_rotary
 
 
 @register_learner
 class RotaryLearner(Learner):
     """Instances of copies at positions, the rotation from two score matrices, matching and
-    assembly, the window found by queries, a refinement (:mod:`mhaextract.rotary.learn`)."""
+    assembly, the window found by queries, a refinement (:mod:`mhaextract.rotary.run`, its steps)."""
 
     name = "rotary"
     family = "rotary"
