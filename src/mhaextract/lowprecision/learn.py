@@ -3,7 +3,7 @@
 :func:`extract_low_precision` is what :func:`mhaextract.extract` runs when the answers carry 8 or
 11 significant bits (declared by the oracle's ``answer_dtype`` or read from their bits) and come
 as whole vectors: the saturated start (:mod:`.start`), least squares on fresh short queries
-(:mod:`.fit`), a residual-bootstrap error estimate, and the checks below.
+(:mod:`.fit`), a wild-bootstrap error estimate, and the checks below.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..oracle.progress import note_progress
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..run.validation import spawn_rng
-from .fit import Design, WholeFit, bootstrap_error, fit_memory, fit_query_count, fit_whole
+from .fit import BOOTSTRAP_SAFETY, Design, WholeFit, bootstrap_error, fit_memory, fit_query_count, fit_whole
 from .start import LabelsNotFound, SaturatedStart, saturated_start
 
 #: The fit's queries have 2 .. FIT_LONGEST tokens at the start's token scale times ``2^U``, U
@@ -32,8 +32,10 @@ FIT_SCALE = 1.0
 #: The fit's RMS misfit may reach this many answer roundings (``unit`` times the answers' RMS):
 #: a fit in the right basin misfits by about the layer's own rounding, a wrong one by far more.
 RESIDUAL_UNITS = 4.0
-#: The error estimate (relative, ``compare(...).max_rel``) may reach this many answer units.
-ESTIMATE_UNITS = 8.0
+#: The error estimate (relative, ``compare(...).max_rel``) may reach this many answer units: the
+#: bootstrap's move, about the part of the error the rounding makes at random, up to 4 units (a fit
+#: whose random error alone reaches 4 roundings of the answers is poorly determined).
+ESTIMATE_UNITS = 4.0 * BOOTSTRAP_SAFETY
 #: Default verification length, and the answers' rounding it allows (in units, beside the run's
 #: own error estimate).
 VERIFY_LONGEST = 64
@@ -68,7 +70,8 @@ class LowPrecisionExtraction(CheckedResult):
     answer_dtype : the answers' precision, ``"bfloat16"`` or ``"float16"``.
     token_scale : the token norm the start found (scores of order one).
     error_estimate : relative parameter error in the sense of ``compare(...).max_rel``, from the
-        residual bootstrap (docs/algorithm.md §23).
+        wild bootstrap (docs/algorithm.md, 'Whole answers at 8 or 11 bits: saturated lines, then least
+        squares').
     answers_residual : RMS misfit of the fit's answers, relative to the largest.
     start : :class:`~mhaextract.lowprecision.start.SaturatedStart` (the start model, the value map,
         lines per direction). fit : :class:`~mhaextract.lowprecision.fit.WholeFit`.
@@ -175,7 +178,7 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
                   f"RMS misfit of the fit on its {count} answers, relative to the largest (limit: "
                   f"{RESIDUAL_UNITS:g} roundings of the answers at {answer_dtype})"),
             Check("error_estimate", estimate <= ESTIMATE_UNITS * unit, estimate, ESTIMATE_UNITS * unit,
-                  "relative parameter error, residual bootstrap of the fit"),
+                  "relative parameter error, wild bootstrap of the fit"),
         ]
     verification = None
     if model is not None and (verify_length is None or verify_length > 0):
