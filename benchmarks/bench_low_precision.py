@@ -25,7 +25,8 @@ truth. The oracle rounds its own parameters to bfloat16 (2^-9 relative), the flo
 ``--estimate``: the low-precision learner's error estimate against the true parameter error, on the
 layers of ``--whole`` (and the trained zoo's layers named by ``--zoo``, tests/zoo.py), library
 defaults: per run the error ``compare(result.model, to_reduced(exact)).max_rel``, the run's estimate
-(:func:`mhaextract.lowprecision.fit.bootstrap_error`, the wild bootstrap) and beside it the residual
+(:func:`mhaextract.lowprecision.fit.bootstrap_error`: the wild bootstrap and the arithmetic's units)
+and beside it the residual
 bootstrap with permuted residuals (one refit, three times its move) on the same fit and answers;
 then min / median / max of estimate / error for both, and the seconds of each estimate.
 """
@@ -216,9 +217,9 @@ def estimate_row(name: str, dtype: str, d: int, H: int, low, exact) -> dict:
     seen = {}
     library = learn.bootstrap_error
 
-    def recording(fit, design, seed):
+    def recording(fit, design, seed, unit):
         started = time.perf_counter()
-        estimate = library(fit, design, seed)
+        estimate = library(fit, design, seed, unit)
         seen.update(fit=fit, design=design, seconds=time.perf_counter() - started)
         return estimate
 
@@ -241,7 +242,7 @@ def estimate_row(name: str, dtype: str, d: int, H: int, low, exact) -> dict:
 
 def estimate_table(args) -> None:
     print("| layer | dtype | d | H | parameter error | estimate / error, permuted residuals | estimate / error, "
-          "wild | seconds (permuted) | seconds (wild) | checks |")
+          "wild + units | seconds (permuted) | seconds (wild) | checks |")
     print("|---" * 10 + "|")
     cases = []
     for size in args.sizes:
@@ -272,8 +273,8 @@ def estimate_table(args) -> None:
               f"{row['after']:.2g} | {row.get('before_seconds', np.nan):.1f} | {row['after_seconds']:.1f} | "
               f"{'ok' if row['ok'] else 'FAILED'} |", flush=True)
     print()
-    print("| runs | estimate / error, permuted residuals (min / median / max) | estimate / error, wild (min / "
-          "median / max) | runs under the error (permuted / wild) | seconds per estimate (permuted / wild, median) |")
+    print("| runs | estimate / error, permuted residuals (min / median / max) | estimate / error, wild + units "
+          "(min / median / max) | runs under the error (permuted / wild) | seconds per estimate (permuted / wild, median) |")
     print("|---|---|---|---|---|")
     before = np.array([row.get("before", np.nan) for row in rows])
     after = np.array([row["after"] for row in rows])

@@ -21,7 +21,8 @@ from ..oracle.progress import note_progress
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..run.validation import spawn_rng
-from .fit import BOOTSTRAP_SAFETY, Design, WholeFit, bootstrap_error, fit_memory, fit_query_count, fit_whole
+from .fit import (ARITHMETIC_UNITS, BOOTSTRAP_SAFETY, Design, WholeFit, bootstrap_error, fit_memory, fit_query_count,
+                  fit_whole)
 from .start import LabelsNotFound, SaturatedStart, saturated_start
 
 #: The fit's queries have 2 .. FIT_LONGEST tokens at the start's token scale times ``2^U``, U
@@ -35,7 +36,7 @@ RESIDUAL_UNITS = 4.0
 #: The error estimate (relative, ``compare(...).max_rel``) may reach this many answer units: the
 #: bootstrap's move, about the part of the error the rounding makes at random, up to 4 units (a fit
 #: whose random error alone reaches 4 roundings of the answers is poorly determined).
-ESTIMATE_UNITS = 4.0 * BOOTSTRAP_SAFETY
+ESTIMATE_UNITS = 4.0 * BOOTSTRAP_SAFETY + ARITHMETIC_UNITS
 #: Default verification length, and the answers' rounding it allows (in units, beside the run's
 #: own error estimate).
 VERIFY_LONGEST = 64
@@ -171,7 +172,7 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
         fit = fit_whole(start.model, design, warm_up=True, on_iteration=lambda step, value: note_progress(
             progress, f"fitting the whole model: iteration {step}, misfit {value:.3g}"))
         model, residual = fit.model, fit.misfit_after
-        estimate = bootstrap_error(fit, design, spawn_rng(seed, 33))
+        estimate = bootstrap_error(fit, design, spawn_rng(seed, 33), unit)
         rounding = unit * float(np.sqrt(np.mean(design.answers ** 2))) / design.scale
         checks += [
             Check("answers_residual", residual <= RESIDUAL_UNITS * rounding, residual, RESIDUAL_UNITS * rounding,
