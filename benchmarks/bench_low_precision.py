@@ -8,6 +8,9 @@ targets.
     python benchmarks/bench_low_precision.py --whole [--sizes 64x4 128x8] [--dtypes bfloat16 float16 float32]
         [--kinds GPT2Attention BertSelfAttention nn.MultiheadAttention ViTAttention] [--seeds 1]
         [--std 0.1 0.2] [--implementation eager] [--no-reference] [--start-only]
+    python benchmarks/bench_low_precision.py --estimate [--sizes 16x2 24x3] [--dtypes bfloat16 float16]
+        [--kinds GPT2Attention BertSelfAttention nn.MultiheadAttention] [--std 0.1 0.25] [--seeds 2]
+        [--implementation eager] [--zoo gpt2-d32-h2/0 gpt2-d32-h2/1]
 
 Per oracle, size and seed: target ``MultiHeadAttention.random(d, H, seed=s)``, run
 ``extract(oracle, d, heads=H, seed=1000 + s, on_failure="warn")`` (library defaults: schedule
@@ -19,6 +22,14 @@ oracle (the algebraic schedules fail loudly there: their instances cannot resolv
 the distillation baseline (:func:`mhaextract.baselines.distillation.distill`, Adam + L-BFGS over
 8 restarts) on 1x, 4x and 16x the paper's count of random queries, error against the float64
 truth. The oracle rounds its own parameters to bfloat16 (2^-9 relative), the floor of any method.
+
+``--estimate``: the low-precision learner's error estimate against the true parameter error, on the
+layers of ``--whole`` (and the trained zoo's layers named by ``--zoo``, tests/zoo.py), library
+defaults: per run the error ``compare(result.model, to_reduced(exact)).max_rel``, the run's estimate
+(:func:`mhaextract.lowprecision.fit.bootstrap_error`: the wild bootstrap and the arithmetic's units)
+and beside it the residual
+bootstrap with permuted residuals (one refit, three times its move) on the same fit and answers;
+then min / median / max of estimate / error for both, and the seconds of each estimate.
 """
 
 from __future__ import annotations
@@ -184,6 +195,98 @@ def whole_row(kind: str, dtype: str, d: int, H: int, seed: int, std: float | Non
             f"{checks} |")
 
 
+def permuted_residual_estimate(fit, design, rng) -> float:
+    """The residual bootstrap the wild one replaced, for the comparison: three times the move of one
+    refit (100 iterations) on the fitted answers plus the residuals of a random permutation of the
+    queries."""
+    from mhaextract.lowprecision.fit import fit_whole, predictions
+
+    fitted = predictions(fit.model, design)
+    residuals = design.answers - fitted
+    refit = fit_whole(fit.model, design.with_answers(fitted + residuals[rng.permutation(len(residuals))]), 100)
+    return 3.0 * float(mx.compare(refit.model, fit.model).max_rel)
+
+
+def estimate_row(name: str, dtype: str, d: int, H: int, low, exact) -> dict:
+    """One default run of the low-precision learner on ``low``; its estimate (timed inside the run)
+    and the permuted-residual one (on the fit and answers the run's estimate saw) against the
+    parameter error from ``exact``'s weights (white-box, here only)."""
+    from mhaextract.adapters.torch import TorchOracle, to_reduced
+    from mhaextract.lowprecision import learn
+    from mhaextract.run.validation import spawn_rng
+
+    seen = {}
+    library = learn.bootstrap_error
+
+    def recording(fit, design, seed, unit):
+        started = time.perf_counter()
+        estimate = library(fit, design, seed, unit)
+        seen.update(fit=fit, design=design, seconds=time.perf_counter() - started)
+        return estimate
+
+    learn.bootstrap_error = recording
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = mx.extract(TorchOracle(low), d, heads=H, seed=0, on_failure="warn", progress=False)
+    finally:
+        learn.bootstrap_error = library
+    error = float(mx.compare(result.model, to_reduced(exact)).max_rel) if result.model is not None else np.inf
+    row = {"layer": name, "dtype": dtype, "d": d, "H": H, "error": error, "ok": result.ok,
+           "after": result.error_estimate / error, "after_seconds": seen.get("seconds", np.nan)}
+    if "fit" in seen:
+        started = time.perf_counter()  # the run's estimate stream (seed 0), as that estimate used it
+        before = permuted_residual_estimate(seen["fit"], seen["design"], spawn_rng(0, 33))
+        row.update(before=before / error, before_seconds=time.perf_counter() - started)
+    return row
+
+
+def estimate_table(args) -> None:
+    print("| layer | dtype | d | H | parameter error | estimate / error, permuted residuals | estimate / error, "
+          "wild + units | seconds (permuted) | seconds (wild) | checks |")
+    print("|---" * 10 + "|")
+    cases = []
+    for size in args.sizes:
+        d, H = (int(part) for part in size.split("x"))
+        for kind in args.kinds:
+            for dtype in args.dtypes:
+                for std in args.std:
+                    for seed in range(args.seeds):
+                        cases.append((f"{kind} (std {std}, seed {d + H + seed})", dtype, d, H,
+                                      lambda kind=kind, dtype=dtype, d=d, H=H, seed=seed, std=std:
+                                      layers(kind, dtype, d, H, d + H + seed, std, args.implementation)))
+    for layer_id in args.zoo:
+        import sys
+        from pathlib import Path
+
+        import torch
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import zoo
+        for dtype in args.dtypes:
+            d, H = zoo.shape(layer_id)
+            cases.append((f"zoo {layer_id}", dtype, d, H, lambda layer_id=layer_id, dtype=dtype: (
+                zoo.layer_as_run(layer_id, getattr(torch, dtype)), zoo.exact_layer(layer_id, getattr(torch, dtype)))))
+    rows = []
+    for name, dtype, d, H, make in cases:
+        row = estimate_row(name, dtype, d, H, *make())
+        rows.append(row)
+        print(f"| {name} | {dtype} | {d} | {H} | {row['error']:.2g} | {row.get('before', np.nan):.2g} | "
+              f"{row['after']:.2g} | {row.get('before_seconds', np.nan):.1f} | {row['after_seconds']:.1f} | "
+              f"{'ok' if row['ok'] else 'FAILED'} |", flush=True)
+    print()
+    print("| runs | estimate / error, permuted residuals (min / median / max) | estimate / error, wild + units "
+          "(min / median / max) | runs under the error (permuted / wild) | seconds per estimate (permuted / wild, median) |")
+    print("|---|---|---|---|---|")
+    before = np.array([row.get("before", np.nan) for row in rows])
+    after = np.array([row["after"] for row in rows])
+
+    def spread(ratios):
+        return f"{np.nanmin(ratios):.2g} / {np.nanmedian(ratios):.2g} / {np.nanmax(ratios):.2g}"
+    print(f"| {len(rows)} | {spread(before)} | {spread(after)} | {int(np.sum(before < 1))} / {int(np.sum(after < 1))} | "
+          f"{np.nanmedian([row.get('before_seconds', np.nan) for row in rows]):.1f} / "
+          f"{np.nanmedian([row['after_seconds'] for row in rows]):.1f} |")
+
+
 def low_dtype(module):
     return next(module.parameters()).dtype
 
@@ -203,7 +306,13 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="--whole: skip the float64 run (query ratio)")
     parser.add_argument("--start-only", action="store_true",
                         help="--whole: the calibration and the saturated start alone (the queries large by design)")
+    parser.add_argument("--estimate", action="store_true",
+                        help="the low-precision learner's error estimate against the true error (wild and permuted)")
+    parser.add_argument("--zoo", nargs="*", default=[], help="--estimate: trained zoo layers too (tests/zoo.py ids)")
     args = parser.parse_args()
+    if args.estimate:
+        estimate_table(args)
+        return
     if args.whole:
         weights = "" if args.std == [None] else " weight std | answers not finite |"
         if args.start_only:

@@ -267,3 +267,30 @@ def test_a_window_beyond_the_fits_queries_fails_the_long_verification():
         return layer([X[-10:] for X in batch])
     with pytest.raises(mx.ExtractionError, match="long_verification.*fits every query up to"):
         mx.extract(windowed, 4, heads=2, seed=0)
+
+
+@pytest.mark.slow  # about 30 s of CPU in all, 20 of them nn.MultiheadAttention's
+@pytest.mark.parametrize("kind, dtype, d, std, seed", [
+    ("GPT2Attention", "float16", 12, 0.15, 201), ("BertSelfAttention", "bfloat16", 12, 0.1, 202),
+    # three times one refit's move on permuted residuals was 0.63 of this layer's error
+    ("nn.MultiheadAttention", "bfloat16", 16, 0.1, 18)])
+def test_the_error_estimate_bounds_the_true_error_of_a_rounding_layer(kind, dtype, d, std, seed):
+    """The error estimate, a wild bootstrap plus two units (docs/algorithm.md, 'Whole answers at 8 or
+    11 bits: saturated lines, then least squares'), is at least the parameter error and within 100
+    times it, on torch
+    layers answering in float16 or bfloat16 (H = 2, eager attention, every weight and bias
+    N(0, std^2)); the truth is the float64 layer of the same rounded weights, reduced from them here.
+    nn.MultiheadAttention's half arithmetic errs the same way for every set of queries, which no
+    bootstrap sees: the estimate's units term covers it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from mhaextract.adapters.torch import TorchOracle, to_reduced
+    from test_real_layers import build, with_std
+    H = 2
+    layer = with_std(build(kind, d, H, seed=seed, implementation="eager").eval(), std, seed).to(getattr(torch, dtype))
+    exact = build(kind, d, H, seed=seed, implementation="eager").eval().double()
+    exact.load_state_dict({key: value.double() for key, value in layer.state_dict().items()})
+    result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, on_failure="warn", progress=False)
+    assert result.answer_dtype == dtype and result.model is not None
+    error = float(mx.compare(result.model, to_reduced(exact)).max_rel)
+    assert error <= result.error_estimate <= 100 * error, (result.error_estimate, error)

@@ -4,7 +4,7 @@ lines, then least squares').
 :func:`extract_low_precision` is what :func:`mhaextract.extract` runs when the answers carry 8 or
 11 significant bits (declared by the oracle's ``answer_dtype`` or read from their bits) and come
 as whole vectors: the saturated start (:mod:`.start`), least squares on fresh short queries
-(:mod:`.fit`), a residual-bootstrap error estimate, and the checks below.
+(:mod:`.fit`), a wild-bootstrap error estimate, and the checks below.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..run.result import Result
 from ..run.validation import spawn_rng
-from .fit import Design, WholeFit, bootstrap_error, fit_memory, fit_query_count, fit_whole
+from .fit import (ARITHMETIC_UNITS, BOOTSTRAP_SAFETY, Design, WholeFit, bootstrap_error, fit_memory, fit_query_count,
+                  fit_whole)
 from .start import LabelsNotFound, SaturatedStart, saturated_start
 
 #: The fit's queries have 2 .. FIT_LONGEST tokens at the start's token scale times ``2^U``, U
@@ -34,8 +35,10 @@ FIT_SCALE = 1.0
 #: The fit's RMS misfit may reach this many answer roundings (``unit`` times the answers' RMS):
 #: a fit in the right basin misfits by about the layer's own rounding, a wrong one by far more.
 RESIDUAL_UNITS = 4.0
-#: The error estimate (relative, ``compare(...).max_rel``) may reach this many answer units.
-ESTIMATE_UNITS = 8.0
+#: The error estimate (relative, ``compare(...).max_rel``) may reach this many answer units: the
+#: bootstrap's move, about the part of the error the rounding makes at random, up to 4 units (a fit
+#: whose random error alone reaches 4 roundings of the answers is poorly determined).
+ESTIMATE_UNITS = 4.0 * BOOTSTRAP_SAFETY + ARITHMETIC_UNITS
 #: Default verification length, and the answers' rounding it allows (in units, beside the run's
 #: own error estimate).
 VERIFY_LONGEST = 64
@@ -67,6 +70,9 @@ class LowPrecisionExtraction(Result):
 
     Attributes
     ----------
+    error_estimate : here from the wild bootstrap of the fit (docs/algorithm.md, 'Whole answers at 8
+        or 11 bits: saturated lines, then least squares'); the other common fields as in
+        :class:`~mhaextract.run.result.Result`.
     start : :class:`~mhaextract.lowprecision.start.SaturatedStart` (the start model, the value map,
         lines per direction).
     fit : :class:`~mhaextract.lowprecision.fit.WholeFit`.
@@ -136,14 +142,14 @@ def extract_low_precision(oracle, d: int, heads: int, seed=None, *, unit: float,
         fit = fit_whole(start.model, design, warm_up=True, on_iteration=lambda step, value: note_progress(
             progress, f"fitting the whole model: iteration {step}, misfit {value:.3g}"))
         model, residual = fit.model, fit.misfit_after
-        estimate = bootstrap_error(fit, design, spawn_rng(seed, 33))
+        estimate = bootstrap_error(fit, design, spawn_rng(seed, 33), unit)
         rounding = unit * float(np.sqrt(np.mean(design.answers ** 2))) / design.scale
         checks += [
             Check("answers_residual", residual <= RESIDUAL_UNITS * rounding, residual, RESIDUAL_UNITS * rounding,
                   f"RMS misfit of the fit on its {count} answers, relative to the largest (limit: "
                   f"{RESIDUAL_UNITS:g} roundings of the answers at {answer_dtype})"),
             Check("error_estimate", estimate <= ESTIMATE_UNITS * unit, estimate, ESTIMATE_UNITS * unit,
-                  "relative parameter error, residual bootstrap of the fit"),
+                  "relative parameter error, wild bootstrap of the fit"),
         ]
     verification = None
     if model is not None and (verify_length is None or verify_length > 0):
