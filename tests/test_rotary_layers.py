@@ -335,8 +335,10 @@ def test_a_qwen2_layer_with_its_key_bias_is_extracted_whole(options):
     error = mx.compare(result.model, truth).max_rel
     assert error <= 1e-10 and error <= 10 * result.error_estimate
     assert fresh_error(result, truth) <= 1e-10
-    with pytest.raises(mx.ExtractionError, match="key_bias=True"):  # without the option: loudly wrong
+    with pytest.raises(mx.ExtractionError, match="key_bias=True") as failed:  # without the option: loudly wrong
         mx.extract(oracle, d=16, heads=2, positions="rotary", seed=0)
+    # the zero token's key bias leaves misfits far above float32 rounding: not read as noisy answers
+    assert "answer_noise" not in [check.name for check in failed.value.extraction.checks]
 
 
 @pytest.mark.slow
