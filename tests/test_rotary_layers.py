@@ -436,14 +436,20 @@ def test_a_float64_layer_computed_in_float32_is_extracted_to_its_answers_precisi
 
 
 @pytest.mark.slow
-def test_float64_answers_computed_in_float32_at_a_given_token_scale_fail_naming_the_cause():
-    """With ``token_scale`` given the self instances that measure the answers' noise are not asked:
-    the run judges them as float64 answers, fails, and names the float32 angles or softmax."""
+def test_float64_answers_computed_in_float32_unmeasured_fail_naming_the_cause():
+    """With ``token_scale`` given the self instances that measure the answers' noise are not asked,
+    and with ``key_bias=True`` they would carry the key-neutral token's misfit: the run judges the
+    answers as float64 ones, fails, and names the float32 angles or softmax."""
     layer = attention("llama", seed=0, d=16, H=1, H_kv=1, r=8)
     layer.config._attn_implementation = "eager"
     with pytest.raises(mx.ExtractionError, match="rotary angles or softmax in float32") as failed:
         mx.extract(TorchOracle(RotaryLayer(layer)), d=16, heads=1, positions="rotary", seed=0, token_scale=2.0)
     assert not failed.value.extraction.ok
+    # nor before the float64 search for a key-neutral token, which such answers fail
+    biased = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8)
+    biased.config._attn_implementation = "eager"
+    with pytest.raises(mx.ExtractionError, match="rotary angles or softmax in float32"):
+        mx.extract(TorchOracle(RotaryLayer(biased)), d=16, heads=2, positions="rotary", seed=0, key_bias=True)
 
 
 @pytest.mark.slow

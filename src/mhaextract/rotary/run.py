@@ -71,6 +71,12 @@ NOISY_UNIT = COARSEST_UNIT
 FLOAT32_NOISE = 1e-6
 #: A float64 run's misfit below this (relative) is what float32 rounding inside the layer leaves.
 FLOAT32_FIT = 1e-5
+#: Said by a failed float64 key-neutral search: float64 answers computed in float32 are not
+#: measured before it (docs/algorithm.md, 'Float64 answers computed in float32').
+FLOAT64_SEARCH_HINT = ("; the float64 search needs answers exact to float64: a float64 layer that computes its "
+                       "rotary angles or softmax in float32 (transformers' own rotary embedding, the eager softmax) "
+                       "fails it; ask its exact float64 copy (adapters.rotary.float64_layer), or the layer in "
+                       "float32, whose answers take the large-query search")
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 64)
@@ -277,7 +283,11 @@ def seek_neutral_token(run: RotaryRun) -> None:
     else:
         run.neutral = find_neutral_token(run.boundary, run.c_whole, spawn_rng(run.seed, 24), run.scale, run.progress,
                                          window, heads=run.heads, coarse=run.coarse)
-        run.checks += run.neutral.checks()
+        checks = run.neutral.checks()
+        if not run.coarse:  # the float64 search cannot tell noisy answers from a token that is not neutral
+            checks = [check if check.passed else replace(check, message=check.message + FLOAT64_SEARCH_HINT)
+                      for check in checks]
+        run.checks += checks
 
 
 def shift_to_neutral_token(run: RotaryRun) -> None:
