@@ -25,6 +25,14 @@ truth ``to_rotary`` of its float32 weights in float64). About 33 minutes on one 
 Part 2 only, in float32 (the layer's own float32 angles): Llama attentions with d = 32, H = 4, two
 key/value heads, head width 8, seeds 0..3. About 3 minutes on one core.
 
+    python benchmarks/bench_rotary_layers.py --model-angles
+
+Part 2 only, on float64 layers as their models run them (``angles="model"``: angles in float32,
+and the eager softmax in float32), eager and sdpa: Llama, Mistral (window 16) and Qwen2 (query
+and value biases, no key bias), d = 16, H = 2, one key/value head, head width 8, seed 0, with
+the answer noise the run measured and the layer's own error on the fresh sequences. About 3
+minutes on one core.
+
     python benchmarks/bench_rotary_layers.py --key-bias
 
 Part 2 only, on Qwen2 attentions with query, key and value biases (every parameter N(0, 1/d)),
@@ -110,7 +118,9 @@ def exactness():
             print(f"| {implementation} | {angles} | {errors[0]:.1e} | {errors[1]:.1e} |")
 
 
-def extraction(name, attention, heads, angles, key_bias=False, window=None):
+def extraction(name, attention, heads, angles, key_bias=False, window=None, noise=False):
+    """One row; ``noise``: two more columns, the answer noise the run measured (its ``answer_noise``
+    check, "-" where it measured none) and the layer's own error on the fresh outputs."""
     oracle = TorchOracle(RotaryLayer(attention, angles=angles, window=window))
     d = attention.config.hidden_size
     start = time.perf_counter()
@@ -140,6 +150,10 @@ def extraction(name, attention, heads, angles, key_bias=False, window=None):
     truth = exact if result.model.is_vector else exact.readout(result.readout)
     rng = np.random.default_rng(11)
     fresh = [rng.normal(size=(int(n), d)) * d ** -0.25 for n in rng.integers(1, 257, 100)]
+    if noise:
+        measured = [f"{check.value:.1e}" for check in result.checks if check.name == "answer_noise"] or ["-"]
+        own = relative(oracle(fresh) if result.model.is_vector else oracle(fresh) @ result.readout, truth(fresh))
+        searched += f" | {measured[0]} | {own:.1e}"
     print(f"| {name} | {angles} | {outcome} | {result.queries} | {result.error_estimate:.1e} | "
           f"{mx.compare(result.model, truth).max_rel:.1e} | {relative(result.model(fresh), truth(fresh)):.1e} | "
           f"{seconds:.1f}{searched} |")
@@ -237,9 +251,29 @@ def probe_scales():
                   flush=True)
 
 
+def model_angles():
+    """Float64 layers as their models run them: angles in float32, eager softmax in float32."""
+    print("| layer | angles | outcome | queries | estimate | model error | fresh outputs | seconds | "
+          "answer noise measured | the layer's own error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for implementation in ("eager", "sdpa"):
+        extraction(f"Llama, H = 2, one kv head, {implementation}",
+                   layer("llama", 16, 2, 1, 8, seed=0, implementation=implementation), 2, "model", noise=True)
+        extraction(f"Mistral, H = 2, one kv head, window 16, {implementation}",
+                   layer("mistral", 16, 2, 1, 8, seed=0, implementation=implementation, window=16), 2, "model",
+                   noise=True)
+        qwen2 = layer("qwen2", 16, 2, 1, 8, seed=0, implementation=implementation)
+        with torch.no_grad():  # query and value biases; no key bias (key_bias=True seeks a token in float64)
+            qwen2.k_proj.bias.zero_()
+        extraction(f"Qwen2, H = 2, one kv head, no key bias, {implementation}", qwen2, 2, "model", noise=True)
+
+
 def main(large: bool = False, instances: bool = False, float32: bool = False, key_bias: bool = False,
-         scales: bool = False, key_bias_float32: bool = False):
+         scales: bool = False, key_bias_float32: bool = False, angles: bool = False):
     warnings.simplefilter("ignore")
+    if angles:
+        model_angles()
+        return
     if instances:
         instance_precision()
         return
@@ -304,4 +338,4 @@ if __name__ == "__main__":
 
     main(large="--large" in sys.argv[1:], instances="--instances" in sys.argv[1:], float32="--float32" in sys.argv[1:],
          key_bias="--key-bias" in sys.argv[1:], scales="--probe-scales" in sys.argv[1:],
-         key_bias_float32="--key-bias-float32" in sys.argv[1:])
+         key_bias_float32="--key-bias-float32" in sys.argv[1:], angles="--model-angles" in sys.argv[1:])

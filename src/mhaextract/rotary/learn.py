@@ -184,13 +184,15 @@ def ask_instances(boundary, vectors, projection, patterns: list[np.ndarray], ks:
     return queries, vectors.scalars(whole), whole @ projection
 
 
-def choose_token_scale(learner: "RotaryLearner", ask, c: float, channels_c=None, coarse: bool = False) -> None:
+def choose_token_scale(learner: "RotaryLearner", ask, c: float, channels_c=None, coarse: bool = False) -> np.ndarray:
     """Scale the learner's tokens so that the self-scores of its d basis tokens have a root mean
     square of ``SCORE_TARGET``, measured on their self instances ``(0^k, x_i)`` (d K queries) by the
     rational fit of each; ``coarse`` answers (float32) first size the scores to first order
     (:func:`score_spread`, d K queries more), since at the first scale ``d^(1/4)`` the heads' poles
     may crowd within a few hundredths, where a rational fit of coarse answers is wrong.
-    ``ask(patterns, description)`` returns the instances' ``(queries, read-out answers, channels)``."""
+    ``ask(patterns, description)`` returns the instances' ``(queries, read-out answers, channels)``.
+    Returns the self instances' fit residuals (relative to each instance's largest sample): the
+    answers' own noise where it exceeds the fit's float64 rounding (``answer_noise``)."""
     def basis():  # the basis tokens at the learner's current scale
         return [x[None] for x in learner.X.T]
 
@@ -204,6 +206,17 @@ def choose_token_scale(learner: "RotaryLearner", ask, c: float, channels_c=None,
     _, answers, channels = ask(basis(), "choosing the token scale")
     fitted = fit_instances(mid_float(answers), c, learner.ks, learner.H, channels, channels_c)
     rescale(float(np.sqrt(np.nanmean(np.log(fitted.P) ** 2))))
+    return fitted.residual
+
+
+def answer_noise(residuals: np.ndarray) -> float:
+    """The answers' relative noise as the self instances' fits show it: the median of their
+    residuals (a fit that failed on crowded poles is one instance of d, not the median). Exact
+    float64 answers leave about 1e-15; a float64 layer computing its rotary angles in float32
+    leaves 1e-10..1e-9, and its softmax in float32 (eager) 1e-9..1e-8 (d = 16, H = 2)."""
+    residuals = np.asarray(residuals, dtype=np.float64)
+    finite = residuals[np.isfinite(residuals)]
+    return float(np.median(finite)) if len(finite) else np.inf
 
 
 def _zeros(count: int, d: int) -> np.ndarray:

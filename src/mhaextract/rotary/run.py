@@ -31,7 +31,7 @@ from ..oracle.vector_answers import VectorAnswers
 from ..run.validation import spawn_rng
 from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from .learn import (FIRST_LOOK_UNIT, NOISY_SPARE_TOKENS, SPARE_TOKENS, RotaryExtraction, RotaryLearner,
-                    ask_instances, channel_projection, choose_token_scale, start_structure_error)
+                    answer_noise, ask_instances, channel_projection, choose_token_scale, start_structure_error)
 from .neutral import LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary, find_neutral_token
 from .refine import error_moves, pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
 from .window import WindowSearch, find_window
@@ -60,6 +60,23 @@ SEARCH_KEY_SIZE = 1e-4
 #: d = 32); its instances are drawn again, at most ``START_DRAWS`` times in all, the best kept.
 STRUCTURE_LIMIT = 0.1
 START_DRAWS = 3
+#: Float64 answers whose self instances' fits miss by more than this (``answer_noise``, relative)
+#: carry noise far above their bits' rounding (exact float64 answers leave about 1e-15): a layer
+#: computing its rotary angles or softmax in float32. They are taken as float32 answers
+#: (``NOISY_UNIT``): the start, refinement, checks and estimate at float32's rounding.
+NOISY_ANSWERS = 1e-11
+NOISY_UNIT = COARSEST_UNIT
+#: A misfit above this is no rounding inside the layer but structure the model lacks (an exact
+#: float64 Qwen2 layer's key bias without ``key_bias=True``: 7e-3): the run goes on as float64.
+FLOAT32_NOISE = 1e-6
+#: A float64 run's misfit below this (relative) is what float32 rounding inside the layer leaves.
+FLOAT32_FIT = 1e-5
+#: Said by a failed float64 key-neutral search: float64 answers computed in float32 are not
+#: measured before it (docs/algorithm.md, 'Float64 answers computed in float32').
+FLOAT64_SEARCH_HINT = ("; the float64 search needs answers exact to float64: a float64 layer that computes its "
+                       "rotary angles or softmax in float32 (transformers' own rotary embedding, the eager softmax) "
+                       "fails it; ask its exact float64 copy (adapters.rotary.float64_layer), or the layer in "
+                       "float32, whose answers take the large-query search")
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 64)
@@ -77,10 +94,20 @@ def answer_precision(unit: float) -> Check:
                     "float64 (layer.float(), the same weights)"))
 
 
-def _fewer_bits(precision: int | None, residual: float, limit: float) -> str:
+def _fewer_bits(precision: int | None, residual: float, limit: float, float64_unit: bool = False) -> str:
     """A high-precision run whose model fits its answers only to about 2^-b, b < precision: what
-    an oracle computing at about b bits gives (its answers carry no more, whatever their type)."""
-    if precision is None or not residual > limit or not 0 < residual < 2.0 ** -40:
+    an oracle computing at about b bits gives (its answers carry no more, whatever their type). A
+    float64 run judged at float64's unit (``float64_unit``: no noise measured, ``take_as_float32`` not
+    taken) whose model fits only to float32's rounding: a float64 layer computing its angles or
+    softmax in float32."""
+    if not residual > limit:
+        return ""
+    if precision is None and float64_unit and 0 < residual < FLOAT32_FIT:
+        return (f": the answers fit only to about {residual:.0e}, as a float64 layer computing its rotary angles "
+                "or softmax in float32 (transformers' own rotary embedding, the eager softmax) gives; leave "
+                "token_scale unset (the run then measures the answers' noise and extracts to it), or ask an exact "
+                "float64 copy (adapters.rotary.float64_layer)")
+    if precision is None or not 0 < residual < 2.0 ** -40:
         return ""
     bits = int(-np.log2(residual))
     return (f": the answers fit only to about 2^-{bits}, as an oracle computing at about {bits} bits, not "
@@ -114,7 +141,8 @@ class RotaryRun:
     c_whole: np.ndarray | None = None  # a whole layer's output constant
     scale: float = 0.0  # the first token scale, before the learner's choice
     window: WindowSearch | None = None
-    coarse: bool = False  # float32 answers
+    coarse: bool = False  # float32 answers, or float64 ones as noisy (``noise``)
+    noise: float | None = None  # the answers' measured relative noise, where above their bits' rounding
     learner: RotaryLearner | None = None
     checks: list = field(default_factory=list)
     neutral: NeutralToken | None = None
@@ -255,7 +283,11 @@ def seek_neutral_token(run: RotaryRun) -> None:
     else:
         run.neutral = find_neutral_token(run.boundary, run.c_whole, spawn_rng(run.seed, 24), run.scale, run.progress,
                                          window, heads=run.heads, coarse=run.coarse)
-        run.checks += run.neutral.checks()
+        checks = run.neutral.checks()
+        if not run.coarse:  # the float64 search cannot tell noisy answers from a token that is not neutral
+            checks = [check if check.passed else replace(check, message=check.message + FLOAT64_SEARCH_HINT)
+                      for check in checks]
+        run.checks += checks
 
 
 def shift_to_neutral_token(run: RotaryRun) -> None:
@@ -278,11 +310,35 @@ def ask_instances_at_scale(run: RotaryRun) -> None:
         run.projection = channel_projection(spawn_rng(run.seed, 23), len(run.c_whole), run.heads)
     run.channels_c = None if run.projection is None else run.c_whole @ run.projection
     if run.token_scale is None:
-        choose_token_scale(run.learner, run.ask, run.c, run.channels_c, run.coarse)
+        residuals = choose_token_scale(run.learner, run.ask, run.c, run.channels_c, run.coarse)
+        # after a key-neutral token the fits also carry what is left of the key bias (its key misfit,
+        # 4e-9 on exact answers): no measure of noise there
+        if (not run.coarse and run.precision is None and run.neutral is None
+                and NOISY_ANSWERS < answer_noise(residuals) <= FLOAT32_NOISE):
+            take_as_float32(run, answer_noise(residuals))
     run.sequences, run.exact, run.channels = run.ask(run.learner.patterns(), "rotary instances")
-    run.unit = run.boundary.answer_unit
+    run.unit = max(run.boundary.answer_unit, NOISY_UNIT if run.noise is not None else 0.0)
     if run.unit > COARSEST_UNIT:  # seen only now in the answers' bits
         run.checks.append(answer_precision(run.unit))
+
+
+def take_as_float32(run: RotaryRun, noise: float) -> None:
+    """Float64 answers that carry noise far above float64 rounding (docs/algorithm.md, 'Rotary attention:
+    positions, grouped heads and sliding windows', 'Float64 answers computed in float32'): the basis tokens'
+    self instances, asked at the first token scale to choose it, miss their rational fits by ``noise``
+    (median, relative), which exact answers of the rotary model never do. The run goes on as from float32
+    answers: the learner with float32's spare tokens, the token scale sized again to first order, and the
+    answers' unit float32's (``NOISY_UNIT``) for the start, the refinement, the checks and the estimate."""
+    run.noise, run.coarse = noise, True
+    run.learner = RotaryLearner(run.d, run.heads, run.seed, run.scale, run.bias, run.rank, run.window.window,
+                                NOISY_SPARE_TOKENS)
+    choose_token_scale(run.learner, run.ask, run.c, run.channels_c, coarse=True)
+    run.checks.append(Check("answer_noise", True, noise, NOISY_ANSWERS,
+                            f"the answers carry about {noise:.1e} relative noise although float64 (the self "
+                            "instances' rational fits miss by that much; exact answers leave about 1e-15), as a "
+                            "float64 layer that computes its rotary angles or softmax in float32 gives "
+                            "(transformers' own rotary embedding, the eager softmax): extracted as from float32 "
+                            "answers, to their precision"))
 
 
 def learn_start(run: RotaryRun) -> None:
@@ -305,6 +361,8 @@ def learn_start(run: RotaryRun) -> None:
         if drawn[-1] < min(drawn[:-1]):
             run.start, run.diagnostics = trial, trial_diagnostics
     run.diagnostics["start_structure_errors"] = drawn
+    if run.noise is not None:
+        run.diagnostics["answer_noise"] = run.noise
 
 
 def settle_start(run: RotaryRun) -> None:
@@ -409,7 +467,8 @@ def judge_residual(run: RotaryRun) -> None:
         Check("answers_residual", run.residual <= run.residual_limit, run.residual, run.residual_limit,
               f"max misfit of the model on the {len(run.sequences)} queries asked (instances and fresh polish "
               "queries), relative to the largest answer" + _fewer_bits(run.precision, run.residual,
-                                                                         run.residual_limit)),
+                                                                         run.residual_limit,
+                                                                         run.unit <= FIRST_LOOK_UNIT)),
     ]
 
 
@@ -446,7 +505,7 @@ def verify_long(run: RotaryRun, verify_length: int | None) -> None:
     long_queries = ask_long_verification(run.boundary, spawn_rng(run.seed, 5), run.learner.token_scale, longest)
     scale_long = float(np.abs(run.whole).max()) if run.value_fit is not None else float(np.abs(run.answers).max())
     check, run.verification = long_queries.judge(run.model, run.estimate, run.residual, 0.0, max(scale_long, 1e-300),
-                                                 run.boundary.answer_unit * run.units,
+                                                 max(run.boundary.answer_unit, run.unit) * run.units,
                                                  max(POLISH_LENGTHS[1], run.learner.longest_instance), seed=run.seed,
                                                  precision=run.precision)
     run.checks.append(check)
