@@ -61,7 +61,8 @@ REPLACED = [
     pytest.param("gpt2-d32-h2/0", "float16", id="gpt2-d32-h2/0-float16", marks=pytest.mark.slow),
     # the low-precision start's 48 lines (16 before) find these layers' labels
     pytest.param("vit-d64-h4/0", "bfloat16", id="vit-d64-h4/0-bfloat16", marks=pytest.mark.slow),
-    pytest.param("gpt2-d64-h8/0", "float16", id="gpt2-d64-h8/0-float16", marks=pytest.mark.slow),
+    # gpt2-d64-h8/0 in float16 (about 240 CPU-seconds) is measured by benchmarks/bench_zoo.py
+    # (docs/trained-layers.md), keeping the full suite under ten minutes on two cores
     pytest.param("llama-d32-h4/0", "float32", id="llama-d32-h4/0-float32", marks=[pytest.mark.slow, xfail(
         "the rotary start fails on this trained float32 Llama layer: the offset instances' median "
         "matching misfit is 0.50 of their labels (limit 0.23), and all three draws of instances have their "
