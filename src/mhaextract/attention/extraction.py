@@ -21,7 +21,7 @@ from ..checks.verify import VERIFY_LENGTH, ask_long_verification
 from ..numerics.arithmetic import BACKENDS, arithmetic_for
 from ..oracle.progress import expect_queries
 from ..oracle.transcript import RUN, run_fingerprint, run_header
-from ..run.learner import AUTO, takeover
+from ..run.learner import AUTO, given, takeover
 from ..run.validation import nonnegative_number, positive_int, spawn_rng, token_scale_for
 from .base import RunSettings
 from .finish import (
@@ -93,9 +93,8 @@ def refuse_takeover(session, name, answer_format, d_out, evidence: str) -> None:
     learner = takeover(session.options, session.request, answer_format, d_out)
     if learner is None:
         return
-    refused = [option for option, value in session.options.items()
-               if option not in learner.options and value is not None and value is not False and option != "bias"]
-    refused += [reason for reason in learner.refused_settings(session.options, session.request)]
+    refused = [option for option, value in session.options.items() if option not in learner.options and given(value)]
+    refused += learner.refused_settings(session.options, session.request)
     if refused:
         raise ValueError(f"the answers carry {answer_format}'s few bits ({evidence}): the {learner.name!r} learner "
                          f"runs ({learner.model}), which does not take {', '.join(refused)}")
@@ -128,8 +127,9 @@ def run_attention(session, options, name):
                                            answer_noise=calibration.answer_noise,
                                            arithmetic_noise=arithmetic_noise(calibration, settings))
             plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))
-        answer_format = answer_dtype if answer_dtype in ("bfloat16", "float16") else (
-            calibration.answer_precision if calibration is not None else None)
+        # the format the oracle declares, else the one the calibration's answers show
+        declared = takeover(options, request, answer_dtype, vectors.d_out) is not None
+        answer_format = answer_dtype if declared or calibration is None else calibration.answer_precision
         successor = takeover(options, request, answer_format, vectors.d_out) if name == AUTO else None
         if successor is not None:
             refuse_takeover(session, name, answer_format, vectors.d_out,

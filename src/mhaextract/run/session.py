@@ -22,7 +22,7 @@ from ..oracle.resume_check import check_replayed, check_same_oracle
 from ..oracle.transcript import CALIBRATION, RUN, Transcript, check_directory
 from ..oracle.vector_answers import VectorAnswers
 from .calibration import calibrate, probe_queries
-from .learner import AUTO, FallBack, learner_class, learner_names, pick
+from .learner import FallBack, learner_class, pick
 from .validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_option
 
 
@@ -49,7 +49,7 @@ class Request:
 
 
 @dataclass
-class Spent:
+class Asked:
     """Queries the session asked on a result's behalf before its learner ran (added by :meth:`Session.finish`)."""
 
     asked: int = 0
@@ -192,7 +192,7 @@ class Session:
                 self._check_replayed(boundary)
                 result.queries += boundary.queries - asked
                 result.queries_asked += boundary.queries - asked
-        spent = Spent()
+        spent = Asked()
         if self.probes is not None and not probes_counted:
             spent.add(self.probes)
             result.calibration_queries = self.probes.queries + self.probes.replayed
@@ -200,7 +200,7 @@ class Session:
             if boundary is not None:
                 spent.add(boundary)
                 result.split_queries = getattr(result, "split_queries", 0) + boundary.queries + boundary.replayed
-            result.schedule_reason = (getattr(result, "schedule_reason", "") or "") + (
+            result.schedule_reason += (
                 f"; {reason}" if boundary is None else f"; {reason}, after {boundary.queries + boundary.replayed} queries")
         if spent.asked or spent.replayed:
             result.queries += spent.asked + spent.replayed
@@ -215,9 +215,7 @@ def run_learner(oracle, request: Request, schedule, options: dict, **common):
     take, and run it in a new :class:`Session` of ``oracle`` with the ``common`` options; a learner
     that falls back hands the session to the one it names. What :func:`mhaextract.extract` runs
     after validating its parameters."""
-    if schedule != AUTO and (not isinstance(schedule, str) or schedule not in learner_names()):
-        learner_class(schedule)  # the ValueError listing the names there are
-    learner = pick(schedule, options, request)
+    learner = pick(schedule, options, request)  # (an unknown name: the ValueError listing the names there are)
     learner.refuse(options)
     options = learner.validate(options, request)
     session = Session(oracle, request, **common)

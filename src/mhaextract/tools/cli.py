@@ -86,7 +86,7 @@ def _common_options(d, precision, seed, schedule) -> None:
         _checked("--schedule", learner_class, schedule)
 
 
-def _family_options(pairs: list[str]) -> dict:
+def _option_pairs(pairs: list[str]) -> dict:
     """``--option NAME=VALUE`` pairs as keywords of :func:`mhaextract.extract`: true/false/none as
     Python's, numbers as numbers, the rest as text; a name no learner takes is refused."""
     known, options = family_options(), {}
@@ -430,7 +430,7 @@ def extract_command(
     rank = _rank_option(rank)
     if rank is not None:
         robust["rank"] = rank
-    robust.update(_family_options(option))
+    robust.update(_option_pairs(option))
     _writable_folder(out, "--out", ".json")
     _writable_folder(transcript, "--transcript")
     function = load_oracle(oracle)
