@@ -893,12 +893,31 @@ def test_the_first_order_estimate_covers_every_parameter_entry_by_entry(case):
         variance[:, :, 3, 0] *= 400.0
     variance[..., 1] = 0.25 * variance[..., 0]
     label_sigma = 1e-12 * scale * np.ones((d, H))
-    estimate, score_part, (u_error, u_score) = targeted_diagnostics.first_order_estimate(variance, differences, label_sigma, model)
+    estimate, score_part, (u_error, u_score), (W_deviation, u_deviation) = targeted_diagnostics.first_order_estimate(
+        variance, differences, label_sigma, model)
     assert score_part == pytest.approx(estimate / 2, rel=1e-9)  # a quarter of W's variance
     assert u_score == pytest.approx(u_error / 2, rel=1e-9) and (u_error > 0) == lifted
     estimate = max(estimate, _bias_error(model, u_error))  # as extract combines them
     truth = _propagated_errors(variance, label_sigma, Z, model, rng, 300)
     assert np.quantile(truth, 0.9) <= estimate <= 20 * np.median(truth)
+    # every entry's own deviation (what the value fit moves the scores by) against the spread of its drawn errors
+    drawn = _propagated_entries(variance, Z, d, rng, 400)
+    assert W_deviation.shape == (H, d, d) and (u_deviation is not None) == lifted
+    np.testing.assert_allclose(W_deviation, drawn[..., :d].std(axis=0), rtol=0.2)
+    if lifted:
+        np.testing.assert_allclose(u_deviation, drawn[..., d].std(axis=0), rtol=0.2)
+
+
+def _propagated_entries(variance, Z, d, rng, trials):
+    """(trials, H, d, D): W's (k, i) entries and u's entries (the last column) of the first-order errors drawn as in
+    :func:`_propagated_errors`, entry by entry."""
+    J, H, D, _ = variance.shape
+    draws = np.empty((trials, H, d, D))
+    for trial in range(trials):
+        da = rng.standard_normal((J, H, D)) * np.sqrt(variance[..., 0])
+        for h in range(H):
+            draws[trial, h] = np.linalg.solve(Z[h].T, da[:, h, :])
+    return draws
 
 
 def test_a_score_bias_unresolved_from_zero_claims_its_error_absolute():

@@ -221,15 +221,23 @@ def finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record
                           else certificate.first_order(noise))
     error_estimate, source = _undeclared_noise(settings, error_estimate, certificate, probe, scale,
                                                plan.unit, outcome.unscaled_estimate, typical or scale)
+    # The scores' part of the estimate, W's (with v's) and u's as compare reports them (Extraction.score_error): the
+    # estimate so far, before the output constant's joins it (whole answers fit c again), u's apart where it is
+    score_error = (error_estimate, error_estimate)
     if settings.bias and (refinement is None or refinement.kept != "refined"):
         error_estimate = max(error_estimate, _constant_error(model, measured))
         if outcome.bias_error[0] > 0:  # u's error, scaled to the answers' noise as the rest was
             u_error = _undeclared_noise(settings, outcome.bias_error[0], certificate, probe, scale, plan.unit,
                                         outcome.bias_error[1], typical or scale)[0]
-            error_estimate = max(error_estimate, _bias_error(model, u_error))
+            u_claimed = _bias_error(model, u_error)
+            error_estimate = max(error_estimate, u_claimed)
+            score_error = (score_error[0], u_claimed)
+    deviations = _score_deviations(outcome, settings, certificate, probe, scale, plan.unit, typical or scale)
     explained = error_estimate  # the residual the model's own estimated error explains (_common_checks)
     if plan.residual_evidence and settings.precision is None and model is not None and answers_residual > error_estimate:
         error_estimate, source = _residual_evidence(answers_residual, source)
+        # the residual says nothing of which part errs
+        score_error, deviations = (error_estimate, error_estimate), None
     checks = plan.checks(outcome, label_noise=measured / scale) + _common_checks(
         plan, outcome, error_estimate, answers_residual, noise, scale, certificate, boundary.stats, source, measured,
         explained)
@@ -252,7 +260,7 @@ def finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record
         precision=settings.precision, seed=settings.seed, schedule=plan.name, token_scale=settings.token_scale,
         error_estimate=error_estimate, answers_residual=answers_residual, details=outcome.details, checks=checks,
         W_balls=outcome.W_balls, v_balls=outcome.v_balls, u_balls=outcome.u_balls, c_ball=outcome.c_ball,
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, score_error=score_error, score_deviations=deviations,
         certificate=certificate, refinement=refinement, answer_error=settings.answer_error,
         calibration=spent.calibration, calibration_queries=spent.queries, schedule_reason=spent.choice.reason,
         bias=spent.choice.bias, answer_dtype=spent.answer_dtype, verification=verification,
@@ -286,14 +294,19 @@ def with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, p
         return dataclasses.replace(extraction, model=None, readout=vectors.readout, scalar_model=scalar)
     limit = next((check.threshold for check in extraction.checks if check.name == "answers_residual"),
                  CheckPolicy.for_precision(settings.precision).answers_residual)
+    # The whole model keeps the schedule's scores and nothing else of its scalar model (V_h and c are the fit's):
+    # its estimate is the scores' and the fit's. The scalar c, one answer's noise over a read-out constant that can
+    # be small, would otherwise set it (docs/algorithm.md, 'The whole layer: vector outputs and a replacement module').
+    scores = extraction.score_error or (extraction.error_estimate, extraction.error_estimate)
     try:
         fit = fit_values(scalar, value_queries[0], value_queries[1], extraction.bias, vectors.readout,
-                         (extraction.error_estimate, extraction.error_estimate), spawn_rng(settings.seed, 12))
+                         (scores[0], scores[0]), spawn_rng(settings.seed, 12),
+                         score_deviations=extraction.score_deviations)
     except (ValueError, np.linalg.LinAlgError) as error:
         failed = Check("value_fit", False, np.inf, 0.0, f"the value read-outs V_h could not be fitted: {error}")
         return dataclasses.replace(extraction, model=None, readout=vectors.readout, scalar_model=scalar,
                                    checks=extraction.checks + [failed])
-    error_estimate = max(extraction.error_estimate, fit.error_estimate)
+    error_estimate = max(*scores, fit.error_estimate)
     checks, verification = extraction.checks + fit.checks(limit, extraction.error_estimate), extraction.verification
     long_queries = spent.verification
     if long_queries is not None and long_queries.whole is not None:  # the whole model on the whole answers
@@ -494,6 +507,20 @@ def _constant_error(model, measured: float) -> float:
     if model is None or not measured or model.is_high_precision:
         return 0.0
     return float(measured) if abs(model.c) <= RESOLVED * measured else float(measured / abs(model.c))
+
+
+def _score_deviations(outcome: Outcome, settings: RunSettings, certificate, probe, scale: float, assumed,
+                      typical: float):
+    """Every score entry's standard deviation (``Outcome.score_deviations``) scaled to the answers' noise as the
+    estimate was (:func:`_undeclared_noise`), or None where the model is not the one they describe (refined, or
+    high precision). Each entry's is ``hypot(k rest, score part)`` there with the factor ``k >= 1`` that the
+    noise puts on the rest: at most ``k`` times the schedule's, which is what it is scaled by (the entries' split
+    into the two parts is not kept)."""
+    if outcome.score_deviations is None or certificate is not None or settings.precision is not None:
+        return None
+    factor = _undeclared_noise(settings, 1.0, None, probe, scale, assumed, 0.0, typical)[0]
+    W_deviation, u_deviation = outcome.score_deviations
+    return factor * W_deviation, None if u_deviation is None else factor * u_deviation
 
 
 def _bias_error(model, error: float) -> float:

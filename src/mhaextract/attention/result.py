@@ -64,6 +64,15 @@ class Extraction(Result):
         no vector model could be fitted (a failed check says why).
     value_fit : :class:`~mhaextract.run.value_fit.ValueFit` or None
         For vector answers: the fit of ``V_h`` and ``c``, its queries, residual and estimate.
+    score_error : (float, float) or None
+        The errors estimated for the scores alone, W's (with v's: the schedules estimate them
+        together) and u's, as ``compare`` reports them, without the output constant's: with the value
+        fit's, the whole model's estimate (docs/algorithm.md, 'The whole layer: vector outputs and a
+        replacement module'). None: not estimated apart.
+    score_deviations : (W (H, d, d), u (H, d) or None) or None
+        Every score entry's first-order standard deviation, absolute, scaled to the answers' noise
+        (the targeted schedules, ``Outcome.score_deviations``): the value fit moves the scores by them.
+        None where the schedule has none or the model is not the one they describe (refined).
     split_queries : int
         Whole answers that could not be split by head (docs/algorithm.md, 'Whole answers near the
         vector bound'): the queries the split asked before this schedule ran (counted in ``queries``).
@@ -116,6 +125,8 @@ class Extraction(Result):
     scalar_model: MultiHeadAttention | None = None
     value_fit: object = None
     split_queries: int = 0
+    score_error: tuple[float, float] | None = None
+    score_deviations: tuple | None = None
 
     @property
     def d_out(self) -> int | None:

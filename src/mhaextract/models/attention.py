@@ -309,6 +309,14 @@ class MultiHeadAttention:
                                   self.is_vector else self.v,
                                   self.u + bias_relative * u_size * rng.standard_normal(self.u.shape) / 3, self.c)
 
+    def scores_moved_by(self, rng: np.random.Generator, W_deviation: np.ndarray,
+                        u_deviation: np.ndarray | None = None) -> "MultiHeadAttention":
+        """The model with Gaussian score errors of the given standard deviation per entry (W's (H, d, d),
+        u's (H, d) or None: u kept), the value fit's score-error probe where the schedule estimated each entry's."""
+        W = self.W + W_deviation * rng.standard_normal(self.W.shape)
+        u = self.u if u_deviation is None else self.u + u_deviation * rng.standard_normal(self.u.shape)
+        return MultiHeadAttention(W, self.V if self.is_vector else self.v, u, self.c)
+
     def readout(self, r) -> "MultiHeadAttention":
         """The scalar model ``r^T f``: ``v_h = V_h^T r`` and ``r^T c`` (what an oracle read out through ``r`` answers).
 

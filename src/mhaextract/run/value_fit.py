@@ -53,6 +53,9 @@ DESIGN_CACHE_BYTES = 2**30
 PROBES = 8
 #: An estimate from a few error draws is this many times the largest change they make.
 DRAW_SAFETY = 3.0
+#: Scores moved by every entry's own standard deviation are moved by this many of them: the margin the
+#: uniform probe has (a third of the largest entry's estimate, taken at about 4.5 of its standard deviations).
+DEVIATION_SAFETY = 1.5
 
 
 #: Lengths of the value fit's queries (inclusive).
@@ -118,7 +121,7 @@ def _design(model: MultiHeadAttention, sequences, bias: bool) -> np.ndarray:
 
 def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: bool, readout: np.ndarray,
                score_error: tuple[float, float] = (0.0, 0.0), seed=0, score_moves=None,
-               frame_shift: np.ndarray | None = None) -> ValueFit:
+               frame_shift: np.ndarray | None = None, score_deviations=None) -> ValueFit:
     """Fit ``V_h`` and ``c`` to whole answers under ``model``'s scores.
 
     Parameters
@@ -136,6 +139,10 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
         stretched by ``stretch`` (:func:`~mhaextract.rotary.refine.error_moves`), or None. Given,
         the scores' part of the estimate is ``DRAW_SAFETY`` times the largest response to them
         scaled back, and ``score_error`` is not used.
+    score_deviations : ``(W, u)`` every score entry's standard deviation (absolute; u's None without biases), or
+        None. Given (and no ``score_moves``), the scores are moved by Gaussian errors of ``DEVIATION_SAFETY`` times
+        each entry's own deviation instead of every entry at the largest's (``score_error``), which moves the
+        entries the schedule pins down as much as those it leaves loose.
     frame_shift : (d,) or None: the constant is judged as reported, that of the model seen through
         ``x -> x + frame_shift`` (``c + sum_h V_h frame_shift``), with the values' error carried
         into it; a run that asked every query at shifted tokens reports the model shifted back.
@@ -170,25 +177,35 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
     probed = solver.pinv_times(rng.standard_normal((rows, PROBES)))        # A^+ G: (unknowns, PROBES)
     row_norms = np.sqrt(np.mean(probed ** 2, axis=1))
     z = np.sqrt(2 * np.log(2 * unknowns * answers.shape[1]))
-    noise_error = float(z * row_norms.max() * residual_rms.max())
+    noise = z * row_norms[:, None] * residual_rms[None, :]  # (unknowns, d_out): each coefficient's
+    noise_error = float(noise.max())
     # The scores' error: the design moved by the schedule's own error draws, else by a random
     # perturbation of W and u of the estimated size.
     W_error, u_error = score_error
     responses, safety = [], 1.0  # first-order changes of the solution, (unknowns, d_out) each
     if score_moves is not None:
         responses, safety = [solver.response(moved) / stretch for moved, stretch in score_moves], DRAW_SAFETY
+    elif score_deviations is not None:
+        W_deviation, u_deviation = score_deviations
+        responses = [solver.response(model.scores_moved_by(rng, DEVIATION_SAFETY * W_deviation,
+                                                           None if u_deviation is None else DEVIATION_SAFETY * u_deviation))]
     elif W_error > 0 or u_error > 0:
         responses = [solver.response(model.scores_moved(rng, W_error, u_error))]
-    score_part = safety * max((float(np.abs(response).max()) for response in responses), default=0.0)
+    moved = safety * np.max([np.abs(response) for response in responses], axis=0) if responses else np.zeros_like(X)
+    score_part = float(moved.max(initial=0.0))
+    # Each coefficient's error is its own noise and its own response, not the largest of either over
+    # every coefficient: V's largest against V's scale, c's row against c's (docs/algorithm.md, 'The whole layer:
+    # vector outputs and a replacement module').
+    coefficient_error = noise + moved
     V = X[:heads * d].T.reshape(answers.shape[1], heads, d).transpose(1, 0, 2)
     c = X[heads * d] if bias else np.zeros(answers.shape[1])
     fitted = model.with_values(V, c)
     V_scale = float(np.abs(V).max()) or 1.0
-    error_estimate = (noise_error + score_part) / V_scale
+    error_estimate = float(coefficient_error[:heads * d].max()) / V_scale
     if bias:  # c's error relative to its own largest entry, as compare() measures it; absolute for a c
         # within RESOLVED errors of zero (a bias-free layer's c reads as noise, compare() reports it absolute)
         if frame_shift is None:
-            c_size, c_error = float(np.abs(c).max()), noise_error + score_part
+            c_size, c_error = float(np.abs(c).max()), float(coefficient_error[heads * d].max())
         else:
             # the constant reported, c + sum_h V_h s, is the linear functional a^T X of the solution
             # (every head mean moves by the shift): its noise through ||a^T A^+||, its response to

@@ -276,12 +276,13 @@ class BiasedTargetedSchedule(TargetedSchedule):
         search, stages, model, W_lift = run_affine(prober, self.d, self.max_heads, self.rng, self.token_scale)
         H = len(search.heads)
         instances = instance_diagnostics(stages, None if model is None else SimpleNamespace(W=W_lift), prober.unit)
-        error_estimate, unscaled_estimate, bias_error = (
-            final_error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
+        error_estimate, unscaled_estimate, bias_error, score_deviations = (
+            final_error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0), None))
         answers = np.asarray(prober.answers, dtype=np.float64)
         checks = targeted_checks(instances, search, H, self.settings.heads, [data for _, data in stages], prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
-                       checks, unscaled_estimate=unscaled_estimate, bias_error=bias_error)
+                       checks, unscaled_estimate=unscaled_estimate, bias_error=bias_error,
+                       score_deviations=score_deviations)
 
 
 def affine_prober(schedule, boundary) -> AffineProber:

@@ -142,9 +142,9 @@ def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
     return TargetedInstances(*(np.concatenate(column) for column in zip(*rows)))
 
 
-def final_error_estimate(final: GroupMeasurements, model) -> tuple[float, float, tuple[float, float]]:
-    """``(estimate, its part from the oracle's score rounding alone, the score biases' error)``
-    (:func:`first_order_estimate`)."""
+def final_error_estimate(final: GroupMeasurements, model) -> tuple[float, float, tuple[float, float], tuple]:
+    """``(estimate, its part from the oracle's score rounding alone, the score biases' error, the
+    entries' spreads)`` (:func:`first_order_estimate`)."""
     return first_order_estimate(final.variance, final.differences, final.label_error, model)
 
 
@@ -155,10 +155,11 @@ def largest_of(count: int) -> float:
 
 
 def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_sigma: np.ndarray,
-                         model) -> tuple[float, float, tuple[float, float]]:
+                         model) -> tuple[float, float, tuple[float, float], tuple]:
     """The first-order estimate of ``compare``'s ``max(W_rel, v_rel)`` (docs/algorithm.md, 'The targeted schedule',
-    'Error estimate'), its part from the oracle's score rounding alone, and the estimated absolute error of u's largest
-    entry (with its score part; zeros without biases).
+    'Error estimate'), its part from the oracle's score rounding alone, the estimated absolute error of u's largest
+    entry (with its score part; zeros without biases), and every entry's standard deviation, ``(W (H, d, d),
+    u (H, d) or None)`` (``Outcome.score_deviations``: the value fit moves the scores by them).
 
     ``variance`` (J, H, D, 2): unit j of head h measured ``a~_h(z_j) = (W_h^T z_j[, u_h^T z_j])``
     (D = d, or d + 1 with biases) with coordinate variances ``sum_n (X^{-1})_{in}^2 sigma_n^2``
@@ -187,11 +188,14 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
         W_part = largest_of(H * d * d) * W_std / max(float(np.abs(model.W).max()), 1e-300)
         v_std = np.sqrt(np.matmul(weights, label_sigma.T[:, :, None] ** 2).max())
         v_part = largest_of(H * d) * v_std / max(float(np.abs(model.v).max()), 1e-300)
-        u_error = np.zeros(2)
+        u_error, u_spread = np.zeros(2), None
         if D == d + 1:
             u_var = np.matmul(weights, variance[:, :, d].transpose(1, 0, 2))  # (H, d, 2)
             u_error = largest_of(H * d) * np.sqrt(u_var.max(axis=(0, 1)))
-    return float(np.max([W_part[0], v_part])), float(W_part[1]), (float(u_error[0]), float(u_error[1]))  # NaN stays NaN
+            u_spread = np.sqrt(u_var[:, :, 0])
+        spread = (np.sqrt(W_var.reshape(H, d, d, 2)[..., 0]), u_spread)
+    return (float(np.max([W_part[0], v_part])), float(W_part[1]), (float(u_error[0]), float(u_error[1])),  # NaN stays
+            spread)
 
 
 def label_deviation(labels: np.ndarray, sigma: np.ndarray, unit: float) -> float:

@@ -202,15 +202,15 @@ class LowRankSchedule(TargetedSchedule):
         instances = instance_diagnostics(stages, model if lifted is None else
                                  None if model is None else SimpleNamespace(W=lifted), *unit)
         finals = [data for stage, data in stages if stage == "final"]
-        error_estimate, unscaled_estimate, bias_error = (
-            _error_estimate(finals, model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
+        error_estimate, unscaled_estimate, bias_error, score_deviations = (
+            _error_estimate(finals, model) if model is not None else (np.inf, 0.0, (0.0, 0.0), None))
         checks = targeted_checks(instances, search, H, self.settings.heads, [data for _, data in stages], *unit)
         checks.append(_rank_check(rank_ratio, rank, *unit, found=self.rank == AUTO))
         details = LowRankDetails(instances, search, rank=rank, rank_found=self.rank == AUTO,
                                  full_bridges=self._counts()[2])
         return Outcome(model, H, error_estimate, details, prober.sequences,
                        np.asarray(prober.answers, dtype=np.float64), checks, unscaled_estimate=unscaled_estimate,
-                       bias_error=bias_error)
+                       bias_error=bias_error, score_deviations=score_deviations)
 
     def run(self, boundary, arithmetic) -> Outcome:
         prober = LiftingProber(boundary, self.d, self.token_scale, self.promised_queries)
@@ -571,7 +571,7 @@ def _basis_error(full, factors, d: int, rank: int) -> tuple[np.ndarray, np.ndarr
     return to_weights, variance
 
 
-def _error_estimate(finals, model) -> tuple[float, float, tuple[float, float]]:
+def _error_estimate(finals, model) -> tuple[float, float, tuple[float, float], tuple]:
     """The first-order estimate of docs/algorithm.md, 'The targeted schedule' over every final unit (full and subspace
     ones, the latter with their bases' error, :func:`_basis_error`), its part answer noise does not scale (the score
     rounding and that basis term), and the score biases' error (:func:`.diagnostics.first_order_estimate`)."""

@@ -14,9 +14,13 @@ from .patterns import correction_blocks
 from .prober import Prober
 from .tolerances import CORRECTION_BLOCK, EPS, FINAL_COPIES, INVERSE_BLOCK_BYTES
 
-#: Noisy answers: the score rounding taken as ``NOISY_SCORE_FACTOR unit |z| |W x|`` (float64: 8, a
-#: bound) and the samples' modelled rounding scaled to the fits' residuals, at least by this.
+#: Noisy answers: the score rounding taken as ``NOISY_SCORE_FACTOR unit |z| |W x|`` (float64:
+#: ``SCORE_FACTOR``) and the samples' modelled rounding scaled to the fits' residuals, at least by this.
 NOISY_SCORE_FACTOR, NOISY_SAMPLE_FLOOR = 1.0, 1e-2
+#: float64 answers: the oracle's score rounding taken as this many units of ``|z| |W x|`` per instance, a
+#: standard deviation (docs/algorithm.md, 'The targeted schedule', 'Error estimate': the final instances'
+#: log-pole errors measured against the truth are at most 0.8 of it, 0.1..0.2 in root mean square).
+SCORE_FACTOR = 4.0
 #: Working memory of one chunk of units in :func:`measure_units` (three (units, d, d) float64 arrays).
 CHUNK_BYTES = 2**28
 #: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
@@ -245,7 +249,7 @@ def _reduce_chunk(out: GroupMeasurements, finals: np.ndarray, design, W_score, u
         # products round at eps |x| |q| (|x| <= 0.1 |z| over the targeted runs measured), q's own
         # rounding enters as z^T dq, about eps |z| times :func:`_score_norms`.
         z_norm = np.linalg.norm(out.differences.reshape(U, d), axis=1)
-        score_factor, sample_scale = (NOISY_SCORE_FACTOR if score_unit > EPS else 8.0), 1.0
+        score_factor, sample_scale = (NOISY_SCORE_FACTOR if score_unit > EPS else SCORE_FACTOR), 1.0
         common = np.zeros((U, rounds))  # the largest share of a sample's rounding common to its instance's
         if unit > EPS:
             # noisy answers (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'): typical

@@ -148,12 +148,13 @@ class TargetedSchedule(Schedule):
         H = len(search.heads)
         instances = instance_diagnostics(stages, model, prober.unit)
         measurements = [data for _, data in stages]
-        error_estimate, unscaled_estimate, bias_error = (
-            final_error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0)))
+        error_estimate, unscaled_estimate, bias_error, score_deviations = (
+            final_error_estimate(stages[-1][1], model) if model is not None else (np.inf, 0.0, (0.0, 0.0), None))
         answers = np.asarray(prober.answers, dtype=np.float64)
         checks = targeted_checks(instances, search, H, self.settings.heads, measurements, prober.unit)
         return Outcome(model, H, error_estimate, TargetedDetails(instances, search), prober.sequences, answers,
-                       checks, unscaled_estimate=unscaled_estimate, bias_error=bias_error)
+                       checks, unscaled_estimate=unscaled_estimate, bias_error=bias_error,
+                       score_deviations=score_deviations)
 
     def thresholds(self) -> tuple[float, float]:
         return limits(self.unit)
