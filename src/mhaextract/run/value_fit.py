@@ -14,15 +14,17 @@ schedule's design sits at one end of it, so the heads' columns nearly coincide);
 queries of 2..8 tokens at the run's token scale give every head its own mixture of several
 tokens. :func:`value_query_count` asks ``p + max(32, p / 4)`` of them.
 
-The estimate has two parts: the answers' noise through the fit (the residual's size times the
-rows of ``A^+``, probed with random vectors), and the first-order response of the fit to an error
-in the scores (the design moved by that error, the fit solved again for the moved right-hand
-side). Where the schedule drew its own parameter errors (the rotary refinement's
-``sigma^2 (J^T J)^{-1}``) the scores are moved by those draws, ``DRAW_SAFETY`` times the largest
-response; else by a Gaussian error of every entry at the size it estimated for ``W`` and ``u``,
-which moves directions the schedule's queries pin down as much as those they leave loose and so
-overstates. The check ``readout_consistency`` compares ``V_h^T r`` with the ``v_h`` the schedule
-found independently.
+The estimate has two parts, added coefficient by coefficient: the answers' noise through the fit
+(the residual's size times the rows of ``A^+``, probed with random vectors), and the first-order
+response of the fit to an error in the scores (the design moved by that error, the fit solved again
+for the moved right-hand side). Where the schedule drew its own parameter errors (the rotary
+refinement's ``sigma^2 (J^T J)^{-1}``) the scores are moved by those draws, ``DRAW_SAFETY`` times
+the largest response; where it estimated every entry's standard deviation (the targeted schedules)
+by one Gaussian draw of ``DEVIATION_SAFETY`` times each; else by a Gaussian error of every entry at
+the size it estimated for ``W`` and ``u``, which moves directions the schedule's queries pin down as
+much as those they leave loose and so overstates. V's estimate is its largest coefficient's, c's its
+own row's (docs/algorithm.md, 'The whole layer: vector outputs and a replacement module'). The check
+``readout_consistency`` compares ``V_h^T r`` with the ``v_h`` the schedule found independently.
 """
 
 from __future__ import annotations
@@ -82,9 +84,9 @@ class ValueFit:
     residual : float, max misfit of the fit on its rows, relative to the largest answer.
     noise_error, score_error : float
         Max absolute error of ``V`` and ``c`` expected from the answers' noise and from the error in
-        the scores, respectively.
-    error_estimate : float, ``(noise_error + score_error)`` relative to ``max |V|``, and to
-        ``max |c|`` for c (the larger of the two).
+        the scores, respectively (each the largest over the coefficients).
+    error_estimate : float, each coefficient's two parts added, the largest over V's relative to
+        ``max |V|`` and over c's relative to ``max |c|`` (the larger of the two).
     readout_gap : float, ``max |V_h^T r - v_h|`` relative to ``max |v_h|``.
     """
 
