@@ -293,3 +293,34 @@ def test_the_chunked_normal_equations_agree_with_the_dense_fit(monkeypatch):
     monkeypatch.setattr(outputs, "DESIGN_CACHE_BYTES", 0)
     rebuilt = outputs.fit_values(layer.readout(r), queries, answers, True, r, (1e-12, 1e-12))
     assert np.array_equal(rebuilt.model.V, chunked.model.V) and rebuilt.error_estimate == chunked.error_estimate
+
+
+def test_the_value_fit_moved_entry_by_entry_covers_the_values_error_of_uneven_score_errors():
+    """Scores off by errors of very uneven size per entry (a few entries 100 times the rest, as a
+    targeted run's deviations can be) and exact whole answers: the values and the constant fitted
+    under those scores are off by what the score errors move them, which the estimate from each
+    entry's deviation (``score_deviations``) must cover, V and c each against its own scale, while
+    it stays below the estimate of every entry moved at the largest's (docs/algorithm.md, 'The whole
+    layer: vector outputs and a replacement module')."""
+    from mhaextract.run.value_fit import fit_values
+    tighter = []
+    for seed in range(6):
+        layer = vector_target(d=6, heads=2, d_out=5, seed=20 + seed)
+        rng = np.random.default_rng(seed)
+        queries = [rng.standard_normal((int(n), 6)) for n in rng.integers(2, 9, size=120)]
+        answers = layer(queries)  # exact: the values' error is the scores' alone
+        r = rng.standard_normal(5)
+        r /= np.linalg.norm(r)
+        W_deviation = 1e-9 * np.abs(layer.W).max() * np.where(rng.random(layer.W.shape) < 0.05, 100.0, 1.0)
+        u_deviation = 1e-9 * np.abs(layer.u).max() * np.ones(layer.u.shape)
+        scalar = layer.readout(r)
+        moved = mx.MultiHeadAttention(scalar.W + W_deviation * rng.standard_normal(scalar.W.shape), scalar.v,
+                                      scalar.u + u_deviation * rng.standard_normal(scalar.u.shape), scalar.c)
+        largest = 3.0 * float(W_deviation.max()) / np.abs(scalar.W).max()  # the uniform probe's relative error
+        uniform = fit_values(moved, queries, answers, True, r, (largest, largest), seed=seed)
+        fit = fit_values(moved, queries, answers, True, r, (largest, largest), seed=seed,
+                         score_deviations=(W_deviation, u_deviation))
+        truth = mx.compare(fit.model, layer)
+        assert max(truth.v_rel, truth.c_rel) <= fit.error_estimate, seed
+        tighter.append(fit.error_estimate / uniform.error_estimate)
+    assert max(tighter) < 1.0

@@ -902,10 +902,11 @@ def test_the_first_order_estimate_covers_every_parameter_entry_by_entry(case):
     assert np.quantile(truth, 0.9) <= estimate <= 20 * np.median(truth)
     # every entry's own deviation (what the value fit moves the scores by) against the spread of its drawn errors
     drawn = _propagated_entries(variance, Z, d, rng, 400)
-    assert W_deviation.shape == (H, d, d) and (u_deviation is not None) == lifted
-    np.testing.assert_allclose(W_deviation, drawn[..., :d].std(axis=0), rtol=0.2)
+    assert W_deviation.shape == (H, d, d, 2) and (u_deviation is not None) == lifted
+    np.testing.assert_allclose(W_deviation[..., 0], drawn[..., :d].std(axis=0), rtol=0.2)
+    np.testing.assert_allclose(W_deviation[..., 1], W_deviation[..., 0] / 2, rtol=1e-9)  # a quarter of the variance
     if lifted:
-        np.testing.assert_allclose(u_deviation, drawn[..., d].std(axis=0), rtol=0.2)
+        np.testing.assert_allclose(u_deviation[..., 0], drawn[..., d].std(axis=0), rtol=0.2)
 
 
 def _propagated_entries(variance, Z, d, rng, trials):

@@ -117,9 +117,10 @@ class Outcome:
     #: max|u|, depends on the answers' noise, which ``extract`` measures after the run
     #: (``finish._bias_error``).
     bias_error: tuple[float, float] = (0.0, 0.0)
-    #: Every score entry's first-order standard deviation, ``(W (H, d, d), u (H, d) or None)``, absolute, at the
-    #: noise the schedule assumed (the targeted schedules; None otherwise): the value fit of whole answers moves the
-    #: scores by them (docs/algorithm.md, 'The whole layer: vector outputs and a replacement module').
+    #: Every score entry's first-order standard deviation and its part from the oracle's score rounding (the
+    #: last axis, as ``unscaled_estimate`` of the estimate), ``(W (H, d, d, 2), u (H, d, 2) or None)``, absolute, at
+    #: the noise the schedule assumed (the targeted schedules; None otherwise): the value fit of whole answers
+    #: moves the scores by them (docs/algorithm.md, 'The whole layer: vector outputs and a replacement module').
     score_deviations: tuple | None = None
 
 

@@ -512,15 +512,21 @@ def _constant_error(model, measured: float) -> float:
 def _score_deviations(outcome: Outcome, settings: RunSettings, certificate, probe, scale: float, assumed,
                       typical: float):
     """Every score entry's standard deviation (``Outcome.score_deviations``) scaled to the answers' noise as the
-    estimate was (:func:`_undeclared_noise`), or None where the model is not the one they describe (refined, or
-    high precision). Each entry's is ``hypot(k rest, score part)`` there with the factor ``k >= 1`` that the
-    noise puts on the rest: at most ``k`` times the schedule's, which is what it is scaled by (the entries' split
-    into the two parts is not kept)."""
+    estimate was (:func:`_undeclared_noise`): ``hypot(k rest, score part)`` with the factor ``k >= 1`` that the
+    noise measured or declared puts on the part it scales; None where the model is not the one they describe
+    (refined, or high precision)."""
     if outcome.score_deviations is None or certificate is not None or settings.precision is not None:
         return None
     factor = _undeclared_noise(settings, 1.0, None, probe, scale, assumed, 0.0, typical)[0]
+
+    def scaled(deviation):
+        if deviation is None:
+            return None
+        total, score = deviation[..., 0], deviation[..., 1]
+        return np.hypot(factor * np.sqrt(np.maximum(total**2 - score**2, 0.0)), score)
+
     W_deviation, u_deviation = outcome.score_deviations
-    return factor * W_deviation, None if u_deviation is None else factor * u_deviation
+    return scaled(W_deviation), scaled(u_deviation)
 
 
 def _bias_error(model, error: float) -> float:

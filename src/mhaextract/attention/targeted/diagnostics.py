@@ -158,8 +158,9 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
                          model) -> tuple[float, float, tuple[float, float], tuple]:
     """The first-order estimate of ``compare``'s ``max(W_rel, v_rel)`` (docs/algorithm.md, 'The targeted schedule',
     'Error estimate'), its part from the oracle's score rounding alone, the estimated absolute error of u's largest
-    entry (with its score part; zeros without biases), and every entry's standard deviation, ``(W (H, d, d),
-    u (H, d) or None)`` (``Outcome.score_deviations``: the value fit moves the scores by them).
+    entry (with its score part; zeros without biases), and every entry's standard deviation with its score part
+    (the last axis), ``(W (H, d, d, 2), u (H, d, 2) or None)`` (``Outcome.score_deviations``: the value fit moves
+    the scores by them).
 
     ``variance`` (J, H, D, 2): unit j of head h measured ``a~_h(z_j) = (W_h^T z_j[, u_h^T z_j])``
     (D = d, or d + 1 with biases) with coordinate variances ``sum_n (X^{-1})_{in}^2 sigma_n^2``
@@ -192,8 +193,8 @@ def first_order_estimate(variance: np.ndarray, differences: np.ndarray, label_si
         if D == d + 1:
             u_var = np.matmul(weights, variance[:, :, d].transpose(1, 0, 2))  # (H, d, 2)
             u_error = largest_of(H * d) * np.sqrt(u_var.max(axis=(0, 1)))
-            u_spread = np.sqrt(u_var[:, :, 0])
-        spread = (np.sqrt(W_var.reshape(H, d, d, 2)[..., 0]), u_spread)
+            u_spread = np.sqrt(u_var)
+        spread = (np.sqrt(W_var.reshape(H, d, d, 2)), u_spread)
     return (float(np.max([W_part[0], v_part])), float(W_part[1]), (float(u_error[0]), float(u_error[1])),  # NaN stays
             spread)
 
