@@ -6,6 +6,7 @@ its replacement judged against the exact float64 layer at every position.
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py                       # the whole table
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --layers gpt2-d64-h8/0 --dtypes float32
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --rotary --cpu-limit 900
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --no-rotary --readout --dtypes float64 float32
 
 One row per layer and dtype (bfloat16 and float16 for the non-rotary families only: rotary runs
 refuse answers coarser than float32). Each row runs in a child process with a limit on its CPU
@@ -21,6 +22,9 @@ finish within it says so. Columns (``zoo.run_and_judge``):
 * parameter error: ``compare(result.model, truth)``, the truth from the weights; the estimate is
   ``result.error_estimate`` and its ratio to the parameter error;
 * verdict: ``zoo.verdicts`` (acceptance 1 of issue 64), or the first line of the run's error.
+
+``--readout``: the oracle answers ``r^T`` of the outputs (``zoo.readout_vector``, a seeded unit
+vector), the run learns that scalar model, and outputs and truth are read out through r alike.
 """
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ import zoo  # noqa: E402
 LOW = ("bfloat16", "float16")
 
 
-def measure(layer_id, dtype, queue, cpu_limit=None):
+def measure(layer_id, dtype, queue, cpu_limit=None, readout=False):
     torch.set_num_threads(1)
     if cpu_limit is not None:  # SIGXCPU ends the child
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
     try:
-        row = zoo.run_and_judge(layer_id, getattr(torch, dtype))
+        row = zoo.run_and_judge(layer_id, getattr(torch, dtype), readout=readout)
         failures = zoo.verdicts(row)
         row["verdict"] = "pass" if not failures else "FAIL: " + "; ".join(failures)
         row.pop("result")
@@ -71,6 +75,9 @@ def main():
                         help="only the rotary (--rotary) or the other (--no-rotary) families")
     parser.add_argument("--dtypes", nargs="+", choices=["float64", "float32", *LOW], default=["float64", "float32", *LOW])
     parser.add_argument("--cpu-limit", type=float, default=1800.0, help="seconds of CPU a row may take")
+    parser.add_argument("--readout", action="store_true",
+                        help="the oracle answers one read-out of the outputs (zoo.readout_vector), judged read out; "
+                             "the non-rotary families")
     arguments = parser.parse_args()
     stale = zoo.stale_reasons()
     if stale:
@@ -81,10 +88,11 @@ def main():
     context = multiprocessing.get_context("fork")
     for dtype in arguments.dtypes:
         for layer_id in arguments.layers or zoo.layer_ids(arguments.rotary):
-            if dtype in LOW and zoo.SPECS[layer_id.split("/")[0]]["family"] in zoo.ROTARY:
+            rotary = zoo.SPECS[layer_id.split("/")[0]]["family"] in zoo.ROTARY
+            if (dtype in LOW or arguments.readout) and rotary:
                 continue
             queue = context.Queue()
-            child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit))
+            child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit, arguments.readout))
             started = time.perf_counter()
             child.start()
             row = None

@@ -241,13 +241,39 @@ def extract_options(layer_id: str) -> dict:
 JUDGE_SEQUENCES, JUDGE_LONGEST = 100, 128
 
 
-def run_and_judge(layer_id: str, dtype) -> dict:
+def readout_vector(d: int) -> np.ndarray:
+    """The read-out of :func:`run_and_judge`'s read-out runs: a unit vector of d entries, seeded."""
+    r = np.random.default_rng(5).standard_normal(d)
+    return r / np.linalg.norm(r)
+
+
+class ReadOut:
+    """A layer's outputs read out through r, at every position (B, N, 1): the exact layer's, judged
+    against a read-out run's scalar model."""
+
+    def __init__(self, layer, r):
+        self.layer, self.r = layer, r
+
+    def parameters(self):  # the layer's own (its dtype is the one a judged layer runs in)
+        return self.layer.parameters()
+
+    def __call__(self, X):
+        import torch
+
+        out = self.layer(X)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out @ torch.as_tensor(self.r, dtype=out.dtype))[..., None]
+
+
+def run_and_judge(layer_id: str, dtype, readout: bool = False) -> dict:
     """Extract the layer (its ``dtype`` version, as its model runs it) with the library's defaults
     plus :func:`extract_options`, then judge the replacement against the exact float64 layer of the
     same weights at every position of the fresh sequences. Returns a dict: ``result`` (None if the
     run raised), ``error`` (the exception's text), ``seconds`` and ``cpu_seconds`` of the run, ``queries``, ``output_error``,
     ``own_error`` (the ``dtype`` layer's own outputs against the exact layer: 0 in float64),
-    ``parameter_error`` (``compare`` against the truth from the weights) and ``estimate``."""
+    ``parameter_error`` (``compare`` against the truth from the weights) and ``estimate``.
+    ``readout``: the oracle answers the outputs read out through :func:`readout_vector` (the
+    non-rotary families), the run learns that scalar model, and every output is judged read out."""
     import time
 
     import torch
@@ -259,7 +285,10 @@ def run_and_judge(layer_id: str, dtype) -> dict:
 
     d, H = shape(layer_id)
     rotary = SPECS[layer_id.split("/")[0]]["family"] in ROTARY
-    oracle = TorchOracle(layer_as_run(layer_id, dtype))
+    if readout and rotary:
+        raise ValueError("read-out runs are judged for the non-rotary families only")
+    r = readout_vector(d) if readout else None
+    oracle = TorchOracle(layer_as_run(layer_id, dtype), readout=r)
     row = dict(layer=layer_id, dtype=str(dtype).removeprefix("torch."), result=None, error=None)
     started, cpu = time.perf_counter(), time.process_time()
     try:
@@ -268,14 +297,17 @@ def run_and_judge(layer_id: str, dtype) -> dict:
         result, row["error"] = failure.extraction, str(failure).splitlines()[0]
     row.update(seconds=time.perf_counter() - started, cpu_seconds=time.process_time() - cpu, queries=oracle.sequences,
                result=result)
-    exact = exact_layer(layer_id, dtype)
+    exact, as_run = exact_layer(layer_id, dtype), layer_as_run(layer_id, dtype)
+    if readout:
+        exact, as_run = ReadOut(exact, r), ReadOut(as_run, r)
     row["own_error"] = (0.0 if dtype == torch.float64 else
-                        worst_relative_error(layer_as_run(layer_id, dtype), exact, d, JUDGE_SEQUENCES, JUDGE_LONGEST))
+                        worst_relative_error(as_run, exact, d, JUDGE_SEQUENCES, JUDGE_LONGEST))
     if result is None or result.model is None:
         row.update(output_error=np.inf, parameter_error=np.inf, estimate=np.nan)
         return row
     replacement = to_torch_rotary(result.model) if rotary else to_torch(result.model, causal=is_causal(layer_id))
-    truth = to_rotary(exact.attention) if rotary else to_reduced(exact)
+    truth = (to_rotary(exact.attention) if rotary else
+             to_reduced(exact.layer, r) if readout else to_reduced(exact))
     row.update(output_error=worst_relative_error(replacement, exact, d, JUDGE_SEQUENCES, JUDGE_LONGEST),
                parameter_error=float(mx.compare(result.model, truth).max_rel), estimate=float(result.error_estimate))
     return row
