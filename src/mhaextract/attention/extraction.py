@@ -14,6 +14,7 @@ import importlib.util
 
 import numpy as np
 
+from ..checks.base import Check
 from ..checks.diagnosis import KERNEL_ERRORS, failure_hints, kernel_failure
 from ..checks.model_class import probe_model_class
 from ..checks.noise_probe import probe_misfit
@@ -157,9 +158,12 @@ def _run_plan(session, plan, choice, settings, calibration):
             outcome = plan.run(boundary, arithmetic)
         value_queries = ask_value_queries(boundary, settings, outcome) if (vectors.d_out or 1) > 1 else None
         extra = refinement_queries(boundary, plan.settings, plan, outcome)
-        probe = None
+        probe = late_probe = None
         if settings.precision is None and plan.probes_noise and outcome.model is not None:
-            probe = probe_misfit(boundary, plan, outcome.model)
+            probe = late_probe = probe_misfit(boundary, plan, outcome.model)
+        elif settings.precision is None and plan.probes_noise and _noise_unseen(settings, calibration):
+            # no model: the run has failed, and the probe may show noise the calibration missed (noise_shown_late)
+            late_probe = probe_misfit(boundary, plan, None)
         length = session.verify_length if session.verify_length is not None else VERIFY_LENGTH * plan.verifies_by_default
         long_queries = None  # asked once, before finish: judged for whichever model the run keeps
         if length and outcome.model is not None:
@@ -171,6 +175,22 @@ def _run_plan(session, plan, choice, settings, calibration):
         if rescued_by_refinement(plan, outcome, extraction):
             extraction = finish(plan, arithmetic, outcome, extra, boundary, session.record, session.started, spent,
                                 probe, force_refine=True)
+        noise = noise_shown_late(settings, calibration, late_probe, extraction)
+        if noise is not None:  # the schedule again, at the noise the answers showed
+            plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias, answer_noise=noise,
+                                                       arithmetic_noise=noise))
+            with arithmetic.working():
+                outcome = plan.run(boundary, arithmetic)
+            whole = (vectors.d_out or 1) > 1
+            if whole and outcome.model is not None and (value_queries is None or outcome.model.heads != extraction.heads):
+                value_queries = ask_value_queries(boundary, plan.settings, outcome)  # their count is the heads'
+            extra = refinement_queries(boundary, plan.settings, plan, outcome)
+            if length and long_queries is None and outcome.model is not None:  # the first run had no model to verify
+                long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), settings.token_scale, length)
+                spent = dataclasses.replace(spent, verification=long_queries)
+            extraction = finish(plan, arithmetic, outcome, extra, boundary, session.record, session.started, spent,
+                                late_probe)
+            extraction = dataclasses.replace(extraction, checks=extraction.checks + [late_noise_check(noise)])
         if vectors.d_out is not None:
             extraction = with_values(extraction, vectors, value_queries, plan, boundary, spent)
         evidence = None
@@ -186,6 +206,39 @@ def _run_plan(session, plan, choice, settings, calibration):
     hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
                           float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf", model_class=evidence)
     return session.finish(extraction, f"{plan.name} extraction", hints=hints, probes_counted=True)
+
+
+#: A failed float64 run whose noise probe (fresh queries after the schedule) misfits by more than this, relative to
+#: its largest answer, while the calibration saw float64 rounding, had answers far noisier than it assumed (exact
+#: float64 answers leave at most 16 units of 2^-53); up to ``LATE_NOISE_CEILING``: rounding inside the layer (a
+#: float32 softmax in a float64 layer: 1e-8..1e-7), not structure the model lacks.
+LATE_NOISE_FLOOR, LATE_NOISE_CEILING = 1e-11, 1e-5
+
+
+def noise_shown_late(settings: RunSettings, calibration, probe, extraction) -> float | None:
+    """The answers' relative noise (the noise probe's misfit over its largest answer) where a failed float64 run
+    assumed float64 rounding and its noise probe shows ``LATE_NOISE_FLOOR`` to ``LATE_NOISE_CEILING`` of it, else
+    None (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'). The calibration's permutation probes can miss a float32 softmax inside a float64 layer (their few
+    five-token sums happen to round alike); the probe's twelve answers of fresh tokens then show it."""
+    if extraction.ok or probe is None or not _noise_unseen(settings, calibration):
+        return None
+    relative = probe[0] / max(probe[1], 1e-300)
+    return float(relative) if LATE_NOISE_FLOOR < relative <= LATE_NOISE_CEILING else None
+
+
+def _noise_unseen(settings: RunSettings, calibration) -> bool:
+    """A float64 run whose calibration saw float64 rounding and which was told no answer error."""
+    return (settings.precision is None and settings.answer_error is None and calibration is not None
+            and calibration.answer_noise is None)
+
+
+def late_noise_check(noise: float) -> Check:
+    """Says why the run's schedule ran twice (:func:`noise_shown_late`): passed, the noise and its floor."""
+    return Check("answer_noise", True, noise, LATE_NOISE_FLOOR,
+                 f"the answers carry about {noise:.1e} relative noise although float64 (the noise probe's fresh "
+                 "queries misfit by that much; exact answers leave about 1e-15), as a float64 layer computing its "
+                 "softmax in float32 gives: the first run, which assumed float64 rounding, failed, and the schedule ran "
+                 "again at that noise, to the answers' precision (its queries counted twice)")
 
 
 def _probe_model_class(boundary, settings: RunSettings, extraction):
