@@ -83,7 +83,7 @@ def test_a_trained_layer_is_replaced_at_every_position(layer_id, dtype):
 
 
 #: The estimate within 100 times the model's error (acceptance 1), the runs of REPLACED (shared): float64 and
-#: float32 estimates 5..61 times the error over the non-rotary zoo (docs/trained-layers.md); once 87..8,300 times.
+#: float32 estimates 5..61 times the error over the non-rotary zoo (docs/trained-layers.md).
 TIGHT = [
     pytest.param("gpt2-d32-h2/0", "float64", id="gpt2-d32-h2/0-float64"),
     pytest.param("bert-d64-h4/1", "float64", id="bert-d64-h4/1-float64", marks=pytest.mark.slow),
