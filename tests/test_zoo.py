@@ -82,8 +82,8 @@ def test_a_trained_layer_is_replaced_at_every_position(layer_id, dtype):
     assert zoo.failures(row) == []
 
 
-#: The estimate within 100 times the model's error (acceptance 1), runs shared with REPLACED where both list them: float64 and
-#: float32 estimates 5..61 times the error over the non-rotary zoo (docs/trained-layers.md).
+#: The estimate within 100 times the model's error (acceptance 1), runs shared with REPLACED where both list
+#: them: float64 and float32 estimates 5..61 times the error over the non-rotary zoo (docs/trained-layers.md).
 TIGHT = [
     pytest.param("gpt2-d32-h2/0", "float64", id="gpt2-d32-h2/0-float64"),
     pytest.param("bert-d64-h4/1", "float64", id="bert-d64-h4/1-float64", marks=pytest.mark.slow),

@@ -218,8 +218,9 @@ LATE_NOISE_FLOOR, LATE_NOISE_CEILING = 1e-11, 1e-5
 def noise_shown_late(settings: RunSettings, calibration, probe, extraction) -> float | None:
     """The answers' relative noise (the noise probe's misfit over its largest answer) where a failed float64 run
     assumed float64 rounding and its noise probe shows ``LATE_NOISE_FLOOR`` to ``LATE_NOISE_CEILING`` of it, else
-    None (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'). The calibration's permutation probes can miss a float32 softmax inside a float64 layer (their few
-    five-token sums happen to round alike); the probe's twelve answers of fresh tokens then show it."""
+    None (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'). The calibration's
+    permutation probes can miss a float32 softmax inside a float64 layer (their few five-token sums happen to round
+    alike); the probe's twelve answers of fresh tokens then show it."""
     if extraction.ok or probe is None or not _noise_unseen(settings, calibration):
         return None
     relative = probe[0] / max(probe[1], 1e-300)

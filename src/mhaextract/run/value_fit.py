@@ -194,8 +194,8 @@ def fit_values(model: MultiHeadAttention, sequences, answers: np.ndarray, bias: 
         responses, safety = [solver.response(moved) / stretch for moved, stretch in score_moves], DRAW_SAFETY
     elif score_deviations is not None:
         W_deviation, u_deviation = score_deviations
-        responses = [solver.response(model.scores_moved_by(rng, DEVIATION_SAFETY * W_deviation,
-                                                           None if u_deviation is None else DEVIATION_SAFETY * u_deviation))
+        u_moved = None if u_deviation is None else DEVIATION_SAFETY * u_deviation
+        responses = [solver.response(model.scores_moved_by(rng, DEVIATION_SAFETY * W_deviation, u_moved))
                      for _ in range(DEVIATION_DRAWS)]
     elif W_error > 0 or u_error > 0:
         responses = [solver.response(model.scores_moved(rng, W_error, u_error))]
