@@ -20,12 +20,21 @@ import numpy as np
 from .split import Split, exact_tokens
 from .values import SplitUnavailable
 
-#: Oversampling of the equations per final token (phase 1: d unknowns, phase 2: k_h).
-OVERSAMPLE = 1.5
-#: Final tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning).
-EXTRA_FINALS = 0.125
+#: Oversampling of the equations per final token (phase 1: d unknowns, phase 2: k_h) and final
+#: tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning): where
+#: every parameter is refined on every answer afterwards (``FITTED``), and where only the scores'
+#: parameters are (``SCORES_ONLY``: the start must then carry the precision itself, at d = 256,
+#: H = 8 output error 6e-12 with the first, 8e-13 with the second).
+FITTED, SCORES_ONLY = (1.5, 0.125), (3.0, 1.0)
 #: Final tokens added per round of phase 1.
 FINALS_PER_ROUND = 8
+#: The scores' token scale is set so that the log-ratios ``log(a_i / a_N)`` have about this RMS:
+#: soft attention, every weight well above the answers' rounding, so each query tells about W_h in
+#: every direction (at the calibrated scale of a GPT-2-class layer the RMS is about 3, many weights
+#: are near 0 and W_h comes out 400 times worse).
+SCORE_SPREAD = 0.35
+#: Pilot queries per look at the spread (two looks: the scores are not exactly quadratic in the scale).
+PILOT_QUERIES, PILOT_LOOKS = 8, 2
 
 
 @dataclass
@@ -143,23 +152,58 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
     return bases, G, beta, ranks
 
 
-def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float):
-    """``(K, G, beta, batches)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h`` (k_h),
-    and the batches asked (:class:`ScoreBatch`)."""
+def _spread(split: Split, c: np.ndarray, batch: ScoreBatch) -> float:
+    """RMS of the log-ratios over every head of a batch's queries (where all its weights are positive)."""
+    ratios = [ratios[weight > 0] for _, ratios, weight in _batch_equations(split, c, batch)]
+    values = np.concatenate([r.ravel() for r in ratios])
+    return float(np.sqrt(np.mean(values ** 2))) if values.size else float("inf")
+
+
+def score_scale(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float, m: int):
+    """``(scale, pilots)``: the token scale at which the log-ratios' RMS is about ``SCORE_SPREAD``
+    (never above the calibrated one), from ``PILOT_LOOKS`` pilot batches (which the refinement fits too).
+    The log-ratios ``(x_i - t)^T (W_h t + u_h)`` grow as the scale squared where W_h dominates."""
+    pilots = []
+    for _ in range(PILOT_LOOKS):
+        finals = exact_tokens(rng.standard_normal((PILOT_QUERIES, d)) * scale / np.sqrt(d), unit)
+        pilots.append(_ask(boundary, rng, finals, 1, m, scale, unit, True, "weights: the scores' token scale"))
+        spread = _spread(split, c, pilots[-1])
+        if np.isfinite(spread) and spread > 0:
+            scale *= min(1.0, float(np.sqrt(SCORE_SPREAD / spread)))
+    return scale, pilots
+
+
+def score_queries(d: int, ranks: list[int], design: tuple[float, float]) -> int:
+    """About how many queries :func:`learn_scores` asks (phase 1 over ``k + 3`` final tokens, k taken
+    as the widest value rank)."""
+    m, k = tokens_per_query(ranks), max(ranks)
+    oversample, extra = design
+    finals = d + 1 + max(4, int(extra * d))
+    return ((k + 3) * int(np.ceil(oversample * d / m)) + (finals - k - 3) * int(np.ceil(oversample * k / m))
+            + PILOT_LOOKS * PILOT_QUERIES)
+
+
+def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float,
+                 design: tuple[float, float] = FITTED):
+    """``(K, G, beta, batches, scale)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h``
+    (k_h), the batches asked (:class:`ScoreBatch`, the pilots of :func:`score_scale` first) and the
+    scores' token scale. ``design``: ``FITTED`` or ``SCORES_ONLY``."""
     heads, m = len(split.ranks), tokens_per_query(split.ranks)
-    finals_needed = d + 1 + max(4, int(EXTRA_FINALS * d))
+    oversample, extra = design
+    scale, pilots = score_scale(boundary, rng, d, scale, split, c, unit, m)
+    finals_needed = d + 1 + max(4, int(extra * d))
     new_finals = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
     batches, asked, solved = [], 0, {}
     while True:  # phase 1: q_h(t) in full, until every head's span stopped growing
         count = min(FINALS_PER_ROUND, finals_needed - asked)
-        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(OVERSAMPLE * d / m)), m, scale, unit,
+        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit,
                             True, "weights: whole score vectors"))
         asked += count
         ranks = [_rank(q, unit) for q in _full_vectors(split, c, batches, solved)[1]]
         if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
             break
     if finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
-        batches.append(_ask(boundary, rng, new_finals(finals_needed - asked), int(np.ceil(OVERSAMPLE * max(ranks) / m)),
+        batches.append(_ask(boundary, rng, new_finals(finals_needed - asked), int(np.ceil(oversample * max(ranks) / m)),
                             m, scale, unit, False, "weights: score coordinates"))
     K, G, beta, ranks = solve_scores(split, c, batches, unit, ranks, solved)
-    return K, G, beta, batches
+    return K, G, beta, pilots + batches, scale
