@@ -30,6 +30,10 @@ from .values import SplitUnavailable, value_map
 #: multiply-adds (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8; larger layers
 #: oversample the scores and refine only their parameters (see the docs).
 REFINE_WORK = 1e9
+#: The scores-only refinement runs when one of its Jacobian products costs at most this many
+#: multiply-adds (``2 n H d (N + r)``: up to d = 256, H = 8, about 15 s a step on one core); larger
+#: layers keep the oversampled start.
+SCORE_REFINE_WORK = 2e9
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST at 0.5, 1 and 2 token scales.
 HOLDOUT_QUERIES, HOLDOUT_LONGEST = 32, 64
 #: The estimate is this many times the held-out queries' largest relative misfit.
@@ -61,8 +65,9 @@ class VectorExtraction(Result):
     value_ranks, score_ranks : per head, rank V_h and rank [W_h | u_h].
     split_conditioning : the condition number of [O_1 .. O_H].
     refined : whether a Gauss-Newton refinement ran.
-    refinement : ``"full"`` (every parameter on every answer) or ``"scores"`` (the scores' parameters,
-        each head against its coordinates of the answers, for layers where the full one costs too much).
+    refinement : ``"full"`` (every parameter on every answer), ``"scores"`` (the scores' parameters,
+        each head against its coordinates of the answers, for layers where the full one costs too much)
+        or ``""`` (none: the oversampled start, for layers where that costs too much as well).
 
     Examples
     --------
@@ -150,10 +155,12 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
     layer, sequences, answers, split, score_ranks, full = learn_split(boundary, seed, d, heads, scale, unit,
                                                                        progress)
     m = tokens_per_query(split.ranks)
-    refinement = "full" if full else "scores"
-    layer = (refine if full else refine_scores)(
-        layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit: note_progress(
-            progress, f"whole answers: Gauss-Newton step {step} ({refinement}), misfit {misfit:.3g}")).layer
+    score_work = 2 * len(sequences) * heads * d * (m + 1 + max(split.ranks))
+    refinement = "full" if full else "scores" if score_work <= SCORE_REFINE_WORK else ""
+    if refinement:
+        layer = (refine if full else refine_scores)(
+            layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit: note_progress(
+                progress, f"whole answers: Gauss-Newton step {step} ({refinement}), misfit {misfit:.3g}")).layer
     model = layer.model()
     residual = float(np.sqrt(np.mean((model(sequences) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
@@ -193,4 +200,4 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
         error_estimate=float(estimate), answers_residual=residual, seconds=time.perf_counter() - started,
         checks=checks, verification=verification,
         vector_bound=vector_bound(d, heads, max(split.ranks), d_out), value_ranks=list(split.ranks),
-        score_ranks=score_ranks, split_conditioning=split.conditioning, refined=True, refinement=refinement)
+        score_ranks=score_ranks, split_conditioning=split.conditioning, refined=bool(refinement), refinement=refinement)

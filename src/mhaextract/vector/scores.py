@@ -35,6 +35,8 @@ FINALS_PER_ROUND = 8
 SCORE_SPREAD = 0.35
 #: Pilot queries per look at the spread (two looks: the scores are not exactly quadratic in the scale).
 PILOT_QUERIES, PILOT_LOOKS = 8, 2
+#: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
+CGLS_ITERATIONS = 200
 
 
 @dataclass
@@ -67,25 +69,23 @@ def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) ->
     return weights
 
 
-def _equations(X: np.ndarray, a: np.ndarray):
-    """Rows ``x_i - t`` (B, m, d), log-ratios (B, m) and their weights (B, m) (the inverse of the
-    log-ratios' sensitivity to the weights' error, 0 where a weight is not positive)."""
-    rows = X[:, :-1] - X[:, -1:]
+def _equations(a: np.ndarray):
+    """Log-ratios (B, m) and their weights (B, m) (the inverse of the log-ratios' sensitivity to the
+    weights' error, 0 where a weight is not positive)."""
     positive = (a > 0).all(axis=1)
     safe = np.where(a > 0, a, 1.0)
     ratios = np.log(safe[:, :-1]) - np.log(safe[:, -1:])
     weight = 1.0 / np.sqrt(1.0 / safe[:, :-1] ** 2 + 1.0 / safe[:, -1:] ** 2)
-    return rows, ratios, weight * positive[:, None]
+    return ratios, weight * positive[:, None]
 
 
 def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
-    """Per head the equations (rows, ratios, weights), each (F, per_final m, ...), of one batch."""
+    """``(rows, per_head)``: the rows ``x_i - t`` (F, per_final m, d), shared by every head, and per
+    head the log-ratios and their weights (F, per_final m) of one batch."""
     F, d, m = len(batch.finals), batch.X.shape[2], batch.X.shape[1] - 1
-    per_head = []
-    for a in _weights(split, batch.X, batch.answers, c):
-        rows, ratios, weight = _equations(batch.X, a)
-        per_head.append((rows.reshape(F, batch.per_final * m, d), ratios.reshape(F, -1), weight.reshape(F, -1)))
-    return per_head
+    rows = (batch.X[:, :-1] - batch.X[:, -1:]).reshape(F, batch.per_final * m, d)
+    return rows, [tuple(part.reshape(F, -1) for part in _equations(a))
+                  for a in _weights(split, batch.X, batch.answers, c)]
 
 
 def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float, unit: float, full: bool,
@@ -105,6 +105,41 @@ def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarr
     return np.stack([np.linalg.lstsq(A_f, b_f, rcond=None)[0] for A_f, b_f in zip(A, b)])
 
 
+def _solve_heads(rows: np.ndarray, per_head: list) -> list[np.ndarray]:
+    """Per head, the weighted least squares of :func:`_solve` on rows shared by every head, (F, n, d)
+    -> (F, d) each: one QR ``rows_f = Q R`` per final token serves all heads, then CGLS on
+    ``diag(w_h) Q y = diag(w_h) rho_h`` for all heads at once (its condition number is the weights'
+    spread, small at the scores' token scale), ``q_h = R^-1 y``. A head whose CGLS does not settle in
+    ``CGLS_ITERATIONS`` (weights spread over many orders) is solved by :func:`_solve`."""
+    F, n, d = rows.shape
+    out = [np.empty((F, d)) for _ in per_head]
+    for f in range(F):
+        Q, R = np.linalg.qr(rows[f])
+        w = np.stack([weight[f] for _, weight in per_head], axis=1)              # (n, H)
+        b = np.stack([ratios[f] for ratios, _ in per_head], axis=1) * w
+        y = Q.T @ (b / np.where(w > 0, w, 1.0) * (w > 0))                       # the unweighted solution
+        residual = b - w * (Q @ y)
+        gradient = Q.T @ (w * residual)
+        direction, gamma = gradient.copy(), (gradient ** 2).sum(axis=0)
+        settled = np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
+        for _ in range(CGLS_ITERATIONS):
+            if settled.all():
+                break
+            image = w * (Q @ direction)
+            alpha = gamma / np.maximum((image ** 2).sum(axis=0), 1e-300) * ~settled
+            y += alpha * direction
+            residual -= alpha * image
+            gradient = Q.T @ (w * residual)
+            new_gamma = (gradient ** 2).sum(axis=0)
+            direction = gradient + new_gamma / np.maximum(gamma, 1e-300) * direction
+            gamma = new_gamma
+            settled |= np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
+        for h, (ratios, weight) in enumerate(per_head):
+            out[h][f] = (np.linalg.solve(R, y[:, h]) if settled[h]
+                         else _solve(rows[f:f + 1], ratios[f:f + 1], weight[f:f + 1])[0])
+    return out
+
+
 def _rank(vectors: np.ndarray, unit: float) -> int:
     s = np.linalg.svd(vectors, compute_uv=False)
     return int((s > max(1e-8, 1e5 * unit) * s[0]).sum())
@@ -119,7 +154,7 @@ def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch], solved
     full = [[] for _ in range(heads)]
     for index, batch in enumerate(batches):
         if index not in solved:
-            solved[index] = [_solve(*equations) for equations in _batch_equations(split, c, batch)]
+            solved[index] = _solve_heads(*_batch_equations(split, c, batch))
         for h in range(heads):
             full[h].append(solved[index][h])
     return finals, [np.concatenate(q) for q in full]
@@ -138,8 +173,9 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
         if batch.full:
             continue
         finals = np.concatenate([finals, batch.finals])
+        rows, per_head = _batch_equations(split, c, batch)
         coordinates = [np.concatenate([g, _solve(rows @ K, ratios, weight)])
-                       for g, K, (rows, ratios, weight) in zip(coordinates, bases, _batch_equations(split, c, batch))]
+                       for g, K, (ratios, weight) in zip(coordinates, bases, per_head)]
     d = finals.shape[1]
     design = np.concatenate([finals, np.ones((len(finals), 1))], axis=1)
     G, beta = [], []
@@ -154,7 +190,7 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
 
 def _spread(split: Split, c: np.ndarray, batch: ScoreBatch) -> float:
     """RMS of the log-ratios over every head of a batch's queries (where all its weights are positive)."""
-    ratios = [ratios[weight > 0] for _, ratios, weight in _batch_equations(split, c, batch)]
+    ratios = [ratios[weight > 0] for ratios, weight in _batch_equations(split, c, batch)[1]]
     values = np.concatenate([r.ravel() for r in ratios])
     return float(np.sqrt(np.mean(values ** 2))) if values.size else float("inf")
 
