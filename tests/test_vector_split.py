@@ -139,3 +139,20 @@ def test_full_rank_heads_with_room_in_the_outputs_are_split():
     assert result.schedule == "vector" and result.ok and result.value_ranks == [d, d] and result.score_ranks == [d, d]
     error = worst_position_error(result.model, target, d)
     assert error <= 1e-12 and result.error_estimate >= error
+
+
+@pytest.mark.slow
+def test_the_oversampled_start_with_scores_only_refinement_reaches_the_rounding(monkeypatch):
+    """The route of layers too large for the full refinement (d >= 256), forced here at d = 64: the
+    scores' token scale from pilots, the oversampled scores and the scores-only Gauss-Newton reach
+    1e-12 at every position of fresh sequences, against the layer's own weights."""
+    import mhaextract.vector.learn as learn
+
+    monkeypatch.setattr(learn, "REFINE_WORK", 0.0)
+    d, heads, rank = 64, 4, 16
+    target = low_rank_layer(d, heads, rank, seed=3)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=heads, seed=0, schedule="vector")
+    assert result.schedule == "vector" and result.ok and result.refinement == "scores"
+    error = max(worst_position_error(result.model, target, d, seed=seed) for seed in (7, 8))
+    assert error <= 1e-12 and result.error_estimate >= error
+    assert result.queries <= 10 * result.vector_bound

@@ -35,6 +35,8 @@ FINALS_PER_ROUND = 8
 SCORE_SPREAD = 0.35
 #: Pilot queries per look at the spread (two looks: the scores are not exactly quadratic in the scale).
 PILOT_QUERIES, PILOT_LOOKS = 8, 2
+#: Final tokens per batch of phase 2 (its equations' working memory: at d = 768 all at once was GBs).
+PHASE2_FINALS = 128
 #: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
 CGLS_ITERATIONS = 200
 
@@ -238,8 +240,10 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
         ranks = [_rank(q, unit) for q in _full_vectors(split, c, batches, solved)[1]]
         if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
             break
-    if finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
-        batches.append(_ask(boundary, rng, new_finals(finals_needed - asked), int(np.ceil(oversample * max(ranks) / m)),
-                            m, scale, unit, False, "weights: score coordinates"))
+    while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
+        count = min(PHASE2_FINALS, finals_needed - asked)
+        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * max(ranks) / m)), m, scale, unit,
+                            False, "weights: score coordinates"))
+        asked += count
     K, G, beta, ranks = solve_scores(split, c, batches, unit, ranks, solved)
     return K, G, beta, pilots + batches, scale
