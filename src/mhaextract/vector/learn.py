@@ -113,6 +113,12 @@ def _start(split, K, G, beta, c, d: int, d_out: int) -> FactoredLayer:
                          _padded(split.P, (r, d)), np.array(c, dtype=np.float64))
 
 
+def _outputs(model: MultiHeadAttention, sequences, chunk: int = 1024) -> np.ndarray:
+    """The model's outputs on ``sequences``, a chunk at a time (the model stacks what it evaluates:
+    all score queries at once at d = 768 were GBs)."""
+    return np.concatenate([model(sequences[start:start + chunk]) for start in range(0, len(sequences), chunk)])
+
+
 def _relative_misfits(model: MultiHeadAttention, sequences, answers: np.ndarray) -> np.ndarray:
     """Per query, the largest output error relative to the query's largest answer."""
     predicted = model(sequences)
@@ -162,7 +168,7 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
             layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit: note_progress(
                 progress, f"whole answers: Gauss-Newton step {step} ({refinement}), misfit {misfit:.3g}")).layer
     model = layer.model()
-    residual = float(np.sqrt(np.mean((model(sequences) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
+    residual = float(np.sqrt(np.mean((_outputs(model, sequences) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
                             scale, (0.5, 1.0, 2.0))
     held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))

@@ -47,7 +47,7 @@ class _Data:
         for index, X in grouped(sequences):
             for start in range(0, len(index), CHUNK):
                 part = index[start:start + CHUNK]
-                self.chunks.append((part, X[start:start + CHUNK]))
+                self.chunks.append((part, X[start:start + CHUNK].astype(np.float64)))  # float32 score tokens
         self.answers = answers
         self.scale = float(np.sqrt(np.mean(answers ** 2))) or 1.0
 
