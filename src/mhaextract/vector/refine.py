@@ -209,24 +209,4 @@ def refine_scores(layer: FactoredLayer, sequences, answers: np.ndarray, rng: np.
         layer, data, forwards, residual, rng, SCORE_ITERATIONS), steps, on_step)
 
 
-def refit_values(layer: FactoredLayer, sequences, answers: np.ndarray) -> FactoredLayer:
-    """The values given the scores: ``f - c = sum_h V_h m_h``, ``m_h = X^T a_h``, is linear in
-    ``[V_1 .. V_H | c]``: one least squares over every answer (design n x (H d + 1)), each ``V_h`` then
-    cut to its rank ``r_h`` (``O_h`` its leading left singular vectors). Unlike the split it does not
-    pass through the oblique projector, so the heads' errors are not ``cond(O)`` times the rounding."""
-    data = _Data(sequences, np.asarray(answers, dtype=np.float64))
-    H, d_out, r = layer.O.shape
-    d = layer.P.shape[2]
-    design = np.empty((len(data.answers), H * d + 1))
-    design[:, -1] = 1.0
-    for (part, _), fw in zip(data.chunks, data.residual(layer)[0]):
-        design[part, :-1] = fw.m.reshape(len(part), H * d)
-    solution = np.linalg.lstsq(design, data.answers, rcond=None)[0]           # (H d + 1, d_out)
-    O, P = np.zeros_like(layer.O), np.zeros_like(layer.P)
-    for h, rank in enumerate(_widths(layer.O)):
-        U, sigma, Vt = np.linalg.svd(solution[h * d:(h + 1) * d].T, full_matrices=False)
-        O[h, :, :rank], P[h, :rank] = U[:, :rank], sigma[:rank, None] * Vt[:rank]
-    return FactoredLayer(layer.K, layer.G, layer.beta, O, P, solution[-1])
-
-
-__all__ = ["Refinement", "refine", "refine_scores", "refit_values", "BLOCKS"]
+__all__ = ["Refinement", "refine", "refine_scores", "BLOCKS"]
