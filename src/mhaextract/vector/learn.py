@@ -1,7 +1,7 @@
 """The run on whole answers near the vector bound (docs/algorithm.md, 'Whole answers near the vector
 bound'): the value map, the split, the scores, the refinement, the error estimate and the checks.
 
-:func:`extract_vector` is what :func:`mhaextract.extract` runs for ``schedule="auto"`` when the
+:func:`extract_vector` is what :func:`mhaextract.extract` runs for ``schedule="vector"`` when the
 answers are whole float32 or float64 vectors and H is declared; :class:`SplitUnavailable` (raised
 before any model exists) sends the run back to the scalar schedules, with the reason.
 """
