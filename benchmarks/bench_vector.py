@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, to_reduced  # noqa: E402
-from mhaextract.vector import vector_bound  # noqa: E402
+from mhaextract.vector import learner as vector_learner, vector_bound  # noqa: E402
 
 #: The defaults' counts on main before the split, whole answers (issue 62).
 TODAY = {(64, 4): 36_997, (128, 8): 286_381, (768, 12): 3_847_746}
@@ -69,7 +69,7 @@ def run(d: int, heads: int, dtype: str, seed: int) -> dict:
     return {"d": d, "H": heads, "r": r, "dtype": dtype, "schedule": result.schedule, "queries": result.queries,
             "bound": vector_bound(d, heads, r, d), "today": TODAY.get((d, heads)), "scalar_bound": parameters,
             "error": position_error(result.model, truth, d), "estimate": result.error_estimate, "ok": result.ok,
-            "seconds": seconds, "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "refinement": getattr(result, "refinement", ""), "seconds": seconds, "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def main() -> None:
@@ -81,7 +81,7 @@ def main() -> None:
                         help="report the split's model even where it fails its checks (the defaults then run the "
                              "scalar schedules instead)")
     args = parser.parse_args()
-    mx.api.SPLIT_FAILURE_FALLS_BACK = not args.split_only
+    vector_learner.SPLIT_FAILURE_FALLS_BACK = not args.split_only
     print("| d, H, r | answers | schedule | queries | vector bound | ratio | today | scalar bound | output error "
           "| estimate | ok | time | peak memory |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -85,34 +85,61 @@ def forward(layer: FactoredLayer, X: np.ndarray) -> Forward:
     return Forward(X, g, a, m, p, f)
 
 
+def _attention_jvp(fw: Forward, dq: np.ndarray) -> np.ndarray:
+    """The heads' means' change ``X^T da_h`` (B, H, d) when the queries ``q_h`` move by ``dq`` (B, H, d)."""
+    ds = np.matmul(dq, fw.X.transpose(0, 2, 1))                            # (B, H, N)
+    da = fw.a * (ds - (fw.a * ds).sum(axis=2, keepdims=True))
+    return np.matmul(da, fw.X)
+
+
+def _attention_vjp(fw: Forward, em: np.ndarray) -> np.ndarray:
+    """The transpose of :func:`_attention_jvp`: (B, H, d) -> (B, H, d)."""
+    ea = np.matmul(em, fw.X.transpose(0, 2, 1))
+    es = fw.a * (ea - (fw.a * ea).sum(axis=2, keepdims=True))
+    return np.matmul(es, fw.X)
+
+
+def _query_step(layer: FactoredLayer, fw: Forward, dK: np.ndarray, dG: np.ndarray, dbeta: np.ndarray) -> np.ndarray:
+    """``dq_h = dK_h g_h + K_h (dG_h x_N + dbeta_h)`` (B, H, d)."""
+    dg = np.matmul(dG, fw.X[:, -1].T) + dbeta[:, :, None]                  # (H, k, B)
+    return (np.matmul(dK, fw.g.transpose(1, 2, 0)) + np.matmul(layer.K, dg)).transpose(2, 0, 1)
+
+
+def _query_gradient(layer: FactoredLayer, fw: Forward, eq: np.ndarray):
+    """The transpose of :func:`_query_step`: ``(dK, dG, dbeta)`` from ``eq`` (B, H, d)."""
+    eq = eq.transpose(1, 2, 0)                                             # (H, d, B)
+    eg = np.matmul(layer.K.transpose(0, 2, 1), eq)                         # (H, k, B)
+    return np.matmul(eq, fw.g.transpose(1, 0, 2)), np.matmul(eg, fw.X[:, -1][None]), eg.sum(axis=2)
+
+
+def score_jvp(layer: FactoredLayer, fw: Forward, dK: np.ndarray, dG: np.ndarray, dbeta: np.ndarray) -> np.ndarray:
+    """Each head's coordinates' first-order change ``P_h X^T da_h`` (B, H, r) when only its scores'
+    parameters move."""
+    dm = _attention_jvp(fw, _query_step(layer, fw, dK, dG, dbeta))
+    return np.matmul(layer.P, dm.transpose(1, 2, 0)).transpose(2, 0, 1)
+
+
+def score_vjp(layer: FactoredLayer, fw: Forward, e: np.ndarray):
+    """The transpose of :func:`score_jvp`: ``(dK, dG, dbeta)`` for ``e`` (B, H, r)."""
+    em = np.matmul(layer.P.transpose(0, 2, 1), e.transpose(1, 2, 0)).transpose(2, 0, 1)
+    return _query_gradient(layer, fw, _attention_vjp(fw, em))
+
+
 def jvp(layer: FactoredLayer, fw: Forward, step: FactoredLayer) -> np.ndarray:
     """The outputs' first-order change (B, d_out) when the parameters move by ``step``."""
-    X, a = fw.X, fw.a
-    dg = np.einsum("hkd,bd->bhk", step.G, X[:, -1]) + step.beta[None]
-    dq = np.einsum("hdk,bhk->bhd", step.K, fw.g) + np.einsum("hdk,bhk->bhd", layer.K, dg)
-    ds = np.einsum("bnd,bhd->bhn", X, dq)
-    da = a * (ds - np.einsum("bhn,bhn->bh", a, ds)[..., None])
-    dm = np.einsum("bhn,bnd->bhd", da, X)
-    dp = np.einsum("hrd,bhd->bhr", step.P, fw.m) + np.einsum("hrd,bhd->bhr", layer.P, dm)
-    return np.einsum("hor,bhr->bo", step.O, fw.p) + np.einsum("hor,bhr->bo", layer.O, dp) + step.c
+    dm = _attention_jvp(fw, _query_step(layer, fw, step.K, step.G, step.beta))
+    dp = np.matmul(step.P, fw.m.transpose(1, 2, 0)) + np.matmul(layer.P, dm.transpose(1, 2, 0))  # (H, r, B)
+    return (np.matmul(step.O, fw.p.transpose(1, 2, 0)) + np.matmul(layer.O, dp)).sum(axis=0).T + step.c
 
 
 def vjp(layer: FactoredLayer, fw: Forward, e: np.ndarray) -> FactoredLayer:
     """The transpose of :func:`jvp`: the parameters' gradient of ``sum e^T f`` for ``e`` (B, d_out)."""
-    X, a = fw.X, fw.a
-    dc = e.sum(axis=0)
-    dO = np.einsum("bo,bhr->hor", e, fw.p)
-    ep = np.einsum("hor,bo->bhr", layer.O, e)
-    dP = np.einsum("bhr,bhd->hrd", ep, fw.m)
-    em = np.einsum("hrd,bhr->bhd", layer.P, ep)
-    ea = np.einsum("bnd,bhd->bhn", X, em)
-    es = a * (ea - np.einsum("bhn,bhn->bh", a, ea)[..., None])
-    eq = np.einsum("bhn,bnd->bhd", es, X)
-    dK = np.einsum("bhd,bhk->hdk", eq, fw.g)
-    eg = np.einsum("hdk,bhd->bhk", layer.K, eq)
-    dG = np.einsum("bhk,bd->hkd", eg, X[:, -1])
-    dbeta = eg.sum(axis=0)
-    return FactoredLayer(dK, dG, dbeta, dO, dP, dc)
+    dO = np.matmul(e.T[None], fw.p.transpose(1, 0, 2))                     # (H, d_out, r)
+    ep = np.matmul(layer.O.transpose(0, 2, 1), e.T[None])                  # (H, r, B)
+    dP = np.matmul(ep, fw.m.transpose(1, 0, 2))
+    em = np.matmul(layer.P.transpose(0, 2, 1), ep).transpose(2, 0, 1)      # (B, H, d)
+    dK, dG, dbeta = _query_gradient(layer, fw, _attention_vjp(fw, em))
+    return FactoredLayer(dK, dG, dbeta, dO, dP, e.sum(axis=0))
 
 
 def grouped(sequences) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,7 +1,7 @@
 """The run on whole answers near the vector bound (docs/algorithm.md, 'Whole answers near the vector
 bound'): the value map, the split, the scores, the refinement, the error estimate and the checks.
 
-:func:`extract_vector` is what :func:`mhaextract.extract` runs for ``schedule="auto"`` when the
+:func:`extract_vector` is what :func:`mhaextract.extract` runs for ``schedule="vector"`` when the
 answers are whole float32 or float64 vectors and H is declared; :class:`SplitUnavailable` (raised
 before any model exists) sends the run back to the scalar schedules, with the reason.
 """
@@ -21,15 +21,19 @@ from ..oracle.progress import note_progress
 from ..run.result import Result
 from ..run.validation import spawn_rng
 from .factored import FactoredLayer
-from .refine import refine
-from .scores import learn_scores, tokens_per_query
+from .refine import refine, refine_scores
+from .scores import FITTED, SCORES_ONLY, learn_scores, score_queries, tokens_per_query
 from .split import _Saturated, output_subspaces
 from .values import SplitUnavailable, value_map
 
-#: The refinement runs when one Jacobian product costs at most this many multiply-adds
-#: (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8 (8e8, 11 minutes on one core);
-#: larger layers keep the start (see the docs).
+#: Every parameter is refined on every answer when one Jacobian product costs at most this many
+#: multiply-adds (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8; larger layers
+#: oversample the scores and refine only their parameters (see the docs).
 REFINE_WORK = 1e9
+#: The scores-only refinement runs when one of its Jacobian products costs at most this many
+#: multiply-adds (``2 n H d (N + r)``: up to d = 256, H = 8, about 15 s a step on one core); larger
+#: layers keep the oversampled start.
+SCORE_REFINE_WORK = 2e9
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST at 0.5, 1 and 2 token scales.
 HOLDOUT_QUERIES, HOLDOUT_LONGEST = 32, 64
 #: The estimate is this many times the held-out queries' largest relative misfit.
@@ -60,7 +64,10 @@ class VectorExtraction(Result):
     vector_bound : ``ceil(P / d_out)`` for the heads' measured widths (:func:`vector_bound`).
     value_ranks, score_ranks : per head, rank V_h and rank [W_h | u_h].
     split_conditioning : the condition number of [O_1 .. O_H].
-    refined : whether the Gauss-Newton refinement ran.
+    refined : whether a Gauss-Newton refinement ran.
+    refinement : ``"full"`` (every parameter on every answer), ``"scores"`` (the scores' parameters,
+        each head against its coordinates of the answers, for layers where the full one costs too much)
+        or ``""`` (none: the oversampled start, for layers where that costs too much as well).
 
     Examples
     --------
@@ -80,6 +87,7 @@ class VectorExtraction(Result):
     score_ranks: list = field(default_factory=list)
     split_conditioning: float = float("nan")
     refined: bool = False
+    refinement: str = ""
 
     _repr_fields: ClassVar[tuple[str, ...]] = ("vector_bound",)
 
@@ -89,7 +97,7 @@ class VectorExtraction(Result):
 
     def _summary_extra(self) -> dict:
         return {"d_out": self.d_out, "vector_bound": self.vector_bound, "split_conditioning": self.split_conditioning,
-                "refined": self.refined}
+                "refined": self.refined, "refinement": self.refinement}
 
 
 def _padded(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -105,15 +113,29 @@ def _start(split, K, G, beta, c, d: int, d_out: int) -> FactoredLayer:
                          _padded(split.P, (r, d)), np.array(c, dtype=np.float64))
 
 
+def _outputs(model: MultiHeadAttention, sequences, chunk: int = 1024) -> np.ndarray:
+    """The model's outputs on ``sequences``, a chunk at a time (the model stacks what it evaluates:
+    all score queries at once at d = 768 were GBs)."""
+    return np.concatenate([model(sequences[start:start + chunk]) for start in range(0, len(sequences), chunk)])
+
+
 def _relative_misfits(model: MultiHeadAttention, sequences, answers: np.ndarray) -> np.ndarray:
     """Per query, the largest output error relative to the query's largest answer."""
     predicted = model(sequences)
     return np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)
 
 
+def full_refinement_work(d: int, ranks: list[int], design: tuple[float, float]) -> float:
+    """Multiply-adds of one Jacobian product of :func:`refine` over the queries the run will have
+    (``n H N (k + r) d``, k taken as r)."""
+    n = d + 1 + score_queries(d, ranks, design)
+    return float(n * len(ranks) * (tokens_per_query(ranks) + 1) * d * 2 * max(ranks))
+
+
 def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
-    """The start: ``(layer, sequences, answers, split, score ranks)`` (the unsaturated queries and
-    their whole answers, which the refinement fits). SplitUnavailable when the split cannot work."""
+    """The start: ``(layer, sequences, answers, split, score ranks, full)`` (the unsaturated queries
+    and their whole answers, which the refinement fits; ``full``: whether every parameter will be
+    refined, else the scores were oversampled). SplitUnavailable when the split cannot work."""
     values = value_map(boundary, spawn_rng(seed, STREAMS["values"]), d, scale)
     d_out = values.c.shape[0]
     if heads > d_out:
@@ -122,10 +144,13 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
     split = output_subspaces(_Saturated(boundary, values, unit), spawn_rng(seed, STREAMS["split"]), d, d_out,
                              scale, heads, values, unit)
     note_progress(progress, "whole answers: every head's attention weights")
-    K, G, beta, batches = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c, unit)
+    full = full_refinement_work(d, split.ranks, FITTED) <= REFINE_WORK
+    K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
+                                          unit, FITTED if full else SCORES_ONLY)
     sequences = values.sequences + [X for batch in batches for X in batch.X]
     answers = np.concatenate([values.answers] + [batch.answers for batch in batches])
-    return _start(split, K, G, beta, values.c, d, d_out), sequences, answers, split, [k.shape[1] for k in K]
+    return (_start(split, K, G, beta, values.c, d, d_out), sequences, answers, split, [k.shape[1] for k in K],
+            full)
 
 
 def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float, answer_dtype: str,
@@ -133,16 +158,17 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
     """The run of the module docstring on ``boundary`` (whole answers; its checks unreported:
     ``extract`` raises or warns). ``unit``: the answers' relative rounding."""
     started = time.perf_counter()
-    layer, sequences, answers, split, score_ranks = learn_split(boundary, seed, d, heads, scale, unit, progress)
+    layer, sequences, answers, split, score_ranks, full = learn_split(boundary, seed, d, heads, scale, unit,
+                                                                       progress)
     m = tokens_per_query(split.ranks)
-    work = len(sequences) * heads * (m + 1) * d * (layer.K.shape[2] + layer.O.shape[2])
-    refined = work <= REFINE_WORK
-    if refined:
-        result = refine(layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit:
-                        note_progress(progress, f"whole answers: Gauss-Newton step {step}, misfit {misfit:.3g}"))
-        layer = result.layer
+    score_work = 2 * len(sequences) * heads * d * (m + 1 + max(split.ranks))
+    refinement = "full" if full else "scores" if score_work <= SCORE_REFINE_WORK else ""
+    if refinement:
+        layer = (refine if full else refine_scores)(
+            layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit: note_progress(
+                progress, f"whole answers: Gauss-Newton step {step} ({refinement}), misfit {misfit:.3g}")).layer
     model = layer.model()
-    residual = float(np.sqrt(np.mean((model(sequences) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
+    residual = float(np.sqrt(np.mean((_outputs(model, sequences) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
                             scale, (0.5, 1.0, 2.0))
     held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))
@@ -180,4 +206,4 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
         error_estimate=float(estimate), answers_residual=residual, seconds=time.perf_counter() - started,
         checks=checks, verification=verification,
         vector_bound=vector_bound(d, heads, max(split.ranks), d_out), value_ranks=list(split.ranks),
-        score_ranks=score_ranks, split_conditioning=split.conditioning, refined=refined)
+        score_ranks=score_ranks, split_conditioning=split.conditioning, refined=bool(refinement), refinement=refinement)

@@ -1,5 +1,7 @@
 """Gauss-Newton on every unsaturated whole answer, each step solved by LSQR without forming the
-Jacobian (docs/algorithm.md, 'Whole answers near the vector bound').
+Jacobian (docs/algorithm.md, 'Whole answers near the vector bound'): :func:`refine` fits every
+parameter to the whole answers; :func:`refine_scores`, for layers where that costs too much, only
+the scores' parameters, each head against its own coordinates of the answers.
 
 The start from the split (:mod:`.split`, :mod:`.scores`) carries the conditioning of each step; the
 refinement fits all parameters of the factored layer (:mod:`.factored`) to all answers at once, so
@@ -13,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.linalg import solve_triangular
 from scipy.sparse.linalg import LinearOperator, lsqr
 
-from .factored import BLOCKS, FactoredLayer, forward, grouped, jvp, vjp
+from .factored import BLOCKS, FactoredLayer, forward, grouped, jvp, score_jvp, score_vjp, vjp
 
 #: Queries per chunk of the Jacobian products (memory: a chunk's weights and means, B H (N + d)).
 CHUNK = 512
@@ -24,6 +27,8 @@ LSQR_ITERATIONS = 400
 STEPS = 8
 #: A step that lowers the misfit by less than this fraction ends the refinement.
 STALL = 0.05
+#: :func:`refine_scores`: LSQR iterations per step and steps at most.
+SCORE_ITERATIONS, SCORE_STEPS = 30, 8
 
 
 @dataclass
@@ -42,7 +47,7 @@ class _Data:
         for index, X in grouped(sequences):
             for start in range(0, len(index), CHUNK):
                 part = index[start:start + CHUNK]
-                self.chunks.append((part, X[start:start + CHUNK]))
+                self.chunks.append((part, X[start:start + CHUNK].astype(np.float64)))  # float32 score tokens
         self.answers = answers
         self.scale = float(np.sqrt(np.mean(answers ** 2))) or 1.0
 
@@ -90,18 +95,14 @@ def _column_scale(layer: FactoredLayer, data: _Data, forwards, rng: np.random.Ge
     return scale
 
 
-def refine(layer: FactoredLayer, sequences, answers: np.ndarray, rng: np.random.Generator,
-           steps: int = STEPS, on_step=None) -> Refinement:
-    """Gauss-Newton from ``layer`` on ``answers`` (n, d_out) to ``sequences``."""
-    data = _Data(sequences, np.asarray(answers, dtype=np.float64))
+def _descend(layer: FactoredLayer, data: _Data, step, steps: int, on_step) -> Refinement:
+    """Gauss-Newton steps ``step(layer, forwards, residual)`` while each lowers the misfit, until one
+    gains less than ``STALL`` or after ``steps``."""
     forwards, residual = data.residual(layer)
     misfit = float(np.sqrt(np.mean(residual ** 2))) / data.scale
     before, done = misfit, 0
     for done in range(1, steps + 1):
-        scale = _column_scale(layer, data, forwards, rng)
-        operator = _operator(layer, data, forwards, scale)
-        solution = lsqr(operator, residual.ravel(), atol=1e-16, btol=1e-16, iter_lim=LSQR_ITERATIONS)[0]
-        trial = layer.shaped(layer.flat() + solution * scale)
+        trial = step(layer, forwards, residual)
         trial_forwards, trial_residual = data.residual(trial)
         trial_misfit = float(np.sqrt(np.mean(trial_residual ** 2))) / data.scale
         if on_step is not None:
@@ -115,4 +116,97 @@ def refine(layer: FactoredLayer, sequences, answers: np.ndarray, rng: np.random.
     return Refinement(layer, before, misfit, done)
 
 
-__all__ = ["Refinement", "refine", "BLOCKS"]
+def refine(layer: FactoredLayer, sequences, answers: np.ndarray, rng: np.random.Generator,
+           steps: int = STEPS, on_step=None) -> Refinement:
+    """Gauss-Newton from ``layer`` on ``answers`` (n, d_out) to ``sequences``."""
+    data = _Data(sequences, np.asarray(answers, dtype=np.float64))
+
+    def step(layer, forwards, residual):
+        scale = _column_scale(layer, data, forwards, rng)
+        operator = _operator(layer, data, forwards, scale)
+        solution = lsqr(operator, residual.ravel(), atol=1e-16, btol=1e-16, iter_lim=LSQR_ITERATIONS)[0]
+        return layer.shaped(layer.flat() + solution * scale)
+
+    return _descend(layer, data, step, steps, on_step)
+
+
+def _widths(blocks: np.ndarray) -> list[int]:
+    """Per head, the number of non-zero columns of a padded block (H, rows, width)."""
+    return [int(np.count_nonzero(np.abs(block).sum(axis=0))) for block in blocks]
+
+
+def _whitener(moments: np.ndarray) -> np.ndarray:
+    """The lower Cholesky factor of a second-moment matrix, its null directions (padding) given unit weight."""
+    alive = np.abs(moments).sum(axis=0) > 0
+    return np.linalg.cholesky(np.where(np.outer(alive, alive), moments, 0.0) + np.diag(~alive * 1.0)
+                              + 1e-14 * np.trace(moments) * np.eye(len(moments)))
+
+
+def _score_step(layer: FactoredLayer, data: _Data, forwards, residual: np.ndarray, rng: np.random.Generator,
+                iterations: int) -> FactoredLayer:
+    """One Gauss-Newton step on the scores' parameters of every head, each against its coordinates
+    ``z_h = [O^+]_h e`` of the residual, by LSQR on the whitened parameters: ``dK_h = Y_h L_h^-T``
+    with ``L_h L_h^T = E[g_h g_h^T]`` and ``[dG_h | dbeta_h] = Z_h L^-T`` with ``L L^T = E[t~ t~^T]``,
+    ``t~ = (x_N, 1)`` (the two blocks' columns are then about equally informative)."""
+    H, d, k = layer.K.shape
+    r, ranks = layer.O.shape[2], _widths(layer.O)
+    n = data.answers.shape[0]
+    stacked = np.linalg.pinv(np.concatenate([layer.O[h][:, :rank] for h, rank in enumerate(ranks)], axis=1))
+    target, start = np.zeros((n, H, r)), 0
+    for h, rank in enumerate(ranks):
+        target[:, h, :rank] = residual @ stacked[start:start + rank].T
+        start += rank
+    moments = sum(np.matmul(fw.g.transpose(1, 2, 0), fw.g.transpose(1, 0, 2)) for fw in forwards) / n
+    finals = [np.concatenate([fw.X[:, -1], np.ones((len(fw.X), 1))], axis=1) for fw in forwards]
+    Lg = np.stack([_whitener(moment) for moment in moments])
+    Lt = _whitener(sum(final.T @ final for final in finals) / n)
+    sizes = (H * d * k, H * k * (d + 1))
+
+    def unwhiten(vector):
+        Y, Z = vector[:sizes[0]].reshape(H, d, k), vector[sizes[0]:].reshape(H * k, d + 1)
+        dK = np.stack([solve_triangular(Lg[h], Y[h].T, lower=True, trans="T").T for h in range(H)])
+        dGt = solve_triangular(Lt, Z.T, lower=True, trans="T").T.reshape(H, k, d + 1)
+        return dK, dGt[:, :, :d], dGt[:, :, d]
+
+    def whiten_transpose(dK, dG, dbeta):
+        Y = np.stack([solve_triangular(Lg[h], dK[h].T, lower=True).T for h in range(H)])
+        Z = solve_triangular(Lt, np.concatenate([dG, dbeta[:, :, None]], axis=2).reshape(H * k, d + 1).T, lower=True).T
+        return np.concatenate([Y.ravel(), Z.ravel()])
+
+    scale = np.ones(sum(sizes))
+
+    def matvec(vector):
+        step, out = unwhiten(vector * scale), np.empty((n, H, r))
+        for (part, _), fw in zip(data.chunks, forwards):
+            out[part] = score_jvp(layer, fw, *step)
+        return out.ravel()
+
+    def rmatvec(vector):
+        e, total = vector.reshape(n, H, r), 0.0
+        for (part, _), fw in zip(data.chunks, forwards):
+            total = total + whiten_transpose(*score_vjp(layer, fw, e[part]))
+        return total * scale
+
+    squares = sum(rmatvec(rng.choice([-1.0, 1.0], size=n * H * r)) ** 2 for _ in range(4)) / 4
+    for part in (slice(0, sizes[0]), slice(sizes[0], None)):  # block RMS, as in _column_scale
+        block = squares[part]
+        alive = block > 1e-30 * block.max(initial=0.0)
+        scale[part] = np.where(alive, 1.0 / np.sqrt(np.where(alive, block, 1.0)), 0.0)
+    operator = LinearOperator((n * H * r, sum(sizes)), matvec=matvec, rmatvec=rmatvec, dtype=np.float64)
+    dK, dG, dbeta = unwhiten(lsqr(operator, target.ravel(), atol=1e-16, btol=1e-16, iter_lim=iterations)[0] * scale)
+    K, G, beta = layer.K + dK, layer.G + dG, layer.beta + dbeta
+    for h, width in enumerate(_widths(layer.K)):  # K_h orthonormal again: K_h = Q R, (G_h, beta_h) <- R (G_h, beta_h)
+        Q, R = np.linalg.qr(K[h][:, :width])
+        K[h][:, :width], G[h][:width], beta[h][:width] = Q, R @ G[h][:width], R @ beta[h][:width]
+    return FactoredLayer(K, G, beta, layer.O, layer.P, layer.c)
+
+
+def refine_scores(layer: FactoredLayer, sequences, answers: np.ndarray, rng: np.random.Generator,
+                  steps: int = SCORE_STEPS, on_step=None) -> Refinement:
+    """Gauss-Newton on the scores' parameters only, the split's values kept (:func:`_score_step`)."""
+    data = _Data(sequences, np.asarray(answers, dtype=np.float64))
+    return _descend(layer, data, lambda layer, forwards, residual: _score_step(
+        layer, data, forwards, residual, rng, SCORE_ITERATIONS), steps, on_step)
+
+
+__all__ = ["Refinement", "refine", "refine_scores", "BLOCKS"]

@@ -20,12 +20,25 @@ import numpy as np
 from .split import Split, exact_tokens
 from .values import SplitUnavailable
 
-#: Oversampling of the equations per final token (phase 1: d unknowns, phase 2: k_h).
-OVERSAMPLE = 1.5
-#: Final tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning).
-EXTRA_FINALS = 0.125
+#: Oversampling of the equations per final token (phase 1: d unknowns, phase 2: k_h) and final
+#: tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning): where
+#: every parameter is refined on every answer afterwards (``FITTED``), and where only the scores'
+#: parameters are (``SCORES_ONLY``: the start must then carry the precision itself, at d = 256,
+#: H = 8 output error 6e-12 with the first, 8e-13 with the second).
+FITTED, SCORES_ONLY = (1.5, 0.125), (3.0, 1.0)
 #: Final tokens added per round of phase 1.
 FINALS_PER_ROUND = 8
+#: The scores' token scale is set so that the log-ratios ``log(a_i / a_N)`` have about this RMS:
+#: soft attention, every weight well above the answers' rounding, so each query tells about W_h in
+#: every direction (at the calibrated scale of a GPT-2-class layer the RMS is about 3, many weights
+#: are near 0 and W_h comes out 400 times worse).
+SCORE_SPREAD = 0.35
+#: Pilot queries per look at the spread (two looks: the scores are not exactly quadratic in the scale).
+PILOT_QUERIES, PILOT_LOOKS = 8, 2
+#: Final tokens per batch of phase 2 (its equations' working memory: at d = 768 all at once was GBs).
+PHASE2_FINALS = 128
+#: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
+CGLS_ITERATIONS = 200
 
 
 @dataclass
@@ -34,7 +47,7 @@ class ScoreBatch:
     ``finals`` (F, d), the tokens ``X`` (F per_final, m + 1, d) and their whole answers; ``full``:
     phase 1 (``q_h`` in full) or phase 2 (its coordinates in ``K_h``)."""
 
-    X: np.ndarray
+    X: np.ndarray   # float32 (exact: the tokens asked are float32 numbers)
     answers: np.ndarray
     finals: np.ndarray
     per_final: int
@@ -58,35 +71,37 @@ def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) ->
     return weights
 
 
-def _equations(X: np.ndarray, a: np.ndarray):
-    """Rows ``x_i - t`` (B, m, d), log-ratios (B, m) and their weights (B, m) (the inverse of the
-    log-ratios' sensitivity to the weights' error, 0 where a weight is not positive)."""
-    rows = X[:, :-1] - X[:, -1:]
+def _equations(a: np.ndarray):
+    """Log-ratios (B, m) and their weights (B, m) (the inverse of the log-ratios' sensitivity to the
+    weights' error, 0 where a weight is not positive)."""
     positive = (a > 0).all(axis=1)
     safe = np.where(a > 0, a, 1.0)
     ratios = np.log(safe[:, :-1]) - np.log(safe[:, -1:])
     weight = 1.0 / np.sqrt(1.0 / safe[:, :-1] ** 2 + 1.0 / safe[:, -1:] ** 2)
-    return rows, ratios, weight * positive[:, None]
+    return ratios, weight * positive[:, None]
 
 
 def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
-    """Per head the equations (rows, ratios, weights), each (F, per_final m, ...), of one batch."""
+    """``(rows, per_head)``: the rows ``x_i - t`` (F, per_final m, d), shared by every head, and per
+    head the log-ratios and their weights (F, per_final m) of one batch."""
     F, d, m = len(batch.finals), batch.X.shape[2], batch.X.shape[1] - 1
-    per_head = []
-    for a in _weights(split, batch.X, batch.answers, c):
-        rows, ratios, weight = _equations(batch.X, a)
-        per_head.append((rows.reshape(F, batch.per_final * m, d), ratios.reshape(F, -1), weight.reshape(F, -1)))
-    return per_head
+    X = batch.X.astype(np.float64)  # the differences in float64: float32 tokens, exact differences
+    rows = (X[:, :-1] - X[:, -1:]).reshape(F, batch.per_final * m, d)
+    return rows, [tuple(part.reshape(F, -1) for part in _equations(a))
+                  for a in _weights(split, X, batch.answers, c)]
 
 
 def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float, unit: float, full: bool,
          description: str) -> ScoreBatch:
+    """Queries of m random tokens before each final token. Their tokens are float32 numbers (exact in
+    float64: the oracle gets float64 arrays) and are kept as float32: every score query's tokens are
+    held for the refinement and the residual, half the memory (at d = 768, 1.5 GB instead of 3)."""
     F, d = finals.shape
     others = rng.standard_normal((F, per_final, m, d)) * scale / np.sqrt(d)
-    X = exact_tokens(np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2),
-                     unit).reshape(F * per_final, m + 1, d)
-    answers = np.asarray(boundary.ask(list(X), description, whole=True))
-    return ScoreBatch(X, answers, finals, per_final, full)
+    X = np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2)
+    X = X.astype(np.float32).reshape(F * per_final, m + 1, d)
+    answers = np.asarray(boundary.ask([x.astype(np.float64) for x in X], description, whole=True))
+    return ScoreBatch(X, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
 
 
 def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -94,6 +109,41 @@ def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarr
     A = rows * weight[..., None]
     b = ratios * weight
     return np.stack([np.linalg.lstsq(A_f, b_f, rcond=None)[0] for A_f, b_f in zip(A, b)])
+
+
+def _solve_heads(rows: np.ndarray, per_head: list) -> list[np.ndarray]:
+    """Per head, the weighted least squares of :func:`_solve` on rows shared by every head, (F, n, d)
+    -> (F, d) each: one QR ``rows_f = Q R`` per final token serves all heads, then CGLS on
+    ``diag(w_h) Q y = diag(w_h) rho_h`` for all heads at once (its condition number is the weights'
+    spread, small at the scores' token scale), ``q_h = R^-1 y``. A head whose CGLS does not settle in
+    ``CGLS_ITERATIONS`` (weights spread over many orders) is solved by :func:`_solve`."""
+    F, n, d = rows.shape
+    out = [np.empty((F, d)) for _ in per_head]
+    for f in range(F):
+        Q, R = np.linalg.qr(rows[f])
+        w = np.stack([weight[f] for _, weight in per_head], axis=1)              # (n, H)
+        b = np.stack([ratios[f] for ratios, _ in per_head], axis=1) * w
+        y = Q.T @ (b / np.where(w > 0, w, 1.0) * (w > 0))                       # the unweighted solution
+        residual = b - w * (Q @ y)
+        gradient = Q.T @ (w * residual)
+        direction, gamma = gradient.copy(), (gradient ** 2).sum(axis=0)
+        settled = np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
+        for _ in range(CGLS_ITERATIONS):
+            if settled.all():
+                break
+            image = w * (Q @ direction)
+            alpha = gamma / np.maximum((image ** 2).sum(axis=0), 1e-300) * ~settled
+            y += alpha * direction
+            residual -= alpha * image
+            gradient = Q.T @ (w * residual)
+            new_gamma = (gradient ** 2).sum(axis=0)
+            direction = gradient + new_gamma / np.maximum(gamma, 1e-300) * direction
+            gamma = new_gamma
+            settled |= np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
+        for h, (ratios, weight) in enumerate(per_head):
+            out[h][f] = (np.linalg.solve(R, y[:, h]) if settled[h]
+                         else _solve(rows[f:f + 1], ratios[f:f + 1], weight[f:f + 1])[0])
+    return out
 
 
 def _rank(vectors: np.ndarray, unit: float) -> int:
@@ -110,7 +160,7 @@ def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch], solved
     full = [[] for _ in range(heads)]
     for index, batch in enumerate(batches):
         if index not in solved:
-            solved[index] = [_solve(*equations) for equations in _batch_equations(split, c, batch)]
+            solved[index] = _solve_heads(*_batch_equations(split, c, batch))
         for h in range(heads):
             full[h].append(solved[index][h])
     return finals, [np.concatenate(q) for q in full]
@@ -129,8 +179,9 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
         if batch.full:
             continue
         finals = np.concatenate([finals, batch.finals])
+        rows, per_head = _batch_equations(split, c, batch)
         coordinates = [np.concatenate([g, _solve(rows @ K, ratios, weight)])
-                       for g, K, (rows, ratios, weight) in zip(coordinates, bases, _batch_equations(split, c, batch))]
+                       for g, K, (ratios, weight) in zip(coordinates, bases, per_head)]
     d = finals.shape[1]
     design = np.concatenate([finals, np.ones((len(finals), 1))], axis=1)
     G, beta = [], []
@@ -143,23 +194,60 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
     return bases, G, beta, ranks
 
 
-def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float):
-    """``(K, G, beta, batches)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h`` (k_h),
-    and the batches asked (:class:`ScoreBatch`)."""
+def _spread(split: Split, c: np.ndarray, batch: ScoreBatch) -> float:
+    """RMS of the log-ratios over every head of a batch's queries (where all its weights are positive)."""
+    ratios = [ratios[weight > 0] for ratios, weight in _batch_equations(split, c, batch)[1]]
+    values = np.concatenate([r.ravel() for r in ratios])
+    return float(np.sqrt(np.mean(values ** 2))) if values.size else float("inf")
+
+
+def score_scale(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float, m: int):
+    """``(scale, pilots)``: the token scale at which the log-ratios' RMS is about ``SCORE_SPREAD``
+    (never above the calibrated one), from ``PILOT_LOOKS`` pilot batches (which the refinement fits too).
+    The log-ratios ``(x_i - t)^T (W_h t + u_h)`` grow as the scale squared where W_h dominates."""
+    pilots = []
+    for _ in range(PILOT_LOOKS):
+        finals = exact_tokens(rng.standard_normal((PILOT_QUERIES, d)) * scale / np.sqrt(d), unit)
+        pilots.append(_ask(boundary, rng, finals, 1, m, scale, unit, True, "weights: the scores' token scale"))
+        spread = _spread(split, c, pilots[-1])
+        if np.isfinite(spread) and spread > 0:
+            scale *= min(1.0, float(np.sqrt(SCORE_SPREAD / spread)))
+    return scale, pilots
+
+
+def score_queries(d: int, ranks: list[int], design: tuple[float, float]) -> int:
+    """About how many queries :func:`learn_scores` asks (phase 1 over ``k + 3`` final tokens, k taken
+    as the widest value rank)."""
+    m, k = tokens_per_query(ranks), max(ranks)
+    oversample, extra = design
+    finals = d + 1 + max(4, int(extra * d))
+    return ((k + 3) * int(np.ceil(oversample * d / m)) + (finals - k - 3) * int(np.ceil(oversample * k / m))
+            + PILOT_LOOKS * PILOT_QUERIES)
+
+
+def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float,
+                 design: tuple[float, float] = FITTED):
+    """``(K, G, beta, batches, scale)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h``
+    (k_h), the batches asked (:class:`ScoreBatch`, the pilots of :func:`score_scale` first) and the
+    scores' token scale. ``design``: ``FITTED`` or ``SCORES_ONLY``."""
     heads, m = len(split.ranks), tokens_per_query(split.ranks)
-    finals_needed = d + 1 + max(4, int(EXTRA_FINALS * d))
+    oversample, extra = design
+    scale, pilots = score_scale(boundary, rng, d, scale, split, c, unit, m)
+    finals_needed = d + 1 + max(4, int(extra * d))
     new_finals = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
     batches, asked, solved = [], 0, {}
     while True:  # phase 1: q_h(t) in full, until every head's span stopped growing
         count = min(FINALS_PER_ROUND, finals_needed - asked)
-        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(OVERSAMPLE * d / m)), m, scale, unit,
+        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit,
                             True, "weights: whole score vectors"))
         asked += count
         ranks = [_rank(q, unit) for q in _full_vectors(split, c, batches, solved)[1]]
         if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
             break
-    if finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
-        batches.append(_ask(boundary, rng, new_finals(finals_needed - asked), int(np.ceil(OVERSAMPLE * max(ranks) / m)),
-                            m, scale, unit, False, "weights: score coordinates"))
+    while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
+        count = min(PHASE2_FINALS, finals_needed - asked)
+        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * max(ranks) / m)), m, scale, unit,
+                            False, "weights: score coordinates"))
+        asked += count
     K, G, beta, ranks = solve_scores(split, c, batches, unit, ranks, solved)
-    return K, G, beta, batches
+    return K, G, beta, pilots + batches, scale
