@@ -6,7 +6,7 @@ noise. The whole start on a trained layer is tests/test_zoo.py's float32 Llama c
 import numpy as np
 import pytest
 
-from mhaextract.rotary.completion import complete_low_rank
+from mhaextract.rotary.completion import complete_low_rank, completion_rank
 from mhaextract.rotary.learn import MISMATCHED_TOKEN, log_score_weights, mismatched_tokens, reference_final
 
 
@@ -15,7 +15,8 @@ def test_a_weighted_completion_reads_a_trained_spectrum_through_uneven_noise(see
     """A rank-8 grid whose singular values fall 30-fold (a trained head's, docs/trained-layers.md),
     each entry with its own noise (1e-6..1e-3 of the grid's largest entry: log-scores of crowded
     or distant poles), 15% missing: weighed by the entries' inverse variances the completion is
-    within 3e-4 of the truth everywhere, and at least five times closer than without weights."""
+    within 3e-4 of the truth everywhere, and at least five times closer than without weights; the
+    weighted rank search, its misfits in the entries' standard deviations, finds the width."""
     rng = np.random.default_rng(seed)
     left, right = (np.linalg.qr(rng.normal(size=(size, 8)))[0] for size in (38, 36))
     truth = (left * np.geomspace(30, 1, 8)) @ right.T
@@ -28,6 +29,7 @@ def test_a_weighted_completion_reads_a_trained_spectrum_through_uneven_noise(see
                                                                                      ("plain", plain)]}
     assert error["weighted"] <= 3e-4
     assert 5 * error["weighted"] <= error["plain"]
+    assert completion_rank(grid, noisy=True, weights=1 / sigma ** 2) == 8
 
 
 def test_the_reference_final_is_the_one_whose_self_poles_lie_furthest_apart():

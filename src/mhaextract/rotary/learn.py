@@ -569,7 +569,7 @@ class RotaryLearner:
         if self.rank:
             widths = [self.rank] * H
         else:
-            widths, borrowed = head_widths(log_E[0], noisy=noisy)
+            widths, borrowed = head_widths(log_E[0], noisy=noisy, weights=None if weights is None else weights[0])
             diagnostics.update(widths_from_other_heads=borrowed)
         log_E = complete_low_rank(log_E, np.array([widths, widths]), weights=weights)
         # Assembly by least squares over what held: Z_r^T [W(delta) | u(delta)] X_c = L,
