@@ -69,6 +69,13 @@ CHANNELS_PER_HEAD = 2
 #: A token whose offset instances' matching misfits have a median this many times the median of
 #: all was ordered wrongly (float32 answers; ``mismatched_tokens``): left out.
 MISMATCHED_TOKEN = 10.0
+#: Float64 answers whose offset instances' median matching misfit exceeds this give log-scores as
+#: noisy as float32 answers do, and the start treats them so (the finals' labels re-measured, tokens
+#: ordered wrongly left out, the grids weighed by their noise): on the trained Qwen2 layer
+#: qwen2-d32-h4/0 in float64 the key the key-neutral token leaves made it 5e-5, and the unweighted
+#: start read a head width of 22 (of 8) and failed its structure in all three draws; exact float64
+#: starts of random layers stay below (the rotary identity cases unchanged).
+NOISY_MATCH = 1e-5
 #: Spare final and key tokens beyond the d (+1) the assembly needs; with float32 answers, where a few
 #: more tokens lose too many entries to be kept (d = 32, H = 4: three finals with two spares).
 SPARE_TOKENS = 2
@@ -529,11 +536,12 @@ class RotaryLearner:
         # Each offset instance's poles assigned to the ordered heads by the key labels; then each
         # key's labels re-measured as the median of what its offset instances imply (a key
         # instance whose heads' poles nearly coincide fits those labels poorly), and assigned again.
-        # From float32 answers the finals' labels too: a self instance's poles within 0.05 in log
-        # split its labels 0.4 off (a trained Llama layer at d = 32, 15% of its finals), where
-        # float64 fits leave them accurate.
-        noisy = unit > FIRST_LOOK_UNIT
-        log_E, implied_z, implied_x, _, limit = self._assign_poles(label_z, known_z, *ordered)
+        # With noisy log-scores (float32 answers, or float64 ones whose matching misfits say so) the
+        # finals' labels too: a self instance's poles within 0.05 in log split its labels 0.4 off (a
+        # trained Llama layer at d = 32, 15% of its finals), where exact float64 fits leave them accurate.
+        log_E, implied_z, implied_x, first, limit = self._assign_poles(label_z, known_z, *ordered)
+        first = first[np.isfinite(first)]
+        noisy = unit > FIRST_LOOK_UNIT or (first.size > 0 and float(np.median(first)) > NOISY_MATCH)
         label_z = _remeasured(label_z, implied_z.reshape(-1, n_key, H))
         if noisy:
             label_x_ordered = _remeasured(label_x_ordered, implied_x.transpose(0, 2, 1, 3).reshape(-1, n_final, H))
