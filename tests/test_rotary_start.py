@@ -67,3 +67,5 @@ def test_log_scores_of_crowded_or_small_poles_weigh_less():
     assert weights[1, 1] < weights[1, 0]             # and a small E besides
     crowded = log_score_weights(log_E, np.array([[1.0, 1.01]]), offset_P)[:, :, 0, 0]
     assert crowded[0, 0] < weights[0, 0] / 10        # its self poles 0.01 apart
+    alone = log_score_weights(log_E[:, :1], tau[:, :1], offset_P[..., :1])     # one head: no crowding
+    assert np.isfinite(alone).all() and (alone > 0).all()

@@ -27,6 +27,7 @@ run's result (:class:`RotaryExtraction`); the run itself, step by step, is :mod:
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -294,7 +295,8 @@ def log_score_weights(log_E: np.ndarray, tau: np.ndarray, offset_P: np.ndarray) 
     relative error grows as the other poles of its fit crowd it, about as the inverse of the log
     distance to the nearest one (float32 answers, a trained Llama layer at d = 32: median log-score
     errors 1.3e-4 beyond 0.3, 1.8e-3 at 0.03..0.1, 1.7e-2 within 0.01). Each entry's standard
-    deviation is taken as ``(P / g_P + tau / g_tau) / E``, g the log distances (at least 1e-3)."""
+    deviation is taken as ``(P / g_P + tau / g_tau) / E``, g the log distances within 1e-3..1 (a
+    pole with no other within a factor e, or alone in its fit, has the answers' own error)."""
     E = np.exp(log_E)
     tau_grid = tau.T[None, :, None, :]                                      # (1, H, 1, n_final)
     P = E + tau_grid + np.asarray(OFFSETS)[:, None, None, None]
@@ -303,7 +305,7 @@ def log_score_weights(log_E: np.ndarray, tau: np.ndarray, offset_P: np.ndarray) 
         gap_P = _second_smallest(np.abs(np.log(P)[..., None] - others))    # the nearest beside itself
         own = np.log(tau)
         gap_tau = _second_smallest(np.abs(own[:, :, None] - own[:, None, :])).T  # (H, n_final)
-        sigma = (P / np.maximum(gap_P, 1e-3) + tau_grid / np.maximum(gap_tau, 1e-3)[None, :, None, :]) / E
+        sigma = (P / np.clip(gap_P, 1e-3, 1.0) + tau_grid / np.clip(gap_tau, 1e-3, 1.0)[None, :, None, :]) / E
         return 1.0 / sigma ** 2
 
 
@@ -314,7 +316,8 @@ def mismatched_tokens(worst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with float32 answers (median misfits of 1e-2, a limit up to ``MATCH_WRONG``) many of those
     still pass the limit and carry another head's log-scores into the grids, a whole row or column
     that a rank-r completion fits by its own factor (and the rank search by one rank more)."""
-    with np.errstate(all="ignore"):
+    with warnings.catch_warnings():  # a token whose instances all failed: an All-NaN slice, not flagged
+        warnings.simplefilter("ignore", RuntimeWarning)
         typical = np.nanmedian(np.where(np.isfinite(worst), worst, np.nan))
         keys = np.nanmedian(np.where(np.isfinite(worst), worst, np.nan), axis=(0, 2))
         finals = np.nanmedian(np.where(np.isfinite(worst), worst, np.nan), axis=(0, 1))
@@ -332,7 +335,8 @@ def _remeasured(labels: np.ndarray, implied: np.ndarray) -> np.ndarray:
     """Each token's labels (n, H) as the median of what its instances imply (m, n, H), where at
     least three of them do; the labels given elsewhere."""
     counted = np.isfinite(implied).sum(axis=0) >= 3
-    with np.errstate(all="ignore"):
+    with warnings.catch_warnings():  # tokens with no finite implied label: All-NaN slices, not used
+        warnings.simplefilter("ignore", RuntimeWarning)
         return np.where(counted, np.nanmedian(implied, axis=0), labels)
 
 
@@ -542,6 +546,8 @@ class RotaryLearner:
         log_E, implied_z, implied_x, first, limit = self._assign_poles(label_z, known_z, *ordered)
         first = first[np.isfinite(first)]
         noisy = unit > FIRST_LOOK_UNIT or (first.size > 0 and float(np.median(first)) > NOISY_MATCH)
+        if noisy:  # the run seeds the slow blocks of such a start, float64 answers or not
+            diagnostics.update(noisy_log_scores=True)
         label_z = _remeasured(label_z, implied_z.reshape(-1, n_key, H))
         if noisy:
             label_x_ordered = _remeasured(label_x_ordered, implied_x.transpose(0, 2, 1, 3).reshape(-1, n_final, H))
