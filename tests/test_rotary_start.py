@@ -69,3 +69,25 @@ def test_log_scores_of_crowded_or_small_poles_weigh_less():
     assert crowded[0, 0] < weights[0, 0] / 10        # its self poles 0.01 apart
     alone = log_score_weights(log_E[:, :1], tau[:, :1], offset_P[..., :1])     # one head: no crowding
     assert np.isfinite(alone).all() and (alone > 0).all()
+
+
+def test_a_failed_float64_run_from_noisy_log_scores_names_them():
+    """The answers_residual hint of a float64 run whose instances' log-scores were as noisy as float32's
+    (the start's median matching misfit above NOISY_MATCH), naming the key-neutral token's leftover
+    key where there is one; nothing for a run that passed, a float32 run, or an exact start."""
+    from types import SimpleNamespace
+
+    from mhaextract.rotary.learn import NOISY_MATCH
+    from mhaextract.rotary.run import _noisy_float64_start
+
+    def run(**changes):
+        fields = dict(coarse=False, diagnostics={"noisy_log_scores": True, "match_quantiles": [5e-5, 1e-2]},
+                      residual=1e-3, residual_limit=1e-9, neutral=object())
+        return SimpleNamespace(**{**fields, **changes})
+
+    assert 5e-5 > NOISY_MATCH
+    said = _noisy_float64_start(run())
+    assert "median matching misfit 5e-05" in said and "key-neutral token leaves a key" in said
+    assert "key-neutral" not in _noisy_float64_start(run(neutral=None)) != ""
+    for quiet in (run(residual=1e-10), run(coarse=True), run(diagnostics={})):
+        assert _noisy_float64_start(quiet) == ""
