@@ -295,8 +295,8 @@ def log_score_weights(log_E: np.ndarray, tau: np.ndarray, offset_P: np.ndarray) 
     relative error grows as the other poles of its fit crowd it, about as the inverse of the log
     distance to the nearest one (float32 answers, a trained Llama layer at d = 32: median log-score
     errors 1.3e-4 beyond 0.3, 1.8e-3 at 0.03..0.1, 1.7e-2 within 0.01). Each entry's standard
-    deviation is taken as ``(P / g_P + tau / g_tau) / E``, g the log distances within 1e-3..1 (a
-    pole with no other within a factor e, or alone in its fit, has the answers' own error)."""
+    deviation is taken as ``(P / g_P + tau / g_tau) / E``, g the log distances (at least 1e-3; 1
+    for a pole alone in its fit, one head)."""
     E = np.exp(log_E)
     tau_grid = tau.T[None, :, None, :]                                      # (1, H, 1, n_final)
     P = E + tau_grid + np.asarray(OFFSETS)[:, None, None, None]
@@ -305,7 +305,8 @@ def log_score_weights(log_E: np.ndarray, tau: np.ndarray, offset_P: np.ndarray) 
         gap_P = _second_smallest(np.abs(np.log(P)[..., None] - others))    # the nearest beside itself
         own = np.log(tau)
         gap_tau = _second_smallest(np.abs(own[:, :, None] - own[:, None, :])).T  # (H, n_final)
-        sigma = (P / np.clip(gap_P, 1e-3, 1.0) + tau_grid / np.clip(gap_tau, 1e-3, 1.0)[None, :, None, :]) / E
+        gap_P, gap_tau = (np.where(np.isinf(gap), 1.0, np.maximum(gap, 1e-3)) for gap in (gap_P, gap_tau))
+        sigma = (P / gap_P + tau_grid / gap_tau[None, :, None, :]) / E
         return 1.0 / sigma ** 2
 
 
