@@ -68,14 +68,14 @@ ZEROS_PER_SAMPLE = 9
 #: Channels of a whole layer's answers per head that join the instances' fits (``channel_projection``).
 CHANNELS_PER_HEAD = 2
 #: A token whose offset instances' matching misfits have a median this many times the median of
-#: all was ordered wrongly (float32 answers; ``mismatched_tokens``): left out.
+#: all was ordered wrongly (noisy log-scores; ``mismatched_tokens``): left out.
 MISMATCHED_TOKEN = 10.0
 #: Float64 answers whose offset instances' median matching misfit exceeds this give log-scores as
 #: noisy as float32 answers do, and the start treats them so (the finals' labels re-measured, tokens
 #: ordered wrongly left out, the grids weighed by their noise): on the trained Qwen2 layer
 #: qwen2-d32-h4/0 in float64 the key the key-neutral token leaves made it 5e-5, and the unweighted
 #: start read a head width of 22 (of 8) and failed its structure in all three draws; exact float64
-#: starts of random layers stay below (the rotary identity cases unchanged).
+#: starts of random layers stay far below (the float64 rotary cases of benchmarks/bench_identity.py among them).
 NOISY_MATCH = 1e-5
 #: Spare final and key tokens beyond the d (+1) the assembly needs; with float32 answers, where a few
 #: more tokens lose too many entries to be kept (d = 32, H = 4: three finals with two spares).

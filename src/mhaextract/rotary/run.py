@@ -444,8 +444,8 @@ def seed_slow_blocks(run: RotaryRun):
 
 def refine_start(run: RotaryRun) -> None:
     """The refinement (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows',
-    'Refinement' and 'High precision'): the polish queries, the slow blocks seeded (float32 answers), the
-    steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
+    'Refinement' and 'High precision'): the polish queries, the slow blocks seeded (float32 answers, or a
+    start from log-scores as noisy as theirs), the steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
     ask_polish_queries(run)
     # a start from noisy log-scores has the slow blocks' angles and planes in the noise, float64 answers or not
     noisy_start = run.coarse or run.diagnostics.get("noisy_log_scores", False)
