@@ -114,6 +114,17 @@ def _fewer_bits(precision: int | None, residual: float, limit: float, float64_un
             f"precision={precision}, would give: run at the oracle's own precision")
 
 
+def _noisy_float64_start(run) -> str:
+    """Said by a failed float64 run whose instances' log-scores were as noisy as float32's (their
+    median matching misfit above ``NOISY_MATCH``): after a key-neutral token, the key it leaves."""
+    if run.coarse or not run.diagnostics.get("noisy_log_scores") or run.residual <= run.residual_limit:
+        return ""
+    median = (run.diagnostics.get("match_quantiles") or [np.nan])[0]
+    return (f"; the instances' log-scores were as noisy as float32 answers give (median matching misfit {median:.0e}, "
+            "exact float64 answers leave far less)" + (": the key-neutral token leaves a key, so zero tokens "
+                                                       "are no exact counters" if run.neutral is not None else ""))
+
+
 @dataclass(eq=False)
 class RotaryRun:
     """The state of one rotary run, filled in by the steps in order. What the caller passed:
@@ -433,10 +444,12 @@ def seed_slow_blocks(run: RotaryRun):
 
 def refine_start(run: RotaryRun) -> None:
     """The refinement (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows',
-    'Refinement' and 'High precision'): the polish queries, the slow blocks seeded (float32 answers), the
-    steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
+    'Refinement' and 'High precision'): the polish queries, the slow blocks seeded (float32 answers, or a
+    start from log-scores as noisy as theirs), the steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
     ask_polish_queries(run)
-    model, first = seed_slow_blocks(run) if run.coarse else (run.start, None)
+    # a start from noisy log-scores has the slow blocks' angles and planes in the noise, float64 answers or not
+    noisy_start = run.coarse or run.diagnostics.get("noisy_log_scores", False)
+    model, first = seed_slow_blocks(run) if noisy_start else (run.start, None)
     run.model, run.refinement = run.steps(model)
     if first is not None:
         run.refinement = replace(run.refinement, iterations=first.iterations + run.refinement.iterations,
@@ -468,7 +481,8 @@ def judge_residual(run: RotaryRun) -> None:
               f"max misfit of the model on the {len(run.sequences)} queries asked (instances and fresh polish "
               "queries), relative to the largest answer" + _fewer_bits(run.precision, run.residual,
                                                                          run.residual_limit,
-                                                                         run.unit <= FIRST_LOOK_UNIT)),
+                                                                         run.unit <= FIRST_LOOK_UNIT)
+              + _noisy_float64_start(run)),
     ]
 
 

@@ -1,0 +1,93 @@
+"""The rotary start from float32 answers on trained statistics (docs/algorithm.md, 'Rotary attention:
+positions, grouped heads and sliding windows', 'Matching' and 'Assembly'): the reference final
+token, tokens ordered wrongly, and the log-score grids completed with each entry weighed by its
+noise. The whole start on a trained layer is tests/test_zoo.py's float32 Llama case."""
+
+import numpy as np
+import pytest
+
+from mhaextract.rotary.completion import complete_low_rank, completion_rank
+from mhaextract.rotary.learn import MISMATCHED_TOKEN, log_score_weights, mismatched_tokens, reference_final
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_a_weighted_completion_reads_a_trained_spectrum_through_uneven_noise(seed):
+    """A rank-8 grid whose singular values fall 30-fold (a trained head's, docs/trained-layers.md),
+    each entry with its own noise (1e-6..1e-3 of the grid's largest entry: log-scores of crowded
+    or distant poles), 15% missing: weighed by the entries' inverse variances the completion is
+    within 3e-4 of the truth everywhere, and at least five times closer than without weights; the
+    weighted rank search, its misfits in the entries' standard deviations, finds the width."""
+    rng = np.random.default_rng(seed)
+    left, right = (np.linalg.qr(rng.normal(size=(size, 8)))[0] for size in (38, 36))
+    truth = (left * np.geomspace(30, 1, 8)) @ right.T
+    sigma = 10 ** rng.uniform(-6, -3, size=truth.shape) * np.abs(truth).max()
+    grid = truth + sigma * rng.standard_normal(truth.shape)
+    grid[rng.random(truth.shape) < 0.15] = np.nan
+    weighted = complete_low_rank(grid[None], np.array([8]), weights=1 / sigma[None] ** 2)[0]
+    plain = complete_low_rank(grid[None], np.array([8]))[0]
+    error = {name: np.abs(fit - truth).max() / np.abs(truth).max() for name, fit in [("weighted", weighted),
+                                                                                     ("plain", plain)]}
+    assert error["weighted"] <= 3e-4
+    assert 5 * error["weighted"] <= error["plain"]
+    assert completion_rank(grid, noisy=True, weights=1 / sigma ** 2) == 8
+
+
+def test_the_reference_final_is_the_one_whose_self_poles_lie_furthest_apart():
+    tau = np.exp(np.array([[0.1, 0.12, 1.0],     # two poles 0.02 apart: labels split poorly
+                           [0.0, 0.5, 1.1],      # closest two 0.5 apart
+                           [0.0, 0.8, 1.6],      # 0.8 apart, but its instance failed
+                           [0.0, 0.4, 2.0]]))    # 0.4
+    usable = np.array([True, True, False, True])
+    assert reference_final(tau, usable) == 1
+    assert reference_final(tau[:, :1], usable) == 0  # one head: any usable final
+
+
+def test_a_token_whose_instances_miss_as_a_whole_is_mismatched():
+    """Float32 matching misfits spread over decades; a final whose heads were ordered wrongly has
+    most of its instances off by about its labels' size, and a key a few misses do not condemn."""
+    rng = np.random.default_rng(0)
+    worst = 10 ** rng.normal(-2, 0.5, size=(2, 30, 31))
+    worst[:, :, 7] = rng.uniform(0.3, 2.0, size=(2, 30))   # a final ordered wrongly
+    worst[:, 4, :5] = 1.0                                  # a key with a few poor instances
+    worst[0, 9, 3] = np.inf                                # a failed instance
+    keys, finals = mismatched_tokens(worst)
+    assert np.flatnonzero(finals).tolist() == [7] and not keys.any()
+    assert np.median(worst[:, :, 7]) > MISMATCHED_TOKEN * np.median(worst[np.isfinite(worst)])
+
+
+def test_log_scores_of_crowded_or_small_poles_weigh_less():
+    """The weights follow the error of ``log E = log(P - tau - (delta - 1))``: an entry whose pole
+    crowds another of its instance's, or whose self pole crowds another, or whose E is small beside
+    P, is known less well."""
+    tau = np.array([[1.0, 3.0]])                                      # one final, two heads
+    log_E = np.log(np.array([[[[2.0]], [[2.0]]], [[[2.0]], [[0.05]]]]))  # (delta, head, key, final)
+    offset_P = np.array([[[[3.0, 5.0]]], [[[4.0, 4.05]]]])            # delta = 2: heads' poles crowd
+    weights = log_score_weights(log_E, tau, offset_P)[:, :, 0, 0]
+    assert weights[1, 0] < weights[0, 0] / 100       # its pole 0.0125 from the other's, against 0.5
+    assert weights[1, 1] < weights[1, 0]             # and a small E besides
+    crowded = log_score_weights(log_E, np.array([[1.0, 1.01]]), offset_P)[:, :, 0, 0]
+    assert crowded[0, 0] < weights[0, 0] / 10        # its self poles 0.01 apart
+    alone = log_score_weights(log_E[:, :1], tau[:, :1], offset_P[..., :1])     # one head: no crowding
+    assert np.isfinite(alone).all() and (alone > 0).all()
+
+
+def test_a_failed_float64_run_from_noisy_log_scores_names_them():
+    """The answers_residual hint of a float64 run whose instances' log-scores were as noisy as float32's
+    (the start's median matching misfit above NOISY_MATCH), naming the key-neutral token's leftover
+    key where there is one; nothing for a run that passed, a float32 run, or an exact start."""
+    from types import SimpleNamespace
+
+    from mhaextract.rotary.learn import NOISY_MATCH
+    from mhaextract.rotary.run import _noisy_float64_start
+
+    def run(**changes):
+        fields = dict(coarse=False, diagnostics={"noisy_log_scores": True, "match_quantiles": [5e-5, 1e-2]},
+                      residual=1e-3, residual_limit=1e-9, neutral=object())
+        return SimpleNamespace(**{**fields, **changes})
+
+    assert 5e-5 > NOISY_MATCH
+    said = _noisy_float64_start(run())
+    assert "median matching misfit 5e-05" in said and "key-neutral token leaves a key" in said
+    assert "key-neutral" not in _noisy_float64_start(run(neutral=None)) != ""
+    for quiet in (run(residual=1e-10), run(coarse=True), run(diagnostics={})):
+        assert _noisy_float64_start(quiet) == ""
