@@ -1,0 +1,194 @@
+"""Issue 63: attention behind a norm, with the residual (the attention sublayer of a pre-norm block).
+
+Truth is the block's own forward in float64, or the heads folded from its weights here in the test
+(W' = G W G, u' = G (W beta + u), V' = V G, c' = c + V beta, restricted to 1^perp)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import mhaextract as mx  # noqa: E402
+from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
+from mhaextract.adapters.torch import TorchOracle, to_reduced, to_state_dict, to_torch  # noqa: E402
+from mhaextract.models.kinds import model_from_document  # noqa: E402
+from mhaextract.models.normed import NormedAttention, norm_basis  # noqa: E402
+from mhaextract.norm.learn import NormedExtractionError  # noqa: E402
+
+
+def trained_like(block, norm, attention, d, seed):
+    """Projections N(0, 1/d) (scores of order one on a norm's output), gamma ~ 1 +- 0.2, beta ~ 0.05."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in attention.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) / d ** 0.5)
+        norm.weight.copy_(1 + 0.2 * torch.randn(d, generator=generator, dtype=norm.weight.dtype))
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.copy_(0.05 * torch.randn(d, generator=generator, dtype=norm.bias.dtype))
+    return block.eval()
+
+
+def gpt2_block(d, H, seed=0, **config):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2Config
+
+    torch.manual_seed(seed)
+    block = GPT2Block(GPT2Config(n_embd=d, n_head=H, attn_implementation="eager", **config), layer_idx=0).double()
+    return trained_like(block, block.ln_1, block.attn, d, seed)
+
+
+def vit_layer(d, H, seed=0):
+    from transformers.models.vit.modeling_vit import ViTConfig, ViTLayer
+
+    torch.manual_seed(seed)
+    layer = ViTLayer(ViTConfig(hidden_size=d, num_attention_heads=H, intermediate_size=2 * d,
+                               attn_implementation="eager")).double()
+    return trained_like(layer, layer.layernorm_before, layer.attention, d, seed)
+
+
+class RMSSublayer(torch.nn.Module):
+    """x + MHA(RMSNorm(x)) in float64 (torch's RMSNorm computes in the input's dtype)."""
+
+    def __init__(self, d, H, seed=0, eps=1e-6):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.norm = torch.nn.RMSNorm(d, eps=eps, dtype=torch.float64)
+        self.attn = torch.nn.MultiheadAttention(d, H, batch_first=True, dtype=torch.float64)
+        trained_like(self, self.norm, self.attn, d, seed)
+
+    def forward(self, X):
+        T = self.norm(X)
+        return X + self.attn(T, T, T, need_weights=False)[0]
+
+
+def folded_truth(block) -> NormedAttention:
+    """The canonical sublayer of a GPT2Block, from its weights (white-box, the test's own algebra)."""
+    A = to_reduced(block.attn)
+    gamma, beta = (block.ln_1.weight.detach().double().numpy(), block.ln_1.bias.detach().double().numpy())
+    G = np.diag(gamma)
+    W = G @ A.W @ G
+    u = np.einsum("ab,hb->ha", G, np.einsum("hab,b->ha", A.W, beta) + A.u)
+    V, c = A.V @ G, A.c + np.einsum("hob,b->o", A.V, beta)
+    Q = norm_basis("layernorm", A.d)
+    inner = mx.MultiHeadAttention(Q.T @ W @ Q, V @ Q, u @ Q, c)
+    return NormedAttention("layernorm", block.ln_1.eps, inner, np.eye(A.d))
+
+
+def raw_sequences(rng, d, count, longest=64):
+    """Token norms log-uniform in 1e-3..1e3 (so eps and the residual both matter)."""
+    out = []
+    for n in list(rng.integers(1, longest + 1, size=count - 1)) + [longest]:
+        X = rng.standard_normal((int(n), d))
+        X *= (np.exp(rng.uniform(np.log(1e-3), np.log(1e3), size=int(n))) / np.linalg.norm(X, axis=1))[:, None]
+        out.append(X)
+    return out
+
+
+def every_position_error(model, module, sequences, causal):
+    worst = 0.0
+    with torch.no_grad():
+        for X in sequences:
+            expected = module(torch.as_tensor(X)[None])[0].double().numpy()
+            got = model.every_position(X, causal)
+            worst = max(worst, float((np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)).max()))
+    return worst
+
+
+def test_the_folded_model_is_the_gpt2_sublayer_at_every_position_and_saves_and_exports():
+    block = gpt2_block(8, 2)
+    sublayer = attention_sublayer(block)
+    truth = folded_truth(block)
+    sequences = raw_sequences(np.random.default_rng(0), 8, 6, longest=12)
+    # GPT2Attention called alone in eager mode masks nothing: the bidirectional reading
+    assert every_position_error(truth, sublayer, sequences, causal=False) < 1e-12
+    part, _ = truth.to_document()
+    again = model_from_document(part)
+    assert mx.compare(again, truth).max_rel == 0
+    module = to_torch(truth, causal=False)
+    X = torch.as_tensor(sequences[-1])[None]
+    with torch.no_grad():
+        assert float((module(X) - sublayer(X)).abs().max()) < 1e-12
+    fresh = gpt2_block(8, 2, seed=5)
+    state = to_state_dict(truth, like=fresh)
+    fresh.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        assert float((attention_sublayer(fresh)(X) - sublayer(X)).abs().max()) < 1e-12
+
+
+def test_an_eps_the_block_cannot_hold_and_a_residual_other_than_the_identity_are_refused():
+    truth = folded_truth(gpt2_block(8, 2))
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="layer_norm_epsilon"):
+        to_state_dict(truth, like=gpt2_block(8, 2, layer_norm_epsilon=1e-6))
+    other = NormedAttention(truth.norm, truth.eps, truth.attention, 2 * truth.R)
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="residual"):
+        to_state_dict(other, like=gpt2_block(8, 2))
+
+
+@pytest.mark.slow
+def test_the_gpt2_sublayer_is_extracted_with_norm_auto():
+    d, H = 16, 2
+    block = gpt2_block(d, H)
+    sublayer = attention_sublayer(block)
+    oracle = TorchOracle(sublayer)
+    result = mx.extract(oracle, d, heads=H, seed=1, norm="auto")
+    assert result.ok and result.norm == "layernorm" and result.schedule == "norm"
+    assert result.queries == oracle.sequences  # counted at the raw layer
+    assert abs(result.eps - block.ln_1.eps) / block.ln_1.eps < 1e-12
+    assert mx.compare(result.model, folded_truth(block)).max_rel < 1e-10
+    causal = result.causal.verdict == "causal"
+    error = every_position_error(result.model, sublayer, raw_sequences(np.random.default_rng(7), d, 20), causal)
+    assert error < 1e-12
+    assert result.error_estimate >= mx.compare(result.model, folded_truth(block)).max_rel
+
+
+def test_the_vit_sublayer_sweeps_find_its_eps_of_1e_12():
+    from mhaextract.norm.sweeps import measure
+    from mhaextract.oracle.boundary import OracleBoundary
+
+    layer = vit_layer(16, 2)
+    oracle = TorchOracle(attention_sublayer(layer))
+    sweeps = measure(OracleBoundary(oracle, 16), 16, "auto", np.random.default_rng(0), "float64")
+    assert sweeps.kind == "layernorm" and all(check.passed for check in sweeps.checks)
+    assert abs(sweeps.eps - layer.layernorm_before.eps) / layer.layernorm_before.eps < 1e-10
+
+
+def test_an_rmsnorm_sublayer_is_found_as_one_and_refused_when_declared_layernorm():
+    d, H = 16, 2
+    sublayer = RMSSublayer(d, H)
+    with pytest.raises(NormedExtractionError, match="norm_kind.*rmsnorm"):
+        mx.extract(TorchOracle(sublayer), d, heads=H, seed=1, norm="layernorm")
+
+
+def test_an_rmsnorm_sublayer_sweeps_find_its_kind_and_eps():
+    from mhaextract.norm.sweeps import measure
+    from mhaextract.oracle.boundary import OracleBoundary
+
+    sublayer = RMSSublayer(16, 2, eps=1e-6)
+    sweeps = measure(OracleBoundary(TorchOracle(sublayer), 16), 16, "auto", np.random.default_rng(0), "float64")
+    assert sweeps.kind == "rmsnorm" and all(check.passed for check in sweeps.checks)
+    assert abs(sweeps.eps - 1e-6) / 1e-6 < 1e-10 and np.abs(sweeps.R - np.eye(16)).max() < 1e-12
+
+
+def test_a_whole_gpt2_block_with_its_mlp_fails_loudly_naming_the_cause():
+    block = gpt2_block(16, 2)
+    with pytest.raises(NormedExtractionError, match="an MLP") as error:
+        mx.extract(TorchOracle(block), 16, heads=2, seed=1, norm="auto")
+    assert error.value.extraction.model is None
+
+
+def test_a_post_norm_bert_attention_is_refused_with_that_cause():
+    from transformers.models.bert.modeling_bert import BertAttention, BertConfig
+
+    torch.manual_seed(0)
+    layer = BertAttention(BertConfig(hidden_size=16, num_attention_heads=2)).double().eval()
+    with pytest.raises(NormedExtractionError, match="post-LN"):
+        mx.extract(TorchOracle(attention_sublayer(layer)), 16, heads=2, seed=1, norm="auto")
+
+
+def test_a_bad_norm_option_is_refused_before_any_query():
+    calls = []
+    with pytest.raises(ValueError, match="norm must be one of"):
+        mx.extract(lambda batch: calls.append(batch), 8, heads=1, norm="batchnorm")
+    with pytest.raises(ValueError, match="inner_schedule"):
+        mx.extract(lambda batch: calls.append(batch), 8, heads=1, norm="auto", inner_schedule="rotary")
+    assert not calls
