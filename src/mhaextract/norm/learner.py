@@ -3,8 +3,8 @@ behind a norm: the sublayer of a block'): ``extract(oracle, d, heads=H, norm="au
 
 from __future__ import annotations
 
-from ..run.learner import Learner, learner_class, register_learner
-from .learn import run_normed
+from ..run.learner import Learner, learner_class, learner_names, register_learner
+from .learn import DIRECT_FIT, run_normed
 
 #: What ``norm=`` takes.
 NORM_OPTIONS = ("auto", "layernorm", "rmsnorm")
@@ -20,10 +20,11 @@ class NormedLearner(Learner):
     model = "attention behind a LayerNorm or RMSNorm, with the residual (a pre-norm block's sublayer)"
     options = {
         "norm": "the norm before the attention: 'auto' (found from answers), 'layernorm' or 'rmsnorm'",
-        "inner_schedule": "the attention schedule run on the reduced oracle (default 'paper': the biased grid)",
+        "inner_schedule": "how the inner heads are learned from the reduced oracle: 'fit' (default: a direct fit of "
+                          "whole answers from bounded tokens) or an attention schedule's name ('paper': the biased grid)",
     }
-    defaults = {"norm": "auto", "inner_schedule": "paper"}
-    refusal = "the norm family learns the norm, eps and residual itself and runs the biased grid inside"
+    defaults = {"norm": "auto", "inner_schedule": DIRECT_FIT}
+    refusal = "the norm family learns the norm, eps and residual itself and the inner heads by its own fit"
     priority = 5
 
     @classmethod
@@ -37,9 +38,13 @@ class NormedLearner(Learner):
             raise ValueError(f"norm must be one of {NORM_OPTIONS} (the norm before the attention), got "
                              f"{options['norm']!r}; plain attention without a norm: extract without norm=")
         schedule = options["inner_schedule"]
-        if not isinstance(schedule, str) or learner_class(schedule).family != "attention":
-            raise ValueError(f"inner_schedule must name a schedule of the attention family ('paper', 'targeted', "
-                             f"'lowrank', ...), got {schedule!r}")
+        if schedule == DIRECT_FIT:
+            if common.heads is None:
+                raise ValueError("the direct fit (inner_schedule='fit') needs the head count: pass heads=H (a bound "
+                                 "max_heads is taken by inner_schedule='paper')")
+        elif not isinstance(schedule, str) or schedule not in learner_names() or learner_class(schedule).family != "attention":
+            raise ValueError(f"inner_schedule must be 'fit' or name a schedule of the attention family ('paper', "
+                             f"'targeted', 'lowrank', ...), got {schedule!r}")
         if common.precision is not None:
             raise ValueError("the norm family runs in float64 (the raw layer's answers); pass precision=None")
         return options
