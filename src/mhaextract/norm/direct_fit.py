@@ -88,27 +88,29 @@ class Parameters:
 
 
 def _state(theta, parameters: Parameters, batch: Batch):
-    """Per group: outputs (B, d_out), means m (B, H, k), B_h = V_h C_h (B, H, d_out, k), finals (B, k)."""
+    """Per group: outputs f (B, d_out), means m (B, H, k), ``B_h = V_h C_h`` laid out as one
+    (B, d_out, H k) matrix per query, finals x (B, k)."""
     W, u, V, c = parameters.split(theta)
+    H, k = u.shape
     out = []
     for _, X in batch.groups:
         x = X[:, -1]
-        q = np.einsum("hab,nb->nha", W, x) + u[None]
-        s = np.einsum("nia,nha->nhi", X, q)
+        q = (x @ W.reshape(H * k, k).T).reshape(len(x), H, k) + u[None]
+        s = np.matmul(X[:, None, :, :], q[:, :, :, None])[..., 0]  # (B, H, N)
         s -= s.max(axis=2, keepdims=True)
         a = np.exp(s)
         a /= a.sum(axis=2, keepdims=True)
-        m = np.einsum("nhi,nia->nha", a, X)
-        centred = X[:, None, :, :] - m[:, :, None, :]  # (B, H, N, k)
-        C = np.einsum("nhi,nhia,nib->nhab", a, centred, X)  # sum_i a_i (x_i - m) x_i^T
-        B = np.einsum("hoa,nhab->nhob", V, C)
-        f = np.einsum("nha,hoa->no", m, V) + c
-        out.append((f, m, B, x))
+        m = np.matmul(a, X)  # (B, H, k)
+        # C_h = sum_i a_i x_i x_i^T - m_h m_h^T (sum_i a_i (x_i - m_h) x_i^T)
+        C = np.matmul(X.transpose(0, 2, 1)[:, None] * a[:, :, None, :], X[:, None]) - m[..., :, None] * m[..., None, :]
+        B = np.matmul(V[None], C)  # (B, H, d_out, k)
+        f = np.einsum("nha,hoa->no", m, V, optimize=True) + c
+        out.append((f, m, np.ascontiguousarray(B.transpose(0, 2, 1, 3).reshape(len(x), -1, H * k)), x))
     return out
 
 
 def _operators(state, parameters: Parameters, scale: np.ndarray):
-    """``J D`` as a LinearOperator (D the column scaling)."""
+    """``J D`` as a LinearOperator (D the column scaling), batched matrix products per query."""
     H, k, _ = parameters.shapes[0]
     d_out = parameters.shapes[3][0]
     rows = sum(len(f) for f, _, _, _ in state) * d_out
@@ -117,23 +119,24 @@ def _operators(state, parameters: Parameters, scale: np.ndarray):
         dW, du, dV, dc = parameters.split(np.ravel(v) * scale)
         out = []
         for f, m, B, x in state:
-            dq = np.einsum("hab,nb->nha", dW, x) + du[None]
-            out.append(np.einsum("nhob,nhb->no", B, dq) + np.einsum("nha,hoa->no", m, dV) + dc)
+            dq = (x @ dW.reshape(H * k, k).T).reshape(len(x), H * k) + du.reshape(1, H * k)
+            values = np.matmul(m.reshape(len(x), H * k), dV.transpose(0, 2, 1).reshape(H * k, d_out))
+            out.append(np.matmul(B, dq[:, :, None])[..., 0] + values + dc)
         return np.concatenate(out).ravel()
 
     def rmatvec(w):
         w = np.ravel(w).reshape(-1, d_out)
-        dW, du = np.zeros((H, k, k)), np.zeros((H, k))
-        dV, dc = np.zeros((H, d_out, k)), w.sum(axis=0)
+        dW, du = np.zeros((H * k, k)), np.zeros(H * k)
+        dV, dc = np.zeros((H * k, d_out)), w.sum(axis=0)
         start = 0
         for f, m, B, x in state:
             part = w[start:start + len(f)]
             start += len(f)
-            g = np.einsum("nhob,no->nhb", B, part)  # B_h^T w, (B, H, k)
-            dW += np.einsum("nha,nb->hab", g, x)
+            g = np.matmul(part[:, None, :], B)[:, 0]  # B_h^T w, (B, H k)
+            dW += g.T @ x
             du += g.sum(axis=0)
-            dV += np.einsum("no,nha->hoa", part, m)
-        return parameters.join(dW, du, dV, dc) * scale
+            dV += m.reshape(len(x), H * k).T @ part
+        return parameters.join(dW, du, dV.reshape(H, k, d_out).transpose(0, 2, 1), dc) * scale
 
     return LinearOperator((rows, scale.size), matvec=matvec, rmatvec=rmatvec, dtype=np.float64)
 
@@ -142,11 +145,11 @@ def _column_scale(state, parameters: Parameters) -> np.ndarray:
     """``1 / sqrt(diag(J^T J))`` (1 where a column is zero)."""
     H, k, _ = parameters.shapes[0]
     d_out = parameters.shapes[3][0]
-    dW, du, dV = np.zeros((H, k, k)), np.zeros((H, k)), np.zeros((H, d_out, k))
+    dW, du, dV = np.zeros((H * k, k)), np.zeros(H * k), np.zeros((H, d_out, k))
     count = 0
     for f, m, B, x in state:
-        squares = (B * B).sum(axis=2)  # (B, H, k): sum_o B_h[o, a]^2
-        dW += np.einsum("nha,nb->hab", squares, x * x)
+        squares = (B * B).sum(axis=1)  # (B, H k): sum_o B_h[o, a]^2
+        dW += squares.T @ (x * x)
         du += squares.sum(axis=0)
         dV += np.broadcast_to((m * m).sum(axis=0)[:, None, :], (H, d_out, k))
         count += len(f)
