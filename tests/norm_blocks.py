@@ -38,7 +38,7 @@ def vit_layer(d, H, seed=0):
 
     torch.manual_seed(seed)
     layer = ViTLayer(ViTConfig(hidden_size=d, num_attention_heads=H, intermediate_size=2 * d,
-                               attn_implementation="eager")).double()
+                               attn_implementation="sdpa")).double()  # eager: a float32 softmax
     return trained_like(layer, layer.layernorm_before, layer.attention, d, seed)
 
 

@@ -63,6 +63,29 @@ def test_the_gpt2_sublayer_is_extracted_with_norm_auto():
     error = every_position_error(result.model, sublayer, raw_sequences(np.random.default_rng(7), d, 20), causal)
     assert error < 1e-12
     assert result.error_estimate >= mx.compare(result.model, folded_truth(block)).max_rel
+    fresh = gpt2_block(d, H, seed=9)  # acceptance 5: the state dict goes into a fresh GPT2Block
+    fresh.load_state_dict(to_state_dict(result, like=fresh), strict=False)
+    X = torch.as_tensor(raw_sequences(np.random.default_rng(3), d, 2)[-1])[None]
+    with torch.no_grad():
+        expected = sublayer(X)
+        assert float(((attention_sublayer(fresh)(X) - expected).abs().amax(-1) / expected.abs().amax(-1)).max()) < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ViT", "RMSNorm", "GPT-2 float32"])
+def test_other_sublayers_are_extracted_with_norm_auto(kind):
+    d, H = 16, 2
+    if kind == "ViT":
+        module, norm, eps, limit = attention_sublayer(vit_layer(d, H)), "layernorm", 1e-12, 1e-12
+    elif kind == "RMSNorm":
+        module, norm, eps, limit = RMSSublayer(d, H), "rmsnorm", 1e-6, 1e-12
+    else:
+        module, norm, eps, limit = attention_sublayer(gpt2_block(d, H).float()), "layernorm", 1e-5, 1e-5
+    result = mx.extract(TorchOracle(module), d, heads=H, seed=1, norm="auto")
+    assert result.ok and result.norm == norm and abs(result.eps - eps) / eps < 1e-6
+    causal = result.causal.verdict == "causal"
+    error = every_position_error(result.model, module.double(), raw_sequences(np.random.default_rng(4), d, 20), causal)
+    assert error < limit
 
 
 def test_the_vit_sublayer_sweeps_find_its_eps_of_1e_12():

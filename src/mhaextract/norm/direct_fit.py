@@ -9,7 +9,8 @@ has the Jacobian (``C_h = sum_i a_{h,i} (x_i - m_h) x_i^T``, ``B_h = V_h C_h``, 
 
     df = sum_h [B_h (dW_h x + du_h) + dV_h m_h] + dc,
 
-so ``J v`` and ``J^T w`` cost O(n H k (k + d_out)) with ``B_h`` kept per query: Levenberg-Marquardt
+so ``J v`` and ``J^T w`` cost O(n H k (N + d_out)) (``C_h`` has rank N + 1 and is applied as
+``X^T diag(a_h) X - m_h m_h^T``, the products with ``V_h`` are one matrix product over all queries): Levenberg-Marquardt
 steps are solved matrix-free (LSMR, damped, columns scaled by the root of ``diag(J^T J)``) from a
 random start. Every answer is asked through the reduced oracle (counted at the raw layer).
 """
@@ -88,77 +89,96 @@ class Parameters:
 
 
 def _state(theta, parameters: Parameters, batch: Batch):
-    """Per group: outputs f (B, d_out), means m (B, H, k), ``B_h = V_h C_h`` laid out as one
-    (B, d_out, H k) matrix per query, finals x (B, k)."""
+    """Per group: outputs f (B, d_out), weights a (B, H, N), means m (B, H, k), tokens X (B, N, k),
+    finals x (B, k); and the value read-outs ``Vcat`` (H k, d_out). ``C_h = X^T diag(a_h) X - m_h m_h^T``
+    is never formed: it has rank at most N + 1, so ``C_h v = X^T (a_h * (X v)) - m_h (m_h . v)``."""
     W, u, V, c = parameters.split(theta)
     H, k = u.shape
+    Vcat = np.ascontiguousarray(V.transpose(0, 2, 1).reshape(H * k, -1))
     out = []
     for _, X in batch.groups:
         x = X[:, -1]
         q = (x @ W.reshape(H * k, k).T).reshape(len(x), H, k) + u[None]
-        s = np.matmul(X[:, None, :, :], q[:, :, :, None])[..., 0]  # (B, H, N)
+        s = np.matmul(q, X.transpose(0, 2, 1))  # (B, H, N)
         s -= s.max(axis=2, keepdims=True)
         a = np.exp(s)
         a /= a.sum(axis=2, keepdims=True)
         m = np.matmul(a, X)  # (B, H, k)
-        # C_h = sum_i a_i x_i x_i^T - m_h m_h^T (sum_i a_i (x_i - m_h) x_i^T)
-        C = np.matmul(X.transpose(0, 2, 1)[:, None] * a[:, :, None, :], X[:, None]) - m[..., :, None] * m[..., None, :]
-        B = np.matmul(V[None], C)  # (B, H, d_out, k)
-        f = np.einsum("nha,hoa->no", m, V, optimize=True) + c
-        out.append((f, m, np.ascontiguousarray(B.transpose(0, 2, 1, 3).reshape(len(x), -1, H * k)), x))
-    return out
+        f = m.reshape(len(x), H * k) @ Vcat + c
+        out.append((f, a, m, X, x))
+    return out, Vcat
+
+
+def _covariance_times(a, m, X, v):
+    """``C_h v_h`` for every query and head: ``X^T (a_h * (X v_h)) - m_h (m_h . v_h)``; v (B, H, k)."""
+    along = np.matmul(v, X.transpose(0, 2, 1)) * a  # (B, H, N)
+    return np.matmul(along, X) - m * (m * v).sum(axis=2, keepdims=True)
 
 
 def _operators(state, parameters: Parameters, scale: np.ndarray):
-    """``J D`` as a LinearOperator (D the column scaling), batched matrix products per query."""
+    """``J D`` as a LinearOperator (D the column scaling): ``df = sum_h [V_h C_h (dW_h x + du_h)
+    + dV_h m_h] + dc``, each product a matrix product over all queries."""
+    groups, Vcat = state
     H, k, _ = parameters.shapes[0]
     d_out = parameters.shapes[3][0]
-    rows = sum(len(f) for f, _, _, _ in state) * d_out
+    rows = sum(len(f) for f, _, _, _, _ in groups) * d_out
 
     def matvec(v):
         dW, du, dV, dc = parameters.split(np.ravel(v) * scale)
+        dVcat = dV.transpose(0, 2, 1).reshape(H * k, d_out)
         out = []
-        for f, m, B, x in state:
-            dq = (x @ dW.reshape(H * k, k).T).reshape(len(x), H * k) + du.reshape(1, H * k)
-            values = np.matmul(m.reshape(len(x), H * k), dV.transpose(0, 2, 1).reshape(H * k, d_out))
-            out.append(np.matmul(B, dq[:, :, None])[..., 0] + values + dc)
+        for f, a, m, X, x in groups:
+            n = len(x)
+            dq = (x @ dW.reshape(H * k, k).T).reshape(n, H, k) + du[None]
+            moved = _covariance_times(a, m, X, dq).reshape(n, H * k)
+            out.append(moved @ Vcat + m.reshape(n, H * k) @ dVcat + dc)
         return np.concatenate(out).ravel()
 
     def rmatvec(w):
         w = np.ravel(w).reshape(-1, d_out)
         dW, du = np.zeros((H * k, k)), np.zeros(H * k)
-        dV, dc = np.zeros((H * k, d_out)), w.sum(axis=0)
+        dVcat, dc = np.zeros((H * k, d_out)), w.sum(axis=0)
         start = 0
-        for f, m, B, x in state:
-            part = w[start:start + len(f)]
-            start += len(f)
-            g = np.matmul(part[:, None, :], B)[:, 0]  # B_h^T w, (B, H k)
+        for f, a, m, X, x in groups:
+            n = len(x)
+            part = w[start:start + n]
+            start += n
+            g = _covariance_times(a, m, X, (part @ Vcat.T).reshape(n, H, k)).reshape(n, H * k)  # C_h V_h^T w
             dW += g.T @ x
             du += g.sum(axis=0)
-            dV += m.reshape(len(x), H * k).T @ part
-        return parameters.join(dW, du, dV.reshape(H, k, d_out).transpose(0, 2, 1), dc) * scale
+            dVcat += m.reshape(n, H * k).T @ part
+        return parameters.join(dW, du, dVcat.reshape(H, k, d_out).transpose(0, 2, 1), dc) * scale
 
     return LinearOperator((rows, scale.size), matvec=matvec, rmatvec=rmatvec, dtype=np.float64)
 
 
 def _column_scale(state, parameters: Parameters) -> np.ndarray:
-    """``1 / sqrt(diag(J^T J))`` (1 where a column is zero)."""
+    """``1 / sqrt(diag(J^T J))`` (1 where a column is zero). ``V_h C_h = P_h A_h`` with
+    ``P_h = [V_h x_1 .. V_h x_N, V_h m_h]`` (d_out x (N + 1)) and ``A_h = [a_{h,i} x_i^T; -m_h^T]``, so
+    ``sum_o (V_h C_h)[o, a]^2`` is ``diag(A_h^T (P_h^T P_h) A_h)``, from (N + 1)-square Gram matrices."""
+    groups, Vcat = state
     H, k, _ = parameters.shapes[0]
     d_out = parameters.shapes[3][0]
+    V = Vcat.reshape(H, k, d_out)
     dW, du, dV = np.zeros((H * k, k)), np.zeros(H * k), np.zeros((H, d_out, k))
     count = 0
-    for f, m, B, x in state:
-        squares = (B * B).sum(axis=1)  # (B, H k): sum_o B_h[o, a]^2
+    for f, a, m, X, x in groups:
+        n = len(x)
+        rows = np.concatenate([np.broadcast_to(X[:, None], (n, H) + X.shape[1:]), m[:, :, None]], axis=2)
+        P = np.einsum("nhik,hko->nhio", rows, V, optimize=True)  # rows of P_h^T: (B, H, N + 1, d_out)
+        gram = np.matmul(P, P.transpose(0, 1, 3, 2))  # (B, H, N + 1, N + 1)
+        A = np.concatenate([a[..., None] * X[:, None], -m[:, :, None]], axis=2)  # (B, H, N + 1, k)
+        squares = (A * np.matmul(gram, A)).sum(axis=2).reshape(n, H * k)  # sum_o (V_h C_h)[o, a]^2
         dW += squares.T @ (x * x)
         du += squares.sum(axis=0)
         dV += np.broadcast_to((m * m).sum(axis=0)[:, None, :], (H, d_out, k))
-        count += len(f)
+        count += n
     diagonal = parameters.join(dW, du, dV, np.full(d_out, float(count)))
     return np.where(diagonal > 0, 1 / np.sqrt(np.maximum(diagonal, 1e-300)), 1.0)
 
 
 def _residual(state, batch: Batch) -> np.ndarray:
-    return np.concatenate([f for f, _, _, _ in state]).ravel() - batch.answers.ravel()
+    return np.concatenate([group[0] for group in state[0]]).ravel() - batch.answers.ravel()
 
 
 def levenberg_marquardt(theta, parameters: Parameters, batch: Batch, unit: float):
