@@ -68,15 +68,19 @@ class ReducedOracle:
 class NormedExtraction(Result):
     """Result of the ``norm`` learner: the common fields (``model`` a
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
-    layer's boundary) and:
+    layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
+    times the direct fit's held-out misfit, or an attention learner's estimate, or eps's or R's
+    where larger, judged by the ``raw_verification`` check; ``token_scale`` the largest inner token
+    norm the inner method aimed at) and:
 
     Attributes
     ----------
     norm : the norm found ("layernorm", "rmsnorm", or None).
     eps, eps_error : the norm's eps and its estimated relative error.
-    inner : the attention family's result on the reduced oracle (its ``queries`` are queries of g,
-        each one raw query), or None when the run stopped before it.
-    inner_schedule : the attention schedule run on the reduced oracle.
+    inner : with an attention schedule as the inner method, its result on the reduced oracle (its
+        ``queries`` are queries of g, each one raw query); None for the direct fit or when the run
+        stopped before it.
+    inner_schedule : the inner method: "fit" (the direct fit) or the attention schedule run.
     queries_sweeps : raw one-token queries of the kind, residual and eps sweeps.
     largest_inner_token : the largest norm of an inner token asked (below ``sqrt(d)``).
     verification_misfit : max over the fresh raw sequences of ``|model - y| / |y|`` (inf norms).
