@@ -218,7 +218,7 @@ def _attention_learner(session, reduced: "ReducedOracle", sweeps: Sweeps, schedu
     request, d = session.request, session.request.d
     scale = inner_token_scale(k, d, request.heads, request.max_heads, request.seed, schedule)
     result.token_scale = scale
-    inner_options = {"bias": True, "refine": True} if schedule == "paper" else {"bias": True}
+    inner_options = {"bias": True, "refine": True}  # the polish takes the grid from 1e-6 to rounding
     inner_request = Request.validated(k, request.heads, None if request.heads is not None else request.max_heads,
                                       None, request.seed, scale)
     try:
