@@ -75,7 +75,7 @@ class NormedExtraction(Result):
 
     Attributes
     ----------
-    norm : the norm found ("layernorm", "rmsnorm", or None).
+    norm : the norm the answers show ("layernorm", "rmsnorm", or None: none, or a post-norm).
     eps, eps_error : the norm's eps and its estimated relative error.
     inner : with an attention schedule as the inner method, its result on the reduced oracle (its
         ``queries`` are queries of g, each one raw query); None for the direct fit or when the run
