@@ -2,7 +2,7 @@
 the sublayer of a block').
 
     python benchmarks/bench_norm.py            # d = 16 cases and the refusals (about a minute)
-    python benchmarks/bench_norm.py --large    # adds GPT-2's sublayer at d = 64, H = 4
+    python benchmarks/bench_norm.py --large    # adds GPT-2's and ViT's sublayers at d = 64, H = 4
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -53,6 +53,12 @@ def cases(large: bool):
     vit = vit_layer(16, 2)
     out.append(("ViT sublayer d=16 H=2 float64", attention_sublayer(vit), 16, 2, "auto", vit.attention,
                 vit.layernorm_before.eps))
+    if large:
+        vit = vit_layer(64, 4)
+        out.append(("ViT sublayer d=64 H=4 float64", attention_sublayer(vit), 64, 4, "auto", vit.attention,
+                    vit.layernorm_before.eps))
+        out.append(("ViT sublayer d=64 H=4 float32", attention_sublayer(vit_layer(64, 4).float()), 64, 4, "auto",
+                    vit_layer(64, 4).attention.float(), vit.layernorm_before.eps))
     rms = RMSSublayer(16, 2)
     out.append(("RMSNorm + MHA + residual d=16 H=2 float64", rms, 16, 2, "auto", None, 1e-6))
     out.append(("the same, declared norm='layernorm'", rms, 16, 2, "layernorm", None, 1e-6))
@@ -94,7 +100,7 @@ def run_case(name, module, d, H, declared, attention, eps) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--large", action="store_true", help="add GPT-2's sublayer at d = 64, H = 4")
+    parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
     args = parser.parse_args()
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")
