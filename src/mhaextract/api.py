@@ -118,6 +118,14 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
           ``token_scale``, ``bias`` (the query bias; default True), ``rank`` (the head width),
           ``batch_size``, ``progress``, ``on_failure``, ``max_queries``, ``verify_length`` and
           ``key_bias``.
+        - ``norm``: ``"auto"``, ``"layernorm"`` or ``"rmsnorm"``: the oracle is the attention sublayer of a
+          pre-norm block (a norm before the attention, the residual around it; GPT-2's ``ln_1`` + ``attn``,
+          a ViT's, ``mhaextract.adapters.normed.attention_sublayer(block)``), learned by the ``norm`` learner
+          (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block'; docs/norm.md): the norm's kind
+          and eps and the residual from one-token sweeps, the heads by a direct fit from tokens the norm can
+          reach, the whole sublayer checked on raw sequences; returns a ``NormedExtraction`` whose ``model`` is
+          a :class:`~mhaextract.models.normed.NormedAttention`. Needs ``heads``. ``inner_schedule``: ``"fit"``
+          (default) or an attention schedule's name run on the reduced oracle.
         - ``key_bias``: ``positions="rotary"`` only: the keys carry a bias (Qwen2), which under rotation
           does not cancel in the softmax. The run first finds a token whose key is zero from whole
           answers (float64: grouped-query heads with ``n_kv r < d`` and ``H r <= d``, 'A key bias'; float32: by

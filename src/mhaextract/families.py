@@ -6,3 +6,4 @@ from .lowprecision import learner as lowprecision  # noqa: F401  saturated
 from .vector import learner as vector  # noqa: F401
 from .rotary import learner as rotary  # noqa: F401
 from .transformer import learner as transformer  # noqa: F401
+from .norm import learner as norm  # noqa: F401  attention behind a LayerNorm or RMSNorm, with the residual

@@ -1,0 +1,118 @@
+"""Attention sublayers of pre-norm blocks (docs/norm.md; docs/algorithm.md, 'Attention behind a norm:
+the sublayer of a block').
+
+    python benchmarks/bench_norm.py            # d = 16 cases and the refusals (about a minute)
+    python benchmarks/bench_norm.py --large    # adds GPT-2's and ViT's sublayers at d = 64, H = 4
+
+Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
+biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
+``TorchOracle(attention_sublayer(block))`` and extracted with ``mx.extract(oracle, d, heads=H,
+seed=1, norm="auto", on_failure="warn")``. Reported: the norm found, eps's relative error, ok or the
+first failed check, queries measured at the raw layer, the queries of the library's defaults on the
+same attention without the norm (``mx.extract(TorchOracle(attention), d, heads=H, seed=1)``), and
+the replacement's error: the largest ``|model - y| / |y|`` (inf norms) at every position of 100 fresh
+sequences of lengths 1..64 with token norms log-uniform in 1e-3..1e3, against the block's own
+forward in float64 (the reading, causal or not, the run's causal record found).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import mhaextract as mx  # noqa: E402
+from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
+from mhaextract.adapters.torch import TorchOracle  # noqa: E402
+from norm_blocks import RMSSublayer, every_position_error, gpt2_block, raw_sequences, vit_layer  # noqa: E402
+
+
+def bert_attention(d, H, seed=0):
+    from transformers.models.bert.modeling_bert import BertAttention, BertConfig
+
+    torch.manual_seed(seed)
+    return BertAttention(BertConfig(hidden_size=d, num_attention_heads=H)).double().eval()
+
+
+def cases(large: bool):
+    """(name, sublayer module, d, H, declared norm, the attention alone or None, the true eps)."""
+    out = []
+    for d, H in [(16, 2), (16, 4), (24, 2)] + ([(64, 4)] if large else []):
+        block = gpt2_block(d, H)
+        out.append((f"GPT-2 sublayer d={d} H={H} float64", attention_sublayer(block), d, H, "auto", block.attn,
+                    block.ln_1.eps))
+        if d == 16 and H == 2 or d == 64:
+            out.append((f"GPT-2 sublayer d={d} H={H} float32", attention_sublayer(gpt2_block(d, H).float()), d, H,
+                        "auto", gpt2_block(d, H).attn.float(), block.ln_1.eps))
+    vit = vit_layer(16, 2)
+    out.append(("ViT sublayer d=16 H=2 float64", attention_sublayer(vit), 16, 2, "auto", vit.attention,
+                vit.layernorm_before.eps))
+    if large:
+        vit = vit_layer(64, 4)
+        out.append(("ViT sublayer d=64 H=4 float64", attention_sublayer(vit), 64, 4, "auto", vit.attention,
+                    vit.layernorm_before.eps))
+        out.append(("ViT sublayer d=64 H=4 float32", attention_sublayer(vit_layer(64, 4).float()), 64, 4, "auto",
+                    vit_layer(64, 4).attention.float(), vit.layernorm_before.eps))
+    rms = RMSSublayer(16, 2)
+    out.append(("RMSNorm + MHA + residual d=16 H=2 float64", rms, 16, 2, "auto", None, 1e-6))
+    out.append(("the same, declared norm='layernorm'", rms, 16, 2, "layernorm", None, 1e-6))
+    out.append(("a whole GPT2Block (with its MLP) d=16 H=2", gpt2_block(16, 2), 16, 2, "auto", None, 1e-5))
+    out.append(("BertAttention (post-LN) d=16 H=2", attention_sublayer(bert_attention(16, 2)), 16, 2, "auto", None,
+                1e-12))
+    return out
+
+
+def baseline_queries(attention, d, H) -> str:
+    if attention is None:
+        return "-"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return str(mx.extract(TorchOracle(attention), d, heads=H, seed=1, on_failure="warn").queries)
+    except Exception as error:  # the baseline's own failure is reported, not hidden
+        return f"failed ({type(error).__name__})"
+
+
+def run_case(name, module, d, H, declared, attention, eps) -> dict:
+    started = time.perf_counter()
+    oracle = TorchOracle(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = mx.extract(oracle, d, heads=H, seed=1, norm=declared, on_failure="warn")
+    seconds = time.perf_counter() - started
+    row = {"case": name, "norm": result.norm or "-", "ok": result.ok, "queries": result.queries,
+           "first failed check": result.failed_checks[0].name if result.failed_checks else "-",
+           "eps error": abs(result.eps - eps) / eps if np.isfinite(result.eps) else np.nan,
+           "baseline": baseline_queries(attention, d, H), "seconds": seconds, "error": np.nan}
+    if result.model is not None:
+        causal = result.causal is not None and result.causal.verdict == "causal"
+        reference = module.double() if hasattr(module, "double") else module
+        row["error"] = every_position_error(result.model, reference, raw_sequences(np.random.default_rng(11), d, 100),
+                                            causal)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
+    args = parser.parse_args()
+    print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
+          "| error at every position | seconds |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case in cases(args.large):
+        row = run_case(*case)
+        verdict = "ok" if row["ok"] else row["first failed check"]
+        error = "-" if not np.isfinite(row["error"]) else f"{row['error']:.1e}"
+        eps = "-" if not np.isfinite(row["eps error"]) else f"{row['eps error']:.1e}"
+        print(f"| {row['case']} | {row['norm']} | {eps} | {verdict} | {row['queries']} | {row['baseline']} | {error} "
+              f"| {row['seconds']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

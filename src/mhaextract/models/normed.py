@@ -1,0 +1,215 @@
+"""Attention behind a norm, with the residual around it: the attention sublayer of a pre-norm block
+(docs/algorithm.md, 'Attention behind a norm: the sublayer of a block').
+
+At the final position N of raw hidden states ``X = (x_1, ..., x_N)`` in R^d::
+
+    n(x)  = (x - mean(x) 1) / sqrt(var(x) + eps)     LayerNorm   (var: the mean of the squares)
+    n(x)  = x / sqrt(|x|^2 / d + eps)                RMSNorm
+    z_i   = Q^T n(x_i)                               Q: orthonormal basis of 1^perp (LayerNorm), I (RMSNorm)
+    y(X)  = R x_N + f(Z)                             f: the inner biased attention (MultiHeadAttention)
+
+The norm's gamma and beta are folded into the inner heads (``W'' = Q^T G W G Q``, ...), which is the
+canonical form: only those products are identifiable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .attention import MultiHeadAttention, as_batch
+from .compare import compare_attention, register_comparison
+from .kinds import document_numbers, read_numbers, register_model_kind
+
+#: The norms a sublayer may have before its attention.
+NORMS = ("layernorm", "rmsnorm")
+
+
+def norm_basis(norm: str, d: int) -> np.ndarray:
+    """``Q`` (d x k): the fixed orthonormal basis of the space a norm's output fills: for a LayerNorm
+    the d - 1 last columns of the QR factor of ``[1 | e_1 .. e_{d-1}]`` (``1^perp``), for an RMSNorm
+    the identity.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Q = norm_basis("layernorm", 4)
+    >>> Q.shape, bool(np.allclose(Q.T @ Q, np.eye(3))), bool(np.allclose(np.ones(4) @ Q, 0))
+    ((4, 3), True, True)
+    """
+    if norm == "rmsnorm":
+        return np.eye(d)
+    if norm != "layernorm":
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if d < 2:
+        raise ValueError(f"a LayerNorm needs d >= 2 (its output is mean-free), got d = {d}")
+    Q, _ = np.linalg.qr(np.column_stack([np.ones(d), np.eye(d)[:, :d - 1]]))
+    return Q[:, 1:]
+
+
+def normalize(X: np.ndarray, norm: str, eps: float) -> np.ndarray:
+    """``n(x)`` of every row of X (float64, or the dtype of X)."""
+    X = np.asarray(X)
+    if norm == "layernorm":
+        X = X - X.mean(axis=-1, keepdims=True)
+    return X / np.sqrt((X * X).mean(axis=-1, keepdims=True) + X.dtype.type(eps))
+
+
+def reachable(T: np.ndarray, eps: float) -> np.ndarray:
+    """Raw tokens whose norm output is T (rows of norm below sqrt(d), mean-free for a LayerNorm):
+    ``x = t sqrt(eps / (1 - |t|^2 / d))``, the inverse of n on each ray. A ValueError when a row is
+    outside the open ball of radius sqrt(d) (no raw token reaches it)."""
+    T = np.asarray(T, dtype=np.float64)
+    fraction = (T * T).sum(axis=-1, keepdims=True) / T.shape[-1]
+    if not np.all(fraction < 1):
+        worst = float(np.sqrt(fraction.max() * T.shape[-1]))
+        raise ValueError(f"a token of norm {worst:.4g} >= sqrt(d) = {np.sqrt(T.shape[-1]):.4g}: no raw token "
+                         "reaches it through the norm (docs/algorithm.md, 'Attention behind a norm: the sublayer "
+                         "of a block', 'Which tokens a query can reach')")
+    return T * np.sqrt(eps / (1 - fraction))
+
+
+@register_model_kind
+class NormedAttention:
+    """The attention sublayer of a pre-norm block: ``y(X) = R x_N + f(Q^T n(X))`` (module docstring).
+
+    Parameters
+    ----------
+    norm : "layernorm" or "rmsnorm".
+    eps : the norm's constant (> 0).
+    attention : the inner :class:`MultiHeadAttention`, a vector model on k = d - 1 (LayerNorm) or
+        d (RMSNorm) coordinates, with d_out outputs.
+    R : (d_out, d) the residual map (the identity in the blocks we know of).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> inner = mx.MultiHeadAttention.random(d=3, heads=2, seed=0, d_out=4, bias=True)
+    >>> model = NormedAttention("layernorm", 1e-5, inner, np.eye(4))
+    >>> X = np.random.default_rng(0).normal(size=(5, 4))
+    >>> model([X]).shape, model.every_position(X, causal=True).shape
+    ((1, 4), (5, 4))
+    >>> bool(np.allclose(model([X + 3.0])[0] - model([X])[0], 3.0))   # a LayerNorm ignores a shift
+    True
+    """
+
+    kind = "normed-attention"
+    torch_adapter = "mhaextract.adapters.normed"
+
+    def __init__(self, norm: str, eps: float, attention: MultiHeadAttention, R):
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        eps = float(eps)
+        if not eps > 0 or not np.isfinite(eps):
+            raise ValueError(f"eps must be a positive number, got {eps!r}")
+        if not isinstance(attention, MultiHeadAttention) or not attention.is_vector:
+            raise ValueError("attention must be a vector MultiHeadAttention (whole outputs, V of shape (H, d_out, k))")
+        R = np.asarray(R, dtype=np.float64)
+        d = attention.d + (1 if norm == "layernorm" else 0)
+        if R.shape != (attention.d_out, d):
+            raise ValueError(f"R must have shape (d_out, d) = ({attention.d_out}, {d}) for a {norm} inner model on "
+                             f"{attention.d} coordinates, got {R.shape}")
+        self.norm, self.eps, self.attention, self.R = norm, eps, attention.to_float64(), R
+
+    @property
+    def d(self) -> int:
+        return self.R.shape[1]
+
+    @property
+    def d_out(self) -> int:
+        return self.R.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.attention.heads
+
+    @property
+    def basis(self) -> np.ndarray:
+        return norm_basis(self.norm, self.d)
+
+    def __repr__(self) -> str:
+        return f"NormedAttention({self.norm}, eps={self.eps:.3g}, d={self.d}, heads={self.heads})"
+
+    def inner_tokens(self, X: np.ndarray, dtype=np.float64) -> np.ndarray:
+        """``Z = Q^T n(X)``: the inner model's tokens."""
+        X = np.asarray(X, dtype=dtype)
+        return normalize(X, self.norm, self.eps) @ self.basis.astype(dtype)
+
+    def __call__(self, batch, dtype=np.float64) -> np.ndarray:
+        """``y(X)`` at the final position, (B, d_out), in float64 (or float32 throughout)."""
+        sequences = as_batch(batch, self.d)
+        inner = self.attention([self.inner_tokens(X, dtype) for X in sequences], dtype=dtype)
+        finals = np.array([np.asarray(X[-1], dtype=dtype) for X in sequences])
+        return inner + finals @ self.R.astype(dtype).T
+
+    def every_position(self, X, causal: bool) -> np.ndarray:
+        """Outputs at every position (N, d_out): a decoder's (``causal``) on each prefix, an
+        encoder's with each token as the query and every token a key."""
+        return np.array([self.at_position(X, i, causal) for i in range(len(np.asarray(X)))])
+
+    def at_position(self, X, i: int, causal: bool) -> np.ndarray:
+        """The output at position ``i`` (from 0): what the causal record judges a layer's earlier
+        outputs by (:mod:`mhaextract.checks.causality`)."""
+        X = np.asarray(X, dtype=np.float64)
+        if causal:
+            return self([X[:i + 1]])[0]
+        return self.attention.at_position(self.inner_tokens(X), i, False) + self.R @ X[i]
+
+    def lifted(self) -> MultiHeadAttention:
+        """The inner model on the norm's output in R^d (``W = Q W'' Q^T``, ``u = Q u''``,
+        ``V = V'' Q^T``): the attention a block with gamma = 1, beta = 0 holds."""
+        Q, a = self.basis, self.attention
+        return MultiHeadAttention(Q @ a.W @ Q.T, a.V @ Q.T, a.u @ Q.T, a.c)
+
+    def to_float64(self) -> "NormedAttention":
+        return self
+
+    def canonical(self, rtol: float = 0.0) -> "NormedAttention":
+        return NormedAttention(self.norm, self.eps, self.attention.canonical(rtol), self.R)
+
+    def to_document(self, exact: bool = False) -> tuple[dict, dict]:
+        inner, arrays = self.attention.to_document(exact=False)
+        part = {"kind": self.kind, "norm": self.norm, "eps": self.eps, "d": self.d,
+                "R": document_numbers(self.R, exact), "attention": inner}
+        return part, {"R": self.R, **{f"attention_{name}": array for name, array in arrays.items()}}
+
+    @classmethod
+    def from_document(cls, part: dict, exact: bool = False) -> "NormedAttention":
+        from .kinds import model_from_document
+
+        R = np.asarray(read_numbers(part["R"], exact), dtype=np.float64)
+        return cls(part["norm"], float(part["eps"]), model_from_document(part["attention"], False), R)
+
+
+@dataclass
+class NormedComparison:
+    """``a`` against the reference ``b``: the inner heads' comparison, eps and R relative errors;
+    ``max_rel`` the largest (infinite for norms of another kind or other head counts)."""
+
+    attention: object
+    eps_rel: float
+    R_rel: float
+    same_norm: bool
+
+    @property
+    def max_rel(self) -> float:
+        if not self.same_norm:
+            return float("inf")
+        return max(float(self.attention.max_rel), self.eps_rel, self.R_rel)
+
+    @property
+    def heads_agree(self) -> bool:
+        return bool(self.attention.heads_agree)
+
+
+@register_comparison(NormedAttention)
+def compare_normed(a: NormedAttention, b: NormedAttention, rtol: float = 0.0) -> NormedComparison:
+    """Compare two sublayers (module docstring of :mod:`mhaextract.models.compare`)."""
+    if not isinstance(b, NormedAttention):
+        raise TypeError(f"compare a NormedAttention with a NormedAttention, got {type(b).__name__}")
+    same = a.norm == b.norm and a.d == b.d and a.d_out == b.d_out
+    inner = compare_attention(a.attention, b.attention, rtol=rtol) if same else None
+    R_rel = float(np.abs(a.R - b.R).max() / max(np.abs(b.R).max(), 1e-300)) if same else float("inf")
+    return NormedComparison(inner, abs(a.eps - b.eps) / b.eps, R_rel, same)

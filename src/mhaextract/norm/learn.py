@@ -1,0 +1,252 @@
+"""Learning the attention sublayer of a pre-norm block (docs/algorithm.md, 'Attention behind a norm:
+the sublayer of a block'): the norm's kind, eps and the residual from one-token sweeps
+(:mod:`mhaextract.norm.sweeps`), then an attention learner of the attention family, by its registry
+name, on the reduced oracle ``g(Z) = y(X(Q Z)) - R x_N`` with tokens inside the ball the norm can
+reach, then the whole sublayer verified on fresh raw sequences.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..checks.refine import POLISH_SCALE
+from ..checks.base import Check, ExtractionError, UnreliableExtractionWarning
+from ..models.attention import as_batch
+from ..models.normed import NormedAttention, norm_basis, reachable
+from ..oracle.transcript import RUN
+from ..run.learner import pick
+from ..run.result import Result
+from ..run.session import Request, run_learner
+from ..run.validation import spawn_rng
+from .direct_fit import HELD_OUT, NORMS, STARTS, fit
+from .sweeps import Sweeps, measure
+
+#: The inner method that is this family's own: the direct fit (any other name: an attention learner).
+DIRECT_FIT = "fit"
+
+#: The inner schedule's tokens stay within this fraction of the ball's radius sqrt(d).
+BALL_MARGIN = 0.9
+#: Fresh raw sequences of the verification, their longest, and the range of their token norms.
+VERIFY_SEQUENCES, VERIFY_LONGEST, VERIFY_NORMS = 32, 64, (1e-3, 1e3)
+
+
+class OutsideTheBall(ValueError):
+    """The inner schedule asked a token no raw token reaches through the norm."""
+
+
+class ReducedOracle:
+    """``g(Z) = y(X(Q Z)) - R x_N``: the inner biased model on ``k`` coordinates, asked of the raw
+    layer through ``boundary`` (every query counted there). ``answer_dtype``: the raw layer's."""
+
+    def __init__(self, boundary, sweeps: Sweeps, d: int, answer_dtype):
+        self.boundary, self.sweeps, self.d = boundary, sweeps, d
+        self.basis = norm_basis(sweeps.kind, d)
+        self.answer_dtype = answer_dtype
+        self.largest = 0.0
+
+    def raw(self, Z: np.ndarray) -> np.ndarray:
+        T = np.asarray(Z, dtype=np.float64) @ self.basis.T
+        self.largest = max(self.largest, float(np.sqrt((T * T).sum(axis=1).max())))
+        try:
+            return reachable(T, self.sweeps.eps)
+        except ValueError as error:
+            raise OutsideTheBall(str(error)) from None
+
+    def __call__(self, batch):
+        sequences = [self.raw(Z) for Z in as_batch(batch, self.basis.shape[1])]
+        answers = self.boundary.ask(sequences, description="reduced oracle", whole=True)
+        finals = np.array([X[-1] for X in sequences])
+        return np.asarray(answers, dtype=np.float64) - finals @ self.sweeps.R.T
+
+
+@dataclass(kw_only=True, repr=False)  # Result's one-line repr
+class NormedExtraction(Result):
+    """Result of the ``norm`` learner: the common fields (``model`` a
+    :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
+    layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
+    times the direct fit's held-out misfit, or an attention learner's estimate, or eps's or R's
+    where larger, judged by the ``raw_verification`` check; ``token_scale`` the largest inner token
+    norm the inner method aimed at) and:
+
+    Attributes
+    ----------
+    norm : the norm the answers show ("layernorm", "rmsnorm", or None: none, or a post-norm).
+    eps, eps_error : the norm's eps and its estimated relative error.
+    inner : with an attention schedule as the inner method, its result on the reduced oracle (its
+        ``queries`` are queries of g, each one raw query); None for the direct fit or when the run
+        stopped before it.
+    inner_schedule : the inner method: "fit" (the direct fit) or the attention schedule run.
+    queries_sweeps : raw one-token queries of the kind, residual and eps sweeps.
+    largest_inner_token : the largest norm of an inner token asked (below ``sqrt(d)``).
+    verification_misfit : max over the fresh raw sequences of ``|model - y| / |y|`` (inf norms).
+    """
+
+    norm: str | None = None
+    eps: float = np.nan
+    eps_error: float = np.inf
+    inner: Result | None = None
+    inner_schedule: str = ""
+    queries_sweeps: int = 0
+    largest_inner_token: float = 0.0
+    verification_misfit: float = np.inf
+
+    _repr_fields: ClassVar[tuple[str, ...]] = ("norm",)
+
+    def _summary_extra(self) -> dict:
+        return {"norm": self.norm, "eps": self.eps, "eps_error": self.eps_error, "inner_schedule": self.inner_schedule,
+                "queries_sweeps": self.queries_sweeps, "largest_inner_token": self.largest_inner_token,
+                "verification_misfit": self.verification_misfit}
+
+
+class NormedExtractionError(ExtractionError):
+    """The sublayer extraction failed its checks (``.extraction`` holds the result)."""
+
+
+def inner_token_scale(k: int, d: int, heads, max_heads, seed, schedule: str) -> float:
+    """The largest token scale whose schedule queries (known before any answer, at scale 1) and the
+    refinement's Gaussian polish queries (norm ``POLISH_SCALE`` times the scale, within eight of
+    their standard deviations ``1 / sqrt(2 k)``) lie within ``BALL_MARGIN sqrt(d)``; the reduced
+    oracle still checks every token as it is asked."""
+    options = {"bias": True}
+    learner = pick(schedule, options, Request(k, heads, max_heads, None, seed, 1.0))
+    queries = learner.fixed_queries(Request(k, heads, max_heads, None, seed, 1.0), options) or []
+    largest = max((float(np.sqrt((np.asarray(X, dtype=np.float64) ** 2).sum(axis=1).max())) for X in queries),
+                  default=2.0)
+    largest = max(largest, POLISH_SCALE * (1 + 8 / np.sqrt(2 * k)))
+    return BALL_MARGIN * np.sqrt(d) / largest
+
+
+def verification_sequences(rng: np.random.Generator, d: int, count: int = VERIFY_SEQUENCES) -> list[np.ndarray]:
+    """Fresh raw sequences of 1..VERIFY_LONGEST tokens (the longest included) in random directions
+    whose norms are log-uniform over VERIFY_NORMS (so eps and the residual both matter)."""
+    lengths = list(rng.integers(1, VERIFY_LONGEST + 1, size=count - 1)) + [VERIFY_LONGEST]
+    low, high = np.log(VERIFY_NORMS[0]), np.log(VERIFY_NORMS[1])
+    out = []
+    for n in lengths:
+        X = rng.standard_normal((int(n), d))
+        X *= (np.exp(rng.uniform(low, high, size=int(n))) / np.linalg.norm(X, axis=1))[:, None]
+        out.append(X)
+    return out
+
+
+def run_normed(session, options) -> NormedExtraction:
+    """The run of :class:`~mhaextract.norm.learner.NormedLearner` in ``session`` (module docstring)."""
+    request = session.request
+    d, started = request.d, time.perf_counter()
+    if request.precision is not None:
+        raise ValueError("the norm family runs in float64 (the raw layer's answers); pass precision=None")
+    session.open_transcript({"schedule": "norm", "d": d, "seed": request.seed, "norm": options["norm"]})
+    if session.record is not None:
+        session.record.start_run({"schedule": "norm"})
+    boundary = session.boundary(RUN)
+    answer_dtype = getattr(session.oracle, "answer_dtype", None) or "float64"
+    hints: list[str] = []
+    try:
+        sweeps = measure(boundary, d, options["norm"], spawn_rng(request.seed, 7), answer_dtype)
+        result = NormedExtraction(d=d, schedule="norm", seed=request.seed, answer_dtype=str(answer_dtype),
+                                  norm=sweeps.kind, eps=sweeps.eps, eps_error=sweeps.eps_error,
+                                  checks=list(sweeps.checks), inner_schedule=options["inner_schedule"])
+        if result.ok:
+            _inner_and_verify(session, boundary, sweeps, options, result, hints)
+        else:
+            hints.append("The one-token sweeps decide the sublayer's form before any attention query "
+                         "(docs/algorithm.md, 'Attention behind a norm: the sublayer of a block'): pass the attention "
+                         "half of a block (mhaextract.adapters.normed.attention_sublayer(block)), not a whole block, "
+                         "and norm='auto' or the norm it has.")
+    finally:
+        session.close()
+    result.queries = boundary.queries + boundary.replayed
+    result.queries_asked, result.queries_replayed = boundary.queries, boundary.replayed
+    result.max_query_length = boundary.max_query_length
+    result.queries_sweeps = sweeps.queries
+    result.seconds = time.perf_counter() - started
+    return session.finish(result, "norm sublayer extraction", hints=hints, error_type=NormedExtractionError)
+
+
+def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: NormedExtraction, hints: list) -> None:
+    request, d = session.request, session.request.d
+    k = norm_basis(sweeps.kind, d).shape[1]
+    reduced = ReducedOracle(boundary, sweeps, d, result.answer_dtype)
+    schedule = options["inner_schedule"]
+    if schedule == DIRECT_FIT:
+        fitted = fit(reduced, k, d, request.heads, np.sqrt(d), spawn_rng(request.seed, 9), sweeps.unit)
+        result.token_scale, result.largest_inner_token = NORMS[1] * np.sqrt(d), reduced.largest
+        limit = 1e4 * sweeps.unit
+        result.checks.append(Check("inner_fit", fitted.misfit <= limit, fitted.misfit, limit,
+                                   f"the direct fit of the inner heads ({fitted.queries} bounded queries, {fitted.steps} "
+                                   f"steps, start {fitted.starts} of up to {STARTS}): max misfit on {HELD_OUT} held-out "
+                                   "queries relative to the largest answer"))
+        if not result.checks[-1].passed:
+            hints.append("The direct fit did not reach the answers' rounding from its random starts: the heads may be "
+                         "more than heads=H, or the answers noisier than the layer's dtype (docs/algorithm.md, "
+                         "'Attention behind a norm: the sublayer of a block', 'A direct fit from bounded tokens').")
+            return
+        inner_model, inner_estimate, result.heads = fitted.model.canonical(), 10 * fitted.misfit, request.heads
+    else:
+        inner = _attention_learner(session, reduced, sweeps, schedule, k, result, hints)
+        if inner is None:
+            return
+        inner_model, inner_estimate, result.heads = inner.model, inner.error_estimate, inner.heads
+    model = NormedAttention(sweeps.kind, sweeps.eps, inner_model, sweeps.R)
+    result.model = model
+    result.error_estimate = float(max(inner_estimate, sweeps.eps_error, sweeps.R_error))
+    sequences = verification_sequences(spawn_rng(request.seed, 8), d)
+    answers = np.asarray(boundary.ask(sequences, description="verification on raw sequences", whole=True))
+    predicted = model(sequences)
+    misfit = float((np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)).max())
+    result.verification_misfit = misfit
+    result.verification_queries, result.verification_length = len(sequences), max(len(X) for X in sequences)
+    limit = max(100 * result.error_estimate, 1e3 * sweeps.unit)
+    result.checks.append(Check("raw_verification", misfit <= limit, misfit, limit,
+                               f"{len(sequences)} fresh raw sequences of 1..{VERIFY_LONGEST} tokens with norms "
+                               f"{VERIFY_NORMS[0]:g}..{VERIFY_NORMS[1]:g}: max |model - y| / |y| against 100 times the "
+                               "run's estimate (a layer after the residual or another norm misfits)"))
+    if misfit > limit:
+        hints.append("The sublayer's answers on raw sequences do not fit norm + attention + residual: a whole block "
+                     "(an MLP after the residual) or a norm of another kind; pass attention_sublayer(block).")
+
+
+def _attention_learner(session, reduced: "ReducedOracle", sweeps: Sweeps, schedule: str, k: int,
+                       result: NormedExtraction, hints: list):
+    """An attention learner, by its registry name, on the reduced oracle at a token scale inside the
+    ball; None (a failed check and a hint added) when it stops or fails."""
+    request, d = session.request, session.request.d
+    scale = inner_token_scale(k, d, request.heads, request.max_heads, request.seed, schedule)
+    result.token_scale = scale
+    inner_options = {"bias": True, "refine": True}  # the polish takes the grid from 1e-6 to rounding
+    inner_request = Request.validated(k, request.heads, None if request.heads is not None else request.max_heads,
+                                      None, request.seed, scale)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnreliableExtractionWarning)
+            inner = run_learner(reduced, inner_request, schedule, inner_options, batch_size=session.batch_size,
+                                progress=session.progress, on_failure="warn", verify_length=0)
+    except (OutsideTheBall, ExtractionError) as error:
+        first = str(error).splitlines()[0]
+        result.checks.append(Check("inner_attention", False, reduced.largest, BALL_MARGIN * np.sqrt(d),
+                                   f"the {schedule!r} schedule on the reduced oracle stopped: {first}"))
+        hints.append(_bounded_hint(schedule, d, isinstance(error, OutsideTheBall)))
+        result.largest_inner_token = reduced.largest
+        return None
+    result.inner, result.largest_inner_token = inner, reduced.largest
+    result.checks += [Check(f"inner: {c.name}", c.passed, c.value, c.threshold, c.message) for c in inner.checks]
+    if inner.model is None or not inner.ok:
+        hints.append(_bounded_hint(schedule, d, False))
+        return None
+    return inner
+
+
+def _bounded_hint(schedule: str, d: int, outside: bool) -> str:
+    if outside:
+        return (f"The {schedule!r} schedule asks tokens beyond the ball of radius sqrt(d) = {np.sqrt(d):.3g} that a "
+                "norm's output fills (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'The "
+                "schedule with bounded tokens'): the direct fit (inner_schedule='fit', the default) stays inside it.")
+    return (f"The {schedule!r} schedule did not learn the inner heads from tokens bounded by sqrt(d) = {np.sqrt(d):.3g}"
+            " (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'The schedule with bounded "
+            "tokens'): the biased grid breaks down in float64 at the scores bounded tokens give (measured from d = 16, "
+            "H = 4); the direct fit (inner_schedule='fit', the default) does not depend on them.")

@@ -1,0 +1,53 @@
+"""The attention sublayer of a pre-norm block as a learner ("norm", docs/algorithm.md, 'Attention
+behind a norm: the sublayer of a block'): ``extract(oracle, d, heads=H, norm="auto")``."""
+
+from __future__ import annotations
+
+from ..run.learner import Learner, learner_class, learner_names, register_learner
+from .learn import DIRECT_FIT, run_normed
+
+#: What ``norm=`` takes.
+NORM_OPTIONS = ("auto", "layernorm", "rmsnorm")
+
+
+@register_learner
+class NormedLearner(Learner):
+    """The norm's kind, eps and the residual from one-token sweeps, the inner heads by an attention
+    learner on the reduced oracle, the whole sublayer verified on raw sequences."""
+
+    name = "norm"
+    family = "norm"
+    model = "attention behind a LayerNorm or RMSNorm, with the residual (a pre-norm block's sublayer)"
+    options = {
+        "norm": "the norm before the attention: 'auto' (found from answers), 'layernorm' or 'rmsnorm'",
+        "inner_schedule": "how the inner heads are learned from the reduced oracle: 'fit' (default: a direct fit of "
+                          "whole answers from bounded tokens) or an attention schedule's name ('paper': the biased grid)",
+    }
+    defaults = {"norm": "auto", "inner_schedule": DIRECT_FIT}
+    refusal = "the norm family learns the norm, eps and residual itself and the inner heads by its own fit"
+    priority = 5
+
+    @classmethod
+    def claims(cls, options, common) -> bool:
+        return options.get("norm") is not None and options.get("norm") != "none"
+
+    @classmethod
+    def validate(cls, options, common) -> dict:
+        options = {**cls.defaults, **{k: v for k, v in options.items() if v is not None}}
+        if options["norm"] not in NORM_OPTIONS:
+            raise ValueError(f"norm must be one of {NORM_OPTIONS} (the norm before the attention), got "
+                             f"{options['norm']!r}; plain attention without a norm: extract without norm=")
+        schedule = options["inner_schedule"]
+        if schedule == DIRECT_FIT:
+            if common.heads is None:
+                raise ValueError("the direct fit (inner_schedule='fit') needs the head count: pass heads=H (a bound "
+                                 "max_heads is taken by inner_schedule='paper')")
+        elif not isinstance(schedule, str) or schedule not in learner_names() or learner_class(schedule).family != "attention":
+            raise ValueError(f"inner_schedule must be 'fit' or name a schedule of the attention family ('paper', "
+                             f"'targeted', 'lowrank', ...), got {schedule!r}")
+        if common.precision is not None:
+            raise ValueError("the norm family runs in float64 (the raw layer's answers); pass precision=None")
+        return options
+
+    def run(self):
+        return run_normed(self.session, self.options)

@@ -1,0 +1,161 @@
+"""The norm's kind, eps and the residual R from one-token sweeps (docs/algorithm.md, 'Attention behind
+a norm: the sublayer of a block', 'The norm, eps and R from one-token sweeps').
+
+A one-token query has all its weight on its token: ``y((s e)) = s R e + g(s) V' e + c'`` with
+``g(s) = s / sqrt(s^2 / d + eps)`` for e in the space the norm's output fills, and ``y(0) = c'``.
+Everything here asks through the raw boundary (counted there) and reads no weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..checks.base import Check
+
+#: The sweep's scales: from below any eps a float64 norm uses (ViT's 1e-12) to far above it.
+SWEEP = 10.0 ** np.arange(-10, 5)
+#: The large scale at which g is sqrt(d) to ``eps d / S^2`` (the residual's queries, S and 2 S).
+LARGE = 1e6
+#: A bend counts when the sweep's slopes move by this many times their rounding.
+BEND_FACTOR = 1e3
+
+
+@dataclass
+class Sweeps:
+    """What the sweeps found: ``kind`` ("layernorm", "rmsnorm", or None when no norm fits),
+    ``eps``, ``R`` (d_out, d), ``c`` (= y(0)), the ``checks`` they add, ``queries`` asked,
+    ``unit`` (the answers' relative rounding) and ``eps_error`` (the estimate's relative error)."""
+
+    kind: str | None = None
+    eps: float = np.nan
+    R: np.ndarray | None = None
+    c: np.ndarray | None = None
+    unit: float = 2.0 ** -53
+    eps_error: float = np.inf
+    R_error: float = np.inf
+    checks: list = field(default_factory=list)
+    queries: int = 0
+
+
+def answer_unit(answer_dtype) -> float:
+    """The relative rounding of one answer: float64's, or float32's for a float32 layer."""
+    return {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}.get(str(answer_dtype), 2.0 ** -53)
+
+
+def _slopes(boundary, direction: np.ndarray, scales, zero: np.ndarray):
+    """``(y(s e) - y(0)) / s`` at each scale, and each one's rounding (absolute)."""
+    answers = np.asarray(boundary.ask([s * direction[None, :] for s in scales], description="norm sweep", whole=True),
+                         dtype=np.float64)
+    slopes = (answers - zero) / np.asarray(scales)[:, None]
+    size = (np.abs(answers).max(axis=1) + np.abs(zero).max()) / np.asarray(scales)
+    return answers, slopes, size
+
+
+def _bends(slopes: np.ndarray, size: np.ndarray, unit: float) -> float:
+    """How far the slopes move from the largest scale's, over their rounding: above BEND_FACTOR a bend."""
+    moved = np.abs(slopes - slopes[-1]).max(axis=1)
+    return float((moved / (size * unit + 1e-300)).max())
+
+
+def _eps_from_ratio(rho: float, s: float, S: float, d: int) -> float:
+    """eps from ``g(s) / g(S) = rho``: ``q = (rho S / s)^2 = (S^2/d + eps) / (s^2/d + eps)``."""
+    q = (rho * S / s) ** 2
+    return (S * S / d - q * s * s / d) / (q - 1)
+
+
+def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dtype) -> Sweeps:
+    """The sweeps of the module docstring; ``declared``: "auto", "layernorm" or "rmsnorm"."""
+    out = Sweeps(unit=answer_unit(answer_dtype))
+    unit = out.unit
+    zero = np.asarray(boundary.ask([np.zeros((1, d))], description="norm sweep", whole=True), dtype=np.float64)[0]
+    out.c = zero
+    ones = np.ones(d) / np.sqrt(d)
+    free = rng.standard_normal(d)
+    free -= free.mean()
+    free /= np.linalg.norm(free)  # mean-free: a LayerNorm keeps it, an RMSNorm keeps it
+    along_ones, slopes_ones, size_ones = _slopes(boundary, ones, SWEEP, zero)
+    along_free, slopes_free, size_free = _slopes(boundary, free, SWEEP, zero)
+    bend_ones, bend_free = _bends(slopes_ones, size_ones, unit), _bends(slopes_free, size_free, unit)
+    # a post-norm bounds the outputs: they stop growing with the input (no residual seen)
+    growth = float(np.abs(along_free[-1] - zero).max() / max(np.abs(along_free[-3] - zero).max(), 1e-300))
+    post_norm = growth < 10.0  # the input grew 100 times: a residual grows the output with it
+    found = None if post_norm else ("rmsnorm" if bend_ones > BEND_FACTOR else
+                                    "layernorm" if bend_free > BEND_FACTOR else None)
+    out.checks.append(Check(
+        "residual_grows", not post_norm, growth, 10.0,
+        "the outputs of one-token queries grow with the token (a residual; x100 input gave this growth): a norm "
+        "after the residual (post-LN, BertAttention) bounds them, and this family learns the pre-norm sublayer only"))
+    if not post_norm:
+        message = (f"declared norm={declared!r}; the answers show {found or 'no norm'} (one-token slopes along 1 bend "
+                   f"{bend_ones:.1e}, along a mean-free direction {bend_free:.1e} times their rounding; a bend is "
+                   f"above {BEND_FACTOR:.0e})")
+        if found is None:
+            message += ": attention with no norm before it is the attention family's (extract without norm=)"
+        ok = found is not None and declared in ("auto", found)
+        out.checks.append(Check("norm_kind", ok, bend_ones if declared == "layernorm" else bend_free,
+                                BEND_FACTOR, message))
+    out.kind = found  # what the answers show (a declared norm they contradict failed norm_kind)
+    out.queries = 1 + 2 * len(SWEEP)
+    if found is None or not all(check.passed for check in out.checks):
+        return out
+    # the residual: R e_k = (y(2 S e_k) - y(S e_k)) / S for the standard basis
+    basis = np.eye(d)
+    large = np.asarray(boundary.ask([s * e[None, :] for e in basis for s in (LARGE, 2 * LARGE)],
+                                    description="residual", whole=True), dtype=np.float64)
+    out.R = ((large[1::2] - large[0::2]) / LARGE).T
+    out.R_error = 4 * unit * float(np.abs(large).max()) / LARGE / max(float(np.abs(out.R).max()), 1e-300)
+    out.queries += 2 * d
+    # eps: z(s) = y(s e) - s R e - c = g(s) b along e (mean-free or any); the ratio of z at two scales
+    # is g(s) / g(S), one equation for eps. The sweep's reading nearest the bend (ratio to s = 1 near
+    # 1/sqrt(2), where s^2 / d = eps) gives a first eps; two readings at s = sqrt(d eps) against
+    # S = sqrt(1000 d eps) (S^2/d >> eps: sensitivity 1/2, and s R e, S R e small) give eps.
+    direction = free if found == "layernorm" else ones
+    answers = along_free if found == "layernorm" else along_ones
+    z = answers - SWEEP[:, None] * (out.R @ direction)[None, :] - zero
+    unit_scale = int(np.argmin(np.abs(SWEEP - 1.0)))
+    reference = z[unit_scale]
+    rho = z @ reference / (reference @ reference)
+    bend = [j for j in range(unit_scale) if 0.05 < rho[j] < 0.95]
+    if not bend:
+        out.checks.append(Check("eps", False, float(rho[0]), 0.95,
+                                f"no one-token answer between 1e-10 and 1 shows the norm's bend: its eps is outside "
+                                f"(1e-19 d, 1e-1 d) or the norm is of another form"))
+        return out
+    first = min(bend, key=lambda j: abs(rho[j] - 0.5 ** 0.5))
+    rough = _eps_from_ratio(float(rho[first]), float(SWEEP[first]), 1.0, d)
+    s, S = float(np.sqrt(d * rough)), float(np.sqrt(1000 * d * rough))
+    second = rng.standard_normal(d)
+    if found == "layernorm":
+        second -= second.mean()
+    second /= np.linalg.norm(second)
+    readings = []
+    for e in (direction, second):
+        y = np.asarray(boundary.ask([s * e[None, :], S * e[None, :]], description="norm eps", whole=True),
+                       dtype=np.float64)
+        Re = out.R @ e
+        z_s, z_S = y[0] - s * Re - zero, y[1] - S * Re - zero
+        readings.append(_eps_from_ratio(float(z_s @ z_S / (z_S @ z_S)), s, S, d))
+    out.queries += 4
+    out.eps = float(np.mean(readings))
+    spread = abs(readings[0] - readings[1]) / out.eps
+    # sensitivity ~ 1/2: a reading errs by about twice the ratio's relative error (its answers' rounding
+    # over the difference's size); the two directions' spread measures it
+    out.eps_error = max(2 * spread, 64 * unit)
+    spread_limit = 1e4 * unit  # measured: 6e-16 .. 3e-15 on float64 sublayers; 1.1e-3 on a whole GPT-2 block
+    out.checks.append(Check("eps", out.eps > 0 and spread < spread_limit, spread, spread_limit,
+                            f"eps = {out.eps:.6g} from two directions, relative spread {spread:.1e} (a layer after "
+                            "the residual, such as an MLP of a whole block, or a norm of another form than "
+                            "n(x) = x / sqrt(|x|^2/d + eps) spreads them)"))
+    # the model's form on the sweep: s R e + g(s) b + c along the sweep direction, b from the largest scale
+    g = SWEEP / np.sqrt(SWEEP ** 2 / d + out.eps)
+    b = reference / g[unit_scale]
+    predicted = SWEEP[:, None] * (out.R @ direction)[None, :] + g[:, None] * b[None, :] + zero
+    misfit = float((np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)).max())
+    limit = 1e4 * unit + 10 * out.eps_error  # measured: 5e-16 on float64 sublayers, 3.6e-3 on a whole block
+    out.checks.append(Check("one_token_form", misfit <= limit, misfit, limit,
+                            "one-token answers against s R e + g(s) V' e + c' (norm, attention, residual): a layer "
+                            "after the residual (an MLP: a whole block) or another norm does not fit"))
+    return out
+

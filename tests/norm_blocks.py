@@ -1,0 +1,90 @@
+"""Pre-norm attention sublayers with trained-like weights, their folded truth and the judge at every
+position (issue 63): shared by tests/test_norm_sublayer.py and benchmarks/bench_norm.py.
+
+Truth is the block's own forward in float64, or the heads folded from its weights here
+(W' = G W G, u' = G (W beta + u), V' = V G, c' = c + V beta, restricted to 1^perp): white-box,
+never on the extraction path."""
+
+import numpy as np
+import torch
+
+import mhaextract as mx
+from mhaextract.adapters.torch import to_reduced
+from mhaextract.models.normed import NormedAttention, norm_basis
+
+
+def trained_like(block, norm, attention, d, seed):
+    """Projections N(0, 1/d) (scores of order one on a norm's output), gamma ~ 1 +- 0.2, beta ~ 0.05."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in attention.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) / d ** 0.5)
+        norm.weight.copy_(1 + 0.2 * torch.randn(d, generator=generator, dtype=norm.weight.dtype))
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.copy_(0.05 * torch.randn(d, generator=generator, dtype=norm.bias.dtype))
+    return block.eval()
+
+
+def gpt2_block(d, H, seed=0, **config):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2Config
+
+    torch.manual_seed(seed)
+    block = GPT2Block(GPT2Config(n_embd=d, n_head=H, attn_implementation="eager", **config), layer_idx=0).double()
+    return trained_like(block, block.ln_1, block.attn, d, seed)
+
+
+def vit_layer(d, H, seed=0):
+    from transformers.models.vit.modeling_vit import ViTConfig, ViTLayer
+
+    torch.manual_seed(seed)
+    layer = ViTLayer(ViTConfig(hidden_size=d, num_attention_heads=H, intermediate_size=2 * d,
+                               attn_implementation="sdpa")).double()  # eager: a float32 softmax
+    return trained_like(layer, layer.layernorm_before, layer.attention, d, seed)
+
+
+class RMSSublayer(torch.nn.Module):
+    """x + MHA(RMSNorm(x)) in float64 (torch's RMSNorm computes in the input's dtype)."""
+
+    def __init__(self, d, H, seed=0, eps=1e-6):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.norm = torch.nn.RMSNorm(d, eps=eps, dtype=torch.float64)
+        self.attn = torch.nn.MultiheadAttention(d, H, batch_first=True, dtype=torch.float64)
+        trained_like(self, self.norm, self.attn, d, seed)
+
+    def forward(self, X):
+        T = self.norm(X)
+        return X + self.attn(T, T, T, need_weights=False)[0]
+
+
+def folded_truth(block) -> NormedAttention:
+    """The canonical sublayer of a GPT2Block, from its weights (white-box, the test's own algebra)."""
+    A = to_reduced(block.attn)
+    gamma, beta = (block.ln_1.weight.detach().double().numpy(), block.ln_1.bias.detach().double().numpy())
+    G = np.diag(gamma)
+    W = G @ A.W @ G
+    u = np.einsum("ab,hb->ha", G, np.einsum("hab,b->ha", A.W, beta) + A.u)
+    V, c = A.V @ G, A.c + np.einsum("hob,b->o", A.V, beta)
+    Q = norm_basis("layernorm", A.d)
+    inner = mx.MultiHeadAttention(Q.T @ W @ Q, V @ Q, u @ Q, c)
+    return NormedAttention("layernorm", block.ln_1.eps, inner, np.eye(A.d))
+
+
+def raw_sequences(rng, d, count, longest=64):
+    """Token norms log-uniform in 1e-3..1e3 (so eps and the residual both matter)."""
+    out = []
+    for n in list(rng.integers(1, longest + 1, size=count - 1)) + [longest]:
+        X = rng.standard_normal((int(n), d))
+        X *= (np.exp(rng.uniform(np.log(1e-3), np.log(1e3), size=int(n))) / np.linalg.norm(X, axis=1))[:, None]
+        out.append(X)
+    return out
+
+
+def every_position_error(model, module, sequences, causal):
+    worst = 0.0
+    with torch.no_grad():
+        for X in sequences:
+            expected = module(torch.as_tensor(X)[None])[0].double().numpy()
+            got = model.every_position(X, causal)
+            worst = max(worst, float((np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)).max()))
+    return worst

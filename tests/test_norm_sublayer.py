@@ -1,0 +1,142 @@
+"""Issue 63: attention behind a norm, with the residual (the attention sublayer of a pre-norm block).
+Truth: the block's own forward in float64, or the heads folded from its weights (tests/norm_blocks.py)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import mhaextract as mx  # noqa: E402
+from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
+from mhaextract.adapters.torch import TorchOracle, to_state_dict, to_torch  # noqa: E402
+from mhaextract.models.kinds import model_from_document  # noqa: E402
+from mhaextract.models.normed import NormedAttention  # noqa: E402
+from mhaextract.norm.learn import NormedExtractionError  # noqa: E402
+from norm_blocks import (  # noqa: E402
+    RMSSublayer, every_position_error, folded_truth, gpt2_block, raw_sequences, vit_layer,
+)
+
+
+def test_the_folded_model_is_the_gpt2_sublayer_at_every_position_and_saves_and_exports():
+    block = gpt2_block(8, 2)
+    sublayer = attention_sublayer(block)
+    truth = folded_truth(block)
+    sequences = raw_sequences(np.random.default_rng(0), 8, 6, longest=12)
+    # GPT2Attention called alone in eager mode masks nothing: the bidirectional reading
+    assert every_position_error(truth, sublayer, sequences, causal=False) < 1e-12
+    part, _ = truth.to_document()
+    again = model_from_document(part)
+    assert mx.compare(again, truth).max_rel == 0
+    module = to_torch(truth, causal=False)
+    X = torch.as_tensor(sequences[-1])[None]
+    with torch.no_grad():
+        assert float((module(X) - sublayer(X)).abs().max()) < 1e-12
+    fresh = gpt2_block(8, 2, seed=5)
+    state = to_state_dict(truth, like=fresh)
+    fresh.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        assert float((attention_sublayer(fresh)(X) - sublayer(X)).abs().max()) < 1e-12
+
+
+def test_an_eps_the_block_cannot_hold_and_a_residual_other_than_the_identity_are_refused():
+    truth = folded_truth(gpt2_block(8, 2))
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="layer_norm_epsilon"):
+        to_state_dict(truth, like=gpt2_block(8, 2, layer_norm_epsilon=1e-6))
+    other = NormedAttention(truth.norm, truth.eps, truth.attention, 2 * truth.R)
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="residual"):
+        to_state_dict(other, like=gpt2_block(8, 2))
+
+
+@pytest.mark.slow
+def test_the_gpt2_sublayer_is_extracted_with_norm_auto():
+    d, H = 16, 2
+    block = gpt2_block(d, H)
+    sublayer = attention_sublayer(block)
+    oracle = TorchOracle(sublayer)
+    result = mx.extract(oracle, d, heads=H, seed=1, norm="auto")
+    assert result.ok and result.norm == "layernorm" and result.schedule == "norm"
+    assert result.queries == oracle.sequences  # counted at the raw layer
+    assert abs(result.eps - block.ln_1.eps) / block.ln_1.eps < 1e-12
+    assert mx.compare(result.model, folded_truth(block)).max_rel < 1e-10
+    causal = result.causal.verdict == "causal"
+    error = every_position_error(result.model, sublayer, raw_sequences(np.random.default_rng(7), d, 20), causal)
+    assert error < 1e-12
+    assert result.error_estimate >= mx.compare(result.model, folded_truth(block)).max_rel
+    fresh = gpt2_block(d, H, seed=9)  # acceptance 5: the state dict goes into a fresh GPT2Block
+    fresh.load_state_dict(to_state_dict(result, like=fresh), strict=False)
+    X = torch.as_tensor(raw_sequences(np.random.default_rng(3), d, 2)[-1])[None]
+    with torch.no_grad():
+        expected = sublayer(X)
+        for module in (attention_sublayer(fresh), to_torch(result)):  # the block's class, and a module of its own
+            assert float(((module(X) - expected).abs().amax(-1) / expected.abs().amax(-1)).max()) < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ViT", "RMSNorm", "GPT-2 float32"])
+def test_other_sublayers_are_extracted_with_norm_auto(kind):
+    d, H = 16, 2
+    if kind == "ViT":
+        module, norm, eps, limit = attention_sublayer(vit_layer(d, H)), "layernorm", 1e-12, 1e-12
+    elif kind == "RMSNorm":
+        module, norm, eps, limit = RMSSublayer(d, H), "rmsnorm", 1e-6, 1e-12
+    else:
+        module, norm, eps, limit = attention_sublayer(gpt2_block(d, H).float()), "layernorm", 1e-5, 1e-5
+    result = mx.extract(TorchOracle(module), d, heads=H, seed=1, norm="auto")
+    assert result.ok and result.norm == norm and abs(result.eps - eps) / eps < 1e-6
+    causal = result.causal.verdict == "causal"
+    error = every_position_error(result.model, module.double(), raw_sequences(np.random.default_rng(4), d, 20), causal)
+    assert error < limit
+
+
+def test_the_vit_sublayer_sweeps_find_its_eps_of_1e_12():
+    from mhaextract.norm.sweeps import measure
+    from mhaextract.oracle.boundary import OracleBoundary
+
+    layer = vit_layer(16, 2)
+    oracle = TorchOracle(attention_sublayer(layer))
+    sweeps = measure(OracleBoundary(oracle, 16), 16, "auto", np.random.default_rng(0), "float64")
+    assert sweeps.kind == "layernorm" and all(check.passed for check in sweeps.checks)
+    assert abs(sweeps.eps - layer.layernorm_before.eps) / layer.layernorm_before.eps < 1e-10
+
+
+def test_an_rmsnorm_sublayer_is_found_as_one_and_refused_when_declared_layernorm():
+    d, H = 16, 2
+    sublayer = RMSSublayer(d, H)
+    with pytest.raises(NormedExtractionError, match="norm_kind.*rmsnorm"):
+        mx.extract(TorchOracle(sublayer), d, heads=H, seed=1, norm="layernorm")
+
+
+def test_an_rmsnorm_sublayer_sweeps_find_its_kind_and_eps():
+    from mhaextract.norm.sweeps import measure
+    from mhaextract.oracle.boundary import OracleBoundary
+
+    sublayer = RMSSublayer(16, 2, eps=1e-6)
+    sweeps = measure(OracleBoundary(TorchOracle(sublayer), 16), 16, "auto", np.random.default_rng(0), "float64")
+    assert sweeps.kind == "rmsnorm" and all(check.passed for check in sweeps.checks)
+    assert abs(sweeps.eps - 1e-6) / 1e-6 < 1e-10 and np.abs(sweeps.R - np.eye(16)).max() < 1e-12
+
+
+def test_a_whole_gpt2_block_with_its_mlp_fails_loudly_naming_the_cause():
+    block = gpt2_block(16, 2)
+    with pytest.raises(NormedExtractionError, match="an MLP") as error:
+        mx.extract(TorchOracle(block), 16, heads=2, seed=1, norm="auto")
+    assert error.value.extraction.model is None
+
+
+def test_a_post_norm_bert_attention_is_refused_with_that_cause():
+    from transformers.models.bert.modeling_bert import BertAttention, BertConfig
+
+    torch.manual_seed(0)
+    layer = BertAttention(BertConfig(hidden_size=16, num_attention_heads=2)).double().eval()
+    with pytest.raises(NormedExtractionError, match="post-LN"):
+        mx.extract(TorchOracle(attention_sublayer(layer)), 16, heads=2, seed=1, norm="auto")
+
+
+def test_a_bad_norm_option_is_refused_before_any_query():
+    calls = []
+    with pytest.raises(ValueError, match="norm must be one of"):
+        mx.extract(lambda batch: calls.append(batch), 8, heads=1, norm="batchnorm")
+    with pytest.raises(ValueError, match="inner_schedule"):
+        mx.extract(lambda batch: calls.append(batch), 8, heads=1, norm="auto", inner_schedule="rotary")
+    assert not calls
