@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..checks.refine import POLISH_SCALE
+from ..checks.verify import ROUNDING_PER_TOKEN
 from ..checks.base import Check, ExtractionError, UnreliableExtractionWarning
 from ..models.attention import as_batch
 from ..models.normed import NormedAttention, norm_basis, reachable
@@ -69,8 +70,8 @@ class NormedExtraction(Result):
     """Result of the ``norm`` learner: the common fields (``model`` a
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
     layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
-    times the direct fit's held-out misfit, or an attention learner's estimate, or eps's or R's
-    where larger, judged by the ``raw_verification`` check; ``token_scale`` the largest inner token
+    times the direct fit's held-out misfit plus the rounding of evaluating 64-token sequences, or an
+    attention learner's estimate, or eps's or R's where larger, judged by the ``raw_verification`` check; ``token_scale`` the largest inner token
     norm the inner method aimed at) and:
 
     Attributes
@@ -186,7 +187,11 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
                          "more than heads=H, or the answers noisier than the layer's dtype (docs/algorithm.md, "
                          "'Attention behind a norm: the sublayer of a block', 'A direct fit from bounded tokens').")
             return
-        inner_model, inner_estimate, result.heads = fitted.model.canonical(), 10 * fitted.misfit, request.heads
+        # plus the rounding of evaluating the sublayer over the longest sequences the claim covers: at the
+        # rounding level the held-out misfit is a sample of it, not a bound (GPT-2's sublayer, d = 64: 7.1e-15
+        # without it against 7.6e-15 between a GPT2Block loaded with the result and the original)
+        inner_estimate = 10 * fitted.misfit + ROUNDING_PER_TOKEN * VERIFY_LONGEST * sweeps.unit
+        inner_model, result.heads = fitted.model.canonical(), request.heads
     else:
         inner = _attention_learner(session, reduced, sweeps, schedule, k, result, hints)
         if inner is None:
