@@ -71,8 +71,8 @@ class NormedExtraction(Result):
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
     layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
     times the direct fit's held-out misfit plus the rounding of evaluating 64-token sequences, or an
-    attention learner's estimate, or eps's or R's where larger, judged by the ``raw_verification`` check; ``token_scale`` the largest inner token
-    norm the inner method aimed at) and:
+    attention learner's estimate, or eps's or R's where larger, judged by the ``raw_verification``
+    check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
 
     Attributes
     ----------
