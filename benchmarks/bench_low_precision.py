@@ -241,20 +241,26 @@ def estimate_row(name: str, dtype: str, d: int, H: int, low, exact) -> dict:
     return row
 
 
-def estimate_table(args) -> None:
-    print("| layer | dtype | d | H | parameter error | estimate / error, permuted residuals | estimate / error, "
-          "wild + units | seconds (permuted) | seconds (wild) | checks |")
-    print("|---" * 10 + "|")
-    cases = []
+def layer_grid(args):
+    """(kind, dtype, d, H, seed, std) for every ``--sizes`` x ``--kinds`` x ``--dtypes`` x ``--std`` x
+    ``--seeds`` case; a layer's seed is d + H + its index."""
     for size in args.sizes:
         d, H = (int(part) for part in size.split("x"))
         for kind in args.kinds:
             for dtype in args.dtypes:
                 for std in args.std:
                     for seed in range(args.seeds):
-                        cases.append((f"{kind} (std {std}, seed {d + H + seed})", dtype, d, H,
-                                      lambda kind=kind, dtype=dtype, d=d, H=H, seed=seed, std=std:
-                                      layers(kind, dtype, d, H, d + H + seed, std, args.implementation)))
+                        yield kind, dtype, d, H, d + H + seed, std
+
+
+def estimate_table(args) -> None:
+    print("| layer | dtype | d | H | parameter error | estimate / error, permuted residuals | estimate / error, "
+          "wild + units | seconds (permuted) | seconds (wild) | checks |")
+    print("|---" * 10 + "|")
+    cases = [(f"{kind} (std {std}, seed {seed})", dtype, d, H,
+              lambda kind=kind, dtype=dtype, d=d, H=H, seed=seed, std=std:
+              layers(kind, dtype, d, H, seed, std, args.implementation))
+             for kind, dtype, d, H, seed, std in layer_grid(args)]
     for layer_id in args.zoo:
         import sys
         from pathlib import Path
@@ -323,16 +329,9 @@ def main() -> None:
             print(f"| layer | dtype | d | H |{weights} queries | / float64 run | parameter error | output error | the "
                   "layer's own output error | estimate / error | seconds | checks |")
             print("|---" * (12 + 2 * bool(weights)) + "|")
-        for size in args.sizes:
-            d, H = (int(part) for part in size.split("x"))
-            for kind in args.kinds:
-                for dtype in args.dtypes:
-                    for std in args.std:
-                        for seed in range(args.seeds):
-                            print(start_row(kind, dtype, d, H, d + H + seed, std, args.implementation)
-                                  if args.start_only else
-                                  whole_row(kind, dtype, d, H, d + H + seed, std, args.implementation,
-                                            not args.no_reference), flush=True)
+        for kind, dtype, d, H, seed, std in layer_grid(args):
+            print(start_row(kind, dtype, d, H, seed, std, args.implementation) if args.start_only else
+                  whole_row(kind, dtype, d, H, seed, std, args.implementation, not args.no_reference), flush=True)
         return
     if args.bfloat16_oversampling:
         oversampling_table(args.sizes, args.seeds)
