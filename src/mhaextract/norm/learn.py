@@ -138,9 +138,7 @@ def verification_sequences(rng: np.random.Generator, d: int, count: int = VERIFY
 def run_normed(session, options) -> NormedExtraction:
     """The run of :class:`~mhaextract.norm.learner.NormedLearner` in ``session`` (module docstring)."""
     request = session.request
-    d, started = request.d, time.perf_counter()
-    if request.precision is not None:
-        raise ValueError("the norm family runs in float64 (the raw layer's answers); pass precision=None")
+    d, started = request.d, time.perf_counter()  # precision=None: NormedLearner.validate refused the rest
     session.open_transcript({"schedule": "norm", "d": d, "seed": request.seed, "norm": options["norm"]})
     if session.record is not None:
         session.record.start_run({"schedule": "norm"})
