@@ -186,8 +186,7 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
                          "'Attention behind a norm: the sublayer of a block', 'A direct fit from bounded tokens').")
             return
         # plus the rounding of evaluating the sublayer over the longest sequences the claim covers: at the
-        # rounding level the held-out misfit is a sample of it, not a bound (GPT-2's sublayer, d = 64: 7.1e-15
-        # without it against 7.6e-15 between a GPT2Block loaded with the result and the original)
+        # rounding level the held-out misfit is a sample of it, not a bound
         inner_estimate = 10 * fitted.misfit + ROUNDING_PER_TOKEN * VERIFY_LONGEST * sweeps.unit
         inner_model, result.heads = fitted.model.canonical(), request.heads
     else:
