@@ -80,7 +80,7 @@ def test_a_failed_run_on_a_normed_sublayer_says_so_and_counts_its_probes():
     with pytest.raises(mx.ExtractionError) as raised:
         mx.extract(oracle, 16, heads=2, seed=0)
     message = str(raised.value)
-    assert "LayerNorm or RMSNorm" in message and "attention module itself" in message
+    assert "LayerNorm or RMSNorm" in message and "attention module itself" in message and "norm='auto'" in message
     assert "noise of about" not in message and "more heads than declared" not in message
     assert raised.value.extraction.queries == oracle.count  # the probes are in the measured count
 
@@ -115,3 +115,18 @@ def test_a_wrong_d_is_named_before_token_ids():
     message = str(raised.value)
     assert "pass its hidden size as d" in message and "d = 12" in message
     assert message.index("hidden size") < message.index("token ids")
+
+
+@pytest.mark.slow
+def test_the_normed_sublayer_hint_is_one_that_works():
+    """The hint's remedy, norm='auto' with heads=H, learns the same sublayer: judged against the module itself at
+    every position of raw sequences (the norm's eps and the residual included)."""
+    module = NormedSublayer(torch.nn.LayerNorm(16, dtype=torch.float64)).eval()
+    result = mx.extract(TorchOracle(module), 16, heads=2, seed=0, norm="auto")
+    assert result.ok and result.model.norm == "layernorm"
+    rng = np.random.default_rng(11)
+    for length in (1, 7, 40):
+        X = rng.standard_normal((length, 16)) * 10.0 ** rng.uniform(-3, 3, size=(length, 1))
+        with torch.no_grad():
+            truth = module(torch.from_numpy(X)[None])[0].numpy()
+        assert np.max(np.abs(result.model.every_position(X, causal=False) - truth)) <= 1e-12 * np.max(np.abs(truth))

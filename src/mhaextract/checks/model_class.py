@@ -132,7 +132,9 @@ def model_class_hints(evidence: ModelClassEvidence | None) -> list[str]:
     if evidence.norm_before:
         hints.append(f"Scaling a lone token does not scale its effect: f(2x) - 2f(x) + f(0) and f(4x) - 2f(2x) + f(0) "
                      f"agree and reach {evidence.curvature:.2g} of the largest answer (zero for attention), as "
-                     "when a LayerNorm or RMSNorm normalises every token before the attention. Give the oracle the "
-                     "attention module itself (e.g. block.attn of a GPT2Block, not the block or ln_1 followed by "
-                     "attn).")
+                     "when a LayerNorm or RMSNorm normalises every token before the attention. For the attention "
+                     "sublayer of a pre-norm block (its norm, the attention and the residual around it, "
+                     "mhaextract.adapters.normed.attention_sublayer(block)), pass norm='auto' with heads=H "
+                     "(docs/norm.md); to learn the attention alone, give the oracle the attention module itself "
+                     "(e.g. block.attn of a GPT2Block, not the block or ln_1 followed by attn).")
     return hints
