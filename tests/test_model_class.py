@@ -76,9 +76,10 @@ def test_a_norm_before_the_attention_is_found_whatever_the_probes_scale(norm, re
 
 @pytest.mark.slow
 def test_a_failed_run_on_a_normed_sublayer_says_so_and_counts_its_probes():
+    # max_heads, not heads: the norm learner's direct fit needs the count, so the run is not handed on
     oracle = Counted(TorchOracle(NormedSublayer(torch.nn.LayerNorm(16, dtype=torch.float64)).eval()))
     with pytest.raises(mx.ExtractionError) as raised:
-        mx.extract(oracle, 16, heads=2, seed=0)
+        mx.extract(oracle, 16, max_heads=2, seed=0)
     message = str(raised.value)
     assert "LayerNorm or RMSNorm" in message and "attention module itself" in message and "norm='auto'" in message
     assert "noise of about" not in message and "more heads than declared" not in message
@@ -118,12 +119,24 @@ def test_a_wrong_d_is_named_before_token_ids():
 
 
 @pytest.mark.slow
-def test_the_normed_sublayer_hint_is_one_that_works():
-    """The hint's remedy, norm='auto' with heads=H, learns the same sublayer: judged against the module itself at
-    every position of raw sequences (the norm's eps and the residual included)."""
+@pytest.mark.parametrize("named", [True, False], ids=["norm-named", "defaults"])
+def test_a_normed_sublayer_is_learned_by_the_norm_learner_named_or_by_default(named, tmp_path):
+    """The hint's remedy, norm='auto' with heads=H, and the defaults (whose failed targeted run hands its session to
+    the norm learner) learn the same sublayer: judged against the module itself at every position of raw sequences
+    (the norm's eps and the residual included); every query counted, a transcript resumes without asking again."""
     module = NormedSublayer(torch.nn.LayerNorm(16, dtype=torch.float64)).eval()
-    result = mx.extract(TorchOracle(module), 16, heads=2, seed=0, norm="auto")
-    assert result.ok and result.model.norm == "layernorm"
+    oracle = Counted(TorchOracle(module))
+    options = {"norm": "auto"} if named else {}
+    result = mx.extract(oracle, 16, heads=2, seed=0, transcript=tmp_path / "run.sqlite", **options)
+    assert result.ok and result.schedule == "norm" and result.model.norm == "layernorm"
+    assert result.queries == oracle.count
+    if not named:
+        assert result.schedule_reason.startswith("targeted: its checks failed") and "norm before" in result.schedule_reason
+        assert result.split_queries > 0
+    again = Counted(TorchOracle(module))
+    resumed = mx.extract(again, 16, heads=2, seed=0, transcript=tmp_path / "run.sqlite", **options)
+    assert again.count == 3 and resumed.queries == result.queries + 3  # the resume check's three
+    assert np.array_equal(resumed.model.R, result.model.R)
     rng = np.random.default_rng(11)
     for length in (1, 7, 40):
         X = rng.standard_normal((length, 16)) * 10.0 ** rng.uniform(-3, 3, size=(length, 1))

@@ -124,7 +124,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
           (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block'; docs/norm.md): the norm's kind
           and eps and the residual from one-token sweeps, the heads by a direct fit from tokens the norm can
           reach, the whole sublayer checked on raw sequences; returns a ``NormedExtraction`` whose ``model`` is
-          a :class:`~mhaextract.models.normed.NormedAttention`. Needs ``heads``. ``inner_schedule``: ``"fit"``
+          a :class:`~mhaextract.models.normed.NormedAttention`. Needs ``heads``. Without ``norm=``, a failed
+          ``"auto"`` run whose model-class probes find a norm before the attention goes on as this learner with
+          ``norm="auto"`` (same session and transcript; ``result.schedule_reason`` says why). ``inner_schedule``: ``"fit"``
           (default) or an attention schedule's name run on the reduced oracle.
         - ``key_bias``: ``positions="rotary"`` only: the keys carry a bias (Qwen2), which under rotation
           does not cancel in the softmax. The run first finds a token whose key is zero from whole

@@ -22,7 +22,7 @@ from ..checks.verify import VERIFY_LENGTH, ask_long_verification
 from ..numerics.arithmetic import BACKENDS, arithmetic_for
 from ..oracle.progress import expect_queries
 from ..oracle.transcript import RUN, run_fingerprint, run_header
-from ..run.learner import AUTO, given, takeover
+from ..run.learner import AUTO, FallBack, given, successor, takeover
 from ..run.validation import nonnegative_number, positive_int, spawn_rng, token_scale_for
 from .base import RunSettings
 from .finish import (
@@ -151,6 +151,7 @@ def _run_plan(session, plan, choice, settings, calibration):
     arithmetic = arithmetic_for(settings.precision, settings.backend)
     expect_queries(session.progress, plan.promised_queries)
     boundary = session.boundary(RUN, precision=settings.precision)
+    handed_on = None  # (learner, why) that runs instead, where the failed run's probes name one
     try:
         session.check_resumed(boundary, plan.fixed_queries() if session.pending_check else [],
                               noise=None if calibration is None else calibration.answer_noise)
@@ -196,12 +197,18 @@ def _run_plan(session, plan, choice, settings, calibration):
         evidence = None
         if not extraction.ok and settings.precision is None and plan.probes_noise:  # is the oracle in the class?
             extraction, evidence = _probe_model_class(boundary, settings, extraction)
+            handed_on = successor(evidence, session.given_options, session.request) if session.requested == AUTO else None
+        if handed_on is not None:  # another learner's model: it runs in this session (and transcript)
+            learner, why = handed_on
+            failed = ", ".join(check.name for check in extraction.failed_checks)
+            raise FallBack(f"its checks failed ({failed}), and {why}", boundary, to=learner.name)
     except KERNEL_ERRORS as error:
         if getattr(error, "raised_by_oracle", False):
             raise
         raise kernel_failure(error, plan, boundary.stats, boundary.queries + boundary.replayed) from error
     finally:
-        session.close()
+        if handed_on is None:
+            session.close()
     failed = {check.name for check in extraction.failed_checks}
     hints = failure_hints(failed, settings, boundary.stats, extraction, plan.hints(failed),
                           float_only=getattr(oracle, "answer_dtype", "mpf") != "mpf", model_class=evidence)

@@ -19,7 +19,7 @@ from ..checks.verify import ROUNDING_PER_TOKEN
 from ..checks.base import Check, ExtractionError, UnreliableExtractionWarning
 from ..models.attention import as_batch
 from ..models.normed import NormedAttention, norm_basis, reachable
-from ..oracle.transcript import RUN
+from ..oracle.transcript import NORM
 from ..run.learner import pick
 from ..run.result import Result
 from ..run.session import Request, run_learner
@@ -139,10 +139,9 @@ def run_normed(session, options) -> NormedExtraction:
     """The run of :class:`~mhaextract.norm.learner.NormedLearner` in ``session`` (module docstring)."""
     request = session.request
     d, started = request.d, time.perf_counter()  # precision=None: NormedLearner.validate refused the rest
+    # (a run that falls back here keeps the header of the learner that failed: its answers are in the same file)
     session.open_transcript({"schedule": "norm", "d": d, "seed": request.seed, "norm": options["norm"]})
-    if session.record is not None:
-        session.record.start_run({"schedule": "norm"})
-    boundary = session.boundary(RUN)
+    boundary = session.boundary(NORM)
     answer_dtype = getattr(session.oracle, "answer_dtype", None) or "float64"
     hints: list[str] = []
     try:

@@ -32,6 +32,16 @@ class NormedLearner(Learner):
         return options.get("norm") is not None and options.get("norm") != "none"
 
     @classmethod
+    def explains(cls, evidence) -> str | None:
+        """A failed ``"auto"`` run whose probes found a norm before the attention (``norm_before``) hands its
+        session to this learner, ``norm="auto"``: the default finds the sublayer of a pre-norm block."""
+        if not getattr(evidence, "norm_before", False):
+            return None
+        return (f"scaling a lone token did not scale its effect (f(2x) - 2f(x) + f(0) reached "
+                f"{evidence.curvature:.2g} of the largest answer), as a norm before the attention does: the sublayer "
+                "of a pre-norm block, learned by the norm learner (norm='auto')")
+
+    @classmethod
     def validate(cls, options, common) -> dict:
         options = {**cls.defaults, **{k: v for k, v in options.items() if v is not None}}
         if options["norm"] not in NORM_OPTIONS:

@@ -18,7 +18,9 @@ are asked:
 * ``"run"``: the schedule's queries and every query after them (noise probe, polish, repair),
   whose plan depends on the calibrated scale;
 * ``"vector"``: the queries of the split of whole answers (:mod:`mhaextract.vector`),
-  tried before the schedule when the answers are whole vectors.
+  tried before the schedule when the answers are whole vectors;
+* ``"norm"``: the queries of the attention sublayer of a pre-norm block (:mod:`mhaextract.norm`), named
+  (``norm=``) or run after a failed ``"auto"`` run whose answers showed a norm before the attention.
 
 What makes that safe:
 
@@ -60,8 +62,8 @@ from ..numerics.highprec import mpf_from_hex, mpf_to_hex
 #: Version of the file layout; a transcript of another version is refused.
 FORMAT = 2
 #: The sections of a transcript (module docstring).
-CALIBRATION, RUN, VECTOR = "calibration", "run", "vector"
-SECTIONS = (CALIBRATION, RUN, VECTOR)
+CALIBRATION, RUN, VECTOR, NORM = "calibration", "run", "vector", "norm"
+SECTIONS = (CALIBRATION, RUN, VECTOR, NORM)
 
 
 class TranscriptError(RuntimeError):

@@ -17,8 +17,9 @@ How ``schedule="auto"`` picks, in three moments, each a class method a learner m
    (their format, their width ``d_out``): answers of 8 or 11 bits belong to the low-precision
    learner, which then runs instead, in the same session;
 3. a learner that finds the answers outside its reach raises :class:`FallBack` naming the learner
-   to run instead (:attr:`Learner.falls_back_to`); its queries count in the result, and the
-   reason is appended to ``result.schedule_reason``.
+   to run instead (:attr:`Learner.falls_back_to`, or the one :func:`successor` finds for what a
+   failed run's model-class probes showed, :meth:`Learner.explains`); its queries count in the
+   result, and the reason is appended to ``result.schedule_reason``.
 
 Examples
 --------
@@ -41,13 +42,15 @@ COMMON = ("token_scale", "batch_size", "progress", "on_failure", "transcript", "
 
 
 class FallBack(Exception):
-    """Raised by a learner whose answers it cannot learn from: the session runs
-    ``learner.falls_back_to`` instead, counting ``boundary``'s queries and appending ``reason``."""
+    """Raised by a learner whose answers it cannot learn from: the session runs the learner named
+    ``to`` (default ``learner.falls_back_to``) instead, counting ``boundary``'s queries and appending
+    ``reason``."""
 
-    def __init__(self, reason: str, boundary=None):
+    def __init__(self, reason: str, boundary=None, to: str | None = None):
         super().__init__(reason)
         self.reason = reason
         self.boundary = boundary
+        self.to = to
 
 
 class Learner:
@@ -108,6 +111,13 @@ class Learner:
         """``schedule="auto"``, after the calibration's first answers: whether answers of
         ``answer_format`` with ``d_out`` numbers each (None: not seen yet) belong to this learner."""
         return False
+
+    @classmethod
+    def explains(cls, evidence) -> str | None:
+        """After a failed ``schedule="auto"`` run: what in ``evidence`` (the run's
+        :class:`~mhaextract.checks.model_class.ModelClassEvidence`) makes the oracle this learner's,
+        in words, or None (default: nothing does)."""
+        return None
 
     @classmethod
     def fixed_queries(cls, request, options: dict):
@@ -175,6 +185,23 @@ def pick(name, options: dict, common) -> type[Learner]:
             return learner
     taken = sorted(option for option, value in options.items() if given(value))
     raise ValueError(f"schedule='auto' found no learner for the options {taken}: name one of {learner_names()}")
+
+
+def successor(evidence, options: dict, common) -> tuple[type[Learner], str] | None:
+    """The learner that a failed ``"auto"`` run hands the session to, and why: the first whose
+    :meth:`Learner.explains` names ``evidence`` and which takes the ``options`` the user gave
+    (``refuse``, ``validate``); None when none does (the failed run is reported as it is)."""
+    for learner in LEARNERS.values():
+        why = learner.explains(evidence)
+        if why is None:
+            continue
+        try:
+            learner.refuse(options)
+            learner.validate(options, common)
+        except ValueError:
+            continue
+        return learner, why
+    return None
 
 
 def takeover(options: dict, common, answer_format, d_out) -> type[Learner] | None:

@@ -94,6 +94,7 @@ class Session:
         self.probes: OracleBoundary | None = None
         self.pending_check = 0
         self.requested = None  # the schedule name the user gave ("auto" or a learner's)
+        self.given_options: dict = {}  # the family options the user gave, before any learner's defaults
         self.boundaries: list[OracleBoundary] = []  # those whose replayed queries the resume check may re-ask
         self.fallbacks: list[tuple[str, OracleBoundary]] = []
         self.started = time.perf_counter()
@@ -200,8 +201,8 @@ class Session:
             if boundary is not None:
                 spent.add(boundary)
                 result.split_queries = getattr(result, "split_queries", 0) + boundary.queries + boundary.replayed
-            result.schedule_reason += (
-                f"; {reason}" if boundary is None else f"; {reason}, after {boundary.queries + boundary.replayed} queries")
+            result.schedule_reason += ("; " if result.schedule_reason else "") + (
+                reason if boundary is None else f"{reason}, after {boundary.queries + boundary.replayed} queries")
         if spent.asked or spent.replayed:
             result.queries += spent.asked + spent.replayed
             result.queries_asked += spent.asked
@@ -217,13 +218,17 @@ def run_learner(oracle, request: Request, schedule, options: dict, **common):
     after validating its parameters."""
     learner = pick(schedule, options, request)  # (an unknown name: the ValueError listing the names there are)
     learner.refuse(options)
-    options = learner.validate(options, request)
+    given, options = options, learner.validate(options, request)
     session = Session(oracle, request, **common)
-    session.requested, session.options = schedule, options
+    session.requested, session.options, session.given_options = schedule, options, given
     while True:
         try:
             return learner(session, options).run()
         except FallBack as fallback:  # the learner gave way: the one it names runs in the same session
             session.fall_back(learner.name, fallback.reason, fallback.boundary)
-            learner = learner_class(learner.falls_back_to)
-            options = learner.validate(options, request)
+            if fallback.to is None:
+                learner = learner_class(learner.falls_back_to)
+                options = learner.validate(options, request)
+            else:  # a learner of another model (learner.successor): from the options the user gave
+                learner = learner_class(fallback.to)
+                options = learner.validate(given, request)
