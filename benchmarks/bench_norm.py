@@ -3,6 +3,7 @@ the sublayer of a block').
 
     python benchmarks/bench_norm.py            # d = 16 cases and the refusals (about a minute)
     python benchmarks/bench_norm.py --large    # adds GPT-2's and ViT's sublayers at d = 64, H = 4
+    python benchmarks/bench_norm.py --defaults # the norm='auto' cases run without norm= (the defaults)
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -79,18 +80,19 @@ def baseline_queries(attention, d, H) -> str:
         return f"failed ({type(error).__name__})"
 
 
-def run_case(name, module, d, H, declared, attention, eps) -> dict:
+def run_case(name, module, d, H, declared, attention, eps, defaults=False) -> dict:
     started = time.perf_counter()
     oracle = TorchOracle(module)
+    named = {} if defaults and declared == "auto" else {"norm": declared}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = mx.extract(oracle, d, heads=H, seed=1, norm=declared, on_failure="warn")
+        result = mx.extract(oracle, d, heads=H, seed=1, on_failure="warn", **named)
     seconds = time.perf_counter() - started
-    row = {"case": name, "norm": result.norm or "-", "ok": result.ok, "queries": result.queries,
+    row = {"case": name, "norm": getattr(result, "norm", None) or "-", "ok": result.ok, "queries": result.queries,
            "first failed check": result.failed_checks[0].name if result.failed_checks else "-",
-           "eps error": abs(result.eps - eps) / eps if np.isfinite(result.eps) else np.nan,
+           "eps error": abs(result.eps - eps) / eps if np.isfinite(getattr(result, "eps", np.nan)) else np.nan,
            "baseline": baseline_queries(attention, d, H), "seconds": seconds, "error": np.nan}
-    if result.model is not None:
+    if result.model is not None and result.schedule == "norm":
         causal = result.causal is not None and result.causal.verdict == "causal"
         reference = module.double() if hasattr(module, "double") else module
         row["error"] = every_position_error(result.model, reference, raw_sequences(np.random.default_rng(11), d, 100),
@@ -101,12 +103,17 @@ def run_case(name, module, d, H, declared, attention, eps) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
+    parser.add_argument("--defaults", action="store_true",
+                        help="run the norm='auto' cases without norm= (the defaults find the norm after a failed run)")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
     args = parser.parse_args()
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for case in cases(args.large):
-        row = run_case(*case)
+        if args.only not in case[0]:
+            continue
+        row = run_case(*case, defaults=args.defaults)
         verdict = "ok" if row["ok"] else row["first failed check"]
         error = "-" if not np.isfinite(row["error"]) else f"{row['error']:.1e}"
         eps = "-" if not np.isfinite(row["eps error"]) else f"{row['eps error']:.1e}"
