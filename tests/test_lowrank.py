@@ -91,11 +91,14 @@ def test_a_bias_free_low_rank_fit_of_a_biased_target_fails_its_checks_at_a_bound
     staircase and every half looked like a step; the run asked 261,688 queries (94 s) before the
     lines' bisection was bounded per head (linesearch.LINE_STEPS_PER_HEAD)."""
     target = biased_low_rank_target(12, 2, 3, 4)
-    with pytest.warns(mx.UnreliableExtractionWarning, match="FAILED"):
+    with pytest.warns(mx.UnreliableExtractionWarning, match="FAILED") as warned:
         result = mx.extract(mx.SimulatedOracle(target), 12, heads=2, seed=4, rank=3, on_failure="warn",
                             **bias_free(12))
     assert not result.ok
     assert result.queries < 40 * result.promised_queries
+    # the model-class probes' zero token answers c, not 0: the hint names the biases, not another model class
+    told = " ".join(str(warning.message) for warning in warned)
+    assert "the layer has biases" in told and "Pass bias=True" in told and "A block or a whole model" not in told
 
 
 def test_fewer_queries_than_the_paper_for_low_rank():
