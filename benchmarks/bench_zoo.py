@@ -27,8 +27,8 @@ finish within it says so. Columns (``zoo.run_and_judge``):
 
 ``--readout``: the oracle answers ``r^T`` of the outputs (``zoo.readout_vector``, a seeded unit
 vector), the run learns that scalar model, and outputs and truth are read out through r alike.
-``--schedule`` / ``--rank``: ``extract``'s ``schedule`` and ``rank`` on top of the defaults (``--schedule lowrank
---rank 16``: the low-rank schedule at the heads' width).
+``--schedule``, ``--rank``, ``--bias`` / ``--no-bias``, ``--token-scale``: those options of ``extract`` on top of
+the defaults (``--schedule lowrank --rank 16``: the low-rank schedule at the heads' width).
 """
 
 from __future__ import annotations
@@ -89,8 +89,12 @@ def main():
                              "the non-rotary families")
     parser.add_argument("--schedule", help="extract's schedule (default: the library's, 'auto')")
     parser.add_argument("--rank", type=rank_option, help="extract's rank: an integer or 'auto' (the low-rank schedule)")
+    parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                        help="extract's bias (default: the schedule's)")
+    parser.add_argument("--token-scale", type=float, help="extract's token_scale (default: the schedule's)")
     arguments = parser.parse_args()
-    options = {key: value for key, value in (("schedule", arguments.schedule), ("rank", arguments.rank))
+    options = {key: value for key, value in (("schedule", arguments.schedule), ("rank", arguments.rank),
+                                             ("bias", arguments.bias), ("token_scale", arguments.token_scale))
                if value is not None}
     stale = zoo.stale_reasons()
     if stale:
