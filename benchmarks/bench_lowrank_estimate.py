@@ -34,7 +34,7 @@ def main():
                 for seed in range(args.seeds):
                     truth = target(d, H, d // H, seed, bias)
                     result = mx.extract(mx.SimulatedOracle(truth), d, heads=H, seed=seed + 1, schedule="lowrank",
-                                        rank=d // H, bias=bias, on_failure="warn", progress=False)
+                                        rank=d // H, bias=bias, token_scale=d ** 0.25, on_failure="warn", progress=False)
                     error = float(mx.compare(result.model, truth).max_rel) if result.model is not None else np.inf
                     ratio = result.error_estimate / error if 0 < error < np.inf else np.nan
                     runs += 1

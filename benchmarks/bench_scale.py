@@ -79,10 +79,12 @@ def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
     # "default": the library's defaults (schedule="auto": calibration, biases, targeted); "full":
     # schedule="targeted" alone (no calibration, bias-free model); "paper", "lean": the grid schedules
     # (float64: H <= 3 is their envelope, the error column shows what they reach); "low": schedule="lowrank",
-    # rank=d/H; "lowb": the same with bias=True on a target with biases.
+    # rank=d/H, the bias-free model at token scale d ** 0.25 (named alone, lowrank learns biases and calibrates);
+    # "lowb": bias=True on a target with biases.
     options = {"default": {}, "full": dict(schedule="targeted"), "paper": dict(schedule="paper"),
                "lean": dict(schedule="lean"),
-               "lowb": dict(schedule="lowrank", rank=rank, bias=True)}.get(kind, dict(schedule="lowrank", rank=rank))
+               "lowb": dict(schedule="lowrank", rank=rank, bias=True, token_scale=d ** 0.25)}.get(
+                   kind, dict(schedule="lowrank", rank=rank, bias=False, token_scale=d ** 0.25))
     started = time.perf_counter()
     result = mx.extract(oracle, d, heads=H, seed=seed + 1, on_failure="warn", progress=False, **options)
     seconds = time.perf_counter() - started

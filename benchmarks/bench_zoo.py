@@ -7,6 +7,8 @@ its replacement judged against the exact float64 layer at every position.
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --layers gpt2-d64-h8/0 --dtypes float32
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --rotary --cpu-limit 900
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --no-rotary --readout --dtypes float64 float32
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --schedule lowrank --rank 16 --dtypes float64 float32 \
+        --layers gpt2-d64-h4/0 bert-d64-h4/0 vit-d64-h4/0
 
 One row per layer and dtype (bfloat16 and float16 for the non-rotary families only: rotary runs
 refuse answers coarser than float32). Each row runs in a child process with a limit on its CPU
@@ -25,6 +27,8 @@ finish within it says so. Columns (``zoo.run_and_judge``):
 
 ``--readout``: the oracle answers ``r^T`` of the outputs (``zoo.readout_vector``, a seeded unit
 vector), the run learns that scalar model, and outputs and truth are read out through r alike.
+``--schedule``, ``--rank``, ``--bias`` / ``--no-bias``, ``--token-scale``: those options of ``extract`` on top of
+the defaults (``--schedule lowrank --rank 16``: the low-rank schedule at the heads' width).
 """
 
 from __future__ import annotations
@@ -46,18 +50,23 @@ import zoo  # noqa: E402
 LOW = ("bfloat16", "float16")
 
 
-def measure(layer_id, dtype, queue, cpu_limit=None, readout=False):
+def measure(layer_id, dtype, queue, cpu_limit=None, readout=False, options=None):
     torch.set_num_threads(1)
     if cpu_limit is not None:  # SIGXCPU ends the child
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
     try:
-        row = zoo.run_and_judge(layer_id, getattr(torch, dtype), readout=readout)
+        row = zoo.run_and_judge(layer_id, getattr(torch, dtype), readout=readout, **(options or {}))
         failures = zoo.verdicts(row)
         row["verdict"] = "pass" if not failures else "FAIL: " + "; ".join(failures)
         row.pop("result")
     except Exception as failure:  # the table records what a user would have seen
         row = dict(layer=layer_id, dtype=dtype, verdict=f"FAIL: {type(failure).__name__}: {str(failure).splitlines()[0]}")
     queue.put(row)
+
+
+def rank_option(text: str):
+    """``--rank``: an integer, or ``"auto"``."""
+    return text if text == "auto" else int(text)
 
 
 def line(row):
@@ -78,7 +87,15 @@ def main():
     parser.add_argument("--readout", action="store_true",
                         help="the oracle answers one read-out of the outputs (zoo.readout_vector), judged read out; "
                              "the non-rotary families")
+    parser.add_argument("--schedule", help="extract's schedule (default: the library's, 'auto')")
+    parser.add_argument("--rank", type=rank_option, help="extract's rank: an integer or 'auto' (the low-rank schedule)")
+    parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
+                        help="extract's bias (default: the schedule's)")
+    parser.add_argument("--token-scale", type=float, help="extract's token_scale (default: the schedule's)")
     arguments = parser.parse_args()
+    options = {key: value for key, value in (("schedule", arguments.schedule), ("rank", arguments.rank),
+                                             ("bias", arguments.bias), ("token_scale", arguments.token_scale))
+               if value is not None}
     stale = zoo.stale_reasons()
     if stale:
         sys.exit("the zoo's cache is stale: " + "; ".join(stale))
@@ -92,7 +109,8 @@ def main():
             if (dtype in LOW or arguments.readout) and rotary:
                 continue
             queue = context.Queue()
-            child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit, arguments.readout))
+            child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit,
+                                                          arguments.readout, options))
             started = time.perf_counter()
             child.start()
             row = None

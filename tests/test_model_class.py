@@ -44,6 +44,13 @@ def _probe(oracle, d=16, scale=1.0):
     return probe_model_class(OracleBoundary(oracle, d), d, np.random.default_rng(3), scale)
 
 
+def _largest(target, d, scale):
+    """The largest |answer| of the probes :func:`_probe` asks, from the target itself."""
+    from mhaextract.checks.model_class import _probe_sequences
+
+    return max(abs(float(target([sequence])[0])) for sequence in _probe_sequences(d, np.random.default_rng(3), scale))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_attention_breaks_neither_invariant(bias):
     target = mx.MultiHeadAttention.random(d=6, heads=3, seed=1, bias=bias)
@@ -52,6 +59,11 @@ def test_attention_breaks_neither_invariant(bias):
         assert not evidence.positions and not evidence.norm_before, evidence
         assert evidence.order < 1e-13 and evidence.curvature < 1e-12
         assert model_class_hints(evidence) == []
+        # the zero token answers c: 0 without biases; with them a bias-free run is told to learn them
+        assert evidence.output_constant == bias
+        assert abs(evidence.offset - abs(target.c) / _largest(target, d=6, scale=scale)) <= 1e-12  # 0 without c
+        told = " ".join(model_class_hints(evidence, bias_free=True))
+        assert ("Pass bias=True" in told) == bias
 
 
 def test_an_oracles_own_noise_is_not_taken_for_positions_or_a_norm():

@@ -30,13 +30,13 @@ BATCH = 16
 RESUME_CHECK = 3
 
 #: (name, d, H, extract's options, target with biases): every schedule, biases on and off where
-#: they apply. auto and targeted (and auto with a rank) calibrate their token scale (147 probes).
+#: they apply. auto, targeted and lowrank calibrate their token scale (147 probes).
 CASES = {
     "auto": (3, 2, dict(schedule="auto"), True),
     "targeted-bias": (3, 2, dict(schedule="targeted"), True),
     "targeted-no-bias": (3, 2, dict(schedule="targeted", bias=False), False),
     "auto-rank": (6, 2, dict(schedule="auto", rank=2), True),
-    "lowrank": (6, 2, dict(schedule="lowrank", rank=2), False),
+    "lowrank": (6, 2, dict(schedule="lowrank", rank=2, bias=False), False),
     "lowrank-bias": (6, 2, dict(schedule="lowrank", rank=2, bias=True), True),
     "paper": (3, 2, dict(schedule="paper"), False),
     "paper-bias": (3, 2, dict(schedule="paper", bias=True), True),

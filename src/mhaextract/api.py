@@ -51,8 +51,8 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         ('Low-rank heads').
     token_scale : norm of the query vectors: ``"auto"`` (found by counted probe queries, 'Choosing the token scale from
         queries'; ``result.calibration_queries``), a number (choose it so that ``|z^T W_h x|`` is of order
-        one, 'Numerics in float64 and the token scale'), or None (default: ``"auto"`` for ``"auto"`` and ``"targeted"``,
-        ``d ** 0.25`` for the paper-model schedules, suited to W with entries of size ``1/sqrt(d)``).
+        one, 'Numerics in float64 and the token scale'), or None (default: ``"auto"`` for ``"auto"``, ``"targeted"`` and
+        ``"lowrank"``, ``d ** 0.25`` for the paper-model schedules, suited to W with entries of size ``1/sqrt(d)``).
     batch_size : sequences per oracle call.
     progress : draw one progress bar for the run on stderr: True, False, or None (default: only when
         stderr is a terminal, so a redirected log gets no bar lines). Its description names the
@@ -80,9 +80,9 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
         before any query, naming the learner that takes it (``mhaextract schedules`` tables them):
 
         - ``bias``: learn score biases ``u_h`` and the output constant ``c`` ('Biases: affine scores and an output constant';
-          real layers have them). None (default): True for ``"auto"`` and ``"targeted"``, False for the paper-model
-          schedules; ``schedule="paper", bias=True`` runs the biased grid (high precision: ``result.u_balls``,
-          ``result.c_ball``).
+          real layers have them). None (default): True for ``"auto"``, ``"targeted"`` and ``"lowrank"``, False for the
+          paper-model schedules (``"paper"``, ``"lean"``); ``schedule="paper", bias=True`` runs the biased grid (high
+          precision: ``result.u_balls``, ``result.c_ball``).
         - ``samples_per_instance``: K >= 2 H0 + 1 copy counts per instance (float64, paper schedule).
         - ``refine``: polish all parameters (with ``bias``: u_h and c too) by least squares on fresh, counted
           polish queries (and the grid schedules' own answers), then certify the fit (float64, every

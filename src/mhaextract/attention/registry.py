@@ -41,8 +41,10 @@ AUTO = "auto"
 #: The class that learns the biased model (docs/algorithm.md, 'Biases: affine scores and an output constant') in place
 #: of a registered schedule, where there is one.
 BIASED: dict[type[Schedule], type[Schedule]] = {}
-#: Schedules that, named explicitly, learn biases and calibrate the token scale by default (the
-#: others reproduce the paper's setting: bias-free model, token scale ``d ** 0.25``).
+#: Schedules that, named explicitly, learn biases and calibrate the token scale by default, as
+#: ``schedule="auto"`` does (the others reproduce the paper's setting: bias-free model, token scale
+#: ``d ** 0.25``). Trained layers need both: GPT-2's and ViT's biases break every bias-free instance's
+#: saturation, and BERT's small W hides its heads at ``d ** 0.25`` (docs/trained-layers.md).
 REAL_LAYER_DEFAULTS: set[type[Schedule]] = set()
 
 
@@ -139,4 +141,4 @@ register(LowRankSchedule)
 BIASED[TargetedSchedule] = BiasedTargetedSchedule
 BIASED[PaperSchedule] = BiasedGridSchedule
 BIASED[LowRankSchedule] = BiasedLowRankSchedule
-REAL_LAYER_DEFAULTS.add(TargetedSchedule)
+REAL_LAYER_DEFAULTS.update({TargetedSchedule, LowRankSchedule})

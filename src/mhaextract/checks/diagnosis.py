@@ -136,13 +136,13 @@ def failure_hints(failed: set[str], settings, stats, extraction, schedule_hints=
     are dropped when the evidence names another cause. ``float_only``: the oracle answers in a float
     dtype only (``answer_dtype`` not ``"mpf"``, a torch layer), so ``precision=BITS`` is not offered.
     ``model_class``: the :class:`~.model_class.ModelClassEvidence` of the failed run's probes; an
-    invariant of attention it found broken (positions, a norm before the attention) is the cause
-    named, and the guesses from the run's own evidence (noise, head counts, token scale) are dropped."""
+    invariant of attention it found broken (positions, a norm before the attention, a zero token
+    answering non-zero to a bias-free run) is the cause named, and the guesses from the run's own evidence (noise, head counts, token scale) are dropped."""
     hints = []
     problem = stats.problem()
     if problem is not None:
         hints.append("The answers: " + problem + ".")
-    outside = model_class_hints(model_class) if problem is None else []
+    outside = model_class_hints(model_class, bias_free=not getattr(extraction, "bias", True)) if problem is None else []
     if outside:
         return hints + outside
     heads_found = extraction.heads

@@ -13,6 +13,9 @@ queries to test and that the commonest wrong oracles break:
   the norm's eps) makes ``g(lambda) = lambda R x + K`` for lambda > 0 (R the residual's map, if
   any) while ``g(0) = K_0``: both differences equal ``K_0 - K``, the same non-zero vector.
 
+The zero token's answer is the output constant ``c``: exactly 0 for the bias-free model, so a run
+that learned that model on a layer with biases is told to learn them (``bias=True``).
+
 :func:`probe_model_class` asks these queries through the run's boundary (counted, and recorded in
 its transcript) and :func:`model_class_hints` turns what they show into what to try. The tests
 are one-sided: passing them does not prove the oracle is attention (the run's own checks decide
@@ -47,6 +50,7 @@ class ModelClassEvidence:
     curvature : the largest second difference of a one-token answer along its scale.
     scale_invariant : whether the second differences at scales (1, 2) and (2, 4) agree, as a
         norm before the attention makes them (and are large).
+    offset : the zero token's answer ``|f(0)| = |c|`` (0 for the bias-free model).
     threshold : the size above which a change counts (``BROKEN``, or the noise's multiple).
     queries : the probes asked.
     """
@@ -56,11 +60,17 @@ class ModelClassEvidence:
     scale_invariant: bool
     threshold: float
     queries: int
+    offset: float = 0.0
 
     @property
     def positions(self) -> bool:
         """The answers depend on the order of the earlier tokens."""
         return self.order > self.threshold
+
+    @property
+    def output_constant(self) -> bool:
+        """The zero token's answer is not 0: the layer has an output constant (value or output biases)."""
+        return self.offset > self.threshold
 
     @property
     def norm_before(self) -> bool:
@@ -115,14 +125,20 @@ def probe_model_class(boundary, d: int, rng: np.random.Generator, token_scale: f
     size = np.maximum(np.abs(first), np.abs(second))
     invariant = bool(np.all(np.abs(first - second) <= SAME_DIFFERENCE * size))
     threshold = max(BROKEN, ROUNDING_MULTIPLE * boundary.stats.unit_roundoff, NOISE_MULTIPLE * repeated)
-    return ModelClassEvidence(order, curvature, invariant, threshold, len(sequences))
+    return ModelClassEvidence(order, curvature, invariant, threshold, len(sequences), abs(float(zero)) / scale)
 
 
-def model_class_hints(evidence: ModelClassEvidence | None) -> list[str]:
-    """What to try, for the invariants the probes found broken (empty when none is)."""
+def model_class_hints(evidence: ModelClassEvidence | None, bias_free: bool = False) -> list[str]:
+    """What to try, for the invariants the probes found broken (empty when none is); ``bias_free``: the
+    run learned the bias-free model, which a non-zero answer to the zero token rules out."""
     if evidence is None:
         return []
     hints = []
+    if bias_free and evidence.output_constant:
+        hints.append(f"The zero token's answer is {evidence.offset:.2g} of the largest answer, where the bias-free "
+                     "model this run learned answers exactly 0: the layer has biases (value or output biases give "
+                     "the output constant c, query biases the score biases u_h; real layers have them). Pass "
+                     "bias=True, the default of schedule='auto', 'targeted' and 'lowrank'.")
     if evidence.positions:
         hints.append(f"The answers depend on the order of the earlier tokens (swapping two of them moved an answer by "
                      f"{evidence.order:.2g} of the largest), which attention without positions cannot do: the layer "
