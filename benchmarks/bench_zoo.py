@@ -5,6 +5,8 @@ its replacement judged against the exact float64 layer at every position.
     python benchmarks/train_zoo.py       # once: the cache in tests/data/zoo (already committed)
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py                       # the whole table
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --layers gpt2-d64-h8/0 --dtypes float32
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --layers gpt2-d64-h8/0 gpt2-d64-h8/1 --dtypes float32 \
+        --seeds 0 1 2 3 4
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --rotary --cpu-limit 900
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --no-rotary --readout --dtypes float64 float32
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --schedule lowrank --rank 16 --dtypes float64 float32 \
@@ -28,7 +30,8 @@ finish within it says so. Columns (``zoo.run_and_judge``):
 ``--readout``: the oracle answers ``r^T`` of the outputs (``zoo.readout_vector``, a seeded unit
 vector), the run learns that scalar model, and outputs and truth are read out through r alike.
 ``--schedule``, ``--rank``, ``--bias`` / ``--no-bias``, ``--token-scale``: those options of ``extract`` on top of
-the defaults (``--schedule lowrank --rank 16``: the low-rank schedule at the heads' width).
+the defaults (``--schedule lowrank --rank 16``: the low-rank schedule at the heads' width). ``--seeds``: the
+extraction's seeds (default 0), a row each, the layer named with its seed when more than one is given.
 """
 
 from __future__ import annotations
@@ -50,12 +53,12 @@ import zoo  # noqa: E402
 LOW = ("bfloat16", "float16")
 
 
-def measure(layer_id, dtype, queue, cpu_limit=None, readout=False, options=None):
+def measure(layer_id, dtype, queue, cpu_limit=None, readout=False, options=None, seed=0):
     torch.set_num_threads(1)
     if cpu_limit is not None:  # SIGXCPU ends the child
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
     try:
-        row = zoo.run_and_judge(layer_id, getattr(torch, dtype), readout=readout, **(options or {}))
+        row = zoo.run_and_judge(layer_id, getattr(torch, dtype), readout=readout, seed=seed, **(options or {}))
         failures = zoo.verdicts(row)
         row["verdict"] = "pass" if not failures else "FAIL: " + "; ".join(failures)
         row.pop("result")
@@ -92,6 +95,7 @@ def main():
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                         help="extract's bias (default: the schedule's)")
     parser.add_argument("--token-scale", type=float, help="extract's token_scale (default: the schedule's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="extract's seeds, a row each (default: 0)")
     arguments = parser.parse_args()
     options = {key: value for key, value in (("schedule", arguments.schedule), ("rank", arguments.rank),
                                              ("bias", arguments.bias), ("token_scale", arguments.token_scale))
@@ -108,24 +112,28 @@ def main():
             rotary = zoo.SPECS[layer_id.split("/")[0]]["family"] in zoo.ROTARY
             if (dtype in LOW or arguments.readout) and rotary:
                 continue
-            queue = context.Queue()
-            child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit,
-                                                          arguments.readout, options))
-            started = time.perf_counter()
-            child.start()
-            row = None
-            while row is None and (child.is_alive() or not queue.empty()):
-                try:
-                    row = queue.get(timeout=5)
-                except queue_module.Empty:  # still running
-                    pass
-            child.join()
-            if row is None:
-                row = dict(layer=layer_id, dtype=dtype, seconds="-", verdict=(
-                    f"not finished in {arguments.cpu_limit:.0f} s of CPU" if child.exitcode == -signal.SIGXCPU
-                    else f"FAIL: the child exited with {child.exitcode}"))
-            print(line(row), flush=True)
-            print(f"{layer_id} {dtype}: {time.perf_counter() - started:.0f} s in all", file=sys.stderr, flush=True)
+            for seed in arguments.seeds:
+                queue = context.Queue()
+                child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit,
+                                                              arguments.readout, options, seed))
+                started = time.perf_counter()
+                child.start()
+                row = None
+                while row is None and (child.is_alive() or not queue.empty()):
+                    try:
+                        row = queue.get(timeout=5)
+                    except queue_module.Empty:  # still running
+                        pass
+                child.join()
+                if row is None:
+                    row = dict(layer=layer_id, dtype=dtype, seconds="-", verdict=(
+                        f"not finished in {arguments.cpu_limit:.0f} s of CPU" if child.exitcode == -signal.SIGXCPU
+                        else f"FAIL: the child exited with {child.exitcode}"))
+                if len(arguments.seeds) > 1:
+                    row["layer"] = f"{layer_id} (seed {seed})"
+                print(line(row), flush=True)
+                print(f"{layer_id} {dtype} seed {seed}: {time.perf_counter() - started:.0f} s in all", file=sys.stderr,
+                      flush=True)
 
 
 if __name__ == "__main__":

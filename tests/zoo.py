@@ -265,7 +265,7 @@ class ReadOut:
         return (out @ torch.as_tensor(self.r, dtype=out.dtype))[..., None]
 
 
-def run_and_judge(layer_id: str, dtype, readout: bool = False, **options) -> dict:
+def run_and_judge(layer_id: str, dtype, readout: bool = False, seed: int = 0, **options) -> dict:
     """Extract the layer (its ``dtype`` version, as its model runs it) with the library's defaults
     plus :func:`extract_options`, then judge the replacement against the exact float64 layer of the
     same weights at every position of the fresh sequences. Returns a dict: ``result`` (None if the
@@ -274,7 +274,8 @@ def run_and_judge(layer_id: str, dtype, readout: bool = False, **options) -> dic
     ``parameter_error`` (``compare`` against the truth from the weights) and ``estimate``.
     ``readout``: the oracle answers the outputs read out through :func:`readout_vector` (the
     non-rotary families), the run learns that scalar model, and every output is judged read out.
-    ``options``: more of ``extract``'s options on top of the defaults (``schedule="lowrank", rank=16``)."""
+    ``seed``: the extraction's. ``options``: more of ``extract``'s options on top of the defaults
+    (``schedule="lowrank", rank=16``)."""
     import time
 
     import torch
@@ -293,7 +294,7 @@ def run_and_judge(layer_id: str, dtype, readout: bool = False, **options) -> dic
     row = dict(layer=layer_id, dtype=str(dtype).removeprefix("torch."), result=None, error=None)
     started, cpu = time.perf_counter(), time.process_time()
     try:
-        result = mx.extract(oracle, d, heads=H, seed=0, on_failure="warn", progress=False,
+        result = mx.extract(oracle, d, heads=H, seed=seed, on_failure="warn", progress=False,
                             **{**extract_options(layer_id), **options})
     except mx.ExtractionError as failure:
         result, row["error"] = failure.extraction, str(failure).splitlines()[0]

@@ -11,7 +11,7 @@ import numpy as np
 from ...checks.base import Check, heads_found_check
 from ..base import ScheduleDetails
 from .linesearch import LineSearchReport
-from .measure import CHUNK_BYTES, GroupMeasurements, all_heads_at
+from .measure import CHUNK_BYTES, GroupMeasurements, all_heads_at, span_basis
 from .tolerances import EPS, RESIDUAL_LIMIT, agreement_tolerance, prior_saturation_margin, saturation_margin
 
 
@@ -78,11 +78,13 @@ class TargetedDetails(ScheduleDetails):
 
 
 def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
-    """One row per targeted instance. The final tokens are gone (memory), so the margin and the
-    bridges' agreement with the model are bounded from what each chunk kept: the other heads'
-    log-poles by the design estimates, less ``|a_g(model) - a_g(design)| |x|``; a bridge's
-    disagreement by its misfit to its own ``a`` plus ``|a - a_h(model)| |x|``. Both bounds are
-    at least as strict as the exact quantities."""
+    """One row per targeted instance. The margins and the bridges' agreement with the model are
+    exact where a stage kept its tokens (``KEEP_BYTES``). Elsewhere they are bounded from what each
+    chunk kept: within the span of each unit's design estimates and mean token exactly, off it by Cauchy-Schwarz
+    (:func:`_bounds_in_span`, where the stage kept the tokens' ``span_coordinates``), else the other
+    heads' log-poles by the design estimates, less ``|a_g(model) - a_g(design)| |x|``, and a bridge's
+    disagreement by its misfit to its own ``a`` plus ``|a - a_h(model)| |x|``. The bounds are at least
+    as strict as the exact quantities (to rounding), the span's no looser than the other."""
     rows = []
     W_error = None
     if stages and unit > EPS and np.isfinite(stages[-1][1].error_squared[..., 0]).all():
@@ -113,6 +115,8 @@ def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
             poles[:, np.arange(H), :, np.arange(H)] = np.inf
             margin = poles.min(axis=3) if H > 1 else np.full((G, H, rounds), np.inf)
             agrees = np.abs(own - data.log_pole) <= tolerance
+        elif model is not None and data.span_coords is not None:
+            margin, agrees = _bounds_in_span(data, model.W, tolerance)
         elif model is not None:
             drift, own = np.empty((G, H, H)), np.empty((G, H))
             # a slice of groups at a time: the model's and the design's a_f(z) at every unit are
@@ -140,6 +144,47 @@ def instance_diagnostics(stages, model, unit: float = EPS) -> TargetedInstances:
         return TargetedInstances(*(np.array([], dtype=bool if name == "saturated" else float)
                                    for name in TargetedInstances.__dataclass_fields__))
     return TargetedInstances(*(np.concatenate(column) for column in zip(*rows)))
+
+
+def span_bound(vectors: np.ndarray, basis: np.ndarray, coords: np.ndarray, off: np.ndarray):
+    """``(centre, radius)`` (G, H, rounds, F) with ``|a_f^T x_n - centre| <= radius`` for vectors ``a_f``
+    (G, H, F, D) of each unit and its tokens ``x_n``, known only by their coordinates ``coords``
+    (G, H, rounds, k) in the unit's orthonormal ``basis`` Q (G, H, D, k) and their norms ``off``
+    (G, H, rounds) off it (:func:`~.measure.span_coordinates`): ``a^T x = (Q^T a)^T c + (a - Q Q^T a)^T
+    (x - Q c)``, exact in the span, Cauchy-Schwarz off it (docs/algorithm.md, 'The targeted schedule',
+    'Margins without the tokens'). Never looser than ``|a| |x|``: ``|Q^T a| |c| + |a_off| |x_off| <= |a| |x|``."""
+    along = np.matmul(vectors, basis)  # (G, H, F, k): Q^T a_f
+    off_vectors = np.linalg.norm(vectors - np.matmul(along, np.swapaxes(basis, -1, -2)), axis=-1)  # (G, H, F)
+    return np.matmul(coords, np.swapaxes(along, -1, -2)), off[..., None] * off_vectors[:, :, None, :]
+
+
+def _bounds_in_span(data: GroupMeasurements, W: np.ndarray, tolerance):
+    """The margins (G, H, rounds) and the bridges' agreement with the model ``W`` from the tokens'
+    coordinates in the span of their units' design estimates and mean token (:func:`span_bound`): each other head's
+    log-pole ``a_f(model)^T x_n`` at least ``centre - radius``; a bridge's disagreement
+    ``|m_n - a_h(model)^T x_n|`` at most its misfit to its own ``a`` plus ``|(a - a_h(model))^T x_n|``.
+    The design's estimates span the other heads' ``a_f`` up to the rough model's error, so only that
+    error's part off the span meets the tokens' parts off it (their varying null-space parts, which in
+    ``|a_g(model) - a_g(design)| |x|`` met the whole error: a float32 layer of 8 heads of width 8 at
+    d = 64 read margins of -26 there where its model's were at least 34)."""
+    G, H, rounds = data.log_pole.shape
+    D = data.differences.shape[2]
+    margin, disagreement = np.empty((G, H, rounds)), np.empty((G, H, rounds))
+    step = max(1, CHUNK_BYTES // (16 * H * max(H, rounds) * D))
+    heads = np.arange(H)
+    for start in range(0, G, step):
+        groups = slice(start, start + step)
+        model_a = all_heads_at(W, data.differences[groups])  # (g, H, H, D): a_f(z) of the model
+        basis = span_basis(np.asarray(data.estimates[groups]), data.mean_token[groups])
+        coords, off = data.span_coords[groups], data.off_span[groups]
+        centre, radius = span_bound(model_a, basis, coords, off)
+        lower = centre - radius
+        lower[:, heads, :, heads] = np.inf
+        margin[groups] = lower.min(axis=3) if H > 1 else np.inf
+        own = data.a[groups] - model_a[:, heads, heads]  # (g, H, D)
+        centre, radius = span_bound(own[:, :, None, :], basis, coords, off)
+        disagreement[groups] = data.misfit[groups] + np.abs(centre[..., 0]) + radius[..., 0]
+    return margin, disagreement <= tolerance
 
 
 def final_error_estimate(final: GroupMeasurements, model) -> tuple[float, float, tuple[float, float], tuple]:

@@ -437,6 +437,9 @@ def _offset_subspace_units(prober, differences: np.ndarray, W_rough: np.ndarray,
     low.differences, low.estimates = differences, HeadsAt(W_rough, differences)
     low.a, low.variance = low.a[..., :d], low.variance[:, :, :d]
     low.x_norm = np.sqrt(np.maximum(low.x_norm**2 - 1.0, 0.0))  # |x|, not |(x, 1)|
+    # the tokens' coordinates in their units' span are the lifted tokens' (its basis takes in their mean,
+    # lifted): in R^d the margins are bounded through the whole token
+    low.span_coords = low.off_span = low.mean_token = None
     if low.finals is not None:
         low.finals = low.finals[..., :d]
     return low

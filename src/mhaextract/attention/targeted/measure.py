@@ -26,6 +26,11 @@ CHUNK_BYTES = 2**28
 #: A stage whose final tokens take at most this many bytes keeps them, and its instances' margins
 #: are then computed exactly rather than bounded (:func:`instance_diagnostics`).
 KEEP_BYTES = 2**24
+#: A stage whose tokens are not kept keeps, per token, its coordinates in the span of its unit's design
+#: estimates and mean token (H + 1 numbers) and its norm off that span, when those take at most this many
+#: bytes: the margins are then bounded exactly within that span and by Cauchy-Schwarz only off it
+#: (:func:`span_coordinates`).
+SPAN_BYTES = 2**28
 #: The bridges' tolerance (log-pole units): their misfits come from the bridge step itself
 #: (``eps |a_h| |x| <= 2``, :func:`bridge_step`), and a one-sample
 #: reading's error grows only as ``e^misfit`` at the window's edge, less than the corrections'
@@ -65,6 +70,12 @@ class GroupMeasurements:
     #: stage; NaN otherwise)
     label_error: np.ndarray
     finals: np.ndarray | None = None  # (G, H, d, d) the final tokens, kept only when small (KEEP_BYTES)
+    #: (G, H, d, H + 1) each token's coordinates in the orthonormal basis :func:`span_basis` of its unit's
+    #: ``estimates`` and mean token (``mean_token``, (G, H, d)), and (G, H, d) its norm off that span: kept
+    #: when the tokens are not (SPAN_BYTES)
+    span_coords: np.ndarray | None = None
+    off_span: np.ndarray | None = None
+    mean_token: np.ndarray | None = None
 
     @property
     def error_squared(self) -> np.ndarray:
@@ -99,8 +110,11 @@ class GroupMeasurements:
     def concatenate(cls, parts: list["GroupMeasurements"], estimates) -> "GroupMeasurements":
         """The parts of one stage as one, with its ``estimates`` (the stage's own source: the
         parts' slices of it are not kept)."""
-        return cls(*(estimates if f.name == "estimates" else np.concatenate([getattr(part, f.name) for part in parts])
-                     for f in fields(cls) if f.name != "finals"))
+        def joined(name):
+            arrays = [getattr(part, name) for part in parts]
+            return None if any(array is None for array in arrays) else np.concatenate(arrays)
+        return cls(**{f.name: estimates if f.name == "estimates" else joined(f.name)
+                      for f in fields(cls) if f.name != "finals"})
 
 
 def measure_units(prober: Prober, differences: np.ndarray, estimates, rng, bridge: bool,
@@ -136,6 +150,7 @@ def measure_units(prober: Prober, differences: np.ndarray, estimates, rng, bridg
     rounds = d if bases is None else bases.shape[3]
     per_chunk = max(1, CHUNK_BYTES // (24 * d * d * H))
     keep = G * H * rounds * d * 8 <= KEEP_BYTES
+    span = not keep and G * H * rounds * (H + 1) * 8 <= SPAN_BYTES
     # The first (largest) chunk's patterns and final tokens are reused by the later chunks: a large
     # array made afresh per chunk is mapped and zeroed by the kernel each time (docs/algorithm.md, 'Fresh memory is not
     # free'), and the tokens of a stage too large to keep are never all held at once.
@@ -160,7 +175,7 @@ def measure_units(prober: Prober, differences: np.ndarray, estimates, rng, bridg
         part = _measure_chunk(prober, differences[start:stop], estimates[start:stop], design, copies,
                               not bridge, W_score, f"{'bridge' if bridge else 'final'} instances, groups "
                               f"{start + 1}..{stop} of {G}", block,
-                              None if finals_buffer is None else finals_buffer[:(stop - start) * H])
+                              None if finals_buffer is None else finals_buffer[:(stop - start) * H], span=span)
         if not keep:
             finals_buffer = part.finals.reshape(-1, rounds, d) if finals_buffer is None else finals_buffer
             part.finals = None
@@ -175,9 +190,11 @@ def measure_units(prober: Prober, differences: np.ndarray, estimates, rng, bridg
 
 
 def _measure_chunk(prober, differences, estimates, design, copies, refit, W_score, description,
-                   block: int = CORRECTION_BLOCK, finals: np.ndarray | None = None) -> GroupMeasurements:
+                   block: int = CORRECTION_BLOCK, finals: np.ndarray | None = None, span: bool = False
+                   ) -> GroupMeasurements:
     """:func:`measure_units` on one chunk of groups, all its units batched as arrays in every round
-    (``finals``: an array (units, rounds, d) to write the final tokens into, else a new one)."""
+    (``finals``: an array (units, rounds, d) to write the final tokens into, else a new one; ``span``:
+    keep the tokens' :func:`span_coordinates`)."""
     G, H, _, d = estimates.shape
     U, rounds = G * H, design.rounds
     diffs = differences.reshape(U, d)
@@ -227,6 +244,11 @@ def _measure_chunk(prober, differences, estimates, design, copies, refit, W_scor
     if refit:
         out.refit_with_consensus_labels()
     _reduce_chunk(out, finals, design, W_score, prober.unit, prober.score_unit, prober.systematic)
+    if span:
+        mean = finals.mean(axis=1)
+        coords, off = span_coordinates(finals, span_basis(out.estimates.reshape(U, H, d), mean))
+        out.span_coords, out.off_span = coords.reshape(G, H, rounds, H + 1), off.reshape(G, H, rounds)
+        out.mean_token = mean.reshape(G, H, d)
     out.finals = finals.reshape(G, H, rounds, d)
     return out
 
@@ -299,6 +321,34 @@ def _reduce_chunk(out: GroupMeasurements, finals: np.ndarray, design, W_score, u
     out.x_norm = x_norm.reshape(G, H, rounds)
     if W_score is not None:  # an unbounded spread is an infinite estimate, said so
         out.variance = np.where(ok[:, None, None], spread_squared, np.nan).reshape(G, H, d, 2)
+
+
+def span_basis(estimates: np.ndarray, mean_tokens: np.ndarray) -> np.ndarray:
+    """An orthonormal basis (..., D, H + 1) of the span of each unit's design estimates, the rows
+    ``a_f(z)`` of ``estimates`` (..., H, D), and of its mean token (..., D): the part of its tokens
+    common to every round, the lifted coordinate's 1 or a null-space slot held constant by the
+    pattern (Householder QR: orthonormal to rounding whatever the rows' conditioning). The same
+    estimates and mean give the same basis, so :func:`instance_diagnostics` rebuilds it from the
+    stage's ``estimates`` and ``mean_token`` instead of keeping it."""
+    rows = np.concatenate([estimates, mean_tokens[..., None, :]], axis=-2)
+    return np.linalg.qr(np.swapaxes(rows, -1, -2))[0]
+
+
+def span_coordinates(finals: np.ndarray, basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's coordinates ``c_n = Q^T x_n`` in its unit's ``basis`` Q (U, D, k) and its norm off
+    that span, ``|x_n - Q c_n|``, for the tokens ``finals`` (U, rounds, D): all that is needed to bound
+    any ``a^T x_n`` once ``a`` is known, ``a^T x_n = (Q^T a)^T c_n + (a - Q Q^T a)^T (x_n - Q c_n)``
+    (docs/algorithm.md, 'The targeted schedule', 'Margins without the tokens'). The residuals are formed in blocks of units
+    (``INVERSE_BLOCK_BYTES``): no second array of the tokens' size."""
+    U, rounds, D = finals.shape
+    coords = np.matmul(finals, basis)
+    off = np.empty((U, rounds))
+    step = max(1, INVERSE_BLOCK_BYTES // (8 * rounds * D))
+    for start in range(0, U, step):
+        units = slice(start, start + step)
+        rest = finals[units] - np.matmul(coords[units], np.swapaxes(basis[units], 1, 2))
+        off[units] = np.sqrt(np.einsum("und,und->un", rest, rest))
+    return coords, off
 
 
 #: The floor of :func:`_score_norms` as a fraction of ``|W_h|_F |x| / sqrt(d)``, the expected size of
