@@ -213,16 +213,16 @@ def scaled_operator(matvec, rmatvec, rows: int, scale: np.ndarray) -> LinearOper
                           rmatvec=lambda w: rmatvec(np.ravel(w)) * scale, dtype=np.float64)
 
 
-def levenberg_marquardt(theta, problem, unit: float):
+def levenberg_marquardt(theta, problem, unit: float, floor_units: float = 8.0):
     """Damped Gauss-Newton steps on ``problem`` (an :class:`AttentionProblem` or a model built on
-    one) from ``theta`` until the misfit reaches the answers' rounding or stops falling. Returns
-    ``(theta, relative misfit, steps)``."""
+    one) from ``theta`` until the RMS misfit reaches ``floor_units`` units of the answers' rounding
+    or stops falling. Returns ``(theta, relative misfit, steps)``."""
     state = problem.state(theta)
     residual = problem.residual(state)
     cost = float(residual @ residual)
     size = float(np.abs(problem.answers).max())
     damping, steps = 1e-2, 0
-    floor = (8 * unit * size) ** 2 * residual.size
+    floor = (floor_units * unit * size) ** 2 * residual.size
     for steps in range(1, STEPS + 1):
         scale = problem.column_scale(state)
         operator = problem.operator(state, scale)
