@@ -33,6 +33,8 @@ DIRECT_FIT = "fit"
 
 #: The inner schedule's tokens stay within this fraction of the ball's radius sqrt(d).
 BALL_MARGIN = 0.9
+#: Fresh raw sequences (as the verification's) whose misfit sets a post-norm run's estimate.
+CLAIM_HELD_OUT = 64
 #: Fresh raw sequences of the verification, their longest, and the range of their token norms.
 VERIFY_SEQUENCES, VERIFY_LONGEST, VERIFY_NORMS = 32, 64, (1e-3, 1e3)
 
@@ -72,12 +74,14 @@ class NormedExtraction(Result):
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
     layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
     times the direct fit's held-out misfit plus the rounding of evaluating 64-token sequences, or an
-    attention learner's estimate, or eps's or R's where larger, judged by the ``raw_verification``
-    check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
+    attention learner's estimate, or eps's or R's where larger (a post-norm's: also a hundred times
+    the misfit on 64 fresh raw sequences, and eps's reach on them), judged by the
+    ``raw_verification`` check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
 
     Attributes
     ----------
-    norm : the norm the answers show ("layernorm", "rmsnorm", or None: none, or a post-norm).
+    norm : the norm the answers show ("layernorm", "rmsnorm" before the attention, "post-layernorm"
+        after the residual, or None: none).
     eps, eps_error : the norm's eps and its estimated relative error.
     inner : with an attention schedule as the inner method, its result on the reduced oracle (its
         ``queries`` are queries of g, each one raw query); None for the direct fit or when the run
@@ -275,9 +279,21 @@ def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtracti
                      "sublayer of a block', 'The norm after the residual').")
         return
     result.heads = request.heads
-    # the held-out misfit, the rounding of 64-token sequences, and eps's reach: d log n / d log eps lies in [-1/2, 0]
-    estimate = max(10 * fitted.misfit + ROUNDING_PER_TOKEN * VERIFY_LONGEST * unit, epsilon.error / 2)
-    _verify_raw(boundary, fitted.model.canonical(), float(estimate), request.seed, unit, result, hints)
+    model = fitted.model.canonical()
+    # The fit's tokens have norms near sqrt(d); the claim covers raw tokens of norms 1e-3..1e3, whose scores
+    # magnify the heads' errors where two keys nearly tie, a tail that 64 final positions sample thinly (BERT
+    # d = 16: their largest misfit 1.8e-14, every position of 100 sequences 3.0e-13): the estimate is a hundred
+    # times the misfit on fresh raw sequences of the claim's kind (ten times the bounded held-out's), plus the
+    # rounding of 64-token sequences, or eps's reach on them where larger: d log n / d log eps = -eps / (2 (var(z) + eps)).
+    sequences = verification_sequences(spawn_rng(request.seed, 11), d, CLAIM_HELD_OUT)
+    answers = np.asarray(boundary.ask(sequences, description="post-norm held out, raw", whole=True), dtype=np.float64)
+    raw_misfit = float((np.abs(model(sequences) - answers).max(axis=1) / np.abs(answers).max(axis=1)).max())
+    z = model.attention(sequences) + np.array([X[-1] for X in sequences])
+    spread = ((z - z.mean(axis=1, keepdims=True)) ** 2).mean(axis=1)
+    reach = float((model.eps / (2 * (spread + model.eps))).max())
+    estimate = max(max(10 * fitted.misfit, 100 * raw_misfit) + ROUNDING_PER_TOKEN * VERIFY_LONGEST * unit,
+                   epsilon.error * reach)
+    _verify_raw(boundary, model, float(estimate), request.seed, unit, result, hints)
 
 
 def _attention_learner(session, reduced: "ReducedOracle", sweeps: Sweeps, schedule: str, k: int,
