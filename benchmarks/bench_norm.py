@@ -4,6 +4,7 @@ the sublayer of a block').
     python benchmarks/bench_norm.py            # d = 16 cases and the refusals (a few minutes)
     python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's and BertAttention's sublayers at d = 64, H = 4
     python benchmarks/bench_norm.py --large --case "BertAttention (post-LN) d=64"   # the cases whose name has it
+    python benchmarks/bench_norm.py --float32-floor   # a float32 BertAttention against its weights in float64
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -33,7 +34,8 @@ import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle  # noqa: E402
 from norm_blocks import (  # noqa: E402
-    RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, raw_sequences, vit_layer,
+    RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, post_norm_truth, raw_sequences,
+    vit_layer,
 )
 
 
@@ -74,6 +76,8 @@ def cases(large: bool):
     bert = bert_attention(16, 2)
     out.append(("BertAttention (post-LN) d=16 H=2 float64", attention_sublayer(bert), 16, 2, "auto",
                 BertSelfAttentionAndProjection(bert), 1e-12))
+    out.append(("BertAttention (post-LN) d=16 H=2 float32", attention_sublayer(bert_attention(16, 2).float()), 16, 2,
+                "auto", BertSelfAttentionAndProjection(bert_attention(16, 2).float()), 1e-12))
     if large:
         bert = bert_attention(64, 4)
         out.append(("BertAttention (post-LN) d=64 H=4 float64", attention_sublayer(bert), 64, 4, "auto",
@@ -116,11 +120,33 @@ def run_case(name, module, d, H, declared, attention, eps) -> dict:
     return row
 
 
+def float32_floor() -> None:
+    """The float32 layer's own rounding, the floor of any replacement judged at every position of the
+    benchmark's sequences: its exact function (``post_norm_truth`` of its weights, in float64) against it."""
+    print("| BertAttention float32 | its weights evaluated in float64, against it at every position |")
+    print("|---|---|")
+    for d, H in ((16, 2), (64, 4)):
+        layer = bert_attention(d, H).float()
+        module = attention_sublayer(layer)
+        exact = post_norm_truth(layer.double())
+
+        def float32(X, module=module):
+            return module(X.float()).double()
+
+        error = every_position_error(exact, float32, raw_sequences(np.random.default_rng(11), d, 100), False)
+        print(f"| d={d} H={H} | {error:.1e} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
     parser.add_argument("--case", default="", help="only the cases whose name contains this text")
+    parser.add_argument("--float32-floor", action="store_true",
+                        help="only the float32 BertAttention (d = 16, 64) against its own weights in float64")
     args = parser.parse_args()
+    if args.float32_floor:
+        float32_floor()
+        return
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")
     print("|---|---|---|---|---|---|---|---|")

@@ -281,10 +281,10 @@ def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtracti
     result.heads = request.heads
     model = fitted.model.canonical()
     # The fit's tokens have norms near sqrt(d); the claim covers raw tokens of norms 1e-3..1e3, whose scores
-    # magnify the heads' errors where two keys nearly tie, a tail that 64 final positions sample thinly (BERT
-    # d = 16: their largest misfit 1.8e-14, every position of 100 sequences 3.0e-13): the estimate is a hundred
-    # times the misfit on fresh raw sequences of the claim's kind (ten times the bounded held-out's), plus the
-    # rounding of 64-token sequences, or eps's reach on them where larger: d log n / d log eps = -eps / (2 (var(z) + eps)).
+    # magnify the heads' errors where two keys nearly tie, a tail that 64 final positions sample thinly: the
+    # estimate is a hundred times the misfit on fresh raw sequences of the claim's kind (ten times the bounded
+    # held-out's), plus the rounding of 64-token sequences, or eps's reach on them where larger:
+    # d log n / d log eps = -eps / (2 (var(z) + eps)).
     sequences = verification_sequences(spawn_rng(request.seed, 11), d, CLAIM_HELD_OUT)
     answers = np.asarray(boundary.ask(sequences, description="post-norm held out, raw", whole=True), dtype=np.float64)
     raw_misfit = float((np.abs(model(sequences) - answers).max(axis=1) / np.abs(answers).max(axis=1)).max())

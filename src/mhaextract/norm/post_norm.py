@@ -33,8 +33,8 @@ ELLIPSOID_SCALE = 1e4
 START_STEP = 1.0
 #: The fit's tokens have norms NORMS times this times sqrt(d) (raw tokens: no norm bounds them).
 FIT_RADIUS = 1.0
-#: The fit runs until its RMS misfit is this many units of the answers' rounding (the pre-norm fit's 8
-#: left the heads' scores 2e-14 off at d = 8, which the judge's tokens of norm 1e3 magnify at near ties).
+#: The fit runs until its RMS misfit is this many units of the answers' rounding (not the pre-norm fit's
+#: 8: the heads' score errors are what raw tokens of large norm magnify at near ties).
 FLOOR_UNITS = 1.0
 #: The eps the fit starts with, before eps is measured (its queries' var(z) is of order one).
 UNSEEN_EPS = 1e-300
@@ -300,7 +300,7 @@ def measure_eps(boundary, model: PostNormAttention, rng: np.random.Generator, un
     eps = float(np.mean(readings))
     spread = abs(readings[0] - readings[1]) / eps if np.isfinite(eps) and eps > 0 else np.inf
     # z = x + f(x) near 0 is a cancellation inside the layer: its rounding, unit (|M| |x*| + |P c|),
-    # against |z| = sqrt(d eps) (measured 1.3e-10 spread at eps = 1e-12, d = 16, float64)
+    # against |z| = sqrt(d eps)
     cancellation = (np.linalg.norm(M, 2) * max(1.0, float(np.linalg.norm(x_star))) +
                     float(np.linalg.norm(P @ model.attention.c))) / np.sqrt(d * eps) if eps > 0 else np.inf
     limit = 1e3 * unit * cancellation
