@@ -229,8 +229,9 @@ def _verify_raw(boundary, model, estimate: float, seed, unit: float, result: Nor
 def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtraction, hints: list) -> None:
     """The post-norm sublayer (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'The norm
     after the residual'): gamma and beta from the ellipsoid of large one-token answers, the start from one-token
-    answers, the Levenberg-Marquardt fit of every parameter, eps near the token whose z is 0, the fit again with
-    that eps where it reaches the fit's answers, then the raw verification."""
+    answers and a first eps from it, the Levenberg-Marquardt fit of every parameter (log eps among them), eps
+    measured near the token whose z is 0, the fit again with that eps held where it reaches the fit's answers,
+    then the raw verification."""
     request, d = session.request, session.request.d
     if request.heads is None:
         result.checks.append(Check("heads_given", False, 0, 1, "a post-norm sublayer is learned by its direct fit, "
@@ -260,7 +261,10 @@ def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtracti
         hints.append("A norm after the residual is learned as the LayerNorm of attention plus residual "
                      "(BertAttention): pass that sublayer, not a whole BertLayer (its MLP and second norm follow).")
         return
-    fitted = post_norm.fit(boundary, d, request.heads, start, shape.gamma, shape.beta, post_norm.UNSEEN_EPS,
+    first = post_norm.measure_eps(boundary, post_norm.start_model(start, shape.gamma, shape.beta, request.heads),
+                                  rng, unit).eps  # eps (alpha_start / alpha)^2: the fit takes it on from there
+    first = first if np.isfinite(first) and first > 0 else post_norm.UNSEEN_EPS
+    fitted = post_norm.fit(boundary, d, request.heads, start, shape.gamma, shape.beta, first,
                            spawn_rng(request.seed, 9), unit)
     epsilon = post_norm.measure_eps(boundary, fitted.model, rng, unit)
     result.queries_sweeps += boundary.queries + boundary.replayed - before - fitted.queries

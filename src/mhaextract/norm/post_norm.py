@@ -27,8 +27,9 @@ from ..models.normed import PostNormAttention
 from .direct_fit import (FIT_FACTOR, HELD_OUT, STARTS, AttentionProblem, Batch, Parameters, bounded_queries,
                          column_squares, inverse_root, levenberg_marquardt, products, scaled_operator)
 
-#: One-token queries at this scale (times sqrt(d), random directions) read the ellipsoid: var(z) >> eps.
-ELLIPSOID_SCALE = 1e4
+#: One-token queries at this scale (times sqrt(d), random directions) read the ellipsoid: var(z) ~ 1e16 >> eps
+#: (|n|^2 = d var / (var + eps): 1e4 left an eps of 1e-2 at 1e-10).
+ELLIPSOID_SCALE = 1e8
 #: The start's one-token queries: 0 and +-START_STEP e_j.
 START_STEP = 1.0
 #: The fit's tokens have norms NORMS times this times sqrt(d) (raw tokens: no norm bounds them).
@@ -36,8 +37,8 @@ FIT_RADIUS = 1.0
 #: The fit runs until its RMS misfit is this many units of the answers' rounding (not the pre-norm fit's
 #: 8: the heads' score errors are what raw tokens of large norm magnify at near ties).
 FLOOR_UNITS = 1.0
-#: The eps the fit starts with, before eps is measured (its queries' var(z) is of order one).
-UNSEEN_EPS = 1e-300
+#: The eps the fit starts with where the start's reading finds none (eps far below the fit's var(z)).
+UNSEEN_EPS = 1e-30
 #: A first eps is read where ``|n|^2 / d`` lies in this band (``v`` within a factor 100 of eps).
 EPS_BAND = (0.01, 0.99)
 
@@ -124,58 +125,79 @@ def one_token_start(boundary, d: int, gamma: np.ndarray, beta: np.ndarray) -> St
     return Start(PM, n0, alpha, worst, len(tokens))
 
 
+def start_model(start: Start, gamma, beta, heads: int) -> PostNormAttention:
+    """The start's summed values and c as a model (W = 0, u = 0, eps 1): what :func:`measure_eps` needs
+    for a first eps, ``eps (alpha_start / alpha)^2`` (x* does not depend on alpha; the lengths do)."""
+    d = len(gamma)
+    V = np.broadcast_to((start.alpha * start.PM - (np.eye(d) - 1.0 / d)) / heads, (heads, d, d))
+    inner = MultiHeadAttention(np.zeros((heads, d, d)), np.array(V), np.zeros((heads, d)), start.alpha * start.Pc)
+    return PostNormAttention(1.0, inner, gamma, beta)
+
+
 class PostNormProblem:
     """Levenberg-Marquardt's problem for ``y = gamma * n(x_N + f(X)) + beta`` on a batch: theta is the
-    attention's parameters, then gamma, then beta; eps held. ``dy = gamma * (P - n n^T / d) df / sigma
-    + n dgamma + dbeta``, ``(P - n n^T / d)`` symmetric, so ``J^T w`` passes ``(P - n n^T/d)(gamma w) /
-    sigma`` to the attention's ``J^T``."""
+    attention's parameters, then gamma, beta and ``l = log eps``.
 
-    def __init__(self, parameters: Parameters, batch: Batch, eps: float):
-        self.attention, self.parameters, self.eps = AttentionProblem(parameters, batch), parameters, eps
+        dy = gamma * (P - n n^T / d) df / sigma + n dgamma + dbeta - gamma * n eps / (2 sigma^2) dl,
+
+    ``(P - n n^T / d)`` symmetric, so ``J^T w`` passes ``(P - n n^T/d)(gamma w) / sigma`` to the
+    attention's ``J^T``. l's column is scaled by at most 1 (where eps does not reach the answers its
+    column is tiny, and a unit-scaled step would throw it far), and held (scale 0) with
+    ``fit_eps=False``."""
+
+    def __init__(self, parameters: Parameters, batch: Batch, fit_eps: bool = True):
+        self.attention, self.parameters, self.fit_eps = AttentionProblem(parameters, batch), parameters, fit_eps
         self.answers, self.size = batch.answers, sum(parameters.sizes)
         self.finals = np.concatenate([X[:, -1] for _, X in batch.groups])
 
     def split(self, theta):
+        """(attention's parameters, gamma, beta, eps)."""
         d = self.finals.shape[1]
-        return theta[:self.size], theta[self.size:self.size + d], theta[self.size + d:]
+        return (theta[:self.size], theta[self.size:self.size + d], theta[self.size + d:self.size + 2 * d],
+                float(np.exp(theta[-1])))
 
     def state(self, theta):
-        inner_theta, gamma, beta = self.split(theta)
+        inner_theta, gamma, beta, eps = self.split(theta)
         inner = self.attention.state(inner_theta)
         z = self.finals + np.concatenate([group[0] for group in inner[0]])
         z -= z.mean(axis=1, keepdims=True)
-        sigma = np.sqrt((z * z).mean(axis=1) + self.eps)
+        sigma = np.sqrt((z * z).mean(axis=1) + eps)
         n = z / sigma[:, None]
-        return inner, n, sigma, gamma, gamma * n + beta
+        return inner, n, sigma, gamma, gamma * n + beta, eps
 
     def residual(self, state) -> np.ndarray:
         return (state[4] - self.answers).ravel()
 
     def column_scale(self, state) -> np.ndarray:
         """The attention's columns with each query weighted ``mean(gamma^2) / sigma^2`` (``J_n`` taken
-        as ``P / sigma``), gamma's ``sum n^2``, beta's the query count."""
-        inner, n, sigma, gamma, _ = state
+        as ``P / sigma``), gamma's ``sum n^2``, beta's the query count, l's (capped at 1, or 0)."""
+        inner, n, sigma, gamma, _, eps = state
         weights = float(np.mean(gamma * gamma)) / sigma ** 2
+        along_eps = float((((gamma * n) ** 2).sum(axis=1) * (eps / (2 * sigma ** 2)) ** 2).sum())
         squares = np.concatenate([column_squares(inner, self.parameters, weights), (n * n).sum(axis=0),
-                                  np.full(n.shape[1], float(len(n)))])
-        return inverse_root(squares)
+                                  np.full(n.shape[1], float(len(n))), [along_eps]])
+        scale = inverse_root(squares)
+        scale[-1] = min(scale[-1], 1.0) if self.fit_eps else 0.0
+        return scale
 
     def operator(self, state, scale):
-        inner, n, sigma, gamma, _ = state
+        inner, n, sigma, gamma, _, eps = state
         d = n.shape[1]
         matvec, rmatvec = products(inner, self.parameters)
+        along_eps = -gamma * n * (eps / (2 * sigma ** 2))[:, None]  # dy / dl
 
         def through_norm(v):  # (P - n n^T / d) v / sigma, row by row
             v = v - v.mean(axis=1, keepdims=True)
             return (v - n * (n * v).sum(axis=1, keepdims=True) / d) / sigma[:, None]
 
         def forward(v):
-            inner_v, dgamma, dbeta = self.split(v)
-            return gamma * through_norm(matvec(inner_v)) + n * dgamma + dbeta
+            inner_v, dgamma, dbeta, dl = v[:self.size], v[self.size:self.size + d], v[self.size + d:-1], v[-1]
+            return gamma * through_norm(matvec(inner_v)) + n * dgamma + dbeta + along_eps * dl
 
         def backward(w):
             w = w.reshape(-1, d)
-            return np.concatenate([rmatvec(through_norm(gamma * w)), (w * n).sum(axis=0), w.sum(axis=0)])
+            return np.concatenate([rmatvec(through_norm(gamma * w)), (w * n).sum(axis=0), w.sum(axis=0),
+                                   [float((w * along_eps).sum())]])
 
         return scaled_operator(forward, backward, self.answers.size, scale)
 
@@ -200,9 +222,9 @@ class PostNormFit:
 def _judged(theta, problem: PostNormProblem, held_out, fit_misfit: float, queries: int, steps: int,
             attempt: int) -> PostNormFit:
     """The model of ``theta`` and its misfit on the held-out queries."""
-    inner_theta, gamma, beta = problem.split(theta)
+    inner_theta, gamma, beta, eps = problem.split(theta)
     W, u, V, c = problem.parameters.split(inner_theta)
-    model = PostNormAttention(problem.eps, MultiHeadAttention(W, V, u, c), gamma, beta)
+    model = PostNormAttention(eps, MultiHeadAttention(W, V, u, c), gamma, beta)
     sequences, answers = held_out
     misfit = float(np.abs(model(sequences) - answers).max() / max(np.abs(answers).max(), 1e-300))
     return PostNormFit(model, misfit, fit_misfit, queries, steps, attempt, theta, problem, held_out)
@@ -218,7 +240,7 @@ def fit(boundary, d: int, heads: int, start: Start, gamma, beta, eps: float, rng
     total = sum(parameters.sizes) + 2 * d
     count = max(int(np.ceil(FIT_FACTOR * total / d)), 4 * heads * d)
     sequences = bounded_queries(rng, count, d, FIT_RADIUS * np.sqrt(d))
-    problem = PostNormProblem(parameters, Batch(sequences, _ask(boundary, sequences, "post-norm fit")), eps)
+    problem = PostNormProblem(parameters, Batch(sequences, _ask(boundary, sequences, "post-norm fit")))
     held_out = bounded_queries(rng, HELD_OUT, d, FIT_RADIUS * np.sqrt(d))
     held_out = (held_out, _ask(boundary, held_out, "post-norm held out"))
     best = PostNormFit(None, np.inf, np.inf, count + HELD_OUT, 0, 0)
@@ -230,7 +252,7 @@ def fit(boundary, d: int, heads: int, start: Start, gamma, beta, eps: float, rng
         V = V + rng.standard_normal((heads, d, d)) * 0.1 / np.sqrt(d)
         theta = np.concatenate([parameters.join(rng.standard_normal((heads, d, d)) / d,
                                                 rng.standard_normal((heads, d)) / d, V, alpha * start.Pc),
-                                sign * gamma, beta])
+                                sign * gamma, beta, [np.log(eps)]])
         theta, fit_misfit, steps = levenberg_marquardt(theta, problem, unit, FLOOR_UNITS)
         judged = _judged(theta, problem, held_out, fit_misfit, count + HELD_OUT, steps, attempt)
         if judged.misfit < best.misfit:
@@ -241,14 +263,14 @@ def fit(boundary, d: int, heads: int, start: Start, gamma, beta, eps: float, rng
 
 
 def refit(fitted: PostNormFit, eps: float, unit: float) -> PostNormFit:
-    """The fit again from its own parameters with the measured eps (no new query), where eps reaches
-    the fit's answers (``eps / var(z)`` above the rounding ``unit`` for some query)."""
-    sigma = fitted.problem.state(fitted.theta)[2]
+    """The fit again from its own parameters with the measured eps held (no new query), where eps
+    reaches the fit's answers (``eps / var(z)`` above the rounding ``unit`` for some query)."""
+    problem = PostNormProblem(fitted.problem.parameters, fitted.problem.attention.batch, fit_eps=False)
+    theta = np.concatenate([fitted.theta[:-1], [np.log(eps)]])
+    sigma = problem.state(theta)[2]
     if eps / float((sigma * sigma).min()) <= unit:
-        return _judged(fitted.theta, PostNormProblem(fitted.problem.parameters, fitted.problem.attention.batch, eps),
-                       fitted.held_out, fitted.fit_misfit, fitted.queries, fitted.steps, fitted.starts)
-    problem = PostNormProblem(fitted.problem.parameters, fitted.problem.attention.batch, eps)
-    theta, fit_misfit, steps = levenberg_marquardt(fitted.theta, problem, unit, FLOOR_UNITS)
+        return _judged(theta, problem, fitted.held_out, fitted.fit_misfit, fitted.queries, fitted.steps, fitted.starts)
+    theta, fit_misfit, steps = levenberg_marquardt(theta, problem, unit, FLOOR_UNITS)
     return _judged(theta, problem, fitted.held_out, fit_misfit, fitted.queries, fitted.steps + steps, fitted.starts)
 
 
