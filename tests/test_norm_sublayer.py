@@ -185,12 +185,13 @@ def test_the_ellipsoid_gives_gamma_and_beta_from_answers_alone():
 
 
 @pytest.mark.slow
-def test_bert_attention_is_extracted_with_norm_auto_and_exported_into_a_fresh_one():
+@pytest.mark.parametrize("norm", ["auto", "post-layernorm"])
+def test_bert_attention_is_extracted_and_exported_into_a_fresh_one(norm):
     d, H = 8, 2
     layer = bert_attention(d, H)
     sublayer = attention_sublayer(layer)
     oracle = TorchOracle(sublayer)
-    result = mx.extract(oracle, d, heads=H, seed=1, norm="auto")
+    result = mx.extract(oracle, d, heads=H, seed=1, norm=norm)
     truth = post_norm_truth(layer)
     assert result.ok and result.norm == "post-layernorm" and result.schedule == "norm"
     assert result.queries == oracle.sequences  # counted at the raw layer

@@ -3,13 +3,15 @@
 
 * gamma and beta from the answers themselves: every answer's ``n = (y - beta) / gamma`` is
   mean-free with ``|n|^2 = d`` (to ``eps / var(z)``), so the answers lie on an ellipsoid in a
-  hyperplane: ``a = 1 / gamma`` is the hyperplane's normal, then ``|a * (y - beta)|^2 = d`` is
-  linear in ``(|a|-scale^2, a^2 * beta, a constant)`` (:func:`ellipsoid`).
+  hyperplane: ``a = 1 / gamma`` is the hyperplane's normal (up to a scale lambda), then
+  ``|a * (y - beta)|^2 = d`` over ``lambda^2`` is linear in ``a_hat^2 * beta`` and a constant that
+  holds lambda (:func:`ellipsoid`).
 * a start from one-token queries: ``z = M x + c`` (``M = I + sum_h V_h``) lies along n, so the
   answers at ``0, t e_j, -t e_j`` give ``P M e_j`` and ``P c`` up to one common scale alpha > 0
   (:func:`one_token_start`).
-* all parameters by Levenberg-Marquardt on whole answers (:class:`PostNormProblem`, the chain rule
-  through ``dn = (P - n n^T / d) dz / sigma`` on the attention's own Jacobian products).
+* all parameters, log eps among them, by Levenberg-Marquardt on whole answers
+  (:class:`PostNormProblem`, the chain rule through ``dn = (P - n n^T / d) dz / sigma`` on the
+  attention's own Jacobian products).
 * eps from one-token queries near ``x*`` where ``P (M x* + c) = 0``: ``|n|^2 = d v / (v + eps)``
   with ``v = |P z|^2 / d`` (:func:`measure_eps`).
 Every query goes through the boundary it is given (counted at the raw layer); no weight is read.
@@ -27,8 +29,8 @@ from ..models.normed import PostNormAttention
 from .direct_fit import (FIT_FACTOR, HELD_OUT, STARTS, AttentionProblem, Batch, Parameters, bounded_queries,
                          column_squares, inverse_root, levenberg_marquardt, products, scaled_operator)
 
-#: One-token queries at this scale (times sqrt(d), random directions) read the ellipsoid: var(z) ~ 1e16 >> eps
-#: (|n|^2 = d var / (var + eps): 1e4 left an eps of 1e-2 at 1e-10).
+#: One-token queries at this scale (times sqrt(d), random directions) read the ellipsoid: var(z) ~ 1e16, so
+#: |n|^2 = d var / (var + eps) is d to below float64's rounding for any eps up to 1e-2.
 ELLIPSOID_SCALE = 1e8
 #: The start's one-token queries: 0 and +-START_STEP e_j.
 START_STEP = 1.0
