@@ -186,7 +186,7 @@ def test_the_ellipsoid_gives_gamma_and_beta_from_answers_alone():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("norm", ["auto", "post-layernorm"])
-def test_bert_attention_is_extracted_and_exported_into_a_fresh_one(norm):
+def test_bert_attention_is_extracted_and_exported_into_a_fresh_one(norm, tmp_path):
     d, H = 8, 2
     layer = bert_attention(d, H)
     sublayer = attention_sublayer(layer)
@@ -198,6 +198,9 @@ def test_bert_attention_is_extracted_and_exported_into_a_fresh_one(norm):
     assert abs(result.eps - truth.eps) / truth.eps < 1e-8
     assert mx.compare(result.model, truth).max_rel < 1e-8
     assert result.causal.verdict == "bidirectional"
+    result.save(tmp_path / "bert.json")  # the model, its checks and the causal record (its verdict a word)
+    saved = mx.load_extraction(tmp_path / "bert.json")
+    assert mx.compare(saved.model, result.model).max_rel == 0 and saved.causal.verdict == "bidirectional"
     sequences = raw_sequences(np.random.default_rng(7), d, 20)
     error = every_position_error(result.model, sublayer, sequences, causal=False)
     assert error < 1e-11 and result.error_estimate >= error
