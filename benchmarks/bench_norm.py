@@ -1,9 +1,11 @@
 """Attention sublayers of pre-norm blocks (docs/norm.md; docs/algorithm.md, 'Attention behind a norm:
 the sublayer of a block').
 
-    python benchmarks/bench_norm.py            # d = 16 cases and the refusals (about a minute)
-    python benchmarks/bench_norm.py --large    # adds GPT-2's and ViT's sublayers at d = 64, H = 4
+    python benchmarks/bench_norm.py            # d = 16 cases and the refusals (a few minutes)
+    python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's and BertAttention's sublayers at d = 64, H = 4
+    python benchmarks/bench_norm.py --large --case "BertAttention (post-LN) d=64"   # the cases whose name has it
     python benchmarks/bench_norm.py --defaults # the norm='auto' cases run without norm= (the defaults)
+    python benchmarks/bench_norm.py --float32-floor   # a float32 BertAttention against its weights in float64
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -13,7 +15,8 @@ first failed check, queries measured at the raw layer, the queries of the librar
 same attention without the norm (``mx.extract(TorchOracle(attention), d, heads=H, seed=1)``), and
 the replacement's error: the largest ``|model - y| / |y|`` (inf norms) at every position of 100 fresh
 sequences of lengths 1..64 with token norms log-uniform in 1e-3..1e3, against the block's own
-forward in float64 (the reading, causal or not, the run's causal record found).
+forward in float64 (the reading, causal or not, the run's causal record found). BertAttention's
+"attention without the norm" is its self-attention and output projection (no residual, no norm).
 """
 
 from __future__ import annotations
@@ -31,14 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle  # noqa: E402
-from norm_blocks import RMSSublayer, every_position_error, gpt2_block, raw_sequences, vit_layer  # noqa: E402
+from norm_blocks import (  # noqa: E402
+    RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, post_norm_truth, raw_sequences,
+    vit_layer,
+)
 
 
-def bert_attention(d, H, seed=0):
-    from transformers.models.bert.modeling_bert import BertAttention, BertConfig
+class BertSelfAttentionAndProjection(torch.nn.Module):
+    """BertAttention without its residual and norm: the self-attention, then the output projection."""
 
-    torch.manual_seed(seed)
-    return BertAttention(BertConfig(hidden_size=d, num_attention_heads=H)).double().eval()
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, X):
+        return self.layer.output.dense(self.layer.self(X)[0])
 
 
 def cases(large: bool):
@@ -64,8 +74,20 @@ def cases(large: bool):
     out.append(("RMSNorm + MHA + residual d=16 H=2 float64", rms, 16, 2, "auto", None, 1e-6))
     out.append(("the same, declared norm='layernorm'", rms, 16, 2, "layernorm", None, 1e-6))
     out.append(("a whole GPT2Block (with its MLP) d=16 H=2", gpt2_block(16, 2), 16, 2, "auto", None, 1e-5))
-    out.append(("BertAttention (post-LN) d=16 H=2", attention_sublayer(bert_attention(16, 2)), 16, 2, "auto", None,
-                1e-12))
+    bert = bert_attention(16, 2)
+    out.append(("BertAttention (post-LN) d=16 H=2 float64", attention_sublayer(bert), 16, 2, "auto",
+                BertSelfAttentionAndProjection(bert), 1e-12))
+    out.append(("BertAttention (post-LN) d=16 H=2 float32", attention_sublayer(bert_attention(16, 2).float()), 16, 2,
+                "auto", BertSelfAttentionAndProjection(bert_attention(16, 2).float()), 1e-12))
+    if large:
+        bert = bert_attention(64, 4)
+        out.append(("BertAttention (post-LN) d=64 H=4 float64", attention_sublayer(bert), 64, 4, "auto",
+                    BertSelfAttentionAndProjection(bert), 1e-12))
+        out.append(("BertAttention (post-LN) d=64 H=4 float32", attention_sublayer(bert_attention(64, 4).float()), 64,
+                    4, "auto", BertSelfAttentionAndProjection(bert_attention(64, 4).float()), 1e-12))
+    out.append(("BertAttention declared norm='layernorm'", attention_sublayer(bert_attention(16, 2)), 16, 2,
+                "layernorm", None, 1e-12))
+    out.append(("a whole BertLayer (with its MLP) d=16 H=2", bert_layer(16, 2), 16, 2, "auto", None, 1e-12))
     return out
 
 
@@ -100,18 +122,40 @@ def run_case(name, module, d, H, declared, attention, eps, defaults=False) -> di
     return row
 
 
+def float32_floor() -> None:
+    """The float32 layer's own rounding, the floor of any replacement judged at every position of the
+    benchmark's sequences: its exact function (``post_norm_truth`` of its weights, in float64) against it."""
+    print("| BertAttention float32 | its weights evaluated in float64, against it at every position |")
+    print("|---|---|")
+    for d, H in ((16, 2), (64, 4)):
+        layer = bert_attention(d, H).float()
+        module = attention_sublayer(layer)
+        exact = post_norm_truth(layer.double())
+
+        def float32(X, module=module):
+            return module(X.float()).double()
+
+        error = every_position_error(exact, float32, raw_sequences(np.random.default_rng(11), d, 100), False)
+        print(f"| d={d} H={H} | {error:.1e} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
+    parser.add_argument("--case", default="", help="only the cases whose name contains this text")
     parser.add_argument("--defaults", action="store_true",
-                        help="run the norm='auto' cases without norm= (the defaults find the norm after a failed run)")
-    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+                        help="run the norm='auto' cases without norm= (the defaults find a pre-norm after a failed run)")
+    parser.add_argument("--float32-floor", action="store_true",
+                        help="only the float32 BertAttention (d = 16, 64) against its own weights in float64")
     args = parser.parse_args()
+    if args.float32_floor:
+        float32_floor()
+        return
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for case in cases(args.large):
-        if args.only not in case[0]:
+        if args.case not in case[0]:
             continue
         row = run_case(*case, defaults=args.defaults)
         verdict = "ok" if row["ok"] else row["first failed check"]

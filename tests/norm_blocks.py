@@ -1,4 +1,4 @@
-"""Pre-norm attention sublayers with trained-like weights, their folded truth and the judge at every
+"""Pre-norm and post-norm (BertAttention) attention sublayers with trained-like weights, their folded truth and the judge at every
 position (issue 63): shared by tests/test_norm_sublayer.py and benchmarks/bench_norm.py.
 
 Truth is the block's own forward in float64, or the heads folded from its weights here
@@ -10,7 +10,7 @@ import torch
 
 import mhaextract as mx
 from mhaextract.adapters.torch import to_reduced
-from mhaextract.models.normed import NormedAttention, norm_basis
+from mhaextract.models.normed import NormedAttention, PostNormAttention, norm_basis
 
 
 def trained_like(block, norm, attention, d, seed):
@@ -55,6 +55,52 @@ class RMSSublayer(torch.nn.Module):
     def forward(self, X):
         T = self.norm(X)
         return X + self.attn(T, T, T, need_weights=False)[0]
+
+
+def bert_attention(d, H, seed=0):
+    """BertAttention (self-attention, output projection, residual, LayerNorm) with trained-like weights."""
+    from transformers.models.bert.modeling_bert import BertAttention, BertConfig
+
+    torch.manual_seed(seed)
+    layer = BertAttention(BertConfig(hidden_size=d, num_attention_heads=H, attn_implementation="eager")).double()
+    return trained_like(layer, layer.output.LayerNorm, layer, d, seed)
+
+
+class BertLayerHiddenStates(torch.nn.Module):
+    """A whole BertLayer (attention sublayer, then its MLP, residual and second LayerNorm) on (B, N, d)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, X):
+        out = self.layer(X)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def bert_layer(d, H, seed=0):
+    """A whole BertLayer with trained-like weights (both LayerNorms gamma ~ 1 +- 0.2, beta ~ 0.05)."""
+    from transformers.models.bert.modeling_bert import BertConfig, BertLayer
+
+    torch.manual_seed(seed)
+    layer = BertLayer(BertConfig(hidden_size=d, num_attention_heads=H, intermediate_size=2 * d,
+                                 attn_implementation="eager")).double()
+    trained_like(layer, layer.output.LayerNorm, layer, d, seed + 1)
+    trained_like(layer, layer.attention.output.LayerNorm, layer.attention, d, seed)
+    return BertLayerHiddenStates(layer.eval())
+
+
+def post_norm_truth(layer) -> PostNormAttention:
+    """The post-norm sublayer of a BertAttention from its weights: the self-attention's heads (to_reduced,
+    V_h its block of value rows, c = b_V) through the output projection O, b_O: ``V_h -> O V_h``,
+    ``c -> O c + b_O``; gamma, beta and eps its LayerNorm's (white-box, the test's own algebra)."""
+    A = to_reduced(layer.self)
+    O = layer.output.dense.weight.detach().double().numpy()
+    b_O = layer.output.dense.bias.detach().double().numpy()
+    norm = layer.output.LayerNorm
+    inner = mx.MultiHeadAttention(A.W, np.einsum("ab,hbk->hak", O, A.V), A.u, O @ A.c + b_O)
+    return PostNormAttention(norm.eps, inner, norm.weight.detach().double().numpy(),
+                             norm.bias.detach().double().numpy())
 
 
 def folded_truth(block) -> NormedAttention:

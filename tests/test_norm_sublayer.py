@@ -1,5 +1,6 @@
-"""Issue 63: attention behind a norm, with the residual (the attention sublayer of a pre-norm block).
-Truth: the block's own forward in float64, or the heads folded from its weights (tests/norm_blocks.py)."""
+"""Issue 63: attention behind a norm, with the residual (the attention sublayer of a pre-norm block),
+and attention with the residual behind a norm (BertAttention's post-norm). Truth: the block's own
+forward in float64, or the heads folded from its weights (tests/norm_blocks.py)."""
 
 import numpy as np
 import pytest
@@ -11,10 +12,11 @@ import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, to_state_dict, to_torch  # noqa: E402
 from mhaextract.models.kinds import model_from_document  # noqa: E402
-from mhaextract.models.normed import NormedAttention  # noqa: E402
+from mhaextract.models.normed import NormedAttention, PostNormAttention  # noqa: E402
 from mhaextract.norm.learn import NormedExtractionError  # noqa: E402
 from norm_blocks import (  # noqa: E402
-    RMSSublayer, every_position_error, folded_truth, gpt2_block, raw_sequences, vit_layer,
+    RMSSublayer, bert_attention, bert_layer, every_position_error, folded_truth, gpt2_block, post_norm_truth,
+    raw_sequences, vit_layer,
 )
 
 
@@ -124,13 +126,102 @@ def test_a_whole_gpt2_block_with_its_mlp_fails_loudly_naming_the_cause():
     assert error.value.extraction.model is None
 
 
-def test_a_post_norm_bert_attention_is_refused_with_that_cause():
+def _relative_every_position(module, reference, X):
+    with torch.no_grad():
+        expected = reference(X)
+        return float(((module(X) - expected).abs().amax(-1) / expected.abs().amax(-1)).max())
+
+
+def test_the_post_norm_model_is_bert_attention_at_every_position_and_saves_and_exports():
+    layer = bert_attention(8, 2)
+    sublayer = attention_sublayer(layer)
+    truth = post_norm_truth(layer)
+    sequences = raw_sequences(np.random.default_rng(0), 8, 6, longest=12)
+    assert every_position_error(truth, sublayer, sequences, causal=False) < 1e-12
+    # the 1-component of V_h and c never reaches the output: the canonical form drops it
+    shifted = PostNormAttention(truth.eps, mx.MultiHeadAttention(truth.attention.W, truth.attention.V + 0.3,
+                                                                 truth.attention.u, truth.attention.c - 0.2),
+                                truth.gamma, truth.beta)
+    assert np.abs(shifted(sequences) - truth(sequences)).max() < 1e-12
+    assert mx.compare(shifted, truth).max_rel < 1e-12
+    part, _ = truth.to_document()
+    assert mx.compare(model_from_document(part), truth).max_rel == 0
+    X = torch.as_tensor(sequences[-1])[None]
+    assert _relative_every_position(to_torch(truth, causal=False), sublayer, X) < 1e-12
+    fresh = bert_attention(8, 2, seed=5)
+    fresh.load_state_dict(to_state_dict(truth, like=fresh))  # every key of the BertAttention
+    assert _relative_every_position(attention_sublayer(fresh), sublayer, X) < 1e-12
+
+
+def test_a_post_norm_export_is_refused_where_bert_attention_cannot_carry_it():
     from transformers.models.bert.modeling_bert import BertAttention, BertConfig
 
-    torch.manual_seed(0)
-    layer = BertAttention(BertConfig(hidden_size=16, num_attention_heads=2)).double().eval()
-    with pytest.raises(NormedExtractionError, match="post-LN"):
-        mx.extract(TorchOracle(attention_sublayer(layer)), 16, heads=2, seed=1, norm="auto")
+    truth = post_norm_truth(bert_attention(8, 2))
+    other_eps = BertAttention(BertConfig(hidden_size=8, num_attention_heads=2, layer_norm_eps=1e-6)).double()
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="layer_norm_eps"):
+        to_state_dict(truth, like=other_eps)
+    relative = BertAttention(BertConfig(hidden_size=8, num_attention_heads=2, position_embedding_type="relative_key"))
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="position embedding"):
+        to_state_dict(truth, like=relative.double())
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="goes into a BertAttention"):
+        to_state_dict(truth, like=gpt2_block(8, 2))
+    one_head = BertAttention(BertConfig(hidden_size=8, num_attention_heads=1)).double()
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="heads"):
+        to_state_dict(truth, like=one_head)
+
+
+def test_the_ellipsoid_gives_gamma_and_beta_from_answers_alone():
+    from mhaextract.norm.post_norm import ellipsoid
+
+    rng = np.random.default_rng(3)
+    d = 12
+    gamma, beta = 1 + 0.2 * rng.standard_normal(d), 0.05 * rng.standard_normal(d)
+    N = rng.standard_normal((2 * d, d))
+    N -= N.mean(axis=1, keepdims=True)
+    N *= np.sqrt(d) / np.linalg.norm(N, axis=1, keepdims=True)  # a LayerNorm's output, var(z) >> eps
+    shape = ellipsoid(gamma * N + beta)
+    assert np.abs(shape.gamma - gamma).max() < 1e-12 and np.abs(shape.beta - beta).max() < 1e-12
+    assert shape.plane < 1e-14 and shape.sphere < 1e-13
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["auto", "post-layernorm"])
+def test_bert_attention_is_extracted_and_exported_into_a_fresh_one(norm, tmp_path):
+    d, H = 8, 2
+    layer = bert_attention(d, H)
+    sublayer = attention_sublayer(layer)
+    oracle = TorchOracle(sublayer)
+    result = mx.extract(oracle, d, heads=H, seed=1, norm=norm)
+    truth = post_norm_truth(layer)
+    assert result.ok and result.norm == "post-layernorm" and result.schedule == "norm"
+    assert result.queries == oracle.sequences  # counted at the raw layer
+    assert abs(result.eps - truth.eps) / truth.eps < 1e-8
+    assert mx.compare(result.model, truth).max_rel < 1e-8
+    assert result.causal.verdict == "bidirectional"
+    result.save(tmp_path / "bert.json")  # the model, its checks and the causal record (its verdict a word)
+    saved = mx.load_extraction(tmp_path / "bert.json")
+    assert mx.compare(saved.model, result.model).max_rel == 0 and saved.causal.verdict == "bidirectional"
+    sequences = raw_sequences(np.random.default_rng(7), d, 20)
+    error = every_position_error(result.model, sublayer, sequences, causal=False)
+    assert error < 1e-11 and result.error_estimate >= error
+    fresh = bert_attention(d, H, seed=9)
+    fresh.load_state_dict(to_state_dict(result, like=fresh))
+    X = torch.as_tensor(sequences[-1])[None]
+    for module in (attention_sublayer(fresh), to_torch(result)):  # BertAttention itself, and a module of its own
+        assert _relative_every_position(module, sublayer, X) < 1e-11
+
+
+def test_a_whole_bert_layer_fails_loudly_naming_the_cause():
+    with pytest.raises(NormedExtractionError, match="BertLayer's MLP") as error:
+        mx.extract(TorchOracle(bert_layer(16, 2)), 16, heads=2, seed=1, norm="auto")
+    assert error.value.extraction.model is None
+
+
+def test_a_norm_declared_before_or_after_that_the_answers_contradict_fails_naming_what_they_show():
+    with pytest.raises(NormedExtractionError, match="norm_kind.*a norm after the residual"):
+        mx.extract(TorchOracle(attention_sublayer(bert_attention(8, 2))), 8, heads=2, seed=1, norm="layernorm")
+    with pytest.raises(NormedExtractionError, match="norm_kind.*layernorm before the attention"):
+        mx.extract(TorchOracle(attention_sublayer(gpt2_block(8, 2))), 8, heads=2, seed=1, norm="post-layernorm")
 
 
 def test_a_bad_norm_option_is_refused_before_any_query():

@@ -124,10 +124,13 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
           (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block'; docs/norm.md): the norm's kind
           and eps and the residual from one-token sweeps, the heads by a direct fit from tokens the norm can
           reach, the whole sublayer checked on raw sequences; returns a ``NormedExtraction`` whose ``model`` is
-          a :class:`~mhaextract.models.normed.NormedAttention`. Needs ``heads``. Without ``norm=``, a failed
+          a :class:`~mhaextract.models.normed.NormedAttention`. Needs ``heads``. ``inner_schedule``: ``"fit"``
+          (default) or an attention schedule's name run on the reduced oracle. ``"post-layernorm"`` (or
+          ``"auto"`` finding it): a post-norm block's (BERT's ``BertAttention``: attention, residual, then a
+          LayerNorm), gamma and beta from the answers' ellipsoid and every parameter by a direct fit; its
+          ``model`` a :class:`~mhaextract.models.normed.PostNormAttention`. Without ``norm=``, a failed
           ``"auto"`` run whose model-class probes find a norm before the attention goes on as this learner with
-          ``norm="auto"`` (same session and transcript; ``result.schedule_reason`` says why). ``inner_schedule``: ``"fit"``
-          (default) or an attention schedule's name run on the reduced oracle.
+          ``norm="auto"`` (same session and transcript; ``result.schedule_reason`` says why).
         - ``key_bias``: ``positions="rotary"`` only: the keys carry a bias (Qwen2), which under rotation
           does not cancel in the softmax. The run first finds a token whose key is zero from whole
           answers (float64: grouped-query heads with ``n_kv r < d`` and ``H r <= d``, 'A key bias'; float32: by

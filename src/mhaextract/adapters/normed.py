@@ -5,12 +5,12 @@ back into torch (docs/algorithm.md, 'Attention behind a norm: the sublayer of a 
 hidden states (B, N, d) to the sublayer's outputs (B, N, d), to wrap in
 :class:`~mhaextract.adapters.torch.TorchOracle`: ``GPT2Block`` (``x + attn(ln_1(x))``),
 ``ViTLayer`` (``x + attention(layernorm_before(x))``), ``BertAttention`` as it is (self-attention,
-output projection, residual, then its LayerNorm: a post-norm, which the norm family refuses with
-that cause). The module calls the block's own submodules; nothing on the extraction path reads a
-weight.
+output projection, residual, then its LayerNorm: a post-norm). The module calls the block's own
+submodules; nothing on the extraction path reads a weight.
 
 :func:`layer` and :func:`state_dict` are what :func:`~mhaextract.adapters.export.to_torch` and
-:func:`~mhaextract.adapters.export.to_state_dict` dispatch to for a ``NormedAttention``.
+:func:`~mhaextract.adapters.export.to_state_dict` dispatch to for a ``NormedAttention`` (into a
+``GPT2Block`` or ``ViTLayer``) or a ``PostNormAttention`` (into a ``BertAttention``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..models.normed import NormedAttention
+from ..models.normed import NormedAttention, PostNormAttention
 from . import attention as attention_adapter
 from .export import ExportReport, StateDict, UnsupportedLayerError
+from .torch import _refuse_positions
 
 
 class AttentionSublayer(nn.Module):
@@ -94,10 +95,34 @@ class NormedAttentionModule(nn.Module):
         return out + (residual if out.dim() == 3 else residual[:, -1])
 
 
-def layer(model: NormedAttention, causal, width, dtype, tolerance):
-    """:class:`NormedAttentionModule` around the attention adapter's layer of the lifted heads."""
+class PostNormAttentionModule(nn.Module):
+    """A :class:`PostNormAttention` as a torch module: raw hidden states (B, N, d) to
+    ``gamma * n(x + f(X)) + beta`` at every position (``causal``) or at the final one
+    (``causal=None``, (B, d)): the attention adapter's layer, the residual, its own LayerNorm."""
+
+    def __init__(self, model: PostNormAttention, inner: nn.Module, dtype):
+        super().__init__()
+        self.eps, self.inner = model.eps, inner
+        self.register_buffer("gamma", torch.as_tensor(model.gamma, dtype=dtype))
+        self.register_buffer("beta", torch.as_tensor(model.beta, dtype=dtype))
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        X = X.to(self.gamma.dtype)
+        out = self.inner(X)
+        z = out + (X if out.dim() == 3 else X[:, -1])
+        return nn.functional.layer_norm(z, (z.shape[-1],), self.gamma, self.beta, self.eps)
+
+
+def layer(model, causal, width, dtype, tolerance):
+    """:class:`NormedAttentionModule` around the attention adapter's layer of the lifted heads, or
+    :class:`PostNormAttentionModule` around its layer of a post-norm's heads."""
+    if isinstance(model, PostNormAttention):
+        inner = attention_adapter.layer(model.attention, causal, width, dtype, tolerance)
+        module = PostNormAttentionModule(model, inner, torch.float64 if dtype is None else dtype)
+        module.export_report = getattr(inner, "export_report", None)
+        return module
     if not isinstance(model, NormedAttention):
-        raise TypeError(f"expected a NormedAttention, got {type(model).__name__}")
+        raise TypeError(f"expected a NormedAttention or PostNormAttention, got {type(model).__name__}")
     inner = attention_adapter.layer(model.lifted(), causal, width, dtype, tolerance)
     module = NormedAttentionModule(model, inner, torch.float64 if dtype is None else dtype)
     module.export_report = getattr(inner, "export_report", None)
@@ -114,7 +139,10 @@ def state_dict(model: NormedAttention, like, tolerance: float) -> StateDict:
     the attention adapter, keys prefixed with the submodules' names; load with
     ``block.load_state_dict(state, strict=False)`` (the MLP half is not the model's). Refused, with
     the reason, where the block cannot carry it: another norm kind, an eps the block's config does
-    not hold, a residual other than the identity."""
+    not hold, a residual other than the identity. A ``PostNormAttention`` goes into a
+    ``BertAttention`` (:func:`post_norm_state_dict`)."""
+    if isinstance(model, PostNormAttention):
+        return post_norm_state_dict(model, like, tolerance)
     if not isinstance(model, NormedAttention):
         raise TypeError(f"expected a NormedAttention, got {type(model).__name__}")
     kind = type(like).__name__
@@ -126,11 +154,8 @@ def state_dict(model: NormedAttention, like, tolerance: float) -> StateDict:
     if model.norm != "layernorm" or type(norm).__name__ != norm_class:
         raise UnsupportedLayerError(f"{kind}'s {norm_name} is a {type(norm).__name__}; the model's norm is a "
                                     f"{model.norm}: it cannot carry it")
-    block_eps = float(getattr(norm, "eps", np.nan))
-    if not abs(block_eps - model.eps) <= max(tolerance, 1e-9) * model.eps:
-        raise UnsupportedLayerError(f"{kind}'s {norm_name} has eps = {block_eps:.6g}, the model's is {model.eps:.6g} "
-                                    "(eps is a setting of the block's config, not a weight): build the block with "
-                                    f"that eps (GPT-2: layer_norm_epsilon, ViT: layer_norm_eps = {model.eps!r})")
+    _check_eps(kind, norm_name, float(getattr(norm, "eps", np.nan)), model.eps, tolerance,
+               "GPT-2: layer_norm_epsilon, ViT: layer_norm_eps")
     identity = float(np.abs(model.R - np.eye(model.d)).max()) if model.R.shape == (model.d, model.d) else np.inf
     if identity > max(tolerance, 1e-9):
         raise UnsupportedLayerError(f"{kind} adds its input unchanged (residual R = I); the model's residual is "
@@ -142,4 +167,46 @@ def state_dict(model: NormedAttention, like, tolerance: float) -> StateDict:
         state[f"{norm_name}.{key}"] = value
     report: ExportReport = inner.report
     report.target = f"{kind} ({norm_name} + {attention_name})"
+    return StateDict(state, report)
+
+
+def _check_eps(kind: str, where: str, block_eps: float, model_eps: float, tolerance: float, setting: str) -> None:
+    if not abs(block_eps - model_eps) <= max(tolerance, 1e-9) * model_eps:
+        raise UnsupportedLayerError(f"{kind}'s {where} has eps = {block_eps:.6g}, the model's is {model_eps:.6g} "
+                                    "(eps is a setting of the block's config, not a weight): build the block with "
+                                    f"that eps ({setting} = {model_eps!r})")
+
+
+def post_norm_state_dict(model: PostNormAttention, like, tolerance: float) -> StateDict:
+    """A post-norm sublayer in the layout of a ``BertAttention``: the heads through the attention
+    adapter's ``nn.MultiheadAttention`` layout (the same scores ``(W_Q x + b_Q) . (W_K x) / sqrt(r)``,
+    values, output projection and biases) as ``self.query``, ``self.key``, ``self.value`` and
+    ``output.dense``, gamma and beta as ``output.LayerNorm``'s weight and bias. Refused, with the
+    reason: another class, an eps its config does not hold, position embeddings other than absolute,
+    more heads or wider ones than it holds (the attention adapter's refusals)."""
+    kind = type(like).__name__
+    if kind != "BertAttention" or not hasattr(like, "self") or not hasattr(like, "output"):
+        raise UnsupportedLayerError(f"a PostNormAttention (attention, residual, then a LayerNorm) goes into a "
+                                    f"BertAttention, not {kind}: use to_torch(result) for a module of its own")
+    _refuse_positions("BertSelfAttention", like.self)
+    norm = like.output.LayerNorm
+    _check_eps(kind, "output.LayerNorm", float(getattr(norm, "eps", np.nan)), model.eps, tolerance,
+               "BertConfig(layer_norm_eps=...)")
+    d, heads = model.d, like.self.num_attention_heads
+    if like.output.dense.weight.shape != (d, d):
+        raise UnsupportedLayerError(f"{kind} has hidden size {like.output.dense.weight.shape[0]}; the model has "
+                                    f"d = {d}")
+    template = nn.MultiheadAttention(d, heads, batch_first=True, dtype=torch.float64)
+    inner = attention_adapter.state_dict(model.attention, template, tolerance)
+    weight, bias = inner["in_proj_weight"], inner["in_proj_bias"]
+    values = {"self.query.weight": weight[:d], "self.query.bias": bias[:d],
+              "self.key.weight": weight[d:2 * d], "self.key.bias": bias[d:2 * d],
+              "self.value.weight": weight[2 * d:], "self.value.bias": bias[2 * d:],
+              "output.dense.weight": inner["out_proj.weight"], "output.dense.bias": inner["out_proj.bias"],
+              "output.LayerNorm.weight": torch.as_tensor(model.gamma), "output.LayerNorm.bias": torch.as_tensor(model.beta)}
+    current = like.state_dict()
+    state = {key: value.detach().clone().to(dtype=current[key].dtype, device=current[key].device)
+             for key, value in values.items()}
+    report: ExportReport = inner.report
+    report.target = f"{kind} (self, output.dense, output.LayerNorm)"
     return StateDict(state, report)

@@ -10,6 +10,11 @@ At the final position N of raw hidden states ``X = (x_1, ..., x_N)`` in R^d::
 
 The norm's gamma and beta are folded into the inner heads (``W'' = Q^T G W G Q``, ...), which is the
 canonical form: only those products are identifiable.
+
+:class:`PostNormAttention` is the sublayer of a post-norm block (BERT's ``BertAttention``,
+docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'The norm after the
+residual'): the attention on the raw tokens, the residual, then a LayerNorm with its own gamma and
+beta, ``y(X) = gamma * n(x_N + f(X)) + beta``.
 """
 
 from __future__ import annotations
@@ -70,8 +75,17 @@ def reachable(T: np.ndarray, eps: float) -> np.ndarray:
     return T * np.sqrt(eps / (1 - fraction))
 
 
+class EveryPosition:
+    """``every_position`` from a model's ``at_position`` (the sublayers' shared reading)."""
+
+    def every_position(self, X, causal: bool) -> np.ndarray:
+        """Outputs at every position (N, d_out): a decoder's (``causal``) on each prefix, an
+        encoder's with each token as the query and every token a key."""
+        return np.array([self.at_position(X, i, causal) for i in range(len(np.asarray(X)))])
+
+
 @register_model_kind
-class NormedAttention:
+class NormedAttention(EveryPosition):
     """The attention sublayer of a pre-norm block: ``y(X) = R x_N + f(Q^T n(X))`` (module docstring).
 
     Parameters
@@ -144,11 +158,6 @@ class NormedAttention:
         finals = np.array([np.asarray(X[-1], dtype=dtype) for X in sequences])
         return inner + finals @ self.R.astype(dtype).T
 
-    def every_position(self, X, causal: bool) -> np.ndarray:
-        """Outputs at every position (N, d_out): a decoder's (``causal``) on each prefix, an
-        encoder's with each token as the query and every token a key."""
-        return np.array([self.at_position(X, i, causal) for i in range(len(np.asarray(X)))])
-
     def at_position(self, X, i: int, causal: bool) -> np.ndarray:
         """The output at position ``i`` (from 0): what the causal record judges a layer's earlier
         outputs by (:mod:`mhaextract.checks.causality`)."""
@@ -185,19 +194,21 @@ class NormedAttention:
 
 @dataclass
 class NormedComparison:
-    """``a`` against the reference ``b``: the inner heads' comparison, eps and R relative errors;
-    ``max_rel`` the largest (infinite for norms of another kind or other head counts)."""
+    """``a`` against the reference ``b``: the inner heads' comparison, eps and R relative errors
+    (a post-norm's: gamma's and beta's, ``affine_rel``, R = I); ``max_rel`` the largest (infinite for
+    norms of another kind or other head counts)."""
 
     attention: object
     eps_rel: float
     R_rel: float
     same_norm: bool
+    affine_rel: float = 0.0
 
     @property
     def max_rel(self) -> float:
         if not self.same_norm:
             return float("inf")
-        return max(float(self.attention.max_rel), self.eps_rel, self.R_rel)
+        return max(float(self.attention.max_rel), self.eps_rel, self.R_rel, self.affine_rel)
 
     @property
     def heads_agree(self) -> bool:
@@ -213,3 +224,119 @@ def compare_normed(a: NormedAttention, b: NormedAttention, rtol: float = 0.0) ->
     inner = compare_attention(a.attention, b.attention, rtol=rtol) if same else None
     R_rel = float(np.abs(a.R - b.R).max() / max(np.abs(b.R).max(), 1e-300)) if same else float("inf")
     return NormedComparison(inner, abs(a.eps - b.eps) / b.eps, R_rel, same)
+
+
+@register_model_kind
+class PostNormAttention(EveryPosition):
+    """The attention sublayer of a post-norm block (BERT's ``BertAttention``): at position N
+
+        z = x_N + f(X),    y(X) = gamma * n(z) + beta,    n(z) = (z - mean(z) 1) / sqrt(var(z) + eps),
+
+    f the biased vector attention on the raw tokens (d_out = d: the residual adds x_N). n drops the
+    1-component of z, so only ``P V_h`` and ``P c`` act (``P = I - 1 1^T / d``): the canonical form
+    keeps them projected (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block',
+    'The norm after the residual').
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> inner = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, d_out=4, bias=True)
+    >>> model = PostNormAttention(1e-12, inner, np.full(4, 1.5), np.full(4, 0.1))
+    >>> X = np.random.default_rng(0).normal(size=(5, 4))
+    >>> y = model([X])[0]
+    >>> bool(np.isclose(((y - 0.1) / 1.5).mean(), 0)), bool(np.isclose((((y - 0.1) / 1.5) ** 2).mean(), 1))
+    (True, True)
+    >>> model.every_position(X, causal=False).shape
+    (5, 4)
+    """
+
+    kind = "post-norm-attention"
+    torch_adapter = "mhaextract.adapters.normed"
+    norm = "post-layernorm"
+
+    def __init__(self, eps: float, attention: MultiHeadAttention, gamma, beta):
+        eps = float(eps)
+        if not eps > 0 or not np.isfinite(eps):
+            raise ValueError(f"eps must be a positive number, got {eps!r}")
+        if not isinstance(attention, MultiHeadAttention) or not attention.is_vector or attention.d_out != attention.d:
+            raise ValueError("attention must be a vector MultiHeadAttention with d_out = d (the residual adds x_N)")
+        gamma, beta = np.asarray(gamma, dtype=np.float64), np.asarray(beta, dtype=np.float64)
+        if gamma.shape != (attention.d,) or beta.shape != (attention.d,):
+            raise ValueError(f"gamma and beta must have shape (d,) = ({attention.d},), got {gamma.shape} and "
+                             f"{beta.shape}")
+        self.eps, self.attention, self.gamma, self.beta = eps, attention.to_float64(), gamma, beta
+
+    @property
+    def d(self) -> int:
+        return self.attention.d
+
+    @property
+    def d_out(self) -> int:
+        return self.attention.d
+
+    @property
+    def heads(self) -> int:
+        return self.attention.heads
+
+    def __repr__(self) -> str:
+        return f"PostNormAttention(eps={self.eps:.3g}, d={self.d}, heads={self.heads})"
+
+    def normed(self, Z: np.ndarray) -> np.ndarray:
+        """``gamma * n(z) + beta`` of every row of Z (in Z's dtype)."""
+        Z = np.asarray(Z)
+        return self.gamma.astype(Z.dtype) * normalize(Z, "layernorm", self.eps) + self.beta.astype(Z.dtype)
+
+    def __call__(self, batch, dtype=np.float64) -> np.ndarray:
+        """``y(X)`` at the final position, (B, d), in float64 (or float32 throughout)."""
+        sequences = as_batch(batch, self.d)
+        inner = self.attention([np.asarray(X, dtype=dtype) for X in sequences], dtype=dtype)
+        return self.normed(inner + np.array([np.asarray(X[-1], dtype=dtype) for X in sequences]))
+
+    def at_position(self, X, i: int, causal: bool) -> np.ndarray:
+        """The output at position ``i`` (from 0), as :meth:`NormedAttention.at_position`."""
+        X = np.asarray(X, dtype=np.float64)
+        if causal:
+            return self([X[:i + 1]])[0]
+        return self.normed(self.attention.at_position(X, i, False) + X[i])
+
+    def to_float64(self) -> "PostNormAttention":
+        return self
+
+    def canonical(self, rtol: float = 0.0) -> "PostNormAttention":
+        """``V_h`` and ``c`` projected on ``1^perp`` (their 1-component never reaches the output),
+        then the attention's canonical form."""
+        a = self.attention
+        V = a.V - a.V.mean(axis=1, keepdims=True)
+        inner = MultiHeadAttention(a.W, V, a.u, a.c - a.c.mean()).canonical(rtol)
+        return PostNormAttention(self.eps, inner, self.gamma, self.beta)
+
+    def to_document(self, exact: bool = False) -> tuple[dict, dict]:
+        inner, arrays = self.attention.to_document(exact=False)
+        part = {"kind": self.kind, "eps": self.eps, "d": self.d, "gamma": document_numbers(self.gamma, exact),
+                "beta": document_numbers(self.beta, exact), "attention": inner}
+        return part, {"gamma": self.gamma, "beta": self.beta,
+                      **{f"attention_{name}": array for name, array in arrays.items()}}
+
+    @classmethod
+    def from_document(cls, part: dict, exact: bool = False) -> "PostNormAttention":
+        from .kinds import model_from_document
+
+        gamma = np.asarray(read_numbers(part["gamma"], exact), dtype=np.float64)
+        beta = np.asarray(read_numbers(part["beta"], exact), dtype=np.float64)
+        return cls(float(part["eps"]), model_from_document(part["attention"], False), gamma, beta)
+
+
+@register_comparison(PostNormAttention)
+def compare_post_normed(a: PostNormAttention, b: PostNormAttention, rtol: float = 0.0) -> NormedComparison:
+    """Compare two post-norm sublayers in canonical form: the inner heads, eps, and gamma and beta
+    (relative to the largest of gamma)."""
+    if not isinstance(b, PostNormAttention):
+        raise TypeError(f"compare a PostNormAttention with a PostNormAttention, got {type(b).__name__}")
+    same = a.d == b.d
+    if not same:
+        return NormedComparison(None, float("inf"), float("inf"), False)
+    a, b = a.canonical(), b.canonical()
+    affine = max(float(np.abs(a.gamma - b.gamma).max()), float(np.abs(a.beta - b.beta).max()))
+    return NormedComparison(compare_attention(a.attention, b.attention, rtol=rtol), abs(a.eps - b.eps) / b.eps, 0.0,
+                            True, affine / max(float(np.abs(b.gamma).max()), 1e-300))

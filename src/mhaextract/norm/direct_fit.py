@@ -115,16 +115,17 @@ def _covariance_times(a, m, X, v):
     return np.matmul(along, X) - m * (m * v).sum(axis=2, keepdims=True)
 
 
-def _operators(state, parameters: Parameters, scale: np.ndarray):
-    """``J D`` as a LinearOperator (D the column scaling): ``df = sum_h [V_h C_h (dW_h x + du_h)
-    + dV_h m_h] + dc``, each product a matrix product over all queries."""
+def products(state, parameters: Parameters):
+    """``(J v, J^T w)`` of the unscaled Jacobian: ``v`` a flat parameter vector -> (rows, d_out),
+    ``w`` (rows, d_out) -> a flat parameter vector; ``df = sum_h [V_h C_h (dW_h x + du_h) + dV_h m_h]
+    + dc``, each product a matrix product over all queries. What a model built on f (the post-norm
+    fit) composes its own Jacobian from."""
     groups, Vcat = state
     H, k, _ = parameters.shapes[0]
     d_out = parameters.shapes[3][0]
-    rows = sum(len(f) for f, _, _, _, _ in groups) * d_out
 
     def matvec(v):
-        dW, du, dV, dc = parameters.split(np.ravel(v) * scale)
+        dW, du, dV, dc = parameters.split(np.ravel(v))
         dVcat = dV.transpose(0, 2, 1).reshape(H * k, d_out)
         out = []
         for f, a, m, X, x in groups:
@@ -132,10 +133,10 @@ def _operators(state, parameters: Parameters, scale: np.ndarray):
             dq = (x @ dW.reshape(H * k, k).T).reshape(n, H, k) + du[None]
             moved = _covariance_times(a, m, X, dq).reshape(n, H * k)
             out.append(moved @ Vcat + m.reshape(n, H * k) @ dVcat + dc)
-        return np.concatenate(out).ravel()
+        return np.concatenate(out)
 
     def rmatvec(w):
-        w = np.ravel(w).reshape(-1, d_out)
+        w = np.asarray(w).reshape(-1, d_out)
         dW, du = np.zeros((H * k, k)), np.zeros(H * k)
         dVcat, dc = np.zeros((H * k, d_out)), w.sum(axis=0)
         start = 0
@@ -147,13 +148,13 @@ def _operators(state, parameters: Parameters, scale: np.ndarray):
             dW += g.T @ x
             du += g.sum(axis=0)
             dVcat += m.reshape(n, H * k).T @ part
-        return parameters.join(dW, du, dVcat.reshape(H, k, d_out).transpose(0, 2, 1), dc) * scale
+        return parameters.join(dW, du, dVcat.reshape(H, k, d_out).transpose(0, 2, 1), dc)
 
-    return LinearOperator((rows, scale.size), matvec=matvec, rmatvec=rmatvec, dtype=np.float64)
+    return matvec, rmatvec
 
 
-def _column_scale(state, parameters: Parameters) -> np.ndarray:
-    """``1 / sqrt(diag(J^T J))`` (1 where a column is zero). ``V_h C_h = P_h A_h`` with
+def column_squares(state, parameters: Parameters, weights=None) -> np.ndarray:
+    """``diag(J^T diag(weights) J)``, each query's rows weighted alike (default 1). ``V_h C_h = P_h A_h`` with
     ``P_h = [V_h x_1 .. V_h x_N, V_h m_h]`` (d_out x (N + 1)) and ``A_h = [a_{h,i} x_i^T; -m_h^T]``, so
     ``sum_o (V_h C_h)[o, a]^2`` is ``diag(A_h^T (P_h^T P_h) A_h)``, from (N + 1)-square Gram matrices."""
     groups, Vcat = state
@@ -161,44 +162,76 @@ def _column_scale(state, parameters: Parameters) -> np.ndarray:
     d_out = parameters.shapes[3][0]
     V = Vcat.reshape(H, k, d_out)
     dW, du, dV = np.zeros((H * k, k)), np.zeros(H * k), np.zeros((H, d_out, k))
-    count = 0
+    count, start = 0.0, 0
     for f, a, m, X, x in groups:
         n = len(x)
+        weight = np.ones(n) if weights is None else np.asarray(weights)[start:start + n]
+        start += n
         rows = np.concatenate([np.broadcast_to(X[:, None], (n, H) + X.shape[1:]), m[:, :, None]], axis=2)
         P = np.einsum("nhik,hko->nhio", rows, V, optimize=True)  # rows of P_h^T: (B, H, N + 1, d_out)
         gram = np.matmul(P, P.transpose(0, 1, 3, 2))  # (B, H, N + 1, N + 1)
         A = np.concatenate([a[..., None] * X[:, None], -m[:, :, None]], axis=2)  # (B, H, N + 1, k)
-        squares = (A * np.matmul(gram, A)).sum(axis=2).reshape(n, H * k)  # sum_o (V_h C_h)[o, a]^2
+        squares = (A * np.matmul(gram, A)).sum(axis=2).reshape(n, H * k) * weight[:, None]  # sum_o (V_h C_h)[o, a]^2
         dW += squares.T @ (x * x)
         du += squares.sum(axis=0)
-        dV += np.broadcast_to((m * m).sum(axis=0)[:, None, :], (H, d_out, k))
-        count += n
-    diagonal = parameters.join(dW, du, dV, np.full(d_out, float(count)))
+        dV += np.broadcast_to(np.einsum("n,nhk->hk", weight, m * m)[:, None, :], (H, d_out, k))
+        count += float(weight.sum())
+    return parameters.join(dW, du, dV, np.full(d_out, count))
+
+
+def inverse_root(diagonal: np.ndarray) -> np.ndarray:
+    """The column scaling ``1 / sqrt(diag(J^T J))`` (1 where a column is zero)."""
     return np.where(diagonal > 0, 1 / np.sqrt(np.maximum(diagonal, 1e-300)), 1.0)
 
 
-def _residual(state, batch: Batch) -> np.ndarray:
-    return np.concatenate([group[0] for group in state[0]]).ravel() - batch.answers.ravel()
+class AttentionProblem:
+    """The least-squares problem of the biased vector model on ``batch``: what
+    :func:`levenberg_marquardt` asks of a model (``state``, ``residual``, ``column_scale``,
+    ``operator``, ``answers``)."""
+
+    def __init__(self, parameters: Parameters, batch: Batch):
+        self.parameters, self.batch, self.answers = parameters, batch, batch.answers
+
+    def state(self, theta):
+        return _state(theta, self.parameters, self.batch)
+
+    def residual(self, state) -> np.ndarray:
+        return np.concatenate([group[0] for group in state[0]]).ravel() - self.answers.ravel()
+
+    def column_scale(self, state) -> np.ndarray:
+        return inverse_root(column_squares(state, self.parameters))
+
+    def operator(self, state, scale: np.ndarray) -> LinearOperator:
+        """``J D`` (D the column scaling) as a LinearOperator."""
+        matvec, rmatvec = products(state, self.parameters)
+        return scaled_operator(matvec, rmatvec, self.answers.size, scale)
 
 
-def levenberg_marquardt(theta, parameters: Parameters, batch: Batch, unit: float):
-    """Damped Gauss-Newton steps from ``theta`` until the misfit reaches the answers' rounding or
-    stops falling. Returns ``(theta, relative misfit, steps)``."""
-    state = _state(theta, parameters, batch)
-    residual = _residual(state, batch)
+def scaled_operator(matvec, rmatvec, rows: int, scale: np.ndarray) -> LinearOperator:
+    """``J D`` from the unscaled products ``J v`` (any shape, raveled) and ``J^T w``."""
+    return LinearOperator((rows, scale.size), matvec=lambda v: np.ravel(matvec(np.ravel(v) * scale)),
+                          rmatvec=lambda w: rmatvec(np.ravel(w)) * scale, dtype=np.float64)
+
+
+def levenberg_marquardt(theta, problem, unit: float, floor_units: float = 8.0):
+    """Damped Gauss-Newton steps on ``problem`` (an :class:`AttentionProblem` or a model built on
+    one) from ``theta`` until the RMS misfit reaches ``floor_units`` units of the answers' rounding
+    or stops falling. Returns ``(theta, relative misfit, steps)``."""
+    state = problem.state(theta)
+    residual = problem.residual(state)
     cost = float(residual @ residual)
-    size = float(np.abs(batch.answers).max())
+    size = float(np.abs(problem.answers).max())
     damping, steps = 1e-2, 0
-    floor = (8 * unit * size) ** 2 * residual.size
+    floor = (floor_units * unit * size) ** 2 * residual.size
     for steps in range(1, STEPS + 1):
-        scale = _column_scale(state, parameters)
-        operator = _operators(state, parameters, scale)
+        scale = problem.column_scale(state)
+        operator = problem.operator(state, scale)
         accepted = False
         while damping < 1e10:
             solution = lsmr(operator, -residual, damp=np.sqrt(damping), atol=1e-15, btol=1e-15, maxiter=INNER)[0]
             trial = theta + solution * scale
-            trial_state = _state(trial, parameters, batch)
-            trial_residual = _residual(trial_state, batch)
+            trial_state = problem.state(trial)
+            trial_residual = problem.residual(trial_state)
             trial_cost = float(trial_residual @ trial_residual)
             if np.isfinite(trial_cost) and trial_cost < cost:
                 gain = (cost - trial_cost) / cost
@@ -226,7 +259,7 @@ def fit(ask, k: int, d_out: int, heads: int, radius: float, rng: np.random.Gener
     for start in range(1, STARTS + 1):
         theta = parameters.join(rng.standard_normal((heads, k, k)) / k, rng.standard_normal((heads, k)) / k,
                                 rng.standard_normal((heads, d_out, k)) / np.sqrt(k), np.zeros(d_out))
-        theta, fit_misfit, steps = levenberg_marquardt(theta, parameters, batch, unit)
+        theta, fit_misfit, steps = levenberg_marquardt(theta, AttentionProblem(parameters, batch), unit)
         W, u, V, c = parameters.split(theta)
         model = MultiHeadAttention(W, V, u, c)
         misfit = float(np.abs(model(held_out) - held_answers).max() / max(np.abs(held_answers).max(), 1e-300))

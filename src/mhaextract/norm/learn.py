@@ -25,13 +25,16 @@ from ..run.result import Result
 from ..run.session import Request, run_learner
 from ..run.validation import spawn_rng
 from .direct_fit import HELD_OUT, NORMS, STARTS, fit
-from .sweeps import Sweeps, measure
+from . import post_norm
+from .sweeps import POST_NORM, Sweeps, measure
 
 #: The inner method that is this family's own: the direct fit (any other name: an attention learner).
 DIRECT_FIT = "fit"
 
 #: The inner schedule's tokens stay within this fraction of the ball's radius sqrt(d).
 BALL_MARGIN = 0.9
+#: Fresh raw sequences (as the verification's) whose misfit sets a post-norm run's estimate.
+CLAIM_HELD_OUT = 64
 #: Fresh raw sequences of the verification, their longest, and the range of their token norms.
 VERIFY_SEQUENCES, VERIFY_LONGEST, VERIFY_NORMS = 32, 64, (1e-3, 1e3)
 
@@ -71,12 +74,14 @@ class NormedExtraction(Result):
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
     layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
     times the direct fit's held-out misfit plus the rounding of evaluating 64-token sequences, or an
-    attention learner's estimate, or eps's or R's where larger, judged by the ``raw_verification``
-    check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
+    attention learner's estimate, or eps's or R's where larger (a post-norm's: also a hundred times
+    the misfit on 64 fresh raw sequences, and eps's reach on them), judged by the
+    ``raw_verification`` check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
 
     Attributes
     ----------
-    norm : the norm the answers show ("layernorm", "rmsnorm", or None: none, or a post-norm).
+    norm : the norm the answers show ("layernorm", "rmsnorm" before the attention, "post-layernorm"
+        after the residual, or None: none).
     eps, eps_error : the norm's eps and its estimated relative error.
     inner : with an attention schedule as the inner method, its result on the reduced oracle (its
         ``queries`` are queries of g, each one raw query); None for the direct fit or when the run
@@ -149,7 +154,9 @@ def run_normed(session, options) -> NormedExtraction:
         result = NormedExtraction(d=d, schedule="norm", seed=request.seed, answer_dtype=str(answer_dtype),
                                   norm=sweeps.kind, eps=sweeps.eps, eps_error=sweeps.eps_error,
                                   checks=list(sweeps.checks), inner_schedule=options["inner_schedule"])
-        if result.ok:
+        if result.ok and sweeps.kind == POST_NORM:
+            _post_norm_and_verify(session, boundary, sweeps.unit, result, hints)
+        elif result.ok:
             _inner_and_verify(session, boundary, sweeps, options, result, hints)
         else:
             hints.append("The one-token sweeps decide the sublayer's form before any attention query "
@@ -161,7 +168,7 @@ def run_normed(session, options) -> NormedExtraction:
     result.queries = boundary.queries + boundary.replayed
     result.queries_asked, result.queries_replayed = boundary.queries, boundary.replayed
     result.max_query_length = boundary.max_query_length
-    result.queries_sweeps = sweeps.queries
+    result.queries_sweeps += sweeps.queries
     result.seconds = time.perf_counter() - started
     return session.finish(result, "norm sublayer extraction", hints=hints, error_type=NormedExtractionError)
 
@@ -194,15 +201,21 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
             return
         inner_model, inner_estimate, result.heads = inner.model, inner.error_estimate, inner.heads
     model = NormedAttention(sweeps.kind, sweeps.eps, inner_model, sweeps.R)
-    result.model = model
-    result.error_estimate = float(max(inner_estimate, sweeps.eps_error, sweeps.R_error))
-    sequences = verification_sequences(spawn_rng(request.seed, 8), d)
+    _verify_raw(boundary, model, float(max(inner_estimate, sweeps.eps_error, sweeps.R_error)), session.request.seed,
+                sweeps.unit, result, hints)
+
+
+def _verify_raw(boundary, model, estimate: float, seed, unit: float, result: NormedExtraction, hints: list) -> None:
+    """``model`` and its ``estimate`` into ``result``, the whole sublayer checked on fresh raw sequences."""
+    result.model, result.error_estimate = model, estimate
+    d = model.d
+    sequences = verification_sequences(spawn_rng(seed, 8), d)
     answers = np.asarray(boundary.ask(sequences, description="verification on raw sequences", whole=True))
     predicted = model(sequences)
     misfit = float((np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)).max())
     result.verification_misfit = misfit
     result.verification_queries, result.verification_length = len(sequences), max(len(X) for X in sequences)
-    limit = max(100 * result.error_estimate, 1e3 * sweeps.unit)
+    limit = max(100 * result.error_estimate, 1e3 * unit)
     result.checks.append(Check("raw_verification", misfit <= limit, misfit, limit,
                                f"{len(sequences)} fresh raw sequences of 1..{VERIFY_LONGEST} tokens with norms "
                                f"{VERIFY_NORMS[0]:g}..{VERIFY_NORMS[1]:g}: max |model - y| / |y| against 100 times the "
@@ -210,6 +223,80 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
     if misfit > limit:
         hints.append("The sublayer's answers on raw sequences do not fit norm + attention + residual: a whole block "
                      "(an MLP after the residual) or a norm of another kind; pass attention_sublayer(block).")
+
+
+def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtraction, hints: list) -> None:
+    """The post-norm sublayer (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'The norm
+    after the residual'): gamma and beta from the ellipsoid of large one-token answers, the start from one-token
+    answers and a first eps from it, the Levenberg-Marquardt fit of every parameter (log eps among them), eps
+    measured near the token whose z is 0, the fit again with that eps held where it reaches the fit's answers,
+    then the raw verification."""
+    request, d = session.request, session.request.d
+    if request.heads is None:
+        result.checks.append(Check("heads_given", False, 0, 1, "a post-norm sublayer is learned by its direct fit, "
+                                   "which needs the head count"))
+        hints.append("Pass heads=H: the post-norm fit needs the head count (a bound max_heads is not enough).")
+        return
+    rng = spawn_rng(request.seed, 10)
+    before = boundary.queries + boundary.replayed
+    E = rng.standard_normal((2 * d, d))
+    E *= (post_norm.ELLIPSOID_SCALE * np.sqrt(d) / np.linalg.norm(E, axis=1))[:, None]
+    shape = post_norm.ellipsoid(np.asarray(boundary.ask([e[None, :] for e in E], description="post-norm ellipsoid",
+                                                        whole=True), dtype=np.float64))
+    limit = 1e4 * unit
+    result.checks.append(Check("post_norm_ellipsoid", max(shape.plane, shape.sphere) <= limit,
+                               max(shape.plane, shape.sphere), limit,
+                               f"{2 * d} answers of large one-token queries against the ellipsoid of a LayerNorm after "
+                               "the residual (centre beta, axes gamma, in a hyperplane): a norm of another form (an "
+                               "RMSNorm) leaves them off it"))
+    start = post_norm.one_token_start(boundary, d, shape.gamma, shape.beta) if result.ok else None
+    if start is not None:
+        result.checks.append(Check("one_token_form", start.coplanar <= limit, start.coplanar, limit,
+                                   "one-token answers against gamma * n(M x + c) + beta (attention, residual, norm: "
+                                   "z is affine in the token): a layer after the norm (a whole BertLayer's MLP) "
+                                   "does not fit"))
+    if not result.ok:
+        result.queries_sweeps += boundary.queries + boundary.replayed - before
+        hints.append("A norm after the residual is learned as the LayerNorm of attention plus residual "
+                     "(BertAttention): pass that sublayer, not a whole BertLayer (its MLP and second norm follow).")
+        return
+    first = post_norm.measure_eps(boundary, post_norm.start_model(start, shape.gamma, shape.beta, request.heads),
+                                  rng, unit).eps  # eps (alpha_start / alpha)^2: the fit takes it on from there
+    first = first if np.isfinite(first) and first > 0 else post_norm.UNSEEN_EPS
+    fitted = post_norm.fit(boundary, d, request.heads, start, shape.gamma, shape.beta, first,
+                           spawn_rng(request.seed, 9), unit)
+    epsilon = post_norm.measure_eps(boundary, fitted.model, rng, unit)
+    result.queries_sweeps += boundary.queries + boundary.replayed - before - fitted.queries
+    result.eps, result.eps_error = epsilon.eps, epsilon.error
+    result.checks.append(epsilon.check)
+    if epsilon.check.passed:
+        fitted = post_norm.refit(fitted, epsilon.eps, unit)
+    result.token_scale = NORMS[1] * np.sqrt(d)
+    result.checks.append(Check("inner_fit", fitted.misfit <= limit, fitted.misfit, limit,
+                               f"the direct fit of the post-norm sublayer ({fitted.queries} bounded queries, "
+                               f"{fitted.steps} steps, start {fitted.starts} of up to {STARTS}): max misfit on "
+                               f"{HELD_OUT} held-out queries relative to the largest answer"))
+    if not result.ok:
+        hints.append("The post-norm fit did not reach the answers' rounding from its starts: the heads may be more "
+                     "than heads=H, or a layer after the norm (docs/algorithm.md, 'Attention behind a norm: the "
+                     "sublayer of a block', 'The norm after the residual').")
+        return
+    result.heads = request.heads
+    model = fitted.model.canonical()
+    # The fit's tokens have norms near sqrt(d); the claim covers raw tokens of norms 1e-3..1e3, whose scores
+    # magnify the heads' errors where two keys nearly tie, a tail that 64 final positions sample thinly: the
+    # estimate is a hundred times the misfit on fresh raw sequences of the claim's kind (ten times the bounded
+    # held-out's), plus the rounding of 64-token sequences, or eps's reach on them where larger:
+    # d log n / d log eps = -eps / (2 (var(z) + eps)).
+    sequences = verification_sequences(spawn_rng(request.seed, 11), d, CLAIM_HELD_OUT)
+    answers = np.asarray(boundary.ask(sequences, description="post-norm held out, raw", whole=True), dtype=np.float64)
+    raw_misfit = float((np.abs(model(sequences) - answers).max(axis=1) / np.abs(answers).max(axis=1)).max())
+    z = model.attention(sequences) + np.array([X[-1] for X in sequences])
+    spread = ((z - z.mean(axis=1, keepdims=True)) ** 2).mean(axis=1)
+    reach = float((model.eps / (2 * (spread + model.eps))).max())
+    estimate = max(max(10 * fitted.misfit, 100 * raw_misfit) + ROUNDING_PER_TOKEN * VERIFY_LONGEST * unit,
+                   epsilon.error * reach)
+    _verify_raw(boundary, model, float(estimate), request.seed, unit, result, hints)
 
 
 def _attention_learner(session, reduced: "ReducedOracle", sweeps: Sweeps, schedule: str, k: int,

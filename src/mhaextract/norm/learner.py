@@ -1,13 +1,14 @@
-"""The attention sublayer of a pre-norm block as a learner ("norm", docs/algorithm.md, 'Attention
-behind a norm: the sublayer of a block'): ``extract(oracle, d, heads=H, norm="auto")``."""
+"""The attention sublayer of a pre-norm or post-norm block as a learner ("norm", docs/algorithm.md,
+'Attention behind a norm: the sublayer of a block'): ``extract(oracle, d, heads=H, norm="auto")``."""
 
 from __future__ import annotations
 
 from ..run.learner import Learner, learner_class, learner_names, register_learner
 from .learn import DIRECT_FIT, run_normed
+from .sweeps import POST_NORM
 
 #: What ``norm=`` takes.
-NORM_OPTIONS = ("auto", "layernorm", "rmsnorm")
+NORM_OPTIONS = ("auto", "layernorm", "rmsnorm", POST_NORM)
 
 
 @register_learner
@@ -17,9 +18,11 @@ class NormedLearner(Learner):
 
     name = "norm"
     family = "norm"
-    model = "attention behind a LayerNorm or RMSNorm, with the residual (a pre-norm block's sublayer)"
+    model = ("attention behind a LayerNorm or RMSNorm, with the residual (a pre-norm block's sublayer), or attention "
+             "and the residual behind a LayerNorm (a post-norm block's, BertAttention)")
     options = {
-        "norm": "the norm before the attention: 'auto' (found from answers), 'layernorm' or 'rmsnorm'",
+        "norm": "the sublayer's norm: 'auto' (found from answers), 'layernorm' or 'rmsnorm' (before the attention), "
+                "'post-layernorm' (after the residual)",
         "inner_schedule": "how the inner heads are learned from the reduced oracle: 'fit' (default: a direct fit of "
                           "whole answers from bounded tokens) or an attention schedule's name ('paper': the biased grid)",
     }
@@ -45,7 +48,7 @@ class NormedLearner(Learner):
     def validate(cls, options, common) -> dict:
         options = {**cls.defaults, **{k: v for k, v in options.items() if v is not None}}
         if options["norm"] not in NORM_OPTIONS:
-            raise ValueError(f"norm must be one of {NORM_OPTIONS} (the norm before the attention), got "
+            raise ValueError(f"norm must be one of {NORM_OPTIONS} (the sublayer's norm), got "
                              f"{options['norm']!r}; plain attention without a norm: extract without norm=")
         schedule = options["inner_schedule"]
         if schedule == DIRECT_FIT:

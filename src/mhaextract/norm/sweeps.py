@@ -18,13 +18,15 @@ from ..checks.base import Check
 SWEEP = 10.0 ** np.arange(-10, 5)
 #: The large scale at which g is sqrt(d) to ``eps d / S^2`` (the residual's queries, S and 2 S).
 LARGE = 1e6
+#: The norm after the residual (BertAttention's), as ``norm=`` names it.
+POST_NORM = "post-layernorm"
 #: A bend counts when the sweep's slopes move by this many times their rounding.
 BEND_FACTOR = 1e3
 
 
 @dataclass
 class Sweeps:
-    """What the sweeps found: ``kind`` ("layernorm", "rmsnorm", or None when no norm fits),
+    """What the sweeps found: ``kind`` ("layernorm", "rmsnorm", POST_NORM, or None when no norm fits),
     ``eps``, ``R`` (d_out, d), ``c`` (= y(0)), the ``checks`` they add, ``queries`` asked,
     ``unit`` (the answers' relative rounding) and ``eps_error`` (the estimate's relative error)."""
 
@@ -66,7 +68,8 @@ def _eps_from_ratio(rho: float, s: float, S: float, d: int) -> float:
 
 
 def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dtype) -> Sweeps:
-    """The sweeps of the module docstring; ``declared``: "auto", "layernorm" or "rmsnorm"."""
+    """The sweeps of the module docstring; ``declared``: "auto", "layernorm", "rmsnorm" or POST_NORM
+    (whose own measurements are :mod:`mhaextract.norm.post_norm`'s)."""
     out = Sweeps(unit=answer_unit(answer_dtype))
     unit = out.unit
     zero = np.asarray(boundary.ask([np.zeros((1, d))], description="norm sweep", whole=True), dtype=np.float64)[0]
@@ -81,16 +84,17 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
     # a post-norm bounds the outputs: they stop growing with the input (no residual seen)
     growth = float(np.abs(along_free[-1] - zero).max() / max(np.abs(along_free[-3] - zero).max(), 1e-300))
     post_norm = growth < 10.0  # the input grew 100 times: a residual grows the output with it
-    found = None if post_norm else ("rmsnorm" if bend_ones > BEND_FACTOR else
-                                    "layernorm" if bend_free > BEND_FACTOR else None)
-    out.checks.append(Check(
-        "residual_grows", not post_norm, growth, 10.0,
-        "the outputs of one-token queries grow with the token (a residual; x100 input gave this growth): a norm "
-        "after the residual (post-LN, BertAttention) bounds them, and this family learns the pre-norm sublayer only"))
-    if not post_norm:
-        message = (f"declared norm={declared!r}; the answers show {found or 'no norm'} (one-token slopes along 1 bend "
-                   f"{bend_ones:.1e}, along a mean-free direction {bend_free:.1e} times their rounding; a bend is "
-                   f"above {BEND_FACTOR:.0e})")
+    found = POST_NORM if post_norm else ("rmsnorm" if bend_ones > BEND_FACTOR else
+                                         "layernorm" if bend_free > BEND_FACTOR else None)
+    if post_norm:
+        out.checks.append(Check(
+            "norm_kind", declared in ("auto", POST_NORM), growth, 10.0,
+            f"declared norm={declared!r}; the answers show a norm after the residual (post-LN, BertAttention): "
+            "one-token outputs stop growing with the token (x100 input gave this growth)"))
+    else:
+        message = (f"declared norm={declared!r}; the answers show {found or 'no norm'} before the attention (one-token "
+                   f"outputs grow with the token: a residual after it; slopes along 1 bend {bend_ones:.1e}, along a "
+                   f"mean-free direction {bend_free:.1e} times their rounding; a bend is above {BEND_FACTOR:.0e})")
         if found is None:
             message += ": attention with no norm before it is the attention family's (extract without norm=)"
         ok = found is not None and declared in ("auto", found)
@@ -98,8 +102,8 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
                                 BEND_FACTOR, message))
     out.kind = found  # what the answers show (a declared norm they contradict failed norm_kind)
     out.queries = 1 + 2 * len(SWEEP)
-    if found is None or not all(check.passed for check in out.checks):
-        return out
+    if found in (None, POST_NORM) or not all(check.passed for check in out.checks):
+        return out  # a post-norm's gamma, beta and eps: mhaextract.norm.post_norm
     # the residual: R e_k = (y(2 S e_k) - y(S e_k)) / S for the standard basis
     basis = np.eye(d)
     large = np.asarray(boundary.ask([s * e[None, :] for e in basis for s in (LARGE, 2 * LARGE)],

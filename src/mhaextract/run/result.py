@@ -318,8 +318,9 @@ def _jsonable(value):
 
 
 def _number(value):
-    """A saved float (non-finite ones were written as 'inf', '-inf' or 'nan')."""
-    return float(value) if isinstance(value, str) else value
+    """A saved float (non-finite ones were written as 'inf', '-inf' or 'nan'); any other value as it
+    is (a causal record's verdict is a word)."""
+    return float(value) if isinstance(value, str) and value in ("inf", "-inf", "nan") else value
 
 
 def save_extraction(extraction: Result, path) -> tuple[Path, Path]:
