@@ -2,11 +2,14 @@
 (a rotary layer run without positions="rotary") or a norm before the attention (a GPT-2 or Llama
 sublayer), never a cause the answers do not show; the probes are counted at the oracle."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import mhaextract as mx
-from mhaextract.checks.model_class import model_class_hints, probe_model_class
+from mhaextract.checks.model_class import ModelClassEvidence, model_class_hints, probe_model_class
+from mhaextract.norm.learner import NormedLearner
 from mhaextract.oracle.boundary import OracleBoundary
 
 torch = pytest.importorskip("torch")
@@ -45,10 +48,12 @@ def _probe(oracle, d=16, scale=1.0):
 
 
 def _largest(target, d, scale):
-    """The largest |answer| of the probes :func:`_probe` asks, from the target itself."""
-    from mhaextract.checks.model_class import _probe_sequences
+    """The largest |answer| of the probes :func:`_probe` asks at the base scale (not the ``LARGE`` set, judged
+    apart), from the target itself."""
+    from mhaextract.checks.model_class import DIRECTIONS, _probe_sequences
 
-    return max(abs(float(target([sequence])[0])) for sequence in _probe_sequences(d, np.random.default_rng(3), scale))
+    sequences = _probe_sequences(d, np.random.default_rng(3), scale)[:-3 * DIRECTIONS]
+    return max(abs(float(target([sequence])[0])) for sequence in sequences)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -56,7 +61,7 @@ def test_attention_breaks_neither_invariant(bias):
     target = mx.MultiHeadAttention.random(d=6, heads=3, seed=1, bias=bias)
     for scale in (0.1, 1.0, 30.0):
         evidence = _probe(mx.SimulatedOracle(target), d=6, scale=scale)
-        assert not evidence.positions and not evidence.norm_before, evidence
+        assert not evidence.positions and not evidence.normalised, evidence
         assert evidence.order < 1e-13 and evidence.curvature < 1e-12
         assert model_class_hints(evidence) == []
         # the zero token answers c: 0 without biases; with them a bias-free run is told to learn them
@@ -71,7 +76,7 @@ def test_an_oracles_own_noise_is_not_taken_for_positions_or_a_norm():
     noisy = mx.AdditiveNoise(mx.SimulatedOracle(target), 1e-2, seed=0)
     evidence = _probe(noisy, d=6)
     assert evidence.order > 1e-4  # the noise moves the swapped answers ...
-    assert not evidence.positions and not evidence.norm_before  # ... as much as repeating them does
+    assert not evidence.positions and not evidence.normalised  # ... as much as repeating them does
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
@@ -82,7 +87,7 @@ def test_a_norm_before_the_attention_is_found_whatever_the_probes_scale(norm, re
     oracle = TorchOracle(NormedSublayer(layer, residual=residual).eval())
     for scale in (0.02, 1.0):  # a norm misleads the calibration: the probes' scale does not rely on it
         evidence = _probe(oracle, scale=scale)
-        assert evidence.norm_before and not evidence.positions, evidence
+        assert evidence.normalised and not evidence.positions, evidence
         assert "LayerNorm or RMSNorm" in " ".join(model_class_hints(evidence))
 
 
@@ -155,3 +160,14 @@ def test_a_normed_sublayer_is_learned_by_the_norm_learner_named_or_by_default(na
         with torch.no_grad():
             truth = module(torch.from_numpy(X)[None])[0].numpy()
         assert np.max(np.abs(result.model.every_position(X, causal=False) - truth)) <= 1e-12 * np.max(np.abs(truth))
+
+
+def test_a_scalar_read_out_of_a_normed_sublayer_is_refused_by_the_norm_learner_and_not_handed_to_it():
+    module = NormedSublayer(torch.nn.LayerNorm(16, dtype=torch.float64)).eval()
+    readout = np.random.default_rng(2).standard_normal(16)
+    with pytest.raises(ValueError, match="reads whole outputs"):
+        mx.extract(TorchOracle(module, readout=readout), 16, heads=2, seed=0, norm="auto")
+    whole = ModelClassEvidence(0.0, 0.5, True, 1e-4, 20, 0.1, d_out=16)
+    assert NormedLearner.explains(whole) is not None
+    assert NormedLearner.explains(dataclasses.replace(whole, d_out=1)) is None  # its sweeps read whole answers
+    assert NormedLearner.explains(dataclasses.replace(whole, scale_invariant=False)) is None

@@ -11,7 +11,10 @@ queries to test and that the commonest wrong oracles break:
   differences ``g(2) - 2 g(1) + g(0)`` and ``g(4) - 2 g(2) + g(0)`` vanish. A norm before the
   attention (LayerNorm or RMSNorm: ``n(lambda x) = n(x)`` for lambda > 0 and tokens well above
   the norm's eps) makes ``g(lambda) = lambda R x + K`` for lambda > 0 (R the residual's map, if
-  any) while ``g(0) = K_0``: both differences equal ``K_0 - K``, the same non-zero vector.
+  any) while ``g(0) = K_0``: both differences equal ``K_0 - K``, the same non-zero vector. A
+  LayerNorm after the residual (post-LN: ``y = gamma n(x + o(x)) + beta``) does the same once the
+  token outweighs the output constant (``n(lambda (x + V x) + c) -> n(x + V x)``): the directions are
+  scaled again by ``LARGE`` for it, where attention's one-token answers stay exactly affine.
 
 The zero token's answer is the output constant ``c``: exactly 0 for the bias-free model, so a run
 that learned that model on a layer with biases is told to learn them (``bias=True``).
@@ -38,6 +41,9 @@ PAIRS = DIRECTIONS = 2
 BROKEN, ROUNDING_MULTIPLE, NOISE_MULTIPLE = 1e-4, 10.0, 100.0
 #: Scale invariance: the two second differences agree to this fraction of their size.
 SAME_DIFFERENCE = 0.05
+#: The one-token directions asked again at this many times their scale (a norm after the residual
+#: shows there, past the output constant; each set is judged relative to its own largest answer).
+LARGE = 1e3
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,13 @@ class ModelClassEvidence:
     Attributes
     ----------
     order : the largest change of an answer when two earlier tokens are swapped.
-    curvature : the largest second difference of a one-token answer along its scale.
-    scale_invariant : whether the second differences at scales (1, 2) and (2, 4) agree, as a
-        norm before the attention makes them (and are large).
+    curvature : the largest second difference of a one-token answer along its scale (of the scale set
+        that showed invariance, else of both), relative to that set's largest answer.
+    scale_invariant : whether the second differences at scales (1, 2) and (2, 4) agree, as a norm
+        before the attention makes them, at the base scale or at ``LARGE`` times it (a norm after
+        the residual), and are large there.
     offset : the zero token's answer ``|f(0)| = |c|`` (0 for the bias-free model).
+    d_out : the numbers each answer holds (1: a scalar read-out; the probes judge its read-out).
     threshold : the size above which a change counts (``BROKEN``, or the noise's multiple).
     queries : the probes asked.
     """
@@ -61,6 +70,7 @@ class ModelClassEvidence:
     threshold: float
     queries: int
     offset: float = 0.0
+    d_out: int = 1
 
     @property
     def positions(self) -> bool:
@@ -73,29 +83,42 @@ class ModelClassEvidence:
         return self.offset > self.threshold
 
     @property
-    def norm_before(self) -> bool:
-        """Scaling a lone token does not scale its effect, as a norm before the attention does."""
+    def normalised(self) -> bool:
+        """Scaling a lone token does not scale its effect, as a norm before the attention, or after
+        the residual, does."""
         return self.curvature > self.threshold and self.scale_invariant
 
 
 def _probe_sequences(d: int, rng: np.random.Generator, token_scale: float) -> list[np.ndarray]:
     """``PAIRS`` swapped pairs ``(a, b, x), (b, a, x), (a, b, x)`` (the last a repeat, for the
     oracle's own noise), then for each of ``DIRECTIONS`` directions the one-token queries
-    ``x, 2x, 4x``, then the zero token twice."""
+    ``x, 2x, 4x``, then the zero token twice, then each direction's ``LARGE`` times ``x, 2x, 4x``."""
     def token(scale):
         vector = rng.standard_normal(d)
         return scale * vector / np.linalg.norm(vector)
 
-    sequences = []
+    sequences, directions = [], []
     for _ in range(PAIRS):
         a, b, x = token(token_scale), token(token_scale), token(token_scale)
         sequences += [np.stack([a, b, x]), np.stack([b, a, x]), np.stack([a, b, x])]
     for _ in range(DIRECTIONS):
         # entries of order one at least: a norm's eps (1e-5 .. 1e-6 on the variance) then does not
         # show, whatever token scale the run used (a norm in front misleads the calibration)
-        x = token(max(token_scale, np.sqrt(d)))
-        sequences += [(scale * x)[None, :] for scale in (1.0, 2.0, 4.0)]
-    return sequences + [np.zeros((1, d))] * 2
+        directions.append(token(max(token_scale, np.sqrt(d))))
+        sequences += [(scale * directions[-1])[None, :] for scale in (1.0, 2.0, 4.0)]
+    sequences += [np.zeros((1, d))] * 2
+    return sequences + [(LARGE * scale * x)[None, :] for x in directions for scale in (1.0, 2.0, 4.0)]
+
+
+def _second_differences(lines: np.ndarray, zero: float) -> tuple[float, bool]:
+    """``(largest |second difference| relative to the set's largest answer, whether both agree)`` of
+    one-token answers ``lines`` (DIRECTIONS, 3) at scales 1, 2, 4 and the zero token's."""
+    first = lines[:, 1] - 2.0 * lines[:, 0] + zero    # g(2) - 2 g(1) + g(0)
+    second = lines[:, 2] - 2.0 * lines[:, 1] + zero   # g(4) - 2 g(2) + g(0)
+    scale = max(float(np.abs(lines).max()), abs(zero)) or 1.0
+    size = np.maximum(np.abs(first), np.abs(second))
+    return (float(np.abs(np.concatenate([first, second])).max()) / scale,
+            bool(np.all(np.abs(first - second) <= SAME_DIFFERENCE * size)))
 
 
 def probe_model_class(boundary, d: int, rng: np.random.Generator, token_scale: float) -> ModelClassEvidence:
@@ -108,24 +131,26 @@ def probe_model_class(boundary, d: int, rng: np.random.Generator, token_scale: f
     >>> target = mx.MultiHeadAttention.random(d=4, heads=2, seed=0, bias=True)
     >>> evidence = probe_model_class(OracleBoundary(mx.SimulatedOracle(target), 4), 4,
     ...                              np.random.default_rng(0), 1.0)
-    >>> evidence.positions, evidence.norm_before, evidence.queries
-    (False, False, 14)
+    >>> evidence.positions, evidence.normalised, evidence.queries
+    (False, False, 20)
     """
     sequences = _probe_sequences(d, rng, token_scale)
     answers = np.asarray(boundary.ask(sequences, description="model-class probes"), dtype=np.float64)
+    large = answers[-3 * DIRECTIONS:].reshape(DIRECTIONS, 3)
+    answers = answers[:-3 * DIRECTIONS]
     scale = float(np.abs(answers).max(initial=0.0)) or 1.0
     swapped = answers[: 3 * PAIRS].reshape(PAIRS, 3)
     order = float(np.abs(swapped[:, 0] - swapped[:, 1]).max()) / scale
     repeated = max(float(np.abs(swapped[:, 0] - swapped[:, 2]).max()), abs(answers[-1] - answers[-2])) / scale
     zero = answers[-1]
-    lines = answers[3 * PAIRS: -2].reshape(DIRECTIONS, 3)
-    first = lines[:, 1] - 2.0 * lines[:, 0] + zero    # g(2) - 2 g(1) + g(0)
-    second = lines[:, 2] - 2.0 * lines[:, 1] + zero   # g(4) - 2 g(2) + g(0)
-    curvature = float(np.abs(np.concatenate([first, second])).max()) / scale
-    size = np.maximum(np.abs(first), np.abs(second))
-    invariant = bool(np.all(np.abs(first - second) <= SAME_DIFFERENCE * size))
     threshold = max(BROKEN, ROUNDING_MULTIPLE * boundary.stats.unit_roundoff, NOISE_MULTIPLE * repeated)
-    return ModelClassEvidence(order, curvature, invariant, threshold, len(sequences), abs(float(zero)) / scale)
+    readings = [_second_differences(answers[3 * PAIRS: -2].reshape(DIRECTIONS, 3), zero),
+                _second_differences(large, zero)]
+    shown = [curvature for curvature, invariant in readings if invariant and curvature > threshold]
+    curvature = float(max(shown) if shown else max(curvature for curvature, _ in readings))
+    vectors = getattr(boundary, "vectors", None)
+    return ModelClassEvidence(order, curvature, bool(shown), threshold, len(sequences), abs(float(zero)) / scale,
+                              getattr(vectors, "d_out", None) or 1)
 
 
 def model_class_hints(evidence: ModelClassEvidence | None, bias_free: bool = False) -> list[str]:
@@ -145,12 +170,12 @@ def model_class_hints(evidence: ModelClassEvidence | None, bias_free: bool = Fal
                      "encodes positions. For a rotary layer (Llama, Mistral, Qwen2) pass positions='rotary' and "
                      "heads=H (wrap a Hugging Face layer in mhaextract.adapters.rotary.RotaryLayer); positions added "
                      "to the tokens before the layer are outside the model class.")
-    if evidence.norm_before:
+    if evidence.normalised:
         hints.append(f"Scaling a lone token does not scale its effect: f(2x) - 2f(x) + f(0) and f(4x) - 2f(2x) + f(0) "
                      f"agree and reach {evidence.curvature:.2g} of the largest answer (zero for attention), as "
-                     "when a LayerNorm or RMSNorm normalises every token before the attention. For the attention "
-                     "sublayer of a pre-norm block (its norm, the attention and the residual around it, "
-                     "mhaextract.adapters.normed.attention_sublayer(block)), pass norm='auto' with heads=H "
+                     "when a LayerNorm or RMSNorm normalises every token before the attention, or a LayerNorm the "
+                     "sum after the residual. For the attention sublayer of a block (its norm, the attention and "
+                     "the residual: mhaextract.adapters.normed.attention_sublayer(block)), pass norm='auto' with heads=H "
                      "(docs/norm.md); to learn the attention alone, give the oracle the attention module itself "
                      "(e.g. block.attn of a GPT2Block, not the block or ln_1 followed by attn).")
     return hints

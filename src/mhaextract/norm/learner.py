@@ -36,13 +36,13 @@ class NormedLearner(Learner):
 
     @classmethod
     def explains(cls, evidence) -> str | None:
-        """A failed ``"auto"`` run whose probes found a norm before the attention (``norm_before``) hands its
-        session to this learner, ``norm="auto"``: the default finds the sublayer of a pre-norm block."""
-        if not getattr(evidence, "norm_before", False):
+        """A failed ``"auto"`` run whose probes found a norm (``normalised``: before the attention or after the
+        residual) hands its session to this learner, ``norm="auto"``: the defaults find a block's sublayer."""
+        if not getattr(evidence, "normalised", False) or getattr(evidence, "d_out", 1) < 2:  # its sweeps read whole answers
             return None
         return (f"scaling a lone token did not scale its effect (f(2x) - 2f(x) + f(0) reached "
-                f"{evidence.curvature:.2g} of the largest answer), as a norm before the attention does: the sublayer "
-                "of a pre-norm block, learned by the norm learner (norm='auto')")
+                f"{evidence.curvature:.2g} of the largest answer), as a norm before the attention or after the "
+                "residual does: the sublayer of a block, learned by the norm learner (norm='auto')")
 
     @classmethod
     def validate(cls, options, common) -> dict:

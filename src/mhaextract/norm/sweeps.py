@@ -73,6 +73,10 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
     out = Sweeps(unit=answer_unit(answer_dtype))
     unit = out.unit
     zero = np.asarray(boundary.ask([np.zeros((1, d))], description="norm sweep", whole=True), dtype=np.float64)[0]
+    if zero.ndim != 1 or zero.size < 2:
+        raise ValueError("the norm family reads whole outputs (the sublayer's d_out numbers a query), and this oracle "
+                         "answers one number a sequence: give it the sublayer's outputs whole (TorchOracle without "
+                         "readout=), or learn a read-out of plain attention without norm=")
     out.c = zero
     ones = np.ones(d) / np.sqrt(d)
     free = rng.standard_normal(d)
