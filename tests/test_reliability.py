@@ -572,7 +572,7 @@ def test_a_failed_exact_lean_run_is_refined_with_counted_polish_queries(seed, fa
     assert result.ok, result.failed_checks
     assert result.refinement.kept == "refined" and result.refinement.queries == H * (d * d + d)
     # the failed algebraic run also probed the model class; the refined run passed and did not
-    assert algebraic.model_class_queries == 14 and result.model_class_queries == 0
+    assert algebraic.model_class_queries == 20 and result.model_class_queries == 0
     assert result.queries == sum(asked) == algebraic.queries - algebraic.model_class_queries + H * (d * d + d)
     assert truth < 1e-8 and truth <= result.error_estimate <= 1e-4
 
