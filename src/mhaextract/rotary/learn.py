@@ -38,7 +38,8 @@ from ..numerics.float64 import fit
 from ..numerics.highprec import mid_float
 from ..run.result import Result
 from ..oracle.queries import random_basis
-from .completion import complete_low_rank, completion_rank, head_widths  # noqa: F401 (re-exported)
+from .completion import complete_low_rank, complete_offset_pairs, head_widths
+from .completion import completion_rank  # noqa: F401 (re-exported)
 from ..run.validation import spawn_rng
 from ..models.rotary import RotaryAttention
 from .neutral import NeutralToken
@@ -586,7 +587,10 @@ class RotaryLearner:
         else:
             widths, borrowed = head_widths(log_E[0], noisy=noisy, weights=None if weights is None else weights[0])
             diagnostics.update(widths_from_other_heads=borrowed)
-        log_E = complete_low_rank(log_E, np.array([widths, widths]), weights=weights)
+        # noisy grids: both offsets fitted together in the rotary form (a key's and a final's factor
+        # shared), so that a grid missing many entries leans on the other
+        log_E = (complete_low_rank(log_E, np.array([widths, widths])) if weights is None else
+                 complete_offset_pairs(log_E, widths, weights))
         # Assembly by least squares over what held: Z_r^T [W(delta) | u(delta)] X_c = L,
         # Z_r^T v = l_z and X_c^T v = l_x (X_c without the augmenting 1).
         Z_rows, X_columns = self.keys[:, rows], augmented[:, columns]
