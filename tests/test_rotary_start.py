@@ -8,7 +8,8 @@ import pytest
 
 from mhaextract.models.rotary import rotation_blocks
 from mhaextract.rotary.completion import complete_low_rank, complete_offset_pairs, completion_rank
-from mhaextract.rotary.learn import MISMATCHED_TOKEN, log_score_weights, mismatched_tokens, reference_final
+from mhaextract.rotary.learn import (MISMATCHED_TOKEN, Instances, log_score_weights, mismatched_tokens, reference_final,
+                                     score_size)
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
@@ -59,6 +60,23 @@ def test_the_offsets_fitted_together_complete_a_grid_missing_a_third_of_its_entr
     error = {name: np.abs(fit - truth).max(axis=(1, 2)) / 8 for name, fit in [("paired", paired), ("alone", alone)]}
     assert error["paired"].max() <= 1e-3
     assert error["alone"][1] >= 10 * error["paired"][1]
+
+
+def test_the_token_scale_counts_only_poles_that_carry_a_head():
+    """Self instances' fits (log-poles, labels N / P): a far pole with a label like the others' is a
+    large self-score and counts (9.25 with label -0.043, as on llama-d32-h4/0); a far pole whose label
+    vanishes beside its instance's others stands for no head (two heads merged into one pole at
+    float32 answers, qwen2-d32-h4/1: 14.8 with label 3e-10) and does not."""
+    log_P = np.array([[0.658, 1.19, 1.439, 9.254],
+                      [-1.103, -0.977, -0.424, 14.781],
+                      [0.2, -0.5, 0.9, -1.4]])
+    labels = np.array([[-0.0796, -0.0555, 0.0433, -0.0426],
+                       [-0.1298, 0.0887, -0.022, 3e-10],
+                       [0.05, 0.02, -0.07, 0.01]])
+    fitted = Instances(np.exp(log_P), np.exp(log_P) * labels, np.zeros(3))
+    counted = np.concatenate([log_P[0], log_P[1, :3], log_P[2]])
+    assert score_size(fitted) == pytest.approx(np.sqrt(np.mean(counted ** 2)), rel=1e-12)
+    assert score_size(fitted) < 0.6 * np.sqrt(np.mean(log_P ** 2))  # 2.9 counted, 5.1 with the merged heads
 
 
 def test_the_reference_final_is_the_one_whose_self_poles_lie_furthest_apart():
