@@ -6,8 +6,10 @@ noise. The whole start on a trained layer is tests/test_zoo.py's float32 Llama c
 import numpy as np
 import pytest
 
-from mhaextract.rotary.completion import complete_low_rank, completion_rank
-from mhaextract.rotary.learn import MISMATCHED_TOKEN, log_score_weights, mismatched_tokens, reference_final
+from mhaextract.models.rotary import rotation_blocks
+from mhaextract.rotary.completion import complete_low_rank, complete_offset_pairs, completion_rank
+from mhaextract.rotary.learn import (MISMATCHED_TOKEN, Instances, log_score_weights, mismatched_tokens, reference_final,
+                                     score_size)
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
@@ -30,6 +32,51 @@ def test_a_weighted_completion_reads_a_trained_spectrum_through_uneven_noise(see
     assert error["weighted"] <= 3e-4
     assert 5 * error["weighted"] <= error["plain"]
     assert completion_rank(grid, noisy=True, weights=1 / sigma ** 2) == 8
+
+
+def test_the_offsets_fitted_together_complete_a_grid_missing_a_third_of_its_entries():
+    """Log-score grids of one rotary head at offsets 1 and 2, ``L(delta) = left R^delta right`` (rank 8,
+    singular values falling 30-fold, angles 1, 0.1, 0.01, 0.001), each entry with its own noise
+    (1e-4..3e-2), 12% of offset 1's entries missing and 35% of offset 2's (a windowed layer's counts
+    leave more of its instances unmatched, docs/algorithm.md, 'Both offsets together (noisy grids)'):
+    fitted together in the form ``A B``, ``A M B`` both grids are within 1e-3 of their largest entry,
+    where offset 2 completed alone is more than ten times further off."""
+    rng = np.random.default_rng(0)
+    m, n, r = 36, 38, 8
+    R = np.zeros((r, r))
+    for block, rotation in enumerate(rotation_blocks(np.array([1.0, 0.1, 0.01, 0.001]))):
+        R[2 * block:2 * block + 2, 2 * block:2 * block + 2] = rotation
+    left = np.linalg.qr(rng.normal(size=(m, r)))[0] * np.geomspace(30, 1, r)
+    right = np.linalg.qr(rng.normal(size=(n, r)))[0].T
+    truth = np.stack([left @ R @ right, left @ R @ R @ right])
+    truth *= 8 / np.abs(truth).max()
+    sigma = 10 ** rng.uniform(-4, -1.5, size=truth.shape)
+    grids = truth + sigma * rng.standard_normal(truth.shape)
+    grids[0][rng.random((m, n)) < 0.12] = np.nan
+    grids[1][rng.random((m, n)) < 0.35] = np.nan
+    weights = 1 / sigma[:, None] ** 2
+    paired = complete_offset_pairs(grids[:, None], [r], weights)[:, 0]
+    alone = complete_low_rank(grids[:, None], np.array([[r], [r]]), weights=weights)[:, 0]
+    error = {name: np.abs(fit - truth).max(axis=(1, 2)) / 8 for name, fit in [("paired", paired), ("alone", alone)]}
+    assert error["paired"].max() <= 1e-3
+    assert error["alone"][1] >= 10 * error["paired"][1]
+
+
+def test_the_token_scale_counts_only_poles_that_carry_a_head():
+    """Self instances' fits (log-poles, labels N / P): a far pole with a label like the others' is a
+    large self-score and counts (9.25 with label -0.043, as on llama-d32-h4/0); a far pole whose label
+    vanishes beside its instance's others stands for no head (two heads merged into one pole at
+    float32 answers, qwen2-d32-h4/1: 14.8 with label 3e-10) and does not."""
+    log_P = np.array([[0.658, 1.19, 1.439, 9.254],
+                      [-1.103, -0.977, -0.424, 14.781],
+                      [0.2, -0.5, 0.9, -1.4]])
+    labels = np.array([[-0.0796, -0.0555, 0.0433, -0.0426],
+                       [-0.1298, 0.0887, -0.022, 3e-10],
+                       [0.05, 0.02, -0.07, 0.01]])
+    fitted = Instances(np.exp(log_P), np.exp(log_P) * labels, np.zeros(3))
+    counted = np.concatenate([log_P[0], log_P[1, :3], log_P[2]])
+    assert score_size(fitted) == pytest.approx(np.sqrt(np.mean(counted ** 2)), rel=1e-12)
+    assert score_size(fitted) < 0.6 * np.sqrt(np.mean(log_P ** 2))  # 2.9 counted, 5.1 with the merged heads
 
 
 def test_the_reference_final_is_the_one_whose_self_poles_lie_furthest_apart():

@@ -42,6 +42,54 @@ def complete_low_rank(grids: np.ndarray, ranks: np.ndarray, sweeps: int = 60, we
     return grids
 
 
+def complete_offset_pairs(grids: np.ndarray, ranks, weights: np.ndarray, sweeps: int = WEIGHTED_SWEEPS) -> np.ndarray:
+    """Each head's two noisy log-score grids (``grids`` (2, H, m, n), offsets 1 and 2; ``weights``
+    their entries' inverse variances) fitted together in the rotary form ``L(1) = A B``, ``L(2) =
+    A M B`` (A m x r, B r x n, M r x r; r = ``ranks[h]``), from their separate completions
+    (:func:`complete_low_rank`). With ``L(delta) = Z^T K^T R^delta [Q | b] [X; 1]`` and any
+    invertible G, ``A = Z^T K^T G``, ``B = G^{-1} R [Q | b] [X; 1]`` and ``M = G^{-1} R G``: the
+    offsets share every key's and every final token's factor, so each is fitted from the entries
+    of both grids, and a grid missing a fifth of its entries (offset 2 of a windowed float32
+    layer) leans on the other. Alternating weighted least squares over A, B and M with Huber's
+    weights, as :func:`_alternating_fit`; returns the fitted grids at every entry."""
+    separate = complete_low_rank(grids, np.array([ranks, ranks]), weights=weights)
+    fitted = np.empty_like(separate)
+    for h in range(grids.shape[1]):
+        fitted[:, h] = _paired_fit(grids[:, h], separate[:, h], int(ranks[h]), sweeps, weights[:, h])
+    return fitted
+
+
+def _paired_fit(grids: np.ndarray, start: np.ndarray, r: int, sweeps: int, weights: np.ndarray) -> np.ndarray:
+    """``L(1) = A B``, ``L(2) = A M B`` fitted to the observed entries of ``grids`` (2, m, n), from the
+    completed grids ``start``; each entry weighed by its normalised inverse variance times Huber's
+    ``min(1, HUBER typical / misfit)`` (misfits in the entries' standard deviations)."""
+    observed = np.isfinite(grids)
+    values = np.where(observed, grids, 0.0)
+    base = np.stack([_normalised(weights[t], observed[t]) for t in range(2)])
+    root = np.sqrt(base)
+    U, s, Vt = np.linalg.svd(start[0], full_matrices=False)
+    A, B = U[:, :r] * np.sqrt(s[:r]), np.sqrt(s[:r])[:, None] * Vt[:r]
+    M = np.linalg.pinv(A) @ start[1] @ np.linalg.pinv(B)
+    ridge, entry = 1e-14 * np.eye(r), base
+    scale = max(float(np.abs(values).max()), 1e-300)
+    for _ in range(sweeps):
+        one, two = B, M @ B  # each final token's features in the two grids
+        A = _solve_rows(np.einsum("ji,ai,bi->jab", entry[0], one, one) + np.einsum("ji,ai,bi->jab", entry[1], two, two),
+                        (entry[0] * values[0]) @ one.T + (entry[1] * values[1]) @ two.T, ridge, A)
+        one, two = A, A @ M  # each key token's
+        B = _solve_rows(np.einsum("ji,ja,jb->iab", entry[0], one, one) + np.einsum("ji,ja,jb->iab", entry[1], two, two),
+                        (entry[0] * values[0]).T @ one + (entry[1] * values[1]).T @ two, ridge, B.T).T
+        # M from L(2) alone: a_j^T M b_i is linear in M, normal equations of r^2 unknowns
+        per_key = np.einsum("ji,bi,di->jbd", entry[1], B, B)
+        normal = np.einsum("ja,jc,jbd->abcd", A, A, per_key).reshape(r * r, r * r)
+        M = _solve_rows(normal[None], (A.T @ (entry[1] * values[1]) @ B.T).reshape(1, -1), 1e-14 * np.eye(r * r),
+                        M.reshape(1, -1)).reshape(r, r)
+        misfit = np.abs(np.stack([A @ B, A @ M @ B]) - values) * root
+        typical = max(float(np.median(misfit[observed])), 1e-15 * scale)
+        entry = np.where(observed, base * np.minimum(1.0, HUBER * typical / np.maximum(misfit, 1e-300)), 0.0)
+    return np.stack([A @ B, A @ M @ B])
+
+
 def head_widths(grids: np.ndarray, noisy: bool = False, weights=None) -> tuple[list[int], int]:
     """Each head's width from its (H, m, n) log-score grids (:func:`completion_rank`), and how many
     heads took theirs from the others: with ``noisy`` grids a head whose grid shows no clear fall
