@@ -374,22 +374,24 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
                 damping = max(damping / 10, 1e-15)
                 improved = True
                 break
-            if float(np.abs(residual).max()) / scale < floor:  # at the answers' rounding: no step gains
-                break
             if stale:  # the older J^T J may be what failed, not the damping: formed afresh, the same damping
                 residual, normal, gradient, _ = normal_equations(model, groups, answers)
                 normal, gradient = with_prior(normal, gradient, vector)
                 diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
                 stale, tries = False, tries - 1
                 continue
+            if float(np.abs(residual).max()) / scale < floor:  # at the answers' rounding: no step gains
+                break
             damping *= 10
         if not improved:
             break
         taken += 1
         if on_step is not None:
             on_step(taken, float(np.abs(residual).max()) / scale)
+        # the stop rules judge steps on a fresh J^T J: a step on an older one gains less where the older
+        # matrix, not the model, is what limits it
         at_rounding = relative < 0.1 and float(np.abs(residual).max()) / scale < floor
-        if at_rounding or (relative < 1e-9 and not stale):
+        if (at_rounding or relative < 1e-9) and not stale:
             break
         # a step that took the cost down by at least REUSE_GAIN keeps J^T J for the next (a chord
         # step, docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows',
