@@ -305,10 +305,12 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
            on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None, key_size: float | None = None):
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
-    ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). The
-    steps stop once the max misfit (relative to the largest answer) is below ``floor``, the
-    answers' rounding, and a step gains less than a tenth of the cost, or any step gains less than
-    1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
+    ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). After a
+    step that lowers the cost by ``REUSE_GAIN`` or more the next solves with the same ``J^T J`` and
+    the model's own gradient (a chord step: same fixed point, ``J^T J = sum_q J_q^T J_q`` not formed
+    again). The steps stop once the max misfit (relative to the largest answer) is below ``floor``,
+    the answers' rounding, and a step on a fresh ``J^T J`` gains less than a tenth of the cost or
+    fails, or any such step gains less than 1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
     the caller continues. ``frame_shift``: the estimate is of the score matrices of the model seen
     through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md, 'Rotary attention: positions,
     grouped heads and sliding windows'). ``key_size``: the model's key bias k has a Gaussian prior of this size sigma_k
