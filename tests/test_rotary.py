@@ -486,6 +486,39 @@ def test_the_refinement_sums_the_normal_equations_of_the_whole_jacobian(monkeypa
     assert np.allclose(gradient, J.T @ residual, rtol=1e-12, atol=1e-12 * np.abs(gradient).max())
 
 
+def test_steps_on_an_older_normal_matrix_stop_where_exact_gauss_newton_stops(monkeypatch):
+    """Steps that solve with J^T J formed at an earlier model (docs/algorithm.md, 'Rotary attention:
+    positions, grouped heads and sliding windows', 'Refinement') take the model's own gradient, so
+    they reach the fixed point of steps that form J^T J afresh every time: from a start 1e-3 off,
+    both are the layer of the weights to rounding, the reused matrix forming fewer products."""
+    from mhaextract.rotary import refine
+    truth = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=2, bias=True)
+    rng = np.random.default_rng(4)
+    sequences = [rng.normal(size=(int(n), 6)) * 6 ** -0.25
+                 for n in rng.integers(2, 17, 3 * len(refine.pack(truth)))]
+    answers = truth(sequences)
+    Q, K, theta, v, b = (x * (1 + 1e-3 * rng.normal(size=x.shape)) for x in (truth.Q, truth.K, truth.theta, truth.v, truth.b))
+    start = mx.RotaryAttention(Q, K, theta, v, truth.c, b=b)
+    formed, original = [], refine.normal_equations
+
+    def counted(*args, product=True, **options):
+        formed.append(product)
+        return original(*args, product=product, **options)
+
+    monkeypatch.setattr(refine, "normal_equations", counted)
+    reused, reused_report = refine.refine(start, sequences, answers)
+    reused_products, gradients_alone = sum(formed), formed.count(False)
+    formed.clear()
+    monkeypatch.setattr(refine, "REUSE_GAIN", np.inf)  # J^T J formed at every step: exact Gauss-Newton
+    exact, exact_report = refine.refine(start, sequences, answers)
+    assert gradients_alone >= 2 and reused_products < sum(formed) and not formed.count(False)
+    assert mx.compare(start, truth).max_rel >= 1e-4
+    for model, report in ((reused, reused_report), (exact, exact_report)):
+        assert report.residual_after <= 1e-13
+        assert mx.compare(model, truth).max_rel <= 1e-11
+    assert mx.compare(reused, exact).max_rel <= 1e-11
+
+
 def _slow_blocks_in_a_wrong_basis(layer, seed):
     """The layer with every block turning less than 8e-3 per position set to angle 0 in a random
     basis: the same scores at offset 0, a start the eigenvalues of a noisy M give."""

@@ -158,17 +158,21 @@ def _blocks(model: RotaryAttention, groups, cluster=None):
 
 
 def normal_equations(model: RotaryAttention, groups, answers: np.ndarray, probes: np.ndarray | None = None,
-                     cluster=None):
+                     cluster=None, product: bool = True):
     """``(residual, J^T J, J^T residual, J^T probes)`` summed over the blocks (residual ``f - answers``
-    in the order of the queries; ``probes`` (queries, k) or None; ``cluster`` as in :func:`jacobian`)."""
+    in the order of the queries; ``probes`` (queries, k) or None; ``cluster`` as in :func:`jacobian`).
+    ``product=False``: ``J^T J`` is not formed (None), the gradient alone, at a fraction of the cost
+    (``Q P`` against ``Q P^2`` flops)."""
     residual = np.empty(len(answers))
     normal = gradient = projected = None
     for index, f, J in _blocks(model, groups, cluster):
         residual[index] = f - answers[index]
-        if normal is None:
-            normal, gradient = np.zeros((J.shape[1], J.shape[1])), np.zeros(J.shape[1])
+        if gradient is None:
+            normal = np.zeros((J.shape[1], J.shape[1])) if product else None
+            gradient = np.zeros(J.shape[1])
             projected = None if probes is None else np.zeros((J.shape[1], probes.shape[1]))
-        normal += J.T @ J
+        if product:
+            normal += J.T @ J
         gradient += J.T @ residual[index]
         if probes is not None:
             projected += J.T @ probes[index]
@@ -301,10 +305,12 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
            on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None, key_size: float | None = None):
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
-    ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). The
-    steps stop once the max misfit (relative to the largest answer) is below ``floor``, the
-    answers' rounding, and a step gains less than a tenth of the cost, or any step gains less than
-    1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
+    ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). After a
+    step that lowers the cost by ``REUSE_GAIN`` or more the next solves with the same ``J^T J`` and
+    the model's own gradient (a chord step: same fixed point, ``J^T J = sum_q J_q^T J_q`` not formed
+    again). The steps stop once the max misfit (relative to the largest answer) is below ``floor``,
+    the answers' rounding, and a step on a fresh ``J^T J`` gains less than a tenth of the cost or
+    fails, or any such step gains less than 1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
     the caller continues. ``frame_shift``: the estimate is of the score matrices of the model seen
     through ``x -> x + frame_shift`` (a key-bias run's original tokens, docs/algorithm.md, 'Rotary attention: positions,
     grouped heads and sliding windows'). ``key_size``: the model's key bias k has a Gaussian prior of this size sigma_k
@@ -339,24 +345,28 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     cost = penalised(residual, vector)
     damping = 1e-3
     taken = 0
+    stale = False  # whether ``normal`` was formed at an earlier model than the gradient's
     for _ in range(iterations):
         diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
         improved = False
-        for _ in range(12):
+        tries = 0
+        while tries < 12:
+            tries += 1
             try:
                 factor = cho_factor(normal + damping * np.diag(diagonal))
                 step = cho_solve(factor, gradient)
             except np.linalg.LinAlgError:
                 damping *= 10
                 continue
-            # the step bent along the valley: along the curved valleys of nearly equal or nearly zero
-            # frequencies plain steps crawl at a damping the quadratic model allows but the valley
-            # does not; an acceleration large beside the step (at the answers' rounding: a
-            # difference of rounding errors) is not taken, and the step is the plain one
-            bend = acceleration(model, vector, step, residual, groups, answers, factor)
-            size = np.sqrt(diagonal)
-            if 2 * np.linalg.norm(size * bend) <= ACCELERATION_RATIO * np.linalg.norm(size * step):
-                step = step - 0.5 * bend
+            if not stale:
+                # the step bent along the valley: along the curved valleys of nearly equal or nearly
+                # zero frequencies plain steps crawl at a damping the quadratic model allows but the
+                # valley does not; an acceleration large beside the step (at the answers' rounding: a
+                # difference of rounding errors) is not taken, and the step is the plain one
+                bend = acceleration(model, vector, step, residual, groups, answers, factor)
+                size = np.sqrt(diagonal)
+                if 2 * np.linalg.norm(size * bend) <= ACCELERATION_RATIO * np.linalg.norm(size * step):
+                    step = step - 0.5 * bend
             trial = unpack(vector - step, model)
             trial_residual = predict(trial, groups) - answers
             trial_cost = penalised(trial_residual, vector - step)
@@ -366,17 +376,35 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
                 damping = max(damping / 10, 1e-15)
                 improved = True
                 break
+            if stale:  # the older J^T J may be what failed, not the damping: formed afresh, the same damping
+                residual, normal, gradient, _ = normal_equations(model, groups, answers)
+                normal, gradient = with_prior(normal, gradient, vector)
+                diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
+                stale, tries = False, tries - 1
+                continue
+            if float(np.abs(residual).max()) / scale < floor:  # at the answers' rounding: no step gains
+                break
             damping *= 10
         if not improved:
             break
         taken += 1
         if on_step is not None:
             on_step(taken, float(np.abs(residual).max()) / scale)
-        if relative < 1e-9 or (relative < 0.1 and float(np.abs(residual).max()) / scale < floor):
+        # the stop rules judge steps on a fresh J^T J: a step on an older one gains less where the older
+        # matrix, not the model, is what limits it
+        at_rounding = relative < 0.1 and float(np.abs(residual).max()) / scale < floor
+        if (at_rounding or relative < 1e-9) and not stale:
             break
-        residual, normal, gradient, _ = normal_equations(model, groups, answers)
+        # a step that took the cost down by at least REUSE_GAIN keeps J^T J for the next (a chord
+        # step, docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows',
+        # 'Refinement'): the gradient is always the model's own, so the fixed point is the same
+        stale = relative >= REUSE_GAIN
+        residual, fresh, gradient, _ = normal_equations(model, groups, answers, product=not stale)
         weight = prior_weight(residual)
-        normal, gradient = with_prior(normal, gradient, vector)
+        if stale:  # the prior's weight of an older step stays in the older J^T J
+            gradient[prior] += weight * vector[prior]
+        else:
+            normal, gradient = with_prior(fresh, gradient, vector)
         cost = penalised(residual, vector)
     if not estimate:  # a first stretch of steps, continued by the caller: no estimate of it is used
         return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, np.nan)
@@ -444,6 +472,9 @@ def polish_high_precision(model: RotaryAttention, sequences, answers: np.ndarray
 #: Singular values of the Jacobian below this fraction of the largest are its gauge directions (the
 #: rotation and scale of each block, zero but for rounding) in :func:`polish_high_precision`.
 PSEUDO_INVERSE_CUT = 1e-12
+#: The least relative fall of the cost, ``(cost - new cost) / cost``, of a step after which the next
+#: one solves with the same J^T J (a chord step: the gradient afresh, no product, no acceleration).
+REUSE_GAIN = 0.5
 #: The largest ratio ``2 |a| / |v|`` (scaled norms) of a step's acceleration to its velocity.
 ACCELERATION_RATIO = 0.75
 #: Parameter-error draws of the first-order error estimate.
