@@ -30,6 +30,8 @@ LSQR_ITERATIONS = 1000
 STEPS = 12
 #: A step that lowers the misfit by less than this fraction ends the refinement.
 STALL = 0.05
+#: Fractions of a Gauss-Newton step tried in turn until one lowers the misfit.
+BACKTRACK = (1.0, 0.5, 0.25)
 #: :func:`refine_scores`: LSQR iterations per step and steps at most.
 SCORE_ITERATIONS, SCORE_STEPS = 30, 8
 
@@ -171,9 +173,13 @@ def _descend(layer: FactoredLayer, data: _Data, step, steps: int, on_step) -> Re
     misfit = float(np.sqrt(np.mean(residual ** 2))) / data.scale
     before, done = misfit, 0
     for done in range(1, steps + 1):
-        trial = step(layer, forwards, residual)
-        trial_forwards, trial_residual = data.residual(trial)
-        trial_misfit = float(np.sqrt(np.mean(trial_residual ** 2))) / data.scale
+        full_step = step(layer, forwards, residual).flat() - layer.flat()
+        for fraction in BACKTRACK:  # far from the answers (float32 starts, 2e-3 off) a full step overshoots
+            trial = layer.shaped(layer.flat() + fraction * full_step)
+            trial_forwards, trial_residual = data.residual(trial)
+            trial_misfit = float(np.sqrt(np.mean(trial_residual ** 2))) / data.scale
+            if trial_misfit < misfit:
+                break
         if on_step is not None:
             on_step(done, trial_misfit)
         if not trial_misfit < misfit:
