@@ -193,7 +193,11 @@ def test_a_trained_float32_layer_splits_into_its_heads_full_widths(monkeypatch):
         bases.append(U[:, : int((s > 1e-10 * s[0]).sum())])
     widths = [basis.shape[1] for basis in bases]
     conditioning = np.linalg.cond(np.concatenate(bases, axis=1))
+    from mhaextract.vector import learn
+
     monkeypatch.setattr(learner, "SPLIT_FAILURE_FALLS_BACK", False)  # the split's own result, judged here
+    monkeypatch.setattr(learn, "REFINE_WORK", 0)  # the split is judged, not the refined model: no refinement
+    monkeypatch.setattr(learn, "SCORE_REFINE_WORK", 0)
     result = mx.extract(TorchOracle(zoo.layer_as_run(layer_id, torch.float32)), d, heads=heads, seed=0,
                         schedule="vector", verify_length=0, on_failure="warn", progress=False)
     assert result.value_ranks == widths == [16, 16]
