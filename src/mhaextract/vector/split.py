@@ -235,9 +235,17 @@ def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray,
     return found
 
 
+#: A direction of a head's output subspace counts where its singular value (columns normalised) is
+#: this many times the columns' noise, ``unit / PERTURBATION`` (the perturbed differences divide the
+#: answers' rounding by ``PERTURBATION``): 1e-4 in float32, where trained heads' value maps fall up to
+#: 800-fold and a random set of r + 2 columns shows their weakest direction at about 1e-3 (1e5 unit,
+#: 6e-3, cut it off); float64 keeps 1e-9.
+RANK_NOISE_FACTOR = 30.0
+
+
 def _rank(vectors: np.ndarray, unit: float) -> int:
     s = np.linalg.svd(vectors / np.linalg.norm(vectors, axis=0), compute_uv=False)
-    return int((s > max(1e-9, 1e5 * unit) * s[0]).sum())
+    return int((s > max(1e-9, RANK_NOISE_FACTOR * unit / PERTURBATION) * s[0]).sum())
 
 
 def _oblique(columns, ranks, values: ValueMap, d_out: int, unit: float, queries: int) -> Split:
