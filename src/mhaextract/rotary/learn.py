@@ -228,11 +228,10 @@ def score_size(fitted: Instances) -> float:
     """The root mean square of the self instances' log-poles (their self-scores), over the poles
     that carry a head: a pole whose label ``N / P`` is below ``SPURIOUS_LABEL`` of its instance's
     largest stands for no head. A fit of poles crowded within a few hundredths in log at coarse
-    answers merges two heads into one pole and sends the other far out with a vanishing residue (a
-    trained Qwen2 layer in float32, qwen2-d32-h4/1: log-poles of 14.8, 3.8 and 2.0 with labels of
-    1e-9 of the others', for true self-scores within 3.1), and those alone made the measured size
-    1.6 where the true one was 0.85: the token scale came out too small, the heads' poles crowded
-    further and no draw of the start held its matching."""
+    answers merges two heads into one pole and sends the other far out with a vanishing residue (seen
+    on a trained Qwen2 layer in float32); counted, such poles inflate the measured size, the token
+    scale comes out too small, the heads' poles crowd further and no draw of the start holds its
+    matching."""
     with np.errstate(divide="ignore", invalid="ignore"):
         labels = np.abs(fitted.N / fitted.P)
         spurious = labels < SPURIOUS_LABEL * np.nanmax(labels, axis=1, keepdims=True, initial=0.0)

@@ -24,8 +24,9 @@ from .factored import BLOCKS, FactoredLayer, forward, grouped, jvp, score_jvp, s
 #: Queries per chunk of the Jacobian products (memory: a chunk's weights and means, B H (N + d)).
 CHUNK = 512
 #: LSQR iterations per Gauss-Newton step, and Gauss-Newton steps at most: on trained layers the
-#: whitened problem still has condition number about 2e3 (gpt2-d32-h2/0), and the answers' rounding
-#: is reached after about 8 steps of 1,000 (8 of 400 stopped 30 times above it, 1e-11 off).
+#: whitened problem still has a condition number in the thousands, so each step needs many
+#: iterations before the steps reach the answers' rounding (docs/algorithm.md, 'Whole answers near
+#: the vector bound', 'Whitening the blocks').
 LSQR_ITERATIONS = 1000
 STEPS = 12
 #: A step that lowers the misfit by less than this fraction ends the refinement.
@@ -174,7 +175,7 @@ def _descend(layer: FactoredLayer, data: _Data, step, steps: int, on_step) -> Re
     before, done = misfit, 0
     for done in range(1, steps + 1):
         full_step = step(layer, forwards, residual).flat() - layer.flat()
-        for fraction in BACKTRACK:  # far from the answers (float32 starts, 2e-3 off) a full step overshoots
+        for fraction in BACKTRACK:  # far from the answers (a float32 start) a full step can overshoot
             trial = layer.shaped(layer.flat() + fraction * full_step)
             trial_forwards, trial_residual = data.residual(trial)
             trial_misfit = float(np.sqrt(np.mean(trial_residual ** 2))) / data.scale

@@ -148,8 +148,8 @@ def _solve_heads(rows: np.ndarray, per_head: list) -> list[np.ndarray]:
 
 #: A direction of the score vectors ``q_h(t)`` counts where its singular value is this many units of
 #: the answers' rounding of the largest: 6e-5 in float32, where trained score maps fall up to
-#: 800-fold and the ``u_h`` part dominates ``q_h(t)`` at the scores' token scale (1e5 unit, 6e-3, kept
-#: 7 of 16 directions). A direction too many is harmless (the refinement fits it to the answers, the
+#: 800-fold and the ``u_h`` part dominates ``q_h(t)`` at the scores' token scale, so the weak
+#: directions sit not far above the noise. A direction too many is harmless (the refinement fits it to the answers, the
 #: model stays a layer of the family); one too few is a wrong model. float64 keeps 1e-8.
 SCORE_RANK_UNITS = 1e3
 

@@ -238,8 +238,8 @@ def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray,
 #: A direction of a head's output subspace counts where its singular value (columns normalised) is
 #: this many times the columns' noise, ``unit / PERTURBATION`` (the perturbed differences divide the
 #: answers' rounding by ``PERTURBATION``): 1e-4 in float32, where trained heads' value maps fall up to
-#: 800-fold and a random set of r + 2 columns shows their weakest direction at about 1e-3 (1e5 unit,
-#: 6e-3, cut it off); float64 keeps 1e-9.
+#: 800-fold and a random set of r + 2 columns shows their weakest direction far above that; float64
+#: keeps 1e-9.
 RANK_NOISE_FACTOR = 30.0
 
 
