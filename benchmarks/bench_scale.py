@@ -77,7 +77,8 @@ def cell(d: int, H: int, kind: str, seed: int = 0) -> dict:
     assert abs(oracle([np.ones((3, d))])[0] - check) <= 1e-12 * max(1.0, abs(check))
     oracle.seconds, oracle.count = 0.0, 0
     # "default": the library's defaults (schedule="auto": calibration, biases, targeted); "full":
-    # schedule="targeted" alone (no calibration, bias-free model); "paper", "lean": the grid schedules
+    # schedule="targeted" named (the targeted schedule fixed; its defaults, calibration and biases, as "auto"'s);
+    # "paper", "lean": the grid schedules
     # (float64: H <= 3 is their envelope, the error column shows what they reach); "low": schedule="lowrank",
     # rank=d/H, the bias-free model at token scale d ** 0.25 (named alone, lowrank learns biases and calibrates);
     # "lowb": bias=True on a target with biases.
