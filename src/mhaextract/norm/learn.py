@@ -26,7 +26,7 @@ from ..run.session import Request, run_learner
 from ..run.validation import spawn_rng
 from .direct_fit import HELD_OUT, NORMS, STARTS, fit
 from . import post_norm
-from .sweeps import POST_NORM, Sweeps, measure
+from .sweeps import POST_NORM, Sweeps, ask_whole, measure
 
 #: The inner method that is this family's own: the direct fit (any other name: an attention learner).
 DIRECT_FIT = "fit"
@@ -205,14 +205,17 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
                 sweeps.unit, result, hints)
 
 
+def relative_misfit(predicted: np.ndarray, answers: np.ndarray) -> float:
+    """The largest ``max |predicted - answer| / max |answer|`` over the sequences (rows)."""
+    return float((np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)).max())
+
+
 def _verify_raw(boundary, model, estimate: float, seed, unit: float, result: NormedExtraction, hints: list) -> None:
     """``model`` and its ``estimate`` into ``result``, the whole sublayer checked on fresh raw sequences."""
     result.model, result.error_estimate = model, estimate
     d = model.d
     sequences = verification_sequences(spawn_rng(seed, 8), d)
-    answers = np.asarray(boundary.ask(sequences, description="verification on raw sequences", whole=True))
-    predicted = model(sequences)
-    misfit = float((np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)).max())
+    misfit = relative_misfit(model(sequences), ask_whole(boundary, sequences, "verification on raw sequences"))
     result.verification_misfit = misfit
     result.verification_queries, result.verification_length = len(sequences), max(len(X) for X in sequences)
     limit = max(100 * result.error_estimate, 1e3 * unit)
@@ -239,10 +242,7 @@ def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtracti
         return
     rng = spawn_rng(request.seed, 10)
     before = boundary.queries + boundary.replayed
-    E = rng.standard_normal((2 * d, d))
-    E *= (post_norm.ELLIPSOID_SCALE * np.sqrt(d) / np.linalg.norm(E, axis=1))[:, None]
-    shape = post_norm.ellipsoid(np.asarray(boundary.ask([e[None, :] for e in E], description="post-norm ellipsoid",
-                                                        whole=True), dtype=np.float64))
+    shape = post_norm.ask_ellipsoid(boundary, d, rng)
     limit = 1e4 * unit
     result.checks.append(Check("post_norm_ellipsoid", max(shape.plane, shape.sphere) <= limit,
                                max(shape.plane, shape.sphere), limit,
@@ -289,8 +289,7 @@ def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtracti
     # held-out's), plus the rounding of 64-token sequences, or eps's reach on them where larger:
     # d log n / d log eps = -eps / (2 (var(z) + eps)).
     sequences = verification_sequences(spawn_rng(request.seed, 11), d, CLAIM_HELD_OUT)
-    answers = np.asarray(boundary.ask(sequences, description="post-norm held out, raw", whole=True), dtype=np.float64)
-    raw_misfit = float((np.abs(model(sequences) - answers).max(axis=1) / np.abs(answers).max(axis=1)).max())
+    raw_misfit = relative_misfit(model(sequences), ask_whole(boundary, sequences, "post-norm held out, raw"))
     z = model.attention(sequences) + np.array([X[-1] for X in sequences])
     spread = ((z - z.mean(axis=1, keepdims=True)) ** 2).mean(axis=1)
     reach = float((model.eps / (2 * (spread + model.eps))).max())

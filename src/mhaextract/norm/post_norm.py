@@ -28,6 +28,7 @@ from ..models.attention import MultiHeadAttention
 from ..models.normed import PostNormAttention
 from .direct_fit import (FIT_FACTOR, HELD_OUT, STARTS, AttentionProblem, Batch, Parameters, bounded_queries,
                          column_squares, inverse_root, levenberg_marquardt, products, scaled_operator)
+from .sweeps import ask_whole
 
 #: One-token queries at this scale (times sqrt(d), random directions) read the ellipsoid: var(z) ~ 1e16, so
 #: |n|^2 = d var / (var + eps) is d to below float64's rounding for any eps up to 1e-2.
@@ -43,10 +44,6 @@ FLOOR_UNITS = 1.0
 UNSEEN_EPS = 1e-30
 #: A first eps is read where ``|n|^2 / d`` lies in this band (``v`` within a factor 100 of eps).
 EPS_BAND = (0.01, 0.99)
-
-
-def _ask(boundary, sequences, description: str) -> np.ndarray:
-    return np.asarray(boundary.ask(sequences, description=description, whole=True), dtype=np.float64)
 
 
 @dataclass
@@ -88,6 +85,14 @@ def ellipsoid(Y: np.ndarray) -> Ellipsoid:
                      float(np.abs((N * N).mean(axis=1) - 1).max()))
 
 
+def ask_ellipsoid(boundary, d: int, rng: np.random.Generator) -> Ellipsoid:
+    """:func:`ellipsoid` of the answers to ``2 d`` one-token queries in random directions at
+    ``ELLIPSOID_SCALE sqrt(d)``."""
+    E = rng.standard_normal((2 * d, d))
+    E *= (ELLIPSOID_SCALE * np.sqrt(d) / np.linalg.norm(E, axis=1))[:, None]
+    return ellipsoid(ask_whole(boundary, [e[None, :] for e in E], "post-norm ellipsoid"))
+
+
 def directions(Y: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
     """``n = (y - beta) / gamma`` of each answer, projected on ``1^perp`` and made unit."""
     N = (np.asarray(Y, dtype=np.float64) - beta) / gamma
@@ -114,7 +119,7 @@ def one_token_start(boundary, d: int, gamma: np.ndarray, beta: np.ndarray) -> St
     in a, b) and ``m_j = (a n_+ - b n_-) / (2 t)``."""
     t = START_STEP
     tokens = [np.zeros((1, d))] + [s * t * e[None, :] for e in np.eye(d) for s in (1.0, -1.0)]
-    n = directions(_ask(boundary, tokens, "post-norm start"), gamma, beta)
+    n = directions(ask_whole(boundary, tokens, "post-norm start"), gamma, beta)
     n0, plus, minus = n[0], n[1::2], n[2::2]
     PM, worst = np.zeros((d, d)), 0.0
     for j in range(d):
@@ -242,9 +247,9 @@ def fit(boundary, d: int, heads: int, start: Start, gamma, beta, eps: float, rng
     total = sum(parameters.sizes) + 2 * d
     count = max(int(np.ceil(FIT_FACTOR * total / d)), 4 * heads * d)
     sequences = bounded_queries(rng, count, d, FIT_RADIUS * np.sqrt(d))
-    problem = PostNormProblem(parameters, Batch(sequences, _ask(boundary, sequences, "post-norm fit")))
+    problem = PostNormProblem(parameters, Batch(sequences, ask_whole(boundary, sequences, "post-norm fit")))
     held_out = bounded_queries(rng, HELD_OUT, d, FIT_RADIUS * np.sqrt(d))
-    held_out = (held_out, _ask(boundary, held_out, "post-norm held out"))
+    held_out = (held_out, ask_whole(boundary, held_out, "post-norm held out"))
     best = PostNormFit(None, np.inf, np.inf, count + HELD_OUT, 0, 0)
     P = np.eye(d) - 1.0 / d
     for attempt in range(1, STARTS + 1):
@@ -307,7 +312,7 @@ def measure_eps(boundary, model: PostNormAttention, rng: np.random.Generator, un
         e /= np.linalg.norm(e)
         length = float(np.linalg.norm(M @ e))
         tokens = [(x_star + s / length * e)[None, :] for s in scales]
-        N = (_ask(boundary, tokens, "post-norm eps") - model.beta) / model.gamma
+        N = (ask_whole(boundary, tokens, "post-norm eps") - model.beta) / model.gamma
         queries += len(tokens)
         fraction = (N * N).mean(axis=1)
         inside = (fraction > EPS_BAND[0]) & (fraction < EPS_BAND[1])
@@ -316,7 +321,7 @@ def measure_eps(boundary, model: PostNormAttention, rng: np.random.Generator, un
             continue
         rough = float(np.mean(scales[inside] ** 2 / d * (1 / fraction[inside] - 1)))
         s = float(np.sqrt(d * rough))
-        N = (_ask(boundary, [(x_star + sign * s / length * e)[None, :] for sign in (1, -1)], "post-norm eps")
+        N = (ask_whole(boundary, [(x_star + sign * s / length * e)[None, :] for sign in (1, -1)], "post-norm eps")
              - model.beta) / model.gamma
         queries += 2
         f = (N * N).mean(axis=1)

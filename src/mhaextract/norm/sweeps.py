@@ -46,10 +46,14 @@ def answer_unit(answer_dtype) -> float:
     return {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}.get(str(answer_dtype), 2.0 ** -53)
 
 
+def ask_whole(boundary, sequences, description: str) -> np.ndarray:
+    """The sublayer's whole answers to ``sequences`` (B, d_out), float64, asked through ``boundary``."""
+    return np.asarray(boundary.ask(sequences, description=description, whole=True), dtype=np.float64)
+
+
 def _slopes(boundary, direction: np.ndarray, scales, zero: np.ndarray):
     """``(y(s e) - y(0)) / s`` at each scale, and each one's rounding (absolute)."""
-    answers = np.asarray(boundary.ask([s * direction[None, :] for s in scales], description="norm sweep", whole=True),
-                         dtype=np.float64)
+    answers = ask_whole(boundary, [s * direction[None, :] for s in scales], "norm sweep")
     slopes = (answers - zero) / np.asarray(scales)[:, None]
     size = (np.abs(answers).max(axis=1) + np.abs(zero).max()) / np.asarray(scales)
     return answers, slopes, size
@@ -72,7 +76,7 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
     (whose own measurements are :mod:`mhaextract.norm.post_norm`'s)."""
     out = Sweeps(unit=answer_unit(answer_dtype))
     unit = out.unit
-    zero = np.asarray(boundary.ask([np.zeros((1, d))], description="norm sweep", whole=True), dtype=np.float64)[0]
+    zero = ask_whole(boundary, [np.zeros((1, d))], "norm sweep")[0]
     if zero.ndim != 1 or zero.size < 2:
         raise ValueError("the norm family reads whole outputs (the sublayer's d_out numbers a query), and this oracle "
                          "answers one number a sequence: give it the sublayer's outputs whole (TorchOracle without "
@@ -110,8 +114,7 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
         return out  # a post-norm's gamma, beta and eps: mhaextract.norm.post_norm
     # the residual: R e_k = (y(2 S e_k) - y(S e_k)) / S for the standard basis
     basis = np.eye(d)
-    large = np.asarray(boundary.ask([s * e[None, :] for e in basis for s in (LARGE, 2 * LARGE)],
-                                    description="residual", whole=True), dtype=np.float64)
+    large = ask_whole(boundary, [s * e[None, :] for e in basis for s in (LARGE, 2 * LARGE)], "residual")
     out.R = ((large[1::2] - large[0::2]) / LARGE).T
     out.R_error = 4 * unit * float(np.abs(large).max()) / LARGE / max(float(np.abs(out.R).max()), 1e-300)
     out.queries += 2 * d
@@ -140,8 +143,7 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
     second /= np.linalg.norm(second)
     readings = []
     for e in (direction, second):
-        y = np.asarray(boundary.ask([s * e[None, :], S * e[None, :]], description="norm eps", whole=True),
-                       dtype=np.float64)
+        y = ask_whole(boundary, [s * e[None, :], S * e[None, :]], "norm eps")
         Re = out.R @ e
         z_s, z_S = y[0] - s * Re - zero, y[1] - S * Re - zero
         readings.append(_eps_from_ratio(float(z_s @ z_S / (z_S @ z_S)), s, S, d))
