@@ -157,6 +157,11 @@ def _blocks(model: RotaryAttention, groups, cluster=None):
         yield index, f, J
 
 
+def marquardt_scale(normal: np.ndarray) -> np.ndarray:
+    """The damping's diagonal ``D``: ``diag(J^T J)``, floored above zero relative to its largest entry."""
+    return np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
+
+
 def normal_equations(model: RotaryAttention, groups, answers: np.ndarray, probes: np.ndarray | None = None,
                      cluster=None, product: bool = True):
     """``(residual, J^T J, J^T residual, J^T probes)`` summed over the blocks (residual ``f - answers``
@@ -245,7 +250,7 @@ def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
         fixed = np.concatenate([fixed, np.arange(offsets[6], P)])
     free = np.setdiff1d(np.arange(P + extra), fixed)
     normal, gradient = normal[np.ix_(free, free)], gradient[free]
-    diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
+    diagonal = marquardt_scale(normal)
     for damping in (1e-9, 1e-7, 1e-5, 1e-3, 1e-1):
         try:
             step = np.zeros(P + extra)
@@ -347,7 +352,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     taken = 0
     stale = False  # whether ``normal`` was formed at an earlier model than the gradient's
     for _ in range(iterations):
-        diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
+        diagonal = marquardt_scale(normal)
         improved = False
         tries = 0
         while tries < 12:
@@ -379,7 +384,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
             if stale:  # the older J^T J may be what failed, not the damping: formed afresh, the same damping
                 residual, normal, gradient, _ = normal_equations(model, groups, answers)
                 normal, gradient = with_prior(normal, gradient, vector)
-                diagonal = np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
+                diagonal = marquardt_scale(normal)
                 stale, tries = False, tries - 1
                 continue
             if float(np.abs(residual).max()) / scale < floor:  # at the answers' rounding: no step gains
