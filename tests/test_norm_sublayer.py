@@ -296,3 +296,14 @@ def test_the_llama_sublayer_is_extracted_with_norm_auto_and_positions_rotary():
     X = torch.as_tensor(sequences[-1])[None]
     with torch.no_grad():
         assert float((to_torch(result)(X) - sublayer(X)).abs().max() / sublayer(X).abs().max()) < 1e-11
+
+
+@pytest.mark.slow
+def test_positions_rotary_alone_hands_a_llama_sublayer_to_the_norm_learner():
+    d, H = 16, 4
+    layer = llama_layer(d, H, kv_heads=2)
+    sublayer = LlamaSublayerFloat64(layer)
+    result = mx.extract(TorchOracle(sublayer), d, heads=H, seed=1, positions="rotary")
+    assert result.ok and result.schedule == "norm" and result.norm == "rmsnorm"
+    assert "norm learner" in result.schedule_reason and result.split_queries > 0
+    assert every_position_error(result.model, sublayer, raw_sequences(np.random.default_rng(4), d, 10), True) < 1e-11
