@@ -242,6 +242,8 @@ def test_the_folded_rotary_model_is_the_llama_sublayer_at_every_position_and_sav
     assert every_position_error(truth, sublayer, sequences, causal=True) < 1e-12
     # the adapter runs the block's own modules: LlamaRMSNorm computes in float32 whatever the dtype
     assert every_position_error(truth, attention_sublayer(layer), sequences, causal=True) < 1e-5
+    with pytest.raises(ValueError, match="float64"):
+        truth(sequences, dtype=np.float32)
     part, _ = truth.to_document()
     again = model_from_document(part)
     assert mx.compare(again, truth).max_rel == 0

@@ -156,10 +156,13 @@ class NormedAttention(EveryPosition):
         return normalize(X, self.norm, self.eps) @ self.basis.astype(dtype)
 
     def __call__(self, batch, dtype=np.float64) -> np.ndarray:
-        """``y(X)`` at the final position, (B, d_out), in float64 (or float32 throughout)."""
+        """``y(X)`` at the final position, (B, d_out), in float64 (or float32 throughout, plain attention
+        inside)."""
+        if self.rotary and np.dtype(dtype) != np.float64:
+            raise ValueError(f"a rotary inner model evaluates in float64 (RotaryAttention), not {np.dtype(dtype)}: "
+                             "pass dtype=np.float64, or to_torch(model, dtype=...) for a module in another dtype")
         sequences = as_batch(batch, self.d)
         tokens = [self.inner_tokens(X, dtype) for X in sequences]
-        # a rotary inner model evaluates in float64 (or balls): float32 throughout is plain attention's
         inner = self.attention(tokens) if self.rotary else self.attention(tokens, dtype=dtype)
         finals = np.array([np.asarray(X[-1], dtype=dtype) for X in sequences])
         return inner + finals @ self.R.astype(dtype).T
