@@ -296,8 +296,11 @@ def test_the_llama_sublayer_is_extracted_with_norm_auto_and_positions_rotary():
     sequences = raw_sequences(np.random.default_rng(3), d, 20)
     assert every_position_error(result.model, sublayer, sequences, causal=True) < 1e-11
     X = torch.as_tensor(sequences[-1])[None]
+    fresh = llama_layer(d, H, kv_heads=2, seed=7)
+    fresh.load_state_dict(to_state_dict(result, like=fresh), strict=False)
     with torch.no_grad():
         assert float((to_torch(result)(X) - sublayer(X)).abs().max() / sublayer(X).abs().max()) < 1e-11
+        assert float((LlamaSublayerFloat64(fresh)(X) - sublayer(X)).abs().max() / sublayer(X).abs().max()) < 1e-11
 
 
 @pytest.mark.slow
