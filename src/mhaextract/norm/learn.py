@@ -135,8 +135,8 @@ def inner_token_scale(k: int, d: int, heads, max_heads, seed, schedule: str) -> 
 def rotary_token_scale(k: int, d: int) -> float:
     """The token scale s of the rotary learner on the reduced oracle (docs/algorithm.md, 'Attention behind a
     norm: the sublayer of a block', 'Rotary attention behind an RMSNorm'): its instances' tokens have norm s
-    (orthonormal bases at the scale, and zeros), its spare, polish and value read-out tokens are Gaussian
-    ``N(0, s^2 I / k)``, whose norms exceed ``s (1 + TAIL / sqrt(2 k))`` with a probability of about
+    (random orthonormal bases at the scale, spares included, and zeros), its window search's, polish and value
+    read-out tokens are Gaussian ``N(0, s^2 I / k)``, whose norms exceed ``s (1 + TAIL / sqrt(2 k))`` with a probability of about
     ``1e-15`` each; so those stay within ``BALL_MARGIN sqrt(d)``. The reduced oracle still checks every
     token as it is asked."""
     return BALL_MARGIN * np.sqrt(d) / (1 + TAIL / np.sqrt(2 * k))
