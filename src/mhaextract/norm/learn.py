@@ -79,7 +79,7 @@ class NormedExtraction(Result):
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
     layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
     times the direct fit's held-out misfit plus the rounding of evaluating 64-token sequences, or an
-    attention learner's estimate, or eps's or R's where larger (a post-norm's: also a hundred times
+    attention or rotary learner's estimate, or eps's or R's where larger (a post-norm's: also a hundred times
     the misfit on 64 fresh raw sequences, and eps's reach on them), judged by the
     ``raw_verification`` check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
 
@@ -88,10 +88,11 @@ class NormedExtraction(Result):
     norm : the norm the answers show ("layernorm", "rmsnorm" before the attention, "post-layernorm"
         after the residual, or None: none).
     eps, eps_error : the norm's eps and its estimated relative error.
-    inner : with an attention schedule as the inner method, its result on the reduced oracle (its
-        ``queries`` are queries of g, each one raw query); None for the direct fit or when the run
-        stopped before it.
-    inner_schedule : the inner method: "fit" (the direct fit) or the attention schedule run.
+    inner : with an attention schedule or the rotary learner as the inner method, its result on the
+        reduced oracle (its ``queries`` are queries of g, each one raw query); None for the direct fit
+        or when the run stopped before it.
+    inner_schedule : the inner method: "fit" (the direct fit), the attention schedule run, or "rotary"
+        (``positions="rotary"``: Llama's sublayer).
     queries_sweeps : raw one-token queries of the kind, residual and eps sweeps.
     largest_inner_token : the largest norm of an inner token asked (below ``sqrt(d)``).
     verification_misfit : max over the fresh raw sequences of ``|model - y| / |y|`` (inf norms).
@@ -136,9 +137,9 @@ def rotary_token_scale(k: int, d: int) -> float:
     """The token scale s of the rotary learner on the reduced oracle (docs/algorithm.md, 'Attention behind a
     norm: the sublayer of a block', 'Rotary attention behind an RMSNorm'): its instances' tokens have norm s
     (random orthonormal bases at the scale, spares included, and zeros), its window search's, polish and value
-    read-out tokens are Gaussian ``N(0, s^2 I / k)``, whose norms exceed ``s (1 + TAIL / sqrt(2 k))`` with a probability of about
-    ``1e-15`` each; so those stay within ``BALL_MARGIN sqrt(d)``. The reduced oracle still checks every
-    token as it is asked."""
+    read-out tokens are Gaussian ``N(0, s^2 I / k)``, whose norms exceed ``s (1 + TAIL / sqrt(2 k))`` with a
+    probability of about ``1e-15`` each; so those stay within ``BALL_MARGIN sqrt(d)``. The reduced oracle still
+    checks every token as it is asked."""
     return BALL_MARGIN * np.sqrt(d) / (1 + TAIL / np.sqrt(2 * k))
 
 
