@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks.model_class import probe_model_class
+from ..oracle.boundary import BudgetExceeded
 from ..oracle.transcript import RUN
 from ..run.learner import AUTO, FallBack, Learner, register_learner, successor
 from ..run.validation import positive_int, spawn_rng
@@ -96,9 +97,13 @@ def _successor(session, boundary, result):
     (``successor``: the session goes on as it, the probes' and the failed run's queries counted in its
     result); otherwise None, the probes counted in the failed run's result."""
     request = session.request
-    scale = result.token_scale if np.isfinite(result.token_scale) and result.token_scale > 0 else 1.0
+    scale = result.token_scale
+    scale = float(scale) if isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0 else 1.0
     asked, replayed = boundary.queries, boundary.replayed
-    evidence = probe_model_class(boundary, request.d, spawn_rng(request.seed, 41), scale)
+    try:
+        evidence = probe_model_class(boundary, request.d, spawn_rng(request.seed, 41), scale)
+    except BudgetExceeded:  # no room left for the probes: the failed run is reported as it is
+        return None
     handed_on = successor(evidence, session.given_options, request) if evidence.normalised else None
     if handed_on is None:
         asked, replayed = boundary.queries - asked, boundary.replayed - replayed
