@@ -2,7 +2,7 @@
 the sublayer of a block').
 
     python benchmarks/bench_norm.py            # d = 16 cases and the refusals (a few minutes)
-    python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's and BertAttention's sublayers at d = 64, H = 4
+    python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's, Llama's and BertAttention's sublayers at d = 64, H = 4
     python benchmarks/bench_norm.py --large --case "BertAttention (post-LN) d=64"   # the cases whose name has it
     python benchmarks/bench_norm.py --defaults # the norm='auto' cases run without norm= (the defaults)
     python benchmarks/bench_norm.py --float32-floor   # a float32 BertAttention against its weights in float64
@@ -17,6 +17,13 @@ the replacement's error: the largest ``|model - y| / |y|`` (inf norms) at every 
 sequences of lengths 1..64 with token norms log-uniform in 1e-3..1e3, against the block's own
 forward in float64 (the reading, causal or not, the run's causal record found). BertAttention's
 "attention without the norm" is its self-attention and output projection (no residual, no norm).
+Llama's sublayer (``LlamaDecoderLayer``: RMSNorm, rotary attention with two key/value heads, the
+residual) is extracted with ``positions="rotary"`` too, and judged in float64 throughout
+(``LlamaSublayerFloat64``: its weights, a float64 RMSNorm and float64 angles; transformers'
+``LlamaRMSNorm`` and rotary embedding compute in float32 whatever the dtype); its "attention without
+the norm" is ``mx.extract(TorchOracle(float64_layer(layer.self_attn)), d, heads=H, seed=1,
+positions="rotary")``. The block as transformers runs it (``attention_sublayer(layer)``) is its own
+row, judged against itself.
 """
 
 from __future__ import annotations
@@ -34,10 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle  # noqa: E402
+from mhaextract.adapters.rotary import float64_layer  # noqa: E402
 from norm_blocks import (  # noqa: E402
-    RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, post_norm_truth, raw_sequences,
-    vit_layer,
+    LlamaSublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, llama_layer,
+    post_norm_truth, raw_sequences, vit_layer,
 )
+
+#: The options a rotary sublayer is extracted with, beside norm= (and its baseline with).
+ROTARY = {"positions": "rotary"}
 
 
 class BertSelfAttentionAndProjection(torch.nn.Module):
@@ -52,8 +63,15 @@ class BertSelfAttentionAndProjection(torch.nn.Module):
 
 
 def cases(large: bool):
-    """(name, sublayer module, d, H, declared norm, the attention alone or None, the true eps)."""
+    """(name, sublayer module, d, H, declared norm, the attention alone or None, the true eps[, options])."""
     out = []
+    for d in [16] + ([64] if large else []):
+        llama = llama_layer(d, 4, kv_heads=2)
+        out.append((f"Llama sublayer d={d} H=4 (2 key/value heads) float64", LlamaSublayerFloat64(llama), d, 4, "auto",
+                    float64_layer(llama.self_attn), llama.input_layernorm.variance_epsilon, ROTARY))
+    llama = llama_layer(16, 4, kv_heads=2)
+    out.append(("Llama sublayer d=16 H=4 as transformers runs it (float32 norm and angles)", attention_sublayer(llama),
+                16, 4, "auto", None, llama.input_layernorm.variance_epsilon, ROTARY))
     for d, H in [(16, 2), (16, 4), (24, 2)] + ([(64, 4)] if large else []):
         block = gpt2_block(d, H)
         out.append((f"GPT-2 sublayer d={d} H={H} float64", attention_sublayer(block), d, H, "auto", block.attn,
@@ -91,21 +109,22 @@ def cases(large: bool):
     return out
 
 
-def baseline_queries(attention, d, H) -> str:
+def baseline_queries(attention, d, H, options=None) -> str:
     if attention is None:
         return "-"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return str(mx.extract(TorchOracle(attention), d, heads=H, seed=1, on_failure="warn").queries)
+            return str(mx.extract(TorchOracle(attention), d, heads=H, seed=1, on_failure="warn",
+                                  **(options or {})).queries)
     except Exception as error:  # the baseline's own failure is reported, not hidden
         return f"failed ({type(error).__name__})"
 
 
-def run_case(name, module, d, H, declared, attention, eps, defaults=False) -> dict:
+def run_case(name, module, d, H, declared, attention, eps, options=None, defaults=False) -> dict:
     started = time.perf_counter()
     oracle = TorchOracle(module)
-    named = {} if defaults and declared == "auto" else {"norm": declared}
+    named = {**({} if defaults and declared == "auto" else {"norm": declared}), **(options or {})}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = mx.extract(oracle, d, heads=H, seed=1, on_failure="warn", **named)
@@ -113,9 +132,10 @@ def run_case(name, module, d, H, declared, attention, eps, defaults=False) -> di
     row = {"case": name, "norm": getattr(result, "norm", None) or "-", "ok": result.ok, "queries": result.queries,
            "first failed check": result.failed_checks[0].name if result.failed_checks else "-",
            "eps error": abs(result.eps - eps) / eps if np.isfinite(getattr(result, "eps", np.nan)) else np.nan,
-           "baseline": baseline_queries(attention, d, H), "seconds": seconds, "error": np.nan}
+           "baseline": baseline_queries(attention, d, H, options), "seconds": seconds, "error": np.nan}
     if result.model is not None and result.schedule == "norm":
-        causal = result.causal is not None and result.causal.verdict == "causal"
+        # a rotary model is a decoder's, read causally (RotaryAttention.at_position)
+        causal = result.causal is not None and result.causal.verdict == "causal" or options == ROTARY
         reference = module.double() if hasattr(module, "double") else module
         row["error"] = every_position_error(result.model, reference, raw_sequences(np.random.default_rng(11), d, 100),
                                             causal)

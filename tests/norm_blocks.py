@@ -134,3 +134,46 @@ def every_position_error(model, module, sequences, causal):
             got = model.every_position(X, causal)
             worst = max(worst, float((np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)).max()))
     return worst
+
+
+def llama_layer(d, H, kv_heads=2, seed=0):
+    """A LlamaDecoderLayer (RMSNorm, rotary attention with grouped key/value heads, no biases: Llama's
+    default) with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2), float64, sdpa."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=d, num_attention_heads=H, num_key_value_heads=kv_heads, head_dim=d // H,
+                         intermediate_size=2 * d, attn_implementation="sdpa")
+    layer = LlamaDecoderLayer(config, layer_idx=0).double()
+    return trained_like(layer, layer.input_layernorm, layer.self_attn, d, seed)
+
+
+class LlamaSublayerFloat64(torch.nn.Module):
+    """``x + self_attn(input_layernorm(x))`` of a LlamaDecoderLayer computed in float64 throughout: its
+    RMSNorm's weight and eps in torch's RMSNorm (LlamaRMSNorm computes in float32 whatever the layer's
+    dtype) and its attention with float64 angles (adapters.rotary.float64_layer)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        from mhaextract.adapters.rotary import float64_layer
+
+        source = layer.input_layernorm
+        self.norm = torch.nn.RMSNorm(source.weight.shape[0], eps=source.variance_epsilon, dtype=torch.float64)
+        with torch.no_grad():
+            self.norm.weight.copy_(source.weight.detach().double())
+        self.attention = float64_layer(layer.self_attn)
+
+    def forward(self, X):
+        return X + self.attention(self.norm(X))
+
+
+def llama_truth(layer) -> NormedAttention:
+    """The canonical sublayer of a LlamaDecoderLayer from its weights: the rotary heads of to_rotary with
+    gamma folded in (Q_h G, K_h G, V_h G; an RMSNorm has no beta), eps its norm's, R = I (white-box)."""
+    from mhaextract.adapters.rotary import to_rotary
+
+    A = to_rotary(layer.self_attn)
+    gamma = layer.input_layernorm.weight.detach().double().numpy()
+    inner = A.replaced(Q=A.Q * gamma, K=A.K * gamma, V=A.V * gamma)
+    return NormedAttention("rmsnorm", layer.input_layernorm.variance_epsilon, inner, np.eye(A.d))

@@ -4,13 +4,16 @@ back into torch (docs/algorithm.md, 'Attention behind a norm: the sublayer of a 
 :func:`attention_sublayer` turns a block a user holds into the module of its attention half, raw
 hidden states (B, N, d) to the sublayer's outputs (B, N, d), to wrap in
 :class:`~mhaextract.adapters.torch.TorchOracle`: ``GPT2Block`` (``x + attn(ln_1(x))``),
-``ViTLayer`` (``x + attention(layernorm_before(x))``), ``BertAttention`` as it is (self-attention,
+``ViTLayer`` (``x + attention(layernorm_before(x))``), ``LlamaDecoderLayer`` (``x +
+self_attn(input_layernorm(x))``, the rotary attention run with its positions and causal mask by
+:class:`~mhaextract.adapters.rotary.RotaryLayer`), ``BertAttention`` as it is (self-attention,
 output projection, residual, then its LayerNorm: a post-norm). The module calls the block's own
 submodules; nothing on the extraction path reads a weight.
 
 :func:`layer` and :func:`state_dict` are what :func:`~mhaextract.adapters.export.to_torch` and
 :func:`~mhaextract.adapters.export.to_state_dict` dispatch to for a ``NormedAttention`` (into a
-``GPT2Block`` or ``ViTLayer``) or a ``PostNormAttention`` (into a ``BertAttention``).
+``GPT2Block``, ``ViTLayer`` or, with a rotary inner model, a ``LlamaDecoderLayer``) or a
+``PostNormAttention`` (into a ``BertAttention``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from torch import nn
 
 from ..models.normed import NormedAttention, PostNormAttention
 from . import attention as attention_adapter
-from .export import ExportReport, StateDict, UnsupportedLayerError
+from .export import ExportReport, StateDict, UnsupportedLayerError, _adapter
+from .rotary import RotaryLayer
 from .torch import _refuse_positions
 
 
@@ -31,15 +35,18 @@ class AttentionSublayer(nn.Module):
     """The attention half of a block: ``residual + attention(norm(x))`` (or a post-norm block's
     attention module as it is), calling the block's own submodules."""
 
-    def __init__(self, block, kind: str, norm: str | None, attention: str | None):
+    def __init__(self, block, kind: str, norm: str | None, attention: str | None, positioned: nn.Module | None = None):
         super().__init__()
         self.block, self.kind, self.norm_name, self.attention_name = block, kind, norm, attention
+        # a rotary block's attention takes its positions and mask from the model: run as RotaryLayer
+        self.positioned = positioned
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         if self.norm_name is None:  # BertAttention: the whole sublayer is the module
             out = self.block(X)
             return out[0] if isinstance(out, (tuple, list)) else out
-        out = getattr(self.block, self.attention_name)(getattr(self.block, self.norm_name)(X))
+        attention = self.positioned if self.positioned is not None else getattr(self.block, self.attention_name)
+        out = attention(getattr(self.block, self.norm_name)(X))
         return X + (out[0] if isinstance(out, (tuple, list)) else out)
 
     def extra_repr(self) -> str:
@@ -48,12 +55,17 @@ class AttentionSublayer(nn.Module):
 
 #: block class -> (its norm before the attention, its attention module)
 SUBLAYERS = {"GPT2Block": ("ln_1", "attn"), "ViTLayer": ("layernorm_before", "attention"),
-             "BertAttention": (None, None)}
+             "LlamaDecoderLayer": ("input_layernorm", "self_attn"), "BertAttention": (None, None)}
+#: blocks whose attention is rotary (run by RotaryLayer with positions 0..N-1 and the causal mask)
+ROTARY_BLOCKS = ("LlamaDecoderLayer",)
 
 
-def attention_sublayer(block) -> AttentionSublayer:
+def attention_sublayer(block, rotary_embedding=None, angles: str = "model") -> AttentionSublayer:
     """The attention half of ``block`` (module docstring) as a module for
     :class:`~mhaextract.adapters.torch.TorchOracle`; a TypeError naming the classes it knows.
+    ``rotary_embedding``, ``angles``: for a rotary block (``LlamaDecoderLayer``), as in
+    :class:`~mhaextract.adapters.rotary.RotaryLayer` (the model's embedding by default; transformers
+    computes its angles, and ``LlamaRMSNorm`` its norm, in float32 whatever the block's dtype).
 
     Examples
     --------
@@ -72,7 +84,10 @@ def attention_sublayer(block) -> AttentionSublayer:
                         "these, or any module mapping raw hidden states (B, N, d) to the sublayer's outputs to "
                         "TorchOracle yourself")
     norm, attention = SUBLAYERS[kind]
-    return AttentionSublayer(copy.deepcopy(block).eval(), kind, norm, attention)
+    copied = copy.deepcopy(block).eval()
+    positioned = (RotaryLayer(getattr(copied, attention), rotary_embedding, angles=angles) if kind in ROTARY_BLOCKS
+                  else None)
+    return AttentionSublayer(copied, kind, norm, attention, positioned)
 
 
 class NormedAttentionModule(nn.Module):
@@ -123,14 +138,18 @@ def layer(model, causal, width, dtype, tolerance):
         return module
     if not isinstance(model, NormedAttention):
         raise TypeError(f"expected a NormedAttention or PostNormAttention, got {type(model).__name__}")
-    inner = attention_adapter.layer(model.lifted(), causal, width, dtype, tolerance)
+    lifted = model.lifted()
+    inner = _adapter(lifted, "layer")(lifted, causal, width, dtype, tolerance)
     module = NormedAttentionModule(model, inner, torch.float64 if dtype is None else dtype)
     module.export_report = getattr(inner, "export_report", None)
     return module
 
 
-#: block class -> (norm module, its class name, attention module, what it carries)
-BLOCK_LAYOUTS = {"GPT2Block": ("ln_1", "LayerNorm", "attn"), "ViTLayer": ("layernorm_before", "LayerNorm", "attention")}
+#: block class -> (norm module, its class name, the norm's kind, its eps attribute, attention module, eps's setting)
+BLOCK_LAYOUTS = {"GPT2Block": ("ln_1", "LayerNorm", "layernorm", "eps", "attn", "GPT-2: layer_norm_epsilon"),
+                 "ViTLayer": ("layernorm_before", "LayerNorm", "layernorm", "eps", "attention", "ViT: layer_norm_eps"),
+                 "LlamaDecoderLayer": ("input_layernorm", "LlamaRMSNorm", "rmsnorm", "variance_epsilon", "self_attn",
+                                       "Llama: rms_norm_eps")}
 
 
 def state_dict(model: NormedAttention, like, tolerance: float) -> StateDict:
@@ -149,18 +168,18 @@ def state_dict(model: NormedAttention, like, tolerance: float) -> StateDict:
     if kind not in BLOCK_LAYOUTS:
         raise UnsupportedLayerError(f"a NormedAttention goes into {', '.join(BLOCK_LAYOUTS)} (their norm and "
                                     f"attention), not {kind}: use to_torch(result) for a module of its own")
-    norm_name, norm_class, attention_name = BLOCK_LAYOUTS[kind]
+    norm_name, norm_class, norm_kind, eps_name, attention_name, setting = BLOCK_LAYOUTS[kind]
     norm = getattr(like, norm_name)
-    if model.norm != "layernorm" or type(norm).__name__ != norm_class:
+    if model.norm != norm_kind or type(norm).__name__ != norm_class:
         raise UnsupportedLayerError(f"{kind}'s {norm_name} is a {type(norm).__name__}; the model's norm is a "
                                     f"{model.norm}: it cannot carry it")
-    _check_eps(kind, norm_name, float(getattr(norm, "eps", np.nan)), model.eps, tolerance,
-               "GPT-2: layer_norm_epsilon, ViT: layer_norm_eps")
+    _check_eps(kind, norm_name, float(getattr(norm, eps_name, np.nan)), model.eps, tolerance, setting)
     identity = float(np.abs(model.R - np.eye(model.d)).max()) if model.R.shape == (model.d, model.d) else np.inf
     if identity > max(tolerance, 1e-9):
         raise UnsupportedLayerError(f"{kind} adds its input unchanged (residual R = I); the model's residual is "
                                     f"{identity:.1e} from the identity: use to_torch(result)")
-    inner = attention_adapter.state_dict(model.lifted(), getattr(like, attention_name), tolerance)
+    lifted = model.lifted()  # plain attention into the block's attention, rotary into its LlamaAttention
+    inner = _adapter(lifted, "state_dict")(lifted, getattr(like, attention_name), tolerance)
     state = {f"{attention_name}.{key}": value for key, value in inner.items()}
     for key, tensor in getattr(like, norm_name).state_dict().items():
         value = torch.ones_like(tensor) if key == "weight" else torch.zeros_like(tensor)

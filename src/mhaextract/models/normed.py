@@ -6,7 +6,8 @@ At the final position N of raw hidden states ``X = (x_1, ..., x_N)`` in R^d::
     n(x)  = (x - mean(x) 1) / sqrt(var(x) + eps)     LayerNorm   (var: the mean of the squares)
     n(x)  = x / sqrt(|x|^2 / d + eps)                RMSNorm
     z_i   = Q^T n(x_i)                               Q: orthonormal basis of 1^perp (LayerNorm), I (RMSNorm)
-    y(X)  = R x_N + f(Z)                             f: the inner biased attention (MultiHeadAttention)
+    y(X)  = R x_N + f(Z)                             f: the inner biased attention (MultiHeadAttention),
+                                                        or rotary attention (RotaryAttention: Llama's sublayer)
 
 The norm's gamma and beta are folded into the inner heads (``W'' = Q^T G W G Q``, ...), which is the
 canonical form: only those products are identifiable.
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention import MultiHeadAttention, as_batch
-from .compare import compare_attention, register_comparison
+from .compare import compare, compare_attention, register_comparison
 from .kinds import document_numbers, read_numbers, register_model_kind
+from .rotary import RotaryAttention
 
 #: The norms a sublayer may have before its attention.
 NORMS = ("layernorm", "rmsnorm")
@@ -92,8 +94,9 @@ class NormedAttention(EveryPosition):
     ----------
     norm : "layernorm" or "rmsnorm".
     eps : the norm's constant (> 0).
-    attention : the inner :class:`MultiHeadAttention`, a vector model on k = d - 1 (LayerNorm) or
-        d (RMSNorm) coordinates, with d_out outputs.
+    attention : the inner :class:`MultiHeadAttention`, or :class:`~mhaextract.RotaryAttention` (its
+        positions untouched by the norm, which acts on each token alone: Llama's sublayer), a vector
+        model on k = d - 1 (LayerNorm) or d (RMSNorm) coordinates, with d_out outputs.
     R : (d_out, d) the residual map (the identity in the blocks we know of).
 
     Examples
@@ -118,8 +121,9 @@ class NormedAttention(EveryPosition):
         eps = float(eps)
         if not eps > 0 or not np.isfinite(eps):
             raise ValueError(f"eps must be a positive number, got {eps!r}")
-        if not isinstance(attention, MultiHeadAttention) or not attention.is_vector:
-            raise ValueError("attention must be a vector MultiHeadAttention (whole outputs, V of shape (H, d_out, k))")
+        if not isinstance(attention, (MultiHeadAttention, RotaryAttention)) or not attention.is_vector:
+            raise ValueError("attention must be a vector MultiHeadAttention or RotaryAttention (whole outputs, V of "
+                             "shape (H, d_out, k))")
         R = np.asarray(R, dtype=np.float64)
         d = attention.d + (1 if norm == "layernorm" else 0)
         if R.shape != (attention.d_out, d):
@@ -152,31 +156,48 @@ class NormedAttention(EveryPosition):
         return normalize(X, self.norm, self.eps) @ self.basis.astype(dtype)
 
     def __call__(self, batch, dtype=np.float64) -> np.ndarray:
-        """``y(X)`` at the final position, (B, d_out), in float64 (or float32 throughout)."""
+        """``y(X)`` at the final position, (B, d_out), in float64 (or float32 throughout, plain attention
+        inside)."""
+        if self.rotary and np.dtype(dtype) != np.float64:
+            raise ValueError(f"a rotary inner model evaluates in float64 (RotaryAttention), not {np.dtype(dtype)}: "
+                             "pass dtype=np.float64, or to_torch(model, dtype=...) for a module in another dtype")
         sequences = as_batch(batch, self.d)
-        inner = self.attention([self.inner_tokens(X, dtype) for X in sequences], dtype=dtype)
+        tokens = [self.inner_tokens(X, dtype) for X in sequences]
+        inner = self.attention(tokens) if self.rotary else self.attention(tokens, dtype=dtype)
         finals = np.array([np.asarray(X[-1], dtype=dtype) for X in sequences])
         return inner + finals @ self.R.astype(dtype).T
 
-    def at_position(self, X, i: int, causal: bool) -> np.ndarray:
+    def at_position(self, X, i: int, causal: bool) -> np.ndarray | None:
         """The output at position ``i`` (from 0): what the causal record judges a layer's earlier
         outputs by (:mod:`mhaextract.checks.causality`)."""
         X = np.asarray(X, dtype=np.float64)
         if causal:
             return self([X[:i + 1]])[0]
-        return self.attention.at_position(self.inner_tokens(X), i, False) + self.R @ X[i]
+        inner = self.attention.at_position(self.inner_tokens(X), i, False)
+        # None: a rotary model is read causally only (RotaryAttention.at_position)
+        return None if inner is None else inner + self.R @ X[i]
 
-    def lifted(self) -> MultiHeadAttention:
+    @property
+    def rotary(self) -> bool:
+        """Whether the inner model is rotary attention (Llama's sublayer)."""
+        return isinstance(self.attention, RotaryAttention)
+
+    def lifted(self):
         """The inner model on the norm's output in R^d (``W = Q W'' Q^T``, ``u = Q u''``,
-        ``V = V'' Q^T``): the attention a block with gamma = 1, beta = 0 holds."""
+        ``V = V'' Q^T``; a rotary model's ``Q_h``, ``K_h``, ``V_h`` times ``Q^T``): the attention a block
+        with gamma = 1, beta = 0 holds."""
         Q, a = self.basis, self.attention
+        if self.rotary:
+            return a.replaced(Q=a.Q @ Q.T, K=a.K @ Q.T, V=a.V @ Q.T)
         return MultiHeadAttention(Q @ a.W @ Q.T, a.V @ Q.T, a.u @ Q.T, a.c)
 
     def to_float64(self) -> "NormedAttention":
         return self
 
-    def canonical(self, rtol: float = 0.0) -> "NormedAttention":
-        return NormedAttention(self.norm, self.eps, self.attention.canonical(rtol), self.R)
+    def canonical(self, rtol: float | None = None) -> "NormedAttention":
+        """The inner model's canonical form (``rtol``: its ``canonical``'s; None: its default)."""
+        inner = self.attention.canonical() if rtol is None else self.attention.canonical(rtol)
+        return NormedAttention(self.norm, self.eps, inner, self.R)
 
     def to_document(self, exact: bool = False) -> tuple[dict, dict]:
         inner, arrays = self.attention.to_document(exact=False)
@@ -220,8 +241,9 @@ def compare_normed(a: NormedAttention, b: NormedAttention, rtol: float = 0.0) ->
     """Compare two sublayers (module docstring of :mod:`mhaextract.models.compare`)."""
     if not isinstance(b, NormedAttention):
         raise TypeError(f"compare a NormedAttention with a NormedAttention, got {type(b).__name__}")
-    same = a.norm == b.norm and a.d == b.d and a.d_out == b.d_out
-    inner = compare_attention(a.attention, b.attention, rtol=rtol) if same else None
+    same = a.norm == b.norm and a.d == b.d and a.d_out == b.d_out and type(a.attention) is type(b.attention)
+    inner = None if not same else (compare(a.attention, b.attention) if a.rotary
+                                   else compare_attention(a.attention, b.attention, rtol=rtol))
     R_rel = float(np.abs(a.R - b.R).max() / max(np.abs(b.R).max(), 1e-300)) if same else float("inf")
     return NormedComparison(inner, abs(a.eps - b.eps) / b.eps, R_rel, same)
 

@@ -26,10 +26,15 @@ from ..run.session import Request, run_learner
 from ..run.validation import spawn_rng
 from .direct_fit import HELD_OUT, NORMS, STARTS, fit
 from . import post_norm
-from .sweeps import POST_NORM, Sweeps, ask_whole, measure
+from .sweeps import FLOAT32_NORM, POST_NORM, Sweeps, ask_whole, measure
 
 #: The inner method that is this family's own: the direct fit (any other name: an attention learner).
 DIRECT_FIT = "fit"
+#: The inner learner of a rotary sublayer (``positions="rotary"``: Llama's), by its registry name.
+ROTARY = "rotary"
+#: Gaussian tokens ``N(0, s^2 I / k)`` have norms ``s sqrt(chi2_k / k)``, about ``s (1 + z / sqrt(2 k))``
+#: for a standard normal z: the rotary learner's tokens stay below ``s (1 + TAIL / sqrt(2 k))``.
+TAIL = 8.0
 
 #: The inner schedule's tokens stay within this fraction of the ball's radius sqrt(d).
 BALL_MARGIN = 0.9
@@ -74,7 +79,7 @@ class NormedExtraction(Result):
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
     layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
     times the direct fit's held-out misfit plus the rounding of evaluating 64-token sequences, or an
-    attention learner's estimate, or eps's or R's where larger (a post-norm's: also a hundred times
+    attention or rotary learner's estimate, or eps's or R's where larger (a post-norm's: also a hundred times
     the misfit on 64 fresh raw sequences, and eps's reach on them), judged by the
     ``raw_verification`` check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
 
@@ -83,10 +88,11 @@ class NormedExtraction(Result):
     norm : the norm the answers show ("layernorm", "rmsnorm" before the attention, "post-layernorm"
         after the residual, or None: none).
     eps, eps_error : the norm's eps and its estimated relative error.
-    inner : with an attention schedule as the inner method, its result on the reduced oracle (its
-        ``queries`` are queries of g, each one raw query); None for the direct fit or when the run
-        stopped before it.
-    inner_schedule : the inner method: "fit" (the direct fit) or the attention schedule run.
+    inner : with an attention schedule or the rotary learner as the inner method, its result on the
+        reduced oracle (its ``queries`` are queries of g, each one raw query); None for the direct fit
+        or when the run stopped before it.
+    inner_schedule : the inner method: "fit" (the direct fit), the attention schedule run, or "rotary"
+        (``positions="rotary"``: Llama's sublayer).
     queries_sweeps : raw one-token queries of the kind, residual and eps sweeps.
     largest_inner_token : the largest norm of an inner token asked (below ``sqrt(d)``).
     verification_misfit : max over the fresh raw sequences of ``|model - y| / |y|`` (inf norms).
@@ -127,6 +133,16 @@ def inner_token_scale(k: int, d: int, heads, max_heads, seed, schedule: str) -> 
     return BALL_MARGIN * np.sqrt(d) / largest
 
 
+def rotary_token_scale(k: int, d: int) -> float:
+    """The token scale s of the rotary learner on the reduced oracle (docs/algorithm.md, 'Attention behind a
+    norm: the sublayer of a block', 'Rotary attention behind an RMSNorm'): its instances' tokens have norm s
+    (random orthonormal bases at the scale, spares included, and zeros), its window search's, polish and value
+    read-out tokens are Gaussian ``N(0, s^2 I / k)``, whose norms exceed ``s (1 + TAIL / sqrt(2 k))`` with a
+    probability of about ``1e-15`` each; so those stay within ``BALL_MARGIN sqrt(d)``. The reduced oracle still
+    checks every token as it is asked."""
+    return BALL_MARGIN * np.sqrt(d) / (1 + TAIL / np.sqrt(2 * k))
+
+
 def verification_sequences(rng: np.random.Generator, d: int, count: int = VERIFY_SEQUENCES) -> list[np.ndarray]:
     """Fresh raw sequences of 1..VERIFY_LONGEST tokens (the longest included) in random directions
     whose norms are log-uniform over VERIFY_NORMS (so eps and the residual both matter)."""
@@ -158,6 +174,10 @@ def run_normed(session, options) -> NormedExtraction:
             _post_norm_and_verify(session, boundary, sweeps.unit, result, hints)
         elif result.ok:
             _inner_and_verify(session, boundary, sweeps, options, result, hints)
+        elif any(not c.passed and c.message.endswith(FLOAT32_NORM) for c in result.checks):
+            hints.append("The sublayer's norm computes in float32 inside a float64 layer (transformers' LlamaRMSNorm "
+                         "does): its answers carry float32's rounding, and the sweeps judge float64's rounding. "
+                         "Ask a float64 copy of the sublayer (docs/norm.md, 'Rotary attention behind an RMSNorm').")
         else:
             hints.append("The one-token sweeps decide the sublayer's form before any attention query "
                          "(docs/algorithm.md, 'Attention behind a norm: the sublayer of a block'): pass the attention "
@@ -196,7 +216,7 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
         inner_estimate = 10 * fitted.misfit + ROUNDING_PER_TOKEN * VERIFY_LONGEST * sweeps.unit
         inner_model, result.heads = fitted.model.canonical(), request.heads
     else:
-        inner = _attention_learner(session, reduced, sweeps, schedule, k, result, hints)
+        inner = _inner_learner(session, reduced, sweeps, schedule, k, result, hints)
         if inner is None:
             return
         inner_model, inner_estimate, result.heads = inner.model, inner.error_estimate, inner.heads
@@ -298,14 +318,18 @@ def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtracti
     _verify_raw(boundary, model, float(estimate), request.seed, unit, result, hints)
 
 
-def _attention_learner(session, reduced: "ReducedOracle", sweeps: Sweeps, schedule: str, k: int,
-                       result: NormedExtraction, hints: list):
-    """An attention learner, by its registry name, on the reduced oracle at a token scale inside the
-    ball; None (a failed check and a hint added) when it stops or fails."""
+def _inner_learner(session, reduced: "ReducedOracle", sweeps: Sweeps, schedule: str, k: int,
+                   result: NormedExtraction, hints: list):
+    """An attention learner, or the rotary learner (``positions="rotary"``), by its registry name, on the
+    reduced oracle at a token scale inside the ball (without its own long verification: the raw one
+    follows); None (a failed check and a hint added) when it stops or fails."""
     request, d = session.request, session.request.d
-    scale = inner_token_scale(k, d, request.heads, request.max_heads, request.seed, schedule)
+    if schedule == ROTARY:  # the zero token is a counter for it: n(0) = 0, and Llama's keys carry no bias
+        scale, inner_options = rotary_token_scale(k, d), {"positions": ROTARY}
+    else:  # the polish takes the grid from 1e-6 to rounding
+        scale = inner_token_scale(k, d, request.heads, request.max_heads, request.seed, schedule)
+        inner_options = {"bias": True, "refine": True}
     result.token_scale = scale
-    inner_options = {"bias": True, "refine": True}  # the polish takes the grid from 1e-6 to rounding
     inner_request = Request.validated(k, request.heads, None if request.heads is not None else request.max_heads,
                                       None, request.seed, scale)
     try:
@@ -329,6 +353,11 @@ def _attention_learner(session, reduced: "ReducedOracle", sweeps: Sweeps, schedu
 
 
 def _bounded_hint(schedule: str, d: int, outside: bool) -> str:
+    if schedule == ROTARY:
+        return (f"The rotary learner did not learn the inner heads from tokens bounded by sqrt(d) = {np.sqrt(d):.3g} "
+                "(docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'Rotary attention behind an "
+                "RMSNorm'): a key bias (Qwen2's) makes the zero token no counter, and a layer whose scores at that "
+                "scale are far below one crowds its poles; the inner result's checks say which step stopped.")
     if outside:
         return (f"The {schedule!r} schedule asks tokens beyond the ball of radius sqrt(d) = {np.sqrt(d):.3g} that a "
                 "norm's output fills (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'The "

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..run.learner import Learner, learner_class, learner_names, register_learner
-from .learn import DIRECT_FIT, run_normed
+from .learn import DIRECT_FIT, ROTARY, run_normed
 from .sweeps import POST_NORM
 
 #: What ``norm=`` takes.
@@ -18,17 +18,21 @@ class NormedLearner(Learner):
 
     name = "norm"
     family = "norm"
-    model = ("attention behind a LayerNorm or RMSNorm, with the residual (a pre-norm block's sublayer), or attention "
-             "and the residual behind a LayerNorm (a post-norm block's, BertAttention)")
+    model = ("attention behind a LayerNorm or RMSNorm, with the residual (a pre-norm block's sublayer; rotary attention "
+             "behind an RMSNorm: Llama's), or attention and the residual behind a LayerNorm (a post-norm block's, "
+             "BertAttention)")
     options = {
         "norm": "the sublayer's norm: 'auto' (found from answers), 'layernorm' or 'rmsnorm' (before the attention), "
                 "'post-layernorm' (after the residual)",
         "inner_schedule": "how the inner heads are learned from the reduced oracle: 'fit' (default: a direct fit of "
                           "whole answers from bounded tokens) or an attention schedule's name ('paper': the biased grid)",
+        "positions": "'rotary': the attention behind the norm is rotary (Llama's sublayer), learned by the rotary "
+                     "learner on the reduced oracle at a token scale inside the ball",
     }
-    defaults = {"norm": "auto", "inner_schedule": DIRECT_FIT}
+    defaults = {"norm": "auto", "inner_schedule": DIRECT_FIT, "positions": "none"}
     refusal = "the norm family learns the norm, eps and residual itself and the inner heads by its own fit"
-    priority = 5
+    # before the rotary learner: norm= with positions='rotary' is a rotary sublayer, this learner's
+    priority = -1
 
     @classmethod
     def claims(cls, options, common) -> bool:
@@ -51,7 +55,20 @@ class NormedLearner(Learner):
             raise ValueError(f"norm must be one of {NORM_OPTIONS} (the sublayer's norm), got "
                              f"{options['norm']!r}; plain attention without a norm: extract without norm=")
         schedule = options["inner_schedule"]
-        if schedule == DIRECT_FIT:
+        if options["positions"] not in ("none", ROTARY):
+            raise ValueError(f"positions must be 'none' or 'rotary' (Llama's sublayer: rotary attention behind an "
+                             f"RMSNorm), got {options['positions']!r}")
+        if options["positions"] == ROTARY:
+            if schedule != DIRECT_FIT:
+                raise ValueError("positions='rotary' learns the inner heads by the rotary learner: leave "
+                                 f"inner_schedule unset, got {schedule!r}")
+            if common.heads is None:
+                raise ValueError("positions='rotary' needs the head count: pass heads=H (the query heads)")
+            if options["norm"] in ("layernorm", POST_NORM):
+                raise ValueError(f"positions='rotary' is learned behind an RMSNorm before the attention (Llama's "
+                                 f"sublayer), not norm={options['norm']!r}: pass norm='auto' or 'rmsnorm'")
+            options["inner_schedule"] = ROTARY
+        elif schedule == DIRECT_FIT:
             if common.heads is None:
                 raise ValueError("the direct fit (inner_schedule='fit') needs the head count: pass heads=H (a bound "
                                  "max_heads is taken by inner_schedule='paper')")

@@ -65,6 +65,21 @@ def _bends(slopes: np.ndarray, size: np.ndarray, unit: float) -> float:
     return float((moved / (size * unit + 1e-300)).max())
 
 
+#: An eps spread above float64's limit but below this is float32 rounding inside a float64 layer, not a
+#: layer of another form (a whole GPT-2 block spreads the readings by 1.1e-3).
+FLOAT32_SPREAD = 1e-5
+#: Said where that is so.
+FLOAT32_NORM = ("; a spread this small is float32 rounding inside a float64 layer: transformers' LlamaRMSNorm "
+                "computes in float32 whatever the layer's dtype, so the sublayer's answers carry float32's "
+                "rounding (about 6e-8 relative); ask a float64 copy of it (torch.nn.RMSNorm with the block's "
+                "weight and eps, and adapters.rotary.float64_layer(block.self_attn) for float64 angles)")
+
+
+def computed_in_float32(spread: float, limit: float) -> str:
+    """:data:`FLOAT32_NORM` where the eps readings' ``spread`` misses float64's ``limit`` by float32 rounding."""
+    return FLOAT32_NORM if limit <= spread < FLOAT32_SPREAD else ""
+
+
 def _eps_from_ratio(rho: float, s: float, S: float, d: int) -> float:
     """eps from ``g(s) / g(S) = rho``: ``q = (rho S / s)^2 = (S^2/d + eps) / (s^2/d + eps)``."""
     q = (rho * S / s) ** 2
@@ -157,7 +172,7 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
     out.checks.append(Check("eps", out.eps > 0 and spread < spread_limit, spread, spread_limit,
                             f"eps = {out.eps:.6g} from two directions, relative spread {spread:.1e} (a layer after "
                             "the residual, such as an MLP of a whole block, or a norm of another form than "
-                            "n(x) = x / sqrt(|x|^2/d + eps) spreads them)"))
+                            "n(x) = x / sqrt(|x|^2/d + eps) spreads them)" + computed_in_float32(spread, spread_limit)))
     # the model's form on the sweep: s R e + g(s) b + c along the sweep direction, b from the largest scale
     g = SWEEP / np.sqrt(SWEEP ** 2 / d + out.eps)
     b = reference / g[unit_scale]

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks.model_class import probe_model_class
+from ..oracle.boundary import BudgetExceeded
 from ..oracle.transcript import RUN
-from ..run.learner import Learner, register_learner
-from ..run.validation import positive_int
+from ..run.learner import AUTO, FallBack, Learner, register_learner, successor
+from ..run.validation import positive_int, spawn_rng
 from .run import extract_rotary
 
 
@@ -66,14 +68,45 @@ class RotaryLearner(Learner):
                                  "token_scale": "auto" if scale in (None, "auto") else float(scale).hex()})
         if session.record is not None:
             session.record.start_run({"schedule": self.name, "d": request.d, "heads": request.heads})
+        boundary, handed_on = session.boundary(RUN, precision=request.precision), None
         try:
             result = extract_rotary(session.oracle, request.d, request.heads, request.seed,
                                     precision=request.precision, token_scale=None if scale in (None, "auto") else scale,
                                     bias=options["bias"], rank=options["rank"], batch_size=session.batch_size,
                                     progress=session.progress, max_queries=session.max_queries,
                                     verify_length=session.verify_length, key_bias=options["key_bias"],
-                                    boundary=session.boundary(RUN, precision=request.precision))
+                                    boundary=boundary)
+            whole = (getattr(boundary.vectors, "d_out", None) or 1) > 1  # the sublayer learner reads whole answers
+            if not result.ok and session.requested == AUTO and request.precision is None and whole:
+                handed_on = _successor(session, boundary, result)
+            if handed_on is not None:  # another learner's model: it runs in this session (and transcript)
+                learner, why = handed_on
+                failed = ", ".join(check.name for check in result.failed_checks)
+                raise FallBack(f"its checks failed ({failed}), and {why}", boundary, to=learner.name)
         finally:
-            session.close()
+            if handed_on is None:
+                session.close()
         result.transcript = session.transcript
         return session.finish(result, "rotary extraction")
+
+
+def _successor(session, boundary, result):
+    """After a failed ``"auto"`` run of whole answers: the model-class probes (stream 41, at the run's token
+    scale); where they show a norm (scaling a lone token does not scale its effect: Llama's sublayer, its
+    RMSNorm before the rotary attention), the learner of that model that takes the options given and why
+    (``successor``: the session goes on as it, the probes' and the failed run's queries counted in its
+    result); otherwise None, the probes counted in the failed run's result."""
+    request = session.request
+    scale = result.token_scale
+    scale = float(scale) if isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0 else 1.0
+    asked, replayed = boundary.queries, boundary.replayed
+    try:
+        evidence = probe_model_class(boundary, request.d, spawn_rng(request.seed, 41), scale)
+    except BudgetExceeded:  # no room left for the probes: the failed run is reported as it is
+        return None
+    handed_on = successor(evidence, session.given_options, request) if evidence.normalised else None
+    if handed_on is None:
+        asked, replayed = boundary.queries - asked, boundary.replayed - replayed
+        result.queries, result.queries_asked = result.queries + asked + replayed, result.queries_asked + asked
+        result.queries_replayed += replayed
+    return handed_on
