@@ -11,6 +11,8 @@ its replacement judged against the exact float64 layer at every position.
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --no-rotary --readout --dtypes float64 float32
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --schedule lowrank --rank 16 --dtypes float64 float32 \
         --layers gpt2-d64-h4/0 bert-d64-h4/0 vit-d64-h4/0
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_zoo.py --cpu-limit 600 --dtypes float32 --layers llama-d64-h4/0 \
+        --stages
 
 One row per layer and dtype (bfloat16 and float16 for the non-rotary families only: rotary runs
 refuse answers coarser than float32). Each row runs in a child process with a limit on its CPU
@@ -26,6 +28,12 @@ finish within it says so. Columns (``zoo.run_and_judge``):
 * parameter error: ``compare(result.model, truth)``, the truth from the weights; the estimate is
   ``result.error_estimate`` and its ratio to the parameter error;
 * verdict: ``zoo.verdicts`` (acceptance 1 of issue 64), or the first line of the run's error.
+
+``--stages``: each step of a rotary run (``rotary/run.py``) and each part of its refinement
+(``rotary/refine.py``: the normal equations, the geodesic acceleration, the Cholesky factors, the
+slow blocks' seeding) printed on stderr as it ends, with the CPU seconds it took and the run's CPU
+time so far, and every refinement step's max misfit: where a row's time goes, also in a row that
+does not finish.
 
 ``--readout``: the oracle answers ``r^T`` of the outputs (``zoo.readout_vector``, a seeded unit
 vector), the run learns that scalar model, and outputs and truth are read out through r alike.
@@ -53,8 +61,42 @@ import zoo  # noqa: E402
 LOW = ("bfloat16", "float16")
 
 
-def measure(layer_id, dtype, queue, cpu_limit=None, readout=False, options=None, seed=0):
+def time_stages():
+    """``--stages``: the rotary run's steps and the refinement's parts wrapped to print their CPU
+    seconds on stderr (module attributes replaced in this child process only)."""
+    import functools
+
+    import mhaextract.rotary.refine as refine_module
+    import mhaextract.rotary.run as run_module
+    started = time.process_time()
+
+    def say(text):
+        print(f"[{time.process_time() - started:7.1f} s CPU] {text}", file=sys.stderr, flush=True)
+
+    def timed(module, name):
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            begun = time.process_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                say(f"{name}: {time.process_time() - begun:.1f} s")
+        setattr(module, name, wrapper)
+
+    for name in ("first_look", "seek_neutral_token", "ask_instances_at_scale", "learn_start", "ask_polish_queries",
+                 "seed_slow_blocks", "seed_low_frequencies", "judge_residual", "fit_layer_values", "verify_long"):
+        timed(run_module, name)
+    for name in ("normal_equations", "acceleration", "cho_factor", "error_draws"):
+        timed(refine_module, name)
+    run_module.note_progress = lambda progress, text: say(text)  # the refinement's steps and misfits
+
+
+def measure(layer_id, dtype, queue, cpu_limit=None, readout=False, options=None, seed=0, stages=False):
     torch.set_num_threads(1)
+    if stages:
+        time_stages()
     if cpu_limit is not None:  # SIGXCPU ends the child
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_limit), int(cpu_limit) + 5))
     try:
@@ -96,6 +138,8 @@ def main():
                         help="extract's bias (default: the schedule's)")
     parser.add_argument("--token-scale", type=float, help="extract's token_scale (default: the schedule's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="extract's seeds, a row each (default: 0)")
+    parser.add_argument("--stages", action="store_true",
+                        help="print each rotary step's and refinement part's CPU seconds on stderr")
     arguments = parser.parse_args()
     options = {key: value for key, value in (("schedule", arguments.schedule), ("rank", arguments.rank),
                                              ("bias", arguments.bias), ("token_scale", arguments.token_scale))
@@ -115,7 +159,7 @@ def main():
             for seed in arguments.seeds:
                 queue = context.Queue()
                 child = context.Process(target=measure, args=(layer_id, dtype, queue, arguments.cpu_limit,
-                                                              arguments.readout, options, seed))
+                                                              arguments.readout, options, seed, arguments.stages))
                 started = time.perf_counter()
                 child.start()
                 row = None

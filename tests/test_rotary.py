@@ -486,6 +486,21 @@ def test_the_refinement_sums_the_normal_equations_of_the_whole_jacobian(monkeypa
     assert np.allclose(gradient, J.T @ residual, rtol=1e-12, atol=1e-12 * np.abs(gradient).max())
 
 
+def test_the_normal_matrix_is_summed_in_one_triangle_and_mirrored_band_by_band():
+    """J^T J from syrk's upper triangle over several blocks, its lower half filled in bands narrower
+    than the matrix: numpy's products of the whole J, exactly symmetric."""
+    from mhaextract.rotary import refine
+    rng = np.random.default_rng(4)
+    blocks = [rng.normal(size=(n, 23)) for n in (5, 11, 2)]
+    normal = np.zeros((23, 23), order="F")
+    for J in blocks:
+        refine.add_gram(normal, J)
+    normal = refine.symmetric_from_upper(normal, width=7)
+    J = np.vstack(blocks)
+    assert np.allclose(normal, J.T @ J, rtol=1e-13, atol=1e-13 * np.abs(normal).max())
+    assert np.array_equal(normal, normal.T)
+
+
 def test_steps_on_an_older_normal_matrix_stop_where_exact_gauss_newton_stops(monkeypatch):
     """Steps that solve with J^T J formed at an earlier model (docs/algorithm.md, 'Rotary attention:
     positions, grouped heads and sliding windows', 'Refinement') take the model's own gradient, so

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import mpmath
 import numpy as np
 from scipy.linalg import cho_factor, cho_solve
+from scipy.linalg.blas import dsyrk
 
 from ..numerics.highprec import GUARD_BITS, mpf_array
 from ..run.value_fit import DRAW_SAFETY
@@ -162,6 +163,26 @@ def marquardt_scale(normal: np.ndarray) -> np.ndarray:
     return np.maximum(np.diag(normal), 1e-300 * max(np.diag(normal).max(), 1e-300))
 
 
+def add_gram(normal: np.ndarray, J: np.ndarray) -> None:
+    """``normal += J^T J`` in ``normal``'s upper triangle (a column-major (P, P) array; the lower is
+    left to :func:`symmetric_from_upper`). BLAS syrk on a column-major copy of J forms only the
+    ``Q P^2 / 2`` products of one triangle from contiguous columns: at d = 64, H = 4 (P = 8,545) it
+    takes about 0.6 of the time numpy's ``J.T @ J`` (syrk on the row-major block) takes on one core."""
+    dsyrk(1.0, np.asfortranarray(J), beta=1.0, c=normal, trans=1, overwrite_c=True)
+
+
+def symmetric_from_upper(normal: np.ndarray, width: int = 1024) -> np.ndarray:
+    """The symmetric matrix of an upper triangle, in place, a band of ``width`` columns at a time
+    (no P^2 temporary beside it)."""
+    for start in range(0, normal.shape[0], width):
+        stop = min(start + width, normal.shape[0])
+        normal[start:stop, :start] = normal[:start, start:stop].T
+        block = normal[start:stop, start:stop]
+        lower = np.tril_indices(stop - start, -1)
+        block[lower] = block.T[lower]
+    return normal
+
+
 def normal_equations(model: RotaryAttention, groups, answers: np.ndarray, probes: np.ndarray | None = None,
                      cluster=None, product: bool = True):
     """``(residual, J^T J, J^T residual, J^T probes)`` summed over the blocks (residual ``f - answers``
@@ -173,15 +194,15 @@ def normal_equations(model: RotaryAttention, groups, answers: np.ndarray, probes
     for index, f, J in _blocks(model, groups, cluster):
         residual[index] = f - answers[index]
         if gradient is None:
-            normal = np.zeros((J.shape[1], J.shape[1])) if product else None
+            normal = np.zeros((J.shape[1], J.shape[1]), order="F") if product else None
             gradient = np.zeros(J.shape[1])
             projected = None if probes is None else np.zeros((J.shape[1], probes.shape[1]))
         if product:
-            normal += J.T @ J
+            add_gram(normal, J)
         gradient += J.T @ residual[index]
         if probes is not None:
             projected += J.T @ probes[index]
-    return residual, normal, gradient, projected
+    return residual, None if normal is None else symmetric_from_upper(normal), gradient, projected
 
 
 def transpose_product(model: RotaryAttention, groups, vector: np.ndarray) -> np.ndarray:
