@@ -240,7 +240,7 @@ def test_heads_that_choose_alike_on_the_first_final_tokens_are_told_apart_by_mor
 @pytest.mark.slow
 def test_a_trained_float32_layer_keeps_only_its_score_directions():
     """GPT-2-d32-h2 layer 0 of the trained zoo, float32: phase 1's score vectors have no gap above
-    float32's noise (k_h = 25 for heads of width 16); the refined ``[W_h | u_h]`` has it, so each head
+    float32's noise (k_h = 20 for heads of width 16); the refined ``[W_h | u_h]`` has it, so each head
     is cut to its 16 directions and refined again. The split's model is kept, <= 1e-5 at every
     position of 100 fresh sequences of 1..128 tokens against the exact float64 layer of the same
     weights, estimate >= the error."""

@@ -34,6 +34,11 @@ REFINE_WORK = 1e9
 #: multiply-adds (``2 n H d (N + r)``: up to d = 256, H = 8, about 15 s a step on one core); larger
 #: layers keep the oversampled start.
 SCORE_REFINE_WORK = 2e9
+#: Answers rounded at this unit or coarser (float32) ask the oversampled score design
+#: (``SCORES_ONLY``) even where every parameter is refined: their score parameters are limited by
+#: the information in the answers, not by the refinement (docs/algorithm.md, 'Whole answers near
+#: the vector bound', 'Oversampling where the full refinement does not run').
+COARSE_UNIT = 2.0 ** -30
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST at 0.5, 1 and 2 token scales.
 HOLDOUT_QUERIES, HOLDOUT_LONGEST = 32, 64
 #: The estimate is this many times the held-out queries' largest relative misfit.
@@ -159,9 +164,10 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
     split = output_subspaces(_Saturated(boundary, values, unit), spawn_rng(seed, STREAMS["split"]), d, d_out,
                              scale, heads, values, unit)
     note_progress(progress, "whole answers: every head's attention weights")
-    full = full_refinement_work(d, split.ranks, FITTED) <= REFINE_WORK
+    design = FITTED if unit < COARSE_UNIT else SCORES_ONLY
+    full = full_refinement_work(d, split.ranks, design) <= REFINE_WORK
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
-                                          unit, FITTED if full else SCORES_ONLY)
+                                          unit, design if full else SCORES_ONLY)
     sequences = values.sequences + [X for batch in batches for X in batch.X]
     answers = np.concatenate([values.answers] + [batch.answers for batch in batches])
     return (_start(split, K, G, beta, values.c, d, d_out), sequences, answers, split, [k.shape[1] for k in K],
