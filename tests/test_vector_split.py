@@ -113,8 +113,9 @@ def test_torch_layers_are_split_by_head(dtype):
     assert isinstance(result, VectorExtraction) and result.ok and result.answer_dtype == dtype
     error = worst_position_error(result.model, to_reduced(exact.eval()), d)
     assert error <= (1e-12 if dtype == "float64" else 1e-5) and result.error_estimate >= error
-    # at d = 16 the calibration's probes and the 64 held-out and verification queries are a third of it
-    assert result.queries <= 15 * result.vector_bound
+    # at d = 16 the calibration's probes and the 64 held-out and verification queries are a third of it;
+    # float32 asks the oversampled score design (3, 1): twice the score queries
+    assert result.queries <= (15 if dtype == "float64" else 16) * result.vector_bound
 
 
 def test_a_split_whose_model_fails_its_checks_gives_way_to_the_scalar_schedule(monkeypatch):
