@@ -58,6 +58,21 @@ class FactoredLayer:
         V = np.einsum("hor,hrd->hod", self.O, self.P)
         return MultiHeadAttention(W, V, u, self.c.copy())
 
+    def truncated_scores(self, ranks: list[int]) -> "FactoredLayer":
+        """The layer with each head's ``[W_h | u_h] = K_h [G_h | beta_h]`` cut to its ``ranks[h]``
+        leading singular directions (``K_h`` their orthonormal basis, ``[G_h | beta_h]`` the
+        singular values times the right vectors), padded to the widest."""
+        H, d, _ = self.K.shape
+        k = max(ranks)
+        K, G, beta = np.zeros((H, d, k)), np.zeros((H, k, d)), np.zeros((H, k))
+        for h, rank in enumerate(ranks):
+            U, s, Vt = np.linalg.svd(self.K[h] @ np.concatenate([self.G[h], self.beta[h][:, None]], axis=1),
+                                     full_matrices=False)
+            K[h, :, :rank] = U[:, :rank]
+            G[h, :rank] = s[:rank, None] * Vt[:rank, :d]
+            beta[h, :rank] = s[:rank] * Vt[:rank, d]
+        return FactoredLayer(K, G, beta, self.O.copy(), self.P.copy(), self.c.copy())
+
 
 @dataclass
 class Forward:

@@ -154,7 +154,9 @@ def _solve_heads(rows: np.ndarray, per_head: list) -> list[np.ndarray]:
 SCORE_RANK_UNITS = 1e3
 
 
-def _rank(vectors: np.ndarray, unit: float) -> int:
+def score_rank(vectors: np.ndarray, unit: float) -> int:
+    """Directions of ``vectors`` (score vectors ``q_h(t)`` as rows, or a head's ``[W_h | u_h]``)
+    above ``SCORE_RANK_UNITS`` units of the largest (float64: 1e-8)."""
     s = np.linalg.svd(vectors, compute_uv=False)
     return int((s > max(1e-8, SCORE_RANK_UNITS * unit) * s[0]).sum())
 
@@ -180,7 +182,7 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
     before (None: from the phase-1 vectors' singular values); ``solved``: see :func:`_full_vectors`."""
     first = [batch for batch in batches if batch.full]
     finals, full = _full_vectors(split, c, first, solved)
-    ranks = [_rank(q, unit) for q in full] if ranks is None else ranks
+    ranks = [score_rank(q, unit) for q in full] if ranks is None else ranks
     bases = [np.linalg.svd(q.T, full_matrices=False)[0][:, :rank] for q, rank in zip(full, ranks)]
     coordinates = [q @ K for q, K in zip(full, bases)]
     for batch in batches:
@@ -249,7 +251,7 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
         batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit,
                             True, "weights: whole score vectors"))
         asked += count
-        ranks = [_rank(q, unit) for q in _full_vectors(split, c, batches, solved)[1]]
+        ranks = [score_rank(q, unit) for q in _full_vectors(split, c, batches, solved)[1]]
         if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
             break
     while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token

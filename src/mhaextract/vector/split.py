@@ -32,6 +32,9 @@ MOST_CIRCLES = 6
 PERTURBATION = 0.02
 #: Directions per round (rounds continue until every head's rank stopped growing).
 DIRECTIONS_PER_ROUND = 8
+#: A difference whose queries do not decode into patterns of rank H asks this many more batches of
+#: final tokens (each the size of the first, ``2 H + 6``) before the split is refused.
+MOST_FINAL_BATCHES = 6
 
 
 @dataclass
@@ -183,7 +186,43 @@ def _fit_labels(patterns: np.ndarray, keep: np.ndarray, sums: np.ndarray, heads:
         if misfit.max() <= tolerance * size:
             return labels.T
         keep[np.argmax(misfit)] = False
-    raise SplitUnavailable("the saturated answers do not decode into 0/1 head choices (too few clean queries)")
+    raise SplitUnavailable("the saturated answers do not decode into 0/1 head choices of rank H (two heads chose "
+                           "alike at every final token, or too few clean queries)")
+
+
+def _decode(sums: np.ndarray, guess: np.ndarray, heads: int, tolerance: float, prior=None) -> np.ndarray:
+    """The labels of one difference from its subset sums ``sums`` (n, d_out): the patterns rounded from
+    ``guess``'s coefficients. ``prior``: ``(patterns, clean)`` of the base difference at the first
+    final tokens, which a perturbed difference shares but where a few heads flip: where the guess
+    does not round (a head whose label moved by a good part of itself, ``|V_h delta|`` small beside
+    ``PERTURBATION |V_h zeta|``), the labels are fitted to the prior patterns (the flipped queries
+    misfit by a whole label and are dropped) and every query is rounded again from that fit."""
+    try:
+        return _fit_labels(*_patterns(guess, sums, tolerance), sums, heads, tolerance)
+    except SplitUnavailable:
+        if prior is None:
+            raise
+    patterns, clean = prior
+    start = _fit_labels(patterns, clean, sums[:len(patterns)], heads, tolerance)
+    return _fit_labels(*_patterns(start, sums, tolerance), sums, heads, tolerance)
+
+
+def _labels_of(saturated: _Saturated, finals: np.ndarray, sums: np.ndarray, delta: np.ndarray, guess: np.ndarray,
+               heads: int, tolerance: float, draw, prior=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(labels, finals, sums)`` of one difference, more final tokens asked (batches of ``draw``) while
+    its queries do not decode: two heads whose choices agree on every final token so far (trained heads
+    alike at this difference: their scores' signs ``delta^T W_h x`` agree on 60..90% of random x) are
+    told apart by more of them."""
+    batch = len(finals)
+    for _ in range(MOST_FINAL_BATCHES):
+        try:
+            return _decode(sums, guess, heads, tolerance, prior), finals, sums
+        except SplitUnavailable:
+            extra = draw(batch)
+            finals = np.concatenate([finals, extra])
+            sums = np.concatenate([sums, saturated.sums(extra, np.broadcast_to(delta, extra.shape),
+                                                        "saturated directions: more final tokens")])
+    return _decode(sums, guess, heads, tolerance, prior), finals, sums
 
 
 def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: float, heads: int,
@@ -197,12 +236,14 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
     delta, labels = base_labels(saturated, rng, d, scale, heads, values, tolerance)
     finals = random_tokens(2 * heads + 6)
     base = saturated.sums(finals, np.broadcast_to(delta, finals.shape), "saturated patterns")
-    labels = _fit_labels(*_patterns(labels, base, tolerance), base, heads, tolerance)
+    labels, finals, base = _labels_of(saturated, finals, base, delta, labels, heads, tolerance, random_tokens)
+    prior = _patterns(labels, base, tolerance)
     columns = [[labels[:, h] / np.linalg.norm(labels[:, h])] for h in range(heads)]
     most = min(d, d_out)
     while True:
         moved = exact_tokens(delta + PERTURBATION * random_tokens(DIRECTIONS_PER_ROUND), unit)
-        for moved_labels in _labels_along(saturated, finals, moved, lambda _: labels, heads, tolerance):
+        for moved_labels in _labels_along(saturated, finals, moved, lambda _: labels, heads, tolerance,
+                                          random_tokens, prior):
             for h in range(heads):
                 columns[h].append((moved_labels[:, h] - labels[:, h]) / PERTURBATION)
         ranks = [_rank(np.stack(column, axis=1), unit) for column in columns]
@@ -215,24 +256,23 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
     finals = random_tokens(2 * heads + 6)
     exact = [[] for _ in range(heads)]
     predicted = lambda delta: np.stack([V @ delta for V in projectors], axis=1)  # noqa: E731
-    for found in _labels_along(saturated, finals, deltas, predicted, heads, tolerance):
+    for found in _labels_along(saturated, finals, deltas, predicted, heads, tolerance, random_tokens):
         for h in range(heads):
             exact[h].append(found[:, h])
     return _oblique(exact, ranks, values, d_out, unit, saturated.asked)
 
 
 def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray, guess, heads: int,
-                  tolerance: float) -> list[np.ndarray]:
-    """For each difference in ``deltas``: the labels (d_out x H) from saturated queries at ``finals``,
-    their 0/1 patterns rounded from ``guess(delta)`` (labels near the true ones)."""
+                  tolerance: float, draw, prior=None) -> list[np.ndarray]:
+    """For each difference in ``deltas``: the labels (d_out x H) from saturated queries at ``finals``
+    (and more where they do not decode, :func:`_labels_of`), their 0/1 patterns rounded from
+    ``guess(delta)`` (labels near the true ones) or from ``prior`` (:func:`_decode`)."""
     count = len(finals)
     sums = saturated.sums(np.tile(finals, (len(deltas), 1)), np.repeat(deltas, count, axis=0),
                           "saturated directions")
-    found = []
-    for index, delta in enumerate(deltas):
-        part = sums[index * count:(index + 1) * count]
-        found.append(_fit_labels(*_patterns(guess(delta), part, tolerance), part, heads, tolerance))
-    return found
+    return [_labels_of(saturated, finals, sums[index * count:(index + 1) * count], delta, guess(delta), heads,
+                       tolerance, draw, prior)[0]
+            for index, delta in enumerate(deltas)]
 
 
 #: A direction of a head's output subspace counts where its singular value (columns normalised) is
