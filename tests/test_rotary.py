@@ -920,6 +920,7 @@ def test_finals_held_at_half_weight_have_self_scores_log_e_and_the_criterion_see
         assert np.allclose(scores, np.log(count - 1), atol=1e-6)
         finals.append(w)
     lengths = (2, 4, 8, 16, 32, 64, 96)
+    finals = [neutral + w for w in finals]                  # the final tokens stay where they are as z moves
     at_neutral = np.abs(half_weight_misfit(whole, neutral, finals, lengths, count - 1.0)).max()
     slow_key = np.array([0.0, 0.0, 1e-4, 0.0])              # the block of theta = 0.01
     keyed = neutral + np.linalg.lstsq(Wk, slow_key, rcond=None)[0]

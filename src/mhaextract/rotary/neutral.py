@@ -114,8 +114,10 @@ HALF_WEIGHT_TRIES = 3
 #: (theta = 1e-3 by 2 rad at 2048) and the final's weight moves most with the copies' scores.
 HALF_WEIGHT_LENGTHS = (2, 16, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 #: Shapes ``(d / d log E)^k E / (E + N - 1)`` at the count's E, k below this, projected out: the heads'
-#: self-scores off ``log E`` to that order.
-HALF_WEIGHT_SHAPES = 5
+#: self-scores off ``log E`` to first order (a key's response is smooth in N too, and five shapes took 95%
+#: of a slow block's), so the finals are held to ``HALF_WEIGHT_LIMIT`` (self-scores within about 1e-4).
+HALF_WEIGHT_SHAPES = 2
+HALF_WEIGHT_LIMIT = 2e-5
 #: Newton steps of the half-weight stage (stacked with the large-query criterion, whose last
 #: Jacobian is kept), each kept only where it lowers both; the difference step relative to the
 #: token scale (the criterion's noise is about 1e-6, its response to a move of the token about 1),
@@ -449,22 +451,23 @@ def half_weight_shapes(lengths, E: float, shapes: int = HALF_WEIGHT_SHAPES) -> n
     return np.column_stack([p(a) for p in polynomials])
 
 
-def half_weight_misfit(whole, z: np.ndarray, offsets, lengths, E: float) -> np.ndarray:
-    """The half-weight criterion at z with finals ``z + w`` whose self-scores are about ``log E``:
-    the part of ``Y_N = f(z^(N-1), z + w) - f(z)`` over ``lengths`` N off :func:`half_weight_shapes`,
-    relative to ``|Y_1|``. For a key-neutral z, ``Y_N = sum_h V_h w E_h / (E_h + N - 1)``, in their span
-    up to the self-scores' distance from ``log E`` to the power ``HALF_WEIGHT_SHAPES``. A key
-    ``kappa_h`` left in z moves the copies' summed weight by ``sum_delta q_h^T R_h(delta) kappa_h``,
+def half_weight_misfit(whole, z: np.ndarray, finals, lengths, E: float) -> np.ndarray:
+    """The half-weight criterion at z with the final tokens ``x`` in ``finals`` (absolute tokens, whose
+    self-scores are about ``log E``): the part of ``Y_N = f(z^(N-1), x) - f(z)`` over ``lengths`` N off
+    :func:`half_weight_shapes`, relative to ``|Y_1|``. For a key-neutral z, ``Y_N = sum_h V_h (x - z)
+    E_h / (E_h + N - 1)``, in their span up to the self-scores' distance from ``log E`` to the power
+    ``HALF_WEIGHT_SHAPES``; a move of z leaves the finals, and so their self-scores, where they are. A
+    key ``kappa_h`` left in z moves the copies' summed weight by ``sum_delta q_h^T R_h(delta) kappa_h``,
     and the final's weight by ``E / (E + N - 1)^2`` of it: about a quarter of the key's score change
     near ``N = E``, where with self-scores of 0 it is ``1 / N`` of it."""
     lengths = np.asarray(lengths)
     shapes = half_weight_shapes(lengths, E)
     off_shapes = np.eye(len(lengths)) - shapes @ np.linalg.pinv(shapes)
     sequences = [z[None]]
-    for w in offsets:
-        sequences += [(z + w)[None]] + [np.vstack([np.tile(z, (N - 1, 1)), z + w]) for N in lengths]
+    for x in finals:
+        sequences += [x[None]] + [np.vstack([np.tile(z, (N - 1, 1)), x]) for N in lengths]
     answers = np.asarray(whole(sequences, "key bias: finals at half weight"), dtype=np.float64)
-    per_final = (answers[1:] - answers[0]).reshape(len(offsets), len(lengths) + 1, -1)
+    per_final = (answers[1:] - answers[0]).reshape(len(finals), len(lengths) + 1, -1)
     single, copies = per_final[:, 0], per_final[:, 1:]
     scale = np.maximum(np.abs(single).max(axis=1), 1e-300)
     return (np.einsum("mn,jno->jmo", off_shapes, copies) / scale[:, None, None]).ravel()
@@ -479,46 +482,48 @@ def half_weight_search(whole, z: np.ndarray, offsets, jacobian, criterion, heads
     Jacobian by forward differences over all d directions) stacked with the large-query one
     (``criterion(z, offsets)`` at the large-query ``offsets``, its last ``jacobian`` kept: it holds the
     fast blocks, which the half-weight rows see only as ``1 / E`` of their score change). A step is
-    kept only where it lowers the stacked misfit. Returns ``(z, key misfit)``: the stacked misfit's
-    largest entry relative to its change under a move of the token by the token scale."""
+    kept only where it lowers the stacked misfit. Returns ``(z, key misfit)``: the half-weight criterion's
+    largest entry relative to its change under a move of the token by the token scale (the large-query
+    rows' floor is their own noise, tens of times the half-weight rows')."""
     d = len(z)
     counts = [count for count in HALF_WEIGHT_COUNTS if 2 * count <= longest]
     lengths = np.array([N for N in HALF_WEIGHT_LENGTHS if N <= longest])
-    finals = np.array(offsets, dtype=np.float64)
+    moved = np.array(offsets, dtype=np.float64)
     for count in counts:
         note_progress(progress, f"key bias: finals at half weight after {count - 1} copies")
-        held = [hold_self_scores(whole, z, w, heads, rng, count, HALF_WEIGHT_TRIES) for w in finals]
-        finals, misfits = np.array([w for w, _ in held]), np.array([m for _, m in held])
-    # a final whose self-scores stayed off log E would leave the shapes' span: left out
-    finals = finals[misfits <= SELF_SCORE_LIMIT]
+        held = [hold_self_scores(whole, z, w, heads, rng, count, HALF_WEIGHT_TRIES, HALF_WEIGHT_LIMIT) for w in moved]
+        moved, misfits = np.array([w for w, _ in held]), np.array([m for _, m in held])
+    # a final whose self-scores stayed off log E would leave the shapes' span: left out; the rest are
+    # fixed tokens from here on
+    finals = z + moved[misfits <= HALF_WEIGHT_LIMIT]
     E, h = counts[-1] - 1.0, HALF_WEIGHT_STEP * token_scale
 
     def stacked(z):
-        return np.concatenate([criterion(z, offsets), half_weight_misfit(whole, z, finals, lengths, E)])
-    here = stacked(z)
+        half = half_weight_misfit(whole, z, finals, lengths, E)
+        return np.concatenate([criterion(z, offsets), half]), half
+    here, half_here = stacked(z)
     reference = 1e-300
     for step in range(HALF_WEIGHT_STEPS if len(finals) else 0):
         note_progress(progress, f"key bias: finals at half weight, step {step + 1}")
-        base = half_weight_misfit(whole, z, finals, lengths, E)
-        half = np.column_stack([(half_weight_misfit(whole, z + h * e, finals, lengths, E) - base) / h
+        half = np.column_stack([(half_weight_misfit(whole, z + h * e, finals, lengths, E) - half_here) / h
                                 for e in np.eye(d)])
-        full = np.vstack([jacobian, half])
-        reference = max(float(np.abs(full).max()) * token_scale, 1e-300)
-        move = np.linalg.lstsq(full, -here, rcond=HALF_WEIGHT_RCOND)[0]
-        trial = stacked(z + move)
+        reference = max(float(np.abs(half).max()) * token_scale, 1e-300)
+        move = np.linalg.lstsq(np.vstack([jacobian, half]), -here, rcond=HALF_WEIGHT_RCOND)[0]
+        trial, half_trial = stacked(z + move)
         if not np.linalg.norm(trial) < np.linalg.norm(here):
             break
-        z, here = z + move, trial
-    return z, float(np.abs(here).max()) / reference
+        z, here, half_here = z + move, trial, half_trial
+    return z, float(np.abs(half_here).max()) / reference
 
 
 def hold_self_scores(whole, z: np.ndarray, w: np.ndarray, heads: int, rng: np.random.Generator,
-                     count: int = 2, tries: int = SELF_SCORE_TRIES) -> tuple[np.ndarray, float]:
+                     count: int = 2, tries: int = SELF_SCORE_TRIES,
+                     limit: float = SELF_SCORE_LIMIT) -> tuple[np.ndarray, float]:
     """The offset ``w`` moved in a random H-dimensional subspace (Gauss-Newton, central differences,
     moves of ``SELF_SCORE_MOVE`` of its norm, each step shortened until it lowers the misfit) until
     the final ``z + w`` takes half the weight after ``count - 1`` copies of z
     (:func:`pair_misfit`): for a key-neutral z, self-scores ``log(count - 1)`` in every head (0 at
-    ``count = 2``). A subspace that leaves the misfit above ``SELF_SCORE_LIMIT`` is replaced, at most
+    ``count = 2``). A subspace that leaves the misfit above ``limit`` is replaced, at most
     ``tries`` in all. Returns ``(w, the misfit left, relative)``."""
     d = len(z)
     misfit = pair_misfit(whole, z, [w], count)[0]
@@ -532,7 +537,7 @@ def hold_self_scores(whole, z: np.ndarray, w: np.ndarray, heads: int, rng: np.ra
                 if np.linalg.norm(trial) < np.linalg.norm(misfit):
                     w, misfit = w + length * moves @ step, trial
                     break
-        if np.abs(misfit).max() <= SELF_SCORE_LIMIT:
+        if np.abs(misfit).max() <= limit:
             break
     return w, float(np.abs(misfit).max())
 

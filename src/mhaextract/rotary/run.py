@@ -336,17 +336,19 @@ def ask_instances_at_scale(run: RotaryRun) -> None:
         # after the float64 search's key-neutral token the fits also carry what is left of the key bias
         # (its key misfit, 4e-9 on exact answers): no measure of noise there; after the large-query search
         # that float64 answers took (its float64 search failed) the noise is measured here
+        # that float64 answers took (its float64 search failed) the noise is measured here, the fits carrying
+        # the key that search leaves as well (up to FLOAT32_FIT)
         searched = run.neutral is not None and run.neutral.large_queries and not run.coarse
         if (not run.coarse and run.precision is None and (run.neutral is None or searched)
-                and NOISY_ANSWERS < answer_noise(residuals) <= FLOAT32_NOISE):
+                and NOISY_ANSWERS < answer_noise(residuals) <= (FLOAT32_FIT if searched else FLOAT32_NOISE)):
             take_as_float32(run, answer_noise(residuals))
         elif searched:
             run.checks.append(Check("answer_noise", False, answer_noise(residuals), NOISY_ANSWERS,
                                     "the float64 key-neutral search failed "
-                                    f"({run.diagnostics.get('float64_search')}) and the large-query search was "
-                                    "taken, but the answers, measured after the shift, carry no float32 rounding "
-                                    "(their self instances' fits miss by this much): the float64 search failed "
-                                    "for another cause (a final token with zero query needs H r <= d)"))
+                                    f"({run.diagnostics.get('float64_search')}), the large-query search was taken, "
+                                    "and the answers, measured after the shift, are out of the band of float32 "
+                                    "rounding (their self instances' fits miss by this much): the float64 search "
+                                    "failed for another cause (a final token with zero query needs H r <= d)"))
     run.sequences, run.exact, run.channels = run.ask(run.learner.patterns(), "rotary instances")
     run.unit = max(run.boundary.answer_unit, NOISY_UNIT if run.noise is not None else 0.0)
     if run.unit > COARSEST_UNIT:  # seen only now in the answers' bits
