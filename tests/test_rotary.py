@@ -901,7 +901,7 @@ def test_a_key_bias_in_high_precision_is_evaluated_in_balls():
 
 
 def test_finals_held_at_half_weight_have_self_scores_log_e_and_the_criterion_sees_a_slow_key():
-    """docs/algorithm.md, 'Slow blocks: finals at half weight': the Gauss-Newton steps on
+    """docs/algorithm.md, 'Finals at half weight for the slow blocks': the Gauss-Newton steps on
     ``2 f(z^(M-1), z + w) - f(z) - f(z + w)`` give the final the self-score ``log(M - 1)`` in every head
     (read here from the weights), and the part of ``Y_N`` off the shapes ``(d / d log E)^k E / (E + N - 1)``
     is zero at the key-neutral token while a key of 1e-4 left in the slow block (theta = 0.01) stands out."""

@@ -116,7 +116,7 @@ def test_the_named_low_rank_schedule_takes_the_defaults_a_trained_layer_needs():
 
 @pytest.mark.slow
 def test_finals_at_half_weight_see_the_slow_key_the_large_query_criterion_misses_in_float32():
-    """qwen2-d32-h4/1 in float32 (docs/algorithm.md, 'Slow blocks: finals at half weight'): the large-query
+    """qwen2-d32-h4/1 in float32 (docs/algorithm.md, 'Finals at half weight for the slow blocks'): the large-query
     search's token left a key of 4e-4 in the slowest blocks (theta = 1e-3), where the start needs 1e-4.
     From the weights: at the key-neutral token and at one with such a key, the large-query criterion (finals
     at self-score 0) tells them apart by less than the half-weight criterion (finals held at half weight

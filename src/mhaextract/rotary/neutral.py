@@ -28,7 +28,8 @@ Under a sliding window every sequence of the search stays within it (:func:`with
 From float32 answers the first-order differences of steps 1 and 2 are the layer's rounding, and
 the search is another (:func:`large_query_search`): Newton steps on ``z`` from 0 over the misfit
 of ``(z^(N-1), z + w)`` from uniform attention, the finals' offsets ``w`` grown to give large
-queries while their self-scores are held at zero.
+queries while their self-scores are held at zero; then, for the slow blocks, finals that take half
+the weight after up to 1024 copies (:func:`half_weight_search`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ SELF_SCORE_LIMIT = 1e-3
 #: The shortest sliding window the large-query search takes: ``SELF_SCORE_SHAPES + 4`` lengths in it.
 LARGE_QUERY_MIN_WINDOW = LARGE_QUERY_LENGTHS[SELF_SCORE_SHAPES + 2] + 1
 #: The half-weight stage after the large-query search (docs/algorithm.md, 'From float32 answers',
-#: 'Slow blocks: finals at half weight'): the finals' self-scores raised to ``log(count - 1)`` along
+#: 'Finals at half weight for the slow blocks'): the finals' self-scores raised to ``log(count - 1)`` along
 #: these counts (each a factor of about 2 from the last, where the Gauss-Newton steps still reach),
 #: the last at most half the longest length; ``HALF_WEIGHT_TRIES`` subspaces each.
 HALF_WEIGHT_COUNTS = (3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
@@ -122,7 +123,7 @@ HALF_WEIGHT_LIMIT = 2e-5
 #: Jacobian is kept), each kept only where it lowers both; the difference step relative to the
 #: token scale (the criterion's noise is about 1e-6, its response to a move of the token about 1),
 #: and the least squares' cut (relative singular values, below them noise).
-HALF_WEIGHT_STEPS, HALF_WEIGHT_STEP, HALF_WEIGHT_RCOND = 2, 1e-2, 1e-3
+HALF_WEIGHT_STEPS, HALF_WEIGHT_STEP, HALF_WEIGHT_RCOND = 3, 1e-2, 1e-3
 #: Largest misfit (relative to the answers) of the uniform attention at the query-neutral token
 #: (or ``QUERY_UNITS`` units of the answers' rounding).
 QUERY_LIMIT, QUERY_UNITS = 1e-9, 30.0
@@ -148,8 +149,9 @@ class NeutralToken:
     value_rank : the rank of ``V = sum_h V_h`` (the value rows, ``n_kv r`` for grouped heads); -1
         after the large-query search, which does not read it.
     query_misfit : the uniform attention's misfit at ``x_q``, relative to the answers.
-    key_misfit : the part of ``T_N`` not affine in N at ``z*``, relative to its change under a move
-        of the token by the token scale.
+    key_misfit : the part of ``T_N`` not affine in N at ``z*`` (after the large-query search: of the
+        half-weight criterion, :func:`half_weight_misfit`), relative to its change under a move of the
+        token by the token scale.
     queries : queries the search asked.
     unit : the answers' rounding unit, which scales the limits.
     key_gap : the criterion Jacobian's singular value past K's rank over the one at it (the gap
@@ -180,7 +182,7 @@ class NeutralToken:
         after the large-query search, ``self_scores`` and ``key_neutral``."""
         key_limit = (HALF_WEIGHT_KEY_UNITS * self.unit if self.large_queries
                      else max(KEY_LIMIT, KEY_UNITS * self.unit))
-        left = ("the answers' part off the self-score shapes" if self.large_queries
+        left = ("the answers' part off the shapes of finals at half weight" if self.large_queries
                 else "the part of the first-order answers not affine in the count")
         key_check = Check("key_neutral", self.key_misfit <= key_limit, self.key_misfit, key_limit,
                           f"{left} left at the key-neutral token, relative to its change under a move of the "
@@ -476,7 +478,7 @@ def half_weight_misfit(whole, z: np.ndarray, finals, lengths, E: float) -> np.nd
 def half_weight_search(whole, z: np.ndarray, offsets, jacobian, criterion, heads: int, rng: np.random.Generator,
                        token_scale: float, longest: int, progress=None) -> tuple[np.ndarray, float]:
     """After the large-query search: the slow blocks' key (docs/algorithm.md, 'From float32 answers',
-    'Slow blocks: finals at half weight'). The finals' self-scores are raised along
+    'Finals at half weight for the slow blocks'). The finals' self-scores are raised along
     ``HALF_WEIGHT_COUNTS`` (:func:`hold_self_scores`) until each takes half the weight after
     ``count - 1`` copies; Newton steps then solve the half-weight criterion (:func:`half_weight_misfit`,
     Jacobian by forward differences over all d directions) stacked with the large-query one
@@ -498,21 +500,25 @@ def half_weight_search(whole, z: np.ndarray, offsets, jacobian, criterion, heads
     finals = z + moved[misfits <= HALF_WEIGHT_LIMIT]
     E, h = counts[-1] - 1.0, HALF_WEIGHT_STEP * token_scale
 
-    def stacked(z):
+    def stacked(z, offsets):
         half = half_weight_misfit(whole, z, finals, lengths, E)
         return np.concatenate([criterion(z, offsets), half]), half
-    here, half_here = stacked(z)
-    reference = 1e-300
+    offsets, reference, half_here = np.array(offsets, dtype=np.float64), 1e-300, np.array([np.inf])
     for step in range(HALF_WEIGHT_STEPS if len(finals) else 0):
         note_progress(progress, f"key bias: finals at half weight, step {step + 1}")
+        # the large-query finals zeroed again at this z: their self-scores were held against the copies'
+        # scores at the search's last z, and a key moved since (3.8e-2 on qwen2-d32-h4/0) leaves them off
+        # 0, past the order its shapes take
+        offsets = np.array([hold_self_scores(whole, z, w, heads, rng)[0] for w in offsets])
+        here, half_here = stacked(z, offsets)
         half = np.column_stack([(half_weight_misfit(whole, z + h * e, finals, lengths, E) - half_here) / h
                                 for e in np.eye(d)])
         reference = max(float(np.abs(half).max()) * token_scale, 1e-300)
         move = np.linalg.lstsq(np.vstack([jacobian, half]), -here, rcond=HALF_WEIGHT_RCOND)[0]
-        trial, half_trial = stacked(z + move)
+        trial, half_trial = stacked(z + move, offsets)
         if not np.linalg.norm(trial) < np.linalg.norm(here):
             break
-        z, here, half_here = z + move, trial, half_trial
+        z, half_here = z + move, half_trial
     return z, float(np.abs(half_here).max()) / reference
 
 
