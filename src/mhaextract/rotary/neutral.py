@@ -130,9 +130,10 @@ QUERY_LIMIT, QUERY_UNITS = 1e-9, 30.0
 #: Largest part of ``T_N`` not affine in N left at the key-neutral token, relative to its change
 #: under a move of the token by the token scale (or ``KEY_UNITS`` units of the answers' rounding).
 KEY_LIMIT, KEY_UNITS = 1e-6, 1e4
-#: After the half-weight stage (float32 answers) the same misfit, of the stacked criteria, within this
-#: many units: the answers' noise, which a key of 1e-4 in a slow block stands well out of.
-HALF_WEIGHT_KEY_UNITS = 100.0
+#: After the half-weight stage (float32 answers) its criterion's misfit within this many units: the
+#: answers' noise (88 units on qwen2-d32-h4/1, keys within 3.5e-6), which a key of 1e-4 in a slow block
+#: stands out of (2,000 units with keys of 4.6e-4 on qwen2-d32-h4/0).
+HALF_WEIGHT_KEY_UNITS = 300.0
 #: The answers' unit the large-query search assumes: float32's, also for float64 answers computed in it.
 COARSE_UNIT = 2.0 ** -24
 
