@@ -913,3 +913,31 @@ def test_a_key_bias_in_high_precision_is_evaluated_in_balls():
     high = np.array(exact(X, precision=128), dtype=np.float64)
     assert np.abs(high - model(X)).max() <= 1e-14 * np.abs(model(X)).max()
     assert mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=1).to_mpf().precision == 53  # no key bias
+
+
+def test_finals_held_at_half_weight_have_self_scores_log_e_and_the_criterion_sees_a_slow_key():
+    """docs/algorithm.md, 'Finals at half weight for the slow blocks': the Gauss-Newton steps on
+    ``2 f(z^(M-1), z + w) - f(z) - f(z + w)`` give the final the self-score ``log(M - 1)`` in every head
+    (read here from the weights), and the part of ``Y_N`` off the shapes ``(d / d log E)^k E / (E + N - 1)``
+    is zero at the key-neutral token while a key of 1e-4 left in the slow block (theta = 0.01) stands out."""
+    from mhaextract.rotary.neutral import half_weight_misfit, hold_self_scores
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0)
+    Wk, bk = layer.Wk.reshape(-1, 8), layer.bk.ravel()
+    neutral = -np.linalg.lstsq(Wk, bk, rcond=None)[0]      # from the weights: the test's own truth
+    rng = np.random.default_rng(2)
+    whole = lambda sequences, description: layer(sequences)
+    count, finals = 9, []
+    for w in rng.normal(size=(2, 8)):
+        for step_count in (2, 3, 5, count):                 # raised by factors of about 2, as the search does
+            w, misfit = hold_self_scores(whole, neutral, w, 2, rng, step_count, 3)
+        assert misfit <= 1e-8
+        scores = [(layer.Wq[h] @ (neutral + w) + layer.bq[h]) @ (Wk @ (neutral + w) + bk) for h in range(2)]
+        assert np.allclose(scores, np.log(count - 1), atol=1e-6)
+        finals.append(w)
+    lengths = (2, 4, 8, 16, 32, 64, 96)
+    finals = [neutral + w for w in finals]                  # the final tokens stay where they are as z moves
+    at_neutral = np.abs(half_weight_misfit(whole, neutral, finals, lengths, count - 1.0)).max()
+    slow_key = np.array([0.0, 0.0, 1e-4, 0.0])              # the block of theta = 0.01
+    keyed = neutral + np.linalg.lstsq(Wk, slow_key, rcond=None)[0]
+    assert at_neutral <= 1e-9
+    assert np.abs(half_weight_misfit(whole, keyed, finals, lengths, count - 1.0)).max() >= 100 * at_neutral

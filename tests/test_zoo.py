@@ -112,3 +112,44 @@ def test_the_named_low_rank_schedule_takes_the_defaults_a_trained_layer_needs():
     assert result.schedule == "lowrank" and result.details.rank == 16 and result.bias
     assert result.calibration_queries > 0 and row["queries"] == result.queries
     assert zoo.failures(row) == []
+
+
+@pytest.mark.slow
+def test_finals_at_half_weight_see_the_slow_key_the_large_query_criterion_misses_in_float32():
+    """qwen2-d32-h4/1 in float32 (docs/algorithm.md, 'Finals at half weight for the slow blocks'): the large-query
+    search's token left a key of 4e-4 in the slowest blocks (theta = 1e-3), where the start needs 1e-4.
+    From the weights: at the key-neutral token and at one with such a key, the large-query criterion (finals
+    at self-score 0) tells them apart by less than the half-weight criterion (finals held at half weight
+    after 256 copies), which sees the key far above the float32 answers' noise."""
+    from mhaextract.adapters.rotary import to_rotary
+    from mhaextract.adapters.torch import TorchOracle
+    from mhaextract.oracle.boundary import OracleBoundary
+    from mhaextract.rotary.neutral import (HALF_WEIGHT_LENGTHS, LARGE_QUERY_LENGTHS, half_weight_misfit,
+                                           hold_self_scores, off_shape_misfit)
+    layer_id = "qwen2-d32-h4/1"
+    d, H = zoo.shape(layer_id)
+    truth = to_rotary(zoo.exact_layer(layer_id, torch.float32).attention)
+    K, k = truth.K[::2].reshape(-1, d), truth.key_bias[::2].ravel()   # two heads a key/value head
+    assert truth.theta[0, -1] == pytest.approx(1e-3)
+    neutral = -np.linalg.lstsq(K, k, rcond=None)[0]
+    slow = np.zeros_like(k)
+    slow[[6, 7, 14, 15]] = 4e-4 / np.sqrt(2)                           # the slowest block of each key/value head
+    keyed = neutral + np.linalg.lstsq(K, slow, rcond=None)[0]
+    boundary = OracleBoundary(TorchOracle(zoo.layer_as_run(layer_id, torch.float32)), d)
+
+    def whole(sequences, description):
+        return np.asarray(boundary.ask(sequences, description, whole=True), dtype=np.float64)
+    rng, scale = np.random.default_rng(0), d ** 0.25
+    finals = []
+    for w in rng.standard_normal((2, d)) * 3 * scale / np.sqrt(d):
+        for count in (2, 3, 5, 9, 17, 33, 65, 129, 257):
+            w, misfit = hold_self_scores(whole, neutral, w, H, rng, count, 3)
+        assert misfit <= 1e-5
+        finals.append(neutral + w)
+    zeroed = [hold_self_scores(whole, neutral, w, H, rng)[0] for w in rng.standard_normal((2, d)) * 3 * scale / np.sqrt(d)]
+    # the key's response against the criterion's noise (its value at the neutral token), over all its entries
+    large = [off_shape_misfit(whole, z, zeroed, LARGE_QUERY_LENGTHS) for z in (neutral, keyed)]
+    half = [half_weight_misfit(whole, z, finals, HALF_WEIGHT_LENGTHS, 256.0) for z in (neutral, keyed)]
+    seen_large = np.linalg.norm(large[1] - large[0]) / np.linalg.norm(large[0])
+    seen_half = np.linalg.norm(half[1] - half[0]) / np.linalg.norm(half[0])
+    assert seen_half >= 4 and seen_half >= 3 * seen_large

@@ -28,7 +28,8 @@ Under a sliding window every sequence of the search stays within it (:func:`with
 From float32 answers the first-order differences of steps 1 and 2 are the layer's rounding, and
 the search is another (:func:`large_query_search`): Newton steps on ``z`` from 0 over the misfit
 of ``(z^(N-1), z + w)`` from uniform attention, the finals' offsets ``w`` grown to give large
-queries while their self-scores are held at zero.
+queries while their self-scores are held at zero; then, for the slow blocks, finals that take half
+the weight after up to 1024 copies (:func:`half_weight_search`).
 """
 
 from __future__ import annotations
@@ -104,12 +105,37 @@ TOKEN_STEP = 1e-3
 SELF_SCORE_LIMIT = 1e-3
 #: The shortest sliding window the large-query search takes: ``SELF_SCORE_SHAPES + 4`` lengths in it.
 LARGE_QUERY_MIN_WINDOW = LARGE_QUERY_LENGTHS[SELF_SCORE_SHAPES + 2] + 1
+#: The half-weight stage after the large-query search (docs/algorithm.md, 'From float32 answers',
+#: 'Finals at half weight for the slow blocks'): the finals' self-scores raised to ``log(count - 1)`` along
+#: these counts (each a factor of about 2 from the last, where the Gauss-Newton steps still reach),
+#: the last at most half the longest length; ``HALF_WEIGHT_TRIES`` subspaces each.
+HALF_WEIGHT_COUNTS = (3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
+HALF_WEIGHT_TRIES = 3
+#: Lengths N of ``(z^(N-1), z + w)`` at half weight: most near the count, where a slow block turns
+#: (theta = 1e-3 by 2 rad at 2048) and the final's weight moves most with the copies' scores.
+HALF_WEIGHT_LENGTHS = (2, 16, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+#: Shapes ``(d / d log E)^k E / (E + N - 1)`` at the count's E, k below this, projected out: the heads'
+#: self-scores off ``log E`` to first order (a key's response is smooth in N too, and five shapes took 95%
+#: of a slow block's), so the finals are held to ``HALF_WEIGHT_LIMIT`` (self-scores within about 1e-4).
+HALF_WEIGHT_SHAPES = 2
+HALF_WEIGHT_LIMIT = 2e-5
+#: Newton steps of the half-weight stage (stacked with the large-query criterion, whose last
+#: Jacobian is kept), each kept only where it lowers both; the difference step relative to the
+#: token scale (the criterion's noise is about 1e-6, its response to a move of the token about 1),
+#: and the least squares' cut (relative singular values, below them noise).
+HALF_WEIGHT_STEPS, HALF_WEIGHT_STEP, HALF_WEIGHT_RCOND = 3, 1e-2, 1e-3
 #: Largest misfit (relative to the answers) of the uniform attention at the query-neutral token
 #: (or ``QUERY_UNITS`` units of the answers' rounding).
 QUERY_LIMIT, QUERY_UNITS = 1e-9, 30.0
 #: Largest part of ``T_N`` not affine in N left at the key-neutral token, relative to its change
 #: under a move of the token by the token scale (or ``KEY_UNITS`` units of the answers' rounding).
 KEY_LIMIT, KEY_UNITS = 1e-6, 1e4
+#: After the half-weight stage (float32 answers) its criterion's misfit within this many units: the
+#: answers' noise (88 units on qwen2-d32-h4/1, keys within 3.5e-6), which a key of 1e-4 in a slow block
+#: stands out of (2,000 units with keys of 4.6e-4 on qwen2-d32-h4/0).
+HALF_WEIGHT_KEY_UNITS = 300.0
+#: The answers' unit the large-query search assumes: float32's, also for float64 answers computed in it.
+COARSE_UNIT = 2.0 ** -24
 
 
 @dataclass
@@ -124,8 +150,9 @@ class NeutralToken:
     value_rank : the rank of ``V = sum_h V_h`` (the value rows, ``n_kv r`` for grouped heads); -1
         after the large-query search, which does not read it.
     query_misfit : the uniform attention's misfit at ``x_q``, relative to the answers.
-    key_misfit : the part of ``T_N`` not affine in N at ``z*``, relative to its change under a move
-        of the token by the token scale.
+    key_misfit : the part of ``T_N`` not affine in N at ``z*`` (after the large-query search: of the
+        half-weight criterion, :func:`half_weight_misfit`), relative to its change under a move of the
+        token by the token scale.
     queries : queries the search asked.
     unit : the answers' rounding unit, which scales the limits.
     key_gap : the criterion Jacobian's singular value past K's rank over the one at it (the gap
@@ -154,8 +181,9 @@ class NeutralToken:
     def checks(self) -> list[Check]:
         """``value_null_space``, then ``query_neutral`` and ``key_neutral`` as far as the search went;
         after the large-query search, ``self_scores`` and ``key_neutral``."""
-        key_limit = max(KEY_LIMIT, KEY_UNITS * self.unit)
-        left = ("the answers' part off the self-score shapes" if self.large_queries
+        key_limit = (HALF_WEIGHT_KEY_UNITS * self.unit if self.large_queries
+                     else max(KEY_LIMIT, KEY_UNITS * self.unit))
+        left = ("the answers' part off the shapes of finals at half weight" if self.large_queries
                 else "the part of the first-order answers not affine in the count")
         key_check = Check("key_neutral", self.key_misfit <= key_limit, self.key_misfit, key_limit,
                           f"{left} left at the key-neutral token, relative to its change under a move of the "
@@ -255,8 +283,8 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
                              f"{LARGE_QUERY_MIN_WINDOW} tokens, got {window}")
         token, key_misfit, self_misfit = large_query_search(
             whole, d, heads, rng, token_scale, within_window(LARGE_QUERY_LENGTHS, window), progress)
-        return NeutralToken(token, None, d, -1, np.nan, key_misfit, boundary.queries - asked, boundary.answer_unit,
-                            large_queries=True, self_score_misfit=self_misfit)
+        return NeutralToken(token, None, d, -1, np.nan, key_misfit, boundary.queries - asked,
+                            max(boundary.answer_unit, COARSE_UNIT), large_queries=True, self_score_misfit=self_misfit)
     if window is not None and window < 5:  # two lengths beyond the affine part's two
         raise ValueError(f"the key-neutral search needs a window of at least 5 tokens, got {window}: a layer "
                          "with a shorter window has no key-neutral token this search can find")
@@ -366,22 +394,6 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
     def criterion(z, offsets):
         return off_shape_misfit(whole, z, offsets, lengths)
 
-    def zero_self_scores(z, w):
-        misfit = pair_misfit(whole, z, [w])[0]
-        for _ in range(SELF_SCORE_TRIES):  # a subspace that cannot zero them is replaced once
-            moves = np.linalg.qr(rng.standard_normal((d, heads)))[0] * (SELF_SCORE_MOVE * np.linalg.norm(w))
-            for _ in range(SELF_SCORE_STEPS):
-                sides = pair_misfit(whole, z, list(w + moves.T) + list(w - moves.T))
-                step = np.linalg.lstsq((sides[:heads] - sides[heads:]).T / 2, -misfit, rcond=None)[0]
-                for length in 0.5 ** np.arange(10):  # the first shorter step that lowers the misfit
-                    trial = pair_misfit(whole, z, [w + length * moves @ step])[0]
-                    if np.linalg.norm(trial) < np.linalg.norm(misfit):
-                        w, misfit = w + length * moves @ step, trial
-                        break
-            if np.abs(misfit).max() <= SELF_SCORE_LIMIT:
-                break
-        return w, float(np.abs(misfit).max())
-
     directions = rng.standard_normal((LARGE_QUERY_FINALS, d))
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     z, offsets, h = np.zeros(d), directions * token_scale, TOKEN_STEP * token_scale
@@ -394,11 +406,11 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
         while grown < size:
             grown = min(size, grown * GROWTH)
             offsets = offsets / np.linalg.norm(offsets, axis=1, keepdims=True) * (grown * token_scale)
-            offsets = np.array([zero_self_scores(z, w)[0] for w in offsets])
+            offsets = np.array([hold_self_scores(whole, z, w, heads, rng)[0] for w in offsets])
         last = stage == len(FINAL_SIZES) - 1
         for step in range(STEPS_PER_SIZE + (EXTRA_STEPS if last else 0)):
             note_progress(progress, f"key bias: large-query finals of {size:g} token scales, step {step + 1}")
-            zeroed = [zero_self_scores(z, w) for w in offsets]
+            zeroed = [hold_self_scores(whole, z, w, heads, rng) for w in offsets]
             offsets, misfits = np.array([w for w, _ in zeroed]), np.array([m for _, m in zeroed])
             # a final whose self-scores stayed large sits this step out (tried again at the next),
             # while at least half of them are left
@@ -419,7 +431,122 @@ def large_query_search(whole, d: int, heads: int, rng: np.random.Generator, toke
             # past the last size's own steps, the extra ones go on while each halves the criterion
             if last and step + 1 >= STEPS_PER_SIZE and not np.linalg.norm(trial) < EXTRA_GAIN * before:
                 break
-    return z, misfit / reference, self_misfit
+    return half_weight_search(whole, z, used, jacobian, criterion, heads, rng, token_scale,
+                              int(lengths.max()), progress) + (self_misfit,)
+
+
+def half_weight_shapes(lengths, E: float, shapes: int = HALF_WEIGHT_SHAPES) -> np.ndarray:
+    """``(d / d log E)^k a(N)`` for ``k < shapes`` at ``a(N) = E / (E + N - 1)`` over ``lengths`` N (columns):
+    with ``u = log E``, ``da / du = a (1 - a)``, so each is a polynomial in a, ``p_{k+1} = p_k'(a) a (1 - a)``.
+
+    >>> import numpy as np
+    >>> from mhaextract.rotary.neutral import half_weight_shapes
+    >>> N, E = np.array([2.0, 10.0, 100.0]), 50.0
+    >>> a = lambda u: np.exp(u) / (np.exp(u) + N - 1)
+    >>> step = 1e-5
+    >>> bool(np.allclose(half_weight_shapes(N, E, 2)[:, 1], (a(np.log(E) + step) - a(np.log(E) - step)) / (2 * step)))
+    True
+    """
+    a = E / (E + np.asarray(lengths, dtype=np.float64) - 1.0)
+    polynomials, turn = [np.polynomial.Polynomial([0.0, 1.0])], np.polynomial.Polynomial([0.0, 1.0, -1.0])
+    for _ in range(shapes - 1):
+        polynomials.append(polynomials[-1].deriv() * turn)
+    return np.column_stack([p(a) for p in polynomials])
+
+
+def half_weight_misfit(whole, z: np.ndarray, finals, lengths, E: float) -> np.ndarray:
+    """The half-weight criterion at z with the final tokens ``x`` in ``finals`` (absolute tokens, whose
+    self-scores are about ``log E``): the part of ``Y_N = f(z^(N-1), x) - f(z)`` over ``lengths`` N off
+    :func:`half_weight_shapes`, relative to ``|Y_1|``. For a key-neutral z, ``Y_N = sum_h V_h (x - z)
+    E_h / (E_h + N - 1)``, in their span up to the self-scores' distance from ``log E`` to the power
+    ``HALF_WEIGHT_SHAPES``; a move of z leaves the finals, and so their self-scores, where they are. A
+    key ``kappa_h`` left in z moves the copies' summed weight by ``sum_delta q_h^T R_h(delta) kappa_h``,
+    and the final's weight by ``E / (E + N - 1)^2`` of it: about a quarter of the key's score change
+    near ``N = E``, where with self-scores of 0 it is ``1 / N`` of it."""
+    lengths = np.asarray(lengths)
+    shapes = half_weight_shapes(lengths, E)
+    off_shapes = np.eye(len(lengths)) - shapes @ np.linalg.pinv(shapes)
+    sequences = [z[None]]
+    for x in finals:
+        sequences += [x[None]] + [np.vstack([np.tile(z, (N - 1, 1)), x]) for N in lengths]
+    answers = np.asarray(whole(sequences, "key bias: finals at half weight"), dtype=np.float64)
+    per_final = (answers[1:] - answers[0]).reshape(len(finals), len(lengths) + 1, -1)
+    single, copies = per_final[:, 0], per_final[:, 1:]
+    scale = np.maximum(np.abs(single).max(axis=1), 1e-300)
+    return (np.einsum("mn,jno->jmo", off_shapes, copies) / scale[:, None, None]).ravel()
+
+
+def half_weight_search(whole, z: np.ndarray, offsets, jacobian, criterion, heads: int, rng: np.random.Generator,
+                       token_scale: float, longest: int, progress=None) -> tuple[np.ndarray, float]:
+    """After the large-query search: the slow blocks' key (docs/algorithm.md, 'From float32 answers',
+    'Finals at half weight for the slow blocks'). The finals' self-scores are raised along
+    ``HALF_WEIGHT_COUNTS`` (:func:`hold_self_scores`) until each takes half the weight after
+    ``count - 1`` copies; Newton steps then solve the half-weight criterion (:func:`half_weight_misfit`,
+    Jacobian by forward differences over all d directions) stacked with the large-query one
+    (``criterion(z, offsets)`` at the large-query ``offsets``, its last ``jacobian`` kept: it holds the
+    fast blocks, which the half-weight rows see only as ``1 / E`` of their score change). A step is
+    kept only where it lowers the stacked misfit. Returns ``(z, key misfit)``: the half-weight criterion's
+    largest entry relative to its change under a move of the token by the token scale (the large-query
+    rows' floor is their own noise, tens of times the half-weight rows')."""
+    d = len(z)
+    counts = [count for count in HALF_WEIGHT_COUNTS if 2 * count <= longest]
+    lengths = np.array([N for N in HALF_WEIGHT_LENGTHS if N <= longest])
+    moved = np.array(offsets, dtype=np.float64)
+    for count in counts:
+        note_progress(progress, f"key bias: finals at half weight after {count - 1} copies")
+        held = [hold_self_scores(whole, z, w, heads, rng, count, HALF_WEIGHT_TRIES, HALF_WEIGHT_LIMIT) for w in moved]
+        moved, misfits = np.array([w for w, _ in held]), np.array([m for _, m in held])
+    # a final whose self-scores stayed off log E would leave the shapes' span: left out; the rest are
+    # fixed tokens from here on
+    finals = z + moved[misfits <= HALF_WEIGHT_LIMIT]
+    E, h = counts[-1] - 1.0, HALF_WEIGHT_STEP * token_scale
+
+    def stacked(z, offsets):
+        half = half_weight_misfit(whole, z, finals, lengths, E)
+        return np.concatenate([criterion(z, offsets), half]), half
+    offsets, reference, half_here = np.array(offsets, dtype=np.float64), 1e-300, np.array([np.inf])
+    for step in range(HALF_WEIGHT_STEPS if len(finals) else 0):
+        note_progress(progress, f"key bias: finals at half weight, step {step + 1}")
+        # the large-query finals zeroed again at this z: their self-scores were held against the copies'
+        # scores at the search's last z, and a key moved since (3.8e-2 on qwen2-d32-h4/0) leaves them off
+        # 0, past the order its shapes take
+        offsets = np.array([hold_self_scores(whole, z, w, heads, rng)[0] for w in offsets])
+        here, half_here = stacked(z, offsets)
+        half = np.column_stack([(half_weight_misfit(whole, z + h * e, finals, lengths, E) - half_here) / h
+                                for e in np.eye(d)])
+        reference = max(float(np.abs(half).max()) * token_scale, 1e-300)
+        move = np.linalg.lstsq(np.vstack([jacobian, half]), -here, rcond=HALF_WEIGHT_RCOND)[0]
+        trial, half_trial = stacked(z + move, offsets)
+        if not np.linalg.norm(trial) < np.linalg.norm(here):
+            break
+        z, half_here = z + move, half_trial
+    return z, float(np.abs(half_here).max()) / reference
+
+
+def hold_self_scores(whole, z: np.ndarray, w: np.ndarray, heads: int, rng: np.random.Generator,
+                     count: int = 2, tries: int = SELF_SCORE_TRIES,
+                     limit: float = SELF_SCORE_LIMIT) -> tuple[np.ndarray, float]:
+    """The offset ``w`` moved in a random H-dimensional subspace (Gauss-Newton, central differences,
+    moves of ``SELF_SCORE_MOVE`` of its norm, each step shortened until it lowers the misfit) until
+    the final ``z + w`` takes half the weight after ``count - 1`` copies of z
+    (:func:`pair_misfit`): for a key-neutral z, self-scores ``log(count - 1)`` in every head (0 at
+    ``count = 2``). A subspace that leaves the misfit above ``limit`` is replaced, at most
+    ``tries`` in all. Returns ``(w, the misfit left, relative)``."""
+    d = len(z)
+    misfit = pair_misfit(whole, z, [w], count)[0]
+    for _ in range(tries):
+        moves = np.linalg.qr(rng.standard_normal((d, heads)))[0] * (SELF_SCORE_MOVE * np.linalg.norm(w))
+        for _ in range(SELF_SCORE_STEPS):
+            sides = pair_misfit(whole, z, list(w + moves.T) + list(w - moves.T), count)
+            step = np.linalg.lstsq((sides[:heads] - sides[heads:]).T / 2, -misfit, rcond=None)[0]
+            for length in 0.5 ** np.arange(10):  # the first shorter step that lowers the misfit
+                trial = pair_misfit(whole, z, [w + length * moves @ step], count)[0]
+                if np.linalg.norm(trial) < np.linalg.norm(misfit):
+                    w, misfit = w + length * moves @ step, trial
+                    break
+        if np.abs(misfit).max() <= limit:
+            break
+    return w, float(np.abs(misfit).max())
 
 
 def off_shape_misfit(whole, z: np.ndarray, offsets, lengths=LARGE_QUERY_LENGTHS) -> np.ndarray:
@@ -458,11 +585,14 @@ def off_shape_misfit(whole, z: np.ndarray, offsets, lengths=LARGE_QUERY_LENGTHS)
     return (np.einsum("mn,jno->jmo", off_shapes, misfit) / scale[:, None, None]).ravel()
 
 
-def pair_misfit(whole, z: np.ndarray, offsets) -> np.ndarray:
-    """``2 f(z, z + w) - f(z) - f(z + w)`` for each ``w`` in ``offsets``, relative to
-    ``|f(z + w) - f(z)|``: zero where ``z + w``'s self-scores are z's scores at offset 1 (every
-    self-score, for a key-neutral z), the two tokens' attention then being uniform."""
-    sequences = [z[None]] + [s for w in offsets for s in ((z + w)[None], np.vstack([z, z + w]))]
+def pair_misfit(whole, z: np.ndarray, offsets, count: int = 2) -> np.ndarray:
+    """``2 f(z^(count-1), z + w) - f(z) - f(z + w)`` for each ``w`` in ``offsets``, relative to
+    ``|f(z + w) - f(z)|``. For a key-neutral z the copies score 0 and carry z's value, so it is
+    ``sum_h V_h w (2 a_h - 1)`` with ``a_h = E_h / (E_h + count - 1)`` the final's weight: zero
+    exactly where every self-score is ``log(count - 1)`` (the two tokens' attention uniform at
+    ``count = 2``)."""
+    copies = [np.vstack([np.tile(z, (count - 1, 1)), z + w]) for w in offsets]
+    sequences = [z[None]] + [s for w, long in zip(offsets, copies) for s in ((z + w)[None], long)]
     answers = np.asarray(whole(sequences, "key bias: the finals' self-scores"), dtype=np.float64)
     single, pair = answers[1::2] - answers[0], answers[2::2] - answers[0]
     return (2 * pair - single) / np.maximum(np.abs(single).max(axis=1, keepdims=True), 1e-300)

@@ -77,6 +77,9 @@ FLOAT64_SEARCH_HINT = ("; the float64 search needs answers exact to float64: a f
                        "rotary angles or softmax in float32 (transformers' own rotary embedding, the eager softmax) "
                        "fails it; ask its exact float64 copy (adapters.rotary.float64_layer), or the layer in "
                        "float32, whose answers take the large-query search")
+#: The float64 search's checks that float64 answers computed in float32 fail (docs/algorithm.md, 'Float64
+#: answers computed in float32'): after them the search for float32 answers is taken.
+NOISE_SEARCH_CHECKS = ("query_neutral", "key_neutral")
 #: Fresh polish queries per parameter of the model, and their lengths (inclusive).
 POLISH_FACTOR = 3
 POLISH_LENGTHS = (2, 64)
@@ -295,7 +298,15 @@ def seek_neutral_token(run: RotaryRun) -> None:
         run.neutral = find_neutral_token(run.boundary, run.c_whole, spawn_rng(run.seed, 24), run.scale, run.progress,
                                          window, heads=run.heads, coarse=run.coarse)
         checks = run.neutral.checks()
-        if not run.coarse:  # the float64 search cannot tell noisy answers from a token that is not neutral
+        if not run.coarse and not all(check.passed for check in checks) and run.precision is None and \
+                checks[-1].name in NOISE_SEARCH_CHECKS and not (window is not None and window < LARGE_QUERY_MIN_WINDOW):
+            # float64 answers computed in float32 fail the float64 search (its first-order differences read the
+            # noise): the search for float32 answers is taken, and the noise measured after the shift
+            run.diagnostics["float64_search"] = {check.name: check.value for check in checks}
+            run.neutral = find_neutral_token(run.boundary, run.c_whole, spawn_rng(run.seed, 26), run.scale,
+                                             run.progress, window, heads=run.heads, coarse=True)
+            checks = run.neutral.checks()
+        if not run.neutral.large_queries:  # the float64 search cannot tell noisy answers from a token not neutral
             checks = [check if check.passed else replace(check, message=check.message + FLOAT64_SEARCH_HINT)
                       for check in checks]
         run.checks += checks
@@ -322,11 +333,22 @@ def ask_instances_at_scale(run: RotaryRun) -> None:
     run.channels_c = None if run.projection is None else run.c_whole @ run.projection
     if run.token_scale is None:
         residuals = choose_token_scale(run.learner, run.ask, run.c, run.channels_c, run.coarse)
-        # after a key-neutral token the fits also carry what is left of the key bias (its key misfit,
-        # 4e-9 on exact answers): no measure of noise there
-        if (not run.coarse and run.precision is None and run.neutral is None
-                and NOISY_ANSWERS < answer_noise(residuals) <= FLOAT32_NOISE):
+        # after the float64 search's key-neutral token the fits also carry what is left of the key bias
+        # (its key misfit, 4e-9 on exact answers): no measure of noise there; after the large-query search
+        # that float64 answers took (its float64 search failed) the noise is measured here
+        # that float64 answers took (its float64 search failed) the noise is measured here, the fits carrying
+        # the key that search leaves as well (up to FLOAT32_FIT)
+        searched = run.neutral is not None and run.neutral.large_queries and not run.coarse
+        if (not run.coarse and run.precision is None and (run.neutral is None or searched)
+                and NOISY_ANSWERS < answer_noise(residuals) <= (FLOAT32_FIT if searched else FLOAT32_NOISE)):
             take_as_float32(run, answer_noise(residuals))
+        elif searched:
+            run.checks.append(Check("answer_noise", False, answer_noise(residuals), NOISY_ANSWERS,
+                                    "the float64 key-neutral search failed "
+                                    f"({run.diagnostics.get('float64_search')}), the large-query search was taken, "
+                                    "and the answers, measured after the shift, are out of the band of float32 "
+                                    "rounding (their self instances' fits miss by this much): the float64 search "
+                                    "failed for another cause (a final token with zero query needs H r <= d)"))
     run.sequences, run.exact, run.channels = run.ask(run.learner.patterns(), "rotary instances")
     run.unit = max(run.boundary.answer_unit, NOISY_UNIT if run.noise is not None else 0.0)
     if run.unit > COARSEST_UNIT:  # seen only now in the answers' bits
@@ -550,7 +572,7 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
         shift_to_neutral_token(run)
     if run.passed:
         ask_instances_at_scale(run)
-        if run.unit <= COARSEST_UNIT:
+        if run.unit <= COARSEST_UNIT and run.passed:
             learn_start(run)
         settle_start(run)
     if run.start is not None:
