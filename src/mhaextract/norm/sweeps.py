@@ -66,7 +66,7 @@ def _bends(slopes: np.ndarray, size: np.ndarray, unit: float) -> float:
 
 
 #: An eps spread above float64's limit but below this is float32 rounding inside a float64 layer, not a
-#: layer of another form (a whole GPT-2 block spreads the readings by 1.1e-3).
+#: layer of another form (a whole GPT-2 block, its MLP after the residual, spreads them far wider).
 FLOAT32_SPREAD = 1e-5
 #: Said where that is so.
 FLOAT32_NORM = ("; a spread this small is float32 rounding inside a float64 layer: transformers' LlamaRMSNorm "

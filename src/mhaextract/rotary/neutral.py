@@ -131,8 +131,8 @@ QUERY_LIMIT, QUERY_UNITS = 1e-9, 30.0
 #: under a move of the token by the token scale (or ``KEY_UNITS`` units of the answers' rounding).
 KEY_LIMIT, KEY_UNITS = 1e-6, 1e4
 #: After the half-weight stage (float32 answers) its criterion's misfit within this many units: the
-#: answers' noise (88 units on qwen2-d32-h4/1, keys within 3.5e-6), which a key of 1e-4 in a slow block
-#: stands out of (2,000 units with keys of 4.6e-4 on qwen2-d32-h4/0).
+#: answers' noise leaves about a hundred units where the keys are gone, and a key of 1e-4 in a slow block
+#: stands out of it (docs/algorithm.md, 'Finals at half weight for the slow blocks').
 HALF_WEIGHT_KEY_UNITS = 300.0
 #: The answers' unit the large-query search assumes: float32's, also for float64 answers computed in it.
 COARSE_UNIT = 2.0 ** -24
@@ -508,8 +508,8 @@ def half_weight_search(whole, z: np.ndarray, offsets, jacobian, criterion, heads
     for step in range(HALF_WEIGHT_STEPS if len(finals) else 0):
         note_progress(progress, f"key bias: finals at half weight, step {step + 1}")
         # the large-query finals zeroed again at this z: their self-scores were held against the copies'
-        # scores at the search's last z, and a key moved since (3.8e-2 on qwen2-d32-h4/0) leaves them off
-        # 0, past the order its shapes take
+        # scores at the search's last z, and a key moved since leaves them off 0, past the order its
+        # shapes take
         offsets = np.array([hold_self_scores(whole, z, w, heads, rng)[0] for w in offsets])
         here, half_here = stacked(z, offsets)
         half = np.column_stack([(half_weight_misfit(whole, z + h * e, finals, lengths, E) - half_here) / h
