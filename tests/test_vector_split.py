@@ -206,33 +206,21 @@ def test_a_trained_float32_layer_splits_into_its_heads_full_widths(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_trained_float64_layer_is_split_to_the_answers_rounding():
-    """GPT-2-d32-h2 layer 0 of the trained zoo, float64: cond([O_1 .. O_H]) about 2,000, value maps
-    falling 80-fold and score maps 500-fold leave the refinement's Jacobian ill-conditioned; the
-    whitened refinement must still reach the answers' rounding (the split's model kept, <= 1e-12 at
-    every position of 100 fresh sequences of 1..128 tokens against the exact layer, estimate >= the error)."""
+@pytest.mark.parametrize("layer", ["gpt2-d32-h2/0", "gpt2-d32-h2/1"])
+def test_a_trained_float64_layer_is_split_to_the_answers_rounding(layer):
+    """Two layers of the trained zoo's GPT-2-d32-h2, float64, each with what random layers lack.
+    Layer 0: cond([O_1 .. O_H]) about 2,000, value maps falling 80-fold and score maps 500-fold leave
+    the refinement's Jacobian ill-conditioned, and the whitened refinement must still reach the
+    answers' rounding. Layer 1: its two heads choose alike at every one of the 2H + 6 first final
+    tokens of one independent difference (their scores' signs agree on about 60% of random tokens),
+    so the split asks more final tokens for that difference until the 0/1 patterns have rank H. Each
+    keeps the split's model: <= 1e-12 at every position of 100 fresh sequences of 1..128 tokens
+    against the exact layer's weights, estimate >= the error."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import zoo
 
-    row = zoo.run_and_judge("gpt2-d32-h2/0", torch.float64, schedule="vector")
-    assert row["result"].schedule == "vector", row["result"].schedule_reason
-    assert row["output_error"] <= 1e-12
-    assert row["estimate"] >= row["output_error"]
-
-
-@pytest.mark.slow
-def test_heads_that_choose_alike_on_the_first_final_tokens_are_told_apart_by_more():
-    """GPT-2-d32-h2 layer 1 of the trained zoo, float64: its two heads choose alike at every one of
-    the 2H + 6 first final tokens of one independent difference (their scores' signs agree on about
-    60% of random tokens), so the split asks more final tokens for that difference until the 0/1
-    patterns have rank H, and keeps its model: <= 1e-12 at every position of 100 fresh sequences of
-    1..128 tokens against the exact layer's weights, estimate >= the error."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    import zoo
-
-    row = zoo.run_and_judge("gpt2-d32-h2/1", torch.float64, schedule="vector")
+    row = zoo.run_and_judge(layer, torch.float64, schedule="vector")
     assert row["result"].schedule == "vector", row["result"].schedule_reason
     assert row["output_error"] <= 1e-12
     assert row["estimate"] >= row["output_error"]
