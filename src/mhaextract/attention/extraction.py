@@ -16,7 +16,7 @@ import numpy as np
 
 from ..checks.base import Check
 from ..checks.diagnosis import KERNEL_ERRORS, failure_hints, kernel_failure
-from ..checks.model_class import probe_model_class
+from ..checks.model_class import probe_counted
 from ..checks.noise_probe import probe_misfit
 from ..checks.verify import VERIFY_LENGTH, ask_long_verification
 from ..numerics.arithmetic import BACKENDS, arithmetic_for
@@ -253,9 +253,7 @@ def _probe_model_class(boundary, settings: RunSettings, extraction):
     """After a failed float64 run of a schedule that may ask beyond its own count (``probes_noise``):
     the order and scale probes (stream 41, counted in the result's queries and recorded in the
     transcript), ``(extraction with the counts, evidence)``."""
-    asked, replayed = boundary.queries, boundary.replayed
-    evidence = probe_model_class(boundary, settings.d, spawn_rng(settings.seed, 41), settings.token_scale)
-    asked, replayed = boundary.queries - asked, boundary.replayed - replayed
+    evidence, asked, replayed = probe_counted(boundary, settings.d, spawn_rng(settings.seed, 41), settings.token_scale)
     return dataclasses.replace(extraction, queries=extraction.queries + asked + replayed,
                                queries_asked=extraction.queries_asked + asked,
                                queries_replayed=extraction.queries_replayed + replayed,

@@ -153,6 +153,14 @@ def probe_model_class(boundary, d: int, rng: np.random.Generator, token_scale: f
                               getattr(vectors, "d_out", None) or 1)
 
 
+def probe_counted(boundary, d: int, rng: np.random.Generator, token_scale: float) -> tuple[ModelClassEvidence, int, int]:
+    """:func:`probe_model_class` after a failed run, with the queries it asked and replayed at ``boundary``
+    (``(evidence, asked, replayed)``: the failed run's result counts them)."""
+    asked, replayed = boundary.queries, boundary.replayed
+    evidence = probe_model_class(boundary, d, rng, token_scale)
+    return evidence, boundary.queries - asked, boundary.replayed - replayed
+
+
 def model_class_hints(evidence: ModelClassEvidence | None, bias_free: bool = False) -> list[str]:
     """What to try, for the invariants the probes found broken (empty when none is); ``bias_free``: the
     run learned the bias-free model, which a non-zero answer to the zero token rules out."""

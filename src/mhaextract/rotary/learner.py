@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checks.model_class import probe_model_class
+from ..checks.model_class import probe_counted
 from ..oracle.boundary import BudgetExceeded
 from ..oracle.transcript import RUN
 from ..run.learner import AUTO, FallBack, Learner, register_learner, successor
@@ -99,14 +99,12 @@ def _successor(session, boundary, result):
     request = session.request
     scale = result.token_scale
     scale = float(scale) if isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0 else 1.0
-    asked, replayed = boundary.queries, boundary.replayed
     try:
-        evidence = probe_model_class(boundary, request.d, spawn_rng(request.seed, 41), scale)
+        evidence, asked, replayed = probe_counted(boundary, request.d, spawn_rng(request.seed, 41), scale)
     except BudgetExceeded:  # no room left for the probes: the failed run is reported as it is
         return None
     handed_on = successor(evidence, session.given_options, request) if evidence.normalised else None
     if handed_on is None:
-        asked, replayed = boundary.queries - asked, boundary.replayed - replayed
         result.queries, result.queries_asked = result.queries + asked + replayed, result.queries_asked + asked
         result.queries_replayed += replayed
     return handed_on
