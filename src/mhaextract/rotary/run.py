@@ -335,9 +335,8 @@ def ask_instances_at_scale(run: RotaryRun) -> None:
         residuals = choose_token_scale(run.learner, run.ask, run.c, run.channels_c, run.coarse)
         # after the float64 search's key-neutral token the fits also carry what is left of the key bias
         # (its key misfit, 4e-9 on exact answers): no measure of noise there; after the large-query search
-        # that float64 answers took (its float64 search failed) the noise is measured here
-        # that float64 answers took (its float64 search failed) the noise is measured here, the fits carrying
-        # the key that search leaves as well (up to FLOAT32_FIT)
+        # that float64 answers took (their float64 search failed) the noise is measured here, the fits
+        # carrying the key that search leaves as well (up to FLOAT32_FIT)
         searched = run.neutral is not None and run.neutral.large_queries and not run.coarse
         if (not run.coarse and run.precision is None and (run.neutral is None or searched)
                 and NOISY_ANSWERS < answer_noise(residuals) <= (FLOAT32_FIT if searched else FLOAT32_NOISE)):
