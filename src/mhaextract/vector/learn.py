@@ -182,16 +182,16 @@ def _refined(layer: FactoredLayer, widths: list[int], sequences, answers: np.nda
     directions), the layer cut to those directions and refined again: a direction fitted to noise
     leaves the answers' least squares ill-conditioned (docs/algorithm.md, 'Whole answers near the
     vector bound', 'The score rank after the refinement')."""
-    method = refine if full else refine_scores
-    for attempt in range(2):
-        layer = method(layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]),
-                       on_step=lambda step, misfit: note_progress(
-                           progress, f"whole answers: Gauss-Newton step {step} ({refinement}), misfit {misfit:.3g}")).layer
-        ranks = [score_rank(K[:, :width] @ np.concatenate([G[:width], b[:width, None]], axis=1), unit)
-                 for K, G, b, width in zip(layer.K, layer.G, layer.beta, widths)]
-        if attempt or ranks == widths:
-            return layer, widths
-        layer, widths = layer.truncated_scores(ranks), ranks
+    def refined(layer: FactoredLayer) -> FactoredLayer:
+        return (refine if full else refine_scores)(
+            layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit: note_progress(
+                progress, f"whole answers: Gauss-Newton step {step} ({refinement}), misfit {misfit:.3g}")).layer
+
+    layer = refined(layer)
+    ranks = [score_rank(K[:, :width] @ np.concatenate([G[:width], b[:width, None]], axis=1), unit)
+             for K, G, b, width in zip(layer.K, layer.G, layer.beta, widths)]
+    if ranks != widths:
+        layer, widths = refined(layer.truncated_scores(ranks)), ranks
     return layer, widths
 
 
