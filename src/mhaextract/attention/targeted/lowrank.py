@@ -317,6 +317,51 @@ def _lifted_bases(spans: np.ndarray) -> np.ndarray:
     return out
 
 
+def _bridge_stages(prober, Z: np.ndarray, first, d: int, rank, rng, affine: bool):
+    """The bridges of the first group (full ones until the rank settles, the rest in the rough row
+    spaces): ``(stages, rough a, rough labels, rank, full bridges measured, finite)``, ``finite`` False
+    where a full bridge's measurements were not. ``affine``: in the lifted coordinates of
+    docs/algorithm.md, 'Biases: affine scores and an output constant' (the scores' part is the first
+    d of d + 1)."""
+    a1, labels1 = first.a[0], first.consensus_labels()[0][0]  # (H, d [+ 1]), (H,)
+    stages = [("first", first)]
+    rough_a, rough_l = a1[None], labels1[None]
+    measured = None  # full bridges measured (none yet)
+    if not (d > 1 and np.isfinite(a1).all()):
+        return stages, rough_a, rough_l, rank, measured, True
+    eps = bridge_step(first)
+    bridge_z = prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T)  # (d - 1, d)
+    if affine:
+        bridge_z = lift(bridge_z, 0.0)  # (d - 1, d + 1)
+    scores = (lambda a: a[..., :d]) if affine else (lambda a: a)  # noqa: E731
+
+    def measure(rows, spans=None):  # spans (H, d, r): the bridges in those row spaces (lifted where affine)
+        count = len(range(d - 1)[rows])
+        if affine:
+            design = ({"designer": AffineDesign} if spans is None else
+                      {"bases": _per_unit(_lifted_bases(spans), count), "designer": AffineSubspaceDesign})
+        else:
+            design = {"bases": None if spans is None else _per_unit(spans, count)}
+        return measure_units(prober, *shared_estimates(bridge_z[rows], np.broadcast_to(a1, (count,) + a1.shape)), rng,
+                             bridge=True, **design)
+
+    blocks, rank, measured = _full_bridges(measure, lambda data: (scores(data.a) - scores(a1)) / eps, scores(a1), d,
+                                           rank, prober.unit)
+    for full in blocks:
+        stages.append(("bridge", full))
+        rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
+        rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
+        if not np.isfinite(full.a).all():
+            return stages, rough_a, rough_l, rank, measured, False
+    if measured < d - 1:  # the other bridges in the rough row spaces
+        spans = _span(scores(np.concatenate([a1[None]] + [full.a for full in blocks])), rank)[0]
+        low = measure(slice(measured, None), spans)
+        stages.append(("bridge", low))
+        rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
+        rough_l = np.concatenate([rough_l, (low.label[:, :, 0] - labels1) / eps])
+    return stages, rough_a, rough_l, rank, measured, True
+
+
 def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_scale: float):
     """:func:`_run` in the lifted coordinates of docs/algorithm.md, 'Biases: affine scores and an output constant'.
     Returns
@@ -325,34 +370,9 @@ def _run_affine(prober: AffineProber, d: int, max_heads: int, rank, rng, token_s
     Z, search, first = biased.affine_first_group(prober, d, max_heads, rng, token_scale)
     if first is None:
         return search, [], None, 0.0, None, (_settled(rank, d), None)
-    a1, labels1 = first.a[0], first.consensus_labels()[0][0]  # (H, d + 1), (H,)
-    stages = [("first", first)]
-    rough_a, rough_l = a1[None], labels1[None]
-    measured = None  # full bridges measured (none yet)
-    if d > 1 and np.isfinite(a1).all():
-        eps = bridge_step(first)
-        bridge_z = lift(prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T), 0.0)  # (d - 1, d + 1)
-
-        def measure(rows, spans=None):  # spans (H, d, r): the bridges in those (lifted) row spaces
-            count = len(range(d - 1)[rows])
-            return measure_units(prober, *shared_estimates(bridge_z[rows], np.broadcast_to(a1, (count,) + a1.shape)), rng, bridge=True,
-                            **({"designer": AffineDesign} if spans is None else
-                               {"bases": _per_unit(_lifted_bases(spans), count), "designer": AffineSubspaceDesign}))
-
-        blocks, rank, measured = _full_bridges(measure, lambda data: (data.a[..., :d] - a1[:, :d]) / eps,
-                                               a1[:, :d], d, rank, prober.unit)
-        for full in blocks:
-            stages.append(("bridge", full))
-            rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
-            rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
-            if not np.isfinite(full.a).all():
-                return search, stages, None, np.inf, None, (rank, measured)
-        if measured < d - 1:  # the other bridges in the rough row spaces (lifted)
-            spans = _span(np.concatenate([a1[None]] + [full.a for full in blocks])[..., :d], rank)[0]
-            low = measure(slice(measured, None), spans)
-            stages.append(("bridge", low))
-            rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
-            rough_l = np.concatenate([rough_l, (low.label[:, :, 0] - labels1) / eps])
+    stages, rough_a, rough_l, rank, measured, finite = _bridge_stages(prober, Z, first, d, rank, rng, affine=True)
+    if not finite:
+        return search, stages, None, np.inf, None, (rank, measured)
     rank = _settled(rank, d)
     R = min(d, rank + RANK_EXTRA)
     if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
@@ -452,32 +472,9 @@ def _run(prober, d: int, max_heads: int, rank, rng, token_scale: float):
     Z, search, first = targeted_first_group(prober, d, max_heads, rng, token_scale)
     if first is None:
         return search, [], None, 0.0, (_settled(rank, d), None)
-    a1, labels1 = first.a[0], first.consensus_labels()[0][0]
-    stages = [("first", first)]
-    rough_a, rough_l = a1[None], labels1[None]
-    measured = None  # full bridges measured (none yet)
-    if d > 1 and np.isfinite(a1).all():
-        eps = bridge_step(first)
-        bridge_z = prober.quantize(Z[:, :1].T + eps * Z[:, 1:].T)  # (d - 1, d)
-
-        def measure(rows, spans=None):  # spans (H, d, r): the bridges in those row spaces
-            count = len(range(d - 1)[rows])
-            return measure_units(prober, *shared_estimates(bridge_z[rows], np.broadcast_to(a1, (count,) + a1.shape)), rng, bridge=True,
-                            bases=None if spans is None else _per_unit(spans, count))
-
-        blocks, rank, measured = _full_bridges(measure, lambda data: (data.a - a1) / eps, a1, d, rank, prober.unit)
-        for full in blocks:
-            stages.append(("bridge", full))
-            rough_a = np.concatenate([rough_a, (full.a - a1) / eps])
-            rough_l = np.concatenate([rough_l, (full.label[:, :, 0] - labels1) / eps])
-            if not np.isfinite(full.a).all():
-                return search, stages, None, np.inf, (rank, measured)
-        if measured < d - 1:  # the other bridges in the rough row spaces
-            spans = _span(np.concatenate([a1[None]] + [full.a for full in blocks]), rank)[0]
-            low = measure(slice(measured, None), spans)
-            stages.append(("bridge", low))
-            rough_a = np.concatenate([rough_a, (low.a - a1) / eps])
-            rough_l = np.concatenate([rough_l, (low.label[:, :, 0] - labels1) / eps])
+    stages, rough_a, rough_l, rank, measured, finite = _bridge_stages(prober, Z, first, d, rank, rng, affine=False)
+    if not finite:
+        return search, stages, None, np.inf, (rank, measured)
     rank = _settled(rank, d)
     R = min(d, rank + RANK_EXTRA)
     if not (np.isfinite(rough_a).all() and np.isfinite(rough_l).all()):
