@@ -19,11 +19,11 @@ forward in float64 (the reading, causal or not, the run's causal record found). 
 "attention without the norm" is its self-attention and output projection (no residual, no norm).
 Llama's sublayer (``LlamaDecoderLayer``: RMSNorm, rotary attention with two key/value heads, the
 residual) is extracted with ``positions="rotary"`` too, and judged in float64 throughout
-(``LlamaSublayerFloat64``: its weights, a float64 RMSNorm and float64 angles; transformers'
+(``RotarySublayerFloat64``: its weights, a float64 RMSNorm and float64 angles; transformers'
 ``LlamaRMSNorm`` and rotary embedding compute in float32 whatever the dtype); its "attention without
 the norm" is ``mx.extract(TorchOracle(float64_layer(layer.self_attn)), d, heads=H, seed=1,
 positions="rotary")``. The block as transformers runs it (``attention_sublayer(layer)``) is its own
-row, judged against itself.
+row, judged against itself. Mistral's (``MistralDecoderLayer``, a sliding window of 16 tokens) likewise.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle  # noqa: E402
 from mhaextract.adapters.rotary import float64_layer  # noqa: E402
 from norm_blocks import (  # noqa: E402
-    LlamaSublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, llama_layer,
+    RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, rotary_block,
     post_norm_truth, raw_sequences, vit_layer,
 )
 
@@ -66,10 +66,13 @@ def cases(large: bool):
     """(name, sublayer module, d, H, declared norm, the attention alone or None, the true eps[, options])."""
     out = []
     for d in [16] + ([64] if large else []):
-        llama = llama_layer(d, 4, kv_heads=2)
-        out.append((f"Llama sublayer d={d} H=4 (2 key/value heads) float64", LlamaSublayerFloat64(llama), d, 4, "auto",
+        llama = rotary_block(d, 4, kv_heads=2)
+        out.append((f"Llama sublayer d={d} H=4 (2 key/value heads) float64", RotarySublayerFloat64(llama), d, 4, "auto",
                     float64_layer(llama.self_attn), llama.input_layernorm.variance_epsilon, ROTARY))
-    llama = llama_layer(16, 4, kv_heads=2)
+    mistral = rotary_block(16, 4, kv_heads=2, family="mistral", sliding_window=16)
+    out.append(("Mistral sublayer d=16 H=4 (2 key/value heads, window 16) float64", RotarySublayerFloat64(mistral), 16,
+                4, "auto", float64_layer(mistral.self_attn), mistral.input_layernorm.variance_epsilon, ROTARY))
+    llama = rotary_block(16, 4, kv_heads=2)
     out.append(("Llama sublayer d=16 H=4 as transformers runs it (float32 norm and angles)", attention_sublayer(llama),
                 16, 4, "auto", None, llama.input_layernorm.variance_epsilon, ROTARY))
     for d, H in [(16, 2), (16, 4), (24, 2)] + ([(64, 4)] if large else []):
