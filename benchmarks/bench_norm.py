@@ -6,6 +6,7 @@ the sublayer of a block').
     python benchmarks/bench_norm.py --large --case "BertAttention (post-LN) d=64"   # the cases whose name has it
     python benchmarks/bench_norm.py --defaults # the norm='auto' cases run without norm= (the defaults)
     python benchmarks/bench_norm.py --float32-floor   # a float32 BertAttention against its weights in float64
+    python benchmarks/bench_norm.py --float32-diagnosis  # where the float32 BertAttention's replacement errs (d = 16)
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -29,6 +30,7 @@ row, judged against itself. Mistral's (``MistralDecoderLayer``, a sliding window
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 import warnings
@@ -42,6 +44,8 @@ import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle  # noqa: E402
 from mhaextract.adapters.rotary import float64_layer  # noqa: E402
+from mhaextract.models.normed import PostNormAttention  # noqa: E402
+from mhaextract.norm import post_norm  # noqa: E402
 from norm_blocks import (  # noqa: E402
     RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, rotary_block,
     post_norm_truth, raw_sequences, vit_layer,
@@ -162,6 +166,73 @@ def float32_floor() -> None:
         print(f"| d={d} H={H} | {error:.1e} |", flush=True)
 
 
+def _matched_heads(model, exact) -> list[int]:
+    """The fitted heads in the exact model's order (the permutation closest in W; ``W_h`` is identifiable)."""
+    return list(min(itertools.permutations(range(exact.heads)),
+                    key=lambda order: float(np.abs(model.W[list(order)] - exact.W).max())))
+
+
+def float32_diagnosis() -> None:
+    """The float32 BertAttention d = 16, H = 2 of the ``--float32-floor`` table, extracted as ``run_case`` does
+    with the post-norm fit's answers per parameter (``post_norm.FIT_FACTOR``, the library's 5, then more, each
+    run to convergence: ``FLOOR_UNITS = 0``), judged against its weights in float64 at every position of the
+    benchmark's sequences; then with parts of the exact model put in: the whole attention (the fitted eps,
+    gamma and beta kept), its scores (W, u) beside the fitted values, or its values beside the fitted scores.
+    Last, at the default fit's worst position, the head whose two largest scores nearly tie: their margin and
+    the fitted scores' errors there."""
+    d, H = 16, 2
+    exact = post_norm_truth(bert_attention(d, H).float().double())
+    sequences = raw_sequences(np.random.default_rng(11), d, 100)
+
+    def judged(model) -> tuple[float, int, int]:
+        worst = (0.0, 0, 0)
+        for index, X in enumerate(sequences):
+            expected, got = exact.every_position(X, False), model.every_position(X, False)
+            error = np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)
+            worst = max(worst, (float(error.max()), index, int(error.argmax())))
+        return worst
+
+    print("| answers per parameter (FIT_FACTOR) | stop | queries | error estimate | W relative error | error at every "
+          "position | with the exact attention | exact scores, fitted values | fitted scores, exact values |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    saved = post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS
+    worst_default = None
+    try:
+        for factor, floor in ((saved[0], saved[1]), (20, 0.0), (80, 0.0)):
+            post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = factor, floor
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                oracle = TorchOracle(attention_sublayer(bert_attention(d, H).float()))
+                result = mx.extract(oracle, d, heads=H, seed=1, norm="auto", on_failure="warn")
+            model, A, B = result.model, result.model.attention, exact.attention
+            order = _matched_heads(A, B)
+            W_error = float(np.abs(A.W[order] - B.W).max() / np.abs(B.W).max())
+
+            def part(W, u, V, c, model=model):
+                return PostNormAttention(model.eps, mx.MultiHeadAttention(W, V, u, c), model.gamma, model.beta)
+
+            error = judged(model)
+            worst_default = worst_default or (error, model, order)
+            parts = [judged(part(B.W, B.u, B.V, B.c))[0], judged(part(B.W, B.u, A.V[order], A.c))[0],
+                     judged(part(A.W[order], A.u[order], B.V, B.c))[0]]
+            stop = f"RMS misfit {floor:g} units" if floor else "converged"
+            print(f"| {factor:g} | {stop} | {result.queries} | {result.error_estimate:.1e} | {W_error:.1e} | "
+                  f"{error[0]:.1e} | " + " | ".join(f"{value:.1e}" for value in parts) + " |", flush=True)
+    finally:
+        post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = saved
+    (error, index, position), model, order = worst_default
+    X, A, B = sequences[index], model.attention, exact.attention
+    for h in range(H):
+        scores = X @ B.W[h] @ X[position] + X @ B.u[h]
+        fitted = X @ A.W[order[h]] @ X[position] + X @ A.u[order[h]]
+        top = np.argsort(-scores)[:2]
+        print(f"worst position (error {error:.1e}), head {h}: two largest scores {scores[top[0]]:.6g}, "
+              f"{scores[top[1]]:.6g} (margin {scores[top[0]] - scores[top[1]]:.3g}; keys of norms "
+              f"{np.linalg.norm(X[top[0]]):.3g}, {np.linalg.norm(X[top[1]]):.3g}; query token "
+              f"{np.linalg.norm(X[position]):.3g}), fitted scores' errors {fitted[top[0]] - scores[top[0]]:.2e}, "
+              f"{fitted[top[1]] - scores[top[1]]:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
@@ -170,9 +241,14 @@ def main() -> None:
                         help="run the norm='auto' cases without norm= (the defaults find a pre-norm after a failed run)")
     parser.add_argument("--float32-floor", action="store_true",
                         help="only the float32 BertAttention (d = 16, 64) against its own weights in float64")
+    parser.add_argument("--float32-diagnosis", action="store_true",
+                        help="only the float32 BertAttention d = 16: its replacement's error taken apart")
     args = parser.parse_args()
     if args.float32_floor:
         float32_floor()
+        return
+    if args.float32_diagnosis:
+        float32_diagnosis()
         return
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")
