@@ -351,3 +351,10 @@ def test_a_mistral_sublayer_with_its_sliding_window_is_extracted_and_exported():
     fresh = rotary_block(d, H, kv_heads=2, seed=7, family="mistral", sliding_window=16)
     fresh.load_state_dict(to_state_dict(result, like=fresh), strict=False)
     assert _relative_every_position(RotarySublayerFloat64(fresh), sublayer, X) < 1e-11
+
+
+def test_a_mistral_window_shorter_than_the_instances_fails_naming_it():
+    # H = 4: the instances take 2 H + 5 = 13 tokens, which a window of 8 cannot hold (as on the attention alone)
+    sublayer = RotarySublayerFloat64(rotary_block(16, 4, kv_heads=2, family="mistral", sliding_window=8))
+    with pytest.raises(NormedExtractionError, match="window of 8 tokens is shorter than the schedule's instances"):
+        mx.extract(TorchOracle(sublayer), 16, heads=4, seed=1, norm="auto", positions="rotary")
