@@ -294,8 +294,10 @@ def test_positions_rotary_is_refused_with_options_it_cannot_take():
         mx.extract(oracle, 8, heads=2, norm="auto", positions="alibi")
 
 
-def test_a_float64_llama_block_whose_norm_computes_in_float32_fails_loudly_naming_it():
-    oracle = TorchOracle(attention_sublayer(rotary_block(8, 2, kv_heads=1)))  # LlamaRMSNorm: float32 inside
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_float64_rotary_block_whose_norm_computes_in_float32_fails_loudly_naming_it(family):
+    # LlamaRMSNorm and MistralRMSNorm: float32 inside
+    oracle = TorchOracle(attention_sublayer(rotary_block(8, 2, kv_heads=1, family=family)))
     with pytest.raises(NormedExtractionError, match="LlamaRMSNorm computes in float32"):
         mx.extract(oracle, 8, heads=2, seed=1, norm="auto", positions="rotary")
 
