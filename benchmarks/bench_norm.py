@@ -2,11 +2,13 @@
 the sublayer of a block').
 
     python benchmarks/bench_norm.py            # d = 16 cases and the refusals (a few minutes)
-    python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's, Llama's and BertAttention's sublayers at d = 64, H = 4
+    python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's, Llama's, BertAttention's sublayers at d = 64, H = 4
     python benchmarks/bench_norm.py --large --case "BertAttention (post-LN) d=64"   # the cases whose name has it
     python benchmarks/bench_norm.py --defaults # the norm='auto' cases run without norm= (the defaults)
     python benchmarks/bench_norm.py --float32-floor   # a float32 BertAttention against its weights in float64
     python benchmarks/bench_norm.py --float32-diagnosis  # where the float32 BertAttention's replacement errs (d = 16)
+    python benchmarks/bench_norm.py --float32-diagnosis --large  # the same at d = 64, H = 4, the library's fit only
+    python benchmarks/bench_norm.py --qwen2-neutral-tokens  # where a Qwen2 sublayer's neutral tokens lie (white-box)
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -48,7 +50,7 @@ from mhaextract.models.normed import PostNormAttention  # noqa: E402
 from mhaextract.norm import post_norm  # noqa: E402
 from norm_blocks import (  # noqa: E402
     RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, rotary_block,
-    post_norm_truth, raw_sequences, vit_layer,
+    post_norm_truth, raw_sequences, rotary_truth, vit_layer,
 )
 
 #: The options a rotary sublayer is extracted with, beside norm= (and its baseline with).
@@ -172,15 +174,16 @@ def _matched_heads(model, exact) -> list[int]:
                     key=lambda order: float(np.abs(model.W[list(order)] - exact.W).max())))
 
 
-def float32_diagnosis() -> None:
-    """The float32 BertAttention d = 16, H = 2 of the ``--float32-floor`` table, extracted as ``run_case`` does
-    with the post-norm fit's answers per parameter (``post_norm.FIT_FACTOR``, the library's 5, then more, each
-    run to convergence: ``FLOOR_UNITS = 0``), judged against its weights in float64 at every position of the
-    benchmark's sequences; then with parts of the exact model put in: the whole attention (the fitted eps,
-    gamma and beta kept), its scores (W, u) beside the fitted values, or its values beside the fitted scores.
-    Last, at the default fit's worst position, the head whose two largest scores nearly tie: their margin and
-    the fitted scores' errors there."""
-    d, H = 16, 2
+def float32_diagnosis(large: bool) -> None:
+    """The float32 BertAttention d = 16, H = 2 of the ``--float32-floor`` table (``large``: d = 64, H = 4, the
+    library's fit only), extracted as ``run_case`` does with the post-norm fit's answers per parameter
+    (``post_norm.FIT_FACTOR``, the library's 5, then more, each run to convergence: ``FLOOR_UNITS = 0``),
+    judged against its weights in float64 at every position of the benchmark's sequences; then with parts of
+    the exact model put in: the whole attention (the fitted eps, gamma and beta kept), its scores (W, u)
+    beside the fitted values, or its values beside the fitted scores. Last, at the default fit's worst
+    position, each head's two largest scores (one head's nearly tie): their margin and the fitted scores'
+    errors there."""
+    d, H = (64, 4) if large else (16, 2)
     exact = post_norm_truth(bert_attention(d, H).float().double())
     sequences = raw_sequences(np.random.default_rng(11), d, 100)
 
@@ -192,13 +195,14 @@ def float32_diagnosis() -> None:
             worst = max(worst, (float(error.max()), index, int(error.argmax())))
         return worst
 
-    print("| answers per parameter (FIT_FACTOR) | stop | queries | error estimate | W relative error | error at every "
-          "position | with the exact attention | exact scores, fitted values | fitted scores, exact values |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| layer | answers per parameter (FIT_FACTOR) | stop | queries | error estimate | W relative error "
+          "| error at every position | with the exact attention | exact scores, fitted values "
+          "| fitted scores, exact values |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     saved = post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS
     worst_default = None
     try:
-        for factor, floor in ((saved[0], saved[1]), (20, 0.0), (80, 0.0)):
+        for factor, floor in ((saved[0], saved[1]),) + (() if large else ((20, 0.0), (80, 0.0))):
             post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = factor, floor
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -216,8 +220,9 @@ def float32_diagnosis() -> None:
             parts = [judged(part(B.W, B.u, B.V, B.c))[0], judged(part(B.W, B.u, A.V[order], A.c))[0],
                      judged(part(A.W[order], A.u[order], B.V, B.c))[0]]
             stop = f"RMS misfit {floor:g} units" if floor else "converged"
-            print(f"| {factor:g} | {stop} | {result.queries} | {result.error_estimate:.1e} | {W_error:.1e} | "
-                  f"{error[0]:.1e} | " + " | ".join(f"{value:.1e}" for value in parts) + " |", flush=True)
+            print(f"| d={d} H={H} | {factor:g} | {stop} | {result.queries} | {result.error_estimate:.1e} | "
+                  f"{W_error:.1e} | {error[0]:.1e} | " + " | ".join(f"{value:.1e}" for value in parts) + " |",
+                  flush=True)
     finally:
         post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = saved
     (error, index, position), model, order = worst_default
@@ -233,6 +238,22 @@ def float32_diagnosis() -> None:
               f"{fitted[top[1]] - scores[top[1]]:.2e}")
 
 
+def qwen2_neutral_tokens() -> None:
+    """Why a Qwen2 decoder layer's sublayer is refused (docs/algorithm.md, 'Rotary attention behind an RMSNorm'):
+    from the weights (white-box), on layers with trained-like weights, the norm of the least-norm token whose
+    queries vanish (``Q'_h x_q + b_h = 0``, where the key-neutral search starts) and of the least-norm
+    key-neutral token (``K'_h z* + k_h = 0``), gamma folded in, against the ball's radius sqrt(d)."""
+    print("| Qwen2 decoder layer | sqrt(d) | query-neutral token x_q | key-neutral token z* |")
+    print("|---|---|---|---|")
+    for d in (16, 32, 64):
+        for seed in range(3):
+            model = rotary_truth(rotary_block(d, 4, kv_heads=2, seed=seed, family="qwen2")).attention
+            query = -np.linalg.lstsq(model.Q.reshape(-1, d), model.b.reshape(-1), rcond=None)[0]
+            key = -np.linalg.lstsq(model.K.reshape(-1, d), model.key_bias.reshape(-1), rcond=None)[0]
+            print(f"| d={d} H=4 (2 key/value heads) seed {seed} | {np.sqrt(d):.3g} | {np.linalg.norm(query):.3g} | "
+                  f"{np.linalg.norm(key):.3g} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
@@ -243,12 +264,17 @@ def main() -> None:
                         help="only the float32 BertAttention (d = 16, 64) against its own weights in float64")
     parser.add_argument("--float32-diagnosis", action="store_true",
                         help="only the float32 BertAttention d = 16: its replacement's error taken apart")
+    parser.add_argument("--qwen2-neutral-tokens", action="store_true",
+                        help="only the norms of Qwen2 sublayers' neutral tokens against the ball (white-box)")
     args = parser.parse_args()
+    if args.qwen2_neutral_tokens:
+        qwen2_neutral_tokens()
+        return
     if args.float32_floor:
         float32_floor()
         return
     if args.float32_diagnosis:
-        float32_diagnosis()
+        float32_diagnosis(args.large)
         return
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")
