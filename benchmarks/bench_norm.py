@@ -8,6 +8,7 @@ the sublayer of a block').
     python benchmarks/bench_norm.py --float32-floor   # a float32 BertAttention against its weights in float64
     python benchmarks/bench_norm.py --float32-diagnosis  # where the float32 BertAttention's replacement errs (d = 16)
     python benchmarks/bench_norm.py --float32-diagnosis --large  # the same at d = 64, H = 4, the library's fit only
+    python benchmarks/bench_norm.py --float32-diagnosis --large --fit-factor 20   # ... with 20 answers per parameter
     python benchmarks/bench_norm.py --qwen2-neutral-tokens  # where a Qwen2 sublayer's neutral tokens lie (white-box)
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
@@ -174,7 +175,7 @@ def _matched_heads(model, exact) -> list[int]:
                     key=lambda order: float(np.abs(model.W[list(order)] - exact.W).max())))
 
 
-def float32_diagnosis(large: bool) -> None:
+def float32_diagnosis(large: bool, fit_factor: float | None = None) -> None:
     """The float32 BertAttention d = 16, H = 2 of the ``--float32-floor`` table (``large``: d = 64, H = 4, the
     library's fit only), extracted as ``run_case`` does with the post-norm fit's answers per parameter
     (``post_norm.FIT_FACTOR``, the library's 5, then more, each run to convergence: ``FLOOR_UNITS = 0``),
@@ -182,7 +183,7 @@ def float32_diagnosis(large: bool) -> None:
     the exact model put in: the whole attention (the fitted eps, gamma and beta kept), its scores (W, u)
     beside the fitted values, or its values beside the fitted scores. Last, at the default fit's worst
     position, each head's two largest scores (one head's nearly tie): their margin and the fitted scores'
-    errors there."""
+    errors there. ``fit_factor``: only that many answers per parameter, run to convergence."""
     d, H = (64, 4) if large else (16, 2)
     exact = post_norm_truth(bert_attention(d, H).float().double())
     sequences = raw_sequences(np.random.default_rng(11), d, 100)
@@ -202,7 +203,8 @@ def float32_diagnosis(large: bool) -> None:
     saved = post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS
     worst_default = None
     try:
-        for factor, floor in ((saved[0], saved[1]),) + (() if large else ((20, 0.0), (80, 0.0))):
+        runs = ((saved[0], saved[1]),) + (() if large else ((20, 0.0), (80, 0.0)))
+        for factor, floor in runs if fit_factor is None else ((fit_factor, 0.0),):
             post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = factor, floor
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -264,6 +266,8 @@ def main() -> None:
                         help="only the float32 BertAttention (d = 16, 64) against its own weights in float64")
     parser.add_argument("--float32-diagnosis", action="store_true",
                         help="only the float32 BertAttention d = 16: its replacement's error taken apart")
+    parser.add_argument("--fit-factor", type=float, default=None,
+                        help="with --float32-diagnosis: only this many answers per parameter, run to convergence")
     parser.add_argument("--qwen2-neutral-tokens", action="store_true",
                         help="only the norms of Qwen2 sublayers' neutral tokens against the ball (white-box)")
     args = parser.parse_args()
@@ -274,7 +278,7 @@ def main() -> None:
         float32_floor()
         return
     if args.float32_diagnosis:
-        float32_diagnosis(args.large)
+        float32_diagnosis(args.large, args.fit_factor)
         return
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")
