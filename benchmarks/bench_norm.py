@@ -2,10 +2,14 @@
 the sublayer of a block').
 
     python benchmarks/bench_norm.py            # d = 16 cases and the refusals (a few minutes)
-    python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's, Llama's and BertAttention's sublayers at d = 64, H = 4
+    python benchmarks/bench_norm.py --large    # adds GPT-2's, ViT's, Llama's, BertAttention's sublayers at d = 64, H = 4
     python benchmarks/bench_norm.py --large --case "BertAttention (post-LN) d=64"   # the cases whose name has it
     python benchmarks/bench_norm.py --defaults # the norm='auto' cases run without norm= (the defaults)
     python benchmarks/bench_norm.py --float32-floor   # a float32 BertAttention against its weights in float64
+    python benchmarks/bench_norm.py --float32-diagnosis  # where the float32 BertAttention's replacement errs (d = 16)
+    python benchmarks/bench_norm.py --float32-diagnosis --large  # the same at d = 64, H = 4, the library's fit only
+    python benchmarks/bench_norm.py --float32-diagnosis --large --fit-factor 20   # ... with 20 answers per parameter
+    python benchmarks/bench_norm.py --qwen2-neutral-tokens  # where a Qwen2 sublayer's neutral tokens lie (white-box)
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -19,16 +23,17 @@ forward in float64 (the reading, causal or not, the run's causal record found). 
 "attention without the norm" is its self-attention and output projection (no residual, no norm).
 Llama's sublayer (``LlamaDecoderLayer``: RMSNorm, rotary attention with two key/value heads, the
 residual) is extracted with ``positions="rotary"`` too, and judged in float64 throughout
-(``LlamaSublayerFloat64``: its weights, a float64 RMSNorm and float64 angles; transformers'
+(``RotarySublayerFloat64``: its weights, a float64 RMSNorm and float64 angles; transformers'
 ``LlamaRMSNorm`` and rotary embedding compute in float32 whatever the dtype); its "attention without
 the norm" is ``mx.extract(TorchOracle(float64_layer(layer.self_attn)), d, heads=H, seed=1,
 positions="rotary")``. The block as transformers runs it (``attention_sublayer(layer)``) is its own
-row, judged against itself.
+row, judged against itself. Mistral's (``MistralDecoderLayer``, a sliding window of 16 tokens) likewise.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 import warnings
@@ -42,9 +47,11 @@ import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle  # noqa: E402
 from mhaextract.adapters.rotary import float64_layer  # noqa: E402
+from mhaextract.models.normed import PostNormAttention  # noqa: E402
+from mhaextract.norm import post_norm  # noqa: E402
 from norm_blocks import (  # noqa: E402
-    LlamaSublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, llama_layer,
-    post_norm_truth, raw_sequences, vit_layer,
+    RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, rotary_block,
+    post_norm_truth, raw_sequences, rotary_truth, vit_layer,
 )
 
 #: The options a rotary sublayer is extracted with, beside norm= (and its baseline with).
@@ -66,10 +73,13 @@ def cases(large: bool):
     """(name, sublayer module, d, H, declared norm, the attention alone or None, the true eps[, options])."""
     out = []
     for d in [16] + ([64] if large else []):
-        llama = llama_layer(d, 4, kv_heads=2)
-        out.append((f"Llama sublayer d={d} H=4 (2 key/value heads) float64", LlamaSublayerFloat64(llama), d, 4, "auto",
+        llama = rotary_block(d, 4, kv_heads=2)
+        out.append((f"Llama sublayer d={d} H=4 (2 key/value heads) float64", RotarySublayerFloat64(llama), d, 4, "auto",
                     float64_layer(llama.self_attn), llama.input_layernorm.variance_epsilon, ROTARY))
-    llama = llama_layer(16, 4, kv_heads=2)
+    mistral = rotary_block(16, 4, kv_heads=2, family="mistral", sliding_window=16)
+    out.append(("Mistral sublayer d=16 H=4 (2 key/value heads, window 16) float64", RotarySublayerFloat64(mistral), 16,
+                4, "auto", float64_layer(mistral.self_attn), mistral.input_layernorm.variance_epsilon, ROTARY))
+    llama = rotary_block(16, 4, kv_heads=2)
     out.append(("Llama sublayer d=16 H=4 as transformers runs it (float32 norm and angles)", attention_sublayer(llama),
                 16, 4, "auto", None, llama.input_layernorm.variance_epsilon, ROTARY))
     for d, H in [(16, 2), (16, 4), (24, 2)] + ([(64, 4)] if large else []):
@@ -159,6 +169,93 @@ def float32_floor() -> None:
         print(f"| d={d} H={H} | {error:.1e} |", flush=True)
 
 
+def _matched_heads(model, exact) -> list[int]:
+    """The fitted heads in the exact model's order (the permutation closest in W; ``W_h`` is identifiable)."""
+    return list(min(itertools.permutations(range(exact.heads)),
+                    key=lambda order: float(np.abs(model.W[list(order)] - exact.W).max())))
+
+
+def float32_diagnosis(large: bool, fit_factor: float | None = None) -> None:
+    """The float32 BertAttention d = 16, H = 2 of the ``--float32-floor`` table (``large``: d = 64, H = 4, the
+    library's fit only), extracted as ``run_case`` does with the post-norm fit's answers per parameter
+    (``post_norm.FIT_FACTOR``, the library's 5, then more, each run to convergence: ``FLOOR_UNITS = 0``),
+    judged against its weights in float64 at every position of the benchmark's sequences; then with parts of
+    the exact model put in: the whole attention (the fitted eps, gamma and beta kept), its scores (W, u)
+    beside the fitted values, or its values beside the fitted scores. Last, at the default fit's worst
+    position, each head's two largest scores (one head's nearly tie): their margin and the fitted scores'
+    errors there. ``fit_factor``: only that many answers per parameter, run to convergence."""
+    d, H = (64, 4) if large else (16, 2)
+    exact = post_norm_truth(bert_attention(d, H).float().double())
+    sequences = raw_sequences(np.random.default_rng(11), d, 100)
+
+    def judged(model) -> tuple[float, int, int]:
+        worst = (0.0, 0, 0)
+        for index, X in enumerate(sequences):
+            expected, got = exact.every_position(X, False), model.every_position(X, False)
+            error = np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)
+            worst = max(worst, (float(error.max()), index, int(error.argmax())))
+        return worst
+
+    print("| layer | answers per parameter (FIT_FACTOR) | stop | queries | error estimate | W relative error "
+          "| error at every position | with the exact attention | exact scores, fitted values "
+          "| fitted scores, exact values |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    saved = post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS
+    worst_default = None
+    try:
+        runs = ((saved[0], saved[1]),) + (() if large else ((20, 0.0), (80, 0.0)))
+        for factor, floor in runs if fit_factor is None else ((fit_factor, 0.0),):
+            post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = factor, floor
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                oracle = TorchOracle(attention_sublayer(bert_attention(d, H).float()))
+                result = mx.extract(oracle, d, heads=H, seed=1, norm="auto", on_failure="warn")
+            model, A, B = result.model, result.model.attention, exact.attention
+            order = _matched_heads(A, B)
+            W_error = float(np.abs(A.W[order] - B.W).max() / np.abs(B.W).max())
+
+            def part(W, u, V, c, model=model):
+                return PostNormAttention(model.eps, mx.MultiHeadAttention(W, V, u, c), model.gamma, model.beta)
+
+            error = judged(model)
+            worst_default = worst_default or (error, model, order)
+            parts = [judged(part(B.W, B.u, B.V, B.c))[0], judged(part(B.W, B.u, A.V[order], A.c))[0],
+                     judged(part(A.W[order], A.u[order], B.V, B.c))[0]]
+            stop = f"RMS misfit {floor:g} units" if floor else "converged"
+            print(f"| d={d} H={H} | {factor:g} | {stop} | {result.queries} | {result.error_estimate:.1e} | "
+                  f"{W_error:.1e} | {error[0]:.1e} | " + " | ".join(f"{value:.1e}" for value in parts) + " |",
+                  flush=True)
+    finally:
+        post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = saved
+    (error, index, position), model, order = worst_default
+    X, A, B = sequences[index], model.attention, exact.attention
+    for h in range(H):
+        scores = X @ B.W[h] @ X[position] + X @ B.u[h]
+        fitted = X @ A.W[order[h]] @ X[position] + X @ A.u[order[h]]
+        top = np.argsort(-scores)[:2]
+        print(f"worst position (error {error:.1e}), head {h}: two largest scores {scores[top[0]]:.6g}, "
+              f"{scores[top[1]]:.6g} (margin {scores[top[0]] - scores[top[1]]:.3g}; keys of norms "
+              f"{np.linalg.norm(X[top[0]]):.3g}, {np.linalg.norm(X[top[1]]):.3g}; query token "
+              f"{np.linalg.norm(X[position]):.3g}), fitted scores' errors {fitted[top[0]] - scores[top[0]]:.2e}, "
+              f"{fitted[top[1]] - scores[top[1]]:.2e}")
+
+
+def qwen2_neutral_tokens() -> None:
+    """Why a Qwen2 decoder layer's sublayer is refused (docs/algorithm.md, 'Rotary attention behind an RMSNorm'):
+    from the weights (white-box), on layers with trained-like weights, the norm of the least-norm token whose
+    queries vanish (``Q'_h x_q + b_h = 0``, where the key-neutral search starts) and of the least-norm
+    key-neutral token (``K'_h z* + k_h = 0``), gamma folded in, against the ball's radius sqrt(d)."""
+    print("| Qwen2 decoder layer | sqrt(d) | query-neutral token x_q | key-neutral token z* |")
+    print("|---|---|---|---|")
+    for d in (16, 32, 64):
+        for seed in range(3):
+            model = rotary_truth(rotary_block(d, 4, kv_heads=2, seed=seed, family="qwen2")).attention
+            query = -np.linalg.lstsq(model.Q.reshape(-1, d), model.b.reshape(-1), rcond=None)[0]
+            key = -np.linalg.lstsq(model.K.reshape(-1, d), model.key_bias.reshape(-1), rcond=None)[0]
+            print(f"| d={d} H=4 (2 key/value heads) seed {seed} | {np.sqrt(d):.3g} | {np.linalg.norm(query):.3g} | "
+                  f"{np.linalg.norm(key):.3g} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
@@ -167,9 +264,21 @@ def main() -> None:
                         help="run the norm='auto' cases without norm= (the defaults find a pre-norm after a failed run)")
     parser.add_argument("--float32-floor", action="store_true",
                         help="only the float32 BertAttention (d = 16, 64) against its own weights in float64")
+    parser.add_argument("--float32-diagnosis", action="store_true",
+                        help="only the float32 BertAttention d = 16: its replacement's error taken apart")
+    parser.add_argument("--fit-factor", type=float, default=None,
+                        help="with --float32-diagnosis: only this many answers per parameter, run to convergence")
+    parser.add_argument("--qwen2-neutral-tokens", action="store_true",
+                        help="only the norms of Qwen2 sublayers' neutral tokens against the ball (white-box)")
     args = parser.parse_args()
+    if args.qwen2_neutral_tokens:
+        qwen2_neutral_tokens()
+        return
     if args.float32_floor:
         float32_floor()
+        return
+    if args.float32_diagnosis:
+        float32_diagnosis(args.large, args.fit_factor)
         return
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")

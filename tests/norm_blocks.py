@@ -136,23 +136,32 @@ def every_position_error(model, module, sequences, causal):
     return worst
 
 
-def llama_layer(d, H, kv_heads=2, seed=0):
-    """A LlamaDecoderLayer (RMSNorm, rotary attention with grouped key/value heads, no biases: Llama's
-    default) with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2), float64, sdpa."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+#: family -> (its config class, its decoder layer class), in transformers.models.<family>
+ROTARY_FAMILIES = {"llama": ("LlamaConfig", "LlamaDecoderLayer"), "mistral": ("MistralConfig", "MistralDecoderLayer"),
+                   "qwen2": ("Qwen2Config", "Qwen2DecoderLayer")}
 
+
+def rotary_block(d, H, kv_heads=2, seed=0, family="llama", **config):
+    """A decoder layer of a rotary family (RMSNorm, rotary attention with grouped key/value heads; Llama's
+    and Mistral's without biases, Qwen2's with query, key and value biases; ``config`` e.g. Mistral's
+    ``sliding_window``) with trained-like weights (projections and biases N(0, 1/d), gamma ~ 1 +- 0.2),
+    float64, sdpa."""
+    import importlib
+
+    config_name, layer_name = ROTARY_FAMILIES[family]
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=d, num_attention_heads=H, num_key_value_heads=kv_heads, head_dim=d // H,
-                         intermediate_size=2 * d, attn_implementation="sdpa")
-    layer = LlamaDecoderLayer(config, layer_idx=0).double()
+    settings = {"hidden_size": d, "num_attention_heads": H, "num_key_value_heads": kv_heads, "head_dim": d // H,
+                "intermediate_size": 2 * d, "attn_implementation": "sdpa", **config}
+    layer = getattr(module, layer_name)(getattr(module, config_name)(**settings), layer_idx=0).double()
     return trained_like(layer, layer.input_layernorm, layer.self_attn, d, seed)
 
 
-class LlamaSublayerFloat64(torch.nn.Module):
-    """``x + self_attn(input_layernorm(x))`` of a LlamaDecoderLayer computed in float64 throughout: its
-    RMSNorm's weight and eps in torch's RMSNorm (LlamaRMSNorm computes in float32 whatever the layer's
-    dtype) and its attention with float64 angles (adapters.rotary.float64_layer)."""
+class RotarySublayerFloat64(torch.nn.Module):
+    """``x + self_attn(input_layernorm(x))`` of a Llama, Mistral or Qwen2 decoder layer computed in float64
+    throughout: its RMSNorm's weight and eps in torch's RMSNorm (transformers' RMSNorms compute in float32
+    whatever the layer's dtype) and its attention with float64 angles and its window
+    (adapters.rotary.float64_layer)."""
 
     def __init__(self, layer):
         super().__init__()
@@ -168,9 +177,10 @@ class LlamaSublayerFloat64(torch.nn.Module):
         return X + self.attention(self.norm(X))
 
 
-def llama_truth(layer) -> NormedAttention:
-    """The canonical sublayer of a LlamaDecoderLayer from its weights: the rotary heads of to_rotary with
-    gamma folded in (Q_h G, K_h G, V_h G; an RMSNorm has no beta), eps its norm's, R = I (white-box)."""
+def rotary_truth(layer) -> NormedAttention:
+    """The canonical sublayer of a Llama, Mistral or Qwen2 decoder layer from its weights: the rotary heads
+    of to_rotary (its window, Qwen2's key bias) with gamma folded in (Q_h G, K_h G, V_h G; an RMSNorm has
+    no beta; b, the key bias and c unchanged), eps its norm's, R = I (white-box)."""
     from mhaextract.adapters.rotary import to_rotary
 
     A = to_rotary(layer.self_attn)

@@ -15,8 +15,8 @@ from mhaextract.models.kinds import model_from_document  # noqa: E402
 from mhaextract.models.normed import NormedAttention, PostNormAttention  # noqa: E402
 from mhaextract.norm.learn import NormedExtractionError  # noqa: E402
 from norm_blocks import (  # noqa: E402
-    LlamaSublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, folded_truth, gpt2_block,
-    llama_layer, llama_truth, post_norm_truth, raw_sequences, vit_layer,
+    RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, folded_truth, gpt2_block,
+    rotary_block, rotary_truth, post_norm_truth, raw_sequences, vit_layer,
 )
 
 
@@ -234,14 +234,23 @@ def test_a_bad_norm_option_is_refused_before_any_query():
     assert not calls
 
 
-def test_the_folded_rotary_model_is_the_llama_sublayer_at_every_position_and_saves_and_exports():
-    layer = llama_layer(8, 2, kv_heads=1)
-    sublayer = LlamaSublayerFloat64(layer)
-    truth = llama_truth(layer)
+#: the rotary decoder layers whose sublayer goes into their class: (family, its settings); Mistral's window
+#: shorter than the sequences, Qwen2's key bias (its sublayer is not learned, but a model goes into it)
+ROTARY_BLOCK_CASES = {"llama": {}, "mistral": {"sliding_window": 4}, "qwen2": {}}
+
+
+@pytest.mark.parametrize("family", ROTARY_BLOCK_CASES)
+def test_the_folded_rotary_model_is_the_sublayer_at_every_position_and_saves_and_exports(family):
+    settings = ROTARY_BLOCK_CASES[family]
+    layer = rotary_block(8, 2, kv_heads=1, family=family, **settings)
+    sublayer = RotarySublayerFloat64(layer)
+    truth = rotary_truth(layer)
+    assert truth.attention.window == settings.get("sliding_window")
+    assert (truth.attention.key_bias is not None) == (family == "qwen2")
     sequences = raw_sequences(np.random.default_rng(0), 8, 6, longest=12)
     assert every_position_error(truth, sublayer, sequences, causal=True) < 1e-12
-    # the adapter runs the block's own modules: LlamaRMSNorm computes in float32 whatever the dtype
-    assert every_position_error(truth, attention_sublayer(layer), sequences, causal=True) < 1e-5
+    if family != "qwen2":  # the adapter runs the block's own modules: their RMSNorm computes in float32
+        assert every_position_error(truth, attention_sublayer(layer), sequences, causal=True) < 1e-5
     with pytest.raises(ValueError, match="float64"):
         truth(sequences, dtype=np.float32)
     part, _ = truth.to_document()
@@ -250,24 +259,33 @@ def test_the_folded_rotary_model_is_the_llama_sublayer_at_every_position_and_sav
     X = torch.as_tensor(sequences[-1])[None]
     with torch.no_grad():
         assert float((to_torch(truth)(X) - sublayer(X)).abs().max()) < 1e-12
-    fresh = llama_layer(8, 2, kv_heads=1, seed=5)
+    fresh = rotary_block(8, 2, kv_heads=1, seed=5, family=family, **settings)
     fresh.load_state_dict(to_state_dict(truth, like=fresh), strict=False)
     assert bool(fresh.input_layernorm.weight.detach().eq(1).all())  # gamma lives in the heads
     with torch.no_grad():
-        assert float((LlamaSublayerFloat64(fresh)(X) - sublayer(X)).abs().max()) < 1e-12
+        assert float((RotarySublayerFloat64(fresh)(X) - sublayer(X)).abs().max()) < 1e-12
+
+
+def test_a_qwen2_sublayer_is_refused_by_name_before_any_query():
+    # its key bias: the rotary learner's key-neutral search starts from a token outside the norm's ball
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="Qwen2DecoderLayer.*key_bias=True"):
+        attention_sublayer(rotary_block(8, 2, kv_heads=1, family="qwen2"))
 
 
 def test_a_rotary_sublayer_export_is_refused_where_the_block_cannot_carry_it():
-    truth = llama_truth(llama_layer(8, 2, kv_heads=1))
+    truth = rotary_truth(rotary_block(8, 2, kv_heads=1))
     other_eps = NormedAttention(truth.norm, 1e-5, truth.attention, truth.R)
     with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="rms_norm_eps"):
-        to_state_dict(other_eps, like=llama_layer(8, 2, kv_heads=1))
+        to_state_dict(other_eps, like=rotary_block(8, 2, kv_heads=1))
     with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="LayerNorm"):
         to_state_dict(truth, like=gpt2_block(8, 2))
+    windowed = rotary_truth(rotary_block(8, 2, kv_heads=1, family="mistral", sliding_window=4))
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="sliding_window"):
+        to_state_dict(windowed, like=rotary_block(8, 2, kv_heads=1, family="mistral", sliding_window=6))
 
 
 def test_positions_rotary_is_refused_with_options_it_cannot_take():
-    oracle = TorchOracle(LlamaSublayerFloat64(llama_layer(8, 2, kv_heads=1)))
+    oracle = TorchOracle(RotarySublayerFloat64(rotary_block(8, 2, kv_heads=1)))
     with pytest.raises(ValueError, match="RMSNorm"):
         mx.extract(oracle, 8, heads=2, norm="layernorm", positions="rotary")
     with pytest.raises(ValueError, match="inner_schedule"):
@@ -276,8 +294,10 @@ def test_positions_rotary_is_refused_with_options_it_cannot_take():
         mx.extract(oracle, 8, heads=2, norm="auto", positions="alibi")
 
 
-def test_a_float64_llama_block_whose_norm_computes_in_float32_fails_loudly_naming_it():
-    oracle = TorchOracle(attention_sublayer(llama_layer(8, 2, kv_heads=1)))  # LlamaRMSNorm: float32 inside
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_float64_rotary_block_whose_norm_computes_in_float32_fails_loudly_naming_it(family):
+    # LlamaRMSNorm and MistralRMSNorm: float32 inside
+    oracle = TorchOracle(attention_sublayer(rotary_block(8, 2, kv_heads=1, family=family)))
     with pytest.raises(NormedExtractionError, match="LlamaRMSNorm computes in float32"):
         mx.extract(oracle, 8, heads=2, seed=1, norm="auto", positions="rotary")
 
@@ -285,30 +305,58 @@ def test_a_float64_llama_block_whose_norm_computes_in_float32_fails_loudly_namin
 @pytest.mark.slow
 def test_the_llama_sublayer_is_extracted_with_norm_auto_and_positions_rotary():
     d, H = 16, 4
-    layer = llama_layer(d, H, kv_heads=2)
-    sublayer = LlamaSublayerFloat64(layer)
+    layer = rotary_block(d, H, kv_heads=2)
+    sublayer = RotarySublayerFloat64(layer)
     result = mx.extract(TorchOracle(sublayer), d, heads=H, seed=1, norm="auto", positions="rotary")
     assert result.ok and result.norm == "rmsnorm" and result.schedule == "norm"
     assert result.largest_inner_token < np.sqrt(d)
-    truth = llama_truth(layer)
+    truth = rotary_truth(layer)
     assert abs(result.eps - truth.eps) / truth.eps < 1e-12
     assert mx.compare(result.model, truth).max_rel < 1e-11
     sequences = raw_sequences(np.random.default_rng(3), d, 20)
     assert every_position_error(result.model, sublayer, sequences, causal=True) < 1e-11
     X = torch.as_tensor(sequences[-1])[None]
-    fresh = llama_layer(d, H, kv_heads=2, seed=7)
+    fresh = rotary_block(d, H, kv_heads=2, seed=7)
     fresh.load_state_dict(to_state_dict(result, like=fresh), strict=False)
     with torch.no_grad():
         assert float((to_torch(result)(X) - sublayer(X)).abs().max() / sublayer(X).abs().max()) < 1e-11
-        assert float((LlamaSublayerFloat64(fresh)(X) - sublayer(X)).abs().max() / sublayer(X).abs().max()) < 1e-11
+        assert float((RotarySublayerFloat64(fresh)(X) - sublayer(X)).abs().max() / sublayer(X).abs().max()) < 1e-11
 
 
 @pytest.mark.slow
 def test_positions_rotary_alone_hands_a_llama_sublayer_to_the_norm_learner():
     d, H = 16, 4
-    layer = llama_layer(d, H, kv_heads=2)
-    sublayer = LlamaSublayerFloat64(layer)
+    layer = rotary_block(d, H, kv_heads=2)
+    sublayer = RotarySublayerFloat64(layer)
     result = mx.extract(TorchOracle(sublayer), d, heads=H, seed=1, positions="rotary")
     assert result.ok and result.schedule == "norm" and result.norm == "rmsnorm"
     assert "norm learner" in result.schedule_reason and result.split_queries > 0
     assert every_position_error(result.model, sublayer, raw_sequences(np.random.default_rng(4), d, 10), True) < 1e-11
+
+
+@pytest.mark.slow
+def test_a_mistral_sublayer_with_its_sliding_window_is_extracted_and_exported():
+    # the window (16 tokens, the instances' 13 fit in it) is found behind the norm; judged on sequences longer
+    # than the window and than any query asked
+    d, H = 16, 4
+    layer = rotary_block(d, H, kv_heads=2, family="mistral", sliding_window=16)
+    sublayer = RotarySublayerFloat64(layer)
+    result = mx.extract(TorchOracle(sublayer), d, heads=H, seed=1, norm="auto", positions="rotary")
+    assert result.ok and result.norm == "rmsnorm" and result.largest_inner_token < np.sqrt(d)
+    truth = rotary_truth(layer)
+    assert result.model.attention.window == 16 and abs(result.eps - truth.eps) / truth.eps < 1e-12
+    assert mx.compare(result.model, truth).max_rel < 1e-11
+    sequences = raw_sequences(np.random.default_rng(3), d, 12, longest=2 * result.max_query_length)
+    error = every_position_error(result.model, sublayer, sequences, causal=True)
+    assert error < 1e-11 and result.error_estimate >= error
+    X = torch.as_tensor(sequences[-1])[None]
+    fresh = rotary_block(d, H, kv_heads=2, seed=7, family="mistral", sliding_window=16)
+    fresh.load_state_dict(to_state_dict(result, like=fresh), strict=False)
+    assert _relative_every_position(RotarySublayerFloat64(fresh), sublayer, X) < 1e-11
+
+
+def test_a_mistral_window_shorter_than_the_instances_fails_naming_it():
+    # H = 4: the instances take 2 H + 5 = 13 tokens, which a window of 8 cannot hold (as on the attention alone)
+    sublayer = RotarySublayerFloat64(rotary_block(16, 4, kv_heads=2, family="mistral", sliding_window=8))
+    with pytest.raises(NormedExtractionError, match="window of 8 tokens is shorter than the schedule's instances"):
+        mx.extract(TorchOracle(sublayer), 16, heads=4, seed=1, norm="auto", positions="rotary")

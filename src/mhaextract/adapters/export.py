@@ -303,7 +303,10 @@ def to_state_dict(model, like, tolerance: float | None = None) -> StateDict:
 
     Plain attention: ``nn.MultiheadAttention``, ``GPT2Attention``, ``BertSelfAttention``,
     ``OPTAttention``, ``ViTAttention`` (:mod:`mhaextract.adapters.attention`); rotary attention:
-    ``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention`` (:mod:`mhaextract.adapters.rotary`).
+    ``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention`` (:mod:`mhaextract.adapters.rotary`);
+    a block's attention sublayer: ``GPT2Block``, ``ViTLayer``, ``LlamaDecoderLayer``,
+    ``MistralDecoderLayer``, ``Qwen2DecoderLayer`` (norm and attention), ``BertAttention``
+    (:mod:`mhaextract.adapters.normed`).
 
     Examples
     --------

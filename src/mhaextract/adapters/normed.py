@@ -6,13 +6,15 @@ hidden states (B, N, d) to the sublayer's outputs (B, N, d), to wrap in
 :class:`~mhaextract.adapters.torch.TorchOracle`: ``GPT2Block`` (``x + attn(ln_1(x))``),
 ``ViTLayer`` (``x + attention(layernorm_before(x))``), ``LlamaDecoderLayer`` (``x +
 self_attn(input_layernorm(x))``, the rotary attention run with its positions and causal mask by
-:class:`~mhaextract.adapters.rotary.RotaryLayer`), ``BertAttention`` as it is (self-attention,
+:class:`~mhaextract.adapters.rotary.RotaryLayer`), ``MistralDecoderLayer`` (the same, its mask limited
+to the sliding window), ``BertAttention`` as it is (self-attention,
 output projection, residual, then its LayerNorm: a post-norm). The module calls the block's own
 submodules; nothing on the extraction path reads a weight.
 
 :func:`layer` and :func:`state_dict` are what :func:`~mhaextract.adapters.export.to_torch` and
 :func:`~mhaextract.adapters.export.to_state_dict` dispatch to for a ``NormedAttention`` (into a
-``GPT2Block``, ``ViTLayer`` or, with a rotary inner model, a ``LlamaDecoderLayer``) or a
+``GPT2Block``, ``ViTLayer`` or, with a rotary inner model, a ``LlamaDecoderLayer``,
+``MistralDecoderLayer`` or ``Qwen2DecoderLayer``) or a
 ``PostNormAttention`` (into a ``BertAttention``).
 """
 
@@ -55,17 +57,33 @@ class AttentionSublayer(nn.Module):
 
 #: block class -> (its norm before the attention, its attention module)
 SUBLAYERS = {"GPT2Block": ("ln_1", "attn"), "ViTLayer": ("layernorm_before", "attention"),
-             "LlamaDecoderLayer": ("input_layernorm", "self_attn"), "BertAttention": (None, None)}
-#: blocks whose attention is rotary (run by RotaryLayer with positions 0..N-1 and the causal mask)
-ROTARY_BLOCKS = ("LlamaDecoderLayer",)
+             "LlamaDecoderLayer": ("input_layernorm", "self_attn"),
+             "MistralDecoderLayer": ("input_layernorm", "self_attn"), "BertAttention": (None, None)}
+#: blocks whose sublayer the norm learner cannot learn, and why (refused before any query)
+UNLEARNED_SUBLAYERS = {
+    "Qwen2DecoderLayer": (
+        "the attention sublayer of a Qwen2DecoderLayer is not learned: its keys carry a bias (k_proj.bias), so zero "
+        "tokens are no counters, and the rotary learner's key-neutral search starts from the token whose queries "
+        "are zero, which behind the RMSNorm must lie in the ball of radius sqrt(d) that the norm's outputs fill and "
+        "on such layers mostly lies far outside it (docs/algorithm.md, 'Attention behind a norm: the sublayer of a "
+        "block', 'Rotary attention behind an RMSNorm'); extract its attention alone instead "
+        "(TorchOracle(adapters.rotary.RotaryLayer(block.self_attn)), positions='rotary', key_bias=True). A model "
+        "learned elsewhere still goes into a Qwen2DecoderLayer (to_state_dict(model, like=block))"),
+}
+#: blocks whose attention is rotary (run by RotaryLayer with positions 0..N-1 and the causal mask, limited
+#: to the layer's sliding window where it has one)
+ROTARY_BLOCKS = ("LlamaDecoderLayer", "MistralDecoderLayer")
 
 
 def attention_sublayer(block, rotary_embedding=None, angles: str = "model") -> AttentionSublayer:
     """The attention half of ``block`` (module docstring) as a module for
-    :class:`~mhaextract.adapters.torch.TorchOracle`; a TypeError naming the classes it knows.
-    ``rotary_embedding``, ``angles``: for a rotary block (``LlamaDecoderLayer``), as in
+    :class:`~mhaextract.adapters.torch.TorchOracle`; a TypeError naming the classes it knows, an
+    :class:`~mhaextract.adapters.export.UnsupportedLayerError` saying why for a block whose sublayer is
+    not learned (``Qwen2DecoderLayer``: its key bias). ``rotary_embedding``, ``angles``: for a rotary
+    block (``LlamaDecoderLayer``, ``MistralDecoderLayer``), as in
     :class:`~mhaextract.adapters.rotary.RotaryLayer` (the model's embedding by default; transformers
-    computes its angles, and ``LlamaRMSNorm`` its norm, in float32 whatever the block's dtype).
+    computes its angles, and ``LlamaRMSNorm`` or ``MistralRMSNorm`` its norm, in float32 whatever the
+    block's dtype).
 
     Examples
     --------
@@ -79,6 +97,8 @@ def attention_sublayer(block, rotary_embedding=None, angles: str = "model") -> A
     True
     """
     kind = type(block).__name__
+    if kind in UNLEARNED_SUBLAYERS:
+        raise UnsupportedLayerError(UNLEARNED_SUBLAYERS[kind])
     if kind not in SUBLAYERS:
         raise TypeError(f"attention_sublayer knows {', '.join(SUBLAYERS)}, not {kind}: pass the block of one of "
                         "these, or any module mapping raw hidden states (B, N, d) to the sublayer's outputs to "
@@ -149,11 +169,16 @@ def layer(model, causal, width, dtype, tolerance):
 BLOCK_LAYOUTS = {"GPT2Block": ("ln_1", "LayerNorm", "layernorm", "eps", "attn", "GPT-2: layer_norm_epsilon"),
                  "ViTLayer": ("layernorm_before", "LayerNorm", "layernorm", "eps", "attention", "ViT: layer_norm_eps"),
                  "LlamaDecoderLayer": ("input_layernorm", "LlamaRMSNorm", "rmsnorm", "variance_epsilon", "self_attn",
-                                       "Llama: rms_norm_eps")}
+                                       "Llama: rms_norm_eps"),
+                 "MistralDecoderLayer": ("input_layernorm", "MistralRMSNorm", "rmsnorm", "variance_epsilon",
+                                         "self_attn", "Mistral: rms_norm_eps"),
+                 "Qwen2DecoderLayer": ("input_layernorm", "Qwen2RMSNorm", "rmsnorm", "variance_epsilon", "self_attn",
+                                       "Qwen2: rms_norm_eps")}
 
 
 def state_dict(model: NormedAttention, like, tolerance: float) -> StateDict:
-    """The sublayer in the layout of a block ``like`` (``GPT2Block``, ``ViTLayer``): its norm's
+    """The sublayer in the layout of a block ``like`` (``GPT2Block``, ``ViTLayer``; with a rotary inner
+    model ``LlamaDecoderLayer``, ``MistralDecoderLayer``, ``Qwen2DecoderLayer``): its norm's
     weight 1 and bias 0 (gamma and beta are folded into the heads) and its attention's state from
     the attention adapter, keys prefixed with the submodules' names; load with
     ``block.load_state_dict(state, strict=False)`` (the MLP half is not the model's). Refused, with

@@ -176,8 +176,9 @@ def run_normed(session, options) -> NormedExtraction:
             _inner_and_verify(session, boundary, sweeps, options, result, hints)
         elif any(not c.passed and c.message.endswith(FLOAT32_NORM) for c in result.checks):
             hints.append("The sublayer's norm computes in float32 inside a float64 layer (transformers' LlamaRMSNorm "
-                         "does): its answers carry float32's rounding, and the sweeps judge float64's rounding. "
-                         "Ask a float64 copy of the sublayer (docs/norm.md, 'Rotary attention behind an RMSNorm').")
+                         "and MistralRMSNorm do): its answers carry float32's rounding, and the sweeps judge float64's "
+                         "rounding. Ask a float64 copy of the sublayer (docs/norm.md, 'Rotary attention behind an "
+                         "RMSNorm').")
         else:
             hints.append("The one-token sweeps decide the sublayer's form before any attention query "
                          "(docs/algorithm.md, 'Attention behind a norm: the sublayer of a block'): pass the attention "

@@ -70,8 +70,8 @@ def _bends(slopes: np.ndarray, size: np.ndarray, unit: float) -> float:
 FLOAT32_SPREAD = 1e-5
 #: Said where that is so.
 FLOAT32_NORM = ("; a spread this small is float32 rounding inside a float64 layer: transformers' LlamaRMSNorm "
-                "computes in float32 whatever the layer's dtype, so the sublayer's answers carry float32's "
-                "rounding (about 6e-8 relative); ask a float64 copy of it (torch.nn.RMSNorm with the block's "
+                "computes in float32 whatever the layer's dtype (MistralRMSNorm too), so the sublayer's answers carry "
+                "float32's rounding (about 6e-8 relative); ask a float64 copy of it (torch.nn.RMSNorm with the block's "
                 "weight and eps, and adapters.rotary.float64_layer(block.self_attn) for float64 angles)")
 
 
