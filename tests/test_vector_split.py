@@ -293,12 +293,12 @@ def test_a_trained_float64_layer_is_split_to_the_answers_rounding(layer):
     tokens of one independent difference (their scores' signs agree on about 60% of random tokens),
     so the split asks more final tokens for that difference until the 0/1 patterns have rank H. Each
     keeps the split's model: <= 1e-12 at every position of 100 fresh sequences of 1..128 tokens
-    against the exact layer's weights, estimate >= the error."""
+    against the exact layer's weights, estimate >= the error. With the defaults: "auto" splits them."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import zoo
 
-    row = zoo.run_and_judge(layer, torch.float64, schedule="vector")
+    row = zoo.run_and_judge(layer, torch.float64)
     assert row["result"].schedule == "vector", row["result"].schedule_reason
     assert row["output_error"] <= 1e-12
     assert row["estimate"] >= row["output_error"]
@@ -310,12 +310,12 @@ def test_a_trained_float32_layer_keeps_only_its_score_directions():
     float32's noise (k_h = 20 for heads of width 16); the refined ``[W_h | u_h]`` has it, so each head
     is cut to its 16 directions and refined again. The split's model is kept, <= 1e-5 at every
     position of 100 fresh sequences of 1..128 tokens against the exact float64 layer of the same
-    weights, estimate >= the error."""
+    weights, estimate >= the error. With the defaults: "auto" splits it."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import zoo
 
-    row = zoo.run_and_judge("gpt2-d32-h2/0", torch.float32, schedule="vector")
+    row = zoo.run_and_judge("gpt2-d32-h2/0", torch.float32)
     assert row["result"].schedule == "vector", row["result"].schedule_reason
     assert row["result"].score_ranks == [16, 16]
     assert row["output_error"] <= 1e-5
