@@ -6,11 +6,13 @@ the replacement module against the layer.
     python benchmarks/bench_full_layer.py --cells 768:12 --dtypes float32 --kinds GPT2Attention --rank 64 --seed 0
 
 Per layer class, dtype and (d, H): the layer built with every bias drawn at its weights' std
-(``tests/test_real_layers.build``), extracted with the library's defaults twice in one process:
-``extract(TorchOracle(layer), d, heads=H, seed=0)`` (whole outputs) and
+(``tests/test_real_layers.build``), extracted with the targeted schedule twice in one process:
+``extract(TorchOracle(layer), d, heads=H, seed=0, schedule="targeted")`` (whole outputs) and
 ``extract(TorchOracle(layer, r), ...)`` with the whole run's read-out r (the same schedule queries:
-the scalar run the whole one builds on). ``--rank r`` runs both with ``schedule="lowrank", rank=r,
-bias=True, token_scale="auto"``. Columns:
+the scalar run the whole one builds on). The defaults split whole answers by head where they can
+(docs/algorithm.md, 'Whole answers near the vector bound'; ``benchmarks/bench_vector.py``); this
+table is the scalar schedules' route, which the split falls back to. ``--rank r`` runs both with
+``schedule="lowrank", rank=r, bias=True, token_scale="auto"``. Columns:
 
 * queries whole (the value fit's share beside) / scalar (measured at the oracle) and their ratio: in
   float64 the scalar run asks the whole run's schedule queries; in float32 the scalar oracle rounds
@@ -63,7 +65,8 @@ def row(kind, dtype, d, H, rank=None, seed=None):
     exact = build(kind, d, H, seed=seed, implementation=implementation).eval()  # float64 weights
     layer = build(kind, d, H, seed=seed, implementation=implementation).eval().to(getattr(torch, dtype))
     exact.load_state_dict({k: v.to(torch.float64) for k, v in layer.state_dict().items()})  # its rounded weights
-    options = {} if rank is None else dict(schedule="lowrank", rank=rank, bias=True, token_scale="auto")
+    options = dict(schedule="targeted") if rank is None else dict(schedule="lowrank", rank=rank, bias=True,
+                                                                   token_scale="auto")
     started = time.perf_counter()
     whole = mx.extract(TorchOracle(layer), d, heads=H, seed=0, on_failure="warn", progress=False, **options)
     whole_seconds = time.perf_counter() - started

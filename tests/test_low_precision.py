@@ -178,13 +178,15 @@ def test_noise_the_calibration_missed_runs_the_schedule_again_at_it():
     """A float64 layer with a float32 softmax whose noise the calibration's permutation probes miss (d = 16, H = 2,
     seed 1: the calibration says float64): the run at float64 rounding fails (saturation, labels), the noise probe's
     fresh queries show about 4e-8 relative noise, and the schedule runs again at it: the model within 1e-6 of the
-    truth at its estimate or below, the check ``answer_noise`` saying why, every query counted at the oracle."""
+    truth at its estimate or below, the check ``answer_noise`` saying why, every query counted at the oracle.
+    The targeted schedule, named: the defaults split these whole answers by head (docs/algorithm.md, 'Whole
+    answers near the vector bound'), and the rerun at the noise is the scalar schedules'."""
     from mhaextract.adapters.torch import TorchOracle
     layer, truth = _float32_softmax_layer(16, 2, seed=1)
     oracle = TorchOracle(layer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = mx.extract(oracle, 16, heads=2, seed=1, on_failure="warn", progress=False)
+        result = mx.extract(oracle, 16, heads=2, seed=1, on_failure="warn", progress=False, schedule="targeted")
     assert result.calibration.answer_noise is None  # missed before the run
     assert result.ok and result.queries == oracle.sequences
     noise = next(check for check in result.checks if check.name == "answer_noise")

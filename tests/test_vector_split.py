@@ -67,20 +67,98 @@ def test_scalar_answers_never_try_the_split():
     assert result.queries == named.queries
 
 
-def test_auto_keeps_todays_schedule_on_whole_answers():
-    """The split is named, not chosen: auto on whole answers runs today's schedule, bit for bit."""
-    target = low_rank_layer(6, 2, 3, seed=5)
+def test_auto_splits_the_whole_answers_of_a_small_float64_layer():
+    """Whole float64 answers, H declared, heads that fit in d_out and a refinement that runs in full:
+    "auto" runs the split, and its model is the layer's to 1e-12 at every position."""
+    d, heads, rank = 8, 2, 4
+    target = low_rank_layer(d, heads, rank, seed=5)
+    asked = []
+    result = mx.extract(lambda batch: asked.extend(batch) or target(batch), d, heads=heads, seed=0)
+    assert isinstance(result, VectorExtraction) and result.schedule == "vector" and result.ok
+    assert result.schedule_reason.startswith("auto: heads of width r = 4 (at most d_out / H)")
+    assert "every parameter is refined" in result.schedule_reason and result.refinement == "full"
+    assert result.queries == len(asked)  # measured at the oracle
+    error = worst_position_error(result.model, target, d)
+    assert error <= 1e-12 and result.error_estimate >= error
+
+
+def test_auto_gives_way_on_full_rank_heads_beyond_d_out_to_todays_schedule_bit_for_bit():
+    """Full-rank heads, H r = 8 > d_out = 3 (rank not declared): the split finds it out, in few
+    queries, and the targeted schedule runs as it does alone: the same model and estimate, bit for
+    bit, its count plus the split's."""
+    target = mx.MultiHeadAttention.random(4, 2, seed=5, bias=True, d_out=3)
+    result = mx.extract(mx.SimulatedOracle(target), 4, heads=2, seed=2)
+    named = mx.extract(mx.SimulatedOracle(target), 4, heads=2, seed=2, schedule="targeted")
+    assert result.schedule == "targeted" and result.ok
+    for name in ("W", "V", "u", "c"):
+        assert np.array_equal(getattr(result.model, name), getattr(named.model, name)), name
+    assert result.error_estimate == named.error_estimate
+    assert 0 < result.split_queries <= 200  # value map, half circles, one round of perturbed differences
+    assert result.queries == named.queries + result.split_queries
+    assert (f"vector: whole answers could not be split by head (the heads' output subspaces have dimensions "
+            f"[3, 3]") in result.schedule_reason and f"after {result.split_queries} queries" in result.schedule_reason
+
+
+def test_auto_never_tries_the_split_on_a_scalar_read_out():
+    target = low_rank_layer(6, 2, 3).readout(np.arange(1.0, 7.0))
     result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0)
     named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
-    assert result.schedule == "targeted" and result.split_queries == 0 and result.queries == named.queries
+    assert result.schedule == "targeted" and result.split_queries == 0 and "vector" not in result.schedule_reason
+    assert result.queries == named.queries
+    np.testing.assert_array_equal(result.model.W, named.model.W)
+    np.testing.assert_array_equal(result.model.v, named.model.v)
+
+
+def test_auto_asks_no_split_query_where_the_declared_rank_leaves_no_room():
+    """rank = 5 with H = 2 and d_out = 8: H rank > d_out, so the low-rank schedule runs at once, as named."""
+    target = low_rank_layer(8, 2, 4, seed=1)
+    result = mx.extract(mx.SimulatedOracle(target), 8, heads=2, seed=0, rank=5)
+    named = mx.extract(mx.SimulatedOracle(target), 8, heads=2, seed=0, schedule="lowrank", rank=5)
+    assert result.schedule == "lowrank" and result.split_queries == 0 and result.queries == named.queries
+    assert "vector: not tried: H rank = 10 > d_out = 8" in result.schedule_reason
+    np.testing.assert_array_equal(result.model.W, named.model.W)
     np.testing.assert_array_equal(result.model.V, named.model.V)
+    as_named = mx.extract(mx.SimulatedOracle(target), 8, heads=2, seed=0, schedule="vector", rank=5)
+    assert as_named.schedule == "lowrank" and as_named.split_queries == 0 and as_named.queries == named.queries
+    np.testing.assert_array_equal(as_named.model.W, named.model.W)
+
+
+def test_when_auto_splits_whole_answers():
+    """The rule of docs/algorithm.md, 'Whole answers near the vector bound', 'When auto splits the
+    answers', before any query: the split where its full refinement runs (d = 64 and 128 measured to
+    pass), the scalar schedules past it (d = 256 and 768 measured to give way), and where the heads
+    cannot fit in d_out, where the answers are not whole float64 or float32, or where H is unknown."""
+    from types import SimpleNamespace
+
+    from mhaextract.vector.learner import split_expected
+
+    def expected(d, heads, d_out, answers="float64", precision=None, **options):
+        return split_expected(options, SimpleNamespace(d=d, heads=heads, precision=precision), answers, d_out)
+
+    assert expected(64, 4, 64)[0] and expected(128, 8, 128)[0] and expected(64, 4, 64, "float32")[0]
+    assert expected(128, 8, 128, rank=16, bias=True)[0]
+    for refused, why in [(expected(256, 8, 256), "above 1e+09"), (expected(768, 12, 768, "float32"), "above 1e+09"),
+                         (expected(8, 2, 8, rank=5), "H rank = 10 > d_out = 8"), (expected(8, 3, 2), "H = 3 heads"),
+                         (expected(8, None, 8), "heads=H"), (expected(8, 2, 8, "bfloat16"), "float64 or float32"),
+                         (expected(8, 2, 1), "float64 or float32"), (expected(8, 2, 8, precision=128), "precision"),
+                         (expected(8, 2, 8, answer_error=1e-9), "answer_error"), (expected(8, 2, 8, bias=False), "bias")]:
+        assert not refused[0] and why in refused[1], (why, refused)
 
 
 def test_the_split_takes_no_option_it_does_not_use():
     target = low_rank_layer(6, 2, 3, seed=5)
-    for option in ({"bias": False}, {"rank": 3}, {"precision": 128}):
-        with pytest.raises(ValueError, match="schedule='vector'"):
+    for option in ({"bias": False}, {"answer_error": 1e-9}, {"precision": 128}, {"rank": 7}, {"rank": "two"}):
+        with pytest.raises(ValueError, match="schedule='vector'|rank must be"):
             mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector", **option)
+
+
+def test_a_resumed_auto_split_replays_its_answers(tmp_path):
+    target = low_rank_layer(6, 2, 3, seed=4)
+    path = tmp_path / "run.sqlite"
+    first = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path)
+    again = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=2, transcript=path)
+    assert first.schedule == again.schedule == "vector" and again.queries_asked <= 3
+    np.testing.assert_array_equal(again.model.W, first.model.W)
 
 
 def test_a_resumed_vector_run_replays_its_answers(tmp_path):
@@ -215,12 +293,12 @@ def test_a_trained_float64_layer_is_split_to_the_answers_rounding(layer):
     tokens of one independent difference (their scores' signs agree on about 60% of random tokens),
     so the split asks more final tokens for that difference until the 0/1 patterns have rank H. Each
     keeps the split's model: <= 1e-12 at every position of 100 fresh sequences of 1..128 tokens
-    against the exact layer's weights, estimate >= the error."""
+    against the exact layer's weights, estimate >= the error. With the defaults: "auto" splits them."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import zoo
 
-    row = zoo.run_and_judge(layer, torch.float64, schedule="vector")
+    row = zoo.run_and_judge(layer, torch.float64)
     assert row["result"].schedule == "vector", row["result"].schedule_reason
     assert row["output_error"] <= 1e-12
     assert row["estimate"] >= row["output_error"]
@@ -232,12 +310,12 @@ def test_a_trained_float32_layer_keeps_only_its_score_directions():
     float32's noise (k_h = 20 for heads of width 16); the refined ``[W_h | u_h]`` has it, so each head
     is cut to its 16 directions and refined again. The split's model is kept, <= 1e-5 at every
     position of 100 fresh sequences of 1..128 tokens against the exact float64 layer of the same
-    weights, estimate >= the error."""
+    weights, estimate >= the error. With the defaults: "auto" splits it."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import zoo
 
-    row = zoo.run_and_judge("gpt2-d32-h2/0", torch.float32, schedule="vector")
+    row = zoo.run_and_judge("gpt2-d32-h2/0", torch.float32)
     assert row["result"].schedule == "vector", row["result"].schedule_reason
     assert row["result"].score_ranks == [16, 16]
     assert row["output_error"] <= 1e-5

@@ -1,6 +1,7 @@
 """Issue 64's trained zoo (tests/zoo.py, trained by benchmarks/train_zoo.py): every attention layer
 of small GPT-2, BERT, ViT, Llama, Mistral and Qwen2 models trained on this machine, extracted with
-the library's defaults (plus ``positions="rotary"``, and ``key_bias=True`` for Qwen2) and judged
+the library's defaults (plus ``positions="rotary"``, and ``key_bias=True`` for Qwen2; whole float64
+and float32 answers of the other families with ``schedule="targeted"``, :func:`judged`) and judged
 against the exact float64 layer of its own weights at every position of 100 fresh sequences of
 1..128 tokens (``zoo.run_and_judge``, ``zoo.verdicts``). The fast tier checks the cache and runs one float64 layer; the
 rest are slow, and the full table is ``benchmarks/bench_zoo.py`` (docs/trained-layers.md). A case
@@ -40,8 +41,14 @@ def test_a_cached_layer_loads_in_every_dtype_and_answers_as_its_model_runs_it():
 
 @functools.cache
 def judged(layer_id, dtype):
-    """One run per layer and dtype, shared by the tests below (``zoo.run_and_judge``)."""
-    return zoo.run_and_judge(layer_id, getattr(torch, dtype))
+    """One run per layer and dtype, shared by the tests below (``zoo.run_and_judge``). Whole float64
+    and float32 answers of the non-rotary layers run the targeted schedule, named: the defaults split
+    them by head at these sizes (docs/algorithm.md, 'Whole answers near the vector bound', 'When auto
+    splits the answers'), whose rows are docs/trained-layers.md's 'Measured: the split of whole
+    answers' and whose trained cases are tests/test_vector_split.py's; the split here would add about
+    500 s of CPU to the suite (vit-d64-h4 in float32: about 180 s each)."""
+    named = {"schedule": "targeted"} if dtype in ("float64", "float32") and not zoo.extract_options(layer_id) else {}
+    return zoo.run_and_judge(layer_id, getattr(torch, dtype), **named)
 
 
 #: Layer and dtype, each replaced at every position within acceptance 1's limits, its estimate not

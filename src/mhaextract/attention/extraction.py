@@ -22,13 +22,12 @@ from ..checks.verify import VERIFY_LENGTH, ask_long_verification
 from ..numerics.arithmetic import BACKENDS, arithmetic_for
 from ..oracle.progress import expect_queries
 from ..oracle.transcript import RUN, run_fingerprint, run_header
-from ..run.learner import AUTO, FallBack, given, successor, takeover
-from ..run.validation import nonnegative_number, positive_int, spawn_rng, token_scale_for
+from ..run.learner import AUTO, FallBack, given, passed_over, successor, takeover
+from ..run.validation import nonnegative_number, positive_int, rank_option, spawn_rng, token_scale_for
 from .base import RunSettings
 from .finish import (
     Spent, arithmetic_noise, ask_value_queries, finish, refinement_queries, rescued_by_refinement, with_values,
 )
-from .targeted.lowrank import AUTO as AUTO_RANK
 from .registry import choose
 
 
@@ -54,13 +53,7 @@ def settings_for(request, options, token_scale) -> RunSettings:
     if answer_error is not None:  # a parameter of extract: every bad value is a ValueError
         answer_error = nonnegative_number("answer_error", answer_error, "a bound on |answer - truth|", ValueError)
     d = request.d
-    if isinstance(rank, str):
-        if rank != AUTO_RANK:
-            raise ValueError(f"rank must be an integer 1 <= r <= d = {d} or {AUTO_RANK!r}, got {rank!r}")
-    elif rank is not None:
-        rank = positive_int("rank", rank)
-        if rank > d:
-            raise ValueError(f"rank must be at most d = {d} (a bound on the rank of every W_h), got {rank}")
+    rank = rank_option(rank, d)
     return RunSettings(d, request.max_heads, request.heads, precision, request.seed, token_scale_for(d, token_scale),
                        samples, None if refine is None else bool(refine), refine_queries, answer_error, rank,
                        _backend(backend, precision), repair=None if repair is None else bool(repair))
@@ -135,7 +128,13 @@ def run_attention(session, options, name):
         if successor is not None:
             refuse_takeover(session, name, answer_format, vectors.d_out,
                             "the calibration's answers are that format's numbers")
-            return successor(session, successor.validate(options, request)).run()
+            try:
+                return successor(session, successor.validate(options, request)).run()
+            except FallBack as fallback:  # it gave way: the schedule "auto" chose runs, its queries after the learner's
+                session.fall_back(successor.name, fallback.reason, fallback.boundary)
+        elif name == AUTO:
+            for declined, why in passed_over(options, request, answer_format, vectors.d_out):
+                session.fall_back(declined, f"not tried: {why}", None)
         if session.record is not None:
             session.record.start_run(run_fingerprint(plan, int(request.seed), settings.precision,
                                                      plan.fixed_queries()))

@@ -15,7 +15,11 @@ How ``schedule="auto"`` picks, in three moments, each a class method a learner m
    is claimed by the rotary learner); the first claimant in registry order runs;
 2. after the shared calibration's probes, :meth:`Learner.takes_over` on what the answers showed
    (their format, their width ``d_out``): answers of 8 or 11 bits belong to the low-precision
-   learner, which then runs instead, in the same session;
+   learner, whole float64 or float32 answers with the heads declared to the split of whole answers
+   where it is expected to reach its target; the learner then runs instead, in the same session.
+   One that gives way there (:class:`FallBack`) leaves the run to the learner ``"auto"`` had chosen,
+   its queries counted; one that declines answers of its kind says why (:meth:`Learner.passes_over`),
+   appended to ``result.schedule_reason``;
 3. a learner that finds the answers outside its reach raises :class:`FallBack` naming the learner
    to run instead (:attr:`Learner.falls_back_to`, or the one :func:`successor` finds for what a
    failed run's model-class probes showed, :meth:`Learner.explains`); its queries count in the
@@ -111,6 +115,12 @@ class Learner:
         """``schedule="auto"``, after the calibration's first answers: whether answers of
         ``answer_format`` with ``d_out`` numbers each (None: not seen yet) belong to this learner."""
         return False
+
+    @classmethod
+    def passes_over(cls, options: dict, common, answer_format: str | None, d_out: int | None) -> str | None:
+        """``schedule="auto"``, where :meth:`takes_over` declined: why, in words, when the answers are
+        of the kind this learner learns from (None: they are not, or no reason to give; the default)."""
+        return None
 
     @classmethod
     def explains(cls, evidence) -> str | None:
@@ -210,6 +220,13 @@ def takeover(options: dict, common, answer_format, d_out) -> type[Learner] | Non
         if learner.takes_over(options, common, answer_format, d_out):
             return learner
     return None
+
+
+def passed_over(options: dict, common, answer_format, d_out) -> list[tuple[str, str]]:
+    """``(name, why)`` of each learner that declined answers of its kind (:meth:`Learner.passes_over`)."""
+    reasons = ((learner.name, learner.passes_over(options, common, answer_format, d_out))
+               for learner in LEARNERS.values())
+    return [(name, why) for name, why in reasons if why is not None]
 
 
 def options_table() -> list[tuple[str, str, str, str]]:

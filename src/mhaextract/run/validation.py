@@ -89,6 +89,23 @@ def bias_option(bias):
     return None if bias is None else bool(bias)
 
 
+#: ``rank="auto"``: the low-rank schedule finds each head's rank by queries.
+FOUND_RANK = "auto"
+
+
+def rank_option(rank, d: int, meaning: str = "a bound on the rank of every W_h"):
+    """``extract``'s ``rank``: None, ``"auto"`` or an int 1 <= r <= d (``meaning``: what it bounds,
+    for the error)."""
+    if rank is None or rank == FOUND_RANK:
+        return rank
+    if isinstance(rank, str):
+        raise ValueError(f"rank must be an integer 1 <= r <= d = {d} or {FOUND_RANK!r}, got {rank!r}")
+    rank = positive_int("rank", rank)
+    if rank > d:
+        raise ValueError(f"rank must be at most d = {d} ({meaning}), got {rank}")
+    return rank
+
+
 def head_count(heads, max_heads) -> tuple[int, int | None]:
     """``(H0, H or None)`` from exactly one of ``heads`` (H known) and ``max_heads`` (a bound)."""
     if (heads is None) == (max_heads is None):

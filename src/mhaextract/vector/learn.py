@@ -152,6 +152,19 @@ def full_refinement_work(d: int, ranks: list[int], design: tuple[float, float]) 
     return float(n * len(ranks) * (tokens_per_query(ranks) + 1) * d * 2 * max(ranks))
 
 
+def score_design(unit: float) -> tuple[float, float]:
+    """The score queries' design for answers rounded at ``unit``: ``FITTED`` in float64, the
+    oversampled ``SCORES_ONLY`` for float32 and coarser (``COARSE_UNIT``)."""
+    return FITTED if unit < COARSE_UNIT else SCORES_ONLY
+
+
+def refines_fully(d: int, ranks: list[int], unit: float) -> tuple[bool, float]:
+    """``(whether every parameter is refined on every answer, the work of one Jacobian product)``
+    for heads of value ranks ``ranks`` on answers rounded at ``unit`` (``REFINE_WORK``)."""
+    work = full_refinement_work(d, ranks, score_design(unit))
+    return work <= REFINE_WORK, work
+
+
 def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
     """The start: ``(layer, sequences, answers, split, score ranks, full)`` (the unsaturated queries
     and their whole answers, which the refinement fits; ``full``: whether every parameter will be
@@ -164,8 +177,8 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
     split = output_subspaces(_Saturated(boundary, values, unit), spawn_rng(seed, STREAMS["split"]), d, d_out,
                              scale, heads, values, unit)
     note_progress(progress, "whole answers: every head's attention weights")
-    design = FITTED if unit < COARSE_UNIT else SCORES_ONLY
-    full = full_refinement_work(d, split.ranks, design) <= REFINE_WORK
+    design = score_design(unit)
+    full = refines_fully(d, split.ranks, unit)[0]
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
                                           unit, design if full else SCORES_ONLY)
     sequences = values.sequences + [X for batch in batches for X in batch.X]

@@ -1,8 +1,13 @@
 """The split of whole answers by head as a learner ("vector", docs/algorithm.md, 'Whole answers
 near the vector bound'): every query answers every head. Where the answers cannot be split
 (scalar answers, H r > d_out, a model that fails a check) it falls back to the targeted
-schedule (:attr:`VectorLearner.falls_back_to`), whose result then counts the split's queries
-and says why."""
+schedule (:attr:`VectorLearner.falls_back_to`; the low-rank one where ``rank`` is given), whose
+result then counts the split's queries and says why.
+
+``schedule="auto"`` hands a run to it after the calibration's probes (:meth:`VectorLearner.takes_over`)
+where :func:`split_expected` expects the split to reach its target; a split that then gives way
+leaves the run to the schedule ``"auto"`` had chosen, its model unchanged bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,51 @@ import numpy as np
 
 from ..oracle.answer_stats import FORMAT_UNITS
 from ..oracle.transcript import VECTOR
-from ..run.learner import FallBack, Learner, register_learner
-from .learn import SplitUnavailable, extract_vector
+from ..run.learner import AUTO, FallBack, Learner, given, register_learner
+from ..run.validation import rank_option
+from .learn import ERROR_TARGET, REFINE_WORK, SplitUnavailable, extract_vector, refines_fully
 
 #: A split whose model fails a check gives way to the targeted schedule (True), or is returned
 #: failed (False: what ``benchmarks/bench_vector.py --split-only`` measures).
 SPLIT_FAILURE_FALLS_BACK = True
+
+
+def split_expected(options: dict, common, answer_format: str | None, d_out: int | None) -> tuple[bool, str]:
+    """``(whether schedule="auto" tries the split, why)`` for answers of ``answer_format`` with
+    ``d_out`` numbers each, before any query of the split (docs/algorithm.md, 'Whole answers near
+    the vector bound', 'When auto splits the answers').
+
+    It needs whole float64 or float32 answers (``d_out >= 2``), ``heads=H`` declared, ``H <= d_out``
+    and, where ``rank`` bounds the heads' width, ``H rank <= d_out``; no option of the scalar
+    schedules' beyond ``bias`` (not False) and ``rank``. And every parameter must be refined on every
+    answer (:func:`~mhaextract.vector.learn.refines_fully` with heads of width ``r``, the rank given
+    or else ``min(d, d_out // H)``, the widest heads whose subspaces fit in ``d_out``): where the
+    refinement costs more (GPT-2-class d = 256 and up) the model misses the answers' rounding and
+    the split would only add its queries and minutes to the scalar schedule's."""
+    heads = common.heads
+    if answer_format not in ERROR_TARGET or d_out is None or d_out < 2:
+        return False, f"answers of {d_out or 1} number(s) at {answer_format}: the split needs whole float64 or float32 ones"
+    if heads is None:
+        return False, "the split needs the number of heads declared (heads=H)"
+    if common.precision is not None:
+        return False, "precision=bits runs the high-precision schedules"
+    scalar = sorted(name for name, value in options.items()
+                    if (name not in VectorLearner.options and given(value)) or (name == "bias" and value is False))
+    if scalar:
+        return False, f"options of the scalar schedules given ({', '.join(scalar)})"
+    if heads > d_out:
+        return False, f"H = {heads} heads cannot have independent output subspaces in d_out = {d_out}"
+    rank = options.get("rank")
+    declared = isinstance(rank, (int, np.integer)) and not isinstance(rank, bool)
+    if declared and heads * rank > d_out:
+        return False, f"H rank = {heads * rank} > d_out = {d_out}: the heads' output subspaces cannot be independent"
+    width = int(rank) if declared else min(common.d, d_out // heads)
+    full, work = refines_fully(common.d, [width] * heads, FORMAT_UNITS.get(answer_format, 2.0 ** -53))
+    words = (f"heads of width r = {width} ({'rank given' if declared else 'at most d_out / H'}): one Jacobian "
+             f"product of the full refinement about {work:.2g} multiply-adds")
+    if not full:
+        return False, f"{words}, above {REFINE_WORK:.0e}: the split's model would miss the answers' rounding"
+    return True, f"{words} <= {REFINE_WORK:.0e}: every parameter is refined on every answer"
 
 
 @register_learner
@@ -26,9 +70,23 @@ class VectorLearner(Learner):
     name = "vector"
     family = "vector"
     model = "multi-head attention, whole (W_h, V_h, u_h, c), from float64 or float32 vector answers"
-    options = {"bias": "always learned: True or None"}
+    options = {"bias": "always learned: True or None",
+               "rank": "the heads' width where known: the split is not tried where H rank > d_out, and gives way "
+                       "to the low-rank schedule"}
     refusal = "the split learns the model with biases in float64 from whole answers, its heads' widths found by queries"
     falls_back_to = "targeted"
+
+    @classmethod
+    def takes_over(cls, options, common, answer_format, d_out) -> bool:
+        return split_expected(options, common, answer_format, d_out)[0]
+
+    @classmethod
+    def passes_over(cls, options, common, answer_format, d_out) -> str | None:
+        """Why whole float64 or float32 answers were not split (none for scalar or coarser answers)."""
+        if answer_format not in ERROR_TARGET or d_out is None or d_out < 2:
+            return None
+        expected, why = split_expected(options, common, answer_format, d_out)
+        return None if expected else why
 
     @classmethod
     def validate(cls, options, common) -> dict:
@@ -37,7 +95,12 @@ class VectorLearner(Learner):
             raise ValueError(f"schedule='vector' learns the model with biases in float64 from whole answers, its "
                              f"heads' widths found by queries; it does not take bias=False or precision "
                              f"(got bias={bias!r}, precision={common.precision!r})")
-        return dict(options, bias=True)
+        return dict(options, bias=True, rank=rank_option(options.get("rank"), common.d, "the heads' width"))
+
+    def give_way(self, reason: str, boundary=None) -> FallBack:
+        """The fallback to the scalar schedules: the low-rank one where ``rank`` was given (it takes it),
+        else :attr:`falls_back_to`."""
+        return FallBack(reason, boundary, to="lowrank" if self.options.get("rank") is not None else None)
 
     def run(self):
         session, request = self.session, self.session.request
@@ -48,28 +111,35 @@ class VectorLearner(Learner):
         calibration = session.calibrate()
         vectors = session.vectors
         if request.heads is None:
-            raise FallBack("the split was not tried: it needs the number of heads declared (heads=H)")
-        if (vectors.d_out or 1) == 1 or calibration.answer_precision not in ("float64", "float32"):
-            raise FallBack(f"the split was not tried: it needs whole answers in float64 or float32 (these are "
-                           f"{vectors.d_out or 1} number(s) at {calibration.answer_precision})")
+            raise self.give_way("the split was not tried: it needs the number of heads declared (heads=H)")
+        if (vectors.d_out or 1) == 1 or calibration.answer_precision not in ERROR_TARGET:
+            raise self.give_way(f"the split was not tried: it needs whole answers in float64 or float32 (these are "
+                                f"{vectors.d_out or 1} number(s) at {calibration.answer_precision})")
+        rank = self.options.get("rank")
+        if isinstance(rank, int) and request.heads * rank > vectors.d_out:
+            raise self.give_way(f"the split was not tried: H rank = {request.heads * rank} > d_out = {vectors.d_out}, "
+                                "the heads' output subspaces cannot be independent")
         unit = max(vectors.unit, FORMAT_UNITS.get(calibration.answer_precision, 2.0 ** -53))
         boundary = session.boundary(VECTOR)
         try:
             result = extract_vector(boundary, request.seed, request.d, request.heads, calibration.token_scale, unit,
                                     calibration.answer_precision, session.verify_length, session.progress)
         except SplitUnavailable as why:
-            raise FallBack(f"whole answers could not be split by head ({why})", boundary) from None
+            raise self.give_way(f"whole answers could not be split by head ({why})", boundary) from None
         except np.linalg.LinAlgError as why:  # a factorisation of the split failed: it cannot work here
-            raise FallBack(f"whole answers could not be split by head (a factorisation of the split failed "
-                           f"({why}))", boundary) from None
-        if not result.ok and SPLIT_FAILURE_FALLS_BACK:  # never a guess: the targeted schedule runs instead
+            raise self.give_way(f"whole answers could not be split by head (a factorisation of the split failed "
+                                f"({why}))", boundary) from None
+        if not result.ok and SPLIT_FAILURE_FALLS_BACK:  # never a guess: the scalar schedules run instead
             failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}"
                                for check in result.failed_checks)
-            raise FallBack(f"whole answers could not be split by head (its model failed its checks: {failed})",
-                           boundary)
+            raise self.give_way(f"whole answers could not be split by head (its model failed its checks: {failed})",
+                                boundary)
         session.close()
+        chosen = ""
+        if session.requested == AUTO:
+            chosen = f"auto: {split_expected(self.options, request, calibration.answer_precision, vectors.d_out)[1]}; "
         result.schedule_reason = (
-            f"whole answers of d_out = {vectors.d_out} numbers ({calibration.answer_precision}) and H = "
+            f"{chosen}whole answers of d_out = {vectors.d_out} numbers ({calibration.answer_precision}) and H = "
             f"{request.heads} declared: the heads' output subspaces split the answers (ranks {result.value_ranks}, "
             f"condition number {result.split_conditioning:.3g}), every query answers every head (docs/algorithm.md, "
             f"'Whole answers near the vector bound'); model with biases (u_h, c)")

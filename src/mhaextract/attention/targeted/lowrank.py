@@ -37,6 +37,7 @@ from scipy.special import gammaincinv
 from ...checks.base import Check
 from ...models.attention import MultiHeadAttention
 from ...numerics import float64 as float64_kernel
+from ...run.validation import FOUND_RANK
 from . import biased
 from ..base import Outcome
 from .biased import AffineDesign, AffineFinalDesign, AffineProber, lift, lifted_scores
@@ -66,7 +67,7 @@ def rank_limit(unit: float) -> float:
 
 
 #: ``rank="auto"``: the value of ``rank`` that asks the schedule to find the rank itself.
-AUTO = "auto"
+AUTO = FOUND_RANK
 #: rank="auto": the full bridges come in blocks, the first this large, each later one as large as all
 #: before it while some head's rough ``a_h(z_j)`` are still independent, then just enough for every
 #: head to show ``AUTO_WITNESSES`` vectors beyond its numerical rank (or until every bridge is full).
