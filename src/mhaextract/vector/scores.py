@@ -13,6 +13,7 @@ final tokens the affine map ``g_h(t) = G_h t + beta_h`` is a least-squares fit:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,15 +44,32 @@ CGLS_ITERATIONS = 200
 
 @dataclass
 class ScoreBatch:
-    """One batch of this step's queries: ``per_final`` queries of m random tokens before each of
-    ``finals`` (F, d), the tokens ``X`` (F per_final, m + 1, d) and their whole answers; ``full``:
-    phase 1 (``q_h`` in full) or phase 2 (its coordinates in ``K_h``)."""
+    """One batch of this step's queries: ``per_final`` queries of m random tokens at ``scale`` before
+    each of ``finals`` (F, d), and their whole answers; ``full``: phase 1 (``q_h`` in full) or phase 2
+    (its coordinates in ``K_h``). The tokens ``X`` (F per_final, m + 1, d) are drawn again from the
+    random stream's state when asked for, not held: at d = 768 every score query's tokens were
+    1.4 GB as float32."""
 
-    X: np.ndarray   # float32 (exact: the tokens asked are float32 numbers)
+    draw: np.random.Generator   # a copy of the stream as it stood before the batch's tokens were drawn
+    m: int
+    scale: float
     answers: np.ndarray
     finals: np.ndarray
     per_final: int
     full: bool
+
+    @property
+    def X(self) -> np.ndarray:
+        """The tokens asked, float32 numbers (exact: the oracle got them as float64)."""
+        return _tokens(copy.deepcopy(self.draw), self.finals, self.per_final, self.m, self.scale)
+
+
+def _tokens(rng, finals: np.ndarray, per_final: int, m: int, scale: float) -> np.ndarray:
+    """m random tokens before each final token, ``per_final`` times, rounded to float32 numbers."""
+    F, d = finals.shape
+    others = rng.standard_normal((F, per_final, m, d)) * scale / np.sqrt(d)
+    X = np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2)
+    return X.astype(np.float32).reshape(F * per_final, m + 1, d)
 
 
 def tokens_per_query(ranks: list[int]) -> int:
@@ -132,8 +150,8 @@ def _equations(a: np.ndarray):
 def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
     """``(rows, per_head)``: the rows ``x_i - t`` (F, per_final m, d), shared by every head, and per
     head the log-ratios and their weights (F, per_final m) of one batch."""
-    F, d, m = len(batch.finals), batch.X.shape[2], batch.X.shape[1] - 1
     X = batch.X.astype(np.float64)  # the differences in float64: float32 tokens, exact differences
+    F, d, m = len(batch.finals), X.shape[2], X.shape[1] - 1
     rows = (X[:, :-1] - X[:, -1:]).reshape(F, batch.per_final * m, d)
     return rows, [tuple(part.reshape(F, -1) for part in _equations(a))
                   for a in _weights(split, X, batch.answers, c)]
@@ -142,14 +160,11 @@ def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
 def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float, unit: float, full: bool,
          description: str) -> ScoreBatch:
     """Queries of m random tokens before each final token. Their tokens are float32 numbers (exact in
-    float64: the oracle gets float64 arrays) and are kept as float32: every score query's tokens are
-    held for the refinement and the residual, half the memory (at d = 768, 1.5 GB instead of 3)."""
-    F, d = finals.shape
-    others = rng.standard_normal((F, per_final, m, d)) * scale / np.sqrt(d)
-    X = np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2)
-    X = X.astype(np.float32).reshape(F * per_final, m + 1, d)
+    float64: the oracle gets float64 arrays); the batch keeps the stream's state to draw them again."""
+    draw = copy.deepcopy(rng)
+    X = _tokens(rng, finals, per_final, m, scale)
     answers = np.asarray(boundary.ask([x.astype(np.float64) for x in X], description, whole=True))
-    return ScoreBatch(X, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
+    return ScoreBatch(draw, m, scale, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
 
 
 def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarray:
