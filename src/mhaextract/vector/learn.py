@@ -20,7 +20,7 @@ from ..models.attention import MultiHeadAttention
 from ..oracle.progress import note_progress
 from ..run.result import Result
 from ..run.validation import spawn_rng
-from .factored import FactoredLayer
+from .factored import FactoredLayer, forward, grouped
 from .refine import refine, refine_scores
 from .scores import FITTED, SCORES_ONLY, learn_scores, score_queries, score_rank, tokens_per_query
 from .split import _Saturated, output_subspaces
@@ -133,12 +133,6 @@ def _start(split, K, G, beta, c, d: int, d_out: int) -> FactoredLayer:
                          _padded(split.P, (r, d)), np.array(c, dtype=np.float64))
 
 
-def _outputs(model: MultiHeadAttention, sequences, chunk: int = 1024) -> np.ndarray:
-    """The model's outputs on ``sequences``, a chunk at a time (the model stacks what it evaluates:
-    all score queries at once at d = 768 were GBs)."""
-    return np.concatenate([model(sequences[start:start + chunk]) for start in range(0, len(sequences), chunk)])
-
-
 def _relative_misfits(model: MultiHeadAttention, sequences, answers: np.ndarray) -> np.ndarray:
     """Per query, the largest output error relative to the query's largest answer."""
     predicted = model(sequences)
@@ -150,6 +144,10 @@ def full_refinement_work(d: int, ranks: list[int], design: tuple[float, float]) 
     (``n H N (k + r) d``, k taken as r)."""
     n = d + 1 + score_queries(d, ranks, design)
     return float(n * len(ranks) * (tokens_per_query(ranks) + 1) * d * 2 * max(ranks))
+
+
+#: Queries per product of the residual's forward pass (its working memory: B H (N + d) numbers).
+FORWARD_CHUNK = 512
 
 
 class FittedQueries:
@@ -174,9 +172,18 @@ class FittedQueries:
         """Every query's tokens at once (the refinement's data)."""
         return [X for sequences, _ in self.parts() for X in sequences]
 
-    def outputs(self, model: MultiHeadAttention) -> np.ndarray:
-        """The model's outputs on every query, a batch at a time."""
-        return np.concatenate([_outputs(model, sequences) for sequences, _ in self.parts()])
+    def outputs(self, layer: FactoredLayer) -> np.ndarray:
+        """The layer's outputs on every query, a batch at a time (in factored form: ``W_h = K_h G_h`` of
+        rank k costs ``2 d k`` a head and query instead of ``d^2``)."""
+        out = np.empty_like(self.answers)
+        done = 0
+        for sequences, _ in self.parts():
+            for index, X in grouped(sequences):
+                for start in range(0, len(index), FORWARD_CHUNK):
+                    chunk = X[start:start + FORWARD_CHUNK].astype(np.float64)  # float32 score tokens
+                    out[done + index[start:start + FORWARD_CHUNK]] = forward(layer, chunk).f
+            done += len(sequences)
+        return out
 
 
 def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
@@ -234,7 +241,7 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
         layer, score_ranks = _refined(layer, score_ranks, fitted.sequences(), answers, seed, unit, full, refinement,
                                       progress)
     model = layer.model()
-    residual = float(np.sqrt(np.mean((fitted.outputs(model) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
+    residual = float(np.sqrt(np.mean((fitted.outputs(layer) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
                             scale, (0.5, 1.0, 2.0))
     held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))
