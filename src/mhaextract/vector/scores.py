@@ -82,9 +82,21 @@ def tokens_per_query(ranks: list[int]) -> int:
 #: stops: the start (each head on its own) is off by the answers' rounding times the split's
 #: amplification, which the output metric removes in about 15 iterations at d = 768.
 WEIGHT_ITERATIONS, WEIGHT_TOLERANCE = 20, 1e-4
+#: Queries per chunk of :func:`_weights`, and tokens per oracle call of the score queries: a float64
+#: GPT-2-sized torch layer holds about ten times its batch's tokens while it answers (the run's peak
+#: at d = 768 was inside its output projection).
+WEIGHT_CHUNK, ASK_TOKENS = 256, 2 ** 13
 
 
 def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
+    """:func:`_chunk_weights` a chunk of ``WEIGHT_CHUNK`` queries at a time (each query's weights are
+    its own; the working memory is about ``6 H r N`` numbers a query)."""
+    parts = [_chunk_weights(split, X[start:start + WEIGHT_CHUNK], outputs[start:start + WEIGHT_CHUNK], c)
+             for start in range(0, len(X), WEIGHT_CHUNK)]
+    return [np.concatenate([part[h] for part in parts]) for h in range(len(split.ranks))]
+
+
+def _chunk_weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
     """Per head, the attention weights (B, N) the answers imply: the least squares of
     ``f - c = sum_h O_h P_h X^T a_h`` in the output metric, each head's ``1^T a_h = 1`` a row of its
     own (docs/algorithm.md, 'Whole answers near the vector bound', 'The weights in the output
@@ -163,7 +175,10 @@ def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float
     float64: the oracle gets float64 arrays); the batch keeps the stream's state to draw them again."""
     draw = copy.deepcopy(rng)
     X = _tokens(rng, finals, per_final, m, scale)
-    answers = np.asarray(boundary.ask([x.astype(np.float64) for x in X], description, whole=True))
+    step = max(1, ASK_TOKENS // (m + 1))  # the layer's working memory grows with the tokens of one call
+    answers = np.concatenate([np.asarray(boundary.ask([x.astype(np.float64) for x in X[start:start + step]],
+                                                      description, whole=True))
+                              for start in range(0, len(X), step)])
     return ScoreBatch(draw, m, scale, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
 
 
