@@ -85,7 +85,7 @@ WEIGHT_ITERATIONS, WEIGHT_TOLERANCE = 20, 1e-4
 #: Queries per chunk of :func:`_weights`, and tokens per oracle call of the score queries: a float64
 #: GPT-2-sized torch layer holds about ten times its batch's tokens while it answers (the run's peak
 #: at d = 768 was inside its output projection).
-WEIGHT_CHUNK, ASK_TOKENS = 256, 2 ** 13
+WEIGHT_CHUNK, ASK_TOKENS = 128, 2 ** 12
 
 
 def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
