@@ -20,7 +20,7 @@ from ..models.attention import MultiHeadAttention
 from ..oracle.progress import note_progress
 from ..run.result import Result
 from ..run.validation import spawn_rng
-from .factored import FactoredLayer
+from .factored import FactoredLayer, forward, grouped
 from .refine import refine, refine_scores
 from .scores import FITTED, SCORES_ONLY, learn_scores, score_queries, score_rank, tokens_per_query
 from .split import _Saturated, output_subspaces
@@ -133,12 +133,6 @@ def _start(split, K, G, beta, c, d: int, d_out: int) -> FactoredLayer:
                          _padded(split.P, (r, d)), np.array(c, dtype=np.float64))
 
 
-def _outputs(model: MultiHeadAttention, sequences, chunk: int = 1024) -> np.ndarray:
-    """The model's outputs on ``sequences``, a chunk at a time (the model stacks what it evaluates:
-    all score queries at once at d = 768 were GBs)."""
-    return np.concatenate([model(sequences[start:start + chunk]) for start in range(0, len(sequences), chunk)])
-
-
 def _relative_misfits(model: MultiHeadAttention, sequences, answers: np.ndarray) -> np.ndarray:
     """Per query, the largest output error relative to the query's largest answer."""
     predicted = model(sequences)
@@ -165,10 +159,50 @@ def refines_fully(d: int, ranks: list[int], unit: float) -> tuple[bool, float]:
     return work <= REFINE_WORK, work
 
 
+#: Queries per product of the residual's forward pass (its working memory: B H (N + d) numbers).
+FORWARD_CHUNK = 512
+
+
+class FittedQueries:
+    """The unsaturated queries the model is fitted to (the value map's, the pilots' and the scores')
+    and their whole answers. The score batches draw their tokens again when asked (:class:`ScoreBatch`),
+    so a run that is not refined never holds every score query's tokens at once."""
+
+    def __init__(self, sequences: list, answers: np.ndarray, batches: list):
+        self.first, self.batches = (list(sequences), answers), batches
+        self.answers = np.concatenate([answers] + [batch.answers for batch in batches])
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    def parts(self):
+        """``(sequences, answers)`` a batch at a time, in the order of :attr:`answers`."""
+        yield self.first
+        for batch in self.batches:
+            yield list(batch.X), batch.answers
+
+    def sequences(self) -> list:
+        """Every query's tokens at once (the refinement's data)."""
+        return [X for sequences, _ in self.parts() for X in sequences]
+
+    def outputs(self, layer: FactoredLayer) -> np.ndarray:
+        """The layer's outputs on every query, a batch at a time (in factored form: ``W_h = K_h G_h`` of
+        rank k costs ``2 d k`` a head and query instead of ``d^2``)."""
+        out = np.empty_like(self.answers)
+        done = 0
+        for sequences, _ in self.parts():
+            for index, X in grouped(sequences):
+                for start in range(0, len(index), FORWARD_CHUNK):
+                    chunk = X[start:start + FORWARD_CHUNK].astype(np.float64)  # float32 score tokens
+                    out[done + index[start:start + FORWARD_CHUNK]] = forward(layer, chunk).f
+            done += len(sequences)
+        return out
+
+
 def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
-    """The start: ``(layer, sequences, answers, split, score ranks, full)`` (the unsaturated queries
-    and their whole answers, which the refinement fits; ``full``: whether every parameter will be
-    refined, else the scores were oversampled). SplitUnavailable when the split cannot work."""
+    """The start: ``(layer, fitted, split, score ranks, full)`` (``fitted``: the unsaturated queries
+    and their whole answers, :class:`FittedQueries`, which the refinement fits; ``full``: whether every
+    parameter will be refined, else the scores were oversampled). SplitUnavailable when the split cannot work."""
     values = value_map(boundary, spawn_rng(seed, STREAMS["values"]), d, scale)
     d_out = values.c.shape[0]
     if heads > d_out:
@@ -181,10 +215,8 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
     full = refines_fully(d, split.ranks, unit)[0]
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
                                           unit, design if full else SCORES_ONLY)
-    sequences = values.sequences + [X for batch in batches for X in batch.X]
-    answers = np.concatenate([values.answers] + [batch.answers for batch in batches])
-    return (_start(split, K, G, beta, values.c, d, d_out), sequences, answers, split, [k.shape[1] for k in K],
-            full)
+    return (_start(split, K, G, beta, values.c, d, d_out), FittedQueries(values.sequences, values.answers, batches),
+            split, [k.shape[1] for k in K], full)
 
 
 def _refined(layer: FactoredLayer, widths: list[int], sequences, answers: np.ndarray, seed, unit: float, full: bool,
@@ -213,15 +245,16 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
     """The run of the module docstring on ``boundary`` (whole answers; its checks unreported:
     ``extract`` raises or warns). ``unit``: the answers' relative rounding."""
     started = time.perf_counter()
-    layer, sequences, answers, split, score_ranks, full = learn_split(boundary, seed, d, heads, scale, unit,
-                                                                       progress)
+    layer, fitted, split, score_ranks, full = learn_split(boundary, seed, d, heads, scale, unit, progress)
     m = tokens_per_query(split.ranks)
-    score_work = 2 * len(sequences) * heads * d * (m + 1 + max(split.ranks))
+    score_work = 2 * len(fitted) * heads * d * (m + 1 + max(split.ranks))
     refinement = "full" if full else "scores" if score_work <= SCORE_REFINE_WORK else ""
+    answers = fitted.answers
     if refinement:
-        layer, score_ranks = _refined(layer, score_ranks, sequences, answers, seed, unit, full, refinement, progress)
+        layer, score_ranks = _refined(layer, score_ranks, fitted.sequences(), answers, seed, unit, full, refinement,
+                                      progress)
     model = layer.model()
-    residual = float(np.sqrt(np.mean((_outputs(model, sequences) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
+    residual = float(np.sqrt(np.mean((fitted.outputs(layer) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
                             scale, (0.5, 1.0, 2.0))
     held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))

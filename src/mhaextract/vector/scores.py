@@ -13,6 +13,7 @@ final tokens the affine map ``g_h(t) = G_h t + beta_h`` is a least-squares fit:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,15 +44,32 @@ CGLS_ITERATIONS = 200
 
 @dataclass
 class ScoreBatch:
-    """One batch of this step's queries: ``per_final`` queries of m random tokens before each of
-    ``finals`` (F, d), the tokens ``X`` (F per_final, m + 1, d) and their whole answers; ``full``:
-    phase 1 (``q_h`` in full) or phase 2 (its coordinates in ``K_h``)."""
+    """One batch of this step's queries: ``per_final`` queries of m random tokens at ``scale`` before
+    each of ``finals`` (F, d), and their whole answers; ``full``: phase 1 (``q_h`` in full) or phase 2
+    (its coordinates in ``K_h``). The tokens ``X`` (F per_final, m + 1, d) are drawn again from the
+    random stream's state when asked for, not held: at d = 768 every score query's tokens were
+    1.4 GB as float32."""
 
-    X: np.ndarray   # float32 (exact: the tokens asked are float32 numbers)
+    draw: np.random.Generator   # a copy of the stream as it stood before the batch's tokens were drawn
+    m: int
+    scale: float
     answers: np.ndarray
     finals: np.ndarray
     per_final: int
     full: bool
+
+    @property
+    def X(self) -> np.ndarray:
+        """The tokens asked, float32 numbers (exact: the oracle got them as float64)."""
+        return _tokens(copy.deepcopy(self.draw), self.finals, self.per_final, self.m, self.scale)
+
+
+def _tokens(rng, finals: np.ndarray, per_final: int, m: int, scale: float) -> np.ndarray:
+    """m random tokens before each final token, ``per_final`` times, rounded to float32 numbers."""
+    F, d = finals.shape
+    others = rng.standard_normal((F, per_final, m, d)) * scale / np.sqrt(d)
+    X = np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2)
+    return X.astype(np.float32).reshape(F * per_final, m + 1, d)
 
 
 def tokens_per_query(ranks: list[int]) -> int:
@@ -59,16 +77,76 @@ def tokens_per_query(ranks: list[int]) -> int:
     return max(1, (min(ranks) + 1) // 2)
 
 
+#: Preconditioned conjugate-gradient iterations at most for the weights' least squares in the output
+#: metric (:func:`_weights`), and the reduction of the preconditioned residual norm at which a query
+#: stops: the start (each head on its own) is off by the answers' rounding times the split's
+#: amplification, which the output metric removes in about 15 iterations at d = 768.
+WEIGHT_ITERATIONS, WEIGHT_TOLERANCE = 20, 1e-4
+#: Queries per chunk of :func:`_weights`, and tokens per oracle call of the score queries: a float64
+#: GPT-2-sized torch layer holds about ten times its batch's tokens while it answers (the run's peak
+#: at d = 768 was inside its output projection).
+WEIGHT_CHUNK, ASK_TOKENS = 128, 2 ** 12
+
+
 def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
-    """Per head, the attention weights (B, N) the split coordinates imply."""
+    """:func:`_chunk_weights` a chunk of ``WEIGHT_CHUNK`` queries at a time (each query's weights are
+    its own; the working memory is about ``6 H r N`` numbers a query)."""
+    parts = [_chunk_weights(split, X[start:start + WEIGHT_CHUNK], outputs[start:start + WEIGHT_CHUNK], c)
+             for start in range(0, len(X), WEIGHT_CHUNK)]
+    return [np.concatenate([part[h] for part in parts]) for h in range(len(split.ranks))]
+
+
+def _chunk_weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
+    """Per head, the attention weights (B, N) the answers imply: the least squares of
+    ``f - c = sum_h O_h P_h X^T a_h`` in the output metric, each head's ``1^T a_h = 1`` a row of its
+    own (docs/algorithm.md, 'Whole answers near the vector bound', 'The weights in the output
+    metric'). In the heads' coordinates ``z = O^+ (f - c)`` that is ``min (z - M a)^T O^T O (z - M a)``
+    with ``M = diag(P_h X^T)``: conjugate gradients on its normal equations, preconditioned by each
+    head's own least squares (``O_h^T O_h = I``, so that is the metric's block diagonal), started from
+    its solution."""
+    B, N, _ = X.shape
+    heads, R = len(split.ranks), max(split.ranks)
     z = split.coordinates(outputs - c)
-    weights = []
-    for P, z_h in zip(split.P, z):
-        A = np.einsum("rd,bnd->brn", P, X)
-        A = np.concatenate([A, np.ones((len(X), 1, X.shape[1]))], axis=1)
-        rhs = np.concatenate([z_h, np.ones((len(X), 1))], axis=1)
-        weights.append(np.einsum("bnr,br->bn", np.linalg.pinv(A), rhs))
-    return weights
+    projected = X @ np.concatenate(split.P).T                                      # (B, N, sum r_h)
+    A = np.zeros((B, heads, R + 1, N))                                             # [P_h X^T; 1^T], padded
+    target = np.zeros((B, heads, R + 1))
+    start = 0
+    for h, rank in enumerate(split.ranks):
+        A[:, h, :rank] = projected[:, :, start:start + rank].transpose(0, 2, 1)
+        target[:, h, :rank] = z[h]
+        start += rank
+    A[:, :, R], target[:, :, R] = 1.0, 1.0
+    metric = split.metric()
+
+    def weighted(e: np.ndarray) -> np.ndarray:  # the metric on (B, H, R + 1): O^T O on z, 1 on the sum rows
+        out = e.copy()
+        out[:, :, :R] = (e[:, :, :R].reshape(B, heads * R) @ metric).reshape(B, heads, R)
+        return out
+
+    # CG on the whitened unknowns y_h = U_h a_h (A_h = Q_h U_h): the operator is Q^T metric Q, whose
+    # block diagonal is the identity; the start y = Q^T target is each head on its own
+    Q, upper = np.linalg.qr(A)
+    Qt = np.swapaxes(Q, -1, -2)
+    operator = lambda v: (Qt @ weighted((Q @ v[..., None])[..., 0])[..., None])[..., 0]  # noqa: E731
+    y = (Qt @ target[..., None])[..., 0]
+    residual = (Qt @ weighted(target)[..., None])[..., 0] - operator(y)
+    direction = residual.copy()
+    gamma = (residual ** 2).sum(axis=(1, 2))
+    stop = WEIGHT_TOLERANCE ** 2 * gamma
+    for _ in range(WEIGHT_ITERATIONS):
+        active = gamma > stop
+        if not active.any():
+            break
+        image = operator(direction)
+        curvature = (direction * image).sum(axis=(1, 2))
+        alpha = np.where(active & (curvature > 0), gamma / np.where(curvature > 0, curvature, 1.0), 0.0)
+        y += alpha[:, None, None] * direction
+        residual -= alpha[:, None, None] * image
+        new_gamma = (residual ** 2).sum(axis=(1, 2))
+        direction = residual + (new_gamma / np.where(gamma > 0, gamma, 1.0))[:, None, None] * direction
+        gamma = np.where(active, new_gamma, gamma)
+    a = np.linalg.solve(upper, y[..., None])[..., 0]
+    return [a[:, h] for h in range(heads)]
 
 
 def _equations(a: np.ndarray):
@@ -84,8 +162,8 @@ def _equations(a: np.ndarray):
 def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
     """``(rows, per_head)``: the rows ``x_i - t`` (F, per_final m, d), shared by every head, and per
     head the log-ratios and their weights (F, per_final m) of one batch."""
-    F, d, m = len(batch.finals), batch.X.shape[2], batch.X.shape[1] - 1
     X = batch.X.astype(np.float64)  # the differences in float64: float32 tokens, exact differences
+    F, d, m = len(batch.finals), X.shape[2], X.shape[1] - 1
     rows = (X[:, :-1] - X[:, -1:]).reshape(F, batch.per_final * m, d)
     return rows, [tuple(part.reshape(F, -1) for part in _equations(a))
                   for a in _weights(split, X, batch.answers, c)]
@@ -94,14 +172,14 @@ def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
 def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float, unit: float, full: bool,
          description: str) -> ScoreBatch:
     """Queries of m random tokens before each final token. Their tokens are float32 numbers (exact in
-    float64: the oracle gets float64 arrays) and are kept as float32: every score query's tokens are
-    held for the refinement and the residual, half the memory (at d = 768, 1.5 GB instead of 3)."""
-    F, d = finals.shape
-    others = rng.standard_normal((F, per_final, m, d)) * scale / np.sqrt(d)
-    X = np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2)
-    X = X.astype(np.float32).reshape(F * per_final, m + 1, d)
-    answers = np.asarray(boundary.ask([x.astype(np.float64) for x in X], description, whole=True))
-    return ScoreBatch(X, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
+    float64: the oracle gets float64 arrays); the batch keeps the stream's state to draw them again."""
+    draw = copy.deepcopy(rng)
+    X = _tokens(rng, finals, per_final, m, scale)
+    step = max(1, ASK_TOKENS // (m + 1))  # the layer's working memory grows with the tokens of one call
+    answers = np.concatenate([np.asarray(boundary.ask([x.astype(np.float64) for x in X[start:start + step]],
+                                                      description, whole=True))
+                              for start in range(0, len(X), step)])
+    return ScoreBatch(draw, m, scale, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
 
 
 def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarray:

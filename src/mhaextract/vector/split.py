@@ -15,7 +15,7 @@ again, few flip) give ``V_h zeta_j`` for every head at once by least squares: th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,15 +49,31 @@ class Split:
     ranks: list[int]
     conditioning: float          # cond([O_1 .. O_H])
     queries: int
+    _inverse: np.ndarray | None = field(default=None, repr=False)  # [O_1 .. O_H]^+, on first use
+    _metric: np.ndarray | None = field(default=None, repr=False)   # :meth:`metric`, on first use
 
     def coordinates(self, outputs: np.ndarray) -> list[np.ndarray]:
         """Each head's r_h coordinates of ``outputs - c`` (n, d_out): ``z_h = [O^+]_h y``."""
-        stacked = np.linalg.pinv(np.concatenate(self.O, axis=1))
+        if self._inverse is None:  # once: at d_out = 768 an SVD of [O_1 .. O_H] costs about a second
+            self._inverse = np.linalg.pinv(np.concatenate(self.O, axis=1))
+        stacked = self._inverse
         z, start = [], 0
         for rank in self.ranks:
             z.append(outputs @ stacked[start:start + rank].T)
             start += rank
         return z
+
+    def metric(self) -> np.ndarray:
+        """``O^T O`` with each head's block padded to the widest rank, (H R, H R): the output metric in
+        the heads' stacked coordinates (the answers' rounding ``eps`` shows in ``z = O^+ eps`` with
+        covariance ``unit^2 (O^T O)^-1``)."""
+        if self._metric is None:
+            R, heads = max(self.ranks), len(self.ranks)
+            padded = np.zeros((self.O[0].shape[0], heads * R))
+            for h, basis in enumerate(self.O):
+                padded[:, h * R:h * R + basis.shape[1]] = basis
+            self._metric = padded.T @ padded
+        return self._metric
 
 
 def _tolerance(unit: float) -> float:
