@@ -88,7 +88,7 @@ class Forward:
 
 
 def forward(layer: FactoredLayer, X: np.ndarray) -> Forward:
-    """Every step as a matrix product (BLAS: at d = 768 the einsums' loops were most of the time)."""
+    """Every step as a matrix product (BLAS: einsum's loops cost most of the time at d = 768)."""
     (B, N, d), (H, k, _), (_, d_out, r) = X.shape, layer.G.shape, layer.O.shape
     g = (X[:, -1] @ layer.G.reshape(H * k, d).T).reshape(B, H, k) + layer.beta[None]
     q = np.matmul(layer.K, g.transpose(1, 2, 0)).transpose(2, 0, 1)            # (B, H, d)
