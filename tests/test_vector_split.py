@@ -320,3 +320,22 @@ def test_a_trained_float32_layer_keeps_only_its_score_directions():
     assert row["result"].score_ranks == [16, 16]
     assert row["output_error"] <= 1e-5
     assert row["estimate"] >= row["output_error"]
+
+
+def test_a_budget_the_split_used_up_before_giving_way_says_so():
+    """max_queries covers the targeted schedule alone but not the split that auto tried first: the run
+    stops without asking past the budget, and the message says what took the rest of it."""
+    target = mx.MultiHeadAttention.random(6, 2, seed=3, bias=True, d_out=6)  # full rank: H r > d_out
+    alone = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
+    simulated, asked = mx.SimulatedOracle(target), []
+
+    def oracle(batch):
+        asked.append(len(batch))
+        return simulated(batch)
+
+    budget = alone.queries + 10
+    with pytest.raises(mx.BudgetExceeded) as raised:
+        mx.extract(oracle, 6, heads=2, seed=0, max_queries=budget)
+    message = str(raised.value)
+    assert f"max_queries={budget} after the calibration's probes" in message and "vector, which gave way" in message
+    assert sum(asked) <= budget

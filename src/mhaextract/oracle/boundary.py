@@ -128,6 +128,7 @@ class OracleBoundary:
     max_query_length: int = 0
     position: int = 0
     stats: AnswerStats = field(default_factory=AnswerStats)  # float64 answers used so far
+    budget_spent: str = ""  # what max_queries is of the run's budget, where earlier boundaries took a part
     vectors: VectorAnswers | None = None  # the read-out of vector answers
     overflowed: int = 0  # answers that came back non-finite where the caller allowed it (ask's ``overflow``)
     #: The first ``REPLAYED_SAMPLES`` queries read back from the transcript (run index -> sequence):
@@ -267,8 +268,8 @@ class OracleBoundary:
         if self.max_queries is not None and self.queries + len(sequences) > self.max_queries:
             raise BudgetExceeded(
                 f"query budget exceeded: {description} needs {len(sequences)} queries and max_queries="
-                f"{self.max_queries} leaves {max(0, self.max_queries - self.queries)} (raise max_queries, or "
-                "pass resume_check=0 to replay a transcript without re-asking)", len(sequences), 0)
+                f"{self.max_queries}{self._budget_of()} leaves {max(0, self.max_queries - self.queries)} (raise "
+                "max_queries, or pass resume_check=0 to replay a transcript without re-asking)", len(sequences), 0)
         if not len(sequences):
             return []
         values = self._ask_batch(list(sequences), list(indices))
@@ -287,6 +288,9 @@ class OracleBoundary:
                                                            [sequences[k] for k in kept], read[kept]))
         return read
 
+    def _budget_of(self) -> str:
+        return f" ({self.budget_spent})" if self.budget_spent else ""
+
     def _over_budget(self, needed: int, answered: int) -> BudgetExceeded:
         if self.transcript is not None:
             kept = (f"the {answered} answers so far are saved in the transcript {self.transcript.path!r}; "
@@ -295,8 +299,8 @@ class OracleBoundary:
             kept = ("nothing was asked: without a transcript the answers would be lost when the run stops "
                     "(pass transcript=PATH to spend the budget and resume later)")
         return BudgetExceeded(
-            f"query budget exceeded: max_queries={self.max_queries} and {self.queries} asked in this run; "
-            f"the run still needs {needed} more queries ({kept})", needed, answered,
+            f"query budget exceeded: max_queries={self.max_queries}{self._budget_of()} and {self.queries} asked in "
+            f"this run; the run still needs {needed} more queries ({kept})", needed, answered,
         )
 
     def _ask_batch(self, chunk: Sequence[np.ndarray], indices: Sequence[int], rebuild=None, overflow: bool = False):

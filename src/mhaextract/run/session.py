@@ -81,6 +81,7 @@ class Session:
         if max_queries is not None:
             max_queries = positive_int("max_queries", max_queries, minimum=0)
         self.max_queries = max_queries
+        self.spent: list[tuple[str, int]] = []  # (what, fresh queries) taken off max_queries before the boundary asking
         self.transcript = transcript
         if transcript is not None:
             resumable_seed(request.seed)
@@ -124,7 +125,8 @@ class Session:
         boundary = OracleBoundary(self.oracle, self.request.d, precision=precision, batch_size=self.batch_size,
                                   progress=self.progress,
                                   max_queries=self.max_queries if max_queries == "left" else max_queries,
-                                  transcript=self.section(section), vectors=self.vectors)
+                                  transcript=self.section(section), vectors=self.vectors,
+                                  budget_spent=self._spent_note() if max_queries == "left" else "")
         if resume_check and self.pending_check and boundary.transcript is not None:
             # a learner that does not re-ask its fixed queries first (check_resumed): before its first
             # fresh query, or at the end of a run read back whole, a few of its replayed ones are re-asked
@@ -132,10 +134,20 @@ class Session:
             self.boundaries.append(boundary)
         return boundary
 
-    def spend(self, boundary) -> None:
-        """Take ``boundary``'s fresh queries off the budget left to later boundaries."""
+    def spend(self, boundary, what: str) -> None:
+        """Take ``boundary``'s fresh queries off the budget left to later boundaries (``what`` asked
+        them: said where a later boundary runs out)."""
         if self.max_queries is not None:
             self.max_queries = max(0, self.max_queries - boundary.queries)
+            self.spent.append((what, boundary.queries))
+
+    def _spent_note(self) -> str:
+        """What the budget left to a new boundary is, in words ("" where nothing was spent)."""
+        if self.max_queries is None or not any(count for _, count in self.spent):
+            return ""
+        total = self.max_queries + sum(count for _, count in self.spent)
+        return (f"the {self.max_queries} left of max_queries={total} after "
+                + ", ".join(f"{what} ({count})" for what, count in self.spent if count))
 
     # -- calibration -------------------------------------------------------------------------------
     def calibrate(self, on_first=None):
@@ -153,7 +165,7 @@ class Session:
         self.calibration = calibrate(probes, self.request.d, spawn_rng(self.request.seed, 3), on_first)
         self.probes = probes
         self.pending_check -= early
-        self.spend(probes)
+        self.spend(probes, "the calibration's probes")
         return self.calibration
 
     def recheck_probes(self, probes, count: int, noise: float | None = None) -> None:
@@ -181,7 +193,7 @@ class Session:
         """Record a learner that gave way (its queries count in the final result)."""
         self.fallbacks.append((f"{learner_name}: {reason}", boundary))
         if boundary is not None:
-            self.spend(boundary)
+            self.spend(boundary, f"{learner_name}, which gave way")
 
     def finish(self, result, what: str, hints=(), error_type=None, probes_counted: bool = False):
         """Add the queries the session asked for ``result`` (calibration probes, learners that fell
