@@ -199,14 +199,25 @@ class FittedQueries:
         return out
 
 
+def no_room(heads: int, rank: int | None, d_out: int) -> str | None:
+    """Why H heads (of width ``rank`` where known) cannot have independent output subspaces in
+    ``d_out`` numbers, or None where they can (the split's first requirement)."""
+    if heads > d_out:
+        return f"H = {heads} heads cannot have independent output subspaces in d_out = {d_out}"
+    if rank is not None and heads * rank > d_out:
+        return f"H rank = {heads * rank} > d_out = {d_out}: the heads' output subspaces cannot be independent"
+    return None
+
+
 def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
     """The start: ``(layer, fitted, split, score ranks, full)`` (``fitted``: the unsaturated queries
     and their whole answers, :class:`FittedQueries`, which the refinement fits; ``full``: whether every
     parameter will be refined, else the scores were oversampled). SplitUnavailable when the split cannot work."""
     values = value_map(boundary, spawn_rng(seed, STREAMS["values"]), d, scale)
     d_out = values.c.shape[0]
-    if heads > d_out:
-        raise SplitUnavailable(f"H = {heads} heads cannot have independent output subspaces in d_out = {d_out}")
+    why = no_room(heads, None, d_out)
+    if why:
+        raise SplitUnavailable(why)
     note_progress(progress, "whole answers: saturated queries for the heads' output subspaces")
     split = output_subspaces(_Saturated(boundary, values, unit), spawn_rng(seed, STREAMS["split"]), d, d_out,
                              scale, heads, values, unit)

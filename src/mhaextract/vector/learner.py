@@ -17,7 +17,7 @@ from ..oracle.answer_stats import FORMAT_UNITS
 from ..oracle.transcript import VECTOR
 from ..run.learner import AUTO, FallBack, Learner, given, register_learner
 from ..run.validation import rank_option
-from .learn import ERROR_TARGET, REFINE_WORK, SplitUnavailable, extract_vector, refines_fully
+from .learn import ERROR_TARGET, REFINE_WORK, SplitUnavailable, extract_vector, no_room, refines_fully
 
 #: A split whose model fails a check gives way to the targeted schedule (True), or is returned
 #: failed (False: what ``benchmarks/bench_vector.py --split-only`` measures).
@@ -47,12 +47,11 @@ def split_expected(options: dict, common, answer_format: str | None, d_out: int 
                     if (name not in VectorLearner.options and given(value)) or (name == "bias" and value is False))
     if scalar:
         return False, f"options of the scalar schedules given ({', '.join(scalar)})"
-    if heads > d_out:
-        return False, f"H = {heads} heads cannot have independent output subspaces in d_out = {d_out}"
     rank = options.get("rank")
     declared = isinstance(rank, (int, np.integer)) and not isinstance(rank, bool)
-    if declared and heads * rank > d_out:
-        return False, f"H rank = {heads * rank} > d_out = {d_out}: the heads' output subspaces cannot be independent"
+    why = no_room(heads, int(rank) if declared else None, d_out)
+    if why:
+        return False, why
     width = int(rank) if declared else min(common.d, d_out // heads)
     full, work = refines_fully(common.d, [width] * heads, FORMAT_UNITS.get(answer_format, 2.0 ** -53))
     words = (f"heads of width r = {width} ({'rank given' if declared else 'at most d_out / H'}): one Jacobian "
@@ -116,9 +115,9 @@ class VectorLearner(Learner):
             raise self.give_way(f"the split was not tried: it needs whole answers in float64 or float32 (these are "
                                 f"{vectors.d_out or 1} number(s) at {calibration.answer_precision})")
         rank = self.options.get("rank")
-        if isinstance(rank, int) and request.heads * rank > vectors.d_out:
-            raise self.give_way(f"the split was not tried: H rank = {request.heads * rank} > d_out = {vectors.d_out}, "
-                                "the heads' output subspaces cannot be independent")
+        why = no_room(request.heads, rank if isinstance(rank, int) else None, vectors.d_out)
+        if why:
+            raise self.give_way(f"the split was not tried: {why}")
         unit = max(vectors.unit, FORMAT_UNITS.get(calibration.answer_precision, 2.0 ** -53))
         boundary = session.boundary(VECTOR)
         try:

@@ -47,7 +47,7 @@ class ScoreBatch:
     """One batch of this step's queries: ``per_final`` queries of m random tokens at ``scale`` before
     each of ``finals`` (F, d), and their whole answers; ``full``: phase 1 (``q_h`` in full) or phase 2
     (its coordinates in ``K_h``). The tokens ``X`` (F per_final, m + 1, d) are drawn again from the
-    random stream's state when asked for, not held: at d = 768 every score query's tokens were
+    random stream's state when asked for, not held: at d = 768 every score query's tokens would hold
     1.4 GB as float32."""
 
     draw: np.random.Generator   # a copy of the stream as it stood before the batch's tokens were drawn
