@@ -80,7 +80,7 @@ class Session:
         self.on_failure = on_failure_mode(on_failure)
         if max_queries is not None:
             max_queries = positive_int("max_queries", max_queries, minimum=0)
-        self.max_queries = max_queries
+        self.max_queries = self.query_budget = max_queries  # what is left, and what the user gave
         self.spent: list[tuple[str, int]] = []  # (what, fresh queries) taken off max_queries before the boundary asking
         self.transcript = transcript
         if transcript is not None:
@@ -145,8 +145,7 @@ class Session:
         """What the budget left to a new boundary is, in words ("" where nothing was spent)."""
         if self.max_queries is None or not any(count for _, count in self.spent):
             return ""
-        total = self.max_queries + sum(count for _, count in self.spent)
-        return (f"the {self.max_queries} left of max_queries={total} after "
+        return (f"the {self.max_queries} left of max_queries={self.query_budget} after "
                 + ", ".join(f"{what} ({count})" for what, count in self.spent if count))
 
     # -- calibration -------------------------------------------------------------------------------
