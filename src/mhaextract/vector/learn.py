@@ -220,7 +220,7 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
         raise SplitUnavailable(why)
     note_progress(progress, "whole answers: saturated queries for the heads' output subspaces")
     split = output_subspaces(_Saturated(boundary, values, unit), spawn_rng(seed, STREAMS["split"]), d, d_out,
-                             scale, heads, values, unit)
+                             scale, heads, values, unit, lambda ranks: not refines_fully(d, ranks, unit)[0])
     note_progress(progress, "whole answers: every head's attention weights")
     design = score_design(unit)
     full = refines_fully(d, split.ranks, unit)[0]

@@ -37,6 +37,12 @@ MOST_SAMPLES_PER_FLIP = 8
 PERTURBATION = 0.02
 #: Directions per round (rounds continue until every head's rank stopped growing).
 DIRECTIONS_PER_ROUND = 8
+#: The second round asks ``EXACT_DIRECTIONS r + 2`` independent differences: a head's subspace is the
+#: span of its columns ``V_h delta_j``, whose noise it takes divided by their smallest singular value
+#: (normalised columns): about ``1 - sqrt(1/EXACT_DIRECTIONS)`` for ``EXACT_DIRECTIONS r`` random columns
+#: in r dimensions, but only about ``1 / r`` for ``r + 2`` of them (d = 256, H = 8: subspace errors 3e-13
+#: with ``r + 2``, 3.5e-14 with ``2r + 2``, 3e-14 with ``3r + 2``).
+EXACT_DIRECTIONS = 2
 #: A difference whose queries do not decode into patterns of rank H asks this many more batches of
 #: final tokens (each the size of the first, ``2 H + 6``) before the split is refused.
 MOST_FINAL_BATCHES = 6
@@ -95,7 +101,33 @@ class _Saturated:
         sequences = [np.stack([k, q]) for k, q in zip(keys, queries)]
         answers = np.asarray(self.boundary.ask(sequences, description, whole=True))
         self.asked += len(sequences)
-        return (answers - self.values.c - queries @ self.values.V_total.T) / SATURATION
+        return (answers - self._unsaturated(queries)) / SATURATION
+
+    def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
+        """``c + V_tot q`` for each query's final token ``q = lam x``, from the value map."""
+        return self.values.c + queries @ self.values.V_total.T
+
+
+class _Referenced(_Saturated):
+    """Saturated sums less the one-token answer at the same final token, ``f((lam x)) = c + lam V_tot x``
+    to one answer's rounding, asked once per final token (docs/algorithm.md, 'Whole answers near the
+    vector bound', 'The subspaces from saturated queries'). The value map's ``c + lam V_tot x`` carries
+    V_tot's error times ``lam |x|``: at a final token it is the same for every difference asked there,
+    so it moved every column of a head alike and did not average out over the differences."""
+
+    def __init__(self, saturated: _Saturated):
+        super().__init__(saturated.boundary, saturated.values, saturated.unit)
+        self.answered: dict[bytes, np.ndarray] = {}
+
+    def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
+        missing = list({query.tobytes(): query for query in queries if query.tobytes() not in self.answered}.values())
+        if missing:
+            answers = np.asarray(self.boundary.ask([query[None].copy() for query in missing],
+                                                   "saturated directions: one-token answers at their final tokens",
+                                                   whole=True))
+            self.asked += len(missing)
+            self.answered.update((query.tobytes(), answer) for query, answer in zip(missing, answers))
+        return np.stack([self.answered[query.tobytes()] for query in queries])
 
 
 def exact_tokens(tokens: np.ndarray, unit: float) -> np.ndarray:
@@ -247,11 +279,15 @@ def _labels_of(saturated: _Saturated, finals: np.ndarray, sums: np.ndarray, delt
 
 
 def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: float, heads: int,
-                     values: ValueMap, unit: float) -> Split:
+                     values: ValueMap, unit: float, oversampled=lambda ranks: True) -> Split:
     """The split of the module docstring, or SplitUnavailable saying why it cannot work. Two rounds:
     perturbed directions (labels decoded from the base's) give the subspaces to about
     ``unit / PERTURBATION`` times their conditioning; independent directions, their labels
-    decoded from the first split's prediction ``Pi_h V_tot delta``, give them to the answers' rounding."""
+    decoded from the first split's prediction ``Pi_h V_tot delta`` and their sums taken against the
+    one-token answers at the same final tokens (:class:`_Referenced`), give them to the answers'
+    rounding: ``EXACT_DIRECTIONS r + 2`` of them where ``oversampled(ranks)`` (the heads' ranks from
+    the first round; the split's values are then the model's), else ``r + 2`` (a refinement of every
+    parameter fits the values to every answer after it)."""
     tolerance = _tolerance(unit)
     random_tokens = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
     delta, labels = base_labels(saturated, rng, d, scale, heads, values, tolerance)
@@ -273,14 +309,14 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
             break
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
     projectors = [O @ P for O, P in zip(first.O, first.P)]
-    deltas = random_tokens(max(ranks) + 2)
+    deltas = random_tokens((EXACT_DIRECTIONS if oversampled(ranks) else 1) * max(ranks) + 2)
     finals = random_tokens(2 * heads + 6)
-    exact = [[] for _ in range(heads)]
+    exact, referenced = [[] for _ in range(heads)], _Referenced(saturated)
     predicted = lambda delta: np.stack([V @ delta for V in projectors], axis=1)  # noqa: E731
-    for found in _labels_along(saturated, finals, deltas, predicted, heads, tolerance, random_tokens):
+    for found in _labels_along(referenced, finals, deltas, predicted, heads, tolerance, random_tokens):
         for h in range(heads):
             exact[h].append(found[:, h])
-    return _oblique(exact, ranks, values, d_out, unit, saturated.asked)
+    return _oblique(exact, ranks, values, d_out, unit, saturated.asked + referenced.asked)
 
 
 def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray, guess, heads: int,
