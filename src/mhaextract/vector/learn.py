@@ -159,6 +159,18 @@ def refines_fully(d: int, ranks: list[int], unit: float) -> tuple[bool, float]:
     return work <= REFINE_WORK, work
 
 
+def score_refinement_work(n: int, d: int, ranks: list[int]) -> float:
+    """Multiply-adds of one product of :func:`refine_scores` over n answers (``2 n H d (N + r)``)."""
+    return float(2 * n * len(ranks) * d * (tokens_per_query(ranks) + 1 + max(ranks)))
+
+
+def refines_scores(d: int, ranks: list[int]) -> tuple[bool, float]:
+    """``(whether the scores-only refinement runs where the full one does not, the work of one of its
+    products)`` over the answers of the oversampled design (``SCORE_REFINE_WORK``)."""
+    work = score_refinement_work(d + 1 + score_queries(d, ranks, SCORES_ONLY), d, ranks)
+    return work <= SCORE_REFINE_WORK, work
+
+
 #: Queries per product of the residual's forward pass (its working memory: B H (N + d) numbers).
 FORWARD_CHUNK = 512
 
@@ -258,8 +270,8 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
     started = time.perf_counter()
     layer, fitted, split, score_ranks, full = learn_split(boundary, seed, d, heads, scale, unit, progress)
     m = tokens_per_query(split.ranks)
-    score_work = 2 * len(fitted) * heads * d * (m + 1 + max(split.ranks))
-    refinement = "full" if full else "scores" if score_work <= SCORE_REFINE_WORK else ""
+    scores_only = score_refinement_work(len(fitted), d, split.ranks) <= SCORE_REFINE_WORK
+    refinement = "full" if full else "scores" if scores_only else ""
     answers = fitted.answers
     if refinement:
         layer, score_ranks = _refined(layer, score_ranks, fitted.sequences(), answers, seed, unit, full, refinement,

@@ -17,7 +17,8 @@ from ..oracle.answer_stats import FORMAT_UNITS
 from ..oracle.transcript import VECTOR
 from ..run.learner import AUTO, FallBack, Learner, given, register_learner
 from ..run.validation import rank_option
-from .learn import ERROR_TARGET, REFINE_WORK, SplitUnavailable, extract_vector, no_room, refines_fully
+from .learn import (ERROR_TARGET, REFINE_WORK, SCORE_REFINE_WORK, SplitUnavailable, extract_vector, no_room,
+                    refines_fully, refines_scores)
 
 #: A split whose model fails a check gives way to the targeted schedule (True), or is returned
 #: failed (False: what ``benchmarks/bench_vector.py --split-only`` measures).
@@ -33,9 +34,12 @@ def split_expected(options: dict, common, answer_format: str | None, d_out: int 
     and, where ``rank`` bounds the heads' width, ``H rank <= d_out``; no option of the scalar
     schedules' beyond ``bias`` (not False) and ``rank``. And every parameter must be refined on every
     answer (:func:`~mhaextract.vector.learn.refines_fully` with heads of width ``r``, the rank given
-    or else ``min(d, d_out // H)``, the widest heads whose subspaces fit in ``d_out``): where the
-    refinement costs more (GPT-2-class d = 256 and up) the model misses the answers' rounding and
-    the split would only add its queries and minutes to the scalar schedule's."""
+    or else ``min(d, d_out // H)``, the widest heads whose subspaces fit in ``d_out``), or, for float64
+    answers, the scores' parameters (:func:`~mhaextract.vector.learn.refines_scores`: GPT-2-class
+    d = 256, H = 8): measured to pass every check there; where neither runs (float32 past the full
+    refinement, GPT-2 small in float64) the run is not taken, as the split's model was not measured
+    to reach its target at every such size, and a split that gave way would only add its queries and
+    minutes to the scalar schedule's."""
     heads = common.heads
     if answer_format not in ERROR_TARGET or d_out is None or d_out < 2:
         return False, f"answers of {d_out or 1} number(s) at {answer_format}: the split needs whole float64 or float32 ones"
@@ -56,9 +60,16 @@ def split_expected(options: dict, common, answer_format: str | None, d_out: int 
     full, work = refines_fully(common.d, [width] * heads, FORMAT_UNITS.get(answer_format, 2.0 ** -53))
     words = (f"heads of width r = {width} ({'rank given' if declared else 'at most d_out / H'}): one Jacobian "
              f"product of the full refinement about {work:.2g} multiply-adds")
-    if not full:
-        return False, f"{words}, above {REFINE_WORK:.0e}: the split's model would miss the answers' rounding"
-    return True, f"{words} <= {REFINE_WORK:.0e}: every parameter is refined on every answer"
+    if full:
+        return True, f"{words} <= {REFINE_WORK:.0e}: every parameter is refined on every answer"
+    scores, score_work = refines_scores(common.d, [width] * heads)
+    words = f"{words}, above {REFINE_WORK:.0e}; one of the scores-only refinement about {score_work:.2g}"
+    if not scores:
+        return False, (f"{words}, above {SCORE_REFINE_WORK:.0e}: past it the split's start is the model, measured to "
+                       f"reach its target at d = 768, H = 12 in float64 only (schedule='vector' runs it)")
+    if answer_format != "float64":
+        return False, f"{words}: in {answer_format} only the full refinement was measured to reach the target"
+    return True, f"{words} <= {SCORE_REFINE_WORK:.0e}: the scores' parameters are refined on every answer"
 
 
 @register_learner
