@@ -283,11 +283,11 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
     """The split of the module docstring, or SplitUnavailable saying why it cannot work. Two rounds:
     perturbed directions (labels decoded from the base's) give the subspaces to about
     ``unit / PERTURBATION`` times their conditioning; independent directions, their labels
-    decoded from the first split's prediction ``Pi_h V_tot delta`` and their sums taken against the
-    one-token answers at the same final tokens (:class:`_Referenced`), give them to the answers'
-    rounding: ``EXACT_DIRECTIONS r + 2`` of them where ``oversampled(ranks)`` (the heads' ranks from
-    the first round; the split's values are then the model's), else ``r + 2`` (a refinement of every
-    parameter fits the values to every answer after it)."""
+    decoded from the first split's prediction ``Pi_h V_tot delta``, give them to the answers'
+    rounding. Where ``oversampled(ranks)`` (the heads' ranks from the first round: the split's values
+    are then the model's) ``EXACT_DIRECTIONS r + 2`` of them, their sums taken against the one-token
+    answers at the same final tokens (:class:`_Referenced`); else ``r + 2``, against the value map (a
+    refinement of every parameter fits the values to every answer after it)."""
     tolerance = _tolerance(unit)
     random_tokens = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
     delta, labels = base_labels(saturated, rng, d, scale, heads, values, tolerance)
@@ -309,14 +309,15 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
             break
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
     projectors = [O @ P for O, P in zip(first.O, first.P)]
-    deltas = random_tokens((EXACT_DIRECTIONS if oversampled(ranks) else 1) * max(ranks) + 2)
+    model_values = oversampled(ranks)
+    deltas = random_tokens((EXACT_DIRECTIONS if model_values else 1) * max(ranks) + 2)
     finals = random_tokens(2 * heads + 6)
-    exact, referenced = [[] for _ in range(heads)], _Referenced(saturated)
+    exact, sums = [[] for _ in range(heads)], _Referenced(saturated) if model_values else saturated
     predicted = lambda delta: np.stack([V @ delta for V in projectors], axis=1)  # noqa: E731
-    for found in _labels_along(referenced, finals, deltas, predicted, heads, tolerance, random_tokens):
+    for found in _labels_along(sums, finals, deltas, predicted, heads, tolerance, random_tokens):
         for h in range(heads):
             exact[h].append(found[:, h])
-    return _oblique(exact, ranks, values, d_out, unit, saturated.asked + referenced.asked)
+    return _oblique(exact, ranks, values, d_out, unit, saturated.asked + (sums.asked if sums is not saturated else 0))
 
 
 def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray, guess, heads: int,
