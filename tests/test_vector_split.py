@@ -261,8 +261,8 @@ def test_a_d32_layer_reaches_the_rounding_at_every_position():
 def test_the_scores_only_route_is_near_the_rounding_and_its_estimate_covers_it(monkeypatch):
     """The route of layers too large for the full refinement (d >= 256), forced here at d = 32: the
     oversampled scores and the scores-only Gauss-Newton keep the split's values, whose per-head error
-    (cond(O) times the rounding) bounds the model near 1e-12 (d = 256: docs/scale.md); the
-    estimate covers the error."""
+    (cond(O) times the rounding) bounds the model (d = 256: 3.4e-14, docs/scale.md); the estimate
+    covers the error."""
     import mhaextract.vector.learn as learn
 
     monkeypatch.setattr(learn, "REFINE_WORK", 0.0)
