@@ -17,6 +17,7 @@ import copy
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.linalg import solve_triangular
 
 from .split import Split, exact_tokens
 from .values import SplitUnavailable
@@ -210,17 +211,21 @@ def _solve_heads(rows: np.ndarray, per_head: list, noise_rng: np.random.Generato
         w = np.stack([weight[f] for _, weight in per_head], axis=1)              # (n, H)
         rho = np.stack([ratios[f] for ratios, _ in per_head], axis=1)
         y, settled = _cgls(Q, w, rho * w)
-        solutions = [(y, settled, rho)]
-        if noise_rng is not None:
-            counted = w > 0
-            free = np.maximum(counted.sum(axis=0) - d, 1)
-            spread = np.sqrt(((w * (rho - Q @ y)) ** 2).sum(axis=0) / free)      # s_h
-            b_noise = noise_rng.standard_normal((n, len(per_head))) * spread * counted
-            solutions.append((*_cgls(Q, w, b_noise), b_noise / np.where(counted, w, 1.0)))
+        for h, (ratios, weight) in enumerate(per_head):
+            out[h][f] = (np.linalg.solve(R, y[:, h]) if settled[h]
+                         else _solve(rows[f:f + 1], ratios[f:f + 1], weight[f:f + 1])[0])
+        if noise_rng is None:
+            continue
+        counted = w > 0
+        free = np.maximum(counted.sum(axis=0) - d, 1)
+        spread = np.sqrt(((w * (rho - Q @ y)) ** 2).sum(axis=0) / free)              # s_h
+        b_noise = noise_rng.standard_normal((n, len(per_head))) * spread * counted
+        y_noise, settled = _cgls(Q, w, b_noise)
+        draws = solve_triangular(R, y_noise)  # one triangular solve for every head (the draws set no model bits)
         for h, (_, weight) in enumerate(per_head):
-            for target, (y_j, settled_j, rho_j) in zip((out, noise), solutions):
-                target[h][f] = (np.linalg.solve(R, y_j[:, h]) if settled_j[h]
-                                else _solve(rows[f:f + 1], rho_j[None, :, h], weight[f:f + 1])[0])
+            noise[h][f] = (draws[:, h] if settled[h] else
+                           _solve(rows[f:f + 1], b_noise[None, :, h] / np.where(counted[:, h], w[:, h], 1.0),
+                                  weight[f:f + 1])[0])
     return out, noise
 
 
