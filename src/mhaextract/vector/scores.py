@@ -5,7 +5,8 @@ With the split, a query ``X = (x_1 .. x_m, t)`` gives head h's coordinates ``z_h
 (least squares; ``m`` about ``r/2`` keeps it well conditioned). Then ``log(a_i / a_N) =
 (x_i - t)^T q_h(t)`` with ``q_h(t) = W_h t + u_h``: m equations for every head at once. Phase 1
 asks ``d / m`` (oversampled) queries per final token until the span of the ``q_h(t)`` stops
-growing: it is ``K_h``, of dimension ``k_h = rank [W_h | u_h]``. Phase 2 asks about
+growing (a direction counts where it stands above the vectors' own measured noise,
+:func:`score_rank`): it is ``K_h``, of dimension ``k_h = rank [W_h | u_h]``. Phase 2 asks about
 ``k_h / m`` queries per further final token, ``q_h(t) = K_h g_h(t)``. Over ``d + 1`` and more
 final tokens the affine map ``g_h(t) = G_h t + beta_h`` is a least-squares fit:
 ``W_h = K_h G_h``, ``u_h = K_h beta_h``.
