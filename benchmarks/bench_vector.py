@@ -4,7 +4,7 @@ against the vector bound, today's scalar schedules and the scalar bound, on GPT-
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 64:4 128:8 256:8 --dtypes float64
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float64 float32 --split-only
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float32 --split-only --diagnose \
-        [--exact-split] [--score-spread 0.1] [--refinement none|scores|full]
+        [--exact-split [--split-error 2.4e-5]] [--score-spread 0.1] [--refinement none|scores|full]
 
 Each cell is a ``GPT2Attention`` (sdpa, head width d / H, every bias drawn like its weights) run as
 a ``TorchOracle`` in the given dtype; the truth is the layer's own weights in float64
@@ -83,19 +83,26 @@ def run(d: int, heads: int, dtype: str, seed: int) -> dict:
             "model": result.model, "truth": truth}
 
 
-def with_exact_split(truth):
+def with_exact_split(truth, error: float = 0.0):
     """``output_subspaces`` answering the layer's own O_h (a basis of col V_h) and P_h = O_h^T V_h in the
-    order and widths of the split it replaces (white box: what the split's values cost)."""
+    order and widths of the split it replaces (white box: what the split's values cost); ``error``:
+    each V_h moved inside its subspace and each subspace turned, by that much relative, at random."""
     learned = vector_learn.output_subspaces
+    rng = np.random.default_rng(5)
 
     def exact(*args, **kwargs):
         split = learned(*args, **kwargs)
-        O, P = [], []
+        O, V = [], []
         for basis, part, rank in zip(split.O, split.P, split.ranks):
-            j = int(np.argmin([np.linalg.norm(basis @ part - V) for V in truth.V]))
+            j = int(np.argmin([np.linalg.norm(basis @ part - V_j) for V_j in truth.V]))
             O.append(np.linalg.svd(truth.V[j])[0][:, :rank])
-            P.append(O[-1].T @ truth.V[j])
-        split.O, split.P, split._inverse, split._metric = O, P, None, None
+            V.append(truth.V[j])
+        if error:
+            V = [v + error * (basis @ basis.T) @ rng.standard_normal(v.shape) * np.linalg.norm(v) / np.sqrt(v.size)
+                 for basis, v in zip(O, V)]
+            O = [np.linalg.qr(basis + error * rng.standard_normal(basis.shape) / np.sqrt(basis.shape[0]))[0]
+                 for basis in O]
+        split.O, split.P, split._inverse, split._metric = O, [basis.T @ v for basis, v in zip(O, V)], None, None
         return split
     return exact
 
@@ -131,6 +138,8 @@ def main() -> None:
                              "scalar schedules instead)")
     parser.add_argument("--diagnose", action="store_true", help="white box: which block of the model is off")
     parser.add_argument("--exact-split", action="store_true", help="white box: the layer's own O_h, P_h for the split's")
+    parser.add_argument("--split-error", type=float, default=0.0,
+                        help="with --exact-split: the layer's own values and subspaces off by this much, at random")
     parser.add_argument("--score-spread", type=float, help="the log-ratio RMS the scores' token scale aims at")
     parser.add_argument("--refinement", choices=["none", "scores", "full"], help="force a refinement route")
     args = parser.parse_args()
@@ -147,7 +156,8 @@ def main() -> None:
         d, heads = (int(part) for part in cell.split(":"))
         for dtype in args.dtypes:
             if args.exact_split:
-                vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed)))
+                vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed)),
+                                                                 args.split_error)
             row = run(d, heads, dtype, args.seed)
             today = f"{row['today']:,}" if row["today"] else "not measured"
             print(f"| {d}, {heads}, {row['r']} | {dtype} | {row['schedule']} | {row['queries']:,} | {row['bound']:,} "
