@@ -3,12 +3,21 @@ against the vector bound, today's scalar schedules and the scalar bound, on GPT-
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 64:4 128:8 256:8 --dtypes float64
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float64 float32 --split-only
+    OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float32 --split-only --diagnose \
+        [--exact-split [--split-error 2.4e-5]] [--score-spread 0.1] [--refinement none|scores|full]
 
 Each cell is a ``GPT2Attention`` (sdpa, head width d / H, every bias drawn like its weights) run as
 a ``TorchOracle`` in the given dtype; the truth is the layer's own weights in float64
 (``to_reduced``). The output error is the largest over every position of 40 fresh sequences of 1..64
 tokens, each relative to the largest output of its prefix. "today" is the default run's count on
 main before the split (issue 62's table), where it was measured.
+
+``--diagnose`` says, white box (the benchmark's own layer; nothing of it reaches the run), which part
+of the model is off: per head the relative errors of W_h, u_h and V_h (matched to the layer's heads by
+V_h), and the output error with the learned scores and the true values, the reverse, and one block
+learned at a time. The variants change one step of the run to find what limits it: ``--exact-split``
+replaces the split's O_h, P_h by the layer's own (every query the same), ``--score-spread`` the log-
+ratio RMS the scores' token scale aims at, ``--refinement`` forces a refinement route.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, to_reduced  # noqa: E402
-from mhaextract.vector import learner as vector_learner, vector_bound  # noqa: E402
+from mhaextract.vector import learn as vector_learn, learner as vector_learner, scores as vector_scores  # noqa: E402
+from mhaextract.vector import vector_bound  # noqa: E402
 
 #: The defaults' counts on main before the split, whole answers (issue 62).
 TODAY = {(64, 4): 36_997, (128, 8): 286_381, (768, 12): 3_847_746}
@@ -69,7 +79,53 @@ def run(d: int, heads: int, dtype: str, seed: int) -> dict:
     return {"d": d, "H": heads, "r": r, "dtype": dtype, "schedule": result.schedule, "queries": result.queries,
             "bound": vector_bound(d, heads, r, d), "today": TODAY.get((d, heads)), "scalar_bound": parameters,
             "error": position_error(result.model, truth, d), "estimate": result.error_estimate, "ok": result.ok,
-            "refinement": getattr(result, "refinement", ""), "seconds": seconds, "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "refinement": getattr(result, "refinement", ""), "seconds": seconds, "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "model": result.model, "truth": truth}
+
+
+def with_exact_split(truth, error: float = 0.0):
+    """``output_subspaces`` answering the layer's own O_h (a basis of col V_h) and P_h = O_h^T V_h in the
+    order and widths of the split it replaces (white box: what the split's values cost); ``error``:
+    each V_h moved inside its subspace and each subspace turned, by that much relative, at random."""
+    learned = vector_learn.output_subspaces
+    rng = np.random.default_rng(5)
+
+    def exact(*args, **kwargs):
+        split = learned(*args, **kwargs)
+        O, V = [], []
+        for basis, part, rank in zip(split.O, split.P, split.ranks):
+            j = int(np.argmin([np.linalg.norm(basis @ part - V_j) for V_j in truth.V]))
+            O.append(np.linalg.svd(truth.V[j])[0][:, :rank])
+            V.append(truth.V[j])
+        if error:
+            V = [v + error * (basis @ basis.T) @ rng.standard_normal(v.shape) * np.linalg.norm(v) / np.sqrt(v.size)
+                 for basis, v in zip(O, V)]
+            O = [np.linalg.qr(basis + error * rng.standard_normal(basis.shape) / np.sqrt(basis.shape[0]))[0]
+                 for basis in O]
+        split.O, split.P, split._inverse, split._metric = O, [basis.T @ v for basis, v in zip(O, V)], None, None
+        return split
+    return exact
+
+
+def diagnose(model, truth, d: int) -> None:
+    """Which block of the model is off (module docstring, ``--diagnose``)."""
+    H = model.heads
+    order = [int(np.argmin([np.linalg.norm(model.V[h] - V) for V in truth.V])) for h in range(H)]
+    W, V, u = truth.W[order], truth.V[order], truth.u[order]
+
+    def spread(learned, true):
+        errors = [np.linalg.norm(learned[h] - true[h]) / np.linalg.norm(true[h]) for h in range(H)]
+        return f"{min(errors):.2g}..{max(errors):.2g}"
+
+    print(f"W_h {spread(model.W, W)}, u_h {spread(model.u, u)}, V_h {spread(model.V, V)}, "
+          f"V_tot {np.linalg.norm(model.V.sum(0) - V.sum(0)) / np.linalg.norm(V.sum(0)):.2g}, "
+          f"c {np.linalg.norm(model.c - truth.c) / np.linalg.norm(truth.c):.2g} (relative)")
+    for name, (Wx, Vx, ux, cx) in {"learned scores, true values": (model.W, V, model.u, truth.c),
+                                   "true scores, learned values": (W, model.V, u, model.c),
+                                   "learned W_h alone": (model.W, V, u, truth.c),
+                                   "learned u_h alone": (W, V, model.u, truth.c)}.items():
+        print(f"{name}: {position_error(mx.MultiHeadAttention(Wx, Vx, ux, cx), truth, d):.2g} at every position",
+              flush=True)
 
 
 def main() -> None:
@@ -80,20 +136,36 @@ def main() -> None:
     parser.add_argument("--split-only", action="store_true",
                         help="report the split's model even where it fails its checks (the defaults then run the "
                              "scalar schedules instead)")
+    parser.add_argument("--diagnose", action="store_true", help="white box: which block of the model is off")
+    parser.add_argument("--exact-split", action="store_true", help="white box: the layer's own O_h, P_h for the split's")
+    parser.add_argument("--split-error", type=float, default=0.0,
+                        help="with --exact-split: the layer's own values and subspaces off by this much, at random")
+    parser.add_argument("--score-spread", type=float, help="the log-ratio RMS the scores' token scale aims at")
+    parser.add_argument("--refinement", choices=["none", "scores", "full"], help="force a refinement route")
     args = parser.parse_args()
     vector_learner.SPLIT_FAILURE_FALLS_BACK = not args.split_only
+    if args.score_spread:
+        vector_scores.SCORE_SPREAD = args.score_spread
+    if args.refinement:
+        vector_learn.REFINE_WORK = float("inf") if args.refinement == "full" else 0.0
+        vector_learn.SCORE_REFINE_WORK = 0.0 if args.refinement == "none" else float("inf")
     print("| d, H, r | answers | schedule | queries | vector bound | ratio | today | scalar bound | output error "
           "| estimate | ok | time | peak memory |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cell in args.cells:
         d, heads = (int(part) for part in cell.split(":"))
         for dtype in args.dtypes:
+            if args.exact_split:
+                vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed)),
+                                                                 args.split_error)
             row = run(d, heads, dtype, args.seed)
             today = f"{row['today']:,}" if row["today"] else "not measured"
             print(f"| {d}, {heads}, {row['r']} | {dtype} | {row['schedule']} | {row['queries']:,} | {row['bound']:,} "
                   f"| {row['queries'] / row['bound']:.1f} | {today} | {row['scalar_bound']:,} | {row['error']:.2g} "
                   f"| {row['estimate']:.2g} | {row['ok']} | {row['seconds']:.0f} s | {row['peak_gb']:.2f} GB |",
                   flush=True)
+            if args.diagnose:
+                diagnose(row["model"], row["truth"], d)
 
 
 if __name__ == "__main__":

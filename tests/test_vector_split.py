@@ -329,9 +329,10 @@ def test_a_trained_float64_layer_is_split_to_the_answers_rounding(layer):
 
 @pytest.mark.slow
 def test_a_trained_float32_layer_keeps_only_its_score_directions():
-    """GPT-2-d32-h2 layer 0 of the trained zoo, float32: phase 1's score vectors have no gap above
-    float32's noise (k_h = 20 for heads of width 16); the refined ``[W_h | u_h]`` has it, so each head
-    is cut to its 16 directions and refined again. The split's model is kept, <= 1e-5 at every
+    """GPT-2-d32-h2 layer 0 of the trained zoo, float32: its weakest score direction stands at about
+    twice the norm of phase 1's noise (a fixed cut at ``1e4 unit`` drops it, one at ``1e3 unit`` keeps
+    noise directions), so phase 1's noise floor must count 16 directions per head (a direction more
+    would be cut after the refinement, one fewer is a wrong model). The split's model is kept, <= 1e-5 at every
     position of 100 fresh sequences of 1..128 tokens against the exact float64 layer of the same
     weights, estimate >= the error. With the defaults: "auto" splits it."""
     torch = pytest.importorskip("torch")
@@ -362,3 +363,39 @@ def test_a_budget_the_split_used_up_before_giving_way_says_so():
     message = str(raised.value)
     assert f"max_queries={budget} after the calibration's probes" in message and "vector, which gave way" in message
     assert sum(asked) <= budget
+
+
+def test_phase_one_counts_a_weak_score_direction_above_the_measured_noise_and_no_noise_direction():
+    """docs/algorithm.md, 'Whole answers near the vector bound', 'The score rank of phase 1': two heads
+    whose ``[W_h | u_h]`` (built here) share five directions, the first with a sixth 4e-3 times weaker;
+    their attention weights carry an absolute noise of 3e-6 (float32 answers through the split). The
+    rule keeps the weak direction and counts no noise direction, where the fixed cut of
+    ``SCORE_RANK_UNITS`` units counts every noise direction above float32's 6e-5; the noise draws are
+    the size of the solutions' true errors (from the weights)."""
+    from mhaextract.vector.scores import _equations, _solve_heads, score_rank
+
+    d, m, per_final, finals_count, k = 32, 8, 12, 24, 6
+    for seed in (0, 1):
+        rng = np.random.default_rng(seed)
+        U = np.linalg.qr(rng.standard_normal((d, k)))[0]
+        R = np.linalg.qr(rng.standard_normal((d + 1, k)))[0]
+        finals = rng.standard_normal((finals_count, d)) / np.sqrt(d)
+        others = rng.standard_normal((finals_count, per_final, m, d)) / np.sqrt(d)
+        tokens = np.concatenate([others, np.broadcast_to(finals[:, None, None], (finals_count, per_final, 1, d))], 2)
+        rows = (others - finals[:, None, None]).reshape(finals_count, per_final * m, d)
+        per_head, truth = [], []
+        for weakest in (0.0012, 0.0):  # the weak direction's singular value beside 1 .. 0.25
+            Wu = U @ np.diag(np.r_[np.geomspace(1.0, 0.25, k - 1), weakest]) @ R.T
+            q = finals @ Wu[:, :d].T + Wu[:, d]  # q_h(t) = W_h t + u_h
+            scores = np.einsum("fpnd,fd->fpn", tokens, q)
+            a = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            a = a / a.sum(axis=-1, keepdims=True) + 3e-6 * rng.standard_normal(a.shape)
+            ratios, weight = _equations(a.reshape(-1, m + 1))
+            per_head.append((ratios.reshape(finals_count, -1), weight.reshape(finals_count, -1)))
+            truth.append(q)
+        solved, noise = _solve_heads(rows, per_head, np.random.default_rng(seed + 10))
+        unit = 2.0 ** -24
+        assert [score_rank(q, unit, e) for q, e in zip(solved, noise)] == [k, k - 1]
+        assert all(score_rank(q, unit) > k + 5 for q in solved)  # the noise stands above the fixed cut
+        for q, e, q_true in zip(solved, noise, truth):
+            assert 0.5 < np.linalg.norm(q - q_true, 2) / np.linalg.norm(e, 2) < 2

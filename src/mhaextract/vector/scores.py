@@ -5,7 +5,8 @@ With the split, a query ``X = (x_1 .. x_m, t)`` gives head h's coordinates ``z_h
 (least squares; ``m`` about ``r/2`` keeps it well conditioned). Then ``log(a_i / a_N) =
 (x_i - t)^T q_h(t)`` with ``q_h(t) = W_h t + u_h``: m equations for every head at once. Phase 1
 asks ``d / m`` (oversampled) queries per final token until the span of the ``q_h(t)`` stops
-growing: it is ``K_h``, of dimension ``k_h = rank [W_h | u_h]``. Phase 2 asks about
+growing (a direction counts where it stands above the vectors' own measured noise,
+:func:`score_rank`): it is ``K_h``, of dimension ``k_h = rank [W_h | u_h]``. Phase 2 asks about
 ``k_h / m`` queries per further final token, ``q_h(t) = K_h g_h(t)``. Over ``d + 1`` and more
 final tokens the affine map ``g_h(t) = G_h t + beta_h`` is a least-squares fit:
 ``W_h = K_h G_h``, ``u_h = K_h beta_h``.
@@ -17,6 +18,7 @@ import copy
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.linalg import solve_triangular
 
 from .split import Split, exact_tokens
 from .values import SplitUnavailable
@@ -189,69 +191,113 @@ def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarr
     return np.stack([np.linalg.lstsq(A_f, b_f, rcond=None)[0] for A_f, b_f in zip(A, b)])
 
 
-def _solve_heads(rows: np.ndarray, per_head: list) -> list[np.ndarray]:
+def _solve_heads(rows: np.ndarray, per_head: list, noise_rng: np.random.Generator | None = None):
     """Per head, the weighted least squares of :func:`_solve` on rows shared by every head, (F, n, d)
     -> (F, d) each: one QR ``rows_f = Q R`` per final token serves all heads, then CGLS on
     ``diag(w_h) Q y = diag(w_h) rho_h`` for all heads at once (its condition number is the weights'
     spread, small at the scores' token scale), ``q_h = R^-1 y``. A head whose CGLS does not settle in
-    ``CGLS_ITERATIONS`` (weights spread over many orders) is solved by :func:`_solve`."""
+    ``CGLS_ITERATIONS`` (weights spread over many orders) is solved by :func:`_solve`.
+
+    With ``noise_rng``, also per head a draw of each solution's noise (F, d): the weighted equations'
+    misfit ``s_h^2 = |diag(w_h) (rows q_h - rho_h)|^2 / (n_h - d)`` (``n_h`` the equations of positive
+    weight) measures their noise, and the same least squares solved for a right-hand side of white
+    noise ``s_h g`` (``g`` standard normal, the weighted equations' noise model) is a draw of the
+    solution's error, covariance ``s_h^2 (rows^T W_h^2 rows)^-1`` (docs/algorithm.md, 'Whole answers
+    near the vector bound', 'The score rank of phase 1'). Returns ``(solutions, noise draws or None)``."""
     F, n, d = rows.shape
     out = [np.empty((F, d)) for _ in per_head]
+    noise = None if noise_rng is None else [np.empty((F, d)) for _ in per_head]
     for f in range(F):
         Q, R = np.linalg.qr(rows[f])
         w = np.stack([weight[f] for _, weight in per_head], axis=1)              # (n, H)
-        b = np.stack([ratios[f] for ratios, _ in per_head], axis=1) * w
-        y = Q.T @ (b / np.where(w > 0, w, 1.0) * (w > 0))                       # the unweighted solution
-        residual = b - w * (Q @ y)
-        gradient = Q.T @ (w * residual)
-        direction, gamma = gradient.copy(), (gradient ** 2).sum(axis=0)
-        settled = np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
-        for _ in range(CGLS_ITERATIONS):
-            if settled.all():
-                break
-            image = w * (Q @ direction)
-            alpha = gamma / np.maximum((image ** 2).sum(axis=0), 1e-300) * ~settled
-            y += alpha * direction
-            residual -= alpha * image
-            gradient = Q.T @ (w * residual)
-            new_gamma = (gradient ** 2).sum(axis=0)
-            direction = gradient + new_gamma / np.maximum(gamma, 1e-300) * direction
-            gamma = new_gamma
-            settled |= np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
+        rho = np.stack([ratios[f] for ratios, _ in per_head], axis=1)
+        y, settled = _cgls(Q, w, rho * w)
         for h, (ratios, weight) in enumerate(per_head):
             out[h][f] = (np.linalg.solve(R, y[:, h]) if settled[h]
                          else _solve(rows[f:f + 1], ratios[f:f + 1], weight[f:f + 1])[0])
-    return out
+        if noise_rng is None:
+            continue
+        counted = w > 0
+        free = np.maximum(counted.sum(axis=0) - d, 1)
+        spread = np.sqrt(((w * (rho - Q @ y)) ** 2).sum(axis=0) / free)              # s_h
+        b_noise = noise_rng.standard_normal((n, len(per_head))) * spread * counted
+        y_noise, settled = _cgls(Q, w, b_noise)
+        draws = solve_triangular(R, y_noise)  # one triangular solve for every head (the draws set no model bits)
+        for h, (_, weight) in enumerate(per_head):
+            noise[h][f] = (draws[:, h] if settled[h] else
+                           _solve(rows[f:f + 1], b_noise[None, :, h] / np.where(counted[:, h], w[:, h], 1.0),
+                                  weight[f:f + 1])[0])
+    return out, noise
 
 
-#: A direction of the score vectors ``q_h(t)`` counts where its singular value is this many units of
-#: the answers' rounding of the largest: 6e-5 in float32, where trained score maps fall up to
-#: 800-fold and the ``u_h`` part dominates ``q_h(t)`` at the scores' token scale, so the weak
-#: directions sit not far above the noise. A direction too many is harmless (the refinement fits it to the answers, the
-#: model stays a layer of the family); one too few is a wrong model. float64 keeps 1e-8.
+def _cgls(Q: np.ndarray, w: np.ndarray, b: np.ndarray):
+    """``(y, settled)``: CGLS on ``diag(w_j) Q y_j = b_j`` for every column j of ``w`` and ``b`` (n, J)
+    at once, started from the unweighted solution, ``CGLS_ITERATIONS`` at most."""
+    y = Q.T @ (b / np.where(w > 0, w, 1.0) * (w > 0))                           # the unweighted solution
+    residual = b - w * (Q @ y)
+    gradient = Q.T @ (w * residual)
+    direction, gamma = gradient.copy(), (gradient ** 2).sum(axis=0)
+    settled = np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
+    for _ in range(CGLS_ITERATIONS):
+        if settled.all():
+            break
+        image = w * (Q @ direction)
+        alpha = gamma / np.maximum((image ** 2).sum(axis=0), 1e-300) * ~settled
+        y += alpha * direction
+        residual -= alpha * image
+        gradient = Q.T @ (w * residual)
+        new_gamma = (gradient ** 2).sum(axis=0)
+        direction = gradient + new_gamma / np.maximum(gamma, 1e-300) * direction
+        gamma = new_gamma
+        settled |= np.sqrt(gamma) <= 1e-12 * w.max(axis=0) * np.linalg.norm(residual, axis=0)
+    return y, settled
+
+
+#: A direction of a head's ``[W_h | u_h]`` counts where its singular value is at least this many
+#: units of the answers' rounding of the largest (float64: at least 1e-8): the cut of the refined
+#: score maps, whose spectra fall to the rounding beyond the layer's directions, and the least a
+#: direction of phase 1's score vectors must reach on top of their measured noise
+#: (:func:`score_rank`).
 SCORE_RANK_UNITS = 1e3
+#: Phase 1 counts a direction of the score vectors where its singular value is above this many
+#: times the largest singular value of a draw of their noise (:func:`score_rank`; the margin's
+#: derivation: docs/algorithm.md, 'Whole answers near the vector bound', 'The score rank of phase 1').
+NOISE_MARGIN = 1.5
 
 
-def score_rank(vectors: np.ndarray, unit: float) -> int:
+def score_rank(vectors: np.ndarray, unit: float, noise: np.ndarray | None = None) -> int:
     """Directions of ``vectors`` (score vectors ``q_h(t)`` as rows, or a head's ``[W_h | u_h]``)
-    above ``SCORE_RANK_UNITS`` units of the largest (float64: 1e-8)."""
+    above ``SCORE_RANK_UNITS`` units of the largest (float64: 1e-8) and, where ``noise`` (a draw of
+    the rows' errors, the same shape) is given, above ``NOISE_MARGIN`` times its largest singular
+    value: ``sigma_(k+1)(T + E) <= |E|`` for the true vectors T of rank k, so no direction of the
+    noise passes, and every true direction above ``(NOISE_MARGIN + 1) |E|`` does."""
     s = np.linalg.svd(vectors, compute_uv=False)
-    return int((s > max(1e-8, SCORE_RANK_UNITS * unit) * s[0]).sum())
+    floor = max(1e-8, SCORE_RANK_UNITS * unit) * s[0]
+    if noise is not None:
+        floor = max(floor, NOISE_MARGIN * float(np.linalg.norm(noise, 2)))
+    return int((s > floor).sum())
+
+
+#: Seed of the noise draws of phase 1 (apart from the queries' stream: the draws ask nothing).
+NOISE_SEED = 62
 
 
 def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch], solved: dict | None = None):
-    """Phase 1: the final tokens and per head ``q_h(t)`` in full (F, d). ``solved``: the batches
-    solved before (by position), kept between phase 1's rounds so that each is solved once."""
+    """Phase 1: the final tokens, per head ``q_h(t)`` in full (F, d) and a draw of their noise (F, d)
+    (:func:`_solve_heads`). ``solved``: the batches solved before (by position), kept between phase
+    1's rounds so that each is solved once."""
     solved = {} if solved is None else solved
     heads = len(split.ranks)
     finals = np.concatenate([batch.finals for batch in batches])
-    full = [[] for _ in range(heads)]
+    full, noise = [[] for _ in range(heads)], [[] for _ in range(heads)]
     for index, batch in enumerate(batches):
         if index not in solved:
-            solved[index] = _solve_heads(*_batch_equations(split, c, batch))
+            solved[index] = _solve_heads(*_batch_equations(split, c, batch),
+                                         noise_rng=np.random.default_rng([NOISE_SEED, index]))
         for h in range(heads):
-            full[h].append(solved[index][h])
-    return finals, [np.concatenate(q) for q in full]
+            full[h].append(solved[index][0][h])
+            noise[h].append(solved[index][1][h])
+    return finals, [np.concatenate(q) for q in full], [np.concatenate(e) for e in noise]
 
 
 def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: float, ranks=None,
@@ -259,8 +305,8 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
     """``(K, G, beta, ranks)`` from the recorded batches (module docstring); ``ranks``: the k_h found
     before (None: from the phase-1 vectors' singular values); ``solved``: see :func:`_full_vectors`."""
     first = [batch for batch in batches if batch.full]
-    finals, full = _full_vectors(split, c, first, solved)
-    ranks = [score_rank(q, unit) for q in full] if ranks is None else ranks
+    finals, full, noise = _full_vectors(split, c, first, solved)
+    ranks = [score_rank(q, unit, e) for q, e in zip(full, noise)] if ranks is None else ranks
     bases = [np.linalg.svd(q.T, full_matrices=False)[0][:, :rank] for q, rank in zip(full, ranks)]
     coordinates = [q @ K for q, K in zip(full, bases)]
     for batch in batches:
@@ -329,7 +375,8 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
         batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit,
                             True, "weights: whole score vectors"))
         asked += count
-        ranks = [score_rank(q, unit) for q in _full_vectors(split, c, batches, solved)[1]]
+        _, full, noise = _full_vectors(split, c, batches, solved)
+        ranks = [score_rank(q, unit, e) for q, e in zip(full, noise)]
         if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
             break
     while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
