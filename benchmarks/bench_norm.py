@@ -9,6 +9,7 @@ the sublayer of a block').
     python benchmarks/bench_norm.py --float32-diagnosis  # where the float32 BertAttention's replacement errs (d = 16)
     python benchmarks/bench_norm.py --float32-diagnosis --large  # the same at d = 64, H = 4, the library's fit only
     python benchmarks/bench_norm.py --float32-diagnosis --large --fit-factor 20   # ... with 20 answers per parameter
+    python benchmarks/bench_norm.py --float32-diagnosis --tie-factor 0   # ... the fit alone, no refinement at near ties
     python benchmarks/bench_norm.py --qwen2-neutral-tokens  # where a Qwen2 sublayer's neutral tokens lie (white-box)
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
@@ -175,7 +176,7 @@ def _matched_heads(model, exact) -> list[int]:
                     key=lambda order: float(np.abs(model.W[list(order)] - exact.W).max())))
 
 
-def float32_diagnosis(large: bool, fit_factor: float | None = None) -> None:
+def float32_diagnosis(large: bool, fit_factor: float | None = None, tie_factor: int | None = None) -> None:
     """The float32 BertAttention d = 16, H = 2 of the ``--float32-floor`` table (``large``: d = 64, H = 4, the
     library's fit only), extracted as ``run_case`` does with the post-norm fit's answers per parameter
     (``post_norm.FIT_FACTOR``, the library's 5, then more, each run to convergence: ``FLOOR_UNITS = 0``),
@@ -183,7 +184,8 @@ def float32_diagnosis(large: bool, fit_factor: float | None = None) -> None:
     the exact model put in: the whole attention (the fitted eps, gamma and beta kept), its scores (W, u)
     beside the fitted values, or its values beside the fitted scores. Last, at the default fit's worst
     position, each head's two largest scores (one head's nearly tie): their margin and the fitted scores'
-    errors there. ``fit_factor``: only that many answers per parameter, run to convergence."""
+    errors there. ``fit_factor``: only that many answers per parameter, run to convergence. ``tie_factor``: the
+    refinement at near ties with ``post_norm.TIE_FACTOR`` set to it (0: none, the fit alone)."""
     d, H = (64, 4) if large else (16, 2)
     exact = post_norm_truth(bert_attention(d, H).float().double())
     sequences = raw_sequences(np.random.default_rng(11), d, 100)
@@ -201,6 +203,9 @@ def float32_diagnosis(large: bool, fit_factor: float | None = None) -> None:
           "| fitted scores, exact values |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     saved = post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS
+    saved_tie = post_norm.TIE_FACTOR, post_norm.TIE_UNIT
+    if tie_factor is not None:
+        post_norm.TIE_FACTOR, post_norm.TIE_UNIT = tie_factor, (post_norm.TIE_UNIT if tie_factor else np.inf)
     worst_default = None
     try:
         runs = ((saved[0], saved[1]),) + (() if large else ((20, 0.0), (80, 0.0)))
@@ -227,6 +232,7 @@ def float32_diagnosis(large: bool, fit_factor: float | None = None) -> None:
                   flush=True)
     finally:
         post_norm.FIT_FACTOR, post_norm.FLOOR_UNITS = saved
+        post_norm.TIE_FACTOR, post_norm.TIE_UNIT = saved_tie
     (error, index, position), model, order = worst_default
     X, A, B = sequences[index], model.attention, exact.attention
     for h in range(H):
@@ -268,6 +274,8 @@ def main() -> None:
                         help="only the float32 BertAttention d = 16: its replacement's error taken apart")
     parser.add_argument("--fit-factor", type=float, default=None,
                         help="with --float32-diagnosis: only this many answers per parameter, run to convergence")
+    parser.add_argument("--tie-factor", type=int, default=None,
+                        help="with --float32-diagnosis: the refinement at near ties with TIE_FACTOR H d queries (0: none)")
     parser.add_argument("--qwen2-neutral-tokens", action="store_true",
                         help="only the norms of Qwen2 sublayers' neutral tokens against the ball (white-box)")
     args = parser.parse_args()
@@ -278,7 +286,7 @@ def main() -> None:
         float32_floor()
         return
     if args.float32_diagnosis:
-        float32_diagnosis(args.large, args.fit_factor)
+        float32_diagnosis(args.large, args.fit_factor, args.tie_factor)
         return
     print("| case | norm found | eps rel. error | ok (or first failed check) | queries | defaults without the norm "
           "| error at every position | seconds |")

@@ -360,3 +360,23 @@ def test_a_mistral_window_shorter_than_the_instances_fails_naming_it():
     sublayer = RotarySublayerFloat64(rotary_block(16, 4, kv_heads=2, family="mistral", sliding_window=8))
     with pytest.raises(NormedExtractionError, match="window of 8 tokens is shorter than the schedule's instances"):
         mx.extract(TorchOracle(sublayer), 16, heads=4, seed=1, norm="auto", positions="rotary")
+
+
+@pytest.mark.slow
+def test_a_float32_bert_attention_is_nearer_its_exact_layer_than_the_layer_itself():
+    # d = 32, H = 2: head size 16, so the layer's 1/sqrt(16) is exact in float32. The truth: the layer's own
+    # float32 weights evaluated in float64 (the test's algebra), at every position of fresh raw sequences.
+    d, H = 32, 2
+    layer = bert_attention(d, H).float()
+    sublayer = attention_sublayer(layer)
+    exact = post_norm_truth(bert_attention(d, H).float().double())
+    result = mx.extract(TorchOracle(sublayer), d, heads=H, seed=1, norm="auto")
+    assert result.ok and result.norm == "post-layernorm"
+    sequences = raw_sequences(np.random.default_rng(11), d, 40)
+    def exact_layer(X):
+        return torch.as_tensor(exact.every_position(X[0].numpy(), False))[None]
+
+    error = every_position_error(result.model, exact_layer, sequences, causal=False)
+    own = every_position_error(exact, lambda X: sublayer(X.float()).double(), sequences, causal=False)
+    assert error <= result.error_estimate
+    assert error < own / 2 and error < 2e-5  # closer to the exact layer than its own float32 evaluation

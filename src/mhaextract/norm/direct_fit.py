@@ -213,22 +213,25 @@ def scaled_operator(matvec, rmatvec, rows: int, scale: np.ndarray) -> LinearOper
                           rmatvec=lambda w: rmatvec(np.ravel(w)) * scale, dtype=np.float64)
 
 
-def levenberg_marquardt(theta, problem, unit: float, floor_units: float = 8.0):
+def levenberg_marquardt(theta, problem, unit: float, floor_units: float = 8.0, damping: float = 1e-2,
+                        settled: float = 0.0, inner: int = INNER):
     """Damped Gauss-Newton steps on ``problem`` (an :class:`AttentionProblem` or a model built on
     one) from ``theta`` until the RMS misfit reaches ``floor_units`` units of the answers' rounding
-    or stops falling. Returns ``(theta, relative misfit, steps)``."""
+    or stops falling, or (``settled`` > 0) an accepted step lowers the cost by less than that fraction
+    (a start already near the optimum: the steps after it only search damping). ``damping``: the
+    first step's; ``inner``: LSMR iterations a step. Returns ``(theta, relative misfit, steps)``."""
     state = problem.state(theta)
     residual = problem.residual(state)
     cost = float(residual @ residual)
     size = float(np.abs(problem.answers).max())
-    damping, steps = 1e-2, 0
+    steps = 0
     floor = (floor_units * unit * size) ** 2 * residual.size
     for steps in range(1, STEPS + 1):
         scale = problem.column_scale(state)
         operator = problem.operator(state, scale)
         accepted = False
         while damping < 1e10:
-            solution = lsmr(operator, -residual, damp=np.sqrt(damping), atol=1e-15, btol=1e-15, maxiter=INNER)[0]
+            solution = lsmr(operator, -residual, damp=np.sqrt(damping), atol=1e-15, btol=1e-15, maxiter=inner)[0]
             trial = theta + solution * scale
             trial_state = problem.state(trial)
             trial_residual = problem.residual(trial_state)
@@ -240,7 +243,7 @@ def levenberg_marquardt(theta, problem, unit: float, floor_units: float = 8.0):
                 accepted = True
                 break
             damping *= 5
-        if not accepted or cost <= floor or gain < 1e-3 and damping <= 1e-12:
+        if not accepted or cost <= floor or gain < 1e-3 and damping <= 1e-12 or gain < settled:
             break
     return theta, float(np.abs(residual).max() / max(size, 1e-300)), steps
 

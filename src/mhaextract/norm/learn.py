@@ -292,11 +292,14 @@ def _post_norm_and_verify(session, boundary, unit: float, result: NormedExtracti
     result.checks.append(epsilon.check)
     if epsilon.check.passed:
         fitted = post_norm.refit(fitted, epsilon.eps, unit)
-    result.token_scale = NORMS[1] * np.sqrt(d)
+    if fitted.misfit <= limit:  # low-precision answers: W again from answers at near ties of large tokens
+        fitted = post_norm.refine_at_ties(boundary, fitted, spawn_rng(request.seed, 12), unit)
+    result.token_scale = (NORMS[1] if fitted.ranks is None else post_norm.TIE_RADIUS) * np.sqrt(d)
+    refined = "" if fitted.ranks is None else f", refined at near ties, heads' ranks {fitted.ranks}"
     result.checks.append(Check("inner_fit", fitted.misfit <= limit, fitted.misfit, limit,
-                               f"the direct fit of the post-norm sublayer ({fitted.queries} bounded queries, "
-                               f"{fitted.steps} steps, start {fitted.starts} of up to {STARTS}): max misfit on "
-                               f"{HELD_OUT} held-out queries relative to the largest answer"))
+                               f"the direct fit of the post-norm sublayer ({fitted.queries} queries, "
+                               f"{fitted.steps} steps, start {fitted.starts} of up to {STARTS}{refined}): max misfit "
+                               f"on {HELD_OUT} held-out bounded queries relative to the largest answer"))
     if not result.ok:
         hints.append("The post-norm fit did not reach the answers' rounding from its starts: the heads may be more "
                      "than heads=H, or a layer after the norm (docs/algorithm.md, 'Attention behind a norm: the "
