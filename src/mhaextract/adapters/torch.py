@@ -400,10 +400,12 @@ class TorchOracle:
         """The group's last sequence, if it can tell a causal layer from a bidirectional one."""
         if X.shape[1] < 3 or torch.equal(X[-1, 0], X[-1, 1]):
             return
-        outputs = every[-1].to(torch.float64).cpu().numpy()
+        # copies: in float64 ``every[-1]`` and ``X[-1]`` are views that would keep the whole batch's
+        # outputs and tokens (eight kept: about 170 MB at d = 768)
+        outputs = every[-1].to(torch.float64).cpu().numpy().copy()
         if self.readout is not None:
             outputs = read_out(outputs, self.readout, self._single)
-        self._evidence.append((X[-1].to(torch.float64).cpu().numpy(), outputs))
+        self._evidence.append((X[-1].to(torch.float64).cpu().numpy().copy(), outputs))
 
     def _every_position(self, X: torch.Tensor) -> torch.Tensor:
         """The module's outputs at every position for a batch (B, N, d) -> (B, N, d_out)."""

@@ -183,6 +183,9 @@ class FittedQueries:
     def __init__(self, sequences: list, answers: np.ndarray, batches: list):
         self.first, self.batches = (list(sequences), answers), batches
         self.answers = np.concatenate([answers] + [batch.answers for batch in batches])
+        start = len(answers)
+        for batch in batches:  # each batch's answers a view of the whole: held once (a float32 d = 768 run: 600 MB)
+            batch.answers, start = self.answers[start:start + len(batch.answers)], start + len(batch.answers)
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -277,7 +280,12 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
         layer, score_ranks = _refined(layer, score_ranks, fitted.sequences(), answers, seed, unit, full, refinement,
                                       progress)
     model = layer.model()
-    residual = float(np.sqrt(np.mean((fitted.outputs(layer) - answers) ** 2)) / np.sqrt(np.mean(answers ** 2)))
+    squares = fitted.outputs(layer)  # squared misfits, then squared answers, in one buffer the size of the answers
+    squares -= answers
+    np.square(squares, out=squares)
+    misfit = np.mean(squares)
+    np.square(answers, out=squares)
+    residual = float(np.sqrt(misfit) / np.sqrt(np.mean(squares)))
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
                             scale, (0.5, 1.0, 2.0))
     held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))

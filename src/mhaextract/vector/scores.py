@@ -40,6 +40,8 @@ SCORE_SPREAD = 0.35
 PILOT_QUERIES, PILOT_LOOKS = 8, 2
 #: Final tokens per batch of phase 2 (its equations' working memory: at d = 768 all at once was GBs).
 PHASE2_FINALS = 128
+#: Random numbers drawn at once for the score queries' tokens (:func:`_tokens`; 32 MB in float64).
+DRAW_NUMBERS = 2 ** 22
 #: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
 CGLS_ITERATIONS = 200
 
@@ -67,11 +69,19 @@ class ScoreBatch:
 
 
 def _tokens(rng, finals: np.ndarray, per_final: int, m: int, scale: float) -> np.ndarray:
-    """m random tokens before each final token, ``per_final`` times, rounded to float32 numbers."""
+    """m random tokens before each final token, ``per_final`` times, rounded to float32 numbers. Drawn
+    ``DRAW_NUMBERS`` at a time (the stream gives the same numbers in pieces) and written into the
+    float32 result: the float64 draws of a whole batch were 180 MB at d = 768."""
     F, d = finals.shape
-    others = rng.standard_normal((F, per_final, m, d)) * scale / np.sqrt(d)
-    X = np.concatenate([others, np.broadcast_to(finals[:, None, None], (F, per_final, 1, d))], axis=2)
-    return X.astype(np.float32).reshape(F * per_final, m + 1, d)
+    X = np.empty((F, per_final, m + 1, d), dtype=np.float32)
+    X[:, :, m] = finals[:, None]
+    step = max(1, DRAW_NUMBERS // (per_final * m * d))
+    for start in range(0, F, step):
+        others = rng.standard_normal((min(step, F - start), per_final, m, d))
+        others *= scale
+        others /= np.sqrt(d)
+        X[start:start + step, :, :m] = others
+    return X.reshape(F * per_final, m + 1, d)
 
 
 def tokens_per_query(ranks: list[int]) -> int:
@@ -166,7 +176,9 @@ def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
     head the log-ratios and their weights (F, per_final m) of one batch."""
     X = batch.X  # float32 numbers, exact in float64: widened where used (a float64 copy held 150 MB at d = 768)
     F, d, m = len(batch.finals), X.shape[2], X.shape[1] - 1
-    rows = (X[:, :-1].astype(np.float64) - X[:, -1:]).reshape(F, batch.per_final * m, d)  # exact differences
+    rows = X[:, :-1].astype(np.float64)
+    rows -= X[:, -1:]  # exact differences, in place (a second float64 copy was 180 MB at d = 768)
+    rows = rows.reshape(F, batch.per_final * m, d)
     return rows, [tuple(part.reshape(F, -1) for part in _equations(a))
                   for a in _weights(split, X, batch.answers, c)]
 
