@@ -113,7 +113,7 @@ class _Referenced(_Saturated):
     to one answer's rounding, asked once per final token (docs/algorithm.md, 'Whole answers near the
     vector bound', 'The subspaces from saturated queries'). The value map's ``c + lam V_tot x`` carries
     V_tot's error times ``lam |x|``: at a final token it is the same for every difference asked there,
-    so it moved every column of a head alike and did not average out over the differences."""
+    so it moves every column of a head alike and does not average out over the differences."""
 
     def __init__(self, saturated: _Saturated):
         super().__init__(saturated.boundary, saturated.values, saturated.unit)
@@ -279,13 +279,13 @@ def _labels_of(saturated: _Saturated, finals: np.ndarray, sums: np.ndarray, delt
 
 
 def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: float, heads: int,
-                     values: ValueMap, unit: float, oversampled=lambda ranks: True) -> Split:
+                     values: ValueMap, unit: float, values_are_the_model=lambda ranks: True) -> Split:
     """The split of the module docstring, or SplitUnavailable saying why it cannot work. Two rounds:
     perturbed directions (labels decoded from the base's) give the subspaces to about
     ``unit / PERTURBATION`` times their conditioning; independent directions, their labels
     decoded from the first split's prediction ``Pi_h V_tot delta``, give them to the answers'
-    rounding. Where ``oversampled(ranks)`` (the heads' ranks from the first round: the split's values
-    are then the model's) ``EXACT_DIRECTIONS r + 2`` of them, their sums taken against the one-token
+    rounding. Where ``values_are_the_model(ranks)`` (the heads' ranks from the first round: no
+    refinement will fit the values after the split) ``EXACT_DIRECTIONS r + 2`` of them, their sums taken against the one-token
     answers at the same final tokens (:class:`_Referenced`); else ``r + 2``, against the value map (a
     refinement of every parameter fits the values to every answer after it)."""
     tolerance = _tolerance(unit)
@@ -309,7 +309,7 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
             break
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
     projectors = [O @ P for O, P in zip(first.O, first.P)]
-    model_values = oversampled(ranks)
+    model_values = values_are_the_model(ranks)
     deltas = random_tokens((EXACT_DIRECTIONS if model_values else 1) * max(ranks) + 2)
     finals = random_tokens(2 * heads + 6)
     exact, sums = [[] for _ in range(heads)], _Referenced(saturated) if model_values else saturated
