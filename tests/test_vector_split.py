@@ -227,8 +227,8 @@ def test_the_unrefined_route_takes_its_values_from_the_split_to_near_the_roundin
     the model's values are the split's, ``V_h = O_h [O^+]_h V_tot``, so V_tot and each head's subspace
     must come to the answers' rounding (docs/algorithm.md, 'Whole answers near the vector bound', 'What
     limits the split's values'). Against the layer's own V_h and outputs: V_h within 1.5e-14 and 5e-13
-    at every position of fresh sequences (V_tot by LU and r + 2 columns against the value map's
-    reference gave 3.2e-14 and 4.6e-14, 1.0e-12 and 5.5e-13 on these two layers)."""
+    at every position of fresh sequences (V_tot by LU with r + 2 columns against the value map's
+    reference gives 3.2e-14 and 4.6e-14, 1.0e-12 and 5.5e-13 on these two layers: the bounds tell the two apart)."""
     import mhaextract.vector.learn as learn
 
     monkeypatch.setattr(learn, "REFINE_WORK", 0.0)

@@ -71,7 +71,7 @@ class ScoreBatch:
 def _tokens(rng, finals: np.ndarray, per_final: int, m: int, scale: float) -> np.ndarray:
     """m random tokens before each final token, ``per_final`` times, rounded to float32 numbers. Drawn
     ``DRAW_NUMBERS`` at a time (the stream gives the same numbers in pieces) and written into the
-    float32 result: the float64 draws of a whole batch were 180 MB at d = 768."""
+    float32 result: a whole batch's float64 draws would be 180 MB at d = 768."""
     F, d = finals.shape
     X = np.empty((F, per_final, m + 1, d), dtype=np.float32)
     X[:, :, m] = finals[:, None]
@@ -174,10 +174,10 @@ def _equations(a: np.ndarray):
 def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
     """``(rows, per_head)``: the rows ``x_i - t`` (F, per_final m, d), shared by every head, and per
     head the log-ratios and their weights (F, per_final m) of one batch."""
-    X = batch.X  # float32 numbers, exact in float64: widened where used (a float64 copy held 150 MB at d = 768)
+    X = batch.X  # float32 numbers, exact in float64: widened where used (a float64 copy would hold 150 MB at d = 768)
     F, d, m = len(batch.finals), X.shape[2], X.shape[1] - 1
     rows = X[:, :-1].astype(np.float64)
-    rows -= X[:, -1:]  # exact differences, in place (a second float64 copy was 180 MB at d = 768)
+    rows -= X[:, -1:]  # exact differences, in place (a second float64 copy would be 180 MB at d = 768)
     rows = rows.reshape(F, batch.per_final * m, d)
     return rows, [tuple(part.reshape(F, -1) for part in _equations(a))
                   for a in _weights(split, X, batch.answers, c)]

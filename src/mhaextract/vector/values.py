@@ -39,7 +39,7 @@ def value_map(boundary, rng: np.random.Generator, d: int, scale: float) -> Value
         raise SplitUnavailable("the oracle answers one number per query: the split needs whole outputs")
     c = answers[0]
     # by QR (Householder, backward stable to the rounding), not LU: on a random orthogonal basis
-    # LU's own error was 1.3e-14 of V_tot at d = 256 and 3.2e-14 at d = 768 (QR: 1.4e-15, 1.5e-15),
+    # LU's own error is 1.3e-14 of V_tot at d = 256 and 3.2e-14 at d = 768 (QR: 1.4e-15, 1.5e-15),
     # and the split's oblique projectors (norm about 100) carry V_tot's error into every V_h
     Q, R = np.linalg.qr(basis.T)
     V_total = solve_triangular(R, Q.T @ (answers[1:] - c)).T
