@@ -20,13 +20,14 @@ def low_rank_layer(d, heads, rank, seed=1):
     return mx.MultiHeadAttention(scores.W, V / np.sqrt(rank), scores.u, scores.c)
 
 
-def worst_position_error(model, truth, d, seed=7, longest=64):
-    """Largest error over every position of fresh sequences of up to ``longest`` tokens, each relative
-    to the largest output of its prefix."""
+def worst_position_error(model, truth, d, seed=7, longest=64, scale=None, lengths=(1, 2, 5, 16)):
+    """Largest error over every position of fresh sequences of up to ``longest`` tokens (``lengths``,
+    then ``longest``), each relative to the largest output of its prefix; tokens of norm about
+    ``scale`` (default ``d^(1/4)``, the random layers' token scale)."""
     rng = np.random.default_rng(seed)
     worst = 0.0
-    for n in (1, 2, 5, 16, longest):
-        X = rng.standard_normal((n, d)) * d ** 0.25 / np.sqrt(d)
+    for n in tuple(lengths) + (longest,):
+        X = rng.standard_normal((n, d)) * (d ** 0.25 if scale is None else scale) / np.sqrt(d)
         prefixes = [X[:i] for i in range(1, n + 1)]
         expected, got = truth(prefixes), model(prefixes)
         worst = max(worst, float((np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)).max()))
@@ -42,8 +43,36 @@ def test_a_low_rank_layer_is_split_by_head_to_machine_precision():
     assert result.value_ranks == [rank, rank] and result.refined
     error = worst_position_error(result.model, target, d)
     assert error <= 1e-12 and result.error_estimate >= error
+    # the estimate's claim: every position of sequences of up to 64 tokens at norms up to the token scale
+    claimed = max(worst_position_error(result.model, target, d, scale=factor * result.token_scale,
+                                       lengths=range(1, 64, 4)) for factor in (0.5, 1.0))
+    assert claimed <= result.error_estimate <= 100 * claimed
     assert result.vector_bound == vector_bound(d, heads, rank, d)
     assert result.queries <= 25 * result.vector_bound  # at d = 8 the fixed costs dominate (calibration, holdout)
+
+
+@pytest.mark.slow
+def test_the_estimate_covers_a_perturbed_models_error_at_every_position_within_100_times():
+    """docs/algorithm.md, 'Whole answers near the vector bound', 'The error estimate': the run's
+    held-out design and estimate on a model whose error is known and far above the rounding: the
+    layer with one of W, u, V, c moved by 1e-9 of its largest entry at random. The estimate from the
+    held-out answers (exact, float64) must cover the error at every position of fresh sequences of up
+    to 64 tokens at 0.25, 0.5 and 1 times the token scale, computed from the weights, and stay within
+    100 times it."""
+    from mhaextract.vector.learn import _relative_misfits, error_estimate, holdout_queries
+
+    d, heads, rank, scale = 8, 2, 4, 8 ** 0.25
+    for seed, which in enumerate("WuVc"):
+        target = low_rank_layer(d, heads, rank, seed=seed + 1)
+        rng = np.random.default_rng(seed)
+        moved = {name: getattr(target, name).copy() for name in "WVuc"}
+        moved[which] += 1e-9 * np.abs(moved[which]).max() * rng.standard_normal(moved[which].shape)
+        model = mx.MultiHeadAttention(moved["W"], moved["V"], moved["u"], moved["c"])
+        held = holdout_queries(np.random.default_rng(seed + 10), d, scale)
+        estimate = error_estimate(float(_relative_misfits(model, held, target(held)).max()), 2.0 ** -53)
+        error = max(worst_position_error(model, target, d, scale=factor * scale, lengths=range(1, 64, 3))
+                    for factor in (0.25, 0.5, 1.0))
+        assert error <= estimate <= 100 * error, (which, error, estimate)
 
 
 def test_whole_answers_that_cannot_split_run_todays_schedule_with_the_reason():
