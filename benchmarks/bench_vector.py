@@ -2,15 +2,21 @@
 against the vector bound, today's scalar schedules and the scalar bound, on GPT-2-class layers.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 64:4 128:8 256:8 --dtypes float64
+    OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 64:4:8 256:2 --dtypes float64 --schedule auto
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float64 float32 --split-only
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float32 --split-only --diagnose \
         [--exact-split [--split-error 2.4e-5]] [--score-spread 0.1] [--refinement none|scores|full]
 
-Each cell is a ``GPT2Attention`` (sdpa, head width d / H, every bias drawn like its weights) run as
-a ``TorchOracle`` in the given dtype; the truth is the layer's own weights in float64
-(``to_reduced``). The output error is the largest over every position of 40 fresh sequences of 1..64
-tokens, each relative to the largest output of its prefix. "today" is the default run's count on
-main before the split (issue 62's table), where it was measured.
+Each cell ``d:H[:r]`` is a ``GPT2Attention`` (sdpa, head width d / H, every bias drawn like its
+weights) run as a ``TorchOracle`` in the given dtype; the truth is the layer's own weights in float64
+(``to_reduced``). With ``r < d / H`` each head keeps r of its d / H query, key and value coordinates
+(the others' weights, biases and output rows zero, its queries scaled by ``sqrt(d / (H r))``: the
+scores of a head of width r), so ``W_h``, ``u_h`` and ``V_h`` have rank r and the heads' output
+subspaces span ``H r < d`` dimensions. The output error is the largest over every position of 40
+fresh sequences of 1..64 tokens, each relative to the largest output of its prefix. "today" is the
+default run's count on main before the split (issue 62's table), where it was measured. The runs
+name ``schedule="vector"`` unless ``--schedule auto`` (the library's default), which prints its
+reason under each row.
 
 ``--diagnose`` says, white box (the benchmark's own layer; nothing of it reaches the run), which part
 of the model is off: per head the relative errors of W_h, u_h and V_h (matched to the layer's heads by
@@ -42,7 +48,8 @@ from mhaextract.vector import vector_bound  # noqa: E402
 TODAY = {(64, 4): 36_997, (128, 8): 286_381, (768, 12): 3_847_746}
 
 
-def gpt2_layer(d: int, heads: int, seed: int):
+def gpt2_layer(d: int, heads: int, seed: int, rank: int | None = None):
+    """The cell's layer; ``rank`` (default d / H): each head's width (module docstring)."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Config
 
     torch.manual_seed(seed)
@@ -53,6 +60,16 @@ def gpt2_layer(d: int, heads: int, seed: int):
         for name, parameter in layer.named_parameters():
             if name.endswith("bias"):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
+        width = d // heads
+        if rank is not None and rank < width:
+            dropped = torch.cat([torch.arange(h * width + rank, (h + 1) * width) for h in range(heads)])
+            for part in range(3):  # query, key and value columns of c_attn (Conv1D: x @ weight + bias)
+                layer.c_attn.weight[:, part * d + dropped] = 0.0
+                layer.c_attn.bias[part * d + dropped] = 0.0
+            kept = torch.cat([torch.arange(h * width, h * width + rank) for h in range(heads)])
+            layer.c_attn.weight[:, kept] *= (width / rank) ** 0.5  # score scale 1/sqrt(r), not 1/sqrt(d/H)
+            layer.c_attn.bias[kept] *= (width / rank) ** 0.5
+            layer.c_proj.weight[dropped] = 0.0
     return layer.eval()
 
 
@@ -67,17 +84,18 @@ def position_error(model, truth, d: int, seed: int = 11) -> float:
     return worst
 
 
-def run(d: int, heads: int, dtype: str, seed: int) -> dict:
-    exact = gpt2_layer(d, heads, seed)
-    layer = exact if dtype == "float64" else gpt2_layer(d, heads, seed).float()
+def run(d: int, heads: int, dtype: str, seed: int, rank: int | None = None, schedule: str = "vector") -> dict:
+    r = rank or d // heads
+    exact = gpt2_layer(d, heads, seed, r)
+    layer = exact if dtype == "float64" else gpt2_layer(d, heads, seed, r).float()
     started = time.perf_counter()
-    result = mx.extract(TorchOracle(layer), d, heads=heads, seed=0, schedule="vector", on_failure="warn", progress=False)
+    result = mx.extract(TorchOracle(layer), d, heads=heads, seed=0, schedule=schedule, on_failure="warn", progress=False)
     seconds = time.perf_counter() - started
     truth = to_reduced(exact)
-    r = d // heads
     parameters = heads * (2 * d * r - r * r + d + 2 * d * r - r * r) + d
     return {"d": d, "H": heads, "r": r, "dtype": dtype, "schedule": result.schedule, "queries": result.queries,
-            "bound": vector_bound(d, heads, r, d), "today": TODAY.get((d, heads)), "scalar_bound": parameters,
+            "bound": vector_bound(d, heads, r, d), "today": TODAY.get((d, heads)) if r == d // heads else None,
+            "scalar_bound": parameters, "reason": result.schedule_reason,
             "error": position_error(result.model, truth, d), "estimate": result.error_estimate, "ok": result.ok,
             "refinement": getattr(result, "refinement", ""), "seconds": seconds, "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "model": result.model, "truth": truth}
@@ -130,7 +148,10 @@ def diagnose(model, truth, d: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", nargs="+", default=["64:4", "128:8", "256:8"], help="d:H per cell")
+    parser.add_argument("--cells", nargs="+", default=["64:4", "128:8", "256:8"],
+                        help="d:H[:r] per cell (r, each head's width: d / H unless given)")
+    parser.add_argument("--schedule", default="vector", choices=["vector", "auto"],
+                        help="the run's schedule (auto: the library's default; its reason is printed under the row)")
     parser.add_argument("--dtypes", nargs="+", default=["float64"], choices=["float64", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split-only", action="store_true",
@@ -153,17 +174,22 @@ def main() -> None:
           "| estimate | ok | time | peak memory |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cell in args.cells:
-        d, heads = (int(part) for part in cell.split(":"))
+        parts = [int(part) for part in cell.split(":")]
+        if len(parts) not in (2, 3) or (len(parts) == 3 and not 1 <= parts[2] <= parts[0] // parts[1]):
+            parser.error(f"cell {cell!r}: d:H or d:H:r with 1 <= r <= d / H")
+        d, heads, rank = parts[0], parts[1], (parts[2] if len(parts) == 3 else None)
         for dtype in args.dtypes:
             if args.exact_split:
-                vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed)),
+                vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed, rank)),
                                                                  args.split_error)
-            row = run(d, heads, dtype, args.seed)
+            row = run(d, heads, dtype, args.seed, rank, args.schedule)
             today = f"{row['today']:,}" if row["today"] else "not measured"
             print(f"| {d}, {heads}, {row['r']} | {dtype} | {row['schedule']} | {row['queries']:,} | {row['bound']:,} "
                   f"| {row['queries'] / row['bound']:.1f} | {today} | {row['scalar_bound']:,} | {row['error']:.2g} "
                   f"| {row['estimate']:.2g} | {row['ok']} | {row['seconds']:.0f} s | {row['peak_gb']:.2f} GB |",
                   flush=True)
+            if args.schedule == "auto":
+                print(f"  reason: {row['reason']}", flush=True)
             if args.diagnose:
                 diagnose(row["model"], row["truth"], d)
 

@@ -75,6 +75,22 @@ def test_the_estimate_covers_a_perturbed_models_error_at_every_position_within_1
         assert error <= estimate <= 100 * error, (which, error, estimate)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("d, heads, rank", [(16, 4, 2), (16, 2, 4)])
+def test_auto_splits_heads_narrower_than_d_over_h(d, heads, rank):
+    """Heads of width r < d / H (W_h, V_h of rank r; ``[W_h | u_h]`` of rank r + 1), so the heads'
+    output subspaces span H r < d_out: "auto" splits the whole answers, finds every head's rank,
+    the bound counts r, and the model is the layer's to 1e-12 at every position of fresh sequences
+    (r = 2: one token before the final one per score query)."""
+    target = low_rank_layer(d, heads, rank, seed=1)
+    result = mx.extract(mx.SimulatedOracle(target), d, heads=heads, seed=0)
+    assert result.schedule == "vector" and result.ok and result.refinement == "full", result.schedule_reason
+    assert result.value_ranks == [rank] * heads and result.score_ranks == [rank + 1] * heads
+    assert result.vector_bound == vector_bound(d, heads, rank, d)
+    error = max(worst_position_error(result.model, target, d, seed=seed) for seed in (7, 8))
+    assert error <= 1e-12 and result.error_estimate >= error
+
+
 def test_whole_answers_that_cannot_split_run_todays_schedule_with_the_reason():
     """Full-rank values (H rank V_h > d_out): the split says so and the targeted schedule runs, its model
     the same bits as the targeted schedule named, its count the same plus the split's queries."""
