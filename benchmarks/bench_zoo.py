@@ -26,7 +26,8 @@ finish within it says so. Columns (``zoo.run_and_judge``):
   sequences of lengths 1..128, max absolute difference over max |output|;
 * layer's own error: the dtype layer (as its model runs it) against the same exact layer;
 * parameter error: ``compare(result.model, truth)``, the truth from the weights; the estimate is
-  ``result.error_estimate`` and its ratio to the parameter error;
+  ``result.error_estimate`` and its ratio to the error it speaks for (``zoo.estimated_error``: the
+  parameter error, or the output error where the family's ``error_measure`` is ``"outputs"``);
 * verdict: ``zoo.verdicts`` (acceptance 1 of issue 64), or the first line of the run's error.
 
 ``--stages``: each step of a rotary run (``rotary/run.py``) and each part of its refinement
@@ -103,6 +104,7 @@ def measure(layer_id, dtype, queue, cpu_limit=None, readout=False, options=None,
         row = zoo.run_and_judge(layer_id, getattr(torch, dtype), readout=readout, seed=seed, **(options or {}))
         failures = zoo.verdicts(row)
         row["verdict"] = "pass" if not failures else "FAIL: " + "; ".join(failures)
+        row["estimated_error"] = zoo.estimated_error(row)
         row.pop("result")
     except Exception as failure:  # the table records what a user would have seen
         row = dict(layer=layer_id, dtype=dtype, verdict=f"FAIL: {type(failure).__name__}: {str(failure).splitlines()[0]}")
@@ -117,7 +119,7 @@ def rank_option(text: str):
 def line(row):
     if "queries" not in row:
         return f"| {row['layer']} | {row['dtype']} | - | {row.get('seconds', '-')} | - | - | - | - | - | {row['verdict']} |"
-    ratio = row["estimate"] / row["parameter_error"] if row["parameter_error"] else float("nan")
+    ratio = row["estimate"] / row["estimated_error"] if row["estimated_error"] else float("nan")
     return (f"| {row['layer']} | {row['dtype']} | {row['queries']:,} | {row['seconds']:.1f} / {row['cpu_seconds']:.1f} | {row['output_error']:.1e} | "
             f"{row['own_error']:.1e} | {row['parameter_error']:.1e} | {row['estimate']:.1e} | {ratio:.3g} | {row['verdict']} |")
 

@@ -333,9 +333,15 @@ def failures(row: dict) -> list[str]:
     limit = OUTPUT_LIMITS.get(row["dtype"], row["own_error"])
     if not row["output_error"] <= limit:
         found.append(f"output error {row['output_error']:.1e} > {limit:.1e}")
-    if row["dtype"] in OUTPUT_LIMITS and not row["estimate"] >= row["parameter_error"]:
-        found.append(f"estimate {row['estimate']:.1e} below the error {row['parameter_error']:.1e}")
+    if row["dtype"] in OUTPUT_LIMITS and not row["estimate"] >= estimated_error(row):
+        found.append(f"estimate {row['estimate']:.1e} below the error {estimated_error(row):.1e}")
     return found
+
+
+def estimated_error(row: dict) -> float:
+    """The error the row's estimate speaks for (the result's ``error_measure``): the parameter error,
+    or the output error at every position for families whose estimate is of the outputs."""
+    return row["output_error"] if row["result"].error_measure == "outputs" else row["parameter_error"]
 
 
 #: The acceptance's bound on the estimate over the model's error (float64, float32).
@@ -347,7 +353,7 @@ def loose(row: dict) -> str | None:
     times the model's error, else None."""
     if row["dtype"] not in OUTPUT_LIMITS or not np.isfinite(row["parameter_error"]):
         return None
-    ratio = row["estimate"] / row["parameter_error"]
+    ratio = row["estimate"] / estimated_error(row)
     return f"estimate {ratio:.0f} x the error" if not ratio <= TIGHT else None
 
 

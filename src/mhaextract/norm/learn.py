@@ -107,6 +107,7 @@ class NormedExtraction(Result):
     largest_inner_token: float = 0.0
     verification_misfit: float = np.inf
 
+    error_measure: ClassVar[str] = "outputs"
     _repr_fields: ClassVar[tuple[str, ...]] = ("norm",)
 
     def _summary_extra(self) -> dict:

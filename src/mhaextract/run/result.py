@@ -76,8 +76,12 @@ class Result(CheckedResult):
     error_estimate : float
         The relative error of the model the run expects, in the sense its family's docstring gives
         (parameters as ``compare(model, truth).max_rel`` for attention, rotary and low precision;
-        outputs for the vector split); ``inf`` when the family makes no estimate (the
-        Transformer, judged on fresh queries instead).
+        outputs for the vector split and the norm family); ``inf`` when the family makes no estimate
+        (the Transformer, judged on fresh queries instead).
+    error_measure : str
+        What ``error_estimate`` bounds: ``"parameters"`` (``compare(model, truth).max_rel``) or
+        ``"outputs"`` (the largest output error at every position of fresh sequences, relative to
+        each prefix's largest output), so a judge compares it with the matching error.
     answers_residual : float
         Misfit of the model on the queries asked, relative to the answers (``inf``: not measured).
     checks : list of Check
@@ -156,6 +160,7 @@ class Result(CheckedResult):
 
     #: Family fields shown in ``repr`` after the counts (one or two).
     _repr_fields: ClassVar[tuple[str, ...]] = ()
+    error_measure: ClassVar[str] = "parameters"
 
     @property
     def result_type(self) -> str:
@@ -189,7 +194,7 @@ class Result(CheckedResult):
             "verification_length": self.verification_length, "max_query_length": self.max_query_length,
             "token_scale": self.token_scale, "precision": self.precision, "seed": self.seed,
             "answer_dtype": self.answer_dtype, "error_estimate": self.error_estimate,
-            "answers_residual": self.answers_residual, "ok": self.ok,
+            "error_measure": self.error_measure, "answers_residual": self.answers_residual, "ok": self.ok,
             "failed_checks": [str(check) for check in self.failed_checks],
             "verification": None if self.verification is None else str(self.verification),
             "transcript": self.transcript, "causal": None if self.causal is None else self.causal.verdict,
@@ -251,6 +256,7 @@ class SavedResult(Result):
     Attributes
     ----------
     saved_as : the class of the result that was saved (``result_type`` reports it).
+    error_measure : that class's ``error_measure``, as saved.
     family_summary : dict, the family's entries of the saved summary.
     repr_fields : the family's entries its one-line repr showed (shown again).
     model_exact : the exact model (``load_extraction(path, exact=True)`` of a file that has one), or None.
@@ -269,6 +275,7 @@ class SavedResult(Result):
     """
 
     saved_as: str = "Result"
+    error_measure: str = "parameters"
     family_summary: dict = field(default_factory=dict)
     model_exact: object = None
     repr_fields: tuple[str, ...] = ()
@@ -295,8 +302,8 @@ COMMON_SCALARS = ("schedule", "schedule_reason", "d", "heads", "queries", "queri
                   "calibration_queries", "verification_queries", "verification_length", "max_query_length",
                   "token_scale", "precision", "seed", "answer_dtype", "error_estimate", "answers_residual",
                   "transcript", "seconds")
-#: Summary entries every result computes from its fields (not read back as fields).
-DERIVED = ("ok", "failed_checks", "verification", "causal")
+#: Summary entries every result computes from its fields or its class (not read back as common fields).
+DERIVED = ("ok", "failed_checks", "verification", "causal", "error_measure")
 
 
 def _jsonable(value):
@@ -439,5 +446,6 @@ def load_extraction(path, exact: bool = False) -> SavedResult:
     family = {name: value for name, value in summary.items() if name not in COMMON_SCALARS + DERIVED}
     return SavedResult(model=model, checks=checks, verification=verification, causal=causal,
                        saved_as=document.get("result") or "Result", family_summary=family,
+                       error_measure=summary.get("error_measure", "parameters"),
                        repr_fields=tuple(document.get("repr_fields", ())),
                        model_exact=_model(document, path, True) if exact else None, **common)

@@ -108,6 +108,7 @@ class VectorExtraction(Result):
     refined: bool = False
     refinement: str = ""
 
+    error_measure: ClassVar[str] = "outputs"
     _repr_fields: ClassVar[tuple[str, ...]] = ("vector_bound",)
 
     @property
