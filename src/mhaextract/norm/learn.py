@@ -26,7 +26,7 @@ from ..run.learner import pick
 from ..run.result import Result
 from ..run.session import Request, run_learner
 from ..run.validation import spawn_rng
-from .direct_fit import HELD_OUT, NORMS, STARTS, fit
+from .direct_fit import FIT_FACTOR, HELD_OUT, NORMS, STARTS, fit
 from . import post_norm
 from .sweeps import FLOAT32_NORM, POST_NORM, Sweeps, ask_whole, measure
 
@@ -38,6 +38,9 @@ ROTARY = "rotary"
 #: for a standard normal z: the rotary learner's tokens stay below ``s (1 + TAIL / sqrt(2 k))``.
 TAIL = 8.0
 
+#: A read-out's answers per parameter in the direct fit (one number an answer: ``READ_OUT_FIT_FACTOR P`` queries;
+#: docs/algorithm.md, 'A scalar read-out').
+READ_OUT_FIT_FACTOR = 4
 #: The inner schedule's tokens stay within this fraction of the ball's radius sqrt(d).
 BALL_MARGIN = 0.9
 #: Fresh raw sequences (as the verification's) whose misfit sets a post-norm run's estimate.
@@ -232,7 +235,8 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
     schedule = options["inner_schedule"]
     if schedule == DIRECT_FIT:  # a read-out's scalar answers are fitted as one column (d_out = 1)
         fitted = fit(lambda sequences: reduced(sequences).reshape(len(sequences), -1), k, sweeps.c.size,
-                     request.heads, np.sqrt(d), spawn_rng(request.seed, 9), sweeps.unit)
+                     request.heads, np.sqrt(d), spawn_rng(request.seed, 9), sweeps.unit,
+                     READ_OUT_FIT_FACTOR if sweeps.read_out else FIT_FACTOR)
         result.token_scale, result.largest_inner_token = NORMS[1] * np.sqrt(d), reduced.largest
         limit = 1e4 * sweeps.unit
         result.checks.append(Check("inner_fit", fitted.misfit <= limit, fitted.misfit, limit,
