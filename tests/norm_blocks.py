@@ -198,14 +198,15 @@ def read_out_truth(block, r) -> NormedAttention:
 
 def read_out_error(model, module, r, sequences, causal):
     """A read-out model against ``r^T`` of ``module``'s outputs at every position: the largest
-    ``|model - a| / (|rho^T x_i| + max |a - rho^T x_i|)``, the max over every position judged (one number
-    crosses zero where the skip term and the attention's part cancel: docs/algorithm.md, 'A scalar
-    read-out'); rho from ``model``."""
-    got, expected, skip = [], [], []
+    ``|model - a| / (|rho|^T |x_i| + max |a - rho^T x_i|)``, the max over every position judged (one number
+    crosses zero where the skip term and the attention's part cancel, and the skip's sum rounds at the size
+    of its terms: docs/algorithm.md, 'A scalar read-out'); rho from ``model``."""
+    got, expected, skip, size = [], [], [], []
     with torch.no_grad():
         for X in sequences:
             expected.append(module(torch.as_tensor(X)[None])[0].double().numpy() @ r)
             got.append(model.every_position(X, causal))
             skip.append(X @ model.R)
-    got, expected, skip = (np.concatenate(a) for a in (got, expected, skip))
-    return float((np.abs(got - expected) / (np.abs(skip) + np.abs(expected - skip).max())).max())
+            size.append(np.abs(X) @ np.abs(model.R))
+    got, expected, skip, size = (np.concatenate(a) for a in (got, expected, skip, size))
+    return float((np.abs(got - expected) / (size + np.abs(expected - skip).max())).max())

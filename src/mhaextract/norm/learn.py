@@ -268,13 +268,15 @@ def relative_misfit(predicted: np.ndarray, answers: np.ndarray) -> float:
     return float((np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)).max())
 
 
-def read_out_misfit(predicted: np.ndarray, answers: np.ndarray, skip: np.ndarray) -> float:
-    """A read-out's misfit over the sequences: ``|predicted - a| / (|rho^T x_N| + max |a - rho^T x_N|)``,
-    each answer a against the size of its two terms, the skip ``rho^T x_N`` (``skip``) and the attention's
-    part, whose largest over the sequences is its scale (docs/algorithm.md, 'A scalar read-out': one number
-    crosses zero where the two cancel, and no relative error holds there)."""
-    predicted, answers, skip = (np.ravel(np.asarray(a, dtype=np.float64)) for a in (predicted, answers, skip))
-    scale = np.abs(skip) + np.abs(answers - skip).max()
+def read_out_misfit(predicted: np.ndarray, answers: np.ndarray, finals: np.ndarray, rho: np.ndarray) -> float:
+    """A read-out's misfit over the sequences (final tokens ``finals``, B x d): ``|predicted - a| / (|rho|^T |x_N|
+    + max |a - rho^T x_N|)``, each answer a against the size of its two terms, the skip ``rho^T x_N`` as its
+    sum's rounding sees it and the attention's part, whose largest over the sequences is its scale
+    (docs/algorithm.md, 'A scalar read-out': one number crosses zero where the two cancel, and no relative
+    error holds there)."""
+    predicted, answers = np.ravel(predicted), np.ravel(answers)
+    attention = answers - finals @ rho
+    scale = np.abs(finals) @ np.abs(rho) + np.abs(attention).max()
     return float((np.abs(predicted - answers) / np.maximum(scale, 1e-300)).max())
 
 
@@ -287,7 +289,7 @@ def _verify_raw(boundary, model, estimate: float, seed, unit: float, result: Nor
     if model.is_vector:
         misfit = relative_misfit(model(sequences), answers)
     else:
-        misfit = read_out_misfit(model(sequences), answers, np.array([X[-1] for X in sequences]) @ model.R)
+        misfit = read_out_misfit(model(sequences), answers, np.array([X[-1] for X in sequences]), model.R)
     result.verification_misfit = misfit
     result.verification_queries, result.verification_length = len(sequences), max(len(X) for X in sequences)
     limit = max(100 * result.error_estimate, 1e3 * unit)
