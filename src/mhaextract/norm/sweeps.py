@@ -27,7 +27,7 @@ BEND_FACTOR = 1e3
 @dataclass
 class Sweeps:
     """What the sweeps found: ``kind`` ("layernorm", "rmsnorm", POST_NORM, or None when no norm fits),
-    ``eps``, ``R`` (d_out, d), ``c`` (= y(0)), the ``checks`` they add, ``queries`` asked,
+    ``eps``, ``R`` (d_out, d; a read-out's ``rho^T = r^T R``, (1, d)), ``c`` (= y(0), (d_out,)), the ``checks`` they add, ``queries`` asked,
     ``unit`` (the answers' relative rounding) and ``eps_error`` (the estimate's relative error)."""
 
     kind: str | None = None
