@@ -201,7 +201,7 @@ def run_normed(session, options) -> NormedExtraction:
                                   norm=sweeps.kind, eps=sweeps.eps, eps_error=sweeps.eps_error,
                                   checks=list(sweeps.checks), inner_schedule=options["inner_schedule"])
         if sweeps.read_out and (sweeps.kind == POST_NORM or options["inner_schedule"] == ROTARY):
-            result.checks.append(Check("whole_outputs", False, 1, sweeps.c.size, READ_OUT_REFUSED[
+            result.checks.append(Check("whole_outputs", False, sweeps.c.size, d, READ_OUT_REFUSED[
                 POST_NORM if sweeps.kind == POST_NORM else ROTARY] + " (the oracle answers one number a sequence)"))
             hints.append("Give the sublayer's whole outputs (TorchOracle without readout=).")
         elif result.ok and sweeps.kind == POST_NORM:
