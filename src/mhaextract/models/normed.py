@@ -291,6 +291,8 @@ class PostNormAttention(EveryPosition):
     kind = "post-norm-attention"
     torch_adapter = "mhaextract.adapters.normed"
     norm = "post-layernorm"
+    #: whole outputs (B, d): a post-norm's read-out is not learned (docs/algorithm.md, 'A scalar read-out')
+    is_vector = True
 
     def __init__(self, eps: float, attention: MultiHeadAttention, gamma, beta):
         eps = float(eps)
