@@ -11,6 +11,7 @@ the sublayer of a block').
     python benchmarks/bench_norm.py --float32-diagnosis --large --fit-factor 20   # ... with 20 answers per parameter
     python benchmarks/bench_norm.py --float32-diagnosis --tie-factor 0   # ... the fit alone, no refinement at near ties
     python benchmarks/bench_norm.py --qwen2-neutral-tokens  # where a Qwen2 sublayer's neutral tokens lie (white-box)
+    python benchmarks/bench_norm.py --read-out [--case "d=32 H=4"]  # GPT-2 sublayers read out by r (one number a query)
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -52,7 +53,7 @@ from mhaextract.models.normed import PostNormAttention  # noqa: E402
 from mhaextract.norm import post_norm  # noqa: E402
 from norm_blocks import (  # noqa: E402
     RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, rotary_block,
-    post_norm_truth, raw_sequences, rotary_truth, vit_layer,
+    post_norm_truth, raw_sequences, read_out_error, read_out_truth, rotary_truth, vit_layer,
 )
 
 #: The options a rotary sublayer is extracted with, beside norm= (and its baseline with).
@@ -262,6 +263,49 @@ def qwen2_neutral_tokens() -> None:
                   f"{np.linalg.norm(key):.3g} |")
 
 
+def read_out(case: str) -> None:
+    """GPT-2 sublayers (d = 16, 32; H = 2, 4) read out by a random r (``TorchOracle(sublayer, readout=r)``,
+    ``extract(..., seed=1, norm="auto")``) against the plain attention's scalar run on the same attention
+    (``TorchOracle(block.attn, readout=r)``, the defaults, ``seed=1``); the model against ``read_out_truth``
+    (canonical error) and against ``r^T`` of the sublayer at every position of 100 fresh sequences of
+    lengths 1..64 with token norms 1e-3..1e3 (``read_out_error``: each answer against the size of its skip
+    term and the attention's part, docs/algorithm.md, 'A scalar read-out'); CPU seconds of the extraction.
+    Then the BertAttention read-out's refusal."""
+    print("| case | norm found | eps rel. error | ok (or first failed check) | queries | plain attention's scalar run "
+          "| ratio | canonical error | error at every position | error estimate | CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for d, H in [(16, 2), (16, 4), (32, 2), (32, 4)]:
+        name = f"GPT-2 sublayer d={d} H={H} float64, read out"
+        if case not in name:
+            continue
+        block, r = gpt2_block(d, H), np.random.default_rng(5).standard_normal(d)
+        sublayer = attention_sublayer(block)
+        started = time.process_time()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = mx.extract(TorchOracle(sublayer, readout=r), d, heads=H, seed=1, norm="auto", on_failure="warn")
+        seconds = time.process_time() - started
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = mx.extract(TorchOracle(block.attn, readout=r), d, heads=H, seed=1, on_failure="warn").queries
+        verdict = "ok" if result.ok else result.failed_checks[0].name
+        canonical = error = np.nan
+        if result.model is not None:
+            canonical = mx.compare(result.model, read_out_truth(block, r)).max_rel
+            causal = result.causal is not None and result.causal.verdict == "causal"
+            error = read_out_error(result.model, sublayer, r, raw_sequences(np.random.default_rng(11), d, 100), causal)
+        print(f"| {name} | {result.norm} | {abs(result.eps - block.ln_1.eps) / block.ln_1.eps:.1e} | {verdict} | "
+              f"{result.queries} | {plain} | {result.queries / plain:.2f} | {canonical:.1e} | {error:.1e} | "
+              f"{result.error_estimate:.1e} | {seconds:.1f} |", flush=True)
+    if case in "BertAttention (post-LN) d=16 H=2, read out":
+        oracle = TorchOracle(attention_sublayer(bert_attention(16, 2)), readout=np.random.default_rng(5).standard_normal(16))
+        try:
+            mx.extract(oracle, 16, heads=2, seed=1, norm="auto")
+        except ValueError as refusal:
+            print(f"| BertAttention (post-LN) d=16 H=2, read out | refused, {oracle.sequences} queries: "
+                  f"{str(refusal)[:90]}... |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
@@ -278,7 +322,12 @@ def main() -> None:
                         help="with --float32-diagnosis: the refinement at near ties with TIE_FACTOR H d queries (0: none)")
     parser.add_argument("--qwen2-neutral-tokens", action="store_true",
                         help="only the norms of Qwen2 sublayers' neutral tokens against the ball (white-box)")
+    parser.add_argument("--read-out", action="store_true",
+                        help="only GPT-2 sublayers read out by r (one number a query), and BertAttention's refusal")
     args = parser.parse_args()
+    if args.read_out:
+        read_out(args.case)
+        return
     if args.qwen2_neutral_tokens:
         qwen2_neutral_tokens()
         return

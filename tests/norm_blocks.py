@@ -187,3 +187,26 @@ def rotary_truth(layer) -> NormedAttention:
     gamma = layer.input_layernorm.weight.detach().double().numpy()
     inner = A.replaced(Q=A.Q * gamma, K=A.K * gamma, V=A.V * gamma)
     return NormedAttention("rmsnorm", layer.input_layernorm.variance_epsilon, inner, np.eye(A.d))
+
+
+def read_out_truth(block, r) -> NormedAttention:
+    """The canonical read-out ``r^T y`` of a GPT2Block's sublayer, from its weights: the folded heads'
+    ``v_h = V_h^T r``, ``r^T c`` and the residual's ``rho = R^T r`` (white-box, the test's own algebra)."""
+    folded = folded_truth(block)
+    return NormedAttention(folded.norm, folded.eps, folded.attention.readout(r), folded.R.T @ r)
+
+
+def read_out_error(model, module, r, sequences, causal):
+    """A read-out model against ``r^T`` of ``module``'s outputs at every position: the largest
+    ``|model - a| / (|rho|^T |x_i| + max |a - rho^T x_i|)``, the max over every position judged (one number
+    crosses zero where the skip term and the attention's part cancel, and the skip's sum rounds at the size
+    of its terms: docs/algorithm.md, 'A scalar read-out'); rho from ``model``."""
+    got, expected, skip, size = [], [], [], []
+    with torch.no_grad():
+        for X in sequences:
+            expected.append(module(torch.as_tensor(X)[None])[0].double().numpy() @ r)
+            got.append(model.every_position(X, causal))
+            skip.append(X @ model.R)
+            size.append(np.abs(X) @ np.abs(model.R))
+    got, expected, skip, size = (np.concatenate(a) for a in (got, expected, skip, size))
+    return float((np.abs(got - expected) / (size + np.abs(expected - skip).max())).max())

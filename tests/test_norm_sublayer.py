@@ -16,7 +16,7 @@ from mhaextract.models.normed import NormedAttention, PostNormAttention  # noqa:
 from mhaextract.norm.learn import NormedExtractionError  # noqa: E402
 from norm_blocks import (  # noqa: E402
     RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, folded_truth, gpt2_block,
-    rotary_block, rotary_truth, post_norm_truth, raw_sequences, vit_layer,
+    read_out_error, read_out_truth, rotary_block, rotary_truth, post_norm_truth, raw_sequences, vit_layer,
 )
 
 
@@ -124,6 +124,70 @@ def test_a_whole_gpt2_block_with_its_mlp_fails_loudly_naming_the_cause():
     with pytest.raises(NormedExtractionError, match="an MLP") as error:
         mx.extract(TorchOracle(block), 16, heads=2, seed=1, norm="auto")
     assert error.value.extraction.model is None
+
+
+def test_the_read_out_model_is_r_times_the_gpt2_sublayer_at_every_position_and_saves_and_is_not_exported():
+    block, r = gpt2_block(8, 2), np.random.default_rng(5).standard_normal(8)
+    sublayer, truth = attention_sublayer(block), read_out_truth(block, r)
+    assert not truth.is_vector and truth.R.shape == (8,)
+    sequences = raw_sequences(np.random.default_rng(0), 8, 6, longest=12)
+    assert read_out_error(truth, sublayer, r, sequences, causal=False) < 1e-13
+    part, _ = truth.to_document()
+    assert mx.compare(model_from_document(part), truth).max_rel == 0
+    X = torch.as_tensor(sequences[-1])[None]
+    with torch.no_grad():
+        expected = sublayer(X) @ torch.as_tensor(r)
+        got = to_torch(truth, causal=False)(X)[..., 0]
+        assert float((got - expected).abs().max() / expected.abs().max()) < 1e-13
+    with pytest.raises(mx.adapters.export.UnsupportedLayerError, match="read-out"):
+        to_state_dict(truth, like=gpt2_block(8, 2))
+
+
+def test_the_sweeps_read_an_rmsnorm_kind_eps_and_the_residual_read_out_from_one_number_a_query():
+    from mhaextract.norm.sweeps import measure
+    from mhaextract.oracle.boundary import OracleBoundary
+
+    r = np.random.default_rng(2).standard_normal(16)
+    oracle = TorchOracle(RMSSublayer(16, 2, eps=1e-6), readout=r)
+    sweeps = measure(OracleBoundary(oracle, 16), 16, "auto", np.random.default_rng(0), "float64")
+    assert sweeps.read_out and sweeps.kind == "rmsnorm" and all(check.passed for check in sweeps.checks)
+    assert abs(sweeps.eps - 1e-6) / 1e-6 < 1e-10 and np.abs(sweeps.R[0] - r).max() < 1e-12 * np.abs(r).max()
+    with pytest.raises(NormedExtractionError, match="norm_kind.*rmsnorm"):
+        mx.extract(oracle, 16, heads=2, seed=1, norm="layernorm")
+
+
+def test_a_post_norm_or_rotary_read_out_is_refused_naming_why():
+    r = np.random.default_rng(2).standard_normal(8)
+    sublayer = attention_sublayer(bert_attention(8, 2))
+    for norm in ("auto", "post-layernorm"):  # a readout and a BertAttention: before any query
+        oracle = TorchOracle(sublayer, readout=r)
+        with pytest.raises(ValueError, match="before any query.*not separable from the norm.*whole outputs"):
+            mx.extract(oracle, 8, heads=2, seed=1, norm=norm)
+        assert oracle.sequences == 0
+    with torch.no_grad():  # a function's read-out is seen in its answers: after the sweeps show the post-norm
+        function = lambda batch: (sublayer(torch.as_tensor(np.stack(batch)))[:, -1] @ torch.as_tensor(r)).numpy()  # noqa: E731
+        with pytest.raises(NormedExtractionError, match="whole_outputs.*not separable") as error:
+            mx.extract(function, 8, heads=2, seed=1, norm="auto")
+    assert error.value.extraction.model is None and error.value.extraction.norm == "post-layernorm"
+    oracle = TorchOracle(RotarySublayerFloat64(rotary_block(8, 2, kv_heads=1)), readout=r)
+    with pytest.raises(ValueError, match="before any query.*rotary"):
+        mx.extract(oracle, 8, heads=2, norm="auto", positions="rotary")
+    assert oracle.sequences == 0
+
+
+@pytest.mark.slow
+def test_a_read_out_of_the_gpt2_sublayer_is_extracted_with_norm_auto():
+    d, H = 8, 2
+    block, r = gpt2_block(d, H), np.random.default_rng(5).standard_normal(d)
+    sublayer = attention_sublayer(block)
+    oracle = TorchOracle(sublayer, readout=r)
+    result = mx.extract(oracle, d, heads=H, seed=1, norm="auto")
+    assert result.ok and result.norm == "layernorm" and result.queries == oracle.sequences
+    truth = read_out_truth(block, r)
+    assert not result.model.is_vector and mx.compare(result.model, truth).max_rel < 1e-12
+    causal = result.causal is not None and result.causal.verdict == "causal"
+    error = read_out_error(result.model, sublayer, r, raw_sequences(np.random.default_rng(7), d, 20), causal)
+    assert error < 1e-12 and result.error_estimate >= max(error, mx.compare(result.model, truth).max_rel)
 
 
 def _relative_every_position(module, reference, X):

@@ -51,6 +51,11 @@ class AttentionSublayer(nn.Module):
         out = attention(getattr(self.block, self.norm_name)(X))
         return X + (out[0] if isinstance(out, (tuple, list)) else out)
 
+    @property
+    def post_norm(self) -> bool:
+        """The norm is after the residual (BertAttention): known before any query."""
+        return self.norm_name is None
+
     def extra_repr(self) -> str:
         return f"the attention sublayer of {self.kind}"
 
@@ -119,7 +124,8 @@ class NormedAttentionModule(nn.Module):
     def __init__(self, model: NormedAttention, inner: nn.Module, dtype):
         super().__init__()
         self.norm, self.eps, self.inner = model.norm, model.eps, inner
-        self.register_buffer("R", torch.as_tensor(model.R, dtype=dtype))
+        # a read-out's rho as one row: the scalar inner layer answers (..., 1) as the attention adapter's does
+        self.register_buffer("R", torch.as_tensor(np.atleast_2d(model.R), dtype=dtype))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         X = X.to(self.R.dtype)
@@ -190,6 +196,10 @@ def state_dict(model: NormedAttention, like, tolerance: float) -> StateDict:
     if not isinstance(model, NormedAttention):
         raise TypeError(f"expected a NormedAttention, got {type(model).__name__}")
     kind = type(like).__name__
+    if not model.is_vector:
+        raise UnsupportedLayerError(f"the model is a read-out (one number a sequence: v_h = V_h^T r, rho = R^T r), "
+                                    f"and {kind} computes whole outputs, which a read-out does not determine: use "
+                                    "to_torch(result) for a module of its own, or extract from whole outputs")
     if kind not in BLOCK_LAYOUTS:
         raise UnsupportedLayerError(f"a NormedAttention goes into {', '.join(BLOCK_LAYOUTS)} (their norm and "
                                     f"attention), not {kind}: use to_torch(result) for a module of its own")

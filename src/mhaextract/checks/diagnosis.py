@@ -60,8 +60,8 @@ COARSE_ANSWERS = 2.0 ** -20
 NOT_ATTENTION = ("mhaextract learns one multi-head softmax attention layer read at the final token "
                  "(extract; with biases u_h and c), or one such layer followed by a ReLU feed-forward network "
                  "(extract_transformer), or the attention sublayer of a block (a norm before the attention or after "
-                 "the residual, and the residual: extract(..., norm='auto') on whole outputs, docs/norm.md). A whole "
-                 "block or model (an MLP after the attention) is none of these: give TorchOracle the attention module itself ("
+                 "the residual, and the residual: extract(..., norm='auto') on whole outputs, or a pre-norm "
+                 "sublayer's read-out, docs/norm.md). A whole block or model (an MLP after the attention) is none of these: give TorchOracle the attention module itself ("
                  + SUPPORTED_MODULES + "; e.g. block.attn of a GPT2Block), or an oracle that returns that module's "
                  "output.")
 

@@ -9,6 +9,11 @@ At the final position N of raw hidden states ``X = (x_1, ..., x_N)`` in R^d::
     y(X)  = R x_N + f(Z)                             f: the inner biased attention (MultiHeadAttention),
                                                         or rotary attention (RotaryAttention: Llama's sublayer)
 
+A read-out ``r^T y`` (an oracle answering one number a sequence) is the same form with the scalar inner
+model (``v_h = V_h^T r``, ``r^T c``) and the residual's read-out vector ``rho = R^T r`` in place of R:
+``r^T y(X) = rho^T x_N + f_r(Z)`` (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block',
+'A scalar read-out').
+
 The norm's gamma and beta are folded into the inner heads (``W'' = Q^T G W G Q``, ...), which is the
 canonical form: only those products are identifiable.
 
@@ -96,8 +101,10 @@ class NormedAttention(EveryPosition):
     eps : the norm's constant (> 0).
     attention : the inner :class:`MultiHeadAttention`, or :class:`~mhaextract.RotaryAttention` (its
         positions untouched by the norm, which acts on each token alone: Llama's sublayer), a vector
-        model on k = d - 1 (LayerNorm) or d (RMSNorm) coordinates, with d_out outputs.
-    R : (d_out, d) the residual map (the identity in the blocks we know of).
+        model on k = d - 1 (LayerNorm) or d (RMSNorm) coordinates, with d_out outputs; or the scalar
+        :class:`MultiHeadAttention` of a read-out (``v_h = V_h^T r``).
+    R : (d_out, d) the residual map (the identity in the blocks we know of); with a scalar inner model
+        (d,), the residual's read-out vector ``rho = R^T r``, and the model answers one number a sequence.
 
     Examples
     --------
@@ -121,23 +128,31 @@ class NormedAttention(EveryPosition):
         eps = float(eps)
         if not eps > 0 or not np.isfinite(eps):
             raise ValueError(f"eps must be a positive number, got {eps!r}")
-        if not isinstance(attention, (MultiHeadAttention, RotaryAttention)) or not attention.is_vector:
+        scalar = isinstance(attention, MultiHeadAttention) and not attention.is_vector
+        if not isinstance(attention, (MultiHeadAttention, RotaryAttention)) or not (attention.is_vector or scalar):
             raise ValueError("attention must be a vector MultiHeadAttention or RotaryAttention (whole outputs, V of "
-                             "shape (H, d_out, k))")
+                             "shape (H, d_out, k)), or a scalar MultiHeadAttention (a read-out: v of shape (H, k))")
         R = np.asarray(R, dtype=np.float64)
         d = attention.d + (1 if norm == "layernorm" else 0)
-        if R.shape != (attention.d_out, d):
-            raise ValueError(f"R must have shape (d_out, d) = ({attention.d_out}, {d}) for a {norm} inner model on "
-                             f"{attention.d} coordinates, got {R.shape}")
+        shape = (d,) if scalar else (attention.d_out, d)
+        if R.shape != shape:
+            raise ValueError(f"R must have shape {shape} for a {norm} {'scalar ' if scalar else ''}inner model on "
+                             f"{attention.d} coordinates ({'the residual read out: rho = R^T r' if scalar else 'd_out, d'})"
+                             f", got {R.shape}")
         self.norm, self.eps, self.attention, self.R = norm, eps, attention.to_float64(), R
 
     @property
     def d(self) -> int:
-        return self.R.shape[1]
+        return self.R.shape[-1]
 
     @property
     def d_out(self) -> int:
-        return self.R.shape[0]
+        return 1 if self.R.ndim == 1 else self.R.shape[0]
+
+    @property
+    def is_vector(self) -> bool:
+        """Whole outputs (B, d_out); False for a read-out's model, one number a sequence (B,)."""
+        return self.R.ndim == 2
 
     @property
     def heads(self) -> int:
@@ -156,8 +171,8 @@ class NormedAttention(EveryPosition):
         return normalize(X, self.norm, self.eps) @ self.basis.astype(dtype)
 
     def __call__(self, batch, dtype=np.float64) -> np.ndarray:
-        """``y(X)`` at the final position, (B, d_out), in float64 (or float32 throughout, plain attention
-        inside)."""
+        """``y(X)`` at the final position, (B, d_out) (a read-out's: (B,)), in float64 (or float32
+        throughout, plain attention inside)."""
         if self.rotary and np.dtype(dtype) != np.float64:
             raise ValueError(f"a rotary inner model evaluates in float64 (RotaryAttention), not {np.dtype(dtype)}: "
                              "pass dtype=np.float64, or to_torch(model, dtype=...) for a module in another dtype")
@@ -165,7 +180,7 @@ class NormedAttention(EveryPosition):
         tokens = [self.inner_tokens(X, dtype) for X in sequences]
         inner = self.attention(tokens) if self.rotary else self.attention(tokens, dtype=dtype)
         finals = np.array([np.asarray(X[-1], dtype=dtype) for X in sequences])
-        return inner + finals @ self.R.astype(dtype).T
+        return inner + finals @ self.R.astype(dtype).T  # a read-out's rho: (B,)
 
     def at_position(self, X, i: int, causal: bool) -> np.ndarray | None:
         """The output at position ``i`` (from 0): what the causal record judges a layer's earlier
@@ -189,7 +204,7 @@ class NormedAttention(EveryPosition):
         Q, a = self.basis, self.attention
         if self.rotary:
             return a.replaced(Q=a.Q @ Q.T, K=a.K @ Q.T, V=a.V @ Q.T)
-        return MultiHeadAttention(Q @ a.W @ Q.T, a.V @ Q.T, a.u @ Q.T, a.c)
+        return MultiHeadAttention(Q @ a.W @ Q.T, (a.V if a.is_vector else a.v) @ Q.T, a.u @ Q.T, a.c)
 
     def to_float64(self) -> "NormedAttention":
         return self
@@ -276,6 +291,8 @@ class PostNormAttention(EveryPosition):
     kind = "post-norm-attention"
     torch_adapter = "mhaextract.adapters.normed"
     norm = "post-layernorm"
+    #: whole outputs (B, d): a post-norm's read-out is not learned (docs/algorithm.md, 'A scalar read-out')
+    is_vector = True
 
     def __init__(self, eps: float, attention: MultiHeadAttention, gamma, beta):
         eps = float(eps)

@@ -248,12 +248,13 @@ def levenberg_marquardt(theta, problem, unit: float, floor_units: float = 8.0, d
     return theta, float(np.abs(residual).max() / max(size, 1e-300)), steps
 
 
-def fit(ask, k: int, d_out: int, heads: int, radius: float, rng: np.random.Generator, unit: float) -> FitResult:
-    """The inner heads from ``ask(sequences) -> (B, d_out)`` answers: fit on FIT_FACTOR P / d_out
+def fit(ask, k: int, d_out: int, heads: int, radius: float, rng: np.random.Generator, unit: float,
+        factor: float = FIT_FACTOR) -> FitResult:
+    """The inner heads from ``ask(sequences) -> (B, d_out)`` answers: fit on ``factor`` P / d_out
     bounded queries, judged on HELD_OUT fresh ones; up to STARTS random starts."""
     parameters = Parameters(heads, k, d_out)
     total = sum(parameters.sizes)
-    count = max(int(np.ceil(FIT_FACTOR * total / d_out)), 4 * heads * k)
+    count = max(int(np.ceil(factor * total / d_out)), 4 * heads * k)
     sequences = bounded_queries(rng, count, k, radius)
     batch = Batch(sequences, ask(sequences))
     held_out = bounded_queries(rng, HELD_OUT, k, radius)

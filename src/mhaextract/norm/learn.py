@@ -2,7 +2,9 @@
 the sublayer of a block'): the norm's kind, eps and the residual from one-token sweeps
 (:mod:`mhaextract.norm.sweeps`), then an attention learner of the attention family, by its registry
 name, on the reduced oracle ``g(Z) = y(X(Q Z)) - R x_N`` with tokens inside the ball the norm can
-reach, then the whole sublayer verified on fresh raw sequences.
+reach, then the whole sublayer verified on fresh raw sequences. An oracle answering one number a
+sequence (a read-out ``r^T y``) runs the same steps with ``rho = R^T r`` in place of R and the scalar
+inner model (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block', 'A scalar read-out').
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..run.learner import pick
 from ..run.result import Result
 from ..run.session import Request, run_learner
 from ..run.validation import spawn_rng
-from .direct_fit import HELD_OUT, NORMS, STARTS, fit
+from .direct_fit import FIT_FACTOR, HELD_OUT, NORMS, STARTS, fit
 from . import post_norm
 from .sweeps import FLOAT32_NORM, POST_NORM, Sweeps, ask_whole, measure
 
@@ -36,6 +38,9 @@ ROTARY = "rotary"
 #: for a standard normal z: the rotary learner's tokens stay below ``s (1 + TAIL / sqrt(2 k))``.
 TAIL = 8.0
 
+#: A read-out's answers per parameter in the direct fit (one number an answer: ``READ_OUT_FIT_FACTOR P`` queries;
+#: docs/algorithm.md, 'A scalar read-out').
+READ_OUT_FIT_FACTOR = 4
 #: The inner schedule's tokens stay within this fraction of the ball's radius sqrt(d).
 BALL_MARGIN = 0.9
 #: Fresh raw sequences (as the verification's) whose misfit sets a post-norm run's estimate.
@@ -44,13 +49,37 @@ CLAIM_HELD_OUT = 64
 VERIFY_SEQUENCES, VERIFY_LONGEST, VERIFY_NORMS = 32, 64, (1e-3, 1e3)
 
 
+#: Why a read-out (one number a sequence) of these sublayers is refused, by ``POST_NORM`` or ``ROTARY``.
+READ_OUT_REFUSED = {
+    POST_NORM: "a norm after the residual (BertAttention) read out by r answers r^T (gamma * n(x_N + f(X)) + beta): "
+               "one number of a normalised vector, in which the attention is not separable from the norm (the "
+               "ellipsoid that gives gamma and beta, and the one-token start, read whole answers); extract it from "
+               "the sublayer's whole outputs (TorchOracle without readout=)",
+    ROTARY: "the rotary sublayer (positions='rotary') is learned from whole outputs; extract it from the sublayer's "
+            "whole outputs (TorchOracle without readout=)",
+}
+
+
+def refuse_read_out(oracle, options) -> None:
+    """A ValueError before any query where the oracle is known to answer one number a sequence (a
+    ``readout``) and the sublayer's form is one whose read-out this family does not learn: a declared
+    post-norm, a post-norm module (``attention_sublayer(bert_attention)``), or ``positions="rotary"``."""
+    if getattr(oracle, "readout", None) is None:
+        return
+    if options["norm"] == POST_NORM or getattr(getattr(oracle, "module", None), "post_norm", False):
+        raise ValueError(f"refused before any query: {READ_OUT_REFUSED[POST_NORM]}")
+    if options["inner_schedule"] == ROTARY:
+        raise ValueError(f"refused before any query: {READ_OUT_REFUSED[ROTARY]}")
+
+
 class OutsideTheBall(ValueError):
     """The inner schedule asked a token no raw token reaches through the norm."""
 
 
 class ReducedOracle:
     """``g(Z) = y(X(Q Z)) - R x_N``: the inner biased model on ``k`` coordinates, asked of the raw
-    layer through ``boundary`` (every query counted there). ``answer_dtype``: the raw layer's."""
+    layer through ``boundary`` (every query counted there). ``answer_dtype``: the raw layer's. Answers
+    as the oracle gives them: (B, d_out) whole, (B,) for a read-out (``R`` then ``rho^T``, (1, d))."""
 
     def __init__(self, boundary, sweeps: Sweeps, d: int, answer_dtype):
         self.boundary, self.sweeps, self.d = boundary, sweeps, d
@@ -68,9 +97,9 @@ class ReducedOracle:
 
     def __call__(self, batch):
         sequences = [self.raw(Z) for Z in as_batch(batch, self.basis.shape[1])]
-        answers = self.boundary.ask(sequences, description="reduced oracle", whole=True)
-        finals = np.array([X[-1] for X in sequences])
-        return np.asarray(answers, dtype=np.float64) - finals @ self.sweeps.R.T
+        answers = np.asarray(self.boundary.ask(sequences, description="reduced oracle", whole=True), dtype=np.float64)
+        skip = np.array([X[-1] for X in sequences]) @ self.sweeps.R.T  # (B, d_out); a read-out's: (B, 1)
+        return answers - skip.reshape(answers.shape)
 
 
 @dataclass(kw_only=True, repr=False)  # Result's one-line repr
@@ -163,6 +192,7 @@ def run_normed(session, options) -> NormedExtraction:
     d, started = request.d, time.perf_counter()  # precision=None: NormedLearner.validate refused the rest
     # (a run that falls back here keeps the header of the learner that failed: its answers are in the same file)
     session.open_transcript({"schedule": "norm", "d": d, "seed": request.seed, "norm": options["norm"]})
+    refuse_read_out(session.oracle, options)
     boundary = session.boundary(NORM)
     answer_dtype = getattr(session.oracle, "answer_dtype", None) or "float64"
     hints: list[str] = []
@@ -171,7 +201,11 @@ def run_normed(session, options) -> NormedExtraction:
         result = NormedExtraction(d=d, schedule="norm", seed=request.seed, answer_dtype=str(answer_dtype),
                                   norm=sweeps.kind, eps=sweeps.eps, eps_error=sweeps.eps_error,
                                   checks=list(sweeps.checks), inner_schedule=options["inner_schedule"])
-        if result.ok and sweeps.kind == POST_NORM:
+        if sweeps.read_out and (sweeps.kind == POST_NORM or options["inner_schedule"] == ROTARY):
+            result.checks.append(Check("whole_outputs", False, sweeps.c.size, d, READ_OUT_REFUSED[
+                POST_NORM if sweeps.kind == POST_NORM else ROTARY] + " (the oracle answers one number a sequence)"))
+            hints.append("Give the sublayer's whole outputs (TorchOracle without readout=).")
+        elif result.ok and sweeps.kind == POST_NORM:
             _post_norm_and_verify(session, boundary, sweeps.unit, result, hints)
         elif result.ok:
             _inner_and_verify(session, boundary, sweeps, options, result, hints)
@@ -200,8 +234,10 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
     k = norm_basis(sweeps.kind, d).shape[1]
     reduced = ReducedOracle(boundary, sweeps, d, result.answer_dtype)
     schedule = options["inner_schedule"]
-    if schedule == DIRECT_FIT:
-        fitted = fit(reduced, k, d, request.heads, np.sqrt(d), spawn_rng(request.seed, 9), sweeps.unit)
+    if schedule == DIRECT_FIT:  # a read-out's scalar answers are fitted as one column (d_out = 1)
+        fitted = fit(lambda sequences: reduced(sequences).reshape(len(sequences), -1), k, sweeps.c.size,
+                     request.heads, np.sqrt(d), spawn_rng(request.seed, 9), sweeps.unit,
+                     READ_OUT_FIT_FACTOR if sweeps.read_out else FIT_FACTOR)
         result.token_scale, result.largest_inner_token = NORMS[1] * np.sqrt(d), reduced.largest
         limit = 1e4 * sweeps.unit
         result.checks.append(Check("inner_fit", fitted.misfit <= limit, fitted.misfit, limit,
@@ -216,13 +252,14 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
         # plus the rounding of evaluating the sublayer over the longest sequences the claim covers: at the
         # rounding level the held-out misfit is a sample of it, not a bound
         inner_estimate = 10 * fitted.misfit + ROUNDING_PER_TOKEN * VERIFY_LONGEST * sweeps.unit
-        inner_model, result.heads = fitted.model.canonical(), request.heads
+        inner = fitted.model.readout(np.ones(1)) if sweeps.read_out else fitted.model  # v_h = V_h^T 1
+        inner_model, result.heads = inner.canonical(), request.heads
     else:
         inner = _inner_learner(session, reduced, sweeps, schedule, k, result, hints)
         if inner is None:
             return
         inner_model, inner_estimate, result.heads = inner.model, inner.error_estimate, inner.heads
-    model = NormedAttention(sweeps.kind, sweeps.eps, inner_model, sweeps.R)
+    model = NormedAttention(sweeps.kind, sweeps.eps, inner_model, sweeps.R[0] if sweeps.read_out else sweeps.R)
     _verify_raw(boundary, model, float(max(inner_estimate, sweeps.eps_error, sweeps.R_error)), session.request.seed,
                 sweeps.unit, result, hints)
 
@@ -232,12 +269,28 @@ def relative_misfit(predicted: np.ndarray, answers: np.ndarray) -> float:
     return float((np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)).max())
 
 
+def read_out_misfit(predicted: np.ndarray, answers: np.ndarray, finals: np.ndarray, rho: np.ndarray) -> float:
+    """A read-out's misfit over the sequences (final tokens ``finals``, B x d): ``|predicted - a| / (|rho|^T |x_N|
+    + max |a - rho^T x_N|)``, each answer a against the size of its two terms, the skip ``rho^T x_N`` as its
+    sum's rounding sees it and the attention's part, whose largest over the sequences is its scale
+    (docs/algorithm.md, 'A scalar read-out': one number crosses zero where the two cancel, and no relative
+    error holds there)."""
+    predicted, answers = np.ravel(predicted), np.ravel(answers)
+    attention = answers - finals @ rho
+    scale = np.abs(finals) @ np.abs(rho) + np.abs(attention).max()
+    return float((np.abs(predicted - answers) / np.maximum(scale, 1e-300)).max())
+
+
 def _verify_raw(boundary, model, estimate: float, seed, unit: float, result: NormedExtraction, hints: list) -> None:
     """``model`` and its ``estimate`` into ``result``, the whole sublayer checked on fresh raw sequences."""
     result.model, result.error_estimate = model, estimate
     d = model.d
     sequences = verification_sequences(spawn_rng(seed, 8), d)
-    misfit = relative_misfit(model(sequences), ask_whole(boundary, sequences, "verification on raw sequences"))
+    answers = ask_whole(boundary, sequences, "verification on raw sequences")
+    if model.is_vector:
+        misfit = relative_misfit(model(sequences), answers)
+    else:
+        misfit = read_out_misfit(model(sequences), answers, np.array([X[-1] for X in sequences]), model.R)
     result.verification_misfit = misfit
     result.verification_queries, result.verification_length = len(sequences), max(len(X) for X in sequences)
     limit = max(100 * result.error_estimate, 1e3 * unit)

@@ -42,7 +42,8 @@ class NormedLearner(Learner):
     def explains(cls, evidence) -> str | None:
         """A failed ``"auto"`` run whose probes found a norm (``normalised``: before the attention or after the
         residual) hands its session to this learner, ``norm="auto"``: the defaults find a block's sublayer."""
-        if not getattr(evidence, "normalised", False) or getattr(evidence, "d_out", 1) < 2:  # its sweeps read whole answers
+        # whole answers only: a read-out's run is learned with norm= named (its hint says so)
+        if not getattr(evidence, "normalised", False) or getattr(evidence, "d_out", 1) < 2:
             return None
         return (f"scaling a lone token did not scale its effect (f(2x) - 2f(x) + f(0) reached "
                 f"{evidence.curvature:.2g} of the largest answer), as a norm before the attention or after the "

@@ -27,7 +27,7 @@ BEND_FACTOR = 1e3
 @dataclass
 class Sweeps:
     """What the sweeps found: ``kind`` ("layernorm", "rmsnorm", POST_NORM, or None when no norm fits),
-    ``eps``, ``R`` (d_out, d), ``c`` (= y(0)), the ``checks`` they add, ``queries`` asked,
+    ``eps``, ``R`` (d_out, d; a read-out's ``rho^T = r^T R``, (1, d)), ``c`` (= y(0), (d_out,)), the ``checks`` they add, ``queries`` asked,
     ``unit`` (the answers' relative rounding) and ``eps_error`` (the estimate's relative error)."""
 
     kind: str | None = None
@@ -40,6 +40,11 @@ class Sweeps:
     checks: list = field(default_factory=list)
     queries: int = 0
 
+    @property
+    def read_out(self) -> bool:
+        """The oracle answers one number a sequence (``r^T y``): R is then ``rho^T = r^T R``, (1, d)."""
+        return self.c is not None and self.c.size == 1
+
 
 def answer_unit(answer_dtype) -> float:
     """The relative rounding of one answer: float64's, or float32's for a float32 layer."""
@@ -47,8 +52,10 @@ def answer_unit(answer_dtype) -> float:
 
 
 def ask_whole(boundary, sequences, description: str) -> np.ndarray:
-    """The sublayer's whole answers to ``sequences`` (B, d_out), float64, asked through ``boundary``."""
-    return np.asarray(boundary.ask(sequences, description=description, whole=True), dtype=np.float64)
+    """The sublayer's whole answers to ``sequences`` (B, d_out), float64, asked through ``boundary``; a
+    read-out's one number a sequence as one column (B, 1), which every sweep below reads as a d_out of 1."""
+    answers = np.asarray(boundary.ask(sequences, description=description, whole=True), dtype=np.float64)
+    return answers.reshape(len(answers), -1)  # a read-out's scalar answers: one column
 
 
 def _slopes(boundary, direction: np.ndarray, scales, zero: np.ndarray):
@@ -92,10 +99,6 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
     out = Sweeps(unit=answer_unit(answer_dtype))
     unit = out.unit
     zero = ask_whole(boundary, [np.zeros((1, d))], "norm sweep")[0]
-    if zero.ndim != 1 or zero.size < 2:
-        raise ValueError("the norm family reads whole outputs (the sublayer's d_out numbers a query), and this oracle "
-                         "answers one number a sequence: give it the sublayer's outputs whole (TorchOracle without "
-                         "readout=), or learn a read-out of plain attention without norm=")
     out.c = zero
     ones = np.ones(d) / np.sqrt(d)
     free = rng.standard_normal(d)
