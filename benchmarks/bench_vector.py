@@ -16,7 +16,7 @@ subspaces span ``H r < d`` dimensions. The output error is the largest over ever
 fresh sequences of 1..64 tokens, each relative to the largest output of its prefix. "today" is the
 default run's count on main before the split (issue 62's table), where it was measured. The runs
 name ``schedule="vector"`` unless ``--schedule auto`` (the library's default), which prints its
-reason under each row.
+reason under each row, or ``--schedule targeted`` (the scalar schedule, for the comparison).
 
 ``--diagnose`` says, white box (the benchmark's own layer; nothing of it reaches the run), which part
 of the model is off: per head the relative errors of W_h, u_h and V_h (matched to the layer's heads by
@@ -150,8 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", default=["64:4", "128:8", "256:8"],
                         help="d:H[:r] per cell (r, each head's width: d / H unless given)")
-    parser.add_argument("--schedule", default="vector", choices=["vector", "auto"],
-                        help="the run's schedule (auto: the library's default; its reason is printed under the row)")
+    parser.add_argument("--schedule", default="vector", choices=["vector", "auto", "targeted"],
+                        help="the run's schedule (auto: the library's default; its reason is printed under the row; "
+                             "targeted: the scalar schedule the split is compared with)")
     parser.add_argument("--dtypes", nargs="+", default=["float64"], choices=["float64", "float32"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split-only", action="store_true",

@@ -171,9 +171,10 @@ def test_auto_asks_no_split_query_where_the_declared_rank_leaves_no_room():
 def test_when_auto_splits_whole_answers():
     """The rule of docs/algorithm.md, 'Whole answers near the vector bound', 'When auto splits the
     answers', before any query: the split where its full refinement runs (d = 64 and 128 measured to
-    pass), and in float64 where its scores-only refinement runs (d = 256, H = 8 measured to pass); the
-    scalar schedules past those (d = 768, and d = 256 in float32), and where the heads cannot fit in
-    d_out, where the answers are not whole float64 or float32, or where H is unknown."""
+    pass) and, in float64 and float32 alike, where its scores-only refinement runs (d = 256, H = 8 and
+    4 measured to pass in both); the scalar schedules past that line (d = 768 in either format), and
+    where the heads cannot fit in d_out, where the answers are not whole float64 or float32, or where H
+    is unknown."""
     from types import SimpleNamespace
 
     from mhaextract.vector.learner import split_expected
@@ -183,8 +184,12 @@ def test_when_auto_splits_whole_answers():
 
     assert expected(64, 4, 64)[0] and expected(128, 8, 128)[0] and expected(64, 4, 64, "float32")[0]
     assert expected(128, 8, 128, rank=16, bias=True)[0] and expected(256, 8, 256)[0]
+    for d, heads in [(256, 8), (256, 4), (128, 2)]:  # float32 past the full refinement, inside the scores-only line
+        taken, why = expected(d, heads, d, "float32")
+        assert taken and "above 1e+09" in why and "<= 2e+09: the scores' parameters are refined" in why, why
+    assert "every parameter is refined" in expected(128, 8, 128, "float32")[1]
     for refused, why in [(expected(768, 12, 768), "above 2e+09"), (expected(768, 12, 768, "float32"), "above 2e+09"),
-                         (expected(256, 8, 256, "float32"), "only the full refinement"),
+                         (expected(384, 8, 384, "float32"), "above 2e+09"),
                          (expected(8, 2, 8, rank=5), "H rank = 10 > d_out = 8"), (expected(8, 3, 2), "H = 3 heads"),
                          (expected(8, None, 8), "heads=H"), (expected(8, 2, 8, "bfloat16"), "float64 or float32"),
                          (expected(8, 2, 1), "float64 or float32"), (expected(8, 2, 8, precision=128), "precision"),
