@@ -3,6 +3,7 @@ cannot be written, a save that fails after the run. Each is one line and exit co
 traceback, and a finished run is never lost."""
 
 import json
+import pathlib
 
 import pytest
 from typer.testing import CliRunner
@@ -146,7 +147,7 @@ def test_a_save_that_fails_after_the_run_writes_the_result_elsewhere_and_says_wh
     written = text.split("the finished run was written to ")[1].split(" and ")[0]
     assert written.endswith("run.json")
     assert mx.compare(load_model(written), truth).max_rel < 1e-8
-    assert json.loads(open(written).read())["summary"]["queries"] == 69
+    assert json.loads(pathlib.Path(written).read_text())["summary"]["queries"] == 69
 
 
 def _usage_error(result, hint, cause):
