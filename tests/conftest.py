@@ -24,6 +24,28 @@ if importlib.util.find_spec("torch") is not None:
     torch.set_num_threads(1)
 
 
+#: Tests of a minute or more on one core (trained and rotary float32 layers), started first: the
+#: suite's two workers take tests in collection order, and one of these drawn last runs alone while
+#: the other worker idles (longest first keeps both busy to the end).
+LONGEST_FIRST = (
+    "tests/test_rotary_layers.py::test_a_float32_layer_with_a_key_bias_is_extracted_through_large_query_finals",
+    "tests/test_zoo.py::test_a_trained_layer_is_replaced_at_every_position[llama-d32-h4/0-float32]",
+    "tests/test_rotary_layers.py::test_a_float32_layer_of_four_grouped_heads_is_extracted_within_its_precision",
+    "tests/test_zoo.py::test_a_trained_layer_is_replaced_at_every_position[mistral-d32-h4/0-float32]",
+    "tests/test_rotary.py::test_a_grouped_rotary_layer_written_here_is_extracted_to_1e_10_at_every_length",
+    "tests/test_rotary_high_precision.py::test_a_rotary_layer_is_recovered_at_256_bits",
+    "tests/test_low_precision_whole.py::test_a_bfloat16_gpt2_layer_is_as_close_to_its_exact_layer_as_it_is_itself",
+    "tests/test_extract.py::test_float64_accuracy[3-16]",
+    "tests/test_zoo.py::test_a_trained_layer_is_replaced_at_every_position[gpt2-d32-h2/0-float16]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of :data:`LONGEST_FIRST` first, in its order; the rest as collected."""
+    rank = {node: index for index, node in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
+
+
 @pytest.fixture
 def random_target():
     def make(d, heads, seed):
