@@ -57,8 +57,8 @@ def test_the_default_replacement_follows_what_the_layer_is(causal):
     assert wrong.causal == (not causal) and worst_relative_error(wrong, layer, d) > 1e-2
 
 
-@pytest.mark.parametrize("implementation, verdict", [pytest.param("sdpa", "causal", marks=pytest.mark.slow),  # the fast tier keeps eager
-                                                     ("eager", "bidirectional")])
+@pytest.mark.slow  # about 1.8 s each (a GPT-2 layer extracted whole); test_the_default_replacement_follows_... is the fast tier's
+@pytest.mark.parametrize("implementation, verdict", [("sdpa", "causal"), ("eager", "bidirectional")])
 def test_gpt2_standalone_is_recorded_as_its_path_computes(implementation, verdict):
     """transformers' GPT2Attention called alone masks the future on its sdpa path, not on its eager one."""
     d, H = 8, 2

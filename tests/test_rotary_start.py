@@ -34,6 +34,7 @@ def test_a_weighted_completion_reads_a_trained_spectrum_through_uneven_noise(see
     assert completion_rank(grid, noisy=True, weights=1 / sigma ** 2) == 8
 
 
+@pytest.mark.slow
 def test_the_offsets_fitted_together_complete_a_grid_missing_a_third_of_its_entries():
     """Log-score grids of one rotary head at offsets 1 and 2, ``L(delta) = left R^delta right`` (rank 8,
     singular values falling 30-fold, angles 1, 0.1, 0.01, 0.001), each entry with its own noise
