@@ -73,11 +73,17 @@ def gpt2_layer(d: int, heads: int, seed: int, rank: int | None = None):
     return layer.eval()
 
 
-def position_error(model, truth, d: int, seed: int = 11) -> float:
-    rng = np.random.default_rng(seed)
+def position_error(model, truth, d: int, seed: int = 11, norm: float | None = None, count: int = 40,
+                   rng: np.random.Generator | None = None) -> float:
+    """The largest error at every position of ``count`` fresh sequences of 1..64 tokens, each relative
+    to its prefix's largest output; unit-variance tokens, or Gaussian ones of norm about ``norm``
+    (drawn from ``rng``, else from ``seed``)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
     worst = 0.0
-    for n in rng.integers(1, 65, size=40):
+    for n in rng.integers(1, 65, size=count):
         X = rng.standard_normal((int(n), d))
+        if norm is not None:
+            X *= norm / np.sqrt(d)
         prefixes = [X[:i] for i in range(1, int(n) + 1)]
         expected, got = truth(prefixes), model(prefixes)
         worst = max(worst, float((np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)).max()))

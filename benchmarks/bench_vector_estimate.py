@@ -15,7 +15,7 @@ float64 weights). The run is the split's own model (``--split-only``'s: kept whe
 Columns: the output error at every position of ``--sequences`` fresh sequences of 1..64 tokens,
 Gaussian tokens of norm 0.25, 0.5 and 1 times the run's token scale (the claim's), each relative to
 the largest output of its prefix; the same at benchmarks/bench_vector.py's unit-variance tokens
-(its 40 sequences); the parameter error (``compare``, what tests/zoo.py's judge divides by); the
+(its 40 sequences); the parameter error (``compare``); the
 float32 layer's own error on the held-out queries (its answers against the exact layer, relative:
 the answers' noise inside the held-out misfit); m, the held-out queries' largest relative misfit
 (the run's, asked again), and the claim's error over it (what the estimate's factor 10 covers); the
@@ -56,16 +56,6 @@ def layers(case: str, dtype: str):
     return d, heads, exact if dtype == "float64" else gpt2_layer(d, heads, 0).float(), exact
 
 
-def every_position(model, truth, d: int, norm: float, count: int, rng) -> float:
-    worst = 0.0
-    for n in rng.integers(1, 65, size=count):
-        X = rng.standard_normal((int(n), d)) * norm / np.sqrt(d)
-        prefixes = [X[:i] for i in range(1, int(n) + 1)]
-        expected, got = truth(prefixes), model(prefixes)
-        worst = max(worst, float((np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)).max()))
-    return worst
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["gpt2-d32-h2/0", "gpt2-d32-h2/1", "64:4"])
@@ -86,7 +76,8 @@ def main() -> None:
             cpu = time.process_time() - cpu
             model, scale = result.model, result.token_scale
             rng = np.random.default_rng(123)
-            errors = [every_position(model, truth, d, factor * scale, args.sequences, rng) for factor in FACTORS]
+            errors = [position_error(model, truth, d, norm=factor * scale, count=args.sequences, rng=rng)
+                      for factor in FACTORS]
             held = learn.holdout_queries(spawn_rng(0, learn.STREAMS["holdout"]), d, scale)  # the run's, asked again
             answers = np.asarray(TorchOracle(layer)(held), dtype=np.float64)
             own = float((np.abs(answers - truth(held)).max(axis=1) / np.abs(answers).max(axis=1)).max())
