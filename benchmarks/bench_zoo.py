@@ -27,7 +27,9 @@ finish within it says so. Columns (``zoo.run_and_judge``):
 * layer's own error: the dtype layer (as its model runs it) against the same exact layer;
 * parameter error: ``compare(result.model, truth)``, the truth from the weights; the estimate is
   ``result.error_estimate`` and its ratio to the error it speaks for (``zoo.estimated_error``: the
-  parameter error, or the output error where the family's ``error_measure`` is ``"outputs"``);
+  parameter error, or where the family's ``error_measure`` is ``"outputs"`` the larger of the output
+  error and the error at every position of sequences of up to 64 tokens of norms up to the run's
+  token scale, each position relative to its own largest output, ``zoo.scope_error``);
 * verdict: ``zoo.verdicts`` (acceptance 1 of issue 64), or the first line of the run's error.
 
 ``--stages``: each step of a rotary run (``rotary/run.py``) and each part of its refinement
