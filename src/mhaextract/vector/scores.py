@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from .split import Split, exact_tokens
+from .split import ASK_TOKENS, Split, exact_tokens
 from .values import SplitUnavailable
 
 #: Oversampling of the equations per final token (phase 1: d unknowns, phase 2: k_h) and final
@@ -94,10 +94,8 @@ def tokens_per_query(ranks: list[int]) -> int:
 #: stops: the start (each head on its own) is off by the answers' rounding times the split's
 #: amplification, which the output metric removes in about 15 iterations at d = 768.
 WEIGHT_ITERATIONS, WEIGHT_TOLERANCE = 20, 1e-4
-#: Queries per chunk of :func:`_weights`, and tokens per oracle call of the score queries: a float64
-#: GPT-2-sized torch layer holds about ten times its batch's tokens while it answers (the run's peak
-#: at d = 768 was inside its output projection).
-WEIGHT_CHUNK, ASK_TOKENS = 128, 2 ** 12
+#: Queries per chunk of :func:`_weights` (the score queries' oracle calls hold ``ASK_TOKENS`` tokens each).
+WEIGHT_CHUNK = 128
 
 
 def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:

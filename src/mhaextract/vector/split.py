@@ -43,6 +43,10 @@ DIRECTIONS_PER_ROUND = 8
 #: in r dimensions, but only about ``1 / r`` for ``r + 2`` of them (d = 256, H = 8: subspace errors 3e-13
 #: with ``r + 2``, 3.5e-14 with ``2r + 2``, 3e-14 with ``3r + 2``).
 EXACT_DIRECTIONS = 2
+#: Tokens per oracle call of the split's and the scores' queries: a float64 GPT-2-sized torch layer
+#: holds about ten times its batch's tokens while it answers (the run's peak at d = 768 was inside its
+#: output projection; at d = 4096 one call of the 18,060 pairs of the second round held 10 GB).
+ASK_TOKENS = 2 ** 12
 #: A difference whose queries do not decode into patterns of rank H asks this many more batches of
 #: final tokens (each the size of the first, ``2 H + 6``) before the split is refused.
 MOST_FINAL_BATCHES = 6
@@ -99,7 +103,9 @@ class _Saturated:
         keys = exact_tokens(SATURATION * (finals + deltas), self.unit)
         queries = exact_tokens(SATURATION * finals, self.unit)
         sequences = [np.stack([k, q]) for k, q in zip(keys, queries)]
-        answers = np.asarray(self.boundary.ask(sequences, description, whole=True))
+        step = ASK_TOKENS // 2
+        answers = np.concatenate([np.asarray(self.boundary.ask(sequences[start:start + step], description, whole=True))
+                                  for start in range(0, len(sequences), step)] or [np.empty((0, len(self.values.c)))])
         self.asked += len(sequences)
         return (answers - self._unsaturated(queries)) / SATURATION
 
