@@ -22,7 +22,8 @@ from ..run.result import Result
 from ..run.validation import spawn_rng
 from .factored import FactoredLayer, forward, grouped
 from .refine import refine, refine_scores
-from .scores import FITTED, SCORES_ONLY, learn_scores, score_queries, score_rank, tokens_per_query
+from .scores import (FITTED, SCORES_ONLY, UNREFINED_PHASE_ONE, learn_scores, score_queries, score_rank,
+                     tokens_per_query)
 from .split import _Saturated, output_subspaces
 from .values import SplitUnavailable, more_bases, value_map
 
@@ -281,8 +282,9 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
     note_progress(progress, "whole answers: every head's attention weights")
     design = score_design(unit)
     full = refines_fully(d, split.ranks, unit)[0]
+    phase_one = 0.0 if refinement_route(d, split.ranks, unit) else UNREFINED_PHASE_ONE
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
-                                          unit, design if full else SCORES_ONLY)
+                                          unit, design if full else SCORES_ONLY, phase_one)
     return (_start(split, K, G, beta, values.c, d, d_out), FittedQueries(values.sequences, values.answers, batches),
             split, [k.shape[1] for k in K], full)
 
