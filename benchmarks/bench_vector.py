@@ -156,6 +156,14 @@ def diagnose(model, truth, d: int) -> None:
         learned = np.linalg.svd(model.V[h])[0][:, :true.shape[1]]
         subspaces.append(np.linalg.norm(learned - true @ (true.T @ learned), 2))
     print(f"col V_h off the layer's: {min(subspaces):.2g}..{max(subspaces):.2g} (largest sine)")
+    learned_bases = [np.linalg.svd(model.V[h])[0][:, :np.linalg.matrix_rank(V[h])] for h in range(H)]
+    true_bases = [np.linalg.svd(V[h])[0][:, :np.linalg.matrix_rank(V[h])] for h in range(H)]
+    for name, (bases, total) in {"the layer's own subspaces, the split's V_tot": (true_bases, model.V.sum(0)),
+                                 "the split's subspaces, the layer's own V_tot": (learned_bases, V.sum(0))}.items():
+        stacked = np.linalg.lstsq(np.concatenate(bases, axis=1), total, rcond=None)[0]  # V_h = O_h [O^+]_h V_tot
+        starts = np.cumsum([0] + [basis.shape[1] for basis in bases])
+        split = [basis @ stacked[start:start + basis.shape[1]] for basis, start in zip(bases, starts)]
+        print(f"V_h split again with {name}: {spread(split, V)}")
     outside = []  # the part of W_h's error off the layer's own score subspace col [W_h | u_h] (phase 1's K_h)
     for h in range(H):
         U, singular, _ = np.linalg.svd(np.concatenate([W[h], u[h][:, None]], axis=1), full_matrices=False)
