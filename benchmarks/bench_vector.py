@@ -4,6 +4,7 @@ against the vector bound, today's scalar schedules and the scalar bound, on GPT-
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 64:4 128:8 256:8 --dtypes float64
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 64:4:8 256:2 --dtypes float64 --schedule auto
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float64 float32 --split-only
+    OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 1024:8:128 4096:32:128 --dtypes float32 float64 --no-fallback
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float32 --split-only --diagnose \
         [--exact-split [--split-error 2.4e-5]] [--score-spread 0.1] [--refinement none|scores|full] \
         [--unrefined-split 2 1 1 0]
@@ -28,6 +29,8 @@ ratio RMS the scores' token scale aims at, ``--refinement`` forces a refinement 
 ``--unrefined-split`` the design of the start where no refinement follows (the split's second
 round's differences per head width and their scale, V_tot's random bases, phase 1's final tokens per
 score rank).
+``--no-fallback``: where the split gives way, the cell ends there with its reason (the queries asked
+until then, the time, the peak memory) instead of running the scalar schedules.
 """
 
 from __future__ import annotations
@@ -99,8 +102,12 @@ def run(d: int, heads: int, dtype: str, seed: int, rank: int | None = None, sche
     r = rank or d // heads
     exact = gpt2_layer(d, heads, seed, r)
     layer = exact if dtype == "float64" else gpt2_layer(d, heads, seed, r).float()
-    started = time.perf_counter()
-    result = mx.extract(TorchOracle(layer), d, heads=heads, seed=0, schedule=schedule, on_failure="warn", progress=False)
+    started, oracle = time.perf_counter(), TorchOracle(layer)
+    try:
+        result = mx.extract(oracle, d, heads=heads, seed=0, schedule=schedule, on_failure="warn", progress=False)
+    except GaveWay as why:
+        why.queries, why.seconds = oracle.sequences, time.perf_counter() - started
+        raise
     seconds = time.perf_counter() - started
     truth = to_reduced(exact)
     parameters = heads * (2 * d * r - r * r + d + 2 * d * r - r * r) + d
@@ -110,6 +117,20 @@ def run(d: int, heads: int, dtype: str, seed: int, rank: int | None = None, sche
             "error": position_error(result.model, truth, d), "estimate": result.error_estimate, "ok": result.ok,
             "refinement": getattr(result, "refinement", ""), "seconds": seconds, "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "model": result.model, "truth": truth}
+
+
+class GaveWay(RuntimeError):
+    """``--no-fallback``: the split gave way (its reason), after ``queries`` at the oracle."""
+    queries, seconds = 0, 0.0
+
+
+def stop_where_the_split_gives_way() -> None:
+    """``--no-fallback``: a split that gives way ends the cell with its reason instead of running the
+    scalar schedules (at Llama-7B's dimensions those would ask about 7e7 queries)."""
+    def give_way(self, reason, boundary=None):
+        raise GaveWay(reason)
+
+    vector_learner.VectorLearner.give_way = give_way
 
 
 def with_exact_split(truth, error: float = 0.0):
@@ -201,7 +222,12 @@ def main() -> None:
                         help="where no refinement follows: the split's second round of DIRECTIONS r + 2 differences "
                              "at SCALE times the token scale, V_tot over BASES random bases, phase 1 of the scores "
                              "on at least PHASE1 k final tokens (0: k + 8)")
+    parser.add_argument("--no-fallback", action="store_true",
+                        help="where the split gives way, print its reason, queries, time and memory, and go on to the "
+                             "next cell instead of running the scalar schedules")
     args = parser.parse_args()
+    if args.no_fallback:
+        stop_where_the_split_gives_way()
     vector_learner.SPLIT_FAILURE_FALLS_BACK = not args.split_only
     if args.score_spread:
         vector_scores.SCORE_SPREAD = args.score_spread
@@ -224,7 +250,14 @@ def main() -> None:
             if args.exact_split:
                 vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed, rank)),
                                                                  args.split_error)
-            row = run(d, heads, dtype, args.seed, rank, args.schedule)
+            try:
+                row = run(d, heads, dtype, args.seed, rank, args.schedule)
+            except GaveWay as why:
+                cpu = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+                print(f"| {d}, {heads}, {rank or d // heads} | {dtype} | gave way after {why.queries:,} queries, "
+                      f"{why.seconds:.0f} s ({cpu:.0f} s of CPU in the process), "
+                      f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB: {why} |", flush=True)
+                continue
             today = f"{row['today']:,}" if row["today"] else "not measured"
             print(f"| {d}, {heads}, {row['r']} | {dtype} | {row['schedule']} | {row['queries']:,} | {row['bound']:,} "
                   f"| {row['queries'] / row['bound']:.1f} | {today} | {row['scalar_bound']:,} | {row['error']:.2g} "

@@ -23,11 +23,14 @@ finish within it says so. Columns (``zoo.run_and_judge``):
   and CPU time (one thread);
 * output error: the replacement (``to_torch`` / ``to_torch_rotary``) against the exact layer (float64,
   the dtype layer's own rounded weights; rotary: ``float64_layer``) at every position of 100 fresh
-  sequences of lengths 1..128, max absolute difference over max |output|;
+  sequences of lengths 1..128, max absolute difference over max |output|; where the estimate is of
+  the outputs, in brackets the error where it speaks (``zoo.scope_error``, below);
 * layer's own error: the dtype layer (as its model runs it) against the same exact layer;
 * parameter error: ``compare(result.model, truth)``, the truth from the weights; the estimate is
   ``result.error_estimate`` and its ratio to the error it speaks for (``zoo.estimated_error``: the
-  parameter error, or the output error where the family's ``error_measure`` is ``"outputs"``);
+  parameter error, or where the family's ``error_measure`` is ``"outputs"`` the larger of the output
+  error and the error at every position of sequences of up to 64 tokens of norms up to the run's
+  token scale, each position relative to its own largest output, ``zoo.scope_error``);
 * verdict: ``zoo.verdicts`` (acceptance 1 of issue 64), or the first line of the run's error.
 
 ``--stages``: each step of a rotary run (``rotary/run.py``) and each part of its refinement
@@ -120,7 +123,10 @@ def line(row):
     if "queries" not in row:
         return f"| {row['layer']} | {row['dtype']} | - | {row.get('seconds', '-')} | - | - | - | - | - | {row['verdict']} |"
     ratio = row["estimate"] / row["estimated_error"] if row["estimated_error"] else float("nan")
-    return (f"| {row['layer']} | {row['dtype']} | {row['queries']:,} | {row['seconds']:.1f} / {row['cpu_seconds']:.1f} | {row['output_error']:.1e} | "
+    output = f"{row['output_error']:.1e}"
+    if row.get("scope_error") is not None:  # an estimate of the outputs: the error where it speaks as well
+        output += f" ({row['scope_error']:.1e} to the token scale)"
+    return (f"| {row['layer']} | {row['dtype']} | {row['queries']:,} | {row['seconds']:.1f} / {row['cpu_seconds']:.1f} | {output} | "
             f"{row['own_error']:.1e} | {row['parameter_error']:.1e} | {row['estimate']:.1e} | {ratio:.3g} | {row['verdict']} |")
 
 

@@ -165,6 +165,14 @@ def test_auto_in_high_precision_chooses_the_biased_grid():
     assert float64.schedule is BiasedGridSchedule and "biased grid" in float64.reason
 
 
+def test_auto_names_the_arithmetic_not_the_answers_format():
+    """``precision=None`` is the learner's float64 arithmetic, whatever format the answers come in
+    (a float32 layer's among them): the reason says which."""
+    for choice in (choose("auto", 2, 3, None, None), choose("auto", 8, 2, None, None),
+                   choose("auto", 8, 2, None, None, rank=2)):
+        assert "float64 arithmetic (precision=None)" in choice.reason
+
+
 @pytest.mark.parametrize("d", [1, 3])
 def test_layout_affine_final_tokens_and_half_sum_links(d):
     H = 2

@@ -239,6 +239,30 @@ def extract_options(layer_id: str) -> dict:
 #: Fresh sequences the replacement is judged on: 100 of lengths 1..128 (unit-variance tokens, a
 #: normalisation's output), at every position.
 JUDGE_SEQUENCES, JUDGE_LONGEST = 100, 128
+#: Where an estimate is of the outputs (``error_measure == "outputs"``), it speaks for every position of
+#: fresh sequences of up to 64 tokens whose norms reach the run's token scale, each position relative to
+#: its own largest output: it is judged there too, on sequences of Gaussian tokens of norm about these
+#: fractions of the token scale.
+SCOPE_FRACTIONS, SCOPE_SEQUENCES, SCOPE_LONGEST = (0.5, 1.0), 40, 64
+
+
+def scope_error(replacement, exact, d: int, token_scale: float, seed: int = 13) -> float:
+    """The largest error at every position of the sequences an estimate of the outputs speaks for
+    (:data:`SCOPE_FRACTIONS`), each position's error relative to that position's largest output."""
+    import torch
+
+    from test_replacement_layers import outputs
+
+    rng, worst = np.random.default_rng(seed), 0.0
+    dtype = next(iter(replacement.parameters())).dtype
+    for fraction in SCOPE_FRACTIONS:
+        for n in rng.integers(1, SCOPE_LONGEST + 1, size=SCOPE_SEQUENCES):
+            X = torch.as_tensor(rng.standard_normal((1, int(n), d)) * (fraction * token_scale / np.sqrt(d)))
+            expected = outputs(exact, X)
+            got = outputs(replacement, X.to(dtype)).to(torch.float64)
+            relative = (got - expected).abs().amax(dim=-1) / expected.abs().amax(dim=-1)
+            worst = max(worst, float(relative.max()))
+    return worst
 
 
 def readout_vector(d: int) -> np.ndarray:
@@ -271,7 +295,8 @@ def run_and_judge(layer_id: str, dtype, readout: bool = False, seed: int = 0, **
     same weights at every position of the fresh sequences. Returns a dict: ``result`` (None if the
     run raised), ``error`` (the exception's text), ``seconds`` and ``cpu_seconds`` of the run, ``queries``, ``output_error``,
     ``own_error`` (the ``dtype`` layer's own outputs against the exact layer: 0 in float64),
-    ``parameter_error`` (``compare`` against the truth from the weights) and ``estimate``.
+    ``parameter_error`` (``compare`` against the truth from the weights) and ``estimate``; where the
+    estimate is of the outputs, ``scope_error`` (:func:`scope_error`) as well.
     ``readout``: the oracle answers the outputs read out through :func:`readout_vector` (the
     non-rotary families), the run learns that scalar model, and every output is judged read out.
     ``seed``: the extraction's. ``options``: more of ``extract``'s options on top of the defaults
@@ -313,6 +338,8 @@ def run_and_judge(layer_id: str, dtype, readout: bool = False, seed: int = 0, **
              to_reduced(exact.layer, r) if readout else to_reduced(exact))
     row.update(output_error=worst_relative_error(replacement, exact, d, JUDGE_SEQUENCES, JUDGE_LONGEST),
                parameter_error=float(mx.compare(result.model, truth).max_rel), estimate=float(result.error_estimate))
+    if result.error_measure == "outputs":
+        row["scope_error"] = scope_error(replacement, exact, d, result.token_scale)
     return row
 
 
@@ -340,8 +367,11 @@ def failures(row: dict) -> list[str]:
 
 def estimated_error(row: dict) -> float:
     """The error the row's estimate speaks for (the result's ``error_measure``): the parameter error,
-    or the output error at every position for families whose estimate is of the outputs."""
-    return row["output_error"] if row["result"].error_measure == "outputs" else row["parameter_error"]
+    or for families whose estimate is of the outputs the larger of the output error and the error
+    where the estimate claims it (:func:`scope_error`)."""
+    if row["result"].error_measure != "outputs":
+        return row["parameter_error"]
+    return max(row["output_error"], row.get("scope_error", 0.0))
 
 
 #: The acceptance's bound on the estimate over the model's error (float64, float32).

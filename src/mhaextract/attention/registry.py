@@ -78,9 +78,9 @@ def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
         learns = True if bias is None else bool(bias)
         if rank is not None and precision is None and max_heads <= d:
             cls, reason = SCHEDULES["lowrank"], (
-                f"auto: rank={rank!r} given, float64 and H0 = {max_heads} <= d = {d}: the low-rank schedule, "
-                "targeted instances in each head's row space, about 2.1H(2dr - r^2) queries (docs/algorithm.md, "
-                "'Low-rank heads')")
+                f"auto: rank={rank!r} given, float64 arithmetic (precision=None) and H0 = {max_heads} <= d = {d}: the "
+                "low-rank schedule, targeted instances in each head's row space, about 2.1H(2dr - r^2) queries "
+                "(docs/algorithm.md, 'Low-rank heads')")
         elif rank is not None:
             raise ValueError(f"rank={rank!r} is for the float64 low-rank schedule (docs/algorithm.md, "
                              "'Low-rank heads'), which "
@@ -88,12 +88,13 @@ def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
                              f"d = {d}): drop rank, or precision")
         elif precision is None and max_heads <= d:
             cls, reason = SCHEDULES["targeted"], (
-                f"auto: float64 and H0 = {max_heads} <= d = {d}: targeted single-pole instances keep machine "
-                "precision for any H (docs/algorithm.md, 'The targeted schedule'); the paper schedule loses ~3 digits "
-                "per head")
+                f"auto: float64 arithmetic (precision=None) and H0 = {max_heads} <= d = {d}: targeted single-pole "
+                "instances keep the answers' precision for any H (docs/algorithm.md, 'The targeted schedule'); the "
+                "paper schedule loses ~3 digits per head")
         elif precision is None:
             cls, reason = SCHEDULES["paper"], (
-                f"auto: float64 with H0 = {max_heads} > d = {d} rules out the targeted schedule; the paper's grid "
+                f"auto: float64 arithmetic (precision=None) with H0 = {max_heads} > d = {d} rules out the targeted "
+                "schedule; the paper's grid "
                 + ("(with biases the biased grid, docs/algorithm.md, "
                    "'Biases: affine scores and an output constant') " if learns else "")
                 + "is reliable in float64 only for H <= 2: prefer precision=BITS")

@@ -217,7 +217,9 @@ def base_labels(saturated: _Saturated, rng, d: int, scale: float, heads: int, va
         if len(recurring) == heads:
             labels = np.stack(recurring, axis=1)
             signs = np.linalg.lstsq(labels, target, rcond=None)[0]
-            if (np.abs(np.abs(signs) - 1) < 1e-3).all():
+            # each label's coefficient is +-1 to the answers' precision (the sums' own check below):
+            # float32 answers at d = 4096, H = 32 leave one of 32 at 1.3e-2, the others near 7e-4
+            if (np.abs(np.abs(signs) - 1) < max(1e-3, 1e2 * tolerance)).all():
                 labels = labels * np.sign(signs)
                 if np.linalg.norm(labels.sum(axis=1) - target) <= 1e2 * tolerance * np.linalg.norm(target):
                     return delta, labels
