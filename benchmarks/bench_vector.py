@@ -6,7 +6,8 @@ against the vector bound, today's scalar schedules and the scalar bound, on GPT-
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float64 float32 --split-only
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 1024:8:128 4096:32:128 --dtypes float32 float64 --no-fallback
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float32 --split-only --diagnose \
-        [--exact-split [--split-error 2.4e-5]] [--score-spread 0.1] [--refinement none|scores|full]
+        [--exact-split [--split-error 2.4e-5]] [--score-spread 0.1] [--refinement none|scores|full] \
+        [--unrefined-split 2 1 1 0]
 
 Each cell ``d:H[:r]`` is a ``GPT2Attention`` (sdpa, head width d / H, every bias drawn like its
 weights) run as a ``TorchOracle`` in the given dtype; the truth is the layer's own weights in float64
@@ -24,7 +25,10 @@ of the model is off: per head the relative errors of W_h, u_h and V_h (matched t
 V_h), and the output error with the learned scores and the true values, the reverse, and one block
 learned at a time. The variants change one step of the run to find what limits it: ``--exact-split``
 replaces the split's O_h, P_h by the layer's own (every query the same), ``--score-spread`` the log-
-ratio RMS the scores' token scale aims at, ``--refinement`` forces a refinement route.
+ratio RMS the scores' token scale aims at, ``--refinement`` forces a refinement route,
+``--unrefined-split`` the design of the start where no refinement follows (the split's second
+round's differences per head width and their scale, V_tot's random bases, phase 1's final tokens per
+score rank).
 ``--no-fallback``: where the split gives way, the cell ends there with its reason (the queries asked
 until then, the time, the peak memory) instead of running the scalar schedules.
 """
@@ -45,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import mhaextract as mx  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, to_reduced  # noqa: E402
 from mhaextract.vector import learn as vector_learn, learner as vector_learner, scores as vector_scores  # noqa: E402
+from mhaextract.vector import split as vector_split  # noqa: E402
 from mhaextract.vector import vector_bound  # noqa: E402
 
 #: The defaults' counts on main before the split, whole answers (issue 62).
@@ -165,6 +170,28 @@ def diagnose(model, truth, d: int) -> None:
     print(f"W_h {spread(model.W, W)}, u_h {spread(model.u, u)}, V_h {spread(model.V, V)}, "
           f"V_tot {np.linalg.norm(model.V.sum(0) - V.sum(0)) / np.linalg.norm(V.sum(0)):.2g}, "
           f"c {np.linalg.norm(model.c - truth.c) / np.linalg.norm(truth.c):.2g} (relative)")
+    subspaces = []  # the largest sine of a principal angle between col V_h learned and the layer's
+    for h in range(H):
+        U, singular, _ = np.linalg.svd(V[h])
+        true = U[:, :int((singular > 1e-10 * singular[0]).sum())]
+        learned = np.linalg.svd(model.V[h])[0][:, :true.shape[1]]
+        subspaces.append(np.linalg.norm(learned - true @ (true.T @ learned), 2))
+    print(f"col V_h off the layer's: {min(subspaces):.2g}..{max(subspaces):.2g} (largest sine)")
+    learned_bases = [np.linalg.svd(model.V[h])[0][:, :np.linalg.matrix_rank(V[h])] for h in range(H)]
+    true_bases = [np.linalg.svd(V[h])[0][:, :np.linalg.matrix_rank(V[h])] for h in range(H)]
+    for name, (bases, total) in {"the layer's own subspaces, the split's V_tot": (true_bases, model.V.sum(0)),
+                                 "the split's subspaces, the layer's own V_tot": (learned_bases, V.sum(0))}.items():
+        stacked = np.linalg.lstsq(np.concatenate(bases, axis=1), total, rcond=None)[0]  # V_h = O_h [O^+]_h V_tot
+        starts = np.cumsum([0] + [basis.shape[1] for basis in bases])
+        split = [basis @ stacked[start:start + basis.shape[1]] for basis, start in zip(bases, starts)]
+        print(f"V_h split again with {name}: {spread(split, V)}")
+    outside = []  # the part of W_h's error off the layer's own score subspace col [W_h | u_h] (phase 1's K_h)
+    for h in range(H):
+        U, singular, _ = np.linalg.svd(np.concatenate([W[h], u[h][:, None]], axis=1), full_matrices=False)
+        U = U[:, singular > 1e-10 * singular[0]]
+        error = model.W[h] - W[h]
+        outside.append(np.linalg.norm(error - U @ (U.T @ error)) / np.linalg.norm(W[h]))
+    print(f"W_h off the layer's score subspace: {min(outside):.2g}..{max(outside):.2g} (relative)")
     for name, (Wx, Vx, ux, cx) in {"learned scores, true values": (model.W, V, model.u, truth.c),
                                    "true scores, learned values": (W, model.V, u, model.c),
                                    "learned W_h alone": (model.W, V, u, truth.c),
@@ -191,6 +218,10 @@ def main() -> None:
                         help="with --exact-split: the layer's own values and subspaces off by this much, at random")
     parser.add_argument("--score-spread", type=float, help="the log-ratio RMS the scores' token scale aims at")
     parser.add_argument("--refinement", choices=["none", "scores", "full"], help="force a refinement route")
+    parser.add_argument("--unrefined-split", nargs=4, type=float, metavar=("DIRECTIONS", "SCALE", "BASES", "PHASE1"),
+                        help="where no refinement follows: the split's second round of DIRECTIONS r + 2 differences "
+                             "at SCALE times the token scale, V_tot over BASES random bases, phase 1 of the scores "
+                             "on at least PHASE1 k final tokens (0: k + 8)")
     parser.add_argument("--no-fallback", action="store_true",
                         help="where the split gives way, print its reason, queries, time and memory, and go on to the "
                              "next cell instead of running the scalar schedules")
@@ -200,6 +231,10 @@ def main() -> None:
     vector_learner.SPLIT_FAILURE_FALLS_BACK = not args.split_only
     if args.score_spread:
         vector_scores.SCORE_SPREAD = args.score_spread
+    if args.unrefined_split:
+        directions, difference_scale, bases, phase_one = args.unrefined_split
+        vector_split.UNREFINED_DIRECTIONS, vector_split.UNREFINED_DIFFERENCE_SCALE = int(directions), difference_scale
+        vector_learn.UNREFINED_VALUE_BASES, vector_learn.UNREFINED_PHASE_ONE = int(bases), phase_one
     if args.refinement:
         vector_learn.REFINE_WORK = float("inf") if args.refinement == "full" else 0.0
         vector_learn.SCORE_REFINE_WORK = 0.0 if args.refinement == "none" else float("inf")

@@ -449,3 +449,81 @@ def test_phase_one_counts_a_weak_score_direction_above_the_measured_noise_and_no
         assert all(score_rank(q, unit) > k + 5 for q in solved)  # the noise stands above the fixed cut
         for q, e, q_true in zip(solved, noise, truth):
             assert 0.5 < np.linalg.norm(q - q_true, 2) / np.linalg.norm(e, 2) < 2
+
+
+def test_the_unrefined_route_sharpens_the_split_where_the_answers_are_rounded():
+    """Where no refinement follows, the split's values are the model: its second round asks
+    ``UNREFINED_DIRECTIONS r + 2`` differences at ``UNREFINED_DIFFERENCE_SCALE`` times the token scale
+    and V_tot is the mean over ``UNREFINED_VALUE_BASES`` random bases (docs/algorithm.md, 'Whole answers
+    near the vector bound', 'What limits the split's values'). On answers rounded to float32 (d = 32,
+    H = 4, heads of width 8) each head's ``V_h = O_h P_h`` comes out at least twice as close to the
+    layer's own than with the scores route's ``EXACT_DIRECTIONS r + 2`` differences at the token scale
+    and one basis (measured 2.5 and 2.8 times on these two layers: 1.1e-7 and 1.3e-7 against 2.9e-7
+    and 3.6e-7)."""
+    from mhaextract.vector.learn import UNREFINED_VALUE_BASES
+    from mhaextract.vector.split import _Saturated, output_subspaces
+    from mhaextract.vector.values import more_bases, value_map
+
+    class Answers:  # the boundary's one method the split uses: the layer's answers rounded to float32
+        def __init__(self, oracle):
+            self.oracle = oracle
+
+        def ask(self, sequences, description, whole=True):
+            return np.asarray(self.oracle(sequences)).astype(np.float32).astype(np.float64)
+
+    d, heads, rank, unit = 32, 4, 8, 2.0 ** -24
+    scale = d ** 0.25
+    for seed in (1, 3):
+        target = low_rank_layer(d, heads, rank, seed=seed)
+        errors = {}
+        for route in ("scores", ""):
+            boundary = Answers(mx.SimulatedOracle(target))
+            values_rng = np.random.default_rng([seed, 1])
+            values = value_map(boundary, values_rng, d, scale)
+            split = output_subspaces(_Saturated(boundary, values, unit), np.random.default_rng([seed, 2]), d, d,
+                                     scale, heads, values, unit, lambda ranks, route=route: route,
+                                     lambda: more_bases(values, boundary, values_rng, d, scale,
+                                                        UNREFINED_VALUE_BASES - 1))
+            assert values.bases == (1 if route else UNREFINED_VALUE_BASES)
+            learned = [O @ P for O, P in zip(split.O, split.P)]
+            errors[route] = max(min(np.linalg.norm(V - V_true) for V_true in target.V) / np.linalg.norm(V)
+                                for V in learned)
+        assert errors[""] <= errors["scores"] / 2, errors
+
+
+@pytest.mark.slow
+def test_phase_one_asks_more_final_tokens_where_no_refinement_follows():
+    """Phase 2 reads each head's score vector inside phase 1's ``K_h`` only, so where no refinement
+    follows ``K_h``'s error stays in ``W_h``: it is phase 1's noise over the k-th singular value of its F
+    score vectors, which grows as ``sqrt(F) - sqrt(k)`` (docs/algorithm.md, 'Whole answers near the
+    vector bound', 'Where no refinement follows'). With the layer's own values (d = 48, H = 2, heads
+    of width 24, answers rounded to float32), ``UNREFINED_PHASE_ONE`` k final tokens (40 against
+    k + 8 = 32) bring the part of ``W_h``'s error off the layer's own score subspace at least 1.3 times
+    closer (measured 1.5 times on this layer and on seeds 2 and 3; ``sqrt(F) - sqrt(k)`` says 1.9)."""
+    from mhaextract.vector.scores import SCORES_ONLY, UNREFINED_PHASE_ONE, learn_scores
+    from mhaextract.vector.split import Split
+
+    class Answers:  # the boundary's one method the scores use: the layer's answers rounded to float32
+        def __init__(self, oracle):
+            self.oracle = oracle
+
+        def ask(self, sequences, description, whole=True):
+            return np.asarray(self.oracle(sequences)).astype(np.float32).astype(np.float64)
+
+    d, heads, rank = 48, 2, 24
+    target = low_rank_layer(d, heads, rank, seed=1)
+    O = [np.linalg.svd(V)[0][:, :rank] for V in target.V]
+    split = Split(O, [basis.T @ V for basis, V in zip(O, target.V)], [rank] * heads,
+                  float(np.linalg.cond(np.concatenate(O, axis=1))), 0)
+    off = {}
+    for phase_one in (0.0, UNREFINED_PHASE_ONE):
+        K, G, beta, _, _ = learn_scores(Answers(mx.SimulatedOracle(target)), np.random.default_rng(5), d, d ** 0.25,
+                                        split, target.c, 2.0 ** -24, SCORES_ONLY, phase_one)
+        errors = []
+        for h in range(heads):
+            U, singular, _ = np.linalg.svd(np.concatenate([target.W[h], target.u[h][:, None]], axis=1))
+            U = U[:, singular > 1e-10 * singular[0]]
+            error = K[h] @ G[h] - target.W[h]
+            errors.append(np.linalg.norm(error - U @ (U.T @ error)) / np.linalg.norm(target.W[h]))
+        off[phase_one] = max(errors)
+    assert off[UNREFINED_PHASE_ONE] <= off[0.0] / 1.3, off

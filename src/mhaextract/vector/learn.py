@@ -22,9 +22,10 @@ from ..run.result import Result
 from ..run.validation import spawn_rng
 from .factored import FactoredLayer, forward, grouped
 from .refine import refine, refine_scores
-from .scores import FITTED, SCORES_ONLY, learn_scores, score_queries, score_rank, tokens_per_query
+from .scores import (FITTED, SCORES_ONLY, UNREFINED_PHASE_ONE, learn_scores, score_queries, score_rank,
+                     tokens_per_query)
 from .split import _Saturated, output_subspaces
-from .values import SplitUnavailable, value_map
+from .values import SplitUnavailable, more_bases, value_map
 
 #: Every parameter is refined on every answer when one Jacobian product costs at most this many
 #: multiply-adds (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8; larger layers
@@ -250,23 +251,40 @@ def no_room(heads: int, rank: int | None, d_out: int) -> str | None:
     return None
 
 
+#: Where no refinement follows (the split's start is the model), V_tot is the mean over this many
+#: random bases of one-token queries (:func:`~mhaextract.vector.values.more_bases`).
+UNREFINED_VALUE_BASES = 4
+
+
+def refinement_route(d: int, ranks: list[int], unit: float) -> str:
+    """What will fit the model after the split, for heads of value ranks ``ranks`` on answers rounded at
+    ``unit``: ``"full"`` (:func:`refines_fully`), ``"scores"`` (:func:`refines_scores`) or ``""`` (none:
+    the split's start is the model, and the split asks for the precision itself)."""
+    if refines_fully(d, ranks, unit)[0]:
+        return "full"
+    return "scores" if refines_scores(d, ranks)[0] else ""
+
+
 def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
     """The start: ``(layer, fitted, split, score ranks, full)`` (``fitted``: the unsaturated queries
     and their whole answers, :class:`FittedQueries`, which the refinement fits; ``full``: whether every
     parameter will be refined, else the scores were oversampled). SplitUnavailable when the split cannot work."""
-    values = value_map(boundary, spawn_rng(seed, STREAMS["values"]), d, scale)
+    values_rng = spawn_rng(seed, STREAMS["values"])
+    values = value_map(boundary, values_rng, d, scale)
     d_out = values.c.shape[0]
     why = no_room(heads, None, d_out)
     if why:
         raise SplitUnavailable(why)
     note_progress(progress, "whole answers: saturated queries for the heads' output subspaces")
     split = output_subspaces(_Saturated(boundary, values, unit), spawn_rng(seed, STREAMS["split"]), d, d_out,
-                             scale, heads, values, unit, lambda ranks: not refines_fully(d, ranks, unit)[0])
+                             scale, heads, values, unit, lambda ranks: refinement_route(d, ranks, unit),
+                             lambda: more_bases(values, boundary, values_rng, d, scale, UNREFINED_VALUE_BASES - 1))
     note_progress(progress, "whole answers: every head's attention weights")
     design = score_design(unit)
     full = refines_fully(d, split.ranks, unit)[0]
+    phase_one = 0.0 if refinement_route(d, split.ranks, unit) else UNREFINED_PHASE_ONE
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
-                                          unit, design if full else SCORES_ONLY)
+                                          unit, design if full else SCORES_ONLY, phase_one)
     return (_start(split, K, G, beta, values.c, d, d_out), FittedQueries(values.sequences, values.answers, batches),
             split, [k.shape[1] for k in K], full)
 

@@ -31,6 +31,12 @@ from .values import SplitUnavailable
 FITTED, SCORES_ONLY = (1.5, 0.125), (3.0, 1.0)
 #: Final tokens added per round of phase 1.
 FINALS_PER_ROUND = 8
+#: Where no refinement follows, phase 1 asks at least this many times each head's rank in final
+#: tokens: ``K_h`` is the span of phase 1's F score vectors, off by their noise over their k-th
+#: singular value, which grows as ``sqrt(F) - sqrt(k)`` (F = k + 8 = 72 at k = 64: 0.49; F = 1.5 k =
+#: 96: 1.8), and phase 2 reads ``q_h`` inside ``K_h`` only, so nothing after it corrects ``K_h``
+#: (docs/algorithm.md, 'Whole answers near the vector bound', 'Where no refinement follows').
+UNREFINED_PHASE_ONE = 1.5
 #: The scores' token scale is set so that the log-ratios ``log(a_i / a_N)`` have about this RMS:
 #: soft attention, every weight well above the answers' rounding, so each query tells about W_h in
 #: every direction (at the calibrated scale of a GPT-2-class layer the RMS is about 3, many weights
@@ -370,10 +376,12 @@ def score_queries(d: int, ranks: list[int], design: tuple[float, float]) -> int:
 
 
 def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float,
-                 design: tuple[float, float] = FITTED):
+                 design: tuple[float, float] = FITTED, phase_one: float = 0.0):
     """``(K, G, beta, batches, scale)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h``
     (k_h), the batches asked (:class:`ScoreBatch`, the pilots of :func:`score_scale` first) and the
-    scores' token scale. ``design``: ``FITTED`` or ``SCORES_ONLY``."""
+    scores' token scale. ``design``: ``FITTED`` or ``SCORES_ONLY``; ``phase_one``: phase 1 asks at
+    least this many times every head's rank in final tokens (``UNREFINED_PHASE_ONE`` where no
+    refinement follows), beyond the three that must add no direction."""
     heads, m = len(split.ranks), tokens_per_query(split.ranks)
     oversample, extra = design
     scale, pilots = score_scale(boundary, rng, d, scale, split, c, unit, m)
@@ -387,7 +395,7 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
         asked += count
         _, full, noise = _full_vectors(split, c, batches, solved)
         ranks = [score_rank(q, unit, e) for q, e in zip(full, noise)]
-        if all(rank + 3 <= asked for rank in ranks) or asked >= finals_needed:
+        if all(max(rank + 3, int(np.ceil(phase_one * rank))) <= asked for rank in ranks) or asked >= finals_needed:
             break
     while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
         count = min(PHASE2_FINALS, finals_needed - asked)

@@ -47,6 +47,14 @@ EXACT_DIRECTIONS = 2
 #: holds about ten times its batch's tokens while it answers (the run's peak at d = 768 was inside its
 #: output projection; at d = 4096 one call of the 18,060 pairs of the second round held 10 GB).
 ASK_TOKENS = 2 ** 12
+#: Where no refinement follows at all (the split's start is the model: GPT-2 small, d = 768), the
+#: second round asks ``UNREFINED_DIRECTIONS r + 2`` differences at ``UNREFINED_DIFFERENCE_SCALE``
+#: times the token scale: a head's label ``V_h delta`` then stands that much higher above the
+#: rounding of the answer it is read from, whose largest part, the final token's own ``lam V_tot x``,
+#: stays the same (d = 768, H = 12, float32: subspace error 1.9e-6 with ``2r + 2`` at the token
+#: scale, 9.5e-7 at 16 times it, 4.6e-7 with ``4r + 2`` at 16 times it; 4 and 64 times gain no more
+#: than 16, docs/algorithm.md, 'What limits the split's values').
+UNREFINED_DIRECTIONS, UNREFINED_DIFFERENCE_SCALE = 4, 16.0
 #: A difference whose queries do not decode into patterns of rank H asks this many more batches of
 #: final tokens (each the size of the first, ``2 H + 6``) before the split is refused.
 MOST_FINAL_BATCHES = 6
@@ -287,15 +295,19 @@ def _labels_of(saturated: _Saturated, finals: np.ndarray, sums: np.ndarray, delt
 
 
 def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: float, heads: int,
-                     values: ValueMap, unit: float, values_are_the_model=lambda ranks: True) -> Split:
+                     values: ValueMap, unit: float, refinement=lambda ranks: "scores", more_values=None) -> Split:
     """The split of the module docstring, or SplitUnavailable saying why it cannot work. Two rounds:
     perturbed directions (labels decoded from the base's) give the subspaces to about
     ``unit / PERTURBATION`` times their conditioning; independent directions, their labels
     decoded from the first split's prediction ``Pi_h V_tot delta``, give them to the answers'
-    rounding. Where ``values_are_the_model(ranks)`` (the heads' ranks from the first round: no
-    refinement will fit the values after the split) ``EXACT_DIRECTIONS r + 2`` of them, their sums taken against the one-token
-    answers at the same final tokens (:class:`_Referenced`); else ``r + 2``, against the value map (a
-    refinement of every parameter fits the values to every answer after it)."""
+    rounding. ``refinement(ranks)`` (the heads' ranks from the first round) says what fits the
+    model after the split: ``"full"`` (every parameter on every answer, the values too) asks ``r + 2``
+    of them, their sums against the value map; ``"scores"`` (the split's values are the model's)
+    ``EXACT_DIRECTIONS r + 2``, their sums taken against the one-token answers at the same final tokens
+    (:class:`_Referenced`); ``""`` (no refinement: the split's start is the model)
+    ``UNREFINED_DIRECTIONS r + 2`` at ``UNREFINED_DIFFERENCE_SCALE`` times the token scale, likewise
+    referenced, and then ``more_values()`` (where given) sharpens ``values.V_total`` in place before the
+    final oblique split (:func:`~mhaextract.vector.values.more_bases`)."""
     tolerance = _tolerance(unit)
     random_tokens = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
     delta, labels = base_labels(saturated, rng, d, scale, heads, values, tolerance)
@@ -317,14 +329,19 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
             break
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
     projectors = [O @ P for O, P in zip(first.O, first.P)]
-    model_values = values_are_the_model(ranks)
-    deltas = random_tokens((EXACT_DIRECTIONS if model_values else 1) * max(ranks) + 2)
+    route = refinement(ranks)
+    directions = {"full": 1, "scores": EXACT_DIRECTIONS}.get(route, UNREFINED_DIRECTIONS)
+    deltas = random_tokens(directions * max(ranks) + 2)
+    if not route:
+        deltas = exact_tokens(UNREFINED_DIFFERENCE_SCALE * deltas, unit)
     finals = random_tokens(2 * heads + 6)
-    exact, sums = [[] for _ in range(heads)], _Referenced(saturated) if model_values else saturated
+    exact, sums = [[] for _ in range(heads)], saturated if route == "full" else _Referenced(saturated)
     predicted = lambda delta: np.stack([V @ delta for V in projectors], axis=1)  # noqa: E731
     for found in _labels_along(sums, finals, deltas, predicted, heads, tolerance, random_tokens):
         for h in range(heads):
             exact[h].append(found[:, h])
+    if not route and more_values is not None:
+        more_values()
     return _oblique(exact, ranks, values, d_out, unit, saturated.asked + (sums.asked if sums is not saturated else 0))
 
 
