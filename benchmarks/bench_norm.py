@@ -31,7 +31,8 @@ residual) is extracted with ``positions="rotary"`` too, and judged in float64 th
 ``LlamaRMSNorm`` and rotary embedding compute in float32 whatever the dtype); its "attention without
 the norm" is ``mx.extract(TorchOracle(float64_layer(layer.self_attn)), d, heads=H, seed=1,
 positions="rotary")``. The block as transformers runs it (``attention_sublayer(layer)``: its answers
-carry float32's rounding) and the block in float32 are ``--as-run``'s, judged against that exact sublayer. Mistral's (``MistralDecoderLayer``, a sliding window of 16 tokens) likewise.
+carry float32's rounding) and the block in float32 are ``--as-run``'s, judged against that exact sublayer.
+Mistral's (``MistralDecoderLayer``, a sliding window of 16 tokens) likewise.
 """
 
 from __future__ import annotations
@@ -399,7 +400,8 @@ def main() -> None:
         return
     if args.as_run:
         if args.polish_factor is not None or args.value_factor is not None:  # variants of the library's choice
-            learn.COARSE_ROTARY_FACTORS = {"polish_factor": args.polish_factor or 3, "value_factor": args.value_factor or 1}
+            learn.COARSE_ROTARY_FACTORS = {"polish_factor": args.polish_factor or 3,
+                                           "value_factor": args.value_factor or 1}
         if args.margin is not None:
             learn.COARSE_BALL_MARGIN = args.margin
         as_run(args.case, args.large, args.defaults)

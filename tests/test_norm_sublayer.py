@@ -365,12 +365,14 @@ def test_the_sweeps_take_a_float64_block_whose_norm_computes_in_float32_as_float
     # LlamaRMSNorm and MistralRMSNorm compute in float32 inside a float64 layer: the eps readings spread by float32
     # rounding, measured and named; the exact float64 sublayer of the same weights is not taken so
     layer = rotary_block(8, 2, kv_heads=1, family=family)
-    as_run = measure(OracleBoundary(TorchOracle(attention_sublayer(layer)), 8), 8, "auto", np.random.default_rng(0), "float64")
+    as_run = measure(OracleBoundary(TorchOracle(attention_sublayer(layer)), 8), 8, "auto", np.random.default_rng(0),
+                     "float64")
     noise = next(check for check in as_run.checks if check.name == "answer_noise")
     assert noise.passed and 1e-12 < noise.value < 1e-5 and "LlamaRMSNorm" in noise.message
     assert as_run.unit == 2.0 ** -24 and as_run.noise == noise.value and all(c.passed for c in as_run.checks)
     assert abs(as_run.eps - layer.input_layernorm.variance_epsilon) / layer.input_layernorm.variance_epsilon < 1e-6
-    exact = measure(OracleBoundary(TorchOracle(RotarySublayerFloat64(layer)), 8), 8, "auto", np.random.default_rng(0), "float64")
+    exact = measure(OracleBoundary(TorchOracle(RotarySublayerFloat64(layer)), 8), 8, "auto", np.random.default_rng(0),
+                    "float64")
     assert exact.noise is None and exact.unit == 2.0 ** -53 and "answer_noise" not in [c.name for c in exact.checks]
 
 

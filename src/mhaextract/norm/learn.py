@@ -119,8 +119,8 @@ class NormedExtraction(Result):
     :class:`~mhaextract.models.normed.NormedAttention`, or None; ``queries`` counted at the raw
     layer's boundary; ``error_estimate`` the relative output error of the sublayer it expects: ten
     times the direct fit's held-out misfit plus the rounding of evaluating 64-token sequences, or an
-    attention or rotary learner's estimate (at least that rounding), or eps's or R's where larger (a post-norm's: also a hundred times
-    the misfit on 64 fresh raw sequences, and eps's reach on them), judged by the
+    attention or rotary learner's estimate (at least that rounding), or eps's or R's where larger (a
+    post-norm's: also a hundred times the misfit on 64 fresh raw sequences, and eps's reach on them), judged by the
     ``raw_verification`` check; ``token_scale`` the largest inner token norm the inner method aimed at) and:
 
     Attributes
@@ -277,8 +277,8 @@ def _inner_and_verify(session, boundary, sweeps: Sweeps, options, result: Normed
             return
         inner_model, inner_estimate, result.heads = inner.model, inner.error_estimate, inner.heads
         # plus the rounding of evaluating the sublayer over the longest sequences the claim covers (as the direct
-        # fit's): the inner learner's estimate covers its own queries (from float32 answers measured 0.7..0.9 of
-        # the error at every position of raw sequences of 64 tokens)
+        # fit's): the inner learner's estimate covers its own queries (from float32 answers measured 0.55..0.66 of
+        # the error at every position of raw sequences of up to 64 tokens, docs/norm.md)
         inner_estimate = max(inner_estimate, ROUNDING_PER_TOKEN * VERIFY_LONGEST * sweeps.unit)
     model = NormedAttention(sweeps.kind, sweeps.eps, inner_model, sweeps.R[0] if sweeps.read_out else sweeps.R)
     _verify_raw(boundary, model, float(max(inner_estimate, sweeps.eps_error, sweeps.R_error)), session.request.seed,

@@ -171,7 +171,8 @@ def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dt
     out.eps = float(np.mean(readings))
     spread = abs(readings[0] - readings[1]) / out.eps
     spread_limit = 1e4 * unit  # measured: 6e-16 .. 3e-15 on float64 sublayers; 1.1e-3 on a whole GPT-2 block
-    if unit < FLOAT32_UNIT and computed_in_float32(spread, spread_limit):  # float64 answers carrying float32's rounding: taken as float32
+    # float64 answers carrying float32's rounding: taken as float32 answers
+    if unit < FLOAT32_UNIT and computed_in_float32(spread, spread_limit):
         out.noise, unit, spread_limit_64 = spread, FLOAT32_UNIT, spread_limit
         out.unit, spread_limit = unit, 1e4 * unit
         out.R_error = 4 * unit * float(np.abs(large).max()) / LARGE / max(float(np.abs(out.R).max()), 1e-300)

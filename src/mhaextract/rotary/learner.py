@@ -62,7 +62,8 @@ class RotaryLearner(Learner):
             value = options.get(name)
             value = default if value is None else value
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number (more answers average more rounding), got {value!r}")
+                raise ValueError(f"{name} must be a positive number (more answers average more rounding), "
+                                 f"got {value!r}")
             factors[name] = float(value)
         return {"positions": "rotary", "key_bias": bool(key_bias), "bias": True if bias is None else bool(bias),
                 "rank": None if rank is None else positive_int("rank", rank), **factors}

@@ -515,8 +515,8 @@ def fit_layer_values(run: RotaryRun) -> None:
     V_h and c fitted to whole answers of fresh value read-out queries, with the refinement's score error;
     the model becomes the whole layer's (the scalar one kept) and the estimate takes the fit's."""
     model, estimate = run.model, run.estimate
-    value_queries = random_queries(spawn_rng(run.seed, 13), int(run.value_factor * value_query_count(model.heads, run.d)),
-                                   run.d,
+    count = int(run.value_factor * value_query_count(model.heads, run.d))
+    value_queries = random_queries(spawn_rng(run.seed, 13), count, run.d,
                                    run.learner.token_scale, VALUE_QUERY_LENGTHS, bound=run.token_bound)
     run.whole = run.boundary.ask(value_queries, "value read-outs", whole=True)
     run.value_fit = fit_values(model, value_queries, run.whole, bias=True, readout=run.vectors.readout,
