@@ -12,6 +12,8 @@ the sublayer of a block').
     python benchmarks/bench_norm.py --float32-diagnosis --tie-factor 0   # ... the fit alone, no refinement at near ties
     python benchmarks/bench_norm.py --qwen2-neutral-tokens  # where a Qwen2 sublayer's neutral tokens lie (white-box)
     python benchmarks/bench_norm.py --read-out [--case "d=32 H=4"]  # GPT-2 sublayers read out by r (one number a query)
+    python benchmarks/bench_norm.py --as-run [--large] [--defaults]  # Llama sublayers as transformers runs them, and in float32
+    python benchmarks/bench_norm.py --as-run --polish-factor 3 --value-factor 1 --margin 0.9  # ... other choices
 
 Each case: a block with trained-like weights (projections N(0, 1/d), gamma ~ 1 +- 0.2, beta ~ 0.05,
 biases on, eps the class's default; tests/norm_blocks.py), its attention sublayer wrapped by
@@ -28,8 +30,9 @@ residual) is extracted with ``positions="rotary"`` too, and judged in float64 th
 (``RotarySublayerFloat64``: its weights, a float64 RMSNorm and float64 angles; transformers'
 ``LlamaRMSNorm`` and rotary embedding compute in float32 whatever the dtype); its "attention without
 the norm" is ``mx.extract(TorchOracle(float64_layer(layer.self_attn)), d, heads=H, seed=1,
-positions="rotary")``. The block as transformers runs it (``attention_sublayer(layer)``) is its own
-row, judged against itself. Mistral's (``MistralDecoderLayer``, a sliding window of 16 tokens) likewise.
+positions="rotary")``. The block as transformers runs it (``attention_sublayer(layer)``: its answers
+carry float32's rounding) and the block in float32 are ``--as-run``'s, judged against that exact sublayer.
+Mistral's (``MistralDecoderLayer``, a sliding window of 16 tokens) likewise.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from mhaextract.adapters.normed import attention_sublayer  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle  # noqa: E402
 from mhaextract.adapters.rotary import float64_layer  # noqa: E402
 from mhaextract.models.normed import PostNormAttention  # noqa: E402
-from mhaextract.norm import post_norm  # noqa: E402
+from mhaextract.norm import learn, post_norm  # noqa: E402
 from norm_blocks import (  # noqa: E402
     RotarySublayerFloat64, RMSSublayer, bert_attention, bert_layer, every_position_error, gpt2_block, rotary_block,
     post_norm_truth, raw_sequences, read_out_error, read_out_truth, rotary_truth, vit_layer,
@@ -81,9 +84,6 @@ def cases(large: bool):
     mistral = rotary_block(16, 4, kv_heads=2, family="mistral", sliding_window=16)
     out.append(("Mistral sublayer d=16 H=4 (2 key/value heads, window 16) float64", RotarySublayerFloat64(mistral), 16,
                 4, "auto", float64_layer(mistral.self_attn), mistral.input_layernorm.variance_epsilon, ROTARY))
-    llama = rotary_block(16, 4, kv_heads=2)
-    out.append(("Llama sublayer d=16 H=4 as transformers runs it (float32 norm and angles)", attention_sublayer(llama),
-                16, 4, "auto", None, llama.input_layernorm.variance_epsilon, ROTARY))
     for d, H in [(16, 2), (16, 4), (24, 2)] + ([(64, 4)] if large else []):
         block = gpt2_block(d, H)
         out.append((f"GPT-2 sublayer d={d} H={H} float64", attention_sublayer(block), d, H, "auto", block.attn,
@@ -306,6 +306,67 @@ def read_out(case: str) -> None:
                   f"{str(refusal)[:90]}... |")
 
 
+def as_run_cases(large: bool):
+    """(name, the sublayer as run, the exact float64 sublayer of the same weights, d, H): a float64 decoder layer
+    as transformers runs it (its RMSNorm and rotary angles in float32) and the block in float32."""
+    out = []
+    for d in [16] + ([64] if large else []):
+        for family, config in (("llama", {}),) + ((("mistral", {"sliding_window": 16}),) if d == 16 else ()):
+            name = "Llama" if family == "llama" else "Mistral (window 16)"
+            layer = rotary_block(d, 4, kv_heads=2, family=family, **config)
+            out.append((f"{name} sublayer d={d} H=4 (2 key/value heads), float64 as transformers runs it",
+                        attention_sublayer(layer), RotarySublayerFloat64(layer), d, 4))
+        rounded = rotary_block(d, 4, kv_heads=2).float()
+        out.append((f"Llama sublayer d={d} H=4 (2 key/value heads), float32", attention_sublayer(rounded),
+                    RotarySublayerFloat64(rotary_block(d, 4, kv_heads=2).float().double()), d, 4))
+    return out
+
+
+def as_run(case: str, large: bool, defaults: bool = False) -> None:
+    """Rotary sublayers whose answers carry float32's rounding, extracted with ``norm="auto"``, ``positions="rotary"``
+    (``seed=1``), the replacement judged at every position of the benchmark's 100 raw sequences against the exact
+    float64 sublayer of the same weights (float64 norm and angles; a float32 block's weights in float64), beside the
+    layer's own error against it; CPU seconds of the extraction. ``defaults``: without ``norm=`` (the failed rotary
+    run hands the session to the norm learner; both runs' queries counted)."""
+    print("| case | ok | answers taken as float32 (measured noise) | queries | CPU s | error estimate "
+          "| the rotary run's estimate | error at every position | the layer's own error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, module, exact, d, H in as_run_cases(large):
+        if case not in name:
+            continue
+        started = time.process_time()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = mx.extract(TorchOracle(module), d, heads=H, seed=1, on_failure="warn",
+                                **({} if defaults else {"norm": "auto"}), **ROTARY)
+        seconds = time.process_time() - started
+        sequences = raw_sequences(np.random.default_rng(11), d, 100)
+        dtype = next(module.parameters()).dtype
+
+        def as_run_float64(X, module=module, dtype=dtype):
+            return module(X.to(dtype)).double()
+
+        own = every_position_error(exact_reading(as_run_float64), exact, sequences, True)
+        error = "-" if result.model is None else f"{every_position_error(result.model, exact, sequences, True):.1e}"
+        noise = next((f"{c.value:.1e}" for c in result.checks if c.name == "answer_noise"), "no (float32 layer)"
+                     if str(dtype) == "torch.float32" else "no")
+        verdict = "ok" if result.ok else result.failed_checks[0].name
+        inner = "-" if getattr(result, "inner", None) is None else f"{result.inner.error_estimate:.1e}"
+        print(f"| {name} | {verdict} | {noise} | {result.queries} | {seconds:.1f} | {result.error_estimate:.1e} "
+              f"| {inner} | {error} | {own:.1e} |", flush=True)
+
+
+class exact_reading:
+    """A module's outputs at every position as a model's (``every_position``), to judge one module by another."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def every_position(self, X, causal):
+        with torch.no_grad():
+            return self.module(torch.as_tensor(X)[None])[0].double().numpy()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add GPT-2's and ViT's sublayers at d = 64, H = 4")
@@ -322,11 +383,28 @@ def main() -> None:
                         help="with --float32-diagnosis: the refinement at near ties with TIE_FACTOR H d queries (0: none)")
     parser.add_argument("--qwen2-neutral-tokens", action="store_true",
                         help="only the norms of Qwen2 sublayers' neutral tokens against the ball (white-box)")
+    parser.add_argument("--as-run", action="store_true",
+                        help="only rotary sublayers whose answers carry float32 rounding (as transformers runs a "
+                             "float64 LlamaDecoderLayer; the block in float32), judged against the exact float64 one")
+    parser.add_argument("--polish-factor", type=float, default=None,
+                        help="with --as-run: the rotary learner's polish queries per parameter (the library: 6)")
+    parser.add_argument("--value-factor", type=float, default=None,
+                        help="with --as-run: times the rotary learner's value read-outs (the library: 4)")
+    parser.add_argument("--margin", type=float, default=None,
+                        help="with --as-run: the instances' token norm and bound over sqrt(d) (the library: 0.99)")
     parser.add_argument("--read-out", action="store_true",
                         help="only GPT-2 sublayers read out by r (one number a query), and BertAttention's refusal")
     args = parser.parse_args()
     if args.read_out:
         read_out(args.case)
+        return
+    if args.as_run:
+        if args.polish_factor is not None or args.value_factor is not None:  # variants of the library's choice
+            learn.COARSE_ROTARY_FACTORS = {"polish_factor": args.polish_factor or 3,
+                                           "value_factor": args.value_factor or 1}
+        if args.margin is not None:
+            learn.COARSE_BALL_MARGIN = args.margin
+        as_run(args.case, args.large, args.defaults)
         return
     if args.qwen2_neutral_tokens:
         qwen2_neutral_tokens()

@@ -941,3 +941,31 @@ def test_finals_held_at_half_weight_have_self_scores_log_e_and_the_criterion_see
     keyed = neutral + np.linalg.lstsq(Wk, slow_key, rcond=None)[0]
     assert at_neutral <= 1e-9
     assert np.abs(half_weight_misfit(whole, keyed, finals, lengths, count - 1.0)).max() >= 100 * at_neutral
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"polish_factor": 0}, "polish_factor must be a positive number"),
+    ({"value_factor": "4"}, "value_factor must be a positive number"),
+    ({"value_factor": True}, "value_factor must be a positive number"),
+])
+def test_bad_query_factors_are_named(options, message):
+    layer = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=0)
+    with pytest.raises(ValueError, match=message):
+        mx.extract(mx.SimulatedOracle(layer), d=4, heads=1, positions="rotary", **options)
+
+
+def test_a_token_bound_scales_the_random_queries_tokens_onto_it():
+    # the rotary run's polish and value read-out queries under an oracle's token_bound: none beyond it, those
+    # within it unchanged, the others in their own directions
+    from mhaextract.oracle.queries import random_queries
+
+    free = random_queries(np.random.default_rng(0), 50, 8, 2.0, (2, 16))
+    bounded = random_queries(np.random.default_rng(0), 50, 8, 2.0, (2, 16), bound=2.1)
+    norms = np.concatenate([np.linalg.norm(X, axis=1) for X in free])
+    assert (norms > 2.1).any() and (norms < 2.1).any()
+    for X, Y in zip(free, bounded):
+        inside = np.linalg.norm(X, axis=1) <= 2.1
+        assert np.array_equal(X[inside], Y[inside])
+        assert np.allclose(np.linalg.norm(Y[~inside], axis=1), 2.1)
+        assert np.allclose(Y[~inside] / np.linalg.norm(Y[~inside], axis=1)[:, None],
+                           X[~inside] / np.linalg.norm(X[~inside], axis=1)[:, None])

@@ -116,8 +116,10 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
           :class:`~mhaextract.rotary.learn.RotaryExtraction` whose ``model`` is a
           :class:`~mhaextract.RotaryAttention`. It takes ``heads``, ``precision``, ``seed``,
           ``token_scale``, ``bias`` (the query bias; default True), ``rank`` (the head width),
-          ``batch_size``, ``progress``, ``on_failure``, ``max_queries``, ``verify_length`` and
-          ``key_bias``.
+          ``batch_size``, ``progress``, ``on_failure``, ``max_queries``, ``verify_length``,
+          ``key_bias``, ``polish_factor`` (the refinement's fresh queries per parameter, default 3) and
+          ``value_factor`` (times the value fit's read-out queries, default 1): more answers average more of
+          their rounding.
         - ``norm``: ``"auto"``, ``"layernorm"`` or ``"rmsnorm"``: the oracle is the attention sublayer of a
           pre-norm block (a norm before the attention, the residual around it; GPT-2's ``ln_1`` + ``attn``,
           a ViT's, ``mhaextract.adapters.normed.attention_sublayer(block)``), learned by the ``norm`` learner

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .base import Check
 from ..oracle.queries import quantize
 from ..run.validation import spawn_rng
 
@@ -34,6 +35,18 @@ PROBE_TRIPLES = 4
 PROBE_QUERIES = 3 * PROBE_TRIPLES
 #: A triple's misfit under this many units of 2^-53 of its answers is float64 rounding.
 ROUNDING_ULPS = 16.0
+#: float32's unit roundoff: the unit a run takes for float64 answers that carry float32's rounding.
+FLOAT32_UNIT = 2.0 ** -24
+
+
+def taken_as_float32(noise: float, float64_limit: float, measured: str, cause: str) -> Check:
+    """The passed check ``answer_noise`` of a run that measured float32-level ``noise`` in float64 answers
+    (above ``float64_limit``, what exact float64 answers stay below; ``measured``: from what) and goes on
+    as from float32 answers (unit :data:`FLOAT32_UNIT`), naming the likely ``cause`` (docs/algorithm.md,
+    'Float64 answers computed in float32'; 'Attention behind a norm: the sublayer of a block')."""
+    return Check("answer_noise", True, noise, float64_limit,
+                 f"the answers carry about {noise:.1e} relative noise although float64 ({measured}), as {cause}: "
+                 "extracted as from float32 answers, to their precision")
 
 
 def _triples(plan) -> list[np.ndarray]:

@@ -46,17 +46,28 @@ def one_token_queries(basis: np.ndarray) -> list[np.ndarray]:
 
 
 def random_queries(rng: np.random.Generator, count: int, d: int, token_scale: float,
-                   lengths: tuple[int, int], spread: float = 0.0) -> list[np.ndarray]:
+                   lengths: tuple[int, int], spread: float = 0.0, bound: float | None = None) -> list[np.ndarray]:
     """``count`` sequences, lengths uniform in ``lengths`` (inclusive), i.i.d. Gaussian tokens
     ``N(0, I/d)`` times a per-sequence scale ``token_scale * 2**u``, ``u`` uniform in
-    ``[-spread, spread]`` (token norms about ``token_scale``)."""
+    ``[-spread, spread]`` (token norms about ``token_scale``); with ``bound``, a token of larger norm
+    scaled onto it (an oracle that answers only tokens inside a ball, :func:`bounded`)."""
     low, high = int(lengths[0]), int(lengths[1])
     if low < 1 or high < low:
         raise ValueError(f"lengths must satisfy 1 <= low <= high, got {lengths}")
     count = int(count)
     sizes = rng.integers(low, high + 1, size=count)
     scales = token_scale * (2.0 ** rng.uniform(-spread, spread, size=count) if spread else np.ones(count))
-    return [rng.standard_normal((int(n), d)) * (s / np.sqrt(d)) for n, s in zip(sizes, scales)]
+    return [bounded(rng.standard_normal((int(n), d)) * (s / np.sqrt(d)), bound) for n, s in zip(sizes, scales)]
+
+
+def bounded(tokens: np.ndarray, bound: float | None) -> np.ndarray:
+    """``tokens`` (rows) with each row of norm above ``bound`` scaled onto it (None: unchanged). An oracle
+    declaring ``token_bound`` answers only tokens of smaller norm: the attention behind a norm, whose
+    tokens fill a ball (docs/algorithm.md, 'Attention behind a norm: the sublayer of a block')."""
+    if bound is None:
+        return tokens
+    norms = np.sqrt((tokens * tokens).sum(axis=-1, keepdims=True))
+    return np.where(norms > bound, tokens * (bound / np.maximum(norms, 1e-300)), tokens)
 
 
 def padded(sequences) -> tuple[np.ndarray, np.ndarray]:

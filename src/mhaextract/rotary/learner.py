@@ -11,7 +11,10 @@ from ..oracle.boundary import BudgetExceeded
 from ..oracle.transcript import RUN
 from ..run.learner import AUTO, FallBack, Learner, register_learner, successor
 from ..run.validation import positive_int, spawn_rng
-from .run import extract_rotary
+from .run import POLISH_FACTOR, extract_rotary
+
+#: The query factors' defaults (a transcript's header names only those set otherwise).
+DEFAULT_FACTORS = {"polish_factor": float(POLISH_FACTOR), "value_factor": 1.0}
 
 
 @register_learner
@@ -27,6 +30,8 @@ class RotaryLearner(Learner):
         "bias": "the query bias (default True)",
         "rank": "the head width r",
         "key_bias": "the keys carry a bias (Qwen2): found from whole answers first",
+        "polish_factor": "the refinement's fresh queries per parameter (default 3)",
+        "value_factor": "times the value fit's read-out queries (default 1; whole answers)",
     }
     refusal = "the rotary schedule runs with the number of heads given (heads=H), in float64 or at precision=bits"
     priority = 0
@@ -52,8 +57,16 @@ class RotaryLearner(Learner):
                              f"precision={common.precision} is not available for it")
         rank = options.get("rank")
         bias = options.get("bias")
+        factors = {}
+        for name, default in (("polish_factor", POLISH_FACTOR), ("value_factor", 1.0)):
+            value = options.get(name)
+            value = default if value is None else value
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number (more answers average more rounding), "
+                                 f"got {value!r}")
+            factors[name] = float(value)
         return {"positions": "rotary", "key_bias": bool(key_bias), "bias": True if bias is None else bool(bias),
-                "rank": None if rank is None else positive_int("rank", rank)}
+                "rank": None if rank is None else positive_int("rank", rank), **factors}
 
     def run(self):
         session, request, options = self.session, self.session.request, self.options
@@ -65,6 +78,8 @@ class RotaryLearner(Learner):
         session.open_transcript({"d": request.d, "heads": request.heads, "seed": request.seed,
                                  "precision": request.precision, "schedule": self.name,
                                  "bias": options["bias"], "rank": options["rank"], "key_bias": options["key_bias"],
+                                 **{name: options[name] for name in ("polish_factor", "value_factor")
+                                    if options[name] != DEFAULT_FACTORS[name]},
                                  "token_scale": "auto" if scale in (None, "auto") else float(scale).hex()})
         if session.record is not None:
             session.record.start_run({"schedule": self.name, "d": request.d, "heads": request.heads})
@@ -75,7 +90,8 @@ class RotaryLearner(Learner):
                                     bias=options["bias"], rank=options["rank"], batch_size=session.batch_size,
                                     progress=session.progress, max_queries=session.max_queries,
                                     verify_length=session.verify_length, key_bias=options["key_bias"],
-                                    boundary=boundary)
+                                    boundary=boundary, polish_factor=options["polish_factor"],
+                                    value_factor=options["value_factor"])
             whole = (getattr(boundary.vectors, "d_out", None) or 1) > 1  # the sublayer learner reads whole answers
             if not result.ok and session.requested == AUTO and request.precision is None and whole:
                 handed_on = _successor(session, boundary, result)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..checks.base import Check, available_memory
+from ..checks.noise_probe import taken_as_float32
 from ..checks.verify import ask_long_verification, output_errors
 from ..numerics.highprec import mid_float, mpf_array
 from ..oracle.boundary import OracleBoundary
@@ -150,6 +151,9 @@ class RotaryRun:
     answer_dtype: str
     started: float
     units: float
+    token_bound: float | None = None  # the oracle's: the largest token norm it answers (None: any)
+    polish_factor: float = 3.0  # fresh polish queries per parameter (POLISH_FACTOR)
+    value_factor: float = 1.0  # times the value fit's read-out queries
     # the first look
     c: float = 0.0  # the output constant (read out to a scalar)
     c_whole: np.ndarray | None = None  # a whole layer's output constant
@@ -256,7 +260,8 @@ def begin_run(oracle, d: int, heads: int, seed, precision: int | None, token_sca
     units = 1.0 if precision is None else 2.0 ** (53 - precision)
     return RotaryRun(boundary=boundary, vectors=boundary.vectors, d=d, heads=heads, seed=seed, precision=precision,
                      token_scale=token_scale, bias=bias, rank=rank, key_bias=key_bias, progress=progress,
-                     answer_dtype=answer_dtype, started=started, units=units)
+                     answer_dtype=answer_dtype, started=started, units=units,
+                     token_bound=getattr(oracle, "token_bound", None))
 
 
 def first_look(run: RotaryRun, window_limit: int) -> None:
@@ -270,7 +275,7 @@ def first_look(run: RotaryRun, window_limit: int) -> None:
     run.c = float(run.vectors.scalars(constant)[0] if run.c_whole is not None else constant[0])
     # (y, 0^(L-1)) answers c once y left the window, key bias or not (every token attended is 0 and
     # carries the same value whatever it scores): the window is found before any key-neutral token
-    run.window = find_window(boundary, spawn_rng(run.seed, 21), run.scale, run.c, window_limit)
+    run.window = find_window(boundary, spawn_rng(run.seed, 21), run.scale, run.c, window_limit, run.token_bound)
     run.coarse = boundary.answer_unit > FIRST_LOOK_UNIT  # float32 answers
     run.learner = RotaryLearner(d, run.heads, run.seed, run.scale, run.bias, run.rank, run.window.window,
                                 NOISY_SPARE_TOKENS if run.coarse else SPARE_TOKENS)
@@ -365,12 +370,10 @@ def take_as_float32(run: RotaryRun, noise: float) -> None:
     run.learner = RotaryLearner(run.d, run.heads, run.seed, run.scale, run.bias, run.rank, run.window.window,
                                 NOISY_SPARE_TOKENS)
     choose_token_scale(run.learner, run.ask, run.c, run.channels_c, coarse=True)
-    run.checks.append(Check("answer_noise", True, noise, NOISY_ANSWERS,
-                            f"the answers carry about {noise:.1e} relative noise although float64 (the self "
-                            "instances' rational fits miss by that much; exact answers leave about 1e-15), as a "
-                            "float64 layer that computes its rotary angles or softmax in float32 gives "
-                            "(transformers' own rotary embedding, the eager softmax): extracted as from float32 "
-                            "answers, to their precision"))
+    run.checks.append(taken_as_float32(noise, NOISY_ANSWERS, "the self instances' rational fits miss by that much; "
+                                       "exact answers leave about 1e-15", "a float64 layer that computes its rotary "
+                                       "angles or softmax in float32 gives (transformers' own rotary embedding, the "
+                                       "eager softmax)"))
 
 
 def learn_start(run: RotaryRun) -> None:
@@ -417,7 +420,7 @@ def check_refinement_memory(run: RotaryRun) -> None:
     windows', 'Refinement'): its normal equations (or a high-precision run's Jacobian) beside the memory
     available, refused before the polish queries are spent; the start is then dropped."""
     parameters = len(pack(run.start))
-    need, have = refinement_memory(parameters, POLISH_FACTOR * parameters, run.precision), available_memory()
+    need, have = refinement_memory(parameters, int(run.polish_factor * parameters), run.precision), available_memory()
     if have is not None and need > have:
         run.checks.append(Check("refinement_memory", False, float(need), float(have),
                                 f"the refinement's {'normal equations' if run.precision is None else 'Jacobian'} "
@@ -434,8 +437,8 @@ def ask_polish_queries(run: RotaryRun) -> None:
     positions, grouped heads and sliding windows', 'Refinement'), and the key bias's prior after the
     large-query search: a Gaussian of the size it leaves, or the steps trade it for the slowest angle
     (theta -> 0, k -> large)."""
-    run.polish = random_queries(spawn_rng(run.seed, 22), POLISH_FACTOR * len(pack(run.start)), run.d,
-                                run.learner.token_scale, POLISH_LENGTHS)
+    run.polish = random_queries(spawn_rng(run.seed, 22), int(run.polish_factor * len(pack(run.start))), run.d,
+                                run.learner.token_scale, POLISH_LENGTHS, bound=run.token_bound)
     run.polish_exact = run.boundary.ask(run.polish, "refining on fresh queries")
     run.polish_answers = mid_float(run.polish_exact)
     run.key_size = SEARCH_KEY_SIZE if run.neutral is not None and run.neutral.large_queries else None
@@ -512,8 +515,9 @@ def fit_layer_values(run: RotaryRun) -> None:
     V_h and c fitted to whole answers of fresh value read-out queries, with the refinement's score error;
     the model becomes the whole layer's (the scalar one kept) and the estimate takes the fit's."""
     model, estimate = run.model, run.estimate
-    value_queries = random_queries(spawn_rng(run.seed, 13), value_query_count(model.heads, run.d), run.d,
-                                   run.learner.token_scale, VALUE_QUERY_LENGTHS)
+    count = int(run.value_factor * value_query_count(model.heads, run.d))
+    value_queries = random_queries(spawn_rng(run.seed, 13), count, run.d,
+                                   run.learner.token_scale, VALUE_QUERY_LENGTHS, bound=run.token_bound)
     run.whole = run.boundary.ask(value_queries, "value read-outs", whole=True)
     run.value_fit = fit_values(model, value_queries, run.whole, bias=True, readout=run.vectors.readout,
                                score_error=(estimate, estimate), seed=run.seed,
@@ -549,7 +553,8 @@ def verify_long(run: RotaryRun, verify_length: int | None) -> None:
 def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | None = None, token_scale=None,
                    bias: bool = True, rank: int | None = None, batch_size: int = 1024, progress=None,
                    max_queries=None, verify_length: int | None = None,
-                   window_limit: int = 4096, key_bias: bool = False, boundary=None) -> RotaryExtraction:
+                   window_limit: int = 4096, key_bias: bool = False, boundary=None,
+                   polish_factor: float = POLISH_FACTOR, value_factor: float = 1.0) -> RotaryExtraction:
     """The rotary extraction behind ``extract(..., positions="rotary")`` (its checks unreported:
     ``extract`` raises or warns on failure). ``precision=bits``: an oracle answering ``mpf`` at
     ``bits``; the float64 fit is taken to them by :func:`~mhaextract.rotary.refine.polish_high_precision`.
@@ -557,12 +562,14 @@ def extract_rotary(oracle, d: int, heads: int, seed=None, *, precision: int | No
     after the search for a key-neutral token z* (:mod:`~mhaextract.rotary.neutral`; from float32
     answers by :func:`~mhaextract.rotary.neutral.large_query_search`) is asked at tokens shifted by
     z*, the refinement fits a key bias too (after the large-query search with a prior of the size
-    it leaves), and the model is shifted back. ``boundary``: the session's (counting, budget, a
+    it leaves), and the model is shifted back. ``polish_factor``: the refinement's fresh queries per parameter;
+    ``value_factor``: times the value fit's read-out queries (more answers average more rounding). ``boundary``: the session's (counting, budget, a
     transcript section recording every answer: the run's queries depend on earlier answers, each
     the same given them, so a resumed run asks the same queries and reads back those answered).
     The steps are this module's functions (see its docstring)."""
     run = begin_run(oracle, d, heads, seed, precision, token_scale, bias, rank, batch_size, progress, max_queries,
                     key_bias, boundary)
+    run.polish_factor, run.value_factor = float(polish_factor), float(value_factor)
     first_look(run, window_limit)
     if key_bias and run.passed:  # the search's sequences need the window's tokens
         seek_neutral_token(run)

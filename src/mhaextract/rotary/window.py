@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks.base import Check
+from ..oracle.queries import bounded
 
 
 @dataclass
@@ -54,10 +55,12 @@ class WindowSearch:
         return Check("window", True, value, float(shortest), found)
 
 
-def find_window(boundary, rng: np.random.Generator, token_scale: float, c: float, limit: int) -> WindowSearch:
-    """Doubling then bisection on ``(y, 0^(L - 1))`` (one query per length, through ``boundary``)."""
+def find_window(boundary, rng: np.random.Generator, token_scale: float, c: float, limit: int,
+                bound: float | None = None) -> WindowSearch:
+    """Doubling then bisection on ``(y, 0^(L - 1))`` (one query per length, through ``boundary``; y within
+    ``bound``, :func:`~mhaextract.oracle.queries.bounded`)."""
     d = boundary.d
-    y = rng.standard_normal(d) * token_scale / np.sqrt(d)
+    y = bounded(rng.standard_normal(d) * token_scale / np.sqrt(d), bound)
     base = abs(float(boundary.ask([y[None]], "window search")[0]) - c)
     unit = boundary.answer_unit
     floor = 64 * unit * max(abs(c), base, 1e-300)  # the answers' rounding, with room
