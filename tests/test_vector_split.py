@@ -34,6 +34,7 @@ def worst_position_error(model, truth, d, seed=7, longest=64, scale=None, length
     return worst
 
 
+@pytest.mark.slow
 def test_a_low_rank_layer_is_split_by_head_to_machine_precision():
     d, heads, rank = 8, 2, 4
     target = low_rank_layer(d, heads, rank)
@@ -112,6 +113,7 @@ def test_scalar_answers_never_try_the_split():
     assert result.queries == named.queries
 
 
+@pytest.mark.slow
 def test_auto_splits_the_whole_answers_of_a_small_float64_layer():
     """Whole float64 answers, H declared, heads that fit in d_out and a refinement that runs in full:
     "auto" runs the split, and its model is the layer's to 1e-12 at every position."""
