@@ -399,9 +399,8 @@ def main() -> None:
         read_out(args.case)
         return
     if args.as_run:
-        if args.polish_factor is not None or args.value_factor is not None:  # variants of the library's choice
-            learn.COARSE_ROTARY_FACTORS = {"polish_factor": args.polish_factor or 3,
-                                           "value_factor": args.value_factor or 1}
+        given = {name: getattr(args, name) for name in ("polish_factor", "value_factor") if getattr(args, name)}
+        learn.COARSE_ROTARY_FACTORS = {**learn.COARSE_ROTARY_FACTORS, **given}  # variants of the library's choice
         if args.margin is not None:
             learn.COARSE_BALL_MARGIN = args.margin
         as_run(args.case, args.large, args.defaults)

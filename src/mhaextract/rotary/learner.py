@@ -58,7 +58,7 @@ class RotaryLearner(Learner):
         rank = options.get("rank")
         bias = options.get("bias")
         factors = {}
-        for name, default in (("polish_factor", POLISH_FACTOR), ("value_factor", 1.0)):
+        for name, default in DEFAULT_FACTORS.items():
             value = options.get(name)
             value = default if value is None else value
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:

@@ -152,7 +152,7 @@ class RotaryRun:
     started: float
     units: float
     token_bound: float | None = None  # the oracle's: the largest token norm it answers (None: any)
-    polish_factor: float = 3.0  # fresh polish queries per parameter (POLISH_FACTOR)
+    polish_factor: float = POLISH_FACTOR  # fresh polish queries per parameter
     value_factor: float = 1.0  # times the value fit's read-out queries
     # the first look
     c: float = 0.0  # the output constant (read out to a scalar)

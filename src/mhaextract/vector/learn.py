@@ -281,8 +281,8 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
                              lambda: more_bases(values, boundary, values_rng, d, scale, UNREFINED_VALUE_BASES - 1))
     note_progress(progress, "whole answers: every head's attention weights")
     design = score_design(unit)
-    full = refines_fully(d, split.ranks, unit)[0]
-    phase_one = 0.0 if refinement_route(d, split.ranks, unit) else UNREFINED_PHASE_ONE
+    route = refinement_route(d, split.ranks, unit)
+    full, phase_one = route == "full", (0.0 if route else UNREFINED_PHASE_ONE)
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
                                           unit, design if full else SCORES_ONLY, phase_one)
     return (_start(split, K, G, beta, values.c, d, d_out), FittedQueries(values.sequences, values.answers, batches),
