@@ -234,7 +234,7 @@ def main() -> None:
     if args.unrefined_split:
         directions, difference_scale, bases, phase_one = args.unrefined_split
         vector_split.UNREFINED_DIRECTIONS, vector_split.UNREFINED_DIFFERENCE_SCALE = int(directions), difference_scale
-        vector_learn.UNREFINED_VALUE_BASES, vector_learn.UNREFINED_PHASE_ONE = int(bases), phase_one
+        vector_learn.UNREFINED_VALUE_BASES, vector_scores.PHASE_ONE[""] = int(bases), (8, phase_one)
     if args.refinement:
         vector_learn.REFINE_WORK = float("inf") if args.refinement == "full" else 0.0
         vector_learn.SCORE_REFINE_WORK = 0.0 if args.refinement == "none" else float("inf")

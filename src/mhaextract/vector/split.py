@@ -35,7 +35,8 @@ MOST_CIRCLES = 6
 MOST_SAMPLES_PER_FLIP = 8
 #: The perturbation of the base difference for the further directions.
 PERTURBATION = 0.02
-#: Directions per round (rounds continue until every head's rank stopped growing).
+#: Directions per round while some head's rank grows with every column; once none does, a round asks
+#: only the columns the stop still needs (``rank + 3`` per head).
 DIRECTIONS_PER_ROUND = 8
 #: The second round asks ``EXACT_DIRECTIONS r + 2`` independent differences: a head's subspace is the
 #: span of its columns ``V_h delta_j``, whose noise it takes divided by their smallest singular value
@@ -317,8 +318,9 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
     prior = _patterns(labels, base, tolerance)
     columns = [[labels[:, h] / np.linalg.norm(labels[:, h])] for h in range(heads)]
     most = min(d, d_out)
+    count = DIRECTIONS_PER_ROUND
     while True:
-        moved = exact_tokens(delta + PERTURBATION * random_tokens(DIRECTIONS_PER_ROUND), unit)
+        moved = exact_tokens(delta + PERTURBATION * random_tokens(count), unit)
         for moved_labels in _labels_along(saturated, finals, moved, lambda _: labels, heads, tolerance,
                                           random_tokens, prior):
             for h in range(heads):
@@ -327,6 +329,8 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
         if (all(rank + 2 < len(column) for rank, column in zip(ranks, columns)) or len(columns[0]) > most + 2
                 or sum(ranks) > d_out):  # (the last: they cannot be independent, said at once)
             break
+        growing = any(rank >= len(columns[0]) for rank in ranks)
+        count = DIRECTIONS_PER_ROUND if growing else max(ranks) + 3 - len(columns[0])
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
     projectors = [O @ P for O, P in zip(first.O, first.P)]
     route = refinement(ranks)
