@@ -228,17 +228,23 @@ class FittedQueries:
         """Every query's tokens at once (the refinement's data)."""
         return [X for sequences, _ in self.parts() for X in sequences]
 
+    def groups(self):
+        """``(indices into answers, tokens (B, N, d))`` per query length, a batch at a time: a score
+        batch's queries have one length, its tokens one array as drawn."""
+        yield from grouped(self.first[0])
+        done = len(self.first[0])
+        for batch in self.batches:
+            yield np.arange(done, done + len(batch.answers)), batch.X
+            done += len(batch.answers)
+
     def outputs(self, layer: FactoredLayer) -> np.ndarray:
         """The layer's outputs on every query, a batch at a time (in factored form: ``W_h = K_h G_h`` of
         rank k costs ``2 d k`` a head and query instead of ``d^2``)."""
         out = np.empty_like(self.answers)
-        done = 0
-        for sequences, _ in self.parts():
-            for index, X in grouped(sequences):
-                for start in range(0, len(index), FORWARD_CHUNK):
-                    chunk = X[start:start + FORWARD_CHUNK].astype(np.float64)  # float32 score tokens
-                    out[done + index[start:start + FORWARD_CHUNK]] = forward(layer, chunk).f
-            done += len(sequences)
+        for index, X in self.groups():
+            for start in range(0, len(index), FORWARD_CHUNK):
+                chunk = X[start:start + FORWARD_CHUNK].astype(np.float64)  # float32 score tokens
+                out[index[start:start + FORWARD_CHUNK]] = forward(layer, chunk).f
         return out
 
 

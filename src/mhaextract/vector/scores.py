@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.linalg import solve_triangular
+from scipy.linalg.blas import dtrsv
 
 from .split import ASK_TOKENS, Split, exact_tokens
 from .values import SplitUnavailable
@@ -134,7 +135,8 @@ def _chunk_weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarr
     B, N, _ = X.shape
     heads, R = len(split.ranks), max(split.ranks)
     z = split.coordinates(outputs - c)
-    projected = X @ np.concatenate(split.P).T                                      # (B, N, sum r_h)
+    # one product over every token of the chunk (B N, d): the same sums as B products of (N, d), in fewer calls
+    projected = (X.reshape(B * N, -1).astype(np.float64) @ np.concatenate(split.P).T).reshape(B, N, -1)
     A = np.zeros((B, heads, R + 1, N))                                             # [P_h X^T; 1^T], padded
     target = np.zeros((B, heads, R + 1))
     start = 0
@@ -186,10 +188,12 @@ def _equations(a: np.ndarray):
     return ratios, weight * positive[:, None]
 
 
-def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
+def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch, X: np.ndarray | None = None):
     """``(rows, per_head)``: the rows ``x_i - t`` (F, per_final m, d), shared by every head, and per
-    head the log-ratios and their weights (F, per_final m) of one batch."""
-    X = batch.X  # float32 numbers, exact in float64: widened where used (a float64 copy would hold 150 MB at d = 768)
+    head the log-ratios and their weights (F, per_final m) of one batch. ``X``: its tokens where the
+    caller holds them (:func:`_ask`'s), else drawn again (:attr:`ScoreBatch.X`)."""
+    # float32 numbers, exact in float64: widened where used (a float64 copy would hold 150 MB at d = 768)
+    X = batch.X if X is None else X
     F, d, m = len(batch.finals), X.shape[2], X.shape[1] - 1
     rows = X[:, :-1].astype(np.float64)
     rows -= X[:, -1:]  # exact differences, in place (a second float64 copy would be 180 MB at d = 768)
@@ -199,16 +203,17 @@ def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
 
 
 def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float, unit: float, full: bool,
-         description: str) -> ScoreBatch:
-    """Queries of m random tokens before each final token. Their tokens are float32 numbers (exact in
-    float64: the oracle gets float64 arrays); the batch keeps the stream's state to draw them again."""
+         description: str) -> tuple[ScoreBatch, np.ndarray]:
+    """Queries of m random tokens before each final token: ``(batch, X)``, X the tokens asked (F per_final,
+    m + 1, d), float32 numbers (exact in float64: the oracle gets float64 arrays), which the caller
+    solves at once and lets go; the batch keeps the stream's state to draw them again."""
     draw = copy.deepcopy(rng)
     X = _tokens(rng, finals, per_final, m, scale)
     step = max(1, ASK_TOKENS // (m + 1))  # the layer's working memory grows with the tokens of one call
     answers = np.concatenate([np.asarray(boundary.ask([x.astype(np.float64) for x in X[start:start + step]],
                                                       description, whole=True))
                               for start in range(0, len(X), step)])
-    return ScoreBatch(draw, m, scale, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
+    return ScoreBatch(draw, m, scale, answers, finals.astype(np.float32).astype(np.float64), per_final, full), X
 
 
 def _solve(rows: np.ndarray, ratios: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -239,8 +244,9 @@ def _solve_heads(rows: np.ndarray, per_head: list, noise_rng: np.random.Generato
         w = np.stack([weight[f] for _, weight in per_head], axis=1)              # (n, H)
         rho = np.stack([ratios[f] for ratios, _ in per_head], axis=1)
         y, settled = _cgls(Q, w, rho * w)
+        upper = _upper(R)
         for h, (ratios, weight) in enumerate(per_head):
-            out[h][f] = (np.linalg.solve(R, y[:, h]) if settled[h]
+            out[h][f] = (dtrsv(upper, y[:, h]) if settled[h]
                          else _solve(rows[f:f + 1], ratios[f:f + 1], weight[f:f + 1])[0])
         if noise_rng is None:
             continue
@@ -255,6 +261,16 @@ def _solve_heads(rows: np.ndarray, per_head: list, noise_rng: np.random.Generato
                            _solve(rows[f:f + 1], b_noise[None, :, h] / np.where(counted[:, h], w[:, h], 1.0),
                                   weight[f:f + 1])[0])
     return out, noise
+
+
+def _upper(R: np.ndarray) -> np.ndarray:
+    """The triangular factor of a QR for :func:`~scipy.linalg.blas.dtrsv` (column-major), LinAlgError
+    where it is singular. ``R`` is upper triangular: its LU factors (partial pivoting) are ``I`` and
+    ``R`` itself, so ``np.linalg.solve(R, y)`` is this triangular solve, the same numbers, after a
+    factorisation of ``d^3 / 3`` multiply-adds per head that changes nothing."""
+    if not np.all(np.diagonal(R)):
+        raise np.linalg.LinAlgError("Singular matrix")
+    return np.asfortranarray(R)
 
 
 def _cgls(Q: np.ndarray, w: np.ndarray, b: np.ndarray):
@@ -309,40 +325,52 @@ def score_rank(vectors: np.ndarray, unit: float, noise: np.ndarray | None = None
 NOISE_SEED = 62
 
 
+def _solve_full(split: Split, c: np.ndarray, batch: ScoreBatch, index: int, X: np.ndarray | None = None):
+    """Phase 1's solve of one batch, the ``index``-th of phase 1 (its noise draws' seed):
+    :func:`_solve_heads` on :func:`_batch_equations` (``X``: the tokens asked, where held)."""
+    return _solve_heads(*_batch_equations(split, c, batch, X), noise_rng=np.random.default_rng([NOISE_SEED, index]))
+
+
 def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch], solved: dict | None = None):
     """Phase 1: the final tokens, per head ``q_h(t)`` in full (F, d) and a draw of their noise (F, d)
-    (:func:`_solve_heads`). ``solved``: the batches solved before (by position), kept between phase
-    1's rounds so that each is solved once."""
+    (:func:`_solve_heads`). ``solved``: the batches solved before (by position, :func:`_solve_full`),
+    kept between phase 1's rounds so that each is solved once."""
     solved = {} if solved is None else solved
     heads = len(split.ranks)
     finals = np.concatenate([batch.finals for batch in batches])
     full, noise = [[] for _ in range(heads)], [[] for _ in range(heads)]
     for index, batch in enumerate(batches):
         if index not in solved:
-            solved[index] = _solve_heads(*_batch_equations(split, c, batch),
-                                         noise_rng=np.random.default_rng([NOISE_SEED, index]))
+            solved[index] = _solve_full(split, c, batch, index)
         for h in range(heads):
             full[h].append(solved[index][0][h])
             noise[h].append(solved[index][1][h])
     return finals, [np.concatenate(q) for q in full], [np.concatenate(e) for e in noise]
 
 
-def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: float, ranks=None,
-                 solved: dict | None = None):
-    """``(K, G, beta, ranks)`` from the recorded batches (module docstring); ``ranks``: the k_h found
-    before (None: from the phase-1 vectors' singular values); ``solved``: see :func:`_full_vectors`."""
-    first = [batch for batch in batches if batch.full]
-    finals, full, noise = _full_vectors(split, c, first, solved)
-    ranks = [score_rank(q, unit, e) for q, e in zip(full, noise)] if ranks is None else ranks
+def score_bases(full: list[np.ndarray], ranks: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``(K, coordinates)``: per head ``K_h``, the leading ``k_h`` left singular vectors of phase 1's
+    score vectors (F, d), and their coordinates ``g_h(t) = K_h^T q_h(t)`` (F, k_h)."""
     bases = [np.linalg.svd(q.T, full_matrices=False)[0][:, :rank] for q, rank in zip(full, ranks)]
-    coordinates = [q @ K for q, K in zip(full, bases)]
-    for batch in batches:
-        if batch.full:
-            continue
-        finals = np.concatenate([finals, batch.finals])
-        rows, per_head = _batch_equations(split, c, batch)
-        coordinates = [np.concatenate([g, _solve(rows @ K, ratios, weight)])
-                       for g, K, (ratios, weight) in zip(coordinates, bases, per_head)]
+    return bases, [q @ K for q, K in zip(full, bases)]
+
+
+def score_coordinates(split: Split, c: np.ndarray, batch: ScoreBatch, bases: list[np.ndarray],
+                      X: np.ndarray | None = None) -> list[np.ndarray]:
+    """Phase 2: per head the coordinates ``g_h(t)`` (F, k_h) of a batch's final tokens in ``K_h``
+    (``X``: the tokens asked, where held). The rows are projected on every head's basis in one
+    product (each column the same sums as in a product per head)."""
+    rows, per_head = _batch_equations(split, c, batch, X)
+    widths = np.cumsum([0] + [K.shape[1] for K in bases])
+    projected = (rows.reshape(-1, rows.shape[2]) @ np.concatenate(bases, axis=1)).reshape(rows.shape[:2] + (-1,))
+    del rows
+    return [_solve(projected[:, :, start:stop], ratios, weight)
+            for start, stop, (ratios, weight) in zip(widths[:-1], widths[1:], per_head)]
+
+
+def affine_scores(finals: np.ndarray, coordinates: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``(G, beta)``: per head the least-squares affine map ``g_h(t) = G_h t + beta_h`` over the final
+    tokens ``finals`` (F, d) and their coordinates (F, k_h). SplitUnavailable where it is not finite."""
     d = finals.shape[1]
     design = np.concatenate([finals, np.ones((len(finals), 1))], axis=1)
     G, beta = [], []
@@ -352,12 +380,12 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
         beta.append(solution[d])
     if not all(np.isfinite(x).all() for x in G + beta):
         raise SplitUnavailable("the heads' attention weights could not be read from the split answers")
-    return bases, G, beta, ranks
+    return G, beta
 
 
-def _spread(split: Split, c: np.ndarray, batch: ScoreBatch) -> float:
+def _spread(split: Split, c: np.ndarray, batch: ScoreBatch, X: np.ndarray | None = None) -> float:
     """RMS of the log-ratios over every head of a batch's queries (where all its weights are positive)."""
-    ratios = [ratios[weight > 0] for ratios, weight in _batch_equations(split, c, batch)[1]]
+    ratios = [ratios[weight > 0] for ratios, weight in _batch_equations(split, c, batch, X)[1]]
     values = np.concatenate([r.ravel() for r in ratios])
     return float(np.sqrt(np.mean(values ** 2))) if values.size else float("inf")
 
@@ -369,8 +397,9 @@ def score_scale(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray
     pilots = []
     for _ in range(PILOT_LOOKS):
         finals = exact_tokens(rng.standard_normal((PILOT_QUERIES, d)) * scale / np.sqrt(d), unit)
-        pilots.append(_ask(boundary, rng, finals, 1, m, scale, unit, True, "weights: the scores' token scale"))
-        spread = _spread(split, c, pilots[-1])
+        pilot, X = _ask(boundary, rng, finals, 1, m, scale, unit, True, "weights: the scores' token scale")
+        pilots.append(pilot)
+        spread = _spread(split, c, pilot, X)
         if np.isfinite(spread) and spread > 0:
             scale *= min(1.0, float(np.sqrt(SCORE_SPREAD / spread)))
     return scale, pilots
@@ -407,17 +436,26 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
         goal = min(finals_needed, asked + FINALS_PER_ROUND if growing else max(map(stop, ranks)))
         while asked < goal:
             count = min(FINALS_PER_ROUND, goal - asked)
-            batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit,
-                                True, "weights: whole score vectors"))
+            batch, X = _ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit, True,
+                            "weights: whole score vectors")
+            solved[len(batches)] = _solve_full(split, c, batch, len(batches), X)  # the tokens asked, not drawn again
+            batches.append(batch)
+            del X
             asked += count
-        _, full, noise = _full_vectors(split, c, batches, solved)
+        finals, full, noise = _full_vectors(split, c, batches, solved)
         ranks = [score_rank(q, unit, e) for q, e in zip(full, noise)]
         if all(stop(rank) <= asked for rank in ranks) or asked >= finals_needed:
             break
+    K, coordinates = score_bases(full, ranks)
     while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
         count = min(PHASE2_FINALS, finals_needed - asked)
-        batches.append(_ask(boundary, rng, new_finals(count), int(np.ceil(oversample * max(ranks) / m)), m, scale, unit,
-                            False, "weights: score coordinates"))
+        batch, X = _ask(boundary, rng, new_finals(count), int(np.ceil(oversample * max(ranks) / m)), m, scale, unit,
+                        False, "weights: score coordinates")
+        more = score_coordinates(split, c, batch, K, X)
+        coordinates = [np.concatenate([g, part]) for g, part in zip(coordinates, more)]
+        finals = np.concatenate([finals, batch.finals])
+        batches.append(batch)
+        del X
         asked += count
-    K, G, beta, ranks = solve_scores(split, c, batches, unit, ranks, solved)
+    G, beta = affine_scores(finals, coordinates)
     return K, G, beta, pilots + batches, scale
