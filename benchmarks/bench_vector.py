@@ -29,7 +29,7 @@ replaces the split's O_h, P_h by the layer's own (every query the same), ``--sco
 ratio RMS the scores' token scale aims at, ``--refinement`` forces a refinement route,
 ``--unrefined-split`` the design of the start where no refinement follows (the split's second
 round's differences per head width and their scale, V_tot's random bases, phase 1's final tokens per
-score rank); ``--score-design`` the score queries' design where float64 answers refine the scores only.
+score rank), ``--unrefined-extra`` its phase 2's final tokens; ``--score-design`` the score queries' design where float64 answers refine the scores only.
 ``--no-fallback``: where the split gives way, the cell ends there with its reason (the queries asked
 until then, the time, the peak memory) instead of running the scalar schedules.
 """
@@ -219,6 +219,9 @@ def main() -> None:
                         help="with --exact-split: the layer's own values and subspaces off by this much, at random")
     parser.add_argument("--score-spread", type=float, help="the log-ratio RMS the scores' token scale aims at")
     parser.add_argument("--refinement", choices=["none", "scores", "full"], help="force a refinement route")
+    parser.add_argument("--unrefined-extra", type=float,
+                        help="where no refinement follows: phase 2's final tokens beyond d + 1, as a fraction of d "
+                             "(the UNREFINED design's second number)")
     parser.add_argument("--score-design", nargs=2, type=float, metavar=("OVERSAMPLE", "EXTRA"),
                         help="the score queries' design of float64 answers where only the scores are refined "
                              "(REFINED_DESIGN['scores'])")
@@ -239,6 +242,8 @@ def main() -> None:
         directions, difference_scale, bases, phase_one = args.unrefined_split
         vector_split.UNREFINED_DIRECTIONS, vector_split.UNREFINED_DIFFERENCE_SCALE = int(directions), difference_scale
         vector_learn.UNREFINED_VALUE_BASES, vector_scores.PHASE_ONE[""] = int(bases), (8, phase_one)
+    if args.unrefined_extra is not None:
+        vector_learn.UNREFINED = (vector_learn.UNREFINED[0], args.unrefined_extra)
     if args.score_design:
         vector_scores.REFINED_DESIGN["scores"] = tuple(args.score_design)
     if args.refinement:

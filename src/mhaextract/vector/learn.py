@@ -22,7 +22,7 @@ from ..run.result import Result
 from ..run.validation import spawn_rng
 from .factored import FactoredLayer, forward, grouped
 from .refine import refine, refine_scores
-from .scores import (OVERSAMPLED, PHASE_ONE, REFINED_DESIGN, learn_scores, score_queries, score_rank,
+from .scores import (OVERSAMPLED, PHASE_ONE, REFINED_DESIGN, UNREFINED, learn_scores, score_queries, score_rank,
                      tokens_per_query)
 from .split import _Saturated, output_subspaces
 from .values import SplitUnavailable, more_bases, value_map
@@ -175,9 +175,11 @@ def full_refinement_work(d: int, ranks: list[int], design: tuple[float, float]) 
 
 def score_design(unit: float, route: str) -> tuple[float, float]:
     """The score queries' design for answers rounded at ``unit`` and the refinement ``route`` that
-    follows (:func:`refinement_route`): ``REFINED_DESIGN[route]`` for float64 answers that are refined,
-    ``OVERSAMPLED`` for float32 and coarser (``COARSE_UNIT``) and where no refinement follows."""
-    return REFINED_DESIGN[route] if route and unit < COARSE_UNIT else OVERSAMPLED
+    follows (:func:`refinement_route`): ``UNREFINED`` where none follows, ``REFINED_DESIGN[route]``
+    for float64 answers that are refined, ``OVERSAMPLED`` for float32 and coarser (``COARSE_UNIT``)."""
+    if not route:
+        return UNREFINED
+    return REFINED_DESIGN[route] if unit < COARSE_UNIT else OVERSAMPLED
 
 
 def refines_fully(d: int, ranks: list[int], unit: float) -> tuple[bool, float]:

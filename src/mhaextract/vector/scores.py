@@ -29,10 +29,14 @@ from .values import SplitUnavailable
 #: refinement that follows float64 answers: ``FITTED`` where every parameter is refined, ``(1.5,
 #: 0.25)`` where the scores' only are (d = 256, H = 2..8: output error 2.4e-13..2.8e-13 in 4,840..5,854
 #: queries, estimates 2.2e-11..4.1e-11 under their limit 1e-10; ``OVERSAMPLED``: 2.0e-14..4.9e-14 in
-#: 7,895..8,437). ``OVERSAMPLED`` where the answers are float32 (their score parameters are limited by
-#: the information in the answers, not by the refinement) or no refinement follows (the start must
-#: carry the precision itself).
-FITTED, OVERSAMPLED = (1.5, 0.125), (3.0, 1.0)
+#: 7,895..8,437). ``OVERSAMPLED`` where the answers are float32: their score parameters are limited by
+#: the information in the answers, not by the refinement. Where no refinement follows the start
+#: carries the precision itself, ``UNREFINED``: the oversampled equations per final token, and
+#: ``1.5 d + 1`` final tokens, whose queries go to phase 1 instead (``PHASE_ONE[""]``: K_h, which
+#: nothing corrects afterwards, is the larger part of W_h's error there; GPT-2 small in float32: 9.4e-6
+#: at every position in 29,138 queries, against 1.0e-5 in 29,330 with ``OVERSAMPLED`` and phase 1 on
+#: 1.5 k final tokens).
+FITTED, OVERSAMPLED, UNREFINED = (1.5, 0.125), (3.0, 1.0), (3.0, 0.5)
 REFINED_DESIGN = {"full": FITTED, "scores": (1.5, 0.25)}
 #: Final tokens per batch of phase 1 (its queries' tokens and equations are held a batch at a time).
 #: A round asks, in batches, the final tokens its stop needs for score ranks equal to the value ranks
@@ -42,13 +46,13 @@ FINALS_PER_ROUND = 8
 #: Phase 1's end, ``(beyond, factor)`` of :func:`learn_scores`, by the refinement that follows (the
 #: routes of :func:`~mhaextract.vector.learn.refinement_route`). ``K_h`` is the span of phase 1's F
 #: score vectors, off by their noise over their k-th singular value, which grows as ``sqrt(F) -
-#: sqrt(k)`` (F = k + 3 at k = 128: 0.13; k + 8: 0.35; 1.5 k at k = 64: 1.8). The full refinement fits
+#: sqrt(k)`` (F = k + 3 at k = 128: 0.13; k + 8: 0.35; 2 k at k = 64: 3.3). The full refinement fits
 #: ``K_h`` on every answer, so three final tokens past the rank suffice; the scores-only refinement's
 #: few steps start from it (d = 256, H = 2, r = 128: output error 1.3e-12 with k + 3, 4.8e-13 with
 #: k + 8); where no refinement follows, phase 2 reads ``q_h`` inside ``K_h`` only and nothing after it
 #: corrects ``K_h`` (docs/algorithm.md, 'Whole answers near the vector bound', 'Where no refinement
-#: follows'): 1.5 k.
-PHASE_ONE = {"full": (3, 0.0), "scores": (8, 0.0), "": (8, 1.5)}
+#: follows'): 2 k.
+PHASE_ONE = {"full": (3, 0.0), "scores": (8, 0.0), "": (8, 2.0)}
 #: The scores' token scale is set so that the log-ratios ``log(a_i / a_N)`` have about this RMS:
 #: soft attention, every weight well above the answers' rounding, so each query tells about W_h in
 #: every direction (at the calibrated scale of a GPT-2-class layer the RMS is about 3, many weights
