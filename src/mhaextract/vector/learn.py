@@ -220,8 +220,11 @@ class FittedQueries:
     def parts(self):
         """``(sequences, answers)`` a batch at a time, in the order of :attr:`answers`."""
         yield self.first
-        for batch in self.batches:
-            yield list(batch.X), batch.answers
+        for batch in self.batches:  # drawn again FORWARD_CHUNK queries at a time (the forward's own chunks)
+            start = 0
+            for X in batch.chunks(FORWARD_CHUNK):
+                yield list(X), batch.answers[start:start + len(X)]
+                start += len(X)
 
     def sequences(self) -> list:
         """Every query's tokens at once (the refinement's data)."""

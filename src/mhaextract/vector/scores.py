@@ -48,6 +48,11 @@ PILOT_QUERIES, PILOT_LOOKS = 8, 2
 PHASE2_FINALS = 128
 #: Random numbers drawn at once for the score queries' tokens (:func:`_tokens`; 32 MB in float64).
 DRAW_NUMBERS = 2 ** 22
+#: Numbers of score-query tokens drawn at once where a batch is asked or solved (:func:`_chunks`; whole
+#: final tokens, at least one): a batch of phase 1 at d = 4096 (8 final tokens, 192 queries of 65
+#: tokens each) is 1.6 GB of float32 tokens and its rows ``x_i - t`` 3.2 GB of float64; 2^25 numbers
+#: keep a chunk's tokens near 130 MB (one final token's there: 200 MB, its rows 400 MB).
+CHUNK_NUMBERS = 2 ** 25
 #: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
 CGLS_ITERATIONS = 200
 
@@ -73,6 +78,11 @@ class ScoreBatch:
         """The tokens asked, float32 numbers (exact: the oracle got them as float64)."""
         return _tokens(copy.deepcopy(self.draw), self.finals, self.per_final, self.m, self.scale)
 
+    def chunks(self, size: int | None = None):
+        """:attr:`X` in pieces, drawn again: ``size`` queries each (the last fewer), or whole final
+        tokens at a time (``size`` None, :func:`_chunks`)."""
+        return _chunks(copy.deepcopy(self.draw), self.finals, self.per_final, self.m, self.scale, size)
+
 
 def _tokens(rng, finals: np.ndarray, per_final: int, m: int, scale: float) -> np.ndarray:
     """m random tokens before each final token, ``per_final`` times, rounded to float32 numbers. Drawn
@@ -90,26 +100,42 @@ def _tokens(rng, finals: np.ndarray, per_final: int, m: int, scale: float) -> np
     return X.reshape(F * per_final, m + 1, d)
 
 
+def _chunks(rng, finals: np.ndarray, per_final: int, m: int, scale: float, size: int | None = None):
+    """The tokens of :func:`_tokens` (the same numbers: the stream gives them in pieces), drawn
+    ``CHUNK_NUMBERS`` at a time (whole final tokens, at least one) and handed out ``size`` queries at a
+    time (the last fewer; None: as drawn, whole final tokens), so that the oracle's calls and the
+    weights' chunks are the ones of the whole batch."""
+    F, d = finals.shape
+    group = max(1, CHUNK_NUMBERS // (per_final * (m + 1) * d))
+    pending, held = [], 0
+    for start in range(0, F, group):
+        X = _tokens(rng, finals[start:start + group], per_final, m, scale)
+        if size is None:
+            yield X
+            continue
+        pending.append(X)
+        held += len(X)
+        while held >= size:
+            joined = np.concatenate(pending) if len(pending) > 1 else pending[0]
+            yield joined[:size]
+            pending, held = ([joined[size:]] if held > size else []), held - size
+    if pending and held:
+        yield np.concatenate(pending) if len(pending) > 1 else pending[0]
+
+
 def tokens_per_query(ranks: list[int]) -> int:
     """m: about half the narrowest head's value rank (the weights' solve stays well conditioned)."""
     return max(1, (min(ranks) + 1) // 2)
 
 
 #: Preconditioned conjugate-gradient iterations at most for the weights' least squares in the output
-#: metric (:func:`_weights`), and the reduction of the preconditioned residual norm at which a query
+#: metric (:func:`_chunk_weights`), and the reduction of the preconditioned residual norm at which a query
 #: stops: the start (each head on its own) is off by the answers' rounding times the split's
 #: amplification, which the output metric removes in about 15 iterations at d = 768.
 WEIGHT_ITERATIONS, WEIGHT_TOLERANCE = 20, 1e-4
-#: Queries per chunk of :func:`_weights` (the score queries' oracle calls hold ``ASK_TOKENS`` tokens each).
+#: Queries per chunk of :func:`_chunk_weights` (each query's weights are its own; the working memory is
+#: about ``6 H r N`` numbers a query; the score queries' oracle calls hold ``ASK_TOKENS`` tokens each).
 WEIGHT_CHUNK = 128
-
-
-def _weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
-    """:func:`_chunk_weights` a chunk of ``WEIGHT_CHUNK`` queries at a time (each query's weights are
-    its own; the working memory is about ``6 H r N`` numbers a query)."""
-    parts = [_chunk_weights(split, X[start:start + WEIGHT_CHUNK], outputs[start:start + WEIGHT_CHUNK], c)
-             for start in range(0, len(X), WEIGHT_CHUNK)]
-    return [np.concatenate([part[h] for part in parts]) for h in range(len(split.ranks))]
 
 
 def _chunk_weights(split: Split, X: np.ndarray, outputs: np.ndarray, c: np.ndarray) -> list[np.ndarray]:
@@ -175,16 +201,44 @@ def _equations(a: np.ndarray):
     return ratios, weight * positive[:, None]
 
 
-def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch):
-    """``(rows, per_head)``: the rows ``x_i - t`` (F, per_final m, d), shared by every head, and per
-    head the log-ratios and their weights (F, per_final m) of one batch."""
-    X = batch.X  # float32 numbers, exact in float64: widened where used (a float64 copy would hold 150 MB at d = 768)
-    F, d, m = len(batch.finals), X.shape[2], X.shape[1] - 1
-    rows = X[:, :-1].astype(np.float64)
-    rows -= X[:, -1:]  # exact differences, in place (a second float64 copy would be 180 MB at d = 768)
-    rows = rows.reshape(F, batch.per_final * m, d)
-    return rows, [tuple(part.reshape(F, -1) for part in _equations(a))
-                  for a in _weights(split, X, batch.answers, c)]
+def _batch_equations(split: Split, c: np.ndarray, batch: ScoreBatch) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per head the log-ratios and their weights (F, per_final m) of one batch, its tokens drawn again
+    ``WEIGHT_CHUNK`` queries at a time (:func:`_chunk_weights`)."""
+    parts, start = [], 0
+    for X in batch.chunks(WEIGHT_CHUNK):  # float32 numbers, exact in float64
+        parts.append(_chunk_weights(split, X, batch.answers[start:start + len(X)], c))
+        start += len(X)
+    F = len(batch.finals)
+    return [tuple(part.reshape(F, -1) for part in _equations(np.concatenate([part[h] for part in parts])))
+            for h in range(len(split.ranks))]
+
+
+def _batch_rows(batch: ScoreBatch):
+    """``(finals, rows)``: the rows ``x_i - t`` (g, per_final m, d) shared by every head, for the batch's
+    final tokens ``finals`` (a slice) a chunk of whole final tokens at a time (:func:`_chunks`): widened to
+    float64 one chunk at a time (a float64 copy of a whole batch would hold 3.2 GB at d = 4096)."""
+    start = 0
+    for X in batch.chunks():
+        g, m = len(X) // batch.per_final, X.shape[1] - 1
+        rows = X[:, :-1].astype(np.float64)
+        rows -= X[:, -1:]  # exact differences, in place
+        yield slice(start, start + g), rows.reshape(g, batch.per_final * m, X.shape[2])
+        start += g
+
+
+def _solve_batch(split: Split, c: np.ndarray, batch: ScoreBatch, noise_rng: np.random.Generator):
+    """:func:`_solve_heads` on one batch, a chunk of final tokens at a time (each final token's least
+    squares is its own; the noise draws follow the final tokens in order)."""
+    per_head = _batch_equations(split, c, batch)
+    heads = len(per_head)
+    out, noise = [[] for _ in range(heads)], [[] for _ in range(heads)]
+    for finals, rows in _batch_rows(batch):
+        solved, drawn = _solve_heads(rows, [(ratios[finals], weight[finals]) for ratios, weight in per_head],
+                                     noise_rng=noise_rng)
+        for h in range(heads):
+            out[h].append(solved[h])
+            noise[h].append(drawn[h])
+    return [np.concatenate(q) for q in out], [np.concatenate(e) for e in noise]
 
 
 def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float, unit: float, full: bool,
@@ -192,11 +246,9 @@ def _ask(boundary, rng, finals: np.ndarray, per_final: int, m: int, scale: float
     """Queries of m random tokens before each final token. Their tokens are float32 numbers (exact in
     float64: the oracle gets float64 arrays); the batch keeps the stream's state to draw them again."""
     draw = copy.deepcopy(rng)
-    X = _tokens(rng, finals, per_final, m, scale)
     step = max(1, ASK_TOKENS // (m + 1))  # the layer's working memory grows with the tokens of one call
-    answers = np.concatenate([np.asarray(boundary.ask([x.astype(np.float64) for x in X[start:start + step]],
-                                                      description, whole=True))
-                              for start in range(0, len(X), step)])
+    answers = np.concatenate([np.asarray(boundary.ask([x.astype(np.float64) for x in X], description, whole=True))
+                              for X in _chunks(rng, finals, per_final, m, scale, step)])
     return ScoreBatch(draw, m, scale, answers, finals.astype(np.float32).astype(np.float64), per_final, full)
 
 
@@ -308,8 +360,7 @@ def _full_vectors(split: Split, c: np.ndarray, batches: list[ScoreBatch], solved
     full, noise = [[] for _ in range(heads)], [[] for _ in range(heads)]
     for index, batch in enumerate(batches):
         if index not in solved:
-            solved[index] = _solve_heads(*_batch_equations(split, c, batch),
-                                         noise_rng=np.random.default_rng([NOISE_SEED, index]))
+            solved[index] = _solve_batch(split, c, batch, np.random.default_rng([NOISE_SEED, index]))
         for h in range(heads):
             full[h].append(solved[index][0][h])
             noise[h].append(solved[index][1][h])
@@ -329,9 +380,10 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
         if batch.full:
             continue
         finals = np.concatenate([finals, batch.finals])
-        rows, per_head = _batch_equations(split, c, batch)
-        coordinates = [np.concatenate([g, _solve(rows @ K, ratios, weight)])
-                       for g, K, (ratios, weight) in zip(coordinates, bases, per_head)]
+        per_head = _batch_equations(split, c, batch)
+        for rows_of, rows in _batch_rows(batch):
+            coordinates = [np.concatenate([g, _solve(rows @ K, ratios[rows_of], weight[rows_of])])
+                           for g, K, (ratios, weight) in zip(coordinates, bases, per_head)]
     d = finals.shape[1]
     design = np.concatenate([finals, np.ones((len(finals), 1))], axis=1)
     G, beta = [], []
@@ -346,7 +398,7 @@ def solve_scores(split: Split, c: np.ndarray, batches: list[ScoreBatch], unit: f
 
 def _spread(split: Split, c: np.ndarray, batch: ScoreBatch) -> float:
     """RMS of the log-ratios over every head of a batch's queries (where all its weights are positive)."""
-    ratios = [ratios[weight > 0] for ratios, weight in _batch_equations(split, c, batch)[1]]
+    ratios = [ratios[weight > 0] for ratios, weight in _batch_equations(split, c, batch)]
     values = np.concatenate([r.ravel() for r in ratios])
     return float(np.sqrt(np.mean(values ** 2))) if values.size else float("inf")
 

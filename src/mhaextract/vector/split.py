@@ -58,6 +58,14 @@ UNREFINED_DIRECTIONS, UNREFINED_DIFFERENCE_SCALE = 4, 16.0
 #: A difference whose queries do not decode into patterns of rank H asks this many more batches of
 #: final tokens (each the size of the first, ``2 H + 6``) before the split is refused.
 MOST_FINAL_BATCHES = 6
+#: Oracle calls (``ASK_TOKENS / 2`` saturated pairs each) whose tokens are built at once: a round's
+#: pairs grow with its differences (the second round at d = 4096, H = 32, r = 128: ``(4r + 2)(2H + 6)``
+#: = 35,980 pairs), and their final tokens, differences, keys, queries and sequences, each ``8 d`` bytes a
+#: pair in float64, held for a whole round take 14 GB there; one call's worth is 2,048 pairs, about
+#: 67 MB an array at d = 4096. Only the answers (``8 d_out`` bytes a pair, 1.2 GB for that round) are
+#: kept for the whole round: the one-token answers at its final tokens (:class:`_Referenced`) are
+#: asked after all its pairs, as the oracle's calls are ordered whatever the chunks.
+SUMS_CHUNK_CALLS = 1
 
 
 @dataclass
@@ -108,14 +116,34 @@ class _Saturated:
 
     def sums(self, finals: np.ndarray, deltas: np.ndarray, description: str) -> np.ndarray:
         """R for final tokens ``finals`` (n, d) and differences ``deltas`` (n, d)."""
-        keys = exact_tokens(SATURATION * (finals + deltas), self.unit)
-        queries = exact_tokens(SATURATION * finals, self.unit)
-        sequences = [np.stack([k, q]) for k, q in zip(keys, queries)]
+        return self.sums_of(len(finals), lambda rows: (finals[rows], deltas[rows]), description)
+
+    def sums_of(self, count: int, pairs, description: str) -> np.ndarray:
+        """R (count, d_out) for ``count`` pairs, ``pairs(rows)`` giving the final tokens and differences of
+        the rows of a slice: the pairs' tokens are built ``SUMS_CHUNK_CALLS`` oracle calls at a time, and
+        only the answers are kept (in place, they become R)."""
         step = ASK_TOKENS // 2
-        answers = np.concatenate([np.asarray(self.boundary.ask(sequences[start:start + step], description, whole=True))
-                                  for start in range(0, len(sequences), step)] or [np.empty((0, len(self.values.c)))])
-        self.asked += len(sequences)
-        return (answers - self._unsaturated(queries)) / SATURATION
+        chunk = step * SUMS_CHUNK_CALLS
+        sums = np.empty((count, len(self.values.c)))
+        for first in range(0, count, chunk):
+            finals, deltas = pairs(slice(first, min(first + chunk, count)))
+            keys = exact_tokens(SATURATION * (finals + deltas), self.unit)
+            queries = exact_tokens(SATURATION * finals, self.unit)
+            for start in range(0, len(keys), step):
+                sequences = [np.stack([k, q]) for k, q in zip(keys[start:start + step], queries[start:start + step])]
+                sums[first + start:first + start + len(sequences)] = self.boundary.ask(sequences, description,
+                                                                                       whole=True)
+        self.asked += count
+        chunks = [slice(first, min(first + chunk, count)) for first in range(0, count, chunk)]
+        self._reference(exact_tokens(SATURATION * pairs(rows)[0], self.unit) for rows in chunks)
+        for rows in chunks:
+            sums[rows] -= self._unsaturated(exact_tokens(SATURATION * pairs(rows)[0], self.unit))
+            sums[rows] /= SATURATION
+        return sums
+
+    def _reference(self, queries) -> None:
+        """Asks what :meth:`_unsaturated` needs at the final tokens ``queries`` (chunks of them), after
+        the pairs: nothing here."""
 
     def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
         """``c + V_tot q`` for each query's final token ``q = lam x``, from the value map."""
@@ -133,14 +161,21 @@ class _Referenced(_Saturated):
         super().__init__(saturated.boundary, saturated.values, saturated.unit)
         self.answered: dict[bytes, np.ndarray] = {}
 
-    def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
-        missing = list({query.tobytes(): query for query in queries if query.tobytes() not in self.answered}.values())
+    def _reference(self, queries) -> None:
+        missing: dict[bytes, np.ndarray] = {}
+        for chunk in queries:
+            for query in chunk:
+                key = query.tobytes()
+                if key not in self.answered and key not in missing:
+                    missing[key] = query
         if missing:
-            answers = np.asarray(self.boundary.ask([query[None].copy() for query in missing],
+            answers = np.asarray(self.boundary.ask([query[None].copy() for query in missing.values()],
                                                    "saturated directions: one-token answers at their final tokens",
                                                    whole=True))
             self.asked += len(missing)
-            self.answered.update((query.tobytes(), answer) for query, answer in zip(missing, answers))
+            self.answered.update(zip(missing, answers))
+
+    def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
         return np.stack([self.answered[query.tobytes()] for query in queries])
 
 
@@ -351,8 +386,12 @@ def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray,
     (and more where they do not decode, :func:`_labels_of`), their 0/1 patterns rounded from
     ``guess(delta)`` (labels near the true ones) or from ``prior`` (:func:`_decode`)."""
     count = len(finals)
-    sums = saturated.sums(np.tile(finals, (len(deltas), 1)), np.repeat(deltas, count, axis=0),
-                          "saturated directions")
+
+    def pairs(rows: slice):  # the rows of every difference at every final token, difference by difference
+        index = np.arange(rows.start, rows.stop)
+        return finals[index % count], deltas[index // count]
+
+    sums = saturated.sums_of(len(deltas) * count, pairs, "saturated directions")
     return [_labels_of(saturated, finals, sums[index * count:(index + 1) * count], delta, guess(delta), heads,
                        tolerance, draw, prior)[0]
             for index, delta in enumerate(deltas)]
