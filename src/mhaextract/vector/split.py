@@ -363,7 +363,6 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
                 or sum(ranks) > d_out):  # (the last: they cannot be independent, said at once)
             break
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
-    projectors = [O @ P for O, P in zip(first.O, first.P)]
     route = refinement(ranks)
     directions = {"full": 1, "scores": EXACT_DIRECTIONS}.get(route, UNREFINED_DIRECTIONS)
     deltas = random_tokens(directions * max(ranks) + 2)
@@ -371,8 +370,16 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
         deltas = exact_tokens(UNREFINED_DIFFERENCE_SCALE * deltas, unit)
     finals = random_tokens(2 * heads + 6)
     exact, sums = [[] for _ in range(heads)], saturated if route == "full" else _Referenced(saturated)
-    predicted = lambda delta: np.stack([V @ delta for V in projectors], axis=1)  # noqa: E731
-    for found in _labels_along(sums, finals, deltas, predicted, heads, tolerance, random_tokens):
+    # the first split's prediction Pi_h V_tot delta = (O_h P_h) delta of every difference's labels (n, d_out, H),
+    # one head's projector at a time: all H of them (d_out x d each) would hold 4.3 GB at d = 4096, H = 32
+    predicted = np.empty((len(deltas), d_out, heads))
+    for h, (O, P) in enumerate(zip(first.O, first.P)):
+        projector = O @ P
+        for index, delta in enumerate(deltas):
+            predicted[index, :, h] = projector @ delta
+    del projector
+    for found in _labels_along(sums, finals, deltas, lambda index: predicted[index], heads, tolerance,
+                               random_tokens):
         for h in range(heads):
             exact[h].append(found[:, h])
     if not route and more_values is not None:
@@ -384,7 +391,8 @@ def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray,
                   tolerance: float, draw, prior=None) -> list[np.ndarray]:
     """For each difference in ``deltas``: the labels (d_out x H) from saturated queries at ``finals``
     (and more where they do not decode, :func:`_labels_of`), their 0/1 patterns rounded from
-    ``guess(delta)`` (labels near the true ones) or from ``prior`` (:func:`_decode`)."""
+    ``guess(index)`` (labels near the true ones of the difference ``deltas[index]``) or from ``prior``
+    (:func:`_decode`)."""
     count = len(finals)
 
     def pairs(rows: slice):  # the rows of every difference at every final token, difference by difference
@@ -392,7 +400,7 @@ def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray,
         return finals[index % count], deltas[index // count]
 
     sums = saturated.sums_of(len(deltas) * count, pairs, "saturated directions")
-    return [_labels_of(saturated, finals, sums[index * count:(index + 1) * count], delta, guess(delta), heads,
+    return [_labels_of(saturated, finals, sums[index * count:(index + 1) * count], delta, guess(index), heads,
                        tolerance, draw, prior)[0]
             for index, delta in enumerate(deltas)]
 
