@@ -382,6 +382,7 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
                                random_tokens):
         for h in range(heads):
             exact[h].append(found[:, h])
+    del predicted  # (540 MB at d = 4096, H = 32) before more bases of V_tot are asked
     if not route and more_values is not None:
         more_values()
     return _oblique(exact, ranks, values, d_out, unit, saturated.asked + (sums.asked if sums is not saturated else 0))
