@@ -99,13 +99,14 @@ def position_error(model, truth, d: int, seed: int = 11, norm: float | None = No
     return worst
 
 
-def run(d: int, heads: int, dtype: str, seed: int, rank: int | None = None, schedule: str = "vector") -> dict:
+def run(d: int, heads: int, dtype: str, seed: int, rank: int | None = None, schedule: str = "vector",
+        progress: bool = False) -> dict:
     r = rank or d // heads
     exact = gpt2_layer(d, heads, seed, r)
     layer = exact if dtype == "float64" else gpt2_layer(d, heads, seed, r).float()
     started, oracle = time.perf_counter(), TorchOracle(layer)
     try:
-        result = mx.extract(oracle, d, heads=heads, seed=0, schedule=schedule, on_failure="warn", progress=False)
+        result = mx.extract(oracle, d, heads=heads, seed=0, schedule=schedule, on_failure="warn", progress=progress)
     except GaveWay as why:
         why.queries, why.seconds = oracle.sequences, time.perf_counter() - started
         raise
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--no-fallback", action="store_true",
                         help="where the split gives way, print its reason, queries, time and memory, and go on to the "
                              "next cell instead of running the scalar schedules")
+    parser.add_argument("--progress", action="store_true",
+                        help="show the run's stage on stderr (rich's progress display), for long cells")
     args = parser.parse_args()
     if args.no_fallback:
         stop_where_the_split_gives_way()
@@ -262,7 +265,7 @@ def main() -> None:
                 vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed, rank)),
                                                                  args.split_error)
             try:
-                row = run(d, heads, dtype, args.seed, rank, args.schedule)
+                row = run(d, heads, dtype, args.seed, rank, args.schedule, args.progress)
             except GaveWay as why:
                 cpu = resource.getrusage(resource.RUSAGE_SELF).ru_utime
                 print(f"| {d}, {heads}, {rank or d // heads} | {dtype} | gave way after {why.queries:,} queries, "

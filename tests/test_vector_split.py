@@ -530,3 +530,46 @@ def test_phase_one_asks_more_final_tokens_where_no_refinement_follows():
             errors.append(np.linalg.norm(error - U @ (U.T @ error)) / np.linalg.norm(target.W[h]))
         off[phase_one] = max(errors)
     assert off[PHASE_ONE[""]] <= off[PHASE_ONE["full"]] / 2, off
+
+
+def test_the_split_in_small_chunks_asks_and_learns_what_it_does_whole(monkeypatch):
+    """The saturated pairs (``SUMS_CHUNK_CALLS``) are built an oracle call at a time so that a round's
+    memory stays bounded at d = 4096; the chunks change nothing: the same queries in the same oracle
+    calls, and a bit-identical model and estimate. On the route where no refinement follows (the
+    one-token answers at the split's final tokens, more bases of V_tot, phase 2 of the scores), with
+    oracle calls, weight chunks and forward chunks a few queries long."""
+    import mhaextract.vector.learn as learn
+    import mhaextract.vector.scores as scores
+    import mhaextract.vector.split as split
+
+    monkeypatch.setattr(learn, "REFINE_WORK", 0.0)
+    monkeypatch.setattr(learn, "SCORE_REFINE_WORK", 0.0)
+    monkeypatch.setattr(split, "ASK_TOKENS", 14)
+    monkeypatch.setattr(scores, "ASK_TOKENS", 14)
+    monkeypatch.setattr(scores, "WEIGHT_CHUNK", 5)
+    monkeypatch.setattr(learn, "FORWARD_CHUNK", 7)
+    d, heads, rank = 16, 2, 4
+    target = low_rank_layer(d, heads, rank, seed=2)
+
+    class Recorded(mx.SimulatedOracle):  # every call's tokens, in order
+        def __init__(self, target):
+            super().__init__(target)
+            self.calls = []
+
+        def __call__(self, sequences):
+            self.calls.append(b"".join(np.asarray(X, dtype=np.float64).tobytes() for X in sequences))
+            return super().__call__(sequences)
+
+    runs = []
+    for calls in (1, 10 ** 9):
+        monkeypatch.setattr(split, "SUMS_CHUNK_CALLS", calls)
+        oracle = Recorded(target)
+        result = mx.extract(oracle, d, heads=heads, seed=0, schedule="vector", on_failure="warn")
+        assert result.schedule == "vector" and result.refinement == ""
+        runs.append((oracle.calls, result))
+    (calls, chunked), (whole_calls, whole) = runs
+    assert len(calls) > 100 and calls == whole_calls
+    assert chunked.queries == whole.queries and chunked.error_estimate == whole.error_estimate
+    for name in ("W", "V", "u", "c"):
+        assert all(np.array_equal(a, b) for a, b in zip(np.atleast_1d(getattr(chunked.model, name)),
+                                                        np.atleast_1d(getattr(whole.model, name)))), name

@@ -62,6 +62,15 @@ SCORE_SPREAD = 0.35
 PILOT_QUERIES, PILOT_LOOKS = 8, 2
 #: Final tokens per batch of phase 2 (its equations' working memory: at d = 768 all at once was GBs).
 PHASE2_FINALS = 128
+#: Token numbers one batch holds at most (its float32 tokens 128 MiB, their float64 rows twice that):
+#: a batch asks fewer final tokens than ``FINALS_PER_ROUND`` or ``PHASE2_FINALS`` where theirs would
+#: hold more (d = 4096: one final token's 192 queries of 65 tokens are 51e6 numbers; d <= 768: never).
+BATCH_NUMBERS = 2 ** 25
+
+
+def _batch_finals(most: int, per_final: int, m: int, d: int) -> int:
+    """Final tokens per batch: ``most``, or as many as ``BATCH_NUMBERS`` holds (at least one)."""
+    return max(1, min(most, BATCH_NUMBERS // (per_final * (m + 1) * d)))
 #: Random numbers drawn at once for the score queries' tokens (:func:`_tokens`; 32 MB in float64).
 DRAW_NUMBERS = 2 ** 22
 #: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
@@ -435,12 +444,13 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
     beyond, factor = phase_one
     stop = lambda rank: max(rank + beyond, int(np.ceil(factor * rank)))  # noqa: E731  (finals that end phase 1)
     batches, asked, solved, ranks = [], 0, {}, list(split.ranks)
+    per_final = int(np.ceil(oversample * d / m))
     while True:  # phase 1: q_h(t) in full, until every head's span stopped growing
         growing = asked and any(rank >= asked for rank in ranks)
         goal = min(finals_needed, asked + FINALS_PER_ROUND if growing else max(map(stop, ranks)))
         while asked < goal:
-            count = min(FINALS_PER_ROUND, goal - asked)
-            batch, X = _ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit, True,
+            count = min(_batch_finals(FINALS_PER_ROUND, per_final, m, d), goal - asked)
+            batch, X = _ask(boundary, rng, new_finals(count), per_final, m, scale, unit, True,
                             "weights: whole score vectors")
             solved[len(batches)] = _solve_full(split, c, batch, len(batches), X)  # the tokens asked, not drawn again
             batches.append(batch)
@@ -451,10 +461,11 @@ def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarra
         if all(stop(rank) <= asked for rank in ranks) or asked >= finals_needed:
             break
     K, coordinates = score_bases(full, ranks)
+    per_final = int(np.ceil(oversample * max(ranks) / m))
     while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
-        count = min(PHASE2_FINALS, finals_needed - asked)
-        batch, X = _ask(boundary, rng, new_finals(count), int(np.ceil(oversample * max(ranks) / m)), m, scale, unit,
-                        False, "weights: score coordinates")
+        count = min(_batch_finals(PHASE2_FINALS, per_final, m, d), finals_needed - asked)
+        batch, X = _ask(boundary, rng, new_finals(count), per_final, m, scale, unit, False,
+                        "weights: score coordinates")
         more = score_coordinates(split, c, batch, K, X)
         coordinates = [np.concatenate([g, part]) for g, part in zip(coordinates, more)]
         finals = np.concatenate([finals, batch.finals])
