@@ -38,7 +38,7 @@ SCORE_REFINE_WORK = 2e9
 #: Answers rounded at this unit or coarser (float32) ask the oversampled score design
 #: (``OVERSAMPLED``) even where every parameter is refined: their score parameters are limited by
 #: the information in the answers, not by the refinement (docs/algorithm.md, 'Whole answers near
-#: the vector bound', 'Oversampling where the full refinement does not run').
+#: the vector bound', 'The score design by what follows').
 COARSE_UNIT = 2.0 ** -30
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST, tokens at the run's token scale
 #: (the largest norm the estimate speaks for: the model's error grows with the token norm).
