@@ -8,6 +8,7 @@ against the vector bound, today's scalar schedules and the scalar bound, on GPT-
     OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 768:12 --dtypes float32 --split-only --diagnose \
         [--exact-split [--split-error 2.4e-5]] [--score-spread 0.1] [--refinement none|scores|full] \
         [--unrefined-split 2 1 1 0]
+    OMP_NUM_THREADS=1 python benchmarks/bench_vector.py --cells 256:8 --dtypes float64 --split-only --score-design 3 1
 
 Each cell ``d:H[:r]`` is a ``GPT2Attention`` (sdpa, head width d / H, every bias drawn like its
 weights) run as a ``TorchOracle`` in the given dtype; the truth is the layer's own weights in float64
@@ -28,7 +29,7 @@ replaces the split's O_h, P_h by the layer's own (every query the same), ``--sco
 ratio RMS the scores' token scale aims at, ``--refinement`` forces a refinement route,
 ``--unrefined-split`` the design of the start where no refinement follows (the split's second
 round's differences per head width and their scale, V_tot's random bases, phase 1's final tokens per
-score rank).
+score rank), ``--unrefined-extra`` its phase 2's final tokens; ``--score-design`` the score queries' design where float64 answers refine the scores only.
 ``--no-fallback``: where the split gives way, the cell ends there with its reason (the queries asked
 until then, the time, the peak memory) instead of running the scalar schedules.
 """
@@ -98,13 +99,14 @@ def position_error(model, truth, d: int, seed: int = 11, norm: float | None = No
     return worst
 
 
-def run(d: int, heads: int, dtype: str, seed: int, rank: int | None = None, schedule: str = "vector") -> dict:
+def run(d: int, heads: int, dtype: str, seed: int, rank: int | None = None, schedule: str = "vector",
+        progress: bool = False) -> dict:
     r = rank or d // heads
     exact = gpt2_layer(d, heads, seed, r)
     layer = exact if dtype == "float64" else gpt2_layer(d, heads, seed, r).float()
     started, oracle = time.perf_counter(), TorchOracle(layer)
     try:
-        result = mx.extract(oracle, d, heads=heads, seed=0, schedule=schedule, on_failure="warn", progress=False)
+        result = mx.extract(oracle, d, heads=heads, seed=0, schedule=schedule, on_failure="warn", progress=progress)
     except GaveWay as why:
         why.queries, why.seconds = oracle.sequences, time.perf_counter() - started
         raise
@@ -218,6 +220,12 @@ def main() -> None:
                         help="with --exact-split: the layer's own values and subspaces off by this much, at random")
     parser.add_argument("--score-spread", type=float, help="the log-ratio RMS the scores' token scale aims at")
     parser.add_argument("--refinement", choices=["none", "scores", "full"], help="force a refinement route")
+    parser.add_argument("--unrefined-extra", type=float,
+                        help="where no refinement follows: phase 2's final tokens beyond d + 1, as a fraction of d "
+                             "(the UNREFINED design's second number)")
+    parser.add_argument("--score-design", nargs=2, type=float, metavar=("OVERSAMPLE", "EXTRA"),
+                        help="the score queries' design of float64 answers where only the scores are refined "
+                             "(REFINED_DESIGN['scores'])")
     parser.add_argument("--unrefined-split", nargs=4, type=float, metavar=("DIRECTIONS", "SCALE", "BASES", "PHASE1"),
                         help="where no refinement follows: the split's second round of DIRECTIONS r + 2 differences "
                              "at SCALE times the token scale, V_tot over BASES random bases, phase 1 of the scores "
@@ -225,6 +233,8 @@ def main() -> None:
     parser.add_argument("--no-fallback", action="store_true",
                         help="where the split gives way, print its reason, queries, time and memory, and go on to the "
                              "next cell instead of running the scalar schedules")
+    parser.add_argument("--progress", action="store_true",
+                        help="show the run's stage on stderr (rich's progress display), for long cells")
     args = parser.parse_args()
     if args.no_fallback:
         stop_where_the_split_gives_way()
@@ -234,7 +244,11 @@ def main() -> None:
     if args.unrefined_split:
         directions, difference_scale, bases, phase_one = args.unrefined_split
         vector_split.UNREFINED_DIRECTIONS, vector_split.UNREFINED_DIFFERENCE_SCALE = int(directions), difference_scale
-        vector_learn.UNREFINED_VALUE_BASES, vector_learn.UNREFINED_PHASE_ONE = int(bases), phase_one
+        vector_learn.UNREFINED_VALUE_BASES, vector_scores.PHASE_ONE[""] = int(bases), (8, phase_one)
+    if args.unrefined_extra is not None:
+        vector_learn.UNREFINED = (vector_learn.UNREFINED[0], args.unrefined_extra)
+    if args.score_design:
+        vector_scores.REFINED_DESIGN["scores"] = tuple(args.score_design)
     if args.refinement:
         vector_learn.REFINE_WORK = float("inf") if args.refinement == "full" else 0.0
         vector_learn.SCORE_REFINE_WORK = 0.0 if args.refinement == "none" else float("inf")
@@ -251,7 +265,7 @@ def main() -> None:
                 vector_learn.output_subspaces = with_exact_split(to_reduced(gpt2_layer(d, heads, args.seed, rank)),
                                                                  args.split_error)
             try:
-                row = run(d, heads, dtype, args.seed, rank, args.schedule)
+                row = run(d, heads, dtype, args.seed, rank, args.schedule, args.progress)
             except GaveWay as why:
                 cpu = resource.getrusage(resource.RUSAGE_SELF).ru_utime
                 print(f"| {d}, {heads}, {rank or d // heads} | {dtype} | gave way after {why.queries:,} queries, "
@@ -260,7 +274,7 @@ def main() -> None:
                 continue
             today = f"{row['today']:,}" if row["today"] else "not measured"
             print(f"| {d}, {heads}, {row['r']} | {dtype} | {row['schedule']} | {row['queries']:,} | {row['bound']:,} "
-                  f"| {row['queries'] / row['bound']:.1f} | {today} | {row['scalar_bound']:,} | {row['error']:.2g} "
+                  f"| {row['queries'] / row['bound']:.1f} | {today} | {row['scalar_bound']:,} | {row['error']:.2e} "
                   f"| {row['estimate']:.2g} | {row['ok']} | {row['seconds']:.0f} s | {row['peak_gb']:.2f} GB |",
                   flush=True)
             if args.schedule == "auto":

@@ -22,23 +22,23 @@ from ..run.result import Result
 from ..run.validation import spawn_rng
 from .factored import FactoredLayer, forward, grouped
 from .refine import refine, refine_scores
-from .scores import (FITTED, SCORES_ONLY, UNREFINED_PHASE_ONE, learn_scores, score_queries, score_rank,
+from .scores import (OVERSAMPLED, PHASE_ONE, REFINED_DESIGN, UNREFINED, learn_scores, score_queries, score_rank,
                      tokens_per_query)
 from .split import _Saturated, output_subspaces
 from .values import SplitUnavailable, more_bases, value_map
 
 #: Every parameter is refined on every answer when one Jacobian product costs at most this many
 #: multiply-adds (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8; larger layers
-#: oversample the scores and refine only their parameters (see the docs).
+#: refine only the scores' parameters (see the docs).
 REFINE_WORK = 1e9
 #: The scores-only refinement runs when one of its Jacobian products costs at most this many
 #: multiply-adds (``2 n H d (N + r)``: up to d = 256, H = 8, about 15 s a step on one core); larger
 #: layers keep the oversampled start.
 SCORE_REFINE_WORK = 2e9
 #: Answers rounded at this unit or coarser (float32) ask the oversampled score design
-#: (``SCORES_ONLY``) even where every parameter is refined: their score parameters are limited by
+#: (``OVERSAMPLED``) even where every parameter is refined: their score parameters are limited by
 #: the information in the answers, not by the refinement (docs/algorithm.md, 'Whole answers near
-#: the vector bound', 'Oversampling where the full refinement does not run').
+#: the vector bound', 'The score design by what follows').
 COARSE_UNIT = 2.0 ** -30
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST, tokens at the run's token scale
 #: (the largest norm the estimate speaks for: the model's error grows with the token norm).
@@ -173,16 +173,19 @@ def full_refinement_work(d: int, ranks: list[int], design: tuple[float, float]) 
     return float(n * len(ranks) * (tokens_per_query(ranks) + 1) * d * 2 * max(ranks))
 
 
-def score_design(unit: float) -> tuple[float, float]:
-    """The score queries' design for answers rounded at ``unit``: ``FITTED`` in float64, the
-    oversampled ``SCORES_ONLY`` for float32 and coarser (``COARSE_UNIT``)."""
-    return FITTED if unit < COARSE_UNIT else SCORES_ONLY
+def score_design(unit: float, route: str) -> tuple[float, float]:
+    """The score queries' design for answers rounded at ``unit`` and the refinement ``route`` that
+    follows (:func:`refinement_route`): ``UNREFINED`` where none follows, ``REFINED_DESIGN[route]``
+    for float64 answers that are refined, ``OVERSAMPLED`` for float32 and coarser (``COARSE_UNIT``)."""
+    if not route:
+        return UNREFINED
+    return REFINED_DESIGN[route] if unit < COARSE_UNIT else OVERSAMPLED
 
 
 def refines_fully(d: int, ranks: list[int], unit: float) -> tuple[bool, float]:
     """``(whether every parameter is refined on every answer, the work of one Jacobian product)``
     for heads of value ranks ``ranks`` on answers rounded at ``unit`` (``REFINE_WORK``)."""
-    work = full_refinement_work(d, ranks, score_design(unit))
+    work = full_refinement_work(d, ranks, score_design(unit, "full"))
     return work <= REFINE_WORK, work
 
 
@@ -194,7 +197,7 @@ def score_refinement_work(n: int, d: int, ranks: list[int]) -> float:
 def refines_scores(d: int, ranks: list[int]) -> tuple[bool, float]:
     """``(whether the scores-only refinement runs where the full one does not, the work of one of its
     products)`` over the answers of the oversampled design (``SCORE_REFINE_WORK``)."""
-    work = score_refinement_work(d + 1 + score_queries(d, ranks, SCORES_ONLY), d, ranks)
+    work = score_refinement_work(d + 1 + score_queries(d, ranks, OVERSAMPLED), d, ranks)
     return work <= SCORE_REFINE_WORK, work
 
 
@@ -286,11 +289,10 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
                              scale, heads, values, unit, lambda ranks: refinement_route(d, ranks, unit),
                              lambda: more_bases(values, boundary, values_rng, d, scale, UNREFINED_VALUE_BASES - 1))
     note_progress(progress, "whole answers: every head's attention weights")
-    design = score_design(unit)
     route = refinement_route(d, split.ranks, unit)
-    full, phase_one = route == "full", (0.0 if route else UNREFINED_PHASE_ONE)
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
-                                          unit, design if full else SCORES_ONLY, phase_one)
+                                          unit, score_design(unit, route), PHASE_ONE[route])
+    full = route == "full"
     return (_start(split, K, G, beta, values.c, d, d_out), FittedQueries(values.sequences, values.answers, batches),
             split, [k.shape[1] for k in K], full)
 

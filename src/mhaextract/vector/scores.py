@@ -25,19 +25,34 @@ from .split import ASK_TOKENS, Split, exact_tokens
 from .values import SplitUnavailable
 
 #: Oversampling of the equations per final token (phase 1: d unknowns, phase 2: k_h) and final
-#: tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning): where
-#: every parameter is refined on every answer afterwards (``FITTED``), and where only the scores'
-#: parameters are (``SCORES_ONLY``: the start must then carry the precision itself, at d = 256,
-#: H = 8 output error 6e-12 with the first, 8e-13 with the second).
-FITTED, SCORES_ONLY = (1.5, 0.125), (3.0, 1.0)
-#: Final tokens added per round of phase 1.
+#: tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning), by the
+#: refinement that follows float64 answers: ``FITTED`` where every parameter is refined, ``(1.5,
+#: 0.25)`` where the scores' only are (d = 256, H = 2..8: output error 2.4e-13..2.8e-13 in 4,840..5,854
+#: queries, estimates 2.2e-11..4.1e-11 under their limit 1e-10; ``OVERSAMPLED``: 2.0e-14..4.9e-14 in
+#: 7,895..8,437). ``OVERSAMPLED`` where the answers are float32: their score parameters are limited by
+#: the information in the answers, not by the refinement. Where no refinement follows the start
+#: carries the precision itself, ``UNREFINED``: the oversampled equations per final token, and
+#: ``1.5 d + 1`` final tokens, whose queries go to phase 1 instead (``PHASE_ONE[""]``: K_h, which
+#: nothing corrects afterwards, is the larger part of W_h's error there; GPT-2 small in float32: 9.4e-6
+#: at every position in 29,138 queries, against 1.0e-5 in 29,330 with ``OVERSAMPLED`` and phase 1 on
+#: 1.5 k final tokens).
+FITTED, OVERSAMPLED, UNREFINED = (1.5, 0.125), (3.0, 1.0), (3.0, 0.5)
+REFINED_DESIGN = {"full": FITTED, "scores": (1.5, 0.25)}
+#: Final tokens per batch of phase 1 (its queries' tokens and equations are held a batch at a time).
+#: A round asks, in batches, the final tokens its stop needs for score ranks equal to the value ranks
+#: (a head of width r has ``rank [W_h | u_h] <= r + 1``, and GPT-2-class heads ``r``), then to the
+#: score ranks measured; while some head's rank grows with every final token, one batch a round.
 FINALS_PER_ROUND = 8
-#: Where no refinement follows, phase 1 asks at least this many times each head's rank in final
-#: tokens: ``K_h`` is the span of phase 1's F score vectors, off by their noise over their k-th
-#: singular value, which grows as ``sqrt(F) - sqrt(k)`` (F = k + 8 = 72 at k = 64: 0.49; F = 1.5 k =
-#: 96: 1.8), and phase 2 reads ``q_h`` inside ``K_h`` only, so nothing after it corrects ``K_h``
-#: (docs/algorithm.md, 'Whole answers near the vector bound', 'Where no refinement follows').
-UNREFINED_PHASE_ONE = 1.5
+#: Phase 1's end, ``(beyond, factor)`` of :func:`learn_scores`, by the refinement that follows (the
+#: routes of :func:`~mhaextract.vector.learn.refinement_route`). ``K_h`` is the span of phase 1's F
+#: score vectors, off by their noise over their k-th singular value, which grows as ``sqrt(F) -
+#: sqrt(k)`` (F = k + 3 at k = 128: 0.13; k + 8: 0.35; 2 k at k = 64: 3.3). The full refinement fits
+#: ``K_h`` on every answer, so three final tokens past the rank suffice; the scores-only refinement's
+#: few steps start from it (d = 256, H = 2, r = 128: output error 1.3e-12 with k + 3, 4.8e-13 with
+#: k + 8); where no refinement follows, phase 2 reads ``q_h`` inside ``K_h`` only and nothing after it
+#: corrects ``K_h`` (docs/algorithm.md, 'Whole answers near the vector bound', 'Where no refinement
+#: follows'): 2 k.
+PHASE_ONE = {"full": (3, 0.0), "scores": (8, 0.0), "": (8, 2.0)}
 #: The scores' token scale is set so that the log-ratios ``log(a_i / a_N)`` have about this RMS:
 #: soft attention, every weight well above the answers' rounding, so each query tells about W_h in
 #: every direction (at the calibrated scale of a GPT-2-class layer the RMS is about 3, many weights
@@ -47,6 +62,15 @@ SCORE_SPREAD = 0.35
 PILOT_QUERIES, PILOT_LOOKS = 8, 2
 #: Final tokens per batch of phase 2 (its equations' working memory: at d = 768 all at once was GBs).
 PHASE2_FINALS = 128
+#: Token numbers one batch holds at most (its float32 tokens 128 MiB, their float64 rows twice that):
+#: a batch asks fewer final tokens than ``FINALS_PER_ROUND`` or ``PHASE2_FINALS`` where theirs would
+#: hold more (d = 4096: one final token's 192 queries of 65 tokens are 51e6 numbers; d <= 768: never).
+BATCH_NUMBERS = 2 ** 25
+
+
+def _batch_finals(most: int, per_final: int, m: int, d: int) -> int:
+    """Final tokens per batch: ``most``, or as many as ``BATCH_NUMBERS`` holds (at least one)."""
+    return max(1, min(most, BATCH_NUMBERS // (per_final * (m + 1) * d)))
 #: Random numbers drawn at once for the score queries' tokens (:func:`_tokens`; 32 MB in float64).
 DRAW_NUMBERS = 2 ** 22
 #: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
@@ -405,35 +429,43 @@ def score_queries(d: int, ranks: list[int], design: tuple[float, float]) -> int:
 
 
 def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float,
-                 design: tuple[float, float] = FITTED, phase_one: float = 0.0):
+                 design: tuple[float, float] = FITTED, phase_one: tuple[int, float] = (3, 0.0)):
     """``(K, G, beta, batches, scale)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h``
     (k_h), the batches asked (:class:`ScoreBatch`, the pilots of :func:`score_scale` first) and the
-    scores' token scale. ``design``: ``FITTED`` or ``SCORES_ONLY``; ``phase_one``: phase 1 asks at
-    least this many times every head's rank in final tokens (``UNREFINED_PHASE_ONE`` where no
-    refinement follows), beyond the three that must add no direction."""
+    scores' token scale. ``design``: ``REFINED_DESIGN[route]`` or ``OVERSAMPLED``; ``phase_one = (beyond, factor)``:
+    phase 1 ends where every head's span stopped growing over ``beyond`` final tokens past its rank
+    ``k_h`` (at least 3: they must add no direction) and ``factor k_h`` final tokens are asked
+    (``PHASE_ONE``)."""
     heads, m = len(split.ranks), tokens_per_query(split.ranks)
     oversample, extra = design
     scale, pilots = score_scale(boundary, rng, d, scale, split, c, unit, m)
     finals_needed = d + 1 + max(4, int(extra * d))
     new_finals = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
-    batches, asked, solved = [], 0, {}
+    beyond, factor = phase_one
+    stop = lambda rank: max(rank + beyond, int(np.ceil(factor * rank)))  # noqa: E731  (finals that end phase 1)
+    batches, asked, solved, ranks = [], 0, {}, list(split.ranks)
+    per_final = int(np.ceil(oversample * d / m))
     while True:  # phase 1: q_h(t) in full, until every head's span stopped growing
-        count = min(FINALS_PER_ROUND, finals_needed - asked)
-        batch, X = _ask(boundary, rng, new_finals(count), int(np.ceil(oversample * d / m)), m, scale, unit, True,
-                        "weights: whole score vectors")
-        solved[len(batches)] = _solve_full(split, c, batch, len(batches), X)  # the tokens asked, not drawn again
-        batches.append(batch)
-        del X
-        asked += count
+        growing = asked and any(rank >= asked for rank in ranks)
+        goal = min(finals_needed, asked + FINALS_PER_ROUND if growing else max(map(stop, ranks)))
+        while asked < goal:
+            count = min(_batch_finals(FINALS_PER_ROUND, per_final, m, d), goal - asked)
+            batch, X = _ask(boundary, rng, new_finals(count), per_final, m, scale, unit, True,
+                            "weights: whole score vectors")
+            solved[len(batches)] = _solve_full(split, c, batch, len(batches), X)  # the tokens asked, not drawn again
+            batches.append(batch)
+            del X
+            asked += count
         finals, full, noise = _full_vectors(split, c, batches, solved)
         ranks = [score_rank(q, unit, e) for q, e in zip(full, noise)]
-        if all(max(rank + 3, int(np.ceil(phase_one * rank))) <= asked for rank in ranks) or asked >= finals_needed:
+        if all(stop(rank) <= asked for rank in ranks) or asked >= finals_needed:
             break
     K, coordinates = score_bases(full, ranks)
+    per_final = int(np.ceil(oversample * max(ranks) / m))
     while finals_needed > asked:  # phase 2: q_h(t) = K_h g_h(t), k_h unknowns per final token
-        count = min(PHASE2_FINALS, finals_needed - asked)
-        batch, X = _ask(boundary, rng, new_finals(count), int(np.ceil(oversample * max(ranks) / m)), m, scale, unit,
-                        False, "weights: score coordinates")
+        count = min(_batch_finals(PHASE2_FINALS, per_final, m, d), finals_needed - asked)
+        batch, X = _ask(boundary, rng, new_finals(count), per_final, m, scale, unit, False,
+                        "weights: score coordinates")
         more = score_coordinates(split, c, batch, K, X)
         coordinates = [np.concatenate([g, part]) for g, part in zip(coordinates, more)]
         finals = np.concatenate([finals, batch.finals])

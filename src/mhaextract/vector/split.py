@@ -35,7 +35,8 @@ MOST_CIRCLES = 6
 MOST_SAMPLES_PER_FLIP = 8
 #: The perturbation of the base difference for the further directions.
 PERTURBATION = 0.02
-#: Directions per round (rounds continue until every head's rank stopped growing).
+#: Directions per round while some head's rank grows with every column; once none does, a round asks
+#: only the columns the stop still needs (``rank + 3`` per head).
 DIRECTIONS_PER_ROUND = 8
 #: The second round asks ``EXACT_DIRECTIONS r + 2`` independent differences: a head's subspace is the
 #: span of its columns ``V_h delta_j``, whose noise it takes divided by their smallest singular value
@@ -58,6 +59,14 @@ UNREFINED_DIRECTIONS, UNREFINED_DIFFERENCE_SCALE = 4, 16.0
 #: A difference whose queries do not decode into patterns of rank H asks this many more batches of
 #: final tokens (each the size of the first, ``2 H + 6``) before the split is refused.
 MOST_FINAL_BATCHES = 6
+#: Oracle calls (``ASK_TOKENS / 2`` saturated pairs each) whose tokens are built at once: a round's
+#: pairs grow with its differences (the second round at d = 4096, H = 32, r = 128: ``(4r + 2)(2H + 6)``
+#: = 35,980 pairs), and their final tokens, differences, keys, queries and sequences, each ``8 d`` bytes a
+#: pair in float64, held for a whole round take 14 GB there; one call's worth is 2,048 pairs, about
+#: 67 MB an array at d = 4096. Only the answers (``8 d_out`` bytes a pair, 1.2 GB for that round) are
+#: kept for the whole round: the one-token answers at its final tokens (:class:`_Referenced`) are
+#: asked after all its pairs, as the oracle's calls are ordered whatever the chunks.
+SUMS_CHUNK_CALLS = 1
 
 
 @dataclass
@@ -108,14 +117,34 @@ class _Saturated:
 
     def sums(self, finals: np.ndarray, deltas: np.ndarray, description: str) -> np.ndarray:
         """R for final tokens ``finals`` (n, d) and differences ``deltas`` (n, d)."""
-        keys = exact_tokens(SATURATION * (finals + deltas), self.unit)
-        queries = exact_tokens(SATURATION * finals, self.unit)
-        sequences = [np.stack([k, q]) for k, q in zip(keys, queries)]
+        return self.sums_of(len(finals), lambda rows: (finals[rows], deltas[rows]), description)
+
+    def sums_of(self, count: int, pairs, description: str) -> np.ndarray:
+        """R (count, d_out) for ``count`` pairs, ``pairs(rows)`` giving the final tokens and differences of
+        the rows of a slice: the pairs' tokens are built ``SUMS_CHUNK_CALLS`` oracle calls at a time, and
+        only the answers are kept (in place, they become R)."""
         step = ASK_TOKENS // 2
-        answers = np.concatenate([np.asarray(self.boundary.ask(sequences[start:start + step], description, whole=True))
-                                  for start in range(0, len(sequences), step)] or [np.empty((0, len(self.values.c)))])
-        self.asked += len(sequences)
-        return (answers - self._unsaturated(queries)) / SATURATION
+        chunk = step * SUMS_CHUNK_CALLS
+        sums = np.empty((count, len(self.values.c)))
+        for first in range(0, count, chunk):
+            finals, deltas = pairs(slice(first, min(first + chunk, count)))
+            keys = exact_tokens(SATURATION * (finals + deltas), self.unit)
+            queries = exact_tokens(SATURATION * finals, self.unit)
+            for start in range(0, len(keys), step):
+                sequences = [np.stack([k, q]) for k, q in zip(keys[start:start + step], queries[start:start + step])]
+                sums[first + start:first + start + len(sequences)] = self.boundary.ask(sequences, description,
+                                                                                       whole=True)
+        self.asked += count
+        chunks = [slice(first, min(first + chunk, count)) for first in range(0, count, chunk)]
+        self._reference(exact_tokens(SATURATION * pairs(rows)[0], self.unit) for rows in chunks)
+        for rows in chunks:
+            sums[rows] -= self._unsaturated(exact_tokens(SATURATION * pairs(rows)[0], self.unit))
+            sums[rows] /= SATURATION
+        return sums
+
+    def _reference(self, queries) -> None:
+        """Asks what :meth:`_unsaturated` needs at the final tokens ``queries`` (chunks of them), after
+        the pairs: nothing here."""
 
     def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
         """``c + V_tot q`` for each query's final token ``q = lam x``, from the value map."""
@@ -133,14 +162,21 @@ class _Referenced(_Saturated):
         super().__init__(saturated.boundary, saturated.values, saturated.unit)
         self.answered: dict[bytes, np.ndarray] = {}
 
-    def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
-        missing = list({query.tobytes(): query for query in queries if query.tobytes() not in self.answered}.values())
+    def _reference(self, queries) -> None:
+        missing: dict[bytes, np.ndarray] = {}
+        for chunk in queries:
+            for query in chunk:
+                key = query.tobytes()
+                if key not in self.answered and key not in missing:
+                    missing[key] = query
         if missing:
-            answers = np.asarray(self.boundary.ask([query[None].copy() for query in missing],
+            answers = np.asarray(self.boundary.ask([query[None].copy() for query in missing.values()],
                                                    "saturated directions: one-token answers at their final tokens",
                                                    whole=True))
             self.asked += len(missing)
-            self.answered.update((query.tobytes(), answer) for query, answer in zip(missing, answers))
+            self.answered.update(zip(missing, answers))
+
+    def _unsaturated(self, queries: np.ndarray) -> np.ndarray:
         return np.stack([self.answered[query.tobytes()] for query in queries])
 
 
@@ -317,8 +353,9 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
     prior = _patterns(labels, base, tolerance)
     columns = [[labels[:, h] / np.linalg.norm(labels[:, h])] for h in range(heads)]
     most = min(d, d_out)
+    count = DIRECTIONS_PER_ROUND
     while True:
-        moved = exact_tokens(delta + PERTURBATION * random_tokens(DIRECTIONS_PER_ROUND), unit)
+        moved = exact_tokens(delta + PERTURBATION * random_tokens(count), unit)
         for moved_labels in _labels_along(saturated, finals, moved, lambda _: labels, heads, tolerance,
                                           random_tokens, prior):
             for h in range(heads):
@@ -327,8 +364,9 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
         if (all(rank + 2 < len(column) for rank, column in zip(ranks, columns)) or len(columns[0]) > most + 2
                 or sum(ranks) > d_out):  # (the last: they cannot be independent, said at once)
             break
+        growing = any(rank >= len(columns[0]) for rank in ranks)
+        count = DIRECTIONS_PER_ROUND if growing else max(ranks) + 3 - len(columns[0])
     first = _oblique(columns, ranks, values, d_out, unit, saturated.asked)
-    projectors = [O @ P for O, P in zip(first.O, first.P)]
     route = refinement(ranks)
     directions = {"full": 1, "scores": EXACT_DIRECTIONS}.get(route, UNREFINED_DIRECTIONS)
     deltas = random_tokens(directions * max(ranks) + 2)
@@ -336,10 +374,19 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
         deltas = exact_tokens(UNREFINED_DIFFERENCE_SCALE * deltas, unit)
     finals = random_tokens(2 * heads + 6)
     exact, sums = [[] for _ in range(heads)], saturated if route == "full" else _Referenced(saturated)
-    predicted = lambda delta: np.stack([V @ delta for V in projectors], axis=1)  # noqa: E731
-    for found in _labels_along(sums, finals, deltas, predicted, heads, tolerance, random_tokens):
+    # the first split's prediction Pi_h V_tot delta = (O_h P_h) delta of every difference's labels (n, d_out, H),
+    # one head's projector at a time: all H of them (d_out x d each) would hold 4.3 GB at d = 4096, H = 32
+    predicted = np.empty((len(deltas), d_out, heads))
+    for h, (O, P) in enumerate(zip(first.O, first.P)):
+        projector = O @ P
+        for index, delta in enumerate(deltas):
+            predicted[index, :, h] = projector @ delta
+    del projector
+    for found in _labels_along(sums, finals, deltas, lambda index: predicted[index], heads, tolerance,
+                               random_tokens):
         for h in range(heads):
             exact[h].append(found[:, h])
+    del predicted  # (540 MB at d = 4096, H = 32) before more bases of V_tot are asked
     if not route and more_values is not None:
         more_values()
     return _oblique(exact, ranks, values, d_out, unit, saturated.asked + (sums.asked if sums is not saturated else 0))
@@ -349,11 +396,16 @@ def _labels_along(saturated: _Saturated, finals: np.ndarray, deltas: np.ndarray,
                   tolerance: float, draw, prior=None) -> list[np.ndarray]:
     """For each difference in ``deltas``: the labels (d_out x H) from saturated queries at ``finals``
     (and more where they do not decode, :func:`_labels_of`), their 0/1 patterns rounded from
-    ``guess(delta)`` (labels near the true ones) or from ``prior`` (:func:`_decode`)."""
+    ``guess(index)`` (labels near the true ones of the difference ``deltas[index]``) or from ``prior``
+    (:func:`_decode`)."""
     count = len(finals)
-    sums = saturated.sums(np.tile(finals, (len(deltas), 1)), np.repeat(deltas, count, axis=0),
-                          "saturated directions")
-    return [_labels_of(saturated, finals, sums[index * count:(index + 1) * count], delta, guess(delta), heads,
+
+    def pairs(rows: slice):  # the rows of every difference at every final token, difference by difference
+        index = np.arange(rows.start, rows.stop)
+        return finals[index % count], deltas[index // count]
+
+    sums = saturated.sums_of(len(deltas) * count, pairs, "saturated directions")
+    return [_labels_of(saturated, finals, sums[index * count:(index + 1) * count], delta, guess(index), heads,
                        tolerance, draw, prior)[0]
             for index, delta in enumerate(deltas)]
 
