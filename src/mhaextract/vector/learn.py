@@ -32,8 +32,8 @@ from .values import SplitUnavailable, more_bases, value_map
 #: refine only the scores' parameters (see the docs).
 REFINE_WORK = 1e9
 #: The scores-only refinement runs when one of its Jacobian products costs at most this many
-#: multiply-adds (``2 n H d (N + r)``: up to d = 256, H = 8, about 15 s a step on one core); larger
-#: layers keep the oversampled start.
+#: multiply-adds (``2 n H d (N + r)`` over the oversampled design's answers: up to d = 256, H = 8, about
+#: 15 s a step on one core); larger layers keep the start (the ``UNREFINED`` design).
 SCORE_REFINE_WORK = 2e9
 #: Answers rounded at this unit or coarser (float32) ask the oversampled score design
 #: (``OVERSAMPLED``) even where every parameter is refined: their score parameters are limited by
