@@ -573,3 +573,37 @@ def test_the_split_in_small_chunks_asks_and_learns_what_it_does_whole(monkeypatc
     for name in ("W", "V", "u", "c"):
         assert all(np.array_equal(a, b) for a, b in zip(np.atleast_1d(getattr(chunked.model, name)),
                                                         np.atleast_1d(getattr(whole.model, name)))), name
+
+
+@pytest.mark.slow
+def test_the_first_round_and_phase_one_ask_only_what_their_stops_need(monkeypatch):
+    """Once no head's rank grows with every column, the split's first round asks only the perturbed
+    directions its stop needs (``r + 2``: ``r + 3`` columns with the base), and phase 1 of the scores,
+    before the full refinement, ends at ``k + 3`` final tokens (docs/algorithm.md, 'Whole answers near
+    the vector bound'), counted where they are asked."""
+    import mhaextract.vector.scores as scores
+    import mhaextract.vector.split as split
+
+    d, heads, rank = 32, 2, 8
+    asked = {"directions": [], "finals": 0, "ranks": None}
+    labels_along, ask, score_rank = split._labels_along, scores._ask, scores.score_rank
+
+    def counted_labels_along(saturated, finals, deltas, *args, **kwargs):
+        asked["directions"].append(len(deltas))
+        return labels_along(saturated, finals, deltas, *args, **kwargs)
+
+    def counted_ask(boundary, rng, finals, per_final, m, scale, unit, full, description):
+        if full and description == "weights: whole score vectors":
+            asked["finals"] += len(finals)
+        return ask(boundary, rng, finals, per_final, m, scale, unit, full, description)
+
+    ranks = []
+    monkeypatch.setattr(split, "_labels_along", counted_labels_along)
+    monkeypatch.setattr(scores, "_ask", counted_ask)
+    monkeypatch.setattr(scores, "score_rank", lambda *a, **k: ranks.append(score_rank(*a, **k)) or ranks[-1])
+    result = mx.extract(mx.SimulatedOracle(low_rank_layer(d, heads, rank)), d, heads=heads, seed=0, schedule="vector")
+    assert result.ok and result.refinement == "full" and result.value_ranks == [rank, rank]
+    first_round, second_round = asked["directions"][:-1], asked["directions"][-1]
+    assert first_round == [split.DIRECTIONS_PER_ROUND, rank + 3 - (1 + split.DIRECTIONS_PER_ROUND)]
+    assert second_round == rank + 2  # the full route's independent differences
+    assert asked["finals"] == max(ranks[-heads:]) + 3

@@ -28,8 +28,8 @@ from .values import SplitUnavailable
 #: tokens beyond the d + 1 the affine map needs, as a fraction of d (the fit's conditioning), by the
 #: refinement that follows float64 answers: ``FITTED`` where every parameter is refined, ``(1.5,
 #: 0.25)`` where the scores' only are (d = 256, H = 2..8: output error 2.4e-13..2.8e-13 in 4,840..5,854
-#: queries, estimates 2.2e-11..4.1e-11 under their limit 1e-10; ``OVERSAMPLED``: 2.0e-14..4.9e-14 in
-#: 7,895..8,437). ``OVERSAMPLED`` where the answers are float32: their score parameters are limited by
+#: queries, estimates 2.2e-11..4.1e-11 under their limit 1e-10; ``OVERSAMPLED`` at H = 8 and 4:
+#: 3.2e-14 and 5.7e-14 in 7,795 and 7,783, ``bench_vector.py --score-design 3 1``). ``OVERSAMPLED`` where the answers are float32: their score parameters are limited by
 #: the information in the answers, not by the refinement. Where no refinement follows the start
 #: carries the precision itself, ``UNREFINED``: the oversampled equations per final token, and
 #: ``1.5 d + 1`` final tokens, whose queries go to phase 1 instead (``PHASE_ONE[""]``: K_h, which
@@ -66,15 +66,15 @@ PHASE2_FINALS = 128
 #: a batch asks fewer final tokens than ``FINALS_PER_ROUND`` or ``PHASE2_FINALS`` where theirs would
 #: hold more (d = 4096: one final token's 192 queries of 65 tokens are 51e6 numbers; d <= 768: never).
 BATCH_NUMBERS = 2 ** 25
+#: Random numbers drawn at once for the score queries' tokens (:func:`_tokens`; 32 MB in float64).
+DRAW_NUMBERS = 2 ** 22
+#: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
+CGLS_ITERATIONS = 200
 
 
 def _batch_finals(most: int, per_final: int, m: int, d: int) -> int:
     """Final tokens per batch: ``most``, or as many as ``BATCH_NUMBERS`` holds (at least one)."""
     return max(1, min(most, BATCH_NUMBERS // (per_final * (m + 1) * d)))
-#: Random numbers drawn at once for the score queries' tokens (:func:`_tokens`; 32 MB in float64).
-DRAW_NUMBERS = 2 ** 22
-#: CGLS iterations at most for one final token's phase-1 least squares (:func:`_solve_heads`).
-CGLS_ITERATIONS = 200
 
 
 @dataclass
@@ -429,7 +429,7 @@ def score_queries(d: int, ranks: list[int], design: tuple[float, float]) -> int:
 
 
 def learn_scores(boundary, rng, d: int, scale: float, split: Split, c: np.ndarray, unit: float,
-                 design: tuple[float, float] = FITTED, phase_one: tuple[int, float] = (3, 0.0)):
+                 design: tuple[float, float] = FITTED, phase_one: tuple[int, float] = PHASE_ONE["full"]):
     """``(K, G, beta, batches, scale)``: per head ``K_h`` (d x k_h), ``G_h`` (k_h x d), ``beta_h``
     (k_h), the batches asked (:class:`ScoreBatch`, the pilots of :func:`score_scale` first) and the
     scores' token scale. ``design``: ``REFINED_DESIGN[route]`` or ``OVERSAMPLED``; ``phase_one = (beyond, factor)``:

@@ -378,10 +378,7 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
     # one head's projector at a time: all H of them (d_out x d each) would hold 4.3 GB at d = 4096, H = 32
     predicted = np.empty((len(deltas), d_out, heads))
     for h, (O, P) in enumerate(zip(first.O, first.P)):
-        projector = O @ P
-        for index, delta in enumerate(deltas):
-            predicted[index, :, h] = projector @ delta
-    del projector
+        predicted[:, :, h] = deltas @ (O @ P).T
     for found in _labels_along(sums, finals, deltas, lambda index: predicted[index], heads, tolerance,
                                random_tokens):
         for h in range(heads):
