@@ -34,6 +34,7 @@ from ..models.compare import compare
 from ..models.attention import MultiHeadAttention
 from ..numerics.enclosure import balls_reproduce_answers, exact_model
 from ..numerics.float64 import root_mean_square
+from ..oracle.answer_stats import FLOAT64_UNIT
 from ..oracle.boundary import OracleBoundary
 from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
@@ -48,7 +49,7 @@ from ..run.validation import spawn_rng
 #: Estimated answer noise below this fraction of the largest answer (1e3 units of float64 rounding)
 #: is float64 rounding: the existing checks judge it, the validity check is only added above it
 #: (or when the caller declares answer_error).
-ROUNDING_REGIME = 1e3 * 2.0**-53
+ROUNDING_REGIME = 1e3 * FLOAT64_UNIT
 #: The refinement weighs answer q by 1 / max(its computation's size, WEIGHT_FLOOR x the median size).
 WEIGHT_FLOOR = 1e-2
 
@@ -245,7 +246,7 @@ def finish(plan: Schedule, arithmetic, outcome: Outcome, extra, boundary, record
         checks = _superseded_by_fit(checks, len(sequences))
     verification, long_queries = None, spent.verification
     if long_queries is not None and model is not None:
-        unit = max(2.0**-53, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
+        unit = max(FLOAT64_UNIT, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
         check, verification = long_queries.judge(model, error_estimate, answers_residual, measured, scale, unit,
                                                  plan.promised_max_length, settings.seed)
         checks.append(check)
@@ -311,7 +312,7 @@ def with_values(extraction: Extraction, vectors: VectorAnswers, value_queries, p
     long_queries = spent.verification
     if long_queries is not None and long_queries.whole is not None:  # the whole model on the whole answers
         scale = float(np.abs(value_queries[1]).max(initial=0.0)) or 1.0
-        unit = max(2.0**-53, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
+        unit = max(FLOAT64_UNIT, boundary.stats.unit_roundoff, settings.arithmetic_noise or 0.0)
         check, verification = long_queries.judge(fit.model, error_estimate, fit.residual, 0.0, scale, unit,
                                                  plan.promised_max_length, settings.seed)
         checks = [check if old.name == "long_verification" else old for old in checks]

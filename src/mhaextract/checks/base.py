@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..oracle.answer_stats import FLOAT64_UNIT
+
 #: The float64 kernel with 2H + 1 samples loses about three digits per head (docs/algorithm.md, 'Numerics in float64 and
 #: the token scale').
 FLOAT64_MAX_RELIABLE_HEADS = 4
@@ -172,7 +174,7 @@ class CheckPolicy:
 #: error estimate when the estimate is below this (or below the certified runs' ``2^(-precision/4)``,
 #: if larger): the model is then right to every float64 digit (docs/algorithm.md, 'Kernels in ball arithmetic and
 #: certification').
-FLOAT64_UNIT_ROUNDOFF = 2.0**-53
+FLOAT64_UNIT_ROUNDOFF = FLOAT64_UNIT
 
 
 def uncertified_error_limit(limit: float, details) -> tuple[float, str]:

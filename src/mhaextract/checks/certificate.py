@@ -70,6 +70,7 @@ import numpy as np
 from ..numerics.float64 import root_mean_square
 from ..models.attention import MultiHeadAttention
 from ..run.validation import nonnegative_number
+from ..oracle.answer_stats import FLOAT64_UNIT
 from .linearisation import CHUNK, PipelineOperator, PipelineRun
 
 #: error_bound = (1 + s) * C * (eps + rounding floor), s = SECOND_ORDER_SLACK (least squares:
@@ -302,7 +303,7 @@ def _validate_eps(eps) -> float:
 
 
 def _rounding_floor(answers: np.ndarray) -> float:
-    return ROUNDING_ULPS * 2.0**-53 * float(np.abs(answers).max(initial=0.0))
+    return ROUNDING_ULPS * FLOAT64_UNIT * float(np.abs(answers).max(initial=0.0))
 
 
 def _relative_scales(model: MultiHeadAttention) -> tuple[float, float]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Check
+from ..oracle.answer_stats import FLOAT64_UNIT, FORMAT_UNITS
 from ..oracle.queries import quantize
 from ..run.validation import spawn_rng
 
@@ -36,7 +37,7 @@ PROBE_QUERIES = 3 * PROBE_TRIPLES
 #: A triple's misfit under this many units of 2^-53 of its answers is float64 rounding.
 ROUNDING_ULPS = 16.0
 #: float32's unit roundoff: the unit a run takes for float64 answers that carry float32's rounding.
-FLOAT32_UNIT = 2.0 ** -24
+FLOAT32_UNIT = FORMAT_UNITS["float32"]
 
 
 def taken_as_float32(noise: float, float64_limit: float, measured: str, cause: str) -> Check:
@@ -68,7 +69,7 @@ def probe_misfit(boundary, plan, model=None) -> tuple[float, float, int]:
     answers = np.asarray(boundary.ask(sequences, description="noise probe (fresh queries)"), dtype=np.float64)
     triples = answers.reshape(-1, 3)
     misfit = np.abs(triples[:, 0] + triples[:, 1] - 2.0 * triples[:, 2])
-    rounding = ROUNDING_ULPS * 2.0**-53 * (np.abs(triples) * [1.0, 1.0, 2.0]).sum(axis=1)
+    rounding = ROUNDING_ULPS * FLOAT64_UNIT * (np.abs(triples) * [1.0, 1.0, 2.0]).sum(axis=1)
     noise = float(np.where(misfit > rounding, misfit, 0.0).max(initial=0.0))
     return noise, float(np.abs(answers).max(initial=0.0)), len(sequences)
 

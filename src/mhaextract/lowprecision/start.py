@@ -36,6 +36,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from ..models.attention import MultiHeadAttention
+from ..oracle.answer_stats import FORMAT_UNITS
 
 #: Saturating key length, in token scales: ``|t alpha_h|`` of order 100 away from a crossing.
 SATURATING = 400.0
@@ -263,7 +264,7 @@ def order_one_scale(boundary, values: ValueMap, rng, d: int, first: float) -> fl
     ``first * 2^16`` when none does (a layer whose scores never switch is not resolved by this
     start and fails its checks).
     """
-    unit = max(boundary.stats.unit_roundoff, 2.0 ** -24)
+    unit = max(boundary.stats.unit_roundoff, FORMAT_UNITS["float32"])
     pairs = [(_unit(rng.standard_normal(d)), _unit(rng.standard_normal(d))) for _ in range(SCALE_SAMPLES)]
     half = np.stack([values.V @ e for _, e in pairs]) / 2
     for step in SCALE_STEPS:

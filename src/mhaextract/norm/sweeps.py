@@ -14,6 +14,7 @@ import numpy as np
 
 from ..checks.base import Check
 from ..checks.noise_probe import FLOAT32_UNIT, taken_as_float32
+from ..oracle.answer_stats import FLOAT64_UNIT, format_unit
 
 #: The sweep's scales: from below any eps a float64 norm uses (ViT's 1e-12) to far above it.
 SWEEP = 10.0 ** np.arange(-10, 5)
@@ -35,7 +36,7 @@ class Sweeps:
     eps: float = np.nan
     R: np.ndarray | None = None
     c: np.ndarray | None = None
-    unit: float = 2.0 ** -53
+    unit: float = FLOAT64_UNIT
     eps_error: float = np.inf
     R_error: float = np.inf
     noise: float | None = None  # float64 answers' measured float32 rounding (the eps readings' spread), or None
@@ -46,11 +47,6 @@ class Sweeps:
     def read_out(self) -> bool:
         """The oracle answers one number a sequence (``r^T y``): R is then ``rho^T = r^T R``, (1, d)."""
         return self.c is not None and self.c.size == 1
-
-
-def answer_unit(answer_dtype) -> float:
-    """The relative rounding of one answer: float64's, or float32's for a float32 layer."""
-    return {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}.get(str(answer_dtype), 2.0 ** -53)
 
 
 def ask_whole(boundary, sequences, description: str) -> np.ndarray:
@@ -98,7 +94,7 @@ def _eps_from_ratio(rho: float, s: float, S: float, d: int) -> float:
 def measure(boundary, d: int, declared: str, rng: np.random.Generator, answer_dtype) -> Sweeps:
     """The sweeps of the module docstring; ``declared``: "auto", "layernorm", "rmsnorm" or POST_NORM
     (whose own measurements are :mod:`mhaextract.norm.post_norm`'s)."""
-    out = Sweeps(unit=answer_unit(answer_dtype))
+    out = Sweeps(unit=format_unit(answer_dtype))
     unit = out.unit
     zero = ask_whole(boundary, [np.zeros((1, d))], "norm sweep")[0]
     out.c = zero

@@ -18,6 +18,17 @@ MIN_ANSWERS = 4
 #: Unit roundoff of each answer format below float64, coarsest first (the order of detection: a
 #: bfloat16 number inside float16's range is also a float16 number).
 FORMAT_UNITS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+#: float64's unit roundoff (kept out of FORMAT_UNITS, whose keys are the formats coarser than float64).
+FLOAT64_UNIT = 2.0**-53
+
+
+def format_unit(name) -> float:
+    """The unit roundoff of an answer format's name (a key of :data:`FORMAT_UNITS`), float64's for any other.
+
+    >>> format_unit("float32") == 2.0**-24, format_unit("float64") == format_unit(None) == 2.0**-53
+    (True, True)
+    """
+    return FORMAT_UNITS.get(str(name), FLOAT64_UNIT)
 
 
 @dataclass
@@ -87,12 +98,12 @@ class AnswerStats:
         numbers.
         """
         if self.count < MIN_ANSWERS or self.all_equal or self.all_integer:
-            return 2.0**-53
+            return FLOAT64_UNIT
         if self.bfloat16_exact and (self.numbers >= 4 * MIN_ANSWERS or not self.float16_exact):
             return FORMAT_UNITS["bfloat16"]
         if self.float16_exact:
             return FORMAT_UNITS["float16"]
-        return FORMAT_UNITS["float32"] if self.float32_exact else 2.0**-53
+        return FORMAT_UNITS["float32"] if self.float32_exact else FLOAT64_UNIT
 
     @property
     def precision_name(self) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..models.attention import MultiHeadAttention
 from ..run.validation import nonnegative_number
+from .answer_stats import FORMAT_UNITS
 
 
 def _callable(oracle) -> Callable:
@@ -185,7 +186,7 @@ class Float32Oracle(_LowPrecisionTarget):
     True
     """
 
-    unit_roundoff = 2.0 ** -24
+    unit_roundoff = FORMAT_UNITS["float32"]
 
     def __call__(self, batch):
         return self.model(batch, dtype=np.float32).astype(np.float64)
@@ -238,7 +239,7 @@ class MixedPrecisionOracle(_LowPrecisionTarget):
     True
     """
 
-    unit_roundoff = 2.0 ** -24
+    unit_roundoff = FORMAT_UNITS["float32"]
 
     @staticmethod
     def _stage(name, array):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .answer_stats import FORMAT_UNITS
+from .answer_stats import FLOAT64_UNIT, FORMAT_UNITS
 
 #: The stream of the run's seed (:func:`mhaextract.run.validation.spawn_rng`) the read-out is drawn
 #: from: independent of the schedule's queries and of every other stream.
@@ -62,7 +62,7 @@ class VectorAnswers:
         self._rng = np.random.default_rng(_seed_sequence(seed))
         self.single = answer_dtype in FORMAT_UNITS
         #: The relative rounding of the declared answer dtype (2^-53 when none is declared).
-        self.unit = FORMAT_UNITS.get(answer_dtype, 2.0 ** -53)
+        self.unit = FORMAT_UNITS.get(answer_dtype, FLOAT64_UNIT)
         self.d_out: int | None = None
         self.readout: np.ndarray | None = None
 

@@ -37,6 +37,7 @@ from scipy.optimize import linear_sum_assignment
 from ..numerics.float64 import fit
 from ..numerics.highprec import mid_float
 from ..run.result import Result
+from ..oracle.answer_stats import FLOAT64_UNIT
 from ..oracle.queries import random_basis
 from .completion import complete_low_rank, complete_offset_pairs, head_widths
 from .completion import completion_rank  # noqa: F401 (re-exported)
@@ -511,7 +512,7 @@ class RotaryLearner:
         log_E = np.where((worst <= limit)[:, None], log_E, np.nan)
         return log_E, implied_chosen, implied_finals, worst, limit
 
-    def learn(self, answers: np.ndarray, c: float, unit: float = 2.0 ** -53, channels=None, channels_c=None) -> tuple:
+    def learn(self, answers: np.ndarray, c: float, unit: float = FLOAT64_UNIT, channels=None, channels_c=None) -> tuple:
         """The start model from the instances' answers: ``(model or None, diagnostics dict)``.
 
         Instances whose fit failed (a pole not positive, ``E <= 0``) leave their entry of the

@@ -40,6 +40,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from ..checks.base import Check
+from ..oracle.answer_stats import FLOAT64_UNIT, FORMAT_UNITS
 from ..oracle.progress import note_progress
 
 #: Tokens of each probe sequence of the query-neutral search before its final token.
@@ -135,7 +136,7 @@ KEY_LIMIT, KEY_UNITS = 1e-6, 1e4
 #: stands out of it (docs/algorithm.md, 'Finals at half weight for the slow blocks').
 HALF_WEIGHT_KEY_UNITS = 300.0
 #: The answers' unit the large-query search assumes: float32's, also for float64 answers computed in it.
-COARSE_UNIT = 2.0 ** -24
+COARSE_UNIT = FORMAT_UNITS["float32"]
 
 
 @dataclass
@@ -172,7 +173,7 @@ class NeutralToken:
     query_misfit: float
     key_misfit: float
     queries: int
-    unit: float = 2.0 ** -53
+    unit: float = FLOAT64_UNIT
     key_gap: float = np.nan
     invisible_token: np.ndarray | None = None
     large_queries: bool = False
@@ -244,7 +245,7 @@ def _query_neutral(whole, c, V, rng, d, size, unit, tokens=PROBE_TOKENS) -> tupl
     # difference steps of the square root of the answers' unit (float64's own in float64); 'lm'
     # counts no Jacobian in max_nfev, so the queries are at most about LM_EVALUATIONS (d + 1) p
     fit = least_squares(uniform_misfit, np.zeros(d), method="lm", xtol=1e-15, ftol=1e-15, gtol=1e-15,
-                        max_nfev=LM_EVALUATIONS, diff_step=np.sqrt(max(unit, 2.0 ** -53)))
+                        max_nfev=LM_EVALUATIONS, diff_step=np.sqrt(max(unit, FLOAT64_UNIT)))
     return fit.x, float(np.abs(uniform_misfit(fit.x)).max())
 
 
@@ -316,7 +317,7 @@ def find_neutral_token(boundary, c: np.ndarray, rng: np.random.Generator, token_
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     # rounding amplified by 1 / eps against the stencil's error of order eps^8: the best eps grows as
     # the unit's ninth root (9 times float64's for float32 answers)
-    eps = EPSILON * (unit / 2.0 ** -53) ** (1 / 9) * token_scale / d ** 0.25
+    eps = EPSILON * (unit / FLOAT64_UNIT) ** (1 / 9) * token_scale / d ** 0.25
 
     def criteria(tokens, lengths, stencil=STENCIL):
         """The part of ``T_N`` not affine in N in ``(z^(N-2), y, x_q + eps e)``, one row per z in

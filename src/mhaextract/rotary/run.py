@@ -25,6 +25,7 @@ from ..checks.base import Check, available_memory
 from ..checks.noise_probe import taken_as_float32
 from ..checks.verify import ask_long_verification, output_errors
 from ..numerics.highprec import mid_float, mpf_array
+from ..oracle.answer_stats import FORMAT_UNITS
 from ..oracle.boundary import OracleBoundary
 from ..oracle.progress import note_progress
 from ..oracle.queries import random_queries
@@ -38,7 +39,7 @@ from .refine import error_moves, pack, polish_high_precision, refine, refinement
 from .window import WindowSearch, find_window
 
 #: The coarsest answers the rotary schedule takes: float32's unit roundoff.
-COARSEST_UNIT = 2.0 ** -24
+COARSEST_UNIT = FORMAT_UNITS["float32"]
 #: Float64 limits of the checks (relative): the answers' misfit and the error estimate; for coarser
 #: answers (float32) these many units of their rounding, where that is larger.
 RESIDUAL_LIMIT = 1e-9

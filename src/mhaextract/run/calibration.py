@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..oracle.answer_stats import FLOAT64_UNIT, FORMAT_UNITS
 from ..oracle.boundary import OracleError
 from ..oracle.queries import quantize
 from .validation import default_token_scale
@@ -245,10 +246,10 @@ def answer_noise(boundary, permuted: float, repeated: float = 0.0) -> tuple[floa
     stats = boundary.stats
     precision = stats.precision_name
     noise = max(stats.unit_roundoff if precision != "float64" else 0.0, permuted)
-    if noise <= FLOAT64_NOISE_UNITS * 2.0**-53:
+    if noise <= FLOAT64_NOISE_UNITS * FLOAT64_UNIT:
         return None, precision, None, False
     random = precision == "float64" and RANDOM_RATIO * repeated >= permuted
-    arithmetic = (None if noise < HIDDEN_FLOAT32 else min(noise, 2.0**-24)) if random else noise
+    arithmetic = (None if noise < HIDDEN_FLOAT32 else min(noise, FORMAT_UNITS["float32"])) if random else noise
     return float(noise), precision if precision != "float64" else "float64 with noise", arithmetic, random
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from ..checks.base import Check
 from ..checks.verify import ROUNDING_PER_TOKEN, ask_long_verification, fresh_queries, spread_lengths
 from ..models.attention import MultiHeadAttention
+from ..oracle.answer_stats import FLOAT64_UNIT, FORMAT_UNITS
 from ..oracle.progress import note_progress
 from ..run.result import Result
 from ..run.validation import spawn_rng
@@ -48,14 +49,14 @@ HOLDOUT_QUERIES, HOLDOUT_LONGEST, HOLDOUT_SCALES = 32, 64, (1.0,)
 #: 5 times it, benchmarks/bench_vector_estimate.py).
 ESTIMATE_FACTOR = 10.0
 #: The relative rounding of evaluating the model (float64, whatever the answers' format).
-EVALUATION_UNIT = 2.0 ** -53
+EVALUATION_UNIT = FLOAT64_UNIT
 #: The output error the split's model is meant to reach, relative, at every position of fresh
 #: sequences of up to 64 tokens (issue 62's acceptance), on answers rounded to the format's unit:
 #: 1e-12 in float64 (about 1e4 units), 1e-5 in float32 (about 170 units). The ``error_estimate``
 #: check allows the estimate ``ESTIMATE_SPAN`` times that (the estimate sits 2..12 times above the
 #: error it claims on trained and GPT-2-class layers), scaled by the answers' measured rounding over
 #: the format's unit.
-ERROR_TARGET = {"float64": (1e-12, 2.0 ** -53), "float32": (1e-5, 2.0 ** -24)}
+ERROR_TARGET = {"float64": (1e-12, FLOAT64_UNIT), "float32": (1e-5, FORMAT_UNITS["float32"])}
 ESTIMATE_SPAN = 100.0
 #: Random streams of the run's seed (:func:`mhaextract.run.validation.spawn_rng`), apart from the others'.
 STREAMS = {"values": 41, "split": 42, "scores": 43, "holdout": 44, "refine": 45}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..oracle.answer_stats import FORMAT_UNITS
+from ..oracle.answer_stats import format_unit
 from ..oracle.transcript import VECTOR
 from ..run.learner import AUTO, FallBack, Learner, given, register_learner
 from ..run.validation import rank_option
@@ -60,7 +60,7 @@ def split_expected(options: dict, common, answer_format: str | None, d_out: int 
     if why:
         return False, why
     width = int(rank) if declared else min(common.d, d_out // heads)
-    full, work = refines_fully(common.d, [width] * heads, FORMAT_UNITS.get(answer_format, 2.0 ** -53))
+    full, work = refines_fully(common.d, [width] * heads, format_unit(answer_format))
     words = (f"heads of width r = {width} ({'rank given' if declared else 'at most d_out / H'}): one Jacobian "
              f"product of the full refinement about {work:.2g} multiply-adds")
     if full:
@@ -131,7 +131,7 @@ class VectorLearner(Learner):
         why = no_room(request.heads, rank if isinstance(rank, int) else None, vectors.d_out)
         if why:
             raise self.give_way(f"the split was not tried: {why}")
-        unit = max(vectors.unit, FORMAT_UNITS.get(calibration.answer_precision, 2.0 ** -53))
+        unit = max(vectors.unit, format_unit(calibration.answer_precision))
         boundary = session.boundary(VECTOR)
         try:
             result = extract_vector(boundary, request.seed, request.d, request.heads, calibration.token_scale, unit,

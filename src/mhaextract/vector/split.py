@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..oracle.answer_stats import FLOAT64_UNIT
 from .values import SplitUnavailable, ValueMap
 
 #: Keys are ``SATURATION`` times the token scale: scores about ``SATURATION^2`` (a head's choice is
@@ -447,7 +448,7 @@ def _oblique(columns, ranks, values: ValueMap, d_out: int, unit: float, queries:
         bases.append(np.linalg.svd(vectors / np.linalg.norm(vectors, axis=0), full_matrices=False)[0][:, :rank])
     stacked = np.concatenate(bases, axis=1)
     conditioning = float(np.linalg.cond(stacked))
-    if not conditioning < 1.0 / max(unit, 2.0 ** -53) ** 0.5:
+    if not conditioning < 1.0 / max(unit, FLOAT64_UNIT) ** 0.5:
         raise SplitUnavailable(f"the heads' output subspaces are nearly dependent (condition number "
                                f"{conditioning:.3g} of [O_1 .. O_H]): the split would amplify the answers' rounding")
     P_all = np.linalg.lstsq(stacked, values.V_total, rcond=None)[0]
