@@ -221,15 +221,9 @@ class FittedQueries:
     def __len__(self) -> int:
         return len(self.answers)
 
-    def parts(self):
-        """``(sequences, answers)`` a batch at a time, in the order of :attr:`answers`."""
-        yield self.first
-        for batch in self.batches:
-            yield list(batch.X), batch.answers
-
     def sequences(self) -> list:
-        """Every query's tokens at once (the refinement's data)."""
-        return [X for sequences, _ in self.parts() for X in sequences]
+        """Every query's tokens at once, in the order of :attr:`answers` (the refinement's data)."""
+        return list(self.first[0]) + [X for batch in self.batches for X in batch.X]
 
     def groups(self):
         """``(indices into answers, tokens (B, N, d))`` per query length, a batch at a time: a score
