@@ -40,10 +40,15 @@ def _solve_basis(basis: np.ndarray, answers: np.ndarray, c: np.ndarray) -> np.nd
     return solve_triangular(R, Q.T @ (answers - c)).T
 
 
+def _one_token_queries(basis: np.ndarray) -> list[np.ndarray]:
+    """One query ``(b)`` of one token per column b of ``basis`` (d, d)."""
+    return [column[None, :].copy() for column in basis.T]
+
+
 def value_map(boundary, rng: np.random.Generator, d: int, scale: float) -> ValueMap:
     """``c`` and ``V_tot`` from ``d + 1`` one-token queries at token norm ``scale``."""
     basis = random_basis(rng, d, scale)
-    sequences = [np.zeros((1, d))] + [column[None, :].copy() for column in basis.T]
+    sequences = [np.zeros((1, d))] + _one_token_queries(basis)
     answers = np.asarray(boundary.ask(sequences, "one-token queries: the summed value map", whole=True))
     if answers.ndim != 2 or answers.shape[1] < 2:
         raise SplitUnavailable("the oracle answers one number per query: the split needs whole outputs")
@@ -60,7 +65,7 @@ def more_bases(values: ValueMap, boundary, rng: np.random.Generator, d: int, sca
     'Whole answers near the vector bound', 'What limits the split's values')."""
     for _ in range(count):
         basis = random_basis(rng, d, scale)
-        sequences = [column[None, :].copy() for column in basis.T]
+        sequences = _one_token_queries(basis)
         answers = np.asarray(boundary.ask(sequences, "one-token queries: more of the summed value map", whole=True))
         solved = _solve_basis(basis, answers, values.c)
         values.V_total = (values.bases * values.V_total + solved) / (values.bases + 1)
