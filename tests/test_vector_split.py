@@ -607,3 +607,34 @@ def test_the_first_round_and_phase_one_ask_only_what_their_stops_need(monkeypatc
     assert first_round == [split.DIRECTIONS_PER_ROUND, rank + 3 - (1 + split.DIRECTIONS_PER_ROUND)]
     assert second_round == rank + 2  # the full route's independent differences
     assert asked["finals"] == max(ranks[-heads:]) + 3
+
+
+def test_one_dimensional_tokens_run_the_targeted_schedule_with_the_reason():
+    """d = 1 has no half circle of final tokens: auto does not try the split, schedule='vector' gives
+    way before any split query, and the targeted schedule learns the layer."""
+    target = mx.MultiHeadAttention.random(d=1, heads=1, seed=0, bias=True, d_out=2)
+    named = mx.extract(mx.SimulatedOracle(target), 1, heads=1, seed=0, schedule="targeted")
+    for schedule in ("auto", "vector"):
+        result = mx.extract(mx.SimulatedOracle(target), 1, heads=1, seed=0, schedule=schedule)
+        assert result.schedule == "targeted" and result.ok and result.split_queries == 0
+        assert "d = 1" in result.schedule_reason and result.queries == named.queries
+        assert mx.compare(result.model, target).max_rel < 1e-12
+
+
+def test_an_oracles_own_linalg_error_is_raised_unchanged_not_taken_for_the_splits():
+    """An exception the oracle raises is the oracle's, whatever its type: a LinAlgError from inside the
+    oracle (its own solve) reaches the caller with the note naming the queries, the split does not
+    give way as if its own factorisation had failed."""
+    target, asked, raised_once = low_rank_layer(6, 2, 3, seed=6), [], []
+    simulated = mx.SimulatedOracle(target)
+
+    def oracle(batch):
+        if sum(asked) >= 200 and not raised_once:  # inside the split's saturated queries (the calibration asks 147)
+            raised_once.append(True)
+            raise np.linalg.LinAlgError("the oracle's own solve failed")
+        asked.append(len(batch))
+        return simulated(batch)
+
+    with pytest.raises(np.linalg.LinAlgError, match="the oracle's own solve") as raised:
+        mx.extract(oracle, 6, heads=2, seed=0, schedule="vector", batch_size=16)
+    assert any("raised by the oracle while answering" in note for note in raised.value.__notes__)

@@ -245,9 +245,13 @@ class FittedQueries:
         return out
 
 
-def no_room(heads: int, rank: int | None, d_out: int) -> str | None:
-    """Why H heads (of width ``rank`` where known) cannot have independent output subspaces in
-    ``d_out`` numbers, or None where they can (the split's first requirement)."""
+def no_room(d: int, heads: int, rank: int | None, d_out: int) -> str | None:
+    """Why H heads (of width ``rank`` where known) cannot be split in ``d_out`` numbers from tokens of
+    dimension ``d``, or None where they can (the split's first requirements): the heads need
+    independent output subspaces, and the saturated queries' final tokens a half circle, two
+    dimensions (:func:`~mhaextract.vector.split.output_subspaces`)."""
+    if d < 2:
+        return f"d = {d}: the saturated queries' half circles of final tokens need d >= 2"
     if heads > d_out:
         return f"H = {heads} heads cannot have independent output subspaces in d_out = {d_out}"
     if rank is not None and heads * rank > d_out:
@@ -276,7 +280,7 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
     values_rng = spawn_rng(seed, STREAMS["values"])
     values = value_map(boundary, values_rng, d, scale)
     d_out = values.c.shape[0]
-    why = no_room(heads, None, d_out)
+    why = no_room(d, heads, None, d_out)
     if why:
         raise SplitUnavailable(why)
     note_progress(progress, "whole answers: saturated queries for the heads' output subspaces")

@@ -30,8 +30,8 @@ def split_expected(options: dict, common, answer_format: str | None, d_out: int 
     ``d_out`` numbers each, before any query of the split (docs/algorithm.md, 'Whole answers near
     the vector bound', 'When auto splits the answers').
 
-    It needs whole float64 or float32 answers (``d_out >= 2``), ``heads=H`` declared, ``H <= d_out``
-    and, where ``rank`` bounds the heads' width, ``H rank <= d_out``; no option of the scalar
+    It needs whole float64 or float32 answers (``d_out >= 2``), ``heads=H`` declared, ``d >= 2``,
+    ``H <= d_out`` and, where ``rank`` bounds the heads' width, ``H rank <= d_out``; no option of the scalar
     schedules' beyond ``bias`` (not False) and ``rank``. And every parameter must be refined on every
     answer (:func:`~mhaextract.vector.learn.refines_fully` with heads of width ``r``, the rank given
     or else ``min(d, d_out // H)``, the widest heads whose subspaces fit in ``d_out``), or the scores'
@@ -56,7 +56,7 @@ def split_expected(options: dict, common, answer_format: str | None, d_out: int 
         return False, f"options of the scalar schedules given ({', '.join(scalar)})"
     rank = options.get("rank")
     declared = isinstance(rank, (int, np.integer)) and not isinstance(rank, bool)
-    why = no_room(heads, int(rank) if declared else None, d_out)
+    why = no_room(common.d, heads, int(rank) if declared else None, d_out)
     if why:
         return False, why
     width = int(rank) if declared else min(common.d, d_out // heads)
@@ -128,7 +128,7 @@ class VectorLearner(Learner):
             raise self.give_way(f"the split was not tried: it needs whole answers in float64 or float32 (these are "
                                 f"{vectors.d_out or 1} number(s) at {calibration.answer_precision})")
         rank = self.options.get("rank")
-        why = no_room(request.heads, rank if isinstance(rank, int) else None, vectors.d_out)
+        why = no_room(request.d, request.heads, rank if isinstance(rank, int) else None, vectors.d_out)
         if why:
             raise self.give_way(f"the split was not tried: {why}")
         unit = max(vectors.unit, format_unit(calibration.answer_precision))
@@ -139,6 +139,8 @@ class VectorLearner(Learner):
         except SplitUnavailable as why:
             raise self.give_way(f"whole answers could not be split by head ({why})", boundary) from None
         except np.linalg.LinAlgError as why:  # a factorisation of the split failed: it cannot work here
+            if getattr(why, "raised_by_oracle", False):  # the oracle's own exception: the caller's, unchanged
+                raise
             raise self.give_way(f"whole answers could not be split by head (a factorisation of the split failed "
                                 f"({why}))", boundary) from None
         if not result.ok and SPLIT_FAILURE_FALLS_BACK:  # never a guess: the scalar schedules run instead
