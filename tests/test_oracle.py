@@ -92,6 +92,11 @@ def test_an_exception_inside_the_oracle_propagates_with_the_query():
         (dict(d=2, heads=1, precision=16), "precision must be"),
         (dict(d=2, heads=1, on_failure="ignore"), "on_failure"),
         (dict(d=2, heads=1, token_scale=-1.0), "token_scale"),
+        (dict(d=2, heads=1, seed=-1), "seed must be None or an integer >= 0"),
+        (dict(d=2, heads=1, seed=1.5), "seed must be None or an integer >= 0"),
+        (dict(d=2, heads=1, seed="7"), "seed must be None or an integer >= 0"),
+        (dict(d=2, heads=1, seed=(1, 2)), "seed must be None or an integer >= 0"),
+        (dict(d=2, heads=1, seed=np.random.default_rng(0)), "seed must be None or an integer >= 0"),
     ],
 )
 def test_invalid_parameters_raise_value_error(kwargs, message):

@@ -204,7 +204,7 @@ def test_max_queries_zero_replays_a_complete_transcript(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(transcript="x.sqlite"), "integer seed"),
-    (dict(transcript="x.sqlite", seed=True), "integer seed"),
+    (dict(transcript="x.sqlite", seed=True), "seed must be None or an integer >= 0"),
     (dict(max_queries=-1), "max_queries must be"),
     (dict(max_queries=2.5), "max_queries must be"),
 ])

@@ -38,7 +38,7 @@ def extract(oracle, d, heads=None, max_heads=None, precision=None, seed=None, *,
     max_heads : a bound H0 >= H*; the canonical count is detected on every instance (grid schedules:
         ``result.details.merge_resolution`` is the singular-value gap it was decided in).
     precision : None for float64; bits (>= 64) for the high-precision (python-flint) path.
-    seed : seeds the random query vectors (same seed, same queries).
+    seed : None or an integer >= 0: seeds the random query vectors (same seed, same queries).
     schedule : ``"auto"`` (default: the registry chooses from the arithmetic and H0, and
         ``result.schedule_reason`` says what and why: targeted in float64 with H0 <= d, else the
         paper's grid, with biases the biased grid of docs/algorithm.md, 'Biases: affine scores and an output constant':

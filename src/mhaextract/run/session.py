@@ -23,7 +23,8 @@ from ..oracle.transcript import CALIBRATION, RUN, Transcript, check_directory
 from ..oracle.vector_answers import VectorAnswers
 from .calibration import calibrate, probe_queries
 from .learner import FallBack, learner_class, pick
-from .validation import head_count, on_failure_mode, positive_int, resumable_seed, spawn_rng, token_scale_option
+from .validation import (head_count, on_failure_mode, positive_int, resumable_seed, seed_option, spawn_rng,
+                         token_scale_option)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Request:
         H0, declared = head_count(heads, max_heads)
         if precision is not None:
             precision = positive_int("precision", precision, minimum=64)
-        return cls(d, declared, H0, precision, seed, token_scale_option(token_scale))
+        return cls(d, declared, H0, precision, seed_option(seed), token_scale_option(token_scale))
 
 
 @dataclass

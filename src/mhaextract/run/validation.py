@@ -116,6 +116,16 @@ def head_count(heads, max_heads) -> tuple[int, int | None]:
     return positive_int("max_heads", max_heads), None
 
 
+def seed_option(seed):
+    """``extract``'s ``seed``: None (fresh entropy) or an integer >= 0 (numpy integers too, bools
+    refused), as an int: the run derives every random stream from it (:func:`spawn_rng`)."""
+    if seed is None:
+        return None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be None or an integer >= 0 (the same seed asks the same queries), got {seed!r}")
+    return int(seed)
+
+
 def resumable_seed(seed):
     """A transcript's run must ask the same queries again: it needs an integer seed >= 0."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
