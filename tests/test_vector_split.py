@@ -470,7 +470,7 @@ def test_the_unrefined_route_sharpens_the_split_where_the_answers_are_rounded():
         def __init__(self, oracle):
             self.oracle = oracle
 
-        def ask(self, sequences, description, whole=True):
+        def ask(self, sequences, description, whole=True, overflow=False):
             return np.asarray(self.oracle(sequences)).astype(np.float32).astype(np.float64)
 
     d, heads, rank, unit = 32, 4, 8, 2.0 ** -24
@@ -638,3 +638,22 @@ def test_an_oracles_own_linalg_error_is_raised_unchanged_not_taken_for_the_split
     with pytest.raises(np.linalg.LinAlgError, match="the oracle's own solve") as raised:
         mx.extract(oracle, 6, heads=2, seed=0, schedule="vector", batch_size=16)
     assert any("raised by the oracle while answering" in note for note in raised.value.__notes__)
+
+
+def test_a_layer_that_overflows_only_at_the_splits_saturated_tokens_runs_the_targeted_schedule():
+    """An oracle answering NaN beyond token norm 1000 (past the calibration's probes, inside the
+    split's saturated queries at 1000 times the token scale): the split gives way with the reason,
+    and auto's run is the targeted schedule's, its model the layer's."""
+    target = low_rank_layer(6, 2, 3, seed=6)
+    simulated = mx.SimulatedOracle(target)
+
+    def oracle(batch):
+        answers = np.array(simulated(batch), dtype=float)
+        answers[[np.linalg.norm(X, axis=1).max() > 1000 for X in batch]] = np.nan
+        return answers
+
+    named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
+    result = mx.extract(oracle, 6, heads=2, seed=0)
+    assert result.schedule == "targeted" and result.ok and "saturated queries with non-finite" in result.schedule_reason
+    assert result.queries == named.queries + result.split_queries and result.split_queries > 0
+    np.testing.assert_array_equal(result.model.W, named.model.W)

@@ -133,8 +133,7 @@ class _Saturated:
             queries = exact_tokens(SATURATION * finals, self.unit)
             for start in range(0, len(keys), step):
                 sequences = [np.stack([k, q]) for k, q in zip(keys[start:start + step], queries[start:start + step])]
-                sums[first + start:first + start + len(sequences)] = self.boundary.ask(sequences, description,
-                                                                                       whole=True)
+                sums[first + start:first + start + len(sequences)] = self._ask(sequences, description)
         self.asked += count
         chunks = [slice(first, min(first + chunk, count)) for first in range(0, count, chunk)]
         self._reference(exact_tokens(SATURATION * pairs(rows)[0], self.unit) for rows in chunks)
@@ -142,6 +141,19 @@ class _Saturated:
             sums[rows] -= self._unsaturated(exact_tokens(SATURATION * pairs(rows)[0], self.unit))
             sums[rows] /= SATURATION
         return sums
+
+    def _ask(self, sequences: list, description: str) -> np.ndarray:
+        """The whole answers to saturated ``sequences``. Their tokens are ``SATURATION`` times the token
+        scale by design: an answer that is not finite there (a layer whose own arithmetic overflows at
+        such tokens) is no answer to split, and SplitUnavailable says so (the scalar schedules run)."""
+        answers = np.asarray(self.boundary.ask(sequences, description, whole=True, overflow=True))
+        if not np.isfinite(answers).all():
+            norm = max(float(np.linalg.norm(sequence, axis=1).max()) for sequence in sequences)
+            raise SplitUnavailable(
+                f"the oracle answered {int((~np.isfinite(answers).all(axis=1)).sum())} of {len(sequences)} "
+                f"saturated queries with non-finite numbers (tokens of norm up to {norm:.3g}, {SATURATION:g} times "
+                "the token scale): a layer that overflows there cannot be split")
+        return answers
 
     def _reference(self, queries) -> None:
         """Asks what :meth:`_unsaturated` needs at the final tokens ``queries`` (chunks of them), after
@@ -171,9 +183,8 @@ class _Referenced(_Saturated):
                 if key not in self.answered and key not in missing:
                     missing[key] = query
         if missing:
-            answers = np.asarray(self.boundary.ask([query[None].copy() for query in missing.values()],
-                                                   "saturated directions: one-token answers at their final tokens",
-                                                   whole=True))
+            answers = self._ask([query[None].copy() for query in missing.values()],
+                                "saturated directions: one-token answers at their final tokens")
             self.asked += len(missing)
             self.answered.update(zip(missing, answers))
 
