@@ -99,6 +99,7 @@ def test_whole_answers_that_cannot_split_run_todays_schedule_with_the_reason():
     result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector")
     named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
     assert result.schedule == "targeted" and "could not be split" in result.schedule_reason
+    assert result.schedule_reason.startswith("schedule='vector' given, which gave way to schedule='targeted'")
     np.testing.assert_array_equal(result.model.W, named.model.W)
     np.testing.assert_array_equal(result.model.V, named.model.V)
     assert result.queries == named.queries + result.split_queries and result.split_queries > 0

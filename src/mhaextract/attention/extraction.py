@@ -105,7 +105,7 @@ def run_attention(session, options, name):
         raise ValueError(f"precision={settings.precision} needs an oracle answering mpmath.mpf; this one answers "
                          f"{answer_dtype} (a torch layer computes in its own dtype): run it with precision=None")
     bias = options.get("bias")
-    choice = choose(name, settings.d, settings.max_heads, settings.precision, bias, settings.rank)
+    choice = choose(name, settings.d, settings.max_heads, settings.precision, bias, settings.rank, session.requested)
     refuse_takeover(session, name, answer_dtype, None, "the oracle declares answer_dtype=" + repr(answer_dtype))
     plan = choice.schedule(dataclasses.replace(settings, bias=choice.bias))  # refuses bad options before any query
     calibrating = scale_option == "auto" or (scale_option is None and choice.calibrate)

@@ -70,9 +70,11 @@ class Choice:
     reason: str
 
 
-def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
+def choose(name, d: int, max_heads: int, precision, bias, rank=None, requested=None) -> Choice:
     """Resolve ``schedule=name`` and ``bias`` (None: the schedule's default) for a run; ``rank`` (a
-    bound, or ``"auto"``) sends ``schedule="auto"`` to the low-rank schedule."""
+    bound, or ``"auto"``) sends ``schedule="auto"`` to the low-rank schedule. ``requested``: the
+    schedule the caller named, where it is another learner that gave way to ``name`` (the reason
+    says so)."""
     known_schedule(name)
     if name == AUTO:
         learns = True if bias is None else bool(bias)
@@ -112,7 +114,8 @@ def choose(name, d: int, max_heads: int, precision, bias, rank=None) -> Choice:
         cls = schedule_class(name)
         learns = (cls in REAL_LAYER_DEFAULTS) if bias is None else bool(bias)
         calibrate = cls in REAL_LAYER_DEFAULTS
-        reason = f"schedule={name!r} given"
+        reason = (f"schedule={name!r} given" if requested in (None, AUTO, name) else
+                  f"schedule={requested!r} given, which gave way to schedule={name!r}")
     if learns and cls not in BIASED:
         with_bias = sorted({klass.name for klass in BIASED})
         raise ValueError(f"schedule={cls.name!r} learns the bias-free model only; pass bias=False, or "
