@@ -658,3 +658,24 @@ def test_a_layer_that_overflows_only_at_the_splits_saturated_tokens_runs_the_tar
     assert result.schedule == "targeted" and result.ok and "saturated queries with non-finite" in result.schedule_reason
     assert result.queries == named.queries + result.split_queries and result.split_queries > 0
     np.testing.assert_array_equal(result.model.W, named.model.W)
+
+
+@pytest.mark.parametrize("failure", ["nan", "raises"])
+def test_an_oracle_that_fails_on_the_held_out_queries_is_told_what_they_are(failure):
+    """An oracle that cannot answer sequences longer than 20 tokens, first met at the split's held-out
+    queries (1..64 tokens): the OracleError (a NaN answer) or the oracle's own exception says which
+    queries these were and what runs with shorter ones."""
+    target = low_rank_layer(4, 1, 2, seed=6)
+    simulated = mx.SimulatedOracle(target)
+
+    def oracle(batch):
+        if failure == "raises" and max(map(len, batch)) > 20:
+            raise ConnectionError("sequence too long for the remote model")
+        answers = np.array(simulated(batch), dtype=float)
+        answers[[len(X) > 20 for X in batch]] = np.nan
+        return answers
+
+    with pytest.raises(mx.OracleError if failure == "nan" else ConnectionError) as raised:
+        mx.extract(oracle, 4, heads=1, seed=0, schedule="vector")
+    assert any("held-out queries of 1..64 tokens" in note and "verify_length" in note
+               for note in raised.value.__notes__)

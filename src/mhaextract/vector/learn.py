@@ -18,6 +18,7 @@ from ..checks.base import Check
 from ..checks.verify import ROUNDING_PER_TOKEN, ask_long_verification, fresh_queries, spread_lengths
 from ..models.attention import MultiHeadAttention
 from ..oracle.answer_stats import FLOAT64_UNIT, FORMAT_UNITS
+from ..oracle.boundary import BudgetExceeded, OracleError
 from ..oracle.progress import note_progress
 from ..run.result import Result
 from ..run.validation import spawn_rng
@@ -338,7 +339,16 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
     np.square(answers, out=squares)
     residual = float(np.sqrt(misfit) / np.sqrt(np.mean(squares)))
     holdout = holdout_queries(spawn_rng(seed, STREAMS["holdout"]), d, scale)
-    held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))
+    try:
+        held = np.asarray(boundary.ask(holdout, "whole answers: held-out queries for the error estimate", whole=True))
+    except Exception as error:  # a bad answer or the oracle's own exception: say which queries these were
+        if (isinstance(error, OracleError) and not isinstance(error, BudgetExceeded)
+                or getattr(error, "raised_by_oracle", False)):
+            error.add_note(f"mhaextract: these are the split's {HOLDOUT_QUERIES} held-out queries of 1.."
+                           f"{HOLDOUT_LONGEST} tokens for its error estimate (docs/algorithm.md, 'Whole answers near "
+                           "the vector bound', 'The error estimate'); for an oracle that cannot answer sequences "
+                           "that long, schedule='targeted' with verify_length=L asks none longer than L")
+        raise
     estimate = error_estimate(float(_relative_misfits(model, holdout, held).max()), unit)
     limit = estimate_limit(answer_dtype, unit)
     checks = [
