@@ -459,7 +459,7 @@ def test_a_transformer_transcript_is_refused_by_another_run(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_queries=-1), "max_queries"),
     (dict(transcript="t.sqlite"), "transcript= needs an integer seed"),
-    (dict(transcript="t.sqlite", seed=-1), "transcript= needs an integer seed"),
+    (dict(transcript="t.sqlite", seed=-1), "seed must be None or an integer >= 0"),
     (dict(verify_queries=-1), "verify_queries"),
     (dict(precision=80), "precision must be an integer >= 96"),
     (dict(token_scale=0.0), "token_scale"),
