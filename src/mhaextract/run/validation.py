@@ -127,11 +127,16 @@ def seed_option(seed):
 
 
 def resumable_seed(seed):
-    """A transcript's run must ask the same queries again: it needs an integer seed >= 0."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    """A transcript's run must ask the same queries again: it needs an integer seed >= 0 (:func:`seed_option`
+    without None)."""
+    try:
+        checked = seed_option(seed)
+    except ValueError:
+        checked = None
+    if checked is None:
         raise ValueError(f"transcript= needs an integer seed >= 0 (the resumed run must ask the same queries), "
                          f"got seed={seed!r}")
-    return int(seed)
+    return checked
 
 
 def spawn_rng(seed, stream: int) -> np.random.Generator:
