@@ -110,6 +110,7 @@ def batches_and_answers(draw):
     return batch, np.ma.masked_array(values[:, 0], mask=[n == 0 for n in range(B)]), None  # masked
 
 
+@pytest.mark.slow
 @settings(derandomize=True, max_examples=120, deadline=None)
 @given(batches_and_answers())
 def test_every_answer_is_read_or_refused_with_an_oracle_error(case):

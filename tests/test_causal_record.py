@@ -39,6 +39,7 @@ def extracted(layer, d, H, **options):
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["decoder", "encoder"])
 def test_the_default_replacement_follows_what_the_layer_is(causal):
     d, H = 8, 2

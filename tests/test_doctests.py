@@ -36,7 +36,8 @@ def _modules_with_examples() -> list[str]:
 MODULES = _modules_with_examples()
 #: Modules whose examples run a whole extraction (or load transformers) for a second or more: the
 #: slow tier runs them.
-SLOW_EXAMPLES = {"mhaextract.lowprecision.learn", "mhaextract.adapters.export", "mhaextract.adapters.rotary"}
+SLOW_EXAMPLES = {"mhaextract.lowprecision.learn", "mhaextract.adapters.export", "mhaextract.adapters.rotary",
+                 "mhaextract.adapters.normed"}
 TORCH_PUBLIC = ["TorchOracle", "to_reduced", "to_torch", "to_state_dict", "suggested_token_scale", "ReducedAttention",
                 "ExtractedAttention", "head_factors", "numerical_rank", "UnsupportedLayerError"]
 ROTARY_PUBLIC = ["RotaryLayer", "to_rotary", "to_torch_rotary", "float64_layer", "ExtractedRotaryAttention", "causal_mask"]

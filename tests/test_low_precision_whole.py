@@ -222,7 +222,8 @@ def test_a_fit_larger_than_the_memory_available_is_refused_before_the_start(monk
     assert result.start is None and result.queries == oracle.sequences < 200  # the calibration's probes only
 
 
-@pytest.mark.parametrize("stop_after", [100] + [pytest.param(n, marks=pytest.mark.slow) for n in (1000, 3000)])  # in the calibration, the start, the fit
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_after", [100, 1000, 3000])  # in the calibration, the start, the fit
 def test_an_interrupted_run_resumes_from_its_transcript_to_the_same_model(tmp_path, stop_after):
     """With ``transcript=``, a run stopped part way loses at most the batch in flight: the re-run
     reads the answers back, asks the oracle only for the rest (and the resume check's probes), and

@@ -172,6 +172,7 @@ def _imports(path: Path) -> set[str]:
     return {name.removesuffix(".__init__") for name in found}
 
 
+@pytest.mark.slow
 def test_the_package_has_no_import_cycle():
     graph = {}
     for path in PACKAGE.rglob("*.py"):

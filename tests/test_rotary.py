@@ -830,6 +830,7 @@ def test_a_float32_run_under_a_window_too_short_for_the_large_query_search_is_re
     assert result.queries == layer.queries < 100
 
 
+@pytest.mark.slow
 def test_the_refinements_key_prior_is_weighed_against_the_misfit():
     """The key bias's prior is ``(sigma / key_size)^2 |k|^2`` with sigma the misfit's root mean
     square at each step (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows'). Without a

@@ -12,7 +12,8 @@ from mhaextract.rotary.learn import (MISMATCHED_TOKEN, Instances, log_score_weig
                                      score_size)
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_weighted_completion_reads_a_trained_spectrum_through_uneven_noise(seed):
     """A rank-8 grid whose singular values fall 30-fold (a trained head's, docs/trained-layers.md),
     each entry with its own noise (1e-6..1e-3 of the grid's largest entry: log-scores of crowded

@@ -207,6 +207,7 @@ def test_the_split_takes_no_option_it_does_not_use():
             mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector", **option)
 
 
+@pytest.mark.slow
 def test_a_resumed_auto_split_replays_its_answers(tmp_path):
     target = low_rank_layer(6, 2, 3, seed=4)
     path = tmp_path / "run.sqlite"
@@ -216,6 +217,7 @@ def test_a_resumed_auto_split_replays_its_answers(tmp_path):
     np.testing.assert_array_equal(again.model.W, first.model.W)
 
 
+@pytest.mark.slow
 def test_a_resumed_vector_run_replays_its_answers(tmp_path):
     target = low_rank_layer(6, 2, 3, seed=4)
     path = tmp_path / "run.sqlite"
@@ -251,6 +253,7 @@ def test_torch_layers_are_split_by_head(dtype):
     assert result.queries <= (15 if dtype == "float64" else 16) * result.vector_bound
 
 
+@pytest.mark.slow
 def test_a_split_whose_model_fails_its_checks_gives_way_to_the_scalar_schedule(monkeypatch):
     """Never a guess: a vector model failing a check (here the estimate inflated past its limit) is
     dropped, the targeted schedule runs, and the reason names the failed check."""
