@@ -27,8 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mpmath
 import numpy as np
+from flint import arb
 
+from ..numerics.highprec import GUARD_BITS, arb_to_mpf, to_arb, working_precision
 from .attention import MultiHeadAttention, as_batch
 from .compare import compare, compare_attention, register_comparison
 from .kinds import document_numbers, read_numbers, register_model_kind
@@ -66,6 +69,27 @@ def normalize(X: np.ndarray, norm: str, eps: float) -> np.ndarray:
     if norm == "layernorm":
         X = X - X.mean(axis=-1, keepdims=True)
     return X / np.sqrt((X * X).mean(axis=-1, keepdims=True) + X.dtype.type(eps))
+
+
+def normalize_balls(X, norm: str, eps: float) -> list[list[arb]]:
+    """``n(x)`` of every row of X (floats or ``mpf``, exact) as flint ``arb`` balls at the working
+    precision (:func:`~mhaextract.numerics.highprec.working_precision`): the same formula as
+    :func:`normalize`, its every rounding enclosed."""
+    eps_ball, rows = to_arb(float(eps)), []
+    for row in X:
+        x = [to_arb(value) for value in row]
+        if norm == "layernorm":
+            mean = sum(x, arb(0)) / len(x)
+            x = [value - mean for value in x]
+        scale = (sum((value * value for value in x), arb(0)) / len(x) + eps_ball).sqrt()
+        rows.append([value / scale for value in x])
+    return rows
+
+
+def _rounded(ball: arb, precision: int) -> mpmath.mpf:
+    """A ball's midpoint rounded to ``precision`` bits (what the models' ball evaluations return)."""
+    with mpmath.workprec(precision):
+        return +arb_to_mpf(ball)
 
 
 def reachable(T: np.ndarray, eps: float) -> np.ndarray:
@@ -170,9 +194,25 @@ class NormedAttention(EveryPosition):
         X = np.asarray(X, dtype=dtype)
         return normalize(X, self.norm, self.eps) @ self.basis.astype(dtype)
 
-    def __call__(self, batch, dtype=np.float64) -> np.ndarray:
+    def __call__(self, batch, dtype=np.float64, precision: int | None = None) -> np.ndarray:
         """``y(X)`` at the final position, (B, d_out) (a read-out's: (B,)), in float64 (or float32
-        throughout, plain attention inside)."""
+        throughout, plain attention inside); with ``precision=bits`` (tokens float64 or ``mpf``) the norm,
+        the inner model and the residual in ball arithmetic at ``bits`` (+ guard) bits, returned as ``mpf``
+        rounded to ``bits`` (an object array (B, d_out), a read-out's a list).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import mhaextract as mx
+        >>> model = NormedAttention("rmsnorm", 1e-6, mx.MultiHeadAttention.random(d=3, heads=1, seed=1, d_out=3),
+        ...                         np.eye(3))
+        >>> X = np.random.default_rng(1).normal(size=(4, 3))
+        >>> exact = model([X], precision=100)
+        >>> exact.shape, bool(np.allclose(exact.astype(float), model([X]), rtol=1e-14, atol=0))
+        ((1, 3), True)
+        """
+        if precision is not None:
+            return self._evaluate_ball(as_batch(batch, self.d), int(precision))
         if self.rotary and np.dtype(dtype) != np.float64:
             raise ValueError(f"a rotary inner model evaluates in float64 (RotaryAttention), not {np.dtype(dtype)}: "
                              "pass dtype=np.float64, or to_torch(model, dtype=...) for a module in another dtype")
@@ -181,6 +221,29 @@ class NormedAttention(EveryPosition):
         inner = self.attention(tokens) if self.rotary else self.attention(tokens, dtype=dtype)
         finals = np.array([np.asarray(X[-1], dtype=dtype) for X in sequences])
         return inner + finals @ self.R.astype(dtype).T  # a read-out's rho: (B,)
+
+    def _evaluate_ball(self, sequences, precision: int):
+        """:meth:`__call__` with ``precision``: the inner tokens ``Q^T n(x)`` as balls, passed to the
+        inner model as their exact midpoints (its own ball evaluation at ``precision``; the guard bits
+        keep the midpoints' error far below the rounding to ``precision`` bits), then ``R x_N`` added."""
+        basis = self.basis
+        with working_precision(precision + GUARD_BITS):
+            tokens = []
+            for X in sequences:
+                normed = normalize_balls(X, self.norm, self.eps)
+                tokens.append(np.array([[arb_to_mpf(sum((row[a] * to_arb(basis[a, j]) for a in range(len(row))),
+                                                        arb(0))) for j in range(basis.shape[1])]
+                                        for row in normed], dtype=object))
+        inner = np.asarray(self.attention(tokens, precision=precision), dtype=object).reshape(len(sequences), -1)
+        R = self.R.reshape(self.d_out, self.d)
+        out = np.empty(inner.shape, dtype=object)
+        with working_precision(precision + GUARD_BITS):
+            for b, X in enumerate(sequences):
+                final = [to_arb(value) for value in X[-1]]
+                for o in range(self.d_out):
+                    total = to_arb(inner[b, o]) + sum((to_arb(R[o, a]) * final[a] for a in range(self.d)), arb(0))
+                    out[b, o] = _rounded(total, precision)
+        return out if self.is_vector else list(out[:, 0])
 
     def at_position(self, X, i: int, causal: bool) -> np.ndarray | None:
         """The output at position ``i`` (from 0): what the causal record judges a layer's earlier
@@ -326,11 +389,28 @@ class PostNormAttention(EveryPosition):
         Z = np.asarray(Z)
         return self.gamma.astype(Z.dtype) * normalize(Z, "layernorm", self.eps) + self.beta.astype(Z.dtype)
 
-    def __call__(self, batch, dtype=np.float64) -> np.ndarray:
-        """``y(X)`` at the final position, (B, d), in float64 (or float32 throughout)."""
+    def __call__(self, batch, dtype=np.float64, precision: int | None = None) -> np.ndarray:
+        """``y(X)`` at the final position, (B, d), in float64 (or float32 throughout); with
+        ``precision=bits`` (tokens float64 or ``mpf``) the attention, the residual and the norm in ball
+        arithmetic at ``bits`` (+ guard) bits, returned as ``mpf`` rounded to ``bits`` (an object array)."""
         sequences = as_batch(batch, self.d)
+        if precision is not None:
+            return self._evaluate_ball(sequences, int(precision))
         inner = self.attention([np.asarray(X, dtype=dtype) for X in sequences], dtype=dtype)
         return self.normed(inner + np.array([np.asarray(X[-1], dtype=dtype) for X in sequences]))
+
+    def _evaluate_ball(self, sequences, precision: int) -> np.ndarray:
+        """:meth:`__call__` with ``precision``: ``gamma * n(x_N + f(X)) + beta`` on balls, f the
+        attention's own ball evaluation at ``precision``."""
+        inner = np.asarray(self.attention(sequences, precision=precision), dtype=object)
+        out = np.empty(inner.shape, dtype=object)
+        with working_precision(precision + GUARD_BITS):
+            for b, X in enumerate(sequences):
+                z = [to_arb(inner[b, o]) + to_arb(X[-1][o]) for o in range(self.d)]
+                normed = normalize_balls([z], "layernorm", self.eps)[0]
+                for o in range(self.d):
+                    out[b, o] = _rounded(to_arb(self.gamma[o]) * normed[o] + to_arb(self.beta[o]), precision)
+        return out
 
     def at_position(self, X, i: int, causal: bool) -> np.ndarray:
         """The output at position ``i`` (from 0), as :meth:`NormedAttention.at_position`."""
