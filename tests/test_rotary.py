@@ -213,6 +213,30 @@ def test_a_start_whose_heads_were_matched_wrongly_is_drawn_again(monkeypatch):
     assert mx.compare(result.model, layer).max_rel <= 1e-10
 
 
+def test_a_noisy_draw_that_gave_no_start_is_drawn_again_with_more_spare_tokens(monkeypatch):
+    """A float64 draw whose log-scores came out noisy (a key-neutral token that leaves a key) and that
+    dropped the tokens it mismatched below what the assembly needs gives no start; the next draw
+    carries float32's spare tokens (``NOISY_SPARE_TOKENS``), not the same two again."""
+    import mhaextract.rotary.learn as learn
+    layer = mx.RotaryAttention.random(d=8, heads=1, head_width=4, seed=5, bias=True)
+    learned, spares = learn.RotaryLearner.learn, []
+
+    def first_draw_noisy_and_short(self, answers, *args, **kwargs):
+        start, diagnostics = learned(self, answers, *args, **kwargs)
+        spares.append(self.spares)
+        if len(spares) == 1:  # as if three mismatched finals had been dropped from two spares
+            kept = {key: value for key, value in diagnostics.items()  # an assembly never reached: no structure
+                    if key not in ("subspace_residual", "modulus_error", "widths")}
+            return None, dict(kept, noisy_log_scores=True, mismatched_finals=3, dropped_finals=3)
+        return start, diagnostics
+
+    monkeypatch.setattr(learn.RotaryLearner, "learn", first_draw_noisy_and_short)
+    result = mx.extract(CountingOracle(layer), d=8, heads=1, positions="rotary", seed=1)
+    assert spares == [learn.SPARE_TOKENS, learn.NOISY_SPARE_TOKENS]
+    assert np.isinf(result.diagnostics["start_structure_errors"][0])
+    assert result.ok and mx.compare(result.model, layer).max_rel <= 1e-10
+
+
 class KeyBiasedRotary:
     """A rotary layer with a key bias (Qwen2-style): a zero token is no longer neutral, so the
     layer is outside the rotary model (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding

@@ -412,10 +412,13 @@ class RotaryLearner:
         spare = np.hstack([random_basis(rng, self.d, token_scale) for _ in range(-(-2 * self.spares // self.d))])
         self.spare_finals, self.spare_keys = spare[:, :self.spares], spare[:, self.spares:2 * self.spares]
 
-    def drawn_again(self, seed) -> "RotaryLearner":
-        """The same learner (heads, counts, token scale, spares) with its tokens drawn from ``seed``."""
+    def drawn_again(self, seed, spares: int | None = None) -> "RotaryLearner":
+        """The same learner (heads, counts, token scale, spares, or ``spares`` where given) with its tokens
+        drawn from ``seed``."""
         again = copy.copy(self)
         again.seed = seed
+        if spares is not None:
+            again.spares = spares
         again.set_scale(self.token_scale)
         return again
 

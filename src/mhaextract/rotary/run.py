@@ -389,7 +389,11 @@ def learn_start(run: RotaryRun) -> None:
     for draw in range(1, START_DRAWS):
         if drawn[-1] <= STRUCTURE_LIMIT:
             break
-        again = learner.drawn_again(int(spawn_rng(run.seed, 25 + draw).integers(2 ** 63)))
+        # a draw whose log-scores came out noisy (float64 answers whose key-neutral token leaves a key)
+        # drops the tokens it mismatched, as float32 answers' do: the next draws carry float32's spares
+        spares = (NOISY_SPARE_TOKENS if run.diagnostics.get("noisy_log_scores") and learner.spares < NOISY_SPARE_TOKENS
+                  else None)
+        again = learner.drawn_again(int(spawn_rng(run.seed, 25 + draw).integers(2 ** 63)), spares)
         more, more_exact, more_channels = run.ask(again.patterns(), f"rotary instances, draw {draw + 1}")
         run.sequences, run.exact = list(run.sequences) + list(more), np.concatenate([run.exact, more_exact])
         trial, trial_diagnostics = again.learn(mid_float(more_exact), c, unit, more_channels, channels_c)
