@@ -26,7 +26,7 @@ import mpmath
 import numpy as np
 from flint import arb, arb_mat
 
-from ..numerics.highprec import arb_to_mpf, mpf_array, to_arb, working_precision
+from ..numerics.highprec import mpf_array, rounded_mpf, to_arb, working_precision
 from .kinds import document_numbers, read_numbers, register_model_kind
 
 
@@ -507,8 +507,7 @@ class MultiHeadAttention:
                     total = constants[o]
                     for h in range(self.heads):
                         total += sum((row[h, a] * V[h, o, a] for a in range(self.d)), arb(0))
-                    with mpmath.workprec(precision):
-                        outputs[b, o] = +arb_to_mpf(total)  # unary + rounds to `precision` bits
+                    outputs[b, o] = rounded_mpf(total, precision)
             return outputs if self.is_vector else list(outputs[:, 0])
 
     def _means_arb(self, sequences: Sequence[np.ndarray], precision: int) -> np.ndarray:

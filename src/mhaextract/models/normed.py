@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mpmath
 import numpy as np
 from flint import arb
 
-from ..numerics.highprec import GUARD_BITS, arb_to_mpf, to_arb, working_precision
+from ..numerics.highprec import GUARD_BITS, arb_to_mpf, rounded_mpf, to_arb, working_precision
 from .attention import MultiHeadAttention, as_batch
 from .compare import compare, compare_attention, register_comparison
 from .kinds import document_numbers, read_numbers, register_model_kind
@@ -84,12 +83,6 @@ def normalize_balls(X, norm: str, eps: float) -> list[list[arb]]:
         scale = (sum((value * value for value in x), arb(0)) / len(x) + eps_ball).sqrt()
         rows.append([value / scale for value in x])
     return rows
-
-
-def _rounded(ball: arb, precision: int) -> mpmath.mpf:
-    """A ball's midpoint rounded to ``precision`` bits (what the models' ball evaluations return)."""
-    with mpmath.workprec(precision):
-        return +arb_to_mpf(ball)
 
 
 def reachable(T: np.ndarray, eps: float) -> np.ndarray:
@@ -226,14 +219,13 @@ class NormedAttention(EveryPosition):
         """:meth:`__call__` with ``precision``: the inner tokens ``Q^T n(x)`` as balls, passed to the
         inner model as their exact midpoints (its own ball evaluation at ``precision``; the guard bits
         keep the midpoints' error far below the rounding to ``precision`` bits), then ``R x_N`` added."""
-        basis = self.basis
         with working_precision(precision + GUARD_BITS):
+            basis = [[to_arb(value) for value in row] for row in self.basis]
             tokens = []
             for X in sequences:
                 normed = normalize_balls(X, self.norm, self.eps)
-                tokens.append(np.array([[arb_to_mpf(sum((row[a] * to_arb(basis[a, j]) for a in range(len(row))),
-                                                        arb(0))) for j in range(basis.shape[1])]
-                                        for row in normed], dtype=object))
+                tokens.append(np.array([[arb_to_mpf(sum((row[a] * basis[a][j] for a in range(len(row))), arb(0)))
+                                         for j in range(len(basis[0]))] for row in normed], dtype=object))
         inner = np.asarray(self.attention(tokens, precision=precision), dtype=object).reshape(len(sequences), -1)
         R = self.R.reshape(self.d_out, self.d)
         out = np.empty(inner.shape, dtype=object)
@@ -242,7 +234,7 @@ class NormedAttention(EveryPosition):
                 final = [to_arb(value) for value in X[-1]]
                 for o in range(self.d_out):
                     total = to_arb(inner[b, o]) + sum((to_arb(R[o, a]) * final[a] for a in range(self.d)), arb(0))
-                    out[b, o] = _rounded(total, precision)
+                    out[b, o] = rounded_mpf(total, precision)
         return out if self.is_vector else list(out[:, 0])
 
     def at_position(self, X, i: int, causal: bool) -> np.ndarray | None:
@@ -409,7 +401,7 @@ class PostNormAttention(EveryPosition):
                 z = [to_arb(inner[b, o]) + to_arb(X[-1][o]) for o in range(self.d)]
                 normed = normalize_balls([z], "layernorm", self.eps)[0]
                 for o in range(self.d):
-                    out[b, o] = _rounded(to_arb(self.gamma[o]) * normed[o] + to_arb(self.beta[o]), precision)
+                    out[b, o] = rounded_mpf(to_arb(self.gamma[o]) * normed[o] + to_arb(self.beta[o]), precision)
         return out
 
     def at_position(self, X, i: int, causal: bool) -> np.ndarray:

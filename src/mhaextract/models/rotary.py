@@ -27,7 +27,7 @@ from scipy.optimize import linear_sum_assignment
 from .attention import as_batch
 from .compare import Comparison, register_comparison
 from .kinds import document_numbers, read_numbers, register_model_kind
-from ..numerics.highprec import GUARD_BITS, arb_array, arb_to_mpf, mid_float, mpf_array, working_precision
+from ..numerics.highprec import GUARD_BITS, arb_array, mid_float, mpf_array, rounded_mpf, working_precision
 
 _mp_cos = np.vectorize(mpmath.cos, otypes=[object])
 _mp_sin = np.vectorize(mpmath.sin, otypes=[object])
@@ -348,8 +348,7 @@ class RotaryAttention:
         means = self.head_means(batch, precision)
         with working_precision(precision + GUARD_BITS):
             out = np.einsum("hod,bhd->bo", arb_array(self.V), means) + arb_array(self.c)
-            with mpmath.workprec(precision):
-                out = np.vectorize(lambda ball: +arb_to_mpf(ball), otypes=[object])(out)  # + rounds to bits
+            out = np.vectorize(lambda ball: rounded_mpf(ball, precision), otypes=[object])(out)
         return out if self.is_vector else out[:, 0]
 
     def at_position(self, X, i: int, causal: bool) -> np.ndarray | None:

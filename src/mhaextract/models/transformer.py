@@ -39,7 +39,7 @@ from scipy.optimize import linear_sum_assignment
 from .attention import MultiHeadAttention, as_batch, group_equal_heads
 from .compare import register_comparison
 from .kinds import document_numbers, read_numbers, register_model_kind
-from ..numerics.highprec import arb_to_mpf, mid_float, mpf_array, to_arb, working_precision
+from ..numerics.highprec import mid_float, mpf_array, rounded_mpf, to_arb, working_precision
 
 #: mpmath bits for exact products and sums of the parameters (doubles and few-hundred-bit mpf).
 EXACT_BITS = 2200
@@ -275,8 +275,7 @@ class Transformer1L:
                     # ReLU of a ball: a ball straddling 0 is within its radius of 0 (far below an ulp).
                     if u.mid() > 0:
                         total += w_arb[j] * u
-                with mpmath.workprec(precision):
-                    outputs.append(+arb_to_mpf(total))
+                outputs.append(rounded_mpf(total, precision))
         return outputs
 
     # ------------------------------------------------------------------ canonical form

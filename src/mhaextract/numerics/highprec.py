@@ -48,6 +48,12 @@ def arb_to_mpf(ball: arb) -> mpmath.mpf:
     return mpmath.mp.make_mpf(from_man_exp(int(man), int(exp)))
 
 
+def rounded_mpf(ball: arb, bits: int) -> mpmath.mpf:
+    """A ball's midpoint rounded to ``bits`` bits: what the models' ball evaluations return."""
+    with mpmath.workprec(int(bits)):
+        return +arb_to_mpf(ball)  # unary + rounds to the working precision
+
+
 def to_arb(value) -> arb:
     """A ball from an mpf, a decimal string, an int or a float (floats only for constants)."""
     if isinstance(value, arb):

@@ -275,9 +275,10 @@ def refinement_route(d: int, ranks: list[int], unit: float) -> str:
 
 
 def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, progress=None):
-    """The start: ``(layer, fitted, split, score ranks, full)`` (``fitted``: the unsaturated queries
-    and their whole answers, :class:`FittedQueries`, which the refinement fits; ``full``: whether every
-    parameter will be refined, else the scores were oversampled). SplitUnavailable when the split cannot work."""
+    """The start: ``(layer, fitted, split, score ranks, route)`` (``fitted``: the unsaturated queries
+    and their whole answers, :class:`FittedQueries`, which the refinement fits; ``route``: the refinement
+    that follows, :func:`refinement_route`, whose score design was asked). SplitUnavailable when the split
+    cannot work."""
     values_rng = spawn_rng(seed, STREAMS["values"])
     values = value_map(boundary, values_rng, d, scale)
     d_out = values.c.shape[0]
@@ -292,12 +293,11 @@ def learn_split(boundary, seed, d: int, heads: int, scale: float, unit: float, p
     route = refinement_route(d, split.ranks, unit)
     K, G, beta, batches, _ = learn_scores(boundary, spawn_rng(seed, STREAMS["scores"]), d, scale, split, values.c,
                                           unit, score_design(unit, route), PHASE_ONE[route])
-    full = route == "full"
     return (_start(split, K, G, beta, values.c, d, d_out), FittedQueries(values.sequences, values.answers, batches),
-            split, [k.shape[1] for k in K], full)
+            split, [k.shape[1] for k in K], route)
 
 
-def _refined(layer: FactoredLayer, widths: list[int], sequences, answers: np.ndarray, seed, unit: float, full: bool,
+def _refined(layer: FactoredLayer, widths: list[int], sequences, answers: np.ndarray, seed, unit: float,
              refinement: str, progress) -> tuple[FactoredLayer, list[int]]:
     """``(layer, score ranks)``: the refinement of the start (every parameter, or the scores' only), then, where a head's refined
     ``[W_h | u_h]`` has fewer directions above the rank cut than its start (score vectors read where
@@ -306,7 +306,7 @@ def _refined(layer: FactoredLayer, widths: list[int], sequences, answers: np.nda
     leaves the answers' least squares ill-conditioned (docs/algorithm.md, 'Whole answers near the
     vector bound', 'The score rank after the refinement')."""
     def refined(layer: FactoredLayer) -> FactoredLayer:
-        return (refine if full else refine_scores)(
+        return (refine if refinement == "full" else refine_scores)(
             layer, sequences, answers, spawn_rng(seed, STREAMS["refine"]), on_step=lambda step, misfit: note_progress(
                 progress, f"whole answers: Gauss-Newton step {step} ({refinement}), misfit {misfit:.3g}")).layer
 
@@ -323,13 +323,11 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
     """The run of the module docstring on ``boundary`` (whole answers; its checks unreported:
     ``extract`` raises or warns). ``unit``: the answers' relative rounding."""
     started = time.perf_counter()
-    layer, fitted, split, score_ranks, full = learn_split(boundary, seed, d, heads, scale, unit, progress)
+    layer, fitted, split, score_ranks, refinement = learn_split(boundary, seed, d, heads, scale, unit, progress)
     m = tokens_per_query(split.ranks)
-    scores_only = score_refinement_work(len(fitted), d, split.ranks) <= SCORE_REFINE_WORK
-    refinement = "full" if full else "scores" if scores_only else ""
     answers = fitted.answers
     if refinement:
-        layer, score_ranks = _refined(layer, score_ranks, fitted.sequences(), answers, seed, unit, full, refinement,
+        layer, score_ranks = _refined(layer, score_ranks, fitted.sequences(), answers, seed, unit, refinement,
                                       progress)
     model = layer.model()
     squares = fitted.outputs(layer)  # squared misfits, then squared answers, in one buffer the size of the answers
