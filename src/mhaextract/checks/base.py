@@ -15,6 +15,28 @@ import numpy as np
 
 from ..oracle.answer_stats import FLOAT64_UNIT
 
+#: A relative parameter-error estimate's float64 limit, the units of coarser answers' rounding it
+#: grows to, and the loosest limit any answers' unit makes it (a model off by more is no
+#: extraction); :func:`parameter_estimate_limit`.
+PARAMETER_ESTIMATE_LIMIT, PARAMETER_ESTIMATE_UNITS, LOOSEST_ESTIMATE_LIMIT = 1e-8, 1e4, 1e-2
+
+
+def parameter_estimate_limit(unit: float) -> float:
+    """The largest relative parameter-error estimate a run accepts from answers of relative rounding
+    ``unit`` (docs/algorithm.md, 'Low-precision oracles: float32, mixed precision, bfloat16'):
+    ``max(1e-8, min(1e4 u, 1e-2))``, the same for every family that estimates its parameters' error.
+    The estimate is the answers' noise carried through the fit's conditioning, so its ratio to ``u``
+    is that conditioning: 1e4 leaves room for the ill-conditioned directions trained layers have
+    (a key bias fitted with the scores, heads whose score scales differ a hundredfold), while the
+    answers' misfit, held far tighter, judges whether the model is the layer's.
+
+    >>> from mhaextract.checks.base import parameter_estimate_limit
+    >>> parameter_estimate_limit(2.0 ** -53), round(parameter_estimate_limit(2.0 ** -24), 7)
+    (1e-08, 0.000596)
+    """
+    return max(PARAMETER_ESTIMATE_LIMIT, min(PARAMETER_ESTIMATE_UNITS * unit, LOOSEST_ESTIMATE_LIMIT))
+
+
 #: The float64 kernel with 2H + 1 samples loses about three digits per head (docs/algorithm.md, 'Numerics in float64 and
 #: the token scale').
 FLOAT64_MAX_RELIABLE_HEADS = 4

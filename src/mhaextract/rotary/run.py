@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..checks.base import Check, available_memory
+from ..checks.base import Check, available_memory, parameter_estimate_limit
 from ..checks.noise_probe import taken_as_float32
 from ..checks.verify import ask_long_verification, output_errors
 from ..numerics.highprec import mid_float, mpf_array
@@ -40,12 +40,11 @@ from .window import WindowSearch, find_window
 
 #: The coarsest answers the rotary schedule takes: float32's unit roundoff.
 COARSEST_UNIT = FORMAT_UNITS["float32"]
-#: Float64 limits of the checks (relative): the answers' misfit and the error estimate; for coarser
-#: answers (float32) these many units of their rounding, where that is larger.
+#: Float64 limit of the answers' misfit (relative); for coarser answers (float32) these many units of
+#: their rounding, where that is larger. The estimate's limit is every family's
+#: (``checks.base.parameter_estimate_limit``).
 RESIDUAL_LIMIT = 1e-9
-ESTIMATE_LIMIT = 1e-8
 RESIDUAL_UNITS = 30.0
-ESTIMATE_UNITS = 300.0
 #: The smallest error estimate claimed: float64 rounding through the scores and the softmax.
 ESTIMATE_FLOOR = 1e-14
 #: With float32 answers the slow blocks are seeded before the refinement and again after every
@@ -498,13 +497,13 @@ def judge_residual(run: RotaryRun) -> None:
     """The judgement's first part (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding
     windows', 'Samples'): the model's misfit on every query asked (instances and polish queries) relative
     to the largest answer, within ``max(1e-9, 30 u)``; the refinement's first-order estimate, and its limit
-    ``max(1e-8, 300 u)`` (both in units of a high-precision run's rounding)."""
+    :func:`~mhaextract.checks.base.parameter_estimate_limit` (both in units of a high-precision run's rounding)."""
     units, unit = run.units, run.unit
     scale_answers = max(float(np.abs(run.answers).max()), 1e-300)
     run.residual = float(output_errors(run.model, run.sequences, run.exact, run.precision).max()) / scale_answers
     run.estimate = max(run.refinement.noise_error, ESTIMATE_FLOOR * units)
     run.residual_limit = max(RESIDUAL_LIMIT, RESIDUAL_UNITS * unit) * units
-    run.estimate_limit = max(ESTIMATE_LIMIT, ESTIMATE_UNITS * unit) * units
+    run.estimate_limit = parameter_estimate_limit(unit) * units
     run.checks += [
         Check("answers_residual", run.residual <= run.residual_limit, run.residual, run.residual_limit,
               f"max misfit of the model on the {len(run.sequences)} queries asked (instances and fresh polish "
@@ -536,7 +535,7 @@ def fit_layer_values(run: RotaryRun) -> None:
 
 def judge_estimate(run: RotaryRun) -> None:
     """The error estimate's check (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding
-    windows', 'Refinement'): first order, within ``max(1e-8, 300 u)``."""
+    windows', 'Refinement'): first order, within ``max(1e-8, min(1e4 u, 1e-2))`` (every family's limit)."""
     run.checks.append(Check("error_estimate", run.estimate <= run.estimate_limit, run.estimate, run.estimate_limit,
                             "first-order error of W_h(0..2), u_h(0..2) and the values, from the refinement's "
                             "residual (and the value fit's for a whole layer)"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...checks.base import LOOSEST_ESTIMATE_LIMIT, parameter_estimate_limit
 
 EPS = np.finfo(np.float64).eps
 #: |z| of every group, in units of the token scale. Large |z| makes the pole term (~|z|) dominate
@@ -39,10 +40,10 @@ PRIOR_SATURATION_MARGIN = 20.0
 #: rounding units did not hold its saturation assumption.
 RESIDUAL_LIMIT = 50.0
 FINAL_COPIES = (1, 2, 3)
-#: The common checks' thresholds: relative parameter error expected, misfit of the answers.
-ERROR_ESTIMATE_LIMIT, ANSWERS_RESIDUAL_LIMIT = 1e-8, 1e-9
-#: No answers' unit loosens the common limits beyond this (relative).
-LOOSEST_LIMIT = 1e-2
+#: The answers' misfit's float64 threshold (the estimate's: ``checks.base.parameter_estimate_limit``).
+ANSWERS_RESIDUAL_LIMIT = 1e-9
+#: No answers' unit loosens the misfit's limit beyond this (relative).
+LOOSEST_LIMIT = LOOSEST_ESTIMATE_LIMIT
 #: Rounds designed from one estimate of the target at most (:func:`correction_blocks`).
 CORRECTION_BLOCK = 16
 
@@ -107,14 +108,14 @@ def agreement_tolerance(unit: float) -> float:
 
 
 def limits(unit: float) -> tuple[float, float]:
-    """``(error_estimate, answers_residual)`` limits: the float64 ones, or sized to the answers' unit
+    """``(error_estimate, answers_residual)`` limits: the estimate's shared one
+    (:func:`~mhaextract.checks.base.parameter_estimate_limit`); the misfit's float64 one, or sized to the answers' unit
     (the answers misfit even the true model by up to ~1e3 units: scores of order 1e3 rounded), and
     never above ``LOOSEST_LIMIT`` (a model off by more is no extraction)."""
     # The answers' misfit gets 3e4 units: a real float32 layer (GPT-2, token scale ~65) rounds the
     # scores of phase 1's tokens (|x| ~ 16 token scales, |z| 64) by ~1e-3 in m, 1.2e4 units of the
     # largest answer (docs/algorithm.md, 'Real float32 layers'); float64 limits are unchanged.
-    return (max(ERROR_ESTIMATE_LIMIT, min(1e4 * unit, LOOSEST_LIMIT)),
-            max(ANSWERS_RESIDUAL_LIMIT, min(3e4 * unit, LOOSEST_LIMIT)))
+    return parameter_estimate_limit(unit), max(ANSWERS_RESIDUAL_LIMIT, min(3e4 * unit, LOOSEST_LIMIT))
 
 
 #: Units whose inverses :func:`_solve_units` forms at once: their temporaries (a few (units, D, D)
