@@ -968,6 +968,29 @@ def test_finals_held_at_half_weight_have_self_scores_log_e_and_the_criterion_see
     assert np.abs(half_weight_misfit(whole, keyed, finals, lengths, count - 1.0)).max() >= 100 * at_neutral
 
 
+def test_the_half_weight_steps_hold_their_finals_again_as_the_key_moves():
+    """docs/algorithm.md, 'Finals at half weight for the slow blocks': from a token leaving a slow key
+    of 3e-2 (qwen2-d32-h4/0's large-query search left 3.8e-2), the finals held at half weight at that
+    token are off ``log E`` once the first step has moved the key, and the criterion stalls at their
+    own misfit (a key of 7.7e-4 left) unless they are held again before each step (1.8e-6)."""
+    from mhaextract.rotary.neutral import half_weight_search, hold_self_scores, off_shape_misfit
+    layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0)
+    Wk, bk = layer.Wk.reshape(-1, 8), layer.bk.ravel()
+    neutral = -np.linalg.lstsq(Wk, bk, rcond=None)[0]      # from the weights: the test's own truth
+    key = np.array([1e-3, -1e-3, 3e-2, -2e-2])              # the slow block (theta = 0.01) far off
+    start = neutral + np.linalg.lstsq(Wk, key, rcond=None)[0]
+    whole = lambda sequences, description: layer(sequences)
+    rng = np.random.default_rng(3)
+    lengths = (2, 3, 5, 8, 13, 20, 32, 51)
+    offsets = np.array([hold_self_scores(whole, start, w, 2, rng)[0] for w in rng.normal(size=(2, 8)) * 0.5])
+    criterion = lambda z, offsets: off_shape_misfit(whole, z, offsets, lengths)
+    here = criterion(start, offsets)
+    jacobian = np.column_stack([(criterion(start + 1e-6 * e, offsets) - here) / 1e-6 for e in np.eye(8)])
+    z, misfit = half_weight_search(whole, start, offsets, jacobian, criterion, 2, rng, 1.0, 256)
+    assert np.abs(Wk @ z + bk).max() <= 1e-3 * np.abs(key).max()
+    assert misfit <= 1e-5
+
+
 @pytest.mark.parametrize("options,message", [
     ({"polish_factor": 0}, "polish_factor must be a positive number"),
     ({"value_factor": "4"}, "value_factor must be a positive number"),

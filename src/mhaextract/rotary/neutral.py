@@ -488,7 +488,9 @@ def half_weight_search(whole, z: np.ndarray, offsets, jacobian, criterion, heads
     fast blocks, which the half-weight rows see only as ``1 / E`` of their score change). A step is
     kept only where it lowers the stacked misfit. Returns ``(z, key misfit)``: the half-weight criterion's
     largest entry relative to its change under a move of the token by the token scale (the large-query
-    rows' floor is their own noise, tens of times the half-weight rows')."""
+    rows' floor is their own noise, tens of times the half-weight rows'). Before every step but the first
+    both sets of finals are held again at the current z (the copies' scores they were held against move
+    with the key)."""
     d = len(z)
     counts = [count for count in HALF_WEIGHT_COUNTS if 2 * count <= longest]
     lengths = np.array([N for N in HALF_WEIGHT_LENGTHS if N <= longest])
@@ -512,6 +514,16 @@ def half_weight_search(whole, z: np.ndarray, offsets, jacobian, criterion, heads
         # scores at the search's last z, and a key moved since leaves them off 0, past the order its
         # shapes take
         offsets = np.array([hold_self_scores(whole, z, w, heads, rng)[0] for w in offsets])
+        if step:
+            # the half-weight finals held again too: their self-scores were held against the copies' scores
+            # at the z of the first step, and a key moved since (qwen2-d32-h4/0: from keys of 3.8e-2) puts
+            # them off log E, where two shapes no longer span Y_N and the criterion stalls at the
+            # finals' own misfit, not the key's
+            held = [hold_self_scores(whole, z, x - z, heads, rng, counts[-1], HALF_WEIGHT_TRIES, HALF_WEIGHT_LIMIT)
+                    for x in finals]
+            finals = np.array([z + w for w, misfit in held if misfit <= HALF_WEIGHT_LIMIT])
+            if not len(finals):
+                break
         here, half_here = stacked(z, offsets)
         half = np.column_stack([(half_weight_misfit(whole, z + h * e, finals, lengths, E) - half_here) / h
                                 for e in np.eye(d)])

@@ -1,0 +1,73 @@
+"""The shifted frame of a key-bias layer (docs/trained-layers.md, Qwen2): from the weights (white box,
+a diagnostic, not the extraction), per Qwen2 layer of the zoo the key bias, ``K``'s singular values,
+the smallest key-neutral token ``z* = -K^+ k`` and what it makes of the shifted layer (its queries'
+bias ``Q z* + b_q`` and its output constant ``V_tot z* + c``, beside the layer's own), and the
+smallest output constant along ``z* + null(K)`` for tokens of at most a given norm.
+
+    PYTHONPATH=src python benchmarks/zoo_key_frames.py
+    PYTHONPATH=src python benchmarks/zoo_key_frames.py --layers qwen2-d32-h4/0 --norms 10 12 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.optimize import minimize_scalar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import zoo  # noqa: E402
+
+
+def frame(layer_id: str, norms) -> dict:
+    attention = zoo.attention(layer_id, torch.float64)
+    weight = {name: getattr(attention, name).weight.detach().numpy() for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    bias = {name: getattr(attention, name).bias.detach().numpy() for name in ("q_proj", "k_proj", "v_proj")}
+    heads, kv_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
+    width = weight["k_proj"].shape[0] // kv_heads
+    repeat = np.kron(np.kron(np.eye(kv_heads), np.ones((heads // kv_heads, 1))), np.eye(width))  # kv rows to heads
+    V_tot, c = weight["o_proj"] @ repeat @ weight["v_proj"], weight["o_proj"] @ repeat @ bias["v_proj"]
+    K, k = weight["k_proj"], bias["k_proj"]
+    singular = np.linalg.svd(K, compute_uv=False)
+    z = -np.linalg.pinv(K) @ k
+    null = np.linalg.svd(K)[2][K.shape[0]:].T
+    A, b = V_tot @ null, -(V_tot @ z + c)
+
+    def along(damping):  # the constant's least squares over null(K), damped towards z*
+        y = np.linalg.solve(A.T @ A + damping * np.eye(A.shape[1]), A.T @ b)
+        return z + null @ y
+    smallest = {}
+    for norm in norms:
+        if np.linalg.norm(z) > norm:
+            smallest[norm] = np.nan
+            continue
+        fit = minimize_scalar(lambda t: abs(np.linalg.norm(along(10.0 ** t)) - norm), bounds=(-8, 4), method="bounded")
+        token = along(10.0 ** fit.x)
+        smallest[norm] = float(np.linalg.norm(V_tot @ token + c))
+    return {"layer": layer_id, "key bias": np.linalg.norm(k), "K singular": (singular[0], singular[-1]),
+            "|z*|": np.linalg.norm(z), "query bias": (np.linalg.norm(weight["q_proj"] @ z + bias["q_proj"]),
+                                                      np.linalg.norm(bias["q_proj"])),
+            "constant": (np.linalg.norm(V_tot @ z + c), np.linalg.norm(c)), "smallest": smallest}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", nargs="+", default=[i for i in zoo.layer_ids(rotary=True) if i.startswith("qwen2")])
+    parser.add_argument("--norms", nargs="+", type=float, default=[8.0, 12.0, 16.0])
+    arguments = parser.parse_args()
+    print("| layer | key bias | K singular values | z* norm | queries' bias (layer's own) | output constant "
+          "(layer's own) | " + " | ".join(f"constant at norm <= {n:g}" for n in arguments.norms) + " |")
+    print("|---" * (6 + len(arguments.norms)) + "|")
+    for layer_id in arguments.layers:
+        row = frame(layer_id, arguments.norms)
+        print(f"| {row['layer']} | {row['key bias']:.2f} | {row['K singular'][0]:.2f} .. {row['K singular'][1]:.3f} | "
+              f"{row['|z*|']:.1f} | {row['query bias'][0]:.1f} ({row['query bias'][1]:.1f}) | "
+              f"{row['constant'][0]:.2f} ({row['constant'][1]:.2f}) | "
+              + " | ".join("-" if np.isnan(v) else f"{v:.2f}" for v in row["smallest"].values()) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
