@@ -252,26 +252,34 @@ def _solve_heads(rows: np.ndarray, per_head: list, noise_rng: np.random.Generato
     F, n, d = rows.shape
     out = [np.empty((F, d)) for _ in per_head]
     noise = None if noise_rng is None else [np.empty((F, d)) for _ in per_head]
+    heads = len(per_head)
     for f in range(F):
         Q, R = np.linalg.qr(rows[f])
         w = np.stack([weight[f] for _, weight in per_head], axis=1)              # (n, H)
         rho = np.stack([ratios[f] for ratios, _ in per_head], axis=1)
-        y, settled = _cgls(Q, w, rho * w)
+        counted = w > 0
+        if noise_rng is None:
+            y, settled = _cgls(Q, w, rho * w)
+        else:
+            # the noise draws' right-hand sides solved in the same CGLS as the ratios (one pass over Q
+            # serves 2H columns): CG is homogeneous in its right-hand side, so white noise g solved
+            # here and scaled by s_h afterwards is the draw for s_h g
+            g = noise_rng.standard_normal((n, heads)) * counted
+            both, settled_both = _cgls(Q, np.concatenate([w, w], axis=1), np.concatenate([rho * w, g], axis=1))
+            y, settled, y_noise, settled_noise = both[:, :heads], settled_both[:heads], both[:, heads:], \
+                settled_both[heads:]
         upper = _upper(R)
         for h, (ratios, weight) in enumerate(per_head):
             out[h][f] = (dtrsv(upper, y[:, h]) if settled[h]
                          else _solve(rows[f:f + 1], ratios[f:f + 1], weight[f:f + 1])[0])
         if noise_rng is None:
             continue
-        counted = w > 0
         free = np.maximum(counted.sum(axis=0) - d, 1)
         spread = np.sqrt(((w * (rho - Q @ y)) ** 2).sum(axis=0) / free)              # s_h
-        b_noise = noise_rng.standard_normal((n, len(per_head))) * spread * counted
-        y_noise, settled = _cgls(Q, w, b_noise)
-        draws = solve_triangular(R, y_noise)  # one triangular solve for every head (the draws set no model bits)
+        draws = solve_triangular(R, y_noise * spread)  # one triangular solve for every head (no model bits)
         for h, (_, weight) in enumerate(per_head):
-            noise[h][f] = (draws[:, h] if settled[h] else
-                           _solve(rows[f:f + 1], b_noise[None, :, h] / np.where(counted[:, h], w[:, h], 1.0),
+            noise[h][f] = (draws[:, h] if settled_noise[h] else
+                           _solve(rows[f:f + 1], spread[h] * g[None, :, h] / np.where(counted[:, h], w[:, h], 1.0),
                                   weight[f:f + 1])[0])
     return out, noise
 
