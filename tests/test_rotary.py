@@ -901,11 +901,30 @@ def test_key_bias_on_a_layer_without_biases_is_no_false_alarm():
         bias[...] = 0.0
     result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
     assert result.ok and np.linalg.norm(result.neutral.token) <= 1e-6
+    frame = result.diagnostics["shifted_frame"]   # the frame's constant: the token's value, V z* (0 here)
+    assert frame["token_norm"] == pytest.approx(np.linalg.norm(result.neutral.token), rel=1e-12)
+    assert frame["layer_constant"] == 0.0 and frame["constant"] <= 1e-6
     rng = np.random.default_rng(7)
     fresh = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 for n in rng.integers(1, 257, 100)]
     truth = layer(fresh)
     assert np.abs(result.model(fresh) - truth).max() <= 1e-10 * np.abs(truth).max()
     assert result.error_estimate <= 1e-8 and np.abs(result.model.c).max() <= 1e-8
+
+
+def test_a_failed_key_bias_start_from_float32_answers_names_its_frame_and_what_to_try():
+    """docs/trained-layers.md: both zoo Qwen2 layers get no start in float32, asked in a frame whose output
+    constant is 12..20 times the layer's own, and extract in float64; float64 answers get no such hint."""
+    import types
+
+    from mhaextract.rotary.run import _shifted_frame_hint
+    run = types.SimpleNamespace(unit=2.0 ** -24, answer_dtype="float32",
+                                shifted_frame={"token_norm": 9.8, "constant": 0.61, "layer_constant": 0.031})
+    hint = _shifted_frame_hint(run)
+    assert "(norm 9.8)" in hint and "0.61 against its own 0.031" in hint and "layer.double()" in hint
+    run.answer_dtype = "float64"   # answers computed in float32 inside a float64 layer: its exact copy
+    assert "float64_layer" in _shifted_frame_hint(run) and "layer.double()" not in _shifted_frame_hint(run)
+    run.unit = 2.0 ** -53
+    assert _shifted_frame_hint(run) == ""
 
 
 def test_a_key_bias_needs_whole_answers_and_grouped_heads():

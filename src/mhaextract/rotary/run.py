@@ -164,6 +164,7 @@ class RotaryRun:
     learner: RotaryLearner | None = None
     checks: list = field(default_factory=list)
     neutral: NeutralToken | None = None
+    shifted_frame: dict | None = None  # the key-neutral token's norm, the shifted frame's constant, the layer's
     # the start
     projection: np.ndarray | None = None  # a whole layer's outputs onto a few channels
     channels_c: np.ndarray | None = None
@@ -323,6 +324,9 @@ def shift_to_neutral_token(run: RotaryRun) -> None:
     is seen without its key bias and the zero token is z*; c is asked again there."""
     run.boundary = ShiftedBoundary(run.boundary, run.neutral.token)
     constant = run.boundary.ask([np.zeros((1, run.d))], "the output constant", whole=True)
+    run.shifted_frame = {"token_norm": float(np.linalg.norm(run.neutral.token)),
+                         "constant": float(np.linalg.norm(constant[0])),
+                         "layer_constant": float(np.linalg.norm(run.c_whole))}
     run.c_whole = constant[0]
     run.c = float(run.vectors.scalars(constant)[0])
 
@@ -408,6 +412,8 @@ def settle_start(run: RotaryRun) -> None:
     """The start as the refinement takes it: the answers' midpoints, the window found, a key bias fitted
     from 0 (what the shift left of it); no start fails the ``start`` check, naming what went wrong."""
     run.answers = mid_float(run.exact)
+    if run.shifted_frame is not None:
+        run.diagnostics["shifted_frame"] = run.shifted_frame
     if run.start is not None and run.window.window is not None:
         run.start = run.start.replaced(window=run.window.window)
     if run.start is not None and run.key_bias:  # what is left of the key bias after the shift, fitted from 0
@@ -415,8 +421,25 @@ def settle_start(run: RotaryRun) -> None:
     if run.start is None and run.unit <= COARSEST_UNIT:
         run.checks.append(Check("start", False, float(run.diagnostics.get("failed_instances", 0)), 0.0,
                                 "the instances gave no start model (too many failed fits or unmatched heads): "
-                                f"{run.diagnostics}" + ("" if run.key_bias else "; a key bias (Qwen2's k_proj.bias) "
-                                                        "makes the zero token no counter: try key_bias=True")))
+                                f"{run.diagnostics}" + (_shifted_frame_hint(run) if run.key_bias else
+                                                        "; a key bias (Qwen2's k_proj.bias) makes the zero token "
+                                                        "no counter: try key_bias=True")))
+
+
+def _shifted_frame_hint(run: RotaryRun) -> str:
+    """A key-bias start that failed on answers rounded at float32: the frame it was asked in, and what to
+    try (docs/trained-layers.md, 'Trained rotary layers in float32': both zoo Qwen2 layers fail there in
+    float32, their frames' constants 12..20 times the layer's own, and extract in float64)."""
+    frame = run.shifted_frame
+    if frame is None or run.unit <= FIRST_LOOK_UNIT:
+        return ""
+    return (f"; every query was asked at tokens shifted by the key-neutral token z* (norm "
+            f"{frame['token_norm']:.3g}), where the layer's output constant is {frame['constant']:.3g} against its "
+            f"own {frame['layer_constant']:.3g}, and a layer rounding at float32 rounds its keys, values and outputs "
+            "relative to that frame: " + ("run the same weights in float64 (layer.double())" if run.answer_dtype ==
+                                          "float32" else "its exact float64 copy "
+                                          "(mhaextract.adapters.rotary.float64_layer(attention, embedding))")
+            + " and judge the model against this layer's outputs")
 
 
 def check_refinement_memory(run: RotaryRun) -> None:
