@@ -38,9 +38,9 @@ def frame(layer_id: str, norms) -> dict:
     repeat = np.kron(np.kron(np.eye(kv_heads), np.ones((heads // kv_heads, 1))), np.eye(width))  # kv rows to heads
     V_tot, c = weight["o_proj"] @ repeat @ weight["v_proj"], weight["o_proj"] @ repeat @ bias["v_proj"]
     K, k = weight["k_proj"], bias["k_proj"]
-    singular = np.linalg.svd(K, compute_uv=False)
+    _, singular, right = np.linalg.svd(K)
     z = -np.linalg.pinv(K) @ k
-    null = np.linalg.svd(K)[2][K.shape[0]:].T
+    null = right[K.shape[0]:].T
     A, b = V_tot @ null, -(V_tot @ z + c)
 
     def along(damping):  # the constant's least squares over null(K), damped towards z*

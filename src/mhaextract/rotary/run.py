@@ -433,13 +433,12 @@ def _shifted_frame_hint(run: RotaryRun) -> str:
     frame = run.shifted_frame
     if frame is None or run.unit <= FIRST_LOOK_UNIT:
         return ""
+    exact = ("the same weights in float64 (layer.double())" if run.answer_dtype == "float32" else
+             "its exact float64 copy (mhaextract.adapters.rotary.float64_layer(attention, embedding))")
     return (f"; every query was asked at tokens shifted by the key-neutral token z* (norm "
             f"{frame['token_norm']:.3g}), where the layer's output constant is {frame['constant']:.3g} against its "
             f"own {frame['layer_constant']:.3g}, and a layer rounding at float32 rounds its keys, values and outputs "
-            "relative to that frame: " + ("run the same weights in float64 (layer.double())" if run.answer_dtype ==
-                                          "float32" else "its exact float64 copy "
-                                          "(mhaextract.adapters.rotary.float64_layer(attention, embedding))")
-            + " and judge the model against this layer's outputs")
+            f"relative to that frame: run {exact} and judge the model against this layer's outputs")
 
 
 def check_refinement_memory(run: RotaryRun) -> None:

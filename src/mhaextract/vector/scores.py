@@ -265,9 +265,8 @@ def _solve_heads(rows: np.ndarray, per_head: list, noise_rng: np.random.Generato
             # serves 2H columns): CG is homogeneous in its right-hand side, so white noise g solved
             # here and scaled by s_h afterwards is the draw for s_h g
             g = noise_rng.standard_normal((n, heads)) * counted
-            both, settled_both = _cgls(Q, np.concatenate([w, w], axis=1), np.concatenate([rho * w, g], axis=1))
-            y, settled, y_noise, settled_noise = both[:, :heads], settled_both[:heads], both[:, heads:], \
-                settled_both[heads:]
+            both, settled = _cgls(Q, np.concatenate([w, w], axis=1), np.concatenate([rho * w, g], axis=1))
+            (y, y_noise), (settled, settled_noise) = np.split(both, 2, axis=1), np.split(settled, 2)
         upper = _upper(R)
         for h, (ratios, weight) in enumerate(per_head):
             out[h][f] = (dtrsv(upper, y[:, h]) if settled[h]
