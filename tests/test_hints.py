@@ -89,7 +89,7 @@ def test_a_float64_block_with_no_head_found_is_not_this_model_class():
     assert "attention module itself" in hints and "more heads than declared" not in hints
 
 
-@pytest.mark.parametrize("float_only", [False, True])
+@pytest.mark.parametrize("float_only", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_merged_heads_offer_more_bits_only_to_an_oracle_that_has_them(float_only):
     target = mx.MultiHeadAttention.random(4, 2, seed=0)
     oracle = Float32Answers(mx.SimulatedOracle(target)) if float_only else mx.SimulatedOracle(target)

@@ -123,6 +123,7 @@ def test_a_rotary_layer_run_without_positions_is_told_to_pass_them():
     assert raised.value.extraction.queries == oracle.count
 
 
+@pytest.mark.slow
 def test_a_wrong_d_is_named_before_token_ids():
     """A GPT-2 layer of hidden size 16 asked with d = 12: the message says to pass the hidden size."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Config

@@ -22,6 +22,7 @@ from norm_blocks import (  # noqa: E402
 )
 
 
+@pytest.mark.slow
 def test_the_folded_model_is_the_gpt2_sublayer_at_every_position_and_saves_and_exports():
     block = gpt2_block(8, 2)
     sublayer = attention_sublayer(block)

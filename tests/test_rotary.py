@@ -186,6 +186,7 @@ def test_several_heads_are_refined_to_machine_precision(d, heads, width, groups,
     assert result.refinement.residual_after <= 1e-13
 
 
+@pytest.mark.slow
 def test_a_start_whose_heads_were_matched_wrongly_is_drawn_again(monkeypatch):
     """A draw of instances whose start fails its structure (W(2) outside W(1)'s spaces, or M's
     eigenvalues off the unit circle) is asked again with fresh instances, the better start kept
@@ -266,6 +267,7 @@ class KeyBiasedRotary:
         return np.array(out)
 
 
+@pytest.mark.slow
 def test_a_key_bias_outside_the_model_fails_loudly():
     layer = mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=3, bias=True)
     oracle = KeyBiasedRotary(layer, np.array([[0.8, -0.6]]))
@@ -927,6 +929,7 @@ def test_a_failed_key_bias_start_from_float32_answers_names_its_frame_and_what_t
     assert _shifted_frame_hint(run) == ""
 
 
+@pytest.mark.slow
 def test_a_key_bias_needs_whole_answers_and_grouped_heads():
     scalar = KeyBiasedRotary(mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=3, bias=True),
                              np.array([[0.8, -0.6]]))
@@ -987,6 +990,7 @@ def test_finals_held_at_half_weight_have_self_scores_log_e_and_the_criterion_see
     assert np.abs(half_weight_misfit(whole, keyed, finals, lengths, count - 1.0)).max() >= 100 * at_neutral
 
 
+@pytest.mark.slow
 def test_the_half_weight_steps_hold_their_finals_again_as_the_key_moves():
     """docs/algorithm.md, 'Finals at half weight for the slow blocks': from a token leaving a slow key
     of 3e-2 (qwen2-d32-h4/0's large-query search left 3.8e-2), the finals held at half weight at that
