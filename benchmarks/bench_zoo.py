@@ -90,7 +90,7 @@ def time_stages():
         setattr(module, name, wrapper)
 
     for name in ("first_look", "seek_neutral_token", "ask_instances_at_scale", "learn_start", "ask_polish_queries",
-                 "seed_slow_blocks", "seed_low_frequencies", "judge_residual", "fit_layer_values", "verify_long"):
+                 "seed_slow_blocks", "judge_residual", "fit_layer_values", "verify_long"):
         timed(run_module, name)
     for name in ("normal_equations", "acceleration", "cho_factor", "error_draws"):
         timed(refine_module, name)

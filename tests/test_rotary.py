@@ -573,32 +573,63 @@ def _slow_blocks_in_a_wrong_basis(layer, seed):
     return mx.RotaryAttention(Q, K, theta, layer.v, layer.c, layer.window, b)
 
 
+@pytest.mark.parametrize("key_bias", [False, True])
+def test_the_generator_form_is_the_model_and_its_jacobian_and_gauge_are_exact(key_bias):
+    """The slow blocks as exact generators (``GeneratorForm``): the same answers as the rotary model, the
+    same model back from the real form, a Jacobian equal to central differences of the answers (the
+    exponential's Frechet derivative by its series), and gauge directions the Jacobian is zero along."""
+    from mhaextract.rotary import refine
+    truth = mx.RotaryAttention.random(d=8, heads=2, head_width=8, seed=3, bias=True)
+    if key_bias:
+        truth = truth.replaced(key_bias=np.random.default_rng(4).normal(size=truth.b.shape))
+    form = refine.GeneratorForm.of(truth, limit=5e-2)
+    assert [len(rows) for rows in form.cluster] == [4, 4] and form.blocks == 4
+    X = np.random.default_rng(5).normal(size=(6, 50, 8)) * 0.7
+    assert np.abs(form(list(X)) - truth(list(X))).max() <= 1e-14
+    assert mx.compare(form.to_rotary(), truth).max_rel <= 1e-12
+    vector = refine.pack(form)
+    assert np.array_equal(refine.pack(refine.unpack(vector, form)), vector)
+    _, J = refine.jacobian(form, X)
+    rng = np.random.default_rng(6)
+    for part in (slice(0, len(vector)), slice(len(vector) - sum(o.size for o in form.omegas), len(vector))):
+        move = np.zeros_like(vector)
+        move[part] = rng.normal(size=move[part].shape) * 1e-2
+        h = 1e-5
+        numeric = (refine.unpack(vector + h * move, form)(list(X)) - refine.unpack(vector - h * move, form)(list(X))) / (2 * h)
+        assert np.abs(numeric - J @ move).max() <= 1e-8 * np.abs(J @ move).max()
+    gauge = form.gauge()
+    assert gauge.shape == (len(vector), 2 * 2 * 2 + 2 * 16)  # two fast blocks a head, a 4 x 4 basis a head
+    # a key bias's rows c are held (their columns vanish at Omega = 0): a change of basis of the rows then
+    # moves the answers by what the held key rows score, and the fast blocks' gauge alone is exact
+    exact = slice(None) if not key_bias else [i for i in range(gauge.shape[1]) if i % 20 < 4]
+    assert np.abs(J @ gauge[:, exact]).max() <= 1e-12 * np.abs(J).max() * np.abs(gauge).max()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("key_bias", [False, True])
-def test_slow_blocks_are_seeded_again_from_their_generator(key_bias):
-    """A block at angle 0 in a wrong basis learns its basis only through terms of order theta delta
-    (the refinement crawls there); one Gauss-Newton step on the generator Omega_h gives the angles
-    of the slow blocks (1e-3 here, from 0) to about ten percent and the planes with them. A start
-    carrying a key bias (zero, as a run with ``key_bias=True`` starts) is seeded alike: at angle 0
-    its slow rows score every key alike, and are left out of the step."""
+def test_slow_blocks_in_a_wrong_basis_are_fitted_as_generators(key_bias):
+    """A block at angle 0 in a wrong basis learns its basis only through terms of order theta delta, and
+    the rotary steps crawl there; as exact generators the planes move linearly: a few Gauss-Newton steps
+    take the misfit to rounding, and the real form gives the angles (1e-3 here, from 0) and the model.
+    A start carrying a key bias (zero, as a run with ``key_bias=True`` starts) is fitted alike."""
     from mhaextract.rotary import refine
     truth = mx.RotaryAttention.random(d=16, heads=2, head_width=8, seed=0, bias=True)  # a scalar model
     start = _slow_blocks_in_a_wrong_basis(truth, 1)
     if key_bias:
+        truth = truth.replaced(key_bias=np.zeros_like(truth.b))
         start = start.replaced(key_bias=np.zeros_like(start.b))
     rng = np.random.default_rng(2)
     sequences = [rng.normal(size=(int(n), 16)) * 16 ** -0.25 * 2 for n in rng.integers(2, 65, 1700)]
     answers = truth(sequences)
-    seeded, blocks = refine.seed_low_frequencies(start, sequences, answers, limit=8e-3)
-    assert blocks == 2 and np.allclose(np.sort(seeded.theta, axis=1), np.sort(truth.theta, axis=1), rtol=0.15)
-    if key_bias:
-        assert np.isfinite(seeded.key_bias).all() and np.abs(seeded.key_bias).max() < 0.1 * np.abs(truth.K).max()
-    assert np.abs(seeded(sequences) - answers).max() < np.abs(start(sequences) - answers).max()
-    # the blocks at 1e-2 too, exact in the start: a step that does not lower the cost is not taken
-    kept, _ = refine.seed_low_frequencies(start, sequences, answers, limit=2e-2)
-    assert np.sum((kept(sequences) - answers) ** 2) <= np.sum((start(sequences) - answers) ** 2)
-    unchanged, none = refine.seed_low_frequencies(truth, sequences[:50], truth(sequences[:50]), limit=1e-4)
-    assert none == 0 and unchanged is truth
+    form = refine.GeneratorForm.of(start, limit=5e-2)
+    fitted, report = refine.refine(form, sequences, answers, iterations=12, estimate=False)
+    assert report.iterations <= 10 and report.residual_after <= 1e-12
+    model = fitted.to_rotary()
+    assert np.allclose(np.sort(model.theta, axis=1), np.sort(truth.theta, axis=1), rtol=1e-8)
+    assert mx.compare(model, truth).max_rel <= 1e-9
+    # the rotary steps from the same start, as many: far from it
+    crawled, _ = refine.refine(start, sequences, answers, iterations=report.iterations, estimate=False)
+    assert mx.compare(crawled, truth).max_rel >= 1e3 * mx.compare(model, truth).max_rel
 
 
 @pytest.mark.slow

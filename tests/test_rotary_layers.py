@@ -347,15 +347,14 @@ def test_a_float32_layer_with_a_key_bias_is_extracted_through_large_query_finals
     key-neutral token comes from the large-query search (docs/algorithm.md, 'From float32 answers'), whose
     token leaves keys far below the biases; the run passes every check, within 1e-5 of the exact
     layer (float64, its float32 weights) on fresh sequences, with an estimate that does not
-    understate. A seeding takes at most the layer's slow blocks (theta = 1e-3 in each head), and
-    the seedings end on one that no longer lowers the misfit."""
-    from mhaextract.rotary.refine import LOW_FREQUENCY
+    understate. The blocks turning less than ``GENERATOR_LIMIT`` are fitted as generators first (the
+    layer's theta = 1e-2 and 1e-3 in each head)."""
+    from mhaextract.rotary.refine import GENERATOR_LIMIT
     layer = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8, dtype=torch.float32)
     oracle = TorchOracle(RotaryLayer(layer))
     result = mx.extract(oracle, d=16, heads=2, positions="rotary", key_bias=True, seed=0)
     assert result.ok and result.queries == oracle.sequences and result.neutral.large_queries
-    seedings = result.diagnostics["seeded_blocks"]
-    assert max(seedings) <= (to_rotary(layer).theta < LOW_FREQUENCY).sum() == 2 and seedings[-1] == 0
+    assert result.diagnostics["generator_blocks"] == (to_rotary(layer).theta < GENERATOR_LIMIT).sum() == 4
     assert result.neutral.queries < result.queries
     truth = to_rotary(layer)
     key = np.einsum("hrd,d->hr", truth.K, result.neutral.token) + truth.key_bias

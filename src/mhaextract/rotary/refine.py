@@ -56,8 +56,11 @@ class RotaryRefinement:
     error_draws: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
-def pack(model: RotaryAttention) -> np.ndarray:
-    """The parameters as one vector: Q, K, b, theta, v, c, and the key bias where the model has one."""
+def pack(model) -> np.ndarray:
+    """The parameters as one vector: Q, K, b, theta, v, c, and the key bias where the model has one;
+    of a :class:`GeneratorForm`, its flat model's without the held angles, then each head's generator."""
+    if isinstance(model, GeneratorForm):
+        return np.concatenate([np.delete(pack(model.flat), model.held)] + [o.ravel() for o in model.omegas])
     parts = [model.Q.ravel(), model.K.ravel(), model.b.ravel(), model.theta.ravel(), model.v.ravel(), [model.c]]
     return np.concatenate(parts + ([] if model.key_bias is None else [model.key_bias.ravel()]))
 
@@ -70,8 +73,15 @@ def _offsets(like: RotaryAttention) -> np.ndarray:
                      + ([] if like.key_bias is None else [H * r]))
 
 
-def unpack(vector: np.ndarray, like: RotaryAttention) -> RotaryAttention:
-    """The model of a parameter vector (float64, or ``mpf`` for a high-precision model)."""
+def unpack(vector: np.ndarray, like):
+    """The model of a parameter vector (float64, or ``mpf`` for a high-precision model), of ``like``'s kind."""
+    if isinstance(like, GeneratorForm):
+        flat_size = len(pack(like.flat)) - len(like.held)
+        flat = unpack(np.insert(vector[:flat_size], like.held - np.arange(len(like.held)),
+                                pack(like.flat)[like.held]), like.flat)
+        sizes = np.cumsum([flat_size] + [o.size for o in like.omegas])
+        omegas = [vector[a:b].reshape(o.shape) for a, b, o in zip(sizes[:-1], sizes[1:], like.omegas)]
+        return GeneratorForm(flat, like.cluster, omegas)
     H, r, d = like.Q.shape
     parts = np.split(vector, _offsets(like)[1:-1])
     return RotaryAttention(parts[0].reshape(H, r, d), parts[1].reshape(H, r, d), parts[3].reshape(H, r // 2),
@@ -79,12 +89,201 @@ def unpack(vector: np.ndarray, like: RotaryAttention) -> RotaryAttention:
                            None if like.key_bias is None else parts[6].reshape(H, r))
 
 
-def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.ndarray, np.ndarray]:
-    """``(f, J)`` for sequences X (B, N, d) of one length: answers (B,) and df/dparameters (B, P).
-    ``cluster`` (one array of rows per head, their blocks at theta = 0): J gains the columns
-    ``df/dOmega_h[a, a'] = sum_j g_{h,j} delta_j k_{h,j,a} q_{h,a'}`` (a, a' in the head's rows),
-    the first-order effect of a generator ``Omega_h`` in ``k^T (I + delta Omega_h) q``
-    (:func:`seed_low_frequencies`)."""
+def key_bias_index(model) -> np.ndarray:
+    """Where the key bias's free entries sit in :func:`pack`'s vector (empty where the model has none)."""
+    flat = model.flat if isinstance(model, GeneratorForm) else model
+    if flat.key_bias is None:
+        return np.arange(0)
+    offsets = _offsets(flat)
+    if not isinstance(model, GeneratorForm):
+        return np.arange(offsets[6], offsets[7])
+    free = np.setdiff1d(np.arange(offsets[6], offsets[7]), model.held)
+    return free - np.searchsorted(model.held, free)
+
+
+#: Blocks turning less than this per position are fitted first as one exact generator per head
+#: (:class:`GeneratorForm`) where the start's angles and planes come from noisy log-scores: over the
+#: polish queries' offsets (at most 63) they turn by at most about pi, where M's eigenvalues hold
+#: their angles within the noise and a block's plane is told apart from its neighbours' only through
+#: terms of order ``theta delta`` (docs/algorithm.md, 'Slow blocks from float32 answers').
+GENERATOR_LIMIT = 5e-2
+
+
+class GeneratorForm:
+    """A rotary model whose slow blocks are one exact generator per head (docs/algorithm.md, 'Rotary
+    attention: positions, grouped heads and sliding windows', 'Slow blocks from float32 answers').
+
+    Head h's rows ``c = cluster[h]`` (its blocks with ``theta < limit``) score
+    ``k_c^T expm(delta Omega_h) q_c`` with ``Omega_h`` any (|c|, |c|) matrix; the other rows as
+    ``flat``, whose angles on the rows c are 0 and held there, as is a key bias on them (``held``:
+    their places in ``pack(flat)``): near ``Omega_h = 0`` a key bias's rows c score every key alike,
+    so their columns are nearly zero, and a Gauss-Newton step would take them anywhere. Rotary blocks are the case ``Omega_h = blockdiag(theta_m J)``; in this form the
+    rows' basis is a gauge, ``(K_c, Q_c, Omega_h) -> (S K_c, S^{-T} Q_c, S^{-T} Omega_h S^T)``, so a
+    step that moves the blocks' planes within the rows c moves ``Omega_h`` linearly instead of turning
+    factors of order one. :meth:`to_rotary` gives the rotary model back by the real form of each
+    generator.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> from mhaextract.rotary.refine import GeneratorForm
+    >>> model = mx.RotaryAttention.random(d=8, heads=2, head_width=8, seed=0)
+    >>> form = GeneratorForm.of(model, limit=0.05)
+    >>> [len(rows) for rows in form.cluster]                  # the blocks at 1e-2 and 1e-3
+    [4, 4]
+    >>> X = np.random.default_rng(1).normal(size=(3, 40, 8))
+    >>> bool(np.allclose(form(X), model(X)) and np.allclose(form.to_rotary()(X), model(X)))
+    True
+    """
+
+    def __init__(self, flat: RotaryAttention, cluster: list, omegas: list):
+        self.flat, self.cluster, self.omegas = flat, cluster, omegas
+        H, r, _ = flat.Q.shape
+        offsets = _offsets(flat)
+        held = [offsets[3] + h * (r // 2) + m for h, rows in enumerate(cluster) for m in rows[::2] // 2]
+        if flat.key_bias is not None:
+            held += [offsets[6] + h * r + row for h, rows in enumerate(cluster) for row in rows]
+        self.held = np.sort(np.array(held, dtype=np.int64))
+
+    @classmethod
+    def of(cls, model: RotaryAttention, limit: float = GENERATOR_LIMIT) -> "GeneratorForm | None":
+        """The model with its blocks turning less than ``limit`` as generators, or None where it has none."""
+        slow = model.theta < limit
+        if not slow.any():
+            return None
+        cluster = [np.flatnonzero(np.repeat(slow[h], 2)) for h in range(model.heads)]
+        quarter = np.array([[0.0, -1.0], [1.0, 0.0]])                       # rot'(0)
+        omegas = [np.kron(np.diag(model.theta[h][slow[h]]), quarter) for h in range(model.heads)]
+        return cls(model.replaced(theta=np.where(slow, 0.0, model.theta)), cluster, omegas)
+
+    @property
+    def key_bias(self):
+        return self.flat.key_bias
+
+    @property
+    def blocks(self) -> int:
+        """The blocks taken as generators."""
+        return sum(len(rows) // 2 for rows in self.cluster)
+
+    def __call__(self, batch) -> np.ndarray:
+        groups = length_groups(list(batch), 1)
+        f = np.empty(len(batch))
+        for index, X in groups:
+            f[index] = _jacobian(self.flat, X, self, derivatives=False)[0]
+        return f
+
+    def gauge(self) -> np.ndarray:
+        """The directions (parameters, g) of :func:`pack`'s vector that move no answer to first
+        order: a scaled rotation of each block outside the generators' rows, and any change of basis
+        of each generator's rows (the Jacobian is zero along them; a step along them is second order
+        in the answers and bends the steps)."""
+        flat, quarter = self.flat, np.array([[0.0, -1.0], [1.0, 0.0]])
+        H, r, _ = flat.Q.shape
+        key_bias = flat.key_bias_or_zero
+        directions = []
+
+        def direction(h, rows, key_map, query_map, omega_move=None):
+            dQ, dK, db, dk = (np.zeros_like(flat.Q), np.zeros_like(flat.K), np.zeros_like(flat.b),
+                              np.zeros_like(flat.b))
+            dK[h, rows], dk[h, rows] = key_map @ flat.K[h, rows], key_map @ key_bias[h, rows]
+            dQ[h, rows], db[h, rows] = query_map @ flat.Q[h, rows], query_map @ flat.b[h, rows]
+            moved = flat.replaced(Q=dQ, K=dK, b=db, theta=np.zeros_like(flat.theta), V=np.zeros_like(flat.v), c=0.0,
+                                  key_bias=None if flat.key_bias is None else dk)
+            omegas = [np.zeros_like(o) for o in self.omegas]
+            if omega_move is not None:
+                omegas[h] = omega_move
+            directions.append(pack(GeneratorForm(moved, self.cluster, omegas)))
+
+        for h in range(H):
+            slow_rows = set(self.cluster[h].tolist())
+            for m in range(r // 2):
+                rows = np.arange(2 * m, 2 * m + 2)
+                if 2 * m not in slow_rows:
+                    direction(h, rows, np.eye(2), -np.eye(2))
+                    direction(h, rows, quarter, quarter)
+            rows, omega = self.cluster[h], self.omegas[h]
+            for a in range(len(rows)):
+                for b in range(len(rows)):
+                    unit = np.zeros((len(rows), len(rows)))
+                    unit[a, b] = 1.0
+                    direction(h, rows, unit, -unit.T, omega @ unit.T - unit.T @ omega)
+        return np.array(directions).T
+
+    def to_rotary(self) -> RotaryAttention:
+        """The rotary model of the real form ``Omega_h T = T blockdiag(theta_m J)`` of each generator:
+        ``K_c <- T^T K_c``, ``Q_c <- T^{-1} Q_c``, ``b_c <- T^{-1} b_c`` (a key bias's rows turn as K's).
+        The generators' eigenvalues off the imaginary axis (the answers' noise) are dropped; a pair of
+        real ones is a block at angle 0. A head whose eigenvectors are too close to dependent to invert
+        (condition above 1e12) keeps its rows in the basis they have, at their eigenvalues' mean angle."""
+        flat = self.flat
+        Q, K, b, theta = flat.Q.copy(), flat.K.copy(), flat.b.copy(), flat.theta.copy()
+        key_bias = None if flat.key_bias is None else flat.key_bias.copy()
+        for h, rows in enumerate(self.cluster):
+            if not len(rows):
+                continue
+            values, vectors = np.linalg.eig(self.omegas[h])
+            columns, angles = [], []
+            for index in np.flatnonzero(values.imag > 0):
+                columns.append(np.stack([vectors[:, index].real, -vectors[:, index].imag], axis=1))
+                angles.append(float(values[index].imag))
+            real = np.flatnonzero(values.imag == 0)
+            columns += [vectors[:, real[i:i + 2]].real for i in range(0, len(real) - 1, 2)]
+            angles += [0.0] * (len(real) // 2)
+            T = np.hstack(columns) if columns else np.zeros((0, 0))
+            if T.shape != (len(rows), len(rows)) or np.linalg.cond(T) > 1e12:
+                theta[h, rows[::2] // 2] = float(np.abs(values.imag).mean())
+                continue
+            inverse = np.linalg.inv(T)
+            K[h, rows], Q[h, rows], b[h, rows] = T.T @ K[h, rows], inverse @ Q[h, rows], inverse @ b[h, rows]
+            if key_bias is not None:
+                key_bias[h, rows] = T.T @ key_bias[h, rows]
+            theta[h, rows[::2] // 2] = angles
+        return flat.replaced(Q=Q, K=K, theta=theta, b=b, key_bias=key_bias)
+
+
+def _generator_terms(omega: np.ndarray, reach: float) -> int:
+    """Terms of the power series of ``expm(delta Omega)`` for ``delta <= reach``: until the next is below
+    float64's rounding of the sum (``|delta Omega|^T / T!`` under 2^-60)."""
+    size, terms, term = reach * max(float(np.linalg.norm(omega)), 1e-300), 1, 1.0
+    while term > 2.0 ** -60 and terms < 200:
+        term *= size / terms
+        terms += 1
+    return max(terms, 2)
+
+
+def _exact_generator_rows(omega, offsets, query_rows, key_rows, sensitivity):
+    """One head's generator rows c: ``E(delta) q_c`` and ``E(delta)^T k_c`` with ``E(delta) =
+    expm(delta Omega)`` at every offset, and (sensitivity given) ``df/dOmega = sum_j g_j delta_j
+    sum_{i+l=s} (Omega^T)^i k_{c,j} (Omega^l q_c)^T / (s + 1)!``, the Frechet derivative of the
+    exponential by its power series (``|delta Omega|`` stays below a few radians, so the series is
+    short and needs no scaling). Shapes: query_rows (B, k), key_rows (B, N, k), sensitivity (B, N)."""
+    terms = _generator_terms(omega, float(offsets.max(initial=0.0)))
+    powers = np.empty((terms, len(omega), len(omega)))
+    powers[0] = np.eye(len(omega))
+    for m in range(1, terms):
+        powers[m] = powers[m - 1] @ omega
+    inverse_factorials = 1.0 / np.cumprod(np.r_[1.0, np.arange(1, terms + 1, dtype=np.float64)])
+    offset_powers = offsets[:, None] ** np.arange(terms + 1)                  # (N, terms + 1)
+    exponential = np.einsum("nm,mab->nab", offset_powers[:, :terms] * inverse_factorials[:terms], powers)
+    turned_query = np.einsum("nab,zb->zna", exponential, query_rows)
+    turned_key = np.einsum("nba,znb->zna", exponential, key_rows)
+    if sensitivity is None:
+        return turned_query, turned_key, None
+    # A_s = sum_j g_j delta_j^(s+1) k_j / (s+1)!, then sum_{i+l=s} (Omega^T)^i A_s (Omega^l q)^T
+    moments = np.einsum("zn,ns,znk->zsk", sensitivity, offset_powers[:, 1:] * inverse_factorials[1:], key_rows)
+    query_powers = np.einsum("lab,zb->zla", powers, query_rows)                # Omega^l q
+    left = np.empty_like(moments)
+    for l in range(terms):
+        left[:, l] = np.einsum("iba,zib->za", powers[:terms - l], moments[:, l:])  # sum_i (Omega^T)^i A_{i+l}
+    return turned_query, turned_key, np.matmul(left.transpose(0, 2, 1), query_powers)
+
+
+def _jacobian(model: RotaryAttention, X: np.ndarray, generators: "GeneratorForm | None" = None, derivatives=True):
+    """``(f, J)`` of the rotary model for sequences X (B, N, d) of one length, the columns in
+    :func:`pack`'s order; with ``generators``, each head's rows ``generators.cluster[h]`` turn by
+    ``expm(delta Omega_h)`` instead of their blocks (their angles' columns are then zero, and the
+    generator's follow the others, head by head). ``derivatives=False``: ``(f, None)``."""
     B, N, d = X.shape
     H, r, _ = model.Q.shape
     offsets = np.arange(N - 1, -1, -1, dtype=np.float64)
@@ -94,8 +293,16 @@ def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.nd
     angles = offsets[:, None, None] * model.theta[None]                    # (N, H, r/2)
     cos, sin = np.cos(angles).transpose(1, 0, 2), np.sin(angles).transpose(1, 0, 2)  # (H, N, r/2)
     q = query.reshape(B, H, 1, r // 2, 2)
-    rotated_q = np.stack([cos * q[..., 0] - sin * q[..., 1], sin * q[..., 0] + cos * q[..., 1]], -1)  # R q
-    scores = np.einsum("bhnr,bhnr->bhn", keys, rotated_q.reshape(B, H, N, r))
+    rotated_q = np.stack([cos * q[..., 0] - sin * q[..., 1], sin * q[..., 0] + cos * q[..., 1]],
+                         -1).reshape(B, H, N, r)                           # R q
+    k = keys.reshape(B, H, N, r // 2, 2)
+    back = np.stack([cos * k[..., 0] + sin * k[..., 1], -sin * k[..., 0] + cos * k[..., 1]], -1).reshape(B, H, N, r)
+    rows_of = [] if generators is None else generators.cluster
+    for h, rows in enumerate(rows_of):
+        if len(rows):
+            rotated_q[:, h][..., rows], back[:, h][..., rows], _ = _exact_generator_rows(
+                generators.omegas[h], offsets, query[:, h][:, rows], keys[:, h][..., rows], None)
+    scores = np.einsum("bhnr,bhnr->bhn", keys, rotated_q)
     scores = np.where(window, scores, -np.inf)
     scores -= scores.max(axis=2, keepdims=True)
     weights = np.exp(scores)
@@ -103,11 +310,11 @@ def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.nd
     values = np.einsum("hd,bnd->bhn", model.v, X)                           # v_h^T x_j
     head_out = (weights * values).sum(axis=2)                               # v_h^T m_h
     f = head_out.sum(axis=1) + model.c
+    if not derivatives:
+        return f, None
     g = weights * (values - head_out[:, :, None])                           # (B, H, N)
-    dK = np.einsum("bhn,bhnr,bnd->bhrd", g, rotated_q.reshape(B, H, N, r), X)
-    k = keys.reshape(B, H, N, r // 2, 2)
-    back = np.stack([cos * k[..., 0] + sin * k[..., 1], -sin * k[..., 0] + cos * k[..., 1]], -1)  # R^T k
-    db = np.einsum("bhn,bhnr->bhr", g, back.reshape(B, H, N, r))
+    dK = np.einsum("bhn,bhnr,bnd->bhrd", g, rotated_q, X)
+    db = np.einsum("bhn,bhnr->bhr", g, back)
     dQ = db[:, :, :, None] * X[:, -1][:, None, None, :]
     # d(k^T rot(phi) q)/dphi = k^T rot'(phi) q, rot'(phi) = [[-sin, -cos], [cos, -sin]], phi = delta theta
     dphase = (k[..., 0] * (-sin * q[..., 0] - cos * q[..., 1]) + k[..., 1] * (cos * q[..., 0] - sin * q[..., 1]))
@@ -116,12 +323,21 @@ def jacobian(model: RotaryAttention, X: np.ndarray, cluster=None) -> tuple[np.nd
     columns = [dQ.reshape(B, -1), dK.reshape(B, -1), db.reshape(B, -1), dtheta.reshape(B, -1),
                dv.reshape(B, -1), np.ones((B, 1))]
     if model.key_bias is not None:
-        columns.append(np.einsum("bhn,bhnr->bhr", g, rotated_q.reshape(B, H, N, r)).reshape(B, -1))
-    for h, rows in enumerate(cluster or []):
-        # sum_j g delta k_a, then the outer product with q: a four-operand einsum would loop over b, n, a, a'
-        moment = np.einsum("bn,bna->ba", g[:, h] * offsets, keys[:, h][..., rows])
-        columns.append((moment[:, :, None] * query[:, h][:, None, rows]).reshape(B, -1))
+        columns.append(np.einsum("bhn,bhnr->bhr", g, rotated_q).reshape(B, -1))
+    for h, rows in enumerate(rows_of):
+        if len(rows):
+            columns.append(_exact_generator_rows(generators.omegas[h], offsets, query[:, h][:, rows],
+                                                 keys[:, h][..., rows], g[:, h])[2].reshape(B, -1))
     return f, np.concatenate(columns, axis=1)
+
+
+def jacobian(model, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(f, J)`` for sequences X (B, N, d) of one length: answers (B,) and df/dparameters (B, P), P
+    the length of :func:`pack`'s vector, of a :class:`RotaryAttention` or a :class:`GeneratorForm`."""
+    if isinstance(model, GeneratorForm):
+        f, J = _jacobian(model.flat, X, model)
+        return f, np.delete(J, model.held, axis=1)
+    return _jacobian(model, X)
 
 
 #: Entries of the Jacobian formed at once (the normal equations are summed block by block, so the
@@ -151,10 +367,10 @@ def predict(model: RotaryAttention, groups) -> np.ndarray:
     return f
 
 
-def _blocks(model: RotaryAttention, groups, cluster=None):
+def _blocks(model, groups):
     """``(index, f, J)`` for every block: the model's answers and Jacobian at its queries."""
     for index, X in groups:
-        f, J = jacobian(model, X, cluster)
+        f, J = jacobian(model, X)
         yield index, f, J
 
 
@@ -183,15 +399,14 @@ def symmetric_from_upper(normal: np.ndarray, width: int = 1024) -> np.ndarray:
     return normal
 
 
-def normal_equations(model: RotaryAttention, groups, answers: np.ndarray, probes: np.ndarray | None = None,
-                     cluster=None, product: bool = True):
+def normal_equations(model, groups, answers: np.ndarray, probes: np.ndarray | None = None, product: bool = True):
     """``(residual, J^T J, J^T residual, J^T probes)`` summed over the blocks (residual ``f - answers``
-    in the order of the queries; ``probes`` (queries, k) or None; ``cluster`` as in :func:`jacobian`).
+    in the order of the queries; ``probes`` (queries, k) or None).
     ``product=False``: ``J^T J`` is not formed (None), the gradient alone, at a fraction of the cost
     (``Q P`` against ``Q P^2`` flops)."""
     residual = np.empty(len(answers))
     normal = gradient = projected = None
-    for index, f, J in _blocks(model, groups, cluster):
+    for index, f, J in _blocks(model, groups):
         residual[index] = f - answers[index]
         if gradient is None:
             normal = np.zeros((J.shape[1], J.shape[1]), order="F") if product else None
@@ -222,99 +437,15 @@ def acceleration(model: RotaryAttention, vector: np.ndarray, step: np.ndarray, r
     return -cho_solve(factor, transpose_product(model, groups, curvature))
 
 
-#: With float32 answers a start's blocks turning less than this per position are seeded again
-#: (:func:`seed_low_frequencies`): their angles and planes come from eigenvalues of M within the
-#: noise of 1 (an angle of 3e-4 beside noise of 1e-3), and over the fresh queries' offsets (at most
-#: 63) they turn by half a radian at most, where the first-order generator holds.
-LOW_FREQUENCY = 8e-3
-
-
-def seed_low_frequencies(model: RotaryAttention, sequences, answers: np.ndarray,
-                         limit: float = LOW_FREQUENCY) -> tuple[RotaryAttention, int]:
-    """The model with its slow blocks (``theta < limit``) seeded again from one Gauss-Newton step on
-    their first-order generator; returns ``(model, blocks seeded)``, the model unchanged where the
-    step does not lower the cost.
-
-    Notes
-    -----
-    At ``theta = 0`` a block's factors are determined only up to ``(K_m, Q_m) -> (S K_m, S^{-T}
-    Q_m)`` for any invertible S, not only the scaled rotations that commute with ``R``: a block
-    whose angle starts at or near 0 in a wrong basis is told its basis only through terms of order
-    ``theta delta``, and Levenberg-Marquardt crawls (docs/algorithm.md, 'Slow blocks'). The slow blocks
-    of a head (rows c) are taken together at ``theta = 0`` with a generator ``Omega_h`` (|c| x |c|)
-    in their place, ``k_c^T (I + delta Omega_h) q_c``, which enters linearly: one damped
-    Gauss-Newton step fits ``Omega_h`` with every other parameter. Its real form
-    ``Omega_h T = T blockdiag(theta_m J)`` gives the angles and the planes: ``K_c <- T^T K_c``,
-    ``Q_c <- T^{-1} Q_c``, ``b_c <- T^{-1} b_c``.
-    """
-    H, r, d = model.Q.shape
-    slow = model.theta < limit                                            # (H, r/2)
-    cluster = [np.flatnonzero(np.repeat(slow[h], 2)) for h in range(H)]
-    if not any(len(rows) for rows in cluster):
-        return model, 0
-    flat = model.replaced(theta=np.where(slow, 0.0, model.theta))
-    vector = pack(flat)
-    P = len(vector)
-    extra = sum(len(rows) ** 2 for rows in cluster)
-    groups = length_groups(sequences, P + extra)
-    _, normal, gradient, _ = normal_equations(flat, groups, np.asarray(answers, np.float64), cluster=cluster)
-    before = predict(model, groups) - answers
-    best, best_cost = model, float(before @ before)
-    # the slow blocks' angles are in the generator now: their own columns are left out of the step
-    offsets = _offsets(flat)
-    theta_index = offsets[3] + np.arange(H * (r // 2)).reshape(H, r // 2)
-    fixed = theta_index[slow]
-    if flat.key_bias is not None:
-        # a key bias scores every key alike at theta = 0, so its slow rows' columns are zero there;
-        # its other rows are the refinement's to fit, under its prior (:func:`refine`): unweighed
-        # here, they took up a d = 64 start's error in keys of up to 0.09
-        fixed = np.concatenate([fixed, np.arange(offsets[6], P)])
-    free = np.setdiff1d(np.arange(P + extra), fixed)
-    normal, gradient = normal[np.ix_(free, free)], gradient[free]
-    diagonal = marquardt_scale(normal)
-    for damping in (1e-9, 1e-7, 1e-5, 1e-3, 1e-1):
-        try:
-            step = np.zeros(P + extra)
-            step[free] = cho_solve(cho_factor(normal + damping * np.diag(diagonal)), gradient)
-        except np.linalg.LinAlgError:
-            continue
-        trial = _from_generators(unpack(vector - step[:P], flat), -step[P:], cluster)
-        trial_residual = predict(trial, groups) - answers
-        trial_cost = float(trial_residual @ trial_residual)
-        if np.isfinite(trial_cost) and trial_cost < best_cost:
-            best, best_cost = trial, trial_cost
-    return best, int(slow.sum()) if best is not model else 0
-
-
-def _from_generators(model: RotaryAttention, generators: np.ndarray, cluster) -> RotaryAttention:
-    """The model with each head's slow rows turned into rotation blocks by the real form of its
-    generator (:func:`seed_low_frequencies`)."""
-    Q, K, b, theta, key_bias = model.Q.copy(), model.K.copy(), model.b.copy(), model.theta.copy(), model.key_bias
-    start = 0
-    for h, rows in enumerate(cluster):
-        k = len(rows)
-        if not k:
-            continue
-        omega = generators[start:start + k * k].reshape(k, k)
-        start += k * k
-        values, vectors = np.linalg.eig(omega)
-        columns, angles = [], []
-        for index in np.flatnonzero(values.imag > 0):
-            columns.append(np.stack([vectors[:, index].real, -vectors[:, index].imag], axis=1))
-            angles.append(float(values[index].imag))
-        real = np.flatnonzero(values.imag == 0)                           # noise: pairs at angle 0
-        columns += [vectors[:, real[i:i + 2]].real for i in range(0, len(real) - 1, 2)]
-        angles += [0.0] * (len(real) // 2)
-        T = np.hstack(columns)
-        if T.shape != (k, k) or np.linalg.cond(T) > 1e12:
-            continue
-        inverse = np.linalg.inv(T)
-        K[h, rows], Q[h, rows], b[h, rows] = T.T @ K[h, rows], inverse @ Q[h, rows], inverse @ b[h, rows]
-        if key_bias is not None:  # a key row's bias turns with it
-            key_bias = key_bias.copy()
-            key_bias[h, rows] = T.T @ key_bias[h, rows]
-        theta[h, rows[::2] // 2] = angles
-    return model.replaced(Q=Q, K=K, theta=theta, b=b, key_bias=key_bias)
+def hold_gauge(normal: np.ndarray, directions: np.ndarray) -> None:
+    """``normal += m B B^T`` in place, B an orthonormal basis of the gauge ``directions`` scaled by the
+    damping's ``D^{1/2}`` and m the median of D: the Jacobian is zero along them, so an undamped step
+    would take them anywhere; held, a step is Gauss-Newton's in every other direction (a
+    :class:`GeneratorForm`'s change of basis of its rows moves no answer to first order and every answer
+    to second)."""
+    scale, sizes = marquardt_scale(normal), np.linalg.norm(directions, axis=0)
+    basis, _ = np.linalg.qr(directions[:, sizes > 0] / sizes[sizes > 0] * np.sqrt(scale)[:, None])
+    normal += np.median(scale) * (basis @ basis.T)
 
 
 def refinement_memory(parameters: int, queries: int, precision: int | None = None) -> int:
@@ -327,12 +458,13 @@ def refinement_memory(parameters: int, queries: int, precision: int | None = Non
     return max(levenberg, 8 * (2 * queries * parameters + parameters ** 2))
 
 
-def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: int = 60, seed=0,
-           on_step=None, floor: float = 1e-13, estimate: bool = True, frame_shift=None, key_size: float | None = None):
+def refine(model, sequences, answers: np.ndarray, iterations: int = 60, seed=0, on_step=None, floor: float = 1e-13,
+           estimate: bool = True, frame_shift=None, key_size: float | None = None, reuse_gain: float | None = None,
+           accelerate: bool = True, until: float = 0.0):
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
     ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). After a
-    step that lowers the cost by ``REUSE_GAIN`` or more the next solves with the same ``J^T J`` and
+    step that lowers the cost by ``reuse_gain`` (default ``REUSE_GAIN``) or more the next solves with the same ``J^T J`` and
     the model's own gradient (a chord step: same fixed point, ``J^T J = sum_q J_q^T J_q`` not formed
     again). The steps stop once the max misfit (relative to the largest answer) is below ``floor``,
     the answers' rounding, and a step on a fresh ``J^T J`` gains less than a tenth of the cost or
@@ -343,20 +475,24 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
     against the misfit's root mean square sigma, ``(sigma / sigma_k)^2 |k|^2`` joining the cost, sigma taken
     afresh at every step: far from the answers the misfit is the model's error, and a prior weighed
     against the answers' rounding alone would let the first steps trade a slow block's angle for a
-    key (theta -> 0, k large) that the later steps cannot undo."""
+    key (theta -> 0, k large) that the later steps cannot undo. ``accelerate=False``: no geodesic acceleration (the
+    :class:`GeneratorForm`'s steps, whose valleys the form has straightened: its Jacobian pass would cost a
+    third of a step and gain nothing). ``until``: the steps stop as soon as the max misfit is below it (a
+    stretch that other steps continue)."""
     answers = np.asarray(answers, dtype=np.float64)
     vector = pack(model)
     groups = length_groups(sequences, len(vector))
     scale = max(float(np.abs(answers).max()), 1e-300)
     # a Gaussian prior on the key bias: (sigma / key_size)^2 |k|^2 added to the cost, sigma the
     # misfit's root mean square at the step, and to the normal matrix of the estimate
-    prior = (np.arange(_offsets(model)[6], len(vector)) if model.key_bias is not None and key_size
-             else np.arange(0))
+    prior = key_bias_index(model) if key_size else np.arange(0)
 
     def prior_weight(residual):
         return float(residual @ residual) / len(residual) / key_size ** 2 if len(prior) else 0.0
 
     def with_prior(normal, gradient, vector):
+        if isinstance(model, GeneratorForm):  # the normal matrix at ``model``: its gauge is held there
+            hold_gauge(normal, model.gauge())
         normal[prior, prior] += weight
         gradient[prior] += weight * vector[prior]
         return normal, gradient
@@ -384,7 +520,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
             except np.linalg.LinAlgError:
                 damping *= 10
                 continue
-            if not stale:
+            if accelerate and not stale:
                 # the step bent along the valley: along the curved valleys of nearly equal or nearly
                 # zero frequencies plain steps crawl at a damping the quadratic model allows but the
                 # valley does not; an acceleration large beside the step (at the answers' rounding: a
@@ -419,12 +555,12 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         # the stop rules judge steps on a fresh J^T J: a step on an older one gains less where the older
         # matrix, not the model, is what limits it
         at_rounding = relative < 0.1 and float(np.abs(residual).max()) / scale < floor
-        if (at_rounding or relative < 1e-9) and not stale:
+        if ((at_rounding or relative < 1e-9) and not stale) or float(np.abs(residual).max()) / scale < until:
             break
         # a step that took the cost down by at least REUSE_GAIN keeps J^T J for the next (a chord
         # step, docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows',
         # 'Refinement'): the gradient is always the model's own, so the fixed point is the same
-        stale = relative >= REUSE_GAIN
+        stale = relative >= (REUSE_GAIN if reuse_gain is None else reuse_gain)
         residual, fresh, gradient, _ = normal_equations(model, groups, answers, product=not stale)
         weight = prior_weight(residual)
         if stale:  # the prior's weight of an older step stays in the older J^T J
@@ -432,7 +568,7 @@ def refine(model: RotaryAttention, sequences, answers: np.ndarray, iterations: i
         else:
             normal, gradient = with_prior(fresh, gradient, vector)
         cost = penalised(residual, vector)
-    if not estimate:  # a first stretch of steps, continued by the caller: no estimate of it is used
+    if not estimate or isinstance(model, GeneratorForm):  # a stretch the caller continues: no estimate of it
         return model, RotaryRefinement(len(sequences), taken, before, float(np.abs(residual).max()) / scale, np.nan)
     draws = np.random.default_rng(seed).standard_normal((len(answers), NOISE_DRAWS))
     residual, normal, _, projected = normal_equations(model, groups, answers, draws)

@@ -8,7 +8,7 @@ windows'): :func:`extract_rotary` is the list of the steps, each a function belo
 3. the start (:func:`ask_instances_at_scale`, :func:`learn_start`, :func:`settle_start`): the instances at the
    token scale, their fits and assembly, drawn again where heads were matched wrongly;
 4. the refinement (:func:`check_refinement_memory`, :func:`refine_start`): fresh polish queries, the slow blocks
-   seeded from float32 answers, the Levenberg-Marquardt steps, the high-precision polish;
+   fitted as generators from float32 answers, the Levenberg-Marquardt steps, the high-precision polish;
 5. the judgement (:func:`judge_residual`, :func:`fit_layer_values`, :func:`judge_estimate`) and the long
    verification (:func:`verify_long`);
 6. the result (:meth:`RotaryRun.result`), the models shifted back by the key-neutral token.
@@ -35,7 +35,7 @@ from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from .learn import (FIRST_LOOK_UNIT, NOISY_SPARE_TOKENS, SPARE_TOKENS, RotaryExtraction, RotaryLearner,
                     answer_noise, ask_instances, channel_projection, choose_token_scale, start_structure_error)
 from .neutral import LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary, find_neutral_token
-from .refine import error_moves, pack, polish_high_precision, refine, refinement_memory, seed_low_frequencies
+from .refine import GeneratorForm, error_moves, pack, polish_high_precision, refine, refinement_memory
 from .window import WindowSearch, find_window
 
 #: The coarsest answers the rotary schedule takes: float32's unit roundoff.
@@ -45,13 +45,15 @@ COARSEST_UNIT = FORMAT_UNITS["float32"]
 #: (``checks.base.parameter_estimate_limit``).
 RESIDUAL_LIMIT = 1e-9
 RESIDUAL_UNITS = 30.0
+#: The steps stop once one gains less than a tenth of the cost with the max misfit below this many units
+#: of the answers' rounding (at least 1e-13): a float32 layer's own rounding leaves 3..4 units over the
+#: 3 P polish queries (trained d = 64 layers), where the steps go on gaining less than a thousandth each.
+FLOOR_UNITS = 10.0
 #: The smallest error estimate claimed: float64 rounding through the scores and the softmax.
 ESTIMATE_FLOOR = 1e-14
-#: With float32 answers the slow blocks are seeded before the refinement and again after every
-#: stretch of this many of its steps (``seed_low_frequencies``), at most ``SEEDINGS`` times in all,
-#: until a seeding no longer lowers the misfit.
-SEEDING_STEPS = 4
-SEEDINGS = 8
+#: At most this many steps on the slow blocks' generators (``seed_slow_blocks``) before the rotary steps;
+#: they stop sooner, once the max misfit is within the steps' floor (``FLOOR_UNITS``).
+GENERATOR_STEPS = 12
 #: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
 #: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
 SEARCH_KEY_SIZE = 1e-4
@@ -210,7 +212,7 @@ class RotaryRun:
         """Levenberg-Marquardt steps on the polish queries (docs/algorithm.md, 'Rotary attention: positions, grouped
         heads and sliding windows', 'Refinement'), down to the answers' rounding."""
         return refine(model, self.polish, self.polish_answers, iterations=iterations, seed=self.seed,
-                      floor=max(1e-13, 3 * self.unit), estimate=estimate, frame_shift=self.frame_shift,
+                      floor=max(1e-13, FLOOR_UNITS * self.unit), estimate=estimate, frame_shift=self.frame_shift,
                       key_size=self.key_size,
                       on_step=lambda step, misfit: note_progress(
                           self.progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
@@ -473,29 +475,32 @@ def ask_polish_queries(run: RotaryRun) -> None:
 def seed_slow_blocks(run: RotaryRun):
     """From float32 answers, whose slow blocks' angles and planes from M's eigenvalues are noise
     (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows', 'Slow blocks
-    from float32 answers'): the slow blocks seeded, then seeded again each time ``SEEDING_STEPS`` steps have
-    settled the other parameters, which each seeding fits beside the generators (a start 4e-2..8e-2 off left
-    the second seeding's angles small by a factor of 2..5): until a seeding gains nothing, ``SEEDINGS`` in
-    all, or a stretch stops early (the answers' rounding reached, or no step gaining). Returns ``(model,
-    the stretches' refinement or None)``; ``diagnostics["seeded_blocks"]`` what each seeding seeded."""
-    note_progress(run.progress, "seeding the slow rotary blocks")
-    model, seeded = seed_low_frequencies(run.start, run.polish, run.polish_answers)
-    seedings, first = [seeded], None
-    while seedings[-1] and len(seedings) < SEEDINGS:
-        model, stretch = run.steps(model, SEEDING_STEPS, estimate=False)
-        first = stretch if first is None else replace(first, iterations=first.iterations + stretch.iterations)
-        if stretch.iterations < SEEDING_STEPS:
-            break
-        model, seeded = seed_low_frequencies(model, run.polish, run.polish_answers)
-        seedings.append(seeded)
-    run.diagnostics["seeded_blocks"] = seedings
-    return model, first
+    from float32 answers'): the steps first on the exact generators of each head's blocks turning less than
+    ``GENERATOR_LIMIT`` (:class:`~mhaextract.rotary.refine.GeneratorForm`), whose planes move linearly there,
+    then the rotary model of their real form, or the start where that fits the polish answers worse. Every
+    generator step forms ``J^T J`` afresh: in this form they converge quadratically, and a chord step's
+    linear rate (a cost falling by half, not a thousandfold) would cost more steps than it saves.
+    Returns ``(model, the generator steps' refinement or None)``; ``diagnostics["generator_blocks"]`` the
+    blocks taken as generators."""
+    form = GeneratorForm.of(run.start)
+    run.diagnostics["generator_blocks"] = 0 if form is None else form.blocks
+    if form is None:
+        return run.start, None
+    note_progress(run.progress, f"fitting {form.blocks} slow rotary blocks as generators")
+    floor = max(1e-13, FLOOR_UNITS * run.unit)
+    fitted, stretch = refine(form, run.polish, run.polish_answers, iterations=GENERATOR_STEPS, floor=floor, until=floor,
+                             estimate=False, key_size=run.key_size, reuse_gain=np.inf, accelerate=False,
+                             on_step=lambda step, misfit: note_progress(
+                                 run.progress, f"refining the slow blocks' generators: step {step}, max misfit {misfit:.1e}"))
+    model = fitted.to_rotary()
+    misfit = [float(np.sum((candidate(run.polish) - run.polish_answers) ** 2)) for candidate in (model, run.start)]
+    return (model, stretch) if misfit[0] <= misfit[1] else (run.start, None)
 
 
 def refine_start(run: RotaryRun) -> None:
     """The refinement (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows',
-    'Refinement' and 'High precision'): the polish queries, the slow blocks seeded (float32 answers, or a
-    start from log-scores as noisy as theirs), the steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
+    'Refinement' and 'High precision'): the polish queries, the slow blocks fitted as generators (float32 answers,
+    or a start from log-scores as noisy as theirs), the steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
     ask_polish_queries(run)
     # a start from noisy log-scores has the slow blocks' angles and planes in the noise, float64 answers or not
     noisy_start = run.coarse or run.diagnostics.get("noisy_log_scores", False)
