@@ -117,8 +117,8 @@ class GeneratorForm:
     ``k_c^T expm(delta Omega_h) q_c`` with ``Omega_h`` any (|c|, |c|) matrix; the other rows as
     ``flat``, whose angles on the rows c are 0 and held there, as is a key bias on them (``held``:
     their places in ``pack(flat)``): near ``Omega_h = 0`` a key bias's rows c score every key alike,
-    so their columns are nearly zero, and a Gauss-Newton step would take them anywhere. Rotary blocks are the case ``Omega_h = blockdiag(theta_m J)``; in this form the
-    rows' basis is a gauge, ``(K_c, Q_c, Omega_h) -> (S K_c, S^{-T} Q_c, S^{-T} Omega_h S^T)``, so a
+    so their columns are nearly zero, and a Gauss-Newton step would take them anywhere. Rotary blocks
+    are the case ``Omega_h = blockdiag(theta_m J)``; in this form the rows' basis is a gauge, ``(K_c, Q_c, Omega_h) -> (S K_c, S^{-T} Q_c, S^{-T} Omega_h S^T)``, so a
     step that moves the blocks' planes within the rows c moves ``Omega_h`` linearly instead of turning
     factors of order one. :meth:`to_rotary` gives the rotary model back by the real form of each
     generator.
@@ -464,8 +464,8 @@ def refine(model, sequences, answers: np.ndarray, iterations: int = 60, seed=0, 
     """Levenberg-Marquardt with geodesic acceleration (:func:`acceleration`) on
     ``sum_q (f(X_q) - answer_q)^2``; returns ``(model, RotaryRefinement)``.
     ``on_step(step, misfit)``, if given, hears of every accepted step (a progress display). After a
-    step that lowers the cost by ``reuse_gain`` (default ``REUSE_GAIN``) or more the next solves with the same ``J^T J`` and
-    the model's own gradient (a chord step: same fixed point, ``J^T J = sum_q J_q^T J_q`` not formed
+    step that lowers the cost by ``reuse_gain`` (default ``REUSE_GAIN``) or more the next solves with the
+    same ``J^T J`` and the model's own gradient (a chord step: same fixed point, ``J^T J = sum_q J_q^T J_q`` not formed
     again). The steps stop once the max misfit (relative to the largest answer) is below ``floor``,
     the answers' rounding, and a step on a fresh ``J^T J`` gains less than a tenth of the cost or
     fails, or any such step gains less than 1e-9 of it. ``estimate=False``: no error estimate (``noise_error`` NaN), for a stretch of steps
