@@ -118,10 +118,10 @@ class GeneratorForm:
     ``flat``, whose angles on the rows c are 0 and held there, as is a key bias on them (``held``:
     their places in ``pack(flat)``): near ``Omega_h = 0`` a key bias's rows c score every key alike,
     so their columns are nearly zero, and a Gauss-Newton step would take them anywhere. Rotary blocks
-    are the case ``Omega_h = blockdiag(theta_m J)``; in this form the rows' basis is a gauge, ``(K_c, Q_c, Omega_h) -> (S K_c, S^{-T} Q_c, S^{-T} Omega_h S^T)``, so a
-    step that moves the blocks' planes within the rows c moves ``Omega_h`` linearly instead of turning
-    factors of order one. :meth:`to_rotary` gives the rotary model back by the real form of each
-    generator.
+    are the case ``Omega_h = blockdiag(theta_m J)``; in this form the rows' basis is a gauge,
+    ``(K_c, Q_c, Omega_h) -> (S K_c, S^{-T} Q_c, S^{-T} Omega_h S^T)``, so a step that moves the
+    blocks' planes within the rows c moves ``Omega_h`` linearly instead of turning factors of order
+    one. :meth:`to_rotary` gives the rotary model back by the real form of each generator.
 
     Examples
     --------
