@@ -945,6 +945,27 @@ def test_key_bias_on_a_layer_without_biases_is_no_false_alarm():
     assert result.error_estimate <= 1e-8 and np.abs(result.model.c).max() <= 1e-8
 
 
+def test_a_failed_start_names_a_key_bias_only_where_the_self_instances_show_one():
+    """Issue 64: a start that failed without ``key_bias`` hinted at a key bias on a layer without biases. The
+    hint follows the basis tokens' self instances: misfits far above the answers' rounding (an exact Qwen2
+    layer's key bias: 7e-3) name the key bias; misfits at it (mistral-d64-h4/0 in float32) name crowded poles
+    and the layer in float64."""
+    import types
+
+    from mhaextract.rotary.run import _start_hint
+    run = types.SimpleNamespace(unit=2.0 ** -24, self_misfit=7e-3, answer_dtype="float32")
+    assert "try key_bias=True" in _start_hint(run) and "7.0e-03" in _start_hint(run)
+    run.self_misfit = 2e-7
+    hint = _start_hint(run)
+    assert "key_bias" not in hint and "crowd" in hint and "layer.double()" in hint
+    run.answer_dtype = "float64"                    # a float64 layer computing in float32 inside: its exact copy
+    assert "float64_layer" in _start_hint(run)
+    run.unit, run.self_misfit = 2.0 ** -53, 1e-15   # exact float64 answers: no float64 to go to
+    assert "key_bias" not in _start_hint(run) and "layer.double()" not in _start_hint(run)
+    run.self_misfit = None                          # a given token scale: no self instances asked
+    assert "try key_bias=True" in _start_hint(run)
+
+
 def test_a_failed_key_bias_start_from_float32_answers_names_its_frame_and_what_to_try():
     """docs/trained-layers.md: both zoo Qwen2 layers get no start in float32, asked in a frame whose output
     constant is 12..20 times the layer's own, and extract in float64; float64 answers get no such hint."""

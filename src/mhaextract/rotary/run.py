@@ -72,6 +72,9 @@ NOISY_UNIT = COARSEST_UNIT
 #: A misfit above this is no rounding inside the layer but structure the model lacks (an exact
 #: float64 Qwen2 layer's key bias without ``key_bias=True``: 7e-3): the run goes on as float64.
 FLOAT32_NOISE = 1e-6
+#: A failed start's self instances within this many units of the answers' rounding (or FLOAT32_NOISE) had a
+#: zero token that counts: the start's hint names crowded poles, not a key bias (``_start_hint``).
+SELF_MISFIT_UNITS = 100.0
 #: A float64 run's misfit below this (relative) is what float32 rounding inside the layer leaves.
 FLOAT32_FIT = 1e-5
 #: Said by a failed float64 key-neutral search: float64 answers computed in float32 are not
@@ -163,6 +166,7 @@ class RotaryRun:
     window: WindowSearch | None = None
     coarse: bool = False  # float32 answers, or float64 ones as noisy (``noise``)
     noise: float | None = None  # the answers' measured relative noise, where above their bits' rounding
+    self_misfit: float | None = None  # the basis tokens' self instances' median misfit (the token scale's choice)
     learner: RotaryLearner | None = None
     checks: list = field(default_factory=list)
     neutral: NeutralToken | None = None
@@ -344,6 +348,7 @@ def ask_instances_at_scale(run: RotaryRun) -> None:
     run.channels_c = None if run.projection is None else run.c_whole @ run.projection
     if run.token_scale is None:
         residuals = choose_token_scale(run.learner, run.ask, run.c, run.channels_c, run.coarse)
+        run.self_misfit = answer_noise(residuals)
         # after the float64 search's key-neutral token the fits also carry what is left of the key bias
         # (its key misfit, 4e-9 on exact answers): no measure of noise there; after the large-query search
         # that float64 answers took (their float64 search failed) the noise is measured here, the fits
@@ -423,9 +428,24 @@ def settle_start(run: RotaryRun) -> None:
     if run.start is None and run.unit <= COARSEST_UNIT:
         run.checks.append(Check("start", False, float(run.diagnostics.get("failed_instances", 0)), 0.0,
                                 "the instances gave no start model (too many failed fits or unmatched heads): "
-                                f"{run.diagnostics}" + (_shifted_frame_hint(run) if run.key_bias else
-                                                        "; a key bias (Qwen2's k_proj.bias) makes the zero token "
-                                                        "no counter: try key_bias=True")))
+                                f"{run.diagnostics}" + (_shifted_frame_hint(run) if run.key_bias else _start_hint(run))))
+
+
+def _start_hint(run: RotaryRun) -> str:
+    """What a failed start without ``key_bias`` shows (issue 64: the key-bias hint on a layer without biases):
+    self instances that miss their fits far beyond the answers' rounding are a zero token that is no counter,
+    a key bias the likeliest cause; self instances within it say the zero token is a counter, and the start
+    lost the heads' poles where they crowd (float32 answers: the same weights in float64 separate them)."""
+    misfit = run.self_misfit
+    if misfit is None or not misfit <= max(FLOAT32_NOISE, SELF_MISFIT_UNITS * run.unit):
+        measured = "" if misfit is None else f" (the basis tokens' self instances miss their fits by {misfit:.1e})"
+        return f"; a key bias (Qwen2's k_proj.bias) makes the zero token no counter{measured}: try key_bias=True"
+    remedy = ("another seed, or rank= the heads' width" if run.unit <= FIRST_LOOK_UNIT else
+              "the same weights in float64 (layer.double()), whose fits separate them" if run.answer_dtype == "float32"
+              else "its exact float64 copy (mhaextract.adapters.rotary.float64_layer(attention, embedding))")
+    return (f"; the basis tokens' self instances fit their answers to {misfit:.1e} (their rounding), so the zero "
+            "token is a counter and no key bias is missing: the instances lost the heads' poles where they crowd "
+            f"(the failed, mismatched and dropped counts above): try {remedy}")
 
 
 def _shifted_frame_hint(run: RotaryRun) -> str:
