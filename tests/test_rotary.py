@@ -2,6 +2,8 @@
 against a Llama-style reference written here, the rotation recovered from two score matrices, the window search, and the
 rotary schedule end to end against layers whose truth is known."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -598,6 +600,11 @@ def test_the_generator_form_is_the_model_and_its_jacobian_and_gauge_are_exact(ke
         ahead, behind = refine.unpack(vector + h * move, form), refine.unpack(vector - h * move, form)
         numeric = (ahead(list(X)) - behind(list(X))) / (2 * h)
         assert np.abs(numeric - J @ move).max() <= 1e-8 * np.abs(J @ move).max()
+    # a generator turning its rows by more than the series' reach is no slow block: NaN answers, no warning
+    runaway = refine.GeneratorForm(form.flat, form.cluster, [o * 1e3 for o in form.omegas])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.isnan(runaway(list(X))).all()
     gauge = form.gauge()
     assert gauge.shape == (len(vector), 2 * 2 * 2 + 2 * 16)  # two fast blocks a head, a 4 x 4 basis a head
     # a key bias's rows c are held (their columns vanish at Omega = 0): a change of basis of the rows then

@@ -242,11 +242,20 @@ class GeneratorForm:
         return flat.replaced(Q=Q, K=K, theta=theta, b=b, key_bias=key_bias)
 
 
+#: The largest ``|delta Omega|`` (Frobenius, over the queries' offsets) whose power series the generator
+#: rows sum: a slow head's generator turns its rows by a few radians at most (llama-d64-h4/0: 3), and the
+#: series of a larger one loses ``e^|delta Omega|`` of float64's digits to cancellation. A step past it is
+#: no slow block any more: the model's answers are NaN there, and the step is refused as a failed one.
+GENERATOR_REACH = 12.0
+
+
 def _generator_terms(omega: np.ndarray, reach: float) -> int:
     """Terms of the power series of ``expm(delta Omega)`` for ``delta <= reach``: until the next is below
-    float64's rounding of the sum (``|delta Omega|^T / T!`` under 2^-60)."""
+    float64's rounding of the sum (``|delta Omega|^T / T!`` under 2^-60); 0 past ``GENERATOR_REACH``."""
     size, terms, term = reach * max(float(np.linalg.norm(omega)), 1e-300), 1, 1.0
-    while term > 2.0 ** -60 and terms < 200:
+    if not size <= GENERATOR_REACH:
+        return 0
+    while term > 2.0 ** -60:
         term *= size / terms
         terms += 1
     return max(terms, 2)
@@ -259,6 +268,10 @@ def _exact_generator_rows(omega, offsets, query_rows, key_rows, sensitivity):
     exponential by its power series (``|delta Omega|`` stays below a few radians, so the series is
     short and needs no scaling). Shapes: query_rows (B, k), key_rows (B, N, k), sensitivity (B, N)."""
     terms = _generator_terms(omega, float(offsets.max(initial=0.0)))
+    if not terms:  # past the series' reach: no answer (``GENERATOR_REACH``)
+        nothing = np.full(query_rows.shape[:1] + key_rows.shape[1:], np.nan)
+        return nothing, nothing, None if sensitivity is None else np.full(
+            (len(query_rows), len(omega), len(omega)), np.nan)
     powers = np.empty((terms, len(omega), len(omega)))
     powers[0] = np.eye(len(omega))
     for m in range(1, terms):
