@@ -60,7 +60,7 @@ def pack(model) -> np.ndarray:
     """The parameters as one vector: Q, K, b, theta, v, c, and the key bias where the model has one;
     of a :class:`GeneratorForm`, its flat model's without the held angles, then each head's generator."""
     if isinstance(model, GeneratorForm):
-        return np.concatenate([np.delete(pack(model.flat), model.held)] + [o.ravel() for o in model.omegas])
+        return model.vector()
     parts = [model.Q.ravel(), model.K.ravel(), model.b.ravel(), model.theta.ravel(), model.v.ravel(), [model.c]]
     return np.concatenate(parts + ([] if model.key_bias is None else [model.key_bias.ravel()]))
 
@@ -76,12 +76,7 @@ def _offsets(like: RotaryAttention) -> np.ndarray:
 def unpack(vector: np.ndarray, like):
     """The model of a parameter vector (float64, or ``mpf`` for a high-precision model), of ``like``'s kind."""
     if isinstance(like, GeneratorForm):
-        flat_size = len(pack(like.flat)) - len(like.held)
-        flat = unpack(np.insert(vector[:flat_size], like.held - np.arange(len(like.held)),
-                                pack(like.flat)[like.held]), like.flat)
-        sizes = np.cumsum([flat_size] + [o.size for o in like.omegas])
-        omegas = [vector[a:b].reshape(o.shape) for a, b, o in zip(sizes[:-1], sizes[1:], like.omegas)]
-        return GeneratorForm(flat, like.cluster, omegas)
+        return like.of_vector(vector)
     H, r, d = like.Q.shape
     parts = np.split(vector, _offsets(like)[1:-1])
     return RotaryAttention(parts[0].reshape(H, r, d), parts[1].reshape(H, r, d), parts[3].reshape(H, r // 2),
@@ -91,14 +86,9 @@ def unpack(vector: np.ndarray, like):
 
 def key_bias_index(model) -> np.ndarray:
     """Where the key bias's free entries sit in :func:`pack`'s vector (empty where the model has none)."""
-    flat = model.flat if isinstance(model, GeneratorForm) else model
-    if flat.key_bias is None:
-        return np.arange(0)
-    offsets = _offsets(flat)
-    if not isinstance(model, GeneratorForm):
-        return np.arange(offsets[6], offsets[7])
-    free = np.setdiff1d(np.arange(offsets[6], offsets[7]), model.held)
-    return free - np.searchsorted(model.held, free)
+    if isinstance(model, GeneratorForm):
+        return model.key_bias_index()
+    return np.arange(0) if model.key_bias is None else np.arange(*_offsets(model)[6:8])
 
 
 #: Blocks turning less than this per position are fitted first as one exact generator per head
@@ -160,6 +150,31 @@ class GeneratorForm:
     @property
     def key_bias(self):
         return self.flat.key_bias
+
+    def vector(self) -> np.ndarray:
+        """:func:`pack`'s vector: the flat model's parameters without the held ones, then each generator."""
+        return np.concatenate([np.delete(pack(self.flat), self.held)] + [o.ravel() for o in self.omegas])
+
+    def of_vector(self, vector: np.ndarray) -> "GeneratorForm":
+        """The form of a :meth:`vector` (the held parameters kept at this form's values)."""
+        flat_size = len(pack(self.flat)) - len(self.held)
+        flat = unpack(np.insert(vector[:flat_size], self.held - np.arange(len(self.held)), pack(self.flat)[self.held]),
+                      self.flat)
+        sizes = np.cumsum([flat_size] + [o.size for o in self.omegas])
+        return GeneratorForm(flat, self.cluster, [vector[a:b].reshape(o.shape)
+                                                  for a, b, o in zip(sizes[:-1], sizes[1:], self.omegas)])
+
+    def key_bias_index(self) -> np.ndarray:
+        """Where the key bias's free entries sit in :meth:`vector`."""
+        if self.flat.key_bias is None:
+            return np.arange(0)
+        free = np.setdiff1d(np.arange(*_offsets(self.flat)[6:8]), self.held)
+        return free - np.searchsorted(self.held, free)
+
+    def jacobian(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(f, J)`` at sequences X (B, N, d) of one length, J's columns in :meth:`vector`'s order."""
+        f, J = _jacobian(self.flat, X, self)
+        return f, np.delete(J, self.held, axis=1)
 
     @property
     def blocks(self) -> int:
@@ -347,10 +362,7 @@ def _jacobian(model: RotaryAttention, X: np.ndarray, generators: "GeneratorForm 
 def jacobian(model, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(f, J)`` for sequences X (B, N, d) of one length: answers (B,) and df/dparameters (B, P), P
     the length of :func:`pack`'s vector, of a :class:`RotaryAttention` or a :class:`GeneratorForm`."""
-    if isinstance(model, GeneratorForm):
-        f, J = _jacobian(model.flat, X, model)
-        return f, np.delete(J, model.held, axis=1)
-    return _jacobian(model, X)
+    return model.jacobian(X) if isinstance(model, GeneratorForm) else _jacobian(model, X)
 
 
 #: Entries of the Jacobian formed at once (the normal equations are summed block by block, so the
