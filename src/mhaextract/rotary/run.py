@@ -463,12 +463,21 @@ def _shifted_frame_hint(run: RotaryRun) -> str:
             f"relative to that frame: run {exact} and judge the model against this layer's outputs")
 
 
+def _noisy_start(run: RotaryRun) -> bool:
+    """Whether the start's slow blocks are fitted as generators first: a start from noisy log-scores has their
+    angles and planes in the noise, float64 answers or not."""
+    return bool(run.coarse or run.diagnostics.get("noisy_log_scores", False))
+
+
 def check_refinement_memory(run: RotaryRun) -> None:
     """The refinement's memory (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding
     windows', 'Refinement'): its normal equations (or a high-precision run's Jacobian) beside the memory
     available, refused before the polish queries are spent; the start is then dropped."""
-    parameters = len(pack(run.start))
-    need, have = refinement_memory(parameters, int(run.polish_factor * parameters), run.precision), available_memory()
+    queries = int(run.polish_factor * len(pack(run.start)))
+    # a noisy start's slow blocks are first fitted as generators: a few hundred parameters more at d = 64
+    form = GeneratorForm.of(run.start) if _noisy_start(run) else None
+    parameters = max(len(pack(run.start)), 0 if form is None else len(pack(form)))
+    need, have = refinement_memory(parameters, queries, run.precision), available_memory()
     if have is not None and need > have:
         run.checks.append(Check("refinement_memory", False, float(need), float(have),
                                 f"the refinement's {'normal equations' if run.precision is None else 'Jacobian'} "
@@ -523,9 +532,7 @@ def refine_start(run: RotaryRun) -> None:
     'Refinement' and 'High precision'): the polish queries, the slow blocks fitted as generators (float32 answers,
     or a start from log-scores as noisy as theirs), the steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
     ask_polish_queries(run)
-    # a start from noisy log-scores has the slow blocks' angles and planes in the noise, float64 answers or not
-    noisy_start = run.coarse or run.diagnostics.get("noisy_log_scores", False)
-    model, first = seed_slow_blocks(run) if noisy_start else (run.start, None)
+    model, first = seed_slow_blocks(run) if _noisy_start(run) else (run.start, None)
     run.model, run.refinement = run.steps(model)
     if first is not None:
         run.refinement = replace(run.refinement, iterations=first.iterations + run.refinement.iterations,
