@@ -97,6 +97,8 @@ def key_bias_index(model) -> np.ndarray:
 #: their angles within the noise and a block's plane is told apart from its neighbours' only through
 #: terms of order ``theta delta`` (docs/algorithm.md, 'Slow blocks from float32 answers').
 GENERATOR_LIMIT = 5e-2
+#: ``rot'(0)``: a rotation block's generator at unit angle, ``d R(phi) / d phi`` at 0.
+QUARTER_TURN = np.array([[0.0, -1.0], [1.0, 0.0]])
 
 
 class GeneratorForm:
@@ -143,8 +145,7 @@ class GeneratorForm:
         if not slow.any():
             return None
         cluster = [np.flatnonzero(np.repeat(slow[h], 2)) for h in range(model.heads)]
-        quarter = np.array([[0.0, -1.0], [1.0, 0.0]])                       # rot'(0)
-        omegas = [np.kron(np.diag(model.theta[h][slow[h]]), quarter) for h in range(model.heads)]
+        omegas = [np.kron(np.diag(model.theta[h][slow[h]]), QUARTER_TURN) for h in range(model.heads)]
         return cls(model.replaced(theta=np.where(slow, 0.0, model.theta)), cluster, omegas)
 
     @property
@@ -193,7 +194,7 @@ class GeneratorForm:
         order: a scaled rotation of each block outside the generators' rows, and any change of basis
         of each generator's rows (the Jacobian is zero along them; a step along them is second order
         in the answers and bends the steps)."""
-        flat, quarter = self.flat, np.array([[0.0, -1.0], [1.0, 0.0]])
+        flat = self.flat
         H, r, _ = flat.Q.shape
         key_bias = flat.key_bias_or_zero
         directions = []
@@ -216,7 +217,7 @@ class GeneratorForm:
                 rows = np.arange(2 * m, 2 * m + 2)
                 if 2 * m not in slow_rows:
                     direction(h, rows, np.eye(2), -np.eye(2))
-                    direction(h, rows, quarter, quarter)
+                    direction(h, rows, QUARTER_TURN, QUARTER_TURN)
             rows, omega = self.cluster[h], self.omegas[h]
             for a in range(len(rows)):
                 for b in range(len(rows)):
@@ -501,8 +502,8 @@ def refine(model, sequences, answers: np.ndarray, iterations: int = 60, seed=0, 
     afresh at every step: far from the answers the misfit is the model's error, and a prior weighed
     against the answers' rounding alone would let the first steps trade a slow block's angle for a
     key (theta -> 0, k large) that the later steps cannot undo. ``accelerate=False``: no geodesic acceleration (the
-    :class:`GeneratorForm`'s steps, whose valleys the form has straightened: its Jacobian pass would cost a
-    third of a step and gain nothing). ``until``: the steps stop as soon as the max misfit is below it (a
+    :class:`GeneratorForm`'s steps, whose valleys the form has straightened: on llama-d64-h4/0 in float32 four
+    steps reached the rounding with it and without it, at 90 s and 70 s of one core a step). ``until``: the steps stop as soon as the max misfit is below it (a
     stretch that other steps continue)."""
     answers = np.asarray(answers, dtype=np.float64)
     vector = pack(model)

@@ -440,9 +440,7 @@ def _start_hint(run: RotaryRun) -> str:
     if misfit is None or not misfit <= max(FLOAT32_NOISE, SELF_MISFIT_UNITS * run.unit):
         measured = "" if misfit is None else f" (the basis tokens' self instances miss their fits by {misfit:.1e})"
         return f"; a key bias (Qwen2's k_proj.bias) makes the zero token no counter{measured}: try key_bias=True"
-    remedy = ("another seed, or rank= the heads' width" if run.unit <= FIRST_LOOK_UNIT else
-              "the same weights in float64 (layer.double()), whose fits separate them" if run.answer_dtype == "float32"
-              else "its exact float64 copy (mhaextract.adapters.rotary.float64_layer(attention, embedding))")
+    remedy = "another seed, or rank= the heads' width" if run.unit <= FIRST_LOOK_UNIT else _float64_remedy(run)
     return (f"; the basis tokens' self instances fit their answers to {misfit:.1e} (their rounding), so the zero "
             "token is a counter and no key bias is missing: the instances lost the heads' poles where they crowd "
             f"(the failed, mismatched and dropped counts above): try {remedy}")
@@ -455,12 +453,17 @@ def _shifted_frame_hint(run: RotaryRun) -> str:
     frame = run.shifted_frame
     if frame is None or run.unit <= FIRST_LOOK_UNIT:
         return ""
-    exact = ("the same weights in float64 (layer.double())" if run.answer_dtype == "float32" else
-             "its exact float64 copy (mhaextract.adapters.rotary.float64_layer(attention, embedding))")
     return (f"; every query was asked at tokens shifted by the key-neutral token z* (norm "
             f"{frame['token_norm']:.3g}), where the layer's output constant is {frame['constant']:.3g} against its "
             f"own {frame['layer_constant']:.3g}, and a layer rounding at float32 rounds its keys, values and outputs "
-            f"relative to that frame: run {exact} and judge the model against this layer's outputs")
+            f"relative to that frame: run {_float64_remedy(run)} and judge the model against this layer's outputs")
+
+
+def _float64_remedy(run: RotaryRun) -> str:
+    """What to run instead of answers rounded at float32: the same weights in float64, or for a float64 layer
+    computing in float32 inside, its exact float64 copy."""
+    return ("the same weights in float64 (layer.double())" if run.answer_dtype == "float32" else
+            "its exact float64 copy (mhaextract.adapters.rotary.float64_layer(attention, embedding))")
 
 
 def _noisy_start(run: RotaryRun) -> bool:
@@ -506,7 +509,7 @@ def seed_slow_blocks(run: RotaryRun):
     (docs/algorithm.md, 'Rotary attention: positions, grouped heads and sliding windows', 'Slow blocks
     from float32 answers'): the steps first on the exact generators of each head's blocks turning less than
     ``GENERATOR_LIMIT`` (:class:`~mhaextract.rotary.refine.GeneratorForm`), whose planes move linearly there,
-    then the rotary model of their real form, or the start where that fits the polish answers worse. Every
+    then the rotary model of their real form, or the start where its max misfit on the polish answers is lower. Every
     generator step forms ``J^T J`` afresh: in this form they converge quadratically, and a chord step's
     linear rate would cost more steps than it saves.
     Returns ``(model, the generator steps' refinement or None)``; ``diagnostics["generator_blocks"]`` the
@@ -523,8 +526,10 @@ def seed_slow_blocks(run: RotaryRun):
                                  run.progress, f"refining the slow blocks' generators: step {step}, "
                                                f"max misfit {misfit:.1e}"))
     model = fitted.to_rotary()
-    misfit = [float(np.sum((candidate(run.polish) - run.polish_answers) ** 2)) for candidate in (model, run.start)]
-    return (model, stretch) if misfit[0] <= misfit[1] else (run.start, None)
+    # the form began as the start itself: its misfit before the steps is the start's
+    misfit = float(np.abs(model(run.polish) - run.polish_answers).max()) / max(float(np.abs(run.polish_answers).max()),
+                                                                             1e-300)
+    return (model, stretch) if misfit <= stretch.residual_before else (run.start, None)
 
 
 def refine_start(run: RotaryRun) -> None:
