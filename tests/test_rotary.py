@@ -640,6 +640,58 @@ def test_slow_blocks_in_a_wrong_basis_are_fitted_as_generators(key_bias):
     assert mx.compare(crawled, truth).max_rel >= 1e3 * mx.compare(model, truth).max_rel
 
 
+def test_steps_that_crawl_far_from_the_answers_stop():
+    """``refine(crawl=...)``: the steps end after ``CRAWL_STEPS`` fresh steps in a row that each keep more than
+    ``CRAWL_RATIO`` of the max misfit before them above ``crawl`` (here the rotary steps from slow blocks in a
+    wrong basis, 7.7e-4, 7.4e-4, ...); the stop is where the rule, read off the same steps' trace without it,
+    puts it, and a ``crawl`` above every misfit changes nothing."""
+    from mhaextract.rotary import refine
+    truth = mx.RotaryAttention.random(d=8, heads=2, head_width=8, seed=0, bias=True)
+    start = _slow_blocks_in_a_wrong_basis(truth, 1)
+    rng = np.random.default_rng(2)
+    sequences = [rng.normal(size=(int(n), 8)) * 8 ** -0.25 * 2 for n in rng.integers(2, 33, 400)]
+    answers = truth(sequences)
+
+    def steps(crawl):
+        trace = []
+        _, report = refine.refine(start, sequences, answers, iterations=6, estimate=False, reuse_gain=np.inf,
+                                  crawl=crawl, on_step=lambda step, misfit: trace.append(misfit))
+        return report, trace
+
+    free, trace = steps(np.inf)
+    assert len(trace) == 6 and trace[-1] >= 1e-4   # crawling: far from the rounding after six steps
+    crawl = 1e-4
+    misfits = [free.residual_before] + trace
+    slow = [misfits[i] > max(crawl, refine.CRAWL_RATIO * misfits[i - 1]) for i in range(1, len(misfits))]
+    stop = next(i for i in range(refine.CRAWL_STEPS - 1, len(slow)) if all(slow[i - refine.CRAWL_STEPS + 1:i + 1])) + 1
+    stopped, stopped_trace = steps(crawl)
+    assert stopped.iterations == stop < 6 and stopped_trace == trace[:stop]
+    assert stopped.residual_after == trace[stop - 1]
+    assert steps(1.0)[1] == trace
+
+
+def test_a_float32_start_whose_generator_steps_crawl_fails_loudly_before_the_rotary_steps(monkeypatch):
+    """A float32 run's slow blocks fitted as generators (``seed_slow_blocks``) that end above ``CRAWL_MISFIT``
+    after crawling fail the ``start`` check at once, naming the misfits and what to try, with no model and no
+    rotary steps (mistral-d64-h4/1 in float32 would crawl for up to an hour). Every step is made to count as
+    crawling here, on a layer whose run passes otherwise."""
+    import mhaextract.rotary.run as run
+    from mhaextract.rotary import refine
+    layer = mx.RotaryAttention.random(d=12, heads=2, head_width=6, seed=0, bias=True)
+    monkeypatch.setattr(refine, "CRAWL_RATIO", 0.0)
+    monkeypatch.setattr(run, "CRAWL_MISFIT", 0.0)
+    rotary_steps = []
+    monkeypatch.setattr(run.RotaryRun, "steps", lambda self, model, **options: rotary_steps.append(model))
+    with pytest.warns(mx.UnreliableExtractionWarning):
+        result = mx.extract(Float32Answers(layer), 12, heads=2, seed=0, positions="rotary", on_failure="warn",
+                            progress=False)
+    assert result.model is None and not rotary_steps and result.diagnostics["generator_blocks"] >= 1
+    assert result.refinement.iterations == refine.CRAWL_STEPS
+    start = next(check for check in result.checks if check.name == "start")
+    assert not start.passed and start.value == result.refinement.residual_after
+    assert "generators left" in start.message and "try another seed" in start.message
+
+
 @pytest.mark.slow
 def test_a_refinement_larger_than_the_memory_available_is_refused_before_its_queries(monkeypatch):
     """The refinement holds its normal equations (P^2 numbers); where they would not fit the
