@@ -35,7 +35,7 @@ from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from .learn import (FIRST_LOOK_UNIT, NOISY_SPARE_TOKENS, SPARE_TOKENS, RotaryExtraction, RotaryLearner,
                     answer_noise, ask_instances, channel_projection, choose_token_scale, start_structure_error)
 from .neutral import LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary, find_neutral_token
-from .refine import CRAWL_STEPS, GeneratorForm, error_moves, pack, polish_high_precision, refine, refinement_memory
+from .refine import GeneratorForm, error_moves, pack, polish_high_precision, refine, refinement_memory
 from .window import WindowSearch, find_window
 
 #: The coarsest answers the rotary schedule takes: float32's unit roundoff.
@@ -54,9 +54,10 @@ ESTIMATE_FLOOR = 1e-14
 #: At most this many steps on the slow blocks' generators (``seed_slow_blocks``) before the rotary steps;
 #: they stop sooner, once the max misfit is within the steps' floor (``FLOOR_UNITS``).
 GENERATOR_STEPS = 12
-#: Generator steps that crawl (:data:`~mhaextract.rotary.refine.CRAWL_RATIO`) with the max misfit above this
-#: (relative) end the run's start loudly: the rotary steps from there would crawl too, for up to an hour at
-#: d = 64 (mistral-d64-h4/1 in float32: 0.29, 0.27, 0.24 after three steps of a minute each).
+#: Steps that crawl (:data:`~mhaextract.rotary.refine.CRAWL_RATIO`) with the max misfit above this (relative)
+#: stop: generator steps that end above it fail the run's start loudly, rotary steps its residual check. From
+#: there the steps would crawl for up to an hour at d = 64 (mistral-d64-h4/1 in float32: 0.29, 0.25 after two
+#: generator steps of a minute each), where a start in their basin leaves a few 1e-3 after one.
 CRAWL_MISFIT = 1e-2
 #: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
 #: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
@@ -218,10 +219,11 @@ class RotaryRun:
 
     def steps(self, model, iterations=60, estimate=True):
         """Levenberg-Marquardt steps on the polish queries (docs/algorithm.md, 'Rotary attention: positions, grouped
-        heads and sliding windows', 'Refinement'), down to the answers' rounding."""
+        heads and sliding windows', 'Refinement'), down to the answers' rounding, or until they crawl above
+        ``CRAWL_MISFIT`` (the residual check then fails)."""
         return refine(model, self.polish, self.polish_answers, iterations=iterations, seed=self.seed,
                       floor=max(1e-13, FLOOR_UNITS * self.unit), estimate=estimate, frame_shift=self.frame_shift,
-                      key_size=self.key_size,
+                      key_size=self.key_size, crawl=CRAWL_MISFIT,
                       on_step=lambda step, misfit: note_progress(
                           self.progress, f"refining the rotary model: step {step}, max misfit {misfit:.1e}"))
 
@@ -543,11 +545,11 @@ def refine_start(run: RotaryRun) -> None:
     or a start from log-scores as noisy as theirs), the steps, a high-precision run's polish at its bits; the polish queries then join the instances'."""
     ask_polish_queries(run)
     model, first = seed_slow_blocks(run) if _noisy_start(run) else (run.start, None)
-    if first is not None and first.residual_after > CRAWL_MISFIT and first.iterations >= CRAWL_STEPS:
+    if first is not None and first.residual_after > CRAWL_MISFIT:
         run.checks.append(Check("start", False, first.residual_after, CRAWL_MISFIT,
                                 f"the start is {first.residual_before:.1e} off the refinement's fresh answers (max "
                                 f"misfit, relative) and {first.iterations} steps on its slow blocks' generators left "
-                                f"{first.residual_after:.1e} (from a start the steps take to the answers' rounding, one "
+                                f"{first.residual_after:.1e} before they crawled or no step gained (from a start the steps take to the answers' rounding, one "
                                 f"step leaves {CRAWL_MISFIT:.0e} or less): the start matched some heads' blocks wrongly (its structure errors "
                                 f"{run.diagnostics.get('start_structure_errors')}), and the steps would crawl from "
                                 f"there: try another seed, or {_float64_remedy(run)}"))
