@@ -140,3 +140,32 @@ def test_a_failed_float64_run_from_noisy_log_scores_names_them():
     assert "key-neutral" not in _noisy_float64_start(run(neutral=None)) != ""
     for quiet in (run(residual=1e-10), run(coarse=True), run(diagnostics={})):
         assert _noisy_float64_start(quiet) == ""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_final_ordered_wrongly_in_one_head_is_left_out_of_the_assembly(seed):
+    """A final token whose column of one head's grids carries another head's log-scores (its heads ordered
+    wrongly in a few instances, past the matching) misses the assembly ``Z_r^T W X_c`` far beyond the grids'
+    noise and is named an outlier (``RotaryLearner._assemble``); assembled without it (the spares keep ``X_c``
+    determined) the score matrices are those of the grids' own, and a grid without it names no token."""
+    from mhaextract.rotary.learn import RotaryLearner
+    d, H, r = 12, 3, 4
+    learner = RotaryLearner(d, H, seed, 1.0, True, r, spares=4)
+    rng = np.random.default_rng(seed)
+    keys, finals = learner.keys, np.vstack([learner.finals, np.ones((1, learner.finals.shape[1]))])
+    truth = np.einsum("thar,thbr->thab", rng.normal(size=(2, H, d, r)), rng.normal(size=(2, H, d + 1, r)))
+    grids = np.einsum("aj,thab,bi->thji", keys, truth, finals)
+    noisy = grids * (1 + 1e-5 * rng.normal(size=grids.shape))
+    rows, columns = np.arange(keys.shape[1]), np.arange(finals.shape[1])
+    W, _, no_keys, no_finals = learner._assemble(noisy, None, rows, columns, finals, False, {})
+    assert no_keys.size == 0 and no_finals.size == 0
+    assert np.abs(W - truth).max() <= 1e-2 * np.abs(truth).max()
+    wrong = 5
+    noisy[:, 0, :, wrong] = noisy[:, 1, :, wrong]     # head 0's column of final 5 from head 1
+    W, _, outlier_keys, outlier_finals = learner._assemble(noisy, None, rows, columns, finals, False, {})
+    assert outlier_finals.tolist() == [wrong] and outlier_keys.size == 0
+    assert np.abs(W - truth).max() >= 10 * np.abs(truth).max() * 1e-2   # spread over the head's matrices
+    kept = np.setdiff1d(columns, outlier_finals)
+    W, _, outlier_keys, outlier_finals = learner._assemble(noisy, None, rows, kept, finals, False, {})
+    assert outlier_keys.size == 0 and outlier_finals.size == 0
+    assert np.abs(W - truth).max() <= 1e-2 * np.abs(truth).max()
