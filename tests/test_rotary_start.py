@@ -169,3 +169,15 @@ def test_a_final_ordered_wrongly_in_one_head_is_left_out_of_the_assembly(seed):
     W, _, outlier_keys, outlier_finals = learner._assemble(noisy, None, rows, kept, finals, False, {})
     assert outlier_keys.size == 0 and outlier_finals.size == 0
     assert np.abs(W - truth).max() <= 1e-2 * np.abs(truth).max()
+
+
+def test_a_draw_after_one_that_lost_tokens_carries_spares_for_them():
+    """``spares_after``: the next draw's spares cover what the last lost (1.5 a token: dropped, mismatched or
+    outliers), at least float32's after noisy log-scores, at most d; a draw that lost none keeps its own."""
+    from mhaextract.rotary.learn import NOISY_SPARE_TOKENS, SPARE_TOKENS, spares_after
+    assert spares_after({}, SPARE_TOKENS, 64) == SPARE_TOKENS
+    assert spares_after({"noisy_log_scores": True, "dropped_finals": 3}, SPARE_TOKENS, 8) == NOISY_SPARE_TOKENS
+    # mistral-d64-h4/0 in float32: 16 of its finals dropped, 3 keys
+    assert spares_after({"noisy_log_scores": True, "dropped_finals": 16, "dropped_keys": 3}, 6, 64) == 24
+    assert spares_after({"dropped_finals": 6, "outlier_finals": 1}, 6, 64) == 11
+    assert spares_after({"dropped_keys": 60}, 6, 64) == 64

@@ -83,11 +83,15 @@ NOISY_MATCH = 1e-5
 #: more tokens lose too many entries to be kept (d = 32, H = 4: three finals with two spares).
 SPARE_TOKENS = 2
 NOISY_SPARE_TOKENS = 6
+#: A draw drawn again carries this many spares per token the one before lost (``spares_after``).
+SPARES_PER_LOST = 1.5
 #: A key's row or a final's column of a head's grid missing the assembly by more than this many times the
 #: grid's median (relative to its norm), and by more than ``ASSEMBLY_FLOOR``, is an outlier
 #: (:meth:`RotaryLearner._assemble`): the grids are assembled again without it, or the draw gives no start.
+#: Float64 grids, their poles crowded or not, stay below 1.2e-4 (their ratios reach 10 and more over medians
+#: of 1e-7), float32 grids' worst tokens in heads that pass at 1e-3; the outlier that spoiled a head 6.7e-2.
 ASSEMBLY_OUTLIER = 10.0
-ASSEMBLY_FLOOR = 1e-6
+ASSEMBLY_FLOOR = 1e-2
 #: The token scale makes the self-scores of the basis tokens this large (root mean square).
 SCORE_TARGET = 1.5
 #: A fitted pole whose label is below this fraction of its instance's largest stands for no head
@@ -292,6 +296,18 @@ def fit_instances(answers: np.ndarray, c: float, ks: np.ndarray, heads: int, cha
                channel_constants=channels_c)
     P = np.exp(fits.log_poles)
     return Instances(P, P * fits.labels, fits.residual)
+
+
+def spares_after(diagnostics: dict, spares: int, d: int) -> int:
+    """The spare tokens of the draw after one with ``spares`` and these diagnostics: at least
+    ``NOISY_SPARE_TOKENS`` after noisy log-scores (float64 answers whose key-neutral token leaves a key drop
+    the tokens they mismatch, as float32 answers do), and ``SPARES_PER_LOST`` times the finals or keys the draw
+    lost (dropped, mismatched or outliers), at most d: a trained Mistral layer under a window of 16 tokens lost
+    16 of its 71 finals in float32 (mistral-d64-h4/0)."""
+    lost = max(diagnostics.get("dropped_finals", 0) + diagnostics.get("outlier_finals", 0),
+               diagnostics.get("dropped_keys", 0) + diagnostics.get("outlier_keys", 0))
+    noisy = NOISY_SPARE_TOKENS if diagnostics.get("noisy_log_scores") else 0
+    return int(min(max(spares, noisy, np.ceil(SPARES_PER_LOST * lost)), max(d, spares)))
 
 
 def start_structure_error(diagnostics: dict) -> float:

@@ -32,7 +32,7 @@ from ..oracle.queries import random_queries
 from ..oracle.vector_answers import VectorAnswers
 from ..run.validation import spawn_rng
 from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
-from .learn import (FIRST_LOOK_UNIT, NOISY_SPARE_TOKENS, SPARE_TOKENS, RotaryExtraction, RotaryLearner,
+from .learn import (FIRST_LOOK_UNIT, NOISY_SPARE_TOKENS, SPARE_TOKENS, RotaryExtraction, RotaryLearner, spares_after,
                     answer_noise, ask_instances, channel_projection, choose_token_scale, start_structure_error)
 from .neutral import LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary, find_neutral_token
 from .refine import GeneratorForm, error_moves, pack, polish_high_precision, refine, refinement_memory
@@ -401,18 +401,16 @@ def learn_start(run: RotaryRun) -> None:
     the best start kept and every answer kept for the residual check."""
     learner, c, unit, channels_c = run.learner, run.c, run.unit, run.channels_c
     run.start, run.diagnostics = learner.learn(mid_float(run.exact), c, unit, run.channels, channels_c)
-    drawn = [start_structure_error(run.diagnostics)]
+    drawn, last, diagnostics = [start_structure_error(run.diagnostics)], learner, run.diagnostics
     for draw in range(1, START_DRAWS):
         if drawn[-1] <= STRUCTURE_LIMIT:
             break
-        # a draw whose log-scores came out noisy (float64 answers whose key-neutral token leaves a key)
-        # drops the tokens it mismatched, as float32 answers' do: the next draws carry float32's spares
-        spares = (NOISY_SPARE_TOKENS if run.diagnostics.get("noisy_log_scores") and learner.spares < NOISY_SPARE_TOKENS
-                  else None)
-        again = learner.drawn_again(int(spawn_rng(run.seed, 25 + draw).integers(2 ** 63)), spares)
+        again = learner.drawn_again(int(spawn_rng(run.seed, 25 + draw).integers(2 ** 63)),
+                                    spares_after(diagnostics, last.spares, run.d))
         more, more_exact, more_channels = run.ask(again.patterns(), f"rotary instances, draw {draw + 1}")
         run.sequences, run.exact = list(run.sequences) + list(more), np.concatenate([run.exact, more_exact])
         trial, trial_diagnostics = again.learn(mid_float(more_exact), c, unit, more_channels, channels_c)
+        last, diagnostics = again, trial_diagnostics
         drawn.append(start_structure_error(trial_diagnostics))
         if drawn[-1] < min(drawn[:-1]):
             run.start, run.diagnostics = trial, trial_diagnostics
