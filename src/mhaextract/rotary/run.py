@@ -402,6 +402,7 @@ def learn_start(run: RotaryRun) -> None:
     learner, c, unit, channels_c = run.learner, run.c, run.unit, run.channels_c
     run.start, run.diagnostics = learner.learn(mid_float(run.exact), c, unit, run.channels, channels_c)
     drawn, last, diagnostics = [start_structure_error(run.diagnostics)], learner, run.diagnostics
+    _note_draw(run, 1, learner, diagnostics)
     for draw in range(1, START_DRAWS):
         if drawn[-1] <= STRUCTURE_LIMIT:
             break
@@ -411,12 +412,21 @@ def learn_start(run: RotaryRun) -> None:
         run.sequences, run.exact = list(run.sequences) + list(more), np.concatenate([run.exact, more_exact])
         trial, trial_diagnostics = again.learn(mid_float(more_exact), c, unit, more_channels, channels_c)
         last, diagnostics = again, trial_diagnostics
+        _note_draw(run, draw + 1, again, diagnostics)
         drawn.append(start_structure_error(trial_diagnostics))
         if drawn[-1] < min(drawn[:-1]):
             run.start, run.diagnostics = trial, trial_diagnostics
     run.diagnostics["start_structure_errors"] = drawn
     if run.noise is not None:
         run.diagnostics["answer_noise"] = run.noise
+
+
+def _note_draw(run: RotaryRun, draw: int, learner: RotaryLearner, diagnostics: dict) -> None:
+    """A draw of the start on the run's progress: its structure error, its spares and the tokens it lost."""
+    lost = ", ".join(f"{diagnostics[key]} {key.replace('_', ' ')}" for key in
+                     ("dropped_finals", "dropped_keys", "outlier_finals", "outlier_keys") if diagnostics.get(key))
+    note_progress(run.progress, f"start, draw {draw}: structure error {start_structure_error(diagnostics):.2g}, "
+                                f"{learner.spares} spare tokens" + (f", {lost}" if lost else ""))
 
 
 def settle_start(run: RotaryRun) -> None:
