@@ -553,6 +553,7 @@ class RotaryLearner:
         missing = ~np.isfinite(log_E)
         diagnostics.update(missing_entries=int(missing.sum() // H))
         if missing.mean() > MOST_MISSING:
+            diagnostics.update(no_start="more than a fifth of the grids' entries missing")
             return None
         # one rank per head: the score matrices of both offsets share it (the head width)
         if self.rank:
@@ -597,7 +598,7 @@ class RotaryLearner:
                        "fit_residual": float(fitted.residual[np.isfinite(fitted.residual)].max(initial=0.0))}
         usable = np.isfinite(tau).all(axis=1) & np.isfinite(label_x).all(axis=1)
         if not usable.any():
-            return None, diagnostics
+            return None, dict(diagnostics, no_start="no self instance fitted")
         # Head order: the reference is the final token whose self poles lie furthest apart (a self
         # instance's labels are split between nearly equal poles only as well as the answers allow:
         # on a trained float32 Llama layer 15% of the finals had two poles within 0.05 in log, their
@@ -611,7 +612,7 @@ class RotaryLearner:
         for finals_used in (np.flatnonzero(usable), None):
             known_z = np.isfinite(label_z).all(axis=1)
             if known_z.sum() < d:
-                return None, diagnostics
+                return None, dict(diagnostics, no_start="fewer than d keys with labels")
             order = self._order_finals(label_z, known_z, offset_P, offset_N, tau, label_x, usable, reference)
             if finals_used is not None:
                 label_z = self._order_keys(key_labels, offset_P, offset_N, tau, label_x, order, finals_used)
@@ -654,7 +655,7 @@ class RotaryLearner:
         augmented = np.vstack([self.finals, np.ones((1, n_final))]) if self.bias else self.finals
         diagnostics.update(dropped_keys=int(n_key - len(rows)), dropped_finals=int(n_final - len(columns)))
         if len(columns) < augmented.shape[0] or len(rows) < d:
-            return None, diagnostics
+            return None, dict(diagnostics, no_start="fewer tokens held than the assembly needs")
         all_weights = log_score_weights(log_E, tau_ordered, offset_P) if noisy else None
         diagnostics.update(match_misfit=worst_match, match_limit=limit,
                            match_quantiles=(np.quantile(misfits, [0.5, 0.9, 0.95, 0.99]).tolist()
@@ -669,9 +670,9 @@ class RotaryLearner:
             diagnostics.update(outlier_keys=int(outlier_keys.size), outlier_finals=int(outlier_finals.size))
             rows, columns = np.setdiff1d(rows, outlier_keys), np.setdiff1d(columns, outlier_finals)
             if len(columns) < augmented.shape[0] or len(rows) < d:
-                return None, diagnostics  # too few tokens left beside them: the run draws again
+                return None, dict(diagnostics, no_start="too few tokens beside the outliers")  # the run draws again
         else:
-            return None, diagnostics
+            return None, dict(diagnostics, no_start="outliers in the assembly again")
         # the values by least squares over the same tokens: Z_r^T v = l_z and X_c^T v = l_x
         finals_used = self.finals[:, columns]
         v = np.linalg.lstsq(np.hstack([self.keys[:, rows], finals_used]).T,

@@ -426,7 +426,8 @@ def _note_draw(run: RotaryRun, draw: int, learner: RotaryLearner, diagnostics: d
     lost = ", ".join(f"{diagnostics[key]} {key.replace('_', ' ')}" for key in
                      ("dropped_finals", "dropped_keys", "outlier_finals", "outlier_keys") if diagnostics.get(key))
     note_progress(run.progress, f"start, draw {draw}: structure error {start_structure_error(diagnostics):.2g}, "
-                                f"{learner.spares} spare tokens" + (f", {lost}" if lost else ""))
+                                f"{learner.spares} spare tokens" + (f", {lost}" if lost else "")
+                                + (f" ({diagnostics['no_start']})" if "no_start" in diagnostics else ""))
 
 
 def settle_start(run: RotaryRun) -> None:
