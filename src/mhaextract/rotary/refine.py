@@ -671,8 +671,8 @@ PSEUDO_INVERSE_CUT = 1e-12
 #: one solves with the same J^T J (a chord step: the gradient afresh, no product, no acceleration).
 REUSE_GAIN = 0.5
 #: :func:`refine`'s ``crawl``: this many fresh steps in a row, each keeping more than this fraction of the max
-#: misfit before it, end the steps (mistral-d64-h4/1 in float32: 0.29, 0.27, 0.24 from a start whose heads'
-#: slow blocks were wrong, where the starts the steps take to the rounding leave 1.4e-3..4.9e-3 after one).
+#: misfit before it, end the steps (mistral-d64-h4/1 in float32: 0.50, 0.29, 0.25 from a start with one head
+#: assembled wrongly, where the starts the steps take to the rounding leave 1.4e-3..4.9e-3 after one).
 CRAWL_STEPS, CRAWL_RATIO = 2, 0.5
 #: The largest ratio ``2 |a| / |v|`` (scaled norms) of a step's acceleration to its velocity.
 ACCELERATION_RATIO = 0.75

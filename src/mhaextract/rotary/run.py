@@ -558,9 +558,10 @@ def refine_start(run: RotaryRun) -> None:
         run.checks.append(Check("start", False, first.residual_after, CRAWL_MISFIT,
                                 f"the start is {first.residual_before:.1e} off the refinement's fresh answers (max "
                                 f"misfit, relative) and {first.iterations} steps on its slow blocks' generators left "
-                                f"{first.residual_after:.1e} before they crawled or no step gained (from a start the steps take to the answers' rounding, one "
-                                f"step leaves {CRAWL_MISFIT:.0e} or less): the start matched some heads' blocks wrongly (its structure errors "
-                                f"{run.diagnostics.get('start_structure_errors')}), and the steps would crawl from "
+                                f"{first.residual_after:.1e} before they crawled or no step gained (from a start the "
+                                f"steps take to the answers' rounding one step leaves {CRAWL_MISFIT:.0e} or less): a "
+                                "head of the start was matched or assembled wrongly, unseen by its structure errors "
+                                f"{run.diagnostics.get('start_structure_errors')}, and the steps would crawl from "
                                 f"there: try another seed, or {_float64_remedy(run)}"))
         run.refinement = first
         return
