@@ -54,10 +54,16 @@ ESTIMATE_FLOOR = 1e-14
 #: At most this many steps on the slow blocks' generators (``seed_slow_blocks``) before the rotary steps;
 #: they stop sooner, once the max misfit is within the steps' floor (``FLOOR_UNITS``).
 GENERATOR_STEPS = 12
-#: Steps that crawl (:data:`~mhaextract.rotary.refine.CRAWL_RATIO`) with the max misfit above this (relative)
-#: stop: generator steps that end above it fail the run's start loudly, rotary steps its residual check. From
-#: there the steps would crawl for up to an hour at d = 64 (mistral-d64-h4/1 in float32: 0.29, 0.25 after two
-#: generator steps of a minute each), where a start in their basin leaves a few 1e-3 after one.
+#: The generator steps fit this fraction of the polish queries (at least ``GENERATOR_LEAST`` times the form's
+#: parameters): they take the slow blocks into the rotary steps' basin, which then fit every polish query, and
+#: each step's ``J^T J`` costs in proportion to the queries (about 50 s of one core for all of them at d = 64).
+GENERATOR_QUERIES, GENERATOR_LEAST = 0.5, 1.25
+#: Generator steps stop once they crawl (:data:`~mhaextract.rotary.refine.CRAWL_RATIO`) anywhere above the steps'
+#: floor, and hand over to the rotary steps (qwen2-d64-h4/0 in float64: 1.9e-9, then six steps of a minute at
+#: 1.7e-9, where the rotary steps went on to 1e-15); ending above this max misfit (relative) they fail the run's
+#: start loudly, and rotary steps crawling above it stop (the residual check then fails). From there the steps
+#: would crawl for up to an hour at d = 64 (mistral-d64-h4/1 in float32: 0.29, 0.25 after two generator steps of a
+#: minute each), where a start in their basin leaves a few 1e-3 after one.
 CRAWL_MISFIT = 1e-2
 #: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
 #: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
@@ -535,16 +541,17 @@ def seed_slow_blocks(run: RotaryRun):
         return run.start, None
     note_progress(run.progress, f"fitting {form.blocks} slow rotary blocks as generators")
     floor = max(1e-13, FLOOR_UNITS * run.unit)
-    fitted, stretch = refine(form, run.polish, run.polish_answers, iterations=GENERATOR_STEPS, floor=floor,
+    count = max(int(GENERATOR_QUERIES * len(run.polish)), int(GENERATOR_LEAST * len(pack(form))))
+    polish, answers = run.polish[:count], run.polish_answers[:count]
+    fitted, stretch = refine(form, polish, answers, iterations=GENERATOR_STEPS, floor=floor,
                              until=floor, estimate=False, key_size=run.key_size, reuse_gain=np.inf, accelerate=False,
-                             crawl=CRAWL_MISFIT,
+                             crawl=floor,
                              on_step=lambda step, misfit: note_progress(
                                  run.progress, f"refining the slow blocks' generators: step {step}, "
                                                f"max misfit {misfit:.1e}"))
     model = fitted.to_rotary()
     # the form began as the start itself: its misfit before the steps is the start's
-    misfit = float(np.abs(model(run.polish) - run.polish_answers).max()) / max(float(np.abs(run.polish_answers).max()),
-                                                                             1e-300)
+    misfit = float(np.abs(model(polish) - answers).max()) / max(float(np.abs(answers).max()), 1e-300)
     return (model, stretch) if misfit <= stretch.residual_before else (run.start, None)
 
 
