@@ -671,10 +671,10 @@ def test_steps_that_crawl_far_from_the_answers_stop():
 
 
 def test_a_float32_start_whose_generator_steps_crawl_fails_loudly_before_the_rotary_steps(monkeypatch):
-    """A float32 run's slow blocks fitted as generators (``seed_slow_blocks``) that end above ``CRAWL_MISFIT``
-    after crawling fail the ``start`` check at once, naming the misfits and what to try, with no model and no
-    rotary steps (mistral-d64-h4/1 in float32 would crawl for up to an hour). Every step is made to count as
-    crawling here, on a layer whose run passes otherwise."""
+    """A float32 run's slow blocks fitted as generators (``seed_slow_blocks``, on half the polish queries) that end
+    above ``CRAWL_MISFIT`` after crawling fail the ``start`` check at once, naming the misfits and what to try,
+    with no model and no rotary steps (mistral-d64-h4/1 in float32 would crawl for up to an hour). Every step is
+    made to count as crawling here, on a layer whose run passes otherwise."""
     import mhaextract.rotary.run as run
     from mhaextract.rotary import refine
     layer = mx.RotaryAttention.random(d=12, heads=2, head_width=6, seed=0, bias=True)
@@ -687,6 +687,11 @@ def test_a_float32_start_whose_generator_steps_crawl_fails_loudly_before_the_rot
                             progress=False)
     assert result.model is None and not rotary_steps and result.diagnostics["generator_blocks"] >= 1
     assert result.refinement.iterations == refine.CRAWL_STEPS
+    # the generator steps fit half the polish queries (3 P of the start), at least 1.25 times the form's parameters
+    polish = int(run.POLISH_FACTOR * len(refine.pack(result.start)))
+    form = len(refine.pack(refine.GeneratorForm.of(result.start)))
+    assert result.refinement.queries == max(int(run.GENERATOR_QUERIES * polish), int(run.GENERATOR_LEAST * form))
+    assert result.refinement.queries < polish
     start = next(check for check in result.checks if check.name == "start")
     assert not start.passed and start.value == result.refinement.residual_after
     assert "generators left" in start.message and "try another seed" in start.message
