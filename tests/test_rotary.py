@@ -472,6 +472,30 @@ def test_a_noisy_grid_has_the_rank_of_its_largest_drop(width):
     assert completion_rank(grid) > width  # the float64 criterion stops where the fit interpolates
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_full_width_grid_has_its_rank_where_a_lower_rank_nears_interpolation(seed):
+    """A head of full width (r = d = 8) in a grid of d + 2 keys by d + 3 finals, its weakest
+    direction 1e-3 of its largest (as in a random two-head layer of head width 8 at d = 8): the
+    rank-7 fit has 98 parameters for 110 entries, drops its worst entries and falls a few hundred
+    times; the rank-8 fit falls to the rounding. The width is 8, and a grid of rank 7 keeps 7."""
+    from mhaextract.rotary.learn import completion_rank
+    rng = np.random.default_rng(seed)
+    U, V = np.linalg.qr(rng.normal(size=(10, 8)))[0], np.linalg.qr(rng.normal(size=(11, 8)))[0]
+    singular = np.array([12, 9.6, 4.3, 3.8, 1.9, 1.3, 0.35, 1e-3])
+    noise = 1e-11 * rng.normal(size=(10, 11))
+    assert completion_rank((U * singular) @ V.T + noise) == 8
+    assert completion_rank((U[:, :7] * singular[:7]) @ V[:, :7].T + noise) == 7
+
+
+def test_a_layer_whose_heads_are_as_wide_as_d_extracts():
+    """Two heads of width d (H r > d: the score matrices full rank) from float64 answers: the rank
+    search reads the width 8 in both heads (before, 7 in one, and every draw of the start failed)."""
+    layer = mx.RotaryAttention.random(d=8, heads=2, head_width=8, seed=0)
+    result = mx.extract(layer, d=8, heads=2, positions="rotary", seed=0)
+    assert result.ok and result.diagnostics["widths"] == [8, 8]
+    assert mx.compare(result.model, layer).max_rel <= 1e-12
+
+
 def test_a_noisy_grid_without_a_drop_keeps_the_full_rank():
     from mhaextract.rotary.learn import completion_rank
     grid = np.random.default_rng(3).normal(size=(30, 31))
