@@ -44,7 +44,7 @@ from .completion import completion_rank  # noqa: F401 (re-exported)
 from ..run.validation import spawn_rng
 from ..models.rotary import RotaryAttention
 from .neutral import NeutralToken
-from .structure import rotary_head
+from .structure import rotary_head, widest_rotary_head
 from .window import WindowSearch
 
 #: An instance whose rational fit misses its samples by more than this (relative), or by more than
@@ -308,6 +308,23 @@ def spares_after(diagnostics: dict, spares: int, d: int) -> int:
                diagnostics.get("dropped_keys", 0) + diagnostics.get("outlier_keys", 0))
     noisy = NOISY_SPARE_TOKENS if diagnostics.get("noisy_log_scores") else 0
     return int(min(max(spares, noisy, np.ceil(SPARES_PER_LOST * lost)), max(d, spares)))
+
+
+#: A start whose W(2) lies this far outside W(1)'s row and column spaces (``subspace_residual``,
+#: relative), or whose M has an eigenvalue this far off the unit circle (``modulus_error``), had
+#: its heads matched wrongly across instances (float32 good starts: 1e-4 at d = 16, 0.02 at
+#: d = 32). From log-scores as exact as float64's the limit is ``EXACT_STRUCTURE_LIMIT`` (good
+#: starts: 1.8e-10..6.4e-10 on the trained Llama and Mistral layers at d = 32, 6e-6 on qwen2-d32-h4/0
+#: through its shifted frame, 2e-6..9e-6 on random d = 8 layers of two heads as wide as d; a start at
+#: 0.03 there, its heads matched wrongly, ended 6e-3 off after the refinement).
+STRUCTURE_LIMIT = 0.1
+EXACT_STRUCTURE_LIMIT = 1e-3
+
+
+def structure_limit(noisy: bool) -> float:
+    """The largest structure error (:func:`start_structure_error`) of a start from log-scores as noisy
+    as float32 answers give (``noisy``), or as exact as float64's."""
+    return STRUCTURE_LIMIT if noisy else EXACT_STRUCTURE_LIMIT
 
 
 def start_structure_error(diagnostics: dict) -> float:
@@ -678,7 +695,13 @@ class RotaryLearner:
         finals_used = self.finals[:, columns]
         v = np.linalg.lstsq(np.hstack([self.keys[:, rows], finals_used]).T,
                             np.vstack([label_z[rows], label_x_ordered[columns]]), rcond=None)[0].T
-        heads = [rotary_head(W[0, h], W[1, h], widths[h]) for h in range(H)]
+        # a width the grids' rank search left at their full rank (no fall among the ranks it measures:
+        # with noisy log-scores those whose fits leave a third of the entries free, r <= 7 of an
+        # 18 x 19 grid at d = 12) is the widest at which the head holds the rotary form
+        unmeasured = min(len(rows), len(columns))
+        heads = [widest_rotary_head(W[0, h], W[1, h], structure_limit(noisy))
+                 if not self.rank and widths[h] >= unmeasured else rotary_head(W[0, h], W[1, h], widths[h])
+                 for h in range(H)]
         width = max(max(head.Q.shape[0] for head in heads), 2)
         Q, K, b = np.zeros((H, width, d)), np.zeros((H, width, d)), np.zeros((H, width))
         theta = np.zeros((H, width // 2))

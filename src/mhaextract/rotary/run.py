@@ -33,7 +33,8 @@ from ..oracle.vector_answers import VectorAnswers
 from ..run.validation import spawn_rng
 from ..run.value_fit import VALUE_QUERY_LENGTHS, fit_values, value_query_count
 from .learn import (FIRST_LOOK_UNIT, NOISY_SPARE_TOKENS, SPARE_TOKENS, RotaryExtraction, RotaryLearner, spares_after,
-                    answer_noise, ask_instances, channel_projection, choose_token_scale, start_structure_error)
+                    answer_noise, ask_instances, channel_projection, choose_token_scale, start_structure_error,
+                    structure_limit)
 from .neutral import LARGE_QUERY_LENGTHS, LARGE_QUERY_MIN_WINDOW, NeutralToken, ShiftedBoundary, find_neutral_token
 from .refine import GeneratorForm, error_moves, pack, polish_high_precision, refine, refinement_memory
 from .window import WindowSearch, find_window
@@ -68,11 +69,8 @@ CRAWL_MISFIT = 1e-2
 #: The size of the key the large-query search leaves (float32 answers; docs/rotary.md, "From
 #: float32 answers"): the refinement's key bias has a Gaussian prior of this size.
 SEARCH_KEY_SIZE = 1e-4
-#: A start whose W(2) lies this far outside W(1)'s row and column spaces (``subspace_residual``,
-#: relative), or whose M has an eigenvalue this far off the unit circle (``modulus_error``), had
-#: its heads matched wrongly across instances (float32 good starts: 1e-4 at d = 16, 0.02 at
-#: d = 32); its instances are drawn again, at most ``START_DRAWS`` times in all, the best kept.
-STRUCTURE_LIMIT = 0.1
+#: A start over its ``structure_limit`` had its heads matched wrongly across instances: its instances are
+#: drawn again, at most this many times in all, the best kept.
 START_DRAWS = 3
 #: Float64 answers whose self instances' fits miss by more than this (``answer_noise``, relative)
 #: carry noise far above their bits' rounding (exact float64 answers leave about 1e-15): a layer
@@ -410,7 +408,7 @@ def learn_start(run: RotaryRun) -> None:
     drawn, last, diagnostics = [start_structure_error(run.diagnostics)], learner, run.diagnostics
     _note_draw(run, 1, learner, diagnostics)
     for draw in range(1, START_DRAWS):
-        if drawn[-1] <= STRUCTURE_LIMIT:
+        if drawn[-1] <= structure_limit(diagnostics.get("noisy_log_scores", False)):
             break
         again = learner.drawn_again(int(spawn_rng(run.seed, 25 + draw).integers(2 ** 63)),
                                     spares_after(diagnostics, last.spares, run.d))

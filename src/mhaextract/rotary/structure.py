@@ -94,6 +94,33 @@ def rotary_head(W1: np.ndarray, W2: np.ndarray, width: int | None = None, gap: f
     return RotaryHead(Q, K, theta, r, subspace_residual, modulus_error)
 
 
+def widest_rotary_head(W1: np.ndarray, W2: np.ndarray, limit: float) -> RotaryHead:
+    """The head of the largest width whose two score matrices fit the rotary form within ``limit``
+    (``subspace_residual`` and ``modulus_error``), W(1)'s full rank where none does: for a head whose
+    width the log-score grids could not measure. Directions of W(1) beyond the head's width are the
+    grids' noise, and M's eigenvalues there lie anywhere (modulus errors near 1); a real weak
+    direction has its own rotation (a random head of width 8 at d = 8 in float32: W(1)'s weakest
+    singular value 8.7e-5 of its largest, modulus error 0.02 with it), so a gap in W(1)'s singular
+    values cannot tell the two apart where the rotation can.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import mhaextract as mx
+    >>> from mhaextract.rotary.structure import widest_rotary_head
+    >>> layer = mx.RotaryAttention.random(d=6, heads=1, head_width=4, seed=0)
+    >>> W1, W2 = layer.score_matrices(1)[0], layer.score_matrices(2)[0]
+    >>> noise = np.random.default_rng(0).normal(size=(2, 6, 6)) * 1e-6
+    >>> widest_rotary_head(W1 + noise[0], W2 + noise[1], 1e-2).width
+    4
+    """
+    for width in range(min(W1.shape), 0, -1):
+        head = rotary_head(W1, W2, width)
+        if max(head.subspace_residual, head.modulus_error) <= limit:
+            return head
+    return rotary_head(W1, W2, min(W1.shape))
+
+
 def rotation_basis(M: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """A real basis T (r x r', r' = r rounded up to even) with ``M T = T R(1)``, R(1) the block
     rotation by ``theta`` (r' / 2 angles); returns ``(T, theta, max | |lambda| - 1 |)``. An odd
