@@ -516,6 +516,20 @@ def test_a_head_whose_width_no_grid_measured_is_the_widest_that_rotates(seed):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", [(12, 1, 8, 0), (12, 2, 8, 10), (6, 1, 6, 95)])
+def test_a_float32_head_whose_fall_comes_at_the_grids_limit_is_widened(shape):
+    """Float32 grids measure widths up to ``measurable_rank`` (7 of an 18 x 17 grid at d = 12): a head of
+    width 8 there fell 6.6-fold at 7, passing as the width (and 1,956-fold at 8, beyond the limit); the
+    start then failed its structure in every draw. A head whose fall comes at the limit takes the widest
+    width above it at which it rotates."""
+    d, heads, width, seed = shape
+    layer = mx.RotaryAttention.random(d=d, heads=heads, head_width=width, seed=seed, d_out=d)
+    result = mx.extract(Float32Answers(layer), d=d, heads=heads, positions="rotary", seed=0)
+    assert result.ok and result.diagnostics["widths"] == [width] * heads and result.diagnostics["widened_heads"] >= 1
+    assert mx.compare(result.model, layer).max_rel <= 1e-6
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(12, 1, 8), (16, 1, 12)])
 def test_a_float32_layer_whose_head_width_its_grids_cannot_measure_extracts(shape):
     """Float32 answers: a grid of d + 6 keys by d + 7 finals measures widths whose fits leave a third

@@ -143,7 +143,7 @@ def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False, wei
     def interpolating(r):   # a rank-r fit with this many parameters takes in most of the entries
         return r * (sum(grid.shape) - r) > MEASURED_PARAMETERS * int(observed.sum())
 
-    highest = full - 1 if not noisy else max((r for r in range(1, full) if not interpolating(r)), default=0)
+    highest = full - 1 if not noisy else measurable_rank(grid)
     drops = np.ones(highest + 1)
     found = None
     for r in range(1, highest + 1):
@@ -168,6 +168,21 @@ def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False, wei
     if noisy and drops[largest] >= max(NOISY_RANK_DROP, 2 * np.delete(drops, largest).max(initial=1.0)):
         return largest
     return full
+
+
+def measurable_rank(grid: np.ndarray) -> int:
+    """The highest rank a noisy grid's rank search measures (:func:`completion_rank`): that of the
+    widest fit with at most ``MEASURED_PARAMETERS`` of the observed entries as parameters
+    ``r (m + n - r)`` (0 where none).
+
+    >>> import numpy as np
+    >>> from mhaextract.rotary.completion import measurable_rank
+    >>> measurable_rank(np.zeros((18, 19)))   # 7 (24 - 7) = 210 <= 228 = 2/3 of 342
+    7
+    """
+    observed = int(np.isfinite(grid).sum())
+    return max((r for r in range(1, min(grid.shape)) if r * (sum(grid.shape) - r) <= MEASURED_PARAMETERS * observed),
+               default=0)
 
 
 def _alternating_fit(grid: np.ndarray, observed: np.ndarray, r: int, sweeps: int,

@@ -39,7 +39,7 @@ from ..numerics.highprec import mid_float
 from ..run.result import Result
 from ..oracle.answer_stats import FLOAT64_UNIT
 from ..oracle.queries import random_basis
-from .completion import complete_low_rank, complete_offset_pairs, head_widths
+from .completion import complete_low_rank, complete_offset_pairs, head_widths, measurable_rank
 from .completion import completion_rank  # noqa: F401 (re-exported)
 from ..run.validation import spawn_rng
 from ..models.rotary import RotaryAttention
@@ -579,12 +579,19 @@ class RotaryLearner:
         else:
             widths, borrowed = head_widths(log_E[0], noisy=noisy, weights=None if weights is None else weights[0])
             diagnostics.update(widths_from_other_heads=borrowed)
-        # noisy grids: both offsets fitted together in the rotary form (a key's and a final's factor
-        # shared), so that a grid missing many entries leans on the other
-        log_E = (complete_low_rank(log_E, np.array([widths, widths])) if weights is None else
-                 complete_offset_pairs(log_E, widths, weights))
         Z_rows, X_columns = self.keys[:, rows], augmented[:, columns]
-        W = np.einsum("aj,thji,ib->thab", np.linalg.pinv(Z_rows.T), log_E, np.linalg.pinv(X_columns))
+
+        def completed(grids, grid_weights, ranks):
+            # noisy grids: both offsets fitted together in the rotary form (a key's and a final's factor
+            # shared), so that a grid missing many entries leans on the other
+            grids = (complete_low_rank(grids, np.array([ranks, ranks])) if grid_weights is None else
+                     complete_offset_pairs(grids, ranks, grid_weights))
+            return grids, np.einsum("aj,thji,ib->thab", np.linalg.pinv(Z_rows.T), grids, np.linalg.pinv(X_columns))
+
+        grids, W = completed(log_E, weights, widths)
+        if noisy and not self.rank:
+            widths, grids, W = self._widen_at_the_limit(log_E, weights, widths, grids, W, completed, diagnostics)
+        log_E = grids
         misfit = log_E - np.einsum("aj,thab,bi->thji", Z_rows, W, X_columns)
         outliers = []
         for axis, tokens in ((3, rows), (2, columns)):   # a key's row sums over finals, a final's column over keys
@@ -594,6 +601,31 @@ class RotaryLearner:
             far = (relative > ASSEMBLY_OUTLIER * median) & (relative > ASSEMBLY_FLOOR)
             outliers.append(tokens[far.any(axis=(0, 1))])
         return W, widths, outliers[0], outliers[1]
+
+    def _widen_at_the_limit(self, log_E, weights, widths, grids, W, completed, diagnostics):
+        """Noisy grids measure widths only up to ``measurable_rank`` (fits that leave a third of the
+        entries free): a head whose fall came at that limit may be wider, its measured fall the fit's
+        approach to interpolation (a head of width 8 at d = 12 fell 6.6-fold at rank 7, the limit of
+        its 18 x 17 grid, and 1,956-fold at 8, beyond it). Each such head is completed at the widths
+        above, up to d, and takes the widest at which it holds the rotary form (:func:`structure_limit`),
+        trying on while one of the next two does."""
+        limit, widths = structure_limit(True), list(widths)
+        for h, width in enumerate(widths):
+            if width != measurable_rank(log_E[0, h]) or width >= self.d:
+                continue
+            failed = 0
+            for wider in range(width + 1, self.d + 1):
+                head_grids, head_W = completed(log_E[:, h:h + 1], weights[:, h:h + 1], [wider])
+                head = rotary_head(head_W[0, 0], head_W[1, 0], wider)
+                if max(head.subspace_residual, head.modulus_error) <= limit:
+                    widths[h], grids[:, h], W[:, h], failed = wider, head_grids[:, 0], head_W[:, 0], 0
+                else:
+                    failed += 1
+                    if failed == 2:
+                        break
+            if widths[h] > width:
+                diagnostics["widened_heads"] = diagnostics.get("widened_heads", 0) + 1
+        return widths, grids, W
 
     def learn(self, answers: np.ndarray, c: float, unit: float = FLOAT64_UNIT, channels=None, channels_c=None) -> tuple:
         """The start model from the instances' answers: ``(model or None, diagnostics dict)``.
