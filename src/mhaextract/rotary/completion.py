@@ -19,9 +19,10 @@ NOISY_RANK_DROP = 5.0
 #: A rank-r fit of an (m, n) grid with more than this fraction of its entries as parameters
 #: ``r (m + n - r)`` takes in most of them once its outliers are dropped, and its median misfit
 #: falls whatever the rank: with float32 answers such ranks are not measured; in float64 a fall
-#: there stands only if no later rank falls ``RANK_DROP`` times further (a full-width head, r = d,
+#: there stands unless the next rank falls ``RANK_DROP`` times further (a full-width head, r = d,
 #: in a grid of d + 2 keys by d + 3 finals: 98 of 110 entries at rank 7 fell 198-fold, rank 8 then
-#: 4.5e5-fold).
+#: 4.5e5-fold). Only the next: far beyond, a grid whose log-scores are noisier than float64's (a
+#: layer computing its angles in float32, taken as exact) falls again as its fits take in the noise.
 MEASURED_PARAMETERS = Fraction(2, 3)
 #: Entry weights (inverse variances) are taken within this range of their median: an entry is known
 #: no better than the answers' noise allows however far apart its poles lie, and one weighed far
@@ -120,8 +121,8 @@ def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False, wei
     median, not the largest misfit: an instance whose poles were fitted wrongly is an outlier at
     every rank), or reaches rounding; the full rank when there is no such drop. A drop at a rank
     whose fit has more than ``MEASURED_PARAMETERS`` of the entries as parameters may be the fit's
-    own (it interpolates most entries once its worst are dropped): a later drop ``RANK_DROP``
-    times larger takes its place.
+    own (it interpolates most entries once its worst are dropped): the next rank's drop takes its
+    place where it is ``RANK_DROP`` times larger (and so on).
 
     ``noisy`` (log-scores from float32 answers, where the misfit falls from the signal to the
     noise, by 7..30 at d = 64, not to rounding): the rank of the largest drop, if it is at least
@@ -156,12 +157,13 @@ def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False, wei
         drops[r] = previous / max(median, 1e-300)
         previous = median
         if found is not None:
-            if drops[r] >= RANK_DROP * drops[found]:
-                found = r
+            if drops[r] < RANK_DROP * drops[found]:
+                return found
+            found = r
         elif median <= 1e-13 * scale or drops[r] >= RANK_DROP:
             if not interpolating(r):
                 return r
-            found = r   # a fall where the fit nears interpolation may be its own: a later far larger fall wins
+            found = r   # a fall where the fit nears interpolation may be its own: the next, far larger, wins
     if found is not None:
         return found
     largest = int(np.argmax(drops))
