@@ -5,10 +5,11 @@ sliding windows', 'Assembly'): random layers whose heads are wide, ``H r > d / 2
 
 Draws ``--layers`` layers ``RotaryAttention.random(d, H, r, kv_heads, bias, d_out=d)`` (d in 6..16, H in 1..3,
 r even with ``H r > d / 2``; one or H key/value heads; the draw seeded by ``--seed``), answering alternately
-rounded to float32 and in float64 (whole outputs), extracts each with the defaults plus ``positions="rotary"``,
-and prints a row per layer: the widths read, passed or failed (and which checks), the error against the layer
-(``compare(...).max_rel``), the queries and the seconds; then per answer format how many layers passed within
-1e-12 (float64) or 1e-5 (float32) of the layer. A layer that passes its checks farther off is marked SILENT.
+rounded to float32's 24 bits (``RoundedAnswers``) and in float64 (whole outputs), extracts each with the
+defaults plus ``positions="rotary"``, and prints a row per layer: the widths read, passed or failed (and which
+checks), the error against the layer (``compare(...).max_rel``), the queries and the seconds; then per answer
+format how many layers passed within 1e-12 (float64) or 1e-5 (float32) of the layer. A layer that passes its
+checks farther off is marked SILENT.
 """
 
 from __future__ import annotations
@@ -22,17 +23,6 @@ import numpy as np
 import mhaextract as mx
 
 LIMITS = {"float32": 1e-5, "float64": 1e-12}
-
-
-class Float32Answers:
-    """The layer's answers rounded to float32, declared so."""
-    answer_dtype = "float32"
-
-    def __init__(self, layer):
-        self.layer = layer
-
-    def __call__(self, batch):
-        return self.layer(batch).astype(np.float32)
 
 
 def main() -> None:
@@ -55,7 +45,7 @@ def main() -> None:
         layer = mx.RotaryAttention.random(d=d, heads=H, head_width=r, seed=int(rng.integers(100)), kv_heads=kv,
                                           bias=bias, d_out=d)
         started = time.perf_counter()
-        result = mx.extract(Float32Answers(layer) if dtype == "float32" else layer, d=d, heads=H,
+        result = mx.extract(mx.RoundedAnswers(layer, bits=24) if dtype == "float32" else layer, d=d, heads=H,
                             positions="rotary", seed=0, on_failure="warn")
         seconds = time.perf_counter() - started
         error = float(mx.compare(result.model, layer).max_rel) if result.model is not None else np.inf
