@@ -490,7 +490,7 @@ def test_a_full_width_grid_has_its_rank_where_a_lower_rank_nears_interpolation(s
 @pytest.mark.slow
 def test_a_layer_whose_heads_are_as_wide_as_d_extracts():
     """Two heads of width d (H r > d: the score matrices full rank) from float64 answers: the rank
-    search reads the width 8 in both heads (before, 7 in one, and every draw of the start failed)."""
+    search reads the width 8 in both heads, not the 7 at which a fit near interpolation falls first."""
     layer = mx.RotaryAttention.random(d=8, heads=2, head_width=8, seed=0)
     result = mx.extract(layer, d=8, heads=2, positions="rotary", seed=0)
     assert result.ok and result.diagnostics["widths"] == [8, 8]
@@ -519,9 +519,9 @@ def test_a_head_whose_width_no_grid_measured_is_the_widest_that_rotates(seed):
 @pytest.mark.parametrize("shape", [(12, 1, 8, 0), (12, 2, 8, 10), (6, 1, 6, 95)])
 def test_a_float32_head_whose_fall_comes_at_the_grids_limit_is_widened(shape):
     """Float32 grids measure widths up to ``measurable_rank`` (7 of an 18 x 17 grid at d = 12): a head of
-    width 8 there fell 6.6-fold at 7, passing as the width (and 1,956-fold at 8, beyond the limit); the
-    start then failed its structure in every draw. A head whose fall comes at the limit takes the widest
-    width above it at which it rotates."""
+    width 8 there falls 6.6-fold at 7 (and 1,956-fold at 8, beyond the limit); taken as the width, every
+    draw of the start fails its structure. A head whose fall comes at the limit takes the widest width
+    above it at which it rotates."""
     d, heads, width, seed = shape
     layer = mx.RotaryAttention.random(d=d, heads=heads, head_width=width, seed=seed, d_out=d)
     result = mx.extract(Float32Answers(layer), d=d, heads=heads, positions="rotary", seed=0)
@@ -533,9 +533,9 @@ def test_a_float32_head_whose_fall_comes_at_the_grids_limit_is_widened(shape):
 @pytest.mark.parametrize("shape", [(12, 1, 8), (16, 1, 12)])
 def test_a_float32_layer_whose_head_width_its_grids_cannot_measure_extracts(shape):
     """Float32 answers: a grid of d + 6 keys by d + 7 finals measures widths whose fits leave a third
-    of its entries free (at most 7 at d = 12, 9 at d = 16); a head of width 8 (12) there showed no
-    fall, took the full width d and fitted noise directions (modulus errors 0.99998 in three draws),
-    and the run failed. The head takes the widest width at which it rotates."""
+    of its entries free (at most 7 at d = 12, 9 at d = 16); a head of width 8 (12) there shows no
+    fall, and at the full width d it fits noise directions (modulus errors 0.99998 in three draws) and
+    the run fails. The head takes the widest width at which it rotates."""
     d, heads, width = shape
     layer = mx.RotaryAttention.random(d=d, heads=heads, head_width=width, seed=12 if d == 12 else 0, bias=d == 12,
                                       window=16 if d == 12 else None, d_out=d)
@@ -547,8 +547,9 @@ def test_a_float32_layer_whose_head_width_its_grids_cannot_measure_extracts(shap
 @pytest.mark.slow
 def test_a_float64_start_whose_heads_were_matched_wrongly_is_drawn_again():
     """From float64 answers a start's structure error is 1e-10..1e-5 (trained d = 32 layers, random d = 8
-    ones); one of 0.03 (heads matched wrongly, two heads as wide as d = 8 under a window of 32) passed the
-    float32 limit of 0.1 and the refinement ended 6e-3 off. Above ``EXACT_STRUCTURE_LIMIT`` it is drawn again."""
+    ones); one of 0.03 (heads matched wrongly, two heads as wide as d = 8 under a window of 32) is within the
+    float32 limit of 0.1, and the refinement from it ends 6e-3 off. Above ``EXACT_STRUCTURE_LIMIT`` it is drawn
+    again."""
     from mhaextract.rotary.learn import EXACT_STRUCTURE_LIMIT
     layer = mx.RotaryAttention.random(d=8, heads=2, head_width=8, seed=61, kv_heads=2, bias=True, window=32, d_out=8)
     result = mx.extract(layer, d=8, heads=2, positions="rotary", seed=0)
