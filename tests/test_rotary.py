@@ -545,6 +545,20 @@ def test_a_float32_layer_whose_head_width_its_grids_cannot_measure_extracts(shap
 
 
 @pytest.mark.slow
+def test_a_float32_start_whose_heads_were_given_different_widths_asks_for_the_width():
+    """Two heads of width 14 at d = 16 from float32 answers: the grids give them widths 13 and 14 and the start
+    fails loudly; the heads of a layer share one width, so the failure names ``rank=`` first, and with it the
+    same layer extracts (``benchmarks/bench_rotary_widths.py``'s first layer)."""
+    layer = mx.RotaryAttention.random(d=16, heads=2, head_width=14, seed=83, kv_heads=2, d_out=16)
+    with pytest.raises(mx.ExtractionError, match=r"try rank= the heads' width \(config.head_dim; the widths read, "
+                                                 r"\[13, 14\], differ") as failure:
+        mx.extract(mx.RoundedAnswers(layer, bits=24), d=16, heads=2, positions="rotary", seed=0)
+    assert not failure.value.extraction.ok
+    result = mx.extract(mx.RoundedAnswers(layer, bits=24), d=16, heads=2, positions="rotary", seed=0, rank=14)
+    assert result.ok and mx.compare(result.model, layer).max_rel <= 1e-6
+
+
+@pytest.mark.slow
 def test_a_float64_start_whose_heads_were_matched_wrongly_is_drawn_again():
     """From float64 answers a start's structure error is 1e-10..1e-5 (trained d = 32 layers, random d = 8
     ones); one of 0.03 (heads matched wrongly, two heads as wide as d = 8 under a window of 32) is within the

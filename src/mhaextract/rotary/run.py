@@ -485,6 +485,16 @@ def _float64_remedy(run: RotaryRun) -> str:
             "its exact float64 copy (mhaextract.adapters.rotary.float64_layer(attention, embedding))")
 
 
+def _start_remedies(run: RotaryRun) -> str:
+    """What to try after a start the steps would crawl from: ``rank=`` first where the widths the grids gave
+    the heads differ (a layer's heads share one width; wide heads from float32 answers, docs/algorithm.md,
+    'Rotary attention: positions, grouped heads and sliding windows', 'Assembly'), then another seed or float64."""
+    widths = run.diagnostics.get("widths")
+    differ = not run.rank and widths is not None and len(set(widths)) > 1
+    return ((f"rank= the heads' width (config.head_dim; the widths read, {widths}, differ, where a layer's heads "
+             "share one), " if differ else "") + f"another seed, or {_float64_remedy(run)}")
+
+
 def _noisy_start(run: RotaryRun) -> bool:
     """Whether the start's slow blocks are fitted as generators first: a start from noisy log-scores has their
     angles and planes in the noise, float64 answers or not."""
@@ -567,7 +577,7 @@ def refine_start(run: RotaryRun) -> None:
                                 f"steps take to the answers' rounding one step leaves {CRAWL_MISFIT:.0e} or less): a "
                                 "head of the start was matched or assembled wrongly, unseen by its structure errors "
                                 f"{run.diagnostics.get('start_structure_errors')}, and the steps would crawl from "
-                                f"there: try another seed, or {_float64_remedy(run)}"))
+                                f"there: try {_start_remedies(run)}"))
         run.refinement = first
         return
     run.model, run.refinement = run.steps(model)
