@@ -9,6 +9,7 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 import mhaextract as mx
@@ -63,6 +64,19 @@ def hp_error(extraction, target):
     comparison = mx.compare(extraction.model_hp, target)
     assert comparison.heads_agree, (comparison.heads_a, comparison.heads_b)
     return float(comparison.max_rel)
+
+
+class Float32Answers:
+    """A float-only oracle (as TorchOracle is): a reference layer's or oracle's answers rounded to float32,
+    ``answer_dtype`` said, as a float32 torch layer's."""
+
+    answer_dtype = "float32"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, batch):
+        return np.asarray(self.inner(batch), dtype=np.float64).astype(np.float32)
 
 
 class CountingOracle:

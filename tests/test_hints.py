@@ -6,18 +6,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
-
-
-class Float32Answers:
-    """A float-only oracle (as TorchOracle is): answers rounded to float32, ``answer_dtype`` said."""
-
-    answer_dtype = "float32"
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __call__(self, batch):
-        return np.asarray(self.inner(batch), dtype=np.float64).astype(np.float32).astype(np.float64)
+from conftest import Float32Answers
 
 
 class GPT2LikeBlock:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import mhaextract as mx
+from conftest import Float32Answers
 from mhaextract.rotary.structure import rotary_head
 from mhaextract.rotary.window import find_window
 from mhaextract.oracle.boundary import OracleBoundary
@@ -991,17 +992,6 @@ def test_a_window_too_short_for_the_instances_stops_before_the_key_neutral_searc
         mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
     result = failure.value.extraction
     assert result.window == 8 and result.neutral is None and result.queries == layer.queries < 30
-
-
-class Float32Answers:
-    """A reference layer's answers rounded to float32, declared so (as a float32 torch layer's)."""
-    answer_dtype = "float32"
-
-    def __init__(self, layer):
-        self.layer = layer
-
-    def __call__(self, batch):
-        return self.layer(batch).astype(np.float32)
 
 
 def test_the_large_query_criterion_vanishes_at_a_neutral_token_whatever_the_self_scores():
