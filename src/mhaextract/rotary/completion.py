@@ -140,11 +140,10 @@ def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False, wei
     standard = 1.0 if weights is None else np.sqrt(_normalised(weights, observed))
     previous = float(np.median((np.abs(grid - np.median(values)) * standard)[observed])) if values.size else 0.0
     full = min(grid.shape)
-
-    def interpolating(r):   # a rank-r fit with this many parameters takes in most of the entries
-        return r * (sum(grid.shape) - r) > MEASURED_PARAMETERS * int(observed.sum())
-
-    highest = full - 1 if not noisy else measurable_rank(grid)
+    # fits of rank above this have more than MEASURED_PARAMETERS of the entries as parameters (r (m + n - r)
+    # grows with r below min(m, n)): they take in most of the entries
+    measurable = measurable_rank(grid)
+    highest = full - 1 if not noisy else measurable
     drops = np.ones(highest + 1)
     found = None
     for r in range(1, highest + 1):
@@ -161,7 +160,7 @@ def completion_rank(grid: np.ndarray, sweeps: int = 20, noisy: bool = False, wei
                 return found
             found = r
         elif median <= 1e-13 * scale or drops[r] >= RANK_DROP:
-            if not interpolating(r):
+            if r <= measurable:
                 return r
             found = r   # a fall where the fit nears interpolation may be its own: the next, far larger, wins
     if found is not None:

@@ -617,7 +617,7 @@ class RotaryLearner:
             for wider in range(width + 1, self.d + 1):
                 head_grids, head_W = completed(log_E[:, h:h + 1], weights[:, h:h + 1], [wider])
                 head = rotary_head(head_W[0, 0], head_W[1, 0], wider)
-                if max(head.subspace_residual, head.modulus_error) <= limit:
+                if head.structure_error <= limit:
                     widths[h], grids[:, h], W[:, h], failed = wider, head_grids[:, 0], head_W[:, 0], 0
                 else:
                     failed += 1

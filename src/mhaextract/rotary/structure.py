@@ -37,6 +37,7 @@ class RotaryHead:
     subspace_residual : ``||W(2) - P_K W(2) P_Q|| / ||W(2)||``: W(2) outside W(1)'s row and column
         spaces (zero for a rotary head).
     modulus_error : ``max | |lambda| - 1 |`` over M's eigenvalues (zero for a rotation).
+    structure_error : the larger of the two.
     """
 
     Q: np.ndarray
@@ -45,6 +46,10 @@ class RotaryHead:
     width: int
     subspace_residual: float
     modulus_error: float
+
+    @property
+    def structure_error(self) -> float:
+        return max(self.subspace_residual, self.modulus_error)
 
 
 def head_width(W1: np.ndarray, gap: float = RANK_GAP) -> int:
@@ -116,7 +121,7 @@ def widest_rotary_head(W1: np.ndarray, W2: np.ndarray, limit: float) -> RotaryHe
     """
     for width in range(min(W1.shape), 0, -1):
         head = rotary_head(W1, W2, width)
-        if max(head.subspace_residual, head.modulus_error) <= limit:
+        if head.structure_error <= limit:
             return head
     return rotary_head(W1, W2, min(W1.shape))
 
