@@ -10,23 +10,19 @@ layer in float64 at every position of 30 fresh sequences of 1..128 unit-variance
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/prototype_rotary_split.py --layers qwen2-d32-h4/0 \\
         --dtypes float32 --true-split
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/prototype_rotary_split.py \\
-        --layers qwen2-d32-h4/0 qwen2-d32-h4/1 llama-d32-h4/0 mistral-d32-h4/0 --dtypes float32 --alternate 3
+        --layers qwen2-d64-h4/0 qwen2-d64-h4/1 llama-d64-h4/0 --dtypes float64
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/prototype_rotary_split.py \\
-        --layers qwen2-d64-h4/0 llama-d64-h4/0 --dtypes float64
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/prototype_rotary_split.py \\
-        --layers qwen2-d64-h4/0 llama-d64-h4/0 --dtypes float32 --alternate 2
+        --layers qwen2-d64-h4/0 qwen2-d64-h4/1 llama-d64-h4/0 --dtypes float32
 
 The extraction path asks the layer's oracle (``TorchOracle`` of the layer as its model runs it) and
 nothing else; the weights are read only to judge (``--true-split`` replaces the split by the layer's
-own output subspaces, a white-box diagnostic). Steps: the window by queries; the value map and the split of
-:mod:`mhaextract.vector` (unchanged); heads grouped by their value row spaces; pilots for the scores'
-token scale; phase A (each offset's score vector in full on a few final tokens: the key space, the
-generator of the offsets and the key bias); phase B (each further final token's query in the key
-coordinates); a Gauss-Newton fit of every log-ratio, group by group; with ``--whole`` a Gauss-Newton
+own output subspaces, a white-box diagnostic). Steps: the window by queries; the value map and the
+split of :mod:`mhaextract.vector` (unchanged); heads grouped by their value row spaces; pilots for the
+scores' token scale; phase A (each offset's score vector in full on a few final tokens, at offsets
+1..m and the m before 64 and 128 tokens: the key space, the generator of the offsets and the key
+bias); phase B (each further final token's query in the key coordinates); a Gauss-Newton fit of every log-ratio, group by group; with ``--whole`` a Gauss-Newton
 fit of every parameter, values included, to the whole answers (closed-form Jacobians, dense normal
-equations: d = 32 only); with ``--alternate N`` instead N rounds of the values given the scores (a
-linear least squares), the weights read again through them and the log-ratios fitted again (a step
-whose cost does not grow with the values' and scores' parameters together).
+equations: d = 32 only).
 """
 
 from __future__ import annotations
@@ -145,22 +141,6 @@ class ScoreQueries:
             self.answers.append(answers), self.weights.append(weights)
         return weights
 
-    def reread(self, split, c) -> None:
-        """Every kept query's weights read again through ``split`` and ``c`` (no query asked)."""
-        self.split, self.c = split, c
-        d, m = self.d, self.m
-        for index, (others, finals, lengths, answers) in enumerate(zip(self.others, self.finals, self.lengths,
-                                                                        self.answers)):
-            weights = [np.empty((len(others), m + 1)) for _ in split.P]
-            for padded in (False, True):
-                rows = np.flatnonzero((lengths > m + 1) == padded)
-                if not len(rows):
-                    continue
-                parts = [others[rows]] + ([np.zeros((len(rows), 1, d))] if padded else []) + [finals[rows, None]]
-                for h, a in enumerate(_chunk_weights(split, np.concatenate(parts, axis=1), answers[rows], c)):
-                    weights[h][rows] = np.concatenate([a[:, :m], a[:, -1:]], axis=1)
-            self.weights[index] = weights
-
     def offsets(self, lengths: np.ndarray) -> np.ndarray:
         return lengths[:, None] - 1 - np.arange(self.m)[None]
 
@@ -190,23 +170,25 @@ def pilot_scale(queries: ScoreQueries, d: int, m: int) -> float:
     return scale
 
 
-def phase_a(queries, labels, r, m, scale, finals_count, oversample):
+def phase_a(queries, labels, r, m, scale, finals_count, oversample, lengths):
     """Each offset's score vector ``g_{h,delta}(t) = K^T R(delta)^T q_h(t)`` and intercept in full, on a
-    few final tokens; per group the key space (their span), the generator ``T`` of the offsets
-    (``gamma_{delta+1} = T gamma_delta`` in key coordinates) and the key bias from the intercepts."""
+    few final tokens, at the m consecutive offsets before each query length of ``lengths``; per group
+    the key space (their span), the generator ``T`` of the offsets (``gamma_{delta+1} = T gamma_delta``
+    in key coordinates) and the key bias from the intercepts."""
     d, heads = queries.d, len(labels)
     per_final = int(np.ceil(oversample * (d + 1)))
     vectors, intercepts = [[] for _ in range(heads)], [[] for _ in range(heads)]
     for t in queries.tokens(finals_count, scale):
-        others = queries.tokens(per_final * m, scale).reshape(per_final, m, d)
-        weights = queries.ask(others, np.repeat(t[None], per_final, 0), np.full(per_final, m + 1))
-        for h, a in enumerate(weights):
-            ratios, weight = log_ratios(a, m)
-            ok = weight[:, 0] > 0
-            solved = [np.linalg.lstsq(np.c_[others[ok, i], np.ones(ok.sum())], ratios[ok, i], rcond=None)[0]
-                      for i in range(m)]
-            vectors[h].append(np.array([s[:d] for s in solved])[::-1])       # rows: offsets 1..m
-            intercepts[h].append(np.array([s[d] for s in solved])[::-1])
+        for length in lengths:
+            others = queries.tokens(per_final * m, scale).reshape(per_final, m, d)
+            weights = queries.ask(others, np.repeat(t[None], per_final, 0), np.full(per_final, length))
+            for h, a in enumerate(weights):
+                ratios, weight = log_ratios(a, m)
+                ok = weight[:, 0] > 0
+                solved = [np.linalg.lstsq(np.c_[others[ok, i], np.ones(ok.sum())], ratios[ok, i], rcond=None)[0]
+                          for i in range(m)]
+                vectors[h].append(np.array([s[:d] for s in solved])[::-1])  # rows: offsets length - m .. length - 1
+                intercepts[h].append(np.array([s[d] for s in solved])[::-1])
     keys, key_bias, angles, diagnostics = {}, {}, {}, {}
     for g in sorted(set(labels)):
         members = [h for h in range(heads) if labels[h] == g]
@@ -426,23 +408,6 @@ def refine_whole(sequences, answers, parameters, labels, steps, chunk=32):
     return unflat(x), history
 
 
-def fit_values(model, sequences, answers, ranks):
-    """``V_h`` and ``c`` given the scores: ``f = c + sum_h V_h m_h`` is linear in them (``m_h`` the heads'
-    mean tokens under the model's weights), one least squares over every answer; each ``V_h`` then cut
-    to its rank (``O_h`` its left singular vectors, ``P_h`` the rest)."""
-    means = np.asarray(model.head_means(sequences))                   # (n, H, d)
-    n, heads, d = means.shape
-    design = np.concatenate([means.reshape(n, heads * d), np.ones((n, 1))], axis=1)
-    fit = np.linalg.lstsq(design, np.asarray(answers), rcond=None)[0]
-    V = fit[:-1].T.reshape(-1, heads, d).transpose(1, 0, 2)
-    O, P = [], []
-    for h in range(heads):
-        U, S, Wt = np.linalg.svd(V[h], full_matrices=False)
-        O.append(U[:, :ranks[h]])
-        P.append(S[:ranks[h], None] * Wt[:ranks[h]])
-    return O, P, fit[-1]
-
-
 def judge(model, exact, d: int, count: int = 30, seed: int = 99) -> float:
     """Largest error at every position of ``count`` sequences of 1..128 unit-variance tokens, each
     relative to the position's largest output of the exact layer."""
@@ -486,8 +451,10 @@ def run(layer_id: str, dtype_name: str, args) -> dict:
     m = (r + 1) // 2
     queries = ScoreQueries(boundary, split, c, d, m, unit, np.random.default_rng(1000 + args.seed))
     scale = pilot_scale(queries, d, m)
-    keys, key_bias, angles, diagnostics = phase_a(queries, labels, r, m, scale, args.finals_a, args.oversample_a)
     longest = args.longest if window is None else min(args.longest, window)
+    lengths = sorted({min(max(length, m + 1), longest) for length in (m + 1,) + tuple(args.lengths_a)})
+    keys, key_bias, angles, diagnostics = phase_a(queries, labels, r, m, scale, args.finals_a, args.oversample_a,
+                                                  lengths)
     finals_b, oversample_b = DESIGN_B[dtype_name]
     Q, b = phase_b(queries, labels, keys, key_bias, angles, r, m, scale, args.finals_b or finals_b,
                    args.oversample_b or oversample_b, longest, args.long_share)
@@ -508,18 +475,6 @@ def run(layer_id: str, dtype_name: str, args) -> dict:
     row["log_ratio_misfit"] = max(misfits.values())
     row["refined"] = judge(model(Q, b, keys, key_bias, angles, V, c), exact, d, args.judge)
     row["angles"] = [np.sort(angles[g]).tolist() for g in sorted(angles)]
-    if args.alternate:
-        pairs = list(queries.sequences()) + list(zip(values.sequences, values.answers))
-        sequences, answers = [X for X, _ in pairs], np.stack([f for _, f in pairs])
-        for _ in range(args.alternate):
-            O, P, c = fit_values(model(Q, b, keys, key_bias, angles, V, c), sequences, answers, split.ranks)
-            split.O, split.P, split._inverse, split._metric = O, P, None, None
-            V = np.stack([o @ p for o, p in zip(O, P)])
-            queries.reread(split, c)
-            Q, b, keys, key_bias, angles, misfits = refine_log_ratios(queries, labels, Q, b, keys, key_bias, angles,
-                                                                      r, m, args.steps)
-            row.setdefault("alternated", []).append(judge(model(Q, b, keys, key_bias, angles, V, c), exact, d,
-                                                          args.judge))
     if args.whole:
         pairs = list(queries.sequences()) + list(zip(values.sequences, values.answers))
         stack = lambda table: np.stack([table[g] for g in sorted(table)])  # noqa: E731
@@ -542,6 +497,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32"])
     parser.add_argument("--finals-a", type=int, default=3, help="phase A's final tokens")
     parser.add_argument("--oversample-a", type=float, default=3.0, help="phase A's queries per unknown (d + 1)")
+    parser.add_argument("--lengths-a", type=int, nargs="*", default=[64, 128],
+                        help="phase A's query lengths besides m + 1 (its offsets: the m before each; the window bounds them)")
     parser.add_argument("--finals-b", type=float, default=None,
                         help="phase B's final tokens over d + 1 (default: DESIGN_B of the answers' format)")
     parser.add_argument("--oversample-b", type=float, default=None,
@@ -551,8 +508,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="Gauss-Newton steps on the log-ratios")
     parser.add_argument("--whole", action="store_true", help="then Gauss-Newton on the whole answers")
     parser.add_argument("--whole-steps", type=int, default=4)
-    parser.add_argument("--alternate", type=int, default=0,
-                        help="rounds of values given the scores, the weights read again, the log-ratios refit")
     parser.add_argument("--true-split", action="store_true", help="white box: the layer's own split")
     parser.add_argument("--judge", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
@@ -563,8 +518,6 @@ def main() -> None:
         for dtype in args.dtypes:
             row = run(layer_id, dtype, args)
             whole = f"{row['whole']:.2g}" if "whole" in row else "-"
-            if "alternated" in row:
-                whole += " (alternated: " + ", ".join(f"{value:.2g}" for value in row["alternated"]) + ")"
             print(f"| {layer_id} | {dtype} | {row['queries']:,} ({row['split_queries']:,}) | {row['start']:.2g} | "
                   f"{row['refined']:.2g} | {whole} | {row['cpu']:.0f} s |", flush=True)
             print(f"<!-- {row} -->", file=sys.stderr, flush=True)
