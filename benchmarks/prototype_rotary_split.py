@@ -20,9 +20,9 @@ own output subspaces, a white-box diagnostic). Steps: the window by queries; the
 split of :mod:`mhaextract.vector` (unchanged); heads grouped by their value row spaces; pilots for the
 scores' token scale; phase A (each offset's score vector in full on a few final tokens, at offsets
 1..m and the m before 64 and 128 tokens: the key space, the generator of the offsets and the key
-bias); phase B (each further final token's query in the key coordinates); a Gauss-Newton fit of every log-ratio, group by group; with ``--whole`` a Gauss-Newton
-fit of every parameter, values included, to the whole answers (closed-form Jacobians, dense normal
-equations: d = 32 only).
+bias); phase B (each further final token's query in the key coordinates); a Gauss-Newton fit of
+every log-ratio, group by group; with ``--whole`` a Gauss-Newton fit of every parameter, values
+included, to the whole answers (closed-form Jacobians, dense normal equations: d = 32 only).
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def head_groups(split) -> list[int]:
     for h in range(len(rows)):
         if labels[h] < 0:
             for other in range(h, len(rows)):
-                if labels[other] < 0 and np.linalg.norm(rows[other] - rows[h] @ (rows[h].T @ rows[other]), 2) < SAME_GROUP:
+                sine = np.linalg.norm(rows[other] - rows[h] @ (rows[h].T @ rows[other]), 2)
+                if labels[other] < 0 and sine < SAME_GROUP:
                     labels[other] = count
             count += 1
     return labels
@@ -344,7 +345,8 @@ def whole_answers(p: dict, labels, X: np.ndarray, jacobian: bool = True):
         J[:, :, block("K", g, r * d)] += np.einsum("od,Bdre->Bore", V, np.einsum("Bnd,Bnr,Bne->Bdre", u, Rq, X)
                                                    ).reshape(B, d_out, r * d)
         J[:, :, block("k", g, r)] += np.einsum("od,Bnd,Bnr->Bor", V, u, Rq)
-        dRq = np.einsum("nab,Bb->Bna", rotations(offsets[:, None] * t[g], r, derivative=True) * offsets[:, None, None], q)
+        dR = rotations(offsets[:, None] * t[g], r, derivative=True) * offsets[:, None, None]
+        dRq = np.einsum("nab,Bb->Bna", dR, q)
         J[:, :, block("t", g, r // 2)] += np.einsum("od,Bnd,Bnj->Boj", V, u,
                                                     (keys * dRq).reshape(B, N, r // 2, 2).sum(-1))
         values = np.zeros((B, d_out, d_out, r))
@@ -498,7 +500,8 @@ def main() -> None:
     parser.add_argument("--finals-a", type=int, default=3, help="phase A's final tokens")
     parser.add_argument("--oversample-a", type=float, default=3.0, help="phase A's queries per unknown (d + 1)")
     parser.add_argument("--lengths-a", type=int, nargs="*", default=[64, 128],
-                        help="phase A's query lengths besides m + 1 (its offsets: the m before each; the window bounds them)")
+                        help="phase A's query lengths besides m + 1 (its offsets: the m before each; "
+                             "the window bounds them)")
     parser.add_argument("--finals-b", type=float, default=None,
                         help="phase B's final tokens over d + 1 (default: DESIGN_B of the answers' format)")
     parser.add_argument("--oversample-b", type=float, default=None,
