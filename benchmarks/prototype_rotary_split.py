@@ -16,9 +16,10 @@ layer in float64 at every position of 30 fresh sequences of 1..128 unit-variance
 
 The extraction path asks the layer's oracle (``TorchOracle`` of the layer as its model runs it) and
 nothing else; the weights are read only to judge (``--true-split`` replaces the split by the layer's
-own output subspaces, a white-box diagnostic). Steps: the window by queries; the value map and the
-split of :mod:`mhaextract.vector` (unchanged); heads grouped by their value row spaces; pilots for the
-scores' token scale; phase A (each offset's score vector in full on a few final tokens, at offsets
+own output subspaces, a white-box diagnostic). Steps: the window by the rotary route's search
+(:func:`~mhaextract.rotary.window.find_window`); the value map and the split of
+:mod:`mhaextract.vector` (unchanged); heads grouped by their value row spaces; pilots for the scores'
+token scale; phase A (each offset's score vector in full on a few final tokens, at offsets
 1..m and the m before 64 and 128 tokens: the key space, the generator of the offsets and the key
 bias); phase B (each further final token's query in the key coordinates); a Gauss-Newton fit of
 every log-ratio, group by group; with ``--whole`` a Gauss-Newton fit of every parameter, values
@@ -39,7 +40,9 @@ import mhaextract as mx
 from mhaextract.oracle.boundary import OracleBoundary
 from mhaextract.rotary.structure import rotation_basis
 from mhaextract.run.validation import spawn_rng
-from mhaextract.vector.scores import _chunk_weights
+from mhaextract.models.rotary import rotation_blocks
+from mhaextract.rotary.window import find_window
+from mhaextract.vector.scores import _chunk_weights, _equations
 from mhaextract.vector.split import _Saturated, exact_tokens, output_subspaces
 from mhaextract.vector.values import more_bases, value_map
 
@@ -56,42 +59,13 @@ DESIGN_B = {"float64": (1.5, 3.0), "float32": (4.0, 8.0)}
 
 
 def rotations(angles: np.ndarray, r: int, derivative: bool = False) -> np.ndarray:
-    """``R(phi)`` (or ``dR/dphi`` block by block) for angles (..., r/2): (..., r, r), blocks on consecutive pairs."""
+    """``R(phi)`` (or ``dR/dphi`` block by block: ``rot(phi + pi / 2)``) for angles (..., r/2): (..., r, r),
+    the model's blocks (:func:`~mhaextract.models.rotary.rotation_blocks`) on the diagonal."""
+    blocks = rotation_blocks(angles + np.pi / 2 if derivative else angles)
     out = np.zeros(angles.shape[:-1] + (r, r))
-    cos, sin = np.cos(angles), np.sin(angles)
     for j in range(r // 2):
-        c, s = cos[..., j], sin[..., j]
-        block = ((-s, -c), (c, -s)) if derivative else ((c, -s), (s, c))
-        for a in range(2):
-            for b in range(2):
-                out[..., 2 * j + a, 2 * j + b] = block[a][b]
+        out[..., 2 * j:2 * j + 2, 2 * j:2 * j + 2] = blocks[..., j, :, :]
     return out
-
-
-def window_by_queries(boundary, rng, d: int, scale: float, c: np.ndarray, unit: float, limit: int = 128):
-    """The sliding window by queries ``(y, 0, .., 0)`` of L tokens: every attended token but y is zero and
-    adds nothing to the values, so the answer is c exactly once y has left the window. Doubling, then
-    bisection; None where y is still attended at ``limit + 1`` tokens (no window up to the lengths judged)."""
-    y = exact_tokens(rng.standard_normal(d) * scale / np.sqrt(d), unit)
-
-    def attended(length: int) -> bool:
-        X = np.zeros((length, d))
-        X[0] = y
-        f = np.asarray(boundary.ask([X], "window", whole=True))[0]
-        return np.abs(f - c).max() > 64 * unit * max(np.abs(f).max(), np.abs(c).max())
-
-    inside, length = 1, 2
-    while length <= limit + 1 and attended(length):
-        inside, length = length, 2 * length
-    if length > limit + 1:
-        if attended(limit + 1):
-            return None
-        length = limit + 1
-    outside = length
-    while outside - inside > 1:
-        middle = (inside + outside) // 2
-        inside, outside = (middle, outside) if attended(middle) else (inside, middle)
-    return inside
 
 
 def head_groups(split) -> list[int]:
@@ -120,13 +94,14 @@ class ScoreQueries:
     def tokens(self, count: int, scale: float) -> np.ndarray:
         return exact_tokens(self.rng.standard_normal((count, self.d)) * scale / np.sqrt(self.d), self.unit)
 
+    def sequence(self, others: np.ndarray, final: np.ndarray, length: int) -> np.ndarray:
+        X = np.zeros((length, self.d))
+        X[:self.m], X[-1] = others, final
+        return X
+
     def ask(self, others: np.ndarray, finals: np.ndarray, lengths: np.ndarray, keep: bool = True):
         d, m = self.d, self.m
-        sequences = []
-        for o, t, n in zip(others, finals, lengths):
-            X = np.zeros((n, d))
-            X[:m], X[-1] = o, t
-            sequences.append(X)
+        sequences = [self.sequence(o, t, n) for o, t, n in zip(others, finals, lengths)]
         answers = np.asarray(self.boundary.ask(sequences, "rotary scores", whole=True))
         weights = [np.empty((len(others), m + 1)) for _ in self.split.P]
         for padded in (False, True):
@@ -148,17 +123,7 @@ class ScoreQueries:
     def sequences(self):
         for others, finals, lengths, answers in zip(self.others, self.finals, self.lengths, self.answers):
             for o, t, n, f in zip(others, finals, lengths, answers):
-                X = np.zeros((n, self.d))
-                X[:self.m], X[-1] = o, t
-                yield X, f
-
-
-def log_ratios(a: np.ndarray, m: int):
-    """``log(a_i / a_t)`` (n, m) and their weights (0 where a weight is not positive)."""
-    positive = (a > 0).all(axis=1, keepdims=True)
-    safe = np.where(a > 0, a, 1.0)
-    ratios = np.log(safe[:, :m]) - np.log(safe[:, m:])
-    return ratios, positive / np.sqrt(1.0 / safe[:, :m] ** 2 + 1.0 / safe[:, m:] ** 2)
+                yield self.sequence(o, t, n), f
 
 
 def pilot_scale(queries: ScoreQueries, d: int, m: int) -> float:
@@ -166,7 +131,7 @@ def pilot_scale(queries: ScoreQueries, d: int, m: int) -> float:
     for _ in range(3):
         weights = queries.ask(queries.tokens(8 * m, scale).reshape(8, m, d), queries.tokens(8, scale),
                               np.full(8, m + 1), keep=False)
-        rms = np.sqrt(np.mean([np.mean(log_ratios(a, m)[0] ** 2) for a in weights]))
+        rms = np.sqrt(np.mean([np.mean(_equations(a)[0] ** 2) for a in weights]))
         scale *= min(4.0, np.sqrt(SCORE_SPREAD / rms))
     return scale
 
@@ -184,7 +149,7 @@ def phase_a(queries, labels, r, m, scale, finals_count, oversample, lengths):
             others = queries.tokens(per_final * m, scale).reshape(per_final, m, d)
             weights = queries.ask(others, np.repeat(t[None], per_final, 0), np.full(per_final, length))
             for h, a in enumerate(weights):
-                ratios, weight = log_ratios(a, m)
+                ratios, weight = _equations(a)
                 ok = weight[:, 0] > 0
                 solved = [np.linalg.lstsq(np.c_[others[ok, i], np.ones(ok.sum())], ratios[ok, i], rcond=None)[0]
                           for i in range(m)]
@@ -224,7 +189,7 @@ def phase_b(queries, labels, keys, key_bias, angles, r, m, scale, finals_factor,
         offsets = queries.offsets(lengths)
         for h, a in enumerate(weights):
             g = labels[h]
-            ratios, weight = log_ratios(a, m)
+            ratios, weight = _equations(a)
             ok = weight[:, 0] > 0
             k_i = others[ok] @ keys[g].T + key_bias[g]
             rows = np.einsum("qkr,qkrs->qks", k_i, rotations(offsets[ok][..., None] * angles[g], r))
@@ -238,11 +203,25 @@ def phase_b(queries, labels, keys, key_bias, angles, r, m, scale, finals_factor,
     return Q, b
 
 
+#: Directions of the column-scaled normal matrix below this fraction of its largest eigenvalue are left
+#: out of a step: the gauge (a scaled rotation per block; O_h, P_h up to an r x r factor) and anything the
+#: answers do not fix.
+STEP_CUT = 1e-13
+
+
+def gauss_newton_step(normal: np.ndarray, gradient: np.ndarray) -> np.ndarray:
+    """The Gauss-Newton step ``-(J^T J)^+ J^T res`` from the normal equations, columns scaled to unit
+    diagonal and solved by eigendecomposition with ``STEP_CUT``."""
+    scale = np.sqrt(np.maximum(np.diagonal(normal), 1e-300))
+    values, vectors = np.linalg.eigh(normal / scale[:, None] / scale[None])
+    keep = values > values.max() * STEP_CUT
+    return -(vectors[:, keep] @ ((vectors[:, keep].T @ (gradient / scale)) / values[keep])) / scale
+
+
 def refine_log_ratios(queries, labels, Q, b, keys, key_bias, angles, r, m, steps):
     """Gauss-Newton on every log-ratio, group by group (a group's heads share K, k and theta; each head
-    its Q_h, b_h): closed-form Jacobian, column-scaled normal equations solved by eigendecomposition
-    (the gauge's directions cut at ``1e-13`` of the largest). Returns the refined parameters and each
-    group's RMS misfit."""
+    its Q_h, b_h): closed-form Jacobian, steps by :func:`gauss_newton_step`. Returns the refined
+    parameters and each group's RMS misfit."""
     others, finals = np.concatenate(queries.others), np.concatenate(queries.finals)
     offsets = queries.offsets(np.concatenate(queries.lengths)).astype(np.float64)
     weights = [np.concatenate([w[h] for w in queries.weights]) for h in range(len(labels))]
@@ -253,7 +232,7 @@ def refine_log_ratios(queries, labels, Q, b, keys, key_bias, angles, r, m, steps
         H = len(members)
         sizes = [H * r * d, H * r, r * d, r, r // 2]
         bounds = np.cumsum([0] + sizes)
-        data = [log_ratios(weights[h], m) for h in members]
+        data = [_equations(weights[h]) for h in members]
 
         def system(x, jacobian=True):
             """The weighted residuals (H n m,) and, with ``jacobian``, the normal equations ``(J^T J, J^T res)``
@@ -289,10 +268,7 @@ def refine_log_ratios(queries, labels, Q, b, keys, key_bias, angles, r, m, steps
         x = np.concatenate([Q[members].ravel(), b[members].ravel(), keys[g].ravel(), key_bias[g], angles[g]])
         for _ in range(steps):
             res, normal, gradient = system(x)
-            scale = np.sqrt(np.maximum(np.diagonal(normal), 1e-300))
-            values, vectors = np.linalg.eigh(normal / scale[:, None] / scale[None])
-            keep = values > values.max() * 1e-13  # the gauge's directions dropped
-            step = -(vectors[:, keep] @ ((vectors[:, keep].T @ (gradient / scale)) / values[keep])) / scale
+            step = gauss_newton_step(normal, gradient)
             if np.sqrt(np.mean(system(x + step, False)[0] ** 2)) >= np.sqrt(np.mean(res ** 2)):
                 break
             x = x + step
@@ -360,9 +336,8 @@ def whole_answers(p: dict, labels, X: np.ndarray, jacobian: bool = True):
 
 def refine_whole(sequences, answers, parameters, labels, steps, chunk=32):
     """Gauss-Newton on the whole answers, every parameter (the values as ``O_h P_h``, c): normal equations
-    of the closed-form Jacobian (:func:`whole_answers`), a chunk of queries at a time, column-scaled and
-    solved by eigendecomposition with the gauge's directions (and anything the answers do not fix) cut
-    at ``1e-13`` of the largest (d = 32: the normal matrix has ``(4 H r d)^2`` entries)."""
+    of the closed-form Jacobian (:func:`whole_answers`), a chunk of queries at a time, steps by
+    :func:`gauss_newton_step` (d = 32, H = 4: the normal matrix has 3,672^2 entries)."""
     by_length = {}
     for X, f in zip(sequences, answers):
         by_length.setdefault(len(X), []).append((X, f))
@@ -394,10 +369,7 @@ def refine_whole(sequences, answers, parameters, labels, steps, chunk=32):
                 J = J.reshape(-1, len(x))
                 normal += J.T @ J
                 gradient += J.T @ (f - A[s:s + chunk]).ravel()
-        scale = np.sqrt(np.maximum(np.diagonal(normal), 1e-300))
-        values, vectors = np.linalg.eigh(normal / scale[:, None] / scale[None])
-        keep = values > values.max() * 1e-13
-        step = -(vectors[:, keep] @ ((vectors[:, keep].T @ (gradient / scale)) / values[keep])) / scale
+        step = gauss_newton_step(normal, gradient)
         trial = history[-1]
         for fraction in (1.0, 0.5, 0.25):
             trial = misfit(x + fraction * step)
@@ -437,7 +409,12 @@ def run(layer_id: str, dtype_name: str, args) -> dict:
                              heads, values, unit, lambda ranks: "")
     split_queries = boundary.queries
     c = values.c
-    window = window_by_queries(boundary, np.random.default_rng(2000 + args.seed), d, scale, c, unit)
+    # the rotary route's own window search (one read-out of the answers); its "undetermined" ends the row loudly
+    search = find_window(boundary, np.random.default_rng(2000 + args.seed), scale,
+                         float(boundary.vectors.scalars(c[None])[0]), args.longest)
+    if search.undetermined is not None:
+        raise RuntimeError(f"{layer_id}: the window search could not decide at {search.undetermined} tokens")
+    window = search.window
     r = split.ranks[0]
     if args.true_split:  # white box: the layer's own output subspaces and values
         state = {key: v.detach().double().numpy() for key, v in zoo.attention(layer_id, dtype).state_dict().items()}

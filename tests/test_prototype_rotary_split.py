@@ -1,7 +1,6 @@
 """benchmarks/prototype_rotary_split.py, the measured prototype of docs/algorithm.md, 'Rotary layers from
 whole answers (derived, prototyped)': its closed-form Jacobian of the whole answers against central
-differences, its window found by queries on layers whose window is known, and its head groups from
-value row spaces. The prototype reads the library's internals (the split, the weights' solve): these
+differences, and its head groups from value row spaces. The prototype reads the library's internals (the split, the weights' solve): these
 tests fail where a change of them breaks it."""
 
 import importlib.util
@@ -11,8 +10,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import mhaextract as mx
-from mhaextract.oracle.boundary import OracleBoundary
 
 pytest.importorskip("torch")
 _spec = importlib.util.spec_from_file_location(
@@ -49,15 +46,6 @@ def test_the_whole_answers_jacobian_is_the_derivative_of_the_answers(seed):
     numeric = np.stack([(answers(flat + step * e) - answers(flat - step * e)) / (2 * step)
                         for e in np.eye(len(flat))], axis=-1)
     assert np.abs(numeric - J).max() <= 1e-7 * np.abs(J).max()
-
-
-@pytest.mark.parametrize("window", [3, 5, None])
-def test_the_window_found_by_queries_is_the_layers(window):
-    layer = mx.RotaryAttention.random(d=6, heads=2, head_width=4, seed=3, d_out=6, window=window)
-    boundary = OracleBoundary(mx.SimulatedOracle(layer), 6)
-    c = np.asarray(boundary.ask([np.zeros((1, 6))], "c", whole=True))[0]
-    assert prototype.window_by_queries(boundary, np.random.default_rng(0), 6, 6 ** 0.5, c, 2.0 ** -53,
-                                       limit=16) == window
 
 
 def test_heads_sharing_a_value_row_space_are_one_group():
