@@ -39,6 +39,7 @@ import mhaextract as mx  # noqa: E402
 from bench_vector import gpt2_layer, position_error  # noqa: E402
 from mhaextract.adapters.torch import TorchOracle, to_reduced  # noqa: E402
 from mhaextract.run.validation import spawn_rng  # noqa: E402
+from mhaextract.split import estimate  # noqa: E402
 from mhaextract.vector import learn, learner  # noqa: E402
 
 FACTORS = (0.25, 0.5, 1.0)
@@ -81,7 +82,7 @@ def main() -> None:
             held = learn.holdout_queries(spawn_rng(0, learn.STREAMS["holdout"]), d, scale)  # the run's, asked again
             answers = np.asarray(TorchOracle(layer)(held), dtype=np.float64)
             own = float((np.abs(answers - truth(held)).max(axis=1) / np.abs(answers).max(axis=1)).max())
-            misfit = float(learn._relative_misfits(model, held, answers).max())
+            misfit = float(estimate.relative_misfits(model, held, answers).max())
             failed = [check.name for check in result.checks if not check.passed]
             print(f"| {case} | {dtype} | {result.queries:,} | {'failed: ' + ', '.join(failed) if failed else 'pass'} "
                   f"| {' / '.join(f'{error:.2g}' for error in errors)} | {position_error(model, truth, d):.2g} "

@@ -16,7 +16,7 @@ PACKAGE = Path(mhaextract.__file__).parent
 #: The families: a folder each, registering its learners (src/mhaextract/families.py).
 FAMILIES = {"attention", "lowprecision", "vector", "rotary", "transformer"}
 #: What every run shares and the generic dispatch: none of it may import a family's module.
-SHARED = ("api", "run", "oracle", "numerics", "checks", "models", "adapters.export")
+SHARED = ("api", "run", "oracle", "numerics", "checks", "models", "adapters.export", "split")
 LIMIT = 800
 
 

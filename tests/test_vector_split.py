@@ -60,7 +60,8 @@ def test_the_estimate_covers_a_perturbed_models_error_at_every_position_within_1
     held-out answers (exact, float64) must cover the error at every position of fresh sequences of up
     to 64 tokens at 0.25, 0.5 and 1 times the token scale, computed from the weights, and stay within
     100 times it."""
-    from mhaextract.vector.learn import _relative_misfits, error_estimate, holdout_queries
+    from mhaextract.split.estimate import error_estimate, relative_misfits
+    from mhaextract.vector.learn import HOLDOUT_LONGEST, holdout_queries
 
     d, heads, rank, scale = 8, 2, 4, 8 ** 0.25
     for seed, which in enumerate("WuVc"):
@@ -70,7 +71,7 @@ def test_the_estimate_covers_a_perturbed_models_error_at_every_position_within_1
         moved[which] += 1e-9 * np.abs(moved[which]).max() * rng.standard_normal(moved[which].shape)
         model = mx.MultiHeadAttention(moved["W"], moved["V"], moved["u"], moved["c"])
         held = holdout_queries(np.random.default_rng(seed + 10), d, scale)
-        estimate = error_estimate(float(_relative_misfits(model, held, target(held)).max()), 2.0 ** -53)
+        estimate = error_estimate(float(relative_misfits(model, held, target(held)).max()), 2.0 ** -53, HOLDOUT_LONGEST)
         error = max(worst_position_error(model, target, d, scale=factor * scale, lengths=range(1, 64, 3))
                     for factor in (0.25, 0.5, 1.0))
         assert error <= estimate <= 100 * error, (which, error, estimate)
@@ -257,9 +258,9 @@ def test_torch_layers_are_split_by_head(dtype):
 def test_a_split_whose_model_fails_its_checks_gives_way_to_the_scalar_schedule(monkeypatch):
     """Never a guess: a vector model failing a check (here the estimate inflated past its limit) is
     dropped, the targeted schedule runs, and the reason names the failed check."""
-    import mhaextract.vector.learn as learn
+    import mhaextract.split.estimate as estimate
 
-    monkeypatch.setattr(learn, "ESTIMATE_FACTOR", 1e30)
+    monkeypatch.setattr(estimate, "ESTIMATE_FACTOR", 1e30)
     target = low_rank_layer(6, 2, 3, seed=6)
     result = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="vector")
     named = mx.extract(mx.SimulatedOracle(target), 6, heads=2, seed=0, schedule="targeted")
@@ -428,7 +429,8 @@ def test_phase_one_counts_a_weak_score_direction_above_the_measured_noise_and_no
     rule keeps the weak direction and counts no noise direction, where the fixed cut of
     ``SCORE_RANK_UNITS`` units counts every noise direction above float32's 6e-5; the noise draws are
     the size of the solutions' true errors (from the weights)."""
-    from mhaextract.vector.scores import _equations, _solve_heads, score_rank
+    from mhaextract.split.weights import log_ratios
+    from mhaextract.vector.scores import _solve_heads, score_rank
 
     d, m, per_final, finals_count, k = 32, 8, 12, 24, 6
     for seed in (0, 1):
@@ -446,7 +448,7 @@ def test_phase_one_counts_a_weak_score_direction_above_the_measured_noise_and_no
             scores = np.einsum("fpnd,fd->fpn", tokens, q)
             a = np.exp(scores - scores.max(axis=-1, keepdims=True))
             a = a / a.sum(axis=-1, keepdims=True) + 3e-6 * rng.standard_normal(a.shape)
-            ratios, weight = _equations(a.reshape(-1, m + 1))
+            ratios, weight = log_ratios(a.reshape(-1, m + 1))
             per_head.append((ratios.reshape(finals_count, -1), weight.reshape(finals_count, -1)))
             truth.append(q)
         solved, noise = _solve_heads(rows, per_head, np.random.default_rng(seed + 10))
@@ -467,8 +469,8 @@ def test_the_unrefined_route_sharpens_the_split_where_the_answers_are_rounded():
     and one basis (measured 2.5 and 2.8 times on these two layers: 1.1e-7 and 1.3e-7 against 2.9e-7
     and 3.6e-7)."""
     from mhaextract.vector.learn import UNREFINED_VALUE_BASES
-    from mhaextract.vector.split import _Saturated, output_subspaces
-    from mhaextract.vector.values import more_bases, value_map
+    from mhaextract.split.subspaces import _Saturated, output_subspaces
+    from mhaextract.split.values import more_bases, value_map
 
     class Answers:  # the boundary's one method the split uses: the layer's answers rounded to float32
         def __init__(self, oracle):
@@ -508,7 +510,7 @@ def test_phase_one_asks_more_final_tokens_where_no_refinement_follows():
     part of ``W_h``'s error off the layer's own score subspace at least 2 times closer
     (``sqrt(F) - sqrt(k)`` says 6.8)."""
     from mhaextract.vector.scores import OVERSAMPLED, PHASE_ONE, learn_scores
-    from mhaextract.vector.split import Split
+    from mhaextract.split.subspaces import Split
 
     class Answers:  # the boundary's one method the scores use: the layer's answers rounded to float32
         def __init__(self, oracle):
@@ -543,14 +545,15 @@ def test_the_split_in_small_chunks_asks_and_learns_what_it_does_whole(monkeypatc
     one-token answers at the split's final tokens, more bases of V_tot, phase 2 of the scores), with
     oracle calls, weight chunks and forward chunks a few queries long."""
     import mhaextract.vector.learn as learn
+    import mhaextract.split.subspaces as split
+    import mhaextract.split.weights as weights
     import mhaextract.vector.scores as scores
-    import mhaextract.vector.split as split
 
     monkeypatch.setattr(learn, "REFINE_WORK", 0.0)
     monkeypatch.setattr(learn, "SCORE_REFINE_WORK", 0.0)
     monkeypatch.setattr(split, "ASK_TOKENS", 14)
     monkeypatch.setattr(scores, "ASK_TOKENS", 14)
-    monkeypatch.setattr(scores, "WEIGHT_CHUNK", 5)
+    monkeypatch.setattr(weights, "WEIGHT_CHUNK", 5)
     monkeypatch.setattr(learn, "FORWARD_CHUNK", 7)
     d, heads, rank = 16, 2, 4
     target = low_rank_layer(d, heads, rank, seed=2)
@@ -586,7 +589,7 @@ def test_the_first_round_and_phase_one_ask_only_what_their_stops_need(monkeypatc
     before the full refinement, ends at ``k + 3`` final tokens (docs/algorithm.md, 'Whole answers near
     the vector bound'), counted where they are asked."""
     import mhaextract.vector.scores as scores
-    import mhaextract.vector.split as split
+    import mhaextract.split.subspaces as split
 
     d, heads, rank = 32, 2, 8
     asked = {"directions": [], "finals": 0, "ranks": None}

@@ -15,9 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..checks.base import Check
-from ..checks.verify import ROUNDING_PER_TOKEN, ask_long_verification, fresh_queries, spread_lengths
-from ..models.attention import MultiHeadAttention
-from ..oracle.answer_stats import FLOAT64_UNIT, FORMAT_UNITS
+from ..checks.verify import ask_long_verification, fresh_queries, spread_lengths
 from ..oracle.boundary import BudgetExceeded, OracleError
 from ..oracle.progress import note_progress
 from ..run.result import Result
@@ -26,8 +24,9 @@ from .factored import FactoredLayer, forward, grouped
 from .refine import refine, refine_scores
 from .scores import (OVERSAMPLED, PHASE_ONE, REFINED_DESIGN, UNREFINED, learn_scores, score_queries, score_rank,
                      tokens_per_query)
-from .split import _Saturated, output_subspaces
-from .values import SplitUnavailable, more_bases, value_map
+from ..split.subspaces import _Saturated, output_subspaces
+from ..split.estimate import ESTIMATE_FACTOR, error_estimate, estimate_limit, relative_misfits
+from ..split.values import SplitUnavailable, more_bases, value_map
 
 #: Every parameter is refined on every answer when one Jacobian product costs at most this many
 #: multiply-adds (n H N (k + r) d): GPT-2-class layers up to d = 128, H = 8; larger layers
@@ -45,20 +44,6 @@ COARSE_UNIT = 2.0 ** -30
 #: Held-out queries for the error estimate: lengths 1..HOLDOUT_LONGEST, tokens at the run's token scale
 #: (the largest norm the estimate speaks for: the model's error grows with the token norm).
 HOLDOUT_QUERIES, HOLDOUT_LONGEST, HOLDOUT_SCALES = 32, 64, (1.0,)
-#: The estimate is this many times the held-out queries' largest relative misfit: the sample's
-#: largest of 32 is not a bound on the largest over every position of fresh sequences (measured up to
-#: 5 times it, benchmarks/bench_vector_estimate.py).
-ESTIMATE_FACTOR = 10.0
-#: The relative rounding of evaluating the model (float64, whatever the answers' format).
-EVALUATION_UNIT = FLOAT64_UNIT
-#: The output error the split's model is meant to reach, relative, at every position of fresh
-#: sequences of up to 64 tokens (issue 62's acceptance), on answers rounded to the format's unit:
-#: 1e-12 in float64 (about 1e4 units), 1e-5 in float32 (about 170 units). The ``error_estimate``
-#: check allows the estimate ``ESTIMATE_SPAN`` times that (the estimate sits 2..12 times above the
-#: error it claims on trained and GPT-2-class layers), scaled by the answers' measured rounding over
-#: the format's unit.
-ERROR_TARGET = {"float64": (1e-12, FLOAT64_UNIT), "float32": (1e-5, FORMAT_UNITS["float32"])}
-ESTIMATE_SPAN = 100.0
 #: Random streams of the run's seed (:func:`mhaextract.run.validation.spawn_rng`), apart from the others'.
 STREAMS = {"values": 41, "split": 42, "scores": 43, "holdout": 44, "refine": 45}
 
@@ -123,30 +108,10 @@ class VectorExtraction(Result):
                 "refined": self.refined, "refinement": self.refinement}
 
 
-def estimate_limit(answer_dtype: str, unit: float) -> float:
-    """The largest ``error_estimate`` the run accepts: ``ESTIMATE_SPAN`` times the output error the
-    model is meant to reach on answers of this format, scaled by their measured rounding ``unit`` over
-    the format's own (noisier answers allow a proportionally larger error)."""
-    target, format_unit = ERROR_TARGET[answer_dtype]
-    return ESTIMATE_SPAN * target * max(1.0, unit / format_unit)
-
-
 def holdout_queries(rng: np.random.Generator, d: int, scale: float) -> list[np.ndarray]:
     """The error estimate's ``HOLDOUT_QUERIES`` fresh queries: lengths spread from 1 to
     ``HOLDOUT_LONGEST``, Gaussian tokens of norm about ``HOLDOUT_SCALES`` times the token scale."""
     return fresh_queries(rng, spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d, scale, HOLDOUT_SCALES)
-
-
-def error_estimate(misfit: float, unit: float) -> float:
-    """The largest relative output error expected at every position of fresh sequences of up to
-    ``HOLDOUT_LONGEST`` tokens with token norms up to the run's token scale, from the held-out
-    queries' largest relative ``misfit`` on answers rounded at ``unit``: ``ESTIMATE_FACTOR`` times
-    ``max(misfit, unit)`` (the sample's largest against every position's), plus ``ROUNDING_PER_TOKEN x
-    HOLDOUT_LONGEST`` units of the model's own float64 evaluation (at the rounding level the misfit
-    is a sample of it, not a bound: d = 6, full rank, 1.3e-14 at 64 tokens). The answers' own rounding
-    is no part of the model's error and is not added: the misfit carries it (docs/algorithm.md, 'Whole
-    answers near the vector bound', 'The error estimate')."""
-    return ESTIMATE_FACTOR * max(misfit, unit) + ROUNDING_PER_TOKEN * HOLDOUT_LONGEST * EVALUATION_UNIT
 
 
 def _padded(arrays: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -160,12 +125,6 @@ def _start(split, K, G, beta, c, d: int, d_out: int) -> FactoredLayer:
     k, r = max(basis.shape[1] for basis in K), max(split.ranks)
     return FactoredLayer(_padded(K, (d, k)), _padded(G, (k, d)), _padded(beta, (k,)), _padded(split.O, (d_out, r)),
                          _padded(split.P, (r, d)), np.array(c, dtype=np.float64))
-
-
-def _relative_misfits(model: MultiHeadAttention, sequences, answers: np.ndarray) -> np.ndarray:
-    """Per query, the largest output error relative to the query's largest answer."""
-    predicted = model(sequences)
-    return np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)
 
 
 def full_refinement_work(d: int, ranks: list[int], design: tuple[float, float]) -> float:
@@ -250,7 +209,7 @@ def no_room(d: int, heads: int, rank: int | None, d_out: int) -> str | None:
     """Why H heads (of width ``rank`` where known) cannot be split in ``d_out`` numbers from tokens of
     dimension ``d``, or None where they can (the split's first requirements): the heads need
     independent output subspaces, and the saturated queries' final tokens a half circle, two
-    dimensions (:func:`~mhaextract.vector.split.output_subspaces`)."""
+    dimensions (:func:`~mhaextract.split.subspaces.output_subspaces`)."""
     if d < 2:
         return f"d = {d}: the saturated queries' half circles of final tokens need d >= 2"
     if heads > d_out:
@@ -261,7 +220,7 @@ def no_room(d: int, heads: int, rank: int | None, d_out: int) -> str | None:
 
 
 #: Where no refinement follows (the split's start is the model), V_tot is the mean over this many
-#: random bases of one-token queries (:func:`~mhaextract.vector.values.more_bases`).
+#: random bases of one-token queries (:func:`~mhaextract.split.values.more_bases`).
 UNREFINED_VALUE_BASES = 4
 
 
@@ -347,7 +306,7 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
                            "the vector bound', 'The error estimate'); for an oracle that cannot answer sequences "
                            "that long, schedule='targeted' with verify_length=L asks none longer than L")
         raise
-    estimate = error_estimate(float(_relative_misfits(model, holdout, held).max()), unit)
+    estimate = error_estimate(float(relative_misfits(model, holdout, held).max()), unit, HOLDOUT_LONGEST)
     limit = estimate_limit(answer_dtype, unit)
     checks = [
         Check("split", True, split.conditioning, np.inf,

@@ -17,7 +17,8 @@ from ..oracle.answer_stats import format_unit
 from ..oracle.transcript import VECTOR
 from ..run.learner import AUTO, FallBack, Learner, given, register_learner
 from ..run.validation import rank_option
-from .learn import (ERROR_TARGET, REFINE_WORK, SCORE_REFINE_WORK, SplitUnavailable, extract_vector, no_room,
+from ..split.estimate import ERROR_TARGET
+from .learn import (REFINE_WORK, SCORE_REFINE_WORK, SplitUnavailable, extract_vector, no_room,
                     refines_fully, refines_scores)
 
 #: A split whose model fails a check gives way to the targeted schedule (True), or is returned

@@ -355,7 +355,7 @@ def output_subspaces(saturated: _Saturated, rng, d: int, d_out: int, scale: floa
     (:class:`_Referenced`); ``""`` (no refinement: the split's start is the model)
     ``UNREFINED_DIRECTIONS r + 2`` at ``UNREFINED_DIFFERENCE_SCALE`` times the token scale, likewise
     referenced, and then ``more_values()`` (where given) sharpens ``values.V_total`` in place before the
-    final oblique split (:func:`~mhaextract.vector.values.more_bases`)."""
+    final oblique split (:func:`~mhaextract.split.values.more_bases`)."""
     tolerance = _tolerance(unit)
     random_tokens = lambda count: exact_tokens(rng.standard_normal((count, d)) * scale / np.sqrt(d), unit)  # noqa: E731
     delta, labels = base_labels(saturated, rng, d, scale, heads, values, tolerance)
