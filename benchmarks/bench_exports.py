@@ -87,7 +87,7 @@ def rotary_rows() -> None:
     for kind, options in [("llama", {}), ("mistral", {"sliding_window": 16}), ("qwen2", {"key_bias": True})]:
         layer = attention(kind, seed=0, d=16, H=2, H_kv=1, r=8, **options)
         result = mx.extract(TorchOracle(RotaryLayer(layer, angles="float64")), d=16, heads=2, positions="rotary",
-                            key_bias=kind == "qwen2", seed=0, progress=False)
+                            schedule="rotary", key_bias=kind == "qwen2", seed=0, progress=False)
         fresh = attention(kind, seed=7, d=16, H=2, H_kv=1, r=8, **options)
         fresh.load_state_dict(to_state_dict(result, like=fresh))
         X = torch.as_tensor(np.random.default_rng(0).standard_normal((2, 256, 16)))

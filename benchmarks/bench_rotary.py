@@ -56,7 +56,7 @@ def main() -> None:
             layer = mx.RotaryAttention.random(d=d, heads=H, head_width=r, seed=seed, kv_heads=kv, bias=bool(seed % 2))
             oracle = Counting(mx.SimulatedOracle(layer, precision=args.precision))
             started = time.perf_counter()
-            result = mx.extract(oracle, d=d, heads=H, positions="rotary", seed=seed, on_failure="warn",
+            result = mx.extract(oracle, d=d, heads=H, positions="rotary", schedule="rotary", seed=seed, on_failure="warn",
                                 rank=None if args.no_rank else r, precision=args.precision)
             seconds = time.perf_counter() - started
             error, output = np.inf, np.inf
@@ -71,7 +71,7 @@ def main() -> None:
                    f"{oracle.queries} | {seconds:.1f} |")
             if high:  # the baseline: the same cell in float64
                 started = time.perf_counter()
-                mx.extract(layer, d=d, heads=H, positions="rotary", seed=seed, on_failure="warn",
+                mx.extract(layer, d=d, heads=H, positions="rotary", schedule="rotary", seed=seed, on_failure="warn",
                            rank=None if args.no_rank else r)
                 baseline = time.perf_counter() - started
                 row += f" {baseline:.1f} | {seconds / baseline:.1f} |"

@@ -6,7 +6,7 @@ models run them').
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_rotary_as_run.py \\
         --layers llama-d32-h4/0 mistral-d32-h4/0 --implementations sdpa eager
 
-Each row: ``extract(TorchOracle(RotaryLayer(attention)), d, heads=H, seed=0, positions="rotary")`` (plus
+Each row: ``extract(TorchOracle(RotaryLayer(attention)), d, heads=H, seed=0, positions="rotary", schedule="rotary")`` (plus
 ``key_bias=True`` for Qwen2) on ``zoo.attention(layer, torch.float64, implementation)``, then the replacement
 ``to_torch_rotary(result.model)`` judged at every position of the zoo's fresh sequences against the exact layer
 (``zoo.exact_layer``: float64 angles, sdpa) and against the layer as run; the layer's own error is the layer as
@@ -40,7 +40,7 @@ def row(layer_id: str, implementation: str) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, on_failure="warn", progress=False,
-                            **zoo.extract_options(layer_id))
+                            schedule="rotary", **zoo.extract_options(layer_id))
     cpu = time.process_time() - cpu
 
     def judged(reference):

@@ -125,7 +125,7 @@ def extraction(name, attention, heads, angles, key_bias=False, window=None, nois
     d = attention.config.hidden_size
     start = time.perf_counter()
     try:
-        result = mx.extract(oracle, d=d, heads=heads, positions="rotary", seed=0, key_bias=key_bias)
+        result = mx.extract(oracle, d=d, heads=heads, positions="rotary", schedule="rotary", seed=0, key_bias=key_bias)
         outcome = "ok"
     except mx.ExtractionError as error:
         # A failed run's model is still measured: its error says whether the model or the

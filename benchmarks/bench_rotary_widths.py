@@ -46,7 +46,7 @@ def main() -> None:
                                           bias=bias, d_out=d)
         started = time.perf_counter()
         result = mx.extract(mx.RoundedAnswers(layer, bits=24) if dtype == "float32" else layer, d=d, heads=H,
-                            positions="rotary", seed=0, on_failure="warn")
+                            positions="rotary", schedule="rotary", seed=0, on_failure="warn")
         seconds = time.perf_counter() - started
         error = float(mx.compare(result.model, layer).max_rel) if result.model is not None else np.inf
         within = result.ok and error <= LIMITS[dtype]

@@ -525,7 +525,7 @@ def test_a_float32_head_whose_fall_comes_at_the_grids_limit_is_widened(shape):
     above it at which it rotates."""
     d, heads, width, seed = shape
     layer = mx.RotaryAttention.random(d=d, heads=heads, head_width=width, seed=seed, d_out=d)
-    result = mx.extract(Float32Answers(layer), d=d, heads=heads, positions="rotary", seed=0)
+    result = mx.extract(Float32Answers(layer), d=d, heads=heads, positions="rotary", seed=0, schedule="rotary")
     assert result.ok and result.diagnostics["widths"] == [width] * heads and result.diagnostics["widened_heads"] >= 1
     assert mx.compare(result.model, layer).max_rel <= 1e-6
 
@@ -538,7 +538,7 @@ def test_a_float32_layer_whose_head_width_its_grids_cannot_measure_extracts():
     takes the widest width at which it rotates (a head of width 12 at d = 16 likewise: 3.0e-8, measured
     beside it and left out of the suite for its 22 s)."""
     layer = mx.RotaryAttention.random(d=12, heads=1, head_width=8, seed=12, bias=True, window=16, d_out=12)
-    result = mx.extract(Float32Answers(layer), d=12, heads=1, positions="rotary", seed=0)
+    result = mx.extract(Float32Answers(layer), d=12, heads=1, positions="rotary", seed=0, schedule="rotary")
     assert result.ok and result.diagnostics["widths"] == [8]
     assert mx.compare(result.model, layer).max_rel <= 1e-6
 
@@ -953,7 +953,7 @@ def test_the_refinements_jacobian_has_the_key_bias_columns():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_layer_with_a_key_bias_is_extracted_through_a_key_neutral_token(seed, tmp_path):
     layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=seed)
-    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     assert result.ok and result.queries == layer.queries
     assert np.abs(layer.key_of(result.neutral.token)).max() <= 1e-8 * np.abs(layer.bk).max()
     assert result.neutral.queries < result.queries
@@ -975,7 +975,7 @@ def test_a_key_bias_under_a_sliding_window_is_found_within_it(window):
     key bias or not) and the search keeps every sequence in it: at 9 tokens (the instances'
     shortest for two heads) its lengths are 2, 3, 4, 5, 6, 8, 9 and its query changes three times as many."""
     layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0, window=window)
-    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     assert result.ok and result.window == window and result.queries == layer.queries
     assert np.abs(layer.key_of(result.neutral.token)).max() <= 1e-8 * np.abs(layer.bk).max()
     rng = np.random.default_rng(7)
@@ -987,7 +987,7 @@ def test_a_key_bias_under_a_sliding_window_is_found_within_it(window):
 def test_a_window_too_short_for_the_instances_stops_before_the_key_neutral_search():
     layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0, window=8)
     with pytest.raises(mx.ExtractionError, match="window") as failure:
-        mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+        mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     result = failure.value.extraction
     assert result.window == 8 and result.neutral is None and result.queries == layer.queries < 30
 
@@ -1034,7 +1034,7 @@ def test_a_float32_run_under_a_window_too_short_for_the_large_query_search_is_re
     from mhaextract.rotary.neutral import LARGE_QUERY_MIN_WINDOW
     layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0, window=16)
     with pytest.raises(mx.ExtractionError, match=r"key_bias.*sliding window") as failure:
-        mx.extract(Float32Answers(layer), d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+        mx.extract(Float32Answers(layer), d=8, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     result = failure.value.extraction
     assert result.window == 16 < LARGE_QUERY_MIN_WINDOW and result.neutral is None
     assert result.queries == layer.queries < 100
@@ -1085,7 +1085,7 @@ def test_key_bias_on_a_layer_without_biases_is_no_false_alarm():
     layer = KeyBiasedLayer(d=8, heads=2, kv_heads=1, width=4, seed=0)
     for bias in (layer.bq, layer.bk, layer.bv, layer.bo):
         bias[...] = 0.0
-    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0)
+    result = mx.extract(layer, d=8, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     assert result.ok and np.linalg.norm(result.neutral.token) <= 1e-6
     frame = result.diagnostics["shifted_frame"]   # the frame's constant: the token's value, V z* (0 here)
     assert frame["token_norm"] == pytest.approx(np.linalg.norm(result.neutral.token), rel=1e-12)
@@ -1139,14 +1139,14 @@ def test_a_key_bias_needs_whole_answers_and_grouped_heads():
     scalar = KeyBiasedRotary(mx.RotaryAttention.random(d=4, heads=1, head_width=2, seed=3, bias=True),
                              np.array([[0.8, -0.6]]))
     with pytest.raises(mx.ExtractionError, match="from whole answers"):
-        mx.extract(scalar, d=4, heads=1, positions="rotary", key_bias=True, seed=0)
+        mx.extract(scalar, d=4, heads=1, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     every_head = KeyBiasedLayer(d=4, heads=2, kv_heads=2, width=2, seed=0)   # n_kv r = d: no invisible token
     with pytest.raises(mx.ExtractionError, match="value_null_space"):
-        mx.extract(every_head, d=4, heads=2, positions="rotary", key_bias=True, seed=0)
+        mx.extract(every_head, d=4, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"positions": "none", "key_bias": True}, "key_bias \\(an option of 'rotary'\\)"),
+    ({"positions": "none", "key_bias": True}, "key_bias \\(an option of 'rotary', 'rotary-split'\\)"),
     ({"positions": "rotary", "key_bias": "yes"}, "key_bias must be True or False"),
     ({"positions": "rotary", "key_bias": True, "precision": 128}, "runs in float64"),
 ])

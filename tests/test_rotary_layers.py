@@ -313,7 +313,7 @@ def fresh_error(result, truth, longest=256, count=100):
 def test_a_one_head_layer_is_extracted_through_the_adapter(kind, options):
     layer = attention(kind, seed=0, d=16, H=1, H_kv=1, r=8, **options)
     oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
-    result = mx.extract(oracle, d=16, heads=1, positions="rotary", seed=0)
+    result = mx.extract(oracle, d=16, heads=1, positions="rotary", seed=0, schedule="rotary")
     assert result.ok and result.window == options.get("sliding_window")
     assert result.queries == oracle.sequences
     truth = to_rotary(layer)  # whole-output answers: the result is the whole layer
@@ -329,16 +329,19 @@ def test_a_one_head_layer_is_extracted_through_the_adapter(kind, options):
 def test_a_qwen2_layer_with_its_key_bias_is_extracted_whole(options):
     layer = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8, **options)
     oracle = TorchOracle(RotaryLayer(layer, angles="float64"))
-    result = mx.extract(oracle, d=16, heads=2, positions="rotary", key_bias=True, seed=0)
+    result = mx.extract(oracle, d=16, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     assert result.ok and result.queries == oracle.sequences and result.window == options.get("sliding_window")
     truth = to_rotary(layer)
     error = mx.compare(result.model, truth).max_rel
     assert error <= 1e-10 and error <= 10 * result.error_estimate
     assert fresh_error(result, truth) <= 1e-10
     with pytest.raises(mx.ExtractionError, match="key_bias=True") as failed:  # without the option: loudly wrong
-        mx.extract(oracle, d=16, heads=2, positions="rotary", seed=0)
+        mx.extract(oracle, d=16, heads=2, positions="rotary", seed=0, schedule="rotary")
     # the zero token's key bias leaves misfits far above float32 rounding: not read as noisy answers
     assert "answer_noise" not in [check.name for check in failed.value.extraction.checks]
+    split = mx.extract(oracle, d=16, heads=2, positions="rotary", seed=0)  # auto: the split learns the key bias unasked
+    assert split.schedule == "rotary-split" and split.ok and split.window == options.get("sliding_window")
+    assert fresh_error(split, truth) <= 1e-10
 
 
 @pytest.mark.slow
@@ -352,7 +355,7 @@ def test_a_float32_layer_with_a_key_bias_is_extracted_through_large_query_finals
     from mhaextract.rotary.refine import GENERATOR_LIMIT
     layer = attention("qwen2", seed=3, key_bias=True, d=16, H=2, H_kv=1, r=8, dtype=torch.float32)
     oracle = TorchOracle(RotaryLayer(layer))
-    result = mx.extract(oracle, d=16, heads=2, positions="rotary", key_bias=True, seed=0)
+    result = mx.extract(oracle, d=16, heads=2, positions="rotary", key_bias=True, seed=0, schedule="rotary")
     assert result.ok and result.queries == oracle.sequences and result.neutral.large_queries
     assert result.diagnostics["generator_blocks"] == (to_rotary(layer).theta < GENERATOR_LIMIT).sum() == 4
     assert result.neutral.queries < result.queries
@@ -470,7 +473,7 @@ def test_a_float32_layer_of_four_grouped_heads_is_extracted_within_its_precision
     rounding."""
     layer = attention("llama", seed=0, d=32, H=4, H_kv=2, r=8, dtype=torch.float32)
     oracle = TorchOracle(RotaryLayer(layer))
-    result = mx.extract(oracle, d=32, heads=4, positions="rotary", seed=0)
+    result = mx.extract(oracle, d=32, heads=4, positions="rotary", seed=0, schedule="rotary")
     assert result.ok and result.queries == oracle.sequences
     assert result.diagnostics["widths"] == [8] * 4
     truth = to_rotary(layer)

@@ -8,10 +8,12 @@ import numpy as np
 
 from ..checks.model_class import probe_counted
 from ..oracle.boundary import BudgetExceeded
-from ..oracle.transcript import RUN
-from ..run.learner import AUTO, FallBack, Learner, register_learner, successor
+from ..oracle.transcript import RUN, VECTOR
+from ..run.learner import AUTO, FallBack, Learner, given, register_learner, successor
 from ..run.validation import positive_int, spawn_rng
+from ..split.values import SplitUnavailable
 from .run import POLISH_FACTOR, extract_rotary
+from .split import extract_rotary_split
 
 #: The query factors' defaults (a transcript's header names only those set otherwise).
 DEFAULT_FACTORS = {"polish_factor": float(POLISH_FACTOR), "value_factor": 1.0}
@@ -124,3 +126,71 @@ def _successor(session, boundary, result):
         result.queries, result.queries_asked = result.queries + asked + replayed, result.queries_asked + asked
         result.queries_replayed += replayed
     return handed_on
+
+
+@register_learner
+class RotarySplitLearner(Learner):
+    """Whole answers split by head, each head's attention weights read from them, the keys, rotations and
+    key bias from each offset's score vector, Gauss-Newton on the log-ratios and the whole answers
+    (:mod:`mhaextract.rotary.split`). Where the answers cannot be split or the model fails a check, the
+    grid route (``"rotary"``) runs instead, its result counting the split's queries and saying why."""
+
+    name = "rotary-split"
+    family = "rotary"
+    model = "rotary attention, whole (Q_h, b_h, K_g, k_g, theta_g, V_h, c; grouped heads, a sliding window)"
+    options = {
+        "positions": "'rotary': rotary position embeddings",
+        "bias": "the query bias: always learned (True or None)",
+        "rank": "the head width r: a split that finds another falls back",
+        "key_bias": "the key bias: always learned by the split (True is passed on to a fallback)",
+    }
+    refusal = "the rotary split learns whole float64 or float32 answers with biases, its head width found by queries"
+    falls_back_to = "rotary"
+    priority = -1
+
+    @classmethod
+    def claims(cls, options, common) -> bool:
+        """``"auto"`` with ``positions="rotary"``: tried first wherever it could run (float64 answers, the query
+        bias learned, no option of the grid route's own); scalar or coarser answers give way to it after
+        the run's first answer."""
+        bias = options.get("bias")
+        return (options.get("positions", "none") == "rotary" and common.precision is None and common.heads is not None
+                and (bias is None or bool(bias))
+                and not any(given(value) for name, value in options.items() if name not in cls.options))
+
+    @classmethod
+    def validate(cls, options, common) -> dict:
+        bias = options.get("bias")
+        if (bias is not None and not bias) or common.precision is not None:
+            raise ValueError(f"schedule='rotary-split' learns the layer with its biases from whole float64 or float32 "
+                             f"answers; it does not take bias=False or precision (got bias={bias!r}, "
+                             f"precision={common.precision!r}): schedule='rotary' does")
+        return RotaryLearner.validate(dict(options, bias=True), common)
+
+    def run(self):
+        session, request, options = self.session, self.session.request, self.options
+        scale = request.token_scale
+        session.open_transcript({"d": request.d, "heads": request.heads, "seed": request.seed, "precision": None,
+                                 "schedule": self.name, "rank": options["rank"], "key_bias": options["key_bias"],
+                                 "token_scale": "auto" if scale in (None, "auto") else float(scale).hex()})
+        boundary = session.boundary(VECTOR)
+        try:
+            result = extract_rotary_split(boundary, request.d, request.heads, request.seed,
+                                          token_scale=None if scale in (None, "auto") else float(scale),
+                                          rank=options["rank"], verify_length=session.verify_length,
+                                          progress=session.progress,
+                                          token_bound=getattr(session.oracle, "token_bound", None))
+        except SplitUnavailable as why:
+            raise FallBack(f"whole answers could not be split by head ({why})", boundary) from None
+        except np.linalg.LinAlgError as why:
+            if getattr(why, "raised_by_oracle", False):
+                raise
+            raise FallBack(f"whole answers could not be split by head (a factorisation failed ({why}))",
+                           boundary) from None
+        if not result.ok:
+            failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}"
+                               for check in result.failed_checks)
+            raise FallBack(f"the split's model failed its checks ({failed})", boundary)
+        session.close()
+        result.transcript = session.transcript
+        return session.finish(result, "rotary split extraction")
