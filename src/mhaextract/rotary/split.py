@@ -30,14 +30,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..checks.base import Check
 from ..checks.noise_probe import taken_as_float32
 from ..checks.verify import ask_long_verification, fresh_queries, spread_lengths
 from ..models.rotary import RotaryAttention
 from ..oracle.answer_stats import FORMAT_UNITS
 from ..oracle.progress import note_progress
 from ..run.validation import spawn_rng
-from ..split.estimate import error_estimate, estimate_limit, relative_misfits
+from ..split.estimate import error_estimate, estimate_limit, relative_misfits, split_checks
 from ..split.subspaces import _Saturated, exact_tokens, output_subspaces
 from ..split.values import SplitUnavailable, more_bases, value_map
 from ..split.weights import chunk_weights, log_ratios
@@ -482,17 +481,10 @@ def extract_rotary_split(boundary, d: int, heads: int, seed=None, *, token_scale
                       dtype=np.float64)
     estimate = error_estimate(float(relative_misfits(model, holdout, held).max()), unit, HOLDOUT_LONGEST)
     limit = estimate_limit(limit_format, unit)
-    checks = noise_checks + [
-        Check("split", True, split.conditioning, np.inf,
-              f"heads' output subspaces of ranks {split.ranks}, [O_1 .. O_H] of condition number "
-              f"{split.conditioning:.3g}; head groups {labels}"),
-        search.check(m + 2),
-        Check("answers_residual", residual <= RESIDUAL_UNITS * unit, residual, RESIDUAL_UNITS * unit,
-              "RMS misfit of the model on the phase queries' and value map's whole answers, relative to their RMS"),
-        Check("error_estimate", estimate <= limit, estimate, limit,
-              f"largest output error on fresh queries up to {HOLDOUT_LONGEST} tokens at the token scale expected "
-              f"from {HOLDOUT_QUERIES} held-out queries, relative to each query's largest output"),
-    ]
+    checks = noise_checks + [search.check(m + 2)] + split_checks(
+        split, residual, RESIDUAL_UNITS * unit, estimate, limit, "the phase queries' and value map's whole answers",
+        f"fresh queries up to {HOLDOUT_LONGEST} tokens at the token scale ({HOLDOUT_QUERIES} held out)",
+        f"; head groups {labels}")
     verification = None
     if verify_length is None or verify_length > 0:
         longest_verified = verify_length or max(256, 4 * (window or 0))

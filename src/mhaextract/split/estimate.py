@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks.base import Check
 from ..checks.verify import ROUNDING_PER_TOKEN
 from ..oracle.answer_stats import FLOAT64_UNIT, FORMAT_UNITS
 
@@ -50,3 +51,20 @@ def relative_misfits(model, sequences, answers: np.ndarray) -> np.ndarray:
     """Per query, the largest output error relative to the query's largest answer."""
     predicted = model(sequences)
     return np.abs(predicted - answers).max(axis=1) / np.maximum(np.abs(answers).max(axis=1), 1e-300)
+
+
+def split_checks(split, residual: float, residual_limit: float, estimate: float, limit: float, fitted: str,
+                 scope: str, grouping: str = "") -> list[Check]:
+    """The checks every model learned from the split reports: ``split`` (the heads' output subspaces,
+    ``grouping`` said after them), ``answers_residual`` (the RMS misfit on the ``fitted`` answers within
+    ``residual_limit``) and ``error_estimate`` (within ``limit``; ``scope``: the fresh queries it speaks for)."""
+    return [
+        Check("split", True, split.conditioning, np.inf,
+              f"heads' output subspaces of ranks {split.ranks}, [O_1 .. O_H] of condition number "
+              f"{split.conditioning:.3g}{grouping}"),
+        Check("answers_residual", residual <= residual_limit, residual, residual_limit,
+              f"RMS misfit of the model on {fitted}, relative to their RMS"),
+        Check("error_estimate", estimate <= limit, estimate, limit,
+              f"largest output error on {scope} expected from the held-out queries' largest misfit "
+              f"(x {ESTIMATE_FACTOR:g}), relative to each query's largest output"),
+    ]

@@ -14,7 +14,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..checks.base import Check
 from ..checks.verify import ask_long_verification, fresh_queries, spread_lengths
 from ..oracle.boundary import BudgetExceeded, OracleError
 from ..oracle.progress import note_progress
@@ -25,7 +24,7 @@ from .refine import refine, refine_scores
 from .scores import (OVERSAMPLED, PHASE_ONE, REFINED_DESIGN, UNREFINED, learn_scores, score_queries, score_rank,
                      tokens_per_query)
 from ..split.subspaces import _Saturated, output_subspaces
-from ..split.estimate import ESTIMATE_FACTOR, error_estimate, estimate_limit, relative_misfits
+from ..split.estimate import error_estimate, estimate_limit, relative_misfits, split_checks
 from ..split.values import SplitUnavailable, more_bases, value_map
 
 #: Every parameter is refined on every answer when one Jacobian product costs at most this many
@@ -308,16 +307,8 @@ def extract_vector(boundary, seed, d: int, heads: int, scale: float, unit: float
         raise
     estimate = error_estimate(float(relative_misfits(model, holdout, held).max()), unit, HOLDOUT_LONGEST)
     limit = estimate_limit(answer_dtype, unit)
-    checks = [
-        Check("split", True, split.conditioning, np.inf,
-              f"heads' output subspaces of ranks {split.ranks}, [O_1 .. O_H] of condition number "
-              f"{split.conditioning:.3g}"),
-        Check("answers_residual", residual <= 1e3 * unit, residual, 1e3 * unit,
-              "RMS misfit of the model on the unsaturated answers, relative to their RMS"),
-        Check("error_estimate", estimate <= limit, estimate, limit,
-              f"largest output error on fresh queries up to the token scale expected from {HOLDOUT_QUERIES} "
-              f"held-out queries (x {ESTIMATE_FACTOR:g}), relative to each query's largest output"),
-    ]
+    checks = split_checks(split, residual, 1e3 * unit, estimate, limit, "the unsaturated answers",
+                          f"fresh queries up to the token scale ({HOLDOUT_QUERIES} held out)")
     verification = None
     if verify_length is None or verify_length > 0:
         long_queries = ask_long_verification(boundary, spawn_rng(seed, 5), scale, verify_length or 256)
