@@ -6,7 +6,8 @@ models run them').
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_rotary_as_run.py \\
         --layers llama-d32-h4/0 mistral-d32-h4/0 --implementations sdpa eager
 
-Each row: ``extract(TorchOracle(RotaryLayer(attention)), d, heads=H, seed=0, positions="rotary", schedule="rotary")`` (plus
+Each row: ``extract(TorchOracle(RotaryLayer(attention)), d, heads=H, seed=0, positions="rotary", schedule=...)``
+(``--schedule``: "rotary", the grid route, by default; "auto", the library's defaults, the split first) (plus
 ``key_bias=True`` for Qwen2) on ``zoo.attention(layer, torch.float64, implementation)``, then the replacement
 ``to_torch_rotary(result.model)`` judged at every position of the zoo's fresh sequences against the exact layer
 (``zoo.exact_layer``: float64 angles, sdpa) and against the layer as run; the layer's own error is the layer as
@@ -32,7 +33,7 @@ from mhaextract.adapters.torch import TorchOracle  # noqa: E402
 from test_replacement_layers import worst_relative_error  # noqa: E402
 
 
-def row(layer_id: str, implementation: str) -> str:
+def row(layer_id: str, implementation: str, schedule: str) -> str:
     layer = RotaryLayer(zoo.attention(layer_id, torch.float64, implementation))  # the model's own angles
     exact = zoo.exact_layer(layer_id, torch.float64)
     d, H = zoo.shape(layer_id)
@@ -40,7 +41,7 @@ def row(layer_id: str, implementation: str) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = mx.extract(TorchOracle(layer), d, heads=H, seed=0, on_failure="warn", progress=False,
-                            schedule="rotary", **zoo.extract_options(layer_id))
+                            schedule=schedule, **zoo.extract_options(layer_id))
     cpu = time.process_time() - cpu
 
     def judged(reference):
@@ -51,7 +52,8 @@ def row(layer_id: str, implementation: str) -> str:
     own = worst_relative_error(layer, exact, d, zoo.JUDGE_SEQUENCES, zoo.JUDGE_LONGEST)
     parameters = float(mx.compare(result.model, to_rotary(exact.attention)).max_rel) if result.model else float("inf")
     failed = ", ".join(check.name for check in result.failed_checks) or "-"
-    return (f"| {layer_id} | {implementation} | {'ok' if result.ok else 'FAIL'} | {result.queries:,} | {cpu:.0f} | "
+    return (f"| {layer_id} | {implementation} | {result.schedule} | {'ok' if result.ok else 'FAIL'} | {result.queries:,} | "
+            f"{cpu:.0f} | "
             f"{judged(exact):.1e} | {judged(layer):.1e} | {own:.1e} | {parameters:.1e} | {result.error_estimate:.1e} | "
             f"{failed} |")
 
@@ -60,13 +62,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", nargs="+", default=["llama-d32-h4/0"], help='"<model>/<layer>" rotary zoo ids')
     parser.add_argument("--implementations", nargs="+", choices=["sdpa", "eager"], default=["sdpa", "eager"])
+    parser.add_argument("--schedule", default="rotary",
+                        help="extract's schedule: 'rotary' (the grid route, default) or 'auto' (the library's defaults: "
+                             "the split first)")
     args = parser.parse_args()
-    print("| layer | attention | run | queries | CPU s | output error (exact layer) | output error (layer as run) "
-          "| layer's own error | parameter error | estimate | failed checks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| layer | attention | schedule | run | queries | CPU s | output error (exact layer) | output error (layer as "
+          "run) | layer's own error | parameter error | estimate | failed checks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layer_id in args.layers:
         for implementation in args.implementations:
-            print(row(layer_id, implementation), flush=True)
+            print(row(layer_id, implementation, args.schedule), flush=True)
 
 
 if __name__ == "__main__":
