@@ -2,7 +2,7 @@
 answers'): :func:`extract_rotary_split` is what ``schedule="rotary-split"`` runs. Its steps, in the
 order the queries are asked:
 
-1. the value map and the split of :mod:`mhaextract.vector` (unchanged: the heads' output subspaces
+1. the value map and the split of :mod:`mhaextract.split` (unchanged: the heads' output subspaces
    ``O_h``, their value rows ``P_h`` and ``c``), the answers' format read from their bits;
 2. the sliding window by the rotary route's search (:func:`~mhaextract.rotary.window.find_window`);
 3. heads grouped by their value row spaces (:func:`head_groups`: grouped-query heads share ``K_g``);
