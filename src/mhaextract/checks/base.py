@@ -120,6 +120,12 @@ class Check:
         status = "ok" if self.passed else "FAILED"
         return f"{self.name}: {status} ({self.value:.3g} vs {self.threshold:.3g}) {self.message}"
 
+    @staticmethod
+    def failures(checks) -> str:
+        """The failed ``checks`` as ``name value > threshold``, joined by ``"; "`` (a fallback's reason)."""
+        return "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}" for check in checks
+                         if not check.passed)
+
     def as_dict(self) -> dict:
         return {"name": self.name, "passed": self.passed, "value": self.value, "threshold": self.threshold,
                 "message": self.message}

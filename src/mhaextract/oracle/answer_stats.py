@@ -31,6 +31,16 @@ def format_unit(name) -> float:
     return FORMAT_UNITS.get(str(name), FLOAT64_UNIT)
 
 
+def format_name(unit: float) -> str:
+    """The answer format whose unit roundoff is ``unit`` (:func:`format_unit`'s inverse), ``"float64"`` for
+    any other.
+
+    >>> format_name(2.0**-24), format_name(2.0**-53), format_name(2.0**-8)
+    ('float32', 'float64', 'bfloat16')
+    """
+    return {value: key for key, value in FORMAT_UNITS.items()}.get(unit, "float64")
+
+
 @dataclass
 class AnswerStats:
     """Running summary of the float64 answers a run used (asked or replayed).
@@ -109,7 +119,7 @@ class AnswerStats:
     def precision_name(self) -> str:
         """``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"float64"``, as :attr:`unit_roundoff`
         reads the answers."""
-        return {unit: name for name, unit in FORMAT_UNITS.items()}.get(self.unit_roundoff, "float64")
+        return format_name(self.unit_roundoff)
 
     def problem(self) -> str | None:
         """A sentence naming what is wrong with the answers, or None when nothing is visible."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks.base import Check
 from ..checks.model_class import probe_counted
 from ..oracle.boundary import BudgetExceeded
 from ..oracle.transcript import RUN, VECTOR
@@ -150,9 +151,9 @@ class RotarySplitLearner(Learner):
 
     @classmethod
     def claims(cls, options, common) -> bool:
-        """``"auto"`` with ``positions="rotary"``: tried first wherever it could run (float64 answers, the query
-        bias learned, no option of the grid route's own); scalar or coarser answers give way to it after
-        the run's first answer."""
+        """``"auto"`` with ``positions="rotary"``: tried first wherever it could run (``heads=H``, no
+        ``precision``, the query bias learned, no option of the grid route's own); scalar or coarser answers
+        give way to the grid route after the run's first answer."""
         bias = options.get("bias")
         return (options.get("positions", "none") == "rotary" and common.precision is None and common.heads is not None
                 and (bias is None or bool(bias))
@@ -188,8 +189,7 @@ class RotarySplitLearner(Learner):
             raise FallBack(f"whole answers could not be split by head (a factorisation failed ({why}))",
                            boundary) from None
         if not result.ok:
-            failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}"
-                               for check in result.failed_checks)
+            failed = Check.failures(result.checks)
             raise FallBack(f"the split's model failed its checks ({failed})", boundary)
         session.close()
         result.transcript = session.transcript

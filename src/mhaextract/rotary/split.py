@@ -33,7 +33,7 @@ import numpy as np
 from ..checks.noise_probe import taken_as_float32
 from ..checks.verify import ask_long_verification, fresh_queries, spread_lengths
 from ..models.rotary import RotaryAttention
-from ..oracle.answer_stats import FORMAT_UNITS
+from ..oracle.answer_stats import FORMAT_UNITS, format_name
 from ..oracle.progress import note_progress
 from ..run.validation import spawn_rng
 from ..split.estimate import error_estimate, estimate_limit, relative_misfits, split_checks
@@ -42,7 +42,7 @@ from ..split.values import SplitUnavailable, more_bases, value_map
 from ..split.weights import chunk_weights, log_ratios
 from .learn import RotaryExtraction
 from .structure import rotation_basis
-from .whole_fit import parameter_count, refine_whole, rotations
+from .whole_fit import kept_bytes, parameter_count, refine_whole, rotations
 from .window import find_window
 
 #: The log-ratios' RMS the pilots aim at (as the vector route's scores).
@@ -62,9 +62,9 @@ DESIGN_B = {"float64": (1.5, 3.0), "float32": (4.0, 8.0)}
 PHASE_B_LONGEST, PHASE_B_LONG_SHARE = 128, 0.5
 #: Gauss-Newton steps on the log-ratios (each stops early once it no longer gains).
 LOG_RATIO_STEPS = 4
-#: The whole-answer fit runs where what it keeps between its products (per token, the keys of every
-#: group and each head's rotated query, angle derivatives and weight) fits in this many bytes
-#: (d = 64, H = 4: about 0.3 GB); larger runs keep the log-ratio fit.
+#: The whole-answer fit runs where what it keeps between its products
+#: (:func:`~mhaextract.rotary.whole_fit.kept_bytes`) fits in this many bytes; larger runs keep the
+#: log-ratio fit.
 WHOLE_MEMORY = 2 ** 31
 #: Directions of the column-scaled normal matrix below this fraction of its largest eigenvalue are left
 #: out of a step: the gauge (a scaled rotation per block; O_h, P_h up to an r x r factor) and anything
@@ -80,18 +80,13 @@ RESIDUAL_UNITS = 1e3
 #: Random streams of the run's seed (:func:`~mhaextract.run.validation.spawn_rng`).
 STREAMS = {"values": 41, "split": 42, "scores": 46, "holdout": 44, "window": 21, "verify": 5, "whole": 47,
            "selection": 48}
-#: Answers at this unit or finer are float64's, up to float32's unit float32's; coarser ones are refused.
-FLOAT64_FORMAT_UNIT, FLOAT32_FORMAT_UNIT = 2.0 ** -40, FORMAT_UNITS["float32"]
-
-
 def answer_format(unit: float) -> str:
     """``"float64"`` or ``"float32"`` for answers rounded at ``unit`` (their bits), or SplitUnavailable."""
-    if unit <= FLOAT64_FORMAT_UNIT:
-        return "float64"
-    if unit <= FLOAT32_FORMAT_UNIT:
-        return "float32"
-    raise SplitUnavailable(f"answers rounded at {unit:.3g} (coarser than float32): the rotary split reads "
-                           "attention weights from float64 or float32 answers")
+    name = format_name(unit)
+    if name not in ("float64", "float32"):
+        raise SplitUnavailable(f"answers rounded at {unit:.3g} ({name}): the rotary split reads attention weights "
+                               "from float64 or float32 answers")
+    return name
 
 
 def head_groups(P: list[np.ndarray]) -> list[int]:
@@ -376,8 +371,7 @@ def _model(labels, Q, b, keys, key_bias, angles, V, c, window) -> RotaryAttentio
 
 def extract_rotary_split(boundary, d: int, heads: int, seed=None, *, token_scale: float | None = None,
                          rank: int | None = None, verify_length: int | None = None, window_limit: int = 4096,
-                         progress=None, token_bound: float | None = None, schedule: str = "rotary-split"
-                         ) -> RotaryExtraction:
+                         progress=None, token_bound: float | None = None) -> RotaryExtraction:
     """The run of the module docstring on ``boundary`` (whole float64 or float32 answers; its checks
     unreported: ``extract`` raises or warns), or SplitUnavailable before any model exists. ``token_scale``:
     the value map's, the held-out queries' and the verification's token norm (default ``sqrt(d)``, unit
@@ -442,8 +436,7 @@ def extract_rotary_split(boundary, d: int, heads: int, seed=None, *, token_scale
     pairs = list(queries.sequences()) + list(zip(values.sequences, values.answers))
     sequences, answers = [X for X, _ in pairs], np.stack([np.asarray(f, dtype=np.float64) for _, f in pairs])
     model = _model(labels, Q, b, keys, key_bias, angles, np.einsum("hor,hrd->hod", O, P), c, window)
-    tokens = sum(len(X) for X in sequences)
-    if 8 * tokens * (groups * r + heads * (3 * r // 2 + 1)) <= WHOLE_MEMORY:
+    if kept_bytes(sum(len(X) for X in sequences), heads, groups, r) <= WHOLE_MEMORY:
         stack = lambda table: np.stack([table[g] for g in range(groups)])  # noqa: E731
         fitted, refinement.whole_misfits = refine_whole(
             sequences, answers, dict(Q=Q, b=b, K=stack(keys), k=stack(key_bias), t=stack(angles), O=O, P=P, c=c),
@@ -465,14 +458,14 @@ def extract_rotary_split(boundary, d: int, heads: int, seed=None, *, token_scale
     predicted = np.concatenate([model(sequences[s:s + 256]) for s in range(0, len(sequences), 256)])
     residual = float(np.sqrt(np.mean((predicted - answers) ** 2) / np.mean(answers ** 2)))
     noise_checks = []
-    if answer_dtype == "float64" and RESIDUAL_UNITS * unit < residual <= RESIDUAL_UNITS * FLOAT32_FORMAT_UNIT:
+    if answer_dtype == "float64" and RESIDUAL_UNITS * unit < residual <= RESIDUAL_UNITS * FORMAT_UNITS["float32"]:
         # float64 answers that the fitted model misses at float32's level: computed in float32 inside
         # (transformers' rotary angles, the eager softmax); judged from here on at float32's unit
         noise_checks.append(taken_as_float32(residual, RESIDUAL_UNITS * unit, "the split's fitted answers miss the "
                                              "model by that much, relative RMS; exact float64 answers leave about "
                                              "1e-15", "a float64 layer that computes its rotary angles or softmax in "
                                              "float32 gives (transformers' own rotary embedding, the eager softmax)"))
-        unit, limit_format = FLOAT32_FORMAT_UNIT, "float32"
+        unit, limit_format = FORMAT_UNITS["float32"], "float32"
     else:
         limit_format = answer_dtype
     holdout = fresh_queries(spawn_rng(seed, STREAMS["holdout"]), spread_lengths(HOLDOUT_QUERIES, HOLDOUT_LONGEST), d,
@@ -494,7 +487,7 @@ def extract_rotary_split(boundary, d: int, heads: int, seed=None, *, token_scale
                                                  seed=seed)
         checks.append(check)
     return RotarySplitExtraction(
-        model=model, heads=heads, d=d, seed=seed, schedule=schedule, answer_dtype=answer_dtype,
+        model=model, heads=heads, d=d, seed=seed, schedule="rotary-split", answer_dtype=answer_dtype,
         queries=boundary.queries + boundary.replayed, queries_asked=boundary.queries,
         queries_replayed=boundary.replayed, max_query_length=boundary.max_query_length,
         verification_queries=0 if verification is None else verification.queries,

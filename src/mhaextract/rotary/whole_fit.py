@@ -1,7 +1,6 @@
 """The rotary split's fit of every parameter to the whole answers (docs/algorithm.md, 'Rotary layers from
 whole answers', 'Refinement'): Gauss-Newton on ``f = c + sum_h O_h P_h X^T a_h``, its Jacobian in closed
-form. :func:`whole_answers` gives the dense Jacobian (what the tests differentiate against);
-:class:`WholeAnswers` gives its products ``J v`` and ``J^T w`` without forming it, and
+form: :class:`WholeAnswers` gives its products ``J v`` and ``J^T w`` without forming it, and
 :func:`refine_whole` solves each step by LSQR on them, columns scaled to unit norm.
 """
 
@@ -41,64 +40,17 @@ def parameter_count(d: int, d_out: int, heads: int, groups: int, r: int) -> int:
     return heads * (r * d + r + d_out * r + r * d) + groups * (r * d + r + r // 2) + d_out
 
 
-def whole_answers(p: dict, labels, X: np.ndarray, jacobian: bool = True):
-    """The layer's answers ``f`` (B, d_out) on sequences X (B, N, d) of one length and their Jacobian
-    (B, d_out, parameters), parameters in ``NAMES`` order. With ``u_j = a_j (x_j - m_h)`` (``m_h`` the
-    head's mean token), ``df/ds_{h,j} = V_h u_j``, and the scores' derivatives of docs/algorithm.md,
-    'Rotary layers from whole answers': ``ds_j/dQ_h = (R_j^T k_j) t^T``, ``ds_j/dK_g = (R_j q) x_j^T``,
-    ``ds_j/dtheta_b = delta_j k_{j,b}^T rot'(delta_j theta_b) q_b``; ``df/dO_h = I (x) (P_h m_h)^T``,
-    ``df/dP_h = O_h (x) m_h^T``."""
-    Q, b, K, k, t, O, P, c = (p[name] for name in NAMES)
-    heads, r, d = Q.shape
-    d_out = O.shape[1]
-    B, N, _ = X.shape
-    starts = np.cumsum([0] + [p[name].size for name in NAMES])
-    offsets = np.arange(N - 1, -1, -1, dtype=np.float64)
-    f = np.tile(c, (B, 1))
-    J = np.zeros((B, d_out, starts[-1])) if jacobian else None
-
-    def block(name, index, width):
-        return slice(starts[NAMES.index(name)] + index * width, starts[NAMES.index(name)] + (index + 1) * width)
-
-    for h in range(heads):
-        g = labels[h]
-        R = rotations(offsets[:, None] * t[g], r)
-        q = X[:, -1] @ Q[h].T + b[h]
-        keys = X @ K[g].T + k[g]
-        Rq = np.einsum("nab,Bb->Bna", R, q)
-        s = (keys * Rq).sum(-1)
-        a = np.exp(s - s.max(axis=1, keepdims=True))
-        a /= a.sum(axis=1, keepdims=True)
-        mean = np.einsum("Bn,Bnd->Bd", a, X)
-        coordinates = mean @ P[h].T
-        f += coordinates @ O[h].T
-        if not jacobian:
-            continue
-        V = O[h] @ P[h]
-        u = a[..., None] * (X - mean[:, None])
-        VMQ = np.einsum("od,Bnd,Bnr->Bor", V, u, np.einsum("nab,Bna->Bnb", R, keys))
-        J[:, :, block("Q", h, r * d)] += (VMQ[..., None] * X[:, -1][:, None, None, :]).reshape(B, d_out, r * d)
-        J[:, :, block("b", h, r)] += VMQ
-        J[:, :, block("K", g, r * d)] += np.einsum("od,Bdre->Bore", V, np.einsum("Bnd,Bnr,Bne->Bdre", u, Rq, X)
-                                                   ).reshape(B, d_out, r * d)
-        J[:, :, block("k", g, r)] += np.einsum("od,Bnd,Bnr->Bor", V, u, Rq)
-        dR = rotations(offsets[:, None] * t[g], r, derivative=True) * offsets[:, None, None]
-        dRq = np.einsum("nab,Bb->Bna", dR, q)
-        J[:, :, block("t", g, r // 2)] += np.einsum("od,Bnd,Bnj->Boj", V, u,
-                                                    (keys * dRq).reshape(B, N, r // 2, 2).sum(-1))
-        values = np.zeros((B, d_out, d_out, r))
-        values[:, np.arange(d_out), np.arange(d_out)] = coordinates[:, None]
-        J[:, :, block("O", h, d_out * r)] = values.reshape(B, d_out, d_out * r)
-        J[:, :, block("P", h, r * d)] = (O[h][None, :, :, None] * mean[:, None, None, :]).reshape(B, d_out, r * d)
-    if jacobian:
-        J[:, :, starts[-2]:] = np.eye(d_out)
-    return f, J
-
-
 def rotated(R: np.ndarray, q: np.ndarray) -> np.ndarray:
     """``R_n q_b`` for every position n and query b: (B, N, r) from R (N, r, r) and q (B, r), one product."""
     N, r, _ = R.shape
     return (q @ R.reshape(N * r, r).T).reshape(len(q), N, r)
+
+
+def kept_bytes(tokens: int, heads: int, groups: int, r: int) -> int:
+    """What :class:`WholeAnswers` keeps between its products for sequences of ``tokens`` tokens in all
+    (padding aside): per token each group's keys (r numbers) and each head's rotated query (r), angle
+    derivatives (r / 2) and weight, in float64."""
+    return 8 * tokens * (groups * r + heads * (3 * r // 2 + 1))
 
 
 #: Sequences longer than this are left-padded (with tokens of no weight) to a multiple of it, so that
@@ -112,10 +64,14 @@ def padded_length(length: int) -> int:
 
 
 class WholeAnswers:
-    """The whole answers of fixed sequences as a function of the parameters: :meth:`at` a point (the
-    residuals ``f - answers``, and what the products need, kept sequence length by sequence length),
-    then :meth:`jvp` (``J v``) and :meth:`vjp` (``J^T w``) there, each the cost of about two forward
-    passes; vectors flat in ``NAMES`` order (parameters) and in the sequences' order by length (answers)."""
+    """The whole answers of fixed sequences as a function of the parameters: :meth:`residuals` at a point
+    (``f - answers``; with ``keep``, what the products need, kept bucket by bucket of padded length), then
+    :meth:`jvp` (``J v``) and :meth:`vjp` (``J^T w``) there, each the cost of about two forward passes;
+    vectors flat in ``NAMES`` order (parameters) and in :attr:`order` (answers). The derivatives, with
+    ``u_j = a_j (x_j - m_h)`` (``m_h`` the head's mean token) and ``df/ds_{h,j} = O_h P_h u_j``:
+    ``ds_j/dQ_h = (R_j^T k_j) t^T``, ``ds_j/dK_g = (R_j q) x_j^T``, ``ds_j/dtheta_b = delta_j k_{j,b}^T
+    rot'(delta_j theta_b) q_b``; ``df/dO_h = I (x) (P_h m_h)^T``, ``df/dP_h = O_h (x) m_h^T``, ``df/dc = I``
+    (docs/algorithm.md, 'Rotary layers from whole answers', 'Refinement')."""
 
     def __init__(self, sequences, answers, labels, shapes: dict):
         by_length = {}

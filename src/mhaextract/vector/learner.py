@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks.base import Check
 from ..oracle.answer_stats import format_unit
 from ..oracle.transcript import VECTOR
 from ..run.learner import AUTO, FallBack, Learner, given, register_learner
@@ -145,8 +146,7 @@ class VectorLearner(Learner):
             raise self.give_way(f"whole answers could not be split by head (a factorisation of the split failed "
                                 f"({why}))", boundary) from None
         if not result.ok and SPLIT_FAILURE_FALLS_BACK:  # never a guess: the scalar schedules run instead
-            failed = "; ".join(f"{check.name} {check.value:.3g} > {check.threshold:.3g}"
-                               for check in result.failed_checks)
+            failed = Check.failures(result.checks)
             raise self.give_way(f"whole answers could not be split by head (its model failed its checks: {failed})",
                                 boundary)
         session.close()
